@@ -1,0 +1,40 @@
+#pragma once
+/// The one message type actors exchange: small, trivially copyable, fixed size.
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+#include "baton/actors/ids.h"
+
+namespace baton {
+
+enum class MsgKind : std::uint8_t {
+  /// producer -> consumer: piece `piece` of register `reg` is readable in slot `slot`.
+  request,
+  /// consumer -> producer: done reading piece `piece` in slot `slot`; it may be rewritten.
+  ack,
+  /// producer -> consumer: register `reg` has ended after `piece` pieces in all.
+  end_of_stream,
+  /// consumer -> producer: will read no piece >= `piece` of `reg`; count them as acked.
+  detach,
+  /// runtime -> actor: start acting (sources begin producing).
+  start,
+};
+
+std::string_view name(MsgKind k);
+
+/// 32 bytes. `consumer` is the consumer's position in the register's consumer list, so the
+/// producer finds the acking consumer without a search.
+struct Message {
+  ActorId src;
+  ActorId dst;
+  std::int64_t piece = 0;
+  std::uint32_t reg = 0;
+  std::uint16_t slot = 0;
+  MsgKind kind = MsgKind::request;
+  std::uint8_t consumer = 0;
+};
+static_assert(std::is_trivially_copyable_v<Message>);
+static_assert(sizeof(Message) == 32);
+
+}  // namespace baton

@@ -1,0 +1,68 @@
+#pragma once
+/// What a run reports: per-actor and per-register counters.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "baton/actors/plan.h"
+
+namespace baton {
+
+/// How an actor's time splits; the buckets sum to its lifetime.
+enum class ActorActivity : std::uint8_t {
+  /// Running its kernel (and the handshakes around it).
+  busy,
+  /// Waiting for an input piece.
+  starved,
+  /// Has its inputs, waiting for a free output slot (or, after end of stream, for its last
+  /// slots to be acked).
+  backpressured,
+  /// Finished and all its slots acked.
+  retired,
+};
+std::string_view name(ActorActivity a);
+
+struct ActorMetrics {
+  std::string name;
+  ActorKind kind = ActorKind::compute;
+  Placement where{};
+  std::uint64_t acts = 0;
+  std::uint64_t bytes_in = 0;
+  std::uint64_t bytes_out = 0;
+  double busy_s = 0;
+  double starved_s = 0;
+  double backpressured_s = 0;
+  ActorActivity activity = ActorActivity::starved;
+
+  double lifetime_s() const { return busy_s + starved_s + backpressured_s; }
+};
+
+struct RegisterMetrics {
+  std::string name;
+  std::int32_t slots = 0;
+  std::int64_t written = 0;
+  std::int64_t freed = 0;
+  /// The most slots that were ever written and not yet acked by every consumer.
+  std::int32_t max_outstanding = 0;
+};
+
+struct MetricsSnapshot {
+  double elapsed_s = 0;
+  std::vector<ActorMetrics> actors;
+  std::vector<RegisterMetrics> registers;
+
+  /// A fixed-width table: actor, place, acts, acts/s, MB/s in and out, busy / starved /
+  /// back-pressured %, then the registers' occupancy.
+  std::string table() const;
+  std::uint64_t total_acts() const;
+};
+
+struct RunReport {
+  MetricsSnapshot metrics;
+  double wall_s = 0;
+  /// Messages delivered, and how often a worker went to sleep for want of one.
+  std::uint64_t messages = 0;
+  std::uint64_t parks = 0;
+};
+
+}  // namespace baton

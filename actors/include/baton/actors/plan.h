@@ -1,0 +1,111 @@
+#pragma once
+/// The plan: the contract between the compiler and the runtime. A plain value that lists
+/// every actor (rank, device, stream, kind, kernel, attributes) and every register (shape,
+/// dtype, slots, producer, consumers). Hand-writable, printable, hashable.
+///
+///   baton::Plan plan;
+///   auto r = plan.add_register({.name = "src.out", .shape = {16}, .dtype = baton::f32});
+///   plan.add_actor({.name = "src", .kind = baton::ActorKind::source, .op = "fill_piece",
+///                   .outputs = {r}, .pieces = 1000});
+///   plan.add_actor({.name = "sink", .op = "noop", .inputs = {{r}}});
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "baton/kernels/attrs.h"
+#include "baton/kernels/device.h"
+#include "baton/kernels/dtype.h"
+#include "baton/kernels/tensor.h"
+
+namespace baton {
+
+using RegisterIndex = std::uint32_t;
+using ActorIndex = std::uint32_t;
+inline constexpr ActorIndex no_actor = std::numeric_limits<ActorIndex>::max();
+
+enum class ActorKind : std::uint8_t {
+  /// No inputs; emits `pieces` pieces, running its kernel for each.
+  source,
+  /// Runs its kernel once per piece: reads one piece of each input, writes one of each output.
+  /// With no outputs it is a sink.
+  compute,
+  /// One input, one output: each input piece is read by `group` output pieces without a copy
+  /// (the output aliases the input slot). Lets the M micro-batches of a step read one weight.
+  repeat,
+  /// One input, one output: sums each `group` consecutive input pieces into one output piece
+  /// (the gradient accumulation of M micro-batches).
+  accumulate,
+};
+
+std::string_view name(ActorKind k);
+
+/// Where an actor runs: which rank, which device, which stream (worker thread) on it.
+struct Placement {
+  std::uint16_t rank = 0;
+  Device device{};
+  std::uint8_t stream = 0;
+  friend bool operator==(const Placement&, const Placement&) = default;
+};
+
+/// An actor's input: a register, and how many pieces late the actor reads it. With delay d,
+/// act k reads piece k - d and needs nothing for k < d (initial tokens; what lets a cycle
+/// such as variable -> ... -> optimizer -> variable make progress).
+struct InputPort {
+  RegisterIndex reg = 0;
+  std::int32_t delay = 0;
+  friend bool operator==(const InputPort&, const InputPort&) = default;
+};
+
+struct ActorDesc {
+  std::string name;
+  ActorKind kind = ActorKind::compute;
+  /// Kernel name in the registry (ignored for repeat; accumulate uses copy and add).
+  std::string op;
+  /// The dtype the kernel is looked up with.
+  DType dtype = DType::f32;
+  Placement where{};
+  std::vector<InputPort> inputs;
+  std::vector<RegisterIndex> outputs;
+  /// Sources: pieces to emit (>= 0).
+  std::int64_t pieces = 0;
+  /// Repeat: output pieces per input piece; accumulate: input pieces per output piece.
+  std::int32_t group = 1;
+  Attrs attrs;
+  friend bool operator==(const ActorDesc&, const ActorDesc&) = default;
+};
+
+struct RegisterDesc {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::f32;
+  /// Physical buffers on this edge: the depth of the pipe, the credit the producer has.
+  std::int32_t slots = 2;
+  /// Filled in by Plan::add_actor; checked by validate() in a hand-edited plan.
+  ActorIndex producer = no_actor;
+  std::vector<ActorIndex> consumers;
+  friend bool operator==(const RegisterDesc&, const RegisterDesc&) = default;
+};
+
+struct Plan {
+  std::vector<ActorDesc> actors;
+  std::vector<RegisterDesc> registers;
+
+  RegisterIndex add_register(RegisterDesc r);
+  /// Appends the actor and records it as producer / consumer of its registers.
+  /// Throws std::invalid_argument for a register index out of range.
+  ActorIndex add_actor(ActorDesc a);
+
+  /// One line per register and per actor, in order. The hash is taken over this text.
+  std::string to_text() const;
+  /// Graphviz: actors as nodes (clustered by rank/device/stream), registers as edges.
+  std::string to_dot() const;
+  /// FNV-1a 64 of to_text(): equal plans hash equal on every rank and every run.
+  std::uint64_t hash() const;
+
+  /// The actors placed on `rank`.
+  std::vector<ActorIndex> actors_on(std::uint16_t rank) const;
+  friend bool operator==(const Plan&, const Plan&) = default;
+};
+
+}  // namespace baton

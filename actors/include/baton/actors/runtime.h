@@ -1,0 +1,75 @@
+#pragma once
+/// The runtime: instantiates a plan's actors on worker threads and runs them to the end.
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "baton/actors/message.h"
+#include "baton/actors/metrics.h"
+#include "baton/actors/plan.h"
+#include "baton/actors/settings.h"
+#include "baton/kernels/kernel.h"
+
+namespace baton {
+
+/// A plan the runtime refuses before anything runs. what() lists every problem, one a line.
+class PlanError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// A run that failed: an actor's kernel threw, the protocol was broken, or nothing moved for
+/// the stall timeout. what() names the actor and piece (or what each actor waited for).
+class JobError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Checks a plan against the registry: every register has one producer and consistent
+/// consumers, slots >= 1, kinds have the ports they need, every kernel exists, and a dry run
+/// of the handshakes makes progress (a cycle needs delays and slots enough to turn). Throws
+/// PlanError.
+void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank = 0);
+
+/// One message as sent, in deterministic mode (RuntimeSettings::record_handshakes).
+struct HandshakeEvent {
+  MsgKind kind;
+  std::string from;
+  std::string to;
+  std::string reg;
+  std::uint16_t slot;
+  std::int64_t piece;
+  /// "request a->b a.out[0]#3"
+  std::string str() const;
+};
+
+/// Owns the worker threads, the actors and their registers for one run of one plan. Two
+/// runtimes may live in one process.
+///
+///   baton::Runtime rt(plan, baton::KernelRegistry::with_builtin_kernels());
+///   baton::RunReport report = rt.run();
+///   fmt::print("{}", report.metrics.table());
+class Runtime {
+ public:
+  /// Validates the plan (throws PlanError) and allocates every register.
+  Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings settings = {});
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  /// Runs until every actor has retired; throws JobError if the run fails. Once per Runtime.
+  RunReport run();
+  /// Counters as of now; safe from any thread while run() is going.
+  MetricsSnapshot snapshot() const;
+  /// Deterministic mode with record_handshakes: every message in the order it was sent.
+  const std::vector<HandshakeEvent>& handshakes() const;
+  const Plan& plan() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace baton

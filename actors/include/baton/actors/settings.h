@@ -1,0 +1,36 @@
+#pragma once
+/// The runtime's knobs: named, with documented defaults.
+#include <chrono>
+#include <cstdint>
+
+namespace baton {
+
+enum class ExecutionMode : std::uint8_t {
+  /// One worker thread per (device, stream) used by the plan.
+  threaded,
+  /// Every actor on the calling thread, messages in one FIFO, actors started in plan order:
+  /// the same plan, a defined order of requests and acks (for tests).
+  deterministic,
+};
+
+struct RuntimeSettings {
+  ExecutionMode mode = ExecutionMode::threaded;
+  /// The rank this runtime plays; it instantiates the plan's actors on that rank.
+  std::uint16_t rank = 0;
+  /// Polls of an empty mailbox (with a CPU pause between polls, about 30-40 ns each) before a
+  /// worker parks. Long enough to ride out the gap between pieces of a busy stream, short
+  /// enough that an idle worker gives its core back within tens of microseconds (these
+  /// machines have 2 cores).
+  int spin_polls = 1000;
+  /// If no actor acts or retires for this long, the run fails and names what each unfinished
+  /// actor waits for. Zero turns the watchdog off.
+  std::chrono::milliseconds stall_timeout{60'000};
+  /// Deterministic mode only: log every message sent (see Runtime::handshakes()).
+  bool record_handshakes = false;
+  /// Per-actor busy / starved / back-pressured time (two TSC reads per act).
+  bool time_accounting = true;
+  /// Initial capacity of each worker's mailbox in messages (grows on demand).
+  std::size_t mailbox_capacity = 1024;
+};
+
+}  // namespace baton

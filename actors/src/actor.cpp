@@ -1,0 +1,417 @@
+// The actor state machine. See DESIGN.md section 3: credit-based back-pressure with the
+// credit (slots per register) fixed by the plan, end-of-stream downstream and detach
+// upstream so that every actor retires, and failure turned into a job abort.
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "internal.h"
+
+namespace baton::detail {
+
+namespace {
+constexpr std::size_t bucket(ActorActivity a) { return static_cast<std::size_t>(a); }
+
+template <class T>
+void bump(std::atomic<T>& a, T by) {
+  a.store(a.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+}
+}  // namespace
+
+Actor::Actor(Core& core, const ActorDesc& desc, ActorIndex index, ActorId id)
+    : core_(core), desc_(desc), index_(index), id_(id) {
+  if (desc.kind == ActorKind::repeat) in_ratio_ = desc.group;
+  if (desc.kind == ActorKind::accumulate) out_group_ = desc.group;
+}
+
+void Actor::wire_outputs() {
+  const Plan& plan = core_.plan;
+  // Outputs: slots, buffers and the consumers we will request.
+  for (RegisterIndex r : desc_.outputs) {
+    const RegisterDesc& reg = plan.registers[r];
+    auto out = std::make_unique<Output>();
+    out->reg = r;
+    out->slots = reg.slots;
+    out->pending.assign(static_cast<std::size_t>(reg.slots), 0);
+    out->buffers.resize(static_cast<std::size_t>(reg.slots));
+    if (!core_.dry_run && desc_.kind != ActorKind::repeat) {
+      auto& alloc = core_.allocators[desc_.where.device];
+      if (!alloc) alloc = std::make_unique<CpuAllocator>(desc_.where.device);
+      for (auto& b : out->buffers) b = Tensor::empty(reg.shape, reg.dtype, *alloc);
+    }
+    for (ActorIndex c : reg.consumers) {
+      Actor* consumer = core_.actors[c].get();
+      out->consumers.push_back(Consumer{consumer->id(), consumer->worker()});
+    }
+    out->live = static_cast<std::int32_t>(out->consumers.size());
+    if (out->live > 0) ++outputs_read_;
+    bytes_out_per_act_ += static_cast<std::uint64_t>(numel(reg.shape)) * size_of(reg.dtype);
+    outputs_.push_back(std::move(out));
+  }
+  out_view_.assign(outputs_.size(), nullptr);
+}
+
+Output* Actor::output_for(RegisterIndex reg) {
+  for (auto& o : outputs_) {
+    if (o->reg == reg) return o.get();
+  }
+  return nullptr;
+}
+
+Input* Actor::input_for(RegisterIndex reg) {
+  for (auto& in : inputs_) {
+    if (in.reg == reg) return &in;
+  }
+  return nullptr;
+}
+
+void Actor::wire_inputs() {
+  const Plan& plan = core_.plan;
+  for (const InputPort& port : desc_.inputs) {
+    const RegisterDesc& reg = plan.registers[port.reg];
+    bytes_in_per_act_ += static_cast<std::uint64_t>(numel(reg.shape)) * size_of(reg.dtype);
+    if (input_for(port.reg) != nullptr) {
+      port_to_input_.push_back(static_cast<std::uint32_t>(input_for(port.reg) - inputs_.data()));
+      continue;
+    }
+    Actor* producer = core_.actors[reg.producer].get();
+    Input in;
+    in.reg = port.reg;
+    in.delay = port.delay;
+    in.slots = reg.slots;
+    in.producer = producer->id();
+    in.producer_worker = producer->worker();
+    auto pos = std::find(reg.consumers.begin(), reg.consumers.end(), index_);
+    in.consumer_index = static_cast<std::uint8_t>(pos - reg.consumers.begin());
+    in.source = producer->output_for(port.reg);
+    port_to_input_.push_back(static_cast<std::uint32_t>(inputs_.size()));
+    inputs_.push_back(in);
+  }
+  in_view_.assign(desc_.inputs.size(), nullptr);
+  if (desc_.kind == ActorKind::repeat) bytes_in_per_act_ = 0;  // it reads nothing: an alias
+  if (core_.dry_run) return;
+  const DType dtype = desc_.dtype;
+  KernelConfig cfg{desc_.name, desc_.where.device, dtype, desc_.attrs};
+  switch (desc_.kind) {
+    case ActorKind::repeat: break;
+    case ActorKind::accumulate:
+      copy_kernel_ = core_.kernels->create("copy", cfg);
+      kernel_ = core_.kernels->create("add", cfg);
+      break;
+    default: kernel_ = core_.kernels->create(desc_.op, cfg);
+  }
+}
+
+std::int64_t Actor::needed_piece(const Input& in) const {
+  return acts_ / in_ratio_ - in.delay;
+}
+
+Actor::Block Actor::next_block() const {
+  // A dry run (validation) treats sources as endless: it asks whether the plan keeps going.
+  if (desc_.kind == ActorKind::source && !core_.dry_run && acts_ >= desc_.pieces) return Block::finish;
+  bool starved = false;
+  for (const Input& in : inputs_) {
+    std::int64_t q = needed_piece(in);
+    if (q < 0 || q < in.received) continue;
+    if (in.end >= 0 && q >= in.end) return Block::finish;
+    starved = true;
+  }
+  if (outputs_read_ > 0 && outputs_dead_ == outputs_read_) return Block::finish;
+  if (starved) return Block::starved;
+  if (acts_ % out_group_ == 0) {
+    for (const auto& out : outputs_) {
+      if (out->written - out->freed >= out->slots) return Block::backpressured;
+    }
+  }
+  return Block::none;
+}
+
+void Actor::on_message(const Message& m) {
+  if (retired_) return;
+  switch (m.kind) {
+    case MsgKind::request: on_request(m); break;
+    case MsgKind::ack: on_ack(m); break;
+    case MsgKind::end_of_stream: on_eos(m); break;
+    case MsgKind::detach: on_detach(m); break;
+    case MsgKind::start: break;
+  }
+  if (!core_.failed()) advance();
+}
+
+void Actor::advance() {
+  while (!finished_) {
+    Block b = next_block();
+    if (b == Block::finish) {
+      finish();
+      break;
+    }
+    if (b != Block::none) {
+      set_activity(b == Block::starved ? ActorActivity::starved : ActorActivity::backpressured);
+      return;
+    }
+    act();
+    if (core_.failed()) return;
+  }
+  retire_if_done();
+}
+
+void Actor::act() {
+  set_activity(ActorActivity::busy);
+  const std::int64_t k = acts_;
+  for (std::size_t p = 0; p < port_to_input_.size(); ++p) {
+    Input& in = inputs_[port_to_input_[p]];
+    std::int64_t q = needed_piece(in);
+    in_view_[p] = q < 0 ? nullptr : &in.source->buffers[static_cast<std::size_t>(q % in.slots)];
+  }
+  const bool opens_group = k % out_group_ == 0;
+  const bool closes_group = k % out_group_ == out_group_ - 1;
+  for (std::size_t o = 0; o < outputs_.size(); ++o) {
+    Output& out = *outputs_[o];
+    out_view_[o] = &out.buffers[static_cast<std::size_t>(out.written % out.slots)];
+  }
+  if (!core_.dry_run) {
+    try {
+      KernelContext ctx{in_view_, out_view_, k};
+      switch (desc_.kind) {
+        case ActorKind::repeat:
+          *out_view_[0] = *in_view_[0];  // alias: the consumers read the input slot itself
+          break;
+        case ActorKind::accumulate:
+          if (opens_group) {
+            copy_kernel_->compute(ctx);
+          } else {
+            const Tensor* sum_in[2] = {out_view_[0], in_view_[0]};
+            KernelContext add{sum_in, out_view_, k};
+            kernel_->compute(add);
+          }
+          break;
+        default:
+          kernel_->compute(ctx);
+      }
+    } catch (const std::exception& e) {
+      core_.fail(fmt::format("actor '{}' ({} {} on {}) failed at piece {}: {}", desc_.name,
+                             baton::name(desc_.kind), desc_.op, id_.str(), k, e.what()));
+      return;
+    }
+  }
+  acts_ = k + 1;
+  if (core_.dry_run) core_.count_dry_act();
+  bump(counters_.acts, std::uint64_t{1});
+  bump(counters_.bytes_in, bytes_in_per_act_);
+  if (closes_group) {
+    bump(counters_.bytes_out, bytes_out_per_act_);
+    for (auto& out : outputs_) publish(*out);
+  }
+  // Acks after requests: a consumer hears of new data before the producer hears of space.
+  if (desc_.kind != ActorKind::repeat) {
+    for (Input& in : inputs_) {
+      std::int64_t q = k / in_ratio_ - in.delay;
+      if (q >= 0) release(in, q);
+    }
+  }
+}
+
+void Actor::publish(Output& out) {
+  const std::int64_t piece = out.written;
+  const auto slot = static_cast<std::uint16_t>(piece % out.slots);
+  out.pending[slot] = out.live;
+  out.written = piece + 1;
+  auto outstanding = static_cast<std::int32_t>(out.written - out.freed);
+  if (outstanding > out.max_outstanding) {
+    out.max_outstanding = outstanding;
+    out.max_outstanding_seen.store(outstanding, std::memory_order_relaxed);
+  }
+  out.written_seen.store(out.written, std::memory_order_relaxed);
+  for (std::size_t c = 0; c < out.consumers.size(); ++c) {
+    const Consumer& consumer = out.consumers[c];
+    if (consumer.detached_from != never) continue;
+    send(consumer.worker, Message{id_, consumer.id, piece, out.reg, slot, MsgKind::request,
+                                  static_cast<std::uint8_t>(c)});
+  }
+  if (out.live == 0) advance_freed(out);
+}
+
+void Actor::release(Input& in, std::int64_t piece) {
+  in.released = piece + 1;
+  send(in.producer_worker, Message{id_, in.producer, piece, in.reg,
+                                   static_cast<std::uint16_t>(piece % in.slots), MsgKind::ack,
+                                   in.consumer_index});
+}
+
+void Actor::advance_freed(Output& out) {
+  while (out.freed < out.written && out.pending[static_cast<std::size_t>(out.freed % out.slots)] == 0) {
+    ++out.freed;
+  }
+  out.freed_seen.store(out.freed, std::memory_order_relaxed);
+  if (desc_.kind == ActorKind::repeat) release_repeat_inputs();
+}
+
+// A repeat's input piece g is aliased by its output pieces [g*M, g*M + M); it goes back to
+// its producer only when all of those are freed (or, once the repeat has finished, when the
+// last one it did write is).
+void Actor::release_repeat_inputs() {
+  Input& in = inputs_[0];
+  const Output& out = *outputs_[0];
+  const std::int64_t m = desc_.group;
+  std::int64_t releasable = out.freed / m;
+  if (finished_ && out.freed == out.written) releasable = (out.written + m - 1) / m;
+  while (in.released < releasable) release(in, in.released);
+}
+
+void Actor::on_request(const Message& m) {
+  Input* in = input_for(m.reg);
+  if (in == nullptr) return protocol_error(m, "request for a register this actor does not read");
+  if (in->detached) return;
+  if (m.piece != in->received) return protocol_error(m, "request out of order");
+  in->received = m.piece + 1;
+}
+
+void Actor::on_ack(const Message& m) {
+  Output* out = output_for(m.reg);
+  if (out == nullptr || m.consumer >= out->consumers.size()) {
+    return protocol_error(m, "ack for a register this actor does not write");
+  }
+  Consumer& c = out->consumers[m.consumer];
+  if (m.piece != c.acked || m.piece >= out->written) return protocol_error(m, "ack out of order");
+  c.acked = m.piece + 1;
+  if (m.piece < c.detached_from) {
+    --out->pending[static_cast<std::size_t>(m.piece % out->slots)];
+    advance_freed(*out);
+  }
+}
+
+void Actor::on_eos(const Message& m) {
+  Input* in = input_for(m.reg);
+  if (in == nullptr) return protocol_error(m, "end of stream for a register this actor does not read");
+  if (in->detached) return;
+  if (m.piece != in->received) return protocol_error(m, "end of stream before the last request");
+  in->end = m.piece;
+}
+
+void Actor::on_detach(const Message& m) {
+  Output* out = output_for(m.reg);
+  if (out == nullptr || m.consumer >= out->consumers.size()) {
+    return protocol_error(m, "detach from a register this actor does not write");
+  }
+  Consumer& c = out->consumers[m.consumer];
+  if (c.detached_from != never) return;
+  c.detached_from = m.piece;
+  for (std::int64_t p = std::max(c.acked, m.piece); p < out->written; ++p) {
+    --out->pending[static_cast<std::size_t>(p % out->slots)];
+  }
+  if (--out->live == 0) ++outputs_dead_;
+  advance_freed(*out);
+}
+
+void Actor::finish() {
+  finished_ = true;
+  if (desc_.kind == ActorKind::accumulate && acts_ % out_group_ != 0) {
+    core_.fail(fmt::format(
+        "accumulate actor '{}' ended inside a group: {} of {} pieces summed (its input ended "
+        "after {} pieces, not a multiple of {})",
+        desc_.name, acts_ % out_group_, out_group_, acts_, out_group_));
+    return;
+  }
+  for (auto& out : outputs_) {
+    for (std::size_t c = 0; c < out->consumers.size(); ++c) {
+      const Consumer& consumer = out->consumers[c];
+      if (consumer.detached_from != never) continue;
+      send(consumer.worker, Message{id_, consumer.id, out->written, out->reg, 0,
+                                    MsgKind::end_of_stream, static_cast<std::uint8_t>(c)});
+    }
+  }
+  for (Input& in : inputs_) {
+    // Pieces from `from` on will not be read; anything before it is acked in the normal way.
+    std::int64_t from = desc_.kind == ActorKind::repeat ? (acts_ + in_ratio_ - 1) / in_ratio_
+                                                        : in.released;
+    if (in.end >= 0 && from >= in.end) continue;
+    in.detached = true;
+    send(in.producer_worker,
+         Message{id_, in.producer, from, in.reg, 0, MsgKind::detach, in.consumer_index});
+  }
+  if (desc_.kind == ActorKind::repeat) release_repeat_inputs();
+}
+
+void Actor::retire_if_done() {
+  if (!finished_ || retired_) return;
+  for (const auto& out : outputs_) {
+    if (out->freed < out->written) {
+      set_activity(ActorActivity::backpressured);
+      return;
+    }
+  }
+  set_activity(ActorActivity::retired);
+  retired_ = true;
+  core_.on_retired();
+}
+
+void Actor::begin(std::uint64_t start_ticks) {
+  since_ = start_ticks;
+  counters_.since.store(start_ticks, std::memory_order_relaxed);
+}
+
+void Actor::set_activity(ActorActivity a) {
+  if (a == activity_) return;
+  if (core_.settings.time_accounting) {
+    std::uint64_t now = ticks();
+    if (activity_ != ActorActivity::retired) bump(counters_.ticks[bucket(activity_)], now - since_);
+    since_ = now;
+    counters_.since.store(now, std::memory_order_relaxed);
+  }
+  activity_ = a;
+  counters_.activity.store(a, std::memory_order_relaxed);
+}
+
+void Actor::send(Worker* to, const Message& m) {
+  if (core_.settings.record_handshakes) core_.record(m);
+  worker_->send(to, m);
+}
+
+void Actor::protocol_error(const Message& m, const char* what) {
+  core_.fail(fmt::format("protocol error at actor '{}': {} ({} from {} for register '{}' slot {} piece {})",
+                         desc_.name, what, baton::name(m.kind), m.src.str(),
+                         m.reg < core_.plan.registers.size() ? core_.plan.registers[m.reg].name : "?",
+                         m.slot, m.piece));
+}
+
+std::string Actor::describe_wait() const {
+  if (retired_) return "retired";
+  if (finished_) {
+    for (const auto& out : outputs_) {
+      if (out->freed < out->written) {
+        return fmt::format("finished; waits for acks of '{}' ({} of {} slots in use)",
+                           core_.plan.registers[out->reg].name, out->written - out->freed, out->slots);
+      }
+    }
+    return "finished";
+  }
+  for (const Input& in : inputs_) {
+    std::int64_t q = needed_piece(in);
+    if (q >= 0 && q >= in.received) {
+      const auto& reg = core_.plan.registers[in.reg];
+      return fmt::format("starved: waits for piece {} of '{}' from '{}'", q, reg.name,
+                         core_.plan.actors[reg.producer].name);
+    }
+  }
+  if (acts_ % out_group_ == 0) {
+    for (const auto& out : outputs_) {
+      if (out->written - out->freed >= out->slots) {
+        const auto& reg = core_.plan.registers[out->reg];
+        std::string readers;
+        for (std::size_t c = 0; c < out->consumers.size(); ++c) {
+          const auto& consumer = out->consumers[c];
+          std::int64_t p = out->freed;
+          if (consumer.detached_from == never && consumer.acked <= p) {
+            readers += fmt::format("{}'{}'", readers.empty() ? "" : ", ",
+                                   core_.plan.actors[reg.consumers[c]].name);
+          }
+        }
+        return fmt::format("back-pressured: all {} slots of '{}' in use, piece {} not yet acked by {}",
+                           out->slots, reg.name, out->freed, readers);
+      }
+    }
+  }
+  return "ready";
+}
+
+}  // namespace baton::detail

@@ -1,0 +1,243 @@
+#pragma once
+// Internals of the runtime: the actor state machine, worker threads and the runtime core.
+// Not installed; nothing outside actors/src includes this.
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "baton/actors/clock.h"
+#include "baton/actors/local_queue.h"
+#include "baton/actors/mailbox.h"
+#include "baton/actors/message.h"
+#include "baton/actors/metrics.h"
+#include "baton/actors/plan.h"
+#include "baton/actors/runtime.h"
+#include "baton/actors/settings.h"
+#include "baton/kernels/allocator.h"
+#include "baton/kernels/kernel.h"
+
+namespace baton::detail {
+
+class Worker;
+struct Core;
+
+inline constexpr std::int64_t never = std::numeric_limits<std::int64_t>::max();
+
+/// A consumer of one output register, as its producer sees it.
+struct Consumer {
+  ActorId id;
+  Worker* worker = nullptr;
+  std::int64_t acked = 0;              // pieces acked so far (acks come in piece order)
+  std::int64_t detached_from = never;  // pieces >= this will not be read
+};
+
+/// A register this actor produces: its slots and who still reads each.
+struct Output {
+  RegisterIndex reg = 0;
+  std::int32_t slots = 1;
+  std::vector<Tensor> buffers;        // one per slot; a repeat re-points them at its input
+  std::vector<std::int32_t> pending;  // per slot: consumers yet to ack the piece in it
+  std::vector<Consumer> consumers;
+  std::int32_t live = 0;              // consumers not detached
+  std::int64_t written = 0;           // pieces published; piece p lives in slot p % slots
+  std::int64_t freed = 0;             // pieces acked by every live consumer (in order)
+  std::int32_t max_outstanding = 0;
+  // Mirrors for the metrics reader (relaxed, written by the owner only).
+  std::atomic<std::int64_t> written_seen{0};
+  std::atomic<std::int64_t> freed_seen{0};
+  std::atomic<std::int32_t> max_outstanding_seen{0};
+};
+
+/// A register this actor reads (once, however many of its ports bind it).
+struct Input {
+  RegisterIndex reg = 0;
+  std::int32_t delay = 0;
+  std::int32_t slots = 1;
+  ActorId producer;
+  Worker* producer_worker = nullptr;
+  std::uint8_t consumer_index = 0;  // our place in the register's consumer list
+  Output* source = nullptr;         // the producer's slots, read in place
+  std::int64_t received = 0;        // requests seen: pieces [released, received) are readable
+  std::int64_t released = 0;        // pieces acked back to the producer
+  std::int64_t end = -1;            // total pieces, once end-of-stream arrived
+  bool detached = false;
+};
+
+/// Per-actor counters: written by the owning thread with relaxed stores, read by anyone.
+struct alignas(64) ActorCounters {
+  std::atomic<std::uint64_t> acts{0};
+  std::atomic<std::uint64_t> bytes_in{0};
+  std::atomic<std::uint64_t> bytes_out{0};
+  std::array<std::atomic<std::uint64_t>, 3> ticks{};  // busy, starved, backpressured
+  std::atomic<std::uint64_t> since{0};
+  std::atomic<ActorActivity> activity{ActorActivity::starved};
+};
+
+/// The actor state machine (DESIGN.md section 3). Acts when every input has a readable
+/// piece and every output a free slot; after acting it requests its consumers and acks its
+/// producers. Only its worker thread calls its methods.
+class Actor {
+ public:
+  Actor(Core& core, const ActorDesc& desc, ActorIndex index, ActorId id);
+  /// Wiring, after every actor exists: first every actor's outputs (slots, buffers,
+  /// consumers), then every actor's inputs (which point at their producers' slots) and kernel.
+  void wire_outputs();
+  void wire_inputs();
+  void on_message(const Message& m);
+  /// Before the run starts (before any worker thread): its lifetime begins now.
+  void begin(std::uint64_t start_ticks);
+
+  ActorId id() const { return id_; }
+  const std::string& name() const { return desc_.name; }
+  Worker* worker() const { return worker_; }
+  void set_worker(Worker* w) { worker_ = w; }
+  bool retired() const { return retired_; }
+  std::uint64_t acts() const { return acts_; }
+  Output* output_for(RegisterIndex reg);
+  const ActorCounters& counters() const { return counters_; }
+  const ActorDesc& desc() const { return desc_; }
+  /// After the run (threads joined): what this actor was waiting for, in words.
+  std::string describe_wait() const;
+  /// The next piece each input needs; -1 if none.
+  std::int64_t needed_piece(const Input& in) const;
+
+ private:
+  enum class Block : std::uint8_t { none, starved, backpressured, finish };
+  Block next_block() const;
+  void advance();
+  void act();
+  void publish(Output& out);
+  void release(Input& in, std::int64_t piece);
+  void advance_freed(Output& out);
+  void release_repeat_inputs();
+  void finish();
+  void retire_if_done();
+  void set_activity(ActorActivity a);
+  void send(Worker* to, const Message& m);
+  void on_request(const Message& m);
+  void on_ack(const Message& m);
+  void on_eos(const Message& m);
+  void on_detach(const Message& m);
+  Input* input_for(RegisterIndex reg);
+  void protocol_error(const Message& m, const char* what);
+
+  Core& core_;
+  const ActorDesc& desc_;
+  ActorIndex index_;
+  ActorId id_;
+  Worker* worker_ = nullptr;
+  std::unique_ptr<Kernel> kernel_;
+  std::unique_ptr<Kernel> copy_kernel_;  // accumulate: the first piece of a group
+  std::vector<Input> inputs_;
+  std::vector<std::unique_ptr<Output>> outputs_;
+  std::vector<std::uint32_t> port_to_input_;
+  std::vector<const Tensor*> in_view_;
+  std::vector<Tensor*> out_view_;
+  std::int64_t in_ratio_ = 1;   // acts per input piece (repeat: group)
+  std::int64_t out_group_ = 1;  // acts per output piece (accumulate: group)
+  std::int64_t acts_ = 0;
+  std::int32_t outputs_read_ = 0;  // outputs that had consumers at the start
+  std::int32_t outputs_dead_ = 0;  // of those, how many lost every consumer to detach
+  std::uint64_t bytes_in_per_act_ = 0;
+  std::uint64_t bytes_out_per_act_ = 0;
+  bool finished_ = false;
+  bool retired_ = false;
+  ActorActivity activity_ = ActorActivity::starved;
+  std::uint64_t since_ = 0;
+  ActorCounters counters_;
+};
+
+/// One thread per (device, stream): owns its actors, drains its local queue and mailbox,
+/// spins briefly when idle, then parks.
+class Worker {
+ public:
+  Worker(Core& core, Device device, std::uint8_t stream, std::size_t mailbox_capacity)
+      : core_(core), device_(device), stream_(stream), mailbox_(mailbox_capacity) {}
+
+  /// Owner thread (an actor on this worker): to a local actor through the local queue,
+  /// to another thread's through its mailbox.
+  void send(Worker* to, const Message& m) {
+    if (to == this) {
+      local_.push(m);
+    } else {
+      to->mailbox_.push(m);
+    }
+  }
+  /// Any thread.
+  void post(const Message& m) { mailbox_.push(m); }
+  /// Deterministic mode, before drain(): queue a message behind the ones already queued.
+  void enqueue_local(const Message& m) { local_.push(m); }
+  void close() { mailbox_.close(); }
+  /// Threaded mode: loops until closed.
+  void run();
+  /// Deterministic mode: processes messages until none is left (or the run failed).
+  void drain();
+  void start_thread();
+  void join();
+
+  Device device() const { return device_; }
+  std::uint8_t stream() const { return stream_; }
+  std::uint64_t messages() const { return messages_.load(std::memory_order_relaxed); }
+  std::uint64_t parks() const { return mailbox_.parks(); }
+
+ private:
+  void dispatch(const Message& m);
+
+  Core& core_;
+  Device device_;
+  std::uint8_t stream_;
+  Mailbox mailbox_;
+  LocalQueue local_;
+  std::thread thread_;
+  std::atomic<std::uint64_t> messages_{0};
+};
+
+/// The state one Runtime owns (Runtime::Impl).
+struct Core {
+  Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry_run);
+  ~Core();
+
+  void instantiate();
+  void fail(std::string reason);
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  void on_retired();
+  Actor* actor(ActorId id) { return actors[id.index()].get(); }
+  MetricsSnapshot snapshot() const;
+  std::string describe_stuck() const;
+  void record(const Message& m);
+  // Dry run (validation): stop once the plan has shown it keeps going.
+  bool dry_budget_spent() const { return dry_spent; }
+  void count_dry_act();
+
+  Plan plan;
+  const KernelRegistry* kernels;  // null in a dry run
+  RuntimeSettings settings;
+  bool dry_run;
+  std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
+  std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
+  std::vector<std::unique_ptr<Worker>> workers;
+  std::uint64_t start_ticks = 0;
+  std::int64_t local_actors = 0;
+  std::vector<HandshakeEvent> log;
+
+  std::atomic<std::int64_t> retired{0};
+  std::atomic<bool> failed_{false};
+  mutable std::mutex mutex;
+  std::condition_variable cv;
+  std::string error;
+  bool done = false;
+  bool ran = false;
+  std::int64_t dry_budget = 0;
+  std::int64_t dry_acts = 0;
+  bool dry_spent = false;
+};
+
+}  // namespace baton::detail

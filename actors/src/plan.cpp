@@ -1,0 +1,134 @@
+#include "baton/actors/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace baton {
+
+std::string_view name(ActorKind k) {
+  switch (k) {
+    case ActorKind::source: return "source";
+    case ActorKind::compute: return "compute";
+    case ActorKind::repeat: return "repeat";
+    case ActorKind::accumulate: return "accumulate";
+  }
+  return "?";
+}
+
+RegisterIndex Plan::add_register(RegisterDesc r) {
+  registers.push_back(std::move(r));
+  return static_cast<RegisterIndex>(registers.size() - 1);
+}
+
+ActorIndex Plan::add_actor(ActorDesc a) {
+  auto index = static_cast<ActorIndex>(actors.size());
+  auto check = [&](RegisterIndex r, const char* role) {
+    if (r >= registers.size()) {
+      throw std::invalid_argument(fmt::format("actor '{}': {} register #{} does not exist ({} registers)",
+                                              a.name, role, r, registers.size()));
+    }
+  };
+  for (const auto& in : a.inputs) check(in.reg, "input");
+  for (auto out : a.outputs) check(out, "output");
+  for (const auto& in : a.inputs) {
+    auto& consumers = registers[in.reg].consumers;
+    if (std::find(consumers.begin(), consumers.end(), index) == consumers.end()) {
+      consumers.push_back(index);
+    }
+  }
+  for (auto out : a.outputs) registers[out].producer = index;
+  actors.push_back(std::move(a));
+  return index;
+}
+
+namespace {
+std::string placement_str(const Placement& p) {
+  return fmt::format("r{}/{}/s{}", p.rank, p.device.str(), p.stream);
+}
+}  // namespace
+
+std::string Plan::to_text() const {
+  std::string out;
+  for (std::size_t i = 0; i < registers.size(); ++i) {
+    const auto& r = registers[i];
+    std::string consumers;
+    for (auto c : r.consumers) consumers += fmt::format("{}{}", consumers.empty() ? "" : ",", c);
+    out += fmt::format("register {} {} {}{} slots={} producer={} consumers=[{}]\n", i, r.name,
+                       name(r.dtype), to_string(r.shape), r.slots,
+                       r.producer == no_actor ? std::string("none") : std::to_string(r.producer),
+                       consumers);
+  }
+  for (std::size_t i = 0; i < actors.size(); ++i) {
+    const auto& a = actors[i];
+    std::string ins;
+    for (const auto& in : a.inputs) {
+      ins += fmt::format("{}{}", ins.empty() ? "" : ",", in.reg);
+      if (in.delay != 0) ins += fmt::format("@-{}", in.delay);
+    }
+    std::string outs;
+    for (auto o : a.outputs) outs += fmt::format("{}{}", outs.empty() ? "" : ",", o);
+    out += fmt::format("actor {} {} {} op={} {} at {} in=[{}] out=[{}]", i, a.name, name(a.kind), a.op,
+                       name(a.dtype), placement_str(a.where), ins, outs);
+    if (a.kind == ActorKind::source) out += fmt::format(" pieces={}", a.pieces);
+    if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) {
+      out += fmt::format(" group={}", a.group);
+    }
+    if (!a.attrs.values().empty()) {
+      out += ' ';
+      out += a.attrs.str();
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+std::string Plan::to_dot() const {
+  std::string out = "digraph plan {\n  rankdir=LR;\n  node [shape=box, fontname=\"monospace\"];\n";
+  std::map<std::string, std::vector<std::size_t>> clusters;
+  for (std::size_t i = 0; i < actors.size(); ++i) clusters[placement_str(actors[i].where)].push_back(i);
+  int c = 0;
+  for (const auto& [place, members] : clusters) {
+    out += fmt::format("  subgraph cluster_{} {{\n    label=\"{}\";\n", c++, place);
+    for (auto i : members) {
+      const auto& a = actors[i];
+      out += fmt::format("    a{} [label=\"{}\\n{} {}\"];\n", i, a.name, name(a.kind), a.op);
+    }
+    out += "  }\n";
+  }
+  for (std::size_t r = 0; r < registers.size(); ++r) {
+    const auto& reg = registers[r];
+    if (reg.producer == no_actor) continue;
+    for (auto consumer : reg.consumers) {
+      std::string delay;
+      for (const auto& in : actors[consumer].inputs) {
+        if (in.reg == r && in.delay != 0) delay = fmt::format(" @-{}", in.delay);
+      }
+      out += fmt::format("  a{} -> a{} [label=\"{} {}{} x{}{}\"];\n", reg.producer, consumer, reg.name,
+                         name(reg.dtype), to_string(reg.shape), reg.slots, delay);
+    }
+  }
+  out += "}\n";
+  return out;
+}
+
+std::uint64_t Plan::hash() const {
+  std::uint64_t h = 14695981039346656037ull;
+  for (unsigned char ch : to_text()) {
+    h ^= ch;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::vector<ActorIndex> Plan::actors_on(std::uint16_t rank) const {
+  std::vector<ActorIndex> out;
+  for (std::size_t i = 0; i < actors.size(); ++i) {
+    if (actors[i].where.rank == rank) out.push_back(static_cast<ActorIndex>(i));
+  }
+  return out;
+}
+
+}  // namespace baton

@@ -1,0 +1,486 @@
+#include <algorithm>
+#include <chrono>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "internal.h"
+
+namespace baton {
+
+namespace detail {
+
+// ---------------------------------------------------------------------------------------------
+// Worker
+
+void Worker::dispatch(const Message& m) {
+  messages_.store(messages_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  core_.actor(m.dst)->on_message(m);
+}
+
+void Worker::run() {
+  const int spin_polls = core_.settings.spin_polls;
+  int idle = 0;
+  while (!mailbox_.closed()) {
+    if (auto m = local_.pop()) {
+      dispatch(*m);
+      idle = 0;
+    } else if (auto mm = mailbox_.try_pop()) {
+      dispatch(*mm);
+      idle = 0;
+    } else if (++idle < spin_polls) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      idle = 0;
+      if (auto parked = mailbox_.park()) dispatch(*parked);
+    }
+  }
+}
+
+void Worker::drain() {
+  while (!core_.failed() && !core_.dry_budget_spent()) {
+    if (auto m = local_.pop()) {
+      dispatch(*m);
+    } else if (auto mm = mailbox_.try_pop()) {
+      dispatch(*mm);
+    } else {
+      return;
+    }
+  }
+}
+
+void Worker::start_thread() {
+  thread_ = std::thread([this] {
+    try {
+      run();
+    } catch (const std::exception& e) {
+      core_.fail(fmt::format("worker {}/s{} failed: {}", device_.str(), stream_, e.what()));
+    }
+  });
+}
+
+void Worker::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Core
+
+Core::Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry)
+    : plan(std::move(p)), kernels(k), settings(s), dry_run(dry) {}
+
+Core::~Core() {
+  for (auto& w : workers) w->close();
+  for (auto& w : workers) w->join();
+}
+
+void Core::instantiate() {
+  const auto rank = settings.rank;
+  const bool one_thread = settings.mode == ExecutionMode::deterministic;
+  std::map<std::pair<Device, std::uint8_t>, Worker*> by_place;
+  actors.resize(plan.actors.size());
+  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+    const ActorDesc& desc = plan.actors[i];
+    if (desc.where.rank != rank) continue;
+    auto key = one_thread ? std::pair<Device, std::uint8_t>{} : std::pair{desc.where.device, desc.where.stream};
+    Worker*& w = by_place[key];
+    if (w == nullptr) {
+      workers.push_back(std::make_unique<Worker>(*this, key.first, key.second, settings.mailbox_capacity));
+      w = workers.back().get();
+    }
+    actors[i] = std::make_unique<Actor>(*this, desc, i,
+                                        ActorId::make(rank, desc.where.device, desc.where.stream, i));
+    actors[i]->set_worker(w);
+    ++local_actors;
+  }
+  for (auto& a : actors) {
+    if (a) a->wire_outputs();
+  }
+  for (auto& a : actors) {
+    if (!a) continue;
+    try {
+      a->wire_inputs();
+    } catch (const std::exception& e) {
+      throw PlanError(fmt::format("actor '{}': {}", a->name(), e.what()));
+    }
+  }
+  if (dry_run) {
+    std::int64_t tokens = static_cast<std::int64_t>(plan.actors.size());
+    std::int64_t max_group = 1;
+    for (const auto& r : plan.registers) tokens += r.slots;
+    for (const auto& a : plan.actors) {
+      for (const auto& in : a.inputs) tokens += in.delay;
+      max_group = std::max<std::int64_t>(max_group, a.group);
+    }
+    dry_budget = std::min<std::int64_t>(64 * tokens * max_group, 2'000'000);
+  }
+}
+
+void Core::fail(std::string reason) {
+  {
+    std::lock_guard lock(mutex);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    error = std::move(reason);
+    failed_.store(true, std::memory_order_release);
+  }
+  for (auto& w : workers) w->close();
+  cv.notify_all();
+}
+
+void Core::on_retired() {
+  if (retired.fetch_add(1, std::memory_order_acq_rel) + 1 == local_actors) {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+    }
+    if (settings.mode == ExecutionMode::threaded) {
+      for (auto& w : workers) w->close();
+    }
+    cv.notify_all();
+  }
+}
+
+void Core::count_dry_act() {
+  if (++dry_acts >= dry_budget) dry_spent = true;
+}
+
+std::string Core::describe_stuck() const {
+  std::string out;
+  int listed = 0;
+  for (const auto& a : actors) {
+    if (!a || a->retired()) continue;
+    if (listed++ == 12) {
+      out += "\n  ...";
+      break;
+    }
+    out += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), a->describe_wait());
+  }
+  return out;
+}
+
+void Core::record(const Message& m) {
+  auto actor_name = [&](ActorId id) {
+    return id.index() < plan.actors.size() ? plan.actors[id.index()].name : id.str();
+  };
+  log.push_back(HandshakeEvent{m.kind, actor_name(m.src), actor_name(m.dst),
+                               m.reg < plan.registers.size() ? plan.registers[m.reg].name : "?",
+                               m.slot, m.piece});
+}
+
+MetricsSnapshot Core::snapshot() const {
+  MetricsSnapshot s;
+  const double tick_ns = ns_per_tick();
+  const std::uint64_t now = ticks();
+  s.elapsed_s = start_ticks == 0 ? 0.0 : static_cast<double>(now - start_ticks) * tick_ns * 1e-9;
+  for (const auto& a : actors) {
+    if (!a) continue;
+    const ActorCounters& c = a->counters();
+    ActorMetrics m;
+    m.name = a->name();
+    m.kind = a->desc().kind;
+    m.where = a->desc().where;
+    m.acts = c.acts.load(std::memory_order_relaxed);
+    m.bytes_in = c.bytes_in.load(std::memory_order_relaxed);
+    m.bytes_out = c.bytes_out.load(std::memory_order_relaxed);
+    m.activity = c.activity.load(std::memory_order_relaxed);
+    std::array<double, 3> secs{};
+    for (std::size_t b = 0; b < 3; ++b) {
+      secs[b] = static_cast<double>(c.ticks[b].load(std::memory_order_relaxed));
+    }
+    // The interval the actor is in now has not been booked yet.
+    auto since = c.since.load(std::memory_order_relaxed);
+    if (settings.time_accounting && start_ticks != 0 && m.activity != ActorActivity::retired &&
+        since != 0 && now > since) {
+      secs[static_cast<std::size_t>(m.activity)] += static_cast<double>(now - since);
+    }
+    m.busy_s = secs[0] * tick_ns * 1e-9;
+    m.starved_s = secs[1] * tick_ns * 1e-9;
+    m.backpressured_s = secs[2] * tick_ns * 1e-9;
+    s.actors.push_back(std::move(m));
+  }
+  for (const auto& a : actors) {
+    if (!a) continue;
+    for (RegisterIndex r : a->desc().outputs) {
+      const Output* out = const_cast<Actor&>(*a).output_for(r);
+      RegisterMetrics rm;
+      rm.name = plan.registers[r].name;
+      rm.slots = out->slots;
+      rm.written = out->written_seen.load(std::memory_order_relaxed);
+      rm.freed = out->freed_seen.load(std::memory_order_relaxed);
+      rm.max_outstanding = out->max_outstanding_seen.load(std::memory_order_relaxed);
+      s.registers.push_back(std::move(rm));
+    }
+  }
+  return s;
+}
+
+}  // namespace detail
+
+// -----------------------------------------------------------------------------------------------
+// Validation
+
+namespace {
+
+void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank,
+                   std::vector<std::string>& problems) {
+  auto problem = [&]<class... A>(fmt::format_string<A...> f, A&&... args) {
+    problems.push_back(fmt::format(f, std::forward<A>(args)...));
+  };
+  const auto n_actors = plan.actors.size();
+  std::set<std::string> names;
+  for (std::size_t i = 0; i < n_actors; ++i) {
+    const ActorDesc& a = plan.actors[i];
+    if (a.name.empty()) problem("actor #{} has no name", i);
+    if (!names.insert(a.name).second) problem("two actors are named '{}'", a.name);
+  }
+  std::vector<ActorIndex> producer_seen(plan.registers.size(), no_actor);
+  for (ActorIndex i = 0; i < n_actors; ++i) {
+    const ActorDesc& a = plan.actors[i];
+    for (RegisterIndex r : a.outputs) {
+      if (r >= plan.registers.size()) {
+        problem("actor '{}' writes register #{}, which does not exist", a.name, r);
+        continue;
+      }
+      if (producer_seen[r] != no_actor) {
+        problem("register '{}' is written by both '{}' and '{}'", plan.registers[r].name,
+                plan.actors[producer_seen[r]].name, a.name);
+      }
+      producer_seen[r] = i;
+    }
+    std::map<RegisterIndex, std::int32_t> delays;
+    for (const InputPort& in : a.inputs) {
+      if (in.reg >= plan.registers.size()) {
+        problem("actor '{}' reads register #{}, which does not exist", a.name, in.reg);
+        continue;
+      }
+      const RegisterDesc& reg = plan.registers[in.reg];
+      if (in.delay < 0) problem("actor '{}' reads '{}' with a negative delay {}", a.name, reg.name, in.delay);
+      auto [it, fresh] = delays.emplace(in.reg, in.delay);
+      if (!fresh && it->second != in.delay) {
+        problem("actor '{}' reads '{}' twice with different delays ({} and {})", a.name, reg.name,
+                it->second, in.delay);
+      }
+      if (reg.producer == no_actor || reg.producer >= n_actors) {
+        problem("actor '{}' reads register '{}', which no actor produces", a.name, reg.name);
+      } else if (plan.actors[reg.producer].where.rank != a.where.rank) {
+        problem("register '{}' crosses from rank {} ('{}') to rank {} ('{}'): cross-rank edges need "
+                "a transfer actor, which this runtime does not have yet",
+                reg.name, plan.actors[reg.producer].where.rank, plan.actors[reg.producer].name,
+                a.where.rank, a.name);
+      }
+      if (std::find(reg.consumers.begin(), reg.consumers.end(), i) == reg.consumers.end()) {
+        problem("actor '{}' reads register '{}' but is not among its consumers", a.name, reg.name);
+      }
+    }
+    switch (a.kind) {
+      case ActorKind::source:
+        if (!a.inputs.empty()) problem("source '{}' has inputs; a source has none", a.name);
+        if (a.outputs.empty()) problem("source '{}' has no outputs", a.name);
+        if (a.pieces < 0) problem("source '{}' has a negative piece count {}", a.name, a.pieces);
+        break;
+      case ActorKind::compute:
+        if (a.inputs.empty()) problem("compute actor '{}' has no inputs (make it a source)", a.name);
+        break;
+      case ActorKind::repeat:
+      case ActorKind::accumulate:
+        if (a.inputs.size() != 1 || a.outputs.size() != 1) {
+          problem("{} actor '{}' needs exactly one input and one output, has {} and {}", name(a.kind),
+                  a.name, a.inputs.size(), a.outputs.size());
+        } else if (a.inputs[0].reg < plan.registers.size() && a.outputs[0] < plan.registers.size()) {
+          const auto& in = plan.registers[a.inputs[0].reg];
+          const auto& out = plan.registers[a.outputs[0]];
+          if (in.shape != out.shape || in.dtype != out.dtype) {
+            problem("{} actor '{}' reads {}{} but writes {}{}", name(a.kind), a.name, name(in.dtype),
+                    to_string(in.shape), name(out.dtype), to_string(out.shape));
+          }
+          if (a.inputs[0].delay != 0) problem("{} actor '{}' cannot read with a delay", name(a.kind), a.name);
+        }
+        if (a.group < 1) problem("{} actor '{}' has group {}; it must be >= 1", name(a.kind), a.name, a.group);
+        break;
+    }
+    if (a.where.device.index > Device::max_index) {
+      problem("actor '{}' is placed on {} (device index above {})", a.name, a.where.device.str(),
+              Device::max_index);
+    }
+    if (a.where.rank == rank) {
+      auto need = [&](std::string_view op) {
+        if (!kernels.contains(op, a.where.device.type, a.dtype)) {
+          problem("actor '{}' needs kernel '{}' for {}/{}, which is not registered", a.name, op,
+                  name(a.where.device.type), name(a.dtype));
+        }
+      };
+      if (a.kind == ActorKind::source || a.kind == ActorKind::compute) need(a.op);
+      if (a.kind == ActorKind::accumulate) {
+        need("copy");
+        need("add");
+      }
+    }
+  }
+  for (std::size_t r = 0; r < plan.registers.size(); ++r) {
+    const RegisterDesc& reg = plan.registers[r];
+    if (reg.slots < 1) {
+      problem("register '{}' has {} slots; a register needs at least 1", reg.name, reg.slots);
+    } else if (reg.slots > 65535) {
+      problem("register '{}' has {} slots; at most 65535", reg.name, reg.slots);
+    }
+    if (reg.consumers.size() > 255) problem("register '{}' has {} consumers; at most 255", reg.name, reg.consumers.size());
+    if (reg.producer != producer_seen[r]) {
+      if (producer_seen[r] == no_actor) {
+        if (!reg.consumers.empty() && reg.producer != no_actor) {
+          problem("register '{}' names producer #{}, which does not write it", reg.name, reg.producer);
+        }
+      } else {
+        problem("register '{}' names producer #{} but is written by '{}'", reg.name, reg.producer,
+                plan.actors[producer_seen[r]].name);
+      }
+    }
+    for (ActorIndex c : reg.consumers) {
+      bool reads = c < n_actors && std::any_of(plan.actors[c].inputs.begin(), plan.actors[c].inputs.end(),
+                                               [&](const InputPort& in) { return in.reg == r; });
+      if (!reads) problem("register '{}' lists consumer #{}, which does not read it", reg.name, c);
+    }
+    try {
+      (void)numel(reg.shape);
+    } catch (const std::exception& e) {
+      problem("register '{}': {}", reg.name, e.what());
+    }
+  }
+}
+
+// The handshakes of the whole plan, run without kernels or memory on one thread with
+// unbounded sources. A plan whose every cycle has enough delay and slots keeps going until
+// the budget is spent; one that deadlocks stops early with the actors named.
+void progress_check(const Plan& plan, std::uint16_t rank, std::vector<std::string>& problems) {
+  RuntimeSettings s;
+  s.mode = ExecutionMode::deterministic;
+  s.rank = rank;
+  s.time_accounting = false;
+  detail::Core core(plan, nullptr, s, /*dry_run=*/true);
+  core.instantiate();
+  if (core.workers.empty()) return;
+  for (auto& a : core.actors) {
+    if (a) core.workers[0]->enqueue_local(Message{a->id(), a->id(), 0, 0, 0, MsgKind::start, 0});
+  }
+  core.workers[0]->drain();
+  std::string stuck;
+  for (auto& a : core.actors) {
+    if (a && (!core.dry_spent || a->acts() == 0)) {
+      std::string wait = a->describe_wait();
+      if (wait != "ready") stuck += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), wait);
+    }
+  }
+  if (!core.dry_spent || !stuck.empty()) {
+    problems.push_back(fmt::format(
+        "the plan cannot make progress: its handshakes deadlock (a cycle needs a delay on one of its "
+        "inputs, and enough slots to turn):{}",
+        stuck));
+  }
+}
+
+}  // namespace
+
+void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank) {
+  std::vector<std::string> problems;
+  static_checks(plan, kernels, rank, problems);
+  if (problems.empty()) progress_check(plan, rank, problems);
+  if (problems.empty()) return;
+  std::string msg = problems.size() == 1 ? "invalid plan: " : fmt::format("invalid plan ({} problems):", problems.size());
+  for (std::size_t i = 0; i < problems.size(); ++i) msg += (problems.size() == 1 ? "" : "\n  - ") + problems[i];
+  throw PlanError(msg);
+}
+
+std::string HandshakeEvent::str() const {
+  return fmt::format("{} {}->{} {}[{}]#{}", name(kind), from, to, reg, slot, piece);
+}
+
+// -----------------------------------------------------------------------------------------------
+// Runtime
+
+struct Runtime::Impl : detail::Core {
+  using detail::Core::Core;
+};
+
+Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings settings) {
+  if (settings.record_handshakes && settings.mode != ExecutionMode::deterministic) {
+    throw std::invalid_argument("record_handshakes needs ExecutionMode::deterministic");
+  }
+  validate(plan, kernels, settings.rank);
+  impl_ = std::make_unique<Impl>(std::move(plan), &kernels, settings, /*dry_run=*/false);
+  impl_->instantiate();
+}
+
+Runtime::~Runtime() = default;
+
+RunReport Runtime::run() {
+  auto& core = *impl_;
+  if (core.ran) throw std::logic_error("Runtime::run() called twice; make a new Runtime");
+  core.ran = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  core.start_ticks = ticks();
+  for (auto& a : core.actors) {
+    if (a) a->begin(core.start_ticks);
+  }
+  if (core.local_actors == 0) core.done = true;
+
+  if (core.settings.mode == ExecutionMode::deterministic) {
+    if (!core.workers.empty()) {
+      for (auto& a : core.actors) {
+        if (a) core.workers[0]->enqueue_local(Message{a->id(), a->id(), 0, 0, 0, MsgKind::start, 0});
+      }
+      core.workers[0]->drain();
+    }
+    if (!core.failed() && core.retired.load() != core.local_actors) {
+      core.fail("the run stopped with actors unfinished (deadlock):" + core.describe_stuck());
+    }
+  } else {
+    for (auto& w : core.workers) w->start_thread();
+    for (auto& a : core.actors) {
+      if (a) a->worker()->post(Message{a->id(), a->id(), 0, 0, 0, MsgKind::start, 0});
+    }
+    std::uint64_t last_progress = ~std::uint64_t{0};
+    auto last_change = std::chrono::steady_clock::now();
+    bool stalled = false;
+    std::unique_lock lock(core.mutex);
+    while (!core.done && !core.failed()) {
+      core.cv.wait_for(lock, std::chrono::milliseconds(50));
+      if (core.done || core.failed() || core.settings.stall_timeout.count() <= 0) continue;
+      std::uint64_t progress = static_cast<std::uint64_t>(core.retired.load());
+      for (const auto& a : core.actors) {
+        if (a) progress += a->counters().acts.load(std::memory_order_relaxed);
+      }
+      auto now = std::chrono::steady_clock::now();
+      if (progress != last_progress) {
+        last_progress = progress;
+        last_change = now;
+      } else if (now - last_change > core.settings.stall_timeout) {
+        stalled = true;
+        break;
+      }
+    }
+    lock.unlock();
+    for (auto& w : core.workers) w->close();
+    for (auto& w : core.workers) w->join();
+    if (stalled) {
+      core.fail(fmt::format("no actor acted for {} ms (stall timeout); unfinished actors:{}",
+                            core.settings.stall_timeout.count(), core.describe_stuck()));
+    }
+  }
+  if (core.failed()) throw JobError(core.error);
+  RunReport report;
+  report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.metrics = core.snapshot();
+  report.metrics.elapsed_s = report.wall_s;
+  for (auto& w : core.workers) {
+    report.messages += w->messages();
+    report.parks += w->parks();
+  }
+  return report;
+}
+
+MetricsSnapshot Runtime::snapshot() const { return impl_->snapshot(); }
+const std::vector<HandshakeEvent>& Runtime::handshakes() const { return impl_->log; }
+const Plan& Runtime::plan() const { return impl_->plan; }
+
+}  // namespace baton

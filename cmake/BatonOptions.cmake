@@ -1,0 +1,27 @@
+# Warnings, sanitizers and optional toolkits, as INTERFACE targets every baton target links.
+add_library(baton_warnings INTERFACE)
+add_library(baton::warnings ALIAS baton_warnings)
+target_compile_options(baton_warnings INTERFACE -Wall -Wextra -Wshadow -Wnon-virtual-dtor -Wpedantic -Wno-missing-field-initializers)
+if(BATON_WERROR)
+  target_compile_options(baton_warnings INTERFACE -Werror)
+endif()
+
+if(BATON_SANITIZE)
+  string(REPLACE ";" "," _baton_san "${BATON_SANITIZE}")
+  message(STATUS "baton: building with -fsanitize=${_baton_san}")
+  add_compile_options(-fsanitize=${_baton_san} -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=${_baton_san})
+endif()
+
+# The CUDA path (step 6 of the plan) is detected here so that the build reports what it found;
+# no CUDA sources exist yet, so nothing is compiled for it.
+if(NOT BATON_WITH_CUDA STREQUAL "OFF")
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    message(STATUS "baton: CUDA toolkit ${CUDAToolkit_VERSION} at ${CUDAToolkit_BIN_DIR} (CUDA kernels arrive with the CUDA path)")
+  elseif(BATON_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "BATON_WITH_CUDA=ON but no CUDA toolkit was found")
+  else()
+    message(STATUS "baton: no CUDA toolkit found; building the CPU path only")
+  endif()
+endif()

@@ -1,0 +1,8 @@
+#pragma once
+/// baton/kernels: tensors, dtypes, devices, allocators and the kernel registry.
+#include "baton/kernels/allocator.h"
+#include "baton/kernels/attrs.h"
+#include "baton/kernels/device.h"
+#include "baton/kernels/dtype.h"
+#include "baton/kernels/kernel.h"
+#include "baton/kernels/tensor.h"

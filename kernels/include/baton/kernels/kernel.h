@@ -1,0 +1,79 @@
+#pragma once
+/// Kernels and the registry that finds them by (op, device type, dtype).
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "baton/kernels/attrs.h"
+#include "baton/kernels/device.h"
+#include "baton/kernels/dtype.h"
+#include "baton/kernels/tensor.h"
+
+namespace baton {
+
+/// What a kernel sees when its actor acts. The tensors are the register slots themselves: a
+/// kernel reads its inputs in place and writes its outputs in place. An input pointer is null
+/// when the actor's input has no piece for this act yet (an input with a delay, at its start).
+struct KernelContext {
+  std::span<const Tensor* const> inputs;
+  std::span<Tensor* const> outputs;
+  /// The act's sequence number: for a source, the piece it writes.
+  std::int64_t piece = 0;
+};
+
+/// One kernel instance per actor, created when a plan is instantiated; it may keep state
+/// between acts (an RNG, a running sum). compute() runs on the actor's worker thread only.
+class Kernel {
+ public:
+  virtual ~Kernel() = default;
+  /// Throws to fail the job: the runtime reports the actor's name, the piece and what().
+  virtual void compute(KernelContext& ctx) = 0;
+};
+
+/// What a factory knows about the actor it makes a kernel for.
+struct KernelConfig {
+  std::string_view actor;
+  Device device;
+  DType dtype;
+  const Attrs& attrs;
+};
+
+using KernelFactory = std::function<std::unique_ptr<Kernel>(const KernelConfig&)>;
+
+/// Kernels by (op, device type, dtype). A registry is a plain object: build one with the
+/// built-in kernels and add your own (tests add checking kernels this way).
+///
+///   auto reg = baton::KernelRegistry::with_builtin_kernels();
+///   reg.add_fn("double_it", DeviceType::cpu, f32, [](KernelContext& c) { ... });
+class KernelRegistry {
+ public:
+  void add(std::string op, DeviceType device, DType dtype, KernelFactory factory);
+  /// Registers a stateless kernel function.
+  void add_fn(std::string op, DeviceType device, DType dtype,
+              std::function<void(KernelContext&)> fn);
+
+  bool contains(std::string_view op, DeviceType device, DType dtype) const;
+  /// Makes the kernel for an actor; throws std::invalid_argument naming the op, device and
+  /// dtype, and the variants that do exist, if there is none.
+  std::unique_ptr<Kernel> create(std::string_view op, const KernelConfig& cfg) const;
+  /// "add: cpu/f32 cpu/f64 ..." one line per op.
+  std::string describe() const;
+
+  /// A registry holding every built-in kernel (builtin_kernels.cpp lists them).
+  static KernelRegistry with_builtin_kernels();
+
+ private:
+  using Key = std::tuple<std::string, DeviceType, DType>;
+  std::map<Key, KernelFactory, std::less<>> factories_;
+};
+
+/// Adds the built-in CPU kernels: noop, copy, add, fill_piece, spin_ns, sleep_ns.
+void add_cpu_kernels(KernelRegistry& reg);
+
+}  // namespace baton

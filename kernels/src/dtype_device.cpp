@@ -1,0 +1,64 @@
+#include <charconv>
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "baton/kernels/device.h"
+#include "baton/kernels/dtype.h"
+
+namespace baton {
+
+std::string_view name(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::f64: return "f64";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+    case DType::u8: return "u8";
+  }
+  return "?";
+}
+
+std::optional<DType> parse_dtype(std::string_view s) {
+  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8}) {
+    if (name(t) == s) return t;
+  }
+  return std::nullopt;
+}
+
+std::string_view name(DeviceType t) {
+  switch (t) {
+    case DeviceType::cpu: return "cpu";
+    case DeviceType::cuda: return "cuda";
+  }
+  return "?";
+}
+
+Device Device::parse(std::string_view text) {
+  auto colon = text.find(':');
+  std::string_view kind = text.substr(0, colon);
+  Device d;
+  if (kind == "cpu") {
+    d.type = DeviceType::cpu;
+  } else if (kind == "cuda") {
+    d.type = DeviceType::cuda;
+  } else {
+    throw std::invalid_argument(
+        fmt::format("unknown device '{}': expected cpu[:N] or cuda[:N]", text));
+  }
+  if (colon == std::string_view::npos) return d;
+  std::string_view idx = text.substr(colon + 1);
+  int value = -1;
+  auto [end, ec] = std::from_chars(idx.data(), idx.data() + idx.size(), value);
+  if (ec != std::errc{} || end != idx.data() + idx.size() || value < 0 || value > max_index) {
+    throw std::invalid_argument(fmt::format(
+        "bad device index in '{}': expected an integer in 0..{}", text, max_index));
+  }
+  d.index = static_cast<std::uint8_t>(value);
+  return d;
+}
+
+std::string Device::str() const { return fmt::format("{}:{}", name(type), index); }
+
+}  // namespace baton

@@ -1,0 +1,77 @@
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "baton/kernels/kernel.h"
+
+namespace baton {
+
+namespace {
+class FunctionKernel final : public Kernel {
+ public:
+  explicit FunctionKernel(std::function<void(KernelContext&)> fn) : fn_(std::move(fn)) {}
+  void compute(KernelContext& ctx) override { fn_(ctx); }
+
+ private:
+  std::function<void(KernelContext&)> fn_;
+};
+}  // namespace
+
+void KernelRegistry::add(std::string op, DeviceType device, DType dtype, KernelFactory factory) {
+  factories_[Key{std::move(op), device, dtype}] = std::move(factory);
+}
+
+void KernelRegistry::add_fn(std::string op, DeviceType device, DType dtype,
+                            std::function<void(KernelContext&)> fn) {
+  add(std::move(op), device, dtype,
+      [fn = std::move(fn)](const KernelConfig&) { return std::make_unique<FunctionKernel>(fn); });
+}
+
+bool KernelRegistry::contains(std::string_view op, DeviceType device, DType dtype) const {
+  return factories_.find(std::make_tuple(std::string(op), device, dtype)) != factories_.end();
+}
+
+std::unique_ptr<Kernel> KernelRegistry::create(std::string_view op,
+                                               const KernelConfig& cfg) const {
+  auto it = factories_.find(std::make_tuple(std::string(op), cfg.device.type, cfg.dtype));
+  if (it == factories_.end()) {
+    std::string have;
+    for (const auto& [key, f] : factories_) {
+      if (std::get<0>(key) == op) {
+        have += fmt::format(" {}/{}", name(std::get<1>(key)), name(std::get<2>(key)));
+      }
+    }
+    throw std::invalid_argument(fmt::format(
+        "no kernel '{}' for {}/{} (actor '{}'); {}", op, name(cfg.device.type), name(cfg.dtype),
+        cfg.actor, have.empty() ? std::string("no variant of that op is registered")
+                                : "registered variants:" + have));
+  }
+  auto kernel = it->second(cfg);
+  if (!kernel) {
+    throw std::invalid_argument(
+        fmt::format("kernel factory for '{}' returned nothing (actor '{}')", op, cfg.actor));
+  }
+  return kernel;
+}
+
+std::string KernelRegistry::describe() const {
+  std::string out;
+  std::string last;
+  for (const auto& [key, f] : factories_) {
+    if (std::get<0>(key) != last) {
+      if (!last.empty()) out += '\n';
+      last = std::get<0>(key);
+      out += last + ':';
+    }
+    out += fmt::format(" {}/{}", name(std::get<1>(key)), name(std::get<2>(key)));
+  }
+  return out;
+}
+
+KernelRegistry KernelRegistry::with_builtin_kernels() {
+  KernelRegistry reg;
+  add_cpu_kernels(reg);
+  return reg;
+}
+
+}  // namespace baton
