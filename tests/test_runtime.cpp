@@ -1,1 +1,392 @@
+// The runtime's contract: the exact handshake order in deterministic mode, termination in every
+// shape (zero pieces, one, a source that ends early, a kernel that throws), micro-batching with
+// repeat and accumulate, cycles with delays, and the per-actor accounting.
 #include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "baton/actors.h"
+#include "baton/kernels.h"
+#include "checking_kernels.h"
+
+using namespace baton;
+
+namespace {
+
+std::vector<std::string> handshake_strings(const Runtime& rt) {
+  std::vector<std::string> out;
+  for (const auto& e : rt.handshakes()) out.push_back(e.str());
+  return out;
+}
+
+// source A -> B (copy) -> C (sink), one register per edge with `slots` slots.
+Plan chain3(int slots, std::int64_t pieces) {
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {1}, .dtype = i64, .slots = slots});
+  auto b = p.add_register({.name = "b", .shape = {1}, .dtype = i64, .slots = slots});
+  p.add_actor({.name = "A", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64, .outputs = {a}, .pieces = pieces});
+  p.add_actor({.name = "B", .op = "copy", .dtype = i64, .inputs = {{a}}, .outputs = {b}});
+  p.add_actor({.name = "C", .op = "noop", .dtype = i64, .inputs = {{b}}});
+  return p;
+}
+
+const ActorMetrics& actor_named(const RunReport& r, const std::string& name) {
+  for (const auto& a : r.metrics.actors) {
+    if (a.name == name) return a;
+  }
+  FAIL("no actor " << name);
+  throw std::logic_error("unreachable");
+}
+
+RuntimeSettings threaded(std::chrono::milliseconds stall = std::chrono::milliseconds(10'000)) {
+  RuntimeSettings s;
+  s.stall_timeout = stall;
+  return s;
+}
+
+RuntimeSettings deterministic(bool record = false) {
+  RuntimeSettings s;
+  s.mode = ExecutionMode::deterministic;
+  s.record_handshakes = record;
+  return s;
+}
+
+// Records what each act saw on input 0 (first element, and the data pointer).
+struct Recorder {
+  std::mutex mutex;
+  std::vector<std::int64_t> values;
+  std::set<const void*> pointers;
+};
+
+void add_recorder(KernelRegistry& reg, const std::string& op, Recorder& rec) {
+  reg.add_fn(op, DeviceType::cpu, i64, [&rec](KernelContext& ctx) {
+    std::lock_guard lock(rec.mutex);
+    if (!ctx.inputs.empty() && ctx.inputs[0] != nullptr) {
+      rec.values.push_back(ctx.inputs[0]->data<std::int64_t>()[0]);
+      rec.pointers.insert(ctx.inputs[0]->raw());
+    }
+    for (Tensor* out : ctx.outputs) {
+      rec.pointers.insert(out->raw());
+      if (!ctx.inputs.empty() && ctx.inputs[0] != nullptr) {
+        auto src = ctx.inputs[0]->data<std::int64_t>();
+        std::copy(src.begin(), src.end(), out->data<std::int64_t>().begin());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("Runtime.Deterministic.HandshakeOrderOneSlot") {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  Runtime rt(chain3(1, 2), kernels, deterministic(true));
+  rt.run();
+  // With one slot A may not write piece 1 before B has acked piece 0; B requests C before it
+  // acks A; end of stream follows the last request on each edge.
+  std::vector<std::string> expected = {
+      "request A->B a[0]#0",       "request B->C b[0]#0", "ack B->A a[0]#0",
+      "ack C->B b[0]#0",           "request A->B a[0]#1", "end_of_stream A->B a[0]#2",
+      "request B->C b[0]#1",       "ack B->A a[0]#1",     "end_of_stream B->C b[0]#2",
+      "ack C->B b[0]#1",
+  };
+  CHECK(handshake_strings(rt) == expected);
+}
+
+TEST_CASE("Runtime.Deterministic.HandshakeOrderTwoSlots") {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  Runtime rt(chain3(2, 3), kernels, deterministic(true));
+  rt.run();
+  // Two slots: A writes pieces 0 and 1 (slots 0 and 1) before any ack, and piece 2 reuses
+  // slot 0 only after B acked piece 0.
+  std::vector<std::string> expected = {
+      "request A->B a[0]#0", "request A->B a[1]#1", "request B->C b[0]#0",
+      "ack B->A a[0]#0",     "request B->C b[1]#1", "ack B->A a[1]#1",
+      "ack C->B b[0]#0",     "request A->B a[0]#2", "end_of_stream A->B a[0]#3",
+      "ack C->B b[1]#1",     "request B->C b[0]#2", "ack B->A a[0]#2",
+      "end_of_stream B->C b[0]#3", "ack C->B b[0]#2",
+  };
+  CHECK(handshake_strings(rt) == expected);
+}
+
+TEST_CASE("Runtime.Deterministic.SameOrderEveryRun") {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  Runtime first(chain3(2, 50), kernels, deterministic(true));
+  first.run();
+  Runtime second(chain3(2, 50), kernels, deterministic(true));
+  second.run();
+  CHECK(handshake_strings(first) == handshake_strings(second));
+  CHECK(first.handshakes().size() == 50 * 4 + 2);
+}
+
+TEST_CASE("Runtime.Termination.ZeroAndOnePiece" * doctest::timeout(30)) {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  for (std::int64_t pieces : {0, 1}) {
+    for (auto settings : {threaded(), deterministic()}) {
+      Runtime rt(chain3(2, pieces), kernels, settings);
+      auto report = rt.run();
+      CHECK(actor_named(report, "A").acts == static_cast<std::uint64_t>(pieces));
+      CHECK(actor_named(report, "C").acts == static_cast<std::uint64_t>(pieces));
+      for (const auto& a : report.metrics.actors) CHECK(a.activity == ActorActivity::retired);
+    }
+  }
+}
+
+TEST_CASE("Runtime.Termination.SourceEndsEarly" * doctest::timeout(30)) {
+  // long (1'000'000 pieces) and short (10 pieces) meet in an add: the add ends after 10 and
+  // detaches from long's register, so long stops too instead of filling its slots forever.
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  for (auto settings : {threaded(), deterministic()}) {
+    Plan p;
+    auto rl = p.add_register({.name = "long.out", .shape = {4}, .dtype = i64, .slots = 3});
+    auto rs = p.add_register({.name = "short.out", .shape = {4}, .dtype = i64, .slots = 2});
+    auto rsum = p.add_register({.name = "sum", .shape = {4}, .dtype = i64, .slots = 2});
+    p.add_actor({.name = "long", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .where = {.stream = 0}, .outputs = {rl}, .pieces = 1'000'000});
+    p.add_actor({.name = "short", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .where = {.stream = 1}, .outputs = {rs}, .pieces = 10});
+    p.add_actor({.name = "add", .op = "add", .dtype = i64, .where = {.stream = 1}, .inputs = {{rl}, {rs}},
+                 .outputs = {rsum}});
+    p.add_actor({.name = "sink", .op = "noop", .dtype = i64, .where = {.stream = 0}, .inputs = {{rsum}}});
+    Runtime rt(p, kernels, settings);
+    auto report = rt.run();
+    CHECK(actor_named(report, "add").acts == 10);
+    CHECK(actor_named(report, "sink").acts == 10);
+    // long may run ahead by its slots, and a few pieces more in flight, but no further.
+    CHECK(actor_named(report, "long").acts <= 10 + 3 + 1);
+  }
+}
+
+TEST_CASE("Runtime.Failure.ThrowingKernelEndsTheRunEverywhere" * doctest::timeout(30)) {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  kernels.add_fn("throw_at_37", DeviceType::cpu, i64, [](KernelContext& ctx) {
+    if (ctx.piece == 37) throw std::runtime_error("synthetic failure");
+    auto in = ctx.inputs[0]->data<std::int64_t>();
+    std::copy(in.begin(), in.end(), ctx.outputs[0]->data<std::int64_t>().begin());
+  });
+  for (auto settings : {threaded(), deterministic()}) {
+    Plan p;
+    auto a = p.add_register({.name = "a", .shape = {8}, .dtype = i64, .slots = 2});
+    auto b = p.add_register({.name = "b", .shape = {8}, .dtype = i64, .slots = 2});
+    auto c = p.add_register({.name = "c", .shape = {8}, .dtype = i64, .slots = 2});
+    p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .where = {.stream = 0}, .outputs = {a}, .pieces = 10'000'000});
+    p.add_actor({.name = "faulty", .op = "throw_at_37", .dtype = i64, .where = {.stream = 1},
+                 .inputs = {{a}}, .outputs = {b}});
+    p.add_actor({.name = "after", .op = "copy", .dtype = i64, .where = {.stream = 2}, .inputs = {{b}},
+                 .outputs = {c}});
+    p.add_actor({.name = "sink", .op = "noop", .dtype = i64, .where = {.stream = 0}, .inputs = {{c}}});
+    Runtime rt(p, kernels, settings);
+    auto t0 = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+      rt.run();
+    } catch (const JobError& e) {
+      error = e.what();
+    }
+    CHECK(error.find("actor 'faulty'") != std::string::npos);
+    CHECK(error.find("piece 37") != std::string::npos);
+    CHECK(error.find("synthetic failure") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+    // The source of 10^7 pieces was stopped, not run to the end.
+    auto snap = rt.snapshot();
+    for (const auto& m : snap.actors) {
+      if (m.name == "src") CHECK(m.acts < 1'000'000);
+    }
+  }
+}
+
+TEST_CASE("Runtime.Failure.StallWatchdogNamesTheWaitingActors" * doctest::timeout(30)) {
+  // A kernel that stops making progress (here: sleeps far longer than the stall timeout) is
+  // reported with what every unfinished actor waits for, instead of hanging the job.
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  kernels.add_fn("stuck_at_3", DeviceType::cpu, i64, [](KernelContext& ctx) {
+    if (ctx.piece == 3) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  });
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {1}, .dtype = i64, .slots = 1});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+               .where = {.stream = 0}, .outputs = {a}, .pieces = 100});
+  p.add_actor({.name = "slow", .op = "stuck_at_3", .dtype = i64, .where = {.stream = 1}, .inputs = {{a}}});
+  Runtime rt(p, kernels, threaded(std::chrono::milliseconds(300)));
+  std::string error;
+  try {
+    rt.run();
+  } catch (const JobError& e) {
+    error = e.what();
+  }
+  CHECK(error.find("stall timeout") != std::string::npos);
+  CHECK(error.find("'src'") != std::string::npos);
+  CHECK(error.find("back-pressured") != std::string::npos);
+}
+
+TEST_CASE("Runtime.Microbatching.RepeatAndAccumulate" * doctest::timeout(30)) {
+  // Per step s: a weight w_s = s, repeated over M micro-batches x_k = k (k = s*M + j), summed
+  // after an add: sum_j (s*M + j + s) = M*s*M + M*(M-1)/2 + M*s.
+  constexpr std::int64_t steps = 6, M = 4;
+  for (auto settings : {threaded(), deterministic()}) {
+    auto kernels = KernelRegistry::with_builtin_kernels();
+    Recorder weights_written, add_saw, sums;
+    add_recorder(kernels, "record_w", weights_written);
+    add_recorder(kernels, "record_sum", sums);
+    kernels.add_fn("add_recording", DeviceType::cpu, i64, [&add_saw](KernelContext& ctx) {
+      {
+        std::lock_guard lock(add_saw.mutex);
+        add_saw.pointers.insert(ctx.inputs[1]->raw());
+      }
+      auto x = ctx.inputs[0]->data<std::int64_t>();
+      auto w = ctx.inputs[1]->data<std::int64_t>();
+      auto out = ctx.outputs[0]->data<std::int64_t>();
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = x[i] + w[i];
+    });
+    Plan p;
+    auto rw0 = p.add_register({.name = "w0", .shape = {3}, .dtype = i64, .slots = 2});
+    auto rw = p.add_register({.name = "w", .shape = {3}, .dtype = i64, .slots = 2});
+    auto rwr = p.add_register({.name = "w.repeated", .shape = {3}, .dtype = i64, .slots = 2});
+    auto rx = p.add_register({.name = "x", .shape = {3}, .dtype = i64, .slots = 2});
+    auto ry = p.add_register({.name = "y", .shape = {3}, .dtype = i64, .slots = 2});
+    auto rs = p.add_register({.name = "y.sum", .shape = {3}, .dtype = i64, .slots = 1});
+    p.add_actor({.name = "wsrc", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .where = {.stream = 0}, .outputs = {rw0}, .pieces = steps});
+    p.add_actor({.name = "w", .op = "record_w", .dtype = i64, .where = {.stream = 0}, .inputs = {{rw0}},
+                 .outputs = {rw}});
+    p.add_actor({.name = "repeat", .kind = ActorKind::repeat, .dtype = i64, .where = {.stream = 1},
+                 .inputs = {{rw}}, .outputs = {rwr}, .group = M});
+    p.add_actor({.name = "x", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .where = {.stream = 0}, .outputs = {rx}, .pieces = steps * M});
+    p.add_actor({.name = "add", .op = "add_recording", .dtype = i64, .where = {.stream = 1},
+                 .inputs = {{rx}, {rwr}}, .outputs = {ry}});
+    p.add_actor({.name = "acc", .kind = ActorKind::accumulate, .dtype = i64, .where = {.stream = 2},
+                 .inputs = {{ry}}, .outputs = {rs}, .group = M});
+    p.add_actor({.name = "sink", .op = "record_sum", .dtype = i64, .where = {.stream = 0}, .inputs = {{rs}}});
+    Runtime rt(p, kernels, settings);
+    auto report = rt.run();
+    std::vector<std::int64_t> expected;
+    for (std::int64_t s = 0; s < steps; ++s) expected.push_back(M * s * M + M * (M - 1) / 2 + M * s);
+    CHECK(sums.values == expected);
+    CHECK(actor_named(report, "repeat").acts == steps * M);
+    CHECK(actor_named(report, "acc").acts == steps * M);
+    // No copy: every weight the add read lives in a slot the weight actor wrote.
+    for (const void* ptr : add_saw.pointers) {
+      bool written_by_w = false;
+      for (const void* w : weights_written.pointers) written_by_w |= (w == ptr);
+      CHECK(written_by_w);
+    }
+  }
+}
+
+TEST_CASE("Runtime.Microbatching.PartialGroupIsAnError" * doctest::timeout(30)) {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  Plan p;
+  auto rx = p.add_register({.name = "x", .shape = {2}, .dtype = f32, .slots = 2});
+  auto rs = p.add_register({.name = "x.sum", .shape = {2}, .dtype = f32, .slots = 1});
+  p.add_actor({.name = "x", .kind = ActorKind::source, .op = "fill_piece", .outputs = {rx}, .pieces = 10});
+  p.add_actor({.name = "acc", .kind = ActorKind::accumulate, .inputs = {{rx}}, .outputs = {rs}, .group = 4});
+  p.add_actor({.name = "sink", .op = "noop", .inputs = {{rs}}});
+  Runtime rt(p, kernels, threaded());
+  CHECK_THROWS_WITH_AS(rt.run(), doctest::Contains("accumulate actor 'acc' ended inside a group: 2 of 4"),
+                       JobError);
+}
+
+TEST_CASE("Runtime.Cycle.DelayedInputCarriesStateAcrossPieces" * doctest::timeout(30)) {
+  // state -> update -> state with a delay of one piece on update -> state: the shape of
+  // variable -> ... -> optimizer -> variable. update_k = state_k + x_k and state_k =
+  // update_{k-1} (0 at k = 0), so update_k is the running sum k(k+1)/2.
+  constexpr std::int64_t pieces = 200;
+  for (auto settings : {threaded(), deterministic()}) {
+    auto kernels = KernelRegistry::with_builtin_kernels();
+    Recorder sums;
+    add_recorder(kernels, "record", sums);
+    kernels.add_fn("carry", DeviceType::cpu, i64, [](KernelContext& ctx) {
+      auto out = ctx.outputs[0]->data<std::int64_t>();
+      if (ctx.inputs[0] == nullptr) {
+        std::fill(out.begin(), out.end(), 0);
+      } else {
+        auto in = ctx.inputs[0]->data<std::int64_t>();
+        std::copy(in.begin(), in.end(), out.begin());
+      }
+    });
+    Plan p;
+    auto rx = p.add_register({.name = "x", .shape = {2}, .dtype = i64, .slots = 2});
+    auto rstate = p.add_register({.name = "state", .shape = {2}, .dtype = i64, .slots = 1});
+    auto rupd = p.add_register({.name = "update", .shape = {2}, .dtype = i64, .slots = 1});
+    p.add_actor({.name = "x", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .where = {.stream = 0}, .outputs = {rx}, .pieces = pieces});
+    p.add_actor({.name = "state", .op = "carry", .dtype = i64, .where = {.stream = 1},
+                 .inputs = {{rupd, 1}}, .outputs = {rstate}});
+    p.add_actor({.name = "update", .op = "add", .dtype = i64, .where = {.stream = 0},
+                 .inputs = {{rstate}, {rx}}, .outputs = {rupd}});
+    p.add_actor({.name = "sink", .op = "record", .dtype = i64, .where = {.stream = 1}, .inputs = {{rupd}}});
+    Runtime rt(p, kernels, settings);
+    auto report = rt.run();
+    REQUIRE(sums.values.size() == pieces);
+    for (std::int64_t k = 0; k < pieces; ++k) CHECK(sums.values[static_cast<std::size_t>(k)] == k * (k + 1) / 2);
+    CHECK(actor_named(report, "state").acts == pieces + 1);  // the last state is the final one
+  }
+}
+
+TEST_CASE("Runtime.Metrics.TimeBucketsSumToLifetime" * doctest::timeout(30)) {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {64}, .dtype = f32, .slots = 2});
+  auto b = p.add_register({.name = "b", .shape = {64}, .dtype = f32, .slots = 2});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .where = {.stream = 0},
+               .outputs = {a}, .pieces = 2000});
+  p.add_actor({.name = "slow", .op = "spin_ns", .where = {.stream = 1}, .inputs = {{a}}, .outputs = {b},
+               .attrs = {{"ns", std::int64_t{20'000}}}});
+  p.add_actor({.name = "sink", .op = "noop", .where = {.stream = 0}, .inputs = {{b}}});
+  Runtime rt(p, kernels, threaded());
+  auto report = rt.run();
+  for (const auto& m : report.metrics.actors) {
+    CHECK(m.acts == 2000);
+    CHECK(m.lifetime_s() > 0.0);
+    CHECK(m.lifetime_s() <= report.wall_s * 1.01);
+  }
+  const auto& slow = actor_named(report, "slow");
+  const auto& src = actor_named(report, "src");
+  const auto& sink = actor_named(report, "sink");
+  // The spinning stage is the bottleneck: mostly busy; upstream waits on it, downstream starves.
+  CHECK(slow.busy_s > 0.8 * slow.lifetime_s());
+  CHECK(src.backpressured_s > 0.5 * src.lifetime_s());
+  CHECK(sink.starved_s > 0.5 * sink.lifetime_s());
+  CHECK(slow.bytes_in == 2000 * 64 * 4);
+  CHECK(slow.bytes_out == 2000 * 64 * 4);
+  for (const auto& r : report.metrics.registers) {
+    CHECK(r.written == 2000);
+    CHECK(r.freed == 2000);
+    CHECK(r.max_outstanding <= r.slots);
+  }
+}
+
+TEST_CASE("Runtime.TwoRuntimesInOneProcess" * doctest::timeout(30)) {
+  auto kernels = test::checking_registry();
+  std::atomic<int> finished{0};
+  auto job = [&] {
+    Runtime rt(chain3(2, 20'000), kernels, threaded());
+    auto report = rt.run();
+    if (actor_named(report, "C").acts == 20'000) ++finished;
+  };
+  std::thread t1(job), t2(job);
+  t1.join();
+  t2.join();
+  CHECK(finished == 2);
+}
+
+TEST_CASE("Runtime.RunTwiceIsRefused") {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  Runtime rt(chain3(1, 3), kernels, deterministic());
+  rt.run();
+  CHECK_THROWS_AS(rt.run(), std::logic_error);
+}
+
+TEST_CASE("Runtime.RecordingNeedsDeterministicMode") {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  RuntimeSettings s;
+  s.record_handshakes = true;
+  CHECK_THROWS_AS(Runtime(chain3(1, 3), kernels, s), std::invalid_argument);
+}

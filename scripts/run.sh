@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# baton's one entry point on a fresh Debian 12 machine (root):
+#   scripts/run.sh demo [ARGS...]   install what is missing, build, run the demo
+#   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest)
+#   scripts/run.sh bench NAME [...] install, build, run build/bin/baton-bench-NAME (JSON lines)
+#   scripts/run.sh build            install what is missing and build only
+# Idempotent: packages are installed only when missing, CMake configures only once, and Ninja
+# (with ccache) rebuilds only what changed. Environment: BUILD_DIR (default build),
+# BUILD_TYPE (default Release), JOBS (default nproc), CI=true turns warnings into errors.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+build_dir="${BUILD_DIR:-build}"
+build_type="${BUILD_TYPE:-Release}"
+jobs="${JOBS:-$(nproc)}"
+
+log() { printf '[run.sh] %s\n' "$*" >&2; }
+
+# Debian packages the build, the tests and the benchmarks need.
+packages=(
+  g++ cmake ninja-build ccache pkg-config
+  libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev
+)
+
+install_missing() {
+  local missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "installing: ${missing[*]}"
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { log "need root (or sudo) to install: ${missing[*]}"; exit 1; }
+    sudo="sudo"
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+configure() {
+  local werror=OFF
+  [ "${CI:-}" = "true" ] && werror=ON
+  local want="type=$build_type werror=$werror san=${BATON_SANITIZE:-}"
+  if [ -f "$build_dir/build.ninja" ] && [ "$(cat "$build_dir/.run-sh-config" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  log "configuring $build_dir ($want)"
+  cmake -S . -B "$build_dir" -G Ninja \
+    -DCMAKE_BUILD_TYPE="$build_type" \
+    -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+    -DBATON_WERROR="$werror" \
+    -DBATON_SANITIZE="${BATON_SANITIZE:-}" >/dev/null
+  echo "$want" > "$build_dir/.run-sh-config"
+}
+
+build() {
+  install_missing
+  configure
+  log "building ($jobs jobs)"
+  cmake --build "$build_dir" -j "$jobs"
+}
+
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  build)
+    build
+    ;;
+  demo)
+    build
+    exec "$build_dir/bin/baton-demo" "$@"
+    ;;
+  test)
+    build
+    log "running the test suite"
+    exec ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" "$@"
+    ;;
+  bench)
+    name="${1:-}"
+    [ -n "$name" ] || { log "usage: scripts/run.sh bench NAME (e.g. actors)"; exit 2; }
+    shift
+    build
+    prog="$build_dir/bin/baton-bench-$name"
+    if [ ! -x "$prog" ]; then
+      log "no benchmark '$name'; there are: $(ls "$build_dir/bin" | sed -n 's/^baton-bench-//p' | tr '\n' ' ')"
+      exit 2
+    fi
+    exec "$prog" "$@"
+    ;;
+  *)
+    echo "usage: scripts/run.sh demo|test|bench NAME|build [ARGS...]" >&2
+    exit 2
+    ;;
+esac
