@@ -108,7 +108,10 @@ std::int64_t Actor::needed_piece(const Input& in) const {
 
 Actor::Block Actor::next_block() const {
   // A dry run (validation) treats sources as endless: it asks whether the plan keeps going.
-  if (desc_.kind == ActorKind::source && !core_.dry_run && acts_ >= desc_.pieces) return Block::finish;
+  // A source nobody reads cannot hold anything up, so it sits the dry run out.
+  if (desc_.kind == ActorKind::source) {
+    if (core_.dry_run ? outputs_read_ == 0 : acts_ >= desc_.pieces) return Block::finish;
+  }
   bool starved = false;
   for (const Input& in : inputs_) {
     std::int64_t q = needed_piece(in);
@@ -150,7 +153,9 @@ void Actor::advance() {
       return;
     }
     act();
-    if (core_.failed()) return;
+    // A dry run stops here once its budget is spent: a source whose registers nobody reads
+    // would otherwise act forever inside this loop.
+    if (core_.failed() || core_.dry_budget_spent()) return;
   }
   retire_if_done();
 }
@@ -195,7 +200,7 @@ void Actor::act() {
     }
   }
   acts_ = k + 1;
-  if (core_.dry_run) core_.count_dry_act();
+  if (core_.dry_run) core_.count_dry_act(acts_);
   bump(counters_.acts, std::uint64_t{1});
   bump(counters_.bytes_in, bytes_in_per_act_);
   if (closes_group) {
@@ -305,6 +310,7 @@ void Actor::on_detach(const Message& m) {
 
 void Actor::finish() {
   finished_ = true;
+  if (core_.dry_run) core_.count_dry_reached();  // a source nobody reads: nothing to prove
   if (desc_.kind == ActorKind::accumulate && acts_ % out_group_ != 0) {
     core_.fail(fmt::format(
         "accumulate actor '{}' ended inside a group: {} of {} pieces summed (its input ended "

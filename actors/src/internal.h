@@ -213,9 +213,11 @@ struct Core {
   MetricsSnapshot snapshot() const;
   std::string describe_stuck() const;
   void record(const Message& m);
-  // Dry run (validation): stop once the plan has shown it keeps going.
+  // Dry run (validation): stop once every actor has acted dry_target times (the plan keeps
+  // going) or the act budget is spent.
   bool dry_budget_spent() const { return dry_spent; }
-  void count_dry_act();
+  void count_dry_act(std::int64_t acts_so_far);
+  void count_dry_reached();
 
   Plan plan;
   const KernelRegistry* kernels;  // null in a dry run
@@ -235,8 +237,12 @@ struct Core {
   std::string error;
   bool done = false;
   bool ran = false;
+  static constexpr std::int64_t max_dry_budget = 20'000'000;
+  std::int64_t dry_target = 0;
+  bool dry_budget_capped = false;
   std::int64_t dry_budget = 0;
   std::int64_t dry_acts = 0;
+  std::int64_t dry_reached = 0;
   bool dry_spent = false;
 };
 

@@ -107,14 +107,26 @@ void Core::instantiate() {
     }
   }
   if (dry_run) {
-    std::int64_t tokens = static_cast<std::int64_t>(plan.actors.size());
+    // Every act that a deadlocking part of a plan can make before it stops is paid for by a
+    // token: a free slot or a delayed (initial) piece. An actor that acts more often than
+    // there are tokens is not stuck. Micro-batch groups scale the count.
+    std::int64_t tokens = 0;
     std::int64_t max_group = 1;
-    for (const auto& r : plan.registers) tokens += r.slots;
+    for (const auto& r : plan.registers) tokens += std::int64_t{r.slots} * static_cast<std::int64_t>(r.consumers.size());
     for (const auto& a : plan.actors) {
       for (const auto& in : a.inputs) tokens += in.delay;
       max_group = std::max<std::int64_t>(max_group, a.group);
     }
-    dry_budget = std::min<std::int64_t>(64 * tokens * max_group, 2'000'000);
+    dry_target = (tokens + 2) * max_group;
+    // Actors behind repeat / accumulate act at other rates: give the slowest room to reach its
+    // target too. Past the cap the check turns lenient (see progress_check).
+    double spread = 1;
+    for (const auto& a : plan.actors) {
+      if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) spread = std::min(spread * a.group, 1e9);
+    }
+    double want = static_cast<double>(dry_target) * static_cast<double>(local_actors) * 4 * spread;
+    dry_budget_capped = want > static_cast<double>(max_dry_budget);
+    dry_budget = dry_budget_capped ? max_dry_budget : static_cast<std::int64_t>(want);
   }
 }
 
@@ -142,8 +154,13 @@ void Core::on_retired() {
   }
 }
 
-void Core::count_dry_act() {
+void Core::count_dry_act(std::int64_t acts_so_far) {
+  if (acts_so_far == dry_target) count_dry_reached();
   if (++dry_acts >= dry_budget) dry_spent = true;
+}
+
+void Core::count_dry_reached() {
+  if (++dry_reached == local_actors) dry_spent = true;
 }
 
 std::string Core::describe_stuck() const {
@@ -364,14 +381,21 @@ void progress_check(const Plan& plan, std::uint16_t rank, std::vector<std::strin
     if (a) core.workers[0]->enqueue_local(Message{a->id(), a->id(), 0, 0, 0, MsgKind::start, 0});
   }
   core.workers[0]->drain();
+  // Every actor reached the target: the plan keeps going. The queue ran dry first: nothing
+  // can ever move again, and whoever is blocked says on what. The budget ran out first: those
+  // short of the target are stuck (while a healthy part of the plan went on), unless the
+  // budget was capped, when only an actor that never acted is surely stuck.
+  const bool all_reached = core.dry_reached == core.local_actors;
+  const bool quiesced = !core.dry_spent;
   std::string stuck;
   for (auto& a : core.actors) {
-    if (a && (!core.dry_spent || a->acts() == 0)) {
-      std::string wait = a->describe_wait();
-      if (wait != "ready") stuck += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), wait);
-    }
+    if (!a || a->retired() || all_reached) continue;
+    bool blocked = quiesced                  ? a->describe_wait() != "ready"
+                   : core.dry_budget_capped ? a->acts() == 0
+                                            : a->acts() < core.dry_target;
+    if (blocked) stuck += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), a->describe_wait());
   }
-  if (!core.dry_spent || !stuck.empty()) {
+  if (!stuck.empty()) {
     problems.push_back(fmt::format(
         "the plan cannot make progress: its handshakes deadlock (a cycle needs a delay on one of its "
         "inputs, and enough slots to turn):{}",

@@ -53,6 +53,11 @@ std::string Attrs::str() const {
             out += fmt::format("\"{}\"", x);
           } else if constexpr (std::is_same_v<T, std::vector<std::int64_t>>) {
             out += fmt::format("[{}]", fmt::join(x, ","));
+          } else if constexpr (std::is_same_v<T, double>) {
+            // Always with a point or exponent, so 1.0 never prints like the integer 1.
+            std::string text = fmt::format("{}", x);
+            if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
+            out += text;
           } else {
             out += fmt::format("{}", x);
           }

@@ -15,7 +15,9 @@ std::int64_t numel(const Shape& s) {
   std::int64_t n = 1;
   for (auto d : s) {
     if (d < 0) throw std::invalid_argument(fmt::format("negative extent in shape {}", to_string(s)));
-    n *= d;
+    if (__builtin_mul_overflow(n, d, &n)) {
+      throw std::invalid_argument(fmt::format("shape {} has more than 2^63 elements", to_string(s)));
+    }
   }
   return n;
 }
