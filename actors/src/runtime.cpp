@@ -392,7 +392,7 @@ void progress_check(const Plan& plan, std::uint16_t rank, std::vector<std::strin
     if (!a || a->retired() || all_reached) continue;
     bool blocked = quiesced                  ? a->describe_wait() != "ready"
                    : core.dry_budget_capped ? a->acts() == 0
-                                            : a->acts() < core.dry_target;
+                                            : static_cast<std::int64_t>(a->acts()) < core.dry_target;
     if (blocked) stuck += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), a->describe_wait());
   }
   if (!stuck.empty()) {
