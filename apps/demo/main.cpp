@@ -89,15 +89,14 @@ int main(int argc, char** argv) {
       for (const auto& a : snap.actors) {
         if (a.name == "sink") done = a.acts;
       }
+      if (done >= static_cast<std::uint64_t>(opt.pieces)) break;
       auto now = std::chrono::steady_clock::now();
       double rate = static_cast<double>(done - last) / std::chrono::duration<double>(now - t_last).count();
       last = done;
       t_last = now;
       fmt::print("{}pieces {:>9}/{} ({:5.1f}%)  {:>10.0f} pieces/s{}", tty ? "\r" : "", done, opt.pieces,
-                 opt.pieces ? 100.0 * static_cast<double>(done) / static_cast<double>(opt.pieces) : 100.0,
-                 rate, tty ? "" : "\n");
+                 100.0 * static_cast<double>(done) / static_cast<double>(opt.pieces), rate, tty ? "" : "\n");
       std::fflush(stdout);
-      if (done >= static_cast<std::uint64_t>(opt.pieces)) break;
     }
     runner.join();
     fmt::print("\n\ndone in {:.3f} s: {:.0f} pieces/s end to end, {} messages, {} parks\n\n{}",
