@@ -20,7 +20,7 @@ log() { printf '[run.sh] %s\n' "$*" >&2; }
 # Debian packages the build, the tests and the benchmarks need.
 packages=(
   g++ cmake ninja-build ccache pkg-config
-  libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev
+  libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev zlib1g-dev
 )
 
 install_missing() {

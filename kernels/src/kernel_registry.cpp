@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/ops.h"
 
 namespace baton {
 
@@ -71,6 +72,8 @@ std::string KernelRegistry::describe() const {
 KernelRegistry KernelRegistry::with_builtin_kernels() {
   KernelRegistry reg;
   add_cpu_kernels(reg);
+  add_cpu_tensor_ops(reg);
+  add_cpu_nn_ops(reg);
   return reg;
 }
 

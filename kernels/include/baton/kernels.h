@@ -5,4 +5,5 @@
 #include "baton/kernels/device.h"
 #include "baton/kernels/dtype.h"
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/ops.h"
 #include "baton/kernels/tensor.h"

@@ -1,0 +1,55 @@
+#pragma once
+/// The training ops' CPU kernels: the contract between the graph compiler (which emits one actor
+/// per op with these names, inputs, outputs and attributes) and the kernels. Every op here is
+/// registered for cpu/f32 and cpu/f64 (f64 for gradient checks against finite differences).
+/// Inputs and outputs are by position; an output's shape is fixed by the plan (the compiler's
+/// shape inference) and a kernel checks what it relies on, throwing std::invalid_argument that
+/// names the op and the shapes. Labels and ids are i32 tensors, read as such by f32/f64 kernels.
+///
+/// Tensor ops (ops_tensor.cpp)
+///   matmul(a, b) -> c          attrs trans_a, trans_b (0/1). a [..., M, K] ([..., K, M] if
+///                              trans_a), b [K, N] or [..., K, N] with the same batch dims
+///                              ([N, K] / [..., N, K] if trans_b); c [..., M, N]. OpenBLAS sgemm/dgemm.
+///   add | sub | mul | div(a, b) -> c    numpy broadcasting; c has the broadcast shape.
+///   sum_to(x) -> y             sums x over the axes where y (broadcast-compatible) is 1 or absent:
+///                              the gradient of broadcasting.
+///   broadcast_to(x) -> y       repeats x to y's shape (numpy rules).
+///   scale(x) -> y              y = x * attr value (double).
+///   fill() -> y                every element = attr value (double); a constant source.
+///   reshape(x) -> y            same elements, y's shape (copy).
+///   transpose(x) -> y          attr perm (int list): y.shape[i] = x.shape[perm[i]].
+///   sum(x) -> y | mean(x) -> y attrs axes (int list; empty = all), keepdims (0/1).
+///   slice(x) -> y              attrs axis, start: y = x[..., start : start + y.shape[axis], ...].
+///   slice_grad(dy) -> dx       attrs axis, start: zeros of dx's shape with dy written at start.
+///   concat(x0, x1, ...) -> y   attr axis.
+///
+/// Neural-network ops (ops_nn.cpp)
+///   relu | gelu | tanh | sigmoid(x) -> y          gelu is the exact erf form (PyTorch's default).
+///   relu_grad(x, dy) -> dx | gelu_grad(x, dy) -> dx
+///   tanh_grad(y, dy) -> dx | sigmoid_grad(y, dy) -> dx      (from the forward output y)
+///   softmax(x) -> y | log_softmax(x) -> y                    over the last axis
+///   softmax_grad(y, dy) -> dx | log_softmax_grad(y, dy) -> dx
+///   softmax_cross_entropy(logits [N, C], labels i32 [N]) -> loss []   mean over N
+///   softmax_cross_entropy_grad(logits, labels, dloss []) -> dlogits [N, C]
+///   mse(pred, target) -> loss []                              mean of squared differences
+///   mse_grad(pred, target, dloss []) -> dpred
+///   layer_norm(x) -> y                 attr eps (double, default 1e-5): (x - mean) / sqrt(var + eps)
+///                                      over the last axis, no affine part (the graph adds gamma, beta)
+///   layer_norm_grad(x, dy) -> dx       attr eps
+///   embedding(table [V, D], ids i32 [...]) -> y [..., D]
+///   embedding_grad(ids i32 [...], dy [..., D]) -> dtable [V, D]    (scatter-add; V from dtable)
+///   causal_mask(x [..., T, T]) -> y    attr value (double): y[..., i, j] = value where j > i
+///   dropout(x) -> y                    attrs p (double), seed (int): keeps each element with
+///                                      probability 1-p and scales it by 1/(1-p); the mask is a pure
+///                                      function of (seed, KernelContext::piece, element index), so
+///                                      dropout(dy) with the same attrs and piece is its gradient.
+#include "baton/kernels/kernel.h"
+
+namespace baton {
+
+/// Registers the tensor ops above for cpu/f32 and cpu/f64.
+void add_cpu_tensor_ops(KernelRegistry& reg);
+/// Registers the neural-network ops above for cpu/f32 and cpu/f64.
+void add_cpu_nn_ops(KernelRegistry& reg);
+
+}  // namespace baton
