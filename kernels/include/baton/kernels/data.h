@@ -1,0 +1,2 @@
+#pragma once
+/// Data sets and the source kernels that stream them as micro-batches (placeholder: being written).

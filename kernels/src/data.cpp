@@ -1,0 +1,1 @@
+#include "baton/kernels/data.h"
