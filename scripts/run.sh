@@ -40,6 +40,50 @@ install_missing() {
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# The 8x8 digits set (1,797 rows) that Debian's python3-sklearn ships as digits.csv.gz: download
+# the .deb and extract that one file into data/. The package itself is not installed (it
+# conflicts with Boost 1.81's dependencies). Quiet and instant once data/digits.csv.gz exists.
+fetch_data() {
+  local dest="data/digits.csv.gz"
+  [ -s "$dest" ] && return 0
+  command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || {
+    log "cannot fetch $dest: needs apt-get and dpkg-deb (Debian); copy digits.csv.gz there by hand"
+    return 0
+  }
+  log "fetching $dest from Debian's python3-sklearn package"
+  local tmp
+  tmp="$(mktemp -d)"
+  chmod 755 "$tmp"
+  if ! (cd "$tmp" && apt-get download -qq python3-sklearn >"$tmp/apt.log" 2>&1); then
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo="sudo"
+    $sudo apt-get update -qq >/dev/null 2>&1 || true
+    if ! (cd "$tmp" && apt-get download -qq python3-sklearn >"$tmp/apt.log" 2>&1); then
+      log "apt-get download python3-sklearn failed:"
+      cat "$tmp/apt.log" >&2
+      rm -rf "$tmp"
+      exit 1
+    fi
+  fi
+  local deb member
+  deb="$(ls "$tmp"/python3-sklearn_*.deb)"
+  member="$(dpkg-deb -c "$deb" | awk '{print $NF}' | grep '/sklearn/datasets/data/digits\.csv\.gz$' | head -n 1 || true)"
+  if [ -z "$member" ]; then
+    log "no digits.csv.gz in $(basename "$deb")"
+    rm -rf "$tmp"
+    exit 1
+  fi
+  mkdir -p data
+  if ! dpkg-deb --fsys-tarfile "$deb" | tar -xO -f - "$member" >"$tmp/digits.csv.gz"; then
+    log "could not extract $member from $(basename "$deb")"
+    rm -rf "$tmp"
+    exit 1
+  fi
+  mv "$tmp/digits.csv.gz" "$dest"
+  rm -rf "$tmp"
+  log "wrote $dest ($(wc -c <"$dest") bytes)"
+}
+
 configure() {
   local werror=OFF
   [ "${CI:-}" = "true" ] && werror=ON
@@ -58,6 +102,7 @@ configure() {
 
 build() {
   install_missing
+  fetch_data
   configure
   log "building ($jobs jobs)"
   cmake --build "$build_dir" -j "$jobs"

@@ -350,10 +350,12 @@ TEST_CASE("Runtime.Metrics.TimeBucketsSumToLifetime" * doctest::timeout(30)) {
   const auto& slow = actor_named(report, "slow");
   const auto& src = actor_named(report, "src");
   const auto& sink = actor_named(report, "sink");
-  // The spinning stage is the bottleneck: mostly busy; upstream waits on it, downstream starves.
-  CHECK(slow.busy_s > 0.8 * slow.lifetime_s());
-  CHECK(src.backpressured_s > 0.5 * src.lifetime_s());
-  CHECK(sink.starved_s > 0.5 * sink.lifetime_s());
+  // The spinning stage is the bottleneck: it was busy at least as long as it spun; upstream
+  // waits on it, downstream starves. (Lower bounds and comparisons only: on a loaded machine
+  // the shares move, but not these.)
+  CHECK(slow.busy_s >= 2000 * 20e-6);
+  CHECK(src.backpressured_s > src.busy_s);
+  CHECK(sink.starved_s > sink.busy_s);
   CHECK(slow.bytes_in == 2000 * 64 * 4);
   CHECK(slow.bytes_out == 2000 * 64 * 4);
   for (const auto& r : report.metrics.registers) {
@@ -389,4 +391,42 @@ TEST_CASE("Runtime.RecordingNeedsDeterministicMode") {
   RuntimeSettings s;
   s.record_handshakes = true;
   CHECK_THROWS_AS(Runtime(chain3(1, 3), kernels, s), std::invalid_argument);
+}
+
+TEST_CASE("Runtime.Drain.AnActorThatDrainsKeepsConsumingAfterItsReadersStop" * doctest::timeout(30)) {
+  // Regression: a variable stopped as soon as the forward pass stopped reading its weights, and
+  // so never applied the last step's gradient. `state` reads 50 updates (delay 1) while its only
+  // reader stops after 5 pieces: with stops_when_unread = false it still takes all 50.
+  for (bool drains : {true, false}) {
+    auto kernels = KernelRegistry::with_builtin_kernels();
+    std::atomic<int> updates_seen{0};
+    kernels.add_fn("count_updates", DeviceType::cpu, i64, [&updates_seen](KernelContext& ctx) {
+      if (ctx.inputs[0] != nullptr) ++updates_seen;
+    });
+    Plan p;
+    auto rl = p.add_register({.name = "updates", .shape = {1}, .dtype = i64, .slots = 2});
+    auto rs = p.add_register({.name = "short", .shape = {1}, .dtype = i64, .slots = 2});
+    auto rstate = p.add_register({.name = "state", .shape = {1}, .dtype = i64, .slots = 1});
+    auto rsum = p.add_register({.name = "sum", .shape = {1}, .dtype = i64, .slots = 2});
+    p.add_actor({.name = "updates", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .outputs = {rl}, .pieces = 50});
+    p.add_actor({.name = "short", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64,
+                 .outputs = {rs}, .pieces = 5});
+    p.add_actor({.name = "state", .op = "count_updates", .dtype = i64, .inputs = {{rl, 1}}, .outputs = {rstate},
+                 .stops_when_unread = !drains});
+    p.add_actor({.name = "reader", .op = "add", .dtype = i64, .inputs = {{rstate}, {rs}}, .outputs = {rsum}});
+    p.add_actor({.name = "sink", .op = "noop", .dtype = i64, .inputs = {{rsum}}});
+    for (auto settings : {threaded(), deterministic()}) {
+      updates_seen = 0;
+      Runtime rt(p, kernels, settings);
+      auto report = rt.run();
+      CHECK(actor_named(report, "reader").acts == 5);
+      if (drains) {
+        CHECK(updates_seen == 50);
+        CHECK(actor_named(report, "state").acts == 51);
+      } else {
+        CHECK(updates_seen < 50);
+      }
+    }
+  }
 }

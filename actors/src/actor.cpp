@@ -119,7 +119,9 @@ Actor::Block Actor::next_block() const {
     if (in.end >= 0 && q >= in.end) return Block::finish;
     starved = true;
   }
-  if (outputs_read_ > 0 && outputs_dead_ == outputs_read_) return Block::finish;
+  // Nobody reads what it writes any more: stop, unless the actor has work of its own to finish
+  // (a variable still applies its last gradients to the weights it owns).
+  if (outputs_read_ > 0 && outputs_dead_ == outputs_read_ && desc_.stops_when_unread) return Block::unread;
   if (starved) return Block::starved;
   if (acts_ % out_group_ == 0) {
     for (const auto& out : outputs_) {
@@ -144,8 +146,8 @@ void Actor::on_message(const Message& m) {
 void Actor::advance() {
   while (!finished_) {
     Block b = next_block();
-    if (b == Block::finish) {
-      finish();
+    if (b == Block::finish || b == Block::unread) {
+      finish(b == Block::unread);
       break;
     }
     if (b != Block::none) {
@@ -308,10 +310,12 @@ void Actor::on_detach(const Message& m) {
   advance_freed(*out);
 }
 
-void Actor::finish() {
+void Actor::finish(bool unread) {
   finished_ = true;
   if (core_.dry_run) core_.count_dry_reached();  // a source nobody reads: nothing to prove
-  if (desc_.kind == ActorKind::accumulate && acts_ % out_group_ != 0) {
+  // A group cut short by its input's end is a plan error; one cut short because nobody reads
+  // the sum any more is not.
+  if (desc_.kind == ActorKind::accumulate && acts_ % out_group_ != 0 && !unread) {
     core_.fail(fmt::format(
         "accumulate actor '{}' ended inside a group: {} of {} pieces summed (its input ended "
         "after {} pieces, not a multiple of {})",

@@ -110,7 +110,7 @@ class Actor {
   std::int64_t needed_piece(const Input& in) const;
 
  private:
-  enum class Block : std::uint8_t { none, starved, backpressured, finish };
+  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread };
   Block next_block() const;
   void advance();
   void act();
@@ -118,7 +118,7 @@ class Actor {
   void release(Input& in, std::int64_t piece);
   void advance_freed(Output& out);
   void release_repeat_inputs();
-  void finish();
+  void finish(bool unread);
   void retire_if_done();
   void set_activity(ActorActivity a);
   void send(Worker* to, const Message& m);

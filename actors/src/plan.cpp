@@ -76,6 +76,7 @@ std::string Plan::to_text() const {
     if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) {
       out += fmt::format(" group={}", a.group);
     }
+    if (!a.stops_when_unread) out += " drains";
     if (!a.attrs.values().empty()) {
       out += ' ';
       out += a.attrs.str();

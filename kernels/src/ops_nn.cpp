@@ -1,7 +1,750 @@
+// The neural-network ops of ops.h on the CPU, for f32 and f64. Row-wise reductions (softmax's
+// sum, layer norm's moments, the losses) accumulate in double for both element types, so an f32
+// kernel is as accurate as its element type allows; the elementwise work stays in the element
+// type, in plain loops over contiguous memory.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
 #include "baton/kernels/ops.h"
 
 namespace baton {
 
-void add_cpu_nn_ops(KernelRegistry&) {}
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Checking what a kernel relies on
+
+const Tensor& need_input(const KernelContext& ctx, std::size_t i, const char* op,
+                         const char* role) {
+  if (ctx.inputs.size() <= i || ctx.inputs[i] == nullptr || !ctx.inputs[i]->defined()) {
+    throw std::invalid_argument(fmt::format("{}: input {} ({}) is missing", op, i, role));
+  }
+  return *ctx.inputs[i];
+}
+
+Tensor& need_output(const KernelContext& ctx, std::size_t i, const char* op, const char* role) {
+  if (ctx.outputs.size() <= i || ctx.outputs[i] == nullptr || !ctx.outputs[i]->defined()) {
+    throw std::invalid_argument(fmt::format("{}: output {} ({}) is missing", op, i, role));
+  }
+  return *ctx.outputs[i];
+}
+
+void check_dtype(const Tensor& t, DType want, const char* op, const char* role) {
+  if (t.dtype() != want) {
+    throw std::invalid_argument(
+        fmt::format("{}: {} must be {}, got {}", op, role, name(want), t.describe()));
+  }
+}
+
+template <class T>
+const T* in_data(const Tensor& t, const char* op, const char* role) {
+  check_dtype(t, dtype_of<T>(), op, role);
+  return static_cast<const T*>(t.raw());
+}
+
+template <class T>
+T* out_data(Tensor& t, const char* op, const char* role) {
+  check_dtype(t, dtype_of<T>(), op, role);
+  return static_cast<T*>(t.raw());
+}
+
+void check_same_shape(const char* op, const Tensor& a, const char* a_role, const Tensor& b,
+                      const char* b_role) {
+  if (a.shape() != b.shape()) {
+    throw std::invalid_argument(fmt::format("{}: {} {} and {} {} must have the same shape", op,
+                                            a_role, a.describe(), b_role, b.describe()));
+  }
+}
+
+void check_scalar(const char* op, const Tensor& t, const char* role) {
+  if (!t.shape().empty()) {
+    throw std::invalid_argument(
+        fmt::format("{}: {} must be a scalar [], got {}", op, role, t.describe()));
+  }
+}
+
+std::size_t to_size(std::int64_t n) {
+  return static_cast<std::size_t>(n);
+}
+
+// A tensor seen as rows over its last axis.
+struct Rows {
+  std::size_t rows = 0;
+  std::size_t cols = 0;
+};
+
+Rows last_axis_rows(const char* op, const Tensor& x, const char* role) {
+  if (x.shape().empty()) {
+    throw std::invalid_argument(
+        fmt::format("{}: {} needs at least one axis, got {}", op, role, x.describe()));
+  }
+  Rows r;
+  r.cols = to_size(x.shape().back());
+  r.rows = r.cols == 0 ? 0 : to_size(x.numel()) / r.cols;
+  return r;
+}
+
+// Reads a kernel's attributes, naming the op and actor if one has the wrong type.
+template <class F>
+auto read_attrs(const KernelConfig& cfg, const char* op, F&& read) {
+  try {
+    return read();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{} (actor '{}'): {}", op, cfg.actor, e.what()));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise activations and their gradients
+
+constexpr double inv_sqrt2 = 0.70710678118654752440;
+constexpr double inv_sqrt_2pi = 0.39894228040143267794;
+
+struct Relu {
+  static constexpr const char* name = "relu";
+  // std::max(x, 0) keeps a NaN a NaN, as torch.relu does.
+  template <class T>
+  static T f(T x) {
+    return std::max(x, T(0));
+  }
+};
+
+struct Gelu {
+  static constexpr const char* name = "gelu";
+  // 0.5 x (1 + erf(x / sqrt 2)) written with erfc, which keeps its relative accuracy in the
+  // negative tail where 1 + erf(.) cancels.
+  template <class T>
+  static T f(T x) {
+    return T(0.5) * x * std::erfc(-x * T(inv_sqrt2));
+  }
+};
+
+struct Tanh {
+  static constexpr const char* name = "tanh";
+  template <class T>
+  static T f(T x) {
+    return std::tanh(x);
+  }
+};
+
+struct Sigmoid {
+  static constexpr const char* name = "sigmoid";
+  // exp(-|x|) never overflows; the two branches are the same function.
+  template <class T>
+  static T f(T x) {
+    T z = std::exp(-std::abs(x));
+    T r = T(1) / (T(1) + z);
+    return x >= T(0) ? r : z * r;
+  }
+};
+
+struct ReluGrad {
+  static constexpr const char* name = "relu_grad";
+  static constexpr const char* in0 = "x";
+  template <class T>
+  static T f(T x, T dy) {
+    return x > T(0) ? dy : T(0);
+  }
+};
+
+struct GeluGrad {
+  static constexpr const char* name = "gelu_grad";
+  static constexpr const char* in0 = "x";
+  template <class T>
+  static T f(T x, T dy) {
+    T cdf = T(0.5) * std::erfc(-x * T(inv_sqrt2));
+    T pdf = T(inv_sqrt_2pi) * std::exp(T(-0.5) * x * x);
+    return dy * (cdf + x * pdf);
+  }
+};
+
+struct TanhGrad {
+  static constexpr const char* name = "tanh_grad";
+  static constexpr const char* in0 = "y";
+  template <class T>
+  static T f(T y, T dy) {
+    return dy * (T(1) - y * y);
+  }
+};
+
+struct SigmoidGrad {
+  static constexpr const char* name = "sigmoid_grad";
+  static constexpr const char* in0 = "y";
+  template <class T>
+  static T f(T y, T dy) {
+    return dy * y * (T(1) - y);
+  }
+};
+
+template <class T, class Op>
+void unary_kernel(KernelContext& ctx) {
+  const Tensor& x = need_input(ctx, 0, Op::name, "x");
+  Tensor& y = need_output(ctx, 0, Op::name, "y");
+  check_same_shape(Op::name, x, "x", y, "y");
+  const T* xp = in_data<T>(x, Op::name, "x");
+  T* yp = out_data<T>(y, Op::name, "y");
+  const std::size_t n = to_size(x.numel());
+  for (std::size_t i = 0; i < n; ++i) yp[i] = Op::f(xp[i]);
+}
+
+template <class T, class Op>
+void grad_kernel(KernelContext& ctx) {
+  const Tensor& a = need_input(ctx, 0, Op::name, Op::in0);
+  const Tensor& dy = need_input(ctx, 1, Op::name, "dy");
+  Tensor& dx = need_output(ctx, 0, Op::name, "dx");
+  check_same_shape(Op::name, a, Op::in0, dy, "dy");
+  check_same_shape(Op::name, a, Op::in0, dx, "dx");
+  const T* ap = in_data<T>(a, Op::name, Op::in0);
+  const T* dyp = in_data<T>(dy, Op::name, "dy");
+  T* dxp = out_data<T>(dx, Op::name, "dx");
+  const std::size_t n = to_size(a.numel());
+  for (std::size_t i = 0; i < n; ++i) dxp[i] = Op::f(ap[i], dyp[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax and log-softmax over the last axis
+
+template <class T>
+T row_max(const T* x, std::size_t n) {
+  T m = n > 0 ? x[0] : T(0);
+  for (std::size_t j = 1; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+template <class T>
+void softmax_kernel(KernelContext& ctx) {
+  const char* op = "softmax";
+  const Tensor& x = need_input(ctx, 0, op, "x");
+  Tensor& y = need_output(ctx, 0, op, "y");
+  check_same_shape(op, x, "x", y, "y");
+  auto [rows, cols] = last_axis_rows(op, x, "x");
+  const T* xp = in_data<T>(x, op, "x");
+  T* yp = out_data<T>(y, op, "y");
+  for (std::size_t r = 0; r < rows; ++r) {
+    const T* xr = xp + r * cols;
+    T* yr = yp + r * cols;
+    const T mx = row_max(xr, cols);
+    double sum = 0;
+    for (std::size_t j = 0; j < cols; ++j) {
+      yr[j] = std::exp(xr[j] - mx);
+      sum += yr[j];
+    }
+    const T inv = static_cast<T>(1.0 / sum);
+    for (std::size_t j = 0; j < cols; ++j) yr[j] *= inv;
+  }
+}
+
+template <class T>
+void log_softmax_kernel(KernelContext& ctx) {
+  const char* op = "log_softmax";
+  const Tensor& x = need_input(ctx, 0, op, "x");
+  Tensor& y = need_output(ctx, 0, op, "y");
+  check_same_shape(op, x, "x", y, "y");
+  auto [rows, cols] = last_axis_rows(op, x, "x");
+  const T* xp = in_data<T>(x, op, "x");
+  T* yp = out_data<T>(y, op, "y");
+  for (std::size_t r = 0; r < rows; ++r) {
+    const T* xr = xp + r * cols;
+    T* yr = yp + r * cols;
+    const T mx = row_max(xr, cols);
+    double sum = 0;
+    for (std::size_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mx);
+    const double lse = static_cast<double>(mx) + std::log(sum);
+    for (std::size_t j = 0; j < cols; ++j) yr[j] = static_cast<T>(static_cast<double>(xr[j]) - lse);
+  }
+}
+
+// dx = y * (dy - sum(dy * y)): the softmax Jacobian (diag(y) - y y^T) applied to dy.
+template <class T>
+void softmax_grad_kernel(KernelContext& ctx) {
+  const char* op = "softmax_grad";
+  const Tensor& y = need_input(ctx, 0, op, "y");
+  const Tensor& dy = need_input(ctx, 1, op, "dy");
+  Tensor& dx = need_output(ctx, 0, op, "dx");
+  check_same_shape(op, y, "y", dy, "dy");
+  check_same_shape(op, y, "y", dx, "dx");
+  auto [rows, cols] = last_axis_rows(op, y, "y");
+  const T* yp = in_data<T>(y, op, "y");
+  const T* dyp = in_data<T>(dy, op, "dy");
+  T* dxp = out_data<T>(dx, op, "dx");
+  for (std::size_t r = 0; r < rows; ++r) {
+    const T* yr = yp + r * cols;
+    const T* dyr = dyp + r * cols;
+    T* dxr = dxp + r * cols;
+    double dot = 0;
+    for (std::size_t j = 0; j < cols; ++j) dot += static_cast<double>(yr[j]) * dyr[j];
+    const T d = static_cast<T>(dot);
+    for (std::size_t j = 0; j < cols; ++j) dxr[j] = yr[j] * (dyr[j] - d);
+  }
+}
+
+// dx = dy - softmax(x) * sum(dy), with softmax(x) = exp(y).
+template <class T>
+void log_softmax_grad_kernel(KernelContext& ctx) {
+  const char* op = "log_softmax_grad";
+  const Tensor& y = need_input(ctx, 0, op, "y");
+  const Tensor& dy = need_input(ctx, 1, op, "dy");
+  Tensor& dx = need_output(ctx, 0, op, "dx");
+  check_same_shape(op, y, "y", dy, "dy");
+  check_same_shape(op, y, "y", dx, "dx");
+  auto [rows, cols] = last_axis_rows(op, y, "y");
+  const T* yp = in_data<T>(y, op, "y");
+  const T* dyp = in_data<T>(dy, op, "dy");
+  T* dxp = out_data<T>(dx, op, "dx");
+  for (std::size_t r = 0; r < rows; ++r) {
+    const T* yr = yp + r * cols;
+    const T* dyr = dyp + r * cols;
+    T* dxr = dxp + r * cols;
+    double sum = 0;
+    for (std::size_t j = 0; j < cols; ++j) sum += dyr[j];
+    const T s = static_cast<T>(sum);
+    for (std::size_t j = 0; j < cols; ++j) dxr[j] = dyr[j] - std::exp(yr[j]) * s;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Losses
+
+// Checks logits [N, C] and labels i32 [N]; returns the labels.
+const std::int32_t* check_logits_labels(const char* op, const Tensor& logits,
+                                        const Tensor& labels) {
+  if (logits.shape().size() != 2) {
+    throw std::invalid_argument(
+        fmt::format("{}: logits must be [N, C], got {}", op, logits.describe()));
+  }
+  check_dtype(labels, DType::i32, op, "labels");
+  if (labels.shape() != Shape{logits.dim(0)}) {
+    throw std::invalid_argument(fmt::format("{}: labels {} must be [N] for logits {}", op,
+                                            labels.describe(), logits.describe()));
+  }
+  return static_cast<const std::int32_t*>(labels.raw());
+}
+
+std::size_t checked_label(const char* op, const std::int32_t* labels, std::size_t row,
+                          std::size_t classes) {
+  const std::int32_t label = labels[row];
+  if (label < 0 || static_cast<std::size_t>(label) >= classes) {
+    throw std::invalid_argument(
+        fmt::format("{}: label {} at row {} is outside [0, {})", op, label, row, classes));
+  }
+  return static_cast<std::size_t>(label);
+}
+
+// loss = mean over rows of logsumexp(logits[i]) - logits[i, label[i]].
+template <class T>
+void cross_entropy_kernel(KernelContext& ctx) {
+  const char* op = "softmax_cross_entropy";
+  const Tensor& logits = need_input(ctx, 0, op, "logits");
+  const Tensor& labels = need_input(ctx, 1, op, "labels");
+  Tensor& loss = need_output(ctx, 0, op, "loss");
+  const std::int32_t* lp = check_logits_labels(op, logits, labels);
+  check_scalar(op, loss, "loss");
+  const T* xp = in_data<T>(logits, op, "logits");
+  T* out = out_data<T>(loss, op, "loss");
+  const std::size_t rows = to_size(logits.dim(0));
+  const std::size_t cols = to_size(logits.dim(1));
+  double total = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t label = checked_label(op, lp, r, cols);
+    const T* xr = xp + r * cols;
+    const T mx = row_max(xr, cols);
+    double sum = 0;
+    for (std::size_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mx);
+    total += static_cast<double>(mx) + std::log(sum) - static_cast<double>(xr[label]);
+  }
+  // An empty batch gives NaN (0 / 0), as torch's mean reduction does.
+  out[0] = static_cast<T>(total / static_cast<double>(rows));
+}
+
+// dlogits = (softmax(logits) - onehot(labels)) * dloss / N.
+template <class T>
+void cross_entropy_grad_kernel(KernelContext& ctx) {
+  const char* op = "softmax_cross_entropy_grad";
+  const Tensor& logits = need_input(ctx, 0, op, "logits");
+  const Tensor& labels = need_input(ctx, 1, op, "labels");
+  const Tensor& dloss = need_input(ctx, 2, op, "dloss");
+  Tensor& dlogits = need_output(ctx, 0, op, "dlogits");
+  const std::int32_t* lp = check_logits_labels(op, logits, labels);
+  check_scalar(op, dloss, "dloss");
+  check_same_shape(op, logits, "logits", dlogits, "dlogits");
+  const T* xp = in_data<T>(logits, op, "logits");
+  const T* gp = in_data<T>(dloss, op, "dloss");
+  T* dxp = out_data<T>(dlogits, op, "dlogits");
+  const std::size_t rows = to_size(logits.dim(0));
+  const std::size_t cols = to_size(logits.dim(1));
+  const double g = static_cast<double>(gp[0]) / static_cast<double>(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t label = checked_label(op, lp, r, cols);
+    const T* xr = xp + r * cols;
+    T* dxr = dxp + r * cols;
+    const T mx = row_max(xr, cols);
+    double sum = 0;
+    for (std::size_t j = 0; j < cols; ++j) {
+      dxr[j] = std::exp(xr[j] - mx);
+      sum += dxr[j];
+    }
+    const T scale = static_cast<T>(g / sum);
+    for (std::size_t j = 0; j < cols; ++j) dxr[j] *= scale;
+    dxr[label] -= static_cast<T>(g);
+  }
+}
+
+template <class T>
+void mse_kernel(KernelContext& ctx) {
+  const char* op = "mse";
+  const Tensor& pred = need_input(ctx, 0, op, "pred");
+  const Tensor& target = need_input(ctx, 1, op, "target");
+  Tensor& loss = need_output(ctx, 0, op, "loss");
+  check_same_shape(op, pred, "pred", target, "target");
+  check_scalar(op, loss, "loss");
+  const T* pp = in_data<T>(pred, op, "pred");
+  const T* tp = in_data<T>(target, op, "target");
+  T* out = out_data<T>(loss, op, "loss");
+  const std::size_t n = to_size(pred.numel());
+  double total = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(pp[i]) - static_cast<double>(tp[i]);
+    total += d * d;
+  }
+  out[0] = static_cast<T>(total / static_cast<double>(n));
+}
+
+template <class T>
+void mse_grad_kernel(KernelContext& ctx) {
+  const char* op = "mse_grad";
+  const Tensor& pred = need_input(ctx, 0, op, "pred");
+  const Tensor& target = need_input(ctx, 1, op, "target");
+  const Tensor& dloss = need_input(ctx, 2, op, "dloss");
+  Tensor& dpred = need_output(ctx, 0, op, "dpred");
+  check_same_shape(op, pred, "pred", target, "target");
+  check_same_shape(op, pred, "pred", dpred, "dpred");
+  check_scalar(op, dloss, "dloss");
+  const T* pp = in_data<T>(pred, op, "pred");
+  const T* tp = in_data<T>(target, op, "target");
+  const T* gp = in_data<T>(dloss, op, "dloss");
+  T* dp = out_data<T>(dpred, op, "dpred");
+  const std::size_t n = to_size(pred.numel());
+  const T scale = static_cast<T>(2.0 * static_cast<double>(gp[0]) / static_cast<double>(n));
+  for (std::size_t i = 0; i < n; ++i) dp[i] = scale * (pp[i] - tp[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm over the last axis, without the affine part
+
+struct Moments {
+  double mean = 0;
+  double rstd = 0;  // 1 / sqrt(var + eps), var the biased variance (as torch's layer_norm)
+};
+
+template <class T>
+Moments row_moments(const T* x, std::size_t n, double eps) {
+  double sum = 0;
+  for (std::size_t j = 0; j < n; ++j) sum += x[j];
+  const double mean = sum / static_cast<double>(n);
+  double sq = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    const double d = static_cast<double>(x[j]) - mean;
+    sq += d * d;
+  }
+  return {mean, 1.0 / std::sqrt(sq / static_cast<double>(n) + eps)};
+}
+
+double read_eps(const KernelConfig& cfg, const char* op) {
+  const double eps = read_attrs(cfg, op, [&] { return cfg.attrs.get_double("eps", 1e-5); });
+  if (!(eps >= 0.0)) {
+    throw std::invalid_argument(
+        fmt::format("{} (actor '{}'): attribute eps must be >= 0, got {}", op, cfg.actor, eps));
+  }
+  return eps;
+}
+
+template <class T>
+class LayerNormKernel final : public Kernel {
+ public:
+  explicit LayerNormKernel(double eps) : eps_(eps) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "layer_norm";
+    const Tensor& x = need_input(ctx, 0, op, "x");
+    Tensor& y = need_output(ctx, 0, op, "y");
+    check_same_shape(op, x, "x", y, "y");
+    auto [rows, cols] = last_axis_rows(op, x, "x");
+    const T* xp = in_data<T>(x, op, "x");
+    T* yp = out_data<T>(y, op, "y");
+    for (std::size_t r = 0; r < rows; ++r) {
+      const T* xr = xp + r * cols;
+      T* yr = yp + r * cols;
+      const Moments m = row_moments(xr, cols, eps_);
+      for (std::size_t j = 0; j < cols; ++j) {
+        yr[j] = static_cast<T>((static_cast<double>(xr[j]) - m.mean) * m.rstd);
+      }
+    }
+  }
+
+ private:
+  double eps_;
+};
+
+// dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat = (x - mean) * rstd.
+template <class T>
+class LayerNormGradKernel final : public Kernel {
+ public:
+  explicit LayerNormGradKernel(double eps) : eps_(eps) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "layer_norm_grad";
+    const Tensor& x = need_input(ctx, 0, op, "x");
+    const Tensor& dy = need_input(ctx, 1, op, "dy");
+    Tensor& dx = need_output(ctx, 0, op, "dx");
+    check_same_shape(op, x, "x", dy, "dy");
+    check_same_shape(op, x, "x", dx, "dx");
+    auto [rows, cols] = last_axis_rows(op, x, "x");
+    const T* xp = in_data<T>(x, op, "x");
+    const T* dyp = in_data<T>(dy, op, "dy");
+    T* dxp = out_data<T>(dx, op, "dx");
+    const double inv_n = 1.0 / static_cast<double>(cols);
+    for (std::size_t r = 0; r < rows; ++r) {
+      const T* xr = xp + r * cols;
+      const T* dyr = dyp + r * cols;
+      T* dxr = dxp + r * cols;
+      const Moments m = row_moments(xr, cols, eps_);
+      double sum_dy = 0;
+      double sum_dy_xhat = 0;
+      for (std::size_t j = 0; j < cols; ++j) {
+        const double xhat = (static_cast<double>(xr[j]) - m.mean) * m.rstd;
+        sum_dy += dyr[j];
+        sum_dy_xhat += dyr[j] * xhat;
+      }
+      const double mean_dy = sum_dy * inv_n;
+      const double mean_dy_xhat = sum_dy_xhat * inv_n;
+      for (std::size_t j = 0; j < cols; ++j) {
+        const double xhat = (static_cast<double>(xr[j]) - m.mean) * m.rstd;
+        dxr[j] = static_cast<T>(m.rstd * (dyr[j] - mean_dy - xhat * mean_dy_xhat));
+      }
+    }
+  }
+
+ private:
+  double eps_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+
+// Checks that `rows` is ids' shape followed by [D].
+void check_rows_of_ids(const char* op, const Tensor& ids, const Tensor& rows, const char* role,
+                       std::int64_t d) {
+  Shape want = ids.shape();
+  want.push_back(d);
+  if (rows.shape() != want) {
+    throw std::invalid_argument(
+        fmt::format("{}: {} {} must be ids' shape followed by [{}] ({}), ids {}", op, role,
+                    rows.describe(), d, to_string(want), ids.describe()));
+  }
+}
+
+std::size_t checked_id(const char* op, const std::int32_t* ids, std::size_t i, std::size_t vocab) {
+  const std::int32_t id = ids[i];
+  if (id < 0 || static_cast<std::size_t>(id) >= vocab) {
+    throw std::invalid_argument(
+        fmt::format("{}: id {} at position {} is outside [0, {})", op, id, i, vocab));
+  }
+  return static_cast<std::size_t>(id);
+}
+
+void check_table(const char* op, const Tensor& table, const char* role) {
+  if (table.shape().size() != 2) {
+    throw std::invalid_argument(
+        fmt::format("{}: {} must be [V, D], got {}", op, role, table.describe()));
+  }
+}
+
+template <class T>
+void embedding_kernel(KernelContext& ctx) {
+  const char* op = "embedding";
+  const Tensor& table = need_input(ctx, 0, op, "table");
+  const Tensor& ids = need_input(ctx, 1, op, "ids");
+  Tensor& y = need_output(ctx, 0, op, "y");
+  check_table(op, table, "table");
+  check_dtype(ids, DType::i32, op, "ids");
+  check_rows_of_ids(op, ids, y, "y", table.dim(1));
+  const T* tp = in_data<T>(table, op, "table");
+  const auto* ip = static_cast<const std::int32_t*>(ids.raw());
+  T* yp = out_data<T>(y, op, "y");
+  const std::size_t vocab = to_size(table.dim(0));
+  const std::size_t d = to_size(table.dim(1));
+  const std::size_t n = to_size(ids.numel());
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t id = checked_id(op, ip, i, vocab);
+    if (d != 0) std::memcpy(yp + i * d, tp + id * d, d * sizeof(T));
+  }
+}
+
+// Scatter-add: dtable[id] += dy row, for every position; rows no id names stay zero.
+template <class T>
+void embedding_grad_kernel(KernelContext& ctx) {
+  const char* op = "embedding_grad";
+  const Tensor& ids = need_input(ctx, 0, op, "ids");
+  const Tensor& dy = need_input(ctx, 1, op, "dy");
+  Tensor& dtable = need_output(ctx, 0, op, "dtable");
+  check_table(op, dtable, "dtable");
+  check_dtype(ids, DType::i32, op, "ids");
+  check_rows_of_ids(op, ids, dy, "dy", dtable.dim(1));
+  const auto* ip = static_cast<const std::int32_t*>(ids.raw());
+  const T* dyp = in_data<T>(dy, op, "dy");
+  T* gp = out_data<T>(dtable, op, "dtable");
+  const std::size_t vocab = to_size(dtable.dim(0));
+  const std::size_t d = to_size(dtable.dim(1));
+  const std::size_t n = to_size(ids.numel());
+  std::fill(gp, gp + vocab * d, T(0));
+  for (std::size_t i = 0; i < n; ++i) {
+    T* row = gp + checked_id(op, ip, i, vocab) * d;
+    const T* src = dyp + i * d;
+    for (std::size_t j = 0; j < d; ++j) row[j] += src[j];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal mask
+
+template <class T>
+class CausalMaskKernel final : public Kernel {
+ public:
+  explicit CausalMaskKernel(double value) : value_(static_cast<T>(value)) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "causal_mask";
+    const Tensor& x = need_input(ctx, 0, op, "x");
+    Tensor& y = need_output(ctx, 0, op, "y");
+    check_same_shape(op, x, "x", y, "y");
+    const Shape& s = x.shape();
+    if (s.size() < 2 || s[s.size() - 1] != s[s.size() - 2]) {
+      throw std::invalid_argument(
+          fmt::format("{}: x must be [..., T, T], got {}", op, x.describe()));
+    }
+    const T* xp = in_data<T>(x, op, "x");
+    T* yp = out_data<T>(y, op, "y");
+    const std::size_t t = to_size(s.back());
+    const std::size_t matrices = t == 0 ? 0 : to_size(x.numel()) / (t * t);
+    for (std::size_t m = 0; m < matrices; ++m) {
+      for (std::size_t i = 0; i < t; ++i) {
+        const T* xr = xp + (m * t + i) * t;
+        T* yr = yp + (m * t + i) * t;
+        for (std::size_t j = 0; j <= i; ++j) yr[j] = xr[j];
+        for (std::size_t j = i + 1; j < t; ++j) yr[j] = value_;
+      }
+    }
+  }
+
+ private:
+  T value_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Dropout
+
+// The splitmix64 finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number
+// generators", OOPSLA 2014): a bijective 64-bit mix, so a counter through it is a
+// counter-based generator, and any element's bits are computable alone.
+constexpr std::uint64_t mix64(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+constexpr std::uint64_t golden_gamma = 0x9e3779b97f4a7c15ULL;
+
+template <class T>
+class DropoutKernel final : public Kernel {
+ public:
+  DropoutKernel(double p, std::int64_t seed)
+      : seed_key_(mix64(static_cast<std::uint64_t>(seed) + golden_gamma)),
+        // An element is kept when the top 53 bits of its hash, as an integer, reach p * 2^53:
+        // probability 1 - p, exactly 1 for p = 0 and 0 for p = 1.
+        threshold_(static_cast<std::uint64_t>(std::ceil(p * 9007199254740992.0))),
+        scale_(p < 1.0 ? static_cast<T>(1.0 / (1.0 - p)) : T(0)) {}
+
+  void compute(KernelContext& ctx) override {
+    const char* op = "dropout";
+    const Tensor& x = need_input(ctx, 0, op, "x");
+    Tensor& y = need_output(ctx, 0, op, "y");
+    check_same_shape(op, x, "x", y, "y");
+    const T* xp = in_data<T>(x, op, "x");
+    T* yp = out_data<T>(y, op, "y");
+    const std::size_t n = to_size(x.numel());
+    // Element i of piece `piece` draws splitmix64's output i of a stream keyed by (seed, piece).
+    const std::uint64_t key = mix64(seed_key_ ^ static_cast<std::uint64_t>(ctx.piece));
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t bits = mix64(key + (static_cast<std::uint64_t>(i) + 1) * golden_gamma);
+      yp[i] = (bits >> 11) >= threshold_ ? xp[i] * scale_ : T(0);
+    }
+  }
+
+ private:
+  std::uint64_t seed_key_;
+  std::uint64_t threshold_;
+  T scale_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Registration
+
+template <class T>
+void add_nn_ops_for(KernelRegistry& reg) {
+  constexpr DeviceType cpu = DeviceType::cpu;
+  constexpr DType dt = dtype_of<T>();
+  reg.add_fn("relu", cpu, dt, unary_kernel<T, Relu>);
+  reg.add_fn("gelu", cpu, dt, unary_kernel<T, Gelu>);
+  reg.add_fn("tanh", cpu, dt, unary_kernel<T, Tanh>);
+  reg.add_fn("sigmoid", cpu, dt, unary_kernel<T, Sigmoid>);
+  reg.add_fn("relu_grad", cpu, dt, grad_kernel<T, ReluGrad>);
+  reg.add_fn("gelu_grad", cpu, dt, grad_kernel<T, GeluGrad>);
+  reg.add_fn("tanh_grad", cpu, dt, grad_kernel<T, TanhGrad>);
+  reg.add_fn("sigmoid_grad", cpu, dt, grad_kernel<T, SigmoidGrad>);
+  reg.add_fn("softmax", cpu, dt, softmax_kernel<T>);
+  reg.add_fn("log_softmax", cpu, dt, log_softmax_kernel<T>);
+  reg.add_fn("softmax_grad", cpu, dt, softmax_grad_kernel<T>);
+  reg.add_fn("log_softmax_grad", cpu, dt, log_softmax_grad_kernel<T>);
+  reg.add_fn("softmax_cross_entropy", cpu, dt, cross_entropy_kernel<T>);
+  reg.add_fn("softmax_cross_entropy_grad", cpu, dt, cross_entropy_grad_kernel<T>);
+  reg.add_fn("mse", cpu, dt, mse_kernel<T>);
+  reg.add_fn("mse_grad", cpu, dt, mse_grad_kernel<T>);
+  reg.add_fn("embedding", cpu, dt, embedding_kernel<T>);
+  reg.add_fn("embedding_grad", cpu, dt, embedding_grad_kernel<T>);
+  reg.add("layer_norm", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<LayerNormKernel<T>>(read_eps(cfg, "layer_norm"));
+  });
+  reg.add("layer_norm_grad", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<LayerNormGradKernel<T>>(read_eps(cfg, "layer_norm_grad"));
+  });
+  reg.add("causal_mask", cpu, dt, [](const KernelConfig& cfg) {
+    const double value = read_attrs(cfg, "causal_mask", [&] {
+      return cfg.attrs.get_double("value", -std::numeric_limits<double>::infinity());
+    });
+    return std::make_unique<CausalMaskKernel<T>>(value);
+  });
+  reg.add("dropout", cpu, dt, [](const KernelConfig& cfg) {
+    const char* op = "dropout";
+    // torch.nn.Dropout's default p.
+    const double p = read_attrs(cfg, op, [&] { return cfg.attrs.get_double("p", 0.5); });
+    const std::int64_t seed = read_attrs(cfg, op, [&] { return cfg.attrs.get_int("seed", 0); });
+    if (!(p >= 0.0 && p <= 1.0)) {
+      throw std::invalid_argument(
+          fmt::format("{} (actor '{}'): attribute p must be in [0, 1], got {}", op, cfg.actor, p));
+    }
+    return std::make_unique<DropoutKernel<T>>(p, seed);
+  });
+}
+
+}  // namespace
+
+void add_cpu_nn_ops(KernelRegistry& reg) {
+  add_nn_ops_for<float>(reg);
+  add_nn_ops_for<double>(reg);
+}
 
 }  // namespace baton

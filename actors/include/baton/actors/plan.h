@@ -72,6 +72,10 @@ struct ActorDesc {
   /// Repeat: output pieces per input piece; accumulate: input pieces per output piece.
   std::int32_t group = 1;
   Attrs attrs;
+  /// Stop (and detach from the inputs) once every consumer of every output has detached. False
+  /// for an actor whose acts matter beyond its outputs: a variable must still apply its last
+  /// gradients after the forward pass has stopped reading the weights.
+  bool stops_when_unread = true;
   friend bool operator==(const ActorDesc&, const ActorDesc&) = default;
 };
 

@@ -1,0 +1,255 @@
+// baton-train: trains a model written with the DSL on real data, as a stream of actors.
+//
+//   baton-train --model mlp --data digits --steps 2000 --batch 64 --microbatches 2 --json
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/kernels/data.h"
+#include "models.h"
+
+namespace {
+
+using namespace baton;
+
+struct Options {
+  std::string model = "mlp";
+  std::string data = "digits";
+  std::int64_t steps = 1000;
+  std::int64_t batch = 64;
+  std::int64_t microbatches = 1;
+  std::string optimizer = "adam";
+  double lr = 1e-3;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  std::int64_t warmup = 0;
+  bool cosine = false;
+  double clip = 0.0;
+  std::uint64_t seed = 1;
+  std::int64_t layers = 2;
+  std::int64_t d_model = 64;
+  std::int64_t heads = 4;
+  std::int64_t seq = 32;
+  std::int64_t hidden = 256;
+  int threads = 1;
+  bool json = false;
+  std::string print_plan;
+};
+
+struct Data {
+  std::shared_ptr<const data::Dataset> train, heldout;        // labelled sets
+  std::shared_ptr<const data::TextCorpus> text, text_heldout;  // text
+};
+
+Data load(const Options& o) {
+  Data d;
+  if (o.data == "digits" || o.data == "synthetic") {
+    data::Dataset all = o.data == "digits" ? data::load_digits(data::find_digits_file())
+                                           : data::synthetic(4096, 64, 10, o.seed);
+    auto [train, heldout] = data::split(all, 0.2, o.seed);
+    d.train = std::make_shared<const data::Dataset>(std::move(train));
+    d.heldout = std::make_shared<const data::Dataset>(std::move(heldout));
+  } else if (o.data.rfind("text:", 0) == 0) {
+    data::TextCorpus all = data::load_text(o.data.substr(5));
+    // The last tenth is held out (a contiguous stretch, so no window straddles both).
+    auto cut = static_cast<std::ptrdiff_t>(all.ids.size() * 9 / 10);
+    data::TextCorpus train = all, heldout = all;
+    train.ids.assign(all.ids.begin(), all.ids.begin() + cut);
+    heldout.ids.assign(all.ids.begin() + cut, all.ids.end());
+    d.text = std::make_shared<const data::TextCorpus>(std::move(train));
+    d.text_heldout = std::make_shared<const data::TextCorpus>(std::move(heldout));
+  } else {
+    throw std::invalid_argument(fmt::format("--data {}: expected digits, synthetic or text:PATH", o.data));
+  }
+  return d;
+}
+
+OptimizerConfig optimizer(const Options& o) {
+  OptimizerConfig c = o.optimizer == "sgd"    ? optim::sgd(o.lr, o.momentum, o.weight_decay)
+                      : o.optimizer == "adam" ? optim::adam(o.lr, o.weight_decay)
+                                              : optim::adamw(o.lr, o.weight_decay);
+  c.warmup_steps = o.warmup;
+  c.cosine = o.cosine;
+  c.clip_norm = o.clip;
+  return c;
+}
+
+/// Logits of a model for `batch` rows (builds the model into g).
+Value build(Graph& g, const Options& o, const Data& d, std::int64_t batch) {
+  if (o.model == "mlp") {
+    if (!d.train) throw std::invalid_argument("--model mlp needs labelled data: --data digits or synthetic");
+    return models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes});
+  }
+  if (!d.text) throw std::invalid_argument("--model gpt needs --data text:PATH");
+  return models::gpt(g, batch, {d.text->vocab_size(), o.seq, o.d_model, o.heads, o.layers});
+}
+
+/// Held-out accuracy (labelled data) or loss (text), with the trained weights.
+std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, const ParameterStore& params) {
+  if (d.heldout) {
+    const std::int64_t n = d.heldout->rows();
+    Graph g(o.seed);
+    Value logits = build(g, o, d, n);
+    auto loss = softmax_cross_entropy(logits, g.find("label"));
+    auto out = evaluate(g, {{"x", d.heldout->features}, {"label", d.heldout->labels}}, {logits, loss}, params);
+    auto l = out[0].data<float>();
+    auto y = d.heldout->labels.data<std::int32_t>();
+    const std::int64_t c = out[0].dim(1);
+    std::int64_t right = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      auto row = l.subspan(static_cast<std::size_t>(i * c), static_cast<std::size_t>(c));
+      if (std::max_element(row.begin(), row.end()) - row.begin() == y[static_cast<std::size_t>(i)]) ++right;
+    }
+    return {static_cast<double>(right) / static_cast<double>(n), out[1].data<float>()[0]};
+  }
+  // Text: the mean loss over consecutive held-out windows.
+  const std::int64_t rows = 16, t = o.seq;
+  const auto& ids = d.text_heldout->ids;
+  const std::int64_t windows = std::min<std::int64_t>(rows, (static_cast<std::int64_t>(ids.size()) - 1) / t);
+  if (windows < 1) return {NAN, NAN};
+  Graph g(o.seed);
+  Value logits = build(g, o, d, windows);
+  auto loss = softmax_cross_entropy(logits, g.find("targets"));
+  Tensor tokens = Tensor::empty({windows, t}, i32), targets = Tensor::empty({windows * t}, i32);
+  for (std::int64_t i = 0; i < windows * t; ++i) {
+    tokens.data<std::int32_t>()[static_cast<std::size_t>(i)] = ids[static_cast<std::size_t>(i)];
+    targets.data<std::int32_t>()[static_cast<std::size_t>(i)] = ids[static_cast<std::size_t>(i + 1)];
+  }
+  auto out = evaluate(g, {{"tokens", tokens}, {"targets", targets}}, {loss}, params);
+  return {NAN, out[0].data<float>()[0]};
+}
+
+int run(const Options& o) {
+  const Data d = load(o);
+  if (o.batch % o.microbatches != 0) {
+    throw std::invalid_argument(fmt::format("--batch {} is not a multiple of --microbatches {}", o.batch, o.microbatches));
+  }
+  const std::int64_t mb = o.batch / o.microbatches;
+  Graph g(o.seed);
+  Value logits = build(g, o, d, mb);
+  const bool text = o.model == "gpt";
+  Value loss = softmax_cross_entropy(logits, g.find(text ? "targets" : "label")).named("loss");
+  TrainConfig cfg;
+  cfg.steps = o.steps;
+  cfg.microbatches = o.microbatches;
+  cfg.optimizer = optimizer(o);
+  cfg.threads = o.threads;
+  if (text) {
+    cfg.data = {{"text", data::text_source(d.text, o.batch, o.microbatches, o.seq, o.seed), {"tokens", "targets"}}};
+  } else {
+    cfg.data = {{o.data, data::batch_source(d.train, o.batch, o.microbatches, o.seed), {"x", "label"}}};
+  }
+  TrainingJob job = compile_training(g, loss, cfg);
+  if (!o.print_plan.empty()) {
+    fmt::print("{}", o.print_plan == "dot" ? job.plan.to_dot() : job.plan.to_text());
+    return 0;
+  }
+  if (!o.json) {
+    std::size_t weights = 0;
+    for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
+    fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({} x {}) | {} lr {}\n",
+               o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
+               o.microbatches, mb, o.optimizer, o.lr);
+  }
+  Runtime rt(job.plan, job.kernels);
+  RunReport report;
+  std::exception_ptr failure;
+  std::thread runner([&] {
+    try {
+      report = rt.run();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool tty = isatty(fileno(stdout)) != 0;
+  std::int64_t printed = 0;
+  while (job.losses->steps_done() < o.steps && !failure) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (o.json) continue;
+    std::int64_t done = job.losses->steps_done();
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    bool line_due = tty || done >= printed + std::max<std::int64_t>(1, o.steps / 10);
+    if (done == 0 || !line_due) continue;
+    printed = done;
+    auto losses = job.losses->per_step();
+    double rate = static_cast<double>(done * o.batch) / secs;
+    double eta = static_cast<double>(o.steps - done) * secs / static_cast<double>(done);
+    fmt::print("{}step {:>6}/{}  loss {:.4f}  {:>9.0f} samples/s  ETA {:.1f} s{}", tty ? "\r" : "", done, o.steps,
+               losses.empty() ? NAN : losses.back(), rate, eta, tty ? "   " : "\n");
+    std::fflush(stdout);
+  }
+  runner.join();
+  if (failure) std::rethrow_exception(failure);
+  auto losses = job.losses->per_step();
+  auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
+  const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;
+  if (o.json) {
+    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"microbatches\": {}, "
+               "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
+               "\"wall_s\": {:.6g}}}\n",
+               o.model, o.data, o.steps, o.batch, o.microbatches, losses.back(),
+               std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
+               std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s);
+  } else {
+    fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {:.4f}", tty ? "\n" : "",
+               o.steps, report.wall_s, samples_per_s, losses.back(), eval_loss);
+    if (!std::isnan(accuracy)) fmt::print(", accuracy {:.2f}%", 100 * accuracy);
+    fmt::print("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"baton-train: train a model on real data as a stream of actors"};
+  app.add_option("--model", o.model, "mlp or gpt")->check(CLI::IsMember({"mlp", "gpt"}));
+  app.add_option("--data", o.data, "digits, synthetic or text:PATH");
+  app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--batch", o.batch, "global batch per step")->check(CLI::PositiveNumber);
+  app.add_option("--microbatches", o.microbatches, "micro-batches per step (gradient accumulation)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--optimizer", o.optimizer, "sgd, adam or adamw")->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  app.add_option("--lr", o.lr, "learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--momentum", o.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--weight-decay", o.weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", o.warmup, "linear warm-up steps")->check(CLI::NonNegativeNumber);
+  app.add_flag("--cosine", o.cosine, "cosine decay after the warm-up");
+  app.add_option("--clip", o.clip, "clip gradients to this global norm (0: off)")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", o.seed, "seed for weights, shuffling and dropout");
+  app.add_option("--layers", o.layers, "hidden layers (mlp) or blocks (gpt)")->check(CLI::PositiveNumber);
+  app.add_option("--hidden", o.hidden, "mlp hidden width")->check(CLI::PositiveNumber);
+  app.add_option("--d-model", o.d_model, "gpt width")->check(CLI::PositiveNumber);
+  app.add_option("--heads", o.heads, "gpt attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--seq", o.seq, "gpt context length")->check(CLI::PositiveNumber);
+  app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
+  app.add_flag("--json", o.json, "print one JSON object as the last line");
+  app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")
+      ->expected(0, 1)
+      ->default_str("text")
+      ->check(CLI::IsMember({"text", "dot"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (app.count("--print-plan") && o.print_plan.empty()) o.print_plan = "text";
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "baton-train: error: {}\n", e.what());
+    return 1;
+  }
+}

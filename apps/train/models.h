@@ -1,0 +1,34 @@
+#pragma once
+// The models baton-train knows, written with the DSL.
+#include <cstdint>
+
+#include "baton/graph.h"
+
+namespace baton::models {
+
+struct MlpShape {
+  std::int64_t inputs = 64;
+  std::int64_t hidden = 256;
+  std::int64_t layers = 2;  // hidden layers
+  std::int64_t classes = 10;
+};
+
+/// x [batch, inputs] -> `layers` x (Linear + ReLU) -> Linear -> logits [batch, classes].
+/// Returns the logits; the graph gets inputs "x" and "label" (i32 [batch]).
+Value mlp(Graph& g, std::int64_t batch, const MlpShape& s);
+
+struct GptShape {
+  std::int64_t vocab = 64;
+  std::int64_t seq = 32;
+  std::int64_t d_model = 64;
+  std::int64_t heads = 4;
+  std::int64_t layers = 2;
+};
+
+/// A GPT-style decoder: token + position embeddings, `layers` pre-norm blocks of causal
+/// multi-head attention and a GELU MLP (4 x d_model), a final layer norm and a linear head.
+/// Inputs "tokens" (i32 [batch, seq]) and "targets" (i32 [batch * seq]); returns the logits
+/// [batch * seq, vocab].
+Value gpt(Graph& g, std::int64_t batch, const GptShape& s);
+
+}  // namespace baton::models

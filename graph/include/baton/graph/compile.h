@@ -1,0 +1,119 @@
+#pragma once
+/// The compiler: a graph becomes a plan of actors for one device. One actor per op; a variable
+/// actor per weight that applies its optimizer; repeat actors so the M micro-batches of a step
+/// read one weight; accumulate actors so their M gradients sum into one; the register slot
+/// counts chosen here. A step of M micro-batches is exactly synchronous SGD over the whole batch.
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "baton/actors/plan.h"
+#include "baton/graph/graph.h"
+#include "baton/kernels/kernel.h"
+
+namespace baton {
+
+/// How weights are updated; see torch.optim for the meaning of each field.
+struct OptimizerConfig {
+  enum class Kind : std::uint8_t { sgd, adam, adamw };
+  Kind kind = Kind::sgd;
+  double lr = 0.01;
+  double momentum = 0.0;  // sgd
+  bool nesterov = false;  // sgd
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adam, adamw
+  double weight_decay = 0.0;
+  /// Learning-rate schedule: linear warm-up over `warmup_steps`, then (if `cosine`) a cosine
+  /// decay to min_lr_ratio * lr at the last step.
+  std::int64_t warmup_steps = 0;
+  bool cosine = false;
+  double min_lr_ratio = 0.0;
+  /// Clip gradients by their global norm (over every weight) when > 0.
+  double clip_norm = 0.0;
+};
+
+namespace optim {
+OptimizerConfig sgd(double lr, double momentum = 0.0, double weight_decay = 0.0);
+OptimizerConfig adam(double lr, double weight_decay = 0.0);
+OptimizerConfig adamw(double lr, double weight_decay = 0.01);
+}  // namespace optim
+
+/// Every weight's value, by variable name. The compiled plan's variable actors read their
+/// initial values here and write the trained ones back, so after Runtime::run() this holds the
+/// result (and evaluate() reads it).
+class ParameterStore {
+ public:
+  /// Initial values from each variable's initializer, seeded by the graph's seed and the name.
+  static std::shared_ptr<ParameterStore> initialize(Graph& g);
+  Tensor& at(const std::string& name);
+  const Tensor& at(const std::string& name) const;
+  bool contains(const std::string& name) const { return values_.count(name) != 0; }
+  void set(const std::string& name, Tensor t) { values_[name] = std::move(t); }
+  const std::map<std::string, Tensor>& values() const { return values_; }
+
+ private:
+  std::map<std::string, Tensor> values_;
+};
+
+/// Losses as the loss actor reports them (any thread may read while the job runs).
+class LossLog {
+ public:
+  explicit LossLog(std::int64_t microbatches) : microbatches_(microbatches) {}
+  void record(std::int64_t piece, double value);
+  /// Steps whose every micro-batch has reported.
+  std::int64_t steps_done() const { return steps_done_.load(std::memory_order_acquire); }
+  /// Mean loss of each finished step (the mean over its micro-batches).
+  std::vector<double> per_step() const;
+
+ private:
+  std::int64_t microbatches_;
+  mutable std::mutex mutex_;
+  std::vector<double> sums_;
+  std::vector<std::int64_t> counts_;
+  std::atomic<std::int64_t> steps_done_{0};
+};
+
+/// A source of micro-batches for some of the graph's inputs: a kernel (e.g. from
+/// baton::data::batch_source) whose outputs feed `inputs`, in order.
+struct DataBinding {
+  std::string name;
+  KernelFactory source;
+  std::vector<std::string> inputs;
+};
+
+struct TrainConfig {
+  std::int64_t steps = 1;
+  std::int64_t microbatches = 1;
+  OptimizerConfig optimizer{};
+  std::vector<DataBinding> data;
+  /// Worker threads: 1 puts every actor on one; 2 puts the forward pass (and data) on one and
+  /// the backward pass and optimizers on the other, so micro-batches pipeline.
+  int threads = 1;
+  /// Slots of an activation register (how far forward may run ahead of backward).
+  std::int32_t activation_slots = 2;
+};
+
+/// What the runtime needs to train: the plan, the kernels it names (the built-in ops plus this
+/// job's data, variable and loss kernels) and where results land.
+struct TrainingJob {
+  Plan plan;
+  KernelRegistry kernels;
+  std::shared_ptr<ParameterStore> params;
+  std::shared_ptr<LossLog> losses;
+};
+
+/// Compiles the training of `loss` (a scalar) over every trainable variable it depends on.
+/// `params` defaults to a fresh ParameterStore::initialize(g). Throws GraphError for a bad graph
+/// (an input no DataBinding feeds, shapes that do not match, ...).
+TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg,
+                             std::shared_ptr<ParameterStore> params = nullptr);
+
+/// Runs the graph once (no training) on the given inputs with the weights in `params` and
+/// returns the fetched values. For evaluation and for tests.
+std::vector<Tensor> evaluate(Graph& g, const std::map<std::string, Tensor>& feeds,
+                             const std::vector<Value>& fetches, const ParameterStore& params);
+
+}  // namespace baton

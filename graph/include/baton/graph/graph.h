@@ -1,0 +1,128 @@
+#pragma once
+/// The logical graph users write a model in: inputs, variables and ops, with shapes and dtypes
+/// inferred as it is built. Handles (Value) are cheap; the Graph owns the nodes.
+///
+///   baton::Graph g;
+///   auto x  = g.input("x", {32, 64});
+///   auto y  = g.input("label", {32}, baton::i32);
+///   auto w1 = g.variable("w1", {64, 256}, baton::init::xavier());
+///   auto b1 = g.variable("b1", {256}, baton::init::zeros());
+///   auto h  = relu(matmul(x, w1) + b1);
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "baton/kernels/attrs.h"
+#include "baton/kernels/dtype.h"
+#include "baton/kernels/tensor.h"
+
+namespace baton {
+
+class Graph;
+
+/// A graph mistake found while building (mismatched shapes, wrong dtypes, a loss that is not a
+/// scalar, an op without a gradient where one is needed): names the op and its inputs.
+class GraphError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// How a variable starts. Every initializer draws from a generator seeded by the graph's seed and
+/// the variable's name, so the same seed gives the same weights on every run and every rank.
+struct Init {
+  enum class Kind : std::uint8_t { zeros, constant, uniform, normal, xavier_uniform, kaiming_uniform };
+  Kind kind = Kind::zeros;
+  double a = 0;  // constant: value; uniform: low; normal: mean
+  double b = 0;  // uniform: high; normal: stddev
+};
+
+namespace init {
+inline Init zeros() { return {Init::Kind::zeros}; }
+inline Init ones() { return {Init::Kind::constant, 1.0}; }
+inline Init constant(double v) { return {Init::Kind::constant, v}; }
+inline Init uniform(double lo, double hi) { return {Init::Kind::uniform, lo, hi}; }
+inline Init normal(double mean, double stddev) { return {Init::Kind::normal, mean, stddev}; }
+/// Glorot: U(-a, a), a = sqrt(6 / (fan_in + fan_out)) over the last two dimensions.
+inline Init xavier() { return {Init::Kind::xavier_uniform}; }
+/// He / PyTorch Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+inline Init kaiming() { return {Init::Kind::kaiming_uniform}; }
+}  // namespace init
+
+/// One node: an op applied to earlier nodes. Inputs and variables are nodes too.
+struct Node {
+  std::string op;    // "input", "variable", "matmul", ...
+  std::string name;  // unique in the graph
+  std::vector<int> inputs;
+  Attrs attrs;
+  Shape shape;
+  DType dtype = DType::f32;
+  Init init{};             // variables only
+  bool trainable = false;  // variables only
+};
+
+/// A handle to a node's output. Cheap to copy; valid while its Graph lives.
+class Value {
+ public:
+  Value() = default;
+  Value(Graph* g, int id) : graph_(g), id_(id) {}
+
+  bool valid() const { return graph_ != nullptr; }
+  Graph& graph() const;
+  int id() const { return id_; }
+  const Node& node() const;
+  const Shape& shape() const { return node().shape; }
+  DType dtype() const { return node().dtype; }
+  const std::string& name() const { return node().name; }
+  std::int64_t dim(int i) const;
+  int rank() const { return static_cast<int>(shape().size()); }
+  /// Renames the node (names must stay unique); returns *this for chaining.
+  Value named(std::string name) const;
+  /// "h1 f32[32, 256]"
+  std::string describe() const;
+
+ private:
+  Graph* graph_ = nullptr;
+  int id_ = -1;
+};
+
+class Graph {
+ public:
+  explicit Graph(std::uint64_t seed = 0) : seed_(seed) {}
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  Graph(Graph&&) = default;
+
+  /// A tensor fed from outside for every micro-batch (data, labels).
+  Value input(std::string name, Shape shape, DType dtype = DType::f32);
+  /// A weight: trainable by default, initialised from the graph's seed and its name.
+  Value variable(std::string name, Shape shape, Init init = init::xavier(), DType dtype = DType::f32);
+  /// A tensor of one repeated value.
+  Value constant(double value, Shape shape, DType dtype = DType::f32);
+
+  /// Adds a node after the caller inferred its shape and dtype (the DSL's ops use this).
+  Value add(std::string op, std::vector<Value> inputs, Attrs attrs, Shape shape, DType dtype);
+
+  const Node& node(int id) const { return nodes_.at(static_cast<std::size_t>(id)); }
+  Node& node_mut(int id) { return nodes_.at(static_cast<std::size_t>(id)); }
+  int size() const { return static_cast<int>(nodes_.size()); }
+  std::uint64_t seed() const { return seed_; }
+  Value value(int id) { return Value(this, id); }
+  /// The node with this name, or an invalid Value.
+  Value find(const std::string& name);
+  std::vector<Value> variables();
+  std::vector<Value> inputs();
+
+  /// One line per node: "h1 = relu(mm1) f32[32, 256]".
+  std::string to_text() const;
+  /// Graphviz, inputs and variables as ellipses.
+  std::string to_dot() const;
+
+ private:
+  std::string unique_name(const std::string& base);
+  std::vector<Node> nodes_;
+  std::uint64_t seed_;
+  int counter_ = 0;
+};
+
+}  // namespace baton

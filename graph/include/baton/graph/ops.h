@@ -1,0 +1,71 @@
+#pragma once
+/// The DSL's ops. Each infers its output's shape and dtype when called and throws GraphError
+/// naming the op, its inputs and their shapes if they do not fit.
+#include <cstdint>
+#include <vector>
+
+#include "baton/graph/graph.h"
+
+namespace baton {
+
+/// a [..., M, K] x b [K, N] (a shared weight) or [..., K, N] (same batch dims) -> [..., M, N];
+/// trans_a / trans_b read a or b transposed in their last two dimensions.
+Value matmul(Value a, Value b, bool trans_a = false, bool trans_b = false);
+
+/// Elementwise with numpy broadcasting.
+Value operator+(Value a, Value b);
+Value operator-(Value a, Value b);
+Value operator*(Value a, Value b);
+Value operator/(Value a, Value b);
+Value operator*(Value a, double s);
+Value operator*(double s, Value a);
+Value operator/(Value a, double s);
+Value operator-(Value a);
+
+Value relu(Value x);
+/// The exact (erf) form, PyTorch's default.
+Value gelu(Value x);
+Value tanh(Value x);
+Value sigmoid(Value x);
+/// Over the last axis.
+Value softmax(Value x);
+Value log_softmax(Value x);
+
+/// Mean cross-entropy of logits [N, C] against integer labels [N] (i32): a scalar.
+Value softmax_cross_entropy(Value logits, Value labels);
+/// Mean squared error: a scalar.
+Value mse(Value prediction, Value target);
+
+/// One extent may be -1 (inferred).
+Value reshape(Value x, Shape shape);
+/// y.shape[i] = x.shape[perm[i]].
+Value transpose(Value x, std::vector<std::int64_t> perm);
+/// Over `axes` (all if empty); negative axes count from the end.
+Value sum(Value x, std::vector<std::int64_t> axes = {}, bool keepdims = false);
+Value mean(Value x, std::vector<std::int64_t> axes = {}, bool keepdims = false);
+
+/// (x - mean) / sqrt(var + eps) over the last axis, times gamma plus beta (both [D]).
+Value layer_norm(Value x, Value gamma, Value beta, double eps = 1e-5);
+/// Without the affine part.
+Value layer_norm(Value x, double eps = 1e-5);
+/// Rows of table [V, D] picked by integer ids [...] -> [..., D].
+Value embedding(Value table, Value ids);
+/// Scores [..., T, T] with the entries above the diagonal set to -infinity (attention can
+/// only look back).
+Value causal_mask(Value scores);
+/// Zeroes each element with probability p (and scales the rest by 1/(1-p)); the mask depends on
+/// the graph's seed, this op and the micro-batch, so a run is reproducible.
+Value dropout(Value x, double p);
+/// x[..., start:end, ...] along `axis`.
+Value slice(Value x, std::int64_t axis, std::int64_t start, std::int64_t end);
+Value concat(const std::vector<Value>& xs, std::int64_t axis);
+
+/// Lower-level ops that autodiff emits (usable directly too).
+Value sum_to(Value x, Shape shape);
+Value broadcast_to(Value x, Shape shape);
+Value scale(Value x, double s);
+
+/// The numpy broadcast of two shapes; throws GraphError naming `op` if they do not broadcast.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op, const Value& va, const Value& vb);
+
+}  // namespace baton

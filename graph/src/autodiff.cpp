@@ -1,0 +1,148 @@
+// Reverse-mode autodiff on the logical graph. Node ids are a topological order (a node's inputs
+// always come before it), so one backward sweep in decreasing id order visits every node after
+// all of its consumers.
+#include "baton/graph/autodiff.h"
+
+#include <fmt/format.h>
+
+#include "baton/graph/ops.h"
+
+namespace baton {
+
+namespace {
+
+Value add_grad_op(const char* op, std::vector<Value> inputs, Attrs attrs, const Value& like) {
+  return like.graph().add(op, std::move(inputs), std::move(attrs), like.shape(), like.dtype());
+}
+
+[[noreturn]] void no_gradient(const Node& n, std::size_t input, const Graph& g) {
+  throw GraphError(fmt::format("op '{}' ('{}') has no gradient with respect to its input {} ('{}'), which the loss "
+                               "needs to differentiate",
+                               n.op, n.name, input, g.node(n.inputs[input]).name));
+}
+
+// The gradient of node `y` = op(inputs) with respect to input `i`, given dy.
+Value input_gradient(Value y, std::size_t i, Value dy) {
+  Graph& g = y.graph();
+  const Node n = y.node();  // a copy: the ops below add nodes, which may move the node vector
+  const std::string& op = n.op;
+  auto in = [&](std::size_t k) { return g.value(n.inputs[k]); };
+  Value x = in(i);
+
+  if (op == "add") return sum_to(dy, x.shape());
+  if (op == "sub") return sum_to(i == 0 ? dy : -dy, x.shape());
+  if (op == "mul") return sum_to(dy * in(1 - i), x.shape());
+  if (op == "div") {
+    if (i == 0) return sum_to(dy / in(1), x.shape());
+    return sum_to(-(dy * y / in(1)), x.shape());
+  }
+  if (op == "scale") return scale(dy, n.attrs.get_double("value", 1.0));
+  if (op == "matmul") {
+    const bool ta = n.attrs.get_int("trans_a", 0) != 0;
+    const bool tb = n.attrs.get_int("trans_b", 0) != 0;
+    Value a = in(0), b = in(1);
+    const bool shared_b = b.rank() == 2 && a.rank() > 2;
+    if (i == 0) {
+      if (!ta) return matmul(dy, b, false, !tb);
+      if (shared_b) no_gradient(n, i, g);
+      return matmul(b, dy, tb, true);
+    }
+    if (shared_b) {
+      if (ta) no_gradient(n, i, g);
+      // dB sums over every batch row: fold the batch into the rows first.
+      Value a2 = reshape(a, {-1, a.dim(-1)});
+      Value dy2 = reshape(dy, {-1, dy.dim(-1)});
+      return tb ? matmul(dy2, a2, true, false) : matmul(a2, dy2, true, false);
+    }
+    return tb ? matmul(dy, a, true, ta) : matmul(a, dy, !ta, false);
+  }
+  if (op == "relu" || op == "gelu") return add_grad_op(op == "relu" ? "relu_grad" : "gelu_grad", {x, dy}, {}, x);
+  if (op == "tanh" || op == "sigmoid") return add_grad_op(op == "tanh" ? "tanh_grad" : "sigmoid_grad", {y, dy}, {}, x);
+  if (op == "softmax" || op == "log_softmax") {
+    return add_grad_op(op == "softmax" ? "softmax_grad" : "log_softmax_grad", {y, dy}, {}, x);
+  }
+  if (op == "softmax_cross_entropy") {
+    if (i == 1) no_gradient(n, i, g);
+    return add_grad_op("softmax_cross_entropy_grad", {in(0), in(1), dy}, {}, x);
+  }
+  if (op == "mse") {
+    Value d = add_grad_op("mse_grad", {in(0), in(1), dy}, {}, in(0));
+    return i == 0 ? d : -d;
+  }
+  if (op == "reshape") return reshape(dy, x.shape());
+  if (op == "transpose") {
+    auto perm = std::get<std::vector<std::int64_t>>(n.attrs.values().at("perm"));
+    std::vector<std::int64_t> inverse(perm.size());
+    for (std::size_t k = 0; k < perm.size(); ++k) inverse[static_cast<std::size_t>(perm[k])] = static_cast<std::int64_t>(k);
+    return transpose(dy, inverse);
+  }
+  if (op == "sum" || op == "mean") {
+    auto axes = std::get<std::vector<std::int64_t>>(n.attrs.values().at("axes"));
+    Shape kept = x.shape();
+    std::int64_t count = 1;
+    for (auto a : axes) {
+      count *= kept[static_cast<std::size_t>(a)];
+      kept[static_cast<std::size_t>(a)] = 1;
+    }
+    Value d = broadcast_to(dy.shape() == kept ? dy : reshape(dy, kept), x.shape());
+    return op == "mean" ? scale(d, 1.0 / static_cast<double>(count)) : d;
+  }
+  if (op == "layer_norm") return add_grad_op("layer_norm_grad", {x, dy}, Attrs{{"eps", n.attrs.get_double("eps", 1e-5)}}, x);
+  if (op == "embedding") {
+    if (i == 1) no_gradient(n, i, g);
+    return add_grad_op("embedding_grad", {in(1), dy}, {}, x);
+  }
+  if (op == "causal_mask") return add_grad_op("causal_mask", {dy}, Attrs{{"value", 0.0}}, x);
+  if (op == "dropout") return add_grad_op("dropout", {dy}, n.attrs, x);
+  if (op == "slice") {
+    return add_grad_op("slice_grad", {dy}, Attrs{{"axis", n.attrs.get_int("axis", 0)}, {"start", n.attrs.get_int("start", 0)}}, x);
+  }
+  if (op == "concat") {
+    const auto axis = n.attrs.get_int("axis", 0);
+    std::int64_t offset = 0;
+    for (std::size_t k = 0; k < i; ++k) offset += g.node(n.inputs[k]).shape[static_cast<std::size_t>(axis)];
+    return slice(dy, axis, offset, offset + x.shape()[static_cast<std::size_t>(axis)]);
+  }
+  if (op == "sum_to") return broadcast_to(dy, x.shape());
+  if (op == "broadcast_to") return sum_to(dy, x.shape());
+  no_gradient(n, i, g);
+}
+
+}  // namespace
+
+std::vector<Value> gradients(Value loss, const std::vector<Value>& wrt, double seed) {
+  Graph& g = loss.graph();
+  if (!loss.shape().empty()) {
+    throw GraphError(fmt::format("the loss must be a scalar; {} is not (reduce it with mean() or sum())", loss.describe()));
+  }
+  const int end = loss.id() + 1;
+  // Which nodes lie on a path from some w to the loss.
+  std::vector<bool> depends(static_cast<std::size_t>(end), false);
+  for (const Value& w : wrt) {
+    if (&w.graph() != &g) throw GraphError("gradients(): a variable belongs to another graph");
+    if (w.id() < end) depends[static_cast<std::size_t>(w.id())] = true;
+  }
+  for (int id = 0; id < end; ++id) {
+    for (int in : g.node(id).inputs) {
+      if (depends[static_cast<std::size_t>(in)]) depends[static_cast<std::size_t>(id)] = true;
+    }
+  }
+  std::vector<Value> grad(static_cast<std::size_t>(end));
+  grad[static_cast<std::size_t>(loss.id())] = g.constant(seed, {}, loss.dtype()).named(fmt::format("d{}", loss.name()));
+  for (int id = end - 1; id >= 0; --id) {
+    Value dy = grad[static_cast<std::size_t>(id)];
+    if (!dy.valid() || !depends[static_cast<std::size_t>(id)]) continue;
+    const std::vector<int> inputs = g.node(id).inputs;  // copy: adding nodes may move the vector
+    for (std::size_t k = 0; k < inputs.size(); ++k) {
+      const auto in = static_cast<std::size_t>(inputs[k]);
+      if (!depends[in]) continue;
+      Value d = input_gradient(g.value(id), k, dy);
+      grad[in] = grad[in].valid() ? grad[in] + d : d;
+    }
+  }
+  std::vector<Value> out;
+  for (const Value& w : wrt) out.push_back(w.id() < end ? grad[static_cast<std::size_t>(w.id())] : Value{});
+  return out;
+}
+
+}  // namespace baton

@@ -1,0 +1,278 @@
+// The DSL's ops: shape and dtype inference at build time, with errors that name the op, its
+// inputs and their shapes.
+#include "baton/graph/ops.h"
+
+#include <algorithm>
+#include <limits>
+
+#include <fmt/format.h>
+
+namespace baton {
+
+namespace {
+
+bool is_float(DType t) { return t == DType::f32 || t == DType::f64; }
+
+[[noreturn]] void fail(const char* op, const std::vector<Value>& inputs, const std::string& why) {
+  std::string args;
+  for (const auto& v : inputs) args += fmt::format("{}{}", args.empty() ? "" : ", ", v.describe());
+  throw GraphError(fmt::format("{}({}): {}", op, args, why));
+}
+
+void need_float(const char* op, const std::vector<Value>& inputs) {
+  for (const auto& v : inputs) {
+    if (!is_float(v.dtype())) fail(op, inputs, fmt::format("'{}' must be f32 or f64", v.name()));
+  }
+}
+
+void same_dtype(const char* op, const std::vector<Value>& inputs) {
+  for (const auto& v : inputs) {
+    if (v.dtype() != inputs[0].dtype()) fail(op, inputs, "inputs differ in dtype");
+  }
+}
+
+Value unary(const char* op, Value x, Attrs attrs = {}) {
+  need_float(op, {x});
+  return x.graph().add(op, {x}, std::move(attrs), x.shape(), x.dtype());
+}
+
+Value binary(const char* op, Value a, Value b) {
+  need_float(op, {a, b});
+  same_dtype(op, {a, b});
+  Shape s = broadcast_shapes(a.shape(), b.shape(), op, a, b);
+  return a.graph().add(op, {a, b}, {}, std::move(s), a.dtype());
+}
+
+std::int64_t norm_axis(std::int64_t axis, std::size_t rank, const char* op, const std::vector<Value>& in) {
+  auto r = static_cast<std::int64_t>(rank);
+  std::int64_t a = axis < 0 ? axis + r : axis;
+  if (a < 0 || a >= r) fail(op, in, fmt::format("axis {} is out of range for rank {}", axis, r));
+  return a;
+}
+
+}  // namespace
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op, const Value& va, const Value& vb) {
+  const std::size_t r = std::max(a.size(), b.size());
+  Shape out(r);
+  for (std::size_t i = 0; i < r; ++i) {
+    std::int64_t da = i < r - a.size() ? 1 : a[i - (r - a.size())];
+    std::int64_t db = i < r - b.size() ? 1 : b[i - (r - b.size())];
+    if (da != db && da != 1 && db != 1) {
+      fail(op, {va, vb}, fmt::format("shapes {} and {} do not broadcast", to_string(a), to_string(b)));
+    }
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+Value matmul(Value a, Value b, bool trans_a, bool trans_b) {
+  const char* op = "matmul";
+  need_float(op, {a, b});
+  same_dtype(op, {a, b});
+  if (a.rank() < 2 || b.rank() < 2) fail(op, {a, b}, "both inputs need at least 2 dimensions");
+  std::int64_t m = trans_a ? a.dim(-1) : a.dim(-2);
+  std::int64_t ka = trans_a ? a.dim(-2) : a.dim(-1);
+  std::int64_t kb = trans_b ? b.dim(-1) : b.dim(-2);
+  std::int64_t n = trans_b ? b.dim(-2) : b.dim(-1);
+  if (ka != kb) fail(op, {a, b}, fmt::format("inner dimensions {} and {} differ", ka, kb));
+  Shape batch_a(a.shape().begin(), a.shape().end() - 2);
+  Shape batch_b(b.shape().begin(), b.shape().end() - 2);
+  if (!batch_b.empty() && batch_b != batch_a) {
+    fail(op, {a, b}, "b must be 2-D (a shared weight) or have a's batch dimensions");
+  }
+  Shape out = batch_a;
+  out.push_back(m);
+  out.push_back(n);
+  return a.graph().add(op, {a, b}, Attrs{{"trans_a", std::int64_t{trans_a}}, {"trans_b", std::int64_t{trans_b}}},
+                       std::move(out), a.dtype());
+}
+
+Value operator+(Value a, Value b) { return binary("add", a, b); }
+Value operator-(Value a, Value b) { return binary("sub", a, b); }
+Value operator*(Value a, Value b) { return binary("mul", a, b); }
+Value operator/(Value a, Value b) { return binary("div", a, b); }
+Value scale(Value x, double s) { return unary("scale", x, Attrs{{"value", s}}); }
+Value operator*(Value a, double s) { return scale(a, s); }
+Value operator*(double s, Value a) { return scale(a, s); }
+Value operator/(Value a, double s) { return scale(a, 1.0 / s); }
+Value operator-(Value a) { return scale(a, -1.0); }
+
+Value relu(Value x) { return unary("relu", x); }
+Value gelu(Value x) { return unary("gelu", x); }
+Value tanh(Value x) { return unary("tanh", x); }
+Value sigmoid(Value x) { return unary("sigmoid", x); }
+Value softmax(Value x) {
+  if (x.rank() < 1) fail("softmax", {x}, "needs at least 1 dimension");
+  return unary("softmax", x);
+}
+Value log_softmax(Value x) {
+  if (x.rank() < 1) fail("log_softmax", {x}, "needs at least 1 dimension");
+  return unary("log_softmax", x);
+}
+
+Value softmax_cross_entropy(Value logits, Value labels) {
+  const char* op = "softmax_cross_entropy";
+  need_float(op, {logits});
+  if (labels.dtype() != DType::i32) fail(op, {logits, labels}, "labels must be i32 class indices");
+  if (logits.rank() != 2) fail(op, {logits, labels}, "logits must be [N, C]");
+  if (labels.shape() != Shape{logits.dim(0)}) fail(op, {logits, labels}, "labels must be [N], one per row of logits");
+  return logits.graph().add(op, {logits, labels}, {}, Shape{}, logits.dtype());
+}
+
+Value mse(Value prediction, Value target) {
+  const char* op = "mse";
+  need_float(op, {prediction, target});
+  same_dtype(op, {prediction, target});
+  if (prediction.shape() != target.shape()) fail(op, {prediction, target}, "shapes differ");
+  return prediction.graph().add(op, {prediction, target}, {}, Shape{}, prediction.dtype());
+}
+
+Value reshape(Value x, Shape shape) {
+  std::int64_t known = 1;
+  int inferred = -1;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      if (inferred >= 0) fail("reshape", {x}, "more than one extent is -1");
+      inferred = static_cast<int>(i);
+    } else if (shape[i] < 0) {
+      fail("reshape", {x}, fmt::format("bad target shape {}", to_string(shape)));
+    } else {
+      known *= shape[i];
+    }
+  }
+  const std::int64_t total = numel(x.shape());
+  if (inferred >= 0) {
+    if (known == 0 || total % known != 0) {
+      fail("reshape", {x}, fmt::format("cannot infer -1 in {} from {} elements", to_string(shape), total));
+    }
+    shape[static_cast<std::size_t>(inferred)] = total / known;
+  }
+  if (numel(shape) != total) {
+    fail("reshape", {x}, fmt::format("{} has {} elements, not {}", to_string(shape), numel(shape), total));
+  }
+  return x.graph().add("reshape", {x}, {}, std::move(shape), x.dtype());
+}
+
+Value transpose(Value x, std::vector<std::int64_t> perm) {
+  const auto r = static_cast<std::size_t>(x.rank());
+  if (perm.size() != r) fail("transpose", {x}, fmt::format("perm has {} entries for rank {}", perm.size(), r));
+  std::vector<bool> seen(r, false);
+  Shape out(r);
+  for (std::size_t i = 0; i < r; ++i) {
+    auto p = norm_axis(perm[i], r, "transpose", {x});
+    if (seen[static_cast<std::size_t>(p)]) fail("transpose", {x}, "perm repeats an axis");
+    seen[static_cast<std::size_t>(p)] = true;
+    perm[i] = p;
+    out[i] = x.shape()[static_cast<std::size_t>(p)];
+  }
+  return x.graph().add("transpose", {x}, Attrs{{"perm", perm}}, std::move(out), x.dtype());
+}
+
+namespace {
+Value reduce(const char* op, Value x, std::vector<std::int64_t> axes, bool keepdims) {
+  need_float(op, {x});
+  const auto r = x.shape().size();
+  if (axes.empty()) {
+    for (std::size_t i = 0; i < r; ++i) axes.push_back(static_cast<std::int64_t>(i));
+  }
+  for (auto& a : axes) a = norm_axis(a, r, op, {x});
+  std::sort(axes.begin(), axes.end());
+  if (std::adjacent_find(axes.begin(), axes.end()) != axes.end()) fail(op, {x}, "an axis is repeated");
+  Shape out;
+  for (std::size_t i = 0; i < r; ++i) {
+    bool reduced = std::binary_search(axes.begin(), axes.end(), static_cast<std::int64_t>(i));
+    if (!reduced) {
+      out.push_back(x.shape()[i]);
+    } else if (keepdims) {
+      out.push_back(1);
+    }
+  }
+  return x.graph().add(op, {x}, Attrs{{"axes", axes}, {"keepdims", std::int64_t{keepdims}}}, std::move(out),
+                       x.dtype());
+}
+}  // namespace
+
+Value sum(Value x, std::vector<std::int64_t> axes, bool keepdims) { return reduce("sum", x, std::move(axes), keepdims); }
+Value mean(Value x, std::vector<std::int64_t> axes, bool keepdims) {
+  return reduce("mean", x, std::move(axes), keepdims);
+}
+
+Value layer_norm(Value x, double eps) {
+  if (x.rank() < 1) fail("layer_norm", {x}, "needs at least 1 dimension");
+  return unary("layer_norm", x, Attrs{{"eps", eps}});
+}
+
+Value layer_norm(Value x, Value gamma, Value beta, double eps) {
+  Shape last{x.rank() >= 1 ? x.dim(-1) : 0};
+  if (gamma.shape() != last || beta.shape() != last) {
+    fail("layer_norm", {x, gamma, beta}, fmt::format("gamma and beta must be {}", to_string(last)));
+  }
+  return layer_norm(x, eps) * gamma + beta;
+}
+
+Value embedding(Value table, Value ids) {
+  const char* op = "embedding";
+  need_float(op, {table});
+  if (table.rank() != 2) fail(op, {table, ids}, "table must be [V, D]");
+  if (ids.dtype() != DType::i32) fail(op, {table, ids}, "ids must be i32");
+  Shape out = ids.shape();
+  out.push_back(table.dim(1));
+  return table.graph().add(op, {table, ids}, {}, std::move(out), table.dtype());
+}
+
+Value causal_mask(Value scores) {
+  if (scores.rank() < 2 || scores.dim(-1) != scores.dim(-2)) fail("causal_mask", {scores}, "scores must be [..., T, T]");
+  return unary("causal_mask", scores, Attrs{{"value", -std::numeric_limits<double>::infinity()}});
+}
+
+Value dropout(Value x, double p) {
+  if (!(p >= 0.0 && p < 1.0)) fail("dropout", {x}, fmt::format("p = {} is not in [0, 1)", p));
+  // The mask's seed: the graph's seed and this node's position, so runs repeat exactly.
+  auto seed = static_cast<std::int64_t>((x.graph().seed() * 0x9E3779B97F4A7C15ull) ^ static_cast<std::uint64_t>(x.graph().size()));
+  return unary("dropout", x, Attrs{{"p", p}, {"seed", seed}});
+}
+
+Value slice(Value x, std::int64_t axis, std::int64_t start, std::int64_t end) {
+  auto a = norm_axis(axis, x.shape().size(), "slice", {x});
+  std::int64_t extent = x.shape()[static_cast<std::size_t>(a)];
+  if (start < 0 || end > extent || start >= end) {
+    fail("slice", {x}, fmt::format("[{}, {}) is not a non-empty range inside 0..{} on axis {}", start, end, extent, a));
+  }
+  Shape out = x.shape();
+  out[static_cast<std::size_t>(a)] = end - start;
+  return x.graph().add("slice", {x}, Attrs{{"axis", a}, {"start", start}}, std::move(out), x.dtype());
+}
+
+Value concat(const std::vector<Value>& xs, std::int64_t axis) {
+  if (xs.empty()) throw GraphError("concat() of nothing");
+  same_dtype("concat", xs);
+  auto a = norm_axis(axis, xs[0].shape().size(), "concat", xs);
+  Shape out = xs[0].shape();
+  out[static_cast<std::size_t>(a)] = 0;
+  for (const auto& v : xs) {
+    Shape s = v.shape();
+    if (s.size() != out.size()) fail("concat", xs, "inputs differ in rank");
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (static_cast<std::int64_t>(i) != a && s[i] != xs[0].shape()[i]) fail("concat", xs, "shapes differ off the axis");
+    }
+    out[static_cast<std::size_t>(a)] += s[static_cast<std::size_t>(a)];
+  }
+  return xs[0].graph().add("concat", xs, Attrs{{"axis", a}}, std::move(out), xs[0].dtype());
+}
+
+Value sum_to(Value x, Shape shape) {
+  if (x.shape() == shape) return x;
+  Shape b = broadcast_shapes(shape, x.shape(), "sum_to", x, x);
+  if (b != x.shape()) fail("sum_to", {x}, fmt::format("{} does not broadcast to {}", to_string(shape), to_string(x.shape())));
+  return x.graph().add("sum_to", {x}, {}, std::move(shape), x.dtype());
+}
+
+Value broadcast_to(Value x, Shape shape) {
+  if (x.shape() == shape) return x;
+  Shape b = broadcast_shapes(x.shape(), shape, "broadcast_to", x, x);
+  if (b != shape) fail("broadcast_to", {x}, fmt::format("does not broadcast to {}", to_string(shape)));
+  return x.graph().add("broadcast_to", {x}, {}, std::move(shape), x.dtype());
+}
+
+}  // namespace baton

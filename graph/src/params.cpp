@@ -1,0 +1,150 @@
+// Seeded initial values and the loss log.
+#include <cmath>
+#include <numbers>
+
+#include <fmt/format.h>
+
+#include "baton/graph/compile.h"
+
+namespace baton {
+
+namespace {
+
+// splitmix64: a tiny generator whose output is the same on every platform and library (unlike
+// std::uniform_real_distribution), so the same seed gives the same weights everywhere.
+struct SplitMix64 {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform01() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  double normal() {  // Box-Muller
+    double u1 = uniform01(), u2 = uniform01();
+    if (u1 < 1e-300) u1 = 1e-300;
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+  }
+};
+
+std::uint64_t name_hash(const std::string& s) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+template <class T>
+void fill_initial(Tensor& t, const Node& n, std::uint64_t seed) {
+  auto d = t.data<T>();
+  SplitMix64 rng{seed ^ name_hash(n.name)};
+  const auto& s = n.shape;
+  double fan_in = s.empty() ? 1.0 : static_cast<double>(s.size() >= 2 ? s[s.size() - 2] : s.back());
+  double fan_out = s.empty() ? 1.0 : static_cast<double>(s.back());
+  switch (n.init.kind) {
+    case Init::Kind::zeros:
+      for (auto& x : d) x = T(0);
+      break;
+    case Init::Kind::constant:
+      for (auto& x : d) x = static_cast<T>(n.init.a);
+      break;
+    case Init::Kind::uniform:
+      for (auto& x : d) x = static_cast<T>(n.init.a + (n.init.b - n.init.a) * rng.uniform01());
+      break;
+    case Init::Kind::normal:
+      for (auto& x : d) x = static_cast<T>(n.init.a + n.init.b * rng.normal());
+      break;
+    case Init::Kind::xavier_uniform: {
+      double a = std::sqrt(6.0 / (fan_in + fan_out));
+      for (auto& x : d) x = static_cast<T>(-a + 2 * a * rng.uniform01());
+      break;
+    }
+    case Init::Kind::kaiming_uniform: {
+      double a = 1.0 / std::sqrt(fan_in);
+      for (auto& x : d) x = static_cast<T>(-a + 2 * a * rng.uniform01());
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<ParameterStore> ParameterStore::initialize(Graph& g) {
+  auto store = std::make_shared<ParameterStore>();
+  for (Value v : g.variables()) {
+    const Node& n = v.node();
+    Tensor t = Tensor::empty(n.shape, n.dtype);
+    if (n.dtype == DType::f64) {
+      fill_initial<double>(t, n, g.seed());
+    } else {
+      fill_initial<float>(t, n, g.seed());
+    }
+    store->set(n.name, std::move(t));
+  }
+  return store;
+}
+
+Tensor& ParameterStore::at(const std::string& name) {
+  auto it = values_.find(name);
+  if (it == values_.end()) throw std::out_of_range(fmt::format("no parameter '{}'", name));
+  return it->second;
+}
+
+const Tensor& ParameterStore::at(const std::string& name) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) throw std::out_of_range(fmt::format("no parameter '{}'", name));
+  return it->second;
+}
+
+void LossLog::record(std::int64_t piece, double value) {
+  std::lock_guard lock(mutex_);
+  auto step = static_cast<std::size_t>(piece / microbatches_);
+  if (sums_.size() <= step) {
+    sums_.resize(step + 1, 0.0);
+    counts_.resize(step + 1, 0);
+  }
+  sums_[step] += value;
+  if (++counts_[step] == microbatches_) {
+    // Steps complete in order: one loss actor reports pieces in order.
+    steps_done_.store(static_cast<std::int64_t>(step) + 1, std::memory_order_release);
+  }
+}
+
+std::vector<double> LossLog::per_step() const {
+  std::lock_guard lock(mutex_);
+  std::vector<double> out;
+  for (std::size_t s = 0; s < sums_.size() && counts_[s] == microbatches_; ++s) {
+    out.push_back(sums_[s] / static_cast<double>(microbatches_));
+  }
+  return out;
+}
+
+namespace optim {
+OptimizerConfig sgd(double lr, double momentum, double weight_decay) {
+  OptimizerConfig c;
+  c.kind = OptimizerConfig::Kind::sgd;
+  c.lr = lr;
+  c.momentum = momentum;
+  c.weight_decay = weight_decay;
+  return c;
+}
+OptimizerConfig adam(double lr, double weight_decay) {
+  OptimizerConfig c;
+  c.kind = OptimizerConfig::Kind::adam;
+  c.lr = lr;
+  c.weight_decay = weight_decay;
+  return c;
+}
+OptimizerConfig adamw(double lr, double weight_decay) {
+  OptimizerConfig c;
+  c.kind = OptimizerConfig::Kind::adamw;
+  c.lr = lr;
+  c.weight_decay = weight_decay;
+  return c;
+}
+}  // namespace optim
+
+}  // namespace baton
