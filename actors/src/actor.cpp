@@ -177,6 +177,7 @@ void Actor::act() {
     out_view_[o] = &out.buffers[static_cast<std::size_t>(out.written % out.slots)];
   }
   if (!core_.dry_run) {
+    const std::uint64_t kernel_start = core_.settings.time_accounting ? ticks() : 0;
     try {
       KernelContext ctx{in_view_, out_view_, k};
       switch (desc_.kind) {
@@ -200,6 +201,7 @@ void Actor::act() {
                              baton::name(desc_.kind), desc_.op, id_.str(), k, e.what()));
       return;
     }
+    if (core_.settings.time_accounting) bump(counters_.kernel_ticks, ticks() - kernel_start);
   }
   acts_ = k + 1;
   if (core_.dry_run) core_.count_dry_act(acts_);

@@ -77,6 +77,7 @@ struct alignas(64) ActorCounters {
   std::atomic<std::uint64_t> bytes_in{0};
   std::atomic<std::uint64_t> bytes_out{0};
   std::array<std::atomic<std::uint64_t>, 3> ticks{};  // busy, starved, backpressured
+  std::atomic<std::uint64_t> kernel_ticks{0};          // the part of busy spent in kernels
   std::atomic<std::uint64_t> since{0};
   std::atomic<ActorActivity> activity{ActorActivity::starved};
 };

@@ -215,6 +215,7 @@ MetricsSnapshot Core::snapshot() const {
     m.busy_s = secs[0] * tick_ns * 1e-9;
     m.starved_s = secs[1] * tick_ns * 1e-9;
     m.backpressured_s = secs[2] * tick_ns * 1e-9;
+    m.kernel_s = static_cast<double>(c.kernel_ticks.load(std::memory_order_relaxed)) * tick_ns * 1e-9;
     s.actors.push_back(std::move(m));
   }
   for (const auto& a : actors) {

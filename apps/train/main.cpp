@@ -197,14 +197,16 @@ int run(const Options& o) {
   if (o.json) {
     fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"microbatches\": {}, "
                "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
-               "\"wall_s\": {:.6g}}}\n",
+               "\"wall_s\": {:.6g}{}}}\n",
                o.model, o.data, o.steps, o.batch, o.microbatches, losses.back(),
                std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
-               std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s);
+               std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s,
+               d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "");
   } else {
     fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {:.4f}", tty ? "\n" : "",
                o.steps, report.wall_s, samples_per_s, losses.back(), eval_loss);
     if (!std::isnan(accuracy)) fmt::print(", accuracy {:.2f}%", 100 * accuracy);
+    if (d.text) fmt::print(" (unigram entropy {:.4f})", d.text->unigram_entropy_nats());
     fmt::print("\n");
   }
   return 0;

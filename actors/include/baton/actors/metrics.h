@@ -32,6 +32,8 @@ struct ActorMetrics {
   double busy_s = 0;
   double starved_s = 0;
   double backpressured_s = 0;
+  /// The part of busy_s spent inside the kernel; the rest is the handshakes around it.
+  double kernel_s = 0;
   ActorActivity activity = ActorActivity::starved;
 
   double lifetime_s() const { return busy_s + starved_s + backpressured_s; }
