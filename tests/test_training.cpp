@@ -1,1 +1,86 @@
+// End to end: the models baton-train ships learn real data.
 #include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/kernels/data.h"
+#include "models.h"
+
+using namespace baton;
+
+namespace {
+
+std::pair<TrainingJob, RunReport> train(Graph& g, Value loss, TrainConfig cfg) {
+  TrainingJob job = compile_training(g, loss, cfg);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(30'000);
+  Runtime rt(job.plan, job.kernels, rs);
+  RunReport report = rt.run();
+  return {std::move(job), report};
+}
+
+}  // namespace
+
+TEST_CASE("Training.MlpOnDigitsReaches97PercentHeldOut" * doctest::timeout(120)) {
+  // scripts/run.sh fetches the data set before the tests; without it this fails and says how.
+  std::string path = data::find_digits_file();
+  auto [train_set, heldout] = data::split(data::load_digits(path), 0.2, 1);
+  auto train_ptr = std::make_shared<const data::Dataset>(std::move(train_set));
+  models::MlpShape shape;  // 64-256-256-10
+  Graph g(1);
+  Value logits = models::mlp(g, 32, shape);
+  Value loss = softmax_cross_entropy(logits, g.find("label"));
+  TrainConfig cfg;
+  cfg.steps = 1000;
+  cfg.microbatches = 2;
+  cfg.optimizer = optim::adam(1e-3);
+  cfg.data = {{"digits", data::batch_source(train_ptr, 64, 2, 1), {"x", "label"}}};
+  auto [job, report] = train(g, loss, cfg);
+  auto losses = job.losses->per_step();
+  REQUIRE(losses.size() == 1000);
+  CHECK(losses.back() < 0.1 * losses.front());
+
+  Graph eval(1);
+  Value eval_logits = models::mlp(eval, heldout.rows(), shape);
+  Tensor out = evaluate(eval, {{"x", heldout.features}, {"label", heldout.labels}}, {eval_logits}, *job.params)[0];
+  auto l = out.data<float>();
+  auto y = heldout.labels.data<std::int32_t>();
+  std::int64_t right = 0;
+  for (std::int64_t i = 0; i < heldout.rows(); ++i) {
+    auto row = l.subspan(static_cast<std::size_t>(i * 10), 10);
+    if (std::max_element(row.begin(), row.end()) - row.begin() == y[static_cast<std::size_t>(i)]) ++right;
+  }
+  double accuracy = static_cast<double>(right) / static_cast<double>(heldout.rows());
+  MESSAGE("held-out accuracy " << accuracy << " over " << heldout.rows() << " rows");
+  CHECK(accuracy >= 0.97);
+}
+
+TEST_CASE("Training.SmallGptLearnsTextBelowTheUnigramEntropy" * doctest::timeout(120)) {
+  // Any text file will do; Debian's base-files ships the GPL, which is English prose.
+  const std::string path = "/usr/share/common-licenses/GPL-3";
+  if (!std::filesystem::exists(path)) {
+    MESSAGE("skipped: " << path << " is missing");
+    return;
+  }
+  auto corpus = std::make_shared<const data::TextCorpus>(data::load_text(path));
+  models::GptShape shape{.vocab = corpus->vocab_size(), .seq = 32, .d_model = 64, .heads = 4, .layers = 2};
+  Graph g(3);
+  Value logits = models::gpt(g, 16, shape);
+  Value loss = softmax_cross_entropy(logits, g.find("targets"));
+  TrainConfig cfg;
+  cfg.steps = 300;
+  cfg.optimizer = optim::adam(3e-3);
+  cfg.data = {{"text", data::text_source(corpus, 16, 1, 32, 3), {"tokens", "targets"}}};
+  auto [job, report] = train(g, loss, cfg);
+  auto losses = job.losses->per_step();
+  REQUIRE(losses.size() == 300);
+  double last = 0;
+  for (std::size_t i = losses.size() - 20; i < losses.size(); ++i) last += losses[i] / 20;
+  const double unigram = corpus->unigram_entropy_nats();
+  MESSAGE("mean loss of the last 20 steps " << last << " nats; unigram entropy " << unigram);
+  CHECK(losses.front() > unigram);  // it starts knowing nothing
+  CHECK(last < unigram - 0.5);      // and learns context: well below what letter counts give
+}
