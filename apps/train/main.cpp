@@ -207,7 +207,20 @@ int run(const Options& o) {
                o.steps, report.wall_s, samples_per_s, losses.back(), eval_loss);
     if (!std::isnan(accuracy)) fmt::print(", accuracy {:.2f}%", 100 * accuracy);
     if (d.text) fmt::print(" (unigram entropy {:.4f})", d.text->unigram_entropy_nats());
-    fmt::print("\n");
+    fmt::print("\n\n");
+    // Where the time went: the busiest actors (kernel share in busy%; the rest is handshakes).
+    MetricsSnapshot top = report.metrics;
+    top.registers.clear();
+    std::sort(top.actors.begin(), top.actors.end(), [](const auto& a, const auto& b) { return a.busy_s > b.busy_s; });
+    const std::size_t all = top.actors.size();
+    if (all > 10) top.actors.resize(10);
+    double kernel = 0, busy = 0;
+    for (const auto& a : report.metrics.actors) {
+      kernel += a.kernel_s;
+      busy += a.busy_s;
+    }
+    fmt::print("busiest actors ({} of {}); all actors: {:.3f} s in kernels, {:.3f} s in handshakes\n{}", top.actors.size(),
+               all, kernel, busy - kernel, top.table());
   }
   return 0;
 }
