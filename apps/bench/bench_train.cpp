@@ -406,28 +406,25 @@ void bench_case(const Case& c, const Options& o, const Data& d, const Reference*
   const double kernel_ms = r.kernel_s * 1e3 / static_cast<double>(steps);
   const double handshake_ms = r.handshake_s * 1e3 / static_cast<double>(steps);
 
+  std::optional<Reference::Result> t;
+  if (ref != nullptr && ref->missing().empty()) t = ref->run(c, steps, o.quick ? 2 : 5);
   JsonLine line(c.name);
   line.add("value", rate).add("unit", "samples/s");
+  if (t) line.add("reference", t->samples_per_s).add("ratio", rate / t->samples_per_s);
+  line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("step_ms", step_ms);
+  if (t) line.add("reference_step_ms", t->step_ms);
+  line.add("kernel_ms_per_step", kernel_ms);
+  if (c.threads == 1) line.add("overhead_ms_per_step", step_ms - kernel_ms);
+  line.add("handshake_ms_per_step", handshake_ms);
+  line.add("loss", r.loss);
+  if (t) line.add("reference_loss", t->loss);
+  line.add("actors", r.actors);
+  if (t) line.add("torch_version", ref->version());
+  if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
   std::string ref_note;
-  if (ref != nullptr && ref->missing().empty()) {
-    const Reference::Result t = ref->run(c, steps, o.quick ? 2 : 5);
-    line.add("reference", t.samples_per_s).add("ratio", rate / t.samples_per_s);
-    ref_note = fmt::format(" | torch {:.0f} samples/s ({:.3f} ms/step, loss {:.4f}), ratio {:.2f}", t.samples_per_s,
-                           t.step_ms, t.loss, rate / t.samples_per_s);
-    line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("step_ms", step_ms);
-    line.add("reference_step_ms", t.step_ms);
-    line.add("kernel_ms_per_step", kernel_ms);
-    if (c.threads == 1) line.add("overhead_ms_per_step", step_ms - kernel_ms);
-    line.add("handshake_ms_per_step", handshake_ms);
-    line.add("loss", r.loss).add("reference_loss", t.loss);
-    line.add("actors", r.actors).add("torch_version", ref->version());
-  } else {
-    line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("step_ms", step_ms);
-    line.add("kernel_ms_per_step", kernel_ms);
-    if (c.threads == 1) line.add("overhead_ms_per_step", step_ms - kernel_ms);
-    line.add("handshake_ms_per_step", handshake_ms);
-    line.add("loss", r.loss).add("actors", r.actors);
-    if (ref != nullptr) line.add("reference_missing", ref->missing());
+  if (t) {
+    ref_note = fmt::format(" | torch {:.0f} samples/s ({:.3f} ms/step, loss {:.4f}), ratio {:.2f}", t->samples_per_s,
+                           t->step_ms, t->loss, rate / t->samples_per_s);
   }
   line.print();
   fmt::print(stderr, "{}: baton {:.0f} samples/s ({} steps of {}, {:.3f} ms/step, kernels {:.3f} ms, handshakes {:.3f} ms, "
