@@ -227,28 +227,46 @@ int run(const Options& o) {
 
 }  // namespace
 
+// CLI11's own PositiveNumber prints the whole double range on a bad value; say it plainly.
+const CLI::Validator positive(
+    [](std::string& text) {
+      char* end = nullptr;
+      double v = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0') return std::string("must be a number, not '" + text + "'");
+      return v > 0 ? std::string() : std::string("must be > 0, not " + text);
+    },
+    "> 0");
+const CLI::Validator non_negative(
+    [](std::string& text) {
+      char* end = nullptr;
+      double v = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0') return std::string("must be a number, not '" + text + "'");
+      return v >= 0 ? std::string() : std::string("must be >= 0, not " + text);
+    },
+    ">= 0");
+
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"baton-train: train a model on real data as a stream of actors"};
   app.add_option("--model", o.model, "mlp or gpt")->check(CLI::IsMember({"mlp", "gpt"}));
   app.add_option("--data", o.data, "digits, synthetic or text:PATH");
-  app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
-  app.add_option("--batch", o.batch, "global batch per step")->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "optimizer steps")->check(positive);
+  app.add_option("--batch", o.batch, "global batch per step")->check(positive);
   app.add_option("--microbatches", o.microbatches, "micro-batches per step (gradient accumulation)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive);
   app.add_option("--optimizer", o.optimizer, "sgd, adam or adamw")->check(CLI::IsMember({"sgd", "adam", "adamw"}));
-  app.add_option("--lr", o.lr, "learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "learning rate")->check(positive);
   app.add_option("--momentum", o.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
-  app.add_option("--weight-decay", o.weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
-  app.add_option("--warmup", o.warmup, "linear warm-up steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--weight-decay", o.weight_decay, "weight decay")->check(non_negative);
+  app.add_option("--warmup", o.warmup, "linear warm-up steps")->check(non_negative);
   app.add_flag("--cosine", o.cosine, "cosine decay after the warm-up");
-  app.add_option("--clip", o.clip, "clip gradients to this global norm (0: off)")->check(CLI::NonNegativeNumber);
+  app.add_option("--clip", o.clip, "clip gradients to this global norm (0: off)")->check(non_negative);
   app.add_option("--seed", o.seed, "seed for weights, shuffling and dropout");
-  app.add_option("--layers", o.layers, "hidden layers (mlp) or blocks (gpt)")->check(CLI::PositiveNumber);
-  app.add_option("--hidden", o.hidden, "mlp hidden width")->check(CLI::PositiveNumber);
-  app.add_option("--d-model", o.d_model, "gpt width")->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.heads, "gpt attention heads")->check(CLI::PositiveNumber);
-  app.add_option("--seq", o.seq, "gpt context length")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.layers, "hidden layers (mlp) or blocks (gpt)")->check(positive);
+  app.add_option("--hidden", o.hidden, "mlp hidden width")->check(positive);
+  app.add_option("--d-model", o.d_model, "gpt width")->check(positive);
+  app.add_option("--heads", o.heads, "gpt attention heads")->check(positive);
+  app.add_option("--seq", o.seq, "gpt context length")->check(positive);
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
   app.add_flag("--json", o.json, "print one JSON object as the last line");
   app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")

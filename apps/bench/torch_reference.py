@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""PyTorch reference for baton-bench-train: trains the same model as a baton case and prints
+one JSON line: {"case", "samples_per_s", "step_ms", "loss", "steps", "threads", "batch", "torch"}.
+
+    /usr/bin/python3 apps/bench/torch_reference.py --case mlp_b64 --steps 500 --threads 1
+
+Cases (a "_2threads" suffix only names the thread count, which --threads sets):
+  mlp_*      64-256-256-10 MLP (Linear+ReLU x 2, Linear), batch from the name (mlp_b64 -> 64),
+             on a synthetic teacher-labelled set like baton::data::synthetic (4096 rows,
+             80% for training, shuffled epochs)
+  gpt_small  GPT (vocab 64, seq 32, d_model 64, 4 heads, 2 layers), batch 16, uniformly random
+             tokens
+Adam (lr 1e-3), cross-entropy. The thread settings are made before any work. `--warmup` steps
+run first on a throwaway copy of the model; the timed run then trains a fresh model for
+`--steps` steps, so "loss" is the loss of step `--steps` from initialization, like baton's.
+"""
+import argparse
+import json
+import math
+import re
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=0, help="default: from the case name")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args()
+
+
+# --- MLP ----------------------------------------------------------------------------------------
+
+class Mlp(nn.Module):
+    def __init__(self, inputs=64, hidden=256, layers=2, classes=10):
+        super().__init__()
+        dims = [inputs] + [hidden] * layers + [classes]
+        self.fcs = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        for fc in self.fcs:  # as baton: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) weights, zero biases
+            bound = 1.0 / math.sqrt(fc.in_features)
+            nn.init.uniform_(fc.weight, -bound, bound)
+            nn.init.zeros_(fc.bias)
+
+    def forward(self, x):
+        for fc in self.fcs[:-1]:
+            x = F.relu(fc(x))
+        return self.fcs[-1](x)
+
+
+class SyntheticBatches:
+    """Features ~ N(0, 1), labels = argmax(features @ teacher); shuffled epochs of batches."""
+
+    def __init__(self, batch, seed, rows=4096, width=64, classes=10, heldout=0.2):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(rows, width, generator=g)
+        teacher = torch.randn(width, classes, generator=g)
+        y = (x @ teacher).argmax(dim=1)
+        n = rows - round(heldout * rows)
+        self.x, self.y = x[:n].contiguous(), y[:n].contiguous()
+        self.batch, self.gen, self.order, self.pos = batch, g, torch.empty(0, dtype=torch.long), 0
+
+    def next(self):
+        idx = []
+        need = self.batch
+        while need > 0:
+            if self.pos >= len(self.order):
+                self.order, self.pos = torch.randperm(len(self.x), generator=self.gen), 0
+            take = self.order[self.pos:self.pos + need]
+            self.pos += len(take)
+            need -= len(take)
+            idx.append(take)
+        i = torch.cat(idx) if len(idx) > 1 else idx[0]
+        return self.x[i], self.y[i]
+
+
+# --- GPT ----------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d, eps=1e-5)
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d, eps=1e-5)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        nh, dh = self.heads, d // self.heads
+        h = self.ln1(x)
+        q = self.wq(h).view(b, t, nh, dh).transpose(1, 2)  # [b, nh, t, dh]
+        k = self.wk(h).view(b, t, nh, dh).transpose(1, 2)
+        v = self.wv(h).view(b, t, nh, dh).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))
+        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        o = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.wo(o)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # exact (erf) GELU
+        return x
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab=64, seq=32, d=64, heads=4, layers=2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Parameter(torch.zeros(seq, d))
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.lnf = nn.LayerNorm(d, eps=1e-5)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1))
+        for name, p in self.named_parameters():  # as baton: N(0, 0.02) weights, zero biases, unit gains
+            if name.endswith("bias") and "ln" not in name:
+                nn.init.zeros_(p)
+            elif ".ln" in name or name.startswith("lnf"):
+                continue  # LayerNorm defaults: weight 1, bias 0
+            else:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, tokens):
+        x = self.wte(tokens) + self.wpe
+        for blk in self.blocks:
+            x = blk(x, self.mask)
+        return self.head(self.lnf(x))
+
+
+class RandomTokens:
+    def __init__(self, batch, seq, vocab, seed):
+        self.batch, self.seq, self.vocab = batch, seq, vocab
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self):
+        w = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.gen)
+        return w[:, :-1], w[:, 1:].reshape(-1)
+
+
+# --- training -----------------------------------------------------------------------------------
+
+def make(args):
+    if args.case.startswith("mlp"):
+        m = re.match(r"mlp_b(\d+)", args.case)
+        batch = args.batch or (int(m.group(1)) if m else 64)
+        model, data = Mlp(), SyntheticBatches(batch, args.seed)
+
+        def loss_fn(x, y):
+            return F.cross_entropy(model(x), y)
+    elif args.case.startswith("gpt"):
+        batch = args.batch or 16
+        vocab, seq = 64, 32
+        model, data = Gpt(vocab=vocab, seq=seq), RandomTokens(batch, seq, vocab, args.seed)
+
+        def loss_fn(tokens, targets):
+            return F.cross_entropy(model(tokens).view(-1, vocab), targets)
+    else:
+        raise SystemExit(f"torch_reference.py: unknown case {args.case!r}")
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    return batch, data, opt, loss_fn
+
+
+def train(data, opt, loss_fn, steps):
+    loss = None
+    for _ in range(steps):
+        a, b = data.next()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(a, b)
+        loss.backward()
+        opt.step()
+    return loss
+
+
+def main():
+    args = parse()
+    # Before any work: intra-op threads as asked, one inter-op thread.
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    torch.manual_seed(args.seed)
+    if args.warmup > 0:  # a throwaway model, so the timed one starts from initialization
+        _, data, opt, loss_fn = make(args)
+        train(data, opt, loss_fn, args.warmup)
+    torch.manual_seed(args.seed)
+    batch, data, opt, loss_fn = make(args)
+    t0 = time.perf_counter()
+    loss = train(data, opt, loss_fn, args.steps)
+    final = loss.item()  # synchronizes (a no-op on the CPU)
+    wall = time.perf_counter() - t0
+    print(json.dumps({
+        "case": args.case,
+        "samples_per_s": args.steps * batch / wall,
+        "step_ms": wall * 1e3 / args.steps,
+        "loss": final,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+        "batch": batch,
+        "torch": torch.__version__,
+    }))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
