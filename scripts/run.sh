@@ -130,6 +130,18 @@ case "$cmd" in
     [ -n "$name" ] || { log "usage: scripts/run.sh bench NAME (e.g. actors)"; exit 2; }
     shift
     build
+    # baton-bench-train's reference is PyTorch from Debian (python3-torch, for /usr/bin/python3).
+    if [ "$name" = train ] && ! /usr/bin/python3 -c "import torch" >/dev/null 2>&1; then
+      log "installing python3-torch for the reference"
+      sudo=""
+      if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null || { log "need root (or sudo) to install python3-torch"; exit 1; }
+        sudo="sudo"
+      fi
+      export DEBIAN_FRONTEND=noninteractive
+      $sudo apt-get update -qq
+      $sudo apt-get install -y -qq --no-install-recommends python3 python3-torch >/dev/null
+    fi
     prog="$build_dir/bin/baton-bench-$name"
     if [ ! -x "$prog" ]; then
       log "no benchmark '$name'; there are: $(ls "$build_dir/bin" | sed -n 's/^baton-bench-//p' | tr '\n' ' ')"

@@ -8,7 +8,7 @@
 // the same run; "ratio" = baton samples/s / PyTorch samples/s (above 1: baton is faster).
 // Human-readable notes go to stderr.
 //
-//   baton-bench-train                       every case, >= ~1.5 s of training per side
+//   baton-bench-train                       every case, best of 3 runs of ~1.5 s per side
 //   baton-bench-train --quick               ~10x fewer steps
 //   baton-bench-train --quick --no-reference  (the CTest smoke run: needs no PyTorch)
 //   baton-bench-train --case gpt_small
@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -188,6 +189,17 @@ class JsonLine {
   std::string body_;
 };
 
+/// The string after "key": in a flat JSON object (no escapes), if there is one.
+std::optional<std::string> json_string(const std::string& line, std::string_view key) {
+  const std::string needle = fmt::format("\"{}\": \"", key);
+  auto at = line.find(needle);
+  if (at == std::string::npos) return std::nullopt;
+  auto begin = at + needle.size();
+  auto end = line.find('"', begin);
+  if (end == std::string::npos) return std::nullopt;
+  return line.substr(begin, end - begin);
+}
+
 /// The number after "key": in a flat JSON object, if there is one.
 std::optional<double> json_number(const std::string& line, std::string_view key) {
   const std::string needle = fmt::format("\"{}\":", key);
@@ -290,13 +302,15 @@ class Reference {
     double samples_per_s = 0;
     double step_ms = 0;
     double loss = 0;
+    std::string omp_wait_policy;
   };
 
-  /// Trains the case in PyTorch for `steps` steps (after `warmup` untimed ones).
-  Result run(const Case& c, std::int64_t steps, std::int64_t warmup) const {
-    const std::string cmd =
-        fmt::format("{} {} --case {} --steps {} --threads {} --batch {} --warmup {} --lr {} --seed {}",
-                    shell_quote(python_), shell_quote(script_), c.name, steps, c.threads, c.batch, warmup, lr, seed);
+  /// Trains the case in PyTorch for `steps` steps (after `warmup` untimed ones), the best of
+  /// `repeats` timed runs.
+  Result run(const Case& c, std::int64_t steps, std::int64_t warmup, int repeats) const {
+    const std::string cmd = fmt::format(
+        "{} {} --case {} --steps {} --threads {} --batch {} --warmup {} --lr {} --seed {} --repeats {}",
+        shell_quote(python_), shell_quote(script_), c.name, steps, c.threads, c.batch, warmup, lr, seed, repeats);
     auto [status, out] = run_capture(cmd);
     if (status != 0) throw std::runtime_error(fmt::format("'{}' failed (status {})", cmd, status));
     // The last line that is a JSON object.
@@ -315,7 +329,7 @@ class Reference {
     if (!rate || !step_ms || !loss) {
       throw std::runtime_error(fmt::format("'{}' printed no result line: {}", cmd, trim(out)));
     }
-    return {*rate, *step_ms, *loss};
+    return {*rate, *step_ms, *loss, json_string(line, "omp_wait_policy").value_or("")};
   }
 
  private:
@@ -352,6 +366,7 @@ struct BatonResult {
   double handshake_s = 0;  // busy - kernel, summed over actors
   double loss = 0;
   std::int64_t actors = 0;
+  std::map<std::string, double> kernel_s_by_op;  // where the kernel time goes
 };
 
 BatonResult run_baton(const Case& c, std::int64_t steps, const Data& d) {
@@ -374,8 +389,11 @@ BatonResult run_baton(const Case& c, std::int64_t steps, const Data& d) {
   RunReport report = rt.run();
   BatonResult r;
   r.wall_s = report.wall_s;
+  std::map<std::string, std::string> op_of;
+  for (const auto& a : job.plan.actors) op_of[a.name] = a.op.empty() ? "(" + a.name + ")" : a.op;
   for (const auto& a : report.metrics.actors) {
     r.kernel_s += a.kernel_s;
+    r.kernel_s_by_op[op_of[a.name]] += a.kernel_s;
     r.handshake_s += a.busy_s - a.kernel_s;
   }
   auto losses = job.losses->per_step();
@@ -392,6 +410,9 @@ constexpr double quick_factor = 0.1;
 constexpr std::int64_t calibration_steps = 20;
 constexpr std::int64_t min_steps = 20;
 constexpr std::int64_t max_steps = 1'000'000;
+/// Measured runs per side (each from fresh weights); the fastest counts. The machine is shared,
+/// so a single run can be slowed by a neighbour.
+constexpr int repeats = 3;
 
 void bench_case(const Case& c, const Options& o, const Data& d, const Reference* ref) {
   // Calibrate (also warms caches and the allocator), then the measured run from fresh weights.
@@ -400,18 +421,24 @@ void bench_case(const Case& c, const Options& o, const Data& d, const Reference*
   const double per_step = calib.wall_s / static_cast<double>(calibration_steps);
   const auto steps = std::clamp<std::int64_t>(static_cast<std::int64_t>(std::ceil(target_s / per_step)),
                                               o.quick ? std::int64_t{5} : min_steps, max_steps);
-  const BatonResult r = run_baton(c, steps, d);
+  const int runs = o.quick ? 1 : repeats;
+  BatonResult r = run_baton(c, steps, d);
+  for (int i = 1; i < runs; ++i) {
+    BatonResult again = run_baton(c, steps, d);
+    if (again.wall_s < r.wall_s) r = again;
+  }
   const double rate = static_cast<double>(steps * c.batch) / r.wall_s;
   const double step_ms = r.wall_s * 1e3 / static_cast<double>(steps);
   const double kernel_ms = r.kernel_s * 1e3 / static_cast<double>(steps);
   const double handshake_ms = r.handshake_s * 1e3 / static_cast<double>(steps);
 
   std::optional<Reference::Result> t;
-  if (ref != nullptr && ref->missing().empty()) t = ref->run(c, steps, o.quick ? 2 : 5);
+  if (ref != nullptr && ref->missing().empty()) t = ref->run(c, steps, o.quick ? 2 : 5, runs);
   JsonLine line(c.name);
   line.add("value", rate).add("unit", "samples/s");
   if (t) line.add("reference", t->samples_per_s).add("ratio", rate / t->samples_per_s);
-  line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("step_ms", step_ms);
+  line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("repeats", runs);
+  line.add("step_ms", step_ms);
   if (t) line.add("reference_step_ms", t->step_ms);
   line.add("kernel_ms_per_step", kernel_ms);
   if (c.threads == 1) line.add("overhead_ms_per_step", step_ms - kernel_ms);
@@ -419,7 +446,7 @@ void bench_case(const Case& c, const Options& o, const Data& d, const Reference*
   line.add("loss", r.loss);
   if (t) line.add("reference_loss", t->loss);
   line.add("actors", r.actors);
-  if (t) line.add("torch_version", ref->version());
+  if (t) line.add("torch_version", ref->version()).add("reference_omp_wait_policy", t->omp_wait_policy);
   if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
   std::string ref_note;
   if (t) {
@@ -430,6 +457,14 @@ void bench_case(const Case& c, const Options& o, const Data& d, const Reference*
   fmt::print(stderr, "{}: baton {:.0f} samples/s ({} steps of {}, {:.3f} ms/step, kernels {:.3f} ms, handshakes {:.3f} ms, "
              "loss {:.4f}){}\n",
              c.name, rate, steps, c.batch, step_ms, kernel_ms, handshake_ms, r.loss, ref_note);
+  std::vector<std::pair<double, std::string>> ops;
+  for (const auto& [op, s] : r.kernel_s_by_op) ops.emplace_back(s, op);
+  std::sort(ops.rbegin(), ops.rend());
+  std::string top;
+  for (std::size_t i = 0; i < std::min<std::size_t>(ops.size(), 6); ++i) {
+    top += fmt::format("{}{} {:.3f}", i ? ", " : "", ops[i].second, ops[i].first * 1e3 / static_cast<double>(steps));
+  }
+  fmt::print(stderr, "{}: kernel ms/step by op: {}\n", c.name, top);
 }
 
 }  // namespace
@@ -451,8 +486,8 @@ int main(int argc, char** argv) {
                  prog, ref->missing());
     }
   }
-  fmt::print(stderr, "{}: {} mode, {} hardware threads, ~{:.1f} s of training per side per case{}\n", prog,
-             opt.quick ? "quick" : "full", std::thread::hardware_concurrency(),
+  fmt::print(stderr, "{}: {} mode, {} hardware threads, best of {} runs of ~{:.2f} s per side per case{}\n", prog,
+             opt.quick ? "quick" : "full", std::thread::hardware_concurrency(), opt.quick ? 1 : repeats,
              opt.quick ? target_run_s * quick_factor : target_run_s,
              ref && ref->missing().empty() ? fmt::format(", reference: PyTorch {}", ref->version()) : std::string());
   int failed = 0;

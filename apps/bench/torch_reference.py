@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch reference for baton-bench-train: trains the same model as a baton case and prints
-one JSON line: {"case", "samples_per_s", "step_ms", "loss", "steps", "threads", "batch", "torch"}.
+one JSON line: {"case", "samples_per_s", "step_ms", "loss", "steps", "threads", "batch", "torch",
+"omp_wait_policy", "repeats"}.
 
     /usr/bin/python3 apps/bench/torch_reference.py --case mlp_b64 --steps 500 --threads 1
 
@@ -11,19 +12,27 @@ Cases (a "_2threads" suffix only names the thread count, which --threads sets):
   gpt_small  GPT (vocab 64, seq 32, d_model 64, 4 heads, 2 layers), batch 16, uniformly random
              tokens
 Adam (lr 1e-3), cross-entropy. The thread settings are made before any work. `--warmup` steps
-run first on a throwaway copy of the model; the timed run then trains a fresh model for
-`--steps` steps, so "loss" is the loss of step `--steps` from initialization, like baton's.
+run first on a throwaway copy of the model; each timed run (`--repeats`, the fastest counts)
+then trains a fresh model for `--steps` steps, so "loss" is the loss of step `--steps` from
+initialization, like baton's.
 """
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# libgomp's default waiting (spin, then yield) makes 2 intra-op threads 20-50x slower than 1
+# when the 2 cores are shared with anything else (measured: 10 ms -> 250-550 ms per GPT step).
+# Passive waiting is the sane setting there; set OMP_WAIT_POLICY yourself to override. It has to
+# be in the environment before torch (and libgomp) load.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 def parse():
@@ -35,6 +44,7 @@ def parse():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs (each from a fresh model); the best counts")
     return p.parse_args()
 
 
@@ -189,12 +199,14 @@ def main():
     if args.warmup > 0:  # a throwaway model, so the timed one starts from initialization
         _, data, opt, loss_fn = make(args)
         train(data, opt, loss_fn, args.warmup)
-    torch.manual_seed(args.seed)
-    batch, data, opt, loss_fn = make(args)
-    t0 = time.perf_counter()
-    loss = train(data, opt, loss_fn, args.steps)
-    final = loss.item()  # synchronizes (a no-op on the CPU)
-    wall = time.perf_counter() - t0
+    wall, final = math.inf, math.nan
+    for _ in range(max(1, args.repeats)):
+        torch.manual_seed(args.seed)
+        batch, data, opt, loss_fn = make(args)
+        t0 = time.perf_counter()
+        loss = train(data, opt, loss_fn, args.steps)
+        final = loss.item()  # synchronizes (a no-op on the CPU)
+        wall = min(wall, time.perf_counter() - t0)
     print(json.dumps({
         "case": args.case,
         "samples_per_s": args.steps * batch / wall,
@@ -204,6 +216,8 @@ def main():
         "threads": torch.get_num_threads(),
         "batch": batch,
         "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "repeats": max(1, args.repeats),
     }))
     sys.stdout.flush()
 
