@@ -362,3 +362,38 @@ TEST_CASE("Training.PlanHasTheMicrobatchingActors") {
   CHECK(contains(job.plan.to_dot(), "digraph"));
   CHECK_NOTHROW(validate(job.plan, job.kernels));
 }
+
+TEST_CASE("Training.GlobalNormClippingBoundsTheUpdate" * doctest::timeout(60)) {
+  // One SGD step with lr 1: the weights move by exactly the (clipped) gradient, so the global
+  // norm of the change is the clip norm when clipping applies, and the gradient's own norm
+  // when the clip norm is large.
+  auto data = std::make_shared<const data::Dataset>(data::synthetic(64, 6, 3, 4));
+  auto step_norm = [&](double clip) {
+    Graph g(9);
+    auto x = g.input("x", {16, 6});
+    auto y = g.input("label", {16}, i32);
+    auto w = g.variable("w", {6, 3}, init::normal(0.0, 3.0));
+    auto b = g.variable("b", {3}, init::zeros());
+    auto loss = softmax_cross_entropy(matmul(x, w) + b, y);
+    TrainConfig cfg;
+    cfg.steps = 1;
+    cfg.optimizer = optim::sgd(1.0);
+    cfg.optimizer.clip_norm = clip;
+    cfg.data = {{"d", data::batch_source(data, 16, 1, 2), {"x", "label"}}};
+    auto before = ParameterStore::initialize(g);
+    std::map<std::string, std::vector<float>> start;
+    for (auto& [n, t] : before->values()) start[n] = std::vector<float>(t.data<float>().begin(), t.data<float>().end());
+    TrainingJob job = compile_training(g, loss, cfg);
+    Runtime(job.plan, job.kernels).run();
+    double sq = 0;
+    for (auto& [n, t] : job.params->values()) {
+      auto d = t.data<float>();
+      for (std::size_t i = 0; i < d.size(); ++i) sq += std::pow(static_cast<double>(d[i]) - start[n][i], 2);
+    }
+    return std::sqrt(sq);
+  };
+  const double unclipped = step_norm(0.0);
+  REQUIRE(unclipped > 0.05);
+  CHECK(step_norm(1e6) == doctest::Approx(unclipped).epsilon(1e-5));
+  CHECK(step_norm(unclipped / 4) == doctest::Approx(unclipped / 4).epsilon(1e-4));
+}
