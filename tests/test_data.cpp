@@ -1,5 +1,6 @@
 // kernels/data.h: the digits loader (good and malformed files, plain and gzip), the real digits
 // file when it is there, split(), synthetic(), text corpora, and the two source kernels' order.
+#include "test_util.h"
 #include "baton/kernels/data.h"
 
 #include <doctest/doctest.h>
@@ -21,6 +22,8 @@
 #include <fmt/format.h>
 
 namespace {
+
+using baton::test::contains;
 
 namespace fs = std::filesystem;
 namespace data = baton::data;
@@ -98,10 +101,6 @@ std::string runtime_error_of(F&& fn) {
   }
   FAIL("expected a std::runtime_error");
   return {};
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
 }
 
 // Loading `contents` (plain) throws naming the file and, when line > 0, "file:line".

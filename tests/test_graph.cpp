@@ -8,6 +8,7 @@
 #include <random>
 #include <string>
 
+#include "test_util.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels/data.h"
@@ -18,7 +19,7 @@ using namespace baton;
 
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using baton::test::contains;
 
 template <class F>
 std::string graph_error(F&& f) {

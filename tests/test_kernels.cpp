@@ -14,9 +14,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "test_util.h"
 #include "baton/kernels.h"
 
 namespace {
+
+using baton::test::contains;
+using baton::test::thrown_message;
 
 using baton::Attrs;
 using baton::CpuAllocator;
@@ -30,22 +34,6 @@ using baton::Shape;
 using baton::Tensor;
 
 constexpr DType all_dtypes[] = {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8};
-
-// The message of the exception `fn` throws as E; fails the test if it throws nothing.
-template <class E, class F>
-std::string thrown_message(F&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  FAIL("expected an exception");
-  return {};
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
 
 // Fills a tensor with random values from `rng`; integers stay small enough that a sum of two
 // cannot overflow.

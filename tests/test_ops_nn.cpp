@@ -20,10 +20,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "test_util.h"
 #include "baton/kernels.h"
 #include "baton/kernels/optim.h"
 
 namespace {
+
+using baton::test::contains;
+using baton::test::thrown_message;
 
 using baton::Attrs;
 using baton::Device;
@@ -37,22 +41,6 @@ using baton::Tensor;
 
 constexpr double quiet_nan = std::numeric_limits<double>::quiet_NaN();
 constexpr double infinity = std::numeric_limits<double>::infinity();
-
-// The message of the exception `fn` throws as E; fails the test if it throws nothing.
-template <class E, class F>
-std::string thrown_message(F&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  FAIL("expected an exception");
-  return {};
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
 
 const KernelRegistry& registry() {
   static const KernelRegistry reg = [] {

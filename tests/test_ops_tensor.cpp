@@ -19,9 +19,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "test_util.h"
 #include "baton/kernels.h"
 
 namespace {
+
+using baton::test::contains;
 
 using baton::Attrs;
 using baton::Device;
@@ -139,10 +142,6 @@ std::string message_of(const std::function<void()>& fn) {
   }
   FAIL("expected std::invalid_argument");
   return {};
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 #define FOR_BOTH_DTYPES(fn) \

@@ -10,10 +10,14 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
 
 namespace {
+
+using baton::test::contains;
+using baton::test::count;
 
 using baton::ActorDesc;
 using baton::ActorKind;
@@ -23,16 +27,6 @@ using baton::Plan;
 using baton::PlanError;
 using baton::RegisterDesc;
 using baton::RegisterIndex;
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
-
-std::size_t count(const std::string& haystack, const std::string& needle) {
-  std::size_t n = 0;
-  for (auto at = haystack.find(needle); at != std::string::npos; at = haystack.find(needle, at + 1)) ++n;
-  return n;
-}
 
 const KernelRegistry& builtin() {
   static const KernelRegistry reg = KernelRegistry::with_builtin_kernels();

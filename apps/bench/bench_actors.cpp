@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "json_line.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
 
@@ -107,54 +108,9 @@ constexpr std::int64_t max_pieces = 100'000'000;
 // ---------------------------------------------------------------------------------------------
 // JSON lines: flat objects of strings and finite numbers, one per line on stdout.
 
-std::string json_escape(std::string_view s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
-class JsonLine {
- public:
-  explicit JsonLine(std::string_view case_name) {
-    add("bench", "actors");
-    add("case", case_name);
-  }
-  JsonLine& add(std::string_view key, std::string_view v) {
-    return raw(key, fmt::format("\"{}\"", json_escape(v)));
-  }
-  JsonLine& add(std::string_view key, const char* v) { return add(key, std::string_view(v)); }
-  JsonLine& add(std::string_view key, double v) {
-    // JSON has no inf or nan; a non-finite measurement is a bug in this program, so say so.
-    if (!std::isfinite(v)) {
-      fmt::print(stderr, "baton-bench-actors: key '{}' is not finite ({}); printed as null\n", key, v);
-      return raw(key, "null");
-    }
-    return raw(key, fmt::format("{:.6g}", v));
-  }
-  JsonLine& add(std::string_view key, std::int64_t v) { return raw(key, fmt::format("{}", v)); }
-  JsonLine& add(std::string_view key, int v) { return add(key, std::int64_t{v}); }
-  JsonLine& add(std::string_view key, std::uint64_t v) { return raw(key, fmt::format("{}", v)); }
-  void print() const {
-    fmt::print(stdout, "{{{}}}\n", body_);
-    std::fflush(stdout);
-  }
-
- private:
-  JsonLine& raw(std::string_view key, std::string_view value) {
-    if (!body_.empty()) body_ += ", ";
-    body_ += fmt::format("\"{}\": {}", json_escape(key), value);
-    return *this;
-  }
-  std::string body_;
+/// This benchmark's lines (see json_line.h).
+struct JsonLine : baton::bench::JsonLine {
+  explicit JsonLine(std::string_view case_name) : baton::bench::JsonLine("actors", case_name) {}
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "baton/kernels/kernel.h"
+#include "kernel_args.h"
 
 namespace baton {
 
@@ -15,19 +16,8 @@ namespace {
 
 constexpr DType all_dtypes[] = {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8};
 
-const Tensor& need_input(const KernelContext& ctx, std::size_t i, const char* op) {
-  if (ctx.inputs.size() <= i || ctx.inputs[i] == nullptr) {
-    throw std::invalid_argument(fmt::format("{}: input {} is missing", op, i));
-  }
-  return *ctx.inputs[i];
-}
-
-Tensor& need_output(const KernelContext& ctx, std::size_t i, const char* op) {
-  if (ctx.outputs.size() <= i || ctx.outputs[i] == nullptr) {
-    throw std::invalid_argument(fmt::format("{}: output {} is missing", op, i));
-  }
-  return *ctx.outputs[i];
-}
+using detail::need_input;
+using detail::need_output;
 
 void copy_into(const Tensor& in, Tensor& out, const char* op) {
   if (in.nbytes() != out.nbytes()) {

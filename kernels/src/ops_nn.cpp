@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "baton/kernels/ops.h"
+#include "kernel_args.h"
 
 namespace baton {
 
@@ -21,20 +22,8 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Checking what a kernel relies on
 
-const Tensor& need_input(const KernelContext& ctx, std::size_t i, const char* op,
-                         const char* role) {
-  if (ctx.inputs.size() <= i || ctx.inputs[i] == nullptr || !ctx.inputs[i]->defined()) {
-    throw std::invalid_argument(fmt::format("{}: input {} ({}) is missing", op, i, role));
-  }
-  return *ctx.inputs[i];
-}
-
-Tensor& need_output(const KernelContext& ctx, std::size_t i, const char* op, const char* role) {
-  if (ctx.outputs.size() <= i || ctx.outputs[i] == nullptr || !ctx.outputs[i]->defined()) {
-    throw std::invalid_argument(fmt::format("{}: output {} ({}) is missing", op, i, role));
-  }
-  return *ctx.outputs[i];
-}
+using detail::need_input;
+using detail::need_output;
 
 void check_dtype(const Tensor& t, DType want, const char* op, const char* role) {
   if (t.dtype() != want) {
@@ -218,18 +207,36 @@ T row_max(const T* x, std::size_t n) {
   return m;
 }
 
-template <class T>
-void softmax_kernel(KernelContext& ctx) {
-  const char* op = "softmax";
+// The shared frame of the four row-wise ops: check the tensors, then run `row` on each row of
+// the last axis. Forward: row(x, y, cols); gradient: row(y, dy, dx, cols).
+template <class T, class Row>
+void rowwise_kernel(KernelContext& ctx, const char* op, Row&& row) {
   const Tensor& x = need_input(ctx, 0, op, "x");
   Tensor& y = need_output(ctx, 0, op, "y");
   check_same_shape(op, x, "x", y, "y");
   auto [rows, cols] = last_axis_rows(op, x, "x");
   const T* xp = in_data<T>(x, op, "x");
   T* yp = out_data<T>(y, op, "y");
-  for (std::size_t r = 0; r < rows; ++r) {
-    const T* xr = xp + r * cols;
-    T* yr = yp + r * cols;
+  for (std::size_t r = 0; r < rows; ++r) row(xp + r * cols, yp + r * cols, cols);
+}
+
+template <class T, class Row>
+void rowwise_grad_kernel(KernelContext& ctx, const char* op, Row&& row) {
+  const Tensor& y = need_input(ctx, 0, op, "y");
+  const Tensor& dy = need_input(ctx, 1, op, "dy");
+  Tensor& dx = need_output(ctx, 0, op, "dx");
+  check_same_shape(op, y, "y", dy, "dy");
+  check_same_shape(op, y, "y", dx, "dx");
+  auto [rows, cols] = last_axis_rows(op, y, "y");
+  const T* yp = in_data<T>(y, op, "y");
+  const T* dyp = in_data<T>(dy, op, "dy");
+  T* dxp = out_data<T>(dx, op, "dx");
+  for (std::size_t r = 0; r < rows; ++r) row(yp + r * cols, dyp + r * cols, dxp + r * cols, cols);
+}
+
+template <class T>
+void softmax_kernel(KernelContext& ctx) {
+  rowwise_kernel<T>(ctx, "softmax", [](const T* xr, T* yr, std::size_t cols) {
     const T mx = row_max(xr, cols);
     double sum = 0;
     for (std::size_t j = 0; j < cols; ++j) {
@@ -238,75 +245,40 @@ void softmax_kernel(KernelContext& ctx) {
     }
     const T inv = static_cast<T>(1.0 / sum);
     for (std::size_t j = 0; j < cols; ++j) yr[j] *= inv;
-  }
+  });
 }
 
 template <class T>
 void log_softmax_kernel(KernelContext& ctx) {
-  const char* op = "log_softmax";
-  const Tensor& x = need_input(ctx, 0, op, "x");
-  Tensor& y = need_output(ctx, 0, op, "y");
-  check_same_shape(op, x, "x", y, "y");
-  auto [rows, cols] = last_axis_rows(op, x, "x");
-  const T* xp = in_data<T>(x, op, "x");
-  T* yp = out_data<T>(y, op, "y");
-  for (std::size_t r = 0; r < rows; ++r) {
-    const T* xr = xp + r * cols;
-    T* yr = yp + r * cols;
+  rowwise_kernel<T>(ctx, "log_softmax", [](const T* xr, T* yr, std::size_t cols) {
     const T mx = row_max(xr, cols);
     double sum = 0;
     for (std::size_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mx);
     const double lse = static_cast<double>(mx) + std::log(sum);
     for (std::size_t j = 0; j < cols; ++j) yr[j] = static_cast<T>(static_cast<double>(xr[j]) - lse);
-  }
+  });
 }
 
 // dx = y * (dy - sum(dy * y)): the softmax Jacobian (diag(y) - y y^T) applied to dy.
 template <class T>
 void softmax_grad_kernel(KernelContext& ctx) {
-  const char* op = "softmax_grad";
-  const Tensor& y = need_input(ctx, 0, op, "y");
-  const Tensor& dy = need_input(ctx, 1, op, "dy");
-  Tensor& dx = need_output(ctx, 0, op, "dx");
-  check_same_shape(op, y, "y", dy, "dy");
-  check_same_shape(op, y, "y", dx, "dx");
-  auto [rows, cols] = last_axis_rows(op, y, "y");
-  const T* yp = in_data<T>(y, op, "y");
-  const T* dyp = in_data<T>(dy, op, "dy");
-  T* dxp = out_data<T>(dx, op, "dx");
-  for (std::size_t r = 0; r < rows; ++r) {
-    const T* yr = yp + r * cols;
-    const T* dyr = dyp + r * cols;
-    T* dxr = dxp + r * cols;
+  rowwise_grad_kernel<T>(ctx, "softmax_grad", [](const T* yr, const T* dyr, T* dxr, std::size_t cols) {
     double dot = 0;
     for (std::size_t j = 0; j < cols; ++j) dot += static_cast<double>(yr[j]) * dyr[j];
     const T d = static_cast<T>(dot);
     for (std::size_t j = 0; j < cols; ++j) dxr[j] = yr[j] * (dyr[j] - d);
-  }
+  });
 }
 
 // dx = dy - softmax(x) * sum(dy), with softmax(x) = exp(y).
 template <class T>
 void log_softmax_grad_kernel(KernelContext& ctx) {
-  const char* op = "log_softmax_grad";
-  const Tensor& y = need_input(ctx, 0, op, "y");
-  const Tensor& dy = need_input(ctx, 1, op, "dy");
-  Tensor& dx = need_output(ctx, 0, op, "dx");
-  check_same_shape(op, y, "y", dy, "dy");
-  check_same_shape(op, y, "y", dx, "dx");
-  auto [rows, cols] = last_axis_rows(op, y, "y");
-  const T* yp = in_data<T>(y, op, "y");
-  const T* dyp = in_data<T>(dy, op, "dy");
-  T* dxp = out_data<T>(dx, op, "dx");
-  for (std::size_t r = 0; r < rows; ++r) {
-    const T* yr = yp + r * cols;
-    const T* dyr = dyp + r * cols;
-    T* dxr = dxp + r * cols;
+  rowwise_grad_kernel<T>(ctx, "log_softmax_grad", [](const T* yr, const T* dyr, T* dxr, std::size_t cols) {
     double sum = 0;
     for (std::size_t j = 0; j < cols; ++j) sum += dyr[j];
     const T s = static_cast<T>(sum);
     for (std::size_t j = 0; j < cols; ++j) dxr[j] = dyr[j] - std::exp(yr[j]) * s;
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@
 
 #include "baton/kernels/ops.h"
 #include "broadcast.h"
+#include "kernel_args.h"
 
 namespace baton {
 
@@ -28,19 +29,8 @@ namespace {
 
 using detail::Strides;
 
-const Tensor& need_input(const KernelContext& ctx, std::size_t i, const char* op) {
-  if (ctx.inputs.size() <= i || ctx.inputs[i] == nullptr) {
-    throw std::invalid_argument(fmt::format("{}: input {} is missing", op, i));
-  }
-  return *ctx.inputs[i];
-}
-
-Tensor& need_output(const KernelContext& ctx, std::size_t i, const char* op) {
-  if (ctx.outputs.size() <= i || ctx.outputs[i] == nullptr) {
-    throw std::invalid_argument(fmt::format("{}: output {} is missing", op, i));
-  }
-  return *ctx.outputs[i];
-}
+using detail::need_input;
+using detail::need_output;
 
 std::int64_t required_int(const KernelConfig& cfg, const char* op, const char* name) {
   if (!cfg.attrs.has(name)) {
