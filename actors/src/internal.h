@@ -103,6 +103,9 @@ class Actor {
   bool retired() const { return retired_; }
   std::uint64_t acts() const { return acts_; }
   Output* output_for(RegisterIndex reg);
+  const Output* output_for(RegisterIndex reg) const { return const_cast<Actor*>(this)->output_for(reg); }
+  /// Could act now (not finished, every input readable, every output slot free).
+  bool ready() const { return !finished_ && next_block() == Block::none; }
   const ActorCounters& counters() const { return counters_; }
   const ActorDesc& desc() const { return desc_; }
   /// After the run (threads joined): what this actor was waiting for, in words.

@@ -221,7 +221,7 @@ MetricsSnapshot Core::snapshot() const {
   for (const auto& a : actors) {
     if (!a) continue;
     for (RegisterIndex r : a->desc().outputs) {
-      const Output* out = const_cast<Actor&>(*a).output_for(r);
+      const Output* out = a->output_for(r);
       RegisterMetrics rm;
       rm.name = plan.registers[r].name;
       rm.slots = out->slots;
@@ -391,7 +391,7 @@ void progress_check(const Plan& plan, std::uint16_t rank, std::vector<std::strin
   std::string stuck;
   for (auto& a : core.actors) {
     if (!a || a->retired() || all_reached) continue;
-    bool blocked = quiesced                  ? a->describe_wait() != "ready"
+    bool blocked = quiesced                  ? !a->ready()
                    : core.dry_budget_capped ? a->acts() == 0
                                             : static_cast<std::int64_t>(a->acts()) < core.dry_target;
     if (blocked) stuck += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), a->describe_wait());

@@ -8,7 +8,8 @@
 ///   baton::adam_step(w, g, m, v, cfg, step, lr);  // step counts from 1
 ///
 /// The semantics are those of torch.optim.SGD, Adam and AdamW (PyTorch 1.13; dampening 0, no
-/// amsgrad, no maximize). The f32 overloads do their arithmetic in double and round once.
+/// amsgrad, no maximize). Adam works per element in the parameter's own type, as torch does;
+/// SGD in double, rounding once.
 #include <cstdint>
 #include <span>
 
