@@ -105,7 +105,8 @@ build() {
   fetch_data
   configure
   log "building ($jobs jobs)"
-  cmake --build "$build_dir" -j "$jobs"
+  # To stderr: stdout carries only what the program prints (a benchmark's JSON lines).
+  cmake --build "$build_dir" -j "$jobs" >&2
 }
 
 cmd="${1:-}"
