@@ -4,6 +4,7 @@
 // lingering over it, so a piece seen twice, out of order, skipped or overwritten while still
 // being read fails the run with the actor's name.
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <stdexcept>
 #include <thread>
@@ -53,8 +54,13 @@ class PatternKernel final : public Kernel {
     in_regs_ = get("in_regs");
     out_regs_ = get("out_regs");
     linger_every_ = cfg.attrs.get_int("linger_every", 0);
+    fail_at_ = cfg.attrs.get_int("fail_at", -1);
+    sleep_us_ = cfg.attrs.get_int("sleep_us", 0);
+    name_ = std::string(cfg.actor);
   }
   void compute(KernelContext& ctx) override {
+    if (ctx.piece == fail_at_) throw std::runtime_error(fmt::format("injected failure at piece {}", ctx.piece));
+    if (sleep_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
     for (std::size_t i = 0; i < ctx.inputs.size(); ++i) {
       check_pattern(*ctx.inputs[i], in_regs_.at(i), ctx.piece, "before reading");
     }
@@ -70,6 +76,9 @@ class PatternKernel final : public Kernel {
  private:
   std::vector<std::int64_t> in_regs_, out_regs_;
   std::int64_t linger_every_ = 0;
+  std::int64_t fail_at_ = -1;   // attrs fail_at: throw at this piece (fault tests)
+  std::int64_t sleep_us_ = 0;   // attrs sleep_us: slow every act down (a run that lasts)
+  std::string name_;
 };
 
 /// The built-in kernels plus "pattern" (i64, cpu).

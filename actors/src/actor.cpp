@@ -41,7 +41,12 @@ void Actor::wire_outputs() {
     }
     for (ActorIndex c : reg.consumers) {
       Actor* consumer = core_.actors[c].get();
-      out->consumers.push_back(Consumer{consumer->id(), consumer->worker()});
+      if (consumer != nullptr) {
+        out->consumers.push_back(Consumer{consumer->id(), consumer->worker()});
+      } else {  // on another rank: its transfer actor, reached through the data plane
+        const Placement& at = plan.actors[c].where;
+        out->consumers.push_back(Consumer{ActorId::make(at.rank, at.device, at.stream, c), nullptr});
+      }
     }
     out->live = static_cast<std::int32_t>(out->consumers.size());
     if (out->live > 0) ++outputs_read_;
@@ -79,11 +84,16 @@ void Actor::wire_inputs() {
     in.reg = port.reg;
     in.delay = port.delay;
     in.slots = reg.slots;
-    in.producer = producer->id();
-    in.producer_worker = producer->worker();
     auto pos = std::find(reg.consumers.begin(), reg.consumers.end(), index_);
     in.consumer_index = static_cast<std::uint8_t>(pos - reg.consumers.begin());
-    in.source = producer->output_for(port.reg);
+    if (producer != nullptr) {
+      in.producer = producer->id();
+      in.producer_worker = producer->worker();
+      in.source = producer->output_for(port.reg);
+    } else {  // a transfer actor's remote producer
+      const Placement& at = plan.actors[reg.producer].where;
+      in.producer = ActorId::make(at.rank, at.device, at.stream, reg.producer);
+    }
     port_to_input_.push_back(static_cast<std::uint32_t>(inputs_.size()));
     inputs_.push_back(in);
   }
@@ -94,6 +104,7 @@ void Actor::wire_inputs() {
   KernelConfig cfg{desc_.name, desc_.where.device, dtype, desc_.attrs};
   switch (desc_.kind) {
     case ActorKind::repeat: break;
+    case ActorKind::transfer: pulled_.assign(static_cast<std::size_t>(outputs_[0]->slots), false); break;
     case ActorKind::accumulate:
       copy_kernel_ = core_.kernels->create("copy", cfg);
       kernel_ = core_.kernels->create("add", cfg);
@@ -107,6 +118,13 @@ std::int64_t Actor::needed_piece(const Input& in) const {
 }
 
 Actor::Block Actor::next_block() const {
+  Block b = next_block_of_stream();
+  // A transfer actor with pulls in flight cannot end yet: their data still lands in its slots.
+  if (inflight_ > 0 && (b == Block::finish || b == Block::unread)) return Block::transferring;
+  return b;
+}
+
+Actor::Block Actor::next_block_of_stream() const {
   // A dry run (validation) treats sources as endless: it asks whether the plan keeps going.
   // A source nobody reads cannot hold anything up, so it sits the dry run out.
   if (desc_.kind == ActorKind::source) {
@@ -125,7 +143,7 @@ Actor::Block Actor::next_block() const {
   if (starved) return Block::starved;
   if (acts_ % out_group_ == 0) {
     for (const auto& out : outputs_) {
-      if (out->written - out->freed >= out->slots) return Block::backpressured;
+      if (out->written + inflight_ - out->freed >= out->slots) return Block::backpressured;
     }
   }
   return Block::none;
@@ -139,6 +157,7 @@ void Actor::on_message(const Message& m) {
     case MsgKind::end_of_stream: on_eos(m); break;
     case MsgKind::detach: on_detach(m); break;
     case MsgKind::start: break;
+    case MsgKind::pulled: on_pulled(m); break;
   }
   if (!core_.failed()) advance();
 }
@@ -151,7 +170,10 @@ void Actor::advance() {
       break;
     }
     if (b != Block::none) {
-      set_activity(b == Block::starved ? ActorActivity::starved : ActorActivity::backpressured);
+      // Waiting with pulls in flight is waiting on the data plane.
+      set_activity(inflight_ > 0              ? ActorActivity::transferring
+                   : b == Block::starved ? ActorActivity::starved
+                                         : ActorActivity::backpressured);
       return;
     }
     act();
@@ -164,6 +186,7 @@ void Actor::advance() {
 
 void Actor::act() {
   set_activity(ActorActivity::busy);
+  if (desc_.kind == ActorKind::transfer && !core_.dry_run) return act_transfer();
   const std::int64_t k = acts_;
   for (std::size_t p = 0; p < port_to_input_.size(); ++p) {
     Input& in = inputs_[port_to_input_[p]];
@@ -220,6 +243,46 @@ void Actor::act() {
   }
 }
 
+// Pull piece k of the remote register into our next slot. It is published (and acked to the
+// remote producer) when the data plane says it has landed: on_pulled. Several pulls may be in
+// flight, one per free slot.
+void Actor::act_transfer() {
+  Input& in = inputs_[0];
+  Output& out = *outputs_[0];
+  const std::int64_t k = acts_;
+  const auto slot = static_cast<std::uint16_t>(k % out.slots);
+  Tensor& dest = out.buffers[slot];
+  try {
+    core_.settings.link->receive_payload(in.producer.rank(), payload_tag(in.reg, k), dest.raw(), dest.nbytes(),
+                                         (std::uint64_t{index_} << 16) | slot);
+  } catch (const std::exception& e) {
+    core_.fail(fmt::format("transfer actor '{}' could not pull piece {} from rank {}: {}", desc_.name, k,
+                           in.producer.rank(), e.what()));
+    return;
+  }
+  acts_ = k + 1;
+  ++inflight_;
+  bump(counters_.acts, std::uint64_t{1});
+}
+
+void Actor::on_pulled(const Message& m) {
+  Output& out = *outputs_[0];
+  if (desc_.kind != ActorKind::transfer || m.slot >= pulled_.size() || inflight_ == 0) {
+    return protocol_error(m, "a pull landed that this actor did not start");
+  }
+  pulled_[m.slot] = true;
+  // Pulls may land out of order; pieces are published in order.
+  while (inflight_ > 0 && pulled_[static_cast<std::size_t>(out.written % out.slots)]) {
+    pulled_[static_cast<std::size_t>(out.written % out.slots)] = false;
+    --inflight_;
+    const std::int64_t piece = out.written;
+    bump(counters_.bytes_in, bytes_in_per_act_);
+    bump(counters_.bytes_out, bytes_out_per_act_);
+    publish(out);
+    release(inputs_[0], piece);
+  }
+}
+
 void Actor::publish(Output& out) {
   const std::int64_t piece = out.written;
   const auto slot = static_cast<std::uint16_t>(piece % out.slots);
@@ -234,6 +297,19 @@ void Actor::publish(Output& out) {
   for (std::size_t c = 0; c < out.consumers.size(); ++c) {
     const Consumer& consumer = out.consumers[c];
     if (consumer.detached_from != never) continue;
+    if (consumer.worker == nullptr && !core_.dry_run) {
+      // A consumer on another rank pulls the payload from this slot, which stays ours until
+      // it acks (the slot's credit keeps it unchanged meanwhile).
+      Tensor& data = out.buffers[slot];
+      try {
+        core_.settings.link->send_payload(consumer.id.rank(), payload_tag(out.reg, piece), data.raw(),
+                                          data.nbytes());
+      } catch (const std::exception& e) {
+        core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
+                               core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));
+        return;
+      }
+    }
     send(consumer.worker, Message{id_, consumer.id, piece, out.reg, slot, MsgKind::request,
                                   static_cast<std::uint8_t>(c)});
   }
@@ -396,6 +472,10 @@ std::string Actor::describe_wait() const {
       }
     }
     return "finished";
+  }
+  if (inflight_ > 0) {
+    return fmt::format("transferring: {} pulls from rank {} in flight (next to land: piece {})", inflight_,
+                       inputs_[0].producer.rank(), outputs_[0]->written);
   }
   for (const Input& in : inputs_) {
     std::int64_t q = needed_piece(in);

@@ -34,6 +34,7 @@ std::string_view name(MsgKind k) {
     case MsgKind::end_of_stream: return "end_of_stream";
     case MsgKind::detach: return "detach";
     case MsgKind::start: return "start";
+    case MsgKind::pulled: return "pulled";
   }
   return "?";
 }

@@ -23,6 +23,7 @@
 #include "baton/actors/settings.h"
 #include "baton/kernels/allocator.h"
 #include "baton/kernels/kernel.h"
+#include "baton/transport/link.h"
 
 namespace baton::detail {
 
@@ -34,7 +35,7 @@ inline constexpr std::int64_t never = std::numeric_limits<std::int64_t>::max();
 /// A consumer of one output register, as its producer sees it.
 struct Consumer {
   ActorId id;
-  Worker* worker = nullptr;
+  Worker* worker = nullptr;            // null: on another rank (through the data plane)
   std::int64_t acked = 0;              // pieces acked so far (acks come in piece order)
   std::int64_t detached_from = never;  // pieces >= this will not be read
 };
@@ -62,9 +63,9 @@ struct Input {
   std::int32_t delay = 0;
   std::int32_t slots = 1;
   ActorId producer;
-  Worker* producer_worker = nullptr;
+  Worker* producer_worker = nullptr;  // null: on another rank (through the data plane)
   std::uint8_t consumer_index = 0;  // our place in the register's consumer list
-  Output* source = nullptr;         // the producer's slots, read in place
+  Output* source = nullptr;         // the producer's slots, read in place (null if remote)
   std::int64_t received = 0;        // requests seen: pieces [released, received) are readable
   std::int64_t released = 0;        // pieces acked back to the producer
   std::int64_t end = -1;            // total pieces, once end-of-stream arrived
@@ -76,7 +77,7 @@ struct alignas(64) ActorCounters {
   std::atomic<std::uint64_t> acts{0};
   std::atomic<std::uint64_t> bytes_in{0};
   std::atomic<std::uint64_t> bytes_out{0};
-  std::array<std::atomic<std::uint64_t>, 3> ticks{};  // busy, starved, backpressured
+  std::array<std::atomic<std::uint64_t>, 4> ticks{};  // busy, starved, backpressured, transferring
   std::atomic<std::uint64_t> kernel_ticks{0};          // the part of busy spent in kernels
   std::atomic<std::uint64_t> since{0};
   std::atomic<ActorActivity> activity{ActorActivity::starved};
@@ -114,8 +115,11 @@ class Actor {
   std::int64_t needed_piece(const Input& in) const;
 
  private:
-  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread };
+  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread, transferring };
   Block next_block() const;
+  Block next_block_of_stream() const;
+  void act_transfer();
+  void on_pulled(const Message& m);
   void advance();
   void act();
   void publish(Output& out);
@@ -152,6 +156,9 @@ class Actor {
   std::int32_t outputs_dead_ = 0;  // of those, how many lost every consumer to detach
   std::uint64_t bytes_in_per_act_ = 0;
   std::uint64_t bytes_out_per_act_ = 0;
+  // Transfer actors: pulls issued but not yet published, and which slots have landed.
+  std::int64_t inflight_ = 0;
+  std::vector<bool> pulled_;
   bool finished_ = false;
   bool retired_ = false;
   ActorActivity activity_ = ActorActivity::starved;
@@ -169,7 +176,9 @@ class Worker {
   /// Owner thread (an actor on this worker): to a local actor through the local queue,
   /// to another thread's through its mailbox.
   void send(Worker* to, const Message& m) {
-    if (to == this) {
+    if (to == nullptr) {
+      core_send_remote(m);
+    } else if (to == this) {
       local_.push(m);
     } else {
       to->mailbox_.push(m);
@@ -194,6 +203,7 @@ class Worker {
 
  private:
   void dispatch(const Message& m);
+  void core_send_remote(const Message& m);
 
   Core& core_;
   Device device_;
@@ -204,10 +214,23 @@ class Worker {
   std::atomic<std::uint64_t> messages_{0};
 };
 
-/// The state one Runtime owns (Runtime::Impl).
-struct Core {
+/// Link tags for payloads: the register and the piece (modulo 2^28: at most 65535 pieces of a
+/// register are in flight, so a tag is unique while it is in use). Fits the data plane's 48 bits.
+inline constexpr std::uint32_t max_registers_across_ranks = 1u << 20;
+inline std::uint64_t payload_tag(RegisterIndex reg, std::int64_t piece) {
+  return (std::uint64_t{reg} << 28) | (static_cast<std::uint64_t>(piece) & ((1u << 28) - 1));
+}
+
+/// The state one Runtime owns (Runtime::Impl). It is also the data plane's handler: messages
+/// from other ranks go to their actor's mailbox, finished pulls to their transfer actor.
+struct Core : transport::LinkHandler {
   Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry_run);
-  ~Core();
+  ~Core() override;
+
+  void on_message(std::uint32_t from_rank, const void* data, std::size_t size) override;
+  void on_payload(std::uint64_t cookie) override;
+  void on_link_error(const std::string& reason) override;
+  void send_remote(const Message& m);
 
   void instantiate();
   void fail(std::string reason);

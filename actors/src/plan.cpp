@@ -14,6 +14,7 @@ std::string_view name(ActorKind k) {
     case ActorKind::compute: return "compute";
     case ActorKind::repeat: return "repeat";
     case ActorKind::accumulate: return "accumulate";
+    case ActorKind::transfer: return "transfer";
   }
   return "?";
 }
@@ -128,6 +129,49 @@ std::vector<ActorIndex> Plan::actors_on(std::uint16_t rank) const {
   std::vector<ActorIndex> out;
   for (std::size_t i = 0; i < actors.size(); ++i) {
     if (actors[i].where.rank == rank) out.push_back(static_cast<ActorIndex>(i));
+  }
+  return out;
+}
+
+Plan insert_transfers(const Plan& plan) {
+  Plan out = plan;
+  const auto n_registers = static_cast<RegisterIndex>(plan.registers.size());
+  for (RegisterIndex r = 0; r < n_registers; ++r) {
+    const ActorIndex producer = out.registers[r].producer;
+    if (producer == no_actor || producer >= out.actors.size()) continue;  // validate() reports it
+    const std::uint16_t home = out.actors[producer].where.rank;
+    // The consumers on other ranks, by rank, in the register's order; transfers already there
+    // stay as they are.
+    std::map<std::uint16_t, std::vector<ActorIndex>> remote;
+    for (ActorIndex c : out.registers[r].consumers) {
+      if (c >= out.actors.size()) continue;
+      const ActorDesc& a = out.actors[c];
+      if (a.where.rank != home && a.kind != ActorKind::transfer) remote[a.where.rank].push_back(c);
+    }
+    for (const auto& [rank, consumers] : remote) {
+      RegisterDesc copy = out.registers[r];
+      copy.name = fmt::format("{}@r{}", copy.name, rank);
+      copy.producer = no_actor;
+      copy.consumers.clear();
+      const RegisterIndex local = out.add_register(copy);
+      ActorDesc t;
+      t.name = copy.name;
+      t.kind = ActorKind::transfer;
+      t.op = "transfer";
+      t.dtype = copy.dtype;
+      t.where = out.actors[consumers.front()].where;
+      t.inputs = {InputPort{r, 0}};
+      t.outputs = {local};
+      out.add_actor(std::move(t));
+      auto& readers = out.registers[r].consumers;
+      for (ActorIndex c : consumers) {
+        readers.erase(std::find(readers.begin(), readers.end(), c));
+        for (InputPort& in : out.actors[c].inputs) {
+          if (in.reg == r) in.reg = local;
+        }
+        out.registers[local].consumers.push_back(c);
+      }
+    }
   }
   return out;
 }

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <set>
 
 #include <fmt/format.h>
@@ -17,6 +18,8 @@ void Worker::dispatch(const Message& m) {
   messages_.store(messages_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   core_.actor(m.dst)->on_message(m);
 }
+
+void Worker::core_send_remote(const Message& m) { core_.send_remote(m); }
 
 void Worker::run() {
   const int spin_polls = core_.settings.spin_polls;
@@ -76,6 +79,49 @@ Core::~Core() {
   for (auto& w : workers) w->join();
 }
 
+// ---------------------------------------------------------------------------------------------
+// The data plane's side (called on its progress thread)
+
+void Core::send_remote(const Message& m) {
+  if (settings.link == nullptr) {
+    fail(fmt::format("a message for {} on rank {} but this runtime has no data plane", m.dst.str(), m.dst.rank()));
+    return;
+  }
+  try {
+    settings.link->send(m.dst.rank(), &m, sizeof m);
+  } catch (const std::exception& e) {
+    fail(fmt::format("could not send a {} to {} on rank {}: {}", name(m.kind), m.dst.str(), m.dst.rank(), e.what()));
+  }
+}
+
+void Core::on_message(std::uint32_t from_rank, const void* data, std::size_t size) {
+  Message m;
+  if (size != sizeof m) {
+    fail(fmt::format("rank {} sent a message of {} bytes; actor messages have {}", from_rank, size, sizeof m));
+    return;
+  }
+  std::memcpy(&m, data, sizeof m);
+  Actor* a = m.dst.index() < actors.size() ? actors[m.dst.index()].get() : nullptr;
+  if (m.dst.rank() != settings.rank || a == nullptr || m.src.rank() != from_rank) {
+    fail(fmt::format("rank {} sent a {} for {}, which is not an actor of rank {} (do both ranks run the same plan?)",
+                     from_rank, name(m.kind), m.dst.str(), settings.rank));
+    return;
+  }
+  a->worker()->post(m);
+}
+
+void Core::on_payload(std::uint64_t cookie) {
+  const auto index = static_cast<ActorIndex>(cookie >> 16);
+  Actor* a = index < actors.size() ? actors[index].get() : nullptr;
+  if (a == nullptr) {
+    fail(fmt::format("the data plane finished a pull for actor #{}, which is not on this rank", index));
+    return;
+  }
+  a->worker()->post(Message{a->id(), a->id(), 0, 0, static_cast<std::uint16_t>(cookie & 0xffff), MsgKind::pulled, 0});
+}
+
+void Core::on_link_error(const std::string& reason) { fail("data plane: " + reason); }
+
 void Core::instantiate() {
   const auto rank = settings.rank;
   const bool one_thread = settings.mode == ExecutionMode::deterministic;
@@ -83,7 +129,8 @@ void Core::instantiate() {
   actors.resize(plan.actors.size());
   for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
     const ActorDesc& desc = plan.actors[i];
-    if (desc.where.rank != rank) continue;
+    // A dry run (validation) plays every rank at once: a deadlock may span ranks.
+    if (!dry_run && desc.where.rank != rank) continue;
     auto key = one_thread ? std::pair<Device, std::uint8_t>{} : std::pair{desc.where.device, desc.where.stream};
     Worker*& w = by_place[key];
     if (w == nullptr) {
@@ -91,7 +138,7 @@ void Core::instantiate() {
       w = workers.back().get();
     }
     actors[i] = std::make_unique<Actor>(*this, desc, i,
-                                        ActorId::make(rank, desc.where.device, desc.where.stream, i));
+                                        ActorId::make(desc.where.rank, desc.where.device, desc.where.stream, i));
     actors[i]->set_worker(w);
     ++local_actors;
   }
@@ -202,8 +249,8 @@ MetricsSnapshot Core::snapshot() const {
     m.bytes_in = c.bytes_in.load(std::memory_order_relaxed);
     m.bytes_out = c.bytes_out.load(std::memory_order_relaxed);
     m.activity = c.activity.load(std::memory_order_relaxed);
-    std::array<double, 3> secs{};
-    for (std::size_t b = 0; b < 3; ++b) {
+    std::array<double, 4> secs{};
+    for (std::size_t b = 0; b < secs.size(); ++b) {
       secs[b] = static_cast<double>(c.ticks[b].load(std::memory_order_relaxed));
     }
     // The interval the actor is in now has not been booked yet.
@@ -215,6 +262,7 @@ MetricsSnapshot Core::snapshot() const {
     m.busy_s = secs[0] * tick_ns * 1e-9;
     m.starved_s = secs[1] * tick_ns * 1e-9;
     m.backpressured_s = secs[2] * tick_ns * 1e-9;
+    m.transferring_s = secs[3] * tick_ns * 1e-9;
     m.kernel_s = static_cast<double>(c.kernel_ticks.load(std::memory_order_relaxed)) * tick_ns * 1e-9;
     s.actors.push_back(std::move(m));
   }
@@ -282,11 +330,14 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
       }
       if (reg.producer == no_actor || reg.producer >= n_actors) {
         problem("actor '{}' reads register '{}', which no actor produces", a.name, reg.name);
-      } else if (plan.actors[reg.producer].where.rank != a.where.rank) {
-        problem("register '{}' crosses from rank {} ('{}') to rank {} ('{}'): cross-rank edges need "
-                "a transfer actor, which this runtime does not have yet",
+      } else if (plan.actors[reg.producer].where.rank != a.where.rank && a.kind != ActorKind::transfer) {
+        problem("register '{}' crosses from rank {} ('{}') to rank {} ('{}') without a transfer actor "
+                "(run the plan through insert_transfers())",
                 reg.name, plan.actors[reg.producer].where.rank, plan.actors[reg.producer].name,
                 a.where.rank, a.name);
+      } else if (plan.actors[reg.producer].where.rank == a.where.rank && a.kind == ActorKind::transfer) {
+        problem("transfer actor '{}' reads '{}' from its own rank {}; a transfer crosses ranks", a.name,
+                reg.name, a.where.rank);
       }
       if (std::find(reg.consumers.begin(), reg.consumers.end(), i) == reg.consumers.end()) {
         problem("actor '{}' reads register '{}' but is not among its consumers", a.name, reg.name);
@@ -303,6 +354,7 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
         break;
       case ActorKind::repeat:
       case ActorKind::accumulate:
+      case ActorKind::transfer:
         if (a.inputs.size() != 1 || a.outputs.size() != 1) {
           problem("{} actor '{}' needs exactly one input and one output, has {} and {}", name(a.kind),
                   a.name, a.inputs.size(), a.outputs.size());
@@ -316,6 +368,9 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
           if (a.inputs[0].delay != 0) problem("{} actor '{}' cannot read with a delay", name(a.kind), a.name);
         }
         if (a.group < 1) problem("{} actor '{}' has group {}; it must be >= 1", name(a.kind), a.name, a.group);
+        if (a.kind == ActorKind::transfer && a.group != 1) {
+          problem("transfer actor '{}' has group {}; a transfer moves one piece per piece", a.name, a.group);
+        }
         break;
     }
     if (a.where.device.index > Device::max_index) {
@@ -335,6 +390,12 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
         need("add");
       }
     }
+  }
+  bool crosses_ranks = false;
+  for (const auto& a : plan.actors) crosses_ranks = crosses_ranks || a.kind == ActorKind::transfer;
+  if (crosses_ranks && plan.registers.size() >= detail::max_registers_across_ranks) {
+    problem("the plan has {} registers; a plan that spans ranks may have at most {}", plan.registers.size(),
+            detail::max_registers_across_ranks - 1);
   }
   for (std::size_t r = 0; r < plan.registers.size(); ++r) {
     const RegisterDesc& reg = plan.registers[r];
@@ -432,9 +493,39 @@ Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings setti
     throw std::invalid_argument("record_handshakes needs ExecutionMode::deterministic");
   }
   validate(plan, kernels, settings.rank);
+  // Does this rank talk to another one?
+  std::set<std::uint16_t> peers;
+  for (const auto& a : plan.actors) {
+    if (a.where.rank != settings.rank) continue;
+    for (const auto& in : a.inputs) peers.insert(plan.actors[plan.registers[in.reg].producer].where.rank);
+    for (auto r : a.outputs) {
+      for (auto c : plan.registers[r].consumers) peers.insert(plan.actors[c].where.rank);
+    }
+  }
+  peers.erase(settings.rank);
+  if (!peers.empty()) {
+    if (settings.link == nullptr) {
+      throw PlanError(fmt::format("invalid plan: rank {} exchanges registers with rank {} but the runtime has no data "
+                                  "plane (RuntimeSettings::link; baton::run_job sets it up)",
+                                  settings.rank, *peers.begin()));
+    }
+    if (*peers.rbegin() >= settings.link->world_size() || settings.link->rank() != settings.rank) {
+      throw PlanError(fmt::format("invalid plan: rank {} exchanges registers with rank {}, but the data plane is rank "
+                                  "{} of {}",
+                                  settings.rank, *peers.rbegin(), settings.link->rank(),
+                                  settings.link->world_size()));
+    }
+  }
+  if (settings.mode == ExecutionMode::deterministic && !peers.empty()) {
+    throw std::invalid_argument("deterministic mode runs one rank alone; this plan's rank " +
+                                std::to_string(settings.rank) + " talks to other ranks");
+  }
   impl_ = std::make_unique<Impl>(std::move(plan), &kernels, settings, /*dry_run=*/false);
   impl_->instantiate();
+  if (!peers.empty()) settings.link->set_handler(impl_.get());
 }
+
+void Runtime::abort(const std::string& reason) { impl_->fail(reason); }
 
 Runtime::~Runtime() = default;
 

@@ -19,6 +19,8 @@ enum class MsgKind : std::uint8_t {
   detach,
   /// runtime -> actor: start acting (sources begin producing).
   start,
+  /// data plane -> transfer actor: the pull into slot `slot` has landed.
+  pulled,
 };
 
 std::string_view name(MsgKind k);

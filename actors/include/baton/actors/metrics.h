@@ -17,6 +17,9 @@ enum class ActorActivity : std::uint8_t {
   /// Has its inputs, waiting for a free output slot (or, after end of stream, for its last
   /// slots to be acked).
   backpressured,
+  /// Waiting for its data to arrive from another rank (a transfer actor with pulls in flight
+  /// and nothing else it could do).
+  transferring,
   /// Finished and all its slots acked.
   retired,
 };
@@ -32,11 +35,12 @@ struct ActorMetrics {
   double busy_s = 0;
   double starved_s = 0;
   double backpressured_s = 0;
+  double transferring_s = 0;
   /// The part of busy_s spent inside the kernel; the rest is the handshakes around it.
   double kernel_s = 0;
   ActorActivity activity = ActorActivity::starved;
 
-  double lifetime_s() const { return busy_s + starved_s + backpressured_s; }
+  double lifetime_s() const { return busy_s + starved_s + backpressured_s + transferring_s; }
 };
 
 struct RegisterMetrics {

@@ -36,6 +36,10 @@ enum class ActorKind : std::uint8_t {
   /// One input, one output: sums each `group` consecutive input pieces into one output piece
   /// (the gradient accumulation of M micro-batches).
   accumulate,
+  /// One input on another rank, one output here of the same shape and dtype: pulls each piece
+  /// from the remote producer's slot into its own (the data plane), then acks the producer and
+  /// requests its local consumers. Placed by insert_transfers(), one per (register, rank).
+  transfer,
 };
 
 std::string_view name(ActorKind k);
@@ -111,5 +115,13 @@ struct Plan {
   std::vector<ActorIndex> actors_on(std::uint16_t rank) const;
   friend bool operator==(const Plan&, const Plan&) = default;
 };
+
+/// The plan with a transfer actor on the consumer's rank for every register read on another
+/// rank than its producer's: one transfer per (register, consuming rank), placed on the
+/// consumers' device and stream (the first consumer's), named "<register>@r<rank>", writing
+/// a local register "<register>@r<rank>" with the same shape, dtype and slots. The consumers
+/// on that rank read the local copy instead. A plan without cross-rank edges comes back
+/// unchanged; applying it twice changes nothing more.
+Plan insert_transfers(const Plan& plan);
 
 }  // namespace baton

@@ -61,6 +61,9 @@ class Runtime {
 
   /// Runs until every actor has retired; throws JobError if the run fails. Once per Runtime.
   RunReport run();
+  /// Any thread: ends the run (run() throws JobError with this reason). For the job layer: the
+  /// control plane reported that another rank failed.
+  void abort(const std::string& reason);
   /// Counters as of now; safe from any thread while run() is going.
   MetricsSnapshot snapshot() const;
   /// Deterministic mode with record_handshakes: every message in the order it was sent.

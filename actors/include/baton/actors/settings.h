@@ -3,6 +3,10 @@
 #include <chrono>
 #include <cstdint>
 
+namespace baton::transport {
+class Link;
+}
+
 namespace baton {
 
 enum class ExecutionMode : std::uint8_t {
@@ -31,6 +35,10 @@ struct RuntimeSettings {
   bool time_accounting = true;
   /// Initial capacity of each worker's mailbox in messages (grows on demand).
   std::size_t mailbox_capacity = 1024;
+  /// The data plane to the other ranks of the job (transport::DataPlane, or a LoopbackHub's
+  /// link in tests). Needed when the plan has actors on other ranks; the runtime becomes its
+  /// handler. Not owned; must outlive the Runtime.
+  transport::Link* link = nullptr;
 };
 
 }  // namespace baton

@@ -1,0 +1,213 @@
+// Plans whose edges cross ranks: the transfer pass, its validation, and several Runtimes of
+// one job in one process joined by a LoopbackHub (the multi-process runs over UCX are in
+// tests/mp/). Step 1's invariants must hold across ranks: every piece once, in order, never
+// overwritten while read (the pattern kernel), slots never exceeded.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <exception>
+#include <optional>
+#include <thread>
+
+#include "baton/actors.h"
+#include "baton/transport/loopback.h"
+#include "checking_kernels.h"
+#include "test_util.h"
+#include "xrank_plans.h"
+
+using namespace baton;
+using baton::test::CrossRankShape;
+
+namespace {
+
+struct RankResult {
+  std::optional<RunReport> report;
+  std::string error;
+};
+
+/// Runs the plan's ranks as W runtimes in this process. A rank that fails aborts the others,
+/// as the control plane does between processes.
+std::vector<RankResult> run_loopback(const Plan& logical, std::uint16_t world,
+                                     std::chrono::milliseconds stall = std::chrono::milliseconds(20'000)) {
+  const Plan plan = insert_transfers(logical);
+  const auto kernels = test::checking_registry();
+  transport::LoopbackHub hub(world);
+  std::vector<std::unique_ptr<Runtime>> runtimes;
+  for (std::uint16_t r = 0; r < world; ++r) {
+    RuntimeSettings s;
+    s.rank = r;
+    s.link = &hub.link(r);
+    s.stall_timeout = stall;
+    runtimes.push_back(std::make_unique<Runtime>(plan, kernels, s));
+  }
+  hub.start();
+  std::vector<RankResult> results(world);
+  std::vector<std::thread> threads;
+  for (std::uint16_t r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        results[r].report = runtimes[r]->run();
+      } catch (const std::exception& e) {
+        results[r].error = e.what();
+        for (std::uint16_t o = 0; o < world; ++o) {
+          if (o != r) runtimes[o]->abort(fmt::format("rank {} failed: {}", r, e.what()));
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  hub.stop();
+  return results;
+}
+
+const ActorMetrics* find_actor(const RunReport& rep, const std::string& name) {
+  for (const auto& a : rep.metrics.actors) {
+    if (a.name == name) return &a;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("cross rank: insert_transfers puts one transfer per (register, rank) on the consumers' side") {
+  CrossRankShape s{.topology = "fanout", .world = 4};
+  const Plan logical = test::cross_rank_plan(s);
+  const Plan plan = insert_transfers(logical);
+  int transfers = 0;
+  for (const auto& a : plan.actors) {
+    if (a.kind != ActorKind::transfer) continue;
+    ++transfers;
+    REQUIRE(a.inputs.size() == 1);
+    REQUIRE(a.outputs.size() == 1);
+    const auto& src = plan.registers[a.inputs[0].reg];
+    const auto& copy = plan.registers[a.outputs[0]];
+    CHECK(src.name == "src.out");
+    CHECK(copy.name == fmt::format("src.out@r{}", a.where.rank));
+    CHECK(copy.shape == src.shape);
+    CHECK(copy.slots == src.slots);
+    CHECK(a.name == copy.name);
+    // Both sinks of that rank read the local copy; the source's register now feeds the transfer.
+    REQUIRE(copy.consumers.size() == 2);
+    for (auto c : copy.consumers) CHECK(plan.actors[c].where.rank == a.where.rank);
+  }
+  CHECK(transfers == 3);
+  const auto& out = plan.registers[0];
+  CHECK(out.consumers.size() == 4);  // sink0 on rank 0 and the three transfers
+  CHECK(insert_transfers(plan) == plan);
+  // A plan on one rank comes back as it was.
+  CrossRankShape one{.topology = "chain", .world = 2};
+  Plan local = test::cross_rank_plan(one);
+  for (auto& a : local.actors) a.where.rank = 0;
+  CHECK(insert_transfers(local) == local);
+  CHECK(plan.hash() != logical.hash());
+}
+
+TEST_CASE("cross rank: an edge between ranks without a transfer is refused, naming the fix") {
+  const Plan logical = test::cross_rank_plan(CrossRankShape{.topology = "chain", .world = 2});
+  auto kernels = test::checking_registry();
+  try {
+    validate(logical, kernels, 0);
+    FAIL("validate accepted a cross-rank edge without a transfer");
+  } catch (const PlanError& e) {
+    CHECK(test::contains(e.what(), "'src.out' crosses from rank 0 ('src') to rank 1 ('sink')"));
+    CHECK(test::contains(e.what(), "insert_transfers"));
+  }
+  // With transfers but without a data plane, the runtime says what is missing.
+  try {
+    Runtime rt(insert_transfers(logical), kernels, RuntimeSettings{});
+    FAIL("a runtime without a data plane accepted a cross-rank plan");
+  } catch (const PlanError& e) {
+    CHECK(test::contains(e.what(), "no data plane"));
+  }
+}
+
+TEST_CASE("cross rank: a cycle across ranks without a delay is found before anything runs") {
+  Plan p;
+  auto a_out = p.add_register({.name = "a.out", .shape = {4}, .dtype = DType::i64});
+  auto b_out = p.add_register({.name = "b.out", .shape = {4}, .dtype = DType::i64});
+  p.add_actor({.name = "a", .op = "noop", .dtype = DType::i64, .where = {.rank = 0}, .inputs = {{b_out}}, .outputs = {a_out}});
+  p.add_actor({.name = "b", .op = "noop", .dtype = DType::i64, .where = {.rank = 1}, .inputs = {{a_out}}, .outputs = {b_out}});
+  auto kernels = test::checking_registry();
+  const Plan plan = insert_transfers(p);
+  CHECK_THROWS_WITH_AS(validate(plan, kernels, 0), doctest::Contains("cannot make progress"), PlanError);
+  CHECK_THROWS_WITH_AS(validate(plan, kernels, 1), doctest::Contains("cannot make progress"), PlanError);
+  // With one piece of delay on the way back it turns (and the dry run spans both ranks).
+  p.actors[0].inputs[0].delay = 1;
+  CHECK_NOTHROW(validate(insert_transfers(p), kernels, 0));
+}
+
+TEST_CASE("cross rank: chains, fan-out, fan-in and a ring over 2 and 4 ranks keep every invariant" *
+          doctest::timeout(120)) {
+  for (const char* topology : {"chain", "fanout", "fanin", "ring"}) {
+    for (std::uint16_t world : {2, 4}) {
+      for (std::int32_t slots : {1, 2, 4}) {
+        CAPTURE(topology);
+        CAPTURE(world);
+        CAPTURE(slots);
+        CrossRankShape s{.topology = topology, .world = world, .pieces = 300, .elements = 32, .slots = slots};
+        auto results = run_loopback(test::cross_rank_plan(s), world);
+        for (std::uint16_t r = 0; r < world; ++r) {
+          CAPTURE(r);
+          REQUIRE_MESSAGE(results[r].error.empty(), results[r].error);
+          const RunReport& rep = *results[r].report;
+          for (const auto& a : rep.metrics.actors) {
+            CHECK(a.activity == ActorActivity::retired);
+            CHECK(a.acts == static_cast<std::uint64_t>(s.pieces));
+          }
+          for (const auto& reg : rep.metrics.registers) {
+            CHECK(reg.written == s.pieces);
+            CHECK(reg.max_outstanding <= reg.slots);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cross rank: transfer actors move the bytes and account their time" * doctest::timeout(60)) {
+  CrossRankShape s{.topology = "chain", .world = 2, .pieces = 100, .elements = 1 << 14, .slots = 2};
+  auto results = run_loopback(test::cross_rank_plan(s), 2);
+  REQUIRE(results[1].error.empty());
+  const auto* t = find_actor(*results[1].report, "src.out@r1");
+  REQUIRE(t != nullptr);
+  CHECK(t->kind == ActorKind::transfer);
+  CHECK(t->acts == 100);
+  CHECK(t->bytes_out == 100u * (1u << 14) * 8u);
+  CHECK(t->lifetime_s() > 0);
+  // A rank only reports its own actors.
+  CHECK(find_actor(*results[1].report, "src") == nullptr);
+  CHECK(find_actor(*results[0].report, "src") != nullptr);
+}
+
+TEST_CASE("cross rank: a kernel failing on one rank fails that rank with the actor and piece" *
+          doctest::timeout(60)) {
+  CrossRankShape s{.topology = "chain", .world = 3, .pieces = 500, .fail_rank = 1, .fail_at = 42};
+  auto results = run_loopback(test::cross_rank_plan(s), 3);
+  CHECK(test::contains(results[1].error, "actor 's1'"));
+  CHECK(test::contains(results[1].error, "injected failure at piece 42"));
+  for (std::uint16_t r : {0, 2}) CHECK(test::contains(results[r].error, "rank 1 failed"));
+}
+
+TEST_CASE("cross rank: a sink that stops early detaches across ranks and the source still ends" *
+          doctest::timeout(60)) {
+  // The source on rank 0 could make 10000 pieces; the reader on rank 1 is fed by a 50-piece
+  // source too and ends after 50: its detach must reach rank 0 through the transfer actor.
+  Plan p;
+  auto big = p.add_register({.name = "big.out", .shape = {8}, .dtype = DType::i64});
+  auto small = p.add_register({.name = "small.out", .shape = {8}, .dtype = DType::i64});
+  CrossRankShape s;
+  auto src_big = test::detail_xrank::pattern_actor("big", 0, {}, {big}, s);
+  src_big.pieces = 10'000;
+  auto src_small = test::detail_xrank::pattern_actor("small", 1, {}, {small}, s);
+  src_small.pieces = 50;
+  p.add_actor(src_big);
+  p.add_actor(src_small);
+  p.add_actor(test::detail_xrank::pattern_actor("sink", 1, {big, small}, {}, s));
+  auto results = run_loopback(p, 2);
+  REQUIRE(results[0].error.empty());
+  REQUIRE(results[1].error.empty());
+  const auto* b = find_actor(*results[0].report, "big");
+  REQUIRE(b != nullptr);
+  CHECK(b->acts < 10'000);
+  CHECK(find_actor(*results[1].report, "sink")->acts == 50);
+}

@@ -1,0 +1,175 @@
+#pragma once
+/// The control plane (DESIGN.md section 4): a rendezvous server (run by the launcher of node 0,
+/// or by a test) and a client in every rank, over TCP with Boost.Asio. JSON lines on the wire.
+///
+///   rank -> server   hello {token, rank, world_size, host, data_address, plan_hash}
+///   server -> ranks  table (every rank's RankInfo), once all have joined with the same hash;
+///                    refused {reason} for a wrong token, a duplicate or out-of-range rank, a
+///                    world-size mismatch, or plans whose hashes differ (naming ranks + hashes)
+///   rank <-> server  heartbeat, both ways, every heartbeat_interval
+///   rank -> server   barrier {name}; server -> ranks barrier_done {name} once all arrived
+///   rank -> server   fail {reason}; server -> everyone abort {reason}
+///   rank -> server   bye (after the final barrier); a connection that closes without it is a
+///                    failed rank ("lost its control connection")
+///   launcher -> server  launcher {token?, node_rank}: a node's launcher; gets the token and
+///                    the abort broadcasts; its connection closing early is a failed node
+///
+/// Every wait has a deadline, and the error names who is late. Nothing here knows graphs or
+/// actors: the plan is only a hash.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "baton/transport/link.h"
+
+namespace baton::transport {
+
+/// What a rank tells the rendezvous server about itself.
+struct RankInfo {
+  std::uint32_t rank = 0;
+  std::string host;          // the rank's host name, for messages
+  std::string data_address;  // the data plane's address (opaque bytes; base64 on the wire)
+  std::uint64_t plan_hash = 0;
+};
+
+/// "host:port" -> {host, port}; "[::1]:29500" for IPv6. Throws TransportError naming the text.
+std::pair<std::string, std::uint16_t> parse_endpoint(const std::string& text);
+
+/// A fresh random job token (hex, 32 characters).
+std::string random_token();
+
+struct ServerSettings {
+  std::string bind_host = "0.0.0.0";
+  std::uint16_t port = 0;  // 0: a free port, see RendezvousServer::port()
+  std::string token;       // required of every rank (and of launchers, unless hand_out_token)
+  std::uint32_t world_size = 1;
+  /// Launchers of other nodes that will connect (0 when there is one node).
+  std::uint32_t launchers = 0;
+  /// Launchers may join without the token and are given it (torchrun-style --nnodes without
+  /// a shared secret). The token then only keeps stray ranks of other jobs out.
+  bool hand_out_token = false;
+  /// From the first rank's hello until every rank has joined (a job whose programs never use
+  /// the control plane, e.g. a shell command under baton-launch, is not failed by it); for
+  /// launchers, from the server's start.
+  std::chrono::milliseconds join_timeout{120'000};
+  /// From the first rank's arrival at a barrier until the last one's.
+  std::chrono::milliseconds barrier_timeout{600'000};
+  std::chrono::milliseconds heartbeat_interval{1'000};
+  /// A rank or launcher that sends nothing for this long has failed.
+  std::chrono::milliseconds heartbeat_timeout{10'000};
+};
+
+/// How the job ended, as the server saw it.
+struct JobOutcome {
+  bool ok = false;
+  std::string reason;                       // empty when ok
+  std::optional<std::uint32_t> failed_rank;  // the rank that failed first, if one did
+  std::string failed_host;
+};
+
+/// Serves one job on its own thread. Binds in the constructor: a port in use is a
+/// TransportError naming host and port.
+class RendezvousServer {
+ public:
+  explicit RendezvousServer(ServerSettings settings);
+  ~RendezvousServer();  // stops the thread; never throws
+  RendezvousServer(const RendezvousServer&) = delete;
+  RendezvousServer& operator=(const RendezvousServer&) = delete;
+
+  std::uint16_t port() const;
+  /// Blocks until every rank said bye (ok) or the job failed. Returns nullopt if `timeout`
+  /// passed first.
+  std::optional<JobOutcome> wait_for(std::chrono::milliseconds timeout);
+  /// Ends the job on every rank and launcher with this reason (e.g. the launcher saw a rank
+  /// die). The first failure wins; later ones are ignored.
+  void abort(const std::string& reason, std::optional<std::uint32_t> rank = std::nullopt,
+             const std::string& host = {});
+  /// The outcome so far, if the job has ended.
+  std::optional<JobOutcome> outcome() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ClientSettings {
+  std::string master;  // "host:port" of the rendezvous server
+  std::string token;
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 1;
+  /// join(): keep retrying the connection (the server may start later) and then wait for the
+  /// table, until this passes.
+  std::chrono::milliseconds join_timeout{120'000};
+  std::chrono::milliseconds heartbeat_interval{1'000};
+  /// The server silent for this long: the job is aborted locally ("rendezvous server ... lost").
+  std::chrono::milliseconds heartbeat_timeout{10'000};
+};
+
+/// A rank's connection to the rendezvous server. After join() a background thread sends
+/// heartbeats and listens for abort broadcasts.
+class ControlClient {
+ public:
+  explicit ControlClient(ClientSettings settings);
+  /// Without finish(), closing tells the server this rank failed (if it has not said so).
+  ~ControlClient();
+  ControlClient(const ControlClient&) = delete;
+  ControlClient& operator=(const ControlClient&) = delete;
+
+  /// Connects, says hello, waits for the table (every rank's RankInfo, indexed by rank).
+  /// Throws TransportError: refused (with the server's reason), timed out, or aborted.
+  std::vector<RankInfo> join(const RankInfo& me);
+  /// Called once, on the client's thread, when the job is aborted (broadcast or server lost).
+  /// Set before join().
+  void on_abort(std::function<void(const std::string& reason)> callback);
+  /// Waits until every rank has reached the barrier `name`. Throws TransportError if the job
+  /// was aborted meanwhile or `timeout` passed (naming the ranks that have not arrived, as far
+  /// as the server knows).
+  void barrier(const std::string& name, std::chrono::milliseconds timeout);
+  /// This rank failed: the server aborts every rank with "rank R (host): reason".
+  void fail(const std::string& reason);
+  /// The final barrier, then bye. The server counts this rank as done.
+  void finish(std::chrono::milliseconds timeout);
+  /// The abort reason, once aborted.
+  std::optional<std::string> aborted() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct LauncherClientSettings {
+  std::string master;
+  std::string token;  // empty: ask the server for it (ServerSettings::hand_out_token)
+  std::uint32_t node_rank = 1;
+  std::chrono::milliseconds join_timeout{120'000};
+  std::chrono::milliseconds heartbeat_interval{1'000};
+  std::chrono::milliseconds heartbeat_timeout{10'000};
+};
+
+/// A launcher of node >= 1: learns the token, reports its ranks' failures, hears aborts.
+class LauncherClient {
+ public:
+  explicit LauncherClient(LauncherClientSettings settings);
+  ~LauncherClient();
+  LauncherClient(const LauncherClient&) = delete;
+  LauncherClient& operator=(const LauncherClient&) = delete;
+
+  /// Connects (retrying until join_timeout) and returns the job token. Throws TransportError.
+  std::string join();
+  void on_abort(std::function<void(const std::string& reason)> callback);
+  /// A rank of this node failed (exit code, signal): the server aborts the job.
+  void fail(const std::string& reason, std::uint32_t rank);
+  /// Every rank of this node exited 0: close without failing the job.
+  void finish();
+  std::optional<std::string> aborted() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace baton::transport

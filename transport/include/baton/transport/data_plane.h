@@ -1,0 +1,85 @@
+#pragma once
+/// The UCX data plane (DESIGN.md section 4): one ucp worker owned by one progress thread per
+/// process; messages as active messages; payloads as tagged rendezvous sends that the receiver
+/// pulls into the memory it posted (so a large payload is never copied through a bounce buffer).
+/// Shared memory, TCP and the rest come from UCX itself (UCX_TLS).
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "baton/transport/link.h"
+
+namespace baton::transport {
+
+struct DataPlaneSettings {
+  /// UCX_TLS for this data plane ("tcp", "posix,cma,tcp", ...); empty: the UCX_TLS environment
+  /// variable, or UCX's own choice.
+  std::string transports;
+  /// Polls of an idle worker before the progress thread sleeps on the worker's event fd (and
+  /// an eventfd that send()/receive_payload() ring). About 1000 polls ride out the gap between
+  /// the pieces of a busy stream; an idle process gives its core back.
+  int spin_polls = 1000;
+  /// stop(): how long to wait for outstanding operations and endpoint flushes before forcing
+  /// the endpoints closed.
+  std::chrono::milliseconds close_timeout{5'000};
+  /// Longest one sleep of the progress thread lasts before it polls again. Every wake-up it
+  /// needs comes as an event; this bound is a safety net (and how soon stop() is seen at worst).
+  std::chrono::milliseconds max_sleep{100};
+};
+
+/// Counters, read from any thread.
+struct DataPlaneStats {
+  std::uint64_t messages_sent = 0;
+  std::uint64_t messages_received = 0;
+  std::uint64_t payloads_sent = 0;
+  std::uint64_t payloads_received = 0;
+  std::uint64_t payload_bytes_received = 0;
+  std::uint64_t sleeps = 0;  // times the progress thread went to sleep
+  std::uint64_t errors = 0;  // failed operations (the first also went to on_link_error)
+};
+
+/// Life cycle:
+///   DataPlane dp(rank, world);            // ucp context + worker; address() is ready
+///   ... exchange addresses (control plane) ...
+///   dp.set_handler(&h); dp.connect(addresses); dp.start();
+///   ... send / send_payload / receive_payload from any thread ...
+///   dp.stop();                            // or the destructor
+/// Errors: TransportError naming the UCX call, the status string and the peer rank.
+class DataPlane final : public Link {
+ public:
+  DataPlane(std::uint32_t rank, std::uint32_t world_size, DataPlaneSettings settings = {});
+  ~DataPlane() override;  // stop(); never throws
+  DataPlane(const DataPlane&) = delete;
+  DataPlane& operator=(const DataPlane&) = delete;
+
+  /// This process's ucp worker address (opaque bytes) for the address table.
+  const std::string& address() const;
+  /// One endpoint to every other rank, from the table (indexed by rank; our own entry is
+  /// ignored). Before start().
+  void connect(const std::vector<std::string>& addresses);
+  /// Starts the progress thread.
+  void start();
+  /// Finishes what is in flight (up to close_timeout), closes the endpoints, joins the thread.
+  void stop() noexcept;
+  /// Which transports UCX chose for the endpoint to `peer` ("posix/memory cma/memory ..."),
+  /// for logs and benchmarks. After connect().
+  std::string transports_to(std::uint32_t peer) const;
+  DataPlaneStats stats() const;
+
+  std::uint32_t rank() const override;
+  std::uint32_t world_size() const override;
+  void set_handler(LinkHandler* handler) override;
+  void send(std::uint32_t to, const void* data, std::size_t size) override;
+  void send_payload(std::uint32_t to, std::uint64_t tag, const void* data, std::size_t size) override;
+  void receive_payload(std::uint32_t from, std::uint64_t tag, void* dest, std::size_t size,
+                       std::uint64_t cookie) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace baton::transport

@@ -1,0 +1,58 @@
+#pragma once
+/// The data plane as the runtime sees it: small ordered messages between ranks, and payloads
+/// that the receiving side pulls into memory it chose. Two implementations: DataPlane (UCX,
+/// between processes and hosts) and LoopbackHub (ranks inside one process, for tests).
+/// Knows nothing of actors or graphs: messages are opaque bytes.
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace baton::transport {
+
+/// Anything the transport refuses or loses: a bad address, a port in use, a refused join, a
+/// deadline passed, a peer gone. what() says which rank / host / address.
+class TransportError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// What a Link delivers to its owner. Called on the link's progress thread: must not block
+/// (post to a queue and return).
+class LinkHandler {
+ public:
+  virtual ~LinkHandler() = default;
+  /// A message from `from_rank`. Messages from one rank arrive in the order they were sent
+  /// (by one sending thread).
+  virtual void on_message(std::uint32_t from_rank, const void* data, std::size_t size) = 0;
+  /// The receive_payload() with this cookie has finished: the bytes are in its memory.
+  virtual void on_payload(std::uint64_t cookie) = 0;
+  /// The link cannot go on (a peer vanished, a transfer failed). Called at most once.
+  virtual void on_link_error(const std::string& reason) = 0;
+};
+
+/// Thread-safe: any thread may call send / send_payload / receive_payload.
+class Link {
+ public:
+  /// The most bytes one message may carry.
+  static constexpr std::size_t max_message = 64;
+
+  virtual ~Link() = default;
+  virtual std::uint32_t rank() const = 0;
+  virtual std::uint32_t world_size() const = 0;
+  /// Who gets what arrives. Set once, before the first message can arrive (before start()).
+  virtual void set_handler(LinkHandler* handler) = 0;
+  /// Copies `size` (<= max_message) bytes and delivers them to rank `to` (in order, see above).
+  virtual void send(std::uint32_t to, const void* data, std::size_t size) = 0;
+  /// Offers `size` bytes at `data` to rank `to` under `tag`. The memory must stay valid and
+  /// unchanged until the receiver has it; the caller learns that from its own protocol (the
+  /// receiver's ack). Large payloads are not copied on the sender's side.
+  virtual void send_payload(std::uint32_t to, std::uint64_t tag, const void* data, std::size_t size) = 0;
+  /// Receives the payload that rank `from` offers under `tag` straight into `dest` (`size`
+  /// bytes, which must equal the offered size); then calls on_payload(cookie). The receive
+  /// may be posted before or after the offer. (from, tag) must be unique while in flight.
+  virtual void receive_payload(std::uint32_t from, std::uint64_t tag, void* dest, std::size_t size,
+                               std::uint64_t cookie) = 0;
+};
+
+}  // namespace baton::transport
