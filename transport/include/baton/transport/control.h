@@ -3,16 +3,24 @@
 /// or by a test) and a client in every rank, over TCP with Boost.Asio. JSON lines on the wire.
 ///
 ///   rank -> server   hello {token, rank, world_size, host, data_address, plan_hash}
-///   server -> ranks  table (every rank's RankInfo), once all have joined with the same hash;
+///                    (data_address in base64, plan_hash as 16 hex digits)
+///   server -> ranks  table {ranks: [RankInfo...]}, once all have joined with the same hash;
 ///                    refused {reason} for a wrong token, a duplicate or out-of-range rank, a
 ///                    world-size mismatch, or plans whose hashes differ (naming ranks + hashes)
 ///   rank <-> server  heartbeat, both ways, every heartbeat_interval
 ///   rank -> server   barrier {name}; server -> ranks barrier_done {name} once all arrived
+///   rank -> server   barrier_status {name} / join_status, after a client-side timeout; the
+///                    server answers with {missing: [ranks]} so the error can name them
 ///   rank -> server   fail {reason}; server -> everyone abort {reason}
 ///   rank -> server   bye (after the final barrier); a connection that closes without it is a
 ///                    failed rank ("lost its control connection")
-///   launcher -> server  launcher {token?, node_rank}: a node's launcher; gets the token and
-///                    the abort broadcasts; its connection closing early is a failed node
+///   launcher -> server  launcher {token?, node_rank, host}: a node's launcher; gets
+///                    welcome {token} and the abort broadcasts; its connection closing early
+///                    is a failed node; launcher -> server fail {reason, rank} for its ranks
+///   server -> launchers done, once every rank said bye (the server closing later is no failure)
+///
+/// Boost.JSON's implementation is compiled into baton::transport (control.cpp): a program that
+/// links it uses <boost/json.hpp> and must not include <boost/json/src.hpp> again.
 ///
 /// Every wait has a deadline, and the error names who is late. Nothing here knows graphs or
 /// actors: the plan is only a hash.
@@ -90,6 +98,10 @@ class RendezvousServer {
              const std::string& host = {});
   /// The outcome so far, if the job has ended.
   std::optional<JobOutcome> outcome() const;
+  /// How many launchers of other nodes have finished (LauncherClient::finish: every rank of
+  /// their node exited 0). Node 0's launcher, its own ranks done, waits for all of them: ranks
+  /// that never use the control plane say no bye, so the outcome alone cannot tell.
+  std::uint32_t finished_launchers() const;
 
  private:
   struct Impl;
@@ -121,15 +133,20 @@ class ControlClient {
 
   /// Connects, says hello, waits for the table (every rank's RankInfo, indexed by rank).
   /// Throws TransportError: refused (with the server's reason), timed out, or aborted.
+  /// The rank sent is ClientSettings::rank (me.rank is not used); an empty me.host is replaced
+  /// by this machine's host name.
   std::vector<RankInfo> join(const RankInfo& me);
   /// Called once, on the client's thread, when the job is aborted (broadcast or server lost).
-  /// Set before join().
+  /// Set before join(). What it uses must outlive the client, and it must not destroy the
+  /// client.
   void on_abort(std::function<void(const std::string& reason)> callback);
   /// Waits until every rank has reached the barrier `name`. Throws TransportError if the job
   /// was aborted meanwhile or `timeout` passed (naming the ranks that have not arrived, as far
   /// as the server knows).
   void barrier(const std::string& name, std::chrono::milliseconds timeout);
-  /// This rank failed: the server aborts every rank with "rank R (host): reason".
+  /// This rank failed: the server aborts every rank with "rank R (host): reason". Waits (about
+  /// a second at most) until the message is written. Never throws; does nothing before join()
+  /// or once the job is aborted.
   void fail(const std::string& reason);
   /// The final barrier, then bye. The server counts this rank as done.
   void finish(std::chrono::milliseconds timeout);
@@ -159,6 +176,8 @@ class LauncherClient {
   LauncherClient& operator=(const LauncherClient&) = delete;
 
   /// Connects (retrying until join_timeout) and returns the job token. Throws TransportError.
+  /// Destroying a joined LauncherClient without finish() fails the job ("exited without
+  /// finishing"), unless the job already ended.
   std::string join();
   void on_abort(std::function<void(const std::string& reason)> callback);
   /// A rank of this node failed (exit code, signal): the server aborts the job.
