@@ -1,1 +1,525 @@
+// transport/: the UCX data plane. Two DataPlanes in one process, each with its own ucp context,
+// worker and progress thread, exchange addresses directly. Every scenario runs twice: with
+// UCX's own choice of transports (shared memory here) and with TCP over loopback only.
 #include <doctest/doctest.h>
+#include <time.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "baton/transport/data_plane.h"
+#include "test_util.h"
+
+namespace {
+
+using baton::test::contains;
+using baton::transport::DataPlane;
+using baton::transport::DataPlaneSettings;
+using baton::transport::Link;
+using baton::transport::LinkHandler;
+using baton::transport::TransportError;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+/// Runs the rest of the test case once per transport setting ("" is UCX's own choice).
+std::string transport_variant() {
+  std::string transports;
+  SUBCASE("default transports") {}
+  SUBCASE("tcp") { transports = "tcp"; }
+  CAPTURE(transports);
+  return transports;
+}
+
+/// Collects what a link delivers. Messages are checked as they arrive: each carries the
+/// sending thread and its sequence number, and a byte pattern derived from both.
+class Recorder final : public LinkHandler {
+ public:
+  void on_message(std::uint32_t from, const void* data, std::size_t size) override {
+    std::lock_guard lock(mutex_);
+    ++messages_;
+    std::uint32_t thread = 0;
+    std::uint32_t sequence = 0;
+    if (size < 8) {
+      ++bad_messages_;
+    } else {
+      std::memcpy(&thread, data, 4);
+      std::memcpy(&sequence, static_cast<const char*>(data) + 4, 4);
+      auto& expected = next_[{from, thread}];
+      if (sequence != expected || size != message_size(sequence)) ++bad_messages_;
+      expected = sequence + 1;
+      for (std::size_t i = 8; i < size; ++i) {
+        if (static_cast<const unsigned char*>(data)[i] != pattern_byte(thread, sequence, i)) {
+          ++bad_messages_;
+          break;
+        }
+      }
+    }
+    changed_.notify_all();
+  }
+  void on_payload(std::uint64_t cookie) override {
+    std::lock_guard lock(mutex_);
+    payloads_.push_back(cookie);
+    changed_.notify_all();
+  }
+  void on_link_error(const std::string& reason) override {
+    std::lock_guard lock(mutex_);
+    errors_.push_back(reason);
+    changed_.notify_all();
+  }
+
+  /// Waits (at most `limit`) until `pred()` holds, with the lock held; returns whether it did.
+  template <class Pred>
+  bool wait(Pred pred, Clock::duration limit = 20s) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, limit, [&] { return pred(*this); });
+  }
+  std::size_t messages() {
+    std::lock_guard lock(mutex_);
+    return messages_;
+  }
+  std::size_t bad_messages() {
+    std::lock_guard lock(mutex_);
+    return bad_messages_;
+  }
+  std::vector<std::uint64_t> payloads() {
+    std::lock_guard lock(mutex_);
+    return payloads_;
+  }
+  std::vector<std::string> errors() {
+    std::lock_guard lock(mutex_);
+    return errors_;
+  }
+  /// The link errors, one a line ("" if none): what a failed CHECK shows.
+  std::string error_text() {
+    std::lock_guard lock(mutex_);
+    std::string text;
+    for (const auto& e : errors_) text += e + "\n";
+    return text;
+  }
+
+  static std::size_t message_size(std::uint32_t sequence) { return 8 + sequence % (Link::max_message - 7); }
+  static unsigned char pattern_byte(std::uint32_t thread, std::uint32_t sequence, std::size_t i) {
+    return static_cast<unsigned char>(thread * 31 + sequence * 7 + i);
+  }
+  static std::vector<unsigned char> message(std::uint32_t thread, std::uint32_t sequence) {
+    std::vector<unsigned char> bytes(message_size(sequence));
+    std::memcpy(bytes.data(), &thread, 4);
+    std::memcpy(bytes.data() + 4, &sequence, 4);
+    for (std::size_t i = 8; i < bytes.size(); ++i) bytes[i] = pattern_byte(thread, sequence, i);
+    return bytes;
+  }
+
+  // Read under the lock, from wait()'s predicate.
+  std::size_t messages_ = 0;
+  std::size_t bad_messages_ = 0;
+  std::vector<std::uint64_t> payloads_;
+  std::vector<std::string> errors_;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::pair<std::uint32_t, std::uint32_t>, std::uint32_t> next_;
+};
+
+/// Ranks 0 and 1, connected and started. Handlers outlive the data planes (declared first).
+struct Pair {
+  explicit Pair(DataPlaneSettings settings) {
+    for (std::uint32_t r = 0; r < 2; ++r) planes[r] = std::make_unique<DataPlane>(r, 2, settings);
+    std::vector<std::string> addresses{planes[0]->address(), planes[1]->address()};
+    for (std::uint32_t r = 0; r < 2; ++r) {
+      planes[r]->set_handler(&handlers[r]);
+      planes[r]->connect(addresses);
+      planes[r]->start();
+    }
+  }
+  explicit Pair(const std::string& transports) : Pair(DataPlaneSettings{.transports = transports}) {}
+
+  Recorder handlers[2];
+  std::unique_ptr<DataPlane> planes[2];
+};
+
+/// Bytes that differ at every position and between payloads.
+std::vector<unsigned char> pattern(std::size_t size, unsigned seed) {
+  std::vector<unsigned char> bytes(size);
+  std::uint64_t x = 0x9E3779B97F4A7C15ull * (seed + 1);
+  for (std::size_t i = 0; i < size; ++i) {
+    if (i % 8 == 0) x = x * 6364136223846793005ull + 1442695040888963407ull;
+    bytes[i] = static_cast<unsigned char>(x >> (8 * (i % 8)));
+  }
+  return bytes;
+}
+
+bool has_cookie(Recorder& r, std::uint64_t cookie) {
+  for (auto c : r.payloads_)
+    if (c == cookie) return true;
+  return false;
+}
+
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+}  // namespace
+
+TEST_CASE("data plane: connects and names the transports UCX chose" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  Pair pair(transports);
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    CHECK(pair.planes[r]->rank() == r);
+    CHECK(pair.planes[r]->world_size() == 2);
+    CHECK_FALSE(pair.planes[r]->address().empty());
+    const std::string chosen = pair.planes[r]->transports_to(1 - r);
+    MESSAGE("rank ", r, " uses ", chosen);
+    CHECK_FALSE(chosen.empty());
+    if (transports == "tcp") CHECK(contains(chosen, "tcp/"));
+  }
+}
+
+TEST_CASE("data plane: 10000 messages each way arrive in order and intact, from two threads per side" *
+          doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  Pair pair(transports);
+  constexpr std::uint32_t threads_per_side = 2;
+  constexpr std::uint32_t per_thread = 5000;
+  std::vector<std::thread> senders;
+  for (std::uint32_t side = 0; side < 2; ++side) {
+    for (std::uint32_t t = 0; t < threads_per_side; ++t) {
+      senders.emplace_back([&pair, side, t] {
+        for (std::uint32_t s = 0; s < per_thread; ++s) {
+          auto bytes = Recorder::message(t, s);
+          pair.planes[side]->send(1 - side, bytes.data(), bytes.size());
+        }
+      });
+    }
+  }
+  for (auto& s : senders) s.join();
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    CHECK(pair.handlers[r].wait([](Recorder& h) { return h.messages_ >= threads_per_side * per_thread; }));
+    CHECK(pair.handlers[r].messages() == threads_per_side * per_thread);
+    CHECK(pair.handlers[r].bad_messages() == 0);
+    CHECK(pair.handlers[r].error_text() == "");
+    CHECK(pair.planes[r]->stats().messages_received == threads_per_side * per_thread);
+  }
+  // The sender counts a message once UCX has it; wait for the last completions.
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    auto deadline = Clock::now() + 10s;
+    while (pair.planes[r]->stats().messages_sent < threads_per_side * per_thread && Clock::now() < deadline) {
+      std::this_thread::sleep_for(1ms);
+    }
+    CHECK(pair.planes[r]->stats().messages_sent == threads_per_side * per_thread);
+  }
+}
+
+TEST_CASE("data plane: empty and short messages keep their order with the rest" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  struct Check final : LinkHandler {
+    void on_message(std::uint32_t, const void* data, std::size_t size) override {
+      std::lock_guard lock(mutex);
+      sizes.push_back(size);
+      if (size > 0) firsts.push_back(*static_cast<const unsigned char*>(data));
+    }
+    void on_payload(std::uint64_t) override {}
+    void on_link_error(const std::string&) override {}
+    std::mutex mutex;
+    std::vector<std::size_t> sizes;
+    std::vector<unsigned char> firsts;
+  } check;
+  DataPlane receiver(1, 2, DataPlaneSettings{.transports = transports});
+  DataPlane sender(0, 2, DataPlaneSettings{.transports = transports});
+  Recorder unused;
+  std::vector<std::string> addresses{sender.address(), receiver.address()};
+  receiver.set_handler(&check);
+  sender.set_handler(&unused);
+  receiver.connect(addresses);
+  sender.connect(addresses);
+  receiver.start();
+  sender.start();
+  std::vector<std::size_t> sent_sizes;
+  for (std::size_t i = 0; i < 200; ++i) {
+    std::size_t size = i % 3 == 0 ? 0 : (i % 3 == 1 ? 1 : Link::max_message);
+    std::vector<unsigned char> bytes(size, static_cast<unsigned char>(i));
+    sender.send(1, bytes.data(), size);
+    sent_sizes.push_back(size);
+  }
+  auto deadline = Clock::now() + 20s;
+  while (Clock::now() < deadline) {
+    {
+      std::lock_guard lock(check.mutex);
+      if (check.sizes.size() >= sent_sizes.size()) break;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  std::lock_guard lock(check.mutex);
+  CHECK(check.sizes == sent_sizes);
+  std::vector<unsigned char> expected_firsts;
+  for (std::size_t i = 0; i < 200; ++i)
+    if (i % 3 != 0) expected_firsts.push_back(static_cast<unsigned char>(i));
+  CHECK(check.firsts == expected_firsts);
+}
+
+TEST_CASE("data plane: payloads from 0 B to 64 MiB arrive intact, received before or after the offer" *
+          doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  Pair pair(transports);
+  const std::size_t sizes[] = {0, 1, 4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
+  std::uint64_t cookie = 100;
+  std::uint64_t tag = 1;
+  for (std::size_t size : sizes) {
+    for (bool receive_first : {true, false}) {
+      CAPTURE(size);
+      CAPTURE(receive_first);
+      const std::uint32_t from = receive_first ? 0 : 1;
+      const std::uint32_t to = 1 - from;
+      auto source = pattern(size, static_cast<unsigned>(tag));
+      std::vector<unsigned char> dest(size, 0xEE);
+      ++cookie;
+      ++tag;
+      if (receive_first) {
+        pair.planes[to]->receive_payload(from, tag, dest.data(), size, cookie);
+        std::this_thread::sleep_for(5ms);  // let the receive be posted first
+        pair.planes[from]->send_payload(to, tag, source.data(), size);
+      } else {
+        pair.planes[from]->send_payload(to, tag, source.data(), size);
+        std::this_thread::sleep_for(5ms);  // let the offer (eager data or rendezvous) arrive first
+        pair.planes[to]->receive_payload(from, tag, dest.data(), size, cookie);
+      }
+      REQUIRE(pair.handlers[to].wait([&](Recorder& h) { return has_cookie(h, cookie) || !h.errors_.empty(); }));
+      REQUIRE(pair.handlers[to].error_text() == "");
+      CHECK(dest == source);
+    }
+  }
+  const auto& s = pair.planes[0]->stats();
+  CHECK(s.payloads_received + pair.planes[1]->stats().payloads_received == std::size(sizes) * 2);
+}
+
+TEST_CASE("data plane: 64 payloads in flight at once, both ways" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  Pair pair(transports);
+  constexpr int count = 64;
+  struct Transfer {
+    std::uint32_t from;
+    std::vector<unsigned char> source, dest;
+  };
+  std::vector<Transfer> transfers(count);
+  for (int i = 0; i < count; ++i) {
+    std::size_t size = (i % 4 == 0) ? std::size_t{1} << 20 : 1000 + static_cast<std::size_t>(i) * 4099;
+    transfers[i].from = static_cast<std::uint32_t>(i % 2);
+    transfers[i].source = pattern(size, 1000 + i);
+    transfers[i].dest.assign(size, 0);
+  }
+  // Half the receives go first, then every offer, then the other half of the receives.
+  for (int i = 0; i < count; i += 2) {
+    auto& t = transfers[i];
+    pair.planes[1 - t.from]->receive_payload(t.from, 5000 + i, t.dest.data(), t.dest.size(), i);
+  }
+  for (int i = 0; i < count; ++i) {
+    auto& t = transfers[i];
+    pair.planes[t.from]->send_payload(1 - t.from, 5000 + i, t.source.data(), t.source.size());
+  }
+  for (int i = 1; i < count; i += 2) {
+    auto& t = transfers[i];
+    pair.planes[1 - t.from]->receive_payload(t.from, 5000 + i, t.dest.data(), t.dest.size(), i);
+  }
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    CHECK(pair.handlers[r].wait([](Recorder& h) { return h.payloads_.size() >= count / 2 || !h.errors_.empty(); }));
+    CHECK(pair.handlers[r].error_text() == "");
+    std::set<std::uint64_t> cookies;
+    for (auto c : pair.handlers[r].payloads()) cookies.insert(c);
+    CHECK(cookies.size() == count / 2);
+  }
+  for (int i = 0; i < count; ++i) {
+    CAPTURE(i);
+    CHECK(transfers[i].dest == transfers[i].source);
+  }
+}
+
+TEST_CASE("data plane: equal tags from different senders do not meet" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  // Three ranks: 0 and 1 both offer tag 7 to rank 2.
+  Recorder handlers[3];
+  std::unique_ptr<DataPlane> planes[3];
+  std::vector<std::string> addresses;
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    planes[r] = std::make_unique<DataPlane>(r, 3, DataPlaneSettings{.transports = transports});
+    addresses.push_back(planes[r]->address());
+  }
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    planes[r]->set_handler(&handlers[r]);
+    planes[r]->connect(addresses);
+    planes[r]->start();
+  }
+  auto from0 = pattern(100000, 0);
+  auto from1 = pattern(100000, 1);
+  std::vector<unsigned char> into0(from0.size()), into1(from1.size());
+  planes[0]->send_payload(2, 7, from0.data(), from0.size());
+  planes[1]->send_payload(2, 7, from1.data(), from1.size());
+  std::this_thread::sleep_for(5ms);
+  planes[2]->receive_payload(1, 7, into1.data(), into1.size(), 1);
+  planes[2]->receive_payload(0, 7, into0.data(), into0.size(), 0);
+  CHECK(handlers[2].wait([](Recorder& h) { return h.payloads_.size() == 2 || !h.errors_.empty(); }));
+  CHECK(handlers[2].error_text() == "");
+  CHECK(into0 == from0);
+  CHECK(into1 == from1);
+  for (auto& p : planes) p->stop();
+}
+
+TEST_CASE("data plane: a payload of the wrong size is a link error, not a hang" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  struct Case {
+    std::size_t offered, expected;
+  };
+  // Eager and rendezvous sizes, each both ways round.
+  for (Case c : {Case{2000, 1000}, Case{1000, 2000}, Case{1 << 20, 1 << 19}, Case{1 << 19, 1 << 20}}) {
+    CAPTURE(c.offered);
+    CAPTURE(c.expected);
+    DataPlaneSettings settings{.transports = transports};
+    settings.close_timeout = 500ms;
+    Pair pair(settings);
+    auto source = pattern(c.offered, 3);
+    std::vector<unsigned char> dest(c.expected);
+    pair.planes[1]->receive_payload(0, 42, dest.data(), dest.size(), 9);
+    pair.planes[0]->send_payload(1, 42, source.data(), source.size());
+    REQUIRE(pair.handlers[1].wait([](Recorder& h) { return !h.errors_.empty() || !h.payloads_.empty(); }));
+    auto errors = pair.handlers[1].errors();
+    REQUIRE(errors.size() == 1);
+    MESSAGE(errors[0]);
+    CHECK(contains(errors[0], "rank 1"));
+    CHECK(contains(errors[0], "from rank 0"));
+    CHECK(contains(errors[0], "tag 42"));
+    CHECK(contains(errors[0], std::to_string(c.expected)));
+    CHECK(pair.handlers[1].payloads().empty());
+    CHECK(pair.planes[1]->stats().errors == 1);
+    // Both sides still stop within their close timeout.
+    auto begin = Clock::now();
+    pair.planes[1]->stop();
+    pair.planes[0]->stop();
+    CHECK(Clock::now() - begin < 3s);
+  }
+}
+
+TEST_CASE("data plane: refuses what it cannot carry with a TransportError" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  using baton::test::thrown_message;
+  Pair pair(transports);
+  DataPlane& dp = *pair.planes[0];
+  std::vector<unsigned char> big(Link::max_message + 1);
+  CHECK(contains(thrown_message<TransportError>([&] { dp.send(1, big.data(), big.size()); }), "65 bytes"));
+  CHECK(contains(thrown_message<TransportError>([&] { dp.send(2, big.data(), 1); }), "rank 2"));
+  CHECK(contains(thrown_message<TransportError>([&] { dp.send(0, big.data(), 1); }), "itself"));
+  CHECK(contains(thrown_message<TransportError>([&] { dp.send_payload(5, 1, big.data(), 1); }), "rank 5"));
+  CHECK(contains(thrown_message<TransportError>([&] { dp.receive_payload(7, 1, big.data(), 1, 0); }), "rank 7"));
+  const std::uint64_t huge_tag = std::uint64_t{1} << 48;
+  CHECK(contains(thrown_message<TransportError>([&] { dp.send_payload(1, huge_tag, big.data(), 1); }), "48 bits"));
+  CHECK(contains(thrown_message<TransportError>([&] { dp.receive_payload(1, huge_tag, big.data(), 1, 0); }),
+                 "48 bits"));
+  CHECK_THROWS_AS(dp.transports_to(0), TransportError);
+  CHECK_THROWS_AS(dp.transports_to(9), TransportError);
+  CHECK_THROWS_AS(dp.start(), TransportError);  // twice
+  CHECK_THROWS_AS(dp.connect({dp.address(), pair.planes[1]->address()}), TransportError);  // twice
+  dp.stop();
+  CHECK(contains(thrown_message<TransportError>([&] { dp.send(1, big.data(), 1); }), "stop"));
+
+  CHECK_THROWS_AS(DataPlane(2, 2), TransportError);
+  CHECK_THROWS_AS(DataPlane(0, 0), TransportError);
+  DataPlane lonely(0, 3, DataPlaneSettings{.transports = transports});
+  CHECK(contains(thrown_message<TransportError>([&] { lonely.connect({lonely.address()}); }), "1 addresses"));
+  CHECK(contains(thrown_message<TransportError>([&] { lonely.send(1, big.data(), 1); }), "connect"));
+  CHECK(contains(thrown_message<TransportError>([&] { lonely.start(); }), "set_handler"));
+  CHECK(contains(thrown_message<TransportError>([&] { lonely.connect({"", "", lonely.address()}); }),
+                 "rank 0 to rank 1"));  // an empty address; malformed bytes make UCX abort
+}
+
+TEST_CASE("data plane: a never started data plane tears down cleanly" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  // Over TCP an endpoint's flush needs the peer's worker to answer the wire-up, and nobody
+  // progresses b's: a's close runs into close_timeout, and no further.
+  DataPlaneSettings settings{.transports = transports};
+  settings.close_timeout = 200ms;
+  DataPlane a(0, 2, settings);
+  DataPlane b(1, 2, settings);
+  std::vector<std::string> addresses{a.address(), b.address()};
+  a.connect(addresses);
+  b.connect(addresses);
+  CHECK_FALSE(a.transports_to(1).empty());
+  auto begin = Clock::now();
+  a.stop();
+  a.stop();  // idempotent
+  b.stop();
+  CHECK(Clock::now() - begin < 2 * 200ms + 1s);
+}
+
+TEST_CASE("data plane: stop() with a receive that never matches returns within close_timeout" *
+          doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  DataPlaneSettings settings{.transports = transports};
+  settings.close_timeout = 300ms;
+  Pair pair(settings);
+  std::vector<unsigned char> dest(1 << 20);
+  pair.planes[1]->receive_payload(0, 77, dest.data(), dest.size(), 1);
+  std::this_thread::sleep_for(10ms);
+  auto begin = Clock::now();
+  pair.planes[1]->stop();
+  auto took = Clock::now() - begin;
+  MESSAGE("stop() took ", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(), " ms");
+  CHECK(took >= 250ms);
+  CHECK(took < 300ms + 1s);
+  CHECK(pair.handlers[1].payloads().empty());
+  CHECK(pair.handlers[1].errors().empty());  // a stop is not a link failure
+  pair.planes[1]->stop();  // idempotent
+  begin = Clock::now();
+  pair.planes[0]->stop();
+  CHECK(Clock::now() - begin < 300ms + 1s);
+}
+
+TEST_CASE("data plane: an idle progress thread sleeps, and wakes for work" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  DataPlaneSettings settings{.transports = transports};
+  // So long that only the eventfd and the worker's events can explain a prompt delivery.
+  settings.max_sleep = 10s;
+  Pair pair(settings);
+  std::this_thread::sleep_for(50ms);  // settle: wire-up, first sleeps
+  const auto sleeps_before = pair.planes[0]->stats().sleeps + pair.planes[1]->stats().sleeps;
+  const double cpu_before = process_cpu_seconds();
+  const auto wall_before = Clock::now();
+  std::this_thread::sleep_for(200ms);
+  const double cpu = process_cpu_seconds() - cpu_before;
+  const double wall = std::chrono::duration<double>(Clock::now() - wall_before).count();
+  MESSAGE("idle: ", cpu * 1e3, " ms of CPU in ", wall * 1e3, " ms");
+  CHECK(cpu < 0.5 * wall);
+  const auto sleeps_after = pair.planes[0]->stats().sleeps + pair.planes[1]->stats().sleeps;
+  CHECK(sleeps_after >= sleeps_before);
+  CHECK(sleeps_after >= 2);  // both went to sleep at least once
+
+  // Both sleep: a message, and a rendezvous payload (receive first, then offer), still arrive
+  // well before a sleep could time out.
+  auto begin = Clock::now();
+  auto bytes = Recorder::message(0, 0);
+  pair.planes[0]->send(1, bytes.data(), bytes.size());
+  CHECK(pair.handlers[1].wait([](Recorder& h) { return h.messages_ == 1; }, 5s));
+  std::this_thread::sleep_for(50ms);  // asleep again
+  auto source = pattern(4 << 20, 8);
+  std::vector<unsigned char> dest(source.size());
+  pair.planes[1]->receive_payload(0, 3, dest.data(), dest.size(), 3);
+  std::this_thread::sleep_for(50ms);
+  pair.planes[0]->send_payload(1, 3, source.data(), source.size());
+  CHECK(pair.handlers[1].wait([](Recorder& h) { return !h.payloads_.empty(); }, 5s));
+  CHECK(dest == source);
+  CHECK(Clock::now() - begin < 3s);
+  // stop() rings the sleeping thread too.
+  begin = Clock::now();
+  pair.planes[0]->stop();
+  pair.planes[1]->stop();
+  CHECK(Clock::now() - begin < 3s);
+}
