@@ -1,0 +1,127 @@
+// baton-launch: starts the ranks of a baton job, on this host or on several (modelled on
+// torchrun and mpirun).
+//
+//   baton-launch --nproc-per-node 4 -- baton-train --model mlp
+//   baton-launch --nnodes 2 --node-rank 0 --master node0:29500 --nproc-per-node 4 -- prog   (on
+//   node0) baton-launch --nnodes 2 --node-rank 1 --master node0:29500 --nproc-per-node 4 -- prog
+//   (on node1) baton-launch --hostfile hosts.txt -- prog           (ssh starts a launcher on every
+//   other host) srun -N 2 --ntasks-per-node 1 baton-launch --nproc-per-node 4 -- prog   (adopts
+//   Slurm's layout)
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "job.h"
+#include "plan.h"
+
+namespace {
+
+using namespace baton::launch;
+
+constexpr const char* footer = R"(
+Every rank gets BATON_RANK (node_rank * nproc_per_node + local rank), BATON_WORLD_SIZE,
+BATON_LOCAL_RANK, BATON_LOCAL_WORLD_SIZE, BATON_NODE_RANK, BATON_MASTER (host:port of the
+job's rendezvous server, run by the launcher of node 0) and BATON_JOB_TOKEN. Each line a rank
+writes is prefixed with "[RANK] ". SIGINT, SIGTERM and SIGHUP are forwarded to the ranks. When a
+rank fails (non-zero exit, a signal) or the job is aborted on another node, the other ranks get
+SIGTERM, then SIGKILL 3 s later; baton-launch exits with the failed rank's code (128 + signal if
+it was killed).
+
+Several nodes:
+  --nnodes K --node-rank I --master HOST:PORT   one launcher per node, started by you; node 0
+                                                serves the job at HOST:PORT
+  --hosts h1,h2 | --hostfile FILE               run on h1 (this machine); ssh starts the others
+                                                (FILE: one host per line, "slots=N" optional)
+  under srun or mpirun (one launcher per task)  the layout is the scheduler's; --master defaults
+                                                to $BATON_MASTER, else the first node:29500
+
+Environment:
+  BATON_JOB_TOKEN  the job token when --token is not given (default: a fresh one)
+  BATON_MASTER     the master when --master is not given (several nodes)
+  BATON_SSH        the ssh command for --hosts (default "ssh"), e.g. "ssh -p 2222")";
+
+/// A launcher started with a closed stdout (or stdin) would hand that descriptor number to its
+/// first pipe; the ranks' output would then go astray.
+void ensure_standard_descriptors() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) < 0) {
+      const int null = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+      if (null >= 0 && null != fd) {
+        ::dup2(null, fd);
+        ::close(null);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ensure_standard_descriptors();
+  CommandLine cli;
+  std::int64_t nproc_per_node = 1, nnodes = 1, node_rank = 0;
+  double finish_timeout_s = 300;
+  CLI::App app{
+      "baton-launch: start the ranks of a baton job on this host or on several\n\n"
+      "  baton-launch [OPTIONS] -- PROGRAM [ARGS...]\n"};
+  app.name("baton-launch");
+  app.footer(footer);
+  app.prefix_command();  // PROGRAM and everything after it belong to the program
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc_per_node,
+                 "ranks on this node (default 1)");
+  app.add_option("--nnodes", nnodes, "nodes in the job (default 1)");
+  app.add_option("--node-rank,--node_rank", node_rank,
+                 "this node's index, 0 to nnodes-1 (default 0)");
+  app.add_option("--master", cli.master, "HOST:PORT of node 0's rendezvous server");
+  app.add_option("--hosts", cli.hosts,
+                 "h1,h2,...: this machine (h1) and the hosts to ssh to; h:N gives N slots");
+  app.add_option("--hostfile", cli.hostfile,
+                 "a file of hosts, one a line (\"host slots=N\"; # comments)");
+  app.add_option("--token", cli.token,
+                 "the job token (default $BATON_JOB_TOKEN, else a fresh one)");
+  app.add_option(
+         "--finish-timeout", finish_timeout_s,
+         "node 0 of several: seconds to wait for the other nodes after its own ranks are done")
+      ->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (app.count("--nproc-per-node")) cli.nproc_per_node = nproc_per_node;
+  if (app.count("--nnodes")) cli.nnodes = nnodes;
+  if (app.count("--node-rank")) cli.node_rank = node_rank;
+  cli.finish_timeout =
+      std::chrono::milliseconds(static_cast<std::int64_t>(finish_timeout_s * 1000));
+  cli.program = app.remaining();
+  if (!cli.program.empty() && cli.program.front() == "--") {
+    cli.program.erase(cli.program.begin());
+  } else if (!cli.program.empty() && cli.program.front().size() > 1 &&
+             cli.program.front()[0] == '-') {
+    // CLI11 hands an option it does not know to the program; it is more likely a typo.
+    fmt::print(stderr,
+               "baton-launch: unknown option '{}' (the program and its arguments go after --)\n"
+               "Run with --help for more information.\n",
+               cli.program.front());
+    return 2;
+  }
+
+  Plan plan;
+  try {
+    plan = resolve_plan(cli, process_environment(), this_machine());
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "baton-launch: {}\nRun with --help for more information.\n", e.what());
+    return 2;
+  }
+  try {
+    return run_job(plan);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "baton-launch: {}\n", e.what());
+    return 1;
+  }
+}
