@@ -21,6 +21,7 @@ log() { printf '[run.sh] %s\n' "$*" >&2; }
 packages=(
   g++ cmake ninja-build ccache pkg-config
   libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev zlib1g-dev
+  iproute2 openssh-client openssh-server openmpi-bin
 )
 
 install_missing() {

@@ -211,3 +211,12 @@ TEST_CASE("cross rank: a sink that stops early detaches across ranks and the sou
   CHECK(b->acts < 10'000);
   CHECK(find_actor(*results[1].report, "sink")->acts == 50);
 }
+
+TEST_CASE("cross rank: empty registers cross ranks as bare requests" * doctest::timeout(60)) {
+  CrossRankShape s{.topology = "ring", .world = 3, .pieces = 500, .elements = 0, .slots = 1};
+  auto results = run_loopback(test::cross_rank_plan(s), 3);
+  for (std::uint16_t r = 0; r < 3; ++r) {
+    REQUIRE_MESSAGE(results[r].error.empty(), results[r].error);
+    for (const auto& a : results[r].report->metrics.actors) CHECK(a.acts == 500);
+  }
+}

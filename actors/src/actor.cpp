@@ -252,6 +252,13 @@ void Actor::act_transfer() {
   const std::int64_t k = acts_;
   const auto slot = static_cast<std::uint16_t>(k % out.slots);
   Tensor& dest = out.buffers[slot];
+  if (dest.nbytes() == 0) {  // nothing to move: the request was all there was
+    acts_ = k + 1;
+    ++inflight_;
+    bump(counters_.acts, std::uint64_t{1});
+    worker_->send(worker_, Message{id_, id_, k, in.reg, slot, MsgKind::pulled, 0});
+    return;
+  }
   try {
     core_.settings.link->receive_payload(in.producer.rank(), payload_tag(in.reg, k), dest.raw(), dest.nbytes(),
                                          (std::uint64_t{index_} << 16) | slot);
@@ -297,7 +304,7 @@ void Actor::publish(Output& out) {
   for (std::size_t c = 0; c < out.consumers.size(); ++c) {
     const Consumer& consumer = out.consumers[c];
     if (consumer.detached_from != never) continue;
-    if (consumer.worker == nullptr && !core_.dry_run) {
+    if (consumer.worker == nullptr && !core_.dry_run && out.buffers[slot].nbytes() > 0) {
       // A consumer on another rank pulls the payload from this slot, which stays ours until
       // it acks (the slot's credit keeps it unchanged meanwhile).
       Tensor& data = out.buffers[slot];

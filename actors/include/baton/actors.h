@@ -9,3 +9,4 @@
 #include "baton/actors/plan.h"
 #include "baton/actors/runtime.h"
 #include "baton/actors/settings.h"
+#include "baton/actors/job.h"

@@ -1,0 +1,62 @@
+#pragma once
+/// A job of one or many ranks (processes, possibly on many hosts): the control plane, the data
+/// plane and the runtime put together, as DESIGN.md sections 3-4 describe.
+///
+///   int main() {
+///     baton::Plan plan = build_plan();           // the same on every rank (SPMD)
+///     auto env = baton::JobEnvironment::from_env();  // BATON_RANK, ... (set by baton-launch)
+///     baton::RunReport report = baton::run_job(plan, kernels, env);
+///   }
+///
+/// Every rank compiles the same plan; the rendezvous server checks that by hash. A rank that
+/// fails (a kernel throws, the plan is refused, the process dies) ends the job on every rank
+/// with its reason: run_job() throws on all of them.
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "baton/actors/plan.h"
+#include "baton/actors/runtime.h"
+#include "baton/actors/settings.h"
+#include "baton/kernels/kernel.h"
+#include "baton/transport/data_plane.h"
+
+namespace baton {
+
+/// Where this process stands in its job: what baton-launch puts in the environment.
+struct JobEnvironment {
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 1;
+  std::uint32_t local_rank = 0;
+  std::string master;  // host:port of the rendezvous server
+  std::string token;
+
+  /// BATON_RANK, BATON_WORLD_SIZE, BATON_LOCAL_RANK, BATON_MASTER, BATON_JOB_TOKEN. Without
+  /// BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
+  /// its value if one is malformed or missing for a job of several ranks.
+  static JobEnvironment from_env();
+  bool distributed() const { return world_size > 1; }
+};
+
+struct JobSettings {
+  /// rank and link are set by run_job.
+  RuntimeSettings runtime;
+  transport::DataPlaneSettings data;
+  /// Reaching the server and hearing from every other rank.
+  std::chrono::milliseconds join_timeout{120'000};
+  /// The start barrier (every rank has connected its data plane).
+  std::chrono::milliseconds start_timeout{120'000};
+  /// The final barrier: the slowest rank may still be running its last pieces.
+  std::chrono::milliseconds finish_timeout{600'000};
+};
+
+/// Applies insert_transfers(), joins the job (checking every rank compiled the same plan),
+/// connects the data plane, runs this rank's actors and finishes with every rank. A job of one
+/// rank runs the plan directly. Throws PlanError (a plan this rank refuses, or one with actors
+/// on ranks the job does not have), JobError (this run failed, or another rank did: the
+/// message names it), transport::TransportError (the job could not be joined: refused,
+/// timed out).
+RunReport run_job(const Plan& plan, const KernelRegistry& kernels, const JobEnvironment& env,
+                  JobSettings settings = {});
+
+}  // namespace baton

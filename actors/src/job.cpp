@@ -1,0 +1,136 @@
+// run_job: control plane + data plane + runtime for one rank of a job.
+#include "baton/actors/job.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "baton/transport/control.h"
+
+namespace baton {
+
+namespace {
+
+std::uint32_t parse_number(const char* var, const char* text) {
+  char* end = nullptr;
+  errno = 0;
+  unsigned long v = std::strtoul(text, &end, 10);
+  if (*text == '\0' || *end != '\0' || errno != 0 || v > 65535 || text[0] == '-') {
+    throw std::invalid_argument(fmt::format("{}='{}' is not a number from 0 to 65535", var, text));
+  }
+  return static_cast<std::uint32_t>(v);
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof buf - 1) != 0) return "?";
+  return buf;
+}
+
+}  // namespace
+
+JobEnvironment JobEnvironment::from_env() {
+  JobEnvironment env;
+  const char* world = std::getenv("BATON_WORLD_SIZE");
+  if (world == nullptr) return env;
+  env.world_size = parse_number("BATON_WORLD_SIZE", world);
+  if (env.world_size < 1) throw std::invalid_argument("BATON_WORLD_SIZE='0': a job has at least one rank");
+  auto need = [](const char* var) {
+    const char* v = std::getenv(var);
+    if (v == nullptr || *v == '\0') {
+      throw std::invalid_argument(fmt::format("{} is not set: BATON_WORLD_SIZE is, so this is one rank of a job "
+                                              "(start it with baton-launch)",
+                                              var));
+    }
+    return v;
+  };
+  env.rank = parse_number("BATON_RANK", need("BATON_RANK"));
+  if (env.rank >= env.world_size) {
+    throw std::invalid_argument(fmt::format("BATON_RANK={} but BATON_WORLD_SIZE={}", env.rank, env.world_size));
+  }
+  if (const char* local = std::getenv("BATON_LOCAL_RANK")) env.local_rank = parse_number("BATON_LOCAL_RANK", local);
+  if (env.world_size > 1) {
+    env.master = need("BATON_MASTER");
+    env.token = need("BATON_JOB_TOKEN");
+  }
+  return env;
+}
+
+RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobEnvironment& env, JobSettings js) {
+  const Plan plan = insert_transfers(logical);
+  for (const auto& a : plan.actors) {
+    if (a.where.rank >= env.world_size) {
+      throw PlanError(fmt::format("invalid plan: actor '{}' is placed on rank {} but the job has {} rank{} "
+                                  "(start it with baton-launch --nproc-per-node {} or more)",
+                                  a.name, a.where.rank, env.world_size, env.world_size == 1 ? "" : "s",
+                                  a.where.rank + 1));
+    }
+  }
+  if (!env.distributed()) {
+    Runtime rt(plan, kernels, js.runtime);
+    return rt.run();
+  }
+
+  // Declared in this order so that they go in the reverse one: the data plane stops (no more
+  // calls into the runtime) before the control client closes, and both before the runtime.
+  std::mutex mutex;
+  std::unique_ptr<Runtime> runtime;
+  std::string early_abort;
+  transport::ControlClient control(transport::ClientSettings{.master = env.master,
+                                                             .token = env.token,
+                                                             .rank = env.rank,
+                                                             .world_size = env.world_size,
+                                                             .join_timeout = js.join_timeout});
+  control.on_abort([&](const std::string& reason) {
+    std::lock_guard lock(mutex);
+    if (runtime) {
+      runtime->abort("job aborted: " + reason);
+    } else {
+      early_abort = reason;
+    }
+  });
+  transport::DataPlane data(env.rank, env.world_size, js.data);
+  const auto table = control.join(transport::RankInfo{env.rank, host_name(), data.address(), plan.hash()});
+
+  try {
+    js.runtime.rank = static_cast<std::uint16_t>(env.rank);
+    js.runtime.link = &data;
+    auto rt = std::make_unique<Runtime>(plan, kernels, js.runtime);
+    std::lock_guard lock(mutex);
+    runtime = std::move(rt);
+    if (!early_abort.empty()) throw JobError("job aborted: " + early_abort);
+  } catch (const std::exception& e) {
+    control.fail(e.what());
+    throw;
+  }
+  std::vector<std::string> addresses;
+  for (const auto& info : table) addresses.push_back(info.data_address);
+  try {
+    data.connect(addresses);
+    data.start();
+  } catch (const std::exception& e) {
+    control.fail(fmt::format("data plane: {}", e.what()));
+    throw;
+  }
+  control.barrier("start", js.start_timeout);
+  RunReport report;
+  try {
+    report = runtime->run();
+  } catch (const std::exception& e) {
+    control.fail(e.what());
+    data.stop();
+    throw;
+  }
+  // The others may still need our acks: the data plane keeps going until every rank is done.
+  control.finish(js.finish_timeout);
+  data.stop();
+  return report;
+}
+
+}  // namespace baton

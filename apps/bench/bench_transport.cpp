@@ -1,0 +1,379 @@
+// baton-bench-transport: what crossing ranks costs. Two ranks (processes on this host) run
+// small cross-rank plans over the UCX data plane, once with UCX's own choice of transports
+// (shared memory between processes of one host) and once with UCX_TLS=tcp (loopback); each
+// case is compared with ucx_perftest measured in the same run under the same UCX_TLS.
+//
+//   baton-bench-transport                  every case
+//   baton-bench-transport --quick          ~10x less data (the CTest smoke run)
+//   baton-bench-transport --no-reference   skip ucx_perftest
+//   baton-bench-transport --case transfer_bw_1MiB
+//
+// Cases (one JSON line each, keys as in every baton benchmark):
+//   transfer_bw_{64KiB,1MiB,16MiB}_{shm,tcp}  a source on rank 0 streams registers to a sink on
+//       rank 1 (8 slots): GB/s moved into rank 1's registers; reference ucx_perftest tag_bw
+//   msg_latency_{shm,tcp}  an actor on each rank in a cycle of empty registers (each waits for
+//       the other): one-way latency of one hop; reference ucx_perftest tag_lat (32 bytes)
+//   cross_rank_stream_{shm,tcp}  empty source on rank 0 -> empty sink on rank 1: pieces/s;
+//       reference ucx_perftest ucp_am_bw message rate (32 bytes)
+// The driver hosts the rendezvous server and starts the two ranks as child processes of
+// itself (--worker); rank 1 reports its run time on stdout.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "json_line.h"
+#include "baton/actors.h"
+#include "baton/kernels.h"
+#include "baton/transport/control.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Env = std::map<std::string, std::string>;
+
+struct Options {
+  bool quick = false;
+  bool reference = true;
+  std::string only;
+  // --worker mode
+  bool worker = false;
+  std::string mode;  // bw | lat | stream
+  std::int64_t bytes = 0;
+  std::int64_t pieces = 0;
+  std::int32_t slots = 8;
+};
+
+[[noreturn]] void usage(int code) {
+  fmt::print(code == 0 ? stdout : stderr,
+             "usage: baton-bench-transport [--quick] [--no-reference] [--case NAME] [--help]\n"
+             "  Two ranks on this host, shared memory and TCP; one JSON line per case on stdout.\n");
+  std::exit(code);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  auto value = [&](int& i) -> std::string {
+    if (i + 1 >= argc) {
+      fmt::print(stderr, "baton-bench-transport: {} needs a value\n", argv[i]);
+      usage(2);
+    }
+    return argv[++i];
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "-h" || a == "--help") usage(0);
+    else if (a == "--quick") o.quick = true;
+    else if (a == "--no-reference") o.reference = false;
+    else if (a == "--case") o.only = value(i);
+    else if (a == "--worker") o.worker = true;
+    else if (a == "--mode") o.mode = value(i);
+    else if (a == "--bytes") o.bytes = std::stoll(value(i));
+    else if (a == "--pieces") o.pieces = std::stoll(value(i));
+    else if (a == "--slots") o.slots = std::stoi(value(i));
+    else {
+      fmt::print(stderr, "baton-bench-transport: unknown argument '{}'\n", a);
+      usage(2);
+    }
+  }
+  return o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes with a deadline
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // its stdout, or -1
+};
+
+Child spawn(const std::vector<std::string>& argv, const Env& env, bool capture) {
+  int fds[2] = {-1, -1};
+  if (capture && pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    for (const auto& [k, v] : env) {
+      if (v.empty()) unsetenv(k.c_str());
+      else setenv(k.c_str(), v.c_str(), 1);
+    }
+    if (capture) {
+      dup2(fds[1], STDOUT_FILENO);
+    } else {
+      int devnull = open("/dev/null", O_WRONLY);
+      dup2(devnull, STDOUT_FILENO);
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    fmt::print(stderr, "cannot execute '{}': {}\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  if (capture) close(fds[1]);
+  return Child{pid, capture ? fds[0] : -1};
+}
+
+/// Reads the child's stdout until EOF and waits for it; kills it at the deadline.
+/// Returns {exit status (-1 if killed), output}.
+std::pair<int, std::string> finish(Child c, Clock::time_point deadline) {
+  std::string text;
+  if (c.out >= 0) {
+    char buf[4096];
+    while (true) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) break;
+      pollfd p{c.out, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(std::min<long>(left, 1000))) <= 0) continue;
+      ssize_t n = read(c.out, buf, sizeof buf);
+      if (n <= 0) break;
+      text.append(buf, static_cast<std::size_t>(n));
+    }
+    close(c.out);
+  }
+  int status = 0;
+  while (true) {
+    pid_t r = waitpid(c.pid, &status, WNOHANG);
+    if (r == c.pid) break;
+    if (Clock::now() > deadline) {
+      kill(c.pid, SIGKILL);
+      waitpid(c.pid, &status, 0);
+      return {-1, text};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+}
+
+std::uint16_t free_port() {
+  // Bind port 0, read the port, close: a small race with other programs, fine on a test host.
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  close(s);
+  return ntohs(a.sin_port);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ucx_perftest, the reference
+
+struct PerfResult {
+  double latency_us = 0;   // overall, one-way for latency tests
+  double bandwidth_MBps = 0;  // MB = 2^20 bytes, as ucx_perftest prints
+  double msg_rate = 0;     // messages/s
+};
+
+std::optional<PerfResult> ucx_perftest(const std::string& test, std::int64_t size, std::int64_t iters,
+                                       const Env& env) {
+  const auto port = std::to_string(free_port());
+  Child server = spawn({"ucx_perftest", "-p", port}, env, false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  Child client = spawn({"ucx_perftest", "127.0.0.1", "-p", port, "-t", test, "-s", std::to_string(size), "-n",
+                        std::to_string(iters)},
+                       env, true);
+  auto deadline = Clock::now() + std::chrono::seconds(120);
+  auto [code, text] = finish(client, deadline);
+  finish(server, Clock::now() + std::chrono::seconds(5));
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("Final:", 0) != 0) continue;
+    std::istringstream f(line.substr(6));
+    double iters_done = 0, p50 = 0, lat_avg = 0, lat_all = 0, bw_avg = 0, bw_all = 0, mr_avg = 0, mr_all = 0;
+    f >> iters_done >> p50 >> lat_avg >> lat_all >> bw_avg >> bw_all >> mr_avg >> mr_all;
+    if (!f) break;
+    return PerfResult{lat_all, bw_all, mr_all};
+  }
+  fmt::print(stderr, "baton-bench-transport: ucx_perftest -t {} -s {} gave no result (exit {}):\n{}\n", test, size,
+             code, text);
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plans (every rank builds the same one)
+
+baton::Plan bench_plan(const Options& o) {
+  baton::Plan p;
+  const std::int64_t elements = o.bytes / 4;
+  auto reg = [&](std::string name, std::int32_t slots) {
+    return p.add_register({.name = std::move(name), .shape = {elements}, .dtype = baton::DType::f32, .slots = slots});
+  };
+  if (o.mode == "bw" || o.mode == "stream") {
+    auto r = reg("src.out", o.slots);
+    p.add_actor({.name = "src", .kind = baton::ActorKind::source, .op = "noop", .outputs = {r}, .pieces = o.pieces});
+    p.add_actor({.name = "sink", .op = "noop", .where = {.rank = 1}, .inputs = {{r}}});
+  } else {  // lat: ping (rank 0) and pong (rank 1) wait for each other
+    auto tick = reg("tick", 1);
+    auto ping = reg("ping.out", 1);
+    auto pong = reg("pong.out", 1);
+    p.add_actor({.name = "ticks", .kind = baton::ActorKind::source, .op = "noop", .outputs = {tick}, .pieces = o.pieces});
+    p.add_actor({.name = "ping", .op = "noop", .inputs = {{tick}, {pong, 1}}, .outputs = {ping}});
+    p.add_actor({.name = "pong", .op = "noop", .where = {.rank = 1}, .inputs = {{ping}}, .outputs = {pong}});
+  }
+  return p;
+}
+
+int worker_main(const Options& o) {
+  try {
+    auto env = baton::JobEnvironment::from_env();
+    auto kernels = baton::KernelRegistry::with_builtin_kernels();
+    baton::JobSettings js;
+    js.runtime.time_accounting = false;
+    auto report = baton::run_job(bench_plan(o), kernels, env, js);
+    if (env.rank == 1) fmt::print("RESULT {:.9f}\n", report.wall_s);
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "baton-bench-transport worker: {}\n", e.what());
+    return 1;
+  }
+}
+
+/// Runs the two ranks; returns rank 1's run time in seconds.
+std::optional<double> run_ranks(const std::string& self, const Options& o, const Env& tls_env) {
+  baton::transport::ServerSettings ss;
+  ss.bind_host = "127.0.0.1";
+  ss.token = baton::transport::random_token();
+  ss.world_size = 2;
+  baton::transport::RendezvousServer server(ss);
+  std::vector<Child> kids;
+  for (int r = 0; r < 2; ++r) {
+    Env env = tls_env;
+    env["BATON_RANK"] = std::to_string(r);
+    env["BATON_WORLD_SIZE"] = "2";
+    env["BATON_LOCAL_RANK"] = std::to_string(r);
+    env["BATON_MASTER"] = fmt::format("127.0.0.1:{}", server.port());
+    env["BATON_JOB_TOKEN"] = ss.token;
+    kids.push_back(spawn({self, "--worker", "--mode", o.mode, "--bytes", std::to_string(o.bytes), "--pieces",
+                          std::to_string(o.pieces), "--slots", std::to_string(o.slots)},
+                         env, r == 1));
+  }
+  const auto deadline = Clock::now() + std::chrono::seconds(180);
+  auto [code1, out1] = finish(kids[1], deadline);
+  auto [code0, out0] = finish(kids[0], deadline);
+  if (code0 != 0 || code1 != 0) {
+    fmt::print(stderr, "baton-bench-transport: ranks exited {} and {}\n", code0, code1);
+    return std::nullopt;
+  }
+  auto pos = out1.find("RESULT ");
+  if (pos == std::string::npos) return std::nullopt;
+  return std::stod(out1.substr(pos + 7));
+}
+
+std::string size_name(std::int64_t b) {
+  if (b >= (1 << 20)) return fmt::format("{}MiB", b >> 20);
+  return fmt::format("{}KiB", b >> 10);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o = parse(argc, argv);
+  if (o.worker) return worker_main(o);
+  signal(SIGPIPE, SIG_IGN);
+  char self_buf[4096] = {};
+  ssize_t n = readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
+  const std::string self = n > 0 ? std::string(self_buf, static_cast<std::size_t>(n)) : argv[0];
+  const double scale = o.quick ? 0.1 : 1.0;
+  int failures = 0;
+
+  for (const std::string tls : {"shm", "tcp"}) {
+    // "shm": UCX's own choice between two processes of one host (shared memory + cma).
+    Env env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}};
+    auto wanted = [&](const std::string& c) { return o.only.empty() || c.rfind(o.only, 0) == 0; };
+
+    for (std::int64_t bytes : {std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20}) {
+      const std::string name = fmt::format("transfer_bw_{}_{}", size_name(bytes), tls);
+      if (!wanted(name)) continue;
+      const double total = (tls == "tcp" ? 2e9 : 4e9) * scale;
+      Options w = o;
+      w.mode = "bw";
+      w.bytes = bytes;
+      w.pieces = std::max<std::int64_t>(16, static_cast<std::int64_t>(total / static_cast<double>(bytes)));
+      w.slots = 8;
+      auto secs = run_ranks(self, w, env);
+      if (!secs) {
+        ++failures;
+        continue;
+      }
+      const double gbps = static_cast<double>(bytes) * static_cast<double>(w.pieces) / *secs / 1e9;
+      baton::bench::JsonLine line("transport", name);
+      line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8);
+      if (o.reference) {
+        if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, env)) {
+          const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
+          line.add("reference", ref_gbps).add("reference_name", "ucx_perftest tag_bw").add("ratio", gbps / ref_gbps);
+        }
+      }
+      line.print();
+    }
+
+    const std::string lat_name = "msg_latency_" + tls;
+    if (wanted(lat_name)) {
+      Options w = o;
+      w.mode = "lat";
+      w.bytes = 0;
+      w.pieces = static_cast<std::int64_t>(20000 * scale);
+      if (auto secs = run_ranks(self, w, env)) {
+        const double us = *secs / static_cast<double>(2 * w.pieces) * 1e6;
+        baton::bench::JsonLine line("transport", lat_name);
+        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces);
+        if (o.reference) {
+          if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, env)) {
+            line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
+                .add("ratio", us / ref->latency_us);
+          }
+        }
+        line.print();
+      } else {
+        ++failures;
+      }
+    }
+
+    const std::string stream_name = "cross_rank_stream_" + tls;
+    if (wanted(stream_name)) {
+      Options w = o;
+      w.mode = "stream";
+      w.bytes = 0;
+      w.slots = 8;
+      w.pieces = static_cast<std::int64_t>(200000 * scale);
+      if (auto secs = run_ranks(self, w, env)) {
+        const double rate = static_cast<double>(w.pieces) / *secs;
+        baton::bench::JsonLine line("transport", stream_name);
+        line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8);
+        if (o.reference) {
+          if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, env)) {
+            line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")
+                .add("ratio", rate / ref->msg_rate);
+          }
+        }
+        line.print();
+      } else {
+        ++failures;
+      }
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}

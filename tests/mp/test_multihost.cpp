@@ -1,0 +1,193 @@
+// Many hosts, simulated: network namespaces joined by a veth pair, one baton-launch per
+// namespace (--nnodes/--node-rank, as torchrun), and the ssh path (--hosts) against an sshd
+// this test starts inside one of them. Needs root (CI runs as root); skips with a message
+// where namespaces cannot be made. UCX_TLS=tcp: namespaces do not stop UCX from choosing
+// shared memory between processes of one machine. Traffic stays inside the namespaces.
+#include <doctest/doctest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "proc.h"
+
+using namespace std::chrono_literals;
+using baton::test::Proc;
+
+namespace {
+
+const std::string bin = BATON_BIN_DIR;
+
+bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+int sh(const std::string& cmd) {
+  int rc = std::system((cmd + " >/dev/null 2>&1").c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+/// Two namespaces, "a" at 10.R.0.1 and "b" at 10.R.0.2, joined by a veth pair; removed (with
+/// the pair) by the destructor.
+struct TwoHosts {
+  std::string a, b, addr_a, addr_b, why_not;
+  bool ok = false;
+
+  TwoHosts() {
+    if (geteuid() != 0) {
+      why_not = "needs root to create network namespaces";
+      return;
+    }
+    if (sh("command -v ip") != 0) {
+      why_not = "needs the ip command (iproute2)";
+      return;
+    }
+    const int id = static_cast<int>(getpid() % 200) + 20;
+    a = fmt::format("baton{}a", getpid());
+    b = fmt::format("baton{}b", getpid());
+    addr_a = fmt::format("10.{}.0.1", id);
+    addr_b = fmt::format("10.{}.0.2", id);
+    const std::string va = fmt::format("bv{}a", getpid() % 100000), vb = fmt::format("bv{}b", getpid() % 100000);
+    const std::vector<std::string> steps = {
+        fmt::format("ip netns add {}", a),
+        fmt::format("ip netns add {}", b),
+        fmt::format("ip link add {} type veth peer name {}", va, vb),
+        fmt::format("ip link set {} netns {}", va, a),
+        fmt::format("ip link set {} netns {}", vb, b),
+        fmt::format("ip -n {} addr add {}/24 dev {}", a, addr_a, va),
+        fmt::format("ip -n {} addr add {}/24 dev {}", b, addr_b, vb),
+        fmt::format("ip -n {} link set {} up", a, va),
+        fmt::format("ip -n {} link set {} up", b, vb),
+        fmt::format("ip -n {} link set lo up", a),
+        fmt::format("ip -n {} link set lo up", b),
+    };
+    for (const auto& s : steps) {
+      if (sh(s) != 0) {
+        why_not = fmt::format("'{}' failed (no permission for network namespaces here?)", s);
+        return;
+      }
+    }
+    ok = sh(fmt::format("ip netns exec {} ping -c 1 -W 2 {}", a, addr_b)) == 0 ||
+         sh("command -v ping") != 0;  // no ping installed: trust the set-up
+    if (!ok) why_not = "the veth pair does not carry traffic";
+  }
+  ~TwoHosts() {
+    if (!a.empty()) sh("ip netns del " + a);
+    if (!b.empty()) sh("ip netns del " + b);
+  }
+  std::vector<std::string> in(const std::string& ns, std::vector<std::string> argv) const {
+    std::vector<std::string> full{"ip", "netns", "exec", ns};
+    full.insert(full.end(), argv.begin(), argv.end());
+    return full;
+  }
+};
+
+std::uint16_t pick_port() { return static_cast<std::uint16_t>(20000 + getpid() % 20000); }
+
+}  // namespace
+
+TEST_CASE("multi-host: one launcher per namespace (--nnodes/--node-rank) runs a cross-rank plan over TCP" *
+          doctest::timeout(180)) {
+  TwoHosts hosts;
+  if (!hosts.ok) {
+    MESSAGE("skipped: " << hosts.why_not);
+    return;
+  }
+  const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port());
+  auto launcher = [&](const std::string& ns, int node) {
+    return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
+                         master, "--nproc-per-node", "2", "--token", "netns-test-token", "--", bin + "/baton-xrank-check",
+                         "--topology", "ring", "--pieces", "300", "--elements", "8192"});
+  };
+  Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
+  Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
+  int c1 = node1.wait(120s);
+  int c0 = node0.wait(30s);
+  INFO("node 0:\n" << node0.all() << "\nnode 1:\n" << node1.all());
+  CHECK(c0 == 0);
+  CHECK(c1 == 0);
+  CHECK(contains(node0.out(), "rank 0 ok:"));
+  CHECK(contains(node0.out(), "rank 1 ok:"));
+  CHECK(contains(node1.out(), "rank 2 ok:"));
+  CHECK(contains(node1.out(), "rank 3 ok:"));
+}
+
+TEST_CASE("multi-host: a rank killed on the other host ends the job on both" * doctest::timeout(180)) {
+  TwoHosts hosts;
+  if (!hosts.ok) {
+    MESSAGE("skipped: " << hosts.why_not);
+    return;
+  }
+  const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port() + 1);
+  auto launcher = [&](const std::string& ns, int node) {
+    return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
+                         master, "--token", "netns-kill-token", "--", bin + "/baton-xrank-check", "--topology",
+                         "chain", "--pieces", "1000000", "--sleep-us", "200"});
+  };
+  Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
+  Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
+  REQUIRE_MESSAGE(node1.read_until([](const std::string& out, const std::string&) { return contains(out, "rank 1 pid "); },
+                                   60s),
+                  node1.all());
+  std::this_thread::sleep_for(1500ms);
+  const auto pos = node1.out().find("rank 1 pid ");
+  const pid_t victim = static_cast<pid_t>(std::stol(node1.out().substr(pos + 11)));
+  REQUIRE(::kill(victim, SIGKILL) == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  int c1 = node1.wait(30s);
+  int c0 = node0.wait(30s);
+  INFO("node 0:\n" << node0.all() << "\nnode 1:\n" << node1.all());
+  CHECK(c0 > 0);
+  CHECK(c1 > 0);
+  CHECK(std::chrono::steady_clock::now() - t0 < 12s);
+  CHECK(contains(node0.err(), "rank 1"));
+  CHECK(contains(node1.err(), "rank 1"));
+}
+
+TEST_CASE("multi-host: --hosts starts the other host's launcher over ssh" * doctest::timeout(180)) {
+  TwoHosts hosts;
+  if (!hosts.ok) {
+    MESSAGE("skipped: " << hosts.why_not);
+    return;
+  }
+  if (sh("test -x /usr/sbin/sshd && command -v ssh && command -v ssh-keygen") != 0) {
+    MESSAGE("skipped: needs openssh-server and openssh-client");
+    return;
+  }
+  // A private sshd inside namespace b: its own host key, root's login by a key made here.
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("baton-ssh-{}", getpid());
+  std::filesystem::create_directories(dir);
+  struct Cleanup {
+    std::filesystem::path d;
+    ~Cleanup() { std::filesystem::remove_all(d); }
+  } cleanup{dir};
+  const std::string d = dir.string();
+  REQUIRE(sh(fmt::format("ssh-keygen -q -t ed25519 -N '' -f {}/host_key", d)) == 0);
+  REQUIRE(sh(fmt::format("ssh-keygen -q -t ed25519 -N '' -f {}/id", d)) == 0);
+  REQUIRE(sh(fmt::format("cp {}/id.pub {}/authorized_keys && chmod 700 {} && chmod 600 {}/authorized_keys", d, d, d,
+                         d)) == 0);
+  std::filesystem::create_directories("/run/sshd");
+  const int port = 2200 + static_cast<int>(getpid() % 500);
+  {
+    std::ofstream cfg(dir / "sshd_config");
+    cfg << "Port " << port << "\nListenAddress " << hosts.addr_b << "\nHostKey " << d << "/host_key\n"
+        << "AuthorizedKeysFile " << d << "/authorized_keys\nPermitRootLogin prohibit-password\n"
+        << "PasswordAuthentication no\nStrictModes no\nUsePAM no\nPidFile " << d << "/sshd.pid\n";
+  }
+  Proc sshd(hosts.in(hosts.b, {"/usr/sbin/sshd", "-D", "-e", "-f", d + "/sshd_config"}));
+  std::this_thread::sleep_for(500ms);
+  const std::string ssh = fmt::format(
+      "ssh -p {} -i {}/id -o UserKnownHostsFile=/dev/null -o StrictHostKeyChecking=no -o LogLevel=ERROR", port, d);
+  Proc job(hosts.in(hosts.a, {bin + "/baton-launch", "--hosts", hosts.addr_a + "," + hosts.addr_b, "--nproc-per-node",
+                              "2", "--", bin + "/baton-xrank-check", "--topology", "fanout", "--pieces", "200"}),
+           {{"UCX_TLS", "tcp"}, {"BATON_SSH", ssh}});
+  int code = job.wait(120s);
+  INFO(job.all() << "\nsshd:\n" << sshd.err());
+  CHECK(code == 0);
+  for (int r = 0; r < 4; ++r) CHECK(contains(job.out(), fmt::format("rank {} ok:", r)));
+  sshd.kill_group(SIGTERM);
+  sshd.wait(5s);
+}

@@ -1,0 +1,153 @@
+// Many processes: baton-launch starts real ranks (baton-xrank-check) that run cross-rank plans
+// over the UCX data plane and meet at the rendezvous server; faults end the whole job.
+#include <doctest/doctest.h>
+
+#include <regex>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "baton/transport/control.h"
+#include "proc.h"
+
+using namespace std::chrono_literals;
+using baton::test::Proc;
+
+namespace {
+
+const std::string bin = BATON_BIN_DIR;
+const std::string launch = bin + "/baton-launch";
+const std::string xrank = bin + "/baton-xrank-check";
+
+bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+std::vector<std::string> launch_args(int nproc, std::vector<std::string> program_args) {
+  std::vector<std::string> a{launch, "--nproc-per-node", std::to_string(nproc), "--", xrank};
+  a.insert(a.end(), program_args.begin(), program_args.end());
+  return a;
+}
+
+/// The pids the ranks printed ("rank R pid P"), by rank.
+std::map<int, pid_t> rank_pids(const std::string& out) {
+  std::map<int, pid_t> pids;
+  static const std::regex re(R"(rank (\d+) pid (\d+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    pids[std::stoi((*it)[1])] = static_cast<pid_t>(std::stol((*it)[2]));
+  }
+  return pids;
+}
+
+}  // namespace
+
+TEST_CASE("multi-process: chains, fan-out, fan-in and rings on 2 and 4 local ranks" * doctest::timeout(240)) {
+  for (const char* topology : {"chain", "fanout", "fanin", "ring"}) {
+    for (int world : {2, 4}) {
+      CAPTURE(topology);
+      CAPTURE(world);
+      Proc p(launch_args(world, {"--topology", topology, "--pieces", "400", "--elements", "4096", "--slots", "2"}));
+      int code = p.wait(60s);
+      INFO(p.all());
+      REQUIRE(code == 0);
+      for (int r = 0; r < world; ++r) CHECK(contains(p.out(), fmt::format("[{}] rank {} ok:", r, r)));
+    }
+  }
+}
+
+TEST_CASE("multi-process: the same plan over TCP (UCX_TLS=tcp) with large registers" * doctest::timeout(120)) {
+  Proc p(launch_args(3, {"--topology", "fanout", "--pieces", "64", "--elements", std::to_string(1 << 18)}),
+         {{"UCX_TLS", "tcp"}});
+  int code = p.wait(90s);
+  INFO(p.all());
+  REQUIRE(code == 0);
+  for (int r = 0; r < 3; ++r) CHECK(contains(p.out(), fmt::format("rank {} ok:", r)));
+}
+
+TEST_CASE("multi-process: kill -9 of one rank ends every rank within 10 s, naming it" * doctest::timeout(90)) {
+  Proc p(launch_args(3, {"--topology", "chain", "--pieces", "1000000", "--sleep-us", "200"}));
+  REQUIRE_MESSAGE(p.read_until([](const std::string& out, const std::string&) { return rank_pids(out).size() == 3; },
+                               30s),
+                  p.all());
+  auto pids = rank_pids(p.out());
+  std::this_thread::sleep_for(1s);  // mid-run: past the rendezvous, pieces flowing
+  REQUIRE(::kill(pids[1], SIGKILL) == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  int code = p.wait(30s);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  INFO(p.all());
+  CHECK(code != 0);
+  CHECK(code != -1);  // it exited by itself
+  CHECK(took < 10s);
+  CHECK(contains(p.err(), "rank 1"));
+  for (auto [r, pid] : pids) {
+    CAPTURE(r);
+    CHECK_FALSE(baton::test::process_alive(pid));
+  }
+}
+
+TEST_CASE("multi-process: a kernel that throws on one rank fails the job on every rank with its reason" *
+          doctest::timeout(90)) {
+  Proc p(launch_args(3, {"--topology", "chain", "--pieces", "5000", "--fail-rank", "1", "--fail-at", "100"}));
+  int code = p.wait(60s);
+  INFO(p.all());
+  CHECK(code != 0);
+  // The launcher says which rank failed and why (the others hear it from the control plane's
+  // abort, and are ended).
+  CHECK(contains(p.err(), "injected failure at piece 100"));
+  CHECK(contains(p.err(), "rank 1"));
+  CHECK(contains(p.err(), "baton-launch: "));
+}
+
+TEST_CASE("multi-process: ranks that compiled different plans are refused with both hashes" * doctest::timeout(90)) {
+  Proc p(launch_args(2, {"--topology", "chain", "--salt", "different", "--salt-rank", "1"}));
+  int code = p.wait(60s);
+  INFO(p.all());
+  CHECK(code != 0);
+  CHECK(contains(p.err(), "different plans"));
+  static const std::regex hashes(R"([0-9a-f]{16})");
+  std::set<std::string> seen;
+  const std::string err = p.err();
+  for (std::sregex_iterator it(err.begin(), err.end(), hashes), end; it != end; ++it) seen.insert(it->str());
+  CHECK(seen.size() >= 2);
+}
+
+namespace {
+std::map<std::string, std::string> rank_env(int rank, int world, std::uint16_t port, const std::string& token) {
+  return {{"BATON_RANK", std::to_string(rank)},
+          {"BATON_WORLD_SIZE", std::to_string(world)},
+          {"BATON_LOCAL_RANK", std::to_string(rank)},
+          {"BATON_MASTER", fmt::format("127.0.0.1:{}", port)},
+          {"BATON_JOB_TOKEN", token}};
+}
+}  // namespace
+
+TEST_CASE("multi-process: a rank with the wrong job token is refused" * doctest::timeout(60)) {
+  baton::transport::ServerSettings ss;
+  ss.bind_host = "127.0.0.1";
+  ss.token = "the-right-token";
+  ss.world_size = 2;
+  ss.join_timeout = 3s;
+  baton::transport::RendezvousServer server(ss);
+  Proc p({xrank, "--topology", "chain"}, rank_env(0, 2, server.port(), "a-wrong-token"));
+  int code = p.wait(30s);
+  INFO(p.all());
+  CHECK(code == 1);
+  CHECK(contains(p.err(), "wrong job token"));
+}
+
+TEST_CASE("multi-process: a rank that never arrives times out with its number in the message" * doctest::timeout(60)) {
+  baton::transport::ServerSettings ss;
+  ss.bind_host = "127.0.0.1";
+  ss.token = baton::transport::random_token();
+  ss.world_size = 3;
+  ss.join_timeout = 2s;
+  baton::transport::RendezvousServer server(ss);
+  Proc r0({xrank, "--topology", "chain"}, rank_env(0, 3, server.port(), ss.token));
+  Proc r2({xrank, "--topology", "chain"}, rank_env(2, 3, server.port(), ss.token));
+  CHECK(r0.wait(30s) == 1);
+  CHECK(r2.wait(30s) == 1);
+  INFO(r0.all());
+  CHECK(contains(r0.err(), "1 did not join"));
+  auto outcome = server.wait_for(5s);
+  REQUIRE(outcome.has_value());
+  CHECK_FALSE(outcome->ok);
+}

@@ -1,0 +1,69 @@
+// baton-xrank-check: one rank of a job that runs a hand-written cross-rank plan
+// (tests/xrank_plans.h) with the checking kernels. Started by baton-launch in the
+// multi-process and multi-host tests:
+//   baton-launch --nproc-per-node 4 -- baton-xrank-check --topology fanout --pieces 2000
+// Prints "rank R ok: ..." on success; on failure the reason on stderr and exit code 1.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "baton/actors.h"
+#include "checking_kernels.h"
+#include "xrank_plans.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Runs one rank of a cross-rank test plan"};
+  baton::test::CrossRankShape shape;
+  std::string salt;
+  int salt_rank = -1;
+  bool print_plan = false;
+  app.add_option("--topology", shape.topology, "chain | fanout | fanin | ring")->capture_default_str();
+  app.add_option("--pieces", shape.pieces, "pieces every source emits")->capture_default_str();
+  app.add_option("--elements", shape.elements, "int64 elements per register")->capture_default_str();
+  app.add_option("--slots", shape.slots, "slots per register")->capture_default_str();
+  app.add_option("--sleep-us", shape.sleep_us, "sleep in every act (a run that lasts)")->capture_default_str();
+  app.add_option("--fail-rank", shape.fail_rank, "the actors on this rank throw at --fail-at");
+  app.add_option("--fail-at", shape.fail_at, "the piece at which they throw");
+  app.add_option("--salt", salt, "an attribute that makes --salt-rank's plan differ (plan-hash test)");
+  app.add_option("--salt-rank", salt_rank, "the rank whose plan gets --salt");
+  app.add_flag("--print-plan", print_plan, "print the plan (after insert_transfers) on rank 0");
+  CLI11_PARSE(app, argc, argv);
+
+  std::uint32_t rank = 0;
+  try {
+    auto env = baton::JobEnvironment::from_env();
+    rank = env.rank;
+    fmt::print("rank {} pid {}\n", rank, getpid());
+    std::fflush(stdout);
+    shape.world = static_cast<std::uint16_t>(env.world_size);
+    baton::Plan plan = baton::test::cross_rank_plan(shape);
+    if (!salt.empty() && static_cast<int>(env.rank) == salt_rank) plan.actors[0].attrs.set("salt", salt);
+    if (print_plan && env.rank == 0) fmt::print("{}", baton::insert_transfers(plan).to_text());
+    auto kernels = baton::test::checking_registry();
+    baton::RunReport report = baton::run_job(plan, kernels, env);
+    std::uint64_t acts = 0;
+    bool all_retired = true;
+    for (const auto& a : report.metrics.actors) {
+      acts += a.acts;
+      all_retired = all_retired && a.activity == baton::ActorActivity::retired;
+    }
+    for (const auto& r : report.metrics.registers) {
+      if (r.max_outstanding > r.slots) {
+        fmt::print(stderr, "rank {}: register '{}' had {} slots in use of {}\n", rank, r.name, r.max_outstanding,
+                   r.slots);
+        return 1;
+      }
+    }
+    if (!all_retired) {
+      fmt::print(stderr, "rank {}: the run returned with actors not retired\n", rank);
+      return 1;
+    }
+    fmt::print("rank {} ok: {} actors, {} acts in {:.3f} s\n", rank, report.metrics.actors.size(), acts,
+               report.wall_s);
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "rank {}: {}\n", rank, e.what());
+    return 1;
+  }
+}
