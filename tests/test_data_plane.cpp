@@ -165,6 +165,16 @@ bool has_cookie(Recorder& r, std::uint64_t cookie) {
   return false;
 }
 
+/// Waits until `plane` has finished sending `count` payloads (UCX no longer reads them).
+bool wait_payloads_sent(DataPlane& plane, std::uint64_t count, Clock::duration limit = 20s) {
+  const auto deadline = Clock::now() + limit;
+  while (plane.stats().payloads_sent < count) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
 double process_cpu_seconds() {
   timespec t{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
@@ -276,6 +286,7 @@ TEST_CASE("data plane: payloads from 0 B to 64 MiB arrive intact, received befor
   const std::size_t sizes[] = {0, 1, 4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
   std::uint64_t cookie = 100;
   std::uint64_t tag = 1;
+  std::uint64_t offers[2] = {0, 0};
   for (std::size_t size : sizes) {
     for (bool receive_first : {true, false}) {
       CAPTURE(size);
@@ -298,6 +309,8 @@ TEST_CASE("data plane: payloads from 0 B to 64 MiB arrive intact, received befor
       REQUIRE(pair.handlers[to].wait([&](Recorder& h) { return has_cookie(h, cookie) || !h.errors_.empty(); }));
       REQUIRE(pair.handlers[to].error_text() == "");
       CHECK(dest == source);
+      ++offers[from];
+      CHECK(wait_payloads_sent(*pair.planes[from], offers[from]));  // before `source` goes
     }
   }
   const auto& s = pair.planes[0]->stats();
@@ -343,6 +356,7 @@ TEST_CASE("data plane: 64 payloads in flight at once, both ways" * doctest::time
     CAPTURE(i);
     CHECK(transfers[i].dest == transfers[i].source);
   }
+  for (std::uint32_t r = 0; r < 2; ++r) CHECK(wait_payloads_sent(*pair.planes[r], count / 2));
 }
 
 TEST_CASE("data plane: equal tags from different senders do not meet" * doctest::timeout(60)) {
@@ -372,6 +386,8 @@ TEST_CASE("data plane: equal tags from different senders do not meet" * doctest:
   CHECK(handlers[2].error_text() == "");
   CHECK(into0 == from0);
   CHECK(into1 == from1);
+  CHECK(wait_payloads_sent(*planes[0], 1));
+  CHECK(wait_payloads_sent(*planes[1], 1));
   for (auto& p : planes) p->stop();
 }
 
@@ -516,10 +532,39 @@ TEST_CASE("data plane: an idle progress thread sleeps, and wakes for work" * doc
   pair.planes[0]->send_payload(1, 3, source.data(), source.size());
   CHECK(pair.handlers[1].wait([](Recorder& h) { return !h.payloads_.empty(); }, 5s));
   CHECK(dest == source);
+  CHECK(wait_payloads_sent(*pair.planes[0], 1));
   CHECK(Clock::now() - begin < 3s);
   // stop() rings the sleeping thread too.
   begin = Clock::now();
   pair.planes[0]->stop();
   pair.planes[1]->stop();
   CHECK(Clock::now() - begin < 3s);
+}
+
+TEST_CASE("data plane: sends to a peer that is gone never hang stop()" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  DataPlaneSettings settings{.transports = transports};
+  settings.close_timeout = 200ms;
+  Pair pair(settings);
+  auto bytes = Recorder::message(0, 0);
+  pair.planes[1]->send(0, bytes.data(), bytes.size());
+  REQUIRE(pair.handlers[0].wait([](Recorder& h) { return h.messages_ == 1; }, 5s));
+  pair.planes[0]->stop();  // rank 0 is gone; rank 1 has not been told (the control plane's job)
+  std::vector<unsigned char> payload(1 << 20);
+  for (std::uint32_t s = 1; s <= 300; ++s) {  // more than a shared-memory FIFO holds
+    auto m = Recorder::message(0, s);
+    pair.planes[1]->send(0, m.data(), m.size());
+  }
+  pair.planes[1]->send_payload(0, 1, payload.data(), payload.size());
+  pair.planes[1]->receive_payload(0, 2, payload.data(), payload.size(), 2);
+  std::this_thread::sleep_for(50ms);
+  // Over TCP the loss shows as a link error; over shared memory the bytes go nowhere.
+  MESSAGE("rank 1 heard: ", pair.handlers[1].error_text());
+  CHECK(pair.handlers[1].errors().size() <= 1);
+  auto begin = Clock::now();
+  pair.planes[1]->stop();
+  auto took = Clock::now() - begin;
+  MESSAGE("stop() took ", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(), " ms");
+  CHECK(took < 200ms * 5 / 4 + 1s);
+  CHECK(pair.handlers[1].payloads().empty());
 }

@@ -42,8 +42,9 @@ constexpr ucp_tag_t full_tag_mask = ~ucp_tag_t{0};
 constexpr int commands_per_round = 64;
 /// Queue nodes allocated up front; a burst beyond them allocates more.
 constexpr std::size_t command_queue_capacity = 1024;
-/// stop(): how long cancelled receives get to report back before they are abandoned.
-constexpr auto cancel_grace = std::chrono::milliseconds(200);
+/// stop(): at most how long cancelled receives get to report back (they do so at the next
+/// progress call) before what is left is abandoned.
+constexpr auto cancel_grace = std::chrono::milliseconds(100);
 
 ucp_tag_t wire_tag(std::uint64_t link_tag, std::uint32_t sender) { return (link_tag << rank_bits) | sender; }
 
@@ -378,9 +379,17 @@ void DataPlane::Impl::shut_down() noexcept {
         ucp_request_cancel(worker.get(), op->request);
         op = next;
       }
-      progress_until([&] { return outstanding_count == 0; }, Clock::now() + cancel_grace);
-      // What UCX cannot cancel (a send to a peer that is gone) is abandoned; destroying the
-      // worker reclaims it.
+      // Receives complete (cancelled) at the next progress; sends cannot be cancelled.
+      auto receives_left = [&] {
+        for (Op* op = outstanding; op != nullptr; op = op->next) {
+          if (op->kind == Command::Kind::receive) return true;
+        }
+        return false;
+      };
+      progress_until([&] { return !receives_left(); },
+                     Clock::now() + std::min<Clock::duration>(cancel_grace, settings.close_timeout));
+      // What is left (a send to a peer that is gone) is abandoned; destroying the worker
+      // reclaims it.
       for (Op* op = outstanding; op != nullptr; op = op->next) {
         op->abandoned = true;
         ucp_request_free(op->request);
@@ -540,7 +549,8 @@ void DataPlane::Impl::complete(Op* op, ucs_status_t status, std::size_t length) 
       return;
     case Command::Kind::offer:
       if (status == UCS_OK) {
-        payloads_sent.fetch_add(1, std::memory_order_relaxed);
+        // Release: a stats() that counts this offer also sees UCX done reading its memory.
+        payloads_sent.fetch_add(1, std::memory_order_release);
       } else {
         report(fmt::format("{}: payload of {} bytes to rank {} under tag {}: ucp_tag_send_nbx: {}", who, op->size,
                            op->peer, op->tag, ucs_status_string(status)));
@@ -719,7 +729,7 @@ DataPlaneStats DataPlane::stats() const {
   DataPlaneStats s;
   s.messages_sent = d.messages_sent.load(std::memory_order_relaxed);
   s.messages_received = d.messages_received.load(std::memory_order_relaxed);
-  s.payloads_sent = d.payloads_sent.load(std::memory_order_relaxed);
+  s.payloads_sent = d.payloads_sent.load(std::memory_order_acquire);
   s.payloads_received = d.payloads_received.load(std::memory_order_relaxed);
   s.payload_bytes_received = d.payload_bytes_received.load(std::memory_order_relaxed);
   s.sleeps = d.sleeps.load(std::memory_order_relaxed);

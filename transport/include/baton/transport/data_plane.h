@@ -3,6 +3,12 @@
 /// process; messages as active messages; payloads as tagged rendezvous sends that the receiver
 /// pulls into the memory it posted (so a large payload is never copied through a bounce buffer).
 /// Shared memory, TCP and the rest come from UCX itself (UCX_TLS).
+///
+/// Limits of this implementation of Link: at most 65536 ranks, and payload tags below 2^48 (the
+/// sender's rank rides in the low 16 bits of the UCX tag); a rank does not send to itself.
+/// Endpoints use UCP_ERR_HANDLING_MODE_NONE (the peer mode would rule out shared memory): a
+/// peer that dies is the control plane's to notice; sends to it may fail (on_link_error) or
+/// simply never complete.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -22,8 +28,9 @@ struct DataPlaneSettings {
   /// an eventfd that send()/receive_payload() ring). About 1000 polls ride out the gap between
   /// the pieces of a busy stream; an idle process gives its core back.
   int spin_polls = 1000;
-  /// stop(): how long to wait for outstanding operations and endpoint flushes before forcing
-  /// the endpoints closed.
+  /// stop(): how long to wait for outstanding operations (then receives are cancelled and
+  /// sends abandoned); the endpoints' flushes get until then too, and at least a quarter of
+  /// it more. stop() returns within about 1.25 x close_timeout.
   std::chrono::milliseconds close_timeout{5'000};
   /// Longest one sleep of the progress thread lasts before it polls again. Every wake-up it
   /// needs comes as an event; this bound is a safety net (and how soon stop() is seen at worst).
@@ -34,7 +41,7 @@ struct DataPlaneSettings {
 struct DataPlaneStats {
   std::uint64_t messages_sent = 0;
   std::uint64_t messages_received = 0;
-  std::uint64_t payloads_sent = 0;
+  std::uint64_t payloads_sent = 0;  // offers UCX is done with (their memory is free again)
   std::uint64_t payloads_received = 0;
   std::uint64_t payload_bytes_received = 0;
   std::uint64_t sleeps = 0;  // times the progress thread went to sleep
@@ -58,14 +65,19 @@ class DataPlane final : public Link {
   /// This process's ucp worker address (opaque bytes) for the address table.
   const std::string& address() const;
   /// One endpoint to every other rank, from the table (indexed by rank; our own entry is
-  /// ignored). Before start().
+  /// ignored). Once, before start(). The addresses must come from address(): UCX aborts the
+  /// process on malformed bytes (it checks only for an empty one).
   void connect(const std::vector<std::string>& addresses);
-  /// Starts the progress thread.
+  /// Starts the progress thread. Once; set_handler() first.
   void start();
-  /// Finishes what is in flight (up to close_timeout), closes the endpoints, joins the thread.
+  /// Finishes what is in flight (up to close_timeout), closes the endpoints, joins the thread,
+  /// destroys the worker and the context. Idempotent; the handler hears nothing more once the
+  /// operations still in flight at the deadline are cancelled (a stop is not a link error).
+  /// Called from a handler (on the progress thread) it only asks: the owner's stop() or the
+  /// destructor finishes the job. Sends racing with stop() may be dropped; sends after it throw.
   void stop() noexcept;
-  /// Which transports UCX chose for the endpoint to `peer` ("posix/memory cma/memory ..."),
-  /// for logs and benchmarks. After connect().
+  /// Which transports UCX chose for the endpoint to `peer` ("sysv/memory, cma/memory",
+  /// "tcp/lo, tcp/eth0"), for logs and benchmarks. After connect(); best effort.
   std::string transports_to(std::uint32_t peer) const;
   DataPlaneStats stats() const;
 
