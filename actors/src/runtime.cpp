@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <chrono>
+#include <sched.h>
 #include <cstring>
 #include <set>
 
@@ -23,6 +24,8 @@ void Worker::core_send_remote(const Message& m) { core_.send_remote(m); }
 
 void Worker::run() {
   const int spin_polls = core_.settings.spin_polls;
+  const int yield_every = core_.settings.spin_yield_every;
+  transport::Link* link = core_.settings.link;
   int idle = 0;
   while (!mailbox_.closed()) {
     if (auto m = local_.pop()) {
@@ -31,10 +34,18 @@ void Worker::run() {
     } else if (auto mm = mailbox_.try_pop()) {
       dispatch(*mm);
       idle = 0;
+    } else if (link != nullptr && link->poll()) {
+      // An idle worker progresses the data plane itself: what arrives for its actors lands in
+      // its own mailbox with no hand-off.
+      idle = 0;
     } else if (++idle < spin_polls) {
+      if (yield_every > 0 && idle % yield_every == 0) {
+        sched_yield();
+      } else {
 #if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
+        __builtin_ia32_pause();
 #endif
+      }
     } else {
       idle = 0;
       if (auto parked = mailbox_.park()) dispatch(*parked);

@@ -242,6 +242,9 @@ int worker_main(const Options& o) {
     auto kernels = baton::KernelRegistry::with_builtin_kernels();
     baton::JobSettings js;
     js.runtime.time_accounting = false;
+    if (const char* s = std::getenv("BENCH_RT_SPIN")) js.runtime.spin_polls = std::atoi(s);
+    if (const char* s = std::getenv("BENCH_DP_SPIN")) js.data.spin_polls = std::atoi(s);
+    if (const char* s = std::getenv("BENCH_RT_YIELD")) js.runtime.spin_yield_every = std::atoi(s);
     auto report = baton::run_job(bench_plan(o), kernels, env, js);
     if (env.rank == 1) fmt::print("RESULT {:.9f}\n", report.wall_s);
     return 0;

@@ -48,6 +48,10 @@ constexpr auto cancel_grace = std::chrono::milliseconds(100);
 
 ucp_tag_t wire_tag(std::uint64_t link_tag, std::uint32_t sender) { return (link_tag << rank_bits) | sender; }
 
+/// The data plane whose worker this thread is progressing now (holds its ucx_mutex), if any:
+/// a handler that sends from inside a callback must not try to take the lock again.
+thread_local const void* progressing = nullptr;
+
 /// In front of every message: who sent it (so no reply endpoint is needed) and its place in
 /// the (sender, receiver) sequence. UCX does not promise that active messages keep their order.
 struct MessageHeader {
@@ -114,6 +118,9 @@ struct DataPlane::Impl {
   void push(const Command& command);
   void ring() noexcept;
   void stop() noexcept;
+  /// Any thread: progress the worker here if no other thread is (try-lock). -1: another thread
+  /// holds it; 0: nothing happened; 1: something did.
+  int try_progress();
 
   // The progress thread (or, before start() / for a data plane never started, the owner).
   void run() noexcept;
@@ -167,6 +174,12 @@ struct DataPlane::Impl {
   LinkHandler* handler = nullptr;
 
   boost::lockfree::queue<Command> commands{command_queue_capacity};
+  /// Held by whichever thread progresses the worker: the progress thread, or an actor thread
+  /// that sends (its command goes out at once, with no hand-off) or polls while it is idle
+  /// (a message is handled by the thread that will act on it, with no wake-up). Everything
+  /// below marked "the progress thread's own" is touched only under it.
+  std::mutex ucx_mutex;
+  std::atomic<bool> inline_progress{false};  // after start(), until stop()
   alignas(64) std::atomic<ThreadState> thread_state{ThreadState::running};
   std::atomic<bool> accepting{true};
   std::atomic<bool> stop_requested{false};
@@ -256,9 +269,25 @@ void DataPlane::Impl::check_peer(std::uint32_t peer, std::string_view what) cons
   }
 }
 
+int DataPlane::Impl::try_progress() {
+  if (progressing == this || !inline_progress.load(std::memory_order_acquire)) return -1;
+  std::unique_lock lock(ucx_mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return -1;
+  if (stop_requested.load(std::memory_order_acquire)) return -1;
+  progressing = this;
+  const bool did = poll_once();
+  progressing = nullptr;
+  return did ? 1 : 0;
+}
+
 void DataPlane::Impl::push(const Command& command) {
   // push() fails only if no node can be allocated: out of memory.
   if (!commands.push(command)) throw std::bad_alloc();
+  // Post it from this thread if nobody is progressing the worker: no hand-off, no wake-up.
+  for (int round = 0; round < 4; ++round) {
+    if (try_progress() < 0) break;
+    if (commands.empty()) return;
+  }
   // Pairs with the fence in sleep(): either the progress thread sees this command when it
   // re-checks the queue, or this thread sees `sleeping` and rings (Dekker; mailbox.cpp).
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -307,14 +336,25 @@ void DataPlane::Impl::stop() noexcept {
 void DataPlane::Impl::run() noexcept {
   int idle_polls = 0;
   while (!stop_requested.load(std::memory_order_acquire)) {
-    if (poll_once()) {
+    bool did;
+    {
+      std::lock_guard lock(ucx_mutex);
+      progressing = this;
+      did = poll_once();
+      progressing = nullptr;
+    }
+    if (did) {
       idle_polls = 0;
     } else if (++idle_polls >= settings.spin_polls) {
       idle_polls = 0;
       sleep(settings.max_sleep, true);
     }
   }
+  inline_progress.store(false, std::memory_order_release);
+  std::lock_guard lock(ucx_mutex);
+  progressing = this;
   shut_down();
+  progressing = nullptr;
 }
 
 bool DataPlane::Impl::poll_once() {
@@ -328,18 +368,26 @@ bool DataPlane::Impl::poll_once() {
 }
 
 void DataPlane::Impl::sleep(std::chrono::milliseconds limit, bool watch_commands) {
+  // The check and the arm under the lock (unless the caller holds it: shut_down); the wait
+  // without it, so that actor threads may progress meanwhile.
+  std::unique_lock lock(ucx_mutex, std::defer_lock);
+  if (progressing != this) lock.lock();
   if (watch_commands) {
     thread_state.store(ThreadState::sleeping, std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     Command command;
     if (commands.pop(command)) {  // pushed before the producer could see `sleeping`
       thread_state.store(ThreadState::running, std::memory_order_seq_cst);
+      progressing = this;
       execute(command);
+      if (lock.owns_lock()) progressing = nullptr;
       return;
     }
   }
   // UCS_ERR_BUSY: events arrived since the last progress; anything else: keep polling.
-  if (ucp_worker_arm(worker.get()) == UCS_OK) {
+  const bool armed = ucp_worker_arm(worker.get()) == UCS_OK;
+  if (lock.owns_lock()) lock.unlock();
+  if (armed) {
     sleeps.fetch_add(1, std::memory_order_relaxed);
     std::array<epoll_event, 2> events{};
     ::epoll_wait(epoll_fd.get(), events.data(), static_cast<int>(events.size()), milliseconds_at_least_one(limit));
@@ -711,9 +759,12 @@ void DataPlane::start() {
   if (d.handler == nullptr) throw TransportError(fmt::format("{}: start() before set_handler()", d.who));
   d.thread = std::thread([&d] { d.run(); });
   d.started = true;
+  d.inline_progress.store(true, std::memory_order_release);
 }
 
 void DataPlane::stop() noexcept { impl_->stop(); }
+
+bool DataPlane::poll() { return impl_->try_progress() > 0; }
 
 std::string DataPlane::transports_to(std::uint32_t peer) const {
   const Impl& d = *impl_;

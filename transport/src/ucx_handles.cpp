@@ -67,7 +67,8 @@ void Context::reset() noexcept {
 Worker::Worker(const Context& context, std::string_view who) {
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  // Several threads progress it, one at a time (DataPlane's ucx_mutex).
+  params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   if (ucs_status_t s = ucp_worker_create(context.get(), &params, &handle_); s != UCS_OK) {
     handle_ = nullptr;
     fail("ucp_worker_create", s, who);

@@ -26,6 +26,11 @@ struct RuntimeSettings {
   /// enough that an idle worker gives its core back within tens of microseconds (these
   /// machines have 2 cores).
   int spin_polls = 1000;
+  /// While spinning, give the core away (sched_yield) every this many polls, so that a spinning
+  /// worker does not hold a core that a woken thread (another worker, the data plane's progress
+  /// thread, another rank) needs: with more threads than cores this halved cross-rank latency.
+  /// Zero: never yield.
+  int spin_yield_every = 10;
   /// If no actor acts or retires for this long, the run fails and names what each unfinished
   /// actor waits for. Zero turns the watchdog off.
   std::chrono::milliseconds stall_timeout{60'000};

@@ -53,6 +53,9 @@ class Link {
   /// may be posted before or after the offer. (from, tag) must be unique while in flight.
   virtual void receive_payload(std::uint32_t from, std::uint64_t tag, void* dest, std::size_t size,
                                std::uint64_t cookie) = 0;
+  /// An idle thread may lend itself: progress the link here if no other thread is doing so
+  /// (handlers then run on this thread). True if anything happened. Never blocks.
+  virtual bool poll() { return false; }
 };
 
 }  // namespace baton::transport
