@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -42,6 +43,8 @@ struct Options {
   std::int64_t seq = 32;
   std::int64_t hidden = 256;
   int threads = 1;
+  int dp = 1;
+  std::string devices;  // "cpu:K": in-process devices per rank
   bool json = false;
   std::string print_plan;
 };
@@ -129,12 +132,44 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
   return {NAN, out[0].data<float>()[0]};
 }
 
-int run(const Options& o) {
-  const Data d = load(o);
-  if (o.batch % o.microbatches != 0) {
-    throw std::invalid_argument(fmt::format("--batch {} is not a multiple of --microbatches {}", o.batch, o.microbatches));
+/// Where replica r runs: the dp replicas spread over the job's ranks, and over in-process
+/// devices (cpu:0, cpu:1, ...) within a rank.
+std::vector<Placement> replica_places(const Options& o, const JobEnvironment& env) {
+  const auto world = static_cast<int>(env.world_size);
+  if (o.dp % world != 0) {
+    throw std::invalid_argument(fmt::format("--dp {} cannot be spread evenly over the job's {} ranks", o.dp, world));
   }
-  const std::int64_t mb = o.batch / o.microbatches;
+  int per_rank = o.dp / world;
+  if (!o.devices.empty()) {
+    int k = 0;
+    if (std::sscanf(o.devices.c_str(), "cpu:%d", &k) != 1 || k < 1 || o.devices != fmt::format("cpu:{}", k)) {
+      throw std::invalid_argument(fmt::format("--devices '{}': expected cpu:K (K in-process CPU devices per rank)", o.devices));
+    }
+    if (k * world != o.dp) {
+      throw std::invalid_argument(fmt::format("--devices {} on {} rank{} gives {} devices, but --dp is {} (dp x pp x tp must "
+                                              "equal the devices)",
+                                              o.devices, world, world == 1 ? "" : "s", k * world, o.dp));
+    }
+    per_rank = k;
+  }
+  std::vector<Placement> places;
+  for (int r = 0; r < o.dp; ++r) {
+    places.push_back(Placement{.rank = static_cast<std::uint16_t>(r / per_rank),
+                               .device = Device{DeviceType::cpu, static_cast<std::uint8_t>(r % per_rank)}});
+  }
+  return places;
+}
+
+int run(const Options& o) {
+  const JobEnvironment env = JobEnvironment::from_env();
+  const bool leader = env.rank == 0;
+  const Data d = load(o);
+  const std::int64_t pieces = o.dp * o.microbatches;  // micro-batches of a step, over all replicas
+  if (o.batch % pieces != 0) {
+    throw std::invalid_argument(fmt::format("--batch {} is not a multiple of --dp {} x --microbatches {} = {}", o.batch,
+                                            o.dp, o.microbatches, pieces));
+  }
+  const std::int64_t mb = o.batch / pieces;
   Graph g(o.seed);
   Value logits = build(g, o, d, mb);
   const bool text = o.model == "gpt";
@@ -144,39 +179,44 @@ int run(const Options& o) {
   cfg.microbatches = o.microbatches;
   cfg.optimizer = optimizer(o);
   cfg.threads = o.threads;
+  cfg.dp = o.dp;
+  if (o.dp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
   if (text) {
-    cfg.data = {{"text", data::text_source(d.text, o.batch, o.microbatches, o.seq, o.seed), {"tokens", "targets"}}};
+    cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
   } else {
-    cfg.data = {{o.data, data::batch_source(d.train, o.batch, o.microbatches, o.seed), {"x", "label"}}};
+    cfg.data = {{o.data, data::batch_source(d.train, o.batch, pieces, o.seed), {"x", "label"}}};
   }
   TrainingJob job = compile_training(g, loss, cfg);
   if (!o.print_plan.empty()) {
+    if (!leader) return 0;
     fmt::print("{}", o.print_plan == "dot" ? job.plan.to_dot() : job.plan.to_text());
     return 0;
   }
-  if (!o.json) {
+  if (!o.json && leader) {
     std::size_t weights = 0;
     for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
-    fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({} x {}) | {} lr {}\n",
+    fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}\n",
                o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
-               o.microbatches, mb, o.optimizer, o.lr);
+               o.dp > 1 ? fmt::format("dp {} x ", o.dp) : "", o.microbatches, mb, o.optimizer, o.lr,
+               env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
   }
-  Runtime rt(job.plan, job.kernels);
   RunReport report;
   std::exception_ptr failure;
+  std::atomic<bool> finished{false};
   std::thread runner([&] {
     try {
-      report = rt.run();
+      report = run_job(job.plan, job.kernels, env);
     } catch (...) {
       failure = std::current_exception();
     }
+    finished.store(true);
   });
   const auto t0 = std::chrono::steady_clock::now();
   const bool tty = isatty(fileno(stdout)) != 0;
   std::int64_t printed = 0;
-  while (job.losses->steps_done() < o.steps && !failure) {
+  while (!finished.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    if (o.json) continue;
+    if (o.json || !leader) continue;
     std::int64_t done = job.losses->steps_done();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     bool line_due = tty || done >= printed + std::max<std::int64_t>(1, o.steps / 10);
@@ -191,14 +231,15 @@ int run(const Options& o) {
   }
   runner.join();
   if (failure) std::rethrow_exception(failure);
+  if (!leader) return 0;  // rank 0 reports for the job
   auto losses = job.losses->per_step();
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
   const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;
   if (o.json) {
-    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"microbatches\": {}, "
+    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"ranks\": {}, \"microbatches\": {}, "
                "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
                "\"wall_s\": {:.6g}{}}}\n",
-               o.model, o.data, o.steps, o.batch, o.microbatches, losses.back(),
+               o.model, o.data, o.steps, o.batch, o.dp, env.world_size, o.microbatches, losses.back(),
                std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
                std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s,
                d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "");
@@ -268,6 +309,9 @@ int main(int argc, char** argv) {
   app.add_option("--heads", o.heads, "gpt attention heads")->check(positive);
   app.add_option("--seq", o.seq, "gpt context length")->check(positive);
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
+  app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp / ranks)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
   app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")
       ->expected(0, 1)

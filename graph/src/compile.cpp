@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>
@@ -126,15 +127,25 @@ double scalar_of(const Tensor& t) {
   return static_cast<double>(t.data<T>()[0]);
 }
 
-/// Builds the actors and registers for the nodes a plan needs.
+/// Builds the actors and registers for the nodes a plan needs: one model replica's worth, with
+/// names suffixed and actors placed for that replica.
 struct PlanBuilder {
   Graph& g;
-  Plan plan;
-  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  Plan& plan;
+  KernelRegistry& kernels;
+  Placement where{};       // rank and device of this replica; streams are set per actor
+  std::string suffix;      // "" for one replica, "@dp<r>" otherwise
   std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
 
-  RegisterIndex add_register(std::string name, const Shape& shape, DType dtype, std::int32_t slots) {
-    return plan.add_register({.name = std::move(name), .shape = shape, .dtype = dtype, .slots = slots});
+  std::string named(const std::string& n) const { return n + suffix; }
+  Placement at(std::uint8_t stream) const {
+    Placement p = where;
+    p.stream = stream;
+    return p;
+  }
+
+  RegisterIndex add_register(const std::string& name, const Shape& shape, DType dtype, std::int32_t slots) {
+    return plan.add_register({.name = named(name), .shape = shape, .dtype = dtype, .slots = slots});
   }
 
   RegisterIndex node_register(int id, std::int32_t slots) {
@@ -149,16 +160,122 @@ struct PlanBuilder {
     std::vector<InputPort> inputs;
     for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
     RegisterIndex out = node_register(id, slots);
-    plan.add_actor({.name = n.name, .kind = ActorKind::compute, .op = n.op, .dtype = kernel_dtype(g, n),
-                    .where = {.stream = stream}, .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs});
+    plan.add_actor({.name = named(n.name), .kind = ActorKind::compute, .op = n.op, .dtype = kernel_dtype(g, n),
+                    .where = at(stream), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs});
   }
 
   void source_actor(const std::string& name, const std::string& op, DType dtype, std::vector<RegisterIndex> outputs,
                     std::int64_t pieces, std::uint8_t stream, Attrs attrs = {}) {
-    plan.add_actor({.name = name, .kind = ActorKind::source, .op = op, .dtype = dtype, .where = {.stream = stream},
+    plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = at(stream),
                     .outputs = std::move(outputs), .pieces = pieces, .attrs = std::move(attrs)});
   }
 };
+
+/// Runs another kernel with its piece numbers mapped: replica r of dp, M micro-batches a step,
+/// reads micro-batch s*dp*M + r*M + k of the whole job where it is at its own piece s*M + k.
+class ReplicaPieces final : public Kernel {
+ public:
+  ReplicaPieces(std::unique_ptr<Kernel> inner, std::int64_t replica, std::int64_t replicas, std::int64_t m)
+      : inner_(std::move(inner)), replica_(replica), replicas_(replicas), m_(m) {}
+  void compute(KernelContext& ctx) override {
+    KernelContext mapped{ctx.inputs, ctx.outputs, (ctx.piece / m_) * replicas_ * m_ + replica_ * m_ + ctx.piece % m_};
+    inner_->compute(mapped);
+  }
+
+ private:
+  std::unique_ptr<Kernel> inner_;
+  std::int64_t replica_, replicas_, m_;
+};
+
+// --- all-reduce as actors ---------------------------------------------------------------------
+// N replicas, a tensor of n elements cut into N chunks. Replica j's split actor writes its N
+// chunks; the owner of chunk c (replica c) sums chunk c of every replica, in replica order;
+// every replica's concat actor gathers the N sums. Each replica sends and receives N-1 chunks
+// in each half, as a ring does, in two hops instead of 2(N-1); across ranks the transfers
+// come from insert_transfers. Every replica ends with the same bits: each sum is made once.
+
+std::vector<std::int64_t> chunk_offsets(std::int64_t n, std::int64_t parts) {
+  std::vector<std::int64_t> off{0};
+  for (std::int64_t c = 0; c < parts; ++c) off.push_back(off.back() + n / parts + (c < n % parts ? 1 : 0));
+  return off;
+}
+
+template <class T>
+void add_collective_kernels(KernelRegistry& k, DType dt) {
+  k.add("allreduce.split", DeviceType::cpu, dt, [](const KernelConfig&) -> std::unique_ptr<Kernel> {
+    struct Split final : Kernel {
+      void compute(KernelContext& ctx) override {
+        auto in = ctx.inputs[0]->data<T>();
+        std::size_t at = 0;
+        for (Tensor* out : ctx.outputs) {
+          auto o = out->data<T>();
+          std::copy(in.begin() + static_cast<std::ptrdiff_t>(at), in.begin() + static_cast<std::ptrdiff_t>(at + o.size()),
+                    o.begin());
+          at += o.size();
+        }
+      }
+    };
+    return std::make_unique<Split>();
+  });
+  k.add_fn("allreduce.sum", DeviceType::cpu, dt, [](KernelContext& ctx) {
+    auto out = ctx.outputs[0]->data<T>();
+    auto first = ctx.inputs[0]->data<T>();
+    std::copy(first.begin(), first.end(), out.begin());
+    for (std::size_t j = 1; j < ctx.inputs.size(); ++j) {
+      auto in = ctx.inputs[j]->data<T>();
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
+    }
+  });
+  k.add_fn("allreduce.concat", DeviceType::cpu, dt, [](KernelContext& ctx) {
+    auto out = ctx.outputs[0]->data<T>();
+    std::size_t at = 0;
+    for (const Tensor* in : ctx.inputs) {
+      auto i = in->data<T>();
+      std::copy(i.begin(), i.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
+      at += i.size();
+    }
+  });
+}
+
+/// Adds the all-reduce of `inputs[r]` (replica r's register) and returns the N result registers.
+std::vector<RegisterIndex> add_allreduce(std::vector<PlanBuilder>& replicas, const std::string& name,
+                                         const std::vector<RegisterIndex>& inputs, const Shape& shape, DType dtype,
+                                         std::uint8_t stream, std::int32_t result_slots) {
+  const auto n = static_cast<std::int64_t>(replicas.size());
+  const auto off = chunk_offsets(numel(shape), n);
+  Plan& plan = replicas[0].plan;
+  // chunk[j][c]: replica j's chunk c.
+  std::vector<std::vector<RegisterIndex>> chunk(static_cast<std::size_t>(n));
+  for (std::int64_t j = 0; j < n; ++j) {
+    auto& b = replicas[static_cast<std::size_t>(j)];
+    for (std::int64_t c = 0; c < n; ++c) {
+      chunk[static_cast<std::size_t>(j)].push_back(
+          b.add_register(fmt::format("{}.chunk{}", name, c), {off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]},
+                         dtype, 2));
+    }
+    plan.add_actor({.name = b.named(name + ".split"), .op = "allreduce.split", .dtype = dtype, .where = b.at(stream),
+                    .inputs = {{inputs[static_cast<std::size_t>(j)]}}, .outputs = chunk[static_cast<std::size_t>(j)]});
+  }
+  std::vector<RegisterIndex> sums;
+  for (std::int64_t c = 0; c < n; ++c) {
+    auto& b = replicas[static_cast<std::size_t>(c)];
+    std::vector<InputPort> ins;
+    for (std::int64_t j = 0; j < n; ++j) ins.push_back({chunk[static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]});
+    sums.push_back(b.add_register(fmt::format("{}.sum{}", name, c),
+                                  {off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]}, dtype, 2));
+    plan.add_actor({.name = b.named(fmt::format("{}.sum{}", name, c)), .op = "allreduce.sum", .dtype = dtype,
+                    .where = b.at(stream), .inputs = std::move(ins), .outputs = {sums.back()}});
+  }
+  std::vector<RegisterIndex> results;
+  for (auto& b : replicas) {
+    std::vector<InputPort> ins;
+    for (RegisterIndex r : sums) ins.push_back({r});
+    results.push_back(b.add_register(name + ".allreduced", shape, dtype, result_slots));
+    plan.add_actor({.name = b.named(name + ".concat"), .op = "allreduce.concat", .dtype = dtype, .where = b.at(stream),
+                    .inputs = std::move(ins), .outputs = {results.back()}});
+  }
+  return results;
+}
 
 /// Nodes that the targets depend on (ids are topological, so one backward sweep finds them).
 std::vector<bool> needed_nodes(const Graph& g, const std::vector<Value>& targets) {
@@ -178,18 +295,27 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   if (!loss.shape().empty()) throw GraphError(fmt::format("the loss must be a scalar; {} is not", loss.describe()));
   if (cfg.steps < 1) throw GraphError(fmt::format("steps must be >= 1, not {}", cfg.steps));
   if (cfg.microbatches < 1) throw GraphError(fmt::format("microbatches must be >= 1, not {}", cfg.microbatches));
+  if (cfg.dp < 1) throw GraphError(fmt::format("dp must be >= 1, not {}", cfg.dp));
+  if (!cfg.replica_places.empty() && cfg.replica_places.size() != static_cast<std::size_t>(cfg.dp)) {
+    throw GraphError(fmt::format("dp is {} but {} replica places are given", cfg.dp, cfg.replica_places.size()));
+  }
+  if (cfg.dp > Device::max_index + 1 && cfg.replica_places.empty()) {
+    throw GraphError(fmt::format("dp {} needs {} in-process devices; at most {}", cfg.dp, cfg.dp, Device::max_index + 1));
+  }
   if (!params) params = ParameterStore::initialize(g);
   const std::int64_t m = cfg.microbatches;
+  const std::int64_t n_dp = cfg.dp;
   const std::int64_t pieces = cfg.steps * m;
   const int loss_id = loss.id();
 
-  // Gradients of the mean loss over the global batch: each micro-batch's gradient is scaled by
-  // 1/M, and the accumulate actor sums the M of them.
+  // Gradients of the mean loss over the global batch (dp x M micro-batches): each micro-batch's
+  // gradient is scaled by 1/(dp M); the accumulate actors sum a replica's M, the all-reduce the
+  // replicas'.
   std::vector<Value> vars;
   for (Value v : g.variables()) {
     if (v.node().trainable && v.id() < loss_id) vars.push_back(v);
   }
-  std::vector<Value> grads = gradients(loss, vars, 1.0 / static_cast<double>(m));
+  std::vector<Value> grads = gradients(loss, vars, 1.0 / static_cast<double>(m * n_dp));
   std::vector<Value> targets{loss};
   std::vector<std::pair<Value, Value>> trained;  // (variable, gradient)
   for (std::size_t i = 0; i < vars.size(); ++i) {
@@ -200,117 +326,174 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   }
   std::vector<bool> need = needed_nodes(g, targets);
 
-  PlanBuilder b{g};
+  Plan plan;
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  if (n_dp > 1) {
+    add_collective_kernels<float>(kernels, DType::f32);
+    add_collective_kernels<double>(kernels, DType::f64);
+  }
+  std::vector<PlanBuilder> replicas;
+  for (std::int64_t r = 0; r < n_dp; ++r) {
+    PlanBuilder b{g, plan, kernels};
+    if (!cfg.replica_places.empty()) {
+      b.where = cfg.replica_places[static_cast<std::size_t>(r)];
+    } else {
+      b.where.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(r)};
+    }
+    if (n_dp > 1) b.suffix = fmt::format("@dp{}", r);
+    replicas.push_back(std::move(b));
+  }
   const auto forward_stream = std::uint8_t{0};
   const auto backward_stream = static_cast<std::uint8_t>(cfg.threads >= 2 ? 1 : 0);
   auto stream_of = [&](int id) { return id <= loss_id ? forward_stream : backward_stream; };
 
-  // Data: each binding is one source actor whose outputs are the inputs it feeds.
-  std::set<int> fed;
-  for (const DataBinding& d : cfg.data) {
-    std::vector<RegisterIndex> outs;
-    for (const std::string& in : d.inputs) {
-      Value v = g.find(in);
-      if (!v.valid() || v.node().op != "input") {
-        throw GraphError(fmt::format("data '{}' feeds '{}', which is not an input of the graph", d.name, in));
-      }
-      fed.insert(v.id());
-      outs.push_back(b.node_register(v.id(), 2));
-    }
-    std::string op = "data." + d.name;
-    b.kernels.add(op, DeviceType::cpu, DType::f32, d.source);
-    b.source_actor(op, op, DType::f32, std::move(outs), pieces, forward_stream);
-  }
-
-  // Registers for the summed gradients exist first: variables read them (with a delay) before
-  // the accumulate actors that write them are added.
-  std::map<int, RegisterIndex> grad_sum;
+  // Every replica's summed gradient, and what its variable actors read: the same register with
+  // one replica, the all-reduced one with several (made first: variables read them, with a
+  // delay, before the actors that write them are added).
+  std::vector<std::map<int, RegisterIndex>> grad_sum(static_cast<std::size_t>(n_dp)), grad_in(grad_sum);
   for (auto& [v, grad] : trained) {
-    grad_sum[v.id()] = b.add_register("grad." + v.name(), v.shape(), v.dtype(), 1);
+    std::vector<RegisterIndex> local;
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      auto& b = replicas[static_cast<std::size_t>(r)];
+      local.push_back(b.add_register("grad." + v.name(), v.shape(), v.dtype(), 1));
+      grad_sum[static_cast<std::size_t>(r)][v.id()] = local.back();
+    }
+    std::vector<RegisterIndex> reduced = local;
+    if (n_dp > 1) reduced = add_allreduce(replicas, "grad." + v.name(), local, v.shape(), v.dtype(), backward_stream, 1);
+    for (std::int64_t r = 0; r < n_dp; ++r) grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
   }
-  std::optional<RegisterIndex> clip_reg;
+  std::vector<std::optional<RegisterIndex>> clip_reg(static_cast<std::size_t>(n_dp));
   if (cfg.optimizer.clip_norm > 0 && !trained.empty()) {
-    clip_reg = b.add_register("clip.factor", {1}, trained[0].first.dtype(), 1);
-  }
-
-  for (int id = 0; id < g.size(); ++id) {
-    if (!need[static_cast<std::size_t>(id)]) continue;
-    const Node& n = g.node(id);
-    if (n.op == "input") {
-      if (!fed.count(id)) {
-        throw GraphError(fmt::format("input '{}' ({}{}) is fed by no data source", n.name, name(n.dtype),
-                                     to_string(n.shape)));
-      }
-    } else if (n.op == "variable") {
-      // The weight, once per step, then read by the step's M micro-batches through a repeat.
-      RegisterIndex w = b.add_register(n.name + ".step", n.shape, n.dtype, 1);
-      std::string op = "variable." + n.name;
-      auto it = grad_sum.find(id);
-      const DType dt = n.dtype;
-      const Tensor master = params->at(n.name);
-      if (it != grad_sum.end()) {
-        OptimizerConfig oc = cfg.optimizer;
-        const std::int64_t steps = cfg.steps;
-        b.kernels.add(op, DeviceType::cpu, dt, [master, oc, steps, dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
-          if (dt == DType::f64) return std::make_unique<VariableKernel<double>>(master, oc, steps);
-          return std::make_unique<VariableKernel<float>>(master, oc, steps);
-        });
-        std::vector<InputPort> ins{{it->second, 1}};
-        if (clip_reg) ins.push_back({*clip_reg, 1});
-        b.plan.add_actor({.name = op, .op = op, .dtype = dt, .where = {.stream = backward_stream},
-                          .inputs = std::move(ins), .outputs = {w}, .stops_when_unread = false});
-      } else {
-        b.kernels.add(op, DeviceType::cpu, dt, [master](const KernelConfig&) {
-          return std::make_unique<ConstantSource>(master);
-        });
-        b.source_actor(op, op, dt, {w}, cfg.steps, backward_stream);
-      }
-      RegisterIndex rep = b.node_register(id, 2);
-      b.plan.add_actor({.name = n.name + ".repeat", .kind = ActorKind::repeat, .dtype = dt,
-                        .where = {.stream = backward_stream}, .inputs = {{w}}, .outputs = {rep},
-                        .group = static_cast<std::int32_t>(m)});
-    } else if (n.op == "fill" && n.inputs.empty()) {
-      RegisterIndex r = b.node_register(id, 2);
-      b.source_actor(n.name, "fill", n.dtype, {r}, pieces, stream_of(id), n.attrs);
-    } else {
-      b.op_actor(id, stream_of(id), cfg.activation_slots);
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      clip_reg[static_cast<std::size_t>(r)] =
+          replicas[static_cast<std::size_t>(r)].add_register("clip.factor", {1}, trained[0].first.dtype(), 1);
     }
   }
 
-  // Gradient accumulation, clipping, and the loss report.
-  std::vector<InputPort> clip_inputs;
-  for (auto& [v, grad] : trained) {
-    b.plan.add_actor({.name = "grad." + v.name() + ".accumulate", .kind = ActorKind::accumulate, .dtype = v.dtype(),
-                      .where = {.stream = backward_stream}, .inputs = {{b.reg_of.at(grad.id())}},
-                      .outputs = {grad_sum.at(v.id())}, .group = static_cast<std::int32_t>(m)});
-    clip_inputs.push_back({grad_sum.at(v.id())});
+  std::vector<RegisterIndex> loss_regs;
+  for (std::int64_t r = 0; r < n_dp; ++r) {
+    PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
+    // Data: each binding is one source actor whose outputs are the inputs it feeds.
+    std::set<int> fed;
+    for (const DataBinding& d : cfg.data) {
+      std::vector<RegisterIndex> outs;
+      for (const std::string& in : d.inputs) {
+        Value v = g.find(in);
+        if (!v.valid() || v.node().op != "input") {
+          throw GraphError(fmt::format("data '{}' feeds '{}', which is not an input of the graph", d.name, in));
+        }
+        fed.insert(v.id());
+        outs.push_back(b.node_register(v.id(), 2));
+      }
+      std::string op = b.named("data." + d.name);
+      if (n_dp == 1) {
+        kernels.add(op, DeviceType::cpu, DType::f32, d.source);
+      } else {
+        KernelFactory inner = d.source;
+        kernels.add(op, DeviceType::cpu, DType::f32, [inner, r, n_dp, m](const KernelConfig& kc) -> std::unique_ptr<Kernel> {
+          return std::make_unique<ReplicaPieces>(inner(kc), r, n_dp, m);
+        });
+      }
+      b.source_actor("data." + d.name, op, DType::f32, std::move(outs), pieces, forward_stream);
+    }
+
+    for (int id = 0; id < g.size(); ++id) {
+      if (!need[static_cast<std::size_t>(id)]) continue;
+      const Node& n = g.node(id);
+      if (n.op == "input") {
+        if (!fed.count(id)) {
+          throw GraphError(fmt::format("input '{}' ({}{}) is fed by no data source", n.name, name(n.dtype),
+                                       to_string(n.shape)));
+        }
+      } else if (n.op == "variable") {
+        // The weight, once per step, then read by the step's M micro-batches through a repeat.
+        RegisterIndex w = b.add_register(n.name + ".step", n.shape, n.dtype, 1);
+        std::string op = b.named("variable." + n.name);
+        auto it = grad_in[static_cast<std::size_t>(r)].find(id);
+        const DType dt = n.dtype;
+        // Replica 0 trains the store's tensor itself; the others their own copies.
+        Tensor master = params->at(n.name);
+        if (r > 0) {
+          Tensor copy = Tensor::empty(master.shape(), master.dtype());
+          copy_tensor(master, copy);
+          master = copy;
+        }
+        if (it != grad_in[static_cast<std::size_t>(r)].end()) {
+          OptimizerConfig oc = cfg.optimizer;
+          const std::int64_t steps = cfg.steps;
+          kernels.add(op, DeviceType::cpu, dt, [master, oc, steps, dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
+            if (dt == DType::f64) return std::make_unique<VariableKernel<double>>(master, oc, steps);
+            return std::make_unique<VariableKernel<float>>(master, oc, steps);
+          });
+          std::vector<InputPort> ins{{it->second, 1}};
+          if (clip_reg[static_cast<std::size_t>(r)]) ins.push_back({*clip_reg[static_cast<std::size_t>(r)], 1});
+          plan.add_actor({.name = op, .op = op, .dtype = dt, .where = b.at(backward_stream), .inputs = std::move(ins),
+                          .outputs = {w}, .stops_when_unread = false});
+        } else {
+          kernels.add(op, DeviceType::cpu, dt, [master](const KernelConfig&) {
+            return std::make_unique<ConstantSource>(master);
+          });
+          b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream);
+        }
+        RegisterIndex rep = b.node_register(id, 2);
+        plan.add_actor({.name = b.named(n.name + ".repeat"), .kind = ActorKind::repeat, .dtype = dt,
+                        .where = b.at(backward_stream), .inputs = {{w}}, .outputs = {rep},
+                        .group = static_cast<std::int32_t>(m)});
+      } else if (n.op == "fill" && n.inputs.empty()) {
+        RegisterIndex reg = b.node_register(id, 2);
+        b.source_actor(n.name, "fill", n.dtype, {reg}, pieces, stream_of(id), n.attrs);
+      } else {
+        b.op_actor(id, stream_of(id), cfg.activation_slots);
+      }
+    }
+
+    // Gradient accumulation and clipping.
+    std::vector<InputPort> clip_inputs;
+    for (auto& [v, grad] : trained) {
+      plan.add_actor({.name = b.named("grad." + v.name() + ".accumulate"), .kind = ActorKind::accumulate,
+                      .dtype = v.dtype(), .where = b.at(backward_stream), .inputs = {{b.reg_of.at(grad.id())}},
+                      .outputs = {grad_sum[static_cast<std::size_t>(r)].at(v.id())},
+                      .group = static_cast<std::int32_t>(m)});
+      clip_inputs.push_back({grad_in[static_cast<std::size_t>(r)].at(v.id())});
+    }
+    if (clip_reg[static_cast<std::size_t>(r)]) {
+      const DType dt = trained[0].first.dtype();
+      const double max_norm = cfg.optimizer.clip_norm;
+      if (r == 0) {
+        kernels.add("optim.clip", DeviceType::cpu, dt, [max_norm, dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
+          if (dt == DType::f64) return std::make_unique<ClipKernel<double>>(max_norm);
+          return std::make_unique<ClipKernel<float>>(max_norm);
+        });
+      }
+      plan.add_actor({.name = b.named("optim.clip"), .op = "optim.clip", .dtype = dt, .where = b.at(backward_stream),
+                      .inputs = clip_inputs, .outputs = {*clip_reg[static_cast<std::size_t>(r)]}});
+    }
+    loss_regs.push_back(b.reg_of.at(loss_id));
   }
-  if (clip_reg) {
-    const DType dt = trained[0].first.dtype();
-    const double max_norm = cfg.optimizer.clip_norm;
-    b.kernels.add("optim.clip", DeviceType::cpu, dt, [max_norm, dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
-      if (dt == DType::f64) return std::make_unique<ClipKernel<double>>(max_norm);
-      return std::make_unique<ClipKernel<float>>(max_norm);
-    });
-    b.plan.add_actor({.name = "optim.clip", .op = "optim.clip", .dtype = dt, .where = {.stream = backward_stream},
-                      .inputs = clip_inputs, .outputs = {*clip_reg}});
-  }
+
+  // The loss of each micro-batch, summed over the replicas (each replica's micro-batch k of a
+  // step) and reported once, on replica 0, as their mean.
   auto losses = std::make_shared<LossLog>(m);
   const DType loss_dt = loss.dtype();
-  b.kernels.add_fn("loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt](KernelContext& ctx) {
+  RegisterIndex loss_in = loss_regs[0];
+  if (n_dp > 1) loss_in = add_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2)[0];
+  const double loss_scale = 1.0 / static_cast<double>(n_dp);
+  kernels.add_fn("loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt, loss_scale](KernelContext& ctx) {
     const Tensor& t = *ctx.inputs[0];
-    losses->record(ctx.piece, loss_dt == DType::f64 ? scalar_of<double>(t) : scalar_of<float>(t));
+    losses->record(ctx.piece, loss_scale * (loss_dt == DType::f64 ? scalar_of<double>(t) : scalar_of<float>(t)));
   });
-  b.plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt, .where = {.stream = forward_stream},
-                    .inputs = {{b.reg_of.at(loss_id)}}});
+  plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
+                  .where = replicas[0].at(forward_stream), .inputs = {{loss_in}}});
 
-  return TrainingJob{std::move(b.plan), std::move(b.kernels), std::move(params), std::move(losses)};
+  return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses)};
 }
 
 std::vector<Tensor> evaluate(Graph& g, const std::map<std::string, Tensor>& feeds, const std::vector<Value>& fetches,
                              const ParameterStore& params) {
   std::vector<bool> need = needed_nodes(g, fetches);
-  PlanBuilder b{g};
+  Plan plan;
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  PlanBuilder b{g, plan, kernels};
   for (int id = 0; id < g.size(); ++id) {
     if (!need[static_cast<std::size_t>(id)]) continue;
     const Node& n = g.node(id);
@@ -352,7 +535,7 @@ std::vector<Tensor> evaluate(Graph& g, const std::map<std::string, Tensor>& feed
   }
   RuntimeSettings s;
   s.mode = ExecutionMode::deterministic;
-  Runtime rt(std::move(b.plan), b.kernels, s);
+  Runtime rt(std::move(plan), kernels, s);
   rt.run();
   return std::move(*results);
 }

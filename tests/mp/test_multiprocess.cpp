@@ -2,6 +2,7 @@
 // over the UCX data plane and meet at the rendezvous server; faults end the whole job.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <regex>
 #include <set>
 
@@ -150,4 +151,38 @@ TEST_CASE("multi-process: a rank that never arrives times out with its number in
   auto outcome = server.wait_for(5s);
   REQUIRE(outcome.has_value());
   CHECK_FALSE(outcome->ok);
+}
+
+namespace {
+double json_number(const std::string& text, const std::string& key) {
+  auto pos = text.rfind("\"" + key + "\": ");
+  if (pos == std::string::npos) return std::nan("");
+  return std::stod(text.substr(pos + key.size() + 4));
+}
+}  // namespace
+
+TEST_CASE("multi-process: baton-train --dp 2 over 2 ranks equals 2 in-process replicas and one device" *
+          doctest::timeout(120)) {
+  const std::vector<std::string> args{"--model", "mlp", "--data", "synthetic", "--steps", "30", "--batch", "64",
+                                      "--optimizer", "sgd", "--lr", "0.05", "--json"};
+  auto with = [&](std::vector<std::string> head, std::vector<std::string> extra) {
+    head.insert(head.end(), args.begin(), args.end());
+    head.insert(head.end(), extra.begin(), extra.end());
+    return head;
+  };
+  Proc one(with({bin + "/baton-train"}, {"--microbatches", "2"}));
+  Proc local(with({bin + "/baton-train"}, {"--dp", "2"}));
+  Proc ranks(with({launch, "--nproc-per-node", "2", "--", bin + "/baton-train"}, {"--dp", "2"}));
+  REQUIRE(one.wait(60s) == 0);
+  REQUIRE(local.wait(60s) == 0);
+  int code = ranks.wait(60s);
+  INFO(ranks.all());
+  REQUIRE(code == 0);
+  const double a = json_number(one.out(), "final_loss");
+  const double b = json_number(local.out(), "final_loss");
+  const double c = json_number(ranks.out(), "final_loss");
+  INFO(a << " " << b << " " << c);
+  CHECK(std::abs(a - b) <= 1e-5 * std::max(1.0, std::abs(a)));
+  CHECK(std::abs(a - c) <= 1e-5 * std::max(1.0, std::abs(a)));
+  CHECK(json_number(ranks.out(), "ranks") == 2);
 }

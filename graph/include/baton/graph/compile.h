@@ -94,6 +94,17 @@ struct TrainConfig {
   int threads = 1;
   /// Slots of an activation register (how far forward may run ahead of backward).
   std::int32_t activation_slots = 2;
+  /// Data parallelism: `dp` replicas of the whole model. Each step has dp x microbatches
+  /// micro-batches; replica r trains on micro-batches r*M .. r*M+M-1 of them (its data source
+  /// reads those pieces of the DataBinding), so the graph's input shapes are one micro-batch.
+  /// Every replica's summed gradient is all-reduced (actors: split, sum by the owner of each
+  /// chunk, concat) before each replica applies the same update to its own copy of the
+  /// weights: the result equals one replica training on all dp x M micro-batches. The loss is
+  /// all-reduced the same way and reported once. `params` ends up holding replica 0's weights.
+  int dp = 1;
+  /// Where replica r runs (rank, device; streams are chosen by `threads`). Empty: replica r on
+  /// the in-process device cpu:r of rank 0.
+  std::vector<Placement> replica_places;
 };
 
 /// What the runtime needs to train: the plan, the kernels it names (the built-in ops plus this
