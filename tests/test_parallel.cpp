@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <set>
 #include <thread>
 
 #include "baton/actors.h"
@@ -10,6 +12,7 @@
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
 #include "baton/transport/loopback.h"
+#include "models.h"
 
 using namespace baton;
 
@@ -23,6 +26,8 @@ struct Run {
 
 struct Setup {
   std::int64_t dp = 1;
+  int pp = 1;
+  std::string schedule = "1f1b";
   std::int64_t microbatches = 1;  // per replica
   int threads = 1;
   std::int64_t steps = 10;
@@ -49,6 +54,8 @@ Run train(const Setup& s) {
   cfg.steps = s.steps;
   cfg.microbatches = s.microbatches;
   cfg.dp = static_cast<int>(s.dp);
+  cfg.pp = s.pp;
+  cfg.schedule = s.schedule;
   cfg.replica_places = s.places;
   cfg.optimizer = s.opt;
   cfg.threads = s.threads;
@@ -190,5 +197,104 @@ TEST_CASE("Parallel.BadDataParallelConfigsFailBeforeRunning") {
   CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("dp must be >= 1"), GraphError);
   cfg.dp = 2;
   cfg.replica_places = {Placement{}};
-  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("2 but 1 replica places"), GraphError);
+  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("is 2 but 1 replica places"), GraphError);
+}
+
+TEST_CASE("Parallel.PipelineEqualsOneDevice" * doctest::timeout(120)) {
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    for (int pp : {2, 4}) {
+      CAPTURE(schedule);
+      CAPTURE(pp);
+      Run one = train({.microbatches = 4, .opt = optim::adam(0.01)});
+      Run piped = train({.pp = pp, .schedule = schedule, .microbatches = 4, .opt = optim::adam(0.01)});
+      check_same(one, piped);
+      // Every stage has work, on its own device.
+      std::set<int> devices;
+      for (const auto& a : piped.plan.actors) devices.insert(a.where.device.index);
+      CHECK(devices.size() == static_cast<std::size_t>(pp));
+    }
+  }
+}
+
+TEST_CASE("Parallel.PipelineScheduleIsTheActivationDepth") {
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    Run r = train({.pp = 2, .schedule = schedule, .microbatches = 4, .steps = 1});
+    // A forward op's register on stage s has M slots (gpipe) or pp - s (1f1b).
+    int checked = 0;
+    for (const auto& a : r.plan.actors) {
+      if (a.op == "softmax_cross_entropy") break;  // the forward ops come first in the plan
+      if (a.op != "relu" && a.op != "matmul") continue;
+      ++checked;
+      const auto& reg = r.plan.registers[a.outputs[0]];
+      const int stage = a.where.device.index;
+      CAPTURE(a.name);
+      CHECK(reg.slots == (std::string(schedule) == "gpipe" ? 4 : 2 - stage));
+    }
+    CHECK(checked == 3);
+  }
+}
+
+TEST_CASE("Parallel.DataTimesPipelineEqualsOneDevice" * doctest::timeout(120)) {
+  Run one = train({.microbatches = 4, .opt = optim::sgd(0.1, 0.9)});
+  Run hybrid = train({.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::sgd(0.1, 0.9)});
+  check_same(one, hybrid);
+  std::vector<Placement> places;  // 2 replicas x 2 stages over 2 ranks: a replica per rank
+  for (std::uint16_t r = 0; r < 2; ++r) {
+    for (std::uint8_t s = 0; s < 2; ++s) places.push_back({.rank = r, .device = Device{DeviceType::cpu, s}});
+  }
+  Run ranks = train({.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::sgd(0.1, 0.9), .places = places,
+                     .loopback_ranks = true});
+  check_same(one, ranks);
+}
+
+TEST_CASE("Parallel.BadPipelineConfigsFailBeforeRunning") {
+  Graph g(1);
+  auto x = g.input("x", {4, 3});
+  auto w = g.variable("w", {3, 1}, init::zeros());
+  auto loss = mean(matmul(x, w));
+  TrainConfig cfg;
+  cfg.pp = 5;  // two forward ops
+  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("5-stage pipeline needs at least 5 ops"),
+                       GraphError);
+  cfg.pp = 2;
+  cfg.schedule = "zigzag";
+  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("schedule 'zigzag'"), GraphError);
+}
+
+TEST_CASE("Parallel.SmallGptPipelineAndDataParallelEqualOneDevice" * doctest::timeout(120)) {
+  const std::string path = "/usr/share/common-licenses/GPL-3";
+  if (!std::filesystem::exists(path)) {
+    MESSAGE("skipped: " << path << " is missing");
+    return;
+  }
+  auto corpus = std::make_shared<const baton::data::TextCorpus>(baton::data::load_text(path));
+  auto gpt_run = [&](int dp, int pp, std::int64_t m) {
+    const std::int64_t batch = 8, pieces = dp * m;
+    models::GptShape shape{.vocab = corpus->vocab_size(), .seq = 16, .d_model = 32, .heads = 2, .layers = 2};
+    Graph g(3);
+    Value logits = models::gpt(g, batch / pieces, shape);
+    Value loss = softmax_cross_entropy(logits, g.find("targets"));
+    TrainConfig cfg;
+    cfg.steps = 5;
+    cfg.microbatches = m;
+    cfg.dp = dp;
+    cfg.pp = pp;
+    cfg.optimizer = optim::adam(3e-3);
+    cfg.data = {{"text", baton::data::text_source(corpus, batch, pieces, 16, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, loss, cfg);
+    Runtime rt(job.plan, job.kernels);
+    rt.run();
+    Run out;
+    out.losses = job.losses->per_step();
+    for (auto& [name, t] : job.params->values()) {
+      auto d = t.data<float>();
+      out.weights[name] = std::vector<float>(d.begin(), d.end());
+    }
+    return out;
+  };
+  Run one = gpt_run(1, 1, 2);
+  REQUIRE(one.losses.size() == 5);
+  check_same(one, gpt_run(1, 2, 2));
+  check_same(one, gpt_run(2, 1, 1));
+  check_same(one, gpt_run(2, 2, 1));
 }

@@ -44,6 +44,8 @@ struct Options {
   std::int64_t hidden = 256;
   int threads = 1;
   int dp = 1;
+  int pp = 1;
+  std::string schedule = "1f1b";
   std::string devices;  // "cpu:K": in-process devices per rank
   bool json = false;
   std::string print_plan;
@@ -132,32 +134,34 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
   return {NAN, out[0].data<float>()[0]};
 }
 
-/// Where replica r runs: the dp replicas spread over the job's ranks, and over in-process
-/// devices (cpu:0, cpu:1, ...) within a rank.
+/// Where replica r's stage s runs: the dp x pp places spread over the job's ranks, and over
+/// in-process devices (cpu:0, cpu:1, ...) within a rank.
 std::vector<Placement> replica_places(const Options& o, const JobEnvironment& env) {
   const auto world = static_cast<int>(env.world_size);
-  if (o.dp % world != 0) {
-    throw std::invalid_argument(fmt::format("--dp {} cannot be spread evenly over the job's {} ranks", o.dp, world));
+  const int places = o.dp * o.pp;
+  if (places % world != 0) {
+    throw std::invalid_argument(
+        fmt::format("--dp {} x --pp {} = {} cannot be spread evenly over the job's {} ranks", o.dp, o.pp, places, world));
   }
-  int per_rank = o.dp / world;
+  int per_rank = places / world;
   if (!o.devices.empty()) {
     int k = 0;
     if (std::sscanf(o.devices.c_str(), "cpu:%d", &k) != 1 || k < 1 || o.devices != fmt::format("cpu:{}", k)) {
       throw std::invalid_argument(fmt::format("--devices '{}': expected cpu:K (K in-process CPU devices per rank)", o.devices));
     }
-    if (k * world != o.dp) {
-      throw std::invalid_argument(fmt::format("--devices {} on {} rank{} gives {} devices, but --dp is {} (dp x pp x tp must "
-                                              "equal the devices)",
-                                              o.devices, world, world == 1 ? "" : "s", k * world, o.dp));
+    if (k * world != places) {
+      throw std::invalid_argument(fmt::format("--devices {} on {} rank{} gives {} devices, but --dp {} x --pp {} is {} (dp x "
+                                              "pp x tp must equal the devices)",
+                                              o.devices, world, world == 1 ? "" : "s", k * world, o.dp, o.pp, places));
     }
     per_rank = k;
   }
-  std::vector<Placement> places;
-  for (int r = 0; r < o.dp; ++r) {
-    places.push_back(Placement{.rank = static_cast<std::uint16_t>(r / per_rank),
-                               .device = Device{DeviceType::cpu, static_cast<std::uint8_t>(r % per_rank)}});
+  std::vector<Placement> where;
+  for (int i = 0; i < places; ++i) {
+    where.push_back(Placement{.rank = static_cast<std::uint16_t>(i / per_rank),
+                              .device = Device{DeviceType::cpu, static_cast<std::uint8_t>(i % per_rank)}});
   }
-  return places;
+  return where;
 }
 
 int run(const Options& o) {
@@ -180,7 +184,9 @@ int run(const Options& o) {
   cfg.optimizer = optimizer(o);
   cfg.threads = o.threads;
   cfg.dp = o.dp;
-  if (o.dp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
+  cfg.pp = o.pp;
+  cfg.schedule = o.schedule;
+  if (o.dp > 1 || o.pp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
   if (text) {
     cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
   } else {
@@ -197,7 +203,8 @@ int run(const Options& o) {
     for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
     fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}\n",
                o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
-               o.dp > 1 ? fmt::format("dp {} x ", o.dp) : "", o.microbatches, mb, o.optimizer, o.lr,
+               o.dp > 1 || o.pp > 1 ? fmt::format("dp {} x pp {} ({}) x ", o.dp, o.pp, o.schedule) : "", o.microbatches,
+               mb, o.optimizer, o.lr,
                env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
   }
   RunReport report;
@@ -236,10 +243,10 @@ int run(const Options& o) {
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
   const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;
   if (o.json) {
-    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"ranks\": {}, \"microbatches\": {}, "
+    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"ranks\": {}, \"microbatches\": {}, "
                "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
                "\"wall_s\": {:.6g}{}}}\n",
-               o.model, o.data, o.steps, o.batch, o.dp, env.world_size, o.microbatches, losses.back(),
+               o.model, o.data, o.steps, o.batch, o.dp, o.pp, env.world_size, o.microbatches, losses.back(),
                std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
                std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s,
                d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "");
@@ -289,6 +296,8 @@ const CLI::Validator non_negative(
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"baton-train: train a model on real data as a stream of actors"};
+  // A flag given twice takes its last value, so that scripts/run.sh demo ARGS can override the demo's own.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", o.model, "mlp or gpt")->check(CLI::IsMember({"mlp", "gpt"}));
   app.add_option("--data", o.data, "digits, synthetic or text:PATH");
   app.add_option("--steps", o.steps, "optimizer steps")->check(positive);
@@ -311,7 +320,10 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));
-  app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp / ranks)");
+  app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
+  app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (the depth of each stage's activations)")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp x pp / ranks)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
   app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")
       ->expected(0, 1)

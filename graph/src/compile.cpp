@@ -133,13 +133,15 @@ struct PlanBuilder {
   Graph& g;
   Plan& plan;
   KernelRegistry& kernels;
-  Placement where{};       // rank and device of this replica; streams are set per actor
+  std::vector<Placement> stage_where{Placement{}};  // rank and device of each pipeline stage
+  const std::vector<int>* stage_of = nullptr;        // node -> pipeline stage (null: all 0)
   std::string suffix;      // "" for one replica, "@dp<r>" otherwise
   std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
 
   std::string named(const std::string& n) const { return n + suffix; }
-  Placement at(std::uint8_t stream) const {
-    Placement p = where;
+  int stage(int id) const { return stage_of == nullptr ? 0 : (*stage_of)[static_cast<std::size_t>(id)]; }
+  Placement at(std::uint8_t stream, int stage = 0) const {
+    Placement p = stage_where[static_cast<std::size_t>(stage)];
     p.stream = stream;
     return p;
   }
@@ -161,12 +163,12 @@ struct PlanBuilder {
     for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
     RegisterIndex out = node_register(id, slots);
     plan.add_actor({.name = named(n.name), .kind = ActorKind::compute, .op = n.op, .dtype = kernel_dtype(g, n),
-                    .where = at(stream), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs});
+                    .where = at(stream, stage(id)), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs});
   }
 
   void source_actor(const std::string& name, const std::string& op, DType dtype, std::vector<RegisterIndex> outputs,
-                    std::int64_t pieces, std::uint8_t stream, Attrs attrs = {}) {
-    plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = at(stream),
+                    std::int64_t pieces, std::uint8_t stream, Attrs attrs = {}, int stage = 0) {
+    plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = at(stream, stage),
                     .outputs = std::move(outputs), .pieces = pieces, .attrs = std::move(attrs)});
   }
 };
@@ -240,7 +242,7 @@ void add_collective_kernels(KernelRegistry& k, DType dt) {
 /// Adds the all-reduce of `inputs[r]` (replica r's register) and returns the N result registers.
 std::vector<RegisterIndex> add_allreduce(std::vector<PlanBuilder>& replicas, const std::string& name,
                                          const std::vector<RegisterIndex>& inputs, const Shape& shape, DType dtype,
-                                         std::uint8_t stream, std::int32_t result_slots) {
+                                         std::uint8_t stream, std::int32_t result_slots, int stage) {
   const auto n = static_cast<std::int64_t>(replicas.size());
   const auto off = chunk_offsets(numel(shape), n);
   Plan& plan = replicas[0].plan;
@@ -253,7 +255,7 @@ std::vector<RegisterIndex> add_allreduce(std::vector<PlanBuilder>& replicas, con
           b.add_register(fmt::format("{}.chunk{}", name, c), {off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]},
                          dtype, 2));
     }
-    plan.add_actor({.name = b.named(name + ".split"), .op = "allreduce.split", .dtype = dtype, .where = b.at(stream),
+    plan.add_actor({.name = b.named(name + ".split"), .op = "allreduce.split", .dtype = dtype, .where = b.at(stream, stage),
                     .inputs = {{inputs[static_cast<std::size_t>(j)]}}, .outputs = chunk[static_cast<std::size_t>(j)]});
   }
   std::vector<RegisterIndex> sums;
@@ -264,14 +266,14 @@ std::vector<RegisterIndex> add_allreduce(std::vector<PlanBuilder>& replicas, con
     sums.push_back(b.add_register(fmt::format("{}.sum{}", name, c),
                                   {off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]}, dtype, 2));
     plan.add_actor({.name = b.named(fmt::format("{}.sum{}", name, c)), .op = "allreduce.sum", .dtype = dtype,
-                    .where = b.at(stream), .inputs = std::move(ins), .outputs = {sums.back()}});
+                    .where = b.at(stream, stage), .inputs = std::move(ins), .outputs = {sums.back()}});
   }
   std::vector<RegisterIndex> results;
   for (auto& b : replicas) {
     std::vector<InputPort> ins;
     for (RegisterIndex r : sums) ins.push_back({r});
     results.push_back(b.add_register(name + ".allreduced", shape, dtype, result_slots));
-    plan.add_actor({.name = b.named(name + ".concat"), .op = "allreduce.concat", .dtype = dtype, .where = b.at(stream),
+    plan.add_actor({.name = b.named(name + ".concat"), .op = "allreduce.concat", .dtype = dtype, .where = b.at(stream, stage),
                     .inputs = std::move(ins), .outputs = {results.back()}});
   }
   return results;
@@ -288,6 +290,76 @@ std::vector<bool> needed_nodes(const Graph& g, const std::vector<Value>& targets
   return need;
 }
 
+/// An op's estimated cost, for balancing pipeline stages: multiply-adds for a matrix product,
+/// output elements for the rest.
+double op_cost(const Graph& g, const Node& n) {
+  const double out = static_cast<double>(numel(n.shape));
+  if ((n.op == "matmul" || n.op == "batch_matmul") && !n.inputs.empty()) {
+    const Shape& a = g.node(n.inputs[0]).shape;
+    return out * static_cast<double>(a.empty() ? 1 : a.back());
+  }
+  return std::max(1.0, out);
+}
+
+/// Pipeline stages: the forward ops (in order) cut into `stages` runs of about equal estimated
+/// cost; inputs and variables go with their first reader; a backward op goes with the latest
+/// stage among its forward inputs (the stage whose activations it differentiates), or, with
+/// none, with the earliest among its inputs (where the summed gradient is needed next).
+std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, int loss_id, int stages) {
+  std::vector<int> stage(static_cast<std::size_t>(g.size()), -1);
+  auto is_leaf = [&](const Node& n) { return n.op == "input" || n.op == "variable" || (n.op == "fill" && n.inputs.empty()); };
+  double total = 0;
+  int ops = 0;
+  for (int id = 0; id <= loss_id; ++id) {
+    const Node& n = g.node(id);
+    if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
+    total += op_cost(g, n);
+    ++ops;
+  }
+  if (ops < stages) {
+    throw GraphError(fmt::format("a {}-stage pipeline needs at least {} ops in the forward pass; this one has {}", stages,
+                                 stages, ops));
+  }
+  double done = 0;
+  int last = 0, placed = 0;
+  for (int id = 0; id <= loss_id; ++id) {
+    const Node& n = g.node(id);
+    if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
+    const double c = op_cost(g, n);
+    int s = static_cast<int>((done + c / 2) / total * stages);
+    // Stages in order, none skipped (at most one past the previous op's), and never so early
+    // that too few ops are left for the stages after this one.
+    const int lo = std::max(last, stages - (ops - placed));
+    const int hi = placed == 0 ? 0 : last + 1;
+    s = std::clamp(s, lo, std::max(lo, hi));
+    stage[static_cast<std::size_t>(id)] = s;
+    last = s;
+    done += c;
+    ++placed;
+  }
+  for (int id = 0; id < g.size(); ++id) {
+    if (!need[static_cast<std::size_t>(id)]) continue;
+    const Node& n = g.node(id);
+    if (id > loss_id) {
+      int fwd = -1, any = stages;
+      for (int in : n.inputs) {
+        const int s = stage[static_cast<std::size_t>(in)];
+        if (in <= loss_id && !is_leaf(g.node(in))) fwd = std::max(fwd, s);
+        if (s >= 0) any = std::min(any, s);
+      }
+      stage[static_cast<std::size_t>(id)] = fwd >= 0 ? fwd : (any < stages ? any : stages - 1);
+    }
+    // Leaves and forward ops give their stage to the leaves they read, if those have none yet.
+    for (int in : n.inputs) {
+      if (is_leaf(g.node(in)) && stage[static_cast<std::size_t>(in)] < 0) {
+        stage[static_cast<std::size_t>(in)] = stage[static_cast<std::size_t>(id)];
+      }
+    }
+  }
+  for (auto& s : stage) s = std::max(s, 0);
+  return stage;
+}
+
 }  // namespace
 
 TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::shared_ptr<ParameterStore> params) {
@@ -296,11 +368,18 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   if (cfg.steps < 1) throw GraphError(fmt::format("steps must be >= 1, not {}", cfg.steps));
   if (cfg.microbatches < 1) throw GraphError(fmt::format("microbatches must be >= 1, not {}", cfg.microbatches));
   if (cfg.dp < 1) throw GraphError(fmt::format("dp must be >= 1, not {}", cfg.dp));
-  if (!cfg.replica_places.empty() && cfg.replica_places.size() != static_cast<std::size_t>(cfg.dp)) {
-    throw GraphError(fmt::format("dp is {} but {} replica places are given", cfg.dp, cfg.replica_places.size()));
+  if (cfg.pp < 1) throw GraphError(fmt::format("pp must be >= 1, not {}", cfg.pp));
+  if (cfg.schedule != "gpipe" && cfg.schedule != "1f1b") {
+    throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
   }
-  if (cfg.dp > Device::max_index + 1 && cfg.replica_places.empty()) {
-    throw GraphError(fmt::format("dp {} needs {} in-process devices; at most {}", cfg.dp, cfg.dp, Device::max_index + 1));
+  const int n_places = cfg.dp * cfg.pp;
+  if (!cfg.replica_places.empty() && cfg.replica_places.size() != static_cast<std::size_t>(n_places)) {
+    throw GraphError(fmt::format("dp {} x pp {} is {} but {} replica places are given", cfg.dp, cfg.pp, n_places,
+                                 cfg.replica_places.size()));
+  }
+  if (n_places > Device::max_index + 1 && cfg.replica_places.empty()) {
+    throw GraphError(fmt::format("dp {} x pp {} needs {} in-process devices; at most {}", cfg.dp, cfg.pp, n_places,
+                                 Device::max_index + 1));
   }
   if (!params) params = ParameterStore::initialize(g);
   const std::int64_t m = cfg.microbatches;
@@ -325,6 +404,13 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     }
   }
   std::vector<bool> need = needed_nodes(g, targets);
+  const int n_pp = cfg.pp;
+  const std::vector<int> stages = n_pp > 1 ? assign_stages(g, need, loss_id, n_pp) : std::vector<int>{};
+  // Activation slots of stage s: the schedule.
+  auto forward_slots = [&](int s) -> std::int32_t {
+    if (n_pp == 1) return cfg.activation_slots;
+    return cfg.schedule == "gpipe" ? static_cast<std::int32_t>(std::max<std::int64_t>(m, 1)) : n_pp - s;
+  };
 
   Plan plan;
   KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
@@ -335,11 +421,14 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   std::vector<PlanBuilder> replicas;
   for (std::int64_t r = 0; r < n_dp; ++r) {
     PlanBuilder b{g, plan, kernels};
-    if (!cfg.replica_places.empty()) {
-      b.where = cfg.replica_places[static_cast<std::size_t>(r)];
-    } else {
-      b.where.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(r)};
+    b.stage_where.clear();
+    for (int s = 0; s < n_pp; ++s) {
+      const auto i = static_cast<std::size_t>(r * n_pp + s);
+      b.stage_where.push_back(cfg.replica_places.empty()
+                                  ? Placement{.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(i)}}
+                                  : cfg.replica_places[i]);
     }
+    if (n_pp > 1) b.stage_of = &stages;
     if (n_dp > 1) b.suffix = fmt::format("@dp{}", r);
     replicas.push_back(std::move(b));
   }
@@ -359,7 +448,10 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
       grad_sum[static_cast<std::size_t>(r)][v.id()] = local.back();
     }
     std::vector<RegisterIndex> reduced = local;
-    if (n_dp > 1) reduced = add_allreduce(replicas, "grad." + v.name(), local, v.shape(), v.dtype(), backward_stream, 1);
+    if (n_dp > 1) {
+      reduced = add_allreduce(replicas, "grad." + v.name(), local, v.shape(), v.dtype(), backward_stream, 1,
+                              replicas[0].stage(v.id()));
+    }
     for (std::int64_t r = 0; r < n_dp; ++r) grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
   }
   std::vector<std::optional<RegisterIndex>> clip_reg(static_cast<std::size_t>(n_dp));
@@ -377,13 +469,17 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     std::set<int> fed;
     for (const DataBinding& d : cfg.data) {
       std::vector<RegisterIndex> outs;
+      int data_stage = n_pp - 1;
       for (const std::string& in : d.inputs) {
         Value v = g.find(in);
         if (!v.valid() || v.node().op != "input") {
           throw GraphError(fmt::format("data '{}' feeds '{}', which is not an input of the graph", d.name, in));
         }
         fed.insert(v.id());
-        outs.push_back(b.node_register(v.id(), 2));
+        // Deep enough that a later stage's reader (the labels, read by the loss) does not hold
+        // the first stage's back.
+        outs.push_back(b.node_register(v.id(), std::max<std::int32_t>(2, forward_slots(0))));
+        data_stage = std::min(data_stage, b.stage(v.id()));
       }
       std::string op = b.named("data." + d.name);
       if (n_dp == 1) {
@@ -394,7 +490,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           return std::make_unique<ReplicaPieces>(inner(kc), r, n_dp, m);
         });
       }
-      b.source_actor("data." + d.name, op, DType::f32, std::move(outs), pieces, forward_stream);
+      b.source_actor("data." + d.name, op, DType::f32, std::move(outs), pieces, forward_stream, {}, data_stage);
     }
 
     for (int id = 0; id < g.size(); ++id) {
@@ -427,23 +523,23 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           });
           std::vector<InputPort> ins{{it->second, 1}};
           if (clip_reg[static_cast<std::size_t>(r)]) ins.push_back({*clip_reg[static_cast<std::size_t>(r)], 1});
-          plan.add_actor({.name = op, .op = op, .dtype = dt, .where = b.at(backward_stream), .inputs = std::move(ins),
-                          .outputs = {w}, .stops_when_unread = false});
+          plan.add_actor({.name = op, .op = op, .dtype = dt, .where = b.at(backward_stream, b.stage(id)),
+                          .inputs = std::move(ins), .outputs = {w}, .stops_when_unread = false});
         } else {
           kernels.add(op, DeviceType::cpu, dt, [master](const KernelConfig&) {
             return std::make_unique<ConstantSource>(master);
           });
-          b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream);
+          b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream, {}, b.stage(id));
         }
         RegisterIndex rep = b.node_register(id, 2);
         plan.add_actor({.name = b.named(n.name + ".repeat"), .kind = ActorKind::repeat, .dtype = dt,
-                        .where = b.at(backward_stream), .inputs = {{w}}, .outputs = {rep},
+                        .where = b.at(backward_stream, b.stage(id)), .inputs = {{w}}, .outputs = {rep},
                         .group = static_cast<std::int32_t>(m)});
       } else if (n.op == "fill" && n.inputs.empty()) {
         RegisterIndex reg = b.node_register(id, 2);
-        b.source_actor(n.name, "fill", n.dtype, {reg}, pieces, stream_of(id), n.attrs);
+        b.source_actor(n.name, "fill", n.dtype, {reg}, pieces, stream_of(id), n.attrs, b.stage(id));
       } else {
-        b.op_actor(id, stream_of(id), cfg.activation_slots);
+        b.op_actor(id, stream_of(id), id <= loss_id ? forward_slots(b.stage(id)) : cfg.activation_slots);
       }
     }
 
@@ -451,7 +547,8 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     std::vector<InputPort> clip_inputs;
     for (auto& [v, grad] : trained) {
       plan.add_actor({.name = b.named("grad." + v.name() + ".accumulate"), .kind = ActorKind::accumulate,
-                      .dtype = v.dtype(), .where = b.at(backward_stream), .inputs = {{b.reg_of.at(grad.id())}},
+                      .dtype = v.dtype(), .where = b.at(backward_stream, b.stage(v.id())),
+                      .inputs = {{b.reg_of.at(grad.id())}},
                       .outputs = {grad_sum[static_cast<std::size_t>(r)].at(v.id())},
                       .group = static_cast<std::int32_t>(m)});
       clip_inputs.push_back({grad_in[static_cast<std::size_t>(r)].at(v.id())});
@@ -476,14 +573,15 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   auto losses = std::make_shared<LossLog>(m);
   const DType loss_dt = loss.dtype();
   RegisterIndex loss_in = loss_regs[0];
-  if (n_dp > 1) loss_in = add_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2)[0];
+  const int loss_stage = replicas[0].stage(loss_id);
+  if (n_dp > 1) loss_in = add_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2, loss_stage)[0];
   const double loss_scale = 1.0 / static_cast<double>(n_dp);
   kernels.add_fn("loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt, loss_scale](KernelContext& ctx) {
     const Tensor& t = *ctx.inputs[0];
     losses->record(ctx.piece, loss_scale * (loss_dt == DType::f64 ? scalar_of<double>(t) : scalar_of<float>(t)));
   });
   plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
-                  .where = replicas[0].at(forward_stream), .inputs = {{loss_in}}});
+                  .where = replicas[0].at(forward_stream, loss_stage), .inputs = {{loss_in}}});
 
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses)};
 }

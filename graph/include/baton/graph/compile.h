@@ -102,8 +102,16 @@ struct TrainConfig {
   /// weights: the result equals one replica training on all dp x M micro-batches. The loss is
   /// all-reduced the same way and reported once. `params` ends up holding replica 0's weights.
   int dp = 1;
-  /// Where replica r runs (rank, device; streams are chosen by `threads`). Empty: replica r on
-  /// the in-process device cpu:r of rank 0.
+  /// Pipeline parallelism: the forward ops cut into `pp` stages of about equal estimated cost
+  /// (multiply-adds), each backward op on the stage of the activations it differentiates, each
+  /// stage on its own device. The M micro-batches of a step flow through the stages; the
+  /// schedule is the depth of the activation registers: "gpipe" gives stage s M slots (every
+  /// forward first, then every backward), "1f1b" gives it pp - s (one forward, one backward,
+  /// after a warm-up of pp - s forwards). One weight version per step, as without stages.
+  int pp = 1;
+  std::string schedule = "1f1b";
+  /// Where each (replica, stage) runs (rank, device; streams are chosen by `threads`), replica
+  /// r's stage s at r * pp + s. Empty: the in-process device cpu:(r * pp + s) of rank 0.
   std::vector<Placement> replica_places;
 };
 
