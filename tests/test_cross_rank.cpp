@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "baton/actors.h"
-#include "baton/transport/loopback.h"
 #include "checking_kernels.h"
+#include "loopback_run.h"
 #include "test_util.h"
 #include "xrank_plans.h"
 
@@ -20,43 +20,13 @@ using baton::test::CrossRankShape;
 
 namespace {
 
-struct RankResult {
-  std::optional<RunReport> report;
-  std::string error;
-};
+using test::RankResult;
 
-/// Runs the plan's ranks as W runtimes in this process. A rank that fails aborts the others,
-/// as the control plane does between processes.
-std::vector<RankResult> run_loopback(const Plan& logical, std::uint16_t world,
-                                     std::chrono::milliseconds stall = std::chrono::milliseconds(20'000)) {
-  const Plan plan = insert_transfers(logical);
-  const auto kernels = test::checking_registry();
-  transport::LoopbackHub hub(world);
-  std::vector<std::unique_ptr<Runtime>> runtimes;
-  for (std::uint16_t r = 0; r < world; ++r) {
-    RuntimeSettings s;
-    s.rank = r;
-    s.link = &hub.link(r);
-    s.stall_timeout = stall;
-    runtimes.push_back(std::make_unique<Runtime>(plan, kernels, s));
-  }
-  hub.start();
-  std::vector<RankResult> results(world);
-  std::vector<std::thread> threads;
-  for (std::uint16_t r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        results[r].report = runtimes[r]->run();
-      } catch (const std::exception& e) {
-        results[r].error = e.what();
-        for (std::uint16_t o = 0; o < world; ++o) {
-          if (o != r) runtimes[o]->abort(fmt::format("rank {} failed: {}", r, e.what()));
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  hub.stop();
+std::vector<RankResult> run_loopback(const Plan& logical, std::uint16_t world) {
+  RuntimeSettings s;
+  s.stall_timeout = std::chrono::milliseconds(20'000);
+  auto results = test::run_on_loopback(insert_transfers(logical), test::checking_registry(), s);
+  REQUIRE(results.size() == world);
   return results;
 }
 

@@ -5,13 +5,12 @@
 #include <cmath>
 #include <filesystem>
 #include <set>
-#include <thread>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
-#include "baton/transport/loopback.h"
+#include "loopback_run.h"
 #include "models.h"
 
 using namespace baton;
@@ -35,6 +34,18 @@ struct Setup {
   std::vector<Placement> places;  // empty: in-process devices
   bool loopback_ranks = false;    // places are ranks: run them as runtimes joined by a LoopbackHub
 };
+
+/// The losses, the weights (replica 0's) and the plan of a finished job.
+Run collect(const TrainingJob& job) {
+  Run out;
+  out.losses = job.losses->per_step();
+  for (auto& [name, t] : job.params->values()) {
+    auto d = t.data<float>();
+    out.weights[name] = std::vector<float>(d.begin(), d.end());
+  }
+  out.plan = job.plan;
+  return out;
+}
 
 /// A small MLP on synthetic data, global batch 32 split into dp x M micro-batches.
 Run train(const Setup& s) {
@@ -67,42 +78,11 @@ Run train(const Setup& s) {
     Runtime rt(job.plan, job.kernels, rs);
     rt.run();
   } else {
-    const Plan plan = insert_transfers(job.plan);
-    std::uint16_t world = 0;
-    for (const auto& a : plan.actors) world = std::max<std::uint16_t>(world, a.where.rank + 1);
-    transport::LoopbackHub hub(world);
-    std::vector<std::unique_ptr<Runtime>> rts;
-    for (std::uint16_t r = 0; r < world; ++r) {
-      RuntimeSettings one = rs;
-      one.rank = r;
-      one.link = &hub.link(r);
-      rts.push_back(std::make_unique<Runtime>(plan, job.kernels, one));
+    for (const auto& r : test::run_on_loopback(insert_transfers(job.plan), job.kernels, rs)) {
+      REQUIRE_MESSAGE(r.error.empty(), r.error);
     }
-    hub.start();
-    std::vector<std::string> errors(world);
-    std::vector<std::thread> threads;
-    for (std::uint16_t r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          rts[r]->run();
-        } catch (const std::exception& e) {
-          errors[r] = e.what();
-          for (auto& other : rts) other->abort(e.what());
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    hub.stop();
-    for (const auto& e : errors) REQUIRE_MESSAGE(e.empty(), e);
   }
-  Run out;
-  out.losses = job.losses->per_step();
-  for (auto& [name, t] : job.params->values()) {
-    auto d = t.data<float>();
-    out.weights[name] = std::vector<float>(d.begin(), d.end());
-  }
-  out.plan = job.plan;
-  return out;
+  return collect(job);
 }
 
 // Tolerance: 1e-5 relative (of max(1, |w|)). The replicas' gradients are summed in another
@@ -284,13 +264,7 @@ TEST_CASE("Parallel.SmallGptPipelineAndDataParallelEqualOneDevice" * doctest::ti
     TrainingJob job = compile_training(g, loss, cfg);
     Runtime rt(job.plan, job.kernels);
     rt.run();
-    Run out;
-    out.losses = job.losses->per_step();
-    for (auto& [name, t] : job.params->values()) {
-      auto d = t.data<float>();
-      out.weights[name] = std::vector<float>(d.begin(), d.end());
-    }
-    return out;
+    return collect(job);
   };
   Run one = gpt_run(1, 1, 2);
   REQUIRE(one.losses.size() == 5);
