@@ -568,3 +568,59 @@ TEST_CASE("data plane: sends to a peer that is gone never hang stop()" * doctest
   CHECK(took < 200ms * 5 / 4 + 1s);
   CHECK(pair.handlers[1].payloads().empty());
 }
+
+namespace {
+/// Stops its own data plane from inside the first message's handler, on whichever thread
+/// delivers it, and says which thread that was.
+class StopOnFirstMessage final : public LinkHandler {
+ public:
+  DataPlane* plane = nullptr;
+  std::atomic<int> handled{0};
+  std::atomic<bool> on_poller{false};
+  std::thread::id poller;
+  void on_message(std::uint32_t, const void*, std::size_t) override {
+    if (handled.fetch_add(1) == 0) {
+      on_poller = std::this_thread::get_id() == poller;
+      plane->stop();  // only asks: must not wait for the thread that waits for this one
+    }
+  }
+  void on_payload(std::uint64_t) override {}
+  void on_link_error(const std::string&) override {}
+};
+}  // namespace
+
+TEST_CASE("data plane: a handler's stop() on a polling thread only asks, and the owner's stop() ends it" *
+          doctest::timeout(60)) {
+  int on_poller = 0;
+  for (int round = 0; round < 10; ++round) {
+    Recorder sender_handler;
+    StopOnFirstMessage stopper;
+    auto sender = std::make_unique<DataPlane>(0, 2, DataPlaneSettings{});
+    auto receiver = std::make_unique<DataPlane>(1, 2, DataPlaneSettings{});
+    stopper.plane = receiver.get();
+    std::vector<std::string> addresses{sender->address(), receiver->address()};
+    sender->set_handler(&sender_handler);
+    receiver->set_handler(&stopper);
+    sender->connect(addresses);
+    receiver->connect(addresses);
+    sender->start();
+    receiver->start();
+    std::atomic<bool> polling{true};
+    std::thread poller([&] {
+      const auto until = Clock::now() + 10s;
+      while (polling && Clock::now() < until) receiver->poll();
+    });
+    stopper.poller = poller.get_id();
+    const char hello[8] = "hello";
+    sender->send(1, hello, sizeof hello);
+    const auto until = Clock::now() + 10s;
+    while (stopper.handled == 0 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+    REQUIRE(stopper.handled >= 1);
+    polling = false;
+    poller.join();
+    receiver->stop();
+    sender->stop();
+    on_poller += stopper.on_poller ? 1 : 0;
+  }
+  MESSAGE("the polling thread handled the message in " << on_poller << " of 10 rounds");
+}

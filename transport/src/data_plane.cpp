@@ -304,10 +304,13 @@ void DataPlane::Impl::ring() noexcept {
 }
 
 void DataPlane::Impl::stop() noexcept {
-  if (thread.joinable() && std::this_thread::get_id() == thread.get_id()) {
-    // From a handler on the progress thread: ask; the owner's stop() or destructor joins.
+  if (progressing == this) {
+    // From a handler (on whichever thread is progressing the worker, holding ucx_mutex): ask;
+    // the owner's stop() or the destructor joins. Joining here would wait for a progress
+    // thread that waits for this thread's lock.
     accepting.store(false, std::memory_order_release);
     stop_requested.store(true, std::memory_order_release);
+    ring();
     return;
   }
   std::lock_guard lock(life_cycle_mutex);
@@ -323,7 +326,9 @@ void DataPlane::Impl::stop() noexcept {
       // join() throws only for a thread that cannot be joined; nothing is left to do then.
     }
   } else {
-    shut_down();  // never started: the worker is this thread's
+    progressing = this;  // never started: the worker is this thread's
+    shut_down();
+    progressing = nullptr;
   }
   endpoints.clear();
   epoll_fd.reset();

@@ -77,7 +77,7 @@ class DataPlane final : public Link {
   /// Finishes what is in flight (up to close_timeout), closes the endpoints, joins the thread,
   /// destroys the worker and the context. Idempotent; the handler hears nothing more once the
   /// operations still in flight at the deadline are cancelled (a stop is not a link error).
-  /// Called from a handler (on the progress thread) it only asks: the owner's stop() or the
+  /// Called from a handler (on whichever thread progresses the worker) it only asks: the owner's stop() or the
   /// destructor finishes the job. Sends racing with stop() may be dropped; sends after it throw.
   void stop() noexcept;
   /// Which transports UCX chose for the endpoint to `peer` ("sysv/memory, cma/memory",

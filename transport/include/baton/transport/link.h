@@ -17,8 +17,9 @@ class TransportError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// What a Link delivers to its owner. Called on the link's progress thread: must not block
-/// (post to a queue and return).
+/// What a Link delivers to its owner. Called on whichever thread is progressing the link (its
+/// progress thread, or a thread inside send() / poll()): must not block (post to a queue and
+/// return).
 class LinkHandler {
  public:
   virtual ~LinkHandler() = default;
