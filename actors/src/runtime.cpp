@@ -48,6 +48,7 @@ void Worker::run() {
       }
     } else {
       idle = 0;
+      if (link != nullptr) link->idle();  // the data plane's own thread takes the watch
       if (auto parked = mailbox_.park()) dispatch(*parked);
     }
   }

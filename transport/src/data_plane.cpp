@@ -2,6 +2,7 @@
 // through a lock-free queue and ring an eventfd only when the thread has said it is asleep.
 #include "baton/transport/data_plane.h"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -40,6 +41,9 @@ constexpr std::uint64_t max_link_tag = (std::uint64_t{1} << (64 - rank_bits)) - 
 constexpr ucp_tag_t full_tag_mask = ~ucp_tag_t{0};
 /// Commands one round of the progress loop takes before it progresses the worker again.
 constexpr int commands_per_round = 64;
+/// How recently another thread must have polled for the progress thread to stand by (and how
+/// long it stands by before it looks again).
+constexpr auto stand_by_window = std::chrono::milliseconds(1);
 /// Queue nodes allocated up front; a burst beyond them allocates more.
 constexpr std::size_t command_queue_capacity = 1024;
 /// stop(): at most how long cancelled receives get to report back (they do so at the next
@@ -84,7 +88,7 @@ int milliseconds_at_least_one(std::chrono::duration<Rep, Period> d) {
 }  // namespace
 
 struct DataPlane::Impl {
-  enum class ThreadState : std::uint8_t { running, sleeping };
+  enum class ThreadState : std::uint8_t { running, sleeping, standing_by };
 
   /// One operation UCX holds, from its posting until its completion callback. Owned by the
   /// progress thread (a freelist), linked into `outstanding` while UCX has it.
@@ -126,6 +130,9 @@ struct DataPlane::Impl {
   void run() noexcept;
   bool poll_once();
   void sleep(std::chrono::milliseconds limit, bool watch_commands);
+  void stand_by();
+  /// Any thread: a thread that polled is going to sleep; the progress thread takes the watch.
+  void went_idle() noexcept;
   template <class Done>
   void progress_until(Done done, Clock::time_point deadline);
   void shut_down() noexcept;
@@ -180,6 +187,11 @@ struct DataPlane::Impl {
   /// below marked "the progress thread's own" is touched only under it.
   std::mutex ucx_mutex;
   std::atomic<bool> inline_progress{false};  // after start(), until stop()
+  /// When a thread other than the progress thread last polled (steady clock, ns; 0: it went
+  /// idle). While other threads poll, the progress thread stands by without arming the worker's
+  /// event fd: every arrival would wake it only to find the message taken, and on a machine
+  /// with few cores that wake-up takes the core a poller needs.
+  std::atomic<std::int64_t> last_outside_poll{0};
   alignas(64) std::atomic<ThreadState> thread_state{ThreadState::running};
   std::atomic<bool> accepting{true};
   std::atomic<bool> stop_requested{false};
@@ -271,6 +283,7 @@ void DataPlane::Impl::check_peer(std::uint32_t peer, std::string_view what) cons
 
 int DataPlane::Impl::try_progress() {
   if (progressing == this || !inline_progress.load(std::memory_order_acquire)) return -1;
+  last_outside_poll.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   std::unique_lock lock(ucx_mutex, std::try_to_lock);
   if (!lock.owns_lock()) return -1;
   if (stop_requested.load(std::memory_order_acquire)) return -1;
@@ -291,8 +304,8 @@ void DataPlane::Impl::push(const Command& command) {
   // Pairs with the fence in sleep(): either the progress thread sees this command when it
   // re-checks the queue, or this thread sees `sleeping` and rings (Dekker; mailbox.cpp).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (thread_state.load(std::memory_order_relaxed) == ThreadState::sleeping &&
-      thread_state.exchange(ThreadState::running, std::memory_order_acq_rel) == ThreadState::sleeping) {
+  const ThreadState state = thread_state.load(std::memory_order_relaxed);
+  if (state != ThreadState::running && thread_state.exchange(ThreadState::running, std::memory_order_acq_rel) != ThreadState::running) {
     ring();
   }
 }
@@ -352,7 +365,12 @@ void DataPlane::Impl::run() noexcept {
       idle_polls = 0;
     } else if (++idle_polls >= settings.spin_polls) {
       idle_polls = 0;
-      sleep(settings.max_sleep, true);
+      const auto since = Clock::now().time_since_epoch().count() - last_outside_poll.load(std::memory_order_relaxed);
+      if (since < std::chrono::nanoseconds(stand_by_window).count()) {
+        stand_by();
+      } else {
+        sleep(settings.max_sleep, true);
+      }
     }
   }
   inline_progress.store(false, std::memory_order_release);
@@ -370,6 +388,28 @@ bool DataPlane::Impl::poll_once() {
     ++taken;
   }
   return ucp_worker_progress(worker.get()) > 0 || taken > 0;
+}
+
+// Others are polling: wait for a ring (a poller going idle, a command nobody could post) or a
+// short timeout, without arming the worker's event fd.
+void DataPlane::Impl::stand_by() {
+  thread_state.store(ThreadState::standing_by, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!commands.empty() || last_outside_poll.load(std::memory_order_relaxed) == 0) {
+    thread_state.store(ThreadState::running, std::memory_order_seq_cst);
+    return;
+  }
+  pollfd p{wake_fd.get(), POLLIN, 0};
+  ::poll(&p, 1, static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(stand_by_window).count()));
+  thread_state.store(ThreadState::running, std::memory_order_seq_cst);
+  std::uint64_t rings = 0;
+  if (::read(wake_fd.get(), &rings, sizeof rings) < 0) return;  // EAGAIN: nobody rang
+}
+
+void DataPlane::Impl::went_idle() noexcept {
+  last_outside_poll.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (thread_state.load(std::memory_order_relaxed) == ThreadState::standing_by) ring();
 }
 
 void DataPlane::Impl::sleep(std::chrono::milliseconds limit, bool watch_commands) {
@@ -770,6 +810,8 @@ void DataPlane::start() {
 void DataPlane::stop() noexcept { impl_->stop(); }
 
 bool DataPlane::poll() { return impl_->try_progress() > 0; }
+
+void DataPlane::idle() { impl_->went_idle(); }
 
 std::string DataPlane::transports_to(std::uint32_t peer) const {
   const Impl& d = *impl_;

@@ -94,6 +94,7 @@ class DataPlane final : public Link {
                        std::uint64_t cookie) override;
   /// After start(): progress the worker on the calling thread unless another thread is.
   bool poll() override;
+  void idle() override;
 
  private:
   struct Impl;

@@ -57,6 +57,8 @@ class Link {
   /// An idle thread may lend itself: progress the link here if no other thread is doing so
   /// (handlers then run on this thread). True if anything happened. Never blocks.
   virtual bool poll() { return false; }
+  /// A thread that has been calling poll() is about to sleep: the link must not count on it.
+  virtual void idle() {}
 };
 
 }  // namespace baton::transport
