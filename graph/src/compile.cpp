@@ -15,6 +15,7 @@
 
 #include "baton/actors/runtime.h"
 #include "baton/graph/autodiff.h"
+#include "baton/graph/collectives.h"
 #include "baton/kernels/optim.h"
 
 namespace baton {
@@ -189,94 +190,16 @@ class ReplicaPieces final : public Kernel {
   std::int64_t replica_, replicas_, m_;
 };
 
-// --- all-reduce as actors ---------------------------------------------------------------------
-// N replicas, a tensor of n elements cut into N chunks. Replica j's split actor writes its N
-// chunks; the owner of chunk c (replica c) sums chunk c of every replica, in replica order;
-// every replica's concat actor gathers the N sums. Each replica sends and receives N-1 chunks
-// in each half, as a ring does, in two hops instead of 2(N-1); across ranks the transfers
-// come from insert_transfers. Every replica ends with the same bits: each sum is made once.
-
-std::vector<std::int64_t> chunk_offsets(std::int64_t n, std::int64_t parts) {
-  std::vector<std::int64_t> off{0};
-  for (std::int64_t c = 0; c < parts; ++c) off.push_back(off.back() + n / parts + (c < n % parts ? 1 : 0));
-  return off;
-}
-
-template <class T>
-void add_collective_kernels(KernelRegistry& k, DType dt) {
-  k.add("allreduce.split", DeviceType::cpu, dt, [](const KernelConfig&) -> std::unique_ptr<Kernel> {
-    struct Split final : Kernel {
-      void compute(KernelContext& ctx) override {
-        auto in = ctx.inputs[0]->data<T>();
-        std::size_t at = 0;
-        for (Tensor* out : ctx.outputs) {
-          auto o = out->data<T>();
-          std::copy(in.begin() + static_cast<std::ptrdiff_t>(at), in.begin() + static_cast<std::ptrdiff_t>(at + o.size()),
-                    o.begin());
-          at += o.size();
-        }
-      }
-    };
-    return std::make_unique<Split>();
-  });
-  k.add_fn("allreduce.sum", DeviceType::cpu, dt, [](KernelContext& ctx) {
-    auto out = ctx.outputs[0]->data<T>();
-    auto first = ctx.inputs[0]->data<T>();
-    std::copy(first.begin(), first.end(), out.begin());
-    for (std::size_t j = 1; j < ctx.inputs.size(); ++j) {
-      auto in = ctx.inputs[j]->data<T>();
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
-    }
-  });
-  k.add_fn("allreduce.concat", DeviceType::cpu, dt, [](KernelContext& ctx) {
-    auto out = ctx.outputs[0]->data<T>();
-    std::size_t at = 0;
-    for (const Tensor* in : ctx.inputs) {
-      auto i = in->data<T>();
-      std::copy(i.begin(), i.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
-      at += i.size();
-    }
-  });
-}
-
-/// Adds the all-reduce of `inputs[r]` (replica r's register) and returns the N result registers.
+/// The all-reduce of `inputs[r]` (replica r's register) over the replicas (collectives.h),
+/// each member placed at its replica's `stage` and `stream`; returns the N result registers.
 std::vector<RegisterIndex> add_allreduce(std::vector<PlanBuilder>& replicas, const std::string& name,
                                          const std::vector<RegisterIndex>& inputs, const Shape& shape, DType dtype,
                                          std::uint8_t stream, std::int32_t result_slots, int stage) {
-  const auto n = static_cast<std::int64_t>(replicas.size());
-  const auto off = chunk_offsets(numel(shape), n);
-  Plan& plan = replicas[0].plan;
-  // chunk[j][c]: replica j's chunk c.
-  std::vector<std::vector<RegisterIndex>> chunk(static_cast<std::size_t>(n));
-  for (std::int64_t j = 0; j < n; ++j) {
-    auto& b = replicas[static_cast<std::size_t>(j)];
-    for (std::int64_t c = 0; c < n; ++c) {
-      chunk[static_cast<std::size_t>(j)].push_back(
-          b.add_register(fmt::format("{}.chunk{}", name, c), {off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]},
-                         dtype, 2));
-    }
-    plan.add_actor({.name = b.named(name + ".split"), .op = "allreduce.split", .dtype = dtype, .where = b.at(stream, stage),
-                    .inputs = {{inputs[static_cast<std::size_t>(j)]}}, .outputs = chunk[static_cast<std::size_t>(j)]});
+  std::vector<AllReduceMember> members;
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    members.push_back({replicas[r].at(stream, stage), inputs[r], replicas[r].suffix});
   }
-  std::vector<RegisterIndex> sums;
-  for (std::int64_t c = 0; c < n; ++c) {
-    auto& b = replicas[static_cast<std::size_t>(c)];
-    std::vector<InputPort> ins;
-    for (std::int64_t j = 0; j < n; ++j) ins.push_back({chunk[static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]});
-    sums.push_back(b.add_register(fmt::format("{}.sum{}", name, c),
-                                  {off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]}, dtype, 2));
-    plan.add_actor({.name = b.named(fmt::format("{}.sum{}", name, c)), .op = "allreduce.sum", .dtype = dtype,
-                    .where = b.at(stream, stage), .inputs = std::move(ins), .outputs = {sums.back()}});
-  }
-  std::vector<RegisterIndex> results;
-  for (auto& b : replicas) {
-    std::vector<InputPort> ins;
-    for (RegisterIndex r : sums) ins.push_back({r});
-    results.push_back(b.add_register(name + ".allreduced", shape, dtype, result_slots));
-    plan.add_actor({.name = b.named(name + ".concat"), .op = "allreduce.concat", .dtype = dtype, .where = b.at(stream, stage),
-                    .inputs = std::move(ins), .outputs = {results.back()}});
-  }
-  return results;
+  return add_allreduce(replicas[0].plan, name, members, shape, dtype, result_slots);
 }
 
 /// Nodes that the targets depend on (ids are topological, so one backward sweep finds them).
@@ -415,8 +338,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   Plan plan;
   KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
   if (n_dp > 1) {
-    add_collective_kernels<float>(kernels, DType::f32);
-    add_collective_kernels<double>(kernels, DType::f64);
+    add_collective_kernels(kernels);
   }
   std::vector<PlanBuilder> replicas;
   for (std::int64_t r = 0; r < n_dp; ++r) {

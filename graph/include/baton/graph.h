@@ -1,6 +1,7 @@
 #pragma once
 /// baton/graph: the DSL, autodiff, optimizers and the compiler from a graph to a plan.
 #include "baton/graph/autodiff.h"
+#include "baton/graph/collectives.h"
 #include "baton/graph/compile.h"
 #include "baton/graph/graph.h"
 #include "baton/graph/ops.h"
