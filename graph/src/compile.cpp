@@ -453,7 +453,9 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           });
           b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream, {}, b.stage(id));
         }
-        RegisterIndex rep = b.node_register(id, 2);
+        // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
+        // weight at once: the repeat needs the activations' depth, or it caps the schedule.
+        RegisterIndex rep = b.node_register(id, n_pp > 1 ? std::max(2, forward_slots(b.stage(id)) + 1) : 2);
         plan.add_actor({.name = b.named(n.name + ".repeat"), .kind = ActorKind::repeat, .dtype = dt,
                         .where = b.at(backward_stream, b.stage(id)), .inputs = {{w}}, .outputs = {rep},
                         .group = static_cast<std::int32_t>(m)});

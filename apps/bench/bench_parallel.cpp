@@ -1,0 +1,123 @@
+// baton-bench-parallel: what a pipeline's schedule costs. A balanced K-stage synthetic
+// pipeline, built the way compile_training builds one (per stage a weight read by M
+// micro-batches through a repeat, forward and backward actors, the M gradients accumulated and
+// fed back to the weight with a delay of one step: synchronous training), with fixed-cost
+// kernels that sleep (an accelerator's stream: they hold no core). Each stage is one device,
+// one worker thread; its idle fraction is 1 - (time in its kernels) / (wall time), averaged
+// over the stages. The reference is the bubble formula (K-1)/(M+K-1) (GPipe; 1F1B has the same
+// bubble and fewer live activations). Also printed: the most activation slots ever in use, per
+// schedule (gpipe gives stage s M slots, 1f1b K - s).
+//
+//   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
+//   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "json_line.h"
+#include "baton/actors.h"
+#include "baton/kernels.h"
+
+namespace {
+
+using namespace baton;
+
+struct Result {
+  double idle = 0;
+  std::int64_t peak_activations = 0;  // sum over stages of the most activation slots in use
+  double wall_s = 0;
+};
+
+Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fwd_ns, std::int64_t bwd_ns) {
+  Plan p;
+  auto reg = [&](std::string name, std::int32_t slots) {
+    return p.add_register({.name = std::move(name), .shape = {4}, .dtype = DType::f32, .slots = slots});
+  };
+  auto at = [](int s) { return Placement{.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(s)}}; };
+  const RegisterIndex data = reg("data", std::max(2, schedule == "gpipe" ? m : k));
+  p.add_actor({.name = "data", .kind = ActorKind::source, .op = "noop", .where = at(0), .outputs = {data},
+               .pieces = static_cast<std::int64_t>(steps) * m});
+  std::vector<RegisterIndex> act(static_cast<std::size_t>(k)), grad_sum(static_cast<std::size_t>(k)),
+      weight(static_cast<std::size_t>(k));
+  for (int s = 0; s < k; ++s) {
+    grad_sum[static_cast<std::size_t>(s)] = reg(fmt::format("grad{}.sum", s), 1);
+    const RegisterIndex w = reg(fmt::format("w{}.step", s), 1);
+    p.add_actor({.name = fmt::format("w{}", s), .op = "noop", .where = at(s),
+                 .inputs = {{grad_sum[static_cast<std::size_t>(s)], 1}}, .outputs = {w}, .stops_when_unread = false});
+    // The forward of micro-batch i and the backward of micro-batch i - depth read the same
+    // weight: its repeat needs as many slots as the activations, or it caps the schedule.
+    weight[static_cast<std::size_t>(s)] = reg(fmt::format("w{}", s), std::max(2, schedule == "gpipe" ? m : k - s) + 1);
+    p.add_actor({.name = fmt::format("w{}.repeat", s), .kind = ActorKind::repeat, .where = at(s), .inputs = {{w}},
+                 .outputs = {weight[static_cast<std::size_t>(s)]}, .group = m});
+  }
+  for (int s = 0; s < k; ++s) {
+    const std::int32_t slots = schedule == "gpipe" ? m : k - s;
+    act[static_cast<std::size_t>(s)] = reg(fmt::format("act{}", s), slots);
+    p.add_actor({.name = fmt::format("fwd{}", s), .op = "sleep_ns", .where = at(s),
+                 .inputs = {{s == 0 ? data : act[static_cast<std::size_t>(s - 1)]}, {weight[static_cast<std::size_t>(s)]}},
+                 .outputs = {act[static_cast<std::size_t>(s)]}, .attrs = {{"ns", fwd_ns}}});
+  }
+  RegisterIndex upstream_grad = 0;
+  for (int s = k - 1; s >= 0; --s) {
+    const RegisterIndex g = reg(fmt::format("grad{}", s), 2);
+    std::vector<InputPort> ins{{act[static_cast<std::size_t>(s)]}, {weight[static_cast<std::size_t>(s)]}};
+    if (s < k - 1) ins.push_back({upstream_grad});
+    p.add_actor({.name = fmt::format("bwd{}", s), .op = "sleep_ns", .where = at(s), .inputs = std::move(ins),
+                 .outputs = {g}, .attrs = {{"ns", bwd_ns}}});
+    p.add_actor({.name = fmt::format("grad{}.accumulate", s), .kind = ActorKind::accumulate, .where = at(s),
+                 .inputs = {{g}}, .outputs = {grad_sum[static_cast<std::size_t>(s)]}, .group = m});
+    upstream_grad = g;
+  }
+  Runtime rt(p, KernelRegistry::with_builtin_kernels());
+  RunReport report = rt.run();
+  Result r;
+  r.wall_s = report.wall_s;
+  double idle = 0;
+  for (int s = 0; s < k; ++s) {
+    double kernel = 0;
+    for (const auto& a : report.metrics.actors) {
+      if (a.name == fmt::format("fwd{}", s) || a.name == fmt::format("bwd{}", s)) kernel += a.kernel_s;
+    }
+    idle += 1.0 - kernel / report.wall_s;
+  }
+  r.idle = idle / k;
+  for (const auto& reg_metrics : report.metrics.registers) {
+    if (reg_metrics.name.rfind("act", 0) == 0) r.peak_activations += reg_metrics.max_outstanding;
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else {
+      fmt::print(stderr, "usage: baton-bench-parallel [--quick]\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  const int steps = quick ? 2 : 6;
+  const std::int64_t fwd_ns = 1'000'000, bwd_ns = 2'000'000;  // 1 ms forward, 2 ms backward per stage
+  for (int k : {2, 4}) {
+    for (int m : {1, 4, 8, 16}) {
+      if (quick && m > 4) continue;
+      for (const std::string schedule : {"gpipe", "1f1b"}) {
+        Result r = run(k, m, schedule, steps, fwd_ns, bwd_ns);
+        const double formula = static_cast<double>(k - 1) / static_cast<double>(m + k - 1);
+        bench::JsonLine line("parallel", fmt::format("bubble_K{}_M{}_{}", k, m, schedule));
+        line.add("value", r.idle).add("unit", "idle fraction").add("reference", formula)
+            .add("reference_name", "(K-1)/(M+K-1)").add("ratio", formula > 0 ? r.idle / formula : 0.0)
+            .add("peak_activation_slots", r.peak_activations).add("steps", steps).add("wall_s", r.wall_s);
+        line.print();
+      }
+    }
+  }
+  return 0;
+}
