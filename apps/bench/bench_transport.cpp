@@ -17,13 +17,6 @@
 //       reference ucx_perftest ucp_am_bw message rate (32 bytes)
 // The driver hosts the rendezvous server and starts the two ranks as child processes of
 // itself (--worker); rank 1 reports its run time on stdout.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,7 +25,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -42,14 +34,18 @@
 #include <fmt/format.h>
 
 #include "json_line.h"
+#include "spawn.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
-#include "baton/transport/control.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Env = std::map<std::string, std::string>;
+using baton::bench::Env;
+using baton::bench::Child;
+using baton::bench::spawn;
+using baton::bench::finish;
+using baton::bench::free_port;
 
 struct Options {
   bool quick = false;
@@ -96,85 +92,6 @@ Options parse(int argc, char** argv) {
     }
   }
   return o;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Child processes with a deadline
-
-struct Child {
-  pid_t pid = -1;
-  int out = -1;  // its stdout, or -1
-};
-
-Child spawn(const std::vector<std::string>& argv, const Env& env, bool capture) {
-  int fds[2] = {-1, -1};
-  if (capture && pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
-  pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    for (const auto& [k, v] : env) {
-      if (v.empty()) unsetenv(k.c_str());
-      else setenv(k.c_str(), v.c_str(), 1);
-    }
-    if (capture) {
-      dup2(fds[1], STDOUT_FILENO);
-    } else {
-      int devnull = open("/dev/null", O_WRONLY);
-      dup2(devnull, STDOUT_FILENO);
-    }
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    execvp(args[0], args.data());
-    fmt::print(stderr, "cannot execute '{}': {}\n", argv[0], std::strerror(errno));
-    _exit(127);
-  }
-  if (capture) close(fds[1]);
-  return Child{pid, capture ? fds[0] : -1};
-}
-
-/// Reads the child's stdout until EOF and waits for it; kills it at the deadline.
-/// Returns {exit status (-1 if killed), output}.
-std::pair<int, std::string> finish(Child c, Clock::time_point deadline) {
-  std::string text;
-  if (c.out >= 0) {
-    char buf[4096];
-    while (true) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0) break;
-      pollfd p{c.out, POLLIN, 0};
-      if (poll(&p, 1, static_cast<int>(std::min<long>(left, 1000))) <= 0) continue;
-      ssize_t n = read(c.out, buf, sizeof buf);
-      if (n <= 0) break;
-      text.append(buf, static_cast<std::size_t>(n));
-    }
-    close(c.out);
-  }
-  int status = 0;
-  while (true) {
-    pid_t r = waitpid(c.pid, &status, WNOHANG);
-    if (r == c.pid) break;
-    if (Clock::now() > deadline) {
-      kill(c.pid, SIGKILL);
-      waitpid(c.pid, &status, 0);
-      return {-1, text};
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
-}
-
-std::uint16_t free_port() {
-  // Bind port 0, read the port, close: a small race with other programs, fine on a test host.
-  int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  close(s);
-  return ntohs(a.sin_port);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -256,33 +173,14 @@ int worker_main(const Options& o) {
 
 /// Runs the two ranks; returns rank 1's run time in seconds.
 std::optional<double> run_ranks(const std::string& self, const Options& o, const Env& tls_env) {
-  baton::transport::ServerSettings ss;
-  ss.bind_host = "127.0.0.1";
-  ss.token = baton::transport::random_token();
-  ss.world_size = 2;
-  baton::transport::RendezvousServer server(ss);
-  std::vector<Child> kids;
-  for (int r = 0; r < 2; ++r) {
-    Env env = tls_env;
-    env["BATON_RANK"] = std::to_string(r);
-    env["BATON_WORLD_SIZE"] = "2";
-    env["BATON_LOCAL_RANK"] = std::to_string(r);
-    env["BATON_MASTER"] = fmt::format("127.0.0.1:{}", server.port());
-    env["BATON_JOB_TOKEN"] = ss.token;
-    kids.push_back(spawn({self, "--worker", "--mode", o.mode, "--bytes", std::to_string(o.bytes), "--pieces",
-                          std::to_string(o.pieces), "--slots", std::to_string(o.slots)},
-                         env, r == 1));
-  }
-  const auto deadline = Clock::now() + std::chrono::seconds(180);
-  auto [code1, out1] = finish(kids[1], deadline);
-  auto [code0, out0] = finish(kids[0], deadline);
-  if (code0 != 0 || code1 != 0) {
-    fmt::print(stderr, "baton-bench-transport: ranks exited {} and {}\n", code0, code1);
-    return std::nullopt;
-  }
-  auto pos = out1.find("RESULT ");
+  auto out = baton::bench::run_job_of(self,
+                               {"--worker", "--mode", o.mode, "--bytes", std::to_string(o.bytes), "--pieces",
+                                std::to_string(o.pieces), "--slots", std::to_string(o.slots)},
+                               2, 1, tls_env);
+  if (!out) return std::nullopt;
+  auto pos = out->find("RESULT ");
   if (pos == std::string::npos) return std::nullopt;
-  return std::stod(out1.substr(pos + 7));
+  return std::stod(out->substr(pos + 7));
 }
 
 std::string size_name(std::int64_t b) {

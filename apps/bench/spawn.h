@@ -1,0 +1,151 @@
+#pragma once
+// Child processes for the benchmarks that need several: ucx_perftest and mpirun as references,
+// and the ranks of a baton job (the benchmark hosts the rendezvous server and starts the ranks
+// as children of itself). Every wait has a deadline; a child past it is killed.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "baton/transport/control.h"
+
+namespace baton::bench {
+
+using Clock = std::chrono::steady_clock;
+/// Environment changes for a child: an empty value unsets the variable.
+using Env = std::map<std::string, std::string>;
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // its stdout, or -1
+};
+
+inline Child spawn(const std::vector<std::string>& argv, const Env& env, bool capture) {
+  int fds[2] = {-1, -1};
+  if (capture && pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    for (const auto& [k, v] : env) {
+      if (v.empty()) unsetenv(k.c_str());
+      else setenv(k.c_str(), v.c_str(), 1);
+    }
+    if (capture) {
+      dup2(fds[1], STDOUT_FILENO);
+    } else {
+      int devnull = open("/dev/null", O_WRONLY);
+      dup2(devnull, STDOUT_FILENO);
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    fmt::print(stderr, "cannot execute '{}': {}\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  if (capture) close(fds[1]);
+  return Child{pid, capture ? fds[0] : -1};
+}
+
+/// Reads the child's stdout until EOF and waits for it; kills it at the deadline.
+/// Returns {exit status (-1 if killed), output}.
+inline std::pair<int, std::string> finish(Child c, Clock::time_point deadline) {
+  std::string text;
+  if (c.out >= 0) {
+    char buf[4096];
+    while (true) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) break;
+      pollfd p{c.out, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(std::min<long>(left, 1000))) <= 0) continue;
+      ssize_t n = read(c.out, buf, sizeof buf);
+      if (n <= 0) break;
+      text.append(buf, static_cast<std::size_t>(n));
+    }
+    close(c.out);
+  }
+  int status = 0;
+  while (true) {
+    pid_t r = waitpid(c.pid, &status, WNOHANG);
+    if (r == c.pid) break;
+    if (Clock::now() > deadline) {
+      kill(c.pid, SIGKILL);
+      waitpid(c.pid, &status, 0);
+      return {-1, text};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+}
+
+inline std::uint16_t free_port() {
+  // Bind port 0, read the port, close: a small race with other programs, fine on a test host.
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  close(s);
+  return ntohs(a.sin_port);
+}
+
+/// Runs `world` ranks of `self args` as one job (this process hosts its rendezvous server) and
+/// returns rank `report_rank`'s stdout, or nullopt if a rank failed or ran past `limit`.
+inline std::optional<std::string> run_job_of(const std::string& self, const std::vector<std::string>& args, int world,
+                                             int report_rank, const Env& env_in,
+                                             std::chrono::seconds limit = std::chrono::seconds(300)) {
+  transport::ServerSettings ss;
+  ss.bind_host = "127.0.0.1";
+  ss.token = transport::random_token();
+  ss.world_size = static_cast<std::uint32_t>(world);
+  transport::RendezvousServer server(ss);
+  std::vector<Child> kids;
+  for (int r = 0; r < world; ++r) {
+    Env env = env_in;
+    env["BATON_RANK"] = std::to_string(r);
+    env["BATON_WORLD_SIZE"] = std::to_string(world);
+    env["BATON_LOCAL_RANK"] = std::to_string(r);
+    env["BATON_MASTER"] = fmt::format("127.0.0.1:{}", server.port());
+    env["BATON_JOB_TOKEN"] = ss.token;
+    std::vector<std::string> argv{self};
+    argv.insert(argv.end(), args.begin(), args.end());
+    kids.push_back(spawn(argv, env, r == report_rank));
+  }
+  const auto deadline = Clock::now() + limit;
+  std::string report;
+  bool ok = true;
+  // The reporting rank first: its output is read as it comes, so it never blocks on a full pipe.
+  std::vector<int> order{report_rank};
+  for (int r = 0; r < world; ++r) {
+    if (r != report_rank) order.push_back(r);
+  }
+  for (int r : order) {
+    auto [code, out] = finish(kids[static_cast<std::size_t>(r)], deadline);
+    if (r == report_rank) report = out;
+    if (code != 0) {
+      fmt::print(stderr, "rank {} of the benchmark job exited {}\n", r, code);
+      ok = false;
+    }
+  }
+  if (!ok) return std::nullopt;
+  return report;
+}
+
+}  // namespace baton::bench
