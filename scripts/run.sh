@@ -21,7 +21,7 @@ log() { printf '[run.sh] %s\n' "$*" >&2; }
 packages=(
   g++ cmake ninja-build ccache pkg-config
   libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev zlib1g-dev
-  iproute2 openssh-client openssh-server openmpi-bin
+  iproute2 openssh-client openssh-server openmpi-bin libopenmpi-dev
 )
 
 install_missing() {
@@ -145,6 +145,11 @@ case "$cmd" in
       export DEBIAN_FRONTEND=noninteractive
       $sudo apt-get update -qq
       $sudo apt-get install -y -qq --no-install-recommends python3 python3-torch >/dev/null
+    fi
+    # bench parallel: the pipeline bubble, then the all-reduce against MPI_Allreduce.
+    if [ "$name" = parallel ]; then
+      "$build_dir/bin/baton-bench-parallel" "$@"
+      exec "$build_dir/bin/baton-bench-allreduce" "$@"
     fi
     prog="$build_dir/bin/baton-bench-$name"
     if [ ! -x "$prog" ]; then

@@ -98,6 +98,8 @@ int main(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "--quick") {
       quick = true;
+    } else if (a == "--no-reference") {
+      // its reference is a formula; accepted so that scripts/run.sh bench parallel can pass it on
     } else {
       fmt::print(stderr, "usage: baton-bench-parallel [--quick]\n");
       return a == "--help" || a == "-h" ? 0 : 2;

@@ -15,6 +15,8 @@
 //       the other): one-way latency of one hop; reference ucx_perftest tag_lat (32 bytes)
 //   cross_rank_stream_{shm,tcp}  empty source on rank 0 -> empty sink on rank 1: pieces/s;
 //       reference ucx_perftest ucp_am_bw message rate (32 bytes)
+// Knobs for experiments (environment): BATON_BENCH_RT_SPIN / _RT_YIELD (the workers'
+// spin_polls / spin_yield_every), BATON_BENCH_DP_SPIN (the data plane's spin_polls).
 // The driver hosts the rendezvous server and starts the two ranks as child processes of
 // itself (--worker); rank 1 reports its run time on stdout.
 #include <unistd.h>
@@ -159,9 +161,9 @@ int worker_main(const Options& o) {
     auto kernels = baton::KernelRegistry::with_builtin_kernels();
     baton::JobSettings js;
     js.runtime.time_accounting = false;
-    if (const char* s = std::getenv("BENCH_RT_SPIN")) js.runtime.spin_polls = std::atoi(s);
-    if (const char* s = std::getenv("BENCH_DP_SPIN")) js.data.spin_polls = std::atoi(s);
-    if (const char* s = std::getenv("BENCH_RT_YIELD")) js.runtime.spin_yield_every = std::atoi(s);
+    if (const char* s = std::getenv("BATON_BENCH_RT_SPIN")) js.runtime.spin_polls = std::atoi(s);
+    if (const char* s = std::getenv("BATON_BENCH_DP_SPIN")) js.data.spin_polls = std::atoi(s);
+    if (const char* s = std::getenv("BATON_BENCH_RT_YIELD")) js.runtime.spin_yield_every = std::atoi(s);
     auto report = baton::run_job(bench_plan(o), kernels, env, js);
     if (env.rank == 1) fmt::print("RESULT {:.9f}\n", report.wall_s);
     return 0;

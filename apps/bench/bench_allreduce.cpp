@@ -1,0 +1,175 @@
+// baton-bench-allreduce: the all-reduce made of actors (graph/collectives.h) between ranks on
+// this host, against OpenMPI's MPI_Allreduce measured in the same run (baton-mpi-allreduce-ref
+// under mpirun, shared memory). Each rank's producer waits for its own previous result before
+// it emits the next tensor (delay 1), so the all-reduces run back to back as MPI's do, not
+// pipelined. Bus bandwidth as nccl-tests defines it: busbw = algbw x 2(n-1)/n, algbw = bytes /
+// time per all-reduce (on rank 0, between its producer's acts, after a warm-up).
+//
+//   baton-bench-allreduce            2 and 4 ranks, 1 KiB .. 64 MiB
+//   baton-bench-allreduce --quick    2 ranks, three sizes, few iterations (the CTest smoke run)
+//   baton-bench-allreduce --no-reference
+// BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "json_line.h"
+#include "spawn.h"
+#include "baton/actors.h"
+#include "baton/graph/collectives.h"
+#include "baton/kernels.h"
+
+namespace {
+
+using namespace baton;
+
+std::int64_t iterations_for(std::int64_t bytes, bool quick) {
+  const std::int64_t target = quick ? (std::int64_t{16} << 20) : (std::int64_t{1} << 30);  // bytes moved per size
+  return std::clamp<std::int64_t>(target / bytes, quick ? 3 : 10, quick ? 50 : 2000);
+}
+
+Plan allreduce_plan(std::uint16_t n, std::int64_t elements, std::int64_t iters) {
+  Plan p;
+  std::vector<AllReduceMember> members;
+  std::vector<RegisterIndex> ticks, inputs;
+  for (std::uint16_t r = 0; r < n; ++r) {
+    const std::string sfx = fmt::format("@r{}", r);
+    ticks.push_back(p.add_register({.name = "tick" + sfx, .shape = {0}, .dtype = DType::f32, .slots = 1}));
+    p.add_actor({.name = "ticks" + sfx, .kind = ActorKind::source, .op = "noop", .where = {.rank = r},
+                 .outputs = {ticks.back()}, .pieces = iters});
+    inputs.push_back(p.add_register({.name = "grad" + sfx, .shape = {elements}, .dtype = DType::f32, .slots = 1}));
+    members.push_back({Placement{.rank = r}, inputs.back(), sfx});
+  }
+  const auto results = add_allreduce(p, "ar", members, {elements}, DType::f32, 1);
+  for (std::uint16_t r = 0; r < n; ++r) {
+    // The next tensor only once this rank holds the previous result: back to back.
+    p.add_actor({.name = fmt::format("produce@r{}", r), .op = "bench.produce", .where = {.rank = r},
+                 .inputs = {{ticks[r]}, {results[r], 1}}, .outputs = {inputs[r]}});
+  }
+  return p;
+}
+
+int worker(std::int64_t bytes, std::int64_t iters) {
+  try {
+    auto env = JobEnvironment::from_env();
+    auto kernels = KernelRegistry::with_builtin_kernels();
+    add_collective_kernels(kernels);
+    // When each act of this rank's producer began: act k starts once all-reduce k-1 is back,
+    // so the time between acts is one all-reduce. The first `warm` are not timed (start-up).
+    const std::int64_t warm = std::max<std::int64_t>(3, iters / 5);
+    auto starts = std::make_shared<std::vector<bench::Clock::time_point>>();
+    starts->reserve(static_cast<std::size_t>(warm + iters));
+    kernels.add_fn("bench.produce", DeviceType::cpu, DType::f32,
+                   [starts](KernelContext&) { starts->push_back(bench::Clock::now()); });
+    JobSettings js;
+    auto rep = run_job(allreduce_plan(static_cast<std::uint16_t>(env.world_size), bytes / 4, warm + iters + 1), kernels, env, js);
+    const auto timed = std::chrono::duration<double>(starts->at(static_cast<std::size_t>(warm + iters)) -
+                                                     starts->at(static_cast<std::size_t>(warm)));
+    if (env.rank == 0) fmt::print("RESULT {:.9f}\n", timed.count() / static_cast<double>(iters));
+    if (std::getenv("BATON_BENCH_TABLE")) fmt::print(stderr, "rank {}:\n{}", env.rank, rep.metrics.table());
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "baton-bench-allreduce worker: {}\n", e.what());
+    return 1;
+  }
+}
+
+/// MPI_Allreduce seconds per op by size, from one mpirun; empty if MPI is not there.
+std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, std::int64_t iters_scale_bytes,
+                                             const std::vector<std::int64_t>& sizes, bool quick) {
+  std::map<std::int64_t, double> out;
+  if (access(ref.c_str(), X_OK) != 0) {
+    fmt::print(stderr, "baton-bench-allreduce: no {} (built when OpenMPI's libopenmpi-dev is installed)\n", ref);
+    return out;
+  }
+  (void)iters_scale_bytes;
+  for (std::int64_t bytes : sizes) {
+    std::vector<std::string> argv{"mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
+                                  "-np", std::to_string(n), ref, std::to_string(iterations_for(bytes, quick)),
+                                  std::to_string(bytes)};
+    auto child = bench::spawn(argv, {}, true);
+    auto [code, text] = bench::finish(child, bench::Clock::now() + std::chrono::seconds(300));
+    std::istringstream lines(text);
+    std::int64_t b = 0;
+    double secs = 0;
+    if (code == 0 && (lines >> b >> secs)) {
+      out[b] = secs;
+    } else {
+      fmt::print(stderr, "baton-bench-allreduce: mpirun exited {} for {} bytes:\n{}\n", code, bytes, text);
+    }
+  }
+  return out;
+}
+
+std::string size_name(std::int64_t b) {
+  if (b >= (std::int64_t{1} << 20)) return fmt::format("{}MiB", b >> 20);
+  return fmt::format("{}KiB", b >> 10);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false, reference = true;
+  std::int64_t worker_bytes = -1, worker_iters = 0;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--no-reference") {
+      reference = false;
+    } else if (a == "--worker" && i + 2 < argc) {
+      worker_bytes = std::stoll(argv[++i]);
+      worker_iters = std::stoll(argv[++i]);
+    } else {
+      fmt::print(stderr, "usage: baton-bench-allreduce [--quick] [--no-reference]\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  if (worker_bytes >= 0) return worker(worker_bytes, worker_iters);
+
+  char self_buf[4096] = {};
+  ssize_t len = readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
+  const std::string self = len > 0 ? std::string(self_buf, static_cast<std::size_t>(len)) : argv[0];
+  const std::string ref = self.substr(0, self.rfind('/') + 1) + "baton-mpi-allreduce-ref";
+  std::vector<std::int64_t> sizes;
+  if (quick) {
+    sizes = {std::int64_t{1} << 10, std::int64_t{1} << 20, std::int64_t{4} << 20};
+  } else {
+    for (std::int64_t b = std::int64_t{1} << 10; b <= (std::int64_t{64} << 20); b *= 4) sizes.push_back(b);
+  }
+  int failures = 0;
+  for (int n : quick ? std::vector<int>{2} : std::vector<int>{2, 4}) {
+    const auto mpi = reference ? mpi_reference(ref, n, 0, sizes, quick) : std::map<std::int64_t, double>{};
+    for (std::int64_t bytes : sizes) {
+      const std::int64_t iters = iterations_for(bytes, quick);
+      auto out = bench::run_job_of(self, {"--worker", std::to_string(bytes), std::to_string(iters)}, n, 0, {});
+      auto pos = out ? out->find("RESULT ") : std::string::npos;
+      if (pos == std::string::npos) {
+        ++failures;
+        continue;
+      }
+      const double secs = std::stod(out->substr(pos + 7));
+      const double factor = 2.0 * (n - 1) / n;
+      const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
+      bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));
+      line.add("value", busbw).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("iterations", iters)
+          .add("us_per_op", secs * 1e6);
+      if (auto it = mpi.find(bytes); it != mpi.end()) {
+        const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
+        line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")
+            .add("ratio", busbw / ref_busbw);
+      }
+      line.print();
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
