@@ -45,6 +45,7 @@ struct Options {
   int threads = 1;
   int dp = 1;
   int pp = 1;
+  std::int64_t tp = 1;
   std::string schedule = "1f1b";
   std::string devices;  // "cpu:K": in-process devices per rank
   bool json = false;
@@ -93,7 +94,7 @@ OptimizerConfig optimizer(const Options& o) {
 Value build(Graph& g, const Options& o, const Data& d, std::int64_t batch) {
   if (o.model == "mlp") {
     if (!d.train) throw std::invalid_argument("--model mlp needs labelled data: --data digits or synthetic");
-    return models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes});
+    return models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp});
   }
   if (!d.text) throw std::invalid_argument("--model gpt needs --data text:PATH");
   return models::gpt(g, batch, {d.text->vocab_size(), o.seq, o.d_model, o.heads, o.layers});
@@ -138,10 +139,11 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
 /// in-process devices (cpu:0, cpu:1, ...) within a rank.
 std::vector<Placement> replica_places(const Options& o, const JobEnvironment& env) {
   const auto world = static_cast<int>(env.world_size);
-  const int places = o.dp * o.pp;
+  const int places = o.dp * o.pp * o.tp;
   if (places % world != 0) {
     throw std::invalid_argument(
-        fmt::format("--dp {} x --pp {} = {} cannot be spread evenly over the job's {} ranks", o.dp, o.pp, places, world));
+        fmt::format("--dp {} x --pp {} x --tp {} = {} cannot be spread evenly over the job's {} ranks", o.dp, o.pp, o.tp,
+                    places, world));
   }
   int per_rank = places / world;
   if (!o.devices.empty()) {
@@ -150,9 +152,10 @@ std::vector<Placement> replica_places(const Options& o, const JobEnvironment& en
       throw std::invalid_argument(fmt::format("--devices '{}': expected cpu:K (K in-process CPU devices per rank)", o.devices));
     }
     if (k * world != places) {
-      throw std::invalid_argument(fmt::format("--devices {} on {} rank{} gives {} devices, but --dp {} x --pp {} is {} (dp x "
-                                              "pp x tp must equal the devices)",
-                                              o.devices, world, world == 1 ? "" : "s", k * world, o.dp, o.pp, places));
+      throw std::invalid_argument(fmt::format("--devices {} on {} rank{} gives {} devices, but --dp {} x --pp {} x --tp {} is "
+                                              "{} (dp x pp x tp must equal the devices)",
+                                              o.devices, world, world == 1 ? "" : "s", k * world, o.dp, o.pp, o.tp,
+                                              places));
     }
     per_rank = k;
   }
@@ -185,8 +188,12 @@ int run(const Options& o) {
   cfg.threads = o.threads;
   cfg.dp = o.dp;
   cfg.pp = o.pp;
+  cfg.tp = static_cast<int>(o.tp);
   cfg.schedule = o.schedule;
-  if (o.dp > 1 || o.pp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
+  if (o.tp > 1 && o.model != "mlp") {
+    throw std::invalid_argument("--tp splits the MLP's layer pairs; the GPT's blocks are not split yet (use --dp/--pp)");
+  }
+  if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
   if (text) {
     cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
   } else {
@@ -203,7 +210,8 @@ int run(const Options& o) {
     for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
     fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}\n",
                o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
-               o.dp > 1 || o.pp > 1 ? fmt::format("dp {} x pp {} ({}) x ", o.dp, o.pp, o.schedule) : "", o.microbatches,
+               o.dp > 1 || o.pp > 1 || o.tp > 1 ? fmt::format("dp {} x pp {} ({}) x tp {} x ", o.dp, o.pp, o.schedule, o.tp) : "",
+               o.microbatches,
                mb, o.optimizer, o.lr,
                env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
   }
@@ -243,10 +251,10 @@ int run(const Options& o) {
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
   const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;
   if (o.json) {
-    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"ranks\": {}, \"microbatches\": {}, "
+    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"tp\": {}, \"ranks\": {}, \"microbatches\": {}, "
                "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
                "\"wall_s\": {:.6g}{}}}\n",
-               o.model, o.data, o.steps, o.batch, o.dp, o.pp, env.world_size, o.microbatches, losses.back(),
+               o.model, o.data, o.steps, o.batch, o.dp, o.pp, o.tp, env.world_size, o.microbatches, losses.back(),
                std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
                std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s,
                d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "");
@@ -321,9 +329,11 @@ int main(int argc, char** argv) {
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
+  app.add_option("--tp", o.tp, "tensor-parallel shards of each pair of MLP layers (Megatron's column/row split)")
+      ->check(CLI::Range(1, 64));
   app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (the depth of each stage's activations)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
-  app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp x pp / ranks)");
+  app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp x pp x tp / ranks)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
   app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")
       ->expected(0, 1)

@@ -11,7 +11,28 @@ Value mlp(Graph& g, std::int64_t batch, const MlpShape& s) {
   Value h = g.input("x", {batch, s.inputs});
   g.input("label", {batch}, i32);
   std::int64_t width = s.inputs;
+  if (s.tp < 1 || (s.tp > 1 && s.hidden % s.tp != 0)) {
+    throw GraphError(fmt::format("mlp: hidden {} is not divisible by tp {}", s.hidden, s.tp));
+  }
   for (std::int64_t l = 0; l < s.layers; ++l) {
+    if (s.tp > 1 && l + 1 < s.layers) {
+      // A pair: column-parallel, then row-parallel; one sum of the partial products.
+      const std::int64_t part = s.hidden / s.tp;
+      Value sum;
+      for (std::int64_t k = 0; k < s.tp; ++k) {
+        auto on = g.shard(static_cast<std::int32_t>(k));
+        auto w1 = g.variable(fmt::format("fc{}.w.tp{}", l, k), {width, part}, init::kaiming());
+        auto b1 = g.variable(fmt::format("fc{}.b.tp{}", l, k), {part}, init::zeros());
+        auto w2 = g.variable(fmt::format("fc{}.w.tp{}", l + 1, k), {part, s.hidden}, init::kaiming());
+        Value partial = matmul(relu(matmul(h, w1) + b1), w2);
+        sum = k == 0 ? partial : sum + partial;
+      }
+      auto b2 = g.variable(fmt::format("fc{}.b", l + 1), {s.hidden}, init::zeros());
+      h = relu(sum + b2);
+      width = s.hidden;
+      ++l;
+      continue;
+    }
     auto w = g.variable(fmt::format("fc{}.w", l), {width, s.hidden}, init::kaiming());
     auto b = g.variable(fmt::format("fc{}.b", l), {s.hidden}, init::zeros());
     h = relu(matmul(h, w) + b);

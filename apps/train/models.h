@@ -11,6 +11,11 @@ struct MlpShape {
   std::int64_t hidden = 256;
   std::int64_t layers = 2;  // hidden layers
   std::int64_t classes = 10;
+  /// Tensor-parallel shards: each pair of hidden layers is split Megatron's way over `tp`
+  /// shards (the first layer by columns, "fc<l>.w.tp<k>" [in, hidden/tp]; the second by rows,
+  /// "fc<l+1>.w.tp<k>" [hidden/tp, hidden]; their partial products summed once). A last odd
+  /// layer and the output layer are shared. hidden must be a multiple of tp.
+  std::int64_t tp = 1;
 };
 
 /// x [batch, inputs] -> `layers` x (Linear + ReLU) -> Linear -> logits [batch, classes].

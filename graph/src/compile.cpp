@@ -134,15 +134,21 @@ struct PlanBuilder {
   Graph& g;
   Plan& plan;
   KernelRegistry& kernels;
-  std::vector<Placement> stage_where{Placement{}};  // rank and device of each pipeline stage
-  const std::vector<int>* stage_of = nullptr;        // node -> pipeline stage (null: all 0)
+  /// Rank and device of each (pipeline stage, tensor shard) of this replica, at stage * tp + shard.
+  std::vector<Placement> places{Placement{}};
+  int tp = 1;
+  const std::vector<int>* stage_of = nullptr;  // node -> pipeline stage (null: all 0)
+  const std::vector<int>* shard_of = nullptr;  // node -> tensor-parallel shard (null: all 0)
   std::string suffix;      // "" for one replica, "@dp<r>" otherwise
   std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
 
   std::string named(const std::string& n) const { return n + suffix; }
   int stage(int id) const { return stage_of == nullptr ? 0 : (*stage_of)[static_cast<std::size_t>(id)]; }
-  Placement at(std::uint8_t stream, int stage = 0) const {
-    Placement p = stage_where[static_cast<std::size_t>(stage)];
+  int shard(int id) const { return shard_of == nullptr ? 0 : (*shard_of)[static_cast<std::size_t>(id)]; }
+  /// The node's index into `places`.
+  int place(int id) const { return stage(id) * tp + shard(id); }
+  Placement at(std::uint8_t stream, int place = 0) const {
+    Placement p = places[static_cast<std::size_t>(place)];
     p.stream = stream;
     return p;
   }
@@ -164,12 +170,12 @@ struct PlanBuilder {
     for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
     RegisterIndex out = node_register(id, slots);
     plan.add_actor({.name = named(n.name), .kind = ActorKind::compute, .op = n.op, .dtype = kernel_dtype(g, n),
-                    .where = at(stream, stage(id)), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs});
+                    .where = at(stream, place(id)), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs});
   }
 
   void source_actor(const std::string& name, const std::string& op, DType dtype, std::vector<RegisterIndex> outputs,
-                    std::int64_t pieces, std::uint8_t stream, Attrs attrs = {}, int stage = 0) {
-    plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = at(stream, stage),
+                    std::int64_t pieces, std::uint8_t stream, Attrs attrs = {}, int place = 0) {
+    plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = at(stream, place),
                     .outputs = std::move(outputs), .pieces = pieces, .attrs = std::move(attrs)});
   }
 };
@@ -191,13 +197,13 @@ class ReplicaPieces final : public Kernel {
 };
 
 /// The all-reduce of `inputs[r]` (replica r's register) over the replicas (collectives.h),
-/// each member placed at its replica's `stage` and `stream`; returns the N result registers.
+/// each member placed at its replica's `place` and `stream`; returns the N result registers.
 std::vector<RegisterIndex> add_allreduce(std::vector<PlanBuilder>& replicas, const std::string& name,
                                          const std::vector<RegisterIndex>& inputs, const Shape& shape, DType dtype,
-                                         std::uint8_t stream, std::int32_t result_slots, int stage) {
+                                         std::uint8_t stream, std::int32_t result_slots, int place) {
   std::vector<AllReduceMember> members;
   for (std::size_t r = 0; r < replicas.size(); ++r) {
-    members.push_back({replicas[r].at(stream, stage), inputs[r], replicas[r].suffix});
+    members.push_back({replicas[r].at(stream, place), inputs[r], replicas[r].suffix});
   }
   return add_allreduce(replicas[0].plan, name, members, shape, dtype, result_slots);
 }
@@ -283,6 +289,35 @@ std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, in
   return stage;
 }
 
+/// Tensor-parallel shards: a forward node keeps the shard the model gave it (Graph::Shard; -1,
+/// shared, runs on shard 0); a backward node goes with the highest shard among its inputs, so
+/// the gradient of shard k's weights and activations is computed where they live.
+std::vector<int> assign_shards(const Graph& g, const std::vector<bool>& need, int loss_id, int tp) {
+  std::vector<int> shard(static_cast<std::size_t>(g.size()), 0);
+  bool any = false;
+  for (int id = 0; id < g.size(); ++id) {
+    if (!need[static_cast<std::size_t>(id)]) continue;
+    const Node& n = g.node(id);
+    if (n.tp_shard >= tp) {
+      throw GraphError(fmt::format("'{}' is on tensor-parallel shard {} but tp is {}", n.name, n.tp_shard, tp));
+    }
+    if (id <= loss_id || n.tp_shard >= 0) {
+      shard[static_cast<std::size_t>(id)] = std::max(0, n.tp_shard);
+      any = any || n.tp_shard > 0;
+    } else {
+      int s = 0;
+      for (int in : n.inputs) s = std::max(s, shard[static_cast<std::size_t>(in)]);
+      shard[static_cast<std::size_t>(id)] = s;
+    }
+  }
+  if (!any) {
+    throw GraphError(fmt::format("tp is {} but no node of the model is on a shard above 0 (build it with Graph::shard "
+                                 "scopes, as models::mlp does with a tp argument)",
+                                 tp));
+  }
+  return shard;
+}
+
 }  // namespace
 
 TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::shared_ptr<ParameterStore> params) {
@@ -295,14 +330,15 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   if (cfg.schedule != "gpipe" && cfg.schedule != "1f1b") {
     throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
   }
-  const int n_places = cfg.dp * cfg.pp;
+  if (cfg.tp < 1) throw GraphError(fmt::format("tp must be >= 1, not {}", cfg.tp));
+  const int n_places = cfg.dp * cfg.pp * cfg.tp;
   if (!cfg.replica_places.empty() && cfg.replica_places.size() != static_cast<std::size_t>(n_places)) {
-    throw GraphError(fmt::format("dp {} x pp {} is {} but {} replica places are given", cfg.dp, cfg.pp, n_places,
-                                 cfg.replica_places.size()));
+    throw GraphError(fmt::format("dp {} x pp {} x tp {} is {} but {} replica places are given", cfg.dp, cfg.pp, cfg.tp,
+                                 n_places, cfg.replica_places.size()));
   }
   if (n_places > Device::max_index + 1 && cfg.replica_places.empty()) {
-    throw GraphError(fmt::format("dp {} x pp {} needs {} in-process devices; at most {}", cfg.dp, cfg.pp, n_places,
-                                 Device::max_index + 1));
+    throw GraphError(fmt::format("dp {} x pp {} x tp {} needs {} in-process devices; at most {}", cfg.dp, cfg.pp,
+                                 cfg.tp, n_places, Device::max_index + 1));
   }
   if (!params) params = ParameterStore::initialize(g);
   const std::int64_t m = cfg.microbatches;
@@ -329,6 +365,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   std::vector<bool> need = needed_nodes(g, targets);
   const int n_pp = cfg.pp;
   const std::vector<int> stages = n_pp > 1 ? assign_stages(g, need, loss_id, n_pp) : std::vector<int>{};
+  const std::vector<int> shards = cfg.tp > 1 ? assign_shards(g, need, loss_id, cfg.tp) : std::vector<int>{};
   // Activation slots of stage s: the schedule.
   auto forward_slots = [&](int s) -> std::int32_t {
     if (n_pp == 1) return cfg.activation_slots;
@@ -343,14 +380,16 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   std::vector<PlanBuilder> replicas;
   for (std::int64_t r = 0; r < n_dp; ++r) {
     PlanBuilder b{g, plan, kernels};
-    b.stage_where.clear();
-    for (int s = 0; s < n_pp; ++s) {
-      const auto i = static_cast<std::size_t>(r * n_pp + s);
-      b.stage_where.push_back(cfg.replica_places.empty()
-                                  ? Placement{.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(i)}}
-                                  : cfg.replica_places[i]);
+    b.places.clear();
+    b.tp = cfg.tp;
+    for (int s = 0; s < n_pp * cfg.tp; ++s) {
+      const auto i = static_cast<std::size_t>(r * n_pp * cfg.tp + s);
+      b.places.push_back(cfg.replica_places.empty()
+                             ? Placement{.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(i)}}
+                             : cfg.replica_places[i]);
     }
     if (n_pp > 1) b.stage_of = &stages;
+    if (cfg.tp > 1) b.shard_of = &shards;
     if (n_dp > 1) b.suffix = fmt::format("@dp{}", r);
     replicas.push_back(std::move(b));
   }
@@ -372,7 +411,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     std::vector<RegisterIndex> reduced = local;
     if (n_dp > 1) {
       reduced = add_allreduce(replicas, "grad." + v.name(), local, v.shape(), v.dtype(), backward_stream, 1,
-                              replicas[0].stage(v.id()));
+                              replicas[0].place(v.id()));
     }
     for (std::int64_t r = 0; r < n_dp; ++r) grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
   }
@@ -412,7 +451,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           return std::make_unique<ReplicaPieces>(inner(kc), r, n_dp, m);
         });
       }
-      b.source_actor("data." + d.name, op, DType::f32, std::move(outs), pieces, forward_stream, {}, data_stage);
+      b.source_actor("data." + d.name, op, DType::f32, std::move(outs), pieces, forward_stream, {}, data_stage * b.tp);
     }
 
     for (int id = 0; id < g.size(); ++id) {
@@ -445,23 +484,23 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           });
           std::vector<InputPort> ins{{it->second, 1}};
           if (clip_reg[static_cast<std::size_t>(r)]) ins.push_back({*clip_reg[static_cast<std::size_t>(r)], 1});
-          plan.add_actor({.name = op, .op = op, .dtype = dt, .where = b.at(backward_stream, b.stage(id)),
+          plan.add_actor({.name = op, .op = op, .dtype = dt, .where = b.at(backward_stream, b.place(id)),
                           .inputs = std::move(ins), .outputs = {w}, .stops_when_unread = false});
         } else {
           kernels.add(op, DeviceType::cpu, dt, [master](const KernelConfig&) {
             return std::make_unique<ConstantSource>(master);
           });
-          b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream, {}, b.stage(id));
+          b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream, {}, b.place(id));
         }
         // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
         // weight at once: the repeat needs the activations' depth, or it caps the schedule.
         RegisterIndex rep = b.node_register(id, n_pp > 1 ? std::max(2, forward_slots(b.stage(id)) + 1) : 2);
         plan.add_actor({.name = b.named(n.name + ".repeat"), .kind = ActorKind::repeat, .dtype = dt,
-                        .where = b.at(backward_stream, b.stage(id)), .inputs = {{w}}, .outputs = {rep},
+                        .where = b.at(backward_stream, b.place(id)), .inputs = {{w}}, .outputs = {rep},
                         .group = static_cast<std::int32_t>(m)});
       } else if (n.op == "fill" && n.inputs.empty()) {
         RegisterIndex reg = b.node_register(id, 2);
-        b.source_actor(n.name, "fill", n.dtype, {reg}, pieces, stream_of(id), n.attrs, b.stage(id));
+        b.source_actor(n.name, "fill", n.dtype, {reg}, pieces, stream_of(id), n.attrs, b.place(id));
       } else {
         b.op_actor(id, stream_of(id), id <= loss_id ? forward_slots(b.stage(id)) : cfg.activation_slots);
       }
@@ -471,7 +510,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     std::vector<InputPort> clip_inputs;
     for (auto& [v, grad] : trained) {
       plan.add_actor({.name = b.named("grad." + v.name() + ".accumulate"), .kind = ActorKind::accumulate,
-                      .dtype = v.dtype(), .where = b.at(backward_stream, b.stage(v.id())),
+                      .dtype = v.dtype(), .where = b.at(backward_stream, b.place(v.id())),
                       .inputs = {{b.reg_of.at(grad.id())}},
                       .outputs = {grad_sum[static_cast<std::size_t>(r)].at(v.id())},
                       .group = static_cast<std::int32_t>(m)});
@@ -497,15 +536,15 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   auto losses = std::make_shared<LossLog>(m);
   const DType loss_dt = loss.dtype();
   RegisterIndex loss_in = loss_regs[0];
-  const int loss_stage = replicas[0].stage(loss_id);
-  if (n_dp > 1) loss_in = add_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2, loss_stage)[0];
+  const int loss_place = replicas[0].place(loss_id);
+  if (n_dp > 1) loss_in = add_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2, loss_place)[0];
   const double loss_scale = 1.0 / static_cast<double>(n_dp);
   kernels.add_fn("loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt, loss_scale](KernelContext& ctx) {
     const Tensor& t = *ctx.inputs[0];
     losses->record(ctx.piece, loss_scale * (loss_dt == DType::f64 ? scalar_of<double>(t) : scalar_of<float>(t)));
   });
   plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
-                  .where = replicas[0].at(forward_stream, loss_stage), .inputs = {{loss_in}}});
+                  .where = replicas[0].at(forward_stream, loss_place), .inputs = {{loss_in}}});
 
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses)};
 }

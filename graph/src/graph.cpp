@@ -60,6 +60,7 @@ Value Graph::add(std::string op, std::vector<Value> inputs, Attrs attrs, Shape s
   n.attrs = std::move(attrs);
   n.shape = std::move(shape);
   n.dtype = dtype;
+  n.tp_shard = shard_;
   (void)numel(n.shape);  // rejects negative extents and overflow
   nodes_.push_back(std::move(n));
   return Value(this, size() - 1);

@@ -110,8 +110,14 @@ struct TrainConfig {
   /// after a warm-up of pp - s forwards). One weight version per step, as without stages.
   int pp = 1;
   std::string schedule = "1f1b";
-  /// Where each (replica, stage) runs (rank, device; streams are chosen by `threads`), replica
-  /// r's stage s at r * pp + s. Empty: the in-process device cpu:(r * pp + s) of rank 0.
+  /// Tensor parallelism: the model itself says which nodes belong to which of `tp` shards
+  /// (Graph::shard scopes; models::mlp splits each pair of layers Megatron's way: the first by
+  /// columns, the second by rows, their partial products summed once); each shard of each stage
+  /// gets its own device, and backward ops go with the shard of what they differentiate.
+  int tp = 1;
+  /// Where each (replica, stage, shard) runs (rank, device; streams are chosen by `threads`):
+  /// replica r's stage s, shard k at (r * pp + s) * tp + k. Empty: the in-process device with
+  /// that index on rank 0.
   std::vector<Placement> replica_places;
 };
 

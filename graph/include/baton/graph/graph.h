@@ -59,6 +59,9 @@ struct Node {
   DType dtype = DType::f32;
   Init init{};             // variables only
   bool trainable = false;  // variables only
+  /// Tensor parallelism: the shard (0 .. tp-1) whose device computes this node, or -1 for a
+  /// node every shard shares (it runs on shard 0's device). Set by Graph::Shard scopes.
+  std::int32_t tp_shard = -1;
 };
 
 /// A handle to a node's output. Cheap to copy; valid while its Graph lives.
@@ -113,6 +116,21 @@ class Graph {
   std::vector<Value> variables();
   std::vector<Value> inputs();
 
+  /// Nodes created while a Shard lives belong to tensor-parallel shard k (see Node::tp_shard):
+  ///   { auto on = g.shard(k); h = relu(matmul(x, w_k) + b_k); }
+  class Shard {
+   public:
+    Shard(Graph& g, std::int32_t k) : g_(g), previous_(g.shard_) { g.shard_ = k; }
+    ~Shard() { g_.shard_ = previous_; }
+    Shard(const Shard&) = delete;
+    Shard& operator=(const Shard&) = delete;
+
+   private:
+    Graph& g_;
+    std::int32_t previous_;
+  };
+  [[nodiscard]] Shard shard(std::int32_t k) { return Shard(*this, k); }
+
   /// One line per node: "h1 = relu(mm1) f32[32, 256]".
   std::string to_text() const;
   /// Graphviz, inputs and variables as ellipses.
@@ -123,6 +141,7 @@ class Graph {
   std::vector<Node> nodes_;
   std::uint64_t seed_;
   int counter_ = 0;
+  std::int32_t shard_ = -1;
 };
 
 }  // namespace baton
