@@ -414,3 +414,77 @@ TEST_CASE("Parallel.BadTensorParallelConfigsFailBeforeRunning") {
   Graph h(1);
   CHECK_THROWS_WITH_AS(models::mlp(h, 4, {.hidden = 10, .tp = 4}), doctest::Contains("not divisible by tp 4"), GraphError);
 }
+
+namespace {
+/// A tensor-parallel GPT's weights as one device's: row-split shards (attn.wo, mlp.w2) stacked,
+/// the rest (wq, wk, wv, w1, b1) side by side.
+std::map<std::string, Tensor> assembled_gpt(const ParameterStore& p, std::int64_t tp) {
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, t] : p.values()) {
+    auto pos = name.rfind(".tp");
+    if (pos == std::string::npos) {  // a copy: the two runs must not train the same tensor
+      Tensor copy = Tensor::empty(t.shape(), t.dtype());
+      std::copy(t.data<float>().begin(), t.data<float>().end(), copy.data<float>().begin());
+      out[name] = copy;
+      continue;
+    }
+    const std::string base = name.substr(0, pos);
+    if (out.count(base)) continue;
+    std::vector<const Tensor*> parts;
+    for (std::int64_t k = 0; k < tp; ++k) parts.push_back(&p.at(fmt::format("{}.tp{}", base, k)));
+    const bool rows = base.ends_with("attn.wo") || base.ends_with("mlp.w2");
+    Shape shape = t.shape();
+    shape[rows || shape.size() == 1 ? 0 : 1] *= tp;
+    Tensor whole = Tensor::empty(shape, DType::f32);
+    auto v = concat(parts, rows ? 0 : 1);
+    std::copy(v.begin(), v.end(), whole.data<float>().begin());
+    out[base] = whole;
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(120)) {
+  const std::string path = "/usr/share/common-licenses/GPL-3";
+  if (!std::filesystem::exists(path)) {
+    MESSAGE("skipped: " << path << " is missing");
+    return;
+  }
+  auto corpus = std::make_shared<const baton::data::TextCorpus>(baton::data::load_text(path));
+  const std::int64_t batch = 8;
+  auto shape = [&](std::int64_t tp) {
+    return models::GptShape{.vocab = corpus->vocab_size(), .seq = 16, .d_model = 32, .heads = 4, .layers = 2, .tp = tp};
+  };
+  auto run = [&](std::int64_t tp, std::shared_ptr<ParameterStore> start) {
+    Graph g(3);
+    Value logits = models::gpt(g, batch, shape(tp));
+    Value loss = softmax_cross_entropy(logits, g.find("targets"));
+    TrainConfig cfg;
+    cfg.steps = 5;
+    cfg.tp = static_cast<int>(tp);
+    cfg.optimizer = optim::adam(3e-3);
+    cfg.data = {{"text", baton::data::text_source(corpus, batch, 1, 16, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, loss, cfg, std::move(start));
+    Runtime rt(job.plan, job.kernels);
+    rt.run();
+    Run out;
+    out.losses = job.losses->per_step();
+    for (auto& [name, t] : assembled_gpt(*job.params, tp)) {
+      auto d = t.data<float>();
+      out.weights[name] = std::vector<float>(d.begin(), d.end());
+    }
+    return out;
+  };
+  for (std::int64_t tp : {2, 4}) {
+    CAPTURE(tp);
+    Graph shards(3);
+    models::gpt(shards, batch, shape(tp));
+    auto sharded_start = ParameterStore::initialize(shards);
+    auto one_start = std::make_shared<ParameterStore>();
+    for (auto& [name, t] : assembled_gpt(*sharded_start, tp)) one_start->set(name, t);
+    Run one = run(1, one_start);
+    Run split = run(tp, sharded_start);
+    REQUIRE(one.losses.size() == 5);
+    check_same(one, split);
+  }
+}

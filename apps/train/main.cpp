@@ -97,7 +97,7 @@ Value build(Graph& g, const Options& o, const Data& d, std::int64_t batch) {
     return models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp});
   }
   if (!d.text) throw std::invalid_argument("--model gpt needs --data text:PATH");
-  return models::gpt(g, batch, {d.text->vocab_size(), o.seq, o.d_model, o.heads, o.layers});
+  return models::gpt(g, batch, {d.text->vocab_size(), o.seq, o.d_model, o.heads, o.layers, o.tp});
 }
 
 /// Held-out accuracy (labelled data) or loss (text), with the trained weights.
@@ -190,9 +190,6 @@ int run(const Options& o) {
   cfg.pp = o.pp;
   cfg.tp = static_cast<int>(o.tp);
   cfg.schedule = o.schedule;
-  if (o.tp > 1 && o.model != "mlp") {
-    throw std::invalid_argument("--tp splits the MLP's layer pairs; the GPT's blocks are not split yet (use --dp/--pp)");
-  }
   if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
   if (text) {
     cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
@@ -329,7 +326,7 @@ int main(int argc, char** argv) {
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
-  app.add_option("--tp", o.tp, "tensor-parallel shards of each pair of MLP layers (Megatron's column/row split)")
+  app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads and MLP)")
       ->check(CLI::Range(1, 64));
   app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (the depth of each stage's activations)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}));

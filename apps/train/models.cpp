@@ -51,23 +51,46 @@ Value gpt(Graph& g, std::int64_t batch, const GptShape& s) {
   auto wte = g.variable("wte", {s.vocab, d}, init::normal(0.0, 0.02));
   auto wpe = g.variable("wpe", {t, d}, init::normal(0.0, 0.02));
   Value x = embedding(wte, tokens) + wpe;  // [b, t, d]
-  auto heads = [&](Value v) {              // [b, t, d] -> [b * nh, t, dh]
-    return reshape(transpose(reshape(v, {b, t, nh, dh}), {0, 2, 1, 3}), {b * nh, t, dh});
+  const std::int64_t tp = s.tp;
+  if (tp < 1 || nh % tp != 0) throw GraphError(fmt::format("gpt: heads {} is not divisible by tp {}", nh, tp));
+  const std::int64_t nh_k = nh / tp, d_k = d / tp, f_k = 4 * d / tp;  // per shard
+  auto shard_name = [&](const std::string& name, std::int64_t k) {
+    return tp == 1 ? name : fmt::format("{}.tp{}", name, k);
   };
   for (std::int64_t l = 0; l < s.layers; ++l) {
     auto p = [&](const char* what) { return fmt::format("h{}.{}", l, what); };
     auto ln1 = layer_norm(x, g.variable(p("ln1.g"), {d}, init::ones()), g.variable(p("ln1.b"), {d}, init::zeros()));
-    auto q = heads(matmul(ln1, g.variable(p("attn.wq"), {d, d}, init::normal(0.0, 0.02))));
-    auto k = heads(matmul(ln1, g.variable(p("attn.wk"), {d, d}, init::normal(0.0, 0.02))));
-    auto v = heads(matmul(ln1, g.variable(p("attn.wv"), {d, d}, init::normal(0.0, 0.02))));
-    auto att = softmax(causal_mask(matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
-    auto o = reshape(transpose(reshape(matmul(att, v), {b, nh, t, dh}), {0, 2, 1, 3}), {b, t, d});
-    x = x + matmul(o, g.variable(p("attn.wo"), {d, d}, init::normal(0.0, 0.02)));
+    // Attention: shard k computes heads [k nh/tp, (k+1) nh/tp) and its part of the output
+    // projection; the parts are summed once.
+    Value attn;
+    for (std::int64_t sk = 0; sk < tp; ++sk) {
+      auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(sk));
+      auto w = [&](const char* what, Shape shape) {
+        return g.variable(shard_name(p(what), sk), std::move(shape), init::normal(0.0, 0.02));
+      };
+      auto split_heads = [&](Value v) {  // [b, t, d/tp] -> [b * nh_k, t, dh]
+        return reshape(transpose(reshape(v, {b, t, nh_k, dh}), {0, 2, 1, 3}), {b * nh_k, t, dh});
+      };
+      auto q = split_heads(matmul(ln1, w("attn.wq", {d, d_k})));
+      auto k = split_heads(matmul(ln1, w("attn.wk", {d, d_k})));
+      auto v = split_heads(matmul(ln1, w("attn.wv", {d, d_k})));
+      auto att = softmax(causal_mask(matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
+      auto o = reshape(transpose(reshape(matmul(att, v), {b, nh_k, t, dh}), {0, 2, 1, 3}), {b, t, d_k});
+      Value part = matmul(o, w("attn.wo", {d_k, d}));
+      attn = sk == 0 ? part : attn + part;
+    }
+    x = x + attn;
     auto ln2 = layer_norm(x, g.variable(p("ln2.g"), {d}, init::ones()), g.variable(p("ln2.b"), {d}, init::zeros()));
-    auto fc = gelu(matmul(ln2, g.variable(p("mlp.w1"), {d, 4 * d}, init::normal(0.0, 0.02))) +
-                   g.variable(p("mlp.b1"), {4 * d}, init::zeros()));
-    x = x + matmul(fc, g.variable(p("mlp.w2"), {4 * d, d}, init::normal(0.0, 0.02))) +
-        g.variable(p("mlp.b2"), {d}, init::zeros());
+    // MLP: w1 (and b1) by columns, w2 by rows.
+    Value mlp;
+    for (std::int64_t sk = 0; sk < tp; ++sk) {
+      auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(sk));
+      auto fc = gelu(matmul(ln2, g.variable(shard_name(p("mlp.w1"), sk), {d, f_k}, init::normal(0.0, 0.02))) +
+                     g.variable(shard_name(p("mlp.b1"), sk), {f_k}, init::zeros()));
+      Value part = matmul(fc, g.variable(shard_name(p("mlp.w2"), sk), {f_k, d}, init::normal(0.0, 0.02)));
+      mlp = sk == 0 ? part : mlp + part;
+    }
+    x = x + mlp + g.variable(p("mlp.b2"), {d}, init::zeros());
   }
   auto lnf = layer_norm(x, g.variable("lnf.g", {d}, init::ones()), g.variable("lnf.b", {d}, init::zeros()));
   auto logits = matmul(lnf, g.variable("head.w", {d, s.vocab}, init::normal(0.0, 0.02)));

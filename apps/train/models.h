@@ -28,6 +28,11 @@ struct GptShape {
   std::int64_t d_model = 64;
   std::int64_t heads = 4;
   std::int64_t layers = 2;
+  /// Tensor-parallel shards (Megatron): in every block the attention heads are split over `tp`
+  /// shards (wq, wk, wv by columns, "h<l>.attn.wq.tp<k>" [d, d/tp]; wo by rows) and so is the
+  /// MLP (w1, b1 by columns, w2 by rows); each half sums its shards' partial products once.
+  /// heads must be a multiple of tp.
+  std::int64_t tp = 1;
 };
 
 /// A GPT-style decoder: token + position embeddings, `layers` pre-norm blocks of causal
