@@ -10,9 +10,12 @@
 //
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
+// BATON_BENCH_STAGES=1 in the environment: each run's per-stage idle fraction and actor table
+// on stderr.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include <fmt/format.h>
@@ -82,7 +85,9 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
       if (a.name == fmt::format("fwd{}", s) || a.name == fmt::format("bwd{}", s)) kernel += a.kernel_s;
     }
     idle += 1.0 - kernel / report.wall_s;
+    if (std::getenv("BATON_BENCH_STAGES")) fmt::print(stderr, "  stage {} idle {:.3f}\n", s, 1.0 - kernel / report.wall_s);
   }
+  if (std::getenv("BATON_BENCH_STAGES")) fmt::print(stderr, "{}", report.metrics.table());
   r.idle = idle / k;
   for (const auto& reg_metrics : report.metrics.registers) {
     if (reg_metrics.name.rfind("act", 0) == 0) r.peak_activations += reg_metrics.max_outstanding;
