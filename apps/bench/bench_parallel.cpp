@@ -6,7 +6,9 @@
 // one worker thread; its idle fraction is 1 - (time in its kernels) / (wall time), averaged
 // over the stages. The reference is the bubble formula (K-1)/(M+K-1) (GPipe; 1F1B has the same
 // bubble and fewer live activations). Also printed: the most activation slots ever in use, per
-// schedule (gpipe gives stage s M slots, 1f1b K - s).
+// schedule (gpipe gives stage s M slots, 1f1b K - s). Then training throughput: the MLP and the
+// small GPT on dp / pp / tp / hybrid against one device with the same micro-batching; the
+// efficiency divides the speed-up by min(devices, cores).
 //
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
@@ -20,9 +22,15 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
+#include <thread>
+
 #include "json_line.h"
+#include "models.h"
 #include "baton/actors.h"
+#include "baton/graph.h"
 #include "baton/kernels.h"
+#include "baton/kernels/data.h"
 
 namespace {
 
@@ -95,6 +103,72 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
   return r;
 }
 
+// --- training throughput: the same model and global batch on 1 device and on dp x pp x tp ---
+
+struct Training {
+  std::string model;
+  int dp = 1, pp = 1, tp = 1;
+  std::int64_t microbatches = 1;  // per replica
+};
+
+double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch) {
+  static const auto synthetic = std::make_shared<const data::Dataset>(data::synthetic(4096, 64, 10, 1));
+  static const auto text = std::filesystem::exists("/usr/share/common-licenses/GPL-3")
+                               ? std::make_shared<const data::TextCorpus>(data::load_text("/usr/share/common-licenses/GPL-3"))
+                               : nullptr;
+  const bool gpt = t.model == "gpt";
+  const std::int64_t pieces = t.dp * t.microbatches;
+  Graph g(1);
+  Value logits = gpt ? models::gpt(g, batch / pieces,
+                                   {.vocab = text->vocab_size(), .seq = 32, .d_model = 64, .heads = 4, .layers = 2, .tp = t.tp})
+                     : models::mlp(g, batch / pieces, {.inputs = 64, .hidden = 256, .layers = 2, .classes = 10, .tp = t.tp});
+  Value loss = softmax_cross_entropy(logits, g.find(gpt ? "targets" : "label"));
+  TrainConfig cfg;
+  cfg.steps = steps;
+  cfg.microbatches = t.microbatches;
+  cfg.dp = t.dp;
+  cfg.pp = t.pp;
+  cfg.tp = t.tp;
+  cfg.optimizer = optim::adam(1e-3);
+  if (gpt) {
+    cfg.data = {{"text", data::text_source(text, batch, pieces, 32, 1), {"tokens", "targets"}}};
+  } else {
+    cfg.data = {{"synthetic", data::batch_source(synthetic, batch, pieces, 1), {"x", "label"}}};
+  }
+  TrainingJob job = compile_training(g, loss, cfg);
+  Runtime rt(job.plan, job.kernels);
+  return static_cast<double>(steps * batch) / rt.run().wall_s;
+}
+
+void training_scaling(bool quick) {
+  const bool have_text = std::filesystem::exists("/usr/share/common-licenses/GPL-3");
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  for (const std::string model : {"mlp", "gpt"}) {
+    if (model == "gpt" && !have_text) continue;
+    const std::int64_t batch = model == "mlp" ? 256 : 16;
+    const std::int64_t steps = (model == "mlp" ? 300 : 40) / (quick ? 10 : 1);
+    auto best = [&](const Training& t) {
+      double r = 0;
+      for (int i = 0; i < (quick ? 1 : 3); ++i) r = std::max(r, samples_per_s(t, steps, batch));
+      return r;
+    };
+    const std::vector<Training> configs = {
+        {model, 2, 1, 1, 1}, {model, 1, 2, 1, 4}, {model, 1, 1, 2, 1}, {model, 2, 2, 1, 2}, {model, 2, 1, 2, 1}};
+    for (const Training& t : configs) {
+      // The one-device run with the same micro-batching (the same split of the global batch).
+      const double one = best({model, 1, 1, 1, t.dp * t.microbatches});
+      const double many = best(t);
+      const int devices = t.dp * t.pp * t.tp;
+      bench::JsonLine line("parallel", fmt::format("train_{}_dp{}_pp{}_tp{}", model, t.dp, t.pp, t.tp));
+      line.add("value", many).add("unit", "samples/s").add("reference", one).add("reference_name", "one device")
+          .add("ratio", many / one).add("devices", devices).add("cores", static_cast<std::int64_t>(cores))
+          .add("efficiency", many / one / std::min<double>(devices, cores)).add("batch", batch)
+          .add("microbatches", t.microbatches);
+      line.print();
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -126,5 +200,6 @@ int main(int argc, char** argv) {
       }
     }
   }
+  training_scaling(quick);
   return 0;
 }
