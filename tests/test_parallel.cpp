@@ -31,6 +31,7 @@ struct Setup {
   int threads = 1;
   std::int64_t steps = 10;
   OptimizerConfig opt = optim::sgd(0.1, 0.9);
+  std::int64_t bucket_bytes = 25 << 20;
   std::vector<Placement> places;  // empty: in-process devices
   bool loopback_ranks = false;    // places are ranks: run them as runtimes joined by a LoopbackHub
 };
@@ -65,6 +66,7 @@ Run train(const Setup& s) {
   cfg.steps = s.steps;
   cfg.microbatches = s.microbatches;
   cfg.dp = static_cast<int>(s.dp);
+  cfg.bucket_bytes = s.bucket_bytes;
   cfg.pp = s.pp;
   cfg.schedule = s.schedule;
   cfg.replica_places = s.places;
@@ -149,22 +151,35 @@ TEST_CASE("Parallel.DataParallelAcrossRanksEqualsOneDevice" * doctest::timeout(1
   }
 }
 
-TEST_CASE("Parallel.DataParallelPlanHasTheAllReduce") {
-  Run r = train({.dp = 2, .microbatches = 1, .steps = 1});
-  int split = 0, sum = 0, concat = 0;
-  for (const auto& a : r.plan.actors) {
-    split += a.op == "allreduce.split";
-    sum += a.op == "allreduce.sum";
-    concat += a.op == "allreduce.concat";
-  }
-  // 4 weights and the loss, 2 replicas: a split and a concat per replica, a sum per chunk.
-  CHECK(split == 10);
-  CHECK(sum == 10);
-  CHECK(concat == 10);
+TEST_CASE("Parallel.DataParallelPlanHasTheAllReduceInBuckets") {
+  auto count = [](const Run& r, const std::string& op) {
+    int n = 0;
+    for (const auto& a : r.plan.actors) n += a.op == op;
+    return n;
+  };
+  // One all-reduce per weight (bucket_bytes 0): 4 weights and the loss, 2 replicas, a split
+  // and a concat per replica, a sum per chunk.
+  Run per_weight = train({.dp = 2, .microbatches = 1, .steps = 1, .bucket_bytes = 0});
+  CHECK(count(per_weight, "allreduce.split") == 10);
+  CHECK(count(per_weight, "allreduce.sum") == 10);
+  CHECK(count(per_weight, "allreduce.concat") == 10);
+  // DDP's 25 MB: the 4 weights share one bucket, packed (concat) and unpacked (split) around
+  // one all-reduce; the loss has its own.
+  Run bucketed = train({.dp = 2, .microbatches = 1, .steps = 1});
+  CHECK(count(bucketed, "allreduce.sum") == 4);
+  CHECK(count(bucketed, "allreduce.split") == 6);
+  CHECK(count(bucketed, "allreduce.concat") == 6);
   // Replica r's actors run on in-process device cpu:r.
-  for (const auto& a : r.plan.actors) {
+  for (const auto& a : bucketed.plan.actors) {
     if (a.name.ends_with("@dp1")) CHECK(a.where.device.index == 1);
   }
+  // Buckets change how the sums travel, not what they are.
+  Run a = train({.dp = 2, .microbatches = 2, .opt = optim::adam(0.01), .bucket_bytes = 0});
+  Run b = train({.dp = 2, .microbatches = 2, .opt = optim::adam(0.01)});
+  Run c = train({.dp = 2, .microbatches = 2, .opt = optim::adam(0.01), .bucket_bytes = 300});  // some buckets
+  CHECK(a.losses == b.losses);
+  CHECK(a.weights == b.weights);
+  CHECK(a.weights == c.weights);
 }
 
 TEST_CASE("Parallel.BadDataParallelConfigsFailBeforeRunning") {

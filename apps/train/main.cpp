@@ -44,6 +44,7 @@ struct Options {
   std::int64_t hidden = 256;
   int threads = 1;
   int dp = 1;
+  double bucket_mb = 25;
   int pp = 1;
   std::int64_t tp = 1;
   std::string schedule = "1f1b";
@@ -187,6 +188,7 @@ int run(const Options& o) {
   cfg.optimizer = optimizer(o);
   cfg.threads = o.threads;
   cfg.dp = o.dp;
+  cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
   cfg.pp = o.pp;
   cfg.tp = static_cast<int>(o.tp);
   cfg.schedule = o.schedule;
@@ -325,6 +327,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));
+  app.add_option("--bucket-mb", o.bucket_mb, "data parallelism: gradients all-reduced in buckets of this many MiB "
+                 "(DDP's 25; 0: one all-reduce per weight)")
+      ->check(CLI::Range(0.0, 1e6));
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads and MLP)")
       ->check(CLI::Range(1, 64));

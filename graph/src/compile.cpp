@@ -402,18 +402,71 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   // delay, before the actors that write them are added).
   std::vector<std::map<int, RegisterIndex>> grad_sum(static_cast<std::size_t>(n_dp)), grad_in(grad_sum);
   for (auto& [v, grad] : trained) {
-    std::vector<RegisterIndex> local;
     for (std::int64_t r = 0; r < n_dp; ++r) {
       auto& b = replicas[static_cast<std::size_t>(r)];
-      local.push_back(b.add_register("grad." + v.name(), v.shape(), v.dtype(), 1));
-      grad_sum[static_cast<std::size_t>(r)][v.id()] = local.back();
+      grad_sum[static_cast<std::size_t>(r)][v.id()] = b.add_register("grad." + v.name(), v.shape(), v.dtype(), 1);
     }
-    std::vector<RegisterIndex> reduced = local;
-    if (n_dp > 1) {
-      reduced = add_allreduce(replicas, "grad." + v.name(), local, v.shape(), v.dtype(), backward_stream, 1,
-                              replicas[0].place(v.id()));
+  }
+  // Buckets, as DDP makes them: in reverse order of the weights (roughly the order their
+  // gradients are ready), a bucket takes weights of one place and dtype until the next would
+  // pass bucket_bytes. A bucket of one is all-reduced as it is; a bigger one is packed into one
+  // flat register, all-reduced once, and unpacked.
+  std::vector<std::vector<Value>> buckets;
+  std::int64_t bucket_size = 0;
+  for (auto it = trained.rbegin(); it != trained.rend(); ++it) {
+    const Value v = it->first;
+    const std::int64_t bytes = numel(v.shape()) * static_cast<std::int64_t>(size_of(v.dtype()));
+    const bool fits = !buckets.empty() && bucket_size + bytes <= cfg.bucket_bytes &&
+                      buckets.back()[0].dtype() == v.dtype() &&
+                      replicas[0].place(buckets.back()[0].id()) == replicas[0].place(v.id());
+    if (!fits) {
+      buckets.emplace_back();
+      bucket_size = 0;
     }
-    for (std::int64_t r = 0; r < n_dp; ++r) grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
+    buckets.back().push_back(v);
+    bucket_size += bytes;
+  }
+  for (std::size_t bi = 0; bi < buckets.size(); ++bi) {
+    const std::vector<Value>& bucket = buckets[bi];
+    auto local = [&](std::int64_t r, const Value& v) { return grad_sum[static_cast<std::size_t>(r)].at(v.id()); };
+    if (n_dp == 1) {
+      for (const Value& v : bucket) grad_in[0][v.id()] = local(0, v);
+      continue;
+    }
+    const int place = replicas[0].place(bucket[0].id());
+    if (bucket.size() == 1) {
+      const Value& v = bucket[0];
+      std::vector<RegisterIndex> inputs;
+      for (std::int64_t r = 0; r < n_dp; ++r) inputs.push_back(local(r, v));
+      auto reduced = add_allreduce(replicas, "grad." + v.name(), inputs, v.shape(), v.dtype(), backward_stream, 1, place);
+      for (std::int64_t r = 0; r < n_dp; ++r) grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
+      continue;
+    }
+    const std::string name = fmt::format("grad.bucket{}", bi);
+    std::int64_t total = 0;
+    for (const Value& v : bucket) total += numel(v.shape());
+    const DType dt = bucket[0].dtype();
+    std::vector<RegisterIndex> flat;
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      auto& b = replicas[static_cast<std::size_t>(r)];
+      flat.push_back(b.add_register(name, {total}, dt, 1));
+      std::vector<InputPort> ins;
+      for (const Value& v : bucket) ins.push_back({local(r, v)});
+      plan.add_actor({.name = b.named(name + ".pack"), .op = "allreduce.concat", .dtype = dt,
+                      .where = b.at(backward_stream, place), .inputs = std::move(ins), .outputs = {flat.back()}});
+    }
+    auto reduced = add_allreduce(replicas, name, flat, {total}, dt, backward_stream, 1, place);
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      auto& b = replicas[static_cast<std::size_t>(r)];
+      std::vector<RegisterIndex> outs;
+      for (const Value& v : bucket) {
+        outs.push_back(b.add_register("grad." + v.name() + ".allreduced", v.shape(), v.dtype(), 1));
+        grad_in[static_cast<std::size_t>(r)][v.id()] = outs.back();
+      }
+      plan.add_actor({.name = b.named(name + ".unpack"), .op = "allreduce.split", .dtype = dt,
+                      .where = b.at(backward_stream, place), .inputs = {{reduced[static_cast<std::size_t>(r)]}},
+                      .outputs = std::move(outs)});
+    }
   }
   std::vector<std::optional<RegisterIndex>> clip_reg(static_cast<std::size_t>(n_dp));
   if (cfg.optimizer.clip_norm > 0 && !trained.empty()) {

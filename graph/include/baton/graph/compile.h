@@ -102,6 +102,10 @@ struct TrainConfig {
   /// weights: the result equals one replica training on all dp x M micro-batches. The loss is
   /// all-reduced the same way and reported once. `params` ends up holding replica 0's weights.
   int dp = 1;
+  /// dp > 1: gradients are all-reduced in buckets of up to this many bytes, as DDP does (its
+  /// default, 25 MB): one all-reduce per bucket instead of one per weight. 0: one per weight,
+  /// each as soon as it is summed.
+  std::int64_t bucket_bytes = 25 << 20;
   /// Pipeline parallelism: the forward ops cut into `pp` stages of about equal estimated cost
   /// (multiply-adds), each backward op on the stage of the activations it differentiates, each
   /// stage on its own device. The M micro-batches of a step flow through the stages; the
