@@ -311,27 +311,42 @@ std::vector<float> concat(const std::vector<const Tensor*>& parts, int axis) {
   return out;
 }
 
-/// One device's view of a tensor-parallel MLP's weights: the shards put back together.
-std::map<std::string, std::vector<float>> assembled(const ParameterStore& p, std::int64_t tp, std::int64_t layers) {
-  std::map<std::string, std::vector<float>> w;
+/// One device's view of a tensor-parallel model's weights: each "<name>.tp<k>" family put back
+/// together, stacked where `row_split(name)` (the second layer of a Megatron pair), side by side
+/// otherwise; the rest copied (the runs compared must not train the same tensors).
+std::map<std::string, Tensor> assembled(const ParameterStore& p, std::int64_t tp,
+                                        bool (*row_split)(const std::string& base)) {
+  std::map<std::string, Tensor> out;
   for (const auto& [name, t] : p.values()) {
-    if (name.find(".tp") != std::string::npos) continue;
-    auto d = t.data<float>();
-    w[name] = std::vector<float>(d.begin(), d.end());
-  }
-  for (std::int64_t l = 0; tp > 1 && l + 1 < layers; l += 2) {
-    std::vector<const Tensor*> w1, b1, w2;
-    for (std::int64_t k = 0; k < tp; ++k) {
-      w1.push_back(&p.at(fmt::format("fc{}.w.tp{}", l, k)));
-      b1.push_back(&p.at(fmt::format("fc{}.b.tp{}", l, k)));
-      w2.push_back(&p.at(fmt::format("fc{}.w.tp{}", l + 1, k)));
+    auto pos = name.rfind(".tp");
+    if (pos == std::string::npos) {
+      Tensor copy = Tensor::empty(t.shape(), t.dtype());
+      std::copy(t.data<float>().begin(), t.data<float>().end(), copy.data<float>().begin());
+      out[name] = copy;
+      continue;
     }
-    w[fmt::format("fc{}.w", l)] = concat(w1, 1);
-    w[fmt::format("fc{}.b", l)] = concat(b1, 0);
-    w[fmt::format("fc{}.w", l + 1)] = concat(w2, 0);
+    const std::string base = name.substr(0, pos);
+    if (out.count(base)) continue;
+    std::vector<const Tensor*> parts;
+    for (std::int64_t k = 0; k < tp; ++k) parts.push_back(&p.at(fmt::format("{}.tp{}", base, k)));
+    const bool rows = row_split(base);
+    Shape shape = t.shape();
+    shape[rows || shape.size() == 1 ? 0 : 1] *= tp;
+    Tensor whole = Tensor::empty(shape, DType::f32);
+    auto v = concat(parts, rows ? 0 : 1);
+    std::copy(v.begin(), v.end(), whole.data<float>().begin());
+    out[base] = whole;
   }
-  return w;
+  return out;
 }
+
+/// models::mlp's pairs: fc<l>.w by columns (l even), fc<l+1>.w by rows.
+bool mlp_row_split(const std::string& base) {
+  return base.ends_with(".w") && base.rfind("fc", 0) == 0 && std::stoi(base.substr(2)) % 2 == 1;
+}
+
+/// models::gpt's blocks: attn.wo and mlp.w2 by rows, wq, wk, wv, w1, b1 by columns.
+bool gpt_row_split(const std::string& base) { return base.ends_with("attn.wo") || base.ends_with("mlp.w2"); }
 
 Run train_tp(std::int64_t tp, int dp, int pp, std::shared_ptr<ParameterStore> start = nullptr) {
   constexpr std::int64_t batch = 32;
@@ -354,8 +369,10 @@ Run train_tp(std::int64_t tp, int dp, int pp, std::shared_ptr<ParameterStore> st
   rt.run();
   Run out = collect(job);
   out.weights.clear();
-  auto w = assembled(*job.params, tp, shape.layers);
-  for (auto& [name, v] : w) out.weights[name] = v;
+  for (auto& [name, t] : assembled(*job.params, tp, mlp_row_split)) {
+    auto d = t.data<float>();
+    out.weights[name] = std::vector<float>(d.begin(), d.end());
+  }
   return out;
 }
 
@@ -372,8 +389,9 @@ TEST_CASE("Parallel.TensorParallelEqualsOneDevice" * doctest::timeout(120)) {
     Graph whole(5);
     models::mlp(whole, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4});
     auto one_start = ParameterStore::initialize(whole);
-    for (auto& [name, v] : assembled(*sharded_start, tp, 2)) {
+    for (auto& [name, full] : assembled(*sharded_start, tp, mlp_row_split)) {
       Tensor& t = one_start->at(name);
+      auto v = full.data<float>();
       REQUIRE(static_cast<std::size_t>(t.numel()) == v.size());
       std::copy(v.begin(), v.end(), t.data<float>().begin());
     }
@@ -430,34 +448,6 @@ TEST_CASE("Parallel.BadTensorParallelConfigsFailBeforeRunning") {
   CHECK_THROWS_WITH_AS(models::mlp(h, 4, {.hidden = 10, .tp = 4}), doctest::Contains("not divisible by tp 4"), GraphError);
 }
 
-namespace {
-/// A tensor-parallel GPT's weights as one device's: row-split shards (attn.wo, mlp.w2) stacked,
-/// the rest (wq, wk, wv, w1, b1) side by side.
-std::map<std::string, Tensor> assembled_gpt(const ParameterStore& p, std::int64_t tp) {
-  std::map<std::string, Tensor> out;
-  for (const auto& [name, t] : p.values()) {
-    auto pos = name.rfind(".tp");
-    if (pos == std::string::npos) {  // a copy: the two runs must not train the same tensor
-      Tensor copy = Tensor::empty(t.shape(), t.dtype());
-      std::copy(t.data<float>().begin(), t.data<float>().end(), copy.data<float>().begin());
-      out[name] = copy;
-      continue;
-    }
-    const std::string base = name.substr(0, pos);
-    if (out.count(base)) continue;
-    std::vector<const Tensor*> parts;
-    for (std::int64_t k = 0; k < tp; ++k) parts.push_back(&p.at(fmt::format("{}.tp{}", base, k)));
-    const bool rows = base.ends_with("attn.wo") || base.ends_with("mlp.w2");
-    Shape shape = t.shape();
-    shape[rows || shape.size() == 1 ? 0 : 1] *= tp;
-    Tensor whole = Tensor::empty(shape, DType::f32);
-    auto v = concat(parts, rows ? 0 : 1);
-    std::copy(v.begin(), v.end(), whole.data<float>().begin());
-    out[base] = whole;
-  }
-  return out;
-}
-}  // namespace
 
 TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(120)) {
   const std::string path = "/usr/share/common-licenses/GPL-3";
@@ -484,7 +474,7 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(12
     rt.run();
     Run out;
     out.losses = job.losses->per_step();
-    for (auto& [name, t] : assembled_gpt(*job.params, tp)) {
+    for (auto& [name, t] : assembled(*job.params, tp, gpt_row_split)) {
       auto d = t.data<float>();
       out.weights[name] = std::vector<float>(d.begin(), d.end());
     }
@@ -496,7 +486,7 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(12
     models::gpt(shards, batch, shape(tp));
     auto sharded_start = ParameterStore::initialize(shards);
     auto one_start = std::make_shared<ParameterStore>();
-    for (auto& [name, t] : assembled_gpt(*sharded_start, tp)) one_start->set(name, t);
+    for (auto& [name, t] : assembled(*sharded_start, tp, gpt_row_split)) one_start->set(name, t);
     Run one = run(1, one_start);
     Run split = run(tp, sharded_start);
     REQUIRE(one.losses.size() == 5);

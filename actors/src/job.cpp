@@ -1,8 +1,6 @@
 // run_job: control plane + data plane + runtime for one rank of a job.
 #include "baton/actors/job.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -25,12 +23,6 @@ std::uint32_t parse_number(const char* var, const char* text) {
     throw std::invalid_argument(fmt::format("{}='{}' is not a number from 0 to 65535", var, text));
   }
   return static_cast<std::uint32_t>(v);
-}
-
-std::string host_name() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof buf - 1) != 0) return "?";
-  return buf;
 }
 
 }  // namespace
@@ -96,7 +88,8 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     }
   });
   transport::DataPlane data(env.rank, env.world_size, js.data);
-  const auto table = control.join(transport::RankInfo{env.rank, host_name(), data.address(), plan.hash()});
+  // An empty host: join() names this machine.
+  const auto table = control.join(transport::RankInfo{env.rank, {}, data.address(), plan.hash()});
 
   try {
     js.runtime.rank = static_cast<std::uint16_t>(env.rank);

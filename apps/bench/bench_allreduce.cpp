@@ -84,14 +84,13 @@ int worker(std::int64_t bytes, std::int64_t iters) {
 }
 
 /// MPI_Allreduce seconds per op by size, from one mpirun; empty if MPI is not there.
-std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, std::int64_t iters_scale_bytes,
-                                             const std::vector<std::int64_t>& sizes, bool quick) {
+std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, const std::vector<std::int64_t>& sizes,
+                                             bool quick) {
   std::map<std::int64_t, double> out;
   if (access(ref.c_str(), X_OK) != 0) {
     fmt::print(stderr, "baton-bench-allreduce: no {} (built when OpenMPI's libopenmpi-dev is installed)\n", ref);
     return out;
   }
-  (void)iters_scale_bytes;
   for (std::int64_t bytes : sizes) {
     std::vector<std::string> argv{"mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
                                   "-np", std::to_string(n), ref, std::to_string(iterations_for(bytes, quick)),
@@ -148,7 +147,7 @@ int main(int argc, char** argv) {
   }
   int failures = 0;
   for (int n : quick ? std::vector<int>{2} : std::vector<int>{2, 4}) {
-    const auto mpi = reference ? mpi_reference(ref, n, 0, sizes, quick) : std::map<std::int64_t, double>{};
+    const auto mpi = reference ? mpi_reference(ref, n, sizes, quick) : std::map<std::int64_t, double>{};
     for (std::int64_t bytes : sizes) {
       const std::int64_t iters = iterations_for(bytes, quick);
       auto out = bench::run_job_of(self, {"--worker", std::to_string(bytes), std::to_string(iters)}, n, 0, {});

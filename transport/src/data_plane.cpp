@@ -119,6 +119,8 @@ struct DataPlane::Impl {
 
   // Any thread.
   void check_peer(std::uint32_t peer, std::string_view what) const;
+  /// check_peer, and the tag fits beside the sender's rank; `dir` is "to" or "from".
+  void check_payload(std::uint32_t peer, std::uint64_t tag, std::string_view dir) const;
   void push(const Command& command);
   void ring() noexcept;
   void stop() noexcept;
@@ -278,6 +280,14 @@ void DataPlane::Impl::check_peer(std::uint32_t peer, std::string_view what) cons
   }
   if (!connected.load(std::memory_order_acquire)) {
     throw TransportError(fmt::format("{}: {} to / from rank {} before connect()", who, what, peer));
+  }
+}
+
+void DataPlane::Impl::check_payload(std::uint32_t peer, std::uint64_t tag, std::string_view dir) const {
+  check_peer(peer, "payload");
+  if (tag > max_link_tag) {
+    throw TransportError(fmt::format("{}: payload {} rank {}: tag {} does not fit in {} bits", who, dir, peer, tag,
+                                     64 - rank_bits));
   }
 }
 
@@ -856,11 +866,7 @@ void DataPlane::send(std::uint32_t to, const void* data, std::size_t size) {
 
 void DataPlane::send_payload(std::uint32_t to, std::uint64_t tag, const void* data, std::size_t size) {
   Impl& d = *impl_;
-  d.check_peer(to, "payload");
-  if (tag > max_link_tag) {
-    throw TransportError(fmt::format("{}: payload to rank {}: tag {} does not fit in {} bits", d.who, to, tag,
-                                     64 - rank_bits));
-  }
+  d.check_payload(to, tag, "to");
   Command command{};
   command.kind = Command::Kind::offer;
   command.peer = to;
@@ -873,11 +879,7 @@ void DataPlane::send_payload(std::uint32_t to, std::uint64_t tag, const void* da
 void DataPlane::receive_payload(std::uint32_t from, std::uint64_t tag, void* dest, std::size_t size,
                                 std::uint64_t cookie) {
   Impl& d = *impl_;
-  d.check_peer(from, "payload");
-  if (tag > max_link_tag) {
-    throw TransportError(fmt::format("{}: payload from rank {}: tag {} does not fit in {} bits", d.who, from, tag,
-                                     64 - rank_bits));
-  }
+  d.check_payload(from, tag, "from");
   Command command{};
   command.kind = Command::Kind::receive;
   command.peer = from;
