@@ -188,6 +188,8 @@ void Actor::act() {
   set_activity(ActorActivity::busy);
   if (desc_.kind == ActorKind::transfer && !core_.dry_run) return act_transfer();
   const std::int64_t k = acts_;
+  const bool logging = core_.activity_log.load(std::memory_order_relaxed);
+  const std::uint64_t log_start = logging ? steady_ns() : 0;
   for (std::size_t p = 0; p < port_to_input_.size(); ++p) {
     Input& in = inputs_[port_to_input_[p]];
     std::int64_t q = needed_piece(in);
@@ -241,6 +243,7 @@ void Actor::act() {
       if (q >= 0) release(in, q);
     }
   }
+  if (logging) worker_->log(ActRecord{index_, k, log_start, steady_ns(), worker_->index()});
 }
 
 // Pull piece k of the remote register into our next slot. It is published (and acked to the

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "baton/actors/activity.h"
 #include "baton/actors/clock.h"
 #include "baton/actors/local_queue.h"
 #include "baton/actors/mailbox.h"
@@ -170,8 +171,8 @@ class Actor {
 /// spins briefly when idle, then parks.
 class Worker {
  public:
-  Worker(Core& core, Device device, std::uint8_t stream, std::size_t mailbox_capacity)
-      : core_(core), device_(device), stream_(stream), mailbox_(mailbox_capacity) {}
+  Worker(Core& core, Device device, std::uint8_t stream, std::size_t mailbox_capacity, std::uint16_t index);
+  ~Worker();
 
   /// Owner thread (an actor on this worker): to a local actor through the local queue,
   /// to another thread's through its mailbox.
@@ -200,6 +201,12 @@ class Worker {
   std::uint8_t stream() const { return stream_; }
   std::uint64_t messages() const { return messages_.load(std::memory_order_relaxed); }
   std::uint64_t parks() const { return mailbox_.parks(); }
+  std::uint16_t index() const { return index_; }
+  /// Owner thread: appends to this worker's activity ring (drops it if the ring is full).
+  void log(const ActRecord& r);
+  /// The one draining thread (Core::activity_mutex held).
+  std::size_t drain_log(std::vector<ActRecord>& out);
+  std::uint64_t log_dropped() const { return log_dropped_.load(std::memory_order_relaxed); }
 
  private:
   void dispatch(const Message& m);
@@ -212,6 +219,10 @@ class Worker {
   LocalQueue local_;
   std::thread thread_;
   std::atomic<std::uint64_t> messages_{0};
+  std::uint16_t index_;
+  struct Ring;
+  std::unique_ptr<Ring> ring_;  // the activity log (boost::lockfree::spsc_queue)
+  std::atomic<std::uint64_t> log_dropped_{0};
 };
 
 /// Link tags for payloads: the register and the piece (modulo 2^28: at most 65535 pieces of a
@@ -259,6 +270,9 @@ struct Core : transport::LinkHandler {
 
   std::atomic<std::int64_t> retired{0};
   std::atomic<bool> failed_{false};
+  /// The activity log is on (Runtime::set_activity_log); read by actors before each act.
+  std::atomic<bool> activity_log{false};
+  std::mutex activity_mutex;  // one drainer at a time
   mutable std::mutex mutex;
   std::condition_variable cv;
   std::string error;

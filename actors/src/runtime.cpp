@@ -4,16 +4,52 @@
 #include <cstring>
 #include <set>
 
+#include <boost/lockfree/spsc_queue.hpp>
 #include <fmt/format.h>
 
 #include "internal.h"
 
 namespace baton {
 
+std::uint64_t steady_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+
 namespace detail {
 
 // ---------------------------------------------------------------------------------------------
 // Worker
+
+/// About 3 s of a busy worker at 20k acts/s; the dashboard drains twice a second.
+constexpr std::size_t activity_ring_capacity = 1 << 16;
+
+struct Worker::Ring {
+  boost::lockfree::spsc_queue<ActRecord> q{activity_ring_capacity};
+};
+
+Worker::Worker(Core& core, Device device, std::uint8_t stream, std::size_t mailbox_capacity, std::uint16_t index)
+    : core_(core), device_(device), stream_(stream), mailbox_(mailbox_capacity), index_(index) {
+  if (core.settings.activity_log) ring_ = std::make_unique<Ring>();
+}
+
+Worker::~Worker() = default;
+
+void Worker::log(const ActRecord& r) {
+  if (!ring_->q.push(r)) log_dropped_.store(log_dropped_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+std::size_t Worker::drain_log(std::vector<ActRecord>& out) {
+  if (!ring_) return 0;
+  std::size_t n = 0;
+  ActRecord r;
+  while (ring_->q.pop(r)) {
+    out.push_back(r);
+    ++n;
+  }
+  return n;
+}
 
 void Worker::dispatch(const Message& m) {
   messages_.store(messages_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
@@ -84,7 +120,10 @@ void Worker::join() {
 // Core
 
 Core::Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry)
-    : plan(std::move(p)), kernels(k), settings(s), dry_run(dry) {}
+    : plan(std::move(p)), kernels(k), settings(s), dry_run(dry) {
+  if (dry_run) settings.activity_log = false;
+  activity_log.store(settings.activity_log, std::memory_order_relaxed);
+}
 
 Core::~Core() {
   for (auto& w : workers) w->close();
@@ -146,7 +185,8 @@ void Core::instantiate() {
     auto key = one_thread ? std::pair<Device, std::uint8_t>{} : std::pair{desc.where.device, desc.where.stream};
     Worker*& w = by_place[key];
     if (w == nullptr) {
-      workers.push_back(std::make_unique<Worker>(*this, key.first, key.second, settings.mailbox_capacity));
+      workers.push_back(std::make_unique<Worker>(*this, key.first, key.second, settings.mailbox_capacity,
+                                                 static_cast<std::uint16_t>(workers.size())));
       w = workers.back().get();
     }
     actors[i] = std::make_unique<Actor>(*this, desc, i,
@@ -608,6 +648,32 @@ RunReport Runtime::run() {
 }
 
 MetricsSnapshot Runtime::snapshot() const { return impl_->snapshot(); }
+
+void Runtime::set_activity_log(bool on) {
+  if (on && !impl_->settings.activity_log) {
+    throw std::logic_error("Runtime::set_activity_log(true) needs RuntimeSettings::activity_log");
+  }
+  impl_->activity_log.store(on, std::memory_order_relaxed);
+}
+
+std::size_t Runtime::drain_activity(std::vector<ActRecord>& out) {
+  std::lock_guard lock(impl_->activity_mutex);
+  std::size_t n = 0;
+  for (auto& w : impl_->workers) n += w->drain_log(out);
+  return n;
+}
+
+std::uint64_t Runtime::activity_dropped() const {
+  std::uint64_t n = 0;
+  for (const auto& w : impl_->workers) n += w->log_dropped();
+  return n;
+}
+
+std::vector<std::string> Runtime::worker_names() const {
+  std::vector<std::string> names;
+  for (const auto& w : impl_->workers) names.push_back(fmt::format("{}/s{}", w->device().str(), w->stream()));
+  return names;
+}
 const std::vector<HandshakeEvent>& Runtime::handshakes() const { return impl_->log; }
 const Plan& Runtime::plan() const { return impl_->plan; }
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "baton/actors/activity.h"
 #include "baton/actors/message.h"
 #include "baton/actors/metrics.h"
 #include "baton/actors/plan.h"
@@ -66,6 +67,16 @@ class Runtime {
   void abort(const std::string& reason);
   /// Counters as of now; safe from any thread while run() is going.
   MetricsSnapshot snapshot() const;
+  /// Starts or stops the activity log (needs RuntimeSettings::activity_log, which sets its
+  /// initial state and makes the rings). Any thread, any time.
+  void set_activity_log(bool on);
+  /// Moves every record logged so far into `out` (appended, per worker in order); returns how
+  /// many. Any thread; concurrent callers take turns. Safe while run() is going and after.
+  std::size_t drain_activity(std::vector<ActRecord>& out);
+  /// Records lost because a worker's ring was full (nobody drained for a few seconds).
+  std::uint64_t activity_dropped() const;
+  /// One name per worker thread, "cpu:0/s0": ActRecord::worker indexes this.
+  std::vector<std::string> worker_names() const;
   /// Deterministic mode with record_handshakes: every message in the order it was sent.
   const std::vector<HandshakeEvent>& handshakes() const;
   const Plan& plan() const;

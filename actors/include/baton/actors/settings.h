@@ -38,6 +38,10 @@ struct RuntimeSettings {
   bool record_handshakes = false;
   /// Per-actor busy / starved / back-pressured time (two TSC reads per act).
   bool time_accounting = true;
+  /// Makes each worker an activity ring (64 Ki records, 2 MiB) and starts logging every act
+  /// (see activity.h; Runtime::set_activity_log turns it off and on again). For traces and the
+  /// dashboard's pipeline timeline.
+  bool activity_log = false;
   /// Initial capacity of each worker's mailbox in messages (grows on demand).
   std::size_t mailbox_capacity = 1024;
   /// The data plane to the other ranks of the job (transport::DataPlane, or a LoopbackHub's

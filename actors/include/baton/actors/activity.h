@@ -1,0 +1,30 @@
+#pragma once
+/// The activity log: what each actor did and when, for traces and the dashboard's pipeline
+/// timeline. Off by default; when on, each worker thread appends a record per act to its own
+/// lock-free single-producer ring, and one reader drains all rings (Runtime::drain_activity).
+/// A full ring drops records (counted) rather than slowing the actors down.
+#include <cstdint>
+#include <string>
+
+#include "baton/actors/plan.h"
+
+namespace baton {
+
+/// One act of one actor. Times are steady_clock nanoseconds (CLOCK_MONOTONIC on Linux: the
+/// same clock in every process of one host).
+struct ActRecord {
+  /// The actor's index in the plan.
+  ActorIndex actor = 0;
+  /// Which act of this actor (0, 1, ...): for a compute actor in a training plan, the
+  /// micro-batch number counted over the whole run.
+  std::int64_t piece = 0;
+  std::uint64_t start_ns = 0;
+  std::uint64_t end_ns = 0;
+  /// The worker thread that ran it: an index into Runtime::worker_names().
+  std::uint16_t worker = 0;
+};
+
+/// steady_clock now, in nanoseconds, as ActRecord uses it.
+std::uint64_t steady_ns();
+
+}  // namespace baton
