@@ -24,6 +24,19 @@ RegisterIndex Plan::add_register(RegisterDesc r) {
   return static_cast<RegisterIndex>(registers.size() - 1);
 }
 
+std::string_view name(ActorRole r) {
+  switch (r) {
+    case ActorRole::other: return "other";
+    case ActorRole::data: return "data";
+    case ActorRole::forward: return "forward";
+    case ActorRole::backward: return "backward";
+    case ActorRole::update: return "update";
+    case ActorRole::collective: return "collective";
+    case ActorRole::transfer: return "transfer";
+  }
+  return "?";
+}
+
 ActorIndex Plan::add_actor(ActorDesc a) {
   auto index = static_cast<ActorIndex>(actors.size());
   auto check = [&](RegisterIndex r, const char* role) {
@@ -78,6 +91,8 @@ std::string Plan::to_text() const {
       out += fmt::format(" group={}", a.group);
     }
     if (!a.stops_when_unread) out += " drains";
+    if (a.role != ActorRole::other) out += fmt::format(" role={}", name(a.role));
+    if (a.stage >= 0) out += fmt::format(" stage={}", a.stage);
     if (!a.attrs.values().empty()) {
       out += ' ';
       out += a.attrs.str();
@@ -160,6 +175,8 @@ Plan insert_transfers(const Plan& plan) {
       t.op = "transfer";
       t.dtype = copy.dtype;
       t.where = out.actors[consumers.front()].where;
+      t.role = ActorRole::transfer;
+      t.stage = out.actors[consumers.front()].stage;
       t.inputs = {InputPort{r, 0}};
       t.outputs = {local};
       out.add_actor(std::move(t));

@@ -141,6 +141,7 @@ struct PlanBuilder {
   const std::vector<int>* shard_of = nullptr;  // node -> tensor-parallel shard (null: all 0)
   std::string suffix;      // "" for one replica, "@dp<r>" otherwise
   std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
+  int loss_id = std::numeric_limits<int>::max();  // nodes up to it are the forward pass
 
   std::string named(const std::string& n) const { return n + suffix; }
   int stage(int id) const { return stage_of == nullptr ? 0 : (*stage_of)[static_cast<std::size_t>(id)]; }
@@ -170,7 +171,8 @@ struct PlanBuilder {
     for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
     RegisterIndex out = node_register(id, slots);
     plan.add_actor({.name = named(n.name), .kind = ActorKind::compute, .op = n.op, .dtype = kernel_dtype(g, n),
-                    .where = at(stream, place(id)), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs});
+                    .where = at(stream, place(id)), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs,
+                    .role = id <= loss_id ? ActorRole::forward : ActorRole::backward});
   }
 
   void source_actor(const std::string& name, const std::string& op, DType dtype, std::vector<RegisterIndex> outputs,
@@ -179,6 +181,35 @@ struct PlanBuilder {
                     .outputs = std::move(outputs), .pieces = pieces, .attrs = std::move(attrs)});
   }
 };
+
+/// Fills ActorDesc::role and ::stage for people and tools (the dashboard's timeline): forward
+/// and backward ops were labelled as they were made; the rest is told by kind and op. Each
+/// (stage, shard) of each replica has its own device, which gives the stage.
+void label_roles_and_stages(Plan& plan, const std::vector<PlanBuilder>& replicas) {
+  std::map<std::pair<std::uint16_t, Device>, int> stage_of_device;
+  for (const auto& b : replicas) {
+    for (std::size_t i = 0; i < b.places.size(); ++i) {
+      stage_of_device[{b.places[i].rank, b.places[i].device}] = static_cast<int>(i) / b.tp;
+    }
+  }
+  for (ActorDesc& a : plan.actors) {
+    if (auto it = stage_of_device.find({a.where.rank, a.where.device}); it != stage_of_device.end()) {
+      a.stage = it->second;
+    }
+    if (a.role != ActorRole::other) continue;
+    if (a.op.starts_with("allreduce.")) {
+      a.role = ActorRole::collective;
+    } else if (a.kind == ActorKind::accumulate) {
+      a.role = ActorRole::backward;
+    } else if (a.kind == ActorKind::repeat || a.op.starts_with("variable.") || a.op == "optim.clip") {
+      a.role = ActorRole::update;
+    } else if (a.kind == ActorKind::source && a.op.starts_with("data.")) {
+      a.role = ActorRole::data;
+    } else if (a.op == "loss.report") {
+      a.role = ActorRole::forward;
+    }
+  }
+}
 
 /// Runs another kernel with its piece numbers mapped: replica r of dp, M micro-batches a step,
 /// reads micro-batch s*dp*M + r*M + k of the whole job where it is at its own piece s*M + k.
@@ -390,6 +421,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     }
     if (n_pp > 1) b.stage_of = &stages;
     if (cfg.tp > 1) b.shard_of = &shards;
+    b.loss_id = loss_id;
     if (n_dp > 1) b.suffix = fmt::format("@dp{}", r);
     replicas.push_back(std::move(b));
   }
@@ -599,6 +631,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
                   .where = replicas[0].at(forward_stream, loss_place), .inputs = {{loss_in}}});
 
+  label_roles_and_stages(plan, replicas);
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses)};
 }
 

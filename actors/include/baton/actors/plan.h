@@ -44,6 +44,25 @@ enum class ActorKind : std::uint8_t {
 
 std::string_view name(ActorKind k);
 
+/// What an actor does for training, for people reading a plan (the dashboard colours and the
+/// pipeline timeline use it); the runtime ignores it.
+enum class ActorRole : std::uint8_t {
+  other,
+  /// Reads the data set.
+  data,
+  /// An op of the forward pass (up to and including the loss).
+  forward,
+  /// An op of the backward pass, or the accumulation of its gradients.
+  backward,
+  /// A variable (which applies the optimizer step) and what hands its weights out.
+  update,
+  /// Part of an all-reduce or another collective.
+  collective,
+  /// Moves a register between ranks (insert_transfers).
+  transfer,
+};
+std::string_view name(ActorRole r);
+
 /// Where an actor runs: which rank, which device, which stream (worker thread) on it.
 struct Placement {
   std::uint16_t rank = 0;
@@ -80,6 +99,9 @@ struct ActorDesc {
   /// for an actor whose acts matter beyond its outputs: a variable must still apply its last
   /// gradients after the forward pass has stopped reading the weights.
   bool stops_when_unread = true;
+  /// For people and tools: what it does, and its pipeline stage (-1: none).
+  ActorRole role = ActorRole::other;
+  std::int32_t stage = -1;
   friend bool operator==(const ActorDesc&, const ActorDesc&) = default;
 };
 
