@@ -622,3 +622,63 @@ TEST_CASE("control: a finished job's launcher closes quietly, and a destroyed se
   REQUIRE(reason.has_value());
   CHECK(contains(*reason, "shut down before the job ended"));
 }
+
+TEST_CASE("control: telemetry reaches the server in order, commands reach every rank, clocks agree" * doctest::timeout(30)) {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<baton::transport::Telemetry> got;
+  ServerSettings ss = server_settings(2);
+  ss.on_telemetry = [&](baton::transport::Telemetry t) {
+    std::lock_guard lock(mutex);
+    got.push_back(std::move(t));
+    cv.notify_all();
+  };
+  RendezvousServer server(ss);
+  World world(server, 2);
+  std::vector<std::vector<std::string>> commands(2);
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    world.clients[r]->on_command([&, r](const std::string& kind, const std::string& body) {
+      std::lock_guard lock(mutex);
+      commands[r].push_back(kind + " " + body);
+      cv.notify_all();
+    });
+  }
+  CHECK(world.clients[0]->clock_offset_ns() == 0);  // not measured before join
+  world.join();
+  for (auto& c : world.clients) {
+    // One host, one CLOCK_MONOTONIC: the estimate is within half its round trip of zero.
+    CHECK(c->clock_rtt_ns() > 0);
+    CHECK(std::abs(c->clock_offset_ns()) <= c->clock_rtt_ns() / 2 + 1);
+  }
+  // JSON text with quotes, escapes, newlines and non-ASCII goes through unchanged.
+  const std::string tricky = "{\"a\": \"x\\\"y\\nz\", \"b\": [1, 2.5, \"\xc3\xa9\"]}";
+  for (int i = 0; i < 50; ++i) world.clients[1]->send_telemetry("metrics", "{\"i\": " + std::to_string(i) + "}");
+  world.clients[0]->send_telemetry("plan", tricky);
+  const std::string big(baton::transport::max_telemetry_bytes, 'x');
+  world.clients[0]->send_telemetry("big", "\"" + big.substr(2) + "\"");
+  CHECK_THROWS_AS(world.clients[0]->send_telemetry("too big", big + "x"), std::invalid_argument);
+  server.send_command("trace", "{\"seconds\": 2}");
+  {
+    std::unique_lock lock(mutex);
+    REQUIRE(cv.wait_for(lock, 10s, [&] {
+      return got.size() == 52 && commands[0].size() == 1 && commands[1].size() == 1;
+    }));
+  }
+  int next = 0;
+  for (const auto& t : got) {
+    if (t.rank == 1) {
+      CHECK(t.kind == "metrics");
+      CHECK(t.body == "{\"i\": " + std::to_string(next++) + "}");
+    }
+  }
+  CHECK(next == 50);
+  auto plan = std::find_if(got.begin(), got.end(), [](const auto& t) { return t.kind == "plan"; });
+  REQUIRE(plan != got.end());
+  CHECK(plan->rank == 0);
+  CHECK(plan->body == tricky);
+  auto bigone = std::find_if(got.begin(), got.end(), [](const auto& t) { return t.kind == "big"; });
+  REQUIRE(bigone != got.end());
+  CHECK(bigone->body.size() == baton::transport::max_telemetry_bytes);
+  for (const auto& c : commands) CHECK(c[0] == "trace {\"seconds\": 2}");
+  CHECK_FALSE(server.outcome().has_value());
+}

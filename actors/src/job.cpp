@@ -66,7 +66,17 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   }
   if (!env.distributed()) {
     Runtime rt(plan, kernels, js.runtime);
-    return rt.run();
+    if (js.observer == nullptr) return rt.run();
+    js.observer->on_start(rt, nullptr);
+    RunReport report;
+    try {
+      report = rt.run();
+    } catch (const std::exception& e) {
+      js.observer->on_finish(rt, e.what());
+      throw;
+    }
+    js.observer->on_finish(rt, {});
+    return report;
   }
 
   // Declared in this order so that they go in the reverse one: the data plane stops (no more
@@ -87,6 +97,11 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
       early_abort = reason;
     }
   });
+  if (js.observer != nullptr) {
+    control.on_command([observer = js.observer](const std::string& kind, const std::string& body) {
+      observer->on_command(kind, body);
+    });
+  }
   transport::DataPlane data(env.rank, env.world_size, js.data);
   // An empty host: join() names this machine.
   const auto table = control.join(transport::RankInfo{env.rank, {}, data.address(), plan.hash()});
@@ -112,14 +127,17 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     throw;
   }
   control.barrier("start", js.start_timeout);
+  if (js.observer != nullptr) js.observer->on_start(*runtime, &control);
   RunReport report;
   try {
     report = runtime->run();
   } catch (const std::exception& e) {
+    if (js.observer != nullptr) js.observer->on_finish(*runtime, e.what());
     control.fail(e.what());
     data.stop();
     throw;
   }
+  if (js.observer != nullptr) js.observer->on_finish(*runtime, {});
   // The others may still need our acks: the data plane keeps going until every rank is done.
   control.finish(js.finish_timeout);
   data.stop();

@@ -41,10 +41,17 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using error_code = boost::system::error_code;
 
-/// The longest line a server reads: a hello carries one data address.
+/// The longest line a server reads: a hello carries one data address, a telemetry message at
+/// most max_telemetry_bytes of JSON text (escaped: at most twice as long).
 constexpr std::size_t max_server_line = std::size_t{1} << 20;
 /// The longest line a client reads: the table carries every rank's data address.
 constexpr std::size_t max_client_line = std::size_t{64} << 20;
+static_assert(baton::transport::max_telemetry_bytes * 2 <= max_server_line,
+              "a telemetry body, JSON-escaped, must fit a server line");
+/// Clock exchanges right after join, and how long they may take together (a loaded machine
+/// makes some round trips long; the shortest one counts).
+constexpr int clock_rounds = 5;
+constexpr std::chrono::milliseconds clock_bound{2'000};
 /// A client retries connecting this often while the server is not up yet.
 constexpr milliseconds connect_retry_interval{150};
 /// How long closing waits for the last messages to go out and the peer to close its side.
@@ -200,6 +207,13 @@ std::uint32_t get_u32(const json::object& m, std::string_view key) {
   const auto n = field(m, key).to_number<std::uint64_t>(ec);
   if (ec || n > 0xffffffffu) throw ProtocolError(fmt::format("field '{}' is not a 32-bit unsigned number", key));
   return static_cast<std::uint32_t>(n);
+}
+
+std::int64_t get_i64(const json::object& m, std::string_view key) {
+  error_code ec;
+  const auto n = field(m, key).to_number<std::int64_t>(ec);
+  if (ec) throw ProtocolError(fmt::format("field '{}' is not a 64-bit integer", key));
+  return n;
 }
 
 std::uint64_t get_hash(const json::object& m, std::string_view key) {
@@ -608,9 +622,32 @@ struct RendezvousServer::Impl {
       if (type == "join_status") return on_join_status(*p);
       if (type == "fail") return on_fail(*p, m);
       if (type == "bye") return on_bye(*p);
+      if (type == "clock") return on_clock(*p, m);
+      if (type == "telemetry") return on_telemetry(*p, m);
       // Unknown types are ignored, so that a newer client can talk to an older server.
     } catch (const ProtocolError& e) {
       on_lost(*p, Loss::protocol, fmt::format("a message with {}", e.what()));
+    }
+  }
+
+  void on_clock(const Peer& p, const json::object& m) {
+    auto reply = message("clock_reply");
+    reply["t0"] = field(m, "t0");
+    reply["ts"] = static_cast<std::int64_t>(Clock::now().time_since_epoch().count());
+    p.channel->send(reply);
+  }
+
+  void on_telemetry(const Peer& p, const json::object& m) {
+    if (p.role != Role::rank || !settings.on_telemetry) return;
+    settings.on_telemetry(Telemetry{p.number, get_string(m, "kind"), get_string(m, "body")});
+  }
+
+  void send_command(const std::string& kind, const std::string& body) {
+    auto m = message("command");
+    m["kind"] = js(kind);
+    m["body"] = js(body);
+    for (const auto& peer : rank_peers) {
+      if (peer) peer->channel->send(m);
     }
   }
 
@@ -994,6 +1031,11 @@ void RendezvousServer::abort(const std::string& reason, std::optional<std::uint3
   impl->cv.wait_for(lock, close_grace, [&] { return impl->posted_aborts_done >= ticket; });
 }
 
+void RendezvousServer::send_command(const std::string& kind, const std::string& body) {
+  Impl* impl = impl_.get();
+  asio::post(impl->io, [impl, kind, body] { impl->send_command(kind, body); });
+}
+
 std::uint32_t RendezvousServer::finished_launchers() const {
   std::lock_guard lock(impl_->mutex);
   return impl_->launchers_finished;
@@ -1166,6 +1208,50 @@ class ClientCore {
     return aborted_;
   }
 
+  void set_on_command(std::function<void(const std::string&, const std::string&)> callback) {
+    std::lock_guard lock(mutex_);
+    on_command_ = std::move(callback);
+  }
+
+  /// Any thread, after join: queues `m` for the io thread. False if the connection is not usable.
+  bool send_async(json::object m) {
+    {
+      std::lock_guard lock(mutex_);
+      if (!joined_ || closed_ || aborted_ || !channel_open_) return false;
+    }
+    post_send(std::move(m));
+    return true;
+  }
+
+  /// After join: `rounds` clock exchanges, one at a time; keeps the one with the shortest round
+  /// trip (its error is at most half of it). Gives up quietly after `bound` (an older server).
+  void measure_clock(int rounds, milliseconds bound) {
+    const auto deadline = Clock::now() + bound;
+    for (int i = 0; i < rounds; ++i) {
+      const std::int64_t t0 = Clock::now().time_since_epoch().count();
+      auto m = message("clock");
+      m["t0"] = t0;
+      if (!send_async(std::move(m))) return;
+      std::unique_lock lock(mutex_);
+      if (!cv_.wait_until(lock, deadline, [&] { return clock_reply_t0_ == t0 || aborted_ || !channel_open_; })) return;
+      if (clock_reply_t0_ != t0) return;
+      const std::int64_t t1 = Clock::now().time_since_epoch().count();
+      const std::int64_t rtt = t1 - t0;
+      if (clock_rtt_ < 0 || rtt < clock_rtt_) {
+        clock_rtt_ = rtt;
+        clock_offset_ = clock_reply_ts_ - (t0 + rtt / 2);
+      }
+    }
+  }
+  std::int64_t clock_offset() const {
+    std::lock_guard lock(mutex_);
+    return clock_offset_;
+  }
+  std::int64_t clock_rtt() const {
+    std::lock_guard lock(mutex_);
+    return clock_rtt_ < 0 ? 0 : clock_rtt_;
+  }
+
  private:
   // ---- io thread ----
 
@@ -1224,6 +1310,15 @@ class ClientCore {
       const std::string type = get_string(m, "type");
       if (type == "heartbeat") return;
       if (type == "abort") return abort_locally(get_string(m, "reason"));
+      if (type == "command") {
+        std::function<void(const std::string&, const std::string&)> callback;
+        {
+          std::lock_guard lock(mutex_);
+          callback = on_command_;
+        }
+        if (callback) callback(get_string(m, "kind"), get_string(m, "body"));
+        return;
+      }
       std::unique_lock lock(mutex_);
       if (type == reply_type_) {
         reply_ = m;
@@ -1235,6 +1330,9 @@ class ClientCore {
         join_missing_ = get_u32_list(m, "missing");
       } else if (type == "done") {
         job_done_ = true;
+      } else if (type == "clock_reply") {
+        clock_reply_ts_ = get_i64(m, "ts");
+        clock_reply_t0_ = get_i64(m, "t0");
       } else if (type == "refused") {
         refused_ = get_string(m, "reason");
         lock.unlock();
@@ -1367,6 +1465,11 @@ class ClientCore {
   std::map<std::string, std::vector<std::uint32_t>> barrier_missing_;
   std::optional<std::vector<std::uint32_t>> join_missing_;
   std::function<void(const std::string&)> on_abort_;
+  std::function<void(const std::string&, const std::string&)> on_command_;
+  std::int64_t clock_reply_t0_ = -1;
+  std::int64_t clock_reply_ts_ = 0;
+  std::int64_t clock_offset_ = 0;
+  std::int64_t clock_rtt_ = -1;
 
   std::thread thread_;  // joined by close()
 };
@@ -1431,6 +1534,7 @@ std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
     for (std::uint32_t r = 0; r < infos.size(); ++r) {
       if (infos[r].rank != r) throw ProtocolError(fmt::format("entry {} is rank {}", r, infos[r].rank));
     }
+    impl_->core.measure_clock(clock_rounds, clock_bound);
     return infos;
   } catch (const ProtocolError& e) {
     throw TransportError(fmt::format("rank {}: malformed table from the rendezvous server at {}: {}", s.rank, s.master, e.what()));
@@ -1460,6 +1564,28 @@ void ControlClient::finish(std::chrono::milliseconds timeout) {
 }
 
 std::optional<std::string> ControlClient::aborted() const { return impl_->core.aborted(); }
+
+void ControlClient::send_telemetry(const std::string& kind, const std::string& body) {
+  if (body.size() > max_telemetry_bytes) {
+    throw std::invalid_argument(fmt::format("telemetry '{}' of {} bytes is over the limit of {} bytes; split it", kind,
+                                            body.size(), max_telemetry_bytes));
+  }
+  auto m = message("telemetry");
+  m["kind"] = js(kind);
+  m["body"] = js(body);
+  if (json::serialize(m).size() >= max_server_line) {  // only text full of escapes gets here
+    throw std::invalid_argument(fmt::format("telemetry '{}' is over {} bytes once escaped; split it", kind,
+                                            max_server_line));
+  }
+  impl_->core.send_async(std::move(m));
+}
+
+void ControlClient::on_command(std::function<void(const std::string& kind, const std::string& body)> callback) {
+  impl_->core.set_on_command(std::move(callback));
+}
+
+std::int64_t ControlClient::clock_offset_ns() const { return impl_->core.clock_offset(); }
+std::int64_t ControlClient::clock_rtt_ns() const { return impl_->core.clock_rtt(); }
 
 struct LauncherClient::Impl {
   explicit Impl(LauncherClientSettings s)

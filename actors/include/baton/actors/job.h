@@ -21,7 +21,32 @@
 #include "baton/kernels/kernel.h"
 #include "baton/transport/data_plane.h"
 
+namespace baton::transport {
+class ControlClient;
+}
+
 namespace baton {
+
+/// Watches one rank's run (the dashboard's collector, the trace recorder): run_job calls it on
+/// its own thread. An observer that needs to do work while the run goes starts its own thread in
+/// on_start and stops it in on_finish.
+class JobObserver {
+ public:
+  virtual ~JobObserver() = default;
+  /// The runtime is about to run (every rank has joined and connected). `control` is this
+  /// rank's connection to the rendezvous server (send_telemetry, clock_offset_ns), or null in a
+  /// job of one rank. Both stay valid until on_finish returns.
+  virtual void on_start(Runtime& runtime, transport::ControlClient* control) = 0;
+  /// The run ended: `error` is empty when it succeeded, else the reason. Called before the
+  /// final barrier, so what the observer sends still reaches the server.
+  virtual void on_finish(Runtime& runtime, const std::string& error) = 0;
+  /// A command from the server (RendezvousServer::send_command), on the control client's
+  /// thread, at any time after join. Keep it short.
+  virtual void on_command(const std::string& kind, const std::string& body) {
+    (void)kind;
+    (void)body;
+  }
+};
 
 /// Where this process stands in its job: what baton-launch puts in the environment.
 struct JobEnvironment {
@@ -48,6 +73,8 @@ struct JobSettings {
   std::chrono::milliseconds start_timeout{120'000};
   /// The final barrier: the slowest rank may still be running its last pieces.
   std::chrono::milliseconds finish_timeout{600'000};
+  /// Watches the run (not owned; must outlive run_job). Null: nobody.
+  JobObserver* observer = nullptr;
 };
 
 /// Applies insert_transfers(), joins the job (checking every rank compiled the same plan),

@@ -18,6 +18,13 @@
 ///                    welcome {token} and the abort broadcasts; its connection closing early
 ///                    is a failed node; launcher -> server fail {reason, rank} for its ranks
 ///   server -> launchers done, once every rank said bye (the server closing later is no failure)
+///   rank -> server   clock {t0}; server -> rank clock_reply {t0, ts}: the rank estimates the
+///                    server's steady clock against its own (NTP's way: the reply with the
+///                    shortest round trip wins), a few times right after join
+///   rank -> server   telemetry {kind, body}: metrics, plans and activity for the dashboard and
+///                    traces (body is JSON text, at most max_telemetry_bytes); the server hands
+///                    it to ServerSettings::on_telemetry
+///   server -> ranks  command {kind, body}: RendezvousServer::send_command (e.g. "record a trace")
 ///
 /// Boost.JSON's implementation is compiled into baton::transport (control.cpp): a program that
 /// links it uses <boost/json.hpp> and must not include <boost/json/src.hpp> again.
@@ -50,6 +57,17 @@ std::pair<std::string, std::uint16_t> parse_endpoint(const std::string& text);
 /// A fresh random job token (hex, 32 characters).
 std::string random_token();
 
+/// The largest telemetry body a rank may send in one message (the server reads lines of at
+/// most 1 MiB); a sender splits bigger payloads.
+inline constexpr std::size_t max_telemetry_bytes = std::size_t{512} << 10;
+
+/// What a rank sent on the telemetry channel, as the server hands it on.
+struct Telemetry {
+  std::uint32_t rank = 0;
+  std::string kind;
+  std::string body;  // JSON text, as the rank wrote it
+};
+
 struct ServerSettings {
   std::string bind_host = "0.0.0.0";
   std::uint16_t port = 0;  // 0: a free port, see RendezvousServer::port()
@@ -69,6 +87,9 @@ struct ServerSettings {
   std::chrono::milliseconds heartbeat_interval{1'000};
   /// A rank or launcher that sends nothing for this long has failed.
   std::chrono::milliseconds heartbeat_timeout{10'000};
+  /// Telemetry from the ranks, called on the server's thread in arrival order (keep it short:
+  /// copy and return). Unset: telemetry is dropped.
+  std::function<void(Telemetry)> on_telemetry;
 };
 
 /// How the job ended, as the server saw it.
@@ -102,6 +123,9 @@ class RendezvousServer {
   /// their node exited 0). Node 0's launcher, its own ranks done, waits for all of them: ranks
   /// that never use the control plane say no bye, so the outcome alone cannot tell.
   std::uint32_t finished_launchers() const;
+  /// Any thread: sends `command {kind, body}` to every rank that has joined (ControlClient::
+  /// on_command). `body` is JSON text.
+  void send_command(const std::string& kind, const std::string& body);
 
  private:
   struct Impl;
@@ -152,6 +176,19 @@ class ControlClient {
   void finish(std::chrono::milliseconds timeout);
   /// The abort reason, once aborted.
   std::optional<std::string> aborted() const;
+  /// Any thread, after join(): sends `telemetry {kind, body}` to the server (body: JSON text of
+  /// at most max_telemetry_bytes, else std::invalid_argument). Does not wait; does nothing once
+  /// the job is aborted or finished.
+  void send_telemetry(const std::string& kind, const std::string& body);
+  /// Called on the client's thread for each command from the server. Set before join().
+  void on_command(std::function<void(const std::string& kind, const std::string& body)> callback);
+  /// The server's steady clock minus this process's, in nanoseconds, as measured right after
+  /// join() (0 before, or if the server did not answer). Add it to a local steady_clock time to
+  /// get the server's. Within one host both are CLOCK_MONOTONIC and this is about 0.
+  std::int64_t clock_offset_ns() const;
+  /// The round trip of the measurement that clock_offset_ns() comes from: its uncertainty is
+  /// half of this.
+  std::int64_t clock_rtt_ns() const;
 
  private:
   struct Impl;
