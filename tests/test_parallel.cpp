@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <set>
+#include <tuple>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -468,7 +469,9 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
   auto shape = [&](std::int64_t tp) {
     return models::GptShape{.vocab = corpus->vocab_size(), .seq = seq, .d_model = 32, .heads = 4, .layers = 2, .tp = tp};
   };
-  auto run = [&](std::int64_t tp, int dp, std::shared_ptr<ParameterStore> start, Plan* plan = nullptr) {
+  // ranks: shard k on rank k (runtimes joined by a LoopbackHub), the shards' sums and maxima
+  // crossing ranks through transfer actors.
+  auto run = [&](std::int64_t tp, int dp, bool ranks, std::shared_ptr<ParameterStore> start, Plan* plan = nullptr) {
     Graph g(3);
     Value loss = models::gpt_with_loss(g, batch / dp, shape(tp)).loss;
     TrainConfig cfg;
@@ -477,10 +480,17 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
     cfg.dp = dp;
     cfg.optimizer = optim::adam(3e-3);
     cfg.data = {{"text", baton::data::text_source(corpus, batch, dp, seq, 3), {"tokens", "targets"}}};
+    for (int k = 0; ranks && k < tp; ++k) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(k)});
     TrainingJob job = compile_training(g, loss, cfg, std::move(start));
     if (plan != nullptr) *plan = job.plan;
-    Runtime rt(job.plan, job.kernels);
-    rt.run();
+    if (ranks) {
+      for (const auto& r : test::run_on_loopback(insert_transfers(job.plan), job.kernels)) {
+        REQUIRE_MESSAGE(r.error.empty(), r.error);
+      }
+    } else {
+      Runtime rt(job.plan, job.kernels);
+      rt.run();
+    }
     Run out;
     out.losses = job.losses->per_step();
     for (auto& [name, t] : assembled(*job.params, tp, gpt_row_split)) {
@@ -490,9 +500,11 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
     return out;
   };
   REQUIRE(corpus->vocab_size() % 4 == 0);
-  for (auto [tp, dp] : {std::pair{2, 1}, std::pair{4, 1}, std::pair{2, 2}}) {
+  for (auto [tp, dp, ranks] : {std::tuple{2, 1, false}, std::tuple{4, 1, false}, std::tuple{2, 2, false},
+                               std::tuple{2, 1, true}}) {
     CAPTURE(tp);
     CAPTURE(dp);
+    CAPTURE(ranks);
     Graph shards(3);
     models::gpt(shards, batch, shape(tp));
     auto sharded_start = ParameterStore::initialize(shards);
@@ -500,21 +512,26 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
     for (auto& [name, t] : assembled(*sharded_start, tp, gpt_row_split)) one_start->set(name, t);
     REQUIRE(one_start->at("wte").shape() == Shape{corpus->vocab_size(), 32});
     REQUIRE(one_start->at("head.w").shape() == Shape{32, corpus->vocab_size()});
-    Run one = run(1, 1, one_start);
+    Run one = run(1, 1, false, one_start);
     Plan plan;
-    Run split = run(tp, dp, sharded_start, &plan);
+    Run split = run(tp, dp, ranks, sharded_start, &plan);
     REQUIRE(one.losses.size() == static_cast<std::size_t>(steps));
     check_same(one, split);
     // Shard k's vocabulary lives on device k (of replica 0) and the logits are never gathered:
     // no register holds a row of all V of them.
     for (const auto& a : plan.actors) {
       if (a.name.starts_with("variable.wte.tp") || a.name.starts_with("variable.head.w.tp")) {
-        CHECK(a.where.device.index % tp == std::stoi(a.name.substr(a.name.rfind("tp") + 2)));
+        CHECK((ranks ? a.where.rank : a.where.device.index % tp) == std::stoi(a.name.substr(a.name.rfind("tp") + 2)));
       }
     }
     for (const auto& r : plan.registers) {
       INFO(r.name);
       CHECK((r.shape.size() != 2 || r.shape[1] != corpus->vocab_size()));
+    }
+    if (ranks) {
+      int transfers = 0;
+      for (const auto& a : insert_transfers(plan).actors) transfers += a.kind == ActorKind::transfer;
+      CHECK(transfers > 0);
     }
   }
 }
