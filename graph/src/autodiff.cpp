@@ -92,8 +92,8 @@ Value input_gradient(Value y, std::size_t i, Value dy) {
     if (i == 1) no_gradient(n, i, g);
     return add_grad_op("embedding_grad", {in(1), dy}, n.attrs, x);  // a vocabulary shard's rows
   }
-  // The row maximum (input 2 and 1) only shifts the exponents: vocab_parallel_cross_entropy
-  // stops its gradient, as the loss does not depend on it.
+  // The row maximum (input 2 of the stats, 1 of the loss) only shifts the exponents; the loss
+  // does not depend on it, and vocab_parallel_cross_entropy passes it through stop_gradient.
   if (op == "vocab_parallel_ce_stats") {
     if (i != 0) no_gradient(n, i, g);
     return add_grad_op("vocab_parallel_ce_stats_grad", {in(0), in(1), in(2), dy}, n.attrs, x);
