@@ -5,12 +5,14 @@
 #include <cmath>
 #include <filesystem>
 #include <set>
+#include <tuple>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
 #include "loopback_run.h"
+#include "test_util.h"
 #include "models.h"
 
 using namespace baton;
@@ -345,8 +347,11 @@ bool mlp_row_split(const std::string& base) {
   return base.ends_with(".w") && base.rfind("fc", 0) == 0 && std::stoi(base.substr(2)) % 2 == 1;
 }
 
-/// models::gpt's blocks: attn.wo and mlp.w2 by rows, wq, wk, wv, w1, b1 by columns.
-bool gpt_row_split(const std::string& base) { return base.ends_with("attn.wo") || base.ends_with("mlp.w2"); }
+/// models::gpt's blocks: attn.wo and mlp.w2 by rows, wq, wk, wv, w1, b1 by columns; its
+/// vocabulary: the token table wte by rows, the head by columns.
+bool gpt_row_split(const std::string& base) {
+  return base.ends_with("attn.wo") || base.ends_with("mlp.w2") || base == "wte";
+}
 
 Run train_tp(std::int64_t tp, int dp, int pp, std::shared_ptr<ParameterStore> start = nullptr) {
   constexpr std::int64_t batch = 32;
@@ -449,29 +454,43 @@ TEST_CASE("Parallel.BadTensorParallelConfigsFailBeforeRunning") {
 }
 
 
-TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(120)) {
+TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(180)) {
+  // Megatron's split of every block and of the vocabulary (the token table by rows, the head by
+  // columns, the loss computed from the shards' logits without gathering them) against one
+  // device, started from the shards put together. Tolerance as above (1e-5): the shards' partial
+  // sums (of products, of embeddings, of exp() in the loss) are added in another order.
   const std::string path = "/usr/share/common-licenses/GPL-3";
   if (!std::filesystem::exists(path)) {
     MESSAGE("skipped: " << path << " is missing");
     return;
   }
   auto corpus = std::make_shared<const baton::data::TextCorpus>(baton::data::load_text(path));
-  const std::int64_t batch = 8;
+  const std::int64_t batch = 8, seq = 16, steps = 20;
   auto shape = [&](std::int64_t tp) {
-    return models::GptShape{.vocab = corpus->vocab_size(), .seq = 16, .d_model = 32, .heads = 4, .layers = 2, .tp = tp};
+    return models::GptShape{.vocab = corpus->vocab_size(), .seq = seq, .d_model = 32, .heads = 4, .layers = 2, .tp = tp};
   };
-  auto run = [&](std::int64_t tp, std::shared_ptr<ParameterStore> start) {
+  // ranks: shard k on rank k (runtimes joined by a LoopbackHub), the shards' sums and maxima
+  // crossing ranks through transfer actors.
+  auto run = [&](std::int64_t tp, int dp, bool ranks, std::shared_ptr<ParameterStore> start, Plan* plan = nullptr) {
     Graph g(3);
-    Value logits = models::gpt(g, batch, shape(tp));
-    Value loss = softmax_cross_entropy(logits, g.find("targets"));
+    Value loss = models::gpt_with_loss(g, batch / dp, shape(tp)).loss;
     TrainConfig cfg;
-    cfg.steps = 5;
+    cfg.steps = steps;
     cfg.tp = static_cast<int>(tp);
+    cfg.dp = dp;
     cfg.optimizer = optim::adam(3e-3);
-    cfg.data = {{"text", baton::data::text_source(corpus, batch, 1, 16, 3), {"tokens", "targets"}}};
+    cfg.data = {{"text", baton::data::text_source(corpus, batch, dp, seq, 3), {"tokens", "targets"}}};
+    for (int k = 0; ranks && k < tp; ++k) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(k)});
     TrainingJob job = compile_training(g, loss, cfg, std::move(start));
-    Runtime rt(job.plan, job.kernels);
-    rt.run();
+    if (plan != nullptr) *plan = job.plan;
+    if (ranks) {
+      for (const auto& r : test::run_on_loopback(insert_transfers(job.plan), job.kernels)) {
+        REQUIRE_MESSAGE(r.error.empty(), r.error);
+      }
+    } else {
+      Runtime rt(job.plan, job.kernels);
+      rt.run();
+    }
     Run out;
     out.losses = job.losses->per_step();
     for (auto& [name, t] : assembled(*job.params, tp, gpt_row_split)) {
@@ -480,16 +499,48 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(12
     }
     return out;
   };
-  for (std::int64_t tp : {2, 4}) {
+  REQUIRE(corpus->vocab_size() % 4 == 0);
+  for (auto [tp, dp, ranks] : {std::tuple{2, 1, false}, std::tuple{4, 1, false}, std::tuple{2, 2, false},
+                               std::tuple{2, 1, true}}) {
     CAPTURE(tp);
+    CAPTURE(dp);
+    CAPTURE(ranks);
     Graph shards(3);
     models::gpt(shards, batch, shape(tp));
     auto sharded_start = ParameterStore::initialize(shards);
     auto one_start = std::make_shared<ParameterStore>();
     for (auto& [name, t] : assembled(*sharded_start, tp, gpt_row_split)) one_start->set(name, t);
-    Run one = run(1, one_start);
-    Run split = run(tp, sharded_start);
-    REQUIRE(one.losses.size() == 5);
+    REQUIRE(one_start->at("wte").shape() == Shape{corpus->vocab_size(), 32});
+    REQUIRE(one_start->at("head.w").shape() == Shape{32, corpus->vocab_size()});
+    Run one = run(1, 1, false, one_start);
+    Plan plan;
+    Run split = run(tp, dp, ranks, sharded_start, &plan);
+    REQUIRE(one.losses.size() == static_cast<std::size_t>(steps));
     check_same(one, split);
+    // Shard k's vocabulary lives on device k (of replica 0) and the logits are never gathered:
+    // no register holds a row of all V of them.
+    for (const auto& a : plan.actors) {
+      if (a.name.starts_with("variable.wte.tp") || a.name.starts_with("variable.head.w.tp")) {
+        CHECK((ranks ? a.where.rank : a.where.device.index % tp) == std::stoi(a.name.substr(a.name.rfind("tp") + 2)));
+      }
+    }
+    for (const auto& r : plan.registers) {
+      INFO(r.name);
+      CHECK((r.shape.size() != 2 || r.shape[1] != corpus->vocab_size()));
+    }
+    if (ranks) {
+      int transfers = 0;
+      for (const auto& a : insert_transfers(plan).actors) transfers += a.kind == ActorKind::transfer;
+      CHECK(transfers > 0);
+    }
   }
+}
+
+TEST_CASE("Parallel.GptVocabularyNotDivisibleByTpFailsBeforeRunning") {
+  Graph g(1);
+  auto msg = baton::test::thrown_message<GraphError>(
+      [&] { models::gpt_with_loss(g, 2, {.vocab = 30, .seq = 4, .d_model = 8, .heads = 4, .tp = 4}); });
+  CHECK(baton::test::contains(msg, "vocab 30 is not divisible by tp 4"));
+  Graph h(1);
+  CHECK_NOTHROW(models::gpt_with_loss(h, 2, {.vocab = 32, .seq = 4, .d_model = 8, .heads = 4, .tp = 4}));
 }

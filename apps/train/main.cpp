@@ -91,14 +91,15 @@ OptimizerConfig optimizer(const Options& o) {
   return c;
 }
 
-/// Logits of a model for `batch` rows (builds the model into g).
-Value build(Graph& g, const Options& o, const Data& d, std::int64_t batch) {
+/// Logits and loss of a model for `batch` rows (builds the model into g).
+models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t batch) {
   if (o.model == "mlp") {
     if (!d.train) throw std::invalid_argument("--model mlp needs labelled data: --data digits or synthetic");
-    return models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp});
+    Value logits = models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp});
+    return {logits, softmax_cross_entropy(logits, g.find("label"))};
   }
   if (!d.text) throw std::invalid_argument("--model gpt needs --data text:PATH");
-  return models::gpt(g, batch, {d.text->vocab_size(), o.seq, o.d_model, o.heads, o.layers, o.tp});
+  return models::gpt_with_loss(g, batch, {d.text->vocab_size(), o.seq, o.d_model, o.heads, o.layers, o.tp});
 }
 
 /// Held-out accuracy (labelled data) or loss (text), with the trained weights.
@@ -106,8 +107,7 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
   if (d.heldout) {
     const std::int64_t n = d.heldout->rows();
     Graph g(o.seed);
-    Value logits = build(g, o, d, n);
-    auto loss = softmax_cross_entropy(logits, g.find("label"));
+    auto [logits, loss] = build(g, o, d, n);
     auto out = evaluate(g, {{"x", d.heldout->features}, {"label", d.heldout->labels}}, {logits, loss}, params);
     auto l = out[0].data<float>();
     auto y = d.heldout->labels.data<std::int32_t>();
@@ -125,8 +125,7 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
   const std::int64_t windows = std::min<std::int64_t>(rows, (static_cast<std::int64_t>(ids.size()) - 1) / t);
   if (windows < 1) return {NAN, NAN};
   Graph g(o.seed);
-  Value logits = build(g, o, d, windows);
-  auto loss = softmax_cross_entropy(logits, g.find("targets"));
+  Value loss = build(g, o, d, windows).loss;
   Tensor tokens = Tensor::empty({windows, t}, i32), targets = Tensor::empty({windows * t}, i32);
   for (std::int64_t i = 0; i < windows * t; ++i) {
     tokens.data<std::int32_t>()[static_cast<std::size_t>(i)] = ids[static_cast<std::size_t>(i)];
@@ -179,9 +178,8 @@ int run(const Options& o) {
   }
   const std::int64_t mb = o.batch / pieces;
   Graph g(o.seed);
-  Value logits = build(g, o, d, mb);
+  Value loss = build(g, o, d, mb).loss.named("loss");
   const bool text = o.model == "gpt";
-  Value loss = softmax_cross_entropy(logits, g.find(text ? "targets" : "label")).named("loss");
   TrainConfig cfg;
   cfg.steps = o.steps;
   cfg.microbatches = o.microbatches;
@@ -331,7 +329,7 @@ int main(int argc, char** argv) {
                  "(DDP's 25; 0: one all-reduce per weight)")
       ->check(CLI::Range(0.0, 1e6));
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
-  app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads and MLP)")
+  app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads, MLP and vocabulary)")
       ->check(CLI::Range(1, 64));
   app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (the depth of each stage's activations)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}));

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -43,20 +44,33 @@ Value mlp(Graph& g, std::int64_t batch, const MlpShape& s) {
   return (matmul(h, w) + b).named("logits");
 }
 
-Value gpt(Graph& g, std::int64_t batch, const GptShape& s) {
+namespace {
+
+Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_loss) {
   const std::int64_t b = batch, t = s.seq, d = s.d_model, nh = s.heads, dh = s.d_model / s.heads;
   if (d % nh != 0) throw GraphError(fmt::format("d_model {} is not a multiple of heads {}", d, nh));
-  auto tokens = g.input("tokens", {b, t}, i32);
-  g.input("targets", {b * t}, i32);
-  auto wte = g.variable("wte", {s.vocab, d}, init::normal(0.0, 0.02));
-  auto wpe = g.variable("wpe", {t, d}, init::normal(0.0, 0.02));
-  Value x = embedding(wte, tokens) + wpe;  // [b, t, d]
   const std::int64_t tp = s.tp;
   if (tp < 1 || nh % tp != 0) throw GraphError(fmt::format("gpt: heads {} is not divisible by tp {}", nh, tp));
-  const std::int64_t nh_k = nh / tp, d_k = d / tp, f_k = 4 * d / tp;  // per shard
+  if (s.vocab % tp != 0) {
+    throw GraphError(fmt::format("gpt: vocab {} is not divisible by tp {} (the token table and the head are split by "
+                                 "vocabulary over the tp shards)",
+                                 s.vocab, tp));
+  }
   auto shard_name = [&](const std::string& name, std::int64_t k) {
     return tp == 1 ? name : fmt::format("{}.tp{}", name, k);
   };
+  auto tokens = g.input("tokens", {b, t}, i32);
+  auto targets = g.input("targets", {b * t}, i32);
+  // Megatron's vocabulary-parallel embedding: shard k looks up ids [k V/tp, (k+1) V/tp).
+  const std::int64_t v_k = s.vocab / tp;
+  std::vector<Value> tables;
+  for (std::int64_t k = 0; k < tp; ++k) {
+    auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(k));
+    tables.push_back(g.variable(shard_name("wte", k), {v_k, d}, init::normal(0.0, 0.02)));
+  }
+  auto wpe = g.variable("wpe", {t, d}, init::normal(0.0, 0.02));
+  Value x = (tp == 1 ? embedding(tables[0], tokens) : vocab_parallel_embedding(tables, tokens)) + wpe;  // [b, t, d]
+  const std::int64_t nh_k = nh / tp, d_k = d / tp, f_k = 4 * d / tp;  // per shard
   for (std::int64_t l = 0; l < s.layers; ++l) {
     auto p = [&](const char* what) { return fmt::format("h{}.{}", l, what); };
     auto ln1 = layer_norm(x, g.variable(p("ln1.g"), {d}, init::ones()), g.variable(p("ln1.b"), {d}, init::zeros()));
@@ -93,8 +107,25 @@ Value gpt(Graph& g, std::int64_t batch, const GptShape& s) {
     x = x + mlp + g.variable(p("mlp.b2"), {d}, init::zeros());
   }
   auto lnf = layer_norm(x, g.variable("lnf.g", {d}, init::ones()), g.variable("lnf.b", {d}, init::zeros()));
-  auto logits = matmul(lnf, g.variable("head.w", {d, s.vocab}, init::normal(0.0, 0.02)));
-  return reshape(logits, {b * t, s.vocab}).named("logits");
+  // The head by columns: shard k's logits are classes [k V/tp, (k+1) V/tp).
+  std::vector<Value> logits;
+  for (std::int64_t k = 0; k < tp; ++k) {
+    auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(k));
+    logits.push_back(reshape(matmul(lnf, g.variable(shard_name("head.w", k), {d, v_k}, init::normal(0.0, 0.02))),
+                             {b * t, v_k}));
+  }
+  Outputs out;
+  out.logits = (tp == 1 ? logits[0] : concat(logits, 1)).named("logits");
+  if (with_loss) {
+    out.loss = tp == 1 ? softmax_cross_entropy(out.logits, targets) : vocab_parallel_cross_entropy(logits, targets);
+  }
+  return out;
 }
+
+}  // namespace
+
+Value gpt(Graph& g, std::int64_t batch, const GptShape& s) { return build_gpt(g, batch, s, false).logits; }
+
+Outputs gpt_with_loss(Graph& g, std::int64_t batch, const GptShape& s) { return build_gpt(g, batch, s, true); }
 
 }  // namespace baton::models

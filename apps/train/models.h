@@ -30,15 +30,28 @@ struct GptShape {
   std::int64_t layers = 2;
   /// Tensor-parallel shards (Megatron): in every block the attention heads are split over `tp`
   /// shards (wq, wk, wv by columns, "h<l>.attn.wq.tp<k>" [d, d/tp]; wo by rows) and so is the
-  /// MLP (w1, b1 by columns, w2 by rows); each half sums its shards' partial products once.
-  /// heads must be a multiple of tp.
+  /// MLP (w1, b1 by columns, w2 by rows); each half sums its shards' partial products once. The
+  /// vocabulary is split too (vocab_parallel.h): the token table by rows ("wte.tp<k>"
+  /// [vocab/tp, d]) and the head by columns ("head.w.tp<k>" [d, vocab/tp]). heads and vocab must
+  /// be multiples of tp.
   std::int64_t tp = 1;
 };
 
 /// A GPT-style decoder: token + position embeddings, `layers` pre-norm blocks of causal
 /// multi-head attention and a GELU MLP (4 x d_model), a final layer norm and a linear head.
 /// Inputs "tokens" (i32 [batch, seq]) and "targets" (i32 [batch * seq]); returns the logits
-/// [batch * seq, vocab].
+/// [batch * seq, vocab] (with tp > 1, the shards' logits side by side).
 Value gpt(Graph& g, std::int64_t batch, const GptShape& s);
+
+/// A model's logits and its training loss.
+struct Outputs {
+  Value logits;
+  Value loss;
+};
+
+/// gpt() and its loss, the mean cross-entropy of the logits against "targets". Train on this:
+/// with tp > 1 the loss is the vocabulary-parallel cross-entropy of the shards' logits, which
+/// never gathers them (the logits are then only computed where they are fetched).
+Outputs gpt_with_loss(Graph& g, std::int64_t batch, const GptShape& s);
 
 }  // namespace baton::models

@@ -90,7 +90,17 @@ Value input_gradient(Value y, std::size_t i, Value dy) {
   if (op == "layer_norm") return add_grad_op("layer_norm_grad", {x, dy}, Attrs{{"eps", n.attrs.get_double("eps", 1e-5)}}, x);
   if (op == "embedding") {
     if (i == 1) no_gradient(n, i, g);
-    return add_grad_op("embedding_grad", {in(1), dy}, {}, x);
+    return add_grad_op("embedding_grad", {in(1), dy}, n.attrs, x);  // a vocabulary shard's rows
+  }
+  // The row maximum (input 2 of the stats, 1 of the loss) only shifts the exponents; the loss
+  // does not depend on it, and vocab_parallel_cross_entropy passes it through stop_gradient.
+  if (op == "vocab_parallel_ce_stats") {
+    if (i != 0) no_gradient(n, i, g);
+    return add_grad_op("vocab_parallel_ce_stats_grad", {in(0), in(1), in(2), dy}, n.attrs, x);
+  }
+  if (op == "vocab_parallel_ce_loss") {
+    if (i != 0) no_gradient(n, i, g);
+    return add_grad_op("vocab_parallel_ce_loss_grad", {in(0), dy}, {}, x);
   }
   if (op == "causal_mask") return add_grad_op("causal_mask", {dy}, Attrs{{"value", 0.0}}, x);
   if (op == "dropout") return add_grad_op("dropout", {dy}, n.attrs, x);
@@ -123,6 +133,7 @@ std::vector<Value> gradients(Value loss, const std::vector<Value>& wrt, double s
     if (w.id() < end) depends[static_cast<std::size_t>(w.id())] = true;
   }
   for (int id = 0; id < end; ++id) {
+    if (g.node(id).op == "stop_gradient") continue;  // nothing flows back through it
     for (int in : g.node(id).inputs) {
       if (depends[static_cast<std::size_t>(in)]) depends[static_cast<std::size_t>(id)] = true;
     }

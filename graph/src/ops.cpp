@@ -197,6 +197,11 @@ Value sum(Value x, std::vector<std::int64_t> axes, bool keepdims) { return reduc
 Value mean(Value x, std::vector<std::int64_t> axes, bool keepdims) {
   return reduce("mean", x, std::move(axes), keepdims);
 }
+Value max(Value x, std::vector<std::int64_t> axes, bool keepdims) {
+  return reduce("max", x, std::move(axes), keepdims);
+}
+Value maximum(Value a, Value b) { return binary("maximum", a, b); }
+Value stop_gradient(Value x) { return unary("stop_gradient", x); }
 
 Value layer_norm(Value x, double eps) {
   if (x.rank() < 1) fail("layer_norm", {x}, "needs at least 1 dimension");

@@ -536,48 +536,249 @@ void check_table(const char* op, const Tensor& table, const char* role) {
   }
 }
 
-template <class T>
-void embedding_kernel(KernelContext& ctx) {
-  const char* op = "embedding";
-  const Tensor& table = need_input(ctx, 0, op, "table");
-  const Tensor& ids = need_input(ctx, 1, op, "ids");
-  Tensor& y = need_output(ctx, 0, op, "y");
-  check_table(op, table, "table");
-  check_dtype(ids, DType::i32, op, "ids");
-  check_rows_of_ids(op, ids, y, "y", table.dim(1));
-  const T* tp = in_data<T>(table, op, "table");
-  const auto* ip = static_cast<const std::int32_t*>(ids.raw());
-  T* yp = out_data<T>(y, op, "y");
-  const std::size_t vocab = to_size(table.dim(0));
-  const std::size_t d = to_size(table.dim(1));
-  const std::size_t n = to_size(ids.numel());
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t id = checked_id(op, ip, i, vocab);
-    if (d != 0) std::memcpy(yp + i * d, tp + id * d, d * sizeof(T));
+// The rows a table holds: the whole vocabulary (no attributes: an id outside the table is an
+// error), or one tensor-parallel shard of it (attributes vocab and vocab_start: rows
+// [start, start + table rows) of a vocabulary [0, vocab); ids of other shards are not an error,
+// they give zero rows and no gradient, as in Megatron-LM's VocabParallelEmbedding).
+struct VocabRange {
+  std::int64_t start = 0;
+  std::int64_t vocab = -1;  // -1: the table's own rows
+
+  bool sharded() const { return vocab >= 0; }
+  // Checks that t, holding `entries` of the vocabulary (a table's rows, logits' columns), fits;
+  // returns the size of the whole vocabulary.
+  std::size_t check(const char* op, std::int64_t entries, const Tensor& t, const char* role) const {
+    if (!sharded()) return to_size(entries);
+    if (start + entries > vocab) {
+      throw std::invalid_argument(
+          fmt::format("{}: {} {} holds entries [{}, {}) of a vocabulary of only {}", op, role,
+                      t.describe(), start, start + entries, vocab));
+    }
+    return to_size(vocab);
   }
+};
+
+VocabRange read_vocab_range(const KernelConfig& cfg, const char* op) {
+  VocabRange r;
+  read_attrs(cfg, op, [&] {
+    r.start = cfg.attrs.get_int("vocab_start", 0);
+    r.vocab = cfg.attrs.get_int("vocab", -1);
+    return 0;
+  });
+  if (cfg.attrs.has("vocab_start") != cfg.attrs.has("vocab") ||
+      (r.sharded() && (r.start < 0 || r.vocab < 1))) {
+    throw std::invalid_argument(
+        fmt::format("{} (actor '{}'): a shard of a vocabulary needs both attributes vocab >= 1 and "
+                    "vocab_start >= 0, got {}",
+                    op, cfg.actor, cfg.attrs.str()));
+  }
+  return r;
 }
+
+template <class T>
+class EmbeddingKernel final : public Kernel {
+ public:
+  explicit EmbeddingKernel(VocabRange range) : range_(range) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "embedding";
+    const Tensor& table = need_input(ctx, 0, op, "table");
+    const Tensor& ids = need_input(ctx, 1, op, "ids");
+    Tensor& y = need_output(ctx, 0, op, "y");
+    check_table(op, table, "table");
+    check_dtype(ids, DType::i32, op, "ids");
+    check_rows_of_ids(op, ids, y, "y", table.dim(1));
+    const std::size_t vocab = range_.check(op, table.dim(0), table, "table");
+    const T* tp = in_data<T>(table, op, "table");
+    const auto* ip = static_cast<const std::int32_t*>(ids.raw());
+    T* yp = out_data<T>(y, op, "y");
+    const auto start = to_size(range_.start);
+    const std::size_t rows = to_size(table.dim(0));
+    const std::size_t d = to_size(table.dim(1));
+    const std::size_t n = to_size(ids.numel());
+    for (std::size_t i = 0; i < n; ++i) {
+      // Unsigned: an id below start wraps past rows.
+      const std::size_t row = checked_id(op, ip, i, vocab) - start;
+      if (row < rows) {
+        if (d != 0) std::memcpy(yp + i * d, tp + row * d, d * sizeof(T));
+      } else {
+        std::fill(yp + i * d, yp + (i + 1) * d, T(0));
+      }
+    }
+  }
+
+ private:
+  VocabRange range_;
+};
 
 // Scatter-add: dtable[id] += dy row, for every position; rows no id names stay zero.
 template <class T>
-void embedding_grad_kernel(KernelContext& ctx) {
-  const char* op = "embedding_grad";
-  const Tensor& ids = need_input(ctx, 0, op, "ids");
-  const Tensor& dy = need_input(ctx, 1, op, "dy");
-  Tensor& dtable = need_output(ctx, 0, op, "dtable");
-  check_table(op, dtable, "dtable");
-  check_dtype(ids, DType::i32, op, "ids");
-  check_rows_of_ids(op, ids, dy, "dy", dtable.dim(1));
-  const auto* ip = static_cast<const std::int32_t*>(ids.raw());
-  const T* dyp = in_data<T>(dy, op, "dy");
-  T* gp = out_data<T>(dtable, op, "dtable");
-  const std::size_t vocab = to_size(dtable.dim(0));
-  const std::size_t d = to_size(dtable.dim(1));
-  const std::size_t n = to_size(ids.numel());
-  std::fill(gp, gp + vocab * d, T(0));
-  for (std::size_t i = 0; i < n; ++i) {
-    T* row = gp + checked_id(op, ip, i, vocab) * d;
-    const T* src = dyp + i * d;
-    for (std::size_t j = 0; j < d; ++j) row[j] += src[j];
+class EmbeddingGradKernel final : public Kernel {
+ public:
+  explicit EmbeddingGradKernel(VocabRange range) : range_(range) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "embedding_grad";
+    const Tensor& ids = need_input(ctx, 0, op, "ids");
+    const Tensor& dy = need_input(ctx, 1, op, "dy");
+    Tensor& dtable = need_output(ctx, 0, op, "dtable");
+    check_table(op, dtable, "dtable");
+    check_dtype(ids, DType::i32, op, "ids");
+    check_rows_of_ids(op, ids, dy, "dy", dtable.dim(1));
+    const std::size_t vocab = range_.check(op, dtable.dim(0), dtable, "dtable");
+    const auto* ip = static_cast<const std::int32_t*>(ids.raw());
+    const T* dyp = in_data<T>(dy, op, "dy");
+    T* gp = out_data<T>(dtable, op, "dtable");
+    const auto start = to_size(range_.start);
+    const std::size_t rows = to_size(dtable.dim(0));
+    const std::size_t d = to_size(dtable.dim(1));
+    const std::size_t n = to_size(ids.numel());
+    std::fill(gp, gp + rows * d, T(0));
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t r = checked_id(op, ip, i, vocab) - start;
+      if (r >= rows) continue;  // another shard's row
+      T* row = gp + r * d;
+      const T* src = dyp + i * d;
+      for (std::size_t j = 0; j < d; ++j) row[j] += src[j];
+    }
+  }
+
+ private:
+  VocabRange range_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Vocabulary-parallel cross-entropy (Megatron-LM's vocab_parallel_cross_entropy)
+//
+// Shard k holds logits [N, C_k], classes [start, start + C_k) of [0, vocab). With M the row
+// maxima over every shard, the shards' stats summed give S = sum_j exp(l_j - M) and T = l_label,
+// and loss = mean(log S + M - T): the cross-entropy, without gathering the logits.
+
+// Checks that `per_row` is [N, cols] ([N] if cols is 0) for logits [N, C].
+void check_per_row(const char* op, const Tensor& logits, const Tensor& per_row, const char* role,
+                   std::int64_t cols) {
+  const Shape want = cols == 0 ? Shape{logits.dim(0)} : Shape{logits.dim(0), cols};
+  if (per_row.shape() != want) {
+    throw std::invalid_argument(fmt::format("{}: {} {} must be {} for logits {}", op, role,
+                                            per_row.describe(), to_string(want),
+                                            logits.describe()));
+  }
+}
+
+// stats [N, 2]: (sum_j exp(logits[i, j] - row_max[i]), logits[i, label - start] or 0).
+template <class T>
+class VocabCeStatsKernel final : public Kernel {
+ public:
+  explicit VocabCeStatsKernel(VocabRange range) : range_(range) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "vocab_parallel_ce_stats";
+    const Tensor& logits = need_input(ctx, 0, op, "logits");
+    const Tensor& labels = need_input(ctx, 1, op, "labels");
+    const Tensor& row_max = need_input(ctx, 2, op, "row_max");
+    Tensor& stats = need_output(ctx, 0, op, "stats");
+    const std::int32_t* lp = check_logits_labels(op, logits, labels);
+    check_per_row(op, logits, row_max, "row_max", 0);
+    check_per_row(op, logits, stats, "stats", 2);
+    const std::size_t vocab = range_.check(op, logits.dim(1), logits, "logits");
+    const T* xp = in_data<T>(logits, op, "logits");
+    const T* mp = in_data<T>(row_max, op, "row_max");
+    T* sp = out_data<T>(stats, op, "stats");
+    const std::size_t rows = to_size(logits.dim(0));
+    const std::size_t cols = to_size(logits.dim(1));
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::size_t col = checked_label(op, lp, r, vocab) - to_size(range_.start);
+      const T* xr = xp + r * cols;
+      double sum = 0;
+      for (std::size_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mp[r]);
+      sp[2 * r] = static_cast<T>(sum);
+      sp[2 * r + 1] = col < cols ? xr[col] : T(0);
+    }
+  }
+
+ private:
+  VocabRange range_;
+};
+
+// dlogits = exp(logits - row_max) * dstats[:, 0] + onehot(label - start) * dstats[:, 1].
+template <class T>
+class VocabCeStatsGradKernel final : public Kernel {
+ public:
+  explicit VocabCeStatsGradKernel(VocabRange range) : range_(range) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "vocab_parallel_ce_stats_grad";
+    const Tensor& logits = need_input(ctx, 0, op, "logits");
+    const Tensor& labels = need_input(ctx, 1, op, "labels");
+    const Tensor& row_max = need_input(ctx, 2, op, "row_max");
+    const Tensor& dstats = need_input(ctx, 3, op, "dstats");
+    Tensor& dlogits = need_output(ctx, 0, op, "dlogits");
+    const std::int32_t* lp = check_logits_labels(op, logits, labels);
+    check_per_row(op, logits, row_max, "row_max", 0);
+    check_per_row(op, logits, dstats, "dstats", 2);
+    check_same_shape(op, logits, "logits", dlogits, "dlogits");
+    const std::size_t cols = to_size(logits.dim(1));
+    const std::size_t vocab = range_.check(op, logits.dim(1), logits, "logits");
+    const T* xp = in_data<T>(logits, op, "logits");
+    const T* mp = in_data<T>(row_max, op, "row_max");
+    const T* gp = in_data<T>(dstats, op, "dstats");
+    T* dxp = out_data<T>(dlogits, op, "dlogits");
+    const std::size_t rows = to_size(logits.dim(0));
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::size_t col = checked_label(op, lp, r, vocab) - to_size(range_.start);
+      const T* xr = xp + r * cols;
+      T* dxr = dxp + r * cols;
+      const T d_sum = gp[2 * r];
+      for (std::size_t j = 0; j < cols; ++j) dxr[j] = std::exp(xr[j] - mp[r]) * d_sum;
+      if (col < cols) dxr[col] += gp[2 * r + 1];
+    }
+  }
+
+ private:
+  VocabRange range_;
+};
+
+// loss = mean over rows of log(stats[i, 0]) + row_max[i] - stats[i, 1].
+template <class T>
+void vocab_ce_loss_kernel(KernelContext& ctx) {
+  const char* op = "vocab_parallel_ce_loss";
+  const Tensor& stats = need_input(ctx, 0, op, "stats");
+  const Tensor& row_max = need_input(ctx, 1, op, "row_max");
+  Tensor& loss = need_output(ctx, 0, op, "loss");
+  if (stats.shape().size() != 2 || stats.dim(1) != 2 || row_max.shape() != Shape{stats.dim(0)}) {
+    throw std::invalid_argument(
+        fmt::format("{}: stats must be [N, 2] and row_max [N], got {} and {}", op, stats.describe(),
+                    row_max.describe()));
+  }
+  check_scalar(op, loss, "loss");
+  const T* sp = in_data<T>(stats, op, "stats");
+  const T* mp = in_data<T>(row_max, op, "row_max");
+  const std::size_t rows = to_size(stats.dim(0));
+  double total = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    total += std::log(static_cast<double>(sp[2 * r])) + static_cast<double>(mp[r]) -
+             static_cast<double>(sp[2 * r + 1]);
+  }
+  out_data<T>(loss, op, "loss")[0] = static_cast<T>(total / static_cast<double>(rows));
+}
+
+// dstats = (dloss / (N stats[i, 0]), -dloss / N) per row.
+template <class T>
+void vocab_ce_loss_grad_kernel(KernelContext& ctx) {
+  const char* op = "vocab_parallel_ce_loss_grad";
+  const Tensor& stats = need_input(ctx, 0, op, "stats");
+  const Tensor& dloss = need_input(ctx, 1, op, "dloss");
+  Tensor& dstats = need_output(ctx, 0, op, "dstats");
+  if (stats.shape().size() != 2 || stats.dim(1) != 2) {
+    throw std::invalid_argument(
+        fmt::format("{}: stats must be [N, 2], got {}", op, stats.describe()));
+  }
+  check_scalar(op, dloss, "dloss");
+  check_same_shape(op, stats, "stats", dstats, "dstats");
+  const T* sp = in_data<T>(stats, op, "stats");
+  T* dp = out_data<T>(dstats, op, "dstats");
+  const std::size_t rows = to_size(stats.dim(0));
+  const double g =
+      static_cast<double>(in_data<T>(dloss, op, "dloss")[0]) / static_cast<double>(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    dp[2 * r] = static_cast<T>(g / static_cast<double>(sp[2 * r]));
+    dp[2 * r + 1] = static_cast<T>(-g);
   }
 }
 
@@ -685,8 +886,22 @@ void add_nn_ops_for(KernelRegistry& reg) {
   reg.add_fn("softmax_cross_entropy_grad", cpu, dt, cross_entropy_grad_kernel<T>);
   reg.add_fn("mse", cpu, dt, mse_kernel<T>);
   reg.add_fn("mse_grad", cpu, dt, mse_grad_kernel<T>);
-  reg.add_fn("embedding", cpu, dt, embedding_kernel<T>);
-  reg.add_fn("embedding_grad", cpu, dt, embedding_grad_kernel<T>);
+  reg.add("embedding", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<EmbeddingKernel<T>>(read_vocab_range(cfg, "embedding"));
+  });
+  reg.add("embedding_grad", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<EmbeddingGradKernel<T>>(read_vocab_range(cfg, "embedding_grad"));
+  });
+  reg.add("vocab_parallel_ce_stats", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<VocabCeStatsKernel<T>>(
+        read_vocab_range(cfg, "vocab_parallel_ce_stats"));
+  });
+  reg.add("vocab_parallel_ce_stats_grad", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<VocabCeStatsGradKernel<T>>(
+        read_vocab_range(cfg, "vocab_parallel_ce_stats_grad"));
+  });
+  reg.add_fn("vocab_parallel_ce_loss", cpu, dt, vocab_ce_loss_kernel<T>);
+  reg.add_fn("vocab_parallel_ce_loss_grad", cpu, dt, vocab_ce_loss_grad_kernel<T>);
   reg.add("layer_norm", cpu, dt, [](const KernelConfig& cfg) {
     return std::make_unique<LayerNormKernel<T>>(read_eps(cfg, "layer_norm"));
   });

@@ -2,9 +2,11 @@
 // kernel checks the shapes it relies on and names the op and the tensors when they disagree.
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -172,7 +174,7 @@ class MatmulKernel final : public Kernel {
 // ---- elementwise and broadcasting ------------------------------------------------------------
 
 template <class T, class Op>
-void binary_kernel(KernelContext& ctx, const char* op_name) {
+void binary_kernel(KernelContext& ctx, const char* op_name, Op op = Op{}) {
   const Tensor& a = need_input(ctx, 0, op_name);
   const Tensor& b = need_input(ctx, 1, op_name);
   Tensor& c = need_output(ctx, 0, op_name);
@@ -184,7 +186,7 @@ void binary_kernel(KernelContext& ctx, const char* op_name) {
         c.describe()));
   }
   detail::broadcast_binary(a.data<T>().data(), a.shape(), b.data<T>().data(), b.shape(),
-                           c.data<T>().data(), c.shape(), Op{});
+                           c.data<T>().data(), c.shape(), op);
 }
 
 template <class T>
@@ -232,17 +234,47 @@ void sum_into(const T* x, const Shape& x_shape, double* acc, const Shape& y_shap
   });
 }
 
-// sum_to, sum and mean: x reduced onto a shape that broadcasts back to x's ("kept" shape: the
-// reduced axes as 1), optionally divided by the number of elements summed into each output.
+// The larger of two values, or NaN if either is (as torch.maximum and torch.amax).
+template <class T>
+T nan_max(T a, T b) {
+  return !std::isnan(a) && (b > a || std::isnan(b)) ? b : a;
+}
+
+// Maxima of x into acc (filled with -infinity, of y_shape's numel), where y_shape broadcasts to
+// x's shape; the same walk as sum_into.
+template <class T>
+void max_into(const T* x, const Shape& x_shape, double* acc, const Shape& y_shape) {
+  if (numel(x_shape) == 0) return;
+  const auto loop = detail::make_loop(x_shape, detail::broadcast_strides(y_shape, x_shape),
+                                      Strides(x_shape.size(), 0));
+  const std::int64_t n = loop.inner();
+  detail::for_each_run(loop, [&](std::int64_t ox, std::int64_t oy, std::int64_t) {
+    const T* src = x + ox;
+    if (loop.inner_a() == 1) {
+      double* dst = acc + oy;
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = nan_max(dst[i], static_cast<double>(src[i]));
+      return;
+    }
+    double m = acc[oy];
+    for (std::int64_t i = 0; i < n; ++i) m = nan_max(m, static_cast<double>(src[i]));
+    acc[oy] = m;
+  });
+}
+
+// sum_to, sum, mean and max: x reduced onto a shape that broadcasts back to x's ("kept" shape:
+// the reduced axes as 1), a mean divided by the number of elements summed into each output.
 template <class T>
 class ReduceKernel final : public Kernel {
  public:
-  enum class Mode { sum_to, sum, mean };
+  enum class Mode { sum_to, sum, mean, max };
   ReduceKernel(Mode mode, std::vector<std::int64_t> axes, bool keepdims)
       : mode_(mode), axes_(std::move(axes)), keepdims_(keepdims) {}
 
   void compute(KernelContext& ctx) override {
-    const char* op = mode_ == Mode::sum_to ? "sum_to" : mode_ == Mode::sum ? "sum" : "mean";
+    const char* op = mode_ == Mode::sum_to ? "sum_to"
+                     : mode_ == Mode::sum  ? "sum"
+                     : mode_ == Mode::mean ? "mean"
+                                           : "max";
     const Tensor& x = need_input(ctx, 0, op);
     Tensor& y = need_output(ctx, 0, op);
     const Shape kept = mode_ == Mode::sum_to ? y.shape() : kept_shape(x, y, op);
@@ -250,8 +282,14 @@ class ReduceKernel final : public Kernel {
       throw std::invalid_argument(
           fmt::format("sum_to: y {} does not broadcast to x {}", y.describe(), x.describe()));
     }
-    acc_.assign(static_cast<std::size_t>(y.numel()), 0.0);
-    sum_into(x.data<T>().data(), x.shape(), acc_.data(), kept);
+    if (mode_ == Mode::max) {
+      // The maximum of nothing is -infinity (numpy refuses; torch.amax too).
+      acc_.assign(static_cast<std::size_t>(y.numel()), -std::numeric_limits<double>::infinity());
+      max_into(x.data<T>().data(), x.shape(), acc_.data(), kept);
+    } else {
+      acc_.assign(static_cast<std::size_t>(y.numel()), 0.0);
+      sum_into(x.data<T>().data(), x.shape(), acc_.data(), kept);
+    }
     // numel(x) / numel(y) elements fall on each output (0 / 0 = NaN for a mean of nothing).
     const double count =
         y.numel() == 0 ? 1.0 : static_cast<double>(x.numel()) / static_cast<double>(y.numel());
@@ -507,12 +545,18 @@ void add_ops(KernelRegistry& reg) {
   reg.add_fn("mul", cpu, dt,
              [](KernelContext& c) { binary_kernel<T, std::multiplies<T>>(c, "mul"); });
   reg.add_fn("div", cpu, dt, [](KernelContext& c) { binary_kernel<T, std::divides<T>>(c, "div"); });
+  reg.add_fn("maximum", cpu, dt, [](KernelContext& c) {
+    binary_kernel<T>(c, "maximum", [](T a, T b) { return nan_max(a, b); });
+  });
   reg.add_fn("broadcast_to", cpu, dt, broadcast_to_kernel<T>);
   reg.add_fn("reshape", cpu, dt, reshape_kernel<T>);
+  // A copy; only autodiff tells it from reshape.
+  reg.add_fn("stop_gradient", cpu, dt, reshape_kernel<T>);
   reg.add("sum_to", cpu, dt, [](const KernelConfig&) {
     return std::make_unique<ReduceKernel<T>>(Mode::sum_to, std::vector<std::int64_t>{}, true);
   });
-  for (auto [op, mode] : {std::pair{"sum", Mode::sum}, std::pair{"mean", Mode::mean}}) {
+  for (auto [op, mode] :
+       {std::pair{"sum", Mode::sum}, std::pair{"mean", Mode::mean}, std::pair{"max", Mode::max}}) {
     reg.add(op, cpu, dt, [op = op, mode = mode](const KernelConfig& cfg) {
       const std::vector<std::int64_t> all;
       return std::make_unique<ReduceKernel<T>>(mode, int_list(cfg, op, "axes", &all),

@@ -43,12 +43,20 @@ Value transpose(Value x, std::vector<std::int64_t> perm);
 /// Over `axes` (all if empty); negative axes count from the end.
 Value sum(Value x, std::vector<std::int64_t> axes = {}, bool keepdims = false);
 Value mean(Value x, std::vector<std::int64_t> axes = {}, bool keepdims = false);
+/// The largest element over `axes`. No gradient, nor has maximum(): they are for shifts that a
+/// stop_gradient() cuts off (a softmax's row maximum) and for metrics.
+Value max(Value x, std::vector<std::int64_t> axes = {}, bool keepdims = false);
+/// The larger of a and b elementwise, with numpy broadcasting; NaN if either is.
+Value maximum(Value a, Value b);
+/// x's value; autodiff passes no gradient through it (torch's detach()).
+Value stop_gradient(Value x);
 
 /// (x - mean) / sqrt(var + eps) over the last axis, times gamma plus beta (both [D]).
 Value layer_norm(Value x, Value gamma, Value beta, double eps = 1e-5);
 /// Without the affine part.
 Value layer_norm(Value x, double eps = 1e-5);
-/// Rows of table [V, D] picked by integer ids [...] -> [..., D].
+/// Rows of table [V, D] picked by integer ids [...] -> [..., D]. (Split by vocabulary over
+/// tensor-parallel shards: vocab_parallel.h.)
 Value embedding(Value table, Value ids);
 /// Scores [..., T, T] with the entries above the diagonal set to -infinity (attention can
 /// only look back).

@@ -10,7 +10,8 @@
 ///   matmul(a, b) -> c          attrs trans_a, trans_b (0/1). a [..., M, K] ([..., K, M] if
 ///                              trans_a), b [K, N] or [..., K, N] with the same batch dims
 ///                              ([N, K] / [..., N, K] if trans_b); c [..., M, N]. OpenBLAS sgemm/dgemm.
-///   add | sub | mul | div(a, b) -> c    numpy broadcasting; c has the broadcast shape.
+///   add | sub | mul | div | maximum(a, b) -> c    numpy broadcasting; c has the broadcast shape
+///                              (maximum: NaN if either is, as torch.maximum).
 ///   sum_to(x) -> y             sums x over the axes where y (broadcast-compatible) is 1 or absent:
 ///                              the gradient of broadcasting.
 ///   broadcast_to(x) -> y       repeats x to y's shape (numpy rules).
@@ -18,7 +19,9 @@
 ///   fill() -> y                every element = attr value (double); a constant source.
 ///   reshape(x) -> y            same elements, y's shape (copy).
 ///   transpose(x) -> y          attr perm (int list): y.shape[i] = x.shape[perm[i]].
-///   sum(x) -> y | mean(x) -> y attrs axes (int list; empty = all), keepdims (0/1).
+///   sum | mean | max(x) -> y  attrs axes (int list; empty = all), keepdims (0/1). max of
+///                              nothing is -infinity; of a NaN, NaN.
+///   stop_gradient(x) -> y      a copy (autodiff passes no gradient through it).
 ///   slice(x) -> y              attrs axis, start: y = x[..., start : start + y.shape[axis], ...].
 ///   slice_grad(dy) -> dx       attrs axis, start: zeros of dx's shape with dy written at start.
 ///   concat(x0, x1, ...) -> y   attr axis.
@@ -38,6 +41,25 @@
 ///   layer_norm_grad(x, dy) -> dx       attr eps
 ///   embedding(table [V, D], ids i32 [...]) -> y [..., D]
 ///   embedding_grad(ids i32 [...], dy [..., D]) -> dtable [V, D]    (scatter-add; V from dtable)
+///                                      Both take optional attrs vocab and vocab_start (ints, both
+///                                      or neither): the table is then rows [vocab_start,
+///                                      vocab_start + V) of a vocabulary of `vocab` (a tensor-
+///                                      parallel shard); ids in [0, vocab) outside those rows give
+///                                      zero rows and no gradient.
+///
+/// Vocabulary-parallel cross-entropy (Megatron-LM), logits [N, C] being classes [vocab_start,
+/// vocab_start + C) of `vocab` (attrs as for embedding; without them, all C classes), row_max [N]
+/// the maxima of every shard's logits:
+///   vocab_parallel_ce_stats(logits, labels i32 [N], row_max) -> stats [N, 2]
+///                                      stats[i] = (sum_j exp(logits[i, j] - row_max[i]),
+///                                      logits[i, labels[i] - vocab_start] or 0 off this shard)
+///   vocab_parallel_ce_stats_grad(logits, labels, row_max, dstats [N, 2]) -> dlogits [N, C]
+///                                      exp(logits - row_max) * dstats[:, 0]
+///                                      + onehot(labels - vocab_start) * dstats[:, 1]
+///   vocab_parallel_ce_loss(stats [N, 2], row_max [N]) -> loss []
+///                                      mean over N of log(stats[:, 0]) + row_max - stats[:, 1];
+///                                      with the shards' stats summed, the cross-entropy
+///   vocab_parallel_ce_loss_grad(stats, dloss []) -> dstats [N, 2]    (dloss / (N S), -dloss / N)
 ///   causal_mask(x [..., T, T]) -> y    attr value (double): y[..., i, j] = value where j > i
 ///   dropout(x) -> y                    attrs p (double), seed (int): keeps each element with
 ///                                      probability 1-p and scales it by 1/(1-p); the mask is a pure
