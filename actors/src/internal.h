@@ -160,6 +160,7 @@ class Actor {
   // Transfer actors: pulls issued but not yet published, and which slots have landed.
   std::int64_t inflight_ = 0;
   std::vector<bool> pulled_;
+  std::vector<std::uint64_t> pull_started_;  // per slot, for the activity log
   bool finished_ = false;
   bool retired_ = false;
   ActorActivity activity_ = ActorActivity::starved;
