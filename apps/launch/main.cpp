@@ -87,6 +87,9 @@ int main(int argc, char** argv) {
          "--finish-timeout", finish_timeout_s,
          "node 0 of several: seconds to wait for the other nodes after its own ranks are done")
       ->check(CLI::PositiveNumber);
+  app.add_option("--trace", cli.trace,
+                 "FILE: the ranks record their acts; node 0 writes one Chrome trace of them all "
+                 "(open it in ui.perfetto.dev or chrome://tracing)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
