@@ -28,6 +28,10 @@ std::string host_name() {
 
 }  // namespace
 
+/// A drain this large (an eighth of a worker's ring) means the rings fill fast.
+constexpr std::size_t busy_drain = 8192;
+constexpr std::chrono::milliseconds busy_period{5};
+
 struct TraceObserver::Impl {
   TraceOptions options;
   bool keep = false;
@@ -44,6 +48,7 @@ struct TraceObserver::Impl {
   std::unordered_map<std::string, RegisterIndex> register_index;
   std::vector<std::int32_t> last_in_use;  // by register; -1: never sampled
   std::vector<ActRecord> batch;
+  std::size_t last_drained = 0;
   std::vector<OccupancySample> samples;
 
   // What is being recorded: the whole run, or a session the server asked for.
@@ -116,7 +121,7 @@ struct TraceObserver::Impl {
     requested.reset();
     if (options.drain) {
       batch.clear();
-      runtime->drain_activity(batch);
+      last_drained = runtime->drain_activity(batch);
       take(batch);
     }
     if (recording) sample();
@@ -150,7 +155,11 @@ struct TraceObserver::Impl {
   void loop() {
     std::unique_lock lock(mutex);
     while (!stopping) {
-      wake.wait_for(lock, options.period, [&] { return stopping || requested.has_value(); });
+      // Tiny acts (a few microseconds) fill a 64 Ki ring within the period: come back sooner
+      // while the last drain was large, rather than lose records.
+      const auto wait = last_drained >= busy_drain ? std::min<std::chrono::milliseconds>(options.period, busy_period)
+                                                   : options.period;
+      wake.wait_for(lock, wait, [&] { return stopping || requested.has_value(); });
       if (stopping) break;
       try {
         tick();
