@@ -615,3 +615,76 @@ TEST_CASE("Trace.RecordingOnDemandKeepsOnlyTheWindow" * doctest::timeout(60)) {
   CHECK(t.other.at("ranks").at(0).at("finished") == true);
   CHECK(t.other.at("ranks").at(0).at("error") == "");  // the window closed before the abort
 }
+
+TEST_CASE("Trace.TheServerAsksForAWindowAndGetsItOverTheControlPlane" * doctest::timeout(60)) {
+  // What the dashboard's "record N seconds" does: the server sends the command, the rank streams
+  // that window as telemetry, the collector merges it.
+  observe::TraceCollector collector;
+  transport::ServerSettings ss;
+  ss.bind_host = "127.0.0.1";
+  ss.token = "0123456789abcdef0123456789abcdef";
+  ss.world_size = 1;
+  ss.on_telemetry = [&](transport::Telemetry t) { collector.on_telemetry(t); };
+  transport::RendezvousServer server(ss);
+  transport::ControlClient client(transport::ClientSettings{
+      .master = fmt::format("127.0.0.1:{}", server.port()), .token = ss.token, .rank = 0, .world_size = 1,
+      .join_timeout = 10s});
+  observe::TraceOptions options;
+  options.whole_run = false;
+  options.period = 2ms;
+  observe::TraceObserver tracer(options);
+  client.on_command([&](const std::string& kind, const std::string& body) { tracer.on_command(kind, body); });
+  client.join(transport::RankInfo{});
+
+  Plan plan;
+  auto x = plan.add_register({.name = "x", .shape = {16}, .slots = 2});
+  plan.add_actor({.name = "source", .kind = ActorKind::source, .op = "fill_piece", .outputs = {x}, .pieces = 50'000'000});
+  plan.add_actor({.name = "work", .op = "spin_ns", .where = {.stream = 1}, .inputs = {{x}},
+                  .attrs = {{"ns", std::int64_t{20'000}}}});
+  RuntimeSettings rs;
+  rs.activity_log = true;
+  Runtime rt(plan, KernelRegistry::with_builtin_kernels(), rs);
+  tracer.on_start(rt, &client);
+  std::string error;
+  std::thread runner([&] {
+    try {
+      rt.run();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  auto wait_for = [](const std::function<bool()>& done) {
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (!done() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    return done();
+  };
+  const bool warmed_up = wait_for([&] { return rt.snapshot().total_acts() >= 400; });
+  server.send_command("trace", R"({"session": 3, "seconds": 0.05})");
+  const bool ended = wait_for([&] { return collector.finished(3) == 1; });
+  rt.abort("the test has its window");
+  runner.join();
+  tracer.on_finish(rt, error);
+  REQUIRE(warmed_up);
+  REQUIRE(ended);
+
+  CHECK(collector.ranks(0) == 0);  // no whole-run trace was asked for
+  const ParsedTrace t = parse_trace(collector.merge(3).json());
+  CHECK(t.processes.size() == 1);
+  CHECK(t.threads.size() == 2);
+  REQUIRE(t.acts.count("work") == 1);
+  std::int64_t first = -1, kept = 0;
+  for (const Slice* s : t.acts.at("work")) {
+    if (s == nullptr) {
+      CHECK(first < 0);  // before the window; none missing inside it
+      continue;
+    }
+    if (first < 0) first = s->piece;
+    ++kept;
+  }
+  CHECK(first >= 100);
+  CHECK(kept > 0);
+  const auto& rank = t.other.at("ranks").at(0);
+  CHECK(rank.at("finished") == true);
+  CHECK(rank.at("error") == "");
+  CHECK(rank.at("clock_uncertainty_ns") == 0);  // the server's host: its clock
+}
