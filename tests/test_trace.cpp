@@ -72,6 +72,11 @@ struct ParsedTrace {
   /// actor name -> its slices by piece (null where a piece is missing)
   std::map<std::string, std::vector<const Slice*>> acts;
 
+  /// The worker a track belongs to: its own, or the one whose pulls it shows.
+  std::string worker(int pid, int tid) const {
+    const std::string& name = threads.at({pid, tid});
+    return fmt::format("{}/{}", pid, name.substr(0, name.find(" pulls")));
+  }
   const Slice* act(const std::string& actor, std::int64_t piece) const {
     auto it = acts.find(actor);
     if (it == acts.end() || piece < 0 || static_cast<std::size_t>(piece) >= it->second.size()) return nullptr;
@@ -152,9 +157,9 @@ std::int64_t writer(const ActorDesc& p, std::int64_t q) {
   return p.kind == ActorKind::accumulate ? q * p.group + p.group - 1 : q;
 }
 
-/// Every actor that acted has one slice per act, pieces 0..acts-1, on a named worker thread;
-/// no slice has a negative duration; the acts of one thread (but a transfer's pulls, which
-/// overlap) do not overlap; every act starts after the acts that wrote what it reads ended
+/// Every actor that acted has one slice per act, pieces 0..acts-1, on a named track; no slice
+/// has a negative duration; the slices of one track do not overlap (a worker runs one act at a
+/// time; pulls have lanes of their own); every act starts after the acts that wrote what it reads ended
 /// (within `slack` ns: clock uncertainty across ranks); a producer writes piece p + slots only
 /// after every consumer finished reading piece p.
 void check_acts_follow_the_plan(const Plan& plan, const ParsedTrace& t, const std::map<std::string, std::uint64_t>& acts,
@@ -173,8 +178,9 @@ void check_acts_follow_the_plan(const Plan& plan, const ParsedTrace& t, const st
   std::map<std::pair<int, int>, std::vector<const Slice*>> per_thread;
   for (const Slice& s : t.slices) {
     CHECK(s.dur >= 0);
-    CHECK(t.threads.count({s.pid, s.tid}) == 1);
-    if (s.cat != "transfer") per_thread[{s.pid, s.tid}].push_back(&s);
+    REQUIRE(t.threads.count({s.pid, s.tid}) == 1);
+    CHECK((s.cat == "transfer") == (t.threads.at({s.pid, s.tid}).find(" pulls") != std::string::npos));
+    per_thread[{s.pid, s.tid}].push_back(&s);
   }
   for (auto& [thread, slices] : per_thread) {
     std::sort(slices.begin(), slices.end(), [](auto* a, auto* b) { return a->ts < b->ts; });
@@ -252,7 +258,7 @@ void check_flows(const Plan& plan, const ParsedTrace& t) {
     CHECK(f.cat == s.cat);
     CHECK(f.name == s.name);
     CHECK(f.bind_enclosing);
-    CHECK(std::make_pair(s.pid, s.tid) != std::make_pair(f.pid, f.tid));
+    CHECK(t.worker(s.pid, s.tid) != t.worker(f.pid, f.tid));
     CHECK(f.ts + t.uncertainty(s.pid) + t.uncertainty(f.pid) >= s.ts);
     CHECK(inside_a_slice(s));
     CHECK(inside_a_slice(f));
@@ -269,7 +275,7 @@ void check_flows(const Plan& plan, const ParsedTrace& t) {
       for (const Slice* s : it->second) {
         const std::int64_t q = s->piece / ratio - port.delay;
         const Slice* w = q < 0 ? nullptr : t.act(p.name, writer(p, q));
-        if (w != nullptr && (w->pid != s->pid || w->tid != s->tid)) ++expected;
+        if (w != nullptr && t.worker(w->pid, w->tid) != t.worker(s->pid, s->tid)) ++expected;
       }
     }
   }

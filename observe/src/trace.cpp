@@ -52,6 +52,11 @@ void append_escaped(fmt::memory_buffer& out, std::string_view s) {
   out.push_back('"');
 }
 
+/// The track of a worker's pulls, lane `lane` (the worker's own track is tid worker + 1).
+std::uint32_t pull_lane_tid(std::uint16_t worker, std::size_t lane) {
+  return static_cast<std::uint32_t>(1000 * (lane + 1)) + worker + 1u;
+}
+
 /// Nanoseconds as the format's microseconds, exactly (no float rounding): 1234567 -> 1234.567.
 void append_us(fmt::memory_buffer& out, std::int64_t ns) {
   if (ns < 0) {
@@ -166,6 +171,34 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
   }
   for (const Act& a : acts) threads[a.rank].insert(a.r.worker);
 
+  // A track per act. A transfer's pulls overlap the worker's other acts and one another (one
+  // in flight per free slot), and the viewers draw a track's slices only when they nest: pulls
+  // go on lanes of their own beside their worker, each pull on the first lane free by its start.
+  std::vector<std::uint32_t> tid(acts.size());
+  std::map<std::pair<std::uint32_t, std::uint16_t>, std::vector<std::int64_t>> lane_ends;  // (rank, worker)
+  {
+    std::vector<std::uint32_t> pulls;
+    for (std::size_t i = 0; i < acts.size(); ++i) {
+      const ActorDesc* d = actor(acts[i].r.actor);
+      tid[i] = acts[i].r.worker + 1u;
+      if (d != nullptr && d->kind == ActorKind::transfer) pulls.push_back(static_cast<std::uint32_t>(i));
+    }
+    std::sort(pulls.begin(), pulls.end(), [&](std::uint32_t x, std::uint32_t y) {
+      return std::tie(acts[x].rank, acts[x].r.worker, acts[x].r.start_ns) <
+             std::tie(acts[y].rank, acts[y].r.worker, acts[y].r.start_ns);
+    });
+    for (std::uint32_t i : pulls) {
+      const Act& a = acts[i];
+      auto& ends = lane_ends[{a.rank, a.r.worker}];
+      const std::int64_t start = at(a.r.start_ns, a.rank), end = std::max(start, at(a.r.end_ns, a.rank));
+      std::size_t lane = 0;
+      while (lane < ends.size() && ends[lane] > start) ++lane;
+      if (lane == ends.size()) ends.push_back(end);
+      ends[lane] = end;
+      tid[i] = pull_lane_tid(a.r.worker, lane);
+    }
+  }
+
   put("{\"traceEvents\": [\n");
   bool first = true;
   auto begin_event = [&] {
@@ -184,18 +217,36 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
     fmt::format_to(std::back_inserter(out),
                    R"({{"ph": "M", "pid": {}, "tid": 0, "name": "process_sort_index", "args": {{"sort_index": {}}}}})", r + 1,
                    r);
-    for (std::uint16_t w : workers) {
-      std::string name = info != ranks.end() && w < info->second.workers.size() ? info->second.workers[w]
-                                                                                : fmt::format("worker {}", w);
+    auto name_thread = [&](std::uint32_t t, const std::string& name, std::uint32_t sort_index) {
       begin_event();
       fmt::format_to(std::back_inserter(out),
-                     R"({{"ph": "M", "pid": {}, "tid": {}, "name": "thread_name", "args": {{"name": )", r + 1, w + 1);
+                     R"({{"ph": "M", "pid": {}, "tid": {}, "name": "thread_name", "args": {{"name": )", r + 1, t);
       append_escaped(out, name);
       put("}}");
       begin_event();
       fmt::format_to(std::back_inserter(out),
                      R"({{"ph": "M", "pid": {}, "tid": {}, "name": "thread_sort_index", "args": {{"sort_index": {}}}}})",
-                     r + 1, w + 1, w);
+                     r + 1, t, sort_index);
+    };
+    auto worker_name = [&](std::uint16_t w) {
+      return info != ranks.end() && w < info->second.workers.size() ? info->second.workers[w]
+                                                                    : fmt::format("worker {}", w);
+    };
+    // Tracks in the order of their names (cpu:0 before cpu:1), whatever order the runtime made
+    // its workers in.
+    std::vector<std::uint16_t> by_name(workers.begin(), workers.end());
+    std::stable_sort(by_name.begin(), by_name.end(),
+                     [&](std::uint16_t x, std::uint16_t y) { return worker_name(x) < worker_name(y); });
+    for (std::uint16_t w : workers) {
+      const std::string name = worker_name(w);
+      const auto position = static_cast<std::uint32_t>(std::find(by_name.begin(), by_name.end(), w) - by_name.begin());
+      name_thread(w + 1u, name, position * 1000u);
+      auto lanes = lane_ends.find({r, w});
+      const std::size_t n = lanes == lane_ends.end() ? 0 : lanes->second.size();
+      for (std::size_t lane = 0; lane < n; ++lane) {
+        name_thread(pull_lane_tid(w, lane), lane == 0 ? name + " pulls" : fmt::format("{} pulls {}", name, lane + 1),
+                    position * 1000u + 1u + static_cast<std::uint32_t>(lane));
+      }
     }
   }
 
@@ -205,14 +256,14 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
   std::sort(order.begin(), order.end(), [&](std::uint32_t x, std::uint32_t y) {
     const Act& a = acts[x];
     const Act& b = acts[y];
-    return std::tie(a.rank, a.r.worker, a.r.start_ns, a.r.actor) < std::tie(b.rank, b.r.worker, b.r.start_ns, b.r.actor);
+    return std::tie(a.rank, tid[x], a.r.start_ns, a.r.actor) < std::tie(b.rank, tid[y], b.r.start_ns, b.r.actor);
   });
   std::uint64_t negative = 0;
   for (std::uint32_t i : order) {
     const Act& a = acts[i];
     const ActorDesc* d = actor(a.r.actor);
     begin_event();
-    fmt::format_to(std::back_inserter(out), R"({{"ph": "X", "pid": {}, "tid": {}, "ts": )", a.rank + 1, a.r.worker + 1);
+    fmt::format_to(std::back_inserter(out), R"({{"ph": "X", "pid": {}, "tid": {}, "ts": )", a.rank + 1, tid[i]);
     append_us(out, at(a.r.start_ns, a.rank));
     put(", \"dur\": ");
     std::int64_t dur = static_cast<std::int64_t>(a.r.end_ns) - static_cast<std::int64_t>(a.r.start_ns);
@@ -278,12 +329,11 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
     if (slot >= p.index.size()) p.index.resize(slot + 1, missing);
     p.index[slot] = static_cast<std::uint32_t>(i);
   }
-  auto find_act = [&](ActorIndex actor_index, std::int64_t piece) -> const Act* {
-    if (actor_index >= by_actor.size()) return nullptr;
+  auto find_act = [&](ActorIndex actor_index, std::int64_t piece) -> std::uint32_t {
+    if (actor_index >= by_actor.size()) return missing;
     const Pieces& p = by_actor[actor_index];
-    if (piece < p.base || static_cast<std::size_t>(piece - p.base) >= p.index.size()) return nullptr;
-    const std::uint32_t i = p.index[static_cast<std::size_t>(piece - p.base)];
-    return i == missing ? nullptr : &acts[i];
+    if (piece < p.base || static_cast<std::size_t>(piece - p.base) >= p.index.size()) return missing;
+    return p.index[static_cast<std::size_t>(piece - p.base)];
   };
   const std::size_t used = acts.size() + samples.size();
   std::size_t flow_budget = used >= limits.max_events ? 0 : (limits.max_events - used) / 2;
@@ -303,8 +353,10 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
       if (producer == nullptr) continue;
       const std::int64_t q = read_piece(*consumer, port, c.r.piece);
       if (q < 0) continue;
-      const Act* p = find_act(producer_index, writer_act(*producer, q));
-      if (p == nullptr || (p->rank == c.rank && p->r.worker == c.r.worker)) continue;
+      const std::uint32_t pi = find_act(producer_index, writer_act(*producer, q));
+      if (pi == missing) continue;
+      const Act* p = &acts[pi];
+      if (p->rank == c.rank && p->r.worker == c.r.worker) continue;
       if (flows == flow_budget) {
         ++flows_left_out;
         continue;
@@ -316,14 +368,14 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
       const std::string_view reg_name = registers[port.reg].name;
       begin_event();
       fmt::format_to(std::back_inserter(out), R"({{"ph": "s", "id": {}, "pid": {}, "tid": {}, "ts": )", flows, p->rank + 1,
-                     p->r.worker + 1);
+                     tid[pi]);
       append_us(out, s_ts);
       put(", \"cat\": \"request\", \"name\": ");
       append_escaped(out, reg_name);
       put("}");
       begin_event();
       fmt::format_to(std::back_inserter(out), R"({{"ph": "f", "bp": "e", "id": {}, "pid": {}, "tid": {}, "ts": )", flows,
-                     c.rank + 1, c.r.worker + 1);
+                     c.rank + 1, tid[i]);
       append_us(out, f_ts);
       put(", \"cat\": \"request\", \"name\": ");
       append_escaped(out, reg_name);

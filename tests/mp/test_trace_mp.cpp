@@ -42,10 +42,12 @@ json::object load(const std::filesystem::path& p) {
 
 std::int64_t ns_of(const json::value& v) { return std::llround(v.to_number<double>() * 1000.0); }
 
-/// Process names by pid, thread names by (pid, tid), slices per pid and category.
+/// Process names by pid, thread names by (pid, tid) (workers; their pulls apart), slices per
+/// pid and category.
 struct Summary {
   std::map<int, std::string> processes;
   std::map<std::pair<int, int>, std::string> threads;
+  std::map<std::pair<int, int>, std::string> pull_lanes;
   std::map<std::pair<int, std::string>, int> slices;
   std::set<std::pair<int, int>> tracks_with_slices;
   std::map<std::uint64_t, json::object> starts, ends;
@@ -59,7 +61,9 @@ Summary summarize(const json::object& trace) {
     const int pid = o.at("pid").to_number<int>();
     if (ph == "M" && o.at("name") == "process_name") s.processes[pid] = json::value_to<std::string>(o.at("args").at("name"));
     if (ph == "M" && o.at("name") == "thread_name") {
-      s.threads[{pid, o.at("tid").to_number<int>()}] = json::value_to<std::string>(o.at("args").at("name"));
+      const std::string name = json::value_to<std::string>(o.at("args").at("name"));
+      auto& names = name.find(" pulls") == std::string::npos ? s.threads : s.pull_lanes;
+      names[{pid, o.at("tid").to_number<int>()}] = name;
     }
     if (ph == "X") {
       ++s.slices[{pid, json::value_to<std::string>(o.at("cat"))}];
@@ -96,7 +100,8 @@ TEST_CASE("multi-process: baton-launch --trace merges the ranks' traces into one
   CHECK(s.processes.at(1).starts_with("rank 0 ("));
   CHECK(s.processes.at(2).starts_with("rank 1 ("));
   CHECK(s.threads.size() == 4);
-  for (const auto& track : s.tracks_with_slices) CHECK(s.threads.count(track) == 1);
+  CHECK(!s.pull_lanes.empty());
+  for (const auto& track : s.tracks_with_slices) CHECK(s.threads.count(track) + s.pull_lanes.count(track) == 1);
   for (int pid : {1, 2}) {
     CAPTURE(pid);
     CHECK(s.slices.count({pid, "forward"}) == 1);
@@ -145,6 +150,7 @@ TEST_CASE("multi-process: baton-train --trace writes its own file, and one per r
   std::filesystem::remove(one);
   CHECK(s.processes.size() == 1);
   CHECK(s.threads.size() == 4);  // dp 2 x pp 2 in-process devices
+  CHECK(s.pull_lanes.empty());
   CHECK(s.slices.count({1, "transfer"}) == 0);
   for (int r = 0; r < 2; ++r) {
     const std::filesystem::path file = per_rank.string() + fmt::format(".rank{}.json", r);

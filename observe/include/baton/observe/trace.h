@@ -4,6 +4,8 @@
 /// kernel's idle task), one thread per worker (tid worker + 1), a slice per act (ph X,
 /// named after the actor, its role as category), register occupancy as counters (ph C), and
 /// arrows (flow events, ph s/f) for the requests that cross from one worker or rank to another.
+/// Transfer actors' pulls overlap their worker's acts and one another, and a track must nest:
+/// they go on lanes beside their worker ("cpu:0/s0 pulls", tid 1000 * lane + worker + 1).
 ///
 /// The hot path only appends to the workers' lock-free activity rings (activity.h); a drain
 /// thread empties them a few times a second into a TraceRecorder (a job of one rank) or onto
