@@ -7,12 +7,12 @@
 
 #include <algorithm>
 #include <array>
-#include <filesystem>
 #include <cerrno>
 #include <climits>
 #include <concepts>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
@@ -94,6 +95,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (const auto dir = std::filesystem::path(cli.trace).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir)) {
+    fmt::print(stderr, "baton-launch: --trace {}: there is no directory '{}'\n", cli.trace, dir.string());
+    return 2;
   }
   if (app.count("--nproc-per-node")) cli.nproc_per_node = nproc_per_node;
   if (app.count("--nnodes")) cli.nnodes = nnodes;

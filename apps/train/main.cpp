@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <thread>
 
@@ -226,6 +227,9 @@ int run(const Options& o) {
                                  : launch_trace != nullptr && *launch_trace ? std::string(launch_trace)
                                  : env.distributed() && !o.trace.empty()    ? fmt::format("{}.rank{}.json", o.trace, env.rank)
                                                                             : o.trace;
+  if (const auto dir = std::filesystem::path(trace_file).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir)) {
+    throw std::invalid_argument(fmt::format("--trace {}: there is no directory '{}'", trace_file, dir.string()));
+  }
   std::unique_ptr<observe::TraceObserver> tracer;
   JobSettings js;
   if (stream_trace || !trace_file.empty()) {
@@ -264,9 +268,14 @@ int run(const Options& o) {
   }
   runner.join();
   if (tracer && !trace_file.empty()) {  // a failed run's trace too: it shows what led up to it
-    tracer->recorder().write_file(trace_file);
-    fmt::print(stderr, "baton-train: trace of {} acts written to {} (open it in ui.perfetto.dev or chrome://tracing)\n",
-               tracer->recorder().acts(), trace_file);
+    try {
+      tracer->recorder().write_file(trace_file);
+      fmt::print(stderr, "baton-train: trace of {} acts written to {} (open it in ui.perfetto.dev or chrome://tracing)\n",
+                 tracer->recorder().acts(), trace_file);
+    } catch (const std::exception& e) {
+      if (!failure) throw;
+      fmt::print(stderr, "baton-train: {}\n", e.what());  // the run's own failure comes next
+    }
   }
   if (failure) std::rethrow_exception(failure);
   if (!leader) return 0;  // rank 0 reports for the job
