@@ -24,12 +24,13 @@ constexpr std::uint32_t missing = std::numeric_limits<std::uint32_t>::max();
 /// The act of `producer` that published piece q of its output: an accumulate publishes once
 /// per group, at the group's last act; everything else once per act.
 std::int64_t writer_act(const ActorDesc& producer, std::int64_t q) {
-  return producer.kind == ActorKind::accumulate ? q * producer.group + producer.group - 1 : q;
+  const std::int64_t group = std::max<std::int64_t>(1, producer.group);  // a plan from the wire may say 0
+  return producer.kind == ActorKind::accumulate ? q * group + group - 1 : q;
 }
 
 /// The piece of `port` that act k of `consumer` reads (negative: none, an initial token).
 std::int64_t read_piece(const ActorDesc& consumer, const InputPort& port, std::int64_t k) {
-  const std::int64_t ratio = consumer.kind == ActorKind::repeat ? consumer.group : 1;
+  const std::int64_t ratio = consumer.kind == ActorKind::repeat ? std::max<std::int64_t>(1, consumer.group) : 1;
   return k / ratio - port.delay;
 }
 
@@ -326,6 +327,7 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
     if (a.r.actor >= by_actor.size()) continue;
     Pieces& p = by_actor[a.r.actor];
     const auto slot = static_cast<std::size_t>(a.r.piece - p.base);
+    if (slot >= (std::size_t{1} << 28)) continue;  // not a window of one run: draw no arrows to it
     if (slot >= p.index.size()) p.index.resize(slot + 1, missing);
     p.index[slot] = static_cast<std::uint32_t>(i);
   }
