@@ -104,7 +104,10 @@ void Actor::wire_inputs() {
   KernelConfig cfg{desc_.name, desc_.where.device, dtype, desc_.attrs};
   switch (desc_.kind) {
     case ActorKind::repeat: break;
-    case ActorKind::transfer: pulled_.assign(static_cast<std::size_t>(outputs_[0]->slots), false); break;
+    case ActorKind::transfer:
+      pulled_.assign(static_cast<std::size_t>(outputs_[0]->slots), false);
+      pull_started_.assign(pulled_.size(), 0);
+      break;
     case ActorKind::accumulate:
       copy_kernel_ = core_.kernels->create("copy", cfg);
       kernel_ = core_.kernels->create("add", cfg);
@@ -232,6 +235,10 @@ void Actor::act() {
   if (core_.dry_run) core_.count_dry_act(acts_);
   bump(counters_.acts, std::uint64_t{1});
   bump(counters_.bytes_in, bytes_in_per_act_);
+  // The act ends before its requests and acks go out, so no consumer's act (nor this act's
+  // next, once its slot comes back) can appear to start before it ended: a trace's arrows
+  // point forward in time.
+  const std::uint64_t log_end = logging ? steady_ns() : 0;
   if (closes_group) {
     bump(counters_.bytes_out, bytes_out_per_act_);
     for (auto& out : outputs_) publish(*out);
@@ -243,7 +250,7 @@ void Actor::act() {
       if (q >= 0) release(in, q);
     }
   }
-  if (logging) worker_->log(ActRecord{index_, k, log_start, steady_ns(), worker_->index()});
+  if (logging) worker_->log(ActRecord{index_, k, log_start, log_end, worker_->index()});
 }
 
 // Pull piece k of the remote register into our next slot. It is published (and acked to the
@@ -255,6 +262,8 @@ void Actor::act_transfer() {
   const std::int64_t k = acts_;
   const auto slot = static_cast<std::uint16_t>(k % out.slots);
   Tensor& dest = out.buffers[slot];
+  // The activity log records a pull from here to its landing (on_pulled); 0: not logged.
+  pull_started_[slot] = core_.activity_log.load(std::memory_order_relaxed) ? steady_ns() : 0;
   if (dest.nbytes() == 0) {  // nothing to move: the request was all there was
     acts_ = k + 1;
     ++inflight_;
@@ -286,6 +295,8 @@ void Actor::on_pulled(const Message& m) {
     pulled_[static_cast<std::size_t>(out.written % out.slots)] = false;
     --inflight_;
     const std::int64_t piece = out.written;
+    const std::uint64_t started = pull_started_[static_cast<std::size_t>(piece % out.slots)];
+    if (started != 0) worker_->log(ActRecord{index_, piece, started, steady_ns(), worker_->index()});
     bump(counters_.bytes_in, bytes_in_per_act_);
     bump(counters_.bytes_out, bytes_out_per_act_);
     publish(out);

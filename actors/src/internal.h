@@ -160,6 +160,7 @@ class Actor {
   // Transfer actors: pulls issued but not yet published, and which slots have landed.
   std::int64_t inflight_ = 0;
   std::vector<bool> pulled_;
+  std::vector<std::uint64_t> pull_started_;  // per slot, for the activity log
   bool finished_ = false;
   bool retired_ = false;
   ActorActivity activity_ = ActorActivity::starved;
@@ -264,7 +265,7 @@ struct Core : transport::LinkHandler {
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
   std::vector<std::unique_ptr<Worker>> workers;
-  std::uint64_t start_ticks = 0;
+  std::atomic<std::uint64_t> start_ticks{0};  // set by run(); snapshot() may read it meanwhile
   std::int64_t local_actors = 0;
   std::vector<HandshakeEvent> log;
 

@@ -6,6 +6,7 @@
 //   baton-bench-actors            every case, ~120 ms per measured run, best of 3
 //   baton-bench-actors --quick    10x fewer pieces and a short METG sweep (the CTest smoke run)
 //   baton-bench-actors --case cross_thread
+//   baton-bench-actors --case trace        what recording a trace costs (activity log + drain)
 //
 // METG is Task Bench's "minimum effective task granularity" (Slaughter et al., SC'20): the
 // smallest task at which the system still reaches 50% of the ideal throughput.
@@ -29,6 +30,7 @@
 #include "json_line.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
+#include "baton/observe/trace.h"
 
 namespace {
 
@@ -47,7 +49,9 @@ constexpr std::string_view case_names[] = {"same_thread_hop",
                                            "cross_thread_stream_slots2",
                                            "cross_thread_stream_slots4",
                                            "cross_thread_hop_latency",
-                                           "metg"};
+                                           "metg",
+                                           "trace_overhead_noop",
+                                           "trace_overhead_spin2us"};
 
 [[noreturn]] void usage(int code) {
   std::FILE* f = code == 0 ? stdout : stderr;
@@ -205,6 +209,30 @@ Sample run_baton(const baton::Plan& plan, const baton::KernelRegistry& kernels) 
     }
   }
   return {report.wall_s, report.messages, report.parks};
+}
+
+/// The same, with the activity log on and a TraceObserver draining it into a recorder (what
+/// baton-train --trace does); the records it kept and the ones lost to full rings come back.
+struct TracedSample {
+  Sample sample;
+  std::uint64_t recorded = 0;
+  std::uint64_t dropped = 0;
+};
+TracedSample run_baton_traced(const baton::Plan& plan, const baton::KernelRegistry& kernels) {
+  baton::RuntimeSettings settings;
+  settings.activity_log = true;
+  baton::Runtime rt(plan, kernels, settings);
+  baton::observe::TraceObserver tracer;
+  tracer.on_start(rt, nullptr);
+  baton::RunReport report;
+  try {
+    report = rt.run();
+  } catch (...) {
+    tracer.on_finish(rt, "failed");
+    throw;
+  }
+  tracer.on_finish(rt, {});
+  return {{report.wall_s, report.messages, report.parks}, tracer.recorded(), rt.activity_dropped()};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -509,6 +537,47 @@ struct Bench {
                ref_ns, stats.best.parks);
   }
 
+  /// What a trace costs: the same chain with and without the activity log and a trace drain
+  /// thread (runs interleaved). The noop chain is the worst case (acts of ~100 ns, where two
+  /// clock reads and a ring push per act show); 2 us kernels are closer to small training ops.
+  void trace_overhead(const std::string& case_name, const std::string& op, std::int64_t spin_ns) const {
+    baton::Attrs attrs;
+    if (spin_ns > 0) attrs = {{"ns", spin_ns}};
+    std::vector<Stage> stages{{"source", 0}, {"a", 0, op, attrs}, {"b", 1, op, attrs}, {"sink", 1}};
+    TracedSample last;
+    auto plain = [&](std::int64_t n) { return run_baton(chain_plan(stages, n, 2), kernels); };
+    auto traced = [&](std::int64_t n) {
+      last = run_baton_traced(chain_plan(stages, n, 2), kernels);
+      return last.sample;
+    };
+    const auto m = measure({plain, traced}, 100, 200);
+    const double rate = static_cast<double>(m[0].pieces) / m[0].best.wall_s;
+    const double traced_rate = static_cast<double>(m[1].pieces) / m[1].best.wall_s;
+    const double acts = 4.0 * static_cast<double>(m[1].pieces);
+    JsonLine(case_name)
+        .add("value", 1.0 - traced_rate / rate)
+        .add("unit", "fraction of throughput lost to tracing")
+        .add("reference", rate)
+        .add("traced", traced_rate)
+        .add("ratio", traced_rate / rate)
+        .add("reference_is", "the same chain without the activity log (pieces/s)")
+        .add("goal", 0.10)
+        .add("stat", "best of 3")
+        .add("median_ratio", (static_cast<double>(m[1].pieces) / m[1].median.wall_s) /
+                                 (static_cast<double>(m[0].pieces) / m[0].median.wall_s))
+        .add("op", op)
+        .add("spin_ns", spin_ns)
+        .add("pieces", m[1].pieces)
+        .add("actors", 4)
+        .add("threads", 2)
+        .add("ns_per_act_traced", m[1].best.wall_s * 1e9 * 2 / acts)  // two workers share the acts
+        .add("recorded", static_cast<double>(last.recorded))
+        .add("dropped", static_cast<double>(last.dropped))
+        .print();
+    fmt::print(stderr, "{}: {:.3g} pieces/s traced vs {:.3g} plain ({:+.1f}%), last traced run kept {} acts, lost {}\n",
+               case_name, traced_rate, rate, 100.0 * (traced_rate / rate - 1.0), last.recorded, last.dropped);
+  }
+
   /// Microseconds one spin_ns task with these attributes takes when run alone, back to back.
   double time_task_us(const baton::Attrs& attrs) const {
     baton::KernelConfig cfg{"metg-probe", baton::Device{}, baton::DType::f32, attrs};
@@ -636,6 +705,8 @@ int main(int argc, char** argv) {
       {"cross_thread_stream_slots4", [&] { bench.cross_thread_stream(4); }},
       {"cross_thread_hop_latency", [&] { bench.cross_thread_hop_latency(); }},
       {"metg", [&] { bench.metg(); }},
+      {"trace_overhead_noop", [&] { bench.trace_overhead("trace_overhead_noop", "noop", 0); }},
+      {"trace_overhead_spin2us", [&] { bench.trace_overhead("trace_overhead_spin2us", "spin_ns", 2000); }},
   };
   fmt::print(stderr, "baton-bench-actors: {} mode, {} hardware threads, best of {} runs of ~{:.0f} ms\n",
              opt.quick ? "quick" : "full", std::thread::hardware_concurrency(), repeats, bench.target_s() * 1e3);

@@ -12,6 +12,7 @@
 #include <concepts>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +21,7 @@
 
 #include <fmt/format.h>
 
+#include "baton/observe/trace.h"
 #include "baton/transport/control.h"
 #include "baton/transport/link.h"
 #include "output.h"
@@ -121,6 +123,7 @@ class Job {
     if (!failure_) start_nodes();
     loop();
     if (!failure_ && client_) client_->finish();
+    write_trace();
     const auto flush_deadline = Clock::now() + supervision_.final_flush;
     stderr_.flush(flush_deadline);
     stdout_.flush(flush_deadline);
@@ -140,6 +143,10 @@ class Job {
       settings.world_size = plan_.world_size();
       settings.launchers = plan_.nnodes - 1;
       settings.hand_out_token = plan_.hand_out_token;
+      if (!plan_.trace.empty()) {
+        trace_ = std::make_unique<observe::TraceCollector>();
+        settings.on_telemetry = [trace = trace_.get()](transport::Telemetry t) { trace->on_telemetry(t); };
+      }
       try {
         server_ = std::make_unique<transport::RendezvousServer>(settings);
       } catch (const std::exception& e) {
@@ -171,8 +178,36 @@ class Job {
     }
   }
 
+  /// --trace: the ranks record (and, in a job of many, stream to node 0) into this file.
+  std::vector<std::string> with_trace(std::vector<std::string> env) const {
+    if (!plan_.trace.empty()) {
+      env.push_back(fmt::format("{}={}", observe::trace_env, std::filesystem::absolute(plan_.trace).string()));
+    }
+    return env;
+  }
+
+  /// Node 0, --trace: the ranks' records, merged, once the job has ended (also when it failed:
+  /// what led up to a failure is worth seeing). A job of one rank wrote it itself.
+  void write_trace() {
+    if (!trace_ || plan_.world_size() == 1) return;
+    if (trace_->ranks() == 0) {
+      stderr_.append(fmt::format("baton-launch: no trace written: no rank sent one (does the program record "
+                                 "when {} is set? baton-train does)\n",
+                                 observe::trace_env));
+      return;
+    }
+    try {
+      const observe::TraceRecorder trace = trace_->merge();
+      trace.write_file(plan_.trace);
+      stderr_.append(fmt::format("baton-launch: trace of {} of {} ranks ({} acts) written to {}\n", trace_->ranks(),
+                                 plan_.world_size(), trace.acts(), plan_.trace));
+    } catch (const std::exception& e) {
+      stderr_.append(fmt::format("baton-launch: {}\n", e.what()));
+    }
+  }
+
   void start_ranks() {
-    const auto base_env = inherited_environment();
+    const auto base_env = with_trace(inherited_environment());
     for (std::uint32_t local = 0; local < plan_.nproc_per_node; ++local) {
       const std::uint32_t rank = plan_.first_rank() + local;
       SpawnRequest request{plan_.program, base_env};
@@ -199,7 +234,7 @@ class Job {
 
   void start_nodes() {
     if (plan_.remote_hosts.empty()) return;
-    const auto env = inherited_environment();
+    const auto env = with_trace(inherited_environment());
     const auto ssh = ssh_prefix(process_environment());
     const std::string self = self_path(), cwd = current_dir();
     for (std::size_t i = 0; i < plan_.remote_hosts.size(); ++i) {
@@ -513,6 +548,8 @@ class Job {
   SignalPipe signals_;
   std::string token_;
   std::string master_;
+  // Outlives the server, whose thread feeds it.
+  std::unique_ptr<observe::TraceCollector> trace_;
   // Torn down before the signal pipe their callbacks write to.
   std::unique_ptr<transport::RendezvousServer> server_;
   std::unique_ptr<transport::LauncherClient> client_;

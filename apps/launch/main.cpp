@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
@@ -87,10 +88,17 @@ int main(int argc, char** argv) {
          "--finish-timeout", finish_timeout_s,
          "node 0 of several: seconds to wait for the other nodes after its own ranks are done")
       ->check(CLI::PositiveNumber);
+  app.add_option("--trace", cli.trace,
+                 "FILE: the ranks record their acts; node 0 writes one Chrome trace of them all "
+                 "(open it in ui.perfetto.dev or chrome://tracing)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (const auto dir = std::filesystem::path(cli.trace).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir)) {
+    fmt::print(stderr, "baton-launch: --trace {}: there is no directory '{}'\n", cli.trace, dir.string());
+    return 2;
   }
   if (app.count("--nproc-per-node")) cli.nproc_per_node = nproc_per_node;
   if (app.count("--nnodes")) cli.nnodes = nnodes;

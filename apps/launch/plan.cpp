@@ -274,6 +274,7 @@ Plan resolve_plan(const CommandLine& cli, const Environment& env, const ThisMach
   Plan plan;
   plan.program = cli.program;
   plan.finish_timeout = cli.finish_timeout;
+  plan.trace = cli.trace;
   plan.token = !cli.token.empty() ? cli.token : env("BATON_JOB_TOKEN").value_or("");
   if (cli.nproc_per_node)
     plan.nproc_per_node = checked_count(*cli.nproc_per_node, "--nproc-per-node", 1);

@@ -30,6 +30,7 @@ struct CommandLine {
   std::string hostfile;  // --hostfile F
   std::string token;     // --token T
   std::chrono::milliseconds finish_timeout{300'000};
+  std::string trace;                 // --trace FILE
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
 
@@ -100,6 +101,9 @@ struct Plan {
   std::string scheduler;
   /// Node 0 of several: how long to wait for the other nodes once its own ranks are done.
   std::chrono::milliseconds finish_timeout{300'000};
+  /// --trace FILE: the ranks get BATON_TRACE=FILE (absolute) and stream their act records;
+  /// node 0 merges them into FILE when the job ends. Empty: no trace.
+  std::string trace;
 
   std::uint32_t world_size() const { return nnodes * nproc_per_node; }
   std::uint32_t first_rank() const { return node_rank * nproc_per_node; }

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <thread>
 
@@ -17,6 +19,7 @@
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels/data.h"
+#include "baton/observe/trace.h"
 #include "models.h"
 
 namespace {
@@ -51,6 +54,7 @@ struct Options {
   std::string devices;  // "cpu:K": in-process devices per rank
   bool json = false;
   std::string print_plan;
+  std::string trace;
 };
 
 struct Data {
@@ -212,12 +216,31 @@ int run(const Options& o) {
                mb, o.optimizer, o.lr,
                env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
   }
+  // Traces: under baton-launch --trace (BATON_TRACE=FILE) the ranks of a job stream their records
+  // to the launcher, which writes FILE; a job of one rank writes it itself; --trace FILE without
+  // the launcher's writes one file per rank (FILE.rank<R>.json).
+  const char* launch_trace = std::getenv(observe::trace_env);
+  const bool stream_trace = launch_trace != nullptr && *launch_trace != '\0' && env.distributed();
+  const std::string trace_file = stream_trace                              ? std::string()
+                                 : launch_trace != nullptr && *launch_trace ? std::string(launch_trace)
+                                 : env.distributed() && !o.trace.empty()    ? fmt::format("{}.rank{}.json", o.trace, env.rank)
+                                                                            : o.trace;
+  if (const auto dir = std::filesystem::path(trace_file).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir)) {
+    throw std::invalid_argument(fmt::format("--trace {}: there is no directory '{}'", trace_file, dir.string()));
+  }
+  std::unique_ptr<observe::TraceObserver> tracer;
+  JobSettings js;
+  if (stream_trace || !trace_file.empty()) {
+    tracer = std::make_unique<observe::TraceObserver>(observe::TraceOptions{}, /*keep=*/!stream_trace);
+    js.runtime.activity_log = true;
+    js.observer = tracer.get();
+  }
   RunReport report;
   std::exception_ptr failure;
   std::atomic<bool> finished{false};
   std::thread runner([&] {
     try {
-      report = run_job(job.plan, job.kernels, env);
+      report = run_job(job.plan, job.kernels, env, js);
     } catch (...) {
       failure = std::current_exception();
     }
@@ -242,6 +265,16 @@ int run(const Options& o) {
     std::fflush(stdout);
   }
   runner.join();
+  if (tracer && !trace_file.empty()) {  // a failed run's trace too: it shows what led up to it
+    try {
+      tracer->recorder().write_file(trace_file);
+      fmt::print(stderr, "baton-train: trace of {} acts written to {} (open it in ui.perfetto.dev or chrome://tracing)\n",
+                 tracer->recorder().acts(), trace_file);
+    } catch (const std::exception& e) {
+      if (!failure) throw;
+      fmt::print(stderr, "baton-train: {}\n", e.what());  // the run's own failure comes next
+    }
+  }
   if (failure) std::rethrow_exception(failure);
   if (!leader) return 0;  // rank 0 reports for the job
   auto losses = job.losses->per_step();
@@ -339,6 +372,7 @@ int main(int argc, char** argv) {
       ->expected(0, 1)
       ->default_str("text")
       ->check(CLI::IsMember({"text", "dot"}));
+  app.add_option("--trace", o.trace, "write a Chrome trace of the run (acts, slot occupancy, requests) to FILE");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

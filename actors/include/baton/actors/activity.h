@@ -11,7 +11,10 @@
 namespace baton {
 
 /// One act of one actor. Times are steady_clock nanoseconds (CLOCK_MONOTONIC on Linux: the
-/// same clock in every process of one host).
+/// same clock in every process of one host). An act ends when its results are handed on: the
+/// end is taken before the requests to its consumers go out, so a consumer's act never starts
+/// before the act it reads from ended. A transfer actor's record spans one piece's pull, from
+/// asking the data plane for it to its landing.
 struct ActRecord {
   /// The actor's index in the plan.
   ActorIndex actor = 0;
