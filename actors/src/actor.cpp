@@ -146,6 +146,7 @@ Actor::Block Actor::next_block_of_stream() const {
       if (out->written + inflight_ - out->freed >= out->slots) return Block::backpressured;
     }
   }
+  if (lane_ != nullptr && lane_->turn != this) return Block::turn;
   return Block::none;
 }
 
@@ -170,13 +171,15 @@ void Actor::advance() {
       break;
     }
     if (b != Block::none) {
-      // Waiting with pulls in flight is waiting on the data plane.
-      set_activity(inflight_ > 0              ? ActorActivity::transferring
-                   : b == Block::starved ? ActorActivity::starved
-                                         : ActorActivity::backpressured);
+      // Waiting with pulls in flight is waiting on the data plane; waiting for its turn in a
+      // lane is waiting for the acts before it, as good as starved.
+      set_activity(inflight_ > 0                                ? ActorActivity::transferring
+                   : b == Block::starved || b == Block::turn ? ActorActivity::starved
+                                                             : ActorActivity::backpressured);
       return;
     }
     act();
+    if (lane_ != nullptr) pass_turn();
     // A dry run stops here once its budget is spent: a source whose registers nobody reads
     // would otherwise act forever inside this loop.
     if (core_.failed() || core_.dry_budget_spent()) return;
@@ -428,6 +431,30 @@ void Actor::finish(bool unread) {
          Message{id_, in.producer, from, in.reg, 0, MsgKind::detach, in.consumer_index});
   }
   if (desc_.kind == ActorKind::repeat) release_repeat_inputs();
+  if (lane_ != nullptr) pass_turn();
+}
+
+std::tuple<std::int64_t, std::int32_t, ActorIndex> Actor::order_key() const {
+  const ActOrder& o = desc_.order;
+  const auto n = static_cast<std::int64_t>(o.units.size());
+  return {acts_ / n * o.period + o.units[static_cast<std::size_t>(acts_ % n)], o.rank, index_};
+}
+
+Actor* Lane::next() const {
+  Actor* best = nullptr;
+  for (Actor* a : members) {
+    if (!a->finished() && (best == nullptr || a->order_key() < best->order_key())) best = a;
+  }
+  return best;
+}
+
+// A lane's order is the schedule itself (ActOrder): whoever is next may be waiting for nothing
+// but its turn, and hears no message that would wake it, so it is told.
+void Actor::pass_turn() {
+  Actor* next = lane_->next();
+  if (next == lane_->turn) return;
+  lane_->turn = next;
+  if (next != nullptr && next != this) worker_->send(worker_, Message{id_, next->id(), 0, 0, 0, MsgKind::start, 0});
 }
 
 void Actor::retire_if_done() {
@@ -512,6 +539,10 @@ std::string Actor::describe_wait() const {
                            out->slots, reg.name, out->freed, readers);
       }
     }
+  }
+  if (lane_ != nullptr && lane_->turn != this && lane_->turn != nullptr) {
+    return fmt::format("waits for its turn in lane {}: '{}' acts first (its act {})", lane_->id,
+                       lane_->turn->name(), lane_->turn->acts());
   }
   return "ready";
 }

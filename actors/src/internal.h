@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "baton/actors/activity.h"
@@ -28,6 +29,7 @@
 
 namespace baton::detail {
 
+class Actor;
 class Worker;
 struct Core;
 
@@ -73,6 +75,15 @@ struct Input {
   bool detached = false;
 };
 
+/// The actors of one lane (ActOrder) and whose act is next. Only their worker thread touches it.
+struct Lane {
+  std::int32_t id = 0;
+  std::vector<Actor*> members;
+  Actor* turn = nullptr;  // null once every member has finished
+  /// The unfinished member whose next act has the smallest key.
+  Actor* next() const;
+};
+
 /// Per-actor counters: written by the owning thread with relaxed stores, read by anyone.
 struct alignas(64) ActorCounters {
   std::atomic<std::uint64_t> acts{0};
@@ -106,7 +117,11 @@ class Actor {
   std::uint64_t acts() const { return acts_; }
   Output* output_for(RegisterIndex reg);
   const Output* output_for(RegisterIndex reg) const { return const_cast<Actor*>(this)->output_for(reg); }
-  /// Could act now (not finished, every input readable, every output slot free).
+  void set_lane(Lane* l) { lane_ = l; }
+  /// Its next act's key in its lane (ActOrder); {k, rank, index} compare as a tuple.
+  std::tuple<std::int64_t, std::int32_t, ActorIndex> order_key() const;
+  bool finished() const { return finished_; }
+  /// Could act now (not finished, every input readable, every output slot free, its turn).
   bool ready() const { return !finished_ && next_block() == Block::none; }
   const ActorCounters& counters() const { return counters_; }
   const ActorDesc& desc() const { return desc_; }
@@ -116,7 +131,7 @@ class Actor {
   std::int64_t needed_piece(const Input& in) const;
 
  private:
-  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread, transferring };
+  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread, transferring, turn };
   Block next_block() const;
   Block next_block_of_stream() const;
   void act_transfer();
@@ -130,6 +145,7 @@ class Actor {
   void finish(bool unread);
   void retire_if_done();
   void set_activity(ActorActivity a);
+  void pass_turn();
   void send(Worker* to, const Message& m);
   void on_request(const Message& m);
   void on_ack(const Message& m);
@@ -143,6 +159,7 @@ class Actor {
   ActorIndex index_;
   ActorId id_;
   Worker* worker_ = nullptr;
+  Lane* lane_ = nullptr;
   std::unique_ptr<Kernel> kernel_;
   std::unique_ptr<Kernel> copy_kernel_;  // accumulate: the first piece of a group
   std::vector<Input> inputs_;
@@ -264,6 +281,7 @@ struct Core : transport::LinkHandler {
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
   std::vector<std::unique_ptr<Worker>> workers;
+  std::map<std::int32_t, Lane> lanes;  // by ActOrder::lane, for the local actors
   std::uint64_t start_ticks = 0;
   std::int64_t local_actors = 0;
   std::vector<HandshakeEvent> log;

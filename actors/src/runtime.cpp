@@ -205,6 +205,14 @@ void Core::instantiate() {
       throw PlanError(fmt::format("actor '{}': {}", a->name(), e.what()));
     }
   }
+  for (auto& a : actors) {
+    if (!a || a->desc().order.lane < 0) continue;
+    Lane& lane = lanes[a->desc().order.lane];
+    lane.id = a->desc().order.lane;
+    lane.members.push_back(a.get());
+    a->set_lane(&lane);
+  }
+  for (auto& [id, lane] : lanes) lane.turn = lane.next();
   if (dry_run) {
     // Every act that a deadlocking part of a plan can make before it stops is paid for by a
     // token: a free slot or a delayed (initial) piece. An actor that acts more often than
@@ -354,6 +362,7 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
     if (!names.insert(a.name).second) problem("two actors are named '{}'", a.name);
   }
   std::vector<ActorIndex> producer_seen(plan.registers.size(), no_actor);
+  std::map<std::int32_t, ActorIndex> lane_place;  // lane -> its first actor
   for (ActorIndex i = 0; i < n_actors; ++i) {
     const ActorDesc& a = plan.actors[i];
     for (RegisterIndex r : a.outputs) {
@@ -424,6 +433,28 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
           problem("transfer actor '{}' has group {}; a transfer moves one piece per piece", a.name, a.group);
         }
         break;
+    }
+    if (a.order.lane >= 0) {
+      const ActOrder& o = a.order;
+      if (a.kind == ActorKind::transfer) problem("transfer actor '{}' is in lane {}; transfers cannot be ordered", a.name, o.lane);
+      if (o.units.empty() || o.period < 1) {
+        problem("actor '{}' is in lane {} with {} units and period {}; it needs at least one unit and a period >= 1",
+                a.name, o.lane, o.units.size(), o.period);
+      }
+      for (std::size_t u = 0; u < o.units.size(); ++u) {
+        if (o.units[u] < 0 || o.units[u] >= o.period || (u > 0 && o.units[u] <= o.units[u - 1])) {
+          problem("actor '{}' in lane {}: units must increase strictly and stay in [0, {}); unit {} is {}", a.name,
+                  o.lane, o.period, u, o.units[u]);
+          break;
+        }
+      }
+      auto [it, fresh] = lane_place.emplace(o.lane, i);
+      if (!fresh && !(plan.actors[it->second].where == a.where)) {
+        problem("lane {} has actors on two workers: '{}' at r{}/{}/s{} and '{}' at r{}/{}/s{}", o.lane,
+                plan.actors[it->second].name, plan.actors[it->second].where.rank,
+                plan.actors[it->second].where.device.str(), plan.actors[it->second].where.stream, a.name, a.where.rank,
+                a.where.device.str(), a.where.stream);
+      }
     }
     if (a.where.device.index > Device::max_index) {
       problem("actor '{}' is placed on {} (device index above {})", a.name, a.where.device.str(),
