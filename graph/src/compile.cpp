@@ -262,9 +262,11 @@ double op_cost(const Graph& g, const Node& n) {
 }
 
 /// Pipeline stages: the forward ops (in order) cut into `stages` runs of about equal estimated
-/// cost; inputs and variables go with their first reader; a backward op goes with the latest
-/// stage among its forward inputs (the stage whose activations it differentiates), or, with
-/// none, with the earliest among its inputs (where the summed gradient is needed next).
+/// cost; inputs and variables go with their first reader; a backward op goes with the forward op
+/// whose backward step made it (Node::grad_of): the gradient of a weight is made where the
+/// weight and its accumulation live, and only dx crosses back to the stage before. A backward op
+/// without one goes with the latest stage among its forward inputs, or, with none, with the
+/// earliest among its inputs (where the summed gradient is needed next).
 std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, int loss_id, int stages) {
   std::vector<int> stage(static_cast<std::size_t>(g.size()), -1);
   auto is_leaf = [&](const Node& n) { return n.op == "input" || n.op == "variable" || (n.op == "fill" && n.inputs.empty()); };
@@ -300,7 +302,9 @@ std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, in
   for (int id = 0; id < g.size(); ++id) {
     if (!need[static_cast<std::size_t>(id)]) continue;
     const Node& n = g.node(id);
-    if (id > loss_id) {
+    if (id > loss_id && n.grad_of >= 0 && stage[static_cast<std::size_t>(n.grad_of)] >= 0) {
+      stage[static_cast<std::size_t>(id)] = stage[static_cast<std::size_t>(n.grad_of)];
+    } else if (id > loss_id) {
       int fwd = -1, any = stages;
       for (int in : n.inputs) {
         const int s = stage[static_cast<std::size_t>(in)];
