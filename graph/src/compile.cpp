@@ -16,6 +16,7 @@
 #include "baton/actors/runtime.h"
 #include "baton/graph/autodiff.h"
 #include "baton/graph/collectives.h"
+#include "baton/graph/schedule.h"
 #include "baton/kernels/optim.h"
 
 namespace baton {
@@ -636,6 +637,8 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
                   .where = replicas[0].at(forward_stream, loss_place), .inputs = {{loss_in}}});
 
   label_roles_and_stages(plan, replicas);
+  // The order within each stage (schedule.h); the slots above bound what is in flight.
+  if (n_pp > 1) order_pipeline(plan, parse_schedule(cfg.schedule), n_pp, m);
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses)};
 }
 

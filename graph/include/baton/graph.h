@@ -5,3 +5,4 @@
 #include "baton/graph/compile.h"
 #include "baton/graph/graph.h"
 #include "baton/graph/ops.h"
+#include "baton/graph/schedule.h"
