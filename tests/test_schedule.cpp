@@ -416,3 +416,85 @@ TEST_CASE("Schedule.WeightGradientsAreMadeOnTheWeightsStage") {
     }
   }
 }
+
+TEST_CASE("Balance.ProfileTimesEveryOpOnItsShapes") {
+  Graph g(3);
+  auto x = g.input("x", {8, 5});
+  auto y = g.input("label", {8}, DType::i32);
+  auto w = g.variable("w", {5, 3});
+  auto logits = matmul(x, w) + g.variable("b", {3}, init::zeros());
+  auto loss = softmax_cross_entropy(logits, y);
+  auto params = ParameterStore::initialize(g);
+  std::vector<double> costs = profile_op_costs(g, *params, {.repeats = 3});
+  REQUIRE(costs.size() == static_cast<std::size_t>(g.size()));
+  for (int id = 0; id < g.size(); ++id) {
+    const Node& n = g.node(id);
+    CAPTURE(n.name);
+    if (n.inputs.empty()) {
+      CHECK(costs[static_cast<std::size_t>(id)] == 0.0);  // inputs, weights: nothing to run
+    } else {
+      CHECK(costs[static_cast<std::size_t>(id)] > 0.0);
+    }
+  }
+  // Only the marked ones (and what they read, untimed).
+  std::vector<bool> only(static_cast<std::size_t>(g.size()), false);
+  only[static_cast<std::size_t>(loss.id())] = true;
+  costs = profile_op_costs(g, *params, {.only = only});
+  CHECK(costs[static_cast<std::size_t>(loss.id())] > 0.0);
+  CHECK(costs[static_cast<std::size_t>(logits.id())] == 0.0);
+}
+
+TEST_CASE("Balance.ProfileNamesAnOpWhoseKernelFails") {
+  Graph g(3);
+  auto x = g.input("x", {4, 3});
+  auto y = g.add("no_such_op", {x}, {}, {4, 3}, DType::f32).named("mystery");
+  (void)y;
+  auto params = ParameterStore::initialize(g);
+  CHECK_THROWS_WITH_AS(profile_op_costs(g, *params), doctest::Contains("profiling op 'mystery' (no_such_op"),
+                       GraphError);
+}
+
+TEST_CASE("Balance.ProfiledStagesTrainAsOneDevice" * doctest::timeout(120)) {
+  // The cut changes where ops run, not what they compute.
+  auto train = [](int pp, const std::string& balance) {
+    constexpr std::int64_t batch = 32;
+    static const auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, 12, 4, 3));
+    Graph g(7);
+    Value logits = models::mlp(g, batch / 4, {.inputs = 12, .hidden = 16, .layers = 3, .classes = 4});
+    Value loss = softmax_cross_entropy(logits, g.find("label"));
+    TrainConfig cfg;
+    cfg.steps = 5;
+    cfg.microbatches = 4;
+    cfg.pp = pp;
+    cfg.balance = balance;
+    cfg.optimizer = optim::adam(0.01);
+    cfg.data = {{"synthetic", data::batch_source(dataset, batch, 4, 1), {"x", "label"}}};
+    TrainingJob job = compile_training(g, loss, cfg);
+    std::set<int> stages;
+    for (const ActorDesc& a : job.plan.actors) stages.insert(a.stage);
+    CHECK(stages.size() == static_cast<std::size_t>(pp));
+    Runtime(job.plan, job.kernels).run();
+    return job.losses->per_step();
+  };
+  const std::vector<double> one = train(1, "flops");
+  for (int pp : {2, 4}) {
+    const std::vector<double> piped = train(pp, "profile");
+    REQUIRE(piped.size() == one.size());
+    for (std::size_t s = 0; s < one.size(); ++s) CHECK(piped[s] == doctest::Approx(one[s]).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("Balance.BadBalanceConfigsFailBeforeRunning") {
+  Graph g(1);
+  auto x = g.input("x", {4, 3});
+  auto w = g.variable("w", {3, 3});
+  auto loss = mean(relu(matmul(relu(matmul(x, w)), w)));
+  TrainConfig cfg;
+  cfg.pp = 2;
+  cfg.balance = "vibes";
+  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("balance 'vibes': flops or profile"), GraphError);
+  cfg.balance = "profile";
+  cfg.replica_places = {Placement{.rank = 0}, Placement{.rank = 1}};
+  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("ranks would cut the stages differently"),
+                       GraphError);
+}

@@ -116,6 +116,12 @@ struct TrainConfig {
   /// with pp - s slots on stage s. One weight version per step, as without stages.
   int pp = 1;
   std::string schedule = "1f1b";
+  /// How the forward ops are cut into stages of equal cost: "flops" estimates each op (the
+  /// multiply-adds of a matrix product, the output elements of the rest); "profile" times each
+  /// op's kernel on its real shapes first, and those of its backward step (profile.h; tens of
+  /// milliseconds for a small model), and refuses a job over several ranks, whose plans must
+  /// match.
+  std::string balance = "flops";
   /// Tensor parallelism: the model itself says which nodes belong to which of `tp` shards
   /// (Graph::shard scopes; models::mlp splits each pair of layers Megatron's way: the first by
   /// columns, the second by rows, their partial products summed once); each shard of each stage
