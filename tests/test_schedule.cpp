@@ -382,6 +382,8 @@ TEST_CASE("Schedule.BadLanesAreRefused") {
                        doctest::Contains("actor 'B' in lane 0: units must increase strictly"), PlanError);
   CHECK_THROWS_WITH_AS(validate(plan(ok, {.lane = 0, .units = {}, .period = 2}, 0), reg),
                        doctest::Contains("needs at least one unit"), PlanError);
+  CHECK_THROWS_WITH_AS(validate(plan(ok, {.lane = 0, .units = {1}, .period = 3}, 0), reg),
+                       doctest::Contains("lane 0 has actors with different periods: 'A' 2 and 'B' 3"), PlanError);
 }
 
 TEST_CASE("Schedule.WeightGradientsAreMadeOnTheWeightsStage") {

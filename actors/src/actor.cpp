@@ -179,7 +179,7 @@ void Actor::advance() {
       return;
     }
     act();
-    if (lane_ != nullptr) pass_turn();
+    if (lane_ != nullptr) pass_turn(true);
     // A dry run stops here once its budget is spent: a source whose registers nobody reads
     // would otherwise act forever inside this loop.
     if (core_.failed() || core_.dry_budget_spent()) return;
@@ -431,30 +431,42 @@ void Actor::finish(bool unread) {
          Message{id_, in.producer, from, in.reg, 0, MsgKind::detach, in.consumer_index});
   }
   if (desc_.kind == ActorKind::repeat) release_repeat_inputs();
-  if (lane_ != nullptr) pass_turn();
+  if (lane_ != nullptr) pass_turn(false);
 }
 
-std::tuple<std::int64_t, std::int32_t, ActorIndex> Actor::order_key() const {
-  const ActOrder& o = desc_.order;
-  const auto n = static_cast<std::int64_t>(o.units.size());
-  return {acts_ / n * o.period + o.units[static_cast<std::size_t>(acts_ % n)], o.rank, index_};
+void Lane::start() {
+  std::sort(period.begin(), period.end(), [](const Act& a, const Act& b) {
+    return std::tie(a.unit, a.rank, a.index) < std::tie(b.unit, b.rank, b.index);
+  });
+  at = 0;
+  turn = period.empty() ? nullptr : period[0].actor;
+  move_on(false);
 }
 
-Actor* Lane::next() const {
-  Actor* best = nullptr;
-  for (Actor* a : members) {
-    if (!a->finished() && (best == nullptr || a->order_key() < best->order_key())) best = a;
+// Every actor of a lane acts in key order and only at its turn, so the acts not yet done are
+// exactly those from `at` on, round the period: skipping a finished actor's acts keeps the
+// others' order.
+void Lane::move_on(bool acted) {
+  if (turn == nullptr) return;
+  if (acted) at = (at + 1) % period.size();
+  for (std::size_t skipped = 0; period[at].actor->finished(); at = (at + 1) % period.size()) {
+    if (++skipped == period.size()) {
+      turn = nullptr;
+      return;
+    }
   }
-  return best;
+  turn = period[at].actor;
 }
 
 // A lane's order is the schedule itself (ActOrder): whoever is next may be waiting for nothing
 // but its turn, and hears no message that would wake it, so it is told.
-void Actor::pass_turn() {
-  Actor* next = lane_->next();
-  if (next == lane_->turn) return;
-  lane_->turn = next;
-  if (next != nullptr && next != this) worker_->send(worker_, Message{id_, next->id(), 0, 0, 0, MsgKind::start, 0});
+void Actor::pass_turn(bool acted) {
+  Actor* before = lane_->turn;
+  lane_->move_on(acted);
+  Actor* next = lane_->turn;
+  if (next != before && next != nullptr && next != this) {
+    worker_->send(worker_, Message{id_, next->id(), 0, 0, 0, MsgKind::start, 0});
+  }
 }
 
 void Actor::retire_if_done() {
@@ -541,7 +553,7 @@ std::string Actor::describe_wait() const {
     }
   }
   if (lane_ != nullptr && lane_->turn != this && lane_->turn != nullptr) {
-    return fmt::format("waits for its turn in lane {}: '{}' acts first (its act {})", lane_->id,
+    return fmt::format("waits for its turn in lane {}: '{}' (act {}) comes first", lane_->id,
                        lane_->turn->name(), lane_->turn->acts());
   }
   return "ready";

@@ -11,7 +11,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "baton/actors/activity.h"
@@ -75,13 +74,25 @@ struct Input {
   bool detached = false;
 };
 
-/// The actors of one lane (ActOrder) and whose act is next. Only their worker thread touches it.
+/// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it
+/// is. The keys of every period repeat the first one's (a lane's actors share a period), so
+/// the turn walks this list round and round. Only the lane's worker thread touches it.
 struct Lane {
+  struct Act {
+    std::int32_t unit = 0;
+    std::int32_t rank = 0;
+    ActorIndex index = 0;
+    Actor* actor = nullptr;
+  };
   std::int32_t id = 0;
-  std::vector<Actor*> members;
-  Actor* turn = nullptr;  // null once every member has finished
-  /// The unfinished member whose next act has the smallest key.
-  Actor* next() const;
+  std::vector<Act> period;
+  std::size_t at = 0;     // the act whose turn it is
+  Actor* turn = nullptr;  // period[at]'s actor; null once every actor has finished
+  /// Sorts the period and gives the turn to its first act.
+  void start();
+  /// The turn moves on: past the act just done (if `acted`), then past the acts of actors that
+  /// have finished.
+  void move_on(bool acted);
 };
 
 /// Per-actor counters: written by the owning thread with relaxed stores, read by anyone.
@@ -118,8 +129,6 @@ class Actor {
   Output* output_for(RegisterIndex reg);
   const Output* output_for(RegisterIndex reg) const { return const_cast<Actor*>(this)->output_for(reg); }
   void set_lane(Lane* l) { lane_ = l; }
-  /// Its next act's key in its lane (ActOrder); {k, rank, index} compare as a tuple.
-  std::tuple<std::int64_t, std::int32_t, ActorIndex> order_key() const;
   bool finished() const { return finished_; }
   /// Could act now (not finished, every input readable, every output slot free, its turn).
   bool ready() const { return !finished_ && next_block() == Block::none; }
@@ -145,7 +154,7 @@ class Actor {
   void finish(bool unread);
   void retire_if_done();
   void set_activity(ActorActivity a);
-  void pass_turn();
+  void pass_turn(bool acted);
   void send(Worker* to, const Message& m);
   void on_request(const Message& m);
   void on_ack(const Message& m);

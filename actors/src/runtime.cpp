@@ -205,14 +205,15 @@ void Core::instantiate() {
       throw PlanError(fmt::format("actor '{}': {}", a->name(), e.what()));
     }
   }
-  for (auto& a : actors) {
-    if (!a || a->desc().order.lane < 0) continue;
-    Lane& lane = lanes[a->desc().order.lane];
-    lane.id = a->desc().order.lane;
-    lane.members.push_back(a.get());
-    a->set_lane(&lane);
+  for (ActorIndex i = 0; i < actors.size(); ++i) {
+    if (!actors[i] || plan.actors[i].order.lane < 0) continue;
+    const ActOrder& o = plan.actors[i].order;
+    Lane& lane = lanes[o.lane];
+    lane.id = o.lane;
+    for (std::int32_t unit : o.units) lane.period.push_back({unit, o.rank, i, actors[i].get()});
+    actors[i]->set_lane(&lane);
   }
-  for (auto& [id, lane] : lanes) lane.turn = lane.next();
+  for (auto& [id, lane] : lanes) lane.start();
   if (dry_run) {
     // Every act that a deadlocking part of a plan can make before it stops is paid for by a
     // token: a free slot or a delayed (initial) piece. An actor that acts more often than
@@ -449,11 +450,15 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
         }
       }
       auto [it, fresh] = lane_place.emplace(o.lane, i);
-      if (!fresh && !(plan.actors[it->second].where == a.where)) {
-        problem("lane {} has actors on two workers: '{}' at r{}/{}/s{} and '{}' at r{}/{}/s{}", o.lane,
-                plan.actors[it->second].name, plan.actors[it->second].where.rank,
-                plan.actors[it->second].where.device.str(), plan.actors[it->second].where.stream, a.name, a.where.rank,
+      const ActorDesc& first = plan.actors[it->second];
+      if (!fresh && !(first.where == a.where)) {
+        problem("lane {} has actors on two workers: '{}' at r{}/{}/s{} and '{}' at r{}/{}/s{}", o.lane, first.name,
+                first.where.rank, first.where.device.str(), first.where.stream, a.name, a.where.rank,
                 a.where.device.str(), a.where.stream);
+      }
+      if (!fresh && first.order.period != o.period) {
+        problem("lane {} has actors with different periods: '{}' {} and '{}' {}", o.lane, first.name,
+                first.order.period, a.name, o.period);
       }
     }
     if (a.where.device.index > Device::max_index) {

@@ -90,10 +90,11 @@ struct InputPort {
 ///
 /// so `units` says where each piece of a period (one training step's M micro-batches) falls in
 /// the period's sequence of `period` units, and `rank` orders the actors within a unit (a
-/// topological order of the stage's ops). The register depths still bound what is in flight;
-/// the lane makes the order exact whatever the kernels cost (a priority among ready actors
-/// cannot: the act that should come next may still be waiting for its input). The order must
-/// be one the handshakes can follow: validate() refuses a plan whose lanes deadlock.
+/// topological order of the stage's ops); the actors of a lane share one period. The register
+/// depths still bound what is in flight; the lane makes the order exact whatever the kernels
+/// cost (a priority among ready actors cannot: the act that should come next may still be
+/// waiting for its input). The order must be one the handshakes can follow: validate() refuses
+/// a plan whose lanes deadlock.
 struct ActOrder {
   /// -1: no lane; the actor acts as soon as it is ready.
   std::int32_t lane = -1;
