@@ -335,7 +335,7 @@ int main(int argc, char** argv) {
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads and MLP)")
       ->check(CLI::Range(1, 64));
-  app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (the depth of each stage's activations)")
+  app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (each stage's order of passes and depth of activations)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
   app.add_option("--balance", o.balance, "pipeline stages of equal cost by: flops (estimated) or profile (each "
                  "op's kernel timed on its shapes; one rank only)")
