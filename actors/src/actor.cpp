@@ -149,6 +149,7 @@ Actor::Block Actor::next_block_of_stream() const {
       if (out->written + inflight_ - out->freed >= out->slots) return Block::backpressured;
     }
   }
+  if (lane_ != nullptr && lane_->turn != this) return Block::turn;
   return Block::none;
 }
 
@@ -173,13 +174,15 @@ void Actor::advance() {
       break;
     }
     if (b != Block::none) {
-      // Waiting with pulls in flight is waiting on the data plane.
-      set_activity(inflight_ > 0              ? ActorActivity::transferring
-                   : b == Block::starved ? ActorActivity::starved
-                                         : ActorActivity::backpressured);
+      // Waiting with pulls in flight is waiting on the data plane; waiting for its turn in a
+      // lane is waiting for the acts before it, as good as starved.
+      set_activity(inflight_ > 0                                ? ActorActivity::transferring
+                   : b == Block::starved || b == Block::turn ? ActorActivity::starved
+                                                             : ActorActivity::backpressured);
       return;
     }
     act();
+    if (lane_ != nullptr) pass_turn(true);
     // A dry run stops here once its budget is spent: a source whose registers nobody reads
     // would otherwise act forever inside this loop.
     if (core_.failed() || core_.dry_budget_spent()) return;
@@ -439,6 +442,42 @@ void Actor::finish(bool unread) {
          Message{id_, in.producer, from, in.reg, 0, MsgKind::detach, in.consumer_index});
   }
   if (desc_.kind == ActorKind::repeat) release_repeat_inputs();
+  if (lane_ != nullptr) pass_turn(false);
+}
+
+void Lane::start() {
+  std::sort(period.begin(), period.end(), [](const Act& a, const Act& b) {
+    return std::tie(a.unit, a.rank, a.index) < std::tie(b.unit, b.rank, b.index);
+  });
+  at = 0;
+  turn = period.empty() ? nullptr : period[0].actor;
+  move_on(false);
+}
+
+// Every actor of a lane acts in key order and only at its turn, so the acts not yet done are
+// exactly those from `at` on, round the period: skipping a finished actor's acts keeps the
+// others' order.
+void Lane::move_on(bool acted) {
+  if (turn == nullptr) return;
+  if (acted) at = (at + 1) % period.size();
+  for (std::size_t skipped = 0; period[at].actor->finished(); at = (at + 1) % period.size()) {
+    if (++skipped == period.size()) {
+      turn = nullptr;
+      return;
+    }
+  }
+  turn = period[at].actor;
+}
+
+// A lane's order is the schedule itself (ActOrder): whoever is next may be waiting for nothing
+// but its turn, and hears no message that would wake it, so it is told.
+void Actor::pass_turn(bool acted) {
+  Actor* before = lane_->turn;
+  lane_->move_on(acted);
+  Actor* next = lane_->turn;
+  if (next != before && next != nullptr && next != this) {
+    worker_->send(worker_, Message{id_, next->id(), 0, 0, 0, MsgKind::start, 0});
+  }
 }
 
 void Actor::retire_if_done() {
@@ -523,6 +562,10 @@ std::string Actor::describe_wait() const {
                            out->slots, reg.name, out->freed, readers);
       }
     }
+  }
+  if (lane_ != nullptr && lane_->turn != this && lane_->turn != nullptr) {
+    return fmt::format("waits for its turn in lane {}: '{}' (act {}) comes first", lane_->id,
+                       lane_->turn->name(), lane_->turn->acts());
   }
   return "ready";
 }

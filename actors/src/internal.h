@@ -28,6 +28,7 @@
 
 namespace baton::detail {
 
+class Actor;
 class Worker;
 struct Core;
 
@@ -73,6 +74,27 @@ struct Input {
   bool detached = false;
 };
 
+/// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it
+/// is. The keys of every period repeat the first one's (a lane's actors share a period), so
+/// the turn walks this list round and round. Only the lane's worker thread touches it.
+struct Lane {
+  struct Act {
+    std::int32_t unit = 0;
+    std::int32_t rank = 0;
+    ActorIndex index = 0;
+    Actor* actor = nullptr;
+  };
+  std::int32_t id = 0;
+  std::vector<Act> period;
+  std::size_t at = 0;     // the act whose turn it is
+  Actor* turn = nullptr;  // period[at]'s actor; null once every actor has finished
+  /// Sorts the period and gives the turn to its first act.
+  void start();
+  /// The turn moves on: past the act just done (if `acted`), then past the acts of actors that
+  /// have finished.
+  void move_on(bool acted);
+};
+
 /// Per-actor counters: written by the owning thread with relaxed stores, read by anyone.
 struct alignas(64) ActorCounters {
   std::atomic<std::uint64_t> acts{0};
@@ -106,7 +128,9 @@ class Actor {
   std::uint64_t acts() const { return acts_; }
   Output* output_for(RegisterIndex reg);
   const Output* output_for(RegisterIndex reg) const { return const_cast<Actor*>(this)->output_for(reg); }
-  /// Could act now (not finished, every input readable, every output slot free).
+  void set_lane(Lane* l) { lane_ = l; }
+  bool finished() const { return finished_; }
+  /// Could act now (not finished, every input readable, every output slot free, its turn).
   bool ready() const { return !finished_ && next_block() == Block::none; }
   const ActorCounters& counters() const { return counters_; }
   const ActorDesc& desc() const { return desc_; }
@@ -116,7 +140,7 @@ class Actor {
   std::int64_t needed_piece(const Input& in) const;
 
  private:
-  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread, transferring };
+  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread, transferring, turn };
   Block next_block() const;
   Block next_block_of_stream() const;
   void act_transfer();
@@ -130,6 +154,7 @@ class Actor {
   void finish(bool unread);
   void retire_if_done();
   void set_activity(ActorActivity a);
+  void pass_turn(bool acted);
   void send(Worker* to, const Message& m);
   void on_request(const Message& m);
   void on_ack(const Message& m);
@@ -143,6 +168,7 @@ class Actor {
   ActorIndex index_;
   ActorId id_;
   Worker* worker_ = nullptr;
+  Lane* lane_ = nullptr;
   std::unique_ptr<Kernel> kernel_;
   std::unique_ptr<Kernel> copy_kernel_;  // accumulate: the first piece of a group
   std::vector<Input> inputs_;
@@ -265,6 +291,7 @@ struct Core : transport::LinkHandler {
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
   std::vector<std::unique_ptr<Worker>> workers;
+  std::map<std::int32_t, Lane> lanes;  // by ActOrder::lane, for the local actors
   std::atomic<std::uint64_t> start_ticks{0};  // set by run(); snapshot() may read it meanwhile
   std::int64_t local_actors = 0;
   std::vector<HandshakeEvent> log;

@@ -205,6 +205,15 @@ void Core::instantiate() {
       throw PlanError(fmt::format("actor '{}': {}", a->name(), e.what()));
     }
   }
+  for (ActorIndex i = 0; i < actors.size(); ++i) {
+    if (!actors[i] || plan.actors[i].order.lane < 0) continue;
+    const ActOrder& o = plan.actors[i].order;
+    Lane& lane = lanes[o.lane];
+    lane.id = o.lane;
+    for (std::int32_t unit : o.units) lane.period.push_back({unit, o.rank, i, actors[i].get()});
+    actors[i]->set_lane(&lane);
+  }
+  for (auto& [id, lane] : lanes) lane.start();
   if (dry_run) {
     // Every act that a deadlocking part of a plan can make before it stops is paid for by a
     // token: a free slot or a delayed (initial) piece. An actor that acts more often than
@@ -355,6 +364,7 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
     if (!names.insert(a.name).second) problem("two actors are named '{}'", a.name);
   }
   std::vector<ActorIndex> producer_seen(plan.registers.size(), no_actor);
+  std::map<std::int32_t, ActorIndex> lane_place;  // lane -> its first actor
   for (ActorIndex i = 0; i < n_actors; ++i) {
     const ActorDesc& a = plan.actors[i];
     for (RegisterIndex r : a.outputs) {
@@ -425,6 +435,32 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
           problem("transfer actor '{}' has group {}; a transfer moves one piece per piece", a.name, a.group);
         }
         break;
+    }
+    if (a.order.lane >= 0) {
+      const ActOrder& o = a.order;
+      if (a.kind == ActorKind::transfer) problem("transfer actor '{}' is in lane {}; transfers cannot be ordered", a.name, o.lane);
+      if (o.units.empty() || o.period < 1) {
+        problem("actor '{}' is in lane {} with {} units and period {}; it needs at least one unit and a period >= 1",
+                a.name, o.lane, o.units.size(), o.period);
+      }
+      for (std::size_t u = 0; u < o.units.size(); ++u) {
+        if (o.units[u] < 0 || o.units[u] >= o.period || (u > 0 && o.units[u] <= o.units[u - 1])) {
+          problem("actor '{}' in lane {}: units must increase strictly and stay in [0, {}); unit {} is {}", a.name,
+                  o.lane, o.period, u, o.units[u]);
+          break;
+        }
+      }
+      auto [it, fresh] = lane_place.emplace(o.lane, i);
+      const ActorDesc& first = plan.actors[it->second];
+      if (!fresh && !(first.where == a.where)) {
+        problem("lane {} has actors on two workers: '{}' at r{}/{}/s{} and '{}' at r{}/{}/s{}", o.lane, first.name,
+                first.where.rank, first.where.device.str(), first.where.stream, a.name, a.where.rank,
+                a.where.device.str(), a.where.stream);
+      }
+      if (!fresh && first.order.period != o.period) {
+        problem("lane {} has actors with different periods: '{}' {} and '{}' {}", o.lane, first.name,
+                first.order.period, a.name, o.period);
+      }
     }
     if (a.where.device.index > Device::max_index) {
       problem("actor '{}' is placed on {} (device index above {})", a.name, a.where.device.str(),

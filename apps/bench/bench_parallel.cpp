@@ -12,12 +12,16 @@
 //
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
+//   baton-bench-parallel --only bubble|train|balance
+// Last, stage balancing: the GPT's stages cut by estimated multiply-adds against profiled
+// kernel times (TrainConfig::balance).
 // BATON_BENCH_STAGES=1 in the environment: each run's per-stage idle fraction and actor table
 // on stderr.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
 #include <string>
 
 #include <fmt/format.h>
@@ -69,7 +73,8 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
     act[static_cast<std::size_t>(s)] = reg(fmt::format("act{}", s), slots);
     p.add_actor({.name = fmt::format("fwd{}", s), .op = "sleep_ns", .where = at(s),
                  .inputs = {{s == 0 ? data : act[static_cast<std::size_t>(s - 1)]}, {weight[static_cast<std::size_t>(s)]}},
-                 .outputs = {act[static_cast<std::size_t>(s)]}, .attrs = {{"ns", fwd_ns}}});
+                 .outputs = {act[static_cast<std::size_t>(s)]}, .attrs = {{"ns", fwd_ns}}, .role = ActorRole::forward,
+                 .stage = s});
   }
   RegisterIndex upstream_grad = 0;
   for (int s = k - 1; s >= 0; --s) {
@@ -77,11 +82,13 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
     std::vector<InputPort> ins{{act[static_cast<std::size_t>(s)]}, {weight[static_cast<std::size_t>(s)]}};
     if (s < k - 1) ins.push_back({upstream_grad});
     p.add_actor({.name = fmt::format("bwd{}", s), .op = "sleep_ns", .where = at(s), .inputs = std::move(ins),
-                 .outputs = {g}, .attrs = {{"ns", bwd_ns}}});
+                 .outputs = {g}, .attrs = {{"ns", bwd_ns}}, .role = ActorRole::backward, .stage = s});
     p.add_actor({.name = fmt::format("grad{}.accumulate", s), .kind = ActorKind::accumulate, .where = at(s),
                  .inputs = {{g}}, .outputs = {grad_sum[static_cast<std::size_t>(s)]}, .group = m});
     upstream_grad = g;
   }
+  // Each stage runs the schedule's exact order, as compile_training's stages do.
+  order_pipeline(p, parse_schedule(schedule), k, m);
   Runtime rt(p, KernelRegistry::with_builtin_kernels());
   RunReport report = rt.run();
   Result r;
@@ -103,15 +110,29 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
   return r;
 }
 
+// What the schedule keeps live at its peak, summed over the stages: M a stage for GPipe,
+// min(K - s, M) on stage s for 1F1B.
+std::int64_t expected_peak(int k, int m, const std::string& schedule) {
+  std::int64_t sum = 0;
+  for (int s = 0; s < k; ++s) sum += schedule == "gpipe" ? m : std::min(k - s, m);
+  return sum;
+}
+
 // --- training throughput: the same model and global batch on 1 device and on dp x pp x tp ---
 
 struct Training {
   std::string model;
   int dp = 1, pp = 1, tp = 1;
   std::int64_t microbatches = 1;  // per replica
+  std::string balance = "flops";
 };
 
-double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch) {
+/// Kernel seconds of each device (a pipeline stage, without dp or tp) in the last run.
+std::vector<double> g_device_kernel_s;
+
+/// `one_thread`: every actor on the calling thread (ExecutionMode::deterministic), so that
+/// kernel times are free of other threads' competition for the cores.
+double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, bool one_thread = false) {
   static const auto synthetic = std::make_shared<const data::Dataset>(data::synthetic(4096, 64, 10, 1));
   static const auto text = std::filesystem::exists("/usr/share/common-licenses/GPL-3")
                                ? std::make_shared<const data::TextCorpus>(data::load_text("/usr/share/common-licenses/GPL-3"))
@@ -129,6 +150,7 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch) 
   cfg.dp = t.dp;
   cfg.pp = t.pp;
   cfg.tp = t.tp;
+  cfg.balance = t.balance;
   cfg.optimizer = optim::adam(1e-3);
   if (gpt) {
     cfg.data = {{"text", data::text_source(text, batch, pieces, 32, 1), {"tokens", "targets"}}};
@@ -136,8 +158,41 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch) 
     cfg.data = {{"synthetic", data::batch_source(synthetic, batch, pieces, 1), {"x", "label"}}};
   }
   TrainingJob job = compile_training(g, loss, cfg);
-  Runtime rt(job.plan, job.kernels);
-  return static_cast<double>(steps * batch) / rt.run().wall_s;
+  RuntimeSettings rs;
+  if (one_thread) rs.mode = ExecutionMode::deterministic;
+  Runtime rt(job.plan, job.kernels, rs);
+  RunReport report = rt.run();
+  g_device_kernel_s.assign(static_cast<std::size_t>(t.dp * t.pp * t.tp), 0.0);
+  for (const auto& a : report.metrics.actors) g_device_kernel_s.at(a.where.device.index) += a.kernel_s;
+  return static_cast<double>(steps * batch) / report.wall_s;
+}
+
+// Stage balancing: the GPT cut by estimated multiply-adds and by profiled kernel times, on 2
+// and 4 stages (1F1B, 8 micro-batches). The figure that survives a noisy machine is the
+// imbalance: the busiest stage's kernel time over the mean stage's, forward and backward, from
+// a run on one thread (1: perfect; a pipeline runs at the pace of its busiest stage). Then
+// samples/s, threaded, against the flops cut measured in the same run.
+void stage_balance(bool quick) {
+  if (!std::filesystem::exists("/usr/share/common-licenses/GPL-3")) return;
+  const std::int64_t batch = 32, steps = quick ? 4 : 20;
+  for (int pp : {2, 4}) {
+    double flops_rate = 0;
+    for (const std::string balance : {"flops", "profile"}) {
+      const Training t{"gpt", 1, pp, 1, 8, balance};
+      samples_per_s(t, steps, batch, /*one_thread=*/true);
+      const auto& k = g_device_kernel_s;
+      const double imbalance =
+          *std::max_element(k.begin(), k.end()) / (std::accumulate(k.begin(), k.end(), 0.0) / static_cast<double>(k.size()));
+      double rate = 0;
+      for (int i = 0; i < (quick ? 1 : 3); ++i) rate = std::max(rate, samples_per_s(t, steps, batch));
+      if (balance == "flops") flops_rate = rate;
+      bench::JsonLine line("parallel", fmt::format("balance_gpt_pp{}_{}", pp, balance));
+      line.add("value", imbalance).add("unit", "busiest stage / mean stage kernel time").add("samples_per_s", rate)
+          .add("reference", flops_rate).add("reference_name", "samples/s with the flops cut")
+          .add("ratio", rate / flops_rate).add("microbatches", std::int64_t{8}).add("batch", batch);
+      line.print();
+    }
+  }
 }
 
 void training_scaling(bool quick) {
@@ -173,14 +228,17 @@ void training_scaling(bool quick) {
 
 int main(int argc, char** argv) {
   bool quick = false;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick") {
       quick = true;
+    } else if (a == "--only" && i + 1 < argc && std::string_view("bubble train balance").find(argv[i + 1]) != std::string_view::npos) {
+      only = argv[++i];
     } else if (a == "--no-reference") {
       // its reference is a formula; accepted so that scripts/run.sh bench parallel can pass it on
     } else {
-      fmt::print(stderr, "usage: baton-bench-parallel [--quick]\n");
+      fmt::print(stderr, "usage: baton-bench-parallel [--quick] [--only bubble|train|balance]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -188,6 +246,7 @@ int main(int argc, char** argv) {
   const std::int64_t fwd_ns = 1'000'000, bwd_ns = 2'000'000;  // 1 ms forward, 2 ms backward per stage
   for (int k : {2, 4}) {
     for (int m : {1, 4, 8, 16}) {
+      if (!only.empty() && only != "bubble") break;
       if (quick && m > 4) continue;
       for (const std::string schedule : {"gpipe", "1f1b"}) {
         Result r = run(k, m, schedule, steps, fwd_ns, bwd_ns);
@@ -195,11 +254,13 @@ int main(int argc, char** argv) {
         bench::JsonLine line("parallel", fmt::format("bubble_K{}_M{}_{}", k, m, schedule));
         line.add("value", r.idle).add("unit", "idle fraction").add("reference", formula)
             .add("reference_name", "(K-1)/(M+K-1)").add("ratio", formula > 0 ? r.idle / formula : 0.0)
-            .add("peak_activation_slots", r.peak_activations).add("steps", steps).add("wall_s", r.wall_s);
+            .add("peak_activation_slots", r.peak_activations)
+            .add("peak_activation_schedule", expected_peak(k, m, schedule)).add("steps", steps).add("wall_s", r.wall_s);
         line.print();
       }
     }
   }
-  training_scaling(quick);
+  if (only.empty() || only == "train") training_scaling(quick);
+  if (only.empty() || only == "balance") stage_balance(quick);
   return 0;
 }

@@ -51,6 +51,7 @@ struct Options {
   int pp = 1;
   std::int64_t tp = 1;
   std::string schedule = "1f1b";
+  std::string balance = "flops";
   std::string devices;  // "cpu:K": in-process devices per rank
   bool json = false;
   std::string print_plan;
@@ -194,6 +195,7 @@ int run(const Options& o) {
   cfg.pp = o.pp;
   cfg.tp = static_cast<int>(o.tp);
   cfg.schedule = o.schedule;
+  cfg.balance = o.balance;
   if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
   if (text) {
     cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
@@ -364,8 +366,11 @@ int main(int argc, char** argv) {
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads, MLP and vocabulary)")
       ->check(CLI::Range(1, 64));
-  app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (the depth of each stage's activations)")
+  app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (each stage's order of passes and depth of activations)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--balance", o.balance, "pipeline stages of equal cost by: flops (estimated) or profile (each "
+                 "op's kernel timed on its shapes; one rank only)")
+      ->check(CLI::IsMember({"flops", "profile"}));
   app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp x pp x tp / ranks)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
   app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")

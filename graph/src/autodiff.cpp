@@ -144,12 +144,14 @@ std::vector<Value> gradients(Value loss, const std::vector<Value>& wrt, double s
     Value dy = grad[static_cast<std::size_t>(id)];
     if (!dy.valid() || !depends[static_cast<std::size_t>(id)]) continue;
     const std::vector<int> inputs = g.node(id).inputs;  // copy: adding nodes may move the vector
+    const int first_new = g.size();
     for (std::size_t k = 0; k < inputs.size(); ++k) {
       const auto in = static_cast<std::size_t>(inputs[k]);
       if (!depends[in]) continue;
       Value d = input_gradient(g.value(id), k, dy);
       grad[in] = grad[in].valid() ? grad[in] + d : d;
     }
+    for (int made = first_new; made < g.size(); ++made) g.node_mut(made).grad_of = id;
   }
   std::vector<Value> out;
   for (const Value& w : wrt) out.push_back(w.id() < end ? grad[static_cast<std::size_t>(w.id())] : Value{});

@@ -6,6 +6,7 @@
 //      ^──────────────────────────────────────────────────────┘  from step s-1's gradients)
 #include "baton/graph/compile.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -16,6 +17,8 @@
 #include "baton/actors/runtime.h"
 #include "baton/graph/autodiff.h"
 #include "baton/graph/collectives.h"
+#include "baton/graph/profile.h"
+#include "baton/graph/schedule.h"
 #include "baton/kernels/optim.h"
 
 namespace baton {
@@ -262,10 +265,14 @@ double op_cost(const Graph& g, const Node& n) {
 }
 
 /// Pipeline stages: the forward ops (in order) cut into `stages` runs of about equal estimated
-/// cost; inputs and variables go with their first reader; a backward op goes with the latest
-/// stage among its forward inputs (the stage whose activations it differentiates), or, with
-/// none, with the earliest among its inputs (where the summed gradient is needed next).
-std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, int loss_id, int stages) {
+/// cost; inputs and variables go with their first reader; a backward op goes with the forward op
+/// whose backward step made it (Node::grad_of): the gradient of a weight is made where the
+/// weight and its accumulation live, and only dx crosses back to the stage before. A backward op
+/// without one goes with the latest stage among its forward inputs, or, with none, with the
+/// earliest among its inputs (where the summed gradient is needed next). `measured`: each node's
+/// profiled cost (profile.h) to cut by instead of the estimate.
+std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, int loss_id, int stages,
+                               const std::vector<double>* measured = nullptr) {
   std::vector<int> stage(static_cast<std::size_t>(g.size()), -1);
   auto is_leaf = [&](const Node& n) { return n.op == "input" || n.op == "variable" || (n.op == "fill" && n.inputs.empty()); };
   double total = 0;
@@ -273,7 +280,7 @@ std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, in
   for (int id = 0; id <= loss_id; ++id) {
     const Node& n = g.node(id);
     if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
-    total += op_cost(g, n);
+    total += measured ? (*measured)[static_cast<std::size_t>(id)] : op_cost(g, n);
     ++ops;
   }
   if (ops < stages) {
@@ -285,7 +292,7 @@ std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, in
   for (int id = 0; id <= loss_id; ++id) {
     const Node& n = g.node(id);
     if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
-    const double c = op_cost(g, n);
+    const double c = measured ? (*measured)[static_cast<std::size_t>(id)] : op_cost(g, n);
     int s = static_cast<int>((done + c / 2) / total * stages);
     // Stages in order, none skipped (at most one past the previous op's), and never so early
     // that too few ops are left for the stages after this one.
@@ -300,7 +307,9 @@ std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, in
   for (int id = 0; id < g.size(); ++id) {
     if (!need[static_cast<std::size_t>(id)]) continue;
     const Node& n = g.node(id);
-    if (id > loss_id) {
+    if (id > loss_id && n.grad_of >= 0 && stage[static_cast<std::size_t>(n.grad_of)] >= 0) {
+      stage[static_cast<std::size_t>(id)] = stage[static_cast<std::size_t>(n.grad_of)];
+    } else if (id > loss_id) {
       int fwd = -1, any = stages;
       for (int in : n.inputs) {
         const int s = stage[static_cast<std::size_t>(in)];
@@ -362,6 +371,15 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
   }
   if (cfg.tp < 1) throw GraphError(fmt::format("tp must be >= 1, not {}", cfg.tp));
+  if (cfg.balance != "flops" && cfg.balance != "profile") {
+    throw GraphError(fmt::format("balance '{}': flops or profile", cfg.balance));
+  }
+  if (cfg.pp > 1 && cfg.balance == "profile" &&
+      std::any_of(cfg.replica_places.begin(), cfg.replica_places.end(), [](const Placement& p) { return p.rank != 0; })) {
+    // Timings differ from rank to rank, and so would the plans (whose hashes must match).
+    throw GraphError("balance 'profile' times the kernels on this process, so ranks would cut the stages differently; "
+                     "use 'flops' for a job over several ranks");
+  }
   const int n_places = cfg.dp * cfg.pp * cfg.tp;
   if (!cfg.replica_places.empty() && cfg.replica_places.size() != static_cast<std::size_t>(n_places)) {
     throw GraphError(fmt::format("dp {} x pp {} x tp {} is {} but {} replica places are given", cfg.dp, cfg.pp, cfg.tp,
@@ -395,7 +413,20 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   }
   std::vector<bool> need = needed_nodes(g, targets);
   const int n_pp = cfg.pp;
-  const std::vector<int> stages = n_pp > 1 ? assign_stages(g, need, loss_id, n_pp) : std::vector<int>{};
+  std::vector<double> measured;
+  if (n_pp > 1 && cfg.balance == "profile") {
+    // A stage runs its forward ops and their backward steps (Node::grad_of), so a forward op
+    // costs both. A kernel too fast to time still counts a little, so that no stage is cut
+    // from nothing.
+    measured = profile_op_costs(g, *params, {.only = need});
+    for (int id = g.size() - 1; id > loss_id; --id) {
+      const int of = g.node(id).grad_of;
+      if (of >= 0) measured[static_cast<std::size_t>(of)] += measured[static_cast<std::size_t>(id)];
+    }
+    for (double& c : measured) c = std::max(c, 1e-9);
+  }
+  const std::vector<int> stages =
+      n_pp > 1 ? assign_stages(g, need, loss_id, n_pp, measured.empty() ? nullptr : &measured) : std::vector<int>{};
   const std::vector<int> shards = cfg.tp > 1 ? assign_shards(g, need, loss_id, cfg.tp) : std::vector<int>{};
   // Activation slots of stage s: the schedule.
   auto forward_slots = [&](int s) -> std::int32_t {
@@ -632,6 +663,8 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
                   .where = replicas[0].at(forward_stream, loss_place), .inputs = {{loss_in}}});
 
   label_roles_and_stages(plan, replicas);
+  // The order within each stage (schedule.h); the slots above bound what is in flight.
+  if (n_pp > 1) order_pipeline(plan, parse_schedule(cfg.schedule), n_pp, m);
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses)};
 }
 

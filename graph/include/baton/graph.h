@@ -5,4 +5,6 @@
 #include "baton/graph/compile.h"
 #include "baton/graph/graph.h"
 #include "baton/graph/ops.h"
+#include "baton/graph/profile.h"
+#include "baton/graph/schedule.h"
 #include "baton/graph/vocab_parallel.h"

@@ -80,6 +80,31 @@ struct InputPort {
   friend bool operator==(const InputPort&, const InputPort&) = default;
 };
 
+/// A fixed order among the acts of several actors on one worker: a pipeline stage's schedule
+/// (GPipe, 1F1B; baton/graph/schedule.h makes it). The actors of one lane (all on the same rank,
+/// device and stream) act strictly in the order of their acts' keys, whatever arrives first: an
+/// act whose turn has not come waits, even with its inputs there and its output slots free. Act
+/// k of an actor has the key
+///
+///   (k / units.size() * period + units[k % units.size()], rank, actor index)
+///
+/// so `units` says where each piece of a period (one training step's M micro-batches) falls in
+/// the period's sequence of `period` units, and `rank` orders the actors within a unit (a
+/// topological order of the stage's ops); the actors of a lane share one period. The register
+/// depths still bound what is in flight; the lane makes the order exact whatever the kernels
+/// cost (a priority among ready actors cannot: the act that should come next may still be
+/// waiting for its input). The order must be one the handshakes can follow: validate() refuses
+/// a plan whose lanes deadlock.
+struct ActOrder {
+  /// -1: no lane; the actor acts as soon as it is ready.
+  std::int32_t lane = -1;
+  /// Per piece of a period: its unit (strictly increasing, each below `period`).
+  std::vector<std::int32_t> units;
+  std::int32_t period = 0;
+  std::int32_t rank = 0;
+  friend bool operator==(const ActOrder&, const ActOrder&) = default;
+};
+
 struct ActorDesc {
   std::string name;
   ActorKind kind = ActorKind::compute;
@@ -102,6 +127,8 @@ struct ActorDesc {
   /// For people and tools: what it does, and its pipeline stage (-1: none).
   ActorRole role = ActorRole::other;
   std::int32_t stage = -1;
+  /// Its place in its worker's fixed order of acts, if it has one (pipeline schedules).
+  ActOrder order{};
   friend bool operator==(const ActorDesc&, const ActorDesc&) = default;
 };
 

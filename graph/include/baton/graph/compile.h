@@ -107,13 +107,21 @@ struct TrainConfig {
   /// each as soon as it is summed.
   std::int64_t bucket_bytes = 25 << 20;
   /// Pipeline parallelism: the forward ops cut into `pp` stages of about equal estimated cost
-  /// (multiply-adds), each backward op on the stage of the activations it differentiates, each
-  /// stage on its own device. The M micro-batches of a step flow through the stages; the
-  /// schedule is the depth of the activation registers: "gpipe" gives stage s M slots (every
-  /// forward first, then every backward), "1f1b" gives it pp - s (one forward, one backward,
-  /// after a warm-up of pp - s forwards). One weight version per step, as without stages.
+  /// (multiply-adds), each backward op on the stage of the forward op it differentiates (so a
+  /// weight's gradient is made where the weight lives), each stage on its own device. The M
+  /// micro-batches of a step flow through the stages. The schedule (schedule.h) is each stage's
+  /// order of forward and backward passes, which the plan fixes (ActOrder lanes), and the depth
+  /// of its activation registers: "gpipe" runs every forward, then every backward, with M slots;
+  /// "1f1b" runs min(pp - s - 1, M) warm-up forwards, then one forward and one backward in turn,
+  /// with pp - s slots on stage s. One weight version per step, as without stages.
   int pp = 1;
   std::string schedule = "1f1b";
+  /// How the forward ops are cut into stages of equal cost: "flops" estimates each op (the
+  /// multiply-adds of a matrix product, the output elements of the rest); "profile" times each
+  /// op's kernel on its real shapes first, and those of its backward step (profile.h; tens of
+  /// milliseconds for a small model), and refuses a job over several ranks, whose plans must
+  /// match.
+  std::string balance = "flops";
   /// Tensor parallelism: the model itself says which nodes belong to which of `tp` shards
   /// (Graph::shard scopes; models::mlp splits each pair of layers Megatron's way: the first by
   /// columns, the second by rows, their partial products summed once); each shard of each stage

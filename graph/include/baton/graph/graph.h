@@ -62,6 +62,9 @@ struct Node {
   /// Tensor parallelism: the shard (0 .. tp-1) whose device computes this node, or -1 for a
   /// node every shard shares (it runs on shard 0's device). Set by Graph::Shard scopes.
   std::int32_t tp_shard = -1;
+  /// Autodiff: the forward node whose backward step made this node (-1: none). Pipeline stages
+  /// put it on that node's stage, next to the activations and weights it reads.
+  std::int32_t grad_of = -1;
 };
 
 /// A handle to a node's output. Cheap to copy; valid while its Graph lives.

@@ -1,0 +1,502 @@
+// Pipeline schedules are exact: each stage runs the forward and backward passes of a step's
+// micro-batches in GPipe's or 1F1B's order, whatever its kernels cost, and keeps the number of
+// activations in flight the schedule promises. The order is read back from the activity log of
+// a real run (as torchgpipe's tests check its clock cycles) and compared with sequences written
+// out here from the papers, not with the library's own stage_sequence().
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/kernels.h"
+#include "baton/kernels/data.h"
+#include "models.h"
+
+using namespace baton;
+
+namespace {
+
+/// "F0 F1 B0 ..." for one step of one stage, as GPipe (Huang et al. 2019, fig. 2) and 1F1B
+/// (Narayanan et al. 2021, fig. 4; Megatron-LM's forward_backward_pipelining_without_interleaving)
+/// order it. Backwards run in micro-batch order (registers are FIFO).
+std::string canonical(const std::string& schedule, int stages, int stage, int m) {
+  std::vector<std::string> units;
+  if (schedule == "gpipe") {
+    for (int i = 0; i < m; ++i) units.push_back(fmt::format("F{}", i));
+    for (int i = 0; i < m; ++i) units.push_back(fmt::format("B{}", i));
+  } else {
+    const int warmup = std::min(stages - stage - 1, m);
+    const int remaining = m - warmup;
+    for (int i = 0; i < warmup; ++i) units.push_back(fmt::format("F{}", i));
+    for (int i = 0; i < remaining; ++i) {
+      units.push_back(fmt::format("F{}", warmup + i));
+      units.push_back(fmt::format("B{}", i));
+    }
+    for (int i = 0; i < warmup; ++i) units.push_back(fmt::format("B{}", remaining + i));
+  }
+  return fmt::format("{}", fmt::join(units, " "));
+}
+
+bool is_model_op(const ActorDesc& a) {
+  return a.kind == ActorKind::compute && !a.outputs.empty() && a.stage >= 0 &&
+         (a.role == ActorRole::forward || a.role == ActorRole::backward);
+}
+
+/// Runs another kernel after sleeping: a fixed cost that holds no core (4 stages on 2 cores).
+class Delayed final : public Kernel {
+ public:
+  Delayed(std::unique_ptr<Kernel> inner, std::int64_t ns) : inner_(std::move(inner)), ns_(ns) {}
+  void compute(KernelContext& ctx) override {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(ns_));
+    inner_->compute(ctx);
+  }
+
+ private:
+  std::unique_ptr<Kernel> inner_;
+  std::int64_t ns_;
+};
+
+/// Every model op of the job sleeps cost(stage, backward) ns before computing.
+template <class Cost>
+void add_costs(TrainingJob& job, Cost cost) {
+  auto base = std::make_shared<const KernelRegistry>(job.kernels);
+  for (ActorDesc& a : job.plan.actors) {
+    if (!is_model_op(a)) continue;
+    const std::int64_t ns = cost(a.stage, a.role == ActorRole::backward);
+    std::string op = fmt::format("delay{}.{}", ns, a.op);
+    if (!job.kernels.contains(op, a.where.device.type, a.dtype)) {
+      job.kernels.add(op, a.where.device.type, a.dtype, [base, inner = a.op, ns](const KernelConfig& cfg) {
+        return std::make_unique<Delayed>(base->create(inner, cfg), ns);
+      });
+    }
+    a.op = std::move(op);
+  }
+}
+
+struct Setup {
+  int pp = 2;
+  std::string schedule = "1f1b";
+  int m = 4;
+  std::int64_t steps = 2;
+  int dp = 1;
+};
+
+TrainingJob compile_mlp(const Setup& s) {
+  constexpr std::int64_t batch = 32;
+  static const auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, 12, 4, 3));
+  Graph g(7);
+  Value logits = models::mlp(g, batch / (s.m * s.dp), {.inputs = 12, .hidden = 16, .layers = 3, .classes = 4});
+  Value loss = softmax_cross_entropy(logits, g.find("label"));
+  TrainConfig cfg;
+  cfg.steps = s.steps;
+  cfg.microbatches = s.m;
+  cfg.pp = s.pp;
+  cfg.dp = s.dp;
+  cfg.schedule = s.schedule;
+  cfg.optimizer = optim::sgd(0.05);
+  cfg.data = {{"synthetic", data::batch_source(dataset, batch, s.m * s.dp, 1), {"x", "label"}}};
+  return compile_training(g, loss, cfg);
+}
+
+struct Observed {
+  /// Per (replica suffix, stage): the units in the order they ran, one string per step.
+  std::map<std::pair<std::string, int>, std::vector<std::string>> steps;
+  /// Per (replica suffix, stage): the most activations ever live (written by the stage's forward
+  /// ops, not yet freed by the backward ops that read them), over the registers some backward op
+  /// reads (`kept`) and over those the stage's own backward reads (`own`; those that only a later
+  /// stage's backward reads are freed on that stage's clock).
+  std::map<std::pair<std::string, int>, std::int32_t> kept, own;
+};
+
+std::string replica_of(const std::string& actor) {
+  auto at = actor.find("@dp");
+  return at == std::string::npos ? "" : actor.substr(at);
+}
+
+Observed run_and_observe(const TrainingJob& job, const Setup& s) {
+  RuntimeSettings rs;
+  rs.activity_log = true;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  Runtime rt(job.plan, job.kernels, rs);
+  RunReport report = rt.run();
+  std::vector<ActRecord> records;
+  rt.drain_activity(records);
+  REQUIRE(rt.activity_dropped() == 0);
+  const Plan& plan = rt.plan();
+  // Each stage's model ops, in the order they started (one worker per stage: threads = 1).
+  std::stable_sort(records.begin(), records.end(),
+                   [](const ActRecord& a, const ActRecord& b) { return a.start_ns < b.start_ns; });
+  std::map<std::pair<std::string, int>, int> ops_per_unit[2];
+  for (const ActorDesc& a : plan.actors) {
+    if (is_model_op(a)) ++ops_per_unit[a.role == ActorRole::backward][{replica_of(a.name), a.stage}];
+  }
+  struct Run {
+    bool backward;
+    std::int64_t piece;
+    int ops;
+  };
+  std::map<std::pair<std::string, int>, std::vector<Run>> runs;
+  for (const ActRecord& r : records) {
+    const ActorDesc& a = plan.actors[r.actor];
+    if (!is_model_op(a)) continue;
+    const bool backward = a.role == ActorRole::backward;
+    auto& seq = runs[{replica_of(a.name), a.stage}];
+    // Consecutive acts of one unit (the same pass of the same micro-batch) are one unit; a unit
+    // that another one interrupts shows up twice.
+    if (seq.empty() || seq.back().backward != backward || seq.back().piece != r.piece) {
+      seq.push_back({backward, r.piece, 0});
+    }
+    ++seq.back().ops;
+  }
+  Observed out;
+  for (auto& [key, seq] : runs) {
+    std::vector<std::vector<std::string>> steps(static_cast<std::size_t>(s.steps));
+    for (const Run& u : seq) {
+      INFO("stage " << key.second << key.first << (u.backward ? " B" : " F") << u.piece);
+      CHECK(u.ops == ops_per_unit[u.backward][key]);  // a unit runs all its ops at once
+      const auto step = static_cast<std::size_t>(u.piece / s.m);
+      REQUIRE(step < steps.size());
+      steps[step].push_back(fmt::format("{}{}", u.backward ? 'B' : 'F', u.piece % s.m));
+    }
+    for (auto& st : steps) out.steps[key].push_back(fmt::format("{}", fmt::join(st, " ")));
+  }
+  for (const RegisterMetrics& r : report.metrics.registers) {
+    for (const RegisterDesc& reg : plan.registers) {
+      if (reg.name != r.name) continue;
+      const ActorDesc& producer = plan.actors[reg.producer];
+      if (!is_model_op(producer) || producer.role != ActorRole::forward) continue;
+      const std::pair key{replica_of(producer.name), producer.stage};
+      for (ActorIndex c : reg.consumers) {
+        const ActorDesc& reader = plan.actors[c];
+        if (!is_model_op(reader) || reader.role != ActorRole::backward) continue;
+        out.kept[key] = std::max(out.kept[key], r.max_outstanding);
+        if (reader.stage == producer.stage) out.own[key] = std::max(out.own[key], r.max_outstanding);
+      }
+    }
+  }
+  return out;
+}
+
+/// Runs the job and checks every stage's order against the canonical one, step by step, and
+/// its peak of live activations: M for GPipe, min(N - s, M) (so <= N - s) for 1F1B.
+void check_schedule(const TrainingJob& job, const Setup& s) {
+  Observed seen = run_and_observe(job, s);
+  CHECK(seen.steps.size() == static_cast<std::size_t>(s.pp * s.dp));
+  for (const auto& [key, steps] : seen.steps) {
+    const int stage = key.second;
+    CAPTURE(stage);
+    CAPTURE(key.first);
+    const std::string want = canonical(s.schedule, s.pp, stage, s.m);
+    REQUIRE(steps.size() == static_cast<std::size_t>(s.steps));
+    for (std::size_t st = 0; st < steps.size(); ++st) {
+      CAPTURE(st);
+      CHECK(steps[st] == want);
+    }
+    if (seen.kept.count(key)) {
+      // GPipe: every forward of the step before the first backward. 1F1B: the register depth.
+      if (s.schedule == "gpipe") CHECK(seen.kept.at(key) == s.m);
+      if (s.schedule == "1f1b") CHECK(seen.kept.at(key) <= s.pp - stage);
+    }
+    // 1F1B: w + 1 = min(N - s, M) forwards before the first backward, then one in, one out.
+    if (seen.own.count(key)) CHECK(seen.own.at(key) == (s.schedule == "gpipe" ? s.m : std::min(s.pp - stage, s.m)));
+  }
+  // Some stage keeps activations for its own backward pass (a stage whose backward reads only
+  // its input, the previous stage's register, has none of its own).
+  CHECK(!seen.own.empty());
+  CHECK(!seen.kept.empty());
+  if (std::getenv("BATON_TEST_VERBOSE")) {
+    for (auto& [k, v] : seen.kept) MESSAGE("stage " << k.second << " kept " << v << " own " << (seen.own.count(k) ? seen.own.at(k) : -1));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Schedule.StageSequencesAreTheCanonicalOnes") {
+  auto str = [](PipelineSchedule sch, int n, int s, int m) {
+    std::vector<std::string> u;
+    for (const PipelineUnit& x : stage_sequence(sch, n, s, m)) u.push_back(fmt::format("{}{}", x.backward ? 'B' : 'F', x.microbatch));
+    return fmt::format("{}", fmt::join(u, " "));
+  };
+  // Narayanan et al. 2021, fig. 4 (top): 4 stages, 8 micro-batches.
+  CHECK(str(PipelineSchedule::one_f_one_b, 4, 0, 8) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7");
+  CHECK(str(PipelineSchedule::one_f_one_b, 4, 1, 8) == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7");
+  CHECK(str(PipelineSchedule::one_f_one_b, 4, 2, 8) == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7");
+  CHECK(str(PipelineSchedule::one_f_one_b, 4, 3, 8) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7");
+  // Fewer micro-batches than stages: all forwards, then all backwards.
+  CHECK(str(PipelineSchedule::one_f_one_b, 4, 0, 2) == "F0 F1 B0 B1");
+  CHECK(str(PipelineSchedule::gpipe, 2, 1, 3) == "F0 F1 F2 B0 B1 B2");
+  for (const char* sch : {"gpipe", "1f1b"}) {
+    for (int n : {1, 2, 4}) {
+      for (int m : {1, 3, 8}) {
+        for (int s = 0; s < n; ++s) CHECK(str(parse_schedule(sch), n, s, m) == canonical(sch, n, s, m));
+      }
+    }
+  }
+  CHECK_THROWS_WITH_AS(parse_schedule("zb-h1"), doctest::Contains("gpipe or 1f1b"), GraphError);
+}
+
+TEST_CASE("Schedule.TrainingStagesRunTheExactOrder" * doctest::timeout(120)) {
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    for (int pp : {2, 4}) {
+      for (int m : {1, 4, 8}) {
+        CAPTURE(schedule);
+        CAPTURE(pp);
+        CAPTURE(m);
+        Setup s{.pp = pp, .schedule = schedule, .m = m};
+        check_schedule(compile_mlp(s), s);
+      }
+    }
+  }
+}
+
+TEST_CASE("Schedule.OrderHoldsWhateverTheKernelsCost" * doctest::timeout(180)) {
+  // Costs that would reorder a greedy stage: a slow first stage makes the later ones wait for
+  // forwards while backwards are ready (1F1B) and backwards arrive before the last forward
+  // (GPipe's flush); a slow last stage or slow backwards do the opposite.
+  struct Pattern {
+    const char* name;
+    std::int64_t (*cost)(int stage, bool backward);
+  };
+  const Pattern patterns[] = {
+      {"slow first stage", [](int stage, bool) -> std::int64_t { return stage == 0 ? 600'000 : 30'000; }},
+      {"slow last stage", [](int stage, bool b) -> std::int64_t { return stage >= 1 ? (b ? 500'000 : 250'000) : 20'000; }},
+      {"costs rising with the stage", [](int stage, bool b) -> std::int64_t { return (stage + 1) * (b ? 150'000 : 60'000); }},
+  };
+  for (const Pattern& p : patterns) {
+    for (const char* schedule : {"gpipe", "1f1b"}) {
+      for (int pp : {2, 4}) {
+        CAPTURE(p.name);
+        CAPTURE(schedule);
+        CAPTURE(pp);
+        Setup s{.pp = pp, .schedule = schedule, .m = 4};
+        TrainingJob job = compile_mlp(s);
+        add_costs(job, p.cost);
+        check_schedule(job, s);
+      }
+    }
+  }
+}
+
+TEST_CASE("Schedule.EachReplicaOfDataTimesPipelineRunsTheOrder" * doctest::timeout(120)) {
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    CAPTURE(schedule);
+    Setup s{.pp = 2, .schedule = schedule, .m = 4, .dp = 2};
+    TrainingJob job = compile_mlp(s);
+    add_costs(job, [](int stage, bool backward) -> std::int64_t { return stage == 0 && !backward ? 300'000 : 20'000; });
+    check_schedule(job, s);
+  }
+}
+
+TEST_CASE("Schedule.PlanCarriesOneLanePerStage") {
+  Setup s{.pp = 4, .schedule = "1f1b", .m = 4};
+  TrainingJob job = compile_mlp(s);
+  std::map<int, std::set<std::int32_t>> lanes_of_stage;
+  for (const ActorDesc& a : job.plan.actors) {
+    if (!is_model_op(a)) {
+      CHECK(a.order.lane == -1);  // data, weights, accumulation and loss.report act when ready
+      continue;
+    }
+    CAPTURE(a.name);
+    lanes_of_stage[a.stage].insert(a.order.lane);
+    CHECK(a.order.period == 2 * s.m);
+    CHECK(a.order.units.size() == static_cast<std::size_t>(s.m));
+  }
+  CHECK(lanes_of_stage.size() == 4);
+  for (const auto& [stage, lanes] : lanes_of_stage) CHECK(lanes.size() == 1);
+  CHECK(job.plan.to_text().find(" order=lane") != std::string::npos);
+}
+
+TEST_CASE("Schedule.AnOrderTheSlotsCannotHoldIsRefused") {
+  // GPipe's order with 1F1B's depths: stage 0 of 2 would need 4 activations before its first
+  // backward but has 2 slots. The dry run finds the deadlock before anything runs.
+  Setup s{.pp = 2, .schedule = "1f1b", .m = 4};
+  TrainingJob job = compile_mlp(s);
+  order_pipeline(job.plan, PipelineSchedule::gpipe, 2, 4);
+  CHECK_THROWS_WITH_AS(Runtime(job.plan, job.kernels), doctest::Contains("waits for its turn in lane"), PlanError);
+}
+
+TEST_CASE("Schedule.LaneOrdersTheActsOfOneWorker" * doctest::timeout(30)) {
+  // Two independent chains on one worker, A and B, each ready at once: the lane makes B's acts
+  // come first in each period, then A's, whatever the messages' order.
+  for (auto mode : {ExecutionMode::deterministic, ExecutionMode::threaded}) {
+    Plan p;
+    auto src = p.add_register({.name = "src", .shape = {1}, .dtype = DType::i64, .slots = 4});
+    auto ra = p.add_register({.name = "a", .shape = {1}, .dtype = DType::i64, .slots = 4});
+    auto rb = p.add_register({.name = "b", .shape = {1}, .dtype = DType::i64, .slots = 4});
+    p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .dtype = DType::i64, .outputs = {src},
+                 .pieces = 6});
+    // Period of 4 units for 2 pieces: B0 B1 A0 A1 | B2 B3 A2 A3 | ...
+    p.add_actor({.name = "A", .op = "copy", .dtype = DType::i64, .inputs = {{src}}, .outputs = {ra},
+                 .order = {.lane = 0, .units = {2, 3}, .period = 4}});
+    p.add_actor({.name = "B", .op = "copy", .dtype = DType::i64, .inputs = {{src}}, .outputs = {rb},
+                 .order = {.lane = 0, .units = {0, 1}, .period = 4}});
+    p.add_actor({.name = "sink", .op = "noop", .dtype = DType::i64, .inputs = {{ra}, {rb}}});
+    RuntimeSettings rs;
+    rs.mode = mode;
+    rs.activity_log = true;
+    Runtime rt(p, KernelRegistry::with_builtin_kernels(), rs);
+    rt.run();
+    std::vector<ActRecord> records;
+    rt.drain_activity(records);
+    std::string order;
+    for (const ActRecord& r : records) {
+      const std::string& n = rt.plan().actors[r.actor].name;
+      if (n == "A" || n == "B") order += fmt::format("{}{} ", n, r.piece);
+    }
+    CHECK(order == "B0 B1 A0 A1 B2 B3 A2 A3 B4 B5 A4 A5 ");
+  }
+}
+
+TEST_CASE("Schedule.BadLanesAreRefused") {
+  auto plan = [](ActOrder a_order, ActOrder b_order, std::uint8_t b_device) {
+    Plan p;
+    auto src = p.add_register({.name = "src", .shape = {1}, .dtype = DType::i64});
+    auto ra = p.add_register({.name = "a", .shape = {1}, .dtype = DType::i64});
+    auto rb = p.add_register({.name = "b", .shape = {1}, .dtype = DType::i64});
+    p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .dtype = DType::i64, .outputs = {src},
+                 .pieces = 2});
+    p.add_actor({.name = "A", .op = "copy", .dtype = DType::i64, .inputs = {{src}}, .outputs = {ra}, .order = a_order});
+    p.add_actor({.name = "B", .op = "copy", .dtype = DType::i64, .where = {.device = {DeviceType::cpu, b_device}},
+                 .inputs = {{src}}, .outputs = {rb}, .order = b_order});
+    p.add_actor({.name = "sink", .op = "noop", .dtype = DType::i64, .inputs = {{ra}, {rb}}});
+    return p;
+  };
+  const auto reg = KernelRegistry::with_builtin_kernels();
+  const ActOrder ok{.lane = 0, .units = {0}, .period = 2};
+  CHECK_NOTHROW(validate(plan(ok, {.lane = 0, .units = {1}, .period = 2}, 0), reg));
+  CHECK_THROWS_WITH_AS(validate(plan(ok, {.lane = 0, .units = {1}, .period = 2}, 1), reg),
+                       doctest::Contains("lane 0 has actors on two workers: 'A' at r0/cpu:0/s0 and 'B' at r0/cpu:1/s0"),
+                       PlanError);
+  CHECK_THROWS_WITH_AS(validate(plan(ok, {.lane = 0, .units = {1, 1}, .period = 2}, 0), reg),
+                       doctest::Contains("actor 'B' in lane 0: units must increase strictly"), PlanError);
+  CHECK_THROWS_WITH_AS(validate(plan(ok, {.lane = 0, .units = {}, .period = 2}, 0), reg),
+                       doctest::Contains("needs at least one unit"), PlanError);
+  CHECK_THROWS_WITH_AS(validate(plan(ok, {.lane = 0, .units = {1}, .period = 3}, 0), reg),
+                       doctest::Contains("lane 0 has actors with different periods: 'A' 2 and 'B' 3"), PlanError);
+}
+
+TEST_CASE("Schedule.WeightGradientsAreMadeOnTheWeightsStage") {
+  // The gradient of a weight is made where the weight, its accumulation and its optimizer live:
+  // only dx crosses back to the stage before (the plan once sent dy back to stage 0 for the
+  // gradient of a stage-1 weight, then the gradient forward again).
+  for (int pp : {2, 4}) {
+    CAPTURE(pp);
+    TrainingJob job = compile_mlp({.pp = pp, .m = 2});
+    const Plan& plan = job.plan;
+    int accumulates = 0;
+    for (const ActorDesc& a : plan.actors) {
+      if (a.kind != ActorKind::accumulate) continue;
+      ++accumulates;
+      const ActorDesc& grad = plan.actors[plan.registers[a.inputs[0].reg].producer];
+      CAPTURE(a.name);
+      CAPTURE(grad.name);
+      CHECK(grad.stage == a.stage);
+      CHECK(grad.where.device == a.where.device);
+    }
+    CHECK(accumulates == 8);  // 4 layers, a weight and a bias each
+    // Backward registers cross stages only downwards, one stage at a time.
+    for (const RegisterDesc& r : plan.registers) {
+      const ActorDesc& producer = plan.actors[r.producer];
+      if (producer.role != ActorRole::backward || !is_model_op(producer)) continue;
+      for (ActorIndex c : r.consumers) {
+        const ActorDesc& reader = plan.actors[c];
+        if (!is_model_op(reader)) continue;
+        CAPTURE(r.name);
+        CHECK((reader.stage == producer.stage || reader.stage == producer.stage - 1));
+      }
+    }
+  }
+}
+
+TEST_CASE("Balance.ProfileTimesEveryOpOnItsShapes") {
+  Graph g(3);
+  auto x = g.input("x", {8, 5});
+  auto y = g.input("label", {8}, DType::i32);
+  auto w = g.variable("w", {5, 3});
+  auto logits = matmul(x, w) + g.variable("b", {3}, init::zeros());
+  auto loss = softmax_cross_entropy(logits, y);
+  auto params = ParameterStore::initialize(g);
+  std::vector<double> costs = profile_op_costs(g, *params, {.repeats = 3});
+  REQUIRE(costs.size() == static_cast<std::size_t>(g.size()));
+  for (int id = 0; id < g.size(); ++id) {
+    const Node& n = g.node(id);
+    CAPTURE(n.name);
+    if (n.inputs.empty()) {
+      CHECK(costs[static_cast<std::size_t>(id)] == 0.0);  // inputs, weights: nothing to run
+    } else {
+      CHECK(costs[static_cast<std::size_t>(id)] > 0.0);
+    }
+  }
+  // Only the marked ones (and what they read, untimed).
+  std::vector<bool> only(static_cast<std::size_t>(g.size()), false);
+  only[static_cast<std::size_t>(loss.id())] = true;
+  costs = profile_op_costs(g, *params, {.only = only});
+  CHECK(costs[static_cast<std::size_t>(loss.id())] > 0.0);
+  CHECK(costs[static_cast<std::size_t>(logits.id())] == 0.0);
+}
+
+TEST_CASE("Balance.ProfileNamesAnOpWhoseKernelFails") {
+  Graph g(3);
+  auto x = g.input("x", {4, 3});
+  auto y = g.add("no_such_op", {x}, {}, {4, 3}, DType::f32).named("mystery");
+  (void)y;
+  auto params = ParameterStore::initialize(g);
+  CHECK_THROWS_WITH_AS(profile_op_costs(g, *params), doctest::Contains("profiling op 'mystery' (no_such_op"),
+                       GraphError);
+}
+
+TEST_CASE("Balance.ProfiledStagesTrainAsOneDevice" * doctest::timeout(120)) {
+  // The cut changes where ops run, not what they compute.
+  auto train = [](int pp, const std::string& balance) {
+    constexpr std::int64_t batch = 32;
+    static const auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, 12, 4, 3));
+    Graph g(7);
+    Value logits = models::mlp(g, batch / 4, {.inputs = 12, .hidden = 16, .layers = 3, .classes = 4});
+    Value loss = softmax_cross_entropy(logits, g.find("label"));
+    TrainConfig cfg;
+    cfg.steps = 5;
+    cfg.microbatches = 4;
+    cfg.pp = pp;
+    cfg.balance = balance;
+    cfg.optimizer = optim::adam(0.01);
+    cfg.data = {{"synthetic", data::batch_source(dataset, batch, 4, 1), {"x", "label"}}};
+    TrainingJob job = compile_training(g, loss, cfg);
+    std::set<int> stages;
+    for (const ActorDesc& a : job.plan.actors) stages.insert(a.stage);
+    CHECK(stages.size() == static_cast<std::size_t>(pp));
+    Runtime(job.plan, job.kernels).run();
+    return job.losses->per_step();
+  };
+  const std::vector<double> one = train(1, "flops");
+  for (int pp : {2, 4}) {
+    const std::vector<double> piped = train(pp, "profile");
+    REQUIRE(piped.size() == one.size());
+    for (std::size_t s = 0; s < one.size(); ++s) CHECK(piped[s] == doctest::Approx(one[s]).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("Balance.BadBalanceConfigsFailBeforeRunning") {
+  Graph g(1);
+  auto x = g.input("x", {4, 3});
+  auto w = g.variable("w", {3, 3});
+  auto loss = mean(relu(matmul(relu(matmul(x, w)), w)));
+  TrainConfig cfg;
+  cfg.pp = 2;
+  cfg.balance = "vibes";
+  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("balance 'vibes': flops or profile"), GraphError);
+  cfg.balance = "profile";
+  cfg.replica_places = {Placement{.rank = 0}, Placement{.rank = 1}};
+  CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("ranks would cut the stages differently"),
+                       GraphError);
+}
