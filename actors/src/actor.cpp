@@ -110,7 +110,7 @@ void Actor::wire_inputs() {
       break;
     case ActorKind::accumulate:
       copy_kernel_ = core_.kernels->create("copy", cfg);
-      kernel_ = core_.kernels->create("add", cfg);
+      if (desc_.op != "last") kernel_ = core_.kernels->create("add", cfg);
       break;
     default: kernel_ = core_.kernels->create(desc_.op, cfg);
   }
@@ -216,7 +216,9 @@ void Actor::act() {
           *out_view_[0] = *in_view_[0];  // alias: the consumers read the input slot itself
           break;
         case ActorKind::accumulate:
-          if (opens_group) {
+          if (!kernel_) {  // op "last": only the group's last piece counts
+            if (closes_group) copy_kernel_->compute(ctx);
+          } else if (opens_group) {
             copy_kernel_->compute(ctx);
           } else {
             const Tensor* sum_in[2] = {out_view_[0], in_view_[0]};

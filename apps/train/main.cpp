@@ -174,7 +174,6 @@ std::vector<Placement> replica_places(const Options& o, const JobEnvironment& en
 
 int run(const Options& o) {
   const JobEnvironment env = JobEnvironment::from_env();
-  const bool leader = env.rank == 0;
   const Data d = load(o);
   const std::int64_t pieces = o.dp * o.microbatches;  // micro-batches of a step, over all replicas
   if (o.batch % pieces != 0) {
@@ -203,6 +202,11 @@ int run(const Options& o) {
     cfg.data = {{o.data, data::batch_source(d.train, o.batch, pieces, o.seed), {"x", "label"}}};
   }
   TrainingJob job = compile_training(g, loss, cfg);
+  // The rank that reports for the job: where the losses arrive (loss.report) and where the
+  // compiled plan brings the trained weights for the held-out evaluation.
+  const auto reporter = std::find_if(job.plan.actors.begin(), job.plan.actors.end(),
+                                     [](const ActorDesc& a) { return a.name == "loss.report"; });
+  const bool leader = env.rank == (reporter == job.plan.actors.end() ? 0u : reporter->where.rank);
   if (!o.print_plan.empty()) {
     if (!leader) return 0;
     fmt::print("{}", o.print_plan == "dot" ? job.plan.to_dot() : job.plan.to_text());
@@ -278,7 +282,7 @@ int run(const Options& o) {
     }
   }
   if (failure) std::rethrow_exception(failure);
-  if (!leader) return 0;  // rank 0 reports for the job
+  if (!leader) return 0;  // the reporting rank speaks for the job
   auto losses = job.losses->per_step();
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
   const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;

@@ -185,6 +185,38 @@ struct PlanBuilder {
   }
 };
 
+/// A trained weight of replica 0: the register its variable actor writes once per step (and
+/// once more with the last step's update applied), and where that actor runs.
+struct FinalWeight {
+  std::string name;
+  RegisterIndex reg;
+  Placement where;
+  DType dtype;
+  Shape shape;
+};
+
+/// The process that reports (loss.report's rank) evaluates the trained weights, but a weight
+/// placed on another rank is trained there: its final value comes over as part of the plan. An
+/// accumulate "last" beside the variable keeps the last of its steps + 1 pieces, so one piece
+/// crosses, once, at the end; a sink on the reporting rank copies it into the ParameterStore.
+void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& params,
+                          const std::vector<FinalWeight>& finals, const Placement& reporter, std::int64_t steps) {
+  for (const FinalWeight& f : finals) {
+    if (f.where.rank == reporter.rank) continue;
+    const std::string name = "final." + f.name;
+    RegisterIndex last = plan.add_register({.name = name, .shape = f.shape, .dtype = f.dtype, .slots = 1});
+    plan.add_actor({.name = name + ".last", .kind = ActorKind::accumulate, .op = "last", .dtype = f.dtype,
+                    .where = f.where, .inputs = {{f.reg}}, .outputs = {last},
+                    .group = static_cast<std::int32_t>(steps + 1), .role = ActorRole::update});
+    Tensor dest = params.at(f.name);
+    kernels.add_fn(name, DeviceType::cpu, f.dtype, [dest](KernelContext& ctx) mutable {
+      copy_tensor(*ctx.inputs[0], dest);
+    });
+    plan.add_actor({.name = name, .op = name, .dtype = f.dtype, .where = reporter, .inputs = {{last}},
+                    .role = ActorRole::update});
+  }
+}
+
 /// Fills ActorDesc::role and ::stage for people and tools (the dashboard's timeline): forward
 /// and backward ops were labelled as they were made; the rest is told by kind and op. Each
 /// (stage, shard) of each replica has its own device, which gives the stage.
@@ -539,6 +571,8 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     }
   }
 
+  // Replica 0's trained weights: where each one's steps come out (see gather_final_weights).
+  std::vector<FinalWeight> finals;
   std::vector<RegisterIndex> loss_regs;
   for (std::int64_t r = 0; r < n_dp; ++r) {
     PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
@@ -608,6 +642,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           });
           b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream, {}, b.place(id));
         }
+        if (r == 0 && it != grad_in[0].end()) finals.push_back({n.name, w, b.at(backward_stream, b.place(id)), dt, n.shape});
         // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
         // weight at once: the repeat needs the activations' depth, or it caps the schedule.
         RegisterIndex rep = b.node_register(id, n_pp > 1 ? std::max(2, forward_slots(b.stage(id)) + 1) : 2);
@@ -661,6 +696,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   });
   plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
                   .where = replicas[0].at(forward_stream, loss_place), .inputs = {{loss_in}}});
+  gather_final_weights(plan, kernels, *params, finals, replicas[0].at(forward_stream, loss_place), cfg.steps);
 
   label_roles_and_stages(plan, replicas);
   // The order within each stage (schedule.h); the slots above bound what is in flight.

@@ -34,7 +34,8 @@ enum class ActorKind : std::uint8_t {
   /// (the output aliases the input slot). Lets the M micro-batches of a step read one weight.
   repeat,
   /// One input, one output: sums each `group` consecutive input pieces into one output piece
-  /// (the gradient accumulation of M micro-batches).
+  /// (the gradient accumulation of M micro-batches). With op "last" it keeps the group's last
+  /// piece instead of the sum, copying only that one (a weight's final value after its steps).
   accumulate,
   /// One input on another rank, one output here of the same shape and dtype: pulls each piece
   /// from the remote producer's slot into its own (the data plane), then acks the producer and
