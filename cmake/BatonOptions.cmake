@@ -23,14 +23,32 @@ if(BATON_SANITIZE)
   endif()
 endif()
 
-# The CUDA path (step 6 of the plan) is detected here so that the build reports what it found;
-# no CUDA sources exist yet, so nothing is compiled for it.
+# The CUDA path (step 6): enabled when a toolkit is found (AUTO), required (ON) or skipped (OFF).
+# BATON_CUDA is what the rest of the build tests; the kernels library then carries the CUDA
+# device, its kernels and the BATON_HAS_CUDA definition. .cu files are C++17 (CMake 3.25 does not
+# know CUDA C++20) and hold only launchers with plain-pointer interfaces; the kernel classes
+# around them are C++20 in .cpp files.
+set(BATON_CUDA FALSE)
 if(NOT BATON_WITH_CUDA STREQUAL "OFF")
   find_package(CUDAToolkit QUIET)
-  if(CUDAToolkit_FOUND)
-    message(STATUS "baton: CUDA toolkit ${CUDAToolkit_VERSION} at ${CUDAToolkit_BIN_DIR} (CUDA kernels arrive with the CUDA path)")
+  if(CUDAToolkit_FOUND AND NOT CMAKE_CUDA_COMPILER AND EXISTS "${CUDAToolkit_NVCC_EXECUTABLE}")
+    set(CMAKE_CUDA_COMPILER "${CUDAToolkit_NVCC_EXECUTABLE}" CACHE FILEPATH "nvcc")
+  endif()
+  if(CUDAToolkit_FOUND AND CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "GPU architectures to build for (A100, H100)")
+    endif()
+    if(CMAKE_CXX_COMPILER_LAUNCHER AND NOT CMAKE_CUDA_COMPILER_LAUNCHER)
+      set(CMAKE_CUDA_COMPILER_LAUNCHER "${CMAKE_CXX_COMPILER_LAUNCHER}")
+    endif()
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    find_library(BATON_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    set(BATON_CUDA TRUE)
+    message(STATUS "baton: CUDA ${CUDAToolkit_VERSION} at ${CUDAToolkit_BIN_DIR}, architectures ${CMAKE_CUDA_ARCHITECTURES}; NCCL: ${BATON_NCCL_LIBRARY}")
   elseif(BATON_WITH_CUDA STREQUAL "ON")
-    message(FATAL_ERROR "BATON_WITH_CUDA=ON but no CUDA toolkit was found")
+    message(FATAL_ERROR "BATON_WITH_CUDA=ON but no CUDA toolkit (nvcc) was found; set CUDAToolkit_ROOT")
   else()
     message(STATUS "baton: no CUDA toolkit found; building the CPU path only")
   endif()

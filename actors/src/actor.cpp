@@ -35,9 +35,8 @@ void Actor::wire_outputs() {
     out->pending.assign(static_cast<std::size_t>(reg.slots), 0);
     out->buffers.resize(static_cast<std::size_t>(reg.slots));
     if (!core_.dry_run && desc_.kind != ActorKind::repeat) {
-      auto& alloc = core_.allocators[desc_.where.device];
-      if (!alloc) alloc = std::make_unique<CpuAllocator>(desc_.where.device);
-      for (auto& b : out->buffers) b = Tensor::empty(reg.shape, reg.dtype, *alloc);
+      Allocator& alloc = core_.allocator_for(desc_, reg);
+      for (auto& b : out->buffers) b = Tensor::empty(reg.shape, reg.dtype, alloc);
     }
     for (ActorIndex c : reg.consumers) {
       Actor* consumer = core_.actors[c].get();
@@ -113,6 +112,9 @@ void Actor::wire_inputs() {
       if (desc_.op != "last") kernel_ = core_.kernels->create("add", cfg);
       break;
     default: kernel_ = core_.kernels->create(desc_.op, cfg);
+  }
+  if (desc_.where.device.type == DeviceType::cuda && desc_.kind != ActorKind::repeat) {
+    stream_ = &core_.stream_for(desc_.where);
   }
 }
 
@@ -210,7 +212,7 @@ void Actor::act() {
   if (!core_.dry_run) {
     const std::uint64_t kernel_start = core_.settings.time_accounting ? ticks() : 0;
     try {
-      KernelContext ctx{in_view_, out_view_, k};
+      KernelContext ctx{in_view_, out_view_, k, stream_};
       switch (desc_.kind) {
         case ActorKind::repeat:
           *out_view_[0] = *in_view_[0];  // alias: the consumers read the input slot itself
@@ -222,13 +224,16 @@ void Actor::act() {
             copy_kernel_->compute(ctx);
           } else {
             const Tensor* sum_in[2] = {out_view_[0], in_view_[0]};
-            KernelContext add{sum_in, out_view_, k};
+            KernelContext add{sum_in, out_view_, k, stream_};
             kernel_->compute(add);
           }
           break;
         default:
           kernel_->compute(ctx);
       }
+      // One worker for every device (deterministic mode) cannot wait for a callback: the act
+      // ends when its stream does.
+      if (stream_ != nullptr && core_.settings.mode == ExecutionMode::deterministic) stream_->synchronize();
     } catch (const std::exception& e) {
       core_.fail(fmt::format("actor '{}' ({} {} on {}) failed at piece {}: {}", desc_.name,
                              baton::name(desc_.kind), desc_.op, id_.str(), k, e.what()));
@@ -240,10 +245,42 @@ void Actor::act() {
   if (core_.dry_run) core_.count_dry_act(acts_);
   bump(counters_.acts, std::uint64_t{1});
   bump(counters_.bytes_in, bytes_in_per_act_);
+  if (stream_ != nullptr && !core_.dry_run && core_.settings.mode != ExecutionMode::deterministic) {
+    // The kernel only enqueued its work: its requests and acks go out when the stream reaches
+    // this point (on_stream_reached), so a request always means the data is there and an ack
+    // that the slot is no longer read. A host callback posts to the worker's mailbox, which
+    // wakes the worker if it parked; polling an event would need the worker to keep spinning.
+    struct Reached {
+      Worker* worker;
+      Message m;
+    };
+    auto* r = new Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}};
+    try {
+      stream_->when_reached([](void* p) {
+        std::unique_ptr<Reached> done(static_cast<Reached*>(p));
+        done->worker->post(done->m);
+      }, r);
+    } catch (const std::exception& e) {
+      delete r;
+      core_.fail(fmt::format("actor '{}' ({} on {}) failed at piece {}: {}", desc_.name, desc_.op, id_.str(), k, e.what()));
+      return;
+    }
+    on_stream_.push_back(k);
+    ++inflight_;
+    if (logging) worker_->log(ActRecord{index_, k, log_start, steady_ns(), worker_->index()});
+    return;
+  }
+  const std::uint64_t log_end = logging ? steady_ns() : 0;
+  after_act(k);
+  if (logging) worker_->log(ActRecord{index_, k, log_start, log_end, worker_->index()});
+}
+
+// Act k's work is done: its outputs are published (at the end of a group) and its inputs acked.
+void Actor::after_act(std::int64_t k) {
   // The act ends before its requests and acks go out, so no consumer's act (nor this act's
   // next, once its slot comes back) can appear to start before it ended: a trace's arrows
   // point forward in time.
-  const std::uint64_t log_end = logging ? steady_ns() : 0;
+  const bool closes_group = k % out_group_ == out_group_ - 1;
   if (closes_group) {
     bump(counters_.bytes_out, bytes_out_per_act_);
     for (auto& out : outputs_) publish(*out);
@@ -255,7 +292,15 @@ void Actor::act() {
       if (q >= 0) release(in, q);
     }
   }
-  if (logging) worker_->log(ActRecord{index_, k, log_start, log_end, worker_->index()});
+}
+
+void Actor::on_stream_reached(const Message& m) {
+  if (on_stream_.empty() || on_stream_.front() != m.piece) {
+    return protocol_error(m, "its CUDA stream reached an act that was not the next one enqueued");
+  }
+  on_stream_.pop_front();
+  --inflight_;
+  after_act(m.piece);
 }
 
 // Pull piece k of the remote register into our next slot. It is published (and acked to the
@@ -290,6 +335,7 @@ void Actor::act_transfer() {
 }
 
 void Actor::on_pulled(const Message& m) {
+  if (stream_ != nullptr) return on_stream_reached(m);
   Output& out = *outputs_[0];
   if (desc_.kind != ActorKind::transfer || m.slot >= pulled_.size() || inflight_ == 0) {
     return protocol_error(m, "a pull landed that this actor did not start");

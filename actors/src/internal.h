@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -23,6 +24,7 @@
 #include "baton/actors/runtime.h"
 #include "baton/actors/settings.h"
 #include "baton/kernels/allocator.h"
+#include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
 #include "baton/transport/link.h"
 
@@ -145,6 +147,8 @@ class Actor {
   Block next_block_of_stream() const;
   void act_transfer();
   void on_pulled(const Message& m);
+  void on_stream_reached(const Message& m);
+  void after_act(std::int64_t k);
   void advance();
   void act();
   void publish(Output& out);
@@ -187,6 +191,10 @@ class Actor {
   std::int64_t inflight_ = 0;
   std::vector<bool> pulled_;
   std::vector<std::uint64_t> pull_started_;  // per slot, for the activity log
+  // CUDA actors: the stream their kernels enqueue on, and the acts enqueued whose requests and
+  // acks wait for the stream to reach them (counted in inflight_ too: their slots are taken).
+  cuda::Stream* stream_ = nullptr;
+  std::deque<std::int64_t> on_stream_;
   bool finished_ = false;
   bool retired_ = false;
   ActorActivity activity_ = ActorActivity::starved;
@@ -289,6 +297,13 @@ struct Core : transport::LinkHandler {
   RuntimeSettings settings;
   bool dry_run;
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
+  /// CUDA devices' memory, and page-locked host memory for registers copied to or from them.
+  std::map<Device, std::unique_ptr<Allocator>> device_allocators;
+  std::unique_ptr<Allocator> pinned;
+  /// Where the slots of `reg`, written by `producer`, live.
+  Allocator& allocator_for(const ActorDesc& producer, const RegisterDesc& reg);
+  /// The CUDA stream of a (device, stream) placement, made on first use.
+  cuda::Stream& stream_for(const Placement& where);
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
   std::vector<std::unique_ptr<Worker>> workers;
   std::map<std::int32_t, Lane> lanes;  // by ActOrder::lane, for the local actors
@@ -313,6 +328,9 @@ struct Core : transport::LinkHandler {
   std::int64_t dry_acts = 0;
   std::int64_t dry_reached = 0;
   bool dry_spent = false;
+  // Last, so destroyed first: each waits for its queued work, which reads and writes register
+  // slots and posts to workers, before those go.
+  std::map<std::pair<Device, std::uint8_t>, std::unique_ptr<cuda::Stream>> streams;
 };
 
 }  // namespace baton::detail

@@ -198,4 +198,51 @@ Plan insert_transfers(const Plan& plan) {
   return out;
 }
 
+Plan insert_device_copies(const Plan& plan) {
+  Plan out = plan;
+  const auto n_registers = static_cast<RegisterIndex>(plan.registers.size());
+  for (RegisterIndex r = 0; r < n_registers; ++r) {
+    const ActorIndex producer = out.registers[r].producer;
+    if (producer == no_actor || producer >= out.actors.size()) continue;  // validate() reports it
+    const Placement home = out.actors[producer].where;
+    if (out.actors[producer].op == "to_host" || out.actors[producer].op == "to_device") continue;  // a copy already
+    std::map<Device, std::vector<ActorIndex>> elsewhere;
+    for (ActorIndex c : out.registers[r].consumers) {
+      if (c >= out.actors.size()) continue;
+      const ActorDesc& a = out.actors[c];
+      if (a.where.rank != home.rank || a.where.device == home.device || a.kind == ActorKind::transfer) continue;
+      if (a.op == "to_device" || a.op == "to_host") continue;  // a copy already
+      if (a.where.device.type != DeviceType::cuda && home.device.type != DeviceType::cuda) continue;
+      elsewhere[a.where.device].push_back(c);
+    }
+    for (const auto& [device, consumers] : elsewhere) {
+      RegisterDesc copy = out.registers[r];
+      copy.name = fmt::format("{}@{}", copy.name, device.str());
+      copy.producer = no_actor;
+      copy.consumers.clear();
+      const RegisterIndex local = out.add_register(copy);
+      const bool to_host = device.type != DeviceType::cuda;
+      ActorDesc t;
+      t.name = copy.name;
+      t.op = to_host ? "to_host" : "to_device";
+      t.dtype = copy.dtype;
+      t.where = Placement{home.rank, to_host ? home.device : device, device_copy_stream};
+      t.role = ActorRole::transfer;
+      t.stage = out.actors[consumers.front()].stage;
+      t.inputs = {InputPort{r, 0}};
+      t.outputs = {local};
+      out.add_actor(std::move(t));
+      auto& readers = out.registers[r].consumers;
+      for (ActorIndex c : consumers) {
+        readers.erase(std::find(readers.begin(), readers.end(), c));
+        for (InputPort& in : out.actors[c].inputs) {
+          if (in.reg == r) in.reg = local;
+        }
+        out.registers[local].consumers.push_back(c);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace baton

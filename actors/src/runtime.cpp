@@ -238,6 +238,32 @@ void Core::instantiate() {
   }
 }
 
+Allocator& Core::allocator_for(const ActorDesc& producer, const RegisterDesc& reg) {
+  const Device d = producer.where.device;
+  if (d.type == DeviceType::cuda && producer.op != "to_host") {
+    auto& alloc = device_allocators[d];
+    if (!alloc) alloc = cuda::make_device_allocator(d);
+    return *alloc;
+  }
+  // Registers that cross between host and device are page-locked, so that their copies run on
+  // the copy engines, asynchronously.
+  bool crosses = producer.op == "to_host";
+  for (ActorIndex c : reg.consumers) crosses = crosses || plan.actors[c].op == "to_device";
+  if (crosses) {
+    if (!pinned) pinned = cuda::make_pinned_allocator(Device{});
+    return *pinned;
+  }
+  auto& alloc = allocators[d];
+  if (!alloc) alloc = std::make_unique<CpuAllocator>(d);
+  return *alloc;
+}
+
+cuda::Stream& Core::stream_for(const Placement& where) {
+  auto& s = streams[{where.device, where.stream}];
+  if (!s) s = cuda::Stream::create(where.device, fmt::format("worker {}/s{}", where.device.str(), where.stream));
+  return *s;
+}
+
 void Core::fail(std::string reason) {
   {
     std::lock_guard lock(mutex);

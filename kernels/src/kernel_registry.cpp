@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/ops.h"
 
@@ -74,6 +75,7 @@ KernelRegistry KernelRegistry::with_builtin_kernels() {
   add_cpu_kernels(reg);
   add_cpu_tensor_ops(reg);
   add_cpu_nn_ops(reg);
+  cuda::add_cuda_kernels(reg);
   return reg;
 }
 

@@ -2,6 +2,7 @@
 /// baton/kernels: tensors, dtypes, devices, allocators and the kernel registry.
 #include "baton/kernels/allocator.h"
 #include "baton/kernels/attrs.h"
+#include "baton/kernels/cuda.h"
 #include "baton/kernels/device.h"
 #include "baton/kernels/dtype.h"
 #include "baton/kernels/kernel.h"

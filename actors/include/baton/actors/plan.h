@@ -174,4 +174,18 @@ struct Plan {
 /// unchanged; applying it twice changes nothing more.
 Plan insert_transfers(const Plan& plan);
 
+/// The stream that insert_device_copies() puts copy actors on: a worker (and CUDA stream) of
+/// its own, so that copies overlap the device's compute.
+inline constexpr std::uint8_t device_copy_stream = 15;
+
+/// The plan with a copy actor for every register read on the same rank but on another device,
+/// where one of the two is a CUDA device: "to_device" on the consumers' device (host -> device,
+/// or device -> device) or "to_host" on the producer's CUDA device (device -> host: its register
+/// is page-locked host memory). One copy per (register, consuming device), on stream
+/// device_copy_stream, named "<register>@<device>", writing a register of that name with the
+/// same shape, dtype and slots; the consumers on that device read it instead. Registers between
+/// two CPU devices stay as they are (host memory is shared); so does a plan without CUDA
+/// actors. Applying it twice changes nothing more.
+Plan insert_device_copies(const Plan& plan);
+
 }  // namespace baton

@@ -17,6 +17,10 @@
 
 namespace baton {
 
+namespace cuda {
+class Stream;
+}
+
 /// What a kernel sees when its actor acts. The tensors are the register slots themselves: a
 /// kernel reads its inputs in place and writes its outputs in place. An input pointer is null
 /// when the actor's input has no piece for this act yet (an input with a delay, at its start).
@@ -25,6 +29,9 @@ struct KernelContext {
   std::span<Tensor* const> outputs;
   /// The act's sequence number: for a source, the piece it writes.
   std::int64_t piece = 0;
+  /// The actor's CUDA stream (baton/kernels/cuda.h) when it runs on a CUDA device, else null:
+  /// a CUDA kernel only enqueues its work there.
+  cuda::Stream* stream = nullptr;
 };
 
 /// One kernel instance per actor, created when a plan is instantiated; it may keep state

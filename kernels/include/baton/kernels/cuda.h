@@ -1,0 +1,99 @@
+#pragma once
+/// The CUDA device: whether it can be used, its streams and its memory. This header needs no
+/// CUDA headers and exists in every build; without the CUDA path (BATON_HAS_CUDA undefined) or
+/// without a driver, availability() says why and everything else throws std::runtime_error.
+///
+///   if (auto a = baton::cuda::availability(); !a.ok) fmt::print("{}\n", a.reason);
+///   auto stream = baton::cuda::Stream::create(baton::Device::parse("cuda:0"), "my-actor");
+///   auto alloc = baton::cuda::make_device_allocator(stream->device());
+///   baton::Tensor t = baton::Tensor::empty({4, 4}, baton::f32, *alloc);   // device memory
+///   baton::cuda::copy(t, host_tensor, *stream);  stream->synchronize();
+///
+/// Kernels registered for DeviceType::cuda find their actor's stream in KernelContext::stream
+/// and only enqueue work on it; the runtime sends the actor's requests and acks once the stream
+/// has reached that point (Stream::when_reached), so a request always means the data is there.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "baton/kernels/allocator.h"
+#include "baton/kernels/device.h"
+#include "baton/kernels/optim.h"
+
+namespace baton {
+class KernelRegistry;
+class Tensor;
+}  // namespace baton
+
+namespace baton::cuda {
+
+/// Whether CUDA devices can be used in this process, and if not, why: "built without CUDA",
+/// "no CUDA driver: cudaErrorInsufficientDriver (35)", "no CUDA device".
+struct Availability {
+  bool ok = false;
+  int devices = 0;
+  std::string reason;
+};
+/// Asked once per process (the answer is cached). Thread-safe.
+const Availability& availability();
+/// True if this build has the CUDA path (BATON_HAS_CUDA).
+bool built_with_cuda();
+
+/// A CUDA stream on one device with the cuBLAS handle that launches on it: what one worker
+/// thread enqueues its actors' work on. Move-only owner; the destructor waits for the stream's
+/// work, then destroys it (never throws). Methods may be called from one thread at a time.
+class Stream {
+ public:
+  /// Throws std::runtime_error naming `owner` (an actor or worker), the CUDA call and its error.
+  static std::unique_ptr<Stream> create(Device device, std::string_view owner);
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  Device device() const { return device_; }
+  const std::string& owner() const { return owner_; }
+  /// Calls fn(arg) on a CUDA driver thread once all work enqueued so far has finished
+  /// (cudaLaunchHostFunc). fn must not call CUDA; it should only hand a message on. Throws.
+  void when_reached(void (*fn)(void*), void* arg);
+  /// Blocks until the stream's work is done; throws naming the owner if any of it failed.
+  void synchronize();
+  /// Makes this stream's device current on the calling thread (cheap when it already is).
+  void bind() const;
+
+  struct Impl;  // the CUDA handles (kernels/src/cuda/common.h)
+  Impl& impl() { return *impl_; }
+
+ private:
+  Stream(Device device, std::string owner);
+  Device device_;
+  std::string owner_;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Device memory from cudaMalloc, pooled by size: a freed block waits for the next request of
+/// the same size (registers are allocated once, with few distinct sizes). The pool returns
+/// everything to CUDA when the allocator is destroyed. Throws std::bad_alloc naming the size.
+std::unique_ptr<Allocator> make_device_allocator(Device device);
+/// Page-locked host memory (cudaMallocHost) for registers that cross to and from a device, so
+/// that copies run on the copy engines without a staging copy. The device it reports is `host`.
+std::unique_ptr<Allocator> make_pinned_allocator(Device host);
+
+/// Copies src into dst (same byte size; either may be on the host or a device) in `stream`'s
+/// order. Throws naming both tensors and the CUDA error.
+void copy(Tensor& dst, const Tensor& src, Stream& stream);
+
+/// The optimizer steps of baton/kernels/optim.h on float32 device memory (w, g, buffers of n
+/// elements each), enqueued on `stream`, element for element the CPU's arithmetic. Throws as
+/// the CPU versions do, naming the stream's owner.
+void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, const SgdConfig& cfg, std::int64_t step,
+              double lr, Stream& stream);
+void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, const AdamConfig& cfg, std::int64_t step,
+               double lr, Stream& stream);
+
+/// Registers the CUDA kernels (kernels/src/cuda/ops.cpp lists them) for DeviceType::cuda; does
+/// nothing in a build without CUDA. KernelRegistry::with_builtin_kernels() calls it.
+void add_cuda_kernels(KernelRegistry& reg);
+
+}  // namespace baton::cuda

@@ -1,0 +1,38 @@
+#pragma once
+// Private to kernels/src/cuda (built only with BATON_HAS_CUDA): the handles behind
+// baton::cuda::Stream and the error checks every CUDA call goes through.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "baton/kernels/cuda.h"
+
+namespace baton::cuda {
+
+struct Stream::Impl {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+};
+
+/// Throws std::runtime_error "<who>: <call> failed: <name> (<code>): <description>".
+inline void check(cudaError_t e, const char* call, std::string_view who) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(fmt::format("{}: {} failed: {} ({}): {}", who, call, cudaGetErrorName(e),
+                                         static_cast<int>(e), cudaGetErrorString(e)));
+  }
+}
+inline void check(cublasStatus_t s, const char* call, std::string_view who) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error(fmt::format("{}: {} failed: {} ({})", who, call, cublasGetStatusName(s),
+                                         static_cast<int>(s)));
+  }
+}
+
+}  // namespace baton::cuda
+
+/// Checks a CUDA or cuBLAS call, naming it and `who` (the actor or owner) on failure.
+#define BATON_CUDA_CHECK(call, who) ::baton::cuda::check((call), #call, (who))

@@ -1,0 +1,43 @@
+// The CUDA device in a build without a CUDA toolkit: every entry point says so.
+#include <stdexcept>
+
+#include "baton/kernels/cuda.h"
+#include "baton/kernels/tensor.h"
+
+namespace baton::cuda {
+
+struct Stream::Impl {};
+
+namespace {
+[[noreturn]] void unavailable(std::string_view what) {
+  throw std::runtime_error(std::string(what) + ": baton was built without CUDA (BATON_WITH_CUDA off or no toolkit found)");
+}
+}  // namespace
+
+const Availability& availability() {
+  static const Availability a{false, 0, "built without CUDA"};
+  return a;
+}
+bool built_with_cuda() { return false; }
+
+Stream::Stream(Device device, std::string owner) : device_(device), owner_(std::move(owner)) {}
+Stream::~Stream() = default;
+std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner) {
+  unavailable(std::string(owner) + ": a stream on " + device.str());
+}
+void Stream::when_reached(void (*)(void*), void*) { unavailable(owner_); }
+void Stream::synchronize() { unavailable(owner_); }
+void Stream::bind() const { unavailable(owner_); }
+
+std::unique_ptr<Allocator> make_device_allocator(Device device) { unavailable("memory on " + device.str()); }
+std::unique_ptr<Allocator> make_pinned_allocator(Device) { unavailable("pinned host memory"); }
+void copy(Tensor&, const Tensor&, Stream&) { unavailable("copy"); }
+void sgd_step(float*, const float*, float*, std::int64_t, const SgdConfig&, std::int64_t, double, Stream&) {
+  unavailable("sgd_step");
+}
+void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamConfig&, std::int64_t, double, Stream&) {
+  unavailable("adam_step");
+}
+void add_cuda_kernels(KernelRegistry&) {}
+
+}  // namespace baton::cuda

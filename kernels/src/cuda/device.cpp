@@ -1,0 +1,174 @@
+// The CUDA device: availability, streams, pooled device memory and pinned host memory.
+#include <map>
+#include <mutex>
+#include <new>
+#include <vector>
+
+#include "baton/kernels/tensor.h"
+#include "common.h"
+
+namespace baton::cuda {
+
+const Availability& availability() {
+  // Asked once: cudaGetDeviceCount is the call that reports a missing driver (error 35) or a
+  // machine without a GPU, and its answer does not change while the process runs.
+  static const Availability a = [] {
+    Availability r;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+      r.reason = fmt::format("no CUDA driver: {} ({})", cudaGetErrorName(e), static_cast<int>(e));
+      if (e != cudaErrorInsufficientDriver && e != cudaErrorNoDevice) r.reason += std::string(": ") + cudaGetErrorString(e);
+      return r;
+    }
+    if (n == 0) {
+      r.reason = "no CUDA device";
+      return r;
+    }
+    r.ok = true;
+    r.devices = n;
+    return r;
+  }();
+  return a;
+}
+
+bool built_with_cuda() { return true; }
+
+Stream::Stream(Device device, std::string owner)
+    : device_(device), owner_(std::move(owner)), impl_(std::make_unique<Impl>()) {}
+
+std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner) {
+  if (device.type != DeviceType::cuda) {
+    throw std::invalid_argument(fmt::format("{}: a CUDA stream on {}, which is not a CUDA device", owner, device.str()));
+  }
+  const auto& a = availability();
+  if (!a.ok) throw std::runtime_error(fmt::format("{}: cannot use {}: {}", owner, device.str(), a.reason));
+  if (device.index >= a.devices) {
+    throw std::runtime_error(fmt::format("{}: {} does not exist ({} CUDA devices)", owner, device.str(), a.devices));
+  }
+  std::unique_ptr<Stream> s(new Stream(device, std::string(owner)));
+  const std::string& who = s->owner_;
+  s->bind();
+  BATON_CUDA_CHECK(cudaStreamCreateWithFlags(&s->impl_->stream, cudaStreamNonBlocking), who);
+  BATON_CUDA_CHECK(cublasCreate(&s->impl_->blas), who);
+  BATON_CUDA_CHECK(cublasSetStream(s->impl_->blas, s->impl_->stream), who);
+  // Full float32 products: no TF32 unless asked for, so that results match the CPU's.
+  BATON_CUDA_CHECK(cublasSetMathMode(s->impl_->blas, CUBLAS_DEFAULT_MATH), who);
+  return s;
+}
+
+Stream::~Stream() {
+  if (!impl_) return;
+  // Work still queued may read or write memory that is freed next: wait for it first.
+  cudaSetDevice(device_.index);
+  if (impl_->stream != nullptr) cudaStreamSynchronize(impl_->stream);
+  if (impl_->blas != nullptr) cublasDestroy(impl_->blas);
+  if (impl_->stream != nullptr) cudaStreamDestroy(impl_->stream);
+}
+
+void Stream::bind() const {
+  // The current device is per host thread; kernels of one worker all use one device, so the
+  // check is almost always a cache hit.
+  thread_local int current = -1;
+  if (current != device_.index) {
+    BATON_CUDA_CHECK(cudaSetDevice(device_.index), owner_);
+    current = device_.index;
+  }
+}
+
+void Stream::when_reached(void (*fn)(void*), void* arg) {
+  BATON_CUDA_CHECK(cudaLaunchHostFunc(impl_->stream, fn, arg), owner_);
+}
+
+void Stream::synchronize() { BATON_CUDA_CHECK(cudaStreamSynchronize(impl_->stream), owner_); }
+
+namespace {
+
+// Pooled by exact size: registers are allocated once per plan, in few sizes, and a plan made
+// again (a test, a second run) gets its blocks back without cudaMalloc's device-wide sync.
+class DeviceAllocator final : public Allocator {
+ public:
+  explicit DeviceAllocator(Device d) : device_(d) {}
+  ~DeviceAllocator() override {
+    cudaSetDevice(device_.index);
+    for (auto& [bytes, blocks] : free_) {
+      for (void* p : blocks) cudaFree(p);
+    }
+  }
+  void* allocate(std::size_t bytes) override {
+    const std::size_t size = bytes == 0 ? 256 : bytes;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        return p;
+      }
+    }
+    void* p = nullptr;
+    cudaSetDevice(device_.index);
+    if (cudaError_t e = cudaMalloc(&p, size); e != cudaSuccess) {
+      cudaGetLastError();  // clear it: an allocation failure is not sticky
+      throw std::runtime_error(fmt::format("cudaMalloc of {} bytes on {} failed: {}", size, device_.str(),
+                                           cudaGetErrorString(e)));
+    }
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    std::lock_guard lock(mutex_);
+    free_[bytes == 0 ? 256 : bytes].push_back(p);
+  }
+  Device device() const override { return device_; }
+
+ private:
+  Device device_;
+  std::mutex mutex_;
+  std::map<std::size_t, std::vector<void*>> free_;
+};
+
+class PinnedAllocator final : public Allocator {
+ public:
+  explicit PinnedAllocator(Device host) : host_(host) {}
+  void* allocate(std::size_t bytes) override {
+    void* p = nullptr;
+    if (cudaError_t e = cudaMallocHost(&p, bytes == 0 ? 64 : bytes); e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(fmt::format("cudaMallocHost of {} bytes failed: {}", bytes, cudaGetErrorString(e)));
+    }
+    return p;
+  }
+  void deallocate(void* p, std::size_t) noexcept override { cudaFreeHost(p); }
+  Device device() const override { return host_; }
+
+ private:
+  Device host_;
+};
+
+}  // namespace
+
+std::unique_ptr<Allocator> make_device_allocator(Device device) {
+  const auto& a = availability();
+  if (!a.ok) throw std::runtime_error(fmt::format("memory on {}: {}", device.str(), a.reason));
+  return std::make_unique<DeviceAllocator>(device);
+}
+
+std::unique_ptr<Allocator> make_pinned_allocator(Device host) {
+  const auto& a = availability();
+  if (!a.ok) throw std::runtime_error("pinned host memory: " + a.reason);
+  return std::make_unique<PinnedAllocator>(host);
+}
+
+void copy(Tensor& dst, const Tensor& src, Stream& stream) {
+  if (dst.nbytes() != src.nbytes()) {
+    throw std::invalid_argument(fmt::format("{}: copy from {} into {}: sizes differ", stream.owner(), src.describe(),
+                                            dst.describe()));
+  }
+  if (src.nbytes() == 0) return;
+  stream.bind();
+  // cudaMemcpyDefault: unified addressing tells host from device (and one device from another).
+  BATON_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, stream.impl().stream),
+                   fmt::format("{} (copy {} -> {})", stream.owner(), src.describe(), dst.describe()));
+}
+
+}  // namespace baton::cuda

@@ -1,0 +1,71 @@
+#pragma once
+// Private to kernels/src/cuda: the CUDA kernels' launchers, compiled by nvcc (C++17) from the
+// .cu files and called from ops.cpp (C++20). Plain pointers, sizes and a stream only; each
+// returns the launch's cudaError_t, which the caller checks and reports with its actor's name.
+// All tensors are dense, row-major float32 in device memory; labels and ids are int32.
+#include <cuda_runtime.h>
+
+namespace baton::cuda::launch {
+
+constexpr int max_dims = 8;
+
+/// An output of `ndim` dims and, per input, the element stride along each output dim (0 where
+/// the input is broadcast along it): numpy broadcasting, transposes and broadcast_to.
+struct Indexing {
+  int ndim = 0;
+  long long shape[max_dims] = {};
+  long long a[max_dims] = {};
+  long long b[max_dims] = {};
+};
+
+enum class Binary : int { add, sub, mul, div, maximum };
+enum class Unary : int { relu, gelu, tanh, sigmoid, scale };
+/// relu and gelu take the forward input x; tanh and sigmoid the forward output y.
+enum class UnaryGrad : int { relu, gelu, tanh, sigmoid };
+
+cudaError_t binary(Binary op, const float* a, const float* b, float* c, const Indexing& ix, long long n,
+                   cudaStream_t s);
+cudaError_t unary(Unary op, const float* x, float* y, long long n, float param, cudaStream_t s);
+cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx, long long n, cudaStream_t s);
+cudaError_t fill(float* y, long long n, float value, cudaStream_t s);
+/// y[i] = x[sum_d idx_d(i) * ix.a[d]]: transpose and broadcast_to.
+cudaError_t gather(const float* x, float* y, const Indexing& ix, long long n, cudaStream_t s);
+/// y[o] = sum of x over the reduced index space; `out` indexes x by the output's dims (stride 0
+/// along a reduced dim), `red` walks the reduced dims (shape, and x's stride in ix.a).
+cudaError_t sum_to(const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
+                   long long n_red, cudaStream_t s);
+
+// Row-wise ops over the last axis: `rows` rows of `cols`.
+cudaError_t softmax(const float* x, float* y, long long rows, long long cols, bool log, cudaStream_t s);
+cudaError_t softmax_grad(const float* y, const float* dy, float* dx, long long rows, long long cols, bool log,
+                         cudaStream_t s);
+/// loss[0] = mean over rows of the cross-entropy; row_loss is scratch of `rows` doubles.
+cudaError_t cross_entropy(const float* logits, const int* labels, float* loss, double* row_loss, long long rows,
+                          long long cols, cudaStream_t s);
+cudaError_t cross_entropy_grad(const float* logits, const int* labels, const float* dloss, float* dlogits,
+                               long long rows, long long cols, cudaStream_t s);
+cudaError_t layer_norm(const float* x, float* y, long long rows, long long cols, double eps, cudaStream_t s);
+cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long long rows, long long cols, double eps,
+                            cudaStream_t s);
+/// y[i, :] = table[ids[i], :]; an id outside [0, vocab) gives a zero row.
+cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long vocab,
+                      cudaStream_t s);
+/// dtable = 0, then dtable[ids[i], :] += dy[i, :] (atomic adds).
+cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long long n, long long d, long long vocab,
+                           cudaStream_t s);
+/// y = x with y[..., i, j] = value where j > i, over `batch` matrices of t x t.
+cudaError_t causal_mask(const float* x, float* y, long long batch, long long t, float value, cudaStream_t s);
+
+/// One Adam/AdamW step with the per-step constants of baton/kernels/optim.cpp, computed there
+/// in double and rounded once, so that each element follows the CPU's float arithmetic:
+///   g' = g + l2 w;  m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2;
+///   w = w decay - step_size m / (sqrt(v) inv_bc2_sqrt + eps)
+struct AdamConstants {
+  float b1, b2, one_minus_b1, one_minus_b2, step_size, inv_bc2_sqrt, eps, decay, l2;
+};
+cudaError_t adam(float* w, const float* g, float* m, float* v, long long n, const AdamConstants& k, cudaStream_t s);
+/// One SGD step; `first` is step 1 (the momentum buffer starts as the gradient).
+cudaError_t sgd(float* w, const float* g, float* buf, long long n, double lr, double momentum, double weight_decay,
+                bool nesterov, bool first, cudaStream_t s);
+
+}  // namespace baton::cuda::launch

@@ -1,0 +1,265 @@
+// Row-wise CUDA kernels over the last axis (softmax, cross-entropy, layer norm: one block per
+// row, reductions in double as the CPU kernels do) and the embedding gather / scatter-add.
+#include <cmath>
+
+#include "launch.h"
+
+namespace baton::cuda::launch {
+namespace {
+
+constexpr int threads = 256;
+
+// Block-wide reductions; every thread gets the result. `scratch` holds `threads` doubles.
+__device__ double block_sum(double v, double* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int step = blockDim.x / 2; step > 0; step /= 2) {
+    if (static_cast<int>(threadIdx.x) < step) scratch[threadIdx.x] += scratch[threadIdx.x + step];
+    __syncthreads();
+  }
+  const double r = scratch[0];
+  __syncthreads();
+  return r;
+}
+
+__device__ double block_max(double v, double* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int step = blockDim.x / 2; step > 0; step /= 2) {
+    if (static_cast<int>(threadIdx.x) < step) {
+      const double o = scratch[threadIdx.x + step];
+      // NaN wins, as in the CPU's row maximum.
+      if (o > scratch[threadIdx.x] || isnan(o)) scratch[threadIdx.x] = o;
+    }
+    __syncthreads();
+  }
+  const double r = scratch[0];
+  __syncthreads();
+  return r;
+}
+
+__device__ double row_max(const float* xr, long long cols, double* scratch) {
+  double m = -INFINITY;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    const double v = xr[j];
+    if (v > m || isnan(v)) m = v;
+  }
+  return block_max(m, scratch);
+}
+
+__global__ void softmax_kernel(const float* x, float* y, long long cols, bool log) {
+  __shared__ double scratch[threads];
+  const float* xr = x + blockIdx.x * cols;
+  float* yr = y + blockIdx.x * cols;
+  const double mx = row_max(xr, cols, scratch);
+  double s = 0;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += exp(xr[j] - mx);
+  const double sum = block_sum(s, scratch);
+  const double lse = mx + ::log(sum);
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    yr[j] = static_cast<float>(log ? xr[j] - lse : exp(xr[j] - mx) / sum);
+  }
+}
+
+// softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy)
+__global__ void softmax_grad_kernel(const float* y, const float* dy, float* dx, long long cols, bool log) {
+  __shared__ double scratch[threads];
+  const long long off = blockIdx.x * cols;
+  double s = 0;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    s += log ? static_cast<double>(dy[off + j]) : static_cast<double>(dy[off + j]) * y[off + j];
+  }
+  const double sum = block_sum(s, scratch);
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    const double yj = y[off + j], g = dy[off + j];
+    dx[off + j] = static_cast<float>(log ? g - exp(yj) * sum : yj * (g - sum));
+  }
+}
+
+__global__ void cross_entropy_rows(const float* logits, const int* labels, double* row_loss, long long cols) {
+  __shared__ double scratch[threads];
+  const float* xr = logits + blockIdx.x * cols;
+  const double mx = row_max(xr, cols, scratch);
+  double s = 0;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += exp(static_cast<double>(xr[j] - static_cast<float>(mx)));
+  const double sum = block_sum(s, scratch);
+  if (threadIdx.x == 0) {
+    const int label = labels[blockIdx.x];
+    row_loss[blockIdx.x] = (label >= 0 && label < cols) ? mx + ::log(sum) - xr[label] : NAN;
+  }
+}
+
+__global__ void mean_kernel(const double* row_loss, float* loss, long long rows) {
+  __shared__ double scratch[threads];
+  double s = 0;
+  for (long long i = threadIdx.x; i < rows; i += blockDim.x) s += row_loss[i];
+  const double total = block_sum(s, scratch);
+  if (threadIdx.x == 0) loss[0] = static_cast<float>(total / static_cast<double>(rows));
+}
+
+__global__ void cross_entropy_grad_kernel(const float* logits, const int* labels, const float* dloss, float* dlogits,
+                                          long long rows, long long cols) {
+  __shared__ double scratch[threads];
+  const float* xr = logits + blockIdx.x * cols;
+  float* dr = dlogits + blockIdx.x * cols;
+  const double mx = row_max(xr, cols, scratch);
+  double s = 0;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += exp(static_cast<double>(xr[j] - static_cast<float>(mx)));
+  const double sum = block_sum(s, scratch);
+  const double g = static_cast<double>(dloss[0]) / static_cast<double>(rows);
+  const float scale = static_cast<float>(g / sum);
+  const int label = labels[blockIdx.x];
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    // As the CPU: exp rounded to float, then scaled in float.
+    float v = static_cast<float>(exp(static_cast<double>(xr[j] - static_cast<float>(mx)))) * scale;
+    if (j == label) v -= static_cast<float>(g);
+    dr[j] = (label >= 0 && label < cols) ? v : NAN;
+  }
+}
+
+__device__ void moments(const float* xr, long long cols, double eps, double* scratch, double& mean, double& rstd) {
+  double s = 0;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+  mean = block_sum(s, scratch) / static_cast<double>(cols);
+  double q = 0;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    const double d = xr[j] - mean;
+    q += d * d;
+  }
+  const double var = block_sum(q, scratch) / static_cast<double>(cols);
+  rstd = 1.0 / sqrt(var + eps);
+}
+
+__global__ void layer_norm_kernel(const float* x, float* y, long long cols, double eps) {
+  __shared__ double scratch[threads];
+  const float* xr = x + blockIdx.x * cols;
+  float* yr = y + blockIdx.x * cols;
+  double mean, rstd;
+  moments(xr, cols, eps, scratch, mean, rstd);
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = static_cast<float>((xr[j] - mean) * rstd);
+}
+
+__global__ void layer_norm_grad_kernel(const float* x, const float* dy, float* dx, long long cols, double eps) {
+  __shared__ double scratch[threads];
+  const long long off = blockIdx.x * cols;
+  double mean, rstd;
+  moments(x + off, cols, eps, scratch, mean, rstd);
+  double s_dy = 0, s_dy_xhat = 0;
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    const double xhat = (x[off + j] - mean) * rstd;
+    s_dy += dy[off + j];
+    s_dy_xhat += dy[off + j] * xhat;
+  }
+  const double mean_dy = block_sum(s_dy, scratch) / static_cast<double>(cols);
+  const double mean_dy_xhat = block_sum(s_dy_xhat, scratch) / static_cast<double>(cols);
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+    const double xhat = (x[off + j] - mean) * rstd;
+    dx[off + j] = static_cast<float>(rstd * (dy[off + j] - mean_dy - xhat * mean_dy_xhat));
+  }
+}
+
+__global__ void embedding_kernel(const float* table, const int* ids, float* y, long long n, long long d, long long vocab) {
+  const long long total = n * d;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long row = i / d, col = i % d;
+    const long long id = ids[row];
+    y[i] = (id >= 0 && id < vocab) ? table[id * d + col] : 0.f;
+  }
+}
+
+__global__ void embedding_grad_kernel(const int* ids, const float* dy, float* dtable, long long n, long long d,
+                                      long long vocab) {
+  const long long total = n * d;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long row = i / d, col = i % d;
+    const long long id = ids[row];
+    if (id >= 0 && id < vocab) atomicAdd(&dtable[id * d + col], dy[i]);
+  }
+}
+
+__global__ void causal_mask_kernel(const float* x, float* y, long long total, long long t, float value) {
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long j = i % t, r = (i / t) % t;
+    y[i] = j > r ? value : x[i];
+  }
+}
+
+unsigned blocks_for(long long n) {
+  long long b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  return static_cast<unsigned>(b > 262140 ? 262140 : b);
+}
+
+}  // namespace
+
+cudaError_t softmax(const float* x, float* y, long long rows, long long cols, bool log, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  softmax_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(x, y, cols, log);
+  return cudaGetLastError();
+}
+
+cudaError_t softmax_grad(const float* y, const float* dy, float* dx, long long rows, long long cols, bool log,
+                         cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  softmax_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(y, dy, dx, cols, log);
+  return cudaGetLastError();
+}
+
+cudaError_t cross_entropy(const float* logits, const int* labels, float* loss, double* row_loss, long long rows,
+                          long long cols, cudaStream_t s) {
+  if (rows > 0) {
+    cross_entropy_rows<<<static_cast<unsigned>(rows), threads, 0, s>>>(logits, labels, row_loss, cols);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  mean_kernel<<<1, threads, 0, s>>>(row_loss, loss, rows);  // rows == 0: NaN, as the CPU
+  return cudaGetLastError();
+}
+
+cudaError_t cross_entropy_grad(const float* logits, const int* labels, const float* dloss, float* dlogits,
+                               long long rows, long long cols, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  cross_entropy_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(logits, labels, dloss, dlogits, rows, cols);
+  return cudaGetLastError();
+}
+
+cudaError_t layer_norm(const float* x, float* y, long long rows, long long cols, double eps, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  layer_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(x, y, cols, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long long rows, long long cols, double eps,
+                            cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  layer_norm_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(x, dy, dx, cols, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long vocab,
+                      cudaStream_t s) {
+  if (n * d == 0) return cudaSuccess;
+  embedding_kernel<<<blocks_for(n * d), threads, 0, s>>>(table, ids, y, n, d, vocab);
+  return cudaGetLastError();
+}
+
+cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long long n, long long d, long long vocab,
+                           cudaStream_t s) {
+  if (cudaError_t e = cudaMemsetAsync(dtable, 0, static_cast<size_t>(vocab * d) * sizeof(float), s); e != cudaSuccess) {
+    return e;
+  }
+  if (n * d == 0) return cudaSuccess;
+  embedding_grad_kernel<<<blocks_for(n * d), threads, 0, s>>>(ids, dy, dtable, n, d, vocab);
+  return cudaGetLastError();
+}
+
+cudaError_t causal_mask(const float* x, float* y, long long batch, long long t, float value, cudaStream_t s) {
+  const long long total = batch * t * t;
+  if (total == 0) return cudaSuccess;
+  causal_mask_kernel<<<blocks_for(total), threads, 0, s>>>(x, y, total, t, value);
+  return cudaGetLastError();
+}
+
+}  // namespace baton::cuda::launch
