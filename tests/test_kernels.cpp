@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "test_util.h"
+#include "baton/kernels/cuda.h"
 #include "baton/kernels.h"
 
 namespace {
@@ -371,7 +372,9 @@ TEST_CASE("KernelRegistry.BuiltinKernelsAreRegisteredForCpu") {
     CHECK(reg.contains("add", DeviceType::cpu, t));
     CHECK(reg.contains("fill_piece", DeviceType::cpu, t));
   }
-  CHECK_FALSE(reg.contains("add", DeviceType::cuda, DType::f32));
+  // A host-only source: no CUDA variant, with or without the CUDA path in the build.
+  CHECK_FALSE(reg.contains("fill_piece", DeviceType::cuda, DType::f32));
+  CHECK(reg.contains("add", DeviceType::cuda, DType::f32) == baton::cuda::built_with_cuda());
   CHECK_FALSE(reg.contains("no_such_op", DeviceType::cpu, DType::f32));
 
   std::string d = reg.describe();
@@ -400,8 +403,8 @@ TEST_CASE("KernelRegistry.CreateUnknownThrowsNamingOpDeviceDtypeAndActor") {
   }
   SUBCASE("unknown device lists the variants that exist") {
     KernelConfig cfg{"gpu_adder", Device{DeviceType::cuda, 0}, DType::f32, none};
-    std::string msg = thrown_message<std::invalid_argument>([&] { (void)reg.create("add", cfg); });
-    CHECK(contains(msg, "'add'"));
+    std::string msg = thrown_message<std::invalid_argument>([&] { (void)reg.create("fill_piece", cfg); });
+    CHECK(contains(msg, "'fill_piece'"));
     CHECK(contains(msg, "cuda/f32"));
     CHECK(contains(msg, "'gpu_adder'"));
     CHECK(contains(msg, "cpu/f32"));
