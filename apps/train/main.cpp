@@ -17,6 +17,7 @@
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels/data.h"
+#include "baton/observe/watch.h"
 #include "models.h"
 
 namespace {
@@ -51,6 +52,8 @@ struct Options {
   std::string devices;  // "cpu:K": in-process devices per rank
   bool json = false;
   std::string print_plan;
+  std::string dashboard;  // HOST:PORT to serve the dashboard on
+  double dashboard_linger = 0;
 };
 
 struct Data {
@@ -214,12 +217,27 @@ int run(const Options& o) {
                mb, o.optimizer, o.lr,
                env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
   }
+  // The dashboard: served here (--dashboard) and/or by the launcher (baton-launch --dashboard).
+  observe::Watch watch({.listen = o.dashboard, .title = fmt::format("{} on {}", o.model, o.data)});
+  if (watch.serving()) fmt::print(stderr, "baton-train: dashboard at {}\n", watch.url());
+  JobSettings js;
+  watch.attach(js);
+  std::int64_t reported = 0;  // steps handed to the dashboard
+  auto report_steps = [&] {
+    if (!watch.active() || job.losses->steps_done() <= reported) return;
+    auto losses = job.losses->per_step();
+    for (; reported < static_cast<std::int64_t>(losses.size()); ++reported) {
+      const std::int64_t step = reported + 1;
+      watch.record_step({.step = step, .loss = losses[static_cast<std::size_t>(reported)],
+                         .lr = learning_rate(cfg.optimizer, step, o.steps), .samples = step * o.batch});
+    }
+  };
   RunReport report;
   std::exception_ptr failure;
   std::atomic<bool> finished{false};
   std::thread runner([&] {
     try {
-      report = run_job(job.plan, job.kernels, env);
+      report = run_job(job.plan, job.kernels, env, js);
     } catch (...) {
       failure = std::current_exception();
     }
@@ -230,6 +248,7 @@ int run(const Options& o) {
   std::int64_t printed = 0;
   while (!finished.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    report_steps();
     if (o.json || !leader) continue;
     std::int64_t done = job.losses->steps_done();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -244,6 +263,8 @@ int run(const Options& o) {
     std::fflush(stdout);
   }
   runner.join();
+  report_steps();
+  watch.finish();
   if (failure) std::rethrow_exception(failure);
   if (!leader) return 0;  // rank 0 reports for the job
   auto losses = job.losses->per_step();
@@ -276,6 +297,12 @@ int run(const Options& o) {
     }
     fmt::print("busiest actors ({} of {}); all actors: {:.3f} s in kernels, {:.3f} s in handshakes\n{}", top.actors.size(),
                all, kernel, busy - kernel, top.table());
+  }
+  if (watch.serving() && o.dashboard_linger > 0) {
+    std::fflush(stdout);
+    fmt::print(stderr, "baton-train: the dashboard stays up at {} for {:.0f} s (Ctrl-C ends it)\n", watch.url(),
+               o.dashboard_linger);
+    watch.linger(std::chrono::milliseconds(static_cast<std::int64_t>(o.dashboard_linger * 1000)));
   }
   return 0;
 }
@@ -337,6 +364,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
   app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp x pp x tp / ranks)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
+  app.add_option("--dashboard", o.dashboard,
+                 "serve a live dashboard of this job at HOST:PORT (:PORT or PORT: on 127.0.0.1; port 0: any free one)");
+  app.add_option("--dashboard-linger", o.dashboard_linger, "keep the dashboard up this many seconds after training")
+      ->check(non_negative);
   app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")
       ->expected(0, 1)
       ->default_str("text")
