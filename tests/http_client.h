@@ -52,7 +52,7 @@ inline HttpReply http_request(std::uint16_t port, const HttpRequest& r,
   const boost::asio::ip::tcp::endpoint to(boost::asio::ip::make_address("127.0.0.1"), port);
   run_one(io, [&](auto h) { stream.async_connect(to, h); });
   http::request<http::string_body> req(http::string_to_verb(r.method), r.target, 11);
-  req.set(http::field::host, "127.0.0.1");
+  req.set(http::field::host, "127.0.0.1:" + std::to_string(port));
   for (const auto& [k, v] : r.headers) req.set(k, v);
   req.body() = r.body;
   if (!r.body.empty()) req.prepare_payload();

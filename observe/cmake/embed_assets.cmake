@@ -13,9 +13,8 @@ foreach(file IN LISTS FILES)
   file(READ "${file}" hex HEX)
   string(LENGTH "${hex}" hex_length)
   math(EXPR size "${hex_length} / 2")
-  # 0x.. bytes, 24 a line.
+  # 0x.. bytes, one long line (CMake regexes have no {n} repetition).
   string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," bytes "${hex}")
-  string(REGEX REPLACE "((0x[0-9a-f][0-9a-f],){24})" "\\1\n  " bytes "${bytes}")
   get_filename_component(ext "${file}" LAST_EXT)
   if(ext STREQUAL ".html")
     set(type "text/html; charset=utf-8")
