@@ -222,9 +222,9 @@ int run(const Options& o) {
   if (watch.serving()) fmt::print(stderr, "baton-train: dashboard at {}\n", watch.url());
   JobSettings js;
   watch.attach(js);
-  std::int64_t reported = 0;  // steps handed to the dashboard
+  std::int64_t reported = 0;  // steps handed to the dashboard (by the collector's thread)
   auto report_steps = [&] {
-    if (!watch.active() || job.losses->steps_done() <= reported) return;
+    if (job.losses->steps_done() <= reported) return;
     auto losses = job.losses->per_step();
     for (; reported < static_cast<std::int64_t>(losses.size()); ++reported) {
       const std::int64_t step = reported + 1;
@@ -232,6 +232,7 @@ int run(const Options& o) {
                          .lr = learning_rate(cfg.optimizer, step, o.steps), .samples = step * o.batch});
     }
   };
+  watch.before_sample(report_steps);
   RunReport report;
   std::exception_ptr failure;
   std::atomic<bool> finished{false};
@@ -248,7 +249,6 @@ int run(const Options& o) {
   std::int64_t printed = 0;
   while (!finished.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    report_steps();
     if (o.json || !leader) continue;
     std::int64_t done = job.losses->steps_done();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -263,11 +263,17 @@ int run(const Options& o) {
     std::fflush(stdout);
   }
   runner.join();
-  report_steps();
   watch.finish();
   if (failure) std::rethrow_exception(failure);
   if (!leader) return 0;  // rank 0 reports for the job
   auto losses = job.losses->per_step();
+  if (losses.empty()) {
+    // Pipeline stages on several ranks: the loss, and the last stages' weights, live on another
+    // rank, so this one can neither report the loss nor evaluate.
+    fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | the loss is computed on another rank\n",
+               tty && !o.json ? "\n" : "", o.steps, report.wall_s, static_cast<double>(o.steps * o.batch) / report.wall_s);
+    return 0;
+  }
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
   const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;
   if (o.json) {

@@ -76,6 +76,7 @@ struct Collector::Impl {
   CollectorSettings settings;
   std::vector<TelemetrySink> sinks;
   std::vector<ActivitySink> activity_sinks;
+  std::vector<std::function<void()>> hooks;
 
   std::mutex steps_mutex;
   std::vector<StepScalars> pending_steps;
@@ -274,6 +275,12 @@ struct Collector::Impl {
   }
 
   void sample() {
+    for (const auto& hook : hooks) {
+      try {
+        hook();
+      } catch (const std::exception&) {
+      }
+    }
     drain_timeline();
     send_steps();
     send_metrics();
@@ -313,6 +320,8 @@ void Collector::feed(JobModel& model) {
 void Collector::feed(TelemetrySink sink) { impl_->sinks.push_back(std::move(sink)); }
 
 void Collector::add_activity_sink(ActivitySink sink) { impl_->activity_sinks.push_back(std::move(sink)); }
+
+void Collector::before_sample(std::function<void()> hook) { impl_->hooks.push_back(std::move(hook)); }
 
 void Collector::record_step(const StepScalars& step) {
   std::lock_guard lock(impl_->steps_mutex);

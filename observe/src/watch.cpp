@@ -53,6 +53,10 @@ void Watch::record_step(const StepScalars& step) {
   if (active()) impl_->collector.record_step(step);
 }
 
+void Watch::before_sample(std::function<void()> poll) {
+  if (active()) impl_->collector.before_sample(std::move(poll));
+}
+
 void Watch::finish() { impl_->collector.flush(); }
 
 void Watch::linger(std::chrono::milliseconds how_long) {

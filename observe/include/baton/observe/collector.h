@@ -72,6 +72,10 @@ class Collector : public JobObserver {
   /// Any thread, any time: the training program reports a finished step. Cheap (a lock and a
   /// push); the scalars go out with the next sample.
   void record_step(const StepScalars& step);
+  /// Runs `hook` on the collector's thread before each sample, the last one (in on_finish,
+  /// while the control plane is still up) included: where a training program that polls its
+  /// loss log calls record_step, so that the last steps go out too. Call before the run.
+  void before_sample(std::function<void()> hook);
 
   /// After the run: sends the steps recorded since its end to what feed() named (the control
   /// plane is gone by then).

@@ -8,11 +8,15 @@
 ///   if (watch.serving()) fmt::print(stderr, "dashboard: {}\n", watch.url());
 ///   baton::JobSettings js;
 ///   watch.attach(js);                          // the collector, and the activity log it reads
-///   ... run_job(plan, kernels, env, js) on a thread; per finished step:
-///   watch.record_step({.step = s, .loss = l, .lr = lr, .samples = s * batch});
+///   watch.before_sample([&] {                  // on the collector's thread, at 2 Hz
+///     for (each step finished since the last call)
+///       watch.record_step({.step = s, .loss = l, .lr = lr, .samples = s * batch});
+///   });
+///   ... run_job(plan, kernels, env, js);
 ///   watch.finish();                            // after the run
 ///   watch.linger(std::chrono::seconds(30));    // keep the page up a while
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -54,6 +58,8 @@ class Watch {
   void attach(JobSettings& js);
   /// Any thread: a step finished.
   void record_step(const StepScalars& step);
+  /// Collector::before_sample: `poll` reports the steps finished so far (with record_step).
+  void before_sample(std::function<void()> poll);
   /// After the run: the last steps reach the page.
   void finish();
   /// Keeps serving for `how_long` (returns at once when not serving).
