@@ -29,6 +29,8 @@
 #include "json_line.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
+#include "baton/observe/collector.h"
+#include "baton/observe/job_model.h"
 
 namespace {
 
@@ -47,7 +49,8 @@ constexpr std::string_view case_names[] = {"same_thread_hop",
                                            "cross_thread_stream_slots2",
                                            "cross_thread_stream_slots4",
                                            "cross_thread_hop_latency",
-                                           "metg"};
+                                           "metg",
+                                           "metrics_overhead"};
 
 [[noreturn]] void usage(int code) {
   std::FILE* f = code == 0 ? stdout : stderr;
@@ -374,10 +377,11 @@ struct Bench {
   /// and its reference interleaved, so that a slow spell of the machine hits both alike) and
   /// keeps each one's best and median run.
   std::vector<Measured> measure(const std::vector<Runner>& runners, std::int64_t start,
-                                std::int64_t min_pieces) const {
+                                std::int64_t min_pieces, double run_s = 0) const {
+    const double target = run_s > 0 ? run_s : target_s();
     std::vector<Measured> out(runners.size());
     for (std::size_t i = 0; i < runners.size(); ++i) {
-      out[i].pieces = calibrate(runners[i], start, target_s(), min_pieces);
+      out[i].pieces = calibrate(runners[i], start, target, min_pieces);
     }
     for (int attempt = 0; attempt < 3; ++attempt) {
       std::vector<std::vector<Sample>> samples(runners.size());
@@ -392,8 +396,8 @@ struct Bench {
         out[i].median = v[v.size() / 2];
         // A pilot slowed down by a hiccup (a park, another process) leaves the runs far too
         // short: scale again from the best run and measure again.
-        if (attempt < 2 && out[i].best.wall_s < 0.7 * target_s() && out[i].pieces < max_pieces) {
-          const double scaled = static_cast<double>(out[i].pieces) * target_s() / std::max(out[i].best.wall_s, 1e-9);
+        if (attempt < 2 && out[i].best.wall_s < 0.7 * target && out[i].pieces < max_pieces) {
+          const double scaled = static_cast<double>(out[i].pieces) * target / std::max(out[i].best.wall_s, 1e-9);
           const auto n = std::clamp<std::int64_t>(static_cast<std::int64_t>(scaled), min_pieces, max_pieces);
           again = again || n != out[i].pieces;
           out[i].pieces = n;
@@ -507,6 +511,88 @@ struct Bench {
         .print();
     fmt::print(stderr, "cross_thread_hop_latency: {:.0f} ns one way (raw ping-pong {:.0f} ns), {} parks\n", ns,
                ref_ns, stats.best.parks);
+  }
+
+  /// What the dashboard's metrics cost a pipeline: per-actor time accounting, a collector
+  /// sampling at 2 Hz into a job model (snapshot, JSON, ingest) and the activity log it drains
+  /// for the pipeline timeline, against all of them off; and each step on its own, to say where
+  /// the cost is. The same 4-actor chain on 2 threads, source and sink included; `grain_us` of
+  /// spin per act (0: noop kernels, where the per-act cost weighs most). Runs last ~2 s so that
+  /// the collector samples several times in each (--quick: 0.25 s at 20 Hz, denser).
+  void metrics_overhead(double grain_us) const {
+    const std::string case_name =
+        grain_us > 0 ? fmt::format("metrics_overhead_{}us", grain_us) : std::string("metrics_overhead_noop");
+    const std::string op = grain_us > 0 ? "spin_ns" : "noop";
+    const baton::Attrs attrs =
+        grain_us > 0 ? baton::Attrs{{"ns", static_cast<std::int64_t>(std::llround(grain_us * 1000))}} : baton::Attrs{};
+    std::vector<Stage> stages{{"source", 0, op, attrs}, {"a", 0, op, attrs}, {"b", 1, op, attrs}, {"sink", 1, op, attrs}};
+    constexpr int slots = 2;
+    const auto interval = opt.quick ? std::chrono::milliseconds(50) : std::chrono::milliseconds(500);
+    const double run_s = opt.quick ? 0.25 : 2.0;
+    std::atomic<std::uint64_t> collector_samples{0};
+    struct Variant {
+      const char* name;
+      bool accounting, collector, activity_log;
+    };
+    const std::vector<Variant> variants{{"off", false, false, false},
+                                        {"time_accounting", true, false, false},
+                                        {"accounting_and_collector", true, true, false},
+                                        {"dashboard", true, true, true}};
+    std::vector<Runner> runners;
+    for (const Variant& v : variants) {
+      runners.push_back([&, v](std::int64_t n) {
+        const baton::Plan plan = chain_plan(stages, n, slots);
+        baton::RuntimeSettings rs;
+        rs.time_accounting = v.accounting;
+        rs.activity_log = v.activity_log;
+        baton::Runtime rt(plan, kernels, rs);
+        if (!v.collector) {
+          const auto report = rt.run();
+          return Sample{report.wall_s, report.messages, report.parks};
+        }
+        baton::observe::JobModel model;
+        baton::observe::Collector collector({.interval = interval});
+        collector.feed(model);
+        collector.on_start(rt, nullptr);
+        const auto report = rt.run();
+        collector.on_finish(rt, {});
+        collector_samples += collector.samples();
+        if (model.bad_messages() != 0) throw std::logic_error("the job model refused the collector's telemetry");
+        return Sample{report.wall_s, report.messages, report.parks};
+      });
+    }
+    const auto m = measure(runners, 100, 200, run_s);
+    auto rate = [&](std::size_t i, bool median) {
+      return static_cast<double>(m[i].pieces) / (median ? m[i].median.wall_s : m[i].best.wall_s);
+    };
+    const std::size_t full = variants.size() - 1;
+    JsonLine line(case_name);
+    line.add("value", rate(full, false))
+        .add("unit", "pieces/s")
+        .add("reference", rate(0, false))
+        .add("ratio", rate(full, false) / rate(0, false))
+        .add("overhead", 1 - rate(full, false) / rate(0, false))
+        .add("goal", "ratio >= 0.97")
+        .add("reference_is", "the same pipeline with time accounting, the collector and the activity log off")
+        .add("stat", "best of 3")
+        .add("median_ratio", rate(full, true) / rate(0, true));
+    for (std::size_t i = 1; i < full; ++i) {
+      line.add(fmt::format("ratio_{}", variants[i].name), rate(i, false) / rate(0, false));
+    }
+    line.add("grain_us", grain_us)
+        .add("collector_hz", 1000.0 / static_cast<double>(interval.count()))
+        .add("collector_samples", collector_samples.load())
+        .add("pieces", m[full].pieces)
+        .add("reference_pieces", m[0].pieces)
+        .add("threads", 2)
+        .add("wall_s", m[full].best.wall_s)
+        .print();
+    std::string steps;
+    for (std::size_t i = 1; i < variants.size(); ++i) {
+      steps += fmt::format("{}{} {:.1f}%", i > 1 ? ", " : "", variants[i].name, 100 * (1 - rate(i, false) / rate(0, false)));
+    }
+    fmt::print(stderr, "{}: {:.4g} pieces/s without metrics; overhead: {} (best of 3)\n", case_name, rate(0, false),
+               steps);
   }
 
   /// Microseconds one spin_ns task with these attributes takes when run alone, back to back.
@@ -636,6 +722,10 @@ int main(int argc, char** argv) {
       {"cross_thread_stream_slots4", [&] { bench.cross_thread_stream(4); }},
       {"cross_thread_hop_latency", [&] { bench.cross_thread_hop_latency(); }},
       {"metg", [&] { bench.metg(); }},
+      {"metrics_overhead", [&] {
+         bench.metrics_overhead(0);
+         bench.metrics_overhead(10);
+       }},
   };
   fmt::print(stderr, "baton-bench-actors: {} mode, {} hardware threads, best of {} runs of ~{:.0f} ms\n",
              opt.quick ? "quick" : "full", std::thread::hardware_concurrency(), repeats, bench.target_s() * 1e3);
