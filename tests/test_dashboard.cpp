@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <fstream>
+#include <sstream>
 #include <future>
 #include <regex>
 #include <set>
@@ -587,4 +589,50 @@ TEST_CASE("Dashboard.ListenAddressesAndPortsInUse") {
   CHECK(state.at("status").as_string() == "waiting");
   CHECK(state.at("actors").as_array().empty());
   CHECK_NOTHROW(test::parse_prometheus(http_get(first.port(), "/metrics").body));
+}
+
+TEST_CASE("Dashboard.GrafanaPanelsQueryWhatMetricsExports" * doctest::timeout(60)) {
+  // docs/grafana/baton.json must only ask for metric families and labels that /metrics has.
+  std::ifstream in(std::string(BATON_SOURCE_DIR) + "/docs/grafana/baton.json");
+  REQUIRE(in.good());
+  const json::value dash = json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
+  std::vector<std::string> exprs;
+  for (const auto& p : dash.at("panels").as_array()) {
+    for (const auto& t : p.at("targets").as_array()) exprs.emplace_back(t.at("expr").as_string());
+  }
+  REQUIRE(exprs.size() >= 15);
+
+  TrainingJob job = pipeline_job(30);
+  JobModel model;
+  Collector collector({.interval = 50ms});
+  collector.feed(model);
+  JobSettings js;
+  js.observer = &collector;
+  collector.before_sample([&, reported = std::size_t{0}]() mutable {
+    for (auto losses = job.losses->per_step(); reported < losses.size(); ++reported) {
+      collector.record_step({.step = static_cast<std::int64_t>(reported + 1), .loss = losses[reported], .lr = 1e-3,
+                             .samples = static_cast<std::int64_t>(reported + 1) * 64});
+    }
+  });
+  run_job(job.plan, job.kernels, JobEnvironment{}, js);
+  const auto prom = test::parse_prometheus(model.prometheus());
+
+  const std::regex metric(R"(\bbaton_[a-z_]+)"), by(R"(by \(([a-z_, ]+)\))");
+  std::set<std::string> used;
+  for (const auto& e : exprs) {
+    INFO(e);
+    for (std::sregex_iterator it(e.begin(), e.end(), metric), end; it != end; ++it) {
+      used.insert(it->str());
+      CHECK_MESSAGE(prom.types.count(it->str()) == 1, it->str() << " is not in /metrics");
+      CHECK_FALSE(prom.find(it->str()).empty());
+    }
+    for (std::sregex_iterator it(e.begin(), e.end(), by), end; it != end; ++it) {
+      std::stringstream labels((*it)[1].str());
+      for (std::string l; std::getline(labels, l, ',');) {
+        l.erase(0, l.find_first_not_of(' '));
+        CHECK_MESSAGE(bounded_labels.count(l) == 1, l);
+      }
+    }
+  }
+  CHECK(used.size() >= 12);
 }
