@@ -91,6 +91,8 @@ struct Collector::Impl {
   std::uint64_t seq = 0;
   std::atomic<std::uint64_t> samples{0};
   std::vector<ActRecord> records;
+  using BoxKey = std::tuple<std::int32_t, std::uint8_t, int, std::int64_t>;  // stage, device, phase, piece
+  std::map<BoxKey, std::pair<std::uint64_t, std::uint64_t>> boxes;           // folded since the last sample
 
   std::mutex stop_mutex;
   std::condition_variable stop_cv;
@@ -227,10 +229,11 @@ struct Collector::Impl {
     for (const auto& body : split_bodies(header, "entries", entries)) send(kind::metrics, body);
   }
 
-  /// Drains the activity log, hands it to the sinks, and sends the pipeline timeline's boxes:
-  /// one per (stage, device, forward or backward, micro-batch), spanning its first act to its
-  /// last. A box cut by a sample's boundary is sent twice, in part; the model merges the parts.
-  void drain_timeline() {
+  /// Drains the activity log, hands the records to the sinks, and folds them into the pipeline
+  /// timeline's boxes: one per (stage, device, forward or backward, micro-batch), spanning its
+  /// first act to its last. Runs more often than a sample, so that the workers' rings (64 Ki
+  /// records) do not fill up between two: a full ring drops the newest records.
+  void drain() {
     records.clear();
     runtime->drain_activity(records);
     if (records.empty()) return;
@@ -243,22 +246,26 @@ struct Collector::Impl {
     }
     if (!settings.timeline) return;
     const Plan& plan = runtime->plan();
-    using Key = std::tuple<std::int32_t, std::uint8_t, int, std::int64_t>;  // stage, device, phase, piece
-    std::map<Key, std::pair<std::uint64_t, std::uint64_t>> boxes;
     for (const ActRecord& r : records) {
       if (r.actor >= plan.actors.size()) continue;
       const ActorDesc& a = plan.actors[r.actor];
       const int phase = phase_of(a.role);
       if (phase < 0) continue;
-      auto [it, fresh] = boxes.try_emplace(Key{std::max(a.stage, 0), a.where.device.code(), phase, r.piece},
-                                           r.start_ns, r.end_ns);
+      auto [it, fresh] =
+          boxes.try_emplace(BoxKey{std::max(a.stage, 0), a.where.device.code(), phase, r.piece}, r.start_ns, r.end_ns);
       if (!fresh) {
         it->second.first = std::min(it->second.first, r.start_ns);
         it->second.second = std::max(it->second.second, r.end_ns);
       }
     }
-    // The newest boxes, if there are too many: sort by end time.
-    std::vector<std::pair<Key, std::pair<std::uint64_t, std::uint64_t>>> list(boxes.begin(), boxes.end());
+  }
+
+  /// Sends the boxes folded since the last sample (the newest, if there are too many). A box cut
+  /// by a sample's boundary goes out twice, in part; the model merges the parts.
+  void send_timeline() {
+    if (boxes.empty()) return;
+    std::vector<std::pair<BoxKey, std::pair<std::uint64_t, std::uint64_t>>> list(boxes.begin(), boxes.end());
+    boxes.clear();
     if (list.size() > settings.max_boxes_per_sample) {
       std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.second.second < b.second.second; });
       list.erase(list.begin(), list.end() - static_cast<std::ptrdiff_t>(settings.max_boxes_per_sample));
@@ -281,18 +288,30 @@ struct Collector::Impl {
       } catch (const std::exception&) {
       }
     }
-    drain_timeline();
+    drain();
+    send_timeline();
     send_steps();
     send_metrics();
     samples.fetch_add(1, std::memory_order_relaxed);
   }
 
   void loop() {
+    using Clock = std::chrono::steady_clock;
+    const auto drain_every = std::min(settings.drain_interval, settings.interval);
+    auto next_sample = Clock::now() + settings.interval;
     std::unique_lock lock(stop_mutex);
     while (!stopping) {
-      if (stop_cv.wait_for(lock, settings.interval, [&] { return stopping; })) break;
+      const auto wake = std::min(Clock::now() + drain_every, next_sample);
+      if (stop_cv.wait_until(lock, wake, [&] { return stopping; })) break;
       lock.unlock();
-      sample();
+      if (Clock::now() >= next_sample) {
+        sample();
+        // Behind (a slow sample, a descheduled thread): the next one a full interval on.
+        next_sample += settings.interval;
+        if (next_sample <= Clock::now()) next_sample = Clock::now() + settings.interval;
+      } else {
+        drain();
+      }
       lock.lock();
     }
   }

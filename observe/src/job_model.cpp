@@ -611,7 +611,10 @@ std::string Model::state_json() const {
     x["text"] = fmt::format(
         "{} (rank {}{}) is busy {:.0f}% of the time and back-pressured only {:.0f}%: it sets the pace. {}",
         actor_name(b->actor), a.rank,
-        b->actor < plan.actors.size() ? fmt::format(", {}", plan.actors[b->actor].op) : std::string(),
+        b->actor < plan.actors.size() && !plan.actors[b->actor].op.empty() &&
+                plan.actors[b->actor].op != plan.actors[b->actor].name
+            ? fmt::format(", {}", plan.actors[b->actor].op)
+            : std::string(),
         100 * a.busy_share(), 100 * a.share(2),
         b->strong ? "Actors upstream wait for its free slots, those downstream for its output: make it faster "
                     "or split it."

@@ -471,9 +471,10 @@ function drawTimeline() {
       ctx.fillStyle = phase === 0 ? COLORS.forward : COLORS.backward;
       ctx.fillRect(x0, by, x1 - x0, bh);
       drawn++;
-      if (x1 - x0 > 22) {
+      const label = (phase === 0 ? 'F' : 'B') + b[1];
+      if (x1 - x0 > 14 && ctx.measureText(label).width + 5 < x1 - x0) {
         ctx.fillStyle = '#fff';
-        ctx.fillText((phase === 0 ? 'F' : 'B') + b[1], x0 + 3, by + bh - 3);
+        ctx.fillText(label, x0 + 3, by + bh - 3);
       }
     }
   });

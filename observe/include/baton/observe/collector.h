@@ -36,6 +36,9 @@ class JobModel;
 struct CollectorSettings {
   /// Between two samples of the counters: 2 Hz, as the dashboard updates.
   std::chrono::milliseconds interval{500};
+  /// Between two drains of the activity log: more often than samples, so that a busy worker's
+  /// ring (64 Ki records) does not overflow between two (a full ring drops the newest acts).
+  std::chrono::milliseconds drain_interval{100};
   /// Aggregate the activity log into the pipeline timeline's boxes and send them (needs
   /// RuntimeSettings::activity_log on; without it there is simply nothing to drain).
   bool timeline = true;

@@ -27,8 +27,8 @@ struct JobModelSettings {
   std::size_t loss_points = 4096;
   /// Boxes kept per timeline lane (a stage on one device), forward and backward together.
   std::size_t boxes_per_lane = 600;
-  /// Actors whose rates each history point keeps (the busiest), so that a plan of thousands
-  /// of actors does not make the history that big.
+  /// Actors whose acts/s series history_json returns (the busiest over the last interval), so
+  /// that a plan of thousands of actors does not make the answer that big.
   std::size_t history_actors = 16;
   /// The job's size, if known up front (the launcher knows it); else learnt from the ranks.
   std::uint32_t world_size = 0;
