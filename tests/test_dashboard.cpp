@@ -636,3 +636,48 @@ TEST_CASE("Dashboard.GrafanaPanelsQueryWhatMetricsExports" * doctest::timeout(60
   }
   CHECK(used.size() >= 12);
 }
+
+TEST_CASE("Dashboard.ABigPlanTravelsInPartsUnderTheTelemetryLimit" * doctest::timeout(120)) {
+  // 6000 actors: the plan and each sample of counters are bigger than one telemetry message.
+  constexpr int n = 6000;
+  Plan plan;
+  RegisterIndex prev = 0;
+  for (int i = 0; i < n; ++i) {
+    ActorDesc a{.name = fmt::format("actor_with_a_long_name_{:05}", i), .op = "noop"};
+    if (i == 0) {
+      a.kind = ActorKind::source;
+      a.pieces = 3;
+    } else {
+      a.inputs = {{prev}};
+    }
+    if (i + 1 < n) {
+      prev = plan.add_register({.name = fmt::format("register_{:05}", i), .shape = {0}, .dtype = f32, .slots = 2});
+      a.outputs = {prev};
+    }
+    plan.add_actor(std::move(a));
+  }
+  JobModel model;
+  std::map<std::string, int> messages;
+  std::size_t largest = 0;
+  Collector collector({.interval = 50ms});
+  collector.feed([&](const std::string& kind, const std::string& body) {
+    largest = std::max(largest, body.size());
+    ++messages[kind];
+    CHECK(model.ingest(0, kind, body));
+  });
+  Runtime rt(plan, KernelRegistry::with_builtin_kernels());
+  collector.on_start(rt, nullptr);
+  rt.run();
+  collector.on_finish(rt, {});
+  CHECK(largest <= transport::max_telemetry_bytes);
+  CHECK(messages["dash.plan"] >= 2);
+  CHECK(messages["dash.metrics"] >= 2);
+  auto plan_json = parse_object(model.plan_json());
+  CHECK(plan_json.at("complete").as_bool());
+  CHECK(plan_json.at("actors").as_array().size() == n);
+  auto state = parse_object(model.state_json());
+  REQUIRE(state.at("actors").as_array().size() == n);
+  for (const auto& a : state.at("actors").as_array()) CHECK(a.at("acts").to_number<int>() == 3);
+  CHECK(state.at("status").as_string() == "finished");
+  CHECK(model.bad_messages() == 0);
+}
