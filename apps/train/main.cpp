@@ -270,8 +270,15 @@ int run(const Options& o) {
   if (losses.empty()) {
     // Pipeline stages on several ranks: the loss, and the last stages' weights, live on another
     // rank, so this one can neither report the loss nor evaluate.
-    fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | the loss is computed on another rank\n",
-               tty && !o.json ? "\n" : "", o.steps, report.wall_s, static_cast<double>(o.steps * o.batch) / report.wall_s);
+    const double rate = static_cast<double>(o.steps * o.batch) / report.wall_s;
+    if (o.json) {
+      fmt::print("{{\"model\": \"{}\", \"steps\": {}, \"final_loss\": null, \"samples_per_s\": {:.6g}, \"wall_s\": {:.6g}, "
+                 "\"note\": \"the loss is computed on another rank\"}}\n",
+                 o.model, o.steps, rate, report.wall_s);
+    } else {
+      fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | the loss is computed on another rank\n", tty ? "\n" : "",
+                 o.steps, report.wall_s, rate);
+    }
     return 0;
   }
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
