@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 #include <future>
+#include <mutex>
 #include <regex>
 #include <set>
 #include <thread>
@@ -61,24 +62,29 @@ class Tee : public JobObserver {
   explicit Tee(Collector& c) : collector_(c) {}
   void on_start(Runtime& rt, transport::ControlClient* control) override {
     collector_.on_start(rt, control);
-    runtime_.store(&rt);
+    std::lock_guard lock(mutex_);
+    runtime_ = &rt;
   }
   void on_finish(Runtime& rt, const std::string& error) override {
-    runtime_.store(nullptr);
+    {
+      // The runtime goes once this returns: no abort() may still be inside it then.
+      std::lock_guard lock(mutex_);
+      runtime_ = nullptr;
+    }
     collector_.on_finish(rt, error);
   }
   /// Ends the run (run_job throws JobError); false if it is not running.
   bool stop() {
-    if (Runtime* rt = runtime_.load()) {
-      rt->abort("the test has seen enough");
-      return true;
-    }
-    return false;
+    std::lock_guard lock(mutex_);
+    if (runtime_ == nullptr) return false;
+    runtime_->abort("the test has seen enough");
+    return true;
   }
 
  private:
   Collector& collector_;
-  std::atomic<Runtime*> runtime_{nullptr};
+  std::mutex mutex_;
+  Runtime* runtime_ = nullptr;
 };
 
 json::object parse_object(const std::string& text) {

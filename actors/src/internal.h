@@ -264,7 +264,9 @@ struct Core : transport::LinkHandler {
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
   std::vector<std::unique_ptr<Worker>> workers;
-  std::uint64_t start_ticks = 0;
+  // Written once by run(), read by snapshot() from any thread (a collector may sample while
+  // run() is still starting).
+  std::atomic<std::uint64_t> start_ticks{0};
   std::int64_t local_actors = 0;
   std::vector<HandshakeEvent> log;
 

@@ -289,7 +289,8 @@ MetricsSnapshot Core::snapshot() const {
   MetricsSnapshot s;
   const double tick_ns = ns_per_tick();
   const std::uint64_t now = ticks();
-  s.elapsed_s = start_ticks == 0 ? 0.0 : static_cast<double>(now - start_ticks) * tick_ns * 1e-9;
+  const std::uint64_t start = start_ticks.load(std::memory_order_relaxed);
+  s.elapsed_s = start == 0 ? 0.0 : static_cast<double>(now - start) * tick_ns * 1e-9;
   for (const auto& a : actors) {
     if (!a) continue;
     const ActorCounters& c = a->counters();
@@ -307,7 +308,7 @@ MetricsSnapshot Core::snapshot() const {
     }
     // The interval the actor is in now has not been booked yet.
     auto since = c.since.load(std::memory_order_relaxed);
-    if (settings.time_accounting && start_ticks != 0 && m.activity != ActorActivity::retired &&
+    if (settings.time_accounting && start != 0 && m.activity != ActorActivity::retired &&
         since != 0 && now > since) {
       secs[static_cast<std::size_t>(m.activity)] += static_cast<double>(now - since);
     }
@@ -586,10 +587,11 @@ RunReport Runtime::run() {
   if (core.ran) throw std::logic_error("Runtime::run() called twice; make a new Runtime");
   core.ran = true;
   const auto t0 = std::chrono::steady_clock::now();
-  core.start_ticks = ticks();
+  const std::uint64_t start = ticks();
   for (auto& a : core.actors) {
-    if (a) a->begin(core.start_ticks);
+    if (a) a->begin(start);
   }
+  core.start_ticks.store(start, std::memory_order_relaxed);
   if (core.local_actors == 0) core.done = true;
 
   if (core.settings.mode == ExecutionMode::deterministic) {

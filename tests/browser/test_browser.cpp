@@ -16,6 +16,7 @@
 #include <fstream>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <boost/json.hpp>
@@ -97,9 +98,18 @@ TEST_CASE("Browser.DashboardShowsALiveTrainingRun" * doctest::timeout(300)) {
     skip_reason = "no chromium on PATH (Debian: apt-get install chromium; or set BATON_CHROMIUM)";
     return;
   }
-  // A run long enough for the whole test; the test ends it.
-  Proc train({std::string(BATON_BIN_DIR) + "/baton-train", "--model", "mlp", "--data", "synthetic", "--steps",
-              "10000000", "--batch", "64", "--pp", "2", "--microbatches", "4", "--dashboard", "127.0.0.1:0"});
+  // A run long enough for the whole test; the test ends it. BATON_BROWSER_TRAIN_ARGS replaces
+  // the model and its parallelism (e.g. "--model gpt --data text:README.md --pp 2 --microbatches 4").
+  std::vector<std::string> args{std::string(BATON_BIN_DIR) + "/baton-train", "--steps", "10000000", "--dashboard",
+                                "127.0.0.1:0"};
+  std::vector<std::string> model{"--model", "mlp", "--data", "synthetic", "--batch", "64", "--pp", "2", "--microbatches", "4"};
+  if (const char* given = std::getenv("BATON_BROWSER_TRAIN_ARGS"); given != nullptr && *given != '\0') {
+    model.clear();
+    std::istringstream words(given);
+    for (std::string w; words >> w;) model.push_back(w);
+  }
+  args.insert(args.end(), model.begin(), model.end());
+  Proc train(args);
   const std::regex url_re(R"(dashboard at (http://127\.0\.0\.1:(\d+)/))");
   std::smatch m;
   REQUIRE_MESSAGE(train.read_until([&](const std::string&, const std::string& err) { return std::regex_search(err, m, url_re); },
