@@ -687,3 +687,32 @@ TEST_CASE("Dashboard.ABigPlanTravelsInPartsUnderTheTelemetryLimit" * doctest::ti
   CHECK(state.at("status").as_string() == "finished");
   CHECK(model.bad_messages() == 0);
 }
+
+TEST_CASE("Dashboard.ABusyWorkerOfSmallActorsIsTheBottleneck") {
+  // Three actors share one worker thread, busy 20%, 30% and 40% of the time: no actor is
+  // saturated, but the thread is (90%), so the hint names the worker and its busiest actor.
+  JobModel model;
+  std::string entries;
+  for (int i = 0; i < 3; ++i) {
+    entries += fmt::format(R"({}{{"t":"a","i":{},"name":"op{}","kind":"compute","op":"matmul","role":"forward","stage":1,"rank":0,"device":"cpu:1","stream":0,"inputs":[],"outputs":[]}})",
+                           i ? "," : "", i, i);
+  }
+  CHECK(model.ingest(0, "dash.plan", fmt::format(R"({{"hash":"01","actors":3,"registers":0,"part":0,"parts":1,"entries":[{}]}})", entries)));
+  for (int seq = 0; seq < 2; ++seq) {
+    const double t = 1.0 + seq;
+    std::string e;
+    for (int i = 0; i < 3; ++i) {
+      const double busy = 0.2 + 0.1 * i;
+      e += fmt::format(R"({}["a",{},{},0,0,{},{},0,0,{},1])", i ? "," : "", i, 100 * (seq + 1), busy * t, (1 - busy) * t, busy * t);
+    }
+    CHECK(model.ingest(0, "dash.metrics", fmt::format(R"({{"seq":{},"elapsed_s":{},"dropped":0,"step":0,"samples":0,"loss":0,"lr":0,"part":0,"parts":1,"entries":[{}]}})", seq, t, e)));
+  }
+  auto state = parse_object(model.state_json());
+  REQUIRE(state.at("bottleneck").is_object());
+  const auto& b = state.at("bottleneck").as_object();
+  CHECK(b.at("worker").as_string() == "cpu:1/s0");
+  CHECK(num(b.at("worker_busy")) == doctest::Approx(0.9));
+  CHECK(b.at("name").as_string() == "op2");
+  CHECK(std::string(b.at("text").as_string()).find("stage 1") != std::string::npos);
+  CHECK(model.bad_messages() == 0);
+}

@@ -474,6 +474,39 @@ std::optional<Bottleneck> Model::bottleneck() const {
   return best;
 }
 
+/// The worker thread (rank, device, stream) whose actors were busy the largest share of the
+/// last interval, summed: actors on one worker share its thread, so the sum is that thread's.
+std::optional<BusyWorker> Model::busiest_worker() const {
+  struct Sum {
+    double busy = 0, top = -1;
+    std::size_t top_actor = 0, actors = 0;
+    int stage = -1;
+  };
+  std::map<std::tuple<std::uint32_t, std::string, int>, Sum> sums;
+  for (std::size_t i = 0; i < actors.size() && i < plan.actors.size(); ++i) {
+    const ActorState& a = actors[i];
+    if (!a.seen || a.interval_s <= 0 || a.activity == static_cast<int>(ActorActivity::retired)) continue;
+    const PlanActor& p = plan.actors[i];
+    Sum& s = sums[{p.rank, p.device, p.stream}];
+    s.busy += a.busy_share();
+    ++s.actors;
+    s.stage = std::max(s.stage, p.stage);
+    if (a.busy_share() > s.top) {
+      s.top = a.busy_share();
+      s.top_actor = i;
+    }
+  }
+  std::optional<BusyWorker> best;
+  for (const auto& [key, s] : sums) {
+    if (!best || s.busy > best->busy) {
+      const auto& [rank, device, stream] = key;
+      best = BusyWorker{fmt::format("{}/s{}", device, stream), rank, s.stage, std::min(s.busy, 1.0), s.actors,
+                        s.top_actor};
+    }
+  }
+  return best;
+}
+
 json::object Model::actor_json(std::size_t i) const {
   const ActorState& a = actors[i];
   json::object o;
@@ -599,7 +632,14 @@ std::string Model::state_json() const {
   }
   o["registers"] = std::move(regs);
   o["edges"] = std::move(edges);
-  if (auto b = bottleneck()) {
+  const std::optional<Bottleneck> b = bottleneck();
+  const std::optional<BusyWorker> w = busiest_worker();
+  auto op_of = [&](std::size_t i) {
+    return i < plan.actors.size() && !plan.actors[i].op.empty() && plan.actors[i].op != plan.actors[i].name
+               ? fmt::format(", {}", plan.actors[i].op)
+               : std::string();
+  };
+  if (b && b->strong) {
     const ActorState& a = actors[b->actor];
     json::object x;
     x["i"] = b->actor;
@@ -607,18 +647,44 @@ std::string Model::state_json() const {
     x["rank"] = a.rank;
     x["busy"] = rounded(a.busy_share());
     x["backpressured"] = rounded(a.share(2));
-    x["confident"] = b->strong;
+    x["confident"] = true;
     x["text"] = fmt::format(
-        "{} (rank {}{}) is busy {:.0f}% of the time and back-pressured only {:.0f}%: it sets the pace. {}",
-        actor_name(b->actor), a.rank,
-        b->actor < plan.actors.size() && !plan.actors[b->actor].op.empty() &&
-                plan.actors[b->actor].op != plan.actors[b->actor].name
-            ? fmt::format(", {}", plan.actors[b->actor].op)
-            : std::string(),
-        100 * a.busy_share(), 100 * a.share(2),
-        b->strong ? "Actors upstream wait for its free slots, those downstream for its output: make it faster "
-                    "or split it."
-                  : "Nothing is saturated; it is the busiest actor that nothing holds up.");
+        "{} (rank {}{}) is busy {:.0f}% of the time and back-pressured only {:.0f}%: it sets the pace. Actors "
+        "upstream wait for its free slots, those downstream for its output: make it faster or split it.",
+        actor_name(b->actor), a.rank, op_of(b->actor), 100 * a.busy_share(), 100 * a.share(2));
+    o["bottleneck"] = std::move(x);
+  } else if (w && w->busy >= 0.5) {
+    // No single actor saturates, but a worker thread does: its actors together set the pace
+    // (a pipeline stage with many small ops).
+    const ActorState& a = actors[w->busiest_actor];
+    json::object x;
+    x["i"] = w->busiest_actor;
+    x["name"] = actor_name(w->busiest_actor);
+    x["rank"] = a.rank;
+    x["busy"] = rounded(a.busy_share());
+    x["backpressured"] = rounded(a.share(2));
+    x["worker"] = w->name;
+    x["worker_busy"] = rounded(w->busy);
+    x["confident"] = true;
+    x["text"] = fmt::format(
+        "the worker {} (rank {}{}) is busy {:.0f}% of the time: its {} actors together set the pace; the busiest "
+        "is {} ({:.0f}%). Give that stage less work (rebalance) or another device.",
+        w->name, w->rank, w->stage >= 0 ? fmt::format(", stage {}", w->stage) : std::string(), 100 * w->busy,
+        w->actors, actor_name(w->busiest_actor), 100 * a.busy_share());
+    o["bottleneck"] = std::move(x);
+  } else if (b) {
+    const ActorState& a = actors[b->actor];
+    json::object x;
+    x["i"] = b->actor;
+    x["name"] = actor_name(b->actor);
+    x["rank"] = a.rank;
+    x["busy"] = rounded(a.busy_share());
+    x["backpressured"] = rounded(a.share(2));
+    x["confident"] = false;
+    x["text"] = fmt::format(
+        "{} (rank {}{}) is busy {:.0f}% of the time and back-pressured only {:.0f}%. Nothing is saturated; it is "
+        "the busiest actor that nothing holds up.",
+        actor_name(b->actor), a.rank, op_of(b->actor), 100 * a.busy_share(), 100 * a.share(2));
     o["bottleneck"] = std::move(x);
   } else {
     o["bottleneck"] = nullptr;

@@ -154,6 +154,15 @@ struct Bottleneck {
   bool strong;
 };
 
+struct BusyWorker {
+  std::string name;  // "cpu:1/s0"
+  std::uint32_t rank;
+  int stage;
+  double busy;  // its actors' busy shares, summed
+  std::size_t actors;
+  std::size_t busiest_actor;
+};
+
 struct Model {
   JobModelSettings settings;
   std::chrono::steady_clock::time_point epoch;
@@ -193,6 +202,7 @@ struct Model {
   JobStatus status() const;
   const RankState* training_rank() const;
   std::optional<Bottleneck> bottleneck() const;
+  std::optional<BusyWorker> busiest_worker() const;
   std::string actor_name(std::size_t i) const;
   std::string register_name(std::size_t i) const;
   std::string host_of(std::uint32_t rank) const;
