@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # baton's one entry point on a fresh Debian 12 machine (root):
-#   scripts/run.sh demo [ARGS...]   install what is missing, build, train the MLP on digits
+#   scripts/run.sh demo [ARGS...]   install what is missing, build, train the MLP on digits with
+#                                   a live dashboard (DASHBOARD=HOST:PORT to choose, =off for none)
 #   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest)
 #   scripts/run.sh bench NAME [...] install, build, run build/bin/baton-bench-NAME (JSON lines)
 #   scripts/run.sh build            install what is missing and build only
@@ -24,9 +25,13 @@ packages=(
   iproute2 openssh-client openssh-server openmpi-bin libopenmpi-dev
 )
 
+# Only the tests need these: the dashboard's browser test drives headless Chromium (without it,
+# that test is skipped).
+test_packages=(chromium)
+
 install_missing() {
   local missing=()
-  for p in "${packages[@]}"; do
+  for p in "${packages[@]}" "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -110,6 +115,18 @@ build() {
   cmake --build "$build_dir" -j "$jobs" >&2
 }
 
+# The first port from 8080 on that nobody listens to on 127.0.0.1 (bash's /dev/tcp connects).
+free_port() {
+  local port
+  for port in $(seq 8080 8179); do
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      echo "$port"
+      return 0
+    fi
+  done
+  echo 0  # baton-train picks one and prints it
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -122,9 +139,21 @@ case "$cmd" in
     # parallelism x a 2-stage pipeline (1F1B) on 4 in-process devices, which gives the same
     # weights as one device.
     # Other baton-train flags may follow and override these (e.g. --dp 1 --pp 1 --json).
-    exec "$build_dir/bin/baton-train" --model mlp --data digits --steps 1000 --batch 64 --dp 2 --pp 2 --microbatches 2 "$@"
+    # The dashboard: on 127.0.0.1 (only this machine sees it); from a terminal it stays up two
+    # minutes after training so that there is time to look (Ctrl-C ends it).
+    dashboard=()
+    if [ "${DASHBOARD:-}" != "off" ]; then
+      listen="${DASHBOARD:-127.0.0.1:$(free_port)}"
+      dashboard=(--dashboard "$listen")
+      [ -t 1 ] && dashboard+=(--dashboard-linger 120)
+      log "dashboard: http://${listen/#:/127.0.0.1:}/ (baton-train prints the address it serves)"
+    fi
+    exec "$build_dir/bin/baton-train" --model mlp --data digits --steps 1000 --batch 64 --dp 2 --pp 2 --microbatches 2 \
+      "${dashboard[@]}" "$@"
     ;;
   test)
+    # Not fatal: without Chromium (offline, no root) the browser test skips with a message.
+    ( install_missing "${test_packages[@]}" ) || log "could not install ${test_packages[*]}: the browser test will be skipped"
     build
     log "running the test suite"
     exec ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" "$@"

@@ -307,7 +307,9 @@ struct Core : transport::LinkHandler {
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
   std::vector<std::unique_ptr<Worker>> workers;
   std::map<std::int32_t, Lane> lanes;  // by ActOrder::lane, for the local actors
-  std::atomic<std::uint64_t> start_ticks{0};  // set by run(); snapshot() may read it meanwhile
+  // Written once by run(), read by snapshot() from any thread (a collector may sample while
+  // run() is still starting).
+  std::atomic<std::uint64_t> start_ticks{0};
   std::int64_t local_actors = 0;
   std::vector<HandshakeEvent> log;
 

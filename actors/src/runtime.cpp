@@ -653,6 +653,7 @@ RunReport Runtime::run() {
   for (auto& a : core.actors) {
     if (a) a->begin(core.start_ticks.load(std::memory_order_relaxed));
   }
+  core.start_ticks.store(start, std::memory_order_relaxed);
   if (core.local_actors == 0) core.done = true;
 
   if (core.settings.mode == ExecutionMode::deterministic) {

@@ -31,6 +31,8 @@
 #include "baton/actors.h"
 #include "baton/kernels.h"
 #include "baton/observe/trace.h"
+#include "baton/observe/collector.h"
+#include "baton/observe/job_model.h"
 
 namespace {
 
@@ -51,7 +53,8 @@ constexpr std::string_view case_names[] = {"same_thread_hop",
                                            "cross_thread_hop_latency",
                                            "metg",
                                            "trace_overhead_noop",
-                                           "trace_overhead_spin2us"};
+                                           "trace_overhead_spin2us",
+                                           "metrics_overhead"};
 
 [[noreturn]] void usage(int code) {
   std::FILE* f = code == 0 ? stdout : stderr;
@@ -402,10 +405,11 @@ struct Bench {
   /// and its reference interleaved, so that a slow spell of the machine hits both alike) and
   /// keeps each one's best and median run.
   std::vector<Measured> measure(const std::vector<Runner>& runners, std::int64_t start,
-                                std::int64_t min_pieces) const {
+                                std::int64_t min_pieces, double run_s = 0) const {
+    const double target = run_s > 0 ? run_s : target_s();
     std::vector<Measured> out(runners.size());
     for (std::size_t i = 0; i < runners.size(); ++i) {
-      out[i].pieces = calibrate(runners[i], start, target_s(), min_pieces);
+      out[i].pieces = calibrate(runners[i], start, target, min_pieces);
     }
     for (int attempt = 0; attempt < 3; ++attempt) {
       std::vector<std::vector<Sample>> samples(runners.size());
@@ -420,8 +424,8 @@ struct Bench {
         out[i].median = v[v.size() / 2];
         // A pilot slowed down by a hiccup (a park, another process) leaves the runs far too
         // short: scale again from the best run and measure again.
-        if (attempt < 2 && out[i].best.wall_s < 0.7 * target_s() && out[i].pieces < max_pieces) {
-          const double scaled = static_cast<double>(out[i].pieces) * target_s() / std::max(out[i].best.wall_s, 1e-9);
+        if (attempt < 2 && out[i].best.wall_s < 0.7 * target && out[i].pieces < max_pieces) {
+          const double scaled = static_cast<double>(out[i].pieces) * target / std::max(out[i].best.wall_s, 1e-9);
           const auto n = std::clamp<std::int64_t>(static_cast<std::int64_t>(scaled), min_pieces, max_pieces);
           again = again || n != out[i].pieces;
           out[i].pieces = n;
@@ -578,6 +582,93 @@ struct Bench {
                case_name, traced_rate, rate, 100.0 * (traced_rate / rate - 1.0), last.recorded, last.dropped);
   }
 
+  /// What the dashboard's metrics cost a pipeline: per-actor time accounting, a collector
+  /// sampling at 2 Hz into a job model (snapshot, JSON, ingest) and the activity log it drains
+  /// for the pipeline timeline, against all of them off; and each step on its own, to say where
+  /// the cost is. A 4-actor chain, source and sink included, on one worker thread (no
+  /// cross-thread hand-off to make the rate hostage to the scheduler of a busy 2-core machine),
+  /// with `grain_us` of spin per act; noop kernels (grain 0) show the per-act cost bare. Runs
+  /// last ~2 s so that the collector samples several times in each (--quick: 0.25 s at 20 Hz).
+  void metrics_overhead(double grain_us) const {
+    const std::string case_name =
+        grain_us > 0 ? fmt::format("metrics_overhead_{}us", grain_us) : std::string("metrics_overhead_noop");
+    const std::string op = grain_us > 0 ? "spin_ns" : "noop";
+    const baton::Attrs attrs =
+        grain_us > 0 ? baton::Attrs{{"ns", static_cast<std::int64_t>(std::llround(grain_us * 1000))}} : baton::Attrs{};
+    std::vector<Stage> stages{{"source", 0, op, attrs}, {"a", 0, op, attrs}, {"b", 0, op, attrs}, {"sink", 0, op, attrs}};
+    constexpr int slots = 2;
+    const auto interval = opt.quick ? std::chrono::milliseconds(50) : std::chrono::milliseconds(500);
+    const double run_s = opt.quick ? 0.25 : 2.0;
+    std::atomic<std::uint64_t> collector_samples{0};
+    struct Variant {
+      const char* name;
+      bool accounting, collector, activity_log;
+    };
+    const std::vector<Variant> variants{{"off", false, false, false},
+                                        {"time_accounting", true, false, false},
+                                        {"accounting_and_collector", true, true, false},
+                                        {"dashboard", true, true, true}};
+    std::vector<Runner> runners;
+    for (const Variant& v : variants) {
+      runners.push_back([&, v](std::int64_t n) {
+        const baton::Plan plan = chain_plan(stages, n, slots);
+        baton::RuntimeSettings rs;
+        rs.time_accounting = v.accounting;
+        rs.activity_log = v.activity_log;
+        baton::Runtime rt(plan, kernels, rs);
+        if (!v.collector) {
+          const auto report = rt.run();
+          return Sample{report.wall_s, report.messages, report.parks};
+        }
+        baton::observe::JobModel model;
+        baton::observe::Collector collector({.interval = interval});
+        collector.feed(model);
+        collector.on_start(rt, nullptr);
+        const auto report = rt.run();
+        collector.on_finish(rt, {});
+        collector_samples += collector.samples();
+        if (model.bad_messages() != 0) throw std::logic_error("the job model refused the collector's telemetry");
+        return Sample{report.wall_s, report.messages, report.parks};
+      });
+    }
+    const auto m = measure(runners, 100, 200, run_s);
+    auto rate = [&](std::size_t i, bool median = false) {
+      return static_cast<double>(m[i].pieces) / (median ? m[i].median.wall_s : m[i].best.wall_s);
+    };
+    // The metrics (time accounting and the collector) against everything off; then the
+    // collector against the default runtime (which accounts time anyway), and the activity log
+    // the pipeline timeline adds.
+    constexpr std::size_t off = 0, accounting = 1, metrics = 2, timeline = 3;
+    JsonLine(case_name)
+        .add("value", rate(metrics))
+        .add("unit", "pieces/s")
+        .add("reference", rate(off))
+        .add("ratio", rate(metrics) / rate(off))
+        .add("goal", "ratio >= 0.97")
+        .add("reference_is", "the same pipeline with time accounting, the collector and the activity log off")
+        .add("stat", "best of 3")
+        .add("median_ratio", rate(metrics, true) / rate(off, true))
+        .add("ratio_time_accounting", rate(accounting) / rate(off))
+        .add("ratio_collector_vs_default_runtime", rate(metrics) / rate(accounting))
+        .add("ratio_with_activity_log", rate(timeline) / rate(off))
+        .add("median_ratio_with_activity_log", rate(timeline, true) / rate(off, true))
+        .add("grain_us", grain_us)
+        .add("collector_hz", 1000.0 / static_cast<double>(interval.count()))
+        .add("collector_samples", collector_samples.load())
+        .add("pieces", m[metrics].pieces)
+        .add("reference_pieces", m[off].pieces)
+        .add("threads", 1)
+        .add("wall_s", m[metrics].best.wall_s)
+        .print();
+    auto pct = [&](std::size_t a, std::size_t b, bool median = false) { return 100 * (1 - rate(a, median) / rate(b, median)); };
+    fmt::print(stderr,
+               "{}: {:.4g} pieces/s bare; metrics (time accounting + collector) cost {:.1f}% (median runs {:.1f}%): "
+               "time accounting {:.1f}%, the collector {:.1f}% on top; the activity log for the timeline {:.1f}% more "
+               "({:.1f}% in all)\n",
+               case_name, rate(off), pct(metrics, off), pct(metrics, off, true), pct(accounting, off),
+               pct(metrics, accounting), pct(timeline, metrics), pct(timeline, off));
+  }
+
   /// Microseconds one spin_ns task with these attributes takes when run alone, back to back.
   double time_task_us(const baton::Attrs& attrs) const {
     baton::KernelConfig cfg{"metg-probe", baton::Device{}, baton::DType::f32, attrs};
@@ -707,6 +798,11 @@ int main(int argc, char** argv) {
       {"metg", [&] { bench.metg(); }},
       {"trace_overhead_noop", [&] { bench.trace_overhead("trace_overhead_noop", "noop", 0); }},
       {"trace_overhead_spin2us", [&] { bench.trace_overhead("trace_overhead_spin2us", "spin_ns", 2000); }},
+      {"metrics_overhead", [&] {
+         bench.metrics_overhead(0);
+         bench.metrics_overhead(1);
+         bench.metrics_overhead(10);
+       }},
   };
   fmt::print(stderr, "baton-bench-actors: {} mode, {} hardware threads, best of {} runs of ~{:.0f} ms\n",
              opt.quick ? "quick" : "full", std::thread::hardware_concurrency(), repeats, bench.target_s() * 1e3);

@@ -22,6 +22,9 @@
 #include <fmt/format.h>
 
 #include "baton/observe/trace.h"
+#include "baton/observe/dashboard.h"
+#include "baton/observe/job_model.h"
+#include "baton/observe/telemetry.h"
 #include "baton/transport/control.h"
 #include "baton/transport/link.h"
 #include "output.h"
@@ -109,8 +112,8 @@ struct Failure {
 
 class Job {
  public:
-  Job(const Plan& plan, const Supervision& supervision)
-      : plan_(plan), supervision_(supervision), host_(this_host_name()) {}
+  Job(const Plan& plan, const Supervision& supervision, const DashboardOptions& dashboard)
+      : plan_(plan), supervision_(supervision), dashboard_(dashboard), host_(this_host_name()) {}
 
   int run() {
     // Until children exist a signal simply ends the launcher (set-up may sit in a connect).
@@ -123,15 +126,60 @@ class Job {
     if (!failure_) start_nodes();
     loop();
     if (!failure_ && client_) client_->finish();
+    if (model_) {
+      const auto outcome = server_->outcome();
+      model_->set_outcome(!failure_, outcome && !outcome->ok ? outcome->reason : failure_ ? "the job failed" : "");
+    }
     write_trace();
     const auto flush_deadline = Clock::now() + supervision_.final_flush;
     stderr_.flush(flush_deadline);
     stdout_.flush(flush_deadline);
+    linger();
     return failure_ ? failure_->exit_code : 0;
   }
 
  private:
   // --- set-up -------------------------------------------------------------------------------
+
+  /// Node 0 with --dashboard: the job model, fed by the rendezvous server's telemetry, and the
+  /// page. The ranks learn to send telemetry from BATON_DASHBOARD, set here in our own
+  /// environment so that ssh'ed launchers forward it to their ranks too (BATON_* travels).
+  void start_dashboard() {
+    if (dashboard_.listen.empty()) return;
+    model_ = std::make_unique<observe::JobModel>(observe::JobModelSettings{
+        .world_size = plan_.world_size(), .title = fmt::format("{} ({} ranks)", job_title(), plan_.world_size())});
+    http_ = std::make_unique<observe::DashboardServer>(*model_, observe::DashboardSettings{.listen = dashboard_.listen});
+    ::setenv(observe::dashboard_env, "1", 1);
+    stderr_.append(fmt::format("baton-launch: dashboard at {}\n", http_->url()));
+  }
+
+  /// The program's name and first arguments, for the page's title.
+  std::string job_title() const {
+    std::string title;
+    for (std::size_t i = 0; i < plan_.program.size() && i < 4; ++i) {
+      std::string word = plan_.program[i];
+      if (i == 0) word = word.substr(word.rfind('/') + 1);
+      title += (i ? " " : "") + word;
+    }
+    return title;
+  }
+
+  /// --dashboard-linger: the page stays up after the job, until the time is up or a signal.
+  void linger() {
+    if (!http_ || dashboard_.linger.count() <= 0) return;
+    fmt::print(stderr, "baton-launch: the dashboard stays up at {} for {} s (Ctrl-C ends it)\n", http_->url(),
+               std::chrono::duration_cast<std::chrono::seconds>(dashboard_.linger).count());
+    const auto until = Clock::now() + dashboard_.linger;
+    for (auto now = Clock::now(); now < until; now = Clock::now()) {
+      pollfd fd{signals_.fd(), POLLIN, 0};
+      const auto left = std::chrono::ceil<milliseconds>(until - now).count();
+      if (::poll(&fd, 1, static_cast<int>(std::min<std::int64_t>(left, 1000))) > 0) {
+        for (int sig : signals_.take()) {
+          if (sig == SIGINT || sig == SIGTERM || sig == SIGHUP) return;
+        }
+      }
+    }
+  }
 
   void start_control_plane() {
     if (plan_.node_rank == 0) {
@@ -143,9 +191,18 @@ class Job {
       settings.world_size = plan_.world_size();
       settings.launchers = plan_.nnodes - 1;
       settings.hand_out_token = plan_.hand_out_token;
-      if (!plan_.trace.empty()) {
-        trace_ = std::make_unique<observe::TraceCollector>();
-        settings.on_telemetry = [trace = trace_.get()](transport::Telemetry t) { trace->on_telemetry(t); };
+      if (!plan_.trace.empty()) trace_ = std::make_unique<observe::TraceCollector>();
+      start_dashboard();
+      // The server's thread hands each rank's telemetry on: traces to the trace collector, the
+      // rest (dash.*) to the dashboard's model.
+      if (trace_ || model_) {
+        settings.on_telemetry = [trace = trace_.get(), model = model_.get()](transport::Telemetry t) {
+          if (t.kind == "trace") {
+            if (trace) trace->on_telemetry(t);
+          } else if (model) {
+            model->ingest(t.rank, t.kind, t.body);
+          }
+        };
       }
       try {
         server_ = std::make_unique<transport::RendezvousServer>(settings);
@@ -542,6 +599,7 @@ class Job {
 
   const Plan& plan_;
   const Supervision supervision_;
+  const DashboardOptions dashboard_;
   const std::string host_;
   OutputSink stdout_{STDOUT_FILENO};
   OutputSink stderr_{STDERR_FILENO};
@@ -550,6 +608,9 @@ class Job {
   std::string master_;
   // Outlives the server, whose thread feeds it.
   std::unique_ptr<observe::TraceCollector> trace_;
+  // The dashboard (node 0): the server's telemetry callback feeds the model, so both outlive it.
+  std::unique_ptr<observe::JobModel> model_;
+  std::unique_ptr<observe::DashboardServer> http_;
   // Torn down before the signal pipe their callbacks write to.
   std::unique_ptr<transport::RendezvousServer> server_;
   std::unique_ptr<transport::LauncherClient> client_;
@@ -561,8 +622,8 @@ class Job {
 
 }  // namespace
 
-int run_job(const Plan& plan, const Supervision& supervision) {
-  Job job(plan, supervision);
+int run_job(const Plan& plan, const Supervision& supervision, const DashboardOptions& dashboard) {
+  Job job(plan, supervision, dashboard);
   return job.run();
 }
 

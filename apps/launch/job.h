@@ -4,6 +4,7 @@
 /// loop that forwards output and signals and ends everything when anything fails.
 #include <chrono>
 #include <cstddef>
+#include <string>
 
 #include "plan.h"
 
@@ -31,10 +32,20 @@ struct Supervision {
   std::chrono::milliseconds final_flush{5'000};
 };
 
+/// The live dashboard of the whole job (--dashboard): node 0's launcher serves it from the
+/// ranks' telemetry, which it asks for by giving every rank BATON_DASHBOARD=1.
+struct DashboardOptions {
+  /// HOST:PORT (observe::parse_listen); empty: no dashboard. Other nodes ignore it.
+  std::string listen;
+  /// After the job, keep serving this long (Ctrl-C ends it sooner).
+  std::chrono::milliseconds linger{0};
+};
+
 /// Runs this launcher's part of `plan` to the end and returns the launcher's exit code: 0 if
 /// every rank exited 0; else the first failing rank's exit code, 128 + its signal, or 1.
 /// Throws transport::TransportError if the control plane cannot be set up (a port in use,
-/// node 0 unreachable), before any rank has started.
-int run_job(const Plan& plan, const Supervision& supervision = {});
+/// node 0 unreachable), observe::DashboardError if the dashboard cannot (a bad address, a
+/// port in use), before any rank has started.
+int run_job(const Plan& plan, const Supervision& supervision = {}, const DashboardOptions& dashboard = {});
 
 }  // namespace baton::launch

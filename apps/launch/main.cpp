@@ -66,6 +66,8 @@ int main(int argc, char** argv) {
   CommandLine cli;
   std::int64_t nproc_per_node = 1, nnodes = 1, node_rank = 0;
   double finish_timeout_s = 300;
+  baton::launch::DashboardOptions dashboard;
+  double dashboard_linger_s = 0;
   CLI::App app{
       "baton-launch: start the ranks of a baton job on this host or on several\n\n"
       "  baton-launch [OPTIONS] -- PROGRAM [ARGS...]\n"};
@@ -91,6 +93,12 @@ int main(int argc, char** argv) {
   app.add_option("--trace", cli.trace,
                  "FILE: the ranks record their acts; node 0 writes one Chrome trace of them all "
                  "(open it in ui.perfetto.dev or chrome://tracing)");
+  app.add_option("--dashboard", dashboard.listen,
+                 "serve a live dashboard of the whole job at HOST:PORT (:PORT or PORT: on 127.0.0.1; port 0: "
+                 "any free one); node 0 serves it");
+  app.add_option("--dashboard-linger", dashboard_linger_s,
+                 "keep the dashboard up this many seconds after the job ends")
+      ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -100,6 +108,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "baton-launch: --trace {}: there is no directory '{}'\n", cli.trace, dir.string());
     return 2;
   }
+  dashboard.linger = std::chrono::milliseconds(static_cast<std::int64_t>(dashboard_linger_s * 1000));
   if (app.count("--nproc-per-node")) cli.nproc_per_node = nproc_per_node;
   if (app.count("--nnodes")) cli.nnodes = nnodes;
   if (app.count("--node-rank")) cli.node_rank = node_rank;
@@ -125,8 +134,12 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "baton-launch: {}\nRun with --help for more information.\n", e.what());
     return 2;
   }
+  if (!dashboard.listen.empty() && plan.node_rank != 0) {
+    fmt::print(stderr, "baton-launch: --dashboard: node {} leaves the dashboard to node 0\n", plan.node_rank);
+    dashboard.listen.clear();
+  }
   try {
-    return run_job(plan);
+    return run_job(plan, {}, dashboard);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     fmt::print(stderr, "baton-launch: {}\n", e.what());

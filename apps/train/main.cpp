@@ -20,6 +20,7 @@
 #include "baton/graph.h"
 #include "baton/kernels/data.h"
 #include "baton/observe/trace.h"
+#include "baton/observe/watch.h"
 #include "models.h"
 
 namespace {
@@ -56,6 +57,8 @@ struct Options {
   bool json = false;
   std::string print_plan;
   std::string trace;
+  std::string dashboard;  // HOST:PORT to serve the dashboard on
+  double dashboard_linger = 0;
 };
 
 struct Data {
@@ -222,6 +225,22 @@ int run(const Options& o) {
                mb, o.optimizer, o.lr,
                env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
   }
+  // The dashboard: served here (--dashboard) and/or by the launcher (baton-launch --dashboard).
+  observe::Watch watch({.listen = o.dashboard, .title = fmt::format("{} on {}", o.model, o.data)});
+  if (watch.serving()) fmt::print(stderr, "baton-train: dashboard at {}\n", watch.url());
+  JobSettings js;
+  watch.attach(js);
+  std::int64_t reported = 0;  // steps handed to the dashboard (by the collector's thread)
+  auto report_steps = [&] {
+    if (job.losses->steps_done() <= reported) return;
+    auto losses = job.losses->per_step();
+    for (; reported < static_cast<std::int64_t>(losses.size()); ++reported) {
+      const std::int64_t step = reported + 1;
+      watch.record_step({.step = step, .loss = losses[static_cast<std::size_t>(reported)],
+                         .lr = learning_rate(cfg.optimizer, step, o.steps), .samples = step * o.batch});
+    }
+  };
+  watch.before_sample(report_steps);
   // Traces: under baton-launch --trace (BATON_TRACE=FILE) the ranks of a job stream their records
   // to the launcher, which writes FILE; a job of one rank writes it itself; --trace FILE without
   // the launcher's writes one file per rank (FILE.rank<R>.json).
@@ -235,11 +254,23 @@ int run(const Options& o) {
     throw std::invalid_argument(fmt::format("--trace {}: there is no directory '{}'", trace_file, dir.string()));
   }
   std::unique_ptr<observe::TraceObserver> tracer;
-  JobSettings js;
+  std::unique_ptr<JobObservers> observers;
   if (stream_trace || !trace_file.empty()) {
-    tracer = std::make_unique<observe::TraceObserver>(observe::TraceOptions{}, /*keep=*/!stream_trace);
+    // With a dashboard too, its collector drains the activity rings (a ring has one reader) and
+    // hands each batch to the trace.
+    observe::TraceOptions topt;
+    topt.drain = js.observer == nullptr;
+    tracer = std::make_unique<observe::TraceObserver>(topt, /*keep=*/!stream_trace);
     js.runtime.activity_log = true;
-    js.observer = tracer.get();
+    if (js.observer != nullptr) {
+      watch.add_activity_sink([t = tracer.get()](const std::vector<ActRecord>& records, const Runtime& rt) {
+        t->consume(records, rt);
+      });
+      observers = std::make_unique<JobObservers>(std::vector<JobObserver*>{js.observer, tracer.get()});
+      js.observer = observers.get();
+    } else {
+      js.observer = tracer.get();
+    }
   }
   RunReport report;
   std::exception_ptr failure;
@@ -271,6 +302,7 @@ int run(const Options& o) {
     std::fflush(stdout);
   }
   runner.join();
+  watch.finish();
   if (tracer && !trace_file.empty()) {  // a failed run's trace too: it shows what led up to it
     try {
       tracer->recorder().write_file(trace_file);
@@ -284,6 +316,20 @@ int run(const Options& o) {
   if (failure) std::rethrow_exception(failure);
   if (!leader) return 0;  // the reporting rank speaks for the job
   auto losses = job.losses->per_step();
+  if (losses.empty()) {
+    // Pipeline stages on several ranks: the loss, and the last stages' weights, live on another
+    // rank, so this one can neither report the loss nor evaluate.
+    const double rate = static_cast<double>(o.steps * o.batch) / report.wall_s;
+    if (o.json) {
+      fmt::print("{{\"model\": \"{}\", \"steps\": {}, \"final_loss\": null, \"samples_per_s\": {:.6g}, \"wall_s\": {:.6g}, "
+                 "\"note\": \"the loss is computed on another rank\"}}\n",
+                 o.model, o.steps, rate, report.wall_s);
+    } else {
+      fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | the loss is computed on another rank\n", tty ? "\n" : "",
+                 o.steps, report.wall_s, rate);
+    }
+    return 0;
+  }
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
   const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;
   if (o.json) {
@@ -313,6 +359,12 @@ int run(const Options& o) {
     }
     fmt::print("busiest actors ({} of {}); all actors: {:.3f} s in kernels, {:.3f} s in handshakes\n{}", top.actors.size(),
                all, kernel, busy - kernel, top.table());
+  }
+  if (watch.serving() && o.dashboard_linger > 0) {
+    std::fflush(stdout);
+    fmt::print(stderr, "baton-train: the dashboard stays up at {} for {:.0f} s (Ctrl-C ends it)\n", watch.url(),
+               o.dashboard_linger);
+    watch.linger(std::chrono::milliseconds(static_cast<std::int64_t>(o.dashboard_linger * 1000)));
   }
   return 0;
 }
@@ -377,6 +429,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"flops", "profile"}));
   app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp x pp x tp / ranks)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
+  app.add_option("--dashboard", o.dashboard,
+                 "serve a live dashboard of this job at HOST:PORT (:PORT or PORT: on 127.0.0.1; port 0: any free one)");
+  app.add_option("--dashboard-linger", o.dashboard_linger, "keep the dashboard up this many seconds after training")
+      ->check(non_negative);
   app.add_option("--print-plan", o.print_plan, "print the compiled plan (text or dot) and exit")
       ->expected(0, 1)
       ->default_str("text")

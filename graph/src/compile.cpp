@@ -86,12 +86,7 @@ class VariableKernel final : public Kernel {
         grad = scaled_;
       }
     }
-    double lr = cfg_.lr;
-    if (cfg_.cosine) {
-      lr = lr_schedule(cfg_.lr, step, cfg_.warmup_steps, total_steps_, cfg_.min_lr_ratio);
-    } else if (cfg_.warmup_steps > 0 && step < cfg_.warmup_steps) {
-      lr = cfg_.lr * static_cast<double>(step) / static_cast<double>(cfg_.warmup_steps);
-    }
+    const double lr = learning_rate(cfg_, step, total_steps_);
     auto w = master_.data<T>();
     if (cfg_.kind == OptimizerConfig::Kind::sgd) {
       SgdConfig c{cfg_.lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov};

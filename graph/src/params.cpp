@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "baton/graph/compile.h"
+#include "baton/kernels/optim.h"
 
 namespace baton {
 
@@ -146,5 +147,13 @@ OptimizerConfig adamw(double lr, double weight_decay) {
   return c;
 }
 }  // namespace optim
+
+double learning_rate(const OptimizerConfig& cfg, std::int64_t step, std::int64_t total_steps) {
+  if (cfg.cosine) return lr_schedule(cfg.lr, step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio);
+  if (cfg.warmup_steps > 0 && step < cfg.warmup_steps) {
+    return cfg.lr * static_cast<double>(step) / static_cast<double>(cfg.warmup_steps);
+  }
+  return cfg.lr;
+}
 
 }  // namespace baton

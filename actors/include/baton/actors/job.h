@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "baton/actors/plan.h"
 #include "baton/actors/runtime.h"
@@ -46,6 +47,27 @@ class JobObserver {
     (void)kind;
     (void)body;
   }
+};
+
+/// Several observers of one run, called in order (on_finish in reverse).
+///
+///   baton::JobObservers both({&dashboard_collector, &trace_recorder});
+///   js.observer = &both;
+class JobObservers final : public JobObserver {
+ public:
+  explicit JobObservers(std::vector<JobObserver*> observers) : observers_(std::move(observers)) {}
+  void on_start(Runtime& runtime, transport::ControlClient* control) override {
+    for (JobObserver* o : observers_) o->on_start(runtime, control);
+  }
+  void on_finish(Runtime& runtime, const std::string& error) override {
+    for (auto it = observers_.rbegin(); it != observers_.rend(); ++it) (*it)->on_finish(runtime, error);
+  }
+  void on_command(const std::string& kind, const std::string& body) override {
+    for (JobObserver* o : observers_) o->on_command(kind, body);
+  }
+
+ private:
+  std::vector<JobObserver*> observers_;
 };
 
 /// Where this process stands in its job: what baton-launch puts in the environment.

@@ -41,6 +41,10 @@ OptimizerConfig adam(double lr, double weight_decay = 0.0);
 OptimizerConfig adamw(double lr, double weight_decay = 0.01);
 }  // namespace optim
 
+/// The learning rate of optimizer step `step` (1-based) of `total_steps`: the warm-up and the
+/// cosine decay applied, as the variable actors apply them (for progress displays).
+double learning_rate(const OptimizerConfig& cfg, std::int64_t step, std::int64_t total_steps);
+
 /// Every weight's value, by variable name. The compiled plan's variable actors read their
 /// initial values here and write the trained ones back, so after Runtime::run() this holds the
 /// result (and evaluate() reads it).
