@@ -649,10 +649,11 @@ RunReport Runtime::run() {
   if (core.ran) throw std::logic_error("Runtime::run() called twice; make a new Runtime");
   core.ran = true;
   const auto t0 = std::chrono::steady_clock::now();
-  core.start_ticks.store(ticks(), std::memory_order_relaxed);
+  const std::uint64_t start = ticks();
   for (auto& a : core.actors) {
-    if (a) a->begin(core.start_ticks.load(std::memory_order_relaxed));
+    if (a) a->begin(start);
   }
+  // Published after every actor's lifetime has begun: snapshot() reads it from any thread.
   core.start_ticks.store(start, std::memory_order_relaxed);
   if (core.local_actors == 0) core.done = true;
 
