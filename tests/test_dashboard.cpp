@@ -732,3 +732,96 @@ TEST_CASE("Dashboard.ABusyWorkerOfSmallActorsIsTheBottleneck") {
   CHECK(std::string(b.at("text").as_string()).find("stage 1") != std::string::npos);
   CHECK(model.bad_messages() == 0);
 }
+
+namespace {
+/// Keeps the runtime of a run, so that the test can end it once it has what it came for.
+class Grab final : public JobObserver {
+ public:
+  void on_start(Runtime& rt, transport::ControlClient*) override {
+    std::lock_guard lock(mutex_);
+    runtime_ = &rt;
+  }
+  void on_finish(Runtime&, const std::string&) override {
+    std::lock_guard lock(mutex_);
+    runtime_ = nullptr;
+  }
+  bool stop() {
+    std::lock_guard lock(mutex_);
+    if (runtime_ == nullptr) return false;
+    runtime_->abort("the test has seen enough");
+    return true;
+  }
+
+ private:
+  std::mutex mutex_;
+  Runtime* runtime_ = nullptr;
+};
+}  // namespace
+
+TEST_CASE("Dashboard.RecordTraceGivesAChromeTraceOfTheNextSeconds" * doctest::timeout(120)) {
+  TrainingJob job = pipeline_job(1'000'000);  // endless for this test: it ends the run itself
+  observe::Watch watch({.listen = "127.0.0.1:0", .title = "trace button"});
+  REQUIRE(watch.serving());
+  std::smatch m;
+  const std::string url = watch.url();
+  REQUIRE(std::regex_search(url, m, std::regex(R"(:(\d+)/$)")));
+  const auto port = static_cast<std::uint16_t>(std::stoi(m[1]));
+  JobSettings js;
+  watch.attach(js);
+  Grab grab;
+  JobObservers both({js.observer, &grab});
+  js.observer = &both;
+  std::atomic<bool> done{false};
+  std::thread runner([&] {
+    try {
+      run_job(job.plan, job.kernels, JobEnvironment{}, js);
+    } catch (const JobError&) {  // the test ends it
+    }
+    done = true;
+  });
+  struct Cleanup {
+    std::function<void()> fn;
+    ~Cleanup() { fn(); }
+  } cleanup{[&] {
+    while (!done) {
+      grab.stop();
+      std::this_thread::sleep_for(10ms);
+    }
+    runner.join();
+  }};
+
+  CHECK(http_get(port, "/api/trace?seconds=0").status == 400);
+  CHECK(http_get(port, "/api/trace?seconds=abc").status == 400);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto reply = http_get(port, "/api/trace?seconds=1", 30s);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  REQUIRE_MESSAGE(reply.status == 200, reply.body);
+  CHECK(took >= 1.0);  // it recorded the next second, not what was there
+  CHECK(reply.headers.at("content-disposition").find("baton-trace.json") != std::string::npos);
+  const json::object trace = json::parse(reply.body).as_object();
+  std::set<std::string> acted, threads;
+  for (const auto& e : trace.at("traceEvents").as_array()) {
+    const auto& o = e.as_object();
+    const std::string ph(o.at("ph").as_string());
+    if (ph == "X") acted.insert(std::string(o.at("name").as_string()));
+    if (ph == "M" && o.at("name").as_string() == "thread_name") {
+      threads.insert(std::string(o.at("args").as_object().at("name").as_string()));
+    }
+  }
+  // The pipeline's ops of both stages ran in the window, each worker has its track.
+  for (const auto& a : job.plan.actors) {
+    if (a.role == ActorRole::forward || a.role == ActorRole::backward) CHECK_MESSAGE(acted.count(a.name), a.name);
+  }
+  CHECK(threads.count("cpu:0/s0"));
+  CHECK(threads.count("cpu:1/s0"));
+  // The page's timeline still fills after the recording switched itself off.
+  const auto before = json::parse(http_get(port, "/api/timeline").body).as_object();
+  std::this_thread::sleep_for(1500ms);
+  const auto after = json::parse(http_get(port, "/api/timeline").body).as_object();
+  CHECK(json::serialize(before) != json::serialize(after));
+
+  // A page without a trace recorder says so.
+  JobModel model;
+  DashboardServer plain(model, {.listen = "127.0.0.1:0"});
+  CHECK(http_get(plain.port(), "/api/trace?seconds=1").status == 404);
+}

@@ -148,7 +148,20 @@ class Job {
     if (dashboard_.listen.empty()) return;
     model_ = std::make_unique<observe::JobModel>(observe::JobModelSettings{
         .world_size = plan_.world_size(), .title = fmt::format("{} ({} ranks)", job_title(), plan_.world_size())});
-    http_ = std::make_unique<observe::DashboardServer>(*model_, observe::DashboardSettings{.listen = dashboard_.listen});
+    // "Record N seconds": the ranks get a server command and stream the window to trace_.
+    trace_ = std::make_unique<observe::TraceCollector>();
+    on_demand_ = std::make_unique<observe::TraceOnDemand>(
+        *trace_,
+        [this](std::uint32_t session, double seconds) {
+          if (!server_) throw std::runtime_error("the job has not started");
+          server_->send_command(observe::trace_kind, fmt::format(R"({{"session": {}, "seconds": {}}})", session, seconds));
+        },
+        plan_.world_size());
+    observe::DashboardSettings ds{.listen = dashboard_.listen};
+    ds.trace = [od = on_demand_.get()](double seconds, std::function<void(bool, std::string)> done) {
+      od->record(seconds, std::move(done));
+    };
+    http_ = std::make_unique<observe::DashboardServer>(*model_, std::move(ds));
     ::setenv(observe::dashboard_env, "1", 1);
     stderr_.append(fmt::format("baton-launch: dashboard at {}\n", http_->url()));
   }
@@ -191,8 +204,8 @@ class Job {
       settings.world_size = plan_.world_size();
       settings.launchers = plan_.nnodes - 1;
       settings.hand_out_token = plan_.hand_out_token;
-      if (!plan_.trace.empty()) trace_ = std::make_unique<observe::TraceCollector>();
       start_dashboard();
+      if (!plan_.trace.empty() && !trace_) trace_ = std::make_unique<observe::TraceCollector>();
       // The server's thread hands each rank's telemetry on: traces to the trace collector, the
       // rest (dash.*) to the dashboard's model.
       if (trace_ || model_) {
@@ -246,7 +259,7 @@ class Job {
   /// Node 0, --trace: the ranks' records, merged, once the job has ended (also when it failed:
   /// what led up to a failure is worth seeing). A job of one rank wrote it itself.
   void write_trace() {
-    if (!trace_ || plan_.world_size() == 1) return;
+    if (!trace_ || plan_.trace.empty() || plan_.world_size() == 1) return;
     if (trace_->ranks() == 0) {
       stderr_.append(fmt::format("baton-launch: no trace written: no rank sent one (does the program record "
                                  "when {} is set? baton-train does)\n",
@@ -608,8 +621,10 @@ class Job {
   std::string master_;
   // Outlives the server, whose thread feeds it.
   std::unique_ptr<observe::TraceCollector> trace_;
-  // The dashboard (node 0): the server's telemetry callback feeds the model, so both outlive it.
+  // The dashboard (node 0): the server's telemetry callback feeds the model, so both outlive it;
+  // the page's trace button waits on on_demand_, torn down after the page.
   std::unique_ptr<observe::JobModel> model_;
+  std::unique_ptr<observe::TraceOnDemand> on_demand_;
   std::unique_ptr<observe::DashboardServer> http_;
   // Torn down before the signal pipe their callbacks write to.
   std::unique_ptr<transport::RendezvousServer> server_;

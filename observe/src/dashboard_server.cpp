@@ -158,6 +158,8 @@ class Session : public std::enable_shared_from_this<Session> {
       res = json(model.history_json(points), req);
     } else if (path == "/api/timeline") {
       res = json(model.timeline_json(), req);
+    } else if (path == "/api/trace") {
+      return record_trace(req);
     } else if (path == "/metrics") {
       res = text(http::status::ok, model.prometheus(), req);
       res->set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
@@ -172,6 +174,42 @@ class Session : public std::enable_shared_from_this<Session> {
     res->prepare_payload();
     if (head) res->body().clear();  // HEAD: the headers (Content-Length included), no body
     send(std::move(res));
+  }
+
+  /// /api/trace?seconds=N: the provider records for N seconds on its own threads; the answer
+  /// goes out on this connection's executor when it calls back (the server thread never waits).
+  void record_trace(const http::request<http::string_body>& req) {
+    const bool keep = req.keep_alive();
+    const unsigned version = req.version();
+    auto answer = [self = shared_from_this(), keep, version](http::status status, std::string body, bool download) {
+      auto res = std::make_shared<http::response<http::string_body>>(status, version);
+      res->set(http::field::content_type, download ? "application/json" : "text/plain; charset=utf-8");
+      res->set(http::field::cache_control, "no-store");
+      if (download) res->set(http::field::content_disposition, "attachment; filename=\"baton-trace.json\"");
+      res->body() = std::move(body);
+      res->keep_alive(keep);
+      res->prepare_payload();
+      self->send(std::move(res));
+    };
+    if (!shared_.settings.trace) {
+      return answer(http::status::not_found, "this dashboard cannot record traces\n", false);
+    }
+    double seconds = 5;
+    if (auto v = query_value(req.target(), "seconds")) {
+      auto [p, e] = std::from_chars(v->data(), v->data() + v->size(), seconds);
+      if (e != std::errc() || p != v->data() + v->size() || !(seconds >= 1 && seconds <= 60)) {
+        return answer(http::status::bad_request,
+                      fmt::format("seconds='{}': a number of seconds from 1 to 60\n", std::string(*v)), false);
+      }
+    }
+    // Recording takes seconds: no idle timeout meanwhile.
+    stream_.expires_never();
+    auto executor = stream_.get_executor();
+    shared_.settings.trace(seconds, [executor, answer](bool ok, std::string body) {
+      net::post(executor, [answer, ok, body = std::move(body)]() mutable {
+        answer(ok ? http::status::ok : http::status::service_unavailable, ok ? std::move(body) : body + "\n", ok);
+      });
+    });
   }
 
   static std::shared_ptr<http::response<http::string_body>> json(std::string body,

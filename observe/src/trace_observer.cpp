@@ -61,7 +61,7 @@ struct TraceObserver::Impl {
   std::atomic<bool> recording_now{false};  // `recording`, for other threads
   std::uint64_t over_cap = 0;
 
-  bool streaming() const { return !keep && control != nullptr; }
+  bool streaming() const { return !keep && (control != nullptr || options.send); }
 
   void start_recording(std::uint32_t id) {
     runtime->set_activity_log(true);  // first: it throws if the runtime has no rings
@@ -70,10 +70,10 @@ struct TraceObserver::Impl {
     recording_now.store(true);
     std::fill(last_in_use.begin(), last_in_use.end(), -1);
     if (streaming()) {
-      stream = std::make_unique<TraceStream>(
-          [c = control](const std::string& body) { c->send_telemetry(trace_kind, body); }, id,
-          transport::max_telemetry_bytes - 1024);
-      stream->begin(rank, runtime->plan(), control->clock_rtt_ns());
+      TraceStream::Send send = options.send;
+      if (!send) send = [c = control](const std::string& body) { c->send_telemetry(trace_kind, body); };
+      stream = std::make_unique<TraceStream>(std::move(send), id, transport::max_telemetry_bytes - 1024);
+      stream->begin(rank, runtime->plan(), control != nullptr ? control->clock_rtt_ns() : 0);
     }
   }
 
@@ -130,9 +130,9 @@ struct TraceObserver::Impl {
 
   void end_recording(const std::string& error) {
     if (!recording) return;
-    if (!options.whole_run) {
+    if (!options.whole_run && options.drain) {  // else the rings' reader needs the log on
       runtime->set_activity_log(false);
-      if (options.drain) {  // what was logged before the switch
+      {  // what was logged before the switch
         batch.clear();
         runtime->drain_activity(batch);
         take(batch);
@@ -217,7 +217,7 @@ void TraceObserver::on_start(Runtime& runtime, transport::ControlClient* control
   try {
     if (s.options.whole_run) {
       s.start_recording(0);
-    } else {
+    } else if (s.options.drain) {  // else the rings' reader (the dashboard) needs the log on
       runtime.set_activity_log(false);
     }
   } catch (const std::logic_error& e) {

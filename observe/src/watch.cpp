@@ -4,8 +4,12 @@
 #include <cstring>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "baton/observe/dashboard.h"
 #include "baton/observe/job_model.h"
+#include "baton/observe/trace.h"
+#include "baton/transport/control.h"
 
 namespace baton::observe {
 
@@ -16,10 +20,17 @@ bool WatchSettings::launcher_wants_telemetry() {
 
 struct Watch::Impl {
   WatchSettings settings;
-  // The server reads the model: declared after it, so that it stops first.
+  // The page's "record N seconds": a tracer that records only when asked, fed by the
+  // collector's drain. Here its parts go to a collector in this process; for a launcher's page,
+  // over the control plane (the launcher asks with a server command).
+  TraceCollector traces;
+  std::unique_ptr<TraceObserver> tracer;
+  std::unique_ptr<TraceOnDemand> on_demand;
+  // The server reads the model and records traces: declared after them, so that it stops first.
   std::unique_ptr<JobModel> model;
   std::unique_ptr<DashboardServer> server;
   Collector collector;
+  std::unique_ptr<JobObservers> observers;
 
   explicit Impl(WatchSettings s) : settings(std::move(s)), collector([&] {
     CollectorSettings c = settings.collector;
@@ -31,9 +42,37 @@ struct Watch::Impl {
 Watch::Watch(WatchSettings settings) : impl_(std::make_unique<Impl>(std::move(settings))) {
   Impl& s = *impl_;
   if (!s.settings.listen.empty()) {
+    TraceOptions topt;
+    topt.whole_run = false;
+    topt.drain = false;
+    topt.send = [&traces = s.traces](const std::string& body) {
+      traces.on_telemetry(transport::Telemetry{0, std::string(trace_kind), body});
+    };
+    s.tracer = std::make_unique<TraceObserver>(topt);
+    s.on_demand = std::make_unique<TraceOnDemand>(
+        s.traces,
+        [tracer = s.tracer.get()](std::uint32_t session, double seconds) {
+          tracer->on_command(trace_kind, fmt::format(R"({{"session": {}, "seconds": {}}})", session, seconds));
+        },
+        1);
     s.model = std::make_unique<JobModel>(JobModelSettings{.title = s.settings.title});
-    s.server = std::make_unique<DashboardServer>(*s.model, DashboardSettings{.listen = s.settings.listen});
+    DashboardSettings ds{.listen = s.settings.listen};
+    ds.trace = [od = s.on_demand.get()](double seconds, std::function<void(bool, std::string)> done) {
+      od->record(seconds, std::move(done));
+    };
+    s.server = std::make_unique<DashboardServer>(*s.model, std::move(ds));
     s.collector.feed(*s.model);
+  } else if (s.settings.to_launcher) {
+    TraceOptions topt;
+    topt.whole_run = false;
+    topt.drain = false;
+    s.tracer = std::make_unique<TraceObserver>(topt);
+  }
+  if (s.tracer) {
+    s.collector.add_activity_sink([tracer = s.tracer.get()](const std::vector<ActRecord>& records, const Runtime& rt) {
+      tracer->consume(records, rt);
+    });
+    s.observers = std::make_unique<JobObservers>(std::vector<JobObserver*>{&s.collector, s.tracer.get()});
   }
 }
 
@@ -47,7 +86,7 @@ void Watch::add_activity_sink(ActivitySink sink) { impl_->collector.add_activity
 
 void Watch::attach(JobSettings& js) {
   if (!active()) return;
-  js.observer = &impl_->collector;
+  js.observer = impl_->observers ? static_cast<JobObserver*>(impl_->observers.get()) : &impl_->collector;
   js.runtime.activity_log = true;
 }
 

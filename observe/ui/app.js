@@ -608,6 +608,31 @@ function escapeHtml(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;'}[c]));
 }
 
+// "record trace": the server records the next N seconds of every rank and answers with a
+// Chrome trace, which the browser saves (open it in ui.perfetto.dev or chrome://tracing).
+async function recordTrace() {
+  const button = document.getElementById('trace-button');
+  const status = document.getElementById('trace-status');
+  const seconds = document.getElementById('trace-seconds').value;
+  button.disabled = true;
+  status.textContent = 'recording ' + seconds + ' s…';
+  try {
+    const r = await fetch('/api/trace?seconds=' + seconds, {cache: 'no-store'});
+    if (!r.ok) throw new Error((await r.text()).trim() || r.statusText);
+    const blob = await r.blob();
+    const a = el('a', {href: URL.createObjectURL(blob), download: 'baton-trace.json'});
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+    status.textContent = 'saved baton-trace.json (' + fmtBytes(blob.size) + ')';
+  } catch (e) {
+    status.textContent = 'no trace: ' + e.message;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+document.getElementById('trace-button').addEventListener('click', recordTrace);
 document.getElementById('actor-filter').addEventListener('input', renderTables);
 document.getElementById('timeline-span').addEventListener('change', drawTimeline);
 window.addEventListener('resize', () => { drawCharts(); drawTimeline(); });

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -37,6 +38,11 @@ class DashboardError : public std::runtime_error {
 /// DashboardError naming the text.
 std::pair<std::string, std::uint16_t> parse_listen(const std::string& text);
 
+/// Records `seconds` of the job's activity and then calls `done` exactly once, from any thread:
+/// ok and the Chrome trace JSON, or not ok and why (one recording at a time, nobody answered).
+using TraceProvider =
+    std::function<void(double seconds, std::function<void(bool ok, std::string body)> done)>;
+
 struct DashboardSettings {
   /// Where to listen, as parse_listen reads it. Port 0: a free one (see port()).
   std::string listen = "127.0.0.1:0";
@@ -46,6 +52,9 @@ struct DashboardSettings {
   std::size_t max_event_streams = 64;
   /// Connections open at once (a browser opens a few); more are closed at once.
   std::size_t max_connections = 256;
+  /// GET /api/trace?seconds=N (the page's "record" button): a Chrome trace of the next N
+  /// seconds (1 to 60), as a download. Unset: 404.
+  TraceProvider trace;
 };
 
 class DashboardServer {

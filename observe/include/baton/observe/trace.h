@@ -128,8 +128,12 @@ struct TraceOptions {
   bool drain = true;
   /// Record the whole run. False: only when the server asks (the command "trace" with body
   /// {"session": N, "seconds": S}, e.g. the dashboard's "record N seconds"); the runtime's
-  /// activity log is off in between.
+  /// activity log is off in between (unless another reader owns the rings: drain false).
   bool whole_run = true;
+  /// Where streamed "trace" bodies go instead of the control plane (a TraceCollector in this
+  /// process: the dashboard's "record" button in a job of one rank). Set: the records stream
+  /// here even without a control client.
+  std::function<void(const std::string& body)> send;
 };
 
 /// One rank's recording: a JobObserver with a drain thread. Without a control client (a job of
@@ -212,6 +216,29 @@ class TraceCollector {
   TraceRecorder merge(std::uint32_t session = 0) const;
   /// Forgets a session (after it was written).
   void forget(std::uint32_t session);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// The dashboard's "record N seconds": asks the ranks for a session (`start(session, seconds)`:
+/// a server command, or TraceObserver::on_command in a job of one rank), waits on a thread of
+/// its own until `ranks` of them have ended it in `collector` (or N + 10 s have passed), and
+/// hands the merged trace on. One recording at a time. Fits DashboardSettings::trace:
+///
+///   settings.trace = [&](double s, auto done) { on_demand.record(s, std::move(done)); };
+class TraceOnDemand {
+ public:
+  using Start = std::function<void(std::uint32_t session, double seconds)>;
+  TraceOnDemand(TraceCollector& collector, Start start, std::size_t ranks);
+  /// Stops waiting: a recording in progress is never answered (destroy whoever asks, the HTTP
+  /// server, first).
+  ~TraceOnDemand();
+  TraceOnDemand(const TraceOnDemand&) = delete;
+  TraceOnDemand& operator=(const TraceOnDemand&) = delete;
+
+  void record(double seconds, std::function<void(bool ok, std::string body)> done);
 
  private:
   struct Impl;
