@@ -83,6 +83,22 @@ TEST_CASE("multi-process: baton-launch --dashboard serves every rank of the job"
   CHECK(prom.find("baton_actor_acts_total", {{"rank", "0"}}).size() > 0);
   CHECK(prom.find("baton_actor_acts_total", {{"rank", "1"}}).size() > 0);
 
+  // "Record trace": the launcher asks both ranks for a second of activity and merges it.
+  const auto traced = baton::test::http_get(port, "/api/trace?seconds=1", 60s);
+  REQUIRE_MESSAGE(traced.status == 200, traced.body);
+  std::set<std::string> processes;
+  std::size_t slices = 0;
+  const json::value trace = json::parse(traced.body);  // kept: the loop walks into it
+  for (const auto& e : trace.as_object().at("traceEvents").as_array()) {
+    const auto& o = e.as_object();
+    if (o.at("ph").as_string() == "X") ++slices;
+    if (o.at("ph").as_string() == "M" && o.at("name").as_string() == "process_name") {
+      processes.insert(std::string(o.at("args").as_object().at("name").as_string()));
+    }
+  }
+  CHECK(processes.size() == 2);
+  CHECK(slices > 0);
+
   // The job ends well; the page, still up, says so and has the last step.
   REQUIRE(p.read_until([](const std::string&, const std::string& err) { return err.find("stays up") != std::string::npos; },
                        120s));
