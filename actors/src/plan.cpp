@@ -153,6 +153,36 @@ std::vector<ActorIndex> Plan::actors_on(std::uint16_t rank) const {
   return out;
 }
 
+namespace {
+
+/// Puts `mover` (a transfer or a device copy, its kind, op and placement set) between register
+/// r and `consumers`: they read its output, a copy of r named "<r>@<suffix>", instead of r.
+void reroute(Plan& out, RegisterIndex r, const std::vector<ActorIndex>& consumers, const std::string& suffix,
+             ActorDesc mover) {
+  RegisterDesc copy = out.registers[r];
+  copy.name = fmt::format("{}@{}", copy.name, suffix);
+  copy.producer = no_actor;
+  copy.consumers.clear();
+  const RegisterIndex local = out.add_register(copy);
+  mover.name = copy.name;
+  mover.dtype = copy.dtype;
+  mover.role = ActorRole::transfer;
+  mover.stage = out.actors[consumers.front()].stage;
+  mover.inputs = {InputPort{r, 0}};
+  mover.outputs = {local};
+  out.add_actor(std::move(mover));
+  auto& readers = out.registers[r].consumers;
+  for (ActorIndex c : consumers) {
+    readers.erase(std::find(readers.begin(), readers.end(), c));
+    for (InputPort& in : out.actors[c].inputs) {
+      if (in.reg == r) in.reg = local;
+    }
+    out.registers[local].consumers.push_back(c);
+  }
+}
+
+}  // namespace
+
 Plan insert_transfers(const Plan& plan) {
   Plan out = plan;
   const auto n_registers = static_cast<RegisterIndex>(plan.registers.size());
@@ -169,30 +199,11 @@ Plan insert_transfers(const Plan& plan) {
       if (a.where.rank != home && a.kind != ActorKind::transfer) remote[a.where.rank].push_back(c);
     }
     for (const auto& [rank, consumers] : remote) {
-      RegisterDesc copy = out.registers[r];
-      copy.name = fmt::format("{}@r{}", copy.name, rank);
-      copy.producer = no_actor;
-      copy.consumers.clear();
-      const RegisterIndex local = out.add_register(copy);
       ActorDesc t;
-      t.name = copy.name;
       t.kind = ActorKind::transfer;
       t.op = "transfer";
-      t.dtype = copy.dtype;
       t.where = out.actors[consumers.front()].where;
-      t.role = ActorRole::transfer;
-      t.stage = out.actors[consumers.front()].stage;
-      t.inputs = {InputPort{r, 0}};
-      t.outputs = {local};
-      out.add_actor(std::move(t));
-      auto& readers = out.registers[r].consumers;
-      for (ActorIndex c : consumers) {
-        readers.erase(std::find(readers.begin(), readers.end(), c));
-        for (InputPort& in : out.actors[c].inputs) {
-          if (in.reg == r) in.reg = local;
-        }
-        out.registers[local].consumers.push_back(c);
-      }
+      reroute(out, r, consumers, fmt::format("r{}", rank), std::move(t));
     }
   }
   return out;
@@ -216,30 +227,11 @@ Plan insert_device_copies(const Plan& plan) {
       elsewhere[a.where.device].push_back(c);
     }
     for (const auto& [device, consumers] : elsewhere) {
-      RegisterDesc copy = out.registers[r];
-      copy.name = fmt::format("{}@{}", copy.name, device.str());
-      copy.producer = no_actor;
-      copy.consumers.clear();
-      const RegisterIndex local = out.add_register(copy);
       const bool to_host = device.type != DeviceType::cuda;
       ActorDesc t;
-      t.name = copy.name;
       t.op = to_host ? "to_host" : "to_device";
-      t.dtype = copy.dtype;
       t.where = Placement{home.rank, to_host ? home.device : device, device_copy_stream};
-      t.role = ActorRole::transfer;
-      t.stage = out.actors[consumers.front()].stage;
-      t.inputs = {InputPort{r, 0}};
-      t.outputs = {local};
-      out.add_actor(std::move(t));
-      auto& readers = out.registers[r].consumers;
-      for (ActorIndex c : consumers) {
-        readers.erase(std::find(readers.begin(), readers.end(), c));
-        for (InputPort& in : out.actors[c].inputs) {
-          if (in.reg == r) in.reg = local;
-        }
-        out.registers[local].consumers.push_back(c);
-      }
+      reroute(out, r, consumers, device.str(), std::move(t));
     }
   }
   return out;
