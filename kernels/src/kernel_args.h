@@ -1,8 +1,10 @@
 #pragma once
 // Private to kernels/src: how a kernel fetches the tensors it relies on, with an error naming
 // the op (and the tensor's role, where given) when one is missing.
+#include <algorithm>
 #include <cstddef>
 #include <stdexcept>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -26,6 +28,45 @@ inline Tensor& need_output(const KernelContext& ctx, std::size_t i, const char* 
                                                 : fmt::format("{}: output {} ({}) is missing", op, i, role));
   }
   return *ctx.outputs[i];
+}
+
+/// The extents of c = op(a) op(b), batched over a's leading axes (b shared when it is 2-D),
+/// after checking that a, b and c fit together; every kernel of "matmul" (CPU, CUDA) reads them
+/// here, so they all accept and refuse the same shapes with the same words.
+struct MatmulDims {
+  std::int64_t m = 0, k = 0, n = 0;
+  /// Products in the batch (1 without batch axes).
+  std::int64_t batches = 1;
+  /// b is 2-D: one weight for every batch entry.
+  bool shared_b = false;
+};
+
+inline MatmulDims matmul_dims(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b) {
+  const Shape& as = a.shape();
+  const Shape& bs = b.shape();
+  auto fail = [&](const std::string& why) {
+    return std::invalid_argument(fmt::format("matmul (trans_a={}, trans_b={}): a {}, b {}, c {}: {}", int(trans_a),
+                                             int(trans_b), a.describe(), b.describe(), c.describe(), why));
+  };
+  if (as.size() < 2 || bs.size() < 2) throw fail("a and b need at least two axes");
+  const std::size_t ra = as.size(), rb = bs.size();
+  MatmulDims d;
+  d.m = trans_a ? as[ra - 1] : as[ra - 2];
+  d.k = trans_a ? as[ra - 2] : as[ra - 1];
+  const std::int64_t kb = trans_b ? bs[rb - 1] : bs[rb - 2];
+  d.n = trans_b ? bs[rb - 2] : bs[rb - 1];
+  if (d.k != kb) throw fail(fmt::format("inner extents differ ({} vs {})", d.k, kb));
+  const Shape batch(as.begin(), as.end() - 2);
+  d.shared_b = rb == 2;
+  if (!d.shared_b && !std::equal(batch.begin(), batch.end(), bs.begin(), bs.end() - 2)) {
+    throw fail("b's batch axes must be absent or equal a's");
+  }
+  Shape want = batch;
+  want.push_back(d.m);
+  want.push_back(d.n);
+  if (c.shape() != want) throw fail(fmt::format("c should be {}", to_string(want)));
+  for (auto e : batch) d.batches *= e;
+  return d;
 }
 
 }  // namespace baton::detail

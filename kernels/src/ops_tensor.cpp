@@ -114,32 +114,17 @@ class MatmulKernel final : public Kernel {
     Tensor& c = need_output(ctx, 0, "matmul");
     const Shape& as = a.shape();
     const Shape& bs = b.shape();
-    auto fail = [&](const std::string& why) {
-      return std::invalid_argument(
-          fmt::format("matmul (trans_a={}, trans_b={}): a {}, b {}, c {}: {}", int(trans_a_),
-                      int(trans_b_), a.describe(), b.describe(), c.describe(), why));
-    };
-    if (as.size() < 2 || bs.size() < 2) throw fail("a and b need at least two axes");
     const std::size_t ra = as.size();
     const std::size_t rb = bs.size();
-    const std::int64_t m = trans_a_ ? as[ra - 1] : as[ra - 2];
-    const std::int64_t k = trans_a_ ? as[ra - 2] : as[ra - 1];
-    const std::int64_t kb = trans_b_ ? bs[rb - 1] : bs[rb - 2];
-    const std::int64_t n = trans_b_ ? bs[rb - 2] : bs[rb - 1];
-    if (k != kb) throw fail(fmt::format("inner extents differ ({} vs {})", k, kb));
-    const Shape batch(as.begin(), as.end() - 2);
-    const bool shared_b = rb == 2;
-    if (!shared_b && !std::equal(batch.begin(), batch.end(), bs.begin(), bs.end() - 2)) {
-      throw fail("b's batch axes must be absent or equal a's");
-    }
-    Shape want = batch;
-    want.push_back(m);
-    want.push_back(n);
-    if (c.shape() != want) throw fail(fmt::format("c should be {}", to_string(want)));
-    const std::int64_t batches = product(batch, 0, batch.size());
+    const detail::MatmulDims dims = detail::matmul_dims(a, b, c, trans_a_, trans_b_);
+    const std::int64_t m = dims.m, k = dims.k, n = dims.n, batches = dims.batches;
+    const bool shared_b = dims.shared_b;
     const std::int64_t rows = shared_b && !trans_a_ ? batches * m : m;
     for (std::int64_t d : {rows, n, k, as[ra - 1], bs[rb - 1]}) {
-      if (d > INT_MAX) throw fail("an extent exceeds BLAS's 32-bit int");
+      if (d > INT_MAX) {
+        throw std::invalid_argument(fmt::format("matmul: a {}, b {}: an extent exceeds BLAS's 32-bit int",
+                                                a.describe(), b.describe()));
+      }
     }
 
     const T* pa = a.data<T>().data();

@@ -233,30 +233,14 @@ class MatmulKernel final : public Kernel {
     const Tensor& a = need_input(ctx, 0, name, "a");
     const Tensor& b = need_input(ctx, 1, name, "b");
     Tensor& c = need_output(ctx, 0, name, "c");
-    const Shape& as = a.shape();
-    const Shape& bs = b.shape();
+    const baton::detail::MatmulDims dims = baton::detail::matmul_dims(a, b, c, trans_a_, trans_b_);
+    const std::int64_t m = dims.m, k = dims.k, n = dims.n;
+    const bool shared_b = dims.shared_b;
+    std::int64_t batches = dims.batches;
     auto fail = [&](const std::string& why) {
       return std::invalid_argument(fmt::format("matmul (trans_a={}, trans_b={}): a {}, b {}, c {}: {}", int(trans_a_),
                                                int(trans_b_), a.describe(), b.describe(), c.describe(), why));
     };
-    if (as.size() < 2 || bs.size() < 2) throw fail("a and b need at least two axes");
-    const std::size_t ra = as.size(), rb = bs.size();
-    const std::int64_t m = trans_a_ ? as[ra - 1] : as[ra - 2];
-    const std::int64_t k = trans_a_ ? as[ra - 2] : as[ra - 1];
-    const std::int64_t kb = trans_b_ ? bs[rb - 1] : bs[rb - 2];
-    const std::int64_t n = trans_b_ ? bs[rb - 2] : bs[rb - 1];
-    if (k != kb) throw fail(fmt::format("inner extents differ ({} vs {})", k, kb));
-    const Shape batch(as.begin(), as.end() - 2);
-    const bool shared_b = rb == 2;
-    if (!shared_b && !std::equal(batch.begin(), batch.end(), bs.begin(), bs.end() - 2)) {
-      throw fail("b's batch axes must be absent or equal a's");
-    }
-    Shape want = batch;
-    want.push_back(m);
-    want.push_back(n);
-    if (c.shape() != want) throw fail(fmt::format("c should be {}", to_string(want)));
-    std::int64_t batches = 1;
-    for (auto d : batch) batches *= d;
     // One a shared b and an untransposed a: the batch is just more rows of one product.
     std::int64_t rows = m;
     if (shared_b && !trans_a_) {
