@@ -639,15 +639,21 @@ std::string Model::state_json() const {
                ? fmt::format(", {}", plan.actors[i].op)
                : std::string();
   };
-  if (b && b->strong) {
-    const ActorState& a = actors[b->actor];
+  // What every hint says of the actor it names.
+  auto hint = [&](std::size_t i, bool confident) {
+    const ActorState& a = actors[i];
     json::object x;
-    x["i"] = b->actor;
-    x["name"] = actor_name(b->actor);
+    x["i"] = i;
+    x["name"] = actor_name(i);
     x["rank"] = a.rank;
     x["busy"] = rounded(a.busy_share());
     x["backpressured"] = rounded(a.share(2));
-    x["confident"] = true;
+    x["confident"] = confident;
+    return x;
+  };
+  if (b && b->strong) {
+    const ActorState& a = actors[b->actor];
+    json::object x = hint(b->actor, true);
     x["text"] = fmt::format(
         "{} (rank {}{}) is busy {:.0f}% of the time and back-pressured only {:.0f}%: it sets the pace. Actors "
         "upstream wait for its free slots, those downstream for its output: make it faster or split it.",
@@ -657,15 +663,9 @@ std::string Model::state_json() const {
     // No single actor saturates, but a worker thread does: its actors together set the pace
     // (a pipeline stage with many small ops).
     const ActorState& a = actors[w->busiest_actor];
-    json::object x;
-    x["i"] = w->busiest_actor;
-    x["name"] = actor_name(w->busiest_actor);
-    x["rank"] = a.rank;
-    x["busy"] = rounded(a.busy_share());
-    x["backpressured"] = rounded(a.share(2));
+    json::object x = hint(w->busiest_actor, true);
     x["worker"] = w->name;
     x["worker_busy"] = rounded(w->busy);
-    x["confident"] = true;
     x["text"] = fmt::format(
         "the worker {} (rank {}{}) is busy {:.0f}% of the time: its {} actors together set the pace; the busiest "
         "is {} ({:.0f}%). Give that stage less work (rebalance) or another device.",
@@ -674,13 +674,7 @@ std::string Model::state_json() const {
     o["bottleneck"] = std::move(x);
   } else if (b) {
     const ActorState& a = actors[b->actor];
-    json::object x;
-    x["i"] = b->actor;
-    x["name"] = actor_name(b->actor);
-    x["rank"] = a.rank;
-    x["busy"] = rounded(a.busy_share());
-    x["backpressured"] = rounded(a.share(2));
-    x["confident"] = false;
+    json::object x = hint(b->actor, false);
     x["text"] = fmt::format(
         "{} (rank {}{}) is busy {:.0f}% of the time and back-pressured only {:.0f}%. Nothing is saturated; it is "
         "the busiest actor that nothing holds up.",
