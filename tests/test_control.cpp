@@ -149,6 +149,17 @@ TEST_CASE("control: parse_endpoint and random_token" * doctest::timeout(30)) {
   CHECK(a.size() == 32);
   CHECK(a.find_first_not_of("0123456789abcdef") == std::string::npos);
   CHECK(a != b);
+
+  using baton::transport::tokens_equal;
+  CHECK(tokens_equal(a, a));
+  CHECK(tokens_equal("", ""));
+  CHECK_FALSE(tokens_equal(a, b));
+  CHECK_FALSE(tokens_equal(a.substr(0, 31), a));           // a prefix is not the token
+  CHECK_FALSE(tokens_equal(a + "0", a));                   // nor is a longer string
+  CHECK_FALSE(tokens_equal("", a));
+  std::string last = a;
+  last.back() = last.back() == '0' ? '1' : '0';
+  CHECK_FALSE(tokens_equal(last, a));  // a difference in the last byte counts as much as in the first
 }
 
 TEST_CASE("control: four ranks join and get the same table with binary addresses intact" * doctest::timeout(30)) {

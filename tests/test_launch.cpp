@@ -481,6 +481,14 @@ TEST_CASE("Launch.Plan.RejectsBadInputByName" * doctest::timeout(60)) {
     CHECK(plan.master_host == "thishost");  // "localhost" would mean "other" itself there
     CHECK(plan.bind_host == "0.0.0.0");
   }
+  {
+    CommandLine c = cli;
+    c.hosts = "localhost:2,other:2";
+    c.bind = "10.1.2.3";  // the user names the interface: not every interface
+    CHECK(resolve_plan(c, env, machine).bind_host == "10.1.2.3");
+    c.bind = "a b";
+    CHECK(error(c) == "--bind 'a b': expected an address or host name (e.g. 10.0.0.1, ::1, node0)");
+  }
 }
 
 TEST_CASE("Launch.RemoteCommand.QuotesEveryWord" * doctest::timeout(60)) {

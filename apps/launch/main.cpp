@@ -84,6 +84,9 @@ int main(int argc, char** argv) {
                  "h1,h2,...: this machine (h1) and the hosts to ssh to; h:N gives N slots");
   app.add_option("--hostfile", cli.hostfile,
                  "a file of hosts, one a line (\"host slots=N\"; # comments)");
+  app.add_option("--bind", cli.bind,
+                 "ADDR: the interface node 0's rendezvous server listens on (default: loopback for one "
+                 "node, every interface for several)");
   app.add_option("--token", cli.token,
                  "the job token (default $BATON_JOB_TOKEN, else a fresh one)");
   app.add_option(

@@ -268,7 +268,26 @@ ThisMachine this_machine() {
   return ThisMachine{is_this_host, name};
 }
 
+namespace {
+Plan resolve_layout(const CommandLine& cli, const Environment& env, const ThisMachine& machine);
+}  // namespace
+
 Plan resolve_plan(const CommandLine& cli, const Environment& env, const ThisMachine& machine) {
+  Plan plan = resolve_layout(cli, env, machine);
+  // --bind: the user names the interface. Only node 0 listens; the others just pass it on.
+  if (!cli.bind.empty()) {
+    if (cli.bind.find_first_of(" \t/") != std::string::npos || cli.bind.front() == '[') {
+      throw UsageError(fmt::format("--bind '{}': expected an address or host name (e.g. 10.0.0.1, ::1, node0)",
+                                   cli.bind));
+    }
+    plan.bind_host = cli.bind;
+  }
+  return plan;
+}
+
+namespace {
+
+Plan resolve_layout(const CommandLine& cli, const Environment& env, const ThisMachine& machine) {
   if (cli.program.empty())
     throw UsageError("no program to run: baton-launch [OPTIONS] -- PROGRAM [ARGS...]");
   Plan plan;
@@ -410,6 +429,8 @@ Plan resolve_plan(const CommandLine& cli, const Environment& env, const ThisMach
   }
   return plan;
 }
+
+}  // namespace
 
 std::string shell_quote(std::string_view word) {
   const bool plain = !word.empty() && std::all_of(word.begin(), word.end(), [](char c) {

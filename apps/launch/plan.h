@@ -29,6 +29,7 @@ struct CommandLine {
   std::string hosts;     // --hosts h1,h2 (h:N gives N slots)
   std::string hostfile;  // --hostfile F
   std::string token;     // --token T
+  std::string bind;      // --bind ADDR: the interface node 0's server listens on
   std::chrono::milliseconds finish_timeout{300'000};
   std::string trace;                 // --trace FILE
   std::vector<std::string> program;  // PROGRAM ARGS...

@@ -466,6 +466,18 @@ std::pair<std::string, std::uint16_t> parse_endpoint(const std::string& text) {
   return {host, static_cast<std::uint16_t>(port)};
 }
 
+bool tokens_equal(std::string_view given, std::string_view expected) {
+  // Time depends on the lengths only, never on where the first difference is, so a peer cannot
+  // find the token a byte at a time by timing refusals. The lengths are not secret (a token's
+  // length is fixed by how it is made).
+  unsigned char diff = given.size() == expected.size() ? 0 : 1;
+  const std::size_t n = std::min(given.size(), expected.size());
+  volatile const unsigned char* a = reinterpret_cast<const unsigned char*>(given.data());
+  volatile const unsigned char* b = reinterpret_cast<const unsigned char*>(expected.data());
+  for (std::size_t i = 0; i < n; ++i) diff = static_cast<unsigned char>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
 std::string random_token() {
   std::random_device device;
   std::string token;
@@ -669,7 +681,7 @@ struct RendezvousServer::Impl {
     info.plan_hash = get_hash(m, "plan_hash");
 
     if (ended) return refuse(*p, fmt::format("the job has already ended: {}", ended_reason));
-    if (token != settings.token) return refuse(*p, "wrong job token");
+    if (!tokens_equal(token, settings.token)) return refuse(*p, "wrong job token");
     if (world_size != settings.world_size) {
       return refuse(*p, fmt::format("rank {} says the world size is {}, the server's is {}", rank, world_size,
                                     settings.world_size));
@@ -728,7 +740,7 @@ struct RendezvousServer::Impl {
     const std::string host = m.if_contains("host") ? get_string(m, "host") : std::string("unknown");
     const std::optional<std::string> token = m.if_contains("token") ? std::optional(get_string(m, "token")) : std::nullopt;
     if (ended) return refuse(*p, fmt::format("the job has already ended: {}", ended_reason));
-    if (token ? *token != settings.token : !settings.hand_out_token) {
+    if (token ? !tokens_equal(*token, settings.token) : !settings.hand_out_token) {
       return refuse(*p, token ? "wrong job token" : "this job needs a token (the server does not hand it out)");
     }
     if (node == 0 || node > settings.launchers) {

@@ -37,6 +37,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "baton/transport/link.h"
@@ -54,8 +55,12 @@ struct RankInfo {
 /// "host:port" -> {host, port}; "[::1]:29500" for IPv6. Throws TransportError naming the text.
 std::pair<std::string, std::uint16_t> parse_endpoint(const std::string& text);
 
-/// A fresh random job token (hex, 32 characters).
+/// A fresh random job token (hex, 32 characters: 128 bits from std::random_device).
 std::string random_token();
+
+/// Whether a peer's token is the job's, in time that does not depend on where they differ
+/// (the server checks every hello this way).
+bool tokens_equal(std::string_view given, std::string_view expected);
 
 /// The largest telemetry body a rank may send in one message (the server reads lines of at
 /// most 1 MiB); a sender splits bigger payloads.
