@@ -206,7 +206,8 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
     if (!first) put(",\n");
     first = false;
   };
-  for (const auto& [r, workers] : threads) {
+  for (const auto& [rank, workers] : threads) {
+    const auto r = rank;  // the lambdas below capture it (clang < 16 cannot capture a binding)
     auto info = ranks.find(r);
     const std::string host = info == ranks.end() ? std::string() : info->second.host;
     begin_event();

@@ -349,8 +349,10 @@ class Channel : public std::enable_shared_from_this<Channel> {
       return lose(Loss::closed, ec == asio::error::eof ? std::string("end of file") : ec.message());
     }
     last_heard_ = Clock::now();
-    const auto begin = asio::buffers_begin(buffer_.data());
-    std::string line(begin, begin + static_cast<std::ptrdiff_t>(n) - 1);
+    // A basic_streambuf's input is one contiguous buffer. (An iterator from buffers_begin()
+    // would point into the temporary buffer sequence data() returns: found by the fuzzer.)
+    const asio::const_buffer input = buffer_.data();
+    std::string line(static_cast<const char*>(input.data()), n - 1);
     buffer_.consume(n);
     if (state_ == State::open) {
       error_code parse_ec;
