@@ -204,6 +204,7 @@ class Job {
       settings.world_size = plan_.world_size();
       settings.launchers = plan_.nnodes - 1;
       settings.hand_out_token = plan_.hand_out_token;
+      settings.join_timeout = plan_.join_timeout;
       start_dashboard();
       if (!plan_.trace.empty() && !trace_) trace_ = std::make_unique<observe::TraceCollector>();
       // The server's thread hands each rank's telemetry on: traces to the trace collector, the
@@ -235,6 +236,7 @@ class Job {
       settings.master = plan_.master;
       settings.token = plan_.token;
       settings.node_rank = plan_.node_rank;
+      settings.join_timeout = plan_.join_timeout;
       client_ = std::make_unique<transport::LauncherClient>(settings);
       // Called on the client's thread: only wake the event loop, which asks aborted().
       client_->on_abort([this](const std::string&) { signals_.wake(); });

@@ -66,6 +66,7 @@ int main(int argc, char** argv) {
   CommandLine cli;
   std::int64_t nproc_per_node = 1, nnodes = 1, node_rank = 0;
   double finish_timeout_s = 300;
+  double join_timeout_s = 120;
   baton::launch::DashboardOptions dashboard;
   double dashboard_linger_s = 0;
   CLI::App app{
@@ -93,6 +94,9 @@ int main(int argc, char** argv) {
          "--finish-timeout", finish_timeout_s,
          "node 0 of several: seconds to wait for the other nodes after its own ranks are done")
       ->check(CLI::PositiveNumber);
+  app.add_option("--join-timeout", join_timeout_s,
+                 "seconds for the job to form: every rank and node joined, the master reached (default 120)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--trace", cli.trace,
                  "FILE: the ranks record their acts; node 0 writes one Chrome trace of them all "
                  "(open it in ui.perfetto.dev or chrome://tracing)");
@@ -117,6 +121,7 @@ int main(int argc, char** argv) {
   if (app.count("--node-rank")) cli.node_rank = node_rank;
   cli.finish_timeout =
       std::chrono::milliseconds(static_cast<std::int64_t>(finish_timeout_s * 1000));
+  cli.join_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(join_timeout_s * 1000));
   cli.program = app.remaining();
   if (!cli.program.empty() && cli.program.front() == "--") {
     cli.program.erase(cli.program.begin());

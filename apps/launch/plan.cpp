@@ -293,6 +293,7 @@ Plan resolve_layout(const CommandLine& cli, const Environment& env, const ThisMa
   Plan plan;
   plan.program = cli.program;
   plan.finish_timeout = cli.finish_timeout;
+  plan.join_timeout = cli.join_timeout;
   plan.trace = cli.trace;
   plan.token = !cli.token.empty() ? cli.token : env("BATON_JOB_TOKEN").value_or("");
   if (cli.nproc_per_node)

@@ -31,6 +31,7 @@ struct CommandLine {
   std::string token;     // --token T
   std::string bind;      // --bind ADDR: the interface node 0's server listens on
   std::chrono::milliseconds finish_timeout{300'000};
+  std::chrono::milliseconds join_timeout{120'000};  // --join-timeout S
   std::string trace;                 // --trace FILE
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
@@ -102,6 +103,9 @@ struct Plan {
   std::string scheduler;
   /// Node 0 of several: how long to wait for the other nodes once its own ranks are done.
   std::chrono::milliseconds finish_timeout{300'000};
+  /// How long every node (and node 0's server, for the ranks and the other launchers) waits
+  /// for the job to form: an unreachable master or a node that never comes is an error then.
+  std::chrono::milliseconds join_timeout{120'000};
   /// --trace FILE: the ranks get BATON_TRACE=FILE (absolute) and stream their act records;
   /// node 0 merges them into FILE when the job ends. Empty: no trace.
   std::string trace;

@@ -194,11 +194,24 @@ int run(const Options& o) {
   cfg.threads = o.threads;
   cfg.dp = o.dp;
   cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
+  // A stage is at least one layer: a finer cut would split a layer's ops over devices, which
+  // only adds transfers. Refused here, where the model's layers are known.
+  const std::int64_t model_layers = o.model == "mlp" ? o.layers + 1 : o.layers + 2;
+  if (o.pp > model_layers) {
+    throw std::invalid_argument(fmt::format(
+        "--pp {} is more stages than the {} has layers: {} ({}); use --pp {} or fewer, or more --layers", o.pp, o.model,
+        model_layers,
+        o.model == "mlp" ? fmt::format("{} hidden and the output layer", o.layers)
+                         : fmt::format("the embedding, {} blocks and the head", o.layers),
+        model_layers));
+  }
   cfg.pp = o.pp;
   cfg.tp = static_cast<int>(o.tp);
   cfg.schedule = o.schedule;
   cfg.balance = o.balance;
-  if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed()) cfg.replica_places = replica_places(o, env);
+  if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed() || !o.devices.empty()) {
+    cfg.replica_places = replica_places(o, env);  // also checks --devices
+  }
   if (text) {
     cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
   } else {
