@@ -52,6 +52,7 @@ inline ActorDesc pattern_actor(std::string name, std::uint16_t rank, std::vector
 ///   fanout: src(r0) read by a sink on every rank, two on each rank > 0 (they share a transfer)
 ///   fanin:  a source on every rank, one sink on rank 0 reading them all
 ///   ring:   src(r0) -> r1 -> ... -> r(W-1) -> sink(r0): back to where it started
+///   soak:   a chain of 16 actors in blocks of 4 that alternate ranks (the soak test's graph)
 inline Plan cross_rank_plan(const CrossRankShape& s) {
   using detail_xrank::pattern_actor;
   if (s.world < 2) throw std::invalid_argument("cross-rank plans need 2 ranks or more");
@@ -89,8 +90,19 @@ inline Plan cross_rank_plan(const CrossRankShape& s) {
       add(pattern_actor(fmt::format("src{}", k), k, {}, {all.back()}, s));
     }
     add(pattern_actor("sink", 0, all, {}, s));
+  } else if (s.topology == "soak") {
+    // 16 actors in blocks of 4 that alternate ranks (r0, r1, r0, r1 with two ranks): every piece
+    // crosses ranks three times, and each rank holds sources of work, transfers and sinks.
+    RegisterIndex prev = reg("a0.out");
+    add(pattern_actor("a0", 0, {}, {prev}, s));
+    for (int i = 1; i < 15; ++i) {
+      RegisterIndex next = reg(fmt::format("a{}.out", i));
+      add(pattern_actor(fmt::format("a{}", i), static_cast<std::uint16_t>((i / 4) % s.world), {prev}, {next}, s));
+      prev = next;
+    }
+    add(pattern_actor("a15", static_cast<std::uint16_t>((15 / 4) % s.world), {prev}, {}, s));
   } else {
-    throw std::invalid_argument("unknown topology '" + s.topology + "' (chain, fanout, fanin, ring)");
+    throw std::invalid_argument("unknown topology '" + s.topology + "' (chain, fanout, fanin, ring, soak)");
   }
   return p;
 }

@@ -33,7 +33,7 @@ int sh(const std::string& cmd) {
 /// Two namespaces, "a" at 10.R.0.1 and "b" at 10.R.0.2, joined by a veth pair; removed (with
 /// the pair) by the destructor.
 struct TwoHosts {
-  std::string a, b, addr_a, addr_b, why_not;
+  std::string a, b, addr_a, addr_b, veth_a, why_not;
   bool ok = false;
 
   TwoHosts() {
@@ -51,6 +51,7 @@ struct TwoHosts {
     addr_a = fmt::format("10.{}.0.1", id);
     addr_b = fmt::format("10.{}.0.2", id);
     const std::string va = fmt::format("bv{}a", getpid() % 100000), vb = fmt::format("bv{}b", getpid() % 100000);
+    veth_a = va;
     const std::vector<std::string> steps = {
         fmt::format("ip netns add {}", a),
         fmt::format("ip netns add {}", b),
@@ -145,6 +146,43 @@ TEST_CASE("multi-host: a rank killed on the other host ends the job on both" * d
   CHECK(std::chrono::steady_clock::now() - t0 < 12s);
   CHECK(contains(node0.err(), "rank 1"));
   CHECK(contains(node1.err(), "rank 1"));
+}
+
+TEST_CASE("multi-host: a network partition (link down) is found by heartbeats and ends the job on both sides" *
+          doctest::timeout(180)) {
+  TwoHosts hosts;
+  if (!hosts.ok) {
+    MESSAGE("skipped: " << hosts.why_not);
+    return;
+  }
+  const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port() + 2);
+  auto launcher = [&](const std::string& ns, int node) {
+    return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
+                         master, "--token", "netns-partition-token", "--", bin + "/baton-xrank-check", "--topology",
+                         "chain", "--pieces", "1000000", "--sleep-us", "200"});
+  };
+  Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
+  Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
+  REQUIRE_MESSAGE(node1.read_until([](const std::string& out, const std::string&) { return contains(out, "rank 1 pid "); },
+                                   60s),
+                  node1.all());
+  std::this_thread::sleep_for(1500ms);  // pieces flowing between the hosts
+  // Pull the cable: nothing crosses any more, and neither side gets a reset or an end of file.
+  REQUIRE(sh(fmt::format("ip -n {} link set {} down", hosts.a, hosts.veth_a)) == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  int c1 = node1.wait(60s);
+  int c0 = node0.wait(60s);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  INFO("node 0:\n" << node0.all() << "\nnode 1:\n" << node1.all());
+  CHECK(c0 > 0);
+  CHECK(c1 > 0);
+  CHECK(c0 < 128);
+  CHECK(c1 < 128);
+  // The heartbeat timeout is 10 s; the rest is the ranks' SIGTERM grace.
+  CHECK(took < 25s);
+  // Node 0's server names the silent side; node 1 says it lost the server.
+  CHECK(contains(node0.err(), "sent nothing for 10 s"));
+  CHECK(contains(node1.err(), "rendezvous server at " + master));
 }
 
 TEST_CASE("multi-host: --hosts starts the other host's launcher over ssh" * doctest::timeout(180)) {
