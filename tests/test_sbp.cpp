@@ -554,3 +554,54 @@ TEST_CASE("Sbp.AnnotatedMlpTrainsAsOneDevice" * doctest::timeout(180)) {
     }
   }
 }
+
+TEST_CASE("Sbp.AttentionBlockSplitByHeadsNeedsOneAllReduce") {
+  // Megatron's attention from three annotations: wq, wk, wv by columns, wo by rows. The heads
+  // axis carries the split through reshape, transpose, the batched products, the mask and the
+  // softmax; the output projection is P, all-reduced once before the residual add. Values and
+  // gradients must equal the logical graph's.
+  const std::int64_t b = 2, t = 4, d = 8, nh = 4, dh = d / nh;
+  for (int tp : {2, 4}) {
+    CAPTURE(tp);
+    Graph logical(9);
+    auto x = logical.input("x", {b, t, d});
+    auto ln = layer_norm(x);
+    auto w = [&](const char* name, Sbp s) { return logical.variable(name, {d, d}, init::normal(0.0, 0.3), s); };
+    auto wq = w("wq", S(1)), wk = w("wk", S(1)), wv = w("wv", S(1)), wo = w("wo", S(0));
+    auto heads = [&](Value v) { return transpose(reshape(matmul(ln, v), {b, t, nh, dh}), {0, 2, 1, 3}); };
+    auto q = heads(wq), k = heads(wk), v = heads(wv);
+    auto att = softmax(causal_mask(matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
+    auto o = reshape(transpose(matmul(att, v), {0, 2, 1, 3}), {b, t, d});
+    Value y = (x + matmul(o, wo)).named("y");
+    Graph physical(9);
+    ShardedGraph sharded = shard_graph(logical, physical, tp);
+    CHECK(sharded.sbp(q) == S(1));
+    CHECK(sharded.sbp(att) == S(1));
+    CHECK(sharded.sbp(o) == S(2));
+    REQUIRE(sharded.movements().size() == 1);
+    CHECK(sharded.movements()[0].kind == Movement::all_reduce);
+    CHECK(sharded.movements()[0].consumers == std::vector<std::string>{"y"});
+
+    const Tensor feed = filled({b, t, d}, 5);
+    auto lp = ParameterStore::initialize(logical);
+    auto pp = ParameterStore::initialize(physical);
+    Value whole = sharded.whole(y);
+    std::vector<Value> vars = physical.variables();
+    std::vector<Value> fetch = gradients(sum(whole * whole), vars);
+    fetch.push_back(whole);
+    auto got = evaluate(physical, {{"x", feed}}, fetch, *pp);
+    std::vector<Value> want_fetch = gradients(sum(y * y), {wq, wk, wv, wo});
+    want_fetch.push_back(y);
+    auto want = evaluate(logical, {{"x", feed}}, want_fetch, *lp);
+    check_close(want.back(), got.back());
+    std::map<std::string, Tensor> grads;
+    for (std::size_t i = 0; i < vars.size(); ++i) grads[vars[i].name()] = got[i];
+    auto joined = join_parts(physical, grads);
+    const char* names[] = {"wq", "wk", "wv", "wo"};
+    for (std::size_t i = 0; i < 4; ++i) {
+      CAPTURE(names[i]);
+      REQUIRE(joined.count(names[i]));
+      check_close(want[i], joined.at(names[i]));
+    }
+  }
+}

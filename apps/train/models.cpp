@@ -19,9 +19,13 @@ Value mlp(Graph& g, std::int64_t batch, const MlpShape& s, std::string* sbp_text
     std::int64_t width = s.inputs;
     for (std::int64_t l = 0; l < s.layers; ++l) {
       const bool columns = l % 2 == 0 && l + 1 < s.layers, rows = l % 2 == 1;
-      auto w = m.variable(fmt::format("fc{}.w", l), {width, s.hidden}, init::kaiming(),
-                          columns ? sbp::split(1) : rows ? sbp::split(0) : sbp::broadcast());
-      auto b = m.variable(fmt::format("fc{}.b", l), {s.hidden}, init::zeros(), columns ? sbp::split(0) : sbp::broadcast());
+      auto w = m.variable(fmt::format("fc{}.w", l), {width, s.hidden}, init::kaiming());
+      auto b = m.variable(fmt::format("fc{}.b", l), {s.hidden}, init::zeros());
+      if (columns) {
+        m.set_sbp(w, sbp::split(1));
+        m.set_sbp(b, sbp::split(0));
+      }
+      if (rows) m.set_sbp(w, sbp::split(0));
       h = relu(matmul(h, w) + b);
       width = s.hidden;
     }
