@@ -72,8 +72,6 @@ void fill_initial(Tensor& t, const Node& n, std::uint64_t seed) {
   }
 }
 
-}  // namespace
-
 // Part `index` of `parts` equal pieces of `whole` along `axis`.
 Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, std::int32_t parts) {
   const Shape& s = whole.shape();
@@ -96,6 +94,8 @@ Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, st
   }
   return out;
 }
+
+}  // namespace
 
 std::shared_ptr<ParameterStore> ParameterStore::initialize(Graph& g) {
   auto store = std::make_shared<ParameterStore>();
