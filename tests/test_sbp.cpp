@@ -24,9 +24,13 @@ namespace {
 
 const Sbp B = sbp::broadcast();
 const Sbp P = sbp::partial_sum();
-Sbp S(std::int32_t a) { return sbp::split(a); }
+Sbp S(std::int32_t a) {
+  return sbp::split(a);
+}
 
-Signature sig(Value v, std::vector<Sbp> given, int tp = 2) { return infer_signature(v.graph(), v.id(), given, tp); }
+Signature sig(Value v, std::vector<Sbp> given, int tp = 2) {
+  return infer_signature(v.graph(), v.id(), given, tp);
+}
 
 std::string str(const Signature& s) {
   std::string out;
@@ -35,14 +39,16 @@ std::string str(const Signature& s) {
 }
 
 // Checks a signature and prints both on failure.
-#define CHECK_SIG(actual, expected) CHECK_MESSAGE((actual) == (expected), str(actual) << " vs expected " << str(expected))
+#define CHECK_SIG(actual, expected) \
+  CHECK_MESSAGE((actual) == (expected), str(actual) << " vs expected " << str(expected))
 
 Tensor filled(Shape shape, std::uint64_t seed) {
   Tensor t = Tensor::empty(std::move(shape), f32);
   std::uint64_t s = seed;
   for (float& x : t.data<float>()) {
     s = s * 6364136223846793005ull + 1442695040888963407ull;
-    x = static_cast<float>(static_cast<double>(s >> 40) / static_cast<double>(1ull << 24)) * 2.0f - 1.0f;
+    x = static_cast<float>(static_cast<double>(s >> 40) / static_cast<double>(1ull << 24)) * 2.0f -
+        1.0f;
   }
   return t;
 }
@@ -53,7 +59,8 @@ void check_close(const Tensor& a, const Tensor& b, double tol = 1e-5) {
   auto y = b.data<float>();
   double worst = 0;
   for (std::size_t i = 0; i < x.size(); ++i) {
-    worst = std::max(worst, std::abs(double(x[i]) - double(y[i])) / std::max(1.0, std::abs(double(x[i]))));
+    worst = std::max(worst,
+                     std::abs(double(x[i]) - double(y[i])) / std::max(1.0, std::abs(double(x[i]))));
   }
   INFO("largest relative difference " << worst);
   CHECK(worst <= tol);
@@ -93,7 +100,9 @@ TEST_CASE("Sbp.PrintsAndAnnotates") {
   std::string msg = test::thrown_message<GraphError>([&] { g.set_sbp(b, S(1)); });
   CHECK(contains(msg, "b f32[6]"));
   CHECK(contains(msg, "no axis 1"));
-  msg = test::thrown_message<GraphError>([&] { g.variable("v", {3, 4}, init::zeros(), sbp::split(-3)); });
+  msg = test::thrown_message<GraphError>([&] {
+    g.variable("v", {3, 4}, init::zeros(), sbp::split(-3));
+  });
   CHECK(contains(msg, "no axis -3"));
 }
 
@@ -107,22 +116,22 @@ TEST_CASE("Sbp.InferenceRulesPerOp") {
 
   SUBCASE("matmul: Megatron's column and row splits, data split, partial sums") {
     auto y = matmul(x, w);
-    CHECK_SIG(sig(y, {B, S(1)}), (Signature{{B, S(1)}, S(1)}));        // column parallel
-    CHECK_SIG(sig(y, {S(1), S(0)}), (Signature{{S(1), S(0)}, P}));      // row parallel
-    CHECK_SIG(sig(y, {S(0), B}), (Signature{{S(0), B}, S(0)}));         // data parallel
-    CHECK_SIG(sig(y, {B, B}), (Signature{{B, B}, B}));                  // nothing split: nothing moves
-    CHECK_SIG(sig(y, {S(1), B}), (Signature{{S(1), S(0)}, P}));         // slicing the weight is free
-    CHECK_SIG(sig(y, {P, B}), (Signature{{P, B}, P}));                  // linear in each input
+    CHECK_SIG(sig(y, {B, S(1)}), (Signature{{B, S(1)}, S(1)}));     // column parallel
+    CHECK_SIG(sig(y, {S(1), S(0)}), (Signature{{S(1), S(0)}, P}));  // row parallel
+    CHECK_SIG(sig(y, {S(0), B}), (Signature{{S(0), B}, S(0)}));     // data parallel
+    CHECK_SIG(sig(y, {B, B}), (Signature{{B, B}, B}));              // nothing split: nothing moves
+    CHECK_SIG(sig(y, {S(1), B}), (Signature{{S(1), S(0)}, P}));     // slicing the weight is free
+    CHECK_SIG(sig(y, {P, B}), (Signature{{P, B}, P}));              // linear in each input
     CHECK_SIG(sig(y, {B, P}), (Signature{{B, P}, P}));
-    CHECK_SIG(sig(y, {P, S(1)}), (Signature{{B, S(1)}, S(1)}));         // all-reduce the P first
-    auto yt = matmul(x, g.variable("wt", {16, 12}), false, true);      // b read transposed: n is axis 0
+    CHECK_SIG(sig(y, {P, S(1)}), (Signature{{B, S(1)}, S(1)}));    // all-reduce the P first
+    auto yt = matmul(x, g.variable("wt", {16, 12}), false, true);  // b read transposed: n is axis 0
     CHECK_SIG(sig(yt, {B, S(0)}), (Signature{{B, S(0)}, S(1)}));
     CHECK_SIG(sig(yt, {S(1), S(1)}), (Signature{{S(1), S(1)}, P}));
     auto a3 = g.input("a3", {4, 8, 12});
     auto b3 = g.input("b3", {4, 12, 6});
     CHECK_SIG(sig(matmul(a3, b3), {S(0), S(0)}), (Signature{{S(0), S(0)}, S(0)}));  // batch split
     CHECK_SIG(sig(matmul(a3, w), {S(0), B}), (Signature{{S(0), B}, S(0)}));         // shared weight
-    CHECK_SIG(sig(matmul(a3, w), {S(1), B}), (Signature{{S(1), B}, S(1)}));         // rows of each batch
+    CHECK_SIG(sig(matmul(a3, w), {S(1), B}), (Signature{{S(1), B}, S(1)}));  // rows of each batch
     // Not divisible by 3: the weight cannot be sliced for the row rule, so the split is gathered.
     auto x3 = g.input("x3", {9, 9});
     auto w3 = g.variable("w3", {9, 10});
@@ -130,18 +139,19 @@ TEST_CASE("Sbp.InferenceRulesPerOp") {
     CHECK_SIG(sig(matmul(x3, w3), {S(1), B}, 4), (Signature{{B, B}, B}));
   }
   SUBCASE("elementwise: splits stay, broadcast inputs follow, P only where linear") {
-    CHECK_SIG(sig(h + bias, {S(1), S(0)}), (Signature{{S(1), S(0)}, S(1)}));  // the column-parallel bias
-    CHECK_SIG(sig(h + bias, {S(1), B}), (Signature{{S(1), S(0)}, S(1)}));     // sliced to match
-    CHECK_SIG(sig(h + bias, {S(0), B}), (Signature{{S(0), B}, S(0)}));        // bias has no axis 0
+    CHECK_SIG(sig(h + bias, {S(1), S(0)}),
+              (Signature{{S(1), S(0)}, S(1)}));  // the column-parallel bias
+    CHECK_SIG(sig(h + bias, {S(1), B}), (Signature{{S(1), S(0)}, S(1)}));  // sliced to match
+    CHECK_SIG(sig(h + bias, {S(0), B}), (Signature{{S(0), B}, S(0)}));     // bias has no axis 0
     CHECK_SIG(sig(h + row, {S(1), B}), (Signature{{S(1), S(1)}, S(1)}));
-    CHECK_SIG(sig(h + row, {S(0), B}), (Signature{{S(0), B}, S(0)}));         // row broadcasts over axis 0
+    CHECK_SIG(sig(h + row, {S(0), B}), (Signature{{S(0), B}, S(0)}));  // row broadcasts over axis 0
     CHECK_SIG(sig(h + h, {P, P}), (Signature{{P, P}, P}));
     CHECK_SIG(sig(h - h, {P, P}), (Signature{{P, P}, P}));
-    CHECK_SIG(sig(h + bias, {P, B}), (Signature{{B, B}, B}));                 // P + B: all-reduce the P
-    CHECK_SIG(sig(h + h, {P, S(1)}), (Signature{{S(1), S(1)}, S(1)}));        // reduce-scatter is cheaper
+    CHECK_SIG(sig(h + bias, {P, B}), (Signature{{B, B}, B}));           // P + B: all-reduce the P
+    CHECK_SIG(sig(h + h, {P, S(1)}), (Signature{{S(1), S(1)}, S(1)}));  // reduce-scatter is cheaper
     CHECK_SIG(sig(h * h, {P, B}), (Signature{{P, B}, P}));
     CHECK_SIG(sig(h * h, {B, P}), (Signature{{B, P}, P}));
-    CHECK_SIG(sig(h * h, {P, P}), (Signature{{P, B}, P}));                    // all-reduce one of them
+    CHECK_SIG(sig(h * h, {P, P}), (Signature{{P, B}, P}));  // all-reduce one of them
     CHECK_SIG(sig(h / h, {P, B}), (Signature{{P, B}, P}));
     CHECK_SIG(sig(h / h, {B, P}), (Signature{{B, B}, B}));
     CHECK_SIG(sig(maximum(h, h), {P, B}), (Signature{{B, B}, B}));
@@ -150,7 +160,8 @@ TEST_CASE("Sbp.InferenceRulesPerOp") {
     CHECK_SIG(sig(gelu(h), {S(0)}), (Signature{{S(0)}, S(0)}));
     CHECK_SIG(sig(h * 2.0, {P}), (Signature{{P}, P}));
     CHECK_SIG(sig(stop_gradient(h), {P}), (Signature{{P}, P}));
-    CHECK_SIG(sig(dropout(h, 0.1), {S(0)}), (Signature{{B}, B}));  // the mask spans the whole tensor
+    CHECK_SIG(sig(dropout(h, 0.1), {S(0)}),
+              (Signature{{B}, B}));  // the mask spans the whole tensor
   }
   SUBCASE("normalisations need the whole last axis") {
     CHECK_SIG(sig(softmax(h), {S(0)}), (Signature{{S(0)}, S(0)}));
@@ -179,10 +190,12 @@ TEST_CASE("Sbp.InferenceRulesPerOp") {
     auto t = g.input("t", {8, 4, 6});
     CHECK_SIG(sig(reshape(t, {32, 6}), {S(0)}), (Signature{{S(0)}, S(0)}));
     CHECK_SIG(sig(reshape(t, {32, 6}), {S(2)}), (Signature{{S(2)}, S(1)}));
-    CHECK_SIG(sig(reshape(t, {8, 24}), {S(1)}), (Signature{{S(1)}, S(1)}));  // [4, 6] -> [24]: 4 outer
-    CHECK_SIG(sig(reshape(t, {8, 24}), {S(2)}), (Signature{{B}, B}));        // 6 is not outermost
+    CHECK_SIG(sig(reshape(t, {8, 24}), {S(1)}),
+              (Signature{{S(1)}, S(1)}));                              // [4, 6] -> [24]: 4 outer
+    CHECK_SIG(sig(reshape(t, {8, 24}), {S(2)}), (Signature{{B}, B}));  // 6 is not outermost
     CHECK_SIG(sig(reshape(h, {8, 2, 8}), {S(1)}), (Signature{{S(1)}, S(1)}));
-    CHECK_SIG(sig(reshape(h, {8, 2, 8}), {S(1)}, 4), (Signature{{B}, B}));   // 2 does not divide by 4
+    CHECK_SIG(sig(reshape(h, {8, 2, 8}), {S(1)}, 4),
+              (Signature{{B}, B}));  // 2 does not divide by 4
     CHECK_SIG(sig(reshape(h, {8, 2, 8}), {P}), (Signature{{P}, P}));
     CHECK_SIG(sig(transpose(t, {2, 0, 1}), {S(0)}), (Signature{{S(0)}, S(1)}));
     CHECK_SIG(sig(transpose(t, {2, 0, 1}), {S(2)}), (Signature{{S(2)}, S(0)}));
@@ -195,7 +208,8 @@ TEST_CASE("Sbp.InferenceRulesPerOp") {
     auto ids = g.input("ids", {8, 4}, i32);
     CHECK_SIG(sig(embedding(table, ids), {B, S(0)}), (Signature{{B, S(0)}, S(0)}));
     CHECK_SIG(sig(embedding(table, ids), {S(1), B}), (Signature{{S(1), B}, S(2)}));
-    CHECK_SIG(sig(embedding(table, ids), {S(0), B}), (Signature{{B, B}, B}));  // vocab-parallel: not a rule
+    CHECK_SIG(sig(embedding(table, ids), {S(0), B}),
+              (Signature{{B, B}, B}));  // vocab-parallel: not a rule
   }
   SUBCASE("ops without a rule get every input whole") {
     auto labels = g.input("labels", {8}, i32);
@@ -226,10 +240,14 @@ TEST_CASE("Sbp.MovementBetweenEverySignaturePairKeepsValuesAndGradients") {
     const char* made;  // a physical node the movement makes
   };
   const std::vector<Case> cases{
-      {P, B, Movement::all_reduce, "t.allreduce"},          {P, S(0), Movement::reduce_scatter, "t.reduce_scatter0.tp1"},
-      {P, S(1), Movement::reduce_scatter, "t.cut1.tp1.for0"}, {S(0), B, Movement::all_gather, "t.allgather"},
-      {S(1), B, Movement::all_gather, "t.allgather"},       {B, S(0), Movement::slice, "t.slice0.tp1"},
-      {B, S(1), Movement::slice, "t.slice1.tp0"},           {S(0), S(1), Movement::all_to_all, "t.slice1.tp1"},
+      {P, B, Movement::all_reduce, "t.allreduce"},
+      {P, S(0), Movement::reduce_scatter, "t.reduce_scatter0.tp1"},
+      {P, S(1), Movement::reduce_scatter, "t.cut1.tp1.for0"},
+      {S(0), B, Movement::all_gather, "t.allgather"},
+      {S(1), B, Movement::all_gather, "t.allgather"},
+      {B, S(0), Movement::slice, "t.slice0.tp1"},
+      {B, S(1), Movement::slice, "t.slice1.tp0"},
+      {S(0), S(1), Movement::all_to_all, "t.slice1.tp1"},
       {S(1), S(0), Movement::all_to_all, "t.slice0.tp0"},
   };
   const Tensor feed = filled({8, 8}, 11);
@@ -241,7 +259,8 @@ TEST_CASE("Sbp.MovementBetweenEverySignaturePairKeepsValuesAndGradients") {
       // weight split that way), then annotated `to`.
       Graph logical(3);
       auto x = logical.input("x", {8, 8});
-      auto w = logical.variable("w", {8, 8}, init::uniform(-1, 1), c.from.is_partial() ? S(0) : c.from);
+      auto w =
+          logical.variable("w", {8, 8}, init::uniform(-1, 1), c.from.is_partial() ? S(0) : c.from);
       Value t = (c.from.is_partial() ? matmul(x, w) : w * 1.5).named("t");
       logical.set_sbp(t, c.to);
       Graph physical(3);
@@ -249,7 +268,8 @@ TEST_CASE("Sbp.MovementBetweenEverySignaturePairKeepsValuesAndGradients") {
       CHECK(sharded.signature(t.id()).output == c.from);
       CHECK(sharded.sbp(t) == c.to);
       const auto& moves = sharded.movements();
-      auto it = std::find_if(moves.begin(), moves.end(), [&](const Boxing& b) { return b.tensor == "t" && b.to == c.to; });
+      auto it = std::find_if(moves.begin(), moves.end(),
+                             [&](const Boxing& b) { return b.tensor == "t" && b.to == c.to; });
       REQUIRE(it != moves.end());
       CHECK(it->kind == c.kind);
       CHECK(it->from == c.from);
@@ -265,7 +285,8 @@ TEST_CASE("Sbp.MovementBetweenEverySignaturePairKeepsValuesAndGradients") {
       const std::vector<Tensor> got = evaluate(physical, {{"x", feed}}, parts, *physical_params);
       for (int k = 0; k < static_cast<int>(got.size()); ++k) {
         CAPTURE(k);
-        check_close(c.to.is_split() ? piece_of(want, c.to.axis, k, tp) : want, got[static_cast<std::size_t>(k)]);
+        check_close(c.to.is_split() ? piece_of(want, c.to.axis, k, tp) : want,
+                    got[static_cast<std::size_t>(k)]);
       }
       // Gradients through the movement: d sum(t * t) / dw on the physical graph, joined, equals
       // the logical one.
@@ -278,7 +299,8 @@ TEST_CASE("Sbp.MovementBetweenEverySignaturePairKeepsValuesAndGradients") {
       std::map<std::string, Tensor> by_name;
       for (std::size_t i = 0; i < vars.size(); ++i) by_name[vars[i].name()] = grad_values[i];
       auto joined = join_parts(physical, by_name);
-      const Tensor want_grad = evaluate(logical, {{"x", feed}}, {gradients(sum(t * t), {w})[0]}, *logical_params)[0];
+      const Tensor want_grad =
+          evaluate(logical, {{"x", feed}}, {gradients(sum(t * t), {w})[0]}, *logical_params)[0];
       REQUIRE(joined.count("w"));
       check_close(want_grad, joined.at("w"));
     }
@@ -293,7 +315,8 @@ TEST_CASE("Sbp.ReduceScatterAndAllReduceMakeTheirOps") {
   auto w = logical.variable("w", {6, 6}, init::uniform(-1, 1), S(0));
   Value t = matmul(x, w).named("t");
   Value sum_b = relu(t).named("r");  // relu needs B: all-reduce
-  Value rs = (t + logical.variable("v", {6, 6}, init::uniform(-1, 1), S(1))).named("u");  // P + S(1): reduce-scatter
+  Value rs = (t + logical.variable("v", {6, 6}, init::uniform(-1, 1), S(1)))
+                 .named("u");  // P + S(1): reduce-scatter
   Graph physical(1);
   ShardedGraph sharded = shard_graph(logical, physical, 3);
   CHECK(sharded.sbp(sum_b) == B);
@@ -311,7 +334,8 @@ TEST_CASE("Sbp.ReduceScatterAndAllReduceMakeTheirOps") {
       CHECK(n.tp_shard == n.name[std::string("t.cut1.tp").size()] - '0');
       ++cuts;
     }
-    if (n.op == "add" && n.inputs.size() == 2 && physical.node(n.inputs[1]).name.starts_with("t.cut1.")) {
+    if (n.op == "add" && n.inputs.size() == 2 &&
+        physical.node(n.inputs[1]).name.starts_with("t.cut1.")) {
       CHECK(contains(physical.node(n.inputs[1]).name, fmt::format(".for{}", n.tp_shard)));
       ++scatter_adds;
     }
@@ -327,7 +351,8 @@ TEST_CASE("Sbp.ReduceScatterAndAllReduceMakeTheirOps") {
 
 TEST_CASE("Sbp.MistakesNameTheTensorAxisSizeAndTp") {
   Graph g;
-  std::string msg = test::thrown_message<GraphError>([&] { models::mlp(g, 4, {.hidden = 10, .tp = 4}); });
+  std::string msg =
+      test::thrown_message<GraphError>([&] { models::mlp(g, 4, {.hidden = 10, .tp = 4}); });
   CHECK(contains(msg, "fc0.w"));
   CHECK(contains(msg, "S(1)"));
   CHECK(contains(msg, "axis 1 has size 10"));
@@ -372,7 +397,8 @@ Value hand_sharded_mlp(Graph& g, std::int64_t batch, const models::MlpShape& s) 
         auto on = g.shard(static_cast<std::int32_t>(k));
         auto w1 = g.variable(fmt::format("fc{}.w.tp{}", l, k), {width, part}, init::kaiming());
         auto b1 = g.variable(fmt::format("fc{}.b.tp{}", l, k), {part}, init::zeros());
-        auto w2 = g.variable(fmt::format("fc{}.w.tp{}", l + 1, k), {part, s.hidden}, init::kaiming());
+        auto w2 =
+            g.variable(fmt::format("fc{}.w.tp{}", l + 1, k), {part, s.hidden}, init::kaiming());
         Value partial = matmul(relu(matmul(h, w1) + b1), w2);
         total = k == 0 ? partial : total + partial;
       }
@@ -402,7 +428,8 @@ std::multiset<std::string> structure(const Plan& p, int* crossing) {
     for (RegisterIndex r : a.outputs) shapes += to_string(p.registers[r].shape);
     // Variable and data actors carry the weight's name in their kernel's: use the role.
     const bool named = a.op.find('.') != std::string::npos;
-    out.insert(fmt::format("{} {} cpu:{} {}", static_cast<int>(a.kind), named ? fmt::format("role{}", static_cast<int>(a.role)) : a.op,
+    out.insert(fmt::format("{} {} cpu:{} {}", static_cast<int>(a.kind),
+                           named ? fmt::format("role{}", static_cast<int>(a.role)) : a.op,
                            a.where.device.index, shapes));
     for (const InputPort& in : a.inputs) {
       if (!(p.actors[p.registers[in.reg].producer].where == a.where)) ++*crossing;
@@ -426,7 +453,8 @@ TEST_CASE("Sbp.AnnotatedMlpInfersMegatronAndCompilesToTheHandShardedPlan") {
     for (std::int64_t layers : {2, 4}) {
       CAPTURE(tp);
       CAPTURE(layers);
-      const models::MlpShape shape{.inputs = 12, .hidden = 16, .layers = layers, .classes = 4, .tp = tp};
+      const models::MlpShape shape{
+          .inputs = 12, .hidden = 16, .layers = layers, .classes = 4, .tp = tp};
       Graph g(5);
       std::string text;
       Value logits = models::mlp(g, 8, shape, &text);
@@ -445,18 +473,21 @@ TEST_CASE("Sbp.AnnotatedMlpInfersMegatronAndCompilesToTheHandShardedPlan") {
       std::multiset<std::string> ours, theirs;
       for (int id = 0; id < g.size(); ++id) {
         const Node& n = g.node(id);
-        ours.insert(fmt::format("{} {} {}{}", n.op, n.tp_shard, to_string(n.shape), n.op == "variable" ? " " + n.name : ""));
+        ours.insert(fmt::format("{} {} {}{}", n.op, n.tp_shard, to_string(n.shape),
+                                n.op == "variable" ? " " + n.name : ""));
       }
       for (int id = 0; id < hand.size(); ++id) {
         const Node& n = hand.node(id);
-        theirs.insert(fmt::format("{} {} {}{}", n.op, n.tp_shard, to_string(n.shape), n.op == "variable" ? " " + n.name : ""));
+        theirs.insert(fmt::format("{} {} {}{}", n.op, n.tp_shard, to_string(n.shape),
+                                  n.op == "variable" ? " " + n.name : ""));
       }
       CHECK(ours == theirs);
       // And the same plan once compiled, with its backward pass: the same actors on the same
       // devices, and as many edges between devices.
       int crossing = 0, hand_crossing = 0;
       auto a = structure(compile_mlp(g, logits, static_cast<int>(tp), 8).plan, &crossing);
-      auto b = structure(compile_mlp(hand, hand_logits, static_cast<int>(tp), 8).plan, &hand_crossing);
+      auto b =
+          structure(compile_mlp(hand, hand_logits, static_cast<int>(tp), 8).plan, &hand_crossing);
       CHECK(a == b);
       CHECK(crossing == hand_crossing);
       CHECK(crossing > 0);
@@ -475,7 +506,8 @@ TEST_CASE("Sbp.AnnotatedMlpStartsFromThePiecesOfTheOneDeviceWeights") {
   CHECK(parts->at("fc1.w.tp2").shape() == Shape{4, 16});
   CHECK(parts->contains("fc2.w"));  // the last, odd layer is shared
   CHECK(split.find("fc0.w.tp1").node().part_of->name == "fc0.w");
-  CHECK(contains(split.to_text(), "fc1.w.tp2 = variable() f32[4, 16] (part 2/4 of fc1.w[16, 16] on axis 0)"));
+  CHECK(contains(split.to_text(),
+                 "fc1.w.tp2 = variable() f32[4, 16] (part 2/4 of fc1.w[16, 16] on axis 0)"));
   auto joined = join_parts(split, parts->values());
   REQUIRE(joined.size() == whole->values().size());
   for (const auto& [name, t] : whole->values()) {
@@ -500,10 +532,12 @@ struct MlpRun {
 /// pieces of the one-device weights), its weights joined back.
 MlpRun train_mlp(std::int64_t tp, int dp, int pp, std::int64_t layers) {
   constexpr std::int64_t batch = 32;
-  auto dataset = std::make_shared<const baton::data::Dataset>(baton::data::synthetic(256, 12, 4, 99));
+  auto dataset =
+      std::make_shared<const baton::data::Dataset>(baton::data::synthetic(256, 12, 4, 99));
   const std::int64_t m = 2, pieces = dp * m;
   Graph g(5);
-  Value logits = models::mlp(g, batch / pieces, {.inputs = 12, .hidden = 16, .layers = layers, .classes = 4, .tp = tp});
+  Value logits = models::mlp(
+      g, batch / pieces, {.inputs = 12, .hidden = 16, .layers = layers, .classes = 4, .tp = tp});
   TrainConfig cfg;
   cfg.steps = 20;
   cfg.microbatches = m;
@@ -543,7 +577,8 @@ TEST_CASE("Sbp.AnnotatedMlpTrainsAsOneDevice" * doctest::timeout(180)) {
       REQUIRE(split.losses.size() == one.losses.size());
       for (std::size_t s = 0; s < one.losses.size(); ++s) {
         INFO("step " << s << ": " << one.losses[s] << " vs " << split.losses[s]);
-        CHECK(std::abs(one.losses[s] - split.losses[s]) <= tolerance * std::max(1.0, std::abs(one.losses[s])));
+        CHECK(std::abs(one.losses[s] - split.losses[s]) <=
+              tolerance * std::max(1.0, std::abs(one.losses[s])));
       }
       REQUIRE(split.weights.size() == one.weights.size());
       for (const auto& [name, w] : one.weights) {
@@ -566,11 +601,16 @@ TEST_CASE("Sbp.AttentionBlockSplitByHeadsNeedsOneAllReduce") {
     Graph logical(9);
     auto x = logical.input("x", {b, t, d});
     auto ln = layer_norm(x);
-    auto w = [&](const char* name, Sbp s) { return logical.variable(name, {d, d}, init::normal(0.0, 0.3), s); };
+    auto w = [&](const char* name, Sbp s) {
+      return logical.variable(name, {d, d}, init::normal(0.0, 0.3), s);
+    };
     auto wq = w("wq", S(1)), wk = w("wk", S(1)), wv = w("wv", S(1)), wo = w("wo", S(0));
-    auto heads = [&](Value v) { return transpose(reshape(matmul(ln, v), {b, t, nh, dh}), {0, 2, 1, 3}); };
+    auto heads = [&](Value v) {
+      return transpose(reshape(matmul(ln, v), {b, t, nh, dh}), {0, 2, 1, 3});
+    };
     auto q = heads(wq), k = heads(wk), v = heads(wv);
-    auto att = softmax(causal_mask(matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
+    auto att = softmax(
+        causal_mask(matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
     auto o = reshape(transpose(matmul(att, v), {0, 2, 1, 3}), {b, t, d});
     Value y = (x + matmul(o, wo)).named("y");
     Graph physical(9);

@@ -18,7 +18,9 @@ namespace baton {
 namespace {
 
 using SbpKey = std::pair<int, int>;
-SbpKey key(Sbp s) { return {static_cast<int>(s.kind), s.axis}; }
+SbpKey key(Sbp s) {
+  return {static_cast<int>(s.kind), s.axis};
+}
 
 constexpr double infinite = std::numeric_limits<double>::infinity();
 // A slice moves no data but is an op: a small cost, so that no op splits a tensor for nothing.
@@ -63,7 +65,8 @@ std::int64_t reshaped_axis(const Shape& in, const Shape& out, std::int64_t a, in
   for (std::int64_t i = 0; i < a; ++i) before *= in[static_cast<std::size_t>(i)];
   std::int64_t p = 1;
   for (std::size_t o = 0; o < out.size(); ++o) {
-    if (p == before && divides(out, static_cast<std::int64_t>(o), tp)) return static_cast<std::int64_t>(o);
+    if (p == before && divides(out, static_cast<std::int64_t>(o), tp))
+      return static_cast<std::int64_t>(o);
     p *= out[o];
     if (p > before) break;
   }
@@ -101,7 +104,8 @@ class Candidates {
 };
 
 void matmul_rules(Candidates& c, const Node& n) {
-  const auto ra = static_cast<std::int32_t>(c.shape(0).size()), rb = static_cast<std::int32_t>(c.shape(1).size());
+  const auto ra = static_cast<std::int32_t>(c.shape(0).size()),
+             rb = static_cast<std::int32_t>(c.shape(1).size());
   const auto ro = static_cast<std::int32_t>(n.shape.size());
   const bool ta = n.attrs.get_int("trans_a", 0) != 0, tb = n.attrs.get_int("trans_b", 0) != 0;
   const std::int32_t am = ta ? ra - 1 : ra - 2, ak = ta ? ra - 2 : ra - 1;
@@ -148,8 +152,10 @@ void reduce_rules(Candidates& c, const Node& n, const Sbp& given) {
     if (reduced) {
       if (n.op == "sum") c.add1(given, sbp::partial_sum());  // each shard sums its piece
     } else {
-      const auto before = std::count_if(axes.begin(), axes.end(), [&](std::int64_t a) { return a < given.axis; });
-      c.add1(given, sbp::split(static_cast<std::int32_t>(keepdims ? given.axis : given.axis - before)));
+      const auto before =
+          std::count_if(axes.begin(), axes.end(), [&](std::int64_t a) { return a < given.axis; });
+      c.add1(given,
+             sbp::split(static_cast<std::int32_t>(keepdims ? given.axis : given.axis - before)));
     }
   }
   if (given.is_partial() && n.op != "max") c.add1(given, given);
@@ -160,7 +166,8 @@ void reduce_rules(Candidates& c, const Node& n, const Sbp& given) {
 Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given, int tp) {
   const Node& n = g.node(id);
   if (given.size() != n.inputs.size()) {
-    throw GraphError(fmt::format("infer_signature('{}'): {} signatures for {} inputs", n.name, given.size(), n.inputs.size()));
+    throw GraphError(fmt::format("infer_signature('{}'): {} signatures for {} inputs", n.name,
+                                 given.size(), n.inputs.size()));
   }
   if (n.inputs.empty()) {
     const bool annotated = tp > 1 && n.op == "variable" && n.sbp.has_value();
@@ -231,7 +238,8 @@ Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given,
 Movement movement(Sbp from, Sbp to) {
   if (from == to) return Movement::none;
   if (to.is_partial()) {
-    throw GraphError(fmt::format("no movement makes {} from {}: only ops make partial sums", to_string(to), to_string(from)));
+    throw GraphError(fmt::format("no movement makes {} from {}: only ops make partial sums",
+                                 to_string(to), to_string(from)));
   }
   if (from.is_partial()) return to.is_broadcast() ? Movement::all_reduce : Movement::reduce_scatter;
   if (from.is_broadcast()) return Movement::slice;
@@ -265,7 +273,8 @@ ShardedGraph::ShardedGraph(const Graph& logical, Graph& physical, int tp)
 
 const std::vector<Value>& ShardedGraph::parts(int id) const {
   auto it = available_.find({id, key(sbp(id))});
-  if (it == available_.end()) throw GraphError(fmt::format("shard_graph: node {} has not been sharded", id));
+  if (it == available_.end())
+    throw GraphError(fmt::format("shard_graph: node {} has not been sharded", id));
   return it->second;
 }
 
@@ -285,23 +294,27 @@ const std::vector<Value>& ShardedGraph::in(int id, Sbp to, const std::string& co
   if (auto it = available_.find(k); it != available_.end()) {
     if (auto b = boxing_of_.find(k); b != boxing_of_.end()) {
       auto& readers = movements_[b->second].consumers;
-      if (std::find(readers.begin(), readers.end(), consumer) == readers.end()) readers.push_back(consumer);
+      if (std::find(readers.begin(), readers.end(), consumer) == readers.end())
+        readers.push_back(consumer);
     }
     return it->second;
   }
   const Node& n = logical_->node(id);
   const Sbp from = sbp(id);
   if (to.is_partial()) {
-    throw GraphError(fmt::format("shard_graph: {} needs '{}' {}{} as P, but it is {}; only ops make partial sums", consumer,
-                                 n.name, name(n.dtype), baton::to_string(n.shape), to_string(from)));
+    throw GraphError(fmt::format(
+        "shard_graph: {} needs '{}' {}{} as P, but it is {}; only ops make partial sums", consumer,
+        n.name, name(n.dtype), baton::to_string(n.shape), to_string(from)));
   }
   if (to.is_split() && !divides(n.shape, to.axis, tp_)) {
     const bool has = to.axis >= 0 && to.axis < static_cast<std::int32_t>(n.shape.size());
-    throw GraphError(fmt::format("shard_graph: '{}' {}{} as {}: {}, which is not divisible by tp {}", n.name, name(n.dtype),
-                                 baton::to_string(n.shape), to_string(to),
-                                 has ? fmt::format("axis {} has size {}", to.axis, n.shape[static_cast<std::size_t>(to.axis)])
-                                     : fmt::format("it has no axis {}", to.axis),
-                                 tp_));
+    throw GraphError(
+        fmt::format("shard_graph: '{}' {}{} as {}: {}, which is not divisible by tp {}", n.name,
+                    name(n.dtype), baton::to_string(n.shape), to_string(to),
+                    has ? fmt::format("axis {} has size {}", to.axis,
+                                      n.shape[static_cast<std::size_t>(to.axis)])
+                        : fmt::format("it has no axis {}", to.axis),
+                    tp_));
   }
   const Movement m = movement(from, to);
   std::vector<Value> made = move(id, from, to);
@@ -320,7 +333,8 @@ std::vector<Value> ShardedGraph::move(int id, Sbp from, Sbp to) {
   auto slices_of = [&](const Value& whole) {
     for (int k = 0; k < tp_; ++k) {
       auto on = g.shard(k);
-      out.push_back(slice(whole, to.axis, k * piece, (k + 1) * piece).named(part_name(id, fmt::format(".slice{}", to.axis), k)));
+      out.push_back(slice(whole, to.axis, k * piece, (k + 1) * piece)
+                        .named(part_name(id, fmt::format(".slice{}", to.axis), k)));
     }
   };
   switch (movement(from, to)) {
@@ -378,16 +392,20 @@ void ShardedGraph::leaf(int id) {
   signatures_[static_cast<std::size_t>(id)] = sig;
   std::vector<Value> made;
   if (n.op == "variable" && sig.output.is_partial()) {
-    throw GraphError(fmt::format("shard_graph: variable '{}' is annotated P; a weight is split (S) or whole (B)", n.name));
+    throw GraphError(fmt::format(
+        "shard_graph: variable '{}' is annotated P; a weight is split (S) or whole (B)", n.name));
   }
   if (n.op == "variable" && sig.output.is_split()) {
     const auto a = sig.output.axis;
     if (!divides(n.shape, a, tp_)) {
-      throw GraphError(fmt::format("shard_graph: '{}' {}{} as {}: axis {} has size {}, which is not divisible by tp {}",
-                                   n.name, name(n.dtype), to_string(n.shape), to_string(sig.output), a,
-                                   n.shape[static_cast<std::size_t>(a)], tp_));
+      throw GraphError(fmt::format(
+          "shard_graph: '{}' {}{} as {}: axis {} has size {}, which is not divisible by tp {}",
+          n.name, name(n.dtype), to_string(n.shape), to_string(sig.output), a,
+          n.shape[static_cast<std::size_t>(a)], tp_));
     }
-    if (n.part_of) throw GraphError(fmt::format("shard_graph: '{}' is already a part of '{}'", n.name, n.part_of->name));
+    if (n.part_of)
+      throw GraphError(
+          fmt::format("shard_graph: '{}' is already a part of '{}'", n.name, n.part_of->name));
     Shape part = n.shape;
     part[static_cast<std::size_t>(a)] /= tp_;
     for (int k = 0; k < tp_; ++k) {
@@ -426,7 +444,8 @@ void ShardedGraph::shard_node(int id) {
     const Signature sig = infer_signature(*logical_, id, given, tp_);
     signatures_[static_cast<std::size_t>(id)] = sig;
     std::vector<std::vector<Value>> ins;
-    for (std::size_t i = 0; i < n.inputs.size(); ++i) ins.push_back(in(n.inputs[i], sig.inputs[i], n.name));
+    for (std::size_t i = 0; i < n.inputs.size(); ++i)
+      ins.push_back(in(n.inputs[i], sig.inputs[i], n.name));
     Graph& g = *physical_;
     std::vector<Value> made;
     if (sig.output.is_broadcast()) {
@@ -440,8 +459,10 @@ void ShardedGraph::shard_node(int id) {
       for (int k = 0; k < tp_; ++k) {
         auto on = g.shard(k);
         std::vector<Value> args;
-        for (const auto& parts : ins) args.push_back(parts.size() == 1 ? parts[0] : parts[static_cast<std::size_t>(k)]);
-        made.push_back(g.add(n.op, std::move(args), n.attrs, part, n.dtype).named(part_name(id, "", k)));
+        for (const auto& parts : ins)
+          args.push_back(parts.size() == 1 ? parts[0] : parts[static_cast<std::size_t>(k)]);
+        made.push_back(
+            g.add(n.op, std::move(args), n.attrs, part, n.dtype).named(part_name(id, "", k)));
       }
     }
     home_[static_cast<std::size_t>(id)] = sig.output;
@@ -456,38 +477,48 @@ void ShardedGraph::shard_node(int id) {
 
 ShardedGraph shard_graph(const Graph& logical, Graph& physical, int tp) {
   if (tp < 1) throw GraphError(fmt::format("shard_graph: tp must be >= 1, not {}", tp));
-  if (&logical == &physical) throw GraphError("shard_graph: the physical graph must be another graph than the logical one");
+  if (&logical == &physical)
+    throw GraphError("shard_graph: the physical graph must be another graph than the logical one");
   ShardedGraph s(logical, physical, tp);
   for (int id = 0; id < logical.size(); ++id) s.shard_node(id);
   return s;
 }
 
 std::string ShardedGraph::to_text() const {
-  std::string out = fmt::format("# signatures over tp {} (S(a): split on axis a, B: broadcast, P: partial sum)\n", tp_);
+  std::string out = fmt::format(
+      "# signatures over tp {} (S(a): split on axis a, B: broadcast, P: partial sum)\n", tp_);
   for (int id = 0; id < logical_->size(); ++id) {
     const Node& n = logical_->node(id);
     const Signature& sig = signature(id);
     std::string args, ins;
-    for (int i : n.inputs) args += fmt::format("{}{}", args.empty() ? "" : ", ", logical_->node(i).name);
-    for (const Sbp& s : sig.inputs) ins += fmt::format("{}{}", ins.empty() ? "" : ", ", to_string(s));
+    for (int i : n.inputs)
+      args += fmt::format("{}{}", args.empty() ? "" : ", ", logical_->node(i).name);
+    for (const Sbp& s : sig.inputs)
+      ins += fmt::format("{}{}", ins.empty() ? "" : ", ", to_string(s));
     std::string attrs = n.attrs.str();
-    out += fmt::format("{} = {}({}){} {}{} : {}{}", n.name, n.op, args, attrs.empty() ? "" : " " + attrs, name(n.dtype),
-                       baton::to_string(n.shape), ins.empty() ? "" : ins + " -> ", to_string(sig.output));
+    out += fmt::format("{} = {}({}){} {}{} : {}{}", n.name, n.op, args,
+                       attrs.empty() ? "" : " " + attrs, name(n.dtype), baton::to_string(n.shape),
+                       ins.empty() ? "" : ins + " -> ", to_string(sig.output));
     if (tp_ > 1 && n.sbp) {
-      out += sbp(id) == sig.output && n.inputs.empty() ? " (annotated)" : fmt::format(" (annotated {})", to_string(sbp(id)));
+      out += sbp(id) == sig.output && n.inputs.empty()
+                 ? " (annotated)"
+                 : fmt::format(" (annotated {})", to_string(sbp(id)));
     }
     out += "\n";
   }
   out += movements_.empty() ? "# no movement\n" : "# movement\n";
   for (const Boxing& b : movements_) {
     std::string readers;
-    for (const auto& c : b.consumers) readers += fmt::format("{}{}", readers.empty() ? "" : ", ", c);
-    out += fmt::format("{} {}: {} -> {}, for {}\n", to_string(b.kind), b.tensor, to_string(b.from), to_string(b.to), readers);
+    for (const auto& c : b.consumers)
+      readers += fmt::format("{}{}", readers.empty() ? "" : ", ", c);
+    out += fmt::format("{} {}: {} -> {}, for {}\n", to_string(b.kind), b.tensor, to_string(b.from),
+                       to_string(b.to), readers);
   }
   return out;
 }
 
-std::map<std::string, Tensor> join_parts(const Graph& physical, const std::map<std::string, Tensor>& values) {
+std::map<std::string, Tensor> join_parts(const Graph& physical,
+                                         const std::map<std::string, Tensor>& values) {
   std::map<std::string, std::vector<const Node*>> families;
   for (int id = 0; id < physical.size(); ++id) {
     const Node& n = physical.node(id);
@@ -503,7 +534,8 @@ std::map<std::string, Tensor> join_parts(const Graph& physical, const std::map<s
       if (it == values.end()) continue;
       parts.at(static_cast<std::size_t>(m->part_of->index)) = &it->second;
     }
-    if (std::any_of(parts.begin(), parts.end(), [](const Tensor* t) { return t == nullptr; })) continue;  // not all here
+    if (std::any_of(parts.begin(), parts.end(), [](const Tensor* t) { return t == nullptr; }))
+      continue;  // not all here
     const Shape& s = first.shape;
     const auto a = static_cast<std::size_t>(first.axis);
     std::int64_t outer = 1, inner = 1;
@@ -518,12 +550,13 @@ std::map<std::string, Tensor> join_parts(const Graph& physical, const std::map<s
       for (std::size_t k = 0; k < parts.size(); ++k) {
         const Tensor& p = *parts[k];
         if (p.shape()[a] != piece || p.dtype() != t.dtype()) {
-          throw GraphError(fmt::format("join_parts: '{}' part {} is {}, not a piece of {}{}", whole, k, p.describe(),
-                                       name(t.dtype()), to_string(s)));
+          throw GraphError(fmt::format("join_parts: '{}' part {} is {}, not a piece of {}{}", whole,
+                                       k, p.describe(), name(t.dtype()), to_string(s)));
         }
-        std::memcpy(dst + (static_cast<std::size_t>(o * s[a]) + k * static_cast<std::size_t>(piece)) *
-                              static_cast<std::size_t>(inner) * es,
-                    static_cast<const std::byte*>(p.raw()) + static_cast<std::size_t>(o) * run, run);
+        std::memcpy(
+            dst + (static_cast<std::size_t>(o * s[a]) + k * static_cast<std::size_t>(piece)) *
+                      static_cast<std::size_t>(inner) * es,
+            static_cast<const std::byte*>(p.raw()) + static_cast<std::size_t>(o) * run, run);
       }
     }
     out[whole] = std::move(t);

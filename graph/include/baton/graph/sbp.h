@@ -31,9 +31,15 @@ struct Sbp {
 
 namespace sbp {
 /// Negative axes count from the end; Graph::set_sbp makes them positive.
-inline Sbp split(std::int32_t axis) { return {Sbp::Kind::split, axis}; }
-inline Sbp broadcast() { return {Sbp::Kind::broadcast, -1}; }
-inline Sbp partial_sum() { return {Sbp::Kind::partial_sum, -1}; }
+inline Sbp split(std::int32_t axis) {
+  return {Sbp::Kind::split, axis};
+}
+inline Sbp broadcast() {
+  return {Sbp::Kind::broadcast, -1};
+}
+inline Sbp partial_sum() {
+  return {Sbp::Kind::partial_sum, -1};
+}
 }  // namespace sbp
 
 /// "S(1)", "B", "P".

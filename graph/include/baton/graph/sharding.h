@@ -70,8 +70,16 @@ struct Signature {
 Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given, int tp);
 
 /// What moving a tensor from one signature to another takes.
-enum class Movement : std::uint8_t { none, all_reduce, all_gather, slice, reduce_scatter, all_to_all };
-/// The movement from `from` to `to`; throws GraphError for a move to P (only ops make partial sums).
+enum class Movement : std::uint8_t {
+  none,
+  all_reduce,
+  all_gather,
+  slice,
+  reduce_scatter,
+  all_to_all
+};
+/// The movement from `from` to `to`; throws GraphError for a move to P (only ops make partial
+/// sums).
 Movement movement(Sbp from, Sbp to);
 /// "all-reduce", "all-gather", ...
 const char* to_string(Movement m);
@@ -137,7 +145,9 @@ ShardedGraph shard_graph(const Graph& logical, Graph& physical, int tp);
 
 /// Whole weights from parts: each variable of `physical` that is part of a split weight
 /// (Node::part_of) joined with its sibling parts from `values` under the whole weight's name; every
-/// other entry of `values` as it is (shared storage). For checkpoints and comparisons with one device.
-std::map<std::string, Tensor> join_parts(const Graph& physical, const std::map<std::string, Tensor>& values);
+/// other entry of `values` as it is (shared storage). For checkpoints and comparisons with one
+/// device.
+std::map<std::string, Tensor> join_parts(const Graph& physical,
+                                         const std::map<std::string, Tensor>& values);
 
 }  // namespace baton
