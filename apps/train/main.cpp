@@ -56,6 +56,7 @@ struct Options {
   std::string devices;  // "cpu:K": in-process devices per rank
   bool json = false;
   std::string print_plan;
+  bool print_sbp = false;
   std::string trace;
   std::string dashboard;  // HOST:PORT to serve the dashboard on
   double dashboard_linger = 0;
@@ -184,6 +185,16 @@ int run(const Options& o) {
                                             o.dp, o.microbatches, pieces));
   }
   const std::int64_t mb = o.batch / pieces;
+  if (o.print_sbp) {
+    if (o.model != "mlp" || !d.train) {
+      throw std::invalid_argument("--print-sbp: only --model mlp is sharded from signatures (the gpt is sharded by hand)");
+    }
+    Graph scratch(o.seed);
+    std::string sbp_text;
+    models::mlp(scratch, mb, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp}, &sbp_text);
+    fmt::print("{}", sbp_text);
+    return 0;
+  }
   Graph g(o.seed);
   Value loss = build(g, o, d, mb).loss.named("loss");
   const bool text = o.model == "gpt";
@@ -450,6 +461,9 @@ int main(int argc, char** argv) {
       ->expected(0, 1)
       ->default_str("text")
       ->check(CLI::IsMember({"text", "dot"}));
+  app.add_flag("--print-sbp", o.print_sbp,
+               "print each tensor's inferred parallel signature (S(axis), B, P) over --tp shards and the movement "
+               "inserted, and exit (--model mlp)");
   app.add_option("--trace", o.trace, "write a Chrome trace of the run (acts, slot occupancy, requests) to FILE");
   try {
     app.parse(argc, argv);

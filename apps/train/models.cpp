@@ -8,40 +8,37 @@
 
 namespace baton::models {
 
-Value mlp(Graph& g, std::int64_t batch, const MlpShape& s) {
-  Value h = g.input("x", {batch, s.inputs});
-  g.input("label", {batch}, i32);
-  std::int64_t width = s.inputs;
-  if (s.tp < 1 || (s.tp > 1 && s.hidden % s.tp != 0)) {
-    throw GraphError(fmt::format("mlp: hidden {} is not divisible by tp {}", s.hidden, s.tp));
-  }
-  for (std::int64_t l = 0; l < s.layers; ++l) {
-    if (s.tp > 1 && l + 1 < s.layers) {
-      // A pair: column-parallel, then row-parallel; one sum of the partial products.
-      const std::int64_t part = s.hidden / s.tp;
-      Value sum;
-      for (std::int64_t k = 0; k < s.tp; ++k) {
-        auto on = g.shard(static_cast<std::int32_t>(k));
-        auto w1 = g.variable(fmt::format("fc{}.w.tp{}", l, k), {width, part}, init::kaiming());
-        auto b1 = g.variable(fmt::format("fc{}.b.tp{}", l, k), {part}, init::zeros());
-        auto w2 = g.variable(fmt::format("fc{}.w.tp{}", l + 1, k), {part, s.hidden}, init::kaiming());
-        Value partial = matmul(relu(matmul(h, w1) + b1), w2);
-        sum = k == 0 ? partial : sum + partial;
+Value mlp(Graph& g, std::int64_t batch, const MlpShape& s, std::string* sbp_text) {
+  if (s.tp < 1) throw GraphError(fmt::format("mlp: tp must be >= 1, not {}", s.tp));
+  // The logical model, written once. Each pair of hidden layers carries Megatron's signatures:
+  // the first by columns (w S(1), b S(0)), the second by rows (w S(0)); shard_graph infers the
+  // rest (the first product S(1), the second P, one all-reduce before the second bias).
+  auto build = [&](Graph& m) {
+    Value h = m.input("x", {batch, s.inputs});
+    m.input("label", {batch}, i32);
+    std::int64_t width = s.inputs;
+    for (std::int64_t l = 0; l < s.layers; ++l) {
+      const bool columns = l % 2 == 0 && l + 1 < s.layers, rows = l % 2 == 1;
+      auto w = m.variable(fmt::format("fc{}.w", l), {width, s.hidden}, init::kaiming());
+      auto b = m.variable(fmt::format("fc{}.b", l), {s.hidden}, init::zeros());
+      if (columns) {
+        m.set_sbp(w, sbp::split(1));
+        m.set_sbp(b, sbp::split(0));
       }
-      auto b2 = g.variable(fmt::format("fc{}.b", l + 1), {s.hidden}, init::zeros());
-      h = relu(sum + b2);
+      if (rows) m.set_sbp(w, sbp::split(0));
+      h = relu(matmul(h, w) + b);
       width = s.hidden;
-      ++l;
-      continue;
     }
-    auto w = g.variable(fmt::format("fc{}.w", l), {width, s.hidden}, init::kaiming());
-    auto b = g.variable(fmt::format("fc{}.b", l), {s.hidden}, init::zeros());
-    h = relu(matmul(h, w) + b);
-    width = s.hidden;
-  }
-  auto w = g.variable("out.w", {width, s.classes}, init::kaiming());
-  auto b = g.variable("out.b", {s.classes}, init::zeros());
-  return (matmul(h, w) + b).named("logits");
+    auto w = m.variable("out.w", {width, s.classes}, init::kaiming());
+    auto b = m.variable("out.b", {s.classes}, init::zeros());
+    return (matmul(h, w) + b).named("logits");
+  };
+  if (s.tp == 1 && sbp_text == nullptr) return build(g);  // the graph is its own physical graph
+  Graph logical(g.seed());
+  Value logits = build(logical);
+  ShardedGraph sharded = shard_graph(logical, g, static_cast<int>(s.tp));
+  if (sbp_text != nullptr) *sbp_text = sharded.to_text();
+  return sharded.whole(logits);  // B: the node named "logits" itself
 }
 
 namespace {

@@ -1,6 +1,7 @@
 #pragma once
 // The models baton-train knows, written with the DSL.
 #include <cstdint>
+#include <string>
 
 #include "baton/graph.h"
 
@@ -12,15 +13,18 @@ struct MlpShape {
   std::int64_t layers = 2;  // hidden layers
   std::int64_t classes = 10;
   /// Tensor-parallel shards: each pair of hidden layers is split Megatron's way over `tp`
-  /// shards (the first layer by columns, "fc<l>.w.tp<k>" [in, hidden/tp]; the second by rows,
-  /// "fc<l+1>.w.tp<k>" [hidden/tp, hidden]; their partial products summed once). A last odd
-  /// layer and the output layer are shared. hidden must be a multiple of tp.
+  /// shards (the first layer by columns, "fc<l>.w.tp<k>" [in, hidden/tp] and "fc<l>.b.tp<k>";
+  /// the second by rows, "fc<l+1>.w.tp<k>" [hidden/tp, hidden]; their partial products summed
+  /// once). A last odd layer and the output layer are shared. hidden must be a multiple of tp.
+  /// The model is written once, with these signatures as annotations (sbp.h), and sharded by
+  /// shard_graph() (sharding.h); the parts start as pieces of the one-device weights.
   std::int64_t tp = 1;
 };
 
 /// x [batch, inputs] -> `layers` x (Linear + ReLU) -> Linear -> logits [batch, classes].
-/// Returns the logits; the graph gets inputs "x" and "label" (i32 [batch]).
-Value mlp(Graph& g, std::int64_t batch, const MlpShape& s);
+/// Returns the logits; the graph gets inputs "x" and "label" (i32 [batch]). `sbp_text`, if
+/// given, receives the inferred signatures and the movement (ShardedGraph::to_text()).
+Value mlp(Graph& g, std::int64_t batch, const MlpShape& s, std::string* sbp_text = nullptr);
 
 struct GptShape {
   std::int64_t vocab = 64;

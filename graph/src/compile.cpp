@@ -378,8 +378,9 @@ std::vector<int> assign_shards(const Graph& g, const std::vector<bool>& need, in
     }
   }
   if (!any) {
-    throw GraphError(fmt::format("tp is {} but no node of the model is on a shard above 0 (build it with Graph::shard "
-                                 "scopes, as models::mlp does with a tp argument)",
+    throw GraphError(fmt::format("tp is {} but no node of the model is on a shard above 0 (annotate its weights with "
+                                 "sbp::split and shard it with shard_graph, as models::mlp does, or build it with "
+                                 "Graph::shard scopes, as models::gpt does)",
                                  tp));
   }
   return shard;

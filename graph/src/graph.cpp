@@ -84,6 +84,27 @@ Value Graph::variable(std::string name, Shape shape, Init init, DType dtype) {
   return v.named(std::move(name));
 }
 
+Value Graph::variable(std::string name, Shape shape, Init init, Sbp sbp, DType dtype) {
+  return set_sbp(variable(std::move(name), std::move(shape), init, dtype), sbp);
+}
+
+Value Graph::set_sbp(Value v, Sbp s) {
+  if (!v.valid() || &v.graph() != this) throw GraphError("set_sbp: the value belongs to another graph or is invalid");
+  if (s.is_split()) {
+    const int r = v.rank();
+    const int a = s.axis < 0 ? s.axis + r : s.axis;
+    if (a < 0 || a >= r) {
+      throw GraphError(fmt::format("set_sbp({}, {}): the tensor has no axis {} (its rank is {})", v.describe(),
+                                   to_string(s), s.axis, r));
+    }
+    s.axis = a;
+  } else {
+    s.axis = -1;
+  }
+  node_mut(v.id()).sbp = s;
+  return v;
+}
+
 Value Graph::constant(double value, Shape shape, DType dtype) {
   return add("fill", {}, Attrs{{"value", value}}, std::move(shape), dtype);
 }
@@ -110,8 +131,14 @@ std::string Graph::to_text() const {
     std::string args;
     for (int in : n.inputs) args += fmt::format("{}{}", args.empty() ? "" : ", ", node(in).name);
     std::string attrs = n.attrs.str();
-    out += fmt::format("{} = {}({}){} {}{}\n", n.name, n.op, args, attrs.empty() ? "" : " " + attrs,
-                       name(n.dtype), to_string(n.shape));
+    std::string extra;
+    if (n.sbp) extra += fmt::format(" sbp={}", to_string(*n.sbp));
+    if (n.part_of) {
+      extra += fmt::format(" (part {}/{} of {}{} on axis {})", n.part_of->index, n.part_of->parts, n.part_of->name,
+                           to_string(n.part_of->shape), n.part_of->axis);
+    }
+    out += fmt::format("{} = {}({}){} {}{}{}\n", n.name, n.op, args, attrs.empty() ? "" : " " + attrs,
+                       name(n.dtype), to_string(n.shape), extra);
   }
   return out;
 }

@@ -1,5 +1,6 @@
 // Seeded initial values and the loss log.
 #include <cmath>
+#include <cstring>
 #include <numbers>
 
 #include <fmt/format.h>
@@ -71,19 +72,50 @@ void fill_initial(Tensor& t, const Node& n, std::uint64_t seed) {
   }
 }
 
+// Part `index` of `parts` equal pieces of `whole` along `axis`.
+Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, std::int32_t parts) {
+  const Shape& s = whole.shape();
+  const auto a = static_cast<std::size_t>(axis);
+  std::int64_t outer = 1, inner = 1;
+  for (std::size_t i = 0; i < a; ++i) outer *= s[i];
+  for (std::size_t i = a + 1; i < s.size(); ++i) inner *= s[i];
+  const std::int64_t piece = s[a] / parts;
+  Shape ps = s;
+  ps[a] = piece;
+  Tensor out = Tensor::empty(ps, whole.dtype());
+  const std::size_t es = size_of(whole.dtype());
+  const auto* src = static_cast<const std::byte*>(whole.raw());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  const auto run = static_cast<std::size_t>(piece * inner) * es;
+  if (run == 0) return out;
+  for (std::int64_t o = 0; o < outer; ++o) {
+    std::memcpy(dst + static_cast<std::size_t>(o) * run,
+                src + (static_cast<std::size_t>(o * s[a] + index * piece) * static_cast<std::size_t>(inner)) * es, run);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::shared_ptr<ParameterStore> ParameterStore::initialize(Graph& g) {
   auto store = std::make_shared<ParameterStore>();
   for (Value v : g.variables()) {
-    const Node& n = v.node();
+    Node n = v.node();
+    // A part of a split weight: the whole weight's initial values (its name seeds them, its
+    // shape gives the fans), then this part of them, so tp shards start as one device does.
+    const std::optional<PartOf> part = n.part_of;
+    if (part) {
+      n.name = part->name;
+      n.shape = part->shape;
+    }
     Tensor t = Tensor::empty(n.shape, n.dtype);
     if (n.dtype == DType::f64) {
       fill_initial<double>(t, n, g.seed());
     } else {
       fill_initial<float>(t, n, g.seed());
     }
-    store->set(n.name, std::move(t));
+    if (part) t = part_along(t, part->axis, part->index, part->parts);
+    store->set(v.node().name, std::move(t));
   }
   return store;
 }

@@ -6,5 +6,7 @@
 #include "baton/graph/graph.h"
 #include "baton/graph/ops.h"
 #include "baton/graph/profile.h"
+#include "baton/graph/sbp.h"
 #include "baton/graph/schedule.h"
+#include "baton/graph/sharding.h"
 #include "baton/graph/vocab_parallel.h"

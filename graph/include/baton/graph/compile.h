@@ -127,9 +127,10 @@ struct TrainConfig {
   /// match.
   std::string balance = "flops";
   /// Tensor parallelism: the model itself says which nodes belong to which of `tp` shards
-  /// (Graph::shard scopes; models::mlp splits each pair of layers Megatron's way: the first by
-  /// columns, the second by rows, their partial products summed once); each shard of each stage
-  /// gets its own device, and backward ops go with the shard of what they differentiate.
+  /// (Graph::shard scopes, written by hand or by shard_graph() from SBP annotations, sharding.h;
+  /// models::mlp splits each pair of layers Megatron's way: the first by columns, the second by
+  /// rows, their partial products summed once); each shard of each stage gets its own device,
+  /// and backward ops go with the shard of what they differentiate.
   int tp = 1;
   /// Where each (replica, stage, shard) runs (rank, device; streams are chosen by `threads`):
   /// replica r's stage s, shard k at (r * pp + s) * tp + k. Empty: the in-process device with

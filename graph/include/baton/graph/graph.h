@@ -9,10 +9,12 @@
 ///   auto b1 = g.variable("b1", {256}, baton::init::zeros());
 ///   auto h  = relu(matmul(x, w1) + b1);
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "baton/graph/sbp.h"
 #include "baton/kernels/attrs.h"
 #include "baton/kernels/dtype.h"
 #include "baton/kernels/tensor.h"
@@ -49,6 +51,18 @@ inline Init xavier() { return {Init::Kind::xavier_uniform}; }
 inline Init kaiming() { return {Init::Kind::kaiming_uniform}; }
 }  // namespace init
 
+/// A variable that is one part of a bigger, logical one (shard_graph() splits annotated weights
+/// this way): it starts as part `index` of `parts` equal pieces along `axis` of the variable
+/// `name` of shape `shape` as that one would be initialised, so tensor-parallel training starts
+/// where one device does.
+struct PartOf {
+  std::string name;
+  Shape shape;
+  std::int32_t axis = 0;
+  std::int32_t index = 0;
+  std::int32_t parts = 1;
+};
+
 /// One node: an op applied to earlier nodes. Inputs and variables are nodes too.
 struct Node {
   std::string op;    // "input", "variable", "matmul", ...
@@ -59,6 +73,10 @@ struct Node {
   DType dtype = DType::f32;
   Init init{};             // variables only
   bool trainable = false;  // variables only
+  std::optional<PartOf> part_of;  // variables only
+  /// The signature the user asked for on the tensor-parallel axis (Graph::set_sbp); unset:
+  /// shard_graph() infers it.
+  std::optional<Sbp> sbp;
   /// Tensor parallelism: the shard (0 .. tp-1) whose device computes this node, or -1 for a
   /// node every shard shares (it runs on shard 0's device). Set by Graph::Shard scopes.
   std::int32_t tp_shard = -1;
@@ -103,6 +121,8 @@ class Graph {
   Value input(std::string name, Shape shape, DType dtype = DType::f32);
   /// A weight: trainable by default, initialised from the graph's seed and its name.
   Value variable(std::string name, Shape shape, Init init = init::xavier(), DType dtype = DType::f32);
+  /// A weight with its tensor-parallel signature (see set_sbp).
+  Value variable(std::string name, Shape shape, Init init, Sbp sbp, DType dtype = DType::f32);
   /// A tensor of one repeated value.
   Value constant(double value, Shape shape, DType dtype = DType::f32);
 
@@ -118,6 +138,11 @@ class Graph {
   Value find(const std::string& name);
   std::vector<Value> variables();
   std::vector<Value> inputs();
+
+  /// Asks shard_graph() (sharding.h) to give v signature s over the tensor-parallel shards: a
+  /// weight is created split that way, any other tensor is moved into it after it is computed.
+  /// Throws GraphError if v has no such axis. Negative axes count from the end. Returns v.
+  Value set_sbp(Value v, Sbp s);
 
   /// Nodes created while a Shard lives belong to tensor-parallel shard k (see Node::tp_shard):
   ///   { auto on = g.shard(k); h = relu(matmul(x, w_k) + b_k); }
