@@ -146,6 +146,9 @@ TEST_CASE("Collectives.SegmentsAndActorsForASize") {
   CHECK(allreduce_segments(std::int64_t{16} << 20, DType::f32, 2) == 16);  // 64 MiB: capped
   CHECK(allreduce_segments(5, DType::f32, 2, {.segment_bytes = 4}) == 3);  // never more than elements
   CHECK_THROWS_AS(allreduce_segments(5, DType::f32, 2, {.segment_bytes = 0}), std::invalid_argument);
+  // A member's input has members x segments readers, of the 255 a register may have.
+  CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 4, {.max_segments = 1000}) == 60);
+  CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 300, {.max_segments = 1000}) == 1);
   // Across ranks, per (chunk, segment): a slice on member c+1 and n-1 adds; per member a gather.
   for (std::int64_t n : {2, 4}) {
     std::vector<Placement> places;

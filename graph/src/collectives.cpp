@@ -14,6 +14,11 @@ std::vector<std::int64_t> chunk_offsets(std::int64_t n, std::int64_t parts) {
   return off;
 }
 
+namespace {
+/// Readers of one member's input that the segments may use (of the runtime's 255 per register).
+constexpr std::int64_t readers_for_segments = 240;
+}  // namespace
+
 std::int64_t allreduce_segments(std::int64_t elements, DType dtype, std::int64_t members,
                                 const AllReduceSettings& settings) {
   if (members <= 0) throw std::invalid_argument(fmt::format("all-reduce over {} members", members));
@@ -24,7 +29,10 @@ std::int64_t allreduce_segments(std::int64_t elements, DType dtype, std::int64_t
   const std::int64_t chunk = (elements + members - 1) / members;  // the largest chunk
   const auto chunk_bytes = chunk * static_cast<std::int64_t>(size_of(dtype));
   const std::int64_t s = (chunk_bytes + settings.segment_bytes - 1) / settings.segment_bytes;
-  return std::max<std::int64_t>(1, std::min({s, settings.max_segments, chunk}));
+  // Each member's input is read by members x segments actors (its slices and adds), and a
+  // register has at most 255 readers: keep a few for whatever else reads the input.
+  const std::int64_t reader_bound = std::max<std::int64_t>(1, readers_for_segments / members);
+  return std::max<std::int64_t>(1, std::min({s, settings.max_segments, chunk, reader_bound}));
 }
 
 namespace {

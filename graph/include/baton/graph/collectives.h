@@ -63,8 +63,9 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
                                          const AllReduceSettings& settings = {});
 
 /// Segments per chunk that add_allreduce uses for `elements` of `dtype` over `members`:
-/// ceil(largest chunk's bytes / segment_bytes), at least 1, at most max_segments and at most
-/// the largest chunk's elements.
+/// ceil(largest chunk's bytes / segment_bytes), at least 1, at most max_segments, at most the
+/// largest chunk's elements and at most 240 / members (each member's input is read by members
+/// x segments actors; a register has at most 255 readers).
 std::int64_t allreduce_segments(std::int64_t elements, DType dtype, std::int64_t members,
                                 const AllReduceSettings& settings = {});
 
