@@ -137,6 +137,20 @@ TEST_CASE("Collectives.AllReducePipelinesSegmentsUnderBackPressure" * doctest::t
   }
 }
 
+TEST_CASE("Collectives.TwoHopAllReduceSumsToo" * doctest::timeout(60)) {
+  const AllReduceSettings two_hop{.algorithm = AllReduceAlgorithm::two_hop};
+  std::vector<Placement> ranks, devices;
+  for (std::uint8_t j = 0; j < 3; ++j) {
+    ranks.push_back({.rank = j});
+    devices.push_back({.device = Device{DeviceType::cpu, j}});
+  }
+  for (const auto& r : test::run_on_loopback(insert_transfers(allreduce_plan(ranks, 65537, 3, two_hop)), registry(3))) {
+    REQUIRE_MESSAGE(r.error.empty(), r.error);
+  }
+  Runtime rt(allreduce_plan(devices, 4099, 5, two_hop), registry(3));
+  CHECK(rt.run().metrics.actors.size() == 5u * 3u);  // fill, split, sum, gather, check per member
+}
+
 TEST_CASE("Collectives.SegmentsAndActorsForASize") {
   // Default: 1 MiB segments, at most 16 per chunk; one segment below 1 MiB per chunk.
   CHECK(allreduce_segments(1, DType::f32, 4) == 1);

@@ -10,6 +10,7 @@
 //   baton-bench-allreduce --no-reference
 //   baton-bench-allreduce --segment-kib K --max-segments S --ranks N --min-kib A --max-mib B
 //                                    other AllReduceSettings, rank counts and sizes (sweeps)
+//   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
 // BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr.
 #include <unistd.h>
 
@@ -133,6 +134,13 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a == "--no-reference") {
       reference = false;
+    } else if (a == "--algorithm" && i + 1 < argc) {
+      const std::string alg = argv[++i];
+      if (alg != "ring" && alg != "two_hop") {
+        fmt::print(stderr, "baton-bench-allreduce: --algorithm {}: ring or two_hop\n", alg);
+        return 2;
+      }
+      settings.algorithm = alg == "ring" ? AllReduceAlgorithm::ring : AllReduceAlgorithm::two_hop;
     } else if (a == "--segment-kib" && i + 1 < argc) {
       settings.segment_bytes = std::stoll(argv[++i]) << 10;
     } else if (a == "--max-segments" && i + 1 < argc) {
@@ -148,8 +156,9 @@ int main(int argc, char** argv) {
       worker_iters = std::stoll(argv[++i]);
     } else {
       fmt::print(stderr,
-                 "usage: baton-bench-allreduce [--quick] [--no-reference] [--segment-kib K] [--max-segments S]\n"
-                 "                             [--ranks N]... [--min-kib A] [--max-mib B]\n");
+                 "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop]\n"
+                 "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
+                 "                             [--max-mib B]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -166,7 +175,9 @@ int main(int argc, char** argv) {
     for (std::int64_t b = min_bytes; b <= max_bytes; b *= 4) sizes.push_back(b);
   }
   if (ranks.empty()) ranks = quick ? std::vector<int>{2} : std::vector<int>{2, 4};
-  const std::vector<std::string> knobs{"--segment-kib", std::to_string(settings.segment_bytes >> 10), "--max-segments",
+  const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
+  const std::vector<std::string> knobs{"--algorithm", ring ? "ring" : "two_hop", "--segment-kib",
+                                       std::to_string(settings.segment_bytes >> 10), "--max-segments",
                                        std::to_string(settings.max_segments)};
   int failures = 0;
   for (int n : ranks) {
@@ -186,7 +197,8 @@ int main(int argc, char** argv) {
       const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
       bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));
       line.add("value", busbw).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("iterations", iters)
-          .add("us_per_op", secs * 1e6).add("segments", allreduce_segments(bytes / 4, DType::f32, n, settings))
+          .add("us_per_op", secs * 1e6).add("algorithm", ring ? "ring" : "two_hop")
+          .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
           .add("segment_kib", settings.segment_bytes >> 10);
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;

@@ -87,8 +87,7 @@ void add_kernels(KernelRegistry& k, DType dt) {
   k.add("allreduce.add", DeviceType::cpu, dt, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
     return std::make_unique<Add<T>>(cfg.actor, cfg.attrs.get_int("offset", 0), cfg.attrs.get_int("from", -1));
   });
-  // Not used by add_allreduce any more, but by the compiler around it: a gradient bucket is
-  // packed (concat) before its all-reduce and unpacked (split) after.
+  // Also what the compiler packs (concat) and unpacks (split) a gradient bucket with.
   k.add_fn("allreduce.split", DeviceType::cpu, dt, [](KernelContext& ctx) {
     auto in = ctx.inputs[0]->data<T>();
     std::size_t at = 0;
@@ -97,6 +96,15 @@ void add_kernels(KernelRegistry& k, DType dt) {
       std::copy(in.begin() + static_cast<std::ptrdiff_t>(at), in.begin() + static_cast<std::ptrdiff_t>(at + o.size()),
                 o.begin());
       at += o.size();
+    }
+  });
+  k.add_fn("allreduce.sum", DeviceType::cpu, dt, [](KernelContext& ctx) {
+    auto out = ctx.outputs[0]->data<T>();
+    auto first = ctx.inputs[0]->data<T>();
+    std::copy(first.begin(), first.end(), out.begin());
+    for (std::size_t j = 1; j < ctx.inputs.size(); ++j) {
+      auto in = ctx.inputs[j]->data<T>();
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
     }
   });
   k.add_fn("allreduce.concat", DeviceType::cpu, dt, [](KernelContext& ctx) {
@@ -108,6 +116,36 @@ void add_kernels(KernelRegistry& k, DType dt) {
       at += i.size();
     }
   });
+}
+
+/// AllReduceAlgorithm::two_hop: split, the owner of each chunk sums it, concat; returns the
+/// members' sum registers in tensor order (one per chunk) for the gathers.
+std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
+                                            const std::vector<AllReduceMember>& members, DType dtype,
+                                            const std::vector<std::int64_t>& off, std::int32_t slots) {
+  const auto n = static_cast<std::int64_t>(members.size());
+  auto len = [&](std::int64_t c) { return off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]; };
+  std::vector<std::vector<RegisterIndex>> chunk(static_cast<std::size_t>(n));  // chunk[j][c]: member j's chunk c
+  for (std::int64_t j = 0; j < n; ++j) {
+    const AllReduceMember& m = members[static_cast<std::size_t>(j)];
+    for (std::int64_t c = 0; c < n; ++c) {
+      chunk[static_cast<std::size_t>(j)].push_back(plan.add_register(
+          {.name = fmt::format("{}.chunk{}{}", name, c, m.suffix), .shape = {len(c)}, .dtype = dtype, .slots = slots}));
+    }
+    plan.add_actor({.name = name + ".split" + m.suffix, .op = "allreduce.split", .dtype = dtype, .where = m.where,
+                    .inputs = {{m.input}}, .outputs = chunk[static_cast<std::size_t>(j)], .role = ActorRole::collective});
+  }
+  std::vector<RegisterIndex> sums;
+  for (std::int64_t c = 0; c < n; ++c) {
+    const AllReduceMember& owner = members[static_cast<std::size_t>(c)];
+    std::vector<InputPort> ins;
+    for (std::int64_t j = 0; j < n; ++j) ins.push_back({chunk[static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]});
+    const std::string sum_name = fmt::format("{}.sum{}{}", name, c, owner.suffix);
+    sums.push_back(plan.add_register({.name = sum_name, .shape = {len(c)}, .dtype = dtype, .slots = slots}));
+    plan.add_actor({.name = sum_name, .op = "allreduce.sum", .dtype = dtype, .where = owner.where,
+                    .inputs = std::move(ins), .outputs = {sums.back()}, .role = ActorRole::collective});
+  }
+  return sums;
 }
 
 }  // namespace
@@ -122,12 +160,14 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
                                          const AllReduceSettings& settings) {
   if (members.empty()) throw std::invalid_argument(fmt::format("all-reduce '{}' has no members", name));
   const auto n = static_cast<std::int64_t>(members.size());
-  const std::int64_t segments = allreduce_segments(numel(shape), dtype, n, settings);
   const auto chunks = chunk_offsets(numel(shape), n);
+  const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
+  const std::int64_t segments = ring ? allreduce_segments(numel(shape), dtype, n, settings) : 0;
   auto member = [&](std::int64_t j) -> const AllReduceMember& { return members[static_cast<std::size_t>(j % n)]; };
   // sums[c * segments + s]: the finished sum of segment s of chunk c, on member c; in tensor order.
   std::vector<RegisterIndex> sums;
-  for (std::int64_t c = 0; c < n; ++c) {
+  if (!ring) sums = add_two_hop_sums(plan, name, members, dtype, chunks, settings.slots);
+  for (std::int64_t c = 0; c < n && ring; ++c) {
     const auto c_at = static_cast<std::size_t>(c);
     const auto seg = chunk_offsets(chunks[c_at + 1] - chunks[c_at], segments);
     for (std::int64_t s = 0; s < segments; ++s) {

@@ -43,8 +43,20 @@ struct AllReduceMember {
   std::string suffix;    // appended to the names of its actors and registers (e.g. "@dp1")
 };
 
+/// How the sums are made and travel.
+enum class AllReduceAlgorithm : std::uint8_t {
+  /// Reduce-scatter chains of adds around the ring, segmented and pipelined (above).
+  ring,
+  /// The earlier form, kept to compare against (baton-bench-allreduce --algorithm two_hop):
+  /// each member's split actor copies out its N chunks, the owner of chunk c sums chunk c of
+  /// every member in one act, every member's gather copies the N sums. Two hops whatever N,
+  /// whole chunks, no segments.
+  two_hop,
+};
+
 /// How add_allreduce cuts the tensor. Defaults measured with baton-bench-allreduce (README).
 struct AllReduceSettings {
+  AllReduceAlgorithm algorithm = AllReduceAlgorithm::ring;
   /// Target bytes of one segment: each chunk is cut into ceil(chunk bytes / segment_bytes)
   /// segments, so a tensor below N x segment_bytes has one segment per chunk (the fewest
   /// actors) and larger ones pipeline.
