@@ -15,8 +15,9 @@
 /// member (N-1 transfers that pull it concurrently), not around the ring. Each member sends
 /// and receives the same (N-1)/N of the tensor either way; the direct form has one hop of
 /// latency instead of N-1 and needs no relay actor (a relay on this transport is a second
-/// copy: a transfer writes only its own register). Each member's gather actor then copies
-/// the N*S sums into its result register.
+/// copy: a transfer writes only its own register). Chosen on that reasoning; a ring
+/// all-gather has not been built to measure against it. Each member's gather actor then
+/// copies the N*S sums into its result register.
 ///
 /// Every member ends with the same bits: each element's sum is made once, by one chain, in
 /// the chain's fixed order (member c+1, c+2, ..., c). Members on other ranks are reached
