@@ -1,6 +1,11 @@
-// The all-reduce made of actors (graph/collectives.h) sums exactly, on every member, for
-// sizes from one element to 64 MiB, odd sizes, 2-4 members on ranks or in-process devices.
+// The ring all-reduce made of actors (graph/collectives.h) sums exactly, on every member, for
+// sizes from one element to 64 MiB, odd sizes, 2-4 members on ranks or in-process devices,
+// with one or many segments per chunk, and with fewer slots than segments in flight.
 #include <doctest/doctest.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -54,7 +59,8 @@ KernelRegistry registry(std::int64_t members) {
 }
 
 /// N members, each a source, the all-reduce and a checking sink; member j at places[j].
-Plan allreduce_plan(const std::vector<Placement>& places, std::int64_t elements, std::int64_t pieces) {
+Plan allreduce_plan(const std::vector<Placement>& places, std::int64_t elements, std::int64_t pieces,
+                    const AllReduceSettings& settings = {}) {
   Plan p;
   std::vector<AllReduceMember> members;
   for (std::size_t j = 0; j < places.size(); ++j) {
@@ -64,7 +70,7 @@ Plan allreduce_plan(const std::vector<Placement>& places, std::int64_t elements,
                  .outputs = {r}, .pieces = pieces, .attrs = {{"member", static_cast<std::int64_t>(j)}}});
     members.push_back({places[j], r, suffix});
   }
-  auto results = add_allreduce(p, "ar", members, {elements}, DType::f32);
+  auto results = add_allreduce(p, "ar", members, {elements}, DType::f32, 2, settings);
   for (std::size_t j = 0; j < places.size(); ++j) {
     p.add_actor({.name = fmt::format("check@m{}", j), .op = "test.check", .where = places[j], .inputs = {{results[j]}}});
   }
@@ -98,8 +104,76 @@ TEST_CASE("Collectives.AllReduceOverInProcessDevices" * doctest::timeout(60)) {
       std::vector<Placement> places;
       for (std::int64_t j = 0; j < n; ++j) places.push_back({.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(j)}});
       Runtime rt(allreduce_plan(places, elements, 20), registry(n));
-      CHECK(rt.run().metrics.actors.size() == static_cast<std::size_t>(5 * n));  // fill, split, sum, concat, check
+      // fill, gather, check per member; one segment per chunk, n-1 adds per chunk and no slice
+      // (the first add reads its neighbour's input in place on the same rank).
+      CHECK(rt.run().metrics.actors.size() == static_cast<std::size_t>(3 * n + n * (n - 1)));
     }
+  }
+}
+
+// Many segments per chunk, one slot per hop: 7 all-reduces of 12 segments each stream through
+// the chains, every hop waiting for its consumer's ack before the next segment.
+TEST_CASE("Collectives.AllReducePipelinesSegmentsUnderBackPressure" * doctest::timeout(120)) {
+  const AllReduceSettings fine{.segment_bytes = 4096, .max_segments = 12, .slots = 1};
+  const std::int64_t elements = 100'003;  // chunks of 33335 / 33334 elements: segments of unequal size
+  CHECK(allreduce_segments(elements, DType::f32, 3, fine) == 12);
+  SUBCASE("ranks") {
+    for (std::int64_t n : {2, 3}) {
+      CAPTURE(n);
+      std::vector<Placement> places;
+      for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
+      auto results = test::run_on_loopback(insert_transfers(allreduce_plan(places, elements, 7, fine)), registry(n));
+      for (const auto& r : results) {
+        REQUIRE_MESSAGE(r.error.empty(), r.error);
+        for (const auto& a : r.report->metrics.actors) CHECK(a.acts == 7u);
+      }
+    }
+  }
+  SUBCASE("devices") {
+    std::vector<Placement> places;
+    for (std::uint8_t j = 0; j < 3; ++j) places.push_back({.device = Device{DeviceType::cpu, j}});
+    Runtime rt(allreduce_plan(places, elements, 7, fine), registry(3));
+    CHECK(rt.run().metrics.actors.size() == static_cast<std::size_t>(3 * 3 + 3 * 2 * 12));
+  }
+}
+
+TEST_CASE("Collectives.TwoHopAllReduceSumsToo" * doctest::timeout(60)) {
+  const AllReduceSettings two_hop{.algorithm = AllReduceAlgorithm::two_hop};
+  std::vector<Placement> ranks, devices;
+  for (std::uint8_t j = 0; j < 3; ++j) {
+    ranks.push_back({.rank = j});
+    devices.push_back({.device = Device{DeviceType::cpu, j}});
+  }
+  for (const auto& r : test::run_on_loopback(insert_transfers(allreduce_plan(ranks, 65537, 3, two_hop)), registry(3))) {
+    REQUIRE_MESSAGE(r.error.empty(), r.error);
+  }
+  Runtime rt(allreduce_plan(devices, 4099, 5, two_hop), registry(3));
+  CHECK(rt.run().metrics.actors.size() == 5u * 3u);  // fill, split, sum, gather, check per member
+}
+
+TEST_CASE("Collectives.SegmentsAndActorsForASize") {
+  // Default: 1 MiB segments, at most 16 per chunk; one segment below 1 MiB per chunk.
+  CHECK(allreduce_segments(1, DType::f32, 4) == 1);
+  CHECK(allreduce_segments(256 << 10, DType::f32, 2) == 1);      // 1 MiB: chunks of 512 KiB
+  CHECK(allreduce_segments(1 << 20, DType::f32, 2) == 2);        // 4 MiB: chunks of 2 MiB
+  CHECK(allreduce_segments(1 << 20, DType::f64, 2) == 4);        // 8 MiB
+  CHECK(allreduce_segments(std::int64_t{16} << 20, DType::f32, 2) == 16);  // 64 MiB: capped
+  CHECK(allreduce_segments(5, DType::f32, 2, {.segment_bytes = 4}) == 3);  // never more than elements
+  CHECK_THROWS_AS(allreduce_segments(5, DType::f32, 2, {.segment_bytes = 0}), std::invalid_argument);
+  // A member's input has members x segments readers, of the 255 a register may have.
+  CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 4, {.max_segments = 1000}) == 60);
+  CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 300, {.max_segments = 1000}) == 1);
+  // Across ranks, per (chunk, segment): a slice on member c+1 and n-1 adds; per member a gather.
+  for (std::int64_t n : {2, 4}) {
+    std::vector<Placement> places;
+    for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
+    const Plan p = allreduce_plan(places, std::int64_t{1} << 20, 1);
+    const std::int64_t s = allreduce_segments(std::int64_t{1} << 20, DType::f32, n);
+    std::map<std::string, std::int64_t> ops;
+    for (const auto& a : p.actors) ++ops[a.op];
+    CHECK(ops["allreduce.slice"] == n * s);
+    CHECK(ops["allreduce.add"] == n * (n - 1) * s);
+    CHECK(ops["allreduce.concat"] == n);
   }
 }
 

@@ -159,17 +159,19 @@ TEST_CASE("Parallel.DataParallelPlanHasTheAllReduceInBuckets") {
     for (const auto& a : r.plan.actors) n += a.op == op;
     return n;
   };
-  // One all-reduce per weight (bucket_bytes 0): 4 weights and the loss, 2 replicas, a split
-  // and a concat per replica, a sum per chunk.
+  // One all-reduce per weight (bucket_bytes 0): 4 weights and the loss, 2 replicas; each a
+  // ring (collectives.h) with one segment per chunk: an add per chunk, a gather (concat) per
+  // replica, no slice (the replicas are devices of one rank).
   Run per_weight = train({.dp = 2, .microbatches = 1, .steps = 1, .bucket_bytes = 0});
-  CHECK(count(per_weight, "allreduce.split") == 10);
-  CHECK(count(per_weight, "allreduce.sum") == 10);
+  CHECK(count(per_weight, "allreduce.split") == 0);
+  CHECK(count(per_weight, "allreduce.slice") == 0);
+  CHECK(count(per_weight, "allreduce.add") == 10);
   CHECK(count(per_weight, "allreduce.concat") == 10);
   // DDP's 25 MB: the 4 weights share one bucket, packed (concat) and unpacked (split) around
   // one all-reduce; the loss has its own.
   Run bucketed = train({.dp = 2, .microbatches = 1, .steps = 1});
-  CHECK(count(bucketed, "allreduce.sum") == 4);
-  CHECK(count(bucketed, "allreduce.split") == 6);
+  CHECK(count(bucketed, "allreduce.add") == 4);
+  CHECK(count(bucketed, "allreduce.split") == 2);
   CHECK(count(bucketed, "allreduce.concat") == 6);
   // Replica r's actors run on in-process device cpu:r.
   for (const auto& a : bucketed.plan.actors) {

@@ -1,13 +1,16 @@
-// baton-bench-allreduce: the all-reduce made of actors (graph/collectives.h) between ranks on
+// baton-bench-allreduce: the ring all-reduce made of actors (graph/collectives.h) between ranks on
 // this host, against OpenMPI's MPI_Allreduce measured in the same run (baton-mpi-allreduce-ref
 // under mpirun, shared memory). Each rank's producer waits for its own previous result before
 // it emits the next tensor (delay 1), so the all-reduces run back to back as MPI's do, not
 // pipelined. Bus bandwidth as nccl-tests defines it: busbw = algbw x 2(n-1)/n, algbw = bytes /
 // time per all-reduce (on rank 0, between its producer's acts, after a warm-up).
 //
-//   baton-bench-allreduce            2 and 4 ranks, 1 KiB .. 64 MiB
+//   baton-bench-allreduce            2 and 4 ranks, 1 KiB .. 256 MiB
 //   baton-bench-allreduce --quick    2 ranks, three sizes, few iterations (the CTest smoke run)
 //   baton-bench-allreduce --no-reference
+//   baton-bench-allreduce --segment-kib K --max-segments S --ranks N --min-kib A --max-mib B
+//                                    other AllReduceSettings, rank counts and sizes (sweeps)
+//   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
 // BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr.
 #include <unistd.h>
 
@@ -33,11 +36,14 @@ namespace {
 using namespace baton;
 
 std::int64_t iterations_for(std::int64_t bytes, bool quick) {
-  const std::int64_t target = quick ? (std::int64_t{16} << 20) : (std::int64_t{1} << 30);  // bytes moved per size
-  return std::clamp<std::int64_t>(target / bytes, quick ? 3 : 10, quick ? 50 : 2000);
+  // Bytes moved per size; from 64 MiB up 5-8 all-reduces suffice (each takes tens of ms) and
+  // keep the whole bench to a few minutes.
+  const std::int64_t target = quick ? (std::int64_t{16} << 20) : (std::int64_t{1} << 30);
+  return std::clamp<std::int64_t>(target / bytes, quick ? 3 : (bytes >= (std::int64_t{64} << 20) ? 5 : 10),
+                                  quick ? 50 : 2000);
 }
 
-Plan allreduce_plan(std::uint16_t n, std::int64_t elements, std::int64_t iters) {
+Plan allreduce_plan(std::uint16_t n, std::int64_t elements, std::int64_t iters, const AllReduceSettings& settings) {
   Plan p;
   std::vector<AllReduceMember> members;
   std::vector<RegisterIndex> ticks, inputs;
@@ -49,7 +55,7 @@ Plan allreduce_plan(std::uint16_t n, std::int64_t elements, std::int64_t iters) 
     inputs.push_back(p.add_register({.name = "grad" + sfx, .shape = {elements}, .dtype = DType::f32, .slots = 1}));
     members.push_back({Placement{.rank = r}, inputs.back(), sfx});
   }
-  const auto results = add_allreduce(p, "ar", members, {elements}, DType::f32, 1);
+  const auto results = add_allreduce(p, "ar", members, {elements}, DType::f32, 1, settings);
   for (std::uint16_t r = 0; r < n; ++r) {
     // The next tensor only once this rank holds the previous result: back to back.
     p.add_actor({.name = fmt::format("produce@r{}", r), .op = "bench.produce", .where = {.rank = r},
@@ -58,7 +64,7 @@ Plan allreduce_plan(std::uint16_t n, std::int64_t elements, std::int64_t iters) 
   return p;
 }
 
-int worker(std::int64_t bytes, std::int64_t iters) {
+int worker(std::int64_t bytes, std::int64_t iters, const AllReduceSettings& settings) {
   try {
     auto env = JobEnvironment::from_env();
     auto kernels = KernelRegistry::with_builtin_kernels();
@@ -71,7 +77,7 @@ int worker(std::int64_t bytes, std::int64_t iters) {
     kernels.add_fn("bench.produce", DeviceType::cpu, DType::f32,
                    [starts](KernelContext&) { starts->push_back(bench::Clock::now()); });
     JobSettings js;
-    auto rep = run_job(allreduce_plan(static_cast<std::uint16_t>(env.world_size), bytes / 4, warm + iters + 1), kernels, env, js);
+    auto rep = run_job(allreduce_plan(static_cast<std::uint16_t>(env.world_size), bytes / 4, warm + iters + 1, settings), kernels, env, js);
     const auto timed = std::chrono::duration<double>(starts->at(static_cast<std::size_t>(warm + iters)) -
                                                      starts->at(static_cast<std::size_t>(warm)));
     if (env.rank == 0) fmt::print("RESULT {:.9f}\n", timed.count() / static_cast<double>(iters));
@@ -119,21 +125,44 @@ std::string size_name(std::int64_t b) {
 int main(int argc, char** argv) {
   bool quick = false, reference = true;
   std::int64_t worker_bytes = -1, worker_iters = 0;
+  AllReduceSettings settings;
+  std::vector<int> ranks;
+  std::int64_t min_bytes = std::int64_t{1} << 10, max_bytes = std::int64_t{256} << 20;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick") {
       quick = true;
     } else if (a == "--no-reference") {
       reference = false;
+    } else if (a == "--algorithm" && i + 1 < argc) {
+      const std::string alg = argv[++i];
+      if (alg != "ring" && alg != "two_hop") {
+        fmt::print(stderr, "baton-bench-allreduce: --algorithm {}: ring or two_hop\n", alg);
+        return 2;
+      }
+      settings.algorithm = alg == "ring" ? AllReduceAlgorithm::ring : AllReduceAlgorithm::two_hop;
+    } else if (a == "--segment-kib" && i + 1 < argc) {
+      settings.segment_bytes = std::stoll(argv[++i]) << 10;
+    } else if (a == "--max-segments" && i + 1 < argc) {
+      settings.max_segments = std::stoll(argv[++i]);
+    } else if (a == "--ranks" && i + 1 < argc) {
+      ranks.push_back(std::stoi(argv[++i]));
+    } else if (a == "--min-kib" && i + 1 < argc) {
+      min_bytes = std::stoll(argv[++i]) << 10;
+    } else if (a == "--max-mib" && i + 1 < argc) {
+      max_bytes = std::stoll(argv[++i]) << 20;
     } else if (a == "--worker" && i + 2 < argc) {
       worker_bytes = std::stoll(argv[++i]);
       worker_iters = std::stoll(argv[++i]);
     } else {
-      fmt::print(stderr, "usage: baton-bench-allreduce [--quick] [--no-reference]\n");
+      fmt::print(stderr,
+                 "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop]\n"
+                 "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
+                 "                             [--max-mib B]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
-  if (worker_bytes >= 0) return worker(worker_bytes, worker_iters);
+  if (worker_bytes >= 0) return worker(worker_bytes, worker_iters, settings);
 
   char self_buf[4096] = {};
   ssize_t len = readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
@@ -143,14 +172,21 @@ int main(int argc, char** argv) {
   if (quick) {
     sizes = {std::int64_t{1} << 10, std::int64_t{1} << 20, std::int64_t{4} << 20};
   } else {
-    for (std::int64_t b = std::int64_t{1} << 10; b <= (std::int64_t{64} << 20); b *= 4) sizes.push_back(b);
+    for (std::int64_t b = min_bytes; b <= max_bytes; b *= 4) sizes.push_back(b);
   }
+  if (ranks.empty()) ranks = quick ? std::vector<int>{2} : std::vector<int>{2, 4};
+  const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
+  const std::vector<std::string> knobs{"--algorithm", ring ? "ring" : "two_hop", "--segment-kib",
+                                       std::to_string(settings.segment_bytes >> 10), "--max-segments",
+                                       std::to_string(settings.max_segments)};
   int failures = 0;
-  for (int n : quick ? std::vector<int>{2} : std::vector<int>{2, 4}) {
+  for (int n : ranks) {
     const auto mpi = reference ? mpi_reference(ref, n, sizes, quick) : std::map<std::int64_t, double>{};
     for (std::int64_t bytes : sizes) {
       const std::int64_t iters = iterations_for(bytes, quick);
-      auto out = bench::run_job_of(self, {"--worker", std::to_string(bytes), std::to_string(iters)}, n, 0, {});
+      std::vector<std::string> args = knobs;
+      args.insert(args.end(), {"--worker", std::to_string(bytes), std::to_string(iters)});
+      auto out = bench::run_job_of(self, args, n, 0, {});
       auto pos = out ? out->find("RESULT ") : std::string::npos;
       if (pos == std::string::npos) {
         ++failures;
@@ -161,7 +197,9 @@ int main(int argc, char** argv) {
       const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
       bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));
       line.add("value", busbw).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("iterations", iters)
-          .add("us_per_op", secs * 1e6);
+          .add("us_per_op", secs * 1e6).add("algorithm", ring ? "ring" : "two_hop")
+          .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
+          .add("segment_kib", settings.segment_bytes >> 10);
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")

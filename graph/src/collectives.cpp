@@ -1,6 +1,7 @@
 #include "baton/graph/collectives.h"
 
 #include <algorithm>
+#include <memory>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -14,9 +15,79 @@ std::vector<std::int64_t> chunk_offsets(std::int64_t n, std::int64_t parts) {
 }
 
 namespace {
+/// Readers of one member's input that the segments may use (of the runtime's 255 per register).
+constexpr std::int64_t readers_for_segments = 240;
+}  // namespace
+
+std::int64_t allreduce_segments(std::int64_t elements, DType dtype, std::int64_t members,
+                                const AllReduceSettings& settings) {
+  if (members <= 0) throw std::invalid_argument(fmt::format("all-reduce over {} members", members));
+  if (settings.segment_bytes <= 0 || settings.max_segments <= 0) {
+    throw std::invalid_argument(fmt::format("all-reduce settings: segment_bytes {} and max_segments {} must be > 0",
+                                            settings.segment_bytes, settings.max_segments));
+  }
+  const std::int64_t chunk = (elements + members - 1) / members;  // the largest chunk
+  const auto chunk_bytes = chunk * static_cast<std::int64_t>(size_of(dtype));
+  const std::int64_t s = (chunk_bytes + settings.segment_bytes - 1) / settings.segment_bytes;
+  // Each member's input is read by members x segments actors (its slices and adds), and a
+  // register has at most 255 readers: keep a few for whatever else reads the input.
+  const std::int64_t reader_bound = std::max<std::int64_t>(1, readers_for_segments / members);
+  return std::max<std::int64_t>(1, std::min({s, settings.max_segments, chunk, reader_bound}));
+}
+
+namespace {
+
+template <class T>
+std::span<const T> window(const Tensor& t, std::int64_t offset, std::size_t count, std::string_view actor) {
+  auto all = t.data<T>();
+  if (offset < 0 || static_cast<std::size_t>(offset) + count > all.size()) {
+    throw std::runtime_error(fmt::format("{}: elements [{}, {}) lie outside its input of {}", actor, offset,
+                                         static_cast<std::size_t>(offset) + count, all.size()));
+  }
+  return all.subspan(static_cast<std::size_t>(offset), count);
+}
+
+/// out = input[offset, offset + out.size()): the first partial of a chain, sent to the next rank.
+template <class T>
+struct Slice final : Kernel {
+  std::string actor;
+  std::int64_t offset;
+  Slice(std::string_view a, std::int64_t off) : actor(a), offset(off) {}
+  void compute(KernelContext& ctx) override {
+    auto out = ctx.outputs[0]->data<T>();
+    auto in = window<T>(*ctx.inputs[0], offset, out.size(), actor);
+    std::copy(in.begin(), in.end(), out.begin());
+  }
+};
+
+/// out = partial + own[offset, ...): one hop of a reduce-scatter chain. The partial is either
+/// the previous hop's register (from = -1) or the previous member's whole input read in place
+/// at `from` (same rank: no slice copy).
+template <class T>
+struct Add final : Kernel {
+  std::string actor;
+  std::int64_t offset, from;
+  Add(std::string_view a, std::int64_t off, std::int64_t f) : actor(a), offset(off), from(f) {}
+  void compute(KernelContext& ctx) override {
+    auto out = ctx.outputs[0]->data<T>();
+    auto a = window<T>(*ctx.inputs[0], from < 0 ? 0 : from, out.size(), actor);
+    auto b = window<T>(*ctx.inputs[1], offset, out.size(), actor);
+    T* __restrict o = out.data();
+    const T* __restrict x = a.data();
+    const T* __restrict y = b.data();
+    for (std::size_t i = 0; i < out.size(); ++i) o[i] = x[i] + y[i];
+  }
+};
 
 template <class T>
 void add_kernels(KernelRegistry& k, DType dt) {
+  k.add("allreduce.slice", DeviceType::cpu, dt, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+    return std::make_unique<Slice<T>>(cfg.actor, cfg.attrs.get_int("offset", 0));
+  });
+  k.add("allreduce.add", DeviceType::cpu, dt, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+    return std::make_unique<Add<T>>(cfg.actor, cfg.attrs.get_int("offset", 0), cfg.attrs.get_int("from", -1));
+  });
+  // Also what the compiler packs (concat) and unpacks (split) a gradient bucket with.
   k.add_fn("allreduce.split", DeviceType::cpu, dt, [](KernelContext& ctx) {
     auto in = ctx.inputs[0]->data<T>();
     std::size_t at = 0;
@@ -47,6 +118,36 @@ void add_kernels(KernelRegistry& k, DType dt) {
   });
 }
 
+/// AllReduceAlgorithm::two_hop: split, the owner of each chunk sums it, concat; returns the
+/// members' sum registers in tensor order (one per chunk) for the gathers.
+std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
+                                            const std::vector<AllReduceMember>& members, DType dtype,
+                                            const std::vector<std::int64_t>& off, std::int32_t slots) {
+  const auto n = static_cast<std::int64_t>(members.size());
+  auto len = [&](std::int64_t c) { return off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]; };
+  std::vector<std::vector<RegisterIndex>> chunk(static_cast<std::size_t>(n));  // chunk[j][c]: member j's chunk c
+  for (std::int64_t j = 0; j < n; ++j) {
+    const AllReduceMember& m = members[static_cast<std::size_t>(j)];
+    for (std::int64_t c = 0; c < n; ++c) {
+      chunk[static_cast<std::size_t>(j)].push_back(plan.add_register(
+          {.name = fmt::format("{}.chunk{}{}", name, c, m.suffix), .shape = {len(c)}, .dtype = dtype, .slots = slots}));
+    }
+    plan.add_actor({.name = name + ".split" + m.suffix, .op = "allreduce.split", .dtype = dtype, .where = m.where,
+                    .inputs = {{m.input}}, .outputs = chunk[static_cast<std::size_t>(j)], .role = ActorRole::collective});
+  }
+  std::vector<RegisterIndex> sums;
+  for (std::int64_t c = 0; c < n; ++c) {
+    const AllReduceMember& owner = members[static_cast<std::size_t>(c)];
+    std::vector<InputPort> ins;
+    for (std::int64_t j = 0; j < n; ++j) ins.push_back({chunk[static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]});
+    const std::string sum_name = fmt::format("{}.sum{}{}", name, c, owner.suffix);
+    sums.push_back(plan.add_register({.name = sum_name, .shape = {len(c)}, .dtype = dtype, .slots = slots}));
+    plan.add_actor({.name = sum_name, .op = "allreduce.sum", .dtype = dtype, .where = owner.where,
+                    .inputs = std::move(ins), .outputs = {sums.back()}, .role = ActorRole::collective});
+  }
+  return sums;
+}
+
 }  // namespace
 
 void add_collective_kernels(KernelRegistry& kernels) {
@@ -55,31 +156,53 @@ void add_collective_kernels(KernelRegistry& kernels) {
 }
 
 std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
-                                         const Shape& shape, DType dtype, std::int32_t result_slots) {
+                                         const Shape& shape, DType dtype, std::int32_t result_slots,
+                                         const AllReduceSettings& settings) {
   if (members.empty()) throw std::invalid_argument(fmt::format("all-reduce '{}' has no members", name));
   const auto n = static_cast<std::int64_t>(members.size());
-  const auto off = chunk_offsets(numel(shape), n);
-  auto len = [&](std::int64_t c) { return off[static_cast<std::size_t>(c) + 1] - off[static_cast<std::size_t>(c)]; };
-  // chunk[j][c]: member j's chunk c.
-  std::vector<std::vector<RegisterIndex>> chunk(static_cast<std::size_t>(n));
-  for (std::int64_t j = 0; j < n; ++j) {
-    const AllReduceMember& m = members[static_cast<std::size_t>(j)];
-    for (std::int64_t c = 0; c < n; ++c) {
-      chunk[static_cast<std::size_t>(j)].push_back(plan.add_register(
-          {.name = fmt::format("{}.chunk{}{}", name, c, m.suffix), .shape = {len(c)}, .dtype = dtype, .slots = 2}));
-    }
-    plan.add_actor({.name = name + ".split" + m.suffix, .op = "allreduce.split", .dtype = dtype, .where = m.where,
-                    .inputs = {{m.input}}, .outputs = chunk[static_cast<std::size_t>(j)]});
-  }
+  const auto chunks = chunk_offsets(numel(shape), n);
+  const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
+  const std::int64_t segments = ring ? allreduce_segments(numel(shape), dtype, n, settings) : 0;
+  auto member = [&](std::int64_t j) -> const AllReduceMember& { return members[static_cast<std::size_t>(j % n)]; };
+  // sums[c * segments + s]: the finished sum of segment s of chunk c, on member c; in tensor order.
   std::vector<RegisterIndex> sums;
-  for (std::int64_t c = 0; c < n; ++c) {
-    const AllReduceMember& owner = members[static_cast<std::size_t>(c)];
-    std::vector<InputPort> ins;
-    for (std::int64_t j = 0; j < n; ++j) ins.push_back({chunk[static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]});
-    const std::string sum_name = fmt::format("{}.sum{}{}", name, c, owner.suffix);
-    sums.push_back(plan.add_register({.name = sum_name, .shape = {len(c)}, .dtype = dtype, .slots = 2}));
-    plan.add_actor({.name = sum_name, .op = "allreduce.sum", .dtype = dtype, .where = owner.where,
-                    .inputs = std::move(ins), .outputs = {sums.back()}});
+  if (!ring) sums = add_two_hop_sums(plan, name, members, dtype, chunks, settings.slots);
+  for (std::int64_t c = 0; c < n && ring; ++c) {
+    const auto c_at = static_cast<std::size_t>(c);
+    const auto seg = chunk_offsets(chunks[c_at + 1] - chunks[c_at], segments);
+    for (std::int64_t s = 0; s < segments; ++s) {
+      const auto s_at = static_cast<std::size_t>(s);
+      const std::int64_t offset = chunks[c_at] + seg[s_at];
+      const std::int64_t count = seg[s_at + 1] - seg[s_at];
+      const std::string piece = segments == 1 ? fmt::format("{}", c) : fmt::format("{}.{}", c, s);
+      // The chain runs over members c+1, c+2, ..., c+n (= c, which keeps the sum).
+      const AllReduceMember& first = member(c + 1);
+      InputPort partial{first.input};
+      std::int64_t from = offset;  // partial is `first`'s whole input, read in place
+      if (n == 1 || first.where.rank != member(c + 2).where.rank) {
+        // Only the segment should travel: copy it out of the input first.
+        RegisterIndex r = plan.add_register({.name = fmt::format("{}.part{}{}", name, piece, first.suffix),
+                                             .shape = {count}, .dtype = dtype, .slots = settings.slots});
+        plan.add_actor({.name = fmt::format("{}.slice{}{}", name, piece, first.suffix), .op = "allreduce.slice",
+                        .dtype = dtype, .where = first.where, .inputs = {{first.input}}, .outputs = {r},
+                        .attrs = {{"offset", offset}}, .role = ActorRole::collective});
+        partial = {r};
+        from = -1;
+      }
+      for (std::int64_t k = 2; k <= n; ++k) {
+        const AllReduceMember& m = member(c + k);
+        const std::string out_name = k == n ? fmt::format("{}.sum{}{}", name, piece, m.suffix)
+                                            : fmt::format("{}.part{}{}", name, piece, m.suffix);
+        RegisterIndex r =
+            plan.add_register({.name = out_name, .shape = {count}, .dtype = dtype, .slots = settings.slots});
+        plan.add_actor({.name = fmt::format("{}.add{}{}", name, piece, m.suffix), .op = "allreduce.add",
+                        .dtype = dtype, .where = m.where, .inputs = {partial, {m.input}}, .outputs = {r},
+                        .attrs = {{"from", from}, {"offset", offset}}, .role = ActorRole::collective});
+        partial = {r};
+        from = -1;
+      }
+      sums.push_back(partial.reg);
+    }
   }
   std::vector<RegisterIndex> results;
   for (const AllReduceMember& m : members) {
@@ -87,8 +210,8 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
     for (RegisterIndex r : sums) ins.push_back({r});
     results.push_back(
         plan.add_register({.name = name + ".allreduced" + m.suffix, .shape = shape, .dtype = dtype, .slots = result_slots}));
-    plan.add_actor({.name = name + ".concat" + m.suffix, .op = "allreduce.concat", .dtype = dtype, .where = m.where,
-                    .inputs = std::move(ins), .outputs = {results.back()}});
+    plan.add_actor({.name = name + ".gather" + m.suffix, .op = "allreduce.concat", .dtype = dtype, .where = m.where,
+                    .inputs = std::move(ins), .outputs = {results.back()}, .role = ActorRole::collective});
   }
   return results;
 }

@@ -1,13 +1,34 @@
 #pragma once
 /// Collectives made of actors: plan fragments any compiler (or hand-written plan) can add.
 ///
-/// All-reduce over N members, a tensor of n elements cut into N chunks: member j's split actor
-/// writes its N chunks; the owner of chunk c (member c) sums chunk c of every member, in member
-/// order; every member's concat actor gathers the N sums. Each member sends and receives N-1
-/// chunks in each half, as in a ring, in two hops instead of 2(N-1). Members on other ranks are
-/// reached through transfer actors (insert_transfers), members on other in-process devices read
-/// each other's registers in place. Every member ends with the same bits: each chunk's sum is
-/// made once. Kernels: allreduce.split / .sum / .concat (f32, f64; add_collective_kernels).
+/// All-reduce over N members as a ring (Patarasuk & Yuan 2009; Horovod, NCCL): the tensor of n
+/// elements is cut into N chunks, chunk c into S segments (allreduce_segments()). For each
+/// (chunk, segment) the reduce-scatter is a chain of N-1 add actors hopping around the ring
+/// from member c+1 to member c: the actor on member c+k adds its member's own segment, read in
+/// place out of the member's input register, to the partial sum it received from member
+/// c+k-1. The chain's first partial is a copy of member c+1's segment (a slice actor) when the
+/// next hop is on another rank, so that only the segment travels; on the same rank the first
+/// add reads it in place. The S segments of a chunk pipeline: segment s+1 is sliced and sent
+/// while segment s is being added one hop further on.
+///
+/// All-gather: member c's finished sum of each of its segments goes straight to every other
+/// member (N-1 transfers that pull it concurrently), not around the ring. Each member sends
+/// and receives the same (N-1)/N of the tensor either way; the direct form has one hop of
+/// latency instead of N-1 and needs no relay actor (a relay on this transport is a second
+/// copy: a transfer writes only its own register). Chosen on that reasoning; a ring
+/// all-gather has not been built to measure against it. Each member's gather actor then
+/// copies the N*S sums into its result register.
+///
+/// Every member ends with the same bits: each element's sum is made once, by one chain, in
+/// the chain's fixed order (member c+1, c+2, ..., c). Members on other ranks are reached
+/// through transfer actors (insert_transfers: UCX tagged send / receive, shared memory or CMA
+/// between the processes of one host), members on other in-process devices read each
+/// other's registers in place. Kernels: allreduce.slice / .add / .concat (f32, f64;
+/// add_collective_kernels).
+///
+///   auto results = baton::add_allreduce(plan, "grad", members, {1 << 20}, baton::f32);
+///   auto fine = baton::add_allreduce(plan, "g2", members, {1 << 20}, baton::f32, 2,
+///                                    {.segment_bytes = 64 << 10});
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -18,15 +39,48 @@
 namespace baton {
 
 struct AllReduceMember {
-  Placement where;       // where its split, sum and concat actors run
+  Placement where;       // where its slice, add and gather actors run
   RegisterIndex input;   // its register to sum (one piece per act)
   std::string suffix;    // appended to the names of its actors and registers (e.g. "@dp1")
+};
+
+/// How the sums are made and travel.
+enum class AllReduceAlgorithm : std::uint8_t {
+  /// Reduce-scatter chains of adds around the ring, segmented and pipelined (above).
+  ring,
+  /// The earlier form, kept to compare against (baton-bench-allreduce --algorithm two_hop):
+  /// each member's split actor copies out its N chunks, the owner of chunk c sums chunk c of
+  /// every member in one act, every member's gather copies the N sums. Two hops whatever N,
+  /// whole chunks, no segments.
+  two_hop,
+};
+
+/// How add_allreduce cuts the tensor. Defaults measured with baton-bench-allreduce (README).
+struct AllReduceSettings {
+  AllReduceAlgorithm algorithm = AllReduceAlgorithm::ring;
+  /// Target bytes of one segment: each chunk is cut into ceil(chunk bytes / segment_bytes)
+  /// segments, so a tensor below N x segment_bytes has one segment per chunk (the fewest
+  /// actors) and larger ones pipeline.
+  std::int64_t segment_bytes = std::int64_t{1} << 20;
+  /// At most this many segments per chunk: bounds the actors of a very large tensor (each
+  /// segment costs N-1 adds, a slice and their transfers); the segments then grow instead.
+  std::int64_t max_segments = 16;
+  /// Slots of every partial and sum register: how many segments may be in flight on one hop.
+  std::int32_t slots = 2;
 };
 
 /// Adds the all-reduce of the members' inputs (each of `shape` and `dtype`) under `name`;
 /// returns the members' result registers (`result_slots` each), in member order.
 std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
-                                         const Shape& shape, DType dtype, std::int32_t result_slots = 2);
+                                         const Shape& shape, DType dtype, std::int32_t result_slots = 2,
+                                         const AllReduceSettings& settings = {});
+
+/// Segments per chunk that add_allreduce uses for `elements` of `dtype` over `members`:
+/// ceil(largest chunk's bytes / segment_bytes), at least 1, at most max_segments, at most the
+/// largest chunk's elements and at most 240 / members (each member's input is read by members
+/// x segments actors; a register has at most 255 readers).
+std::int64_t allreduce_segments(std::int64_t elements, DType dtype, std::int64_t members,
+                                const AllReduceSettings& settings = {});
 
 /// The kernels add_allreduce's actors name.
 void add_collective_kernels(KernelRegistry& kernels);
