@@ -131,6 +131,7 @@ Run train(const Setup& s) {
       REQUIRE_MESSAGE(r.error.empty(), r.error);
     }
   }
+  for (auto& w : writers) w->finish();
   Run out;
   out.losses = job.losses->per_step();
   out.first_step = cfg.first_step;

@@ -371,6 +371,13 @@ int run(const Options& o) {
     std::fflush(stdout);
   }
   runner.join();
+  if (writer) {  // the last checkpoint is written while the job ends: wait for it
+    try {
+      writer->finish();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
   watch.finish();
   if (tracer && !trace_file.empty()) {  // a failed run's trace too: it shows what led up to it
     try {

@@ -13,8 +13,10 @@
 /// actors copies its weight and slots right after it applies a checkpoint step's update
 /// (TrainConfig::on_snapshot). That state is exactly what the next step starts from, whatever
 /// the other actors are busy with, so the copies form one consistent state although they are
-/// taken at different moments; a Writer gathers a rank's copies of a step and writes its file
-/// from the thread of the last one. Data order, text windows and dropout are functions of
+/// taken at different moments. A Writer gathers a rank's copies of a step and hands them to its
+/// own thread, which writes the file while training goes on (disk I/O overlaps compute, as the
+/// design asks of data movement); at most `max_queued` steps wait, then the actors wait for the
+/// disk. Data order, text windows and dropout are functions of
 /// (seed, step, piece), so the step number is the data position and the RNG state: a resumed
 /// job numbers its pieces from there (TrainConfig::first_step) and draws what the
 /// uninterrupted run would have. On the CPU a resumed run repeats that run's losses and weights
@@ -31,15 +33,21 @@
 ///   TrainingJob job = compile_training(g, loss, cfg);
 ///   writer->expect(job.trained);
 ///   ... run the job ...
+///   writer->finish();   // the last checkpoint is on disk (or its error thrown)
 ///
 ///   checkpoint::Checkpoint c = checkpoint::load(checkpoint::find(dir).dir);
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "baton/graph/compile.h"
@@ -67,26 +75,40 @@ struct Settings {
   /// Global batch per step and the seed, for the index's data position and RNG record.
   std::int64_t batch = 0;
   std::uint64_t seed = 0;
+  /// Steps that may wait for the writing thread before take() blocks (each holds a copy of
+  /// the rank's weights and optimizer state), and how long it blocks before failing the job.
+  int max_queued = 2;
+  std::chrono::seconds disk_timeout{600};
 };
 
 /// Gathers the snapshots of the variables this rank trains and writes a checkpoint of each
-/// step once all of them are in. Thread-safe: variable actors on any worker call take().
+/// step once all of them are in, on a thread of its own. Thread-safe: variable actors on any
+/// worker call take().
 class Writer : public std::enable_shared_from_this<Writer> {
  public:
   explicit Writer(Settings settings);
+  /// Finishes what is queued (errors are dropped here: call finish() to see them).
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
   /// After compile_training: replica 0's trained variables and where each runs
   /// (TrainingJob::trained). This rank writes those placed on it; the index lists them all.
   void expect(const std::map<std::string, Placement>& trained);
   /// For TrainConfig::on_snapshot (holds this writer alive).
   std::function<void(VariableSnapshot)> hook();
-  /// One variable's state after a step. Throws (failing the job, on that actor) if the files
-  /// cannot be written, or for a variable expect() did not name.
+  /// One variable's state after a step. Throws (failing the job, on that actor) if an earlier
+  /// checkpoint could not be written, if the disk keeps the queue full past disk_timeout, or
+  /// for a variable expect() did not name.
   void take(VariableSnapshot snapshot);
+  /// Waits until every complete step handed over is on disk; throws the first writing error
+  /// ("<file>: <what>"). Call it after the job has run.
+  void finish();
   /// The step directories this rank has finished, oldest first.
   std::vector<std::filesystem::path> written() const;
 
  private:
   void write_step(std::int64_t step, std::vector<VariableSnapshot> snapshots);
+  void writer_loop();
 
   Settings settings_;
   std::map<std::string, Placement> trained_;
@@ -95,7 +117,12 @@ class Writer : public std::enable_shared_from_this<Writer> {
   mutable std::mutex mutex_;
   std::map<std::int64_t, std::vector<VariableSnapshot>> pending_;
   std::vector<std::filesystem::path> written_;
-  std::mutex write_mutex_;  // one step's files at a time
+  std::deque<std::pair<std::int64_t, std::vector<VariableSnapshot>>> queue_;
+  bool writing_ = false;  // the thread is writing a step it took from the queue
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::condition_variable changed_;
+  std::thread thread_;  // last: started once the rest is built, joined first
 };
 
 /// The directory of step `step` under `dir`: dir/step-00000010.
