@@ -384,6 +384,10 @@ TEST_CASE("Checkpoint.KeepsTheNewestAndIgnoresWhatACrashLeft" * doctest::timeout
   REQUIRE(found.skipped.size() == 1);
   CHECK(test::contains(found.skipped[0], "step-00000028"));
   CHECK(checkpoint::load(found.dir).step == 20);
+  // A file where the directory should be: refused before training, naming it.
+  write_bytes(a.path / "file", "x");
+  const std::string e = error_of([&] { train({.steps = 2, .dir = a.path / "file"}); });
+  CHECK_MESSAGE(test::contains(e, (a.path / "file").string() + ": cannot make the checkpoint directory"), e);
   // Nothing complete at all: one line naming the directory.
   TempDir empty("empty");
   CHECK(test::contains(error_of([&] { checkpoint::find(empty.path); }), empty.path.string() + ": holds no checkpoint"));

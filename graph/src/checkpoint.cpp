@@ -474,7 +474,13 @@ Checkpoint load(const fs::path& dir) {
       fail(path, fmt::format("holds step {} but the index says step {} (a file from another checkpoint)", meta("step"), ix.step));
     }
     if (meta("rank") != std::to_string(rank)) fail(path, fmt::format("was written by rank {}, the index says rank {}", meta("rank"), rank));
+    if (meta("version") != std::to_string(format_version)) {
+      fail(path, fmt::format("__metadata__ version is '{}', not {}", meta("version"), format_version));
+    }
     if (meta("run") != ix.run) fail(path, "was written by another run than the index (a leftover of an earlier job)");
+    if (meta("optimizer") != ix.optimizer) {
+      fail(path, fmt::format("holds {} state but the index says {}", meta("optimizer"), ix.optimizer));
+    }
     const std::string crc = fmt::format("{:08x}", crc_of(contents.tensors));
     if (meta("crc32") != crc) fail(path, fmt::format("CRC-32 of the data is {} but the file says {}: corrupt", crc, meta("crc32")));
     std::map<std::string, Tensor> in_file(contents.tensors.begin(), contents.tensors.end());
