@@ -497,3 +497,25 @@ TEST_CASE("Checkpoint.PythonReadsTheFileWithoutBaton" * doctest::timeout(60)) {
   }
   CHECK(theirs.count("fc0.w#exp_avg_sq") == 1);
 }
+
+TEST_CASE("Checkpoint.AWriteThatFailsFailsTheJobNamingThePath" * doctest::timeout(60)) {
+  // The writing thread's error comes back from finish(), and from the next snapshot a variable
+  // actor hands over (which fails the job on that actor).
+  TempDir a("unwritable");
+  const fs::path dir = a.path / "ckpt";
+  auto writer = std::make_shared<checkpoint::Writer>(
+      checkpoint::Settings{.dir = dir, .optimizer = optim::sgd(0.1), .config = {{"run", "t"}}});
+  writer->expect({{"w", Placement{}}});
+  // A variable this rank does not train is a bug in the caller: refused by name.
+  CHECK(test::contains(error_of([&] { writer->take(VariableSnapshot{.name = "v", .step = 1}); }), "variable 'v'"));
+  fs::remove_all(dir);
+  write_bytes(dir, "a file now");
+  auto snapshot = [](std::int64_t step) {
+    return VariableSnapshot{.name = "w", .step = step, .weight = Tensor::zeros({3}, f32)};
+  };
+  writer->take(snapshot(1));
+  const std::string e = error_of([&] { writer->finish(); });
+  CHECK_MESSAGE(test::contains(e, dir.string() + "/step-00000001.tmp-"), e);
+  CHECK(test::contains(error_of([&] { writer->take(snapshot(2)); }), dir.string()));
+  CHECK(writer->written().empty());
+}
