@@ -212,7 +212,7 @@ void Actor::act() {
   if (!core_.dry_run) {
     const std::uint64_t kernel_start = core_.settings.time_accounting ? ticks() : 0;
     try {
-      KernelContext ctx{in_view_, out_view_, k, stream_};
+      KernelContext ctx{in_view_, out_view_, desc_.first_piece + k, stream_};
       switch (desc_.kind) {
         case ActorKind::repeat:
           *out_view_[0] = *in_view_[0];  // alias: the consumers read the input slot itself

@@ -88,6 +88,7 @@ std::string Plan::to_text() const {
     out += fmt::format("actor {} {} {} op={} {} at {} in=[{}] out=[{}]", i, a.name, name(a.kind), a.op,
                        name(a.dtype), placement_str(a.where), ins, outs);
     if (a.kind == ActorKind::source) out += fmt::format(" pieces={}", a.pieces);
+    if (a.first_piece != 0) out += fmt::format(" first_piece={}", a.first_piece);
     if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) {
       out += fmt::format(" group={}", a.group);
     }

@@ -9,12 +9,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <filesystem>
 #include <memory>
 #include <thread>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -60,6 +62,10 @@ struct Options {
   std::string trace;
   std::string dashboard;  // HOST:PORT to serve the dashboard on
   double dashboard_linger = 0;
+  std::string checkpoint_dir;
+  std::int64_t checkpoint_every = 0;  // 0: at the last step only
+  int checkpoint_keep = 2;
+  std::string resume;
 };
 
 struct Data {
@@ -142,6 +148,29 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
   }
   auto out = evaluate(g, {{"tokens", tokens}, {"targets", targets}}, {loss}, params);
   return {NAN, out[0].data<float>()[0]};
+}
+
+/// What makes a run the run it is, as a checkpoint records it; a resumed run must agree on the
+/// keys of must_match() (the rest, dp, pp, micro-batches, threads, may change).
+std::map<std::string, std::string> run_config(const Options& o) {
+  return {{"model", o.model},          {"data", o.data},
+          {"steps", std::to_string(o.steps)}, {"batch", std::to_string(o.batch)},
+          {"optimizer", o.optimizer}, {"lr", fmt::format("{}", o.lr)},
+          {"momentum", fmt::format("{}", o.momentum)}, {"weight_decay", fmt::format("{}", o.weight_decay)},
+          {"warmup", std::to_string(o.warmup)}, {"cosine", o.cosine ? "true" : "false"},
+          {"clip", fmt::format("{}", o.clip)}, {"seed", std::to_string(o.seed)},
+          {"layers", std::to_string(o.layers)}, {"hidden", std::to_string(o.hidden)},
+          {"d_model", std::to_string(o.d_model)}, {"heads", std::to_string(o.heads)},
+          {"seq", std::to_string(o.seq)}, {"tp", std::to_string(o.tp)},
+          {"microbatches", std::to_string(o.microbatches)}, {"dp", std::to_string(o.dp)},
+          {"pp", std::to_string(o.pp)}};
+}
+
+std::vector<std::string> must_match(const Options& o) {
+  std::vector<std::string> keys{"model", "data", "batch", "optimizer", "lr", "momentum", "weight_decay", "warmup",
+                                "cosine", "clip", "seed", "layers", "hidden", "d_model", "heads", "seq", "tp"};
+  if (o.cosine) keys.push_back("steps");  // the decay spans the whole run
+  return keys;
 }
 
 /// Where replica r's stage s runs: the dp x pp places spread over the job's ranks, and over
@@ -228,7 +257,46 @@ int run(const Options& o) {
   } else {
     cfg.data = {{o.data, data::batch_source(d.train, o.batch, pieces, o.seed), {"x", "label"}}};
   }
-  TrainingJob job = compile_training(g, loss, cfg);
+  // Resuming: the weights and optimizer state after the checkpoint's step, which this job
+  // continues from (checkpoint.h).
+  auto params = ParameterStore::initialize(g);
+  std::optional<checkpoint::Checkpoint> resumed;
+  if (!o.resume.empty()) {
+    const checkpoint::Found found = checkpoint::find(o.resume);
+    for (const std::string& why : found.skipped) {
+      if (env.rank == 0) fmt::print(stderr, "baton-train: passed over {}\n", why);
+    }
+    resumed = checkpoint::load(found.dir);
+    if (auto diffs = checkpoint::mismatches(*resumed, run_config(o), must_match(o)); !diffs.empty()) {
+      throw std::invalid_argument(fmt::format("{}: written by another job ({}); resume with its settings",
+                                              (found.dir / "index.json").string(), fmt::join(diffs, "; ")));
+    }
+    if (resumed->step >= o.steps) {
+      throw std::invalid_argument(fmt::format("--resume {}: the checkpoint is at step {} and --steps is {}: nothing "
+                                              "left to train (raise --steps)",
+                                              found.dir.string(), resumed->step, o.steps));
+    }
+    checkpoint::restore(*resumed, *params, cfg.optimizer);
+    cfg.first_step = resumed->step;
+    cfg.optimizer_state = std::make_shared<OptimizerState>(resumed->slots);
+  }
+  std::shared_ptr<checkpoint::Writer> writer;
+  if (!o.checkpoint_dir.empty()) {
+    auto config = run_config(o);
+    // Files of one job carry its id, so that a file left by an earlier job is not mixed in.
+    config["run"] = fmt::format("{:016x}", std::hash<std::string>{}(env.distributed() ? env.token + env.master
+                                                                                       : fmt::format("{}.{}", ::getpid(), std::chrono::system_clock::now().time_since_epoch().count())));
+    writer = std::make_shared<checkpoint::Writer>(checkpoint::Settings{
+        .dir = o.checkpoint_dir, .keep = o.checkpoint_keep, .rank = env.rank,
+        .layout = {o.dp, o.pp, static_cast<int>(o.tp), static_cast<int>(env.world_size)}, .optimizer = cfg.optimizer,
+        .config = std::move(config), .batch = o.batch, .seed = o.seed});
+    cfg.snapshot_every = o.checkpoint_every > 0 ? o.checkpoint_every : o.steps;
+    cfg.on_snapshot = writer->hook();
+  }
+  TrainingJob job = compile_training(g, loss, cfg, params);
+  if (resumed) checkpoint::check_covers(*resumed, job.trained);
+  if (writer) writer->expect(job.trained);
+  const std::int64_t first = cfg.first_step;  // steps done before this job
   // The rank that reports for the job: where the losses arrive (loss.report) and where the
   // compiled plan brings the trained weights for the held-out evaluation.
   const auto reporter = std::find_if(job.plan.actors.begin(), job.plan.actors.end(),
@@ -248,6 +316,7 @@ int run(const Options& o) {
                o.microbatches,
                mb, o.optimizer, o.lr,
                env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
+    if (resumed) fmt::print("baton-train: resuming from {} at step {} of {}\n", resumed->dir.string(), first + 1, o.steps);
   }
   // The dashboard: served here (--dashboard) and/or by the launcher (baton-launch --dashboard).
   observe::Watch watch({.listen = o.dashboard, .title = fmt::format("{} on {}", o.model, o.data)});
@@ -259,7 +328,7 @@ int run(const Options& o) {
     if (job.losses->steps_done() <= reported) return;
     auto losses = job.losses->per_step();
     for (; reported < static_cast<std::int64_t>(losses.size()); ++reported) {
-      const std::int64_t step = reported + 1;
+      const std::int64_t step = first + reported + 1;
       watch.record_step({.step = step, .loss = losses[static_cast<std::size_t>(reported)],
                          .lr = learning_rate(cfg.optimizer, step, o.steps), .samples = step * o.batch});
     }
@@ -315,17 +384,24 @@ int run(const Options& o) {
     if (o.json || !leader) continue;
     std::int64_t done = job.losses->steps_done();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    bool line_due = tty || done >= printed + std::max<std::int64_t>(1, o.steps / 10);
+    bool line_due = tty || done >= printed + std::max<std::int64_t>(1, (o.steps - first) / 10);
     if (done == 0 || !line_due) continue;
     printed = done;
     auto losses = job.losses->per_step();
     double rate = static_cast<double>(done * o.batch) / secs;
-    double eta = static_cast<double>(o.steps - done) * secs / static_cast<double>(done);
-    fmt::print("{}step {:>6}/{}  loss {:.4f}  {:>9.0f} samples/s  ETA {:.1f} s{}", tty ? "\r" : "", done, o.steps,
+    double eta = static_cast<double>(o.steps - first - done) * secs / static_cast<double>(done);
+    fmt::print("{}step {:>6}/{}  loss {:.4f}  {:>9.0f} samples/s  ETA {:.1f} s{}", tty ? "\r" : "", first + done, o.steps,
                losses.empty() ? NAN : losses.back(), rate, eta, tty ? "   " : "\n");
     std::fflush(stdout);
   }
   runner.join();
+  if (writer) {  // the last checkpoint is written while the job ends: wait for it
+    try {
+      writer->finish();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
   watch.finish();
   if (tracer && !trace_file.empty()) {  // a failed run's trace too: it shows what led up to it
     try {
@@ -338,35 +414,39 @@ int run(const Options& o) {
     }
   }
   if (failure) std::rethrow_exception(failure);
+  if (writer && !o.json && !writer->written().empty()) {
+    fmt::print(stderr, "baton-train: rank {} wrote {} checkpoint{}, the last {}\n", env.rank, writer->written().size(),
+               writer->written().size() == 1 ? "" : "s", writer->written().back().string());
+  }
   if (!leader) return 0;  // the reporting rank speaks for the job
   auto losses = job.losses->per_step();
   if (losses.empty()) {
     // Pipeline stages on several ranks: the loss, and the last stages' weights, live on another
     // rank, so this one can neither report the loss nor evaluate.
-    const double rate = static_cast<double>(o.steps * o.batch) / report.wall_s;
+    const double rate = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
     if (o.json) {
       fmt::print("{{\"model\": \"{}\", \"steps\": {}, \"final_loss\": null, \"samples_per_s\": {:.6g}, \"wall_s\": {:.6g}, "
                  "\"note\": \"the loss is computed on another rank\"}}\n",
                  o.model, o.steps, rate, report.wall_s);
     } else {
       fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | the loss is computed on another rank\n", tty ? "\n" : "",
-                 o.steps, report.wall_s, rate);
+                 o.steps - first, report.wall_s, rate);
     }
     return 0;
   }
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
-  const double samples_per_s = static_cast<double>(o.steps * o.batch) / report.wall_s;
+  const double samples_per_s = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
   if (o.json) {
     fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"tp\": {}, \"ranks\": {}, \"microbatches\": {}, "
                "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
-               "\"wall_s\": {:.6g}{}}}\n",
+               "\"wall_s\": {:.6g}, \"first_step\": {}{}}}\n",
                o.model, o.data, o.steps, o.batch, o.dp, o.pp, o.tp, env.world_size, o.microbatches, losses.back(),
                std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
-               std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s,
+               std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s, first,
                d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "");
   } else {
     fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {:.4f}", tty ? "\n" : "",
-               o.steps, report.wall_s, samples_per_s, losses.back(), eval_loss);
+               o.steps - first, report.wall_s, samples_per_s, losses.back(), eval_loss);
     if (!std::isnan(accuracy)) fmt::print(", accuracy {:.2f}%", 100 * accuracy);
     if (d.text) fmt::print(" (unigram entropy {:.4f})", d.text->unigram_entropy_nats());
     fmt::print("\n\n");
@@ -420,7 +500,7 @@ int main(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", o.model, "mlp or gpt")->check(CLI::IsMember({"mlp", "gpt"}));
   app.add_option("--data", o.data, "digits, synthetic or text:PATH");
-  app.add_option("--steps", o.steps, "optimizer steps")->check(positive);
+  app.add_option("--steps", o.steps, "optimizer steps in all (a resumed run goes on to this one)")->check(positive);
   app.add_option("--batch", o.batch, "global batch per step")->check(positive);
   app.add_option("--microbatches", o.microbatches, "micro-batches per step (gradient accumulation)")
       ->check(positive);
@@ -464,6 +544,13 @@ int main(int argc, char** argv) {
   app.add_flag("--print-sbp", o.print_sbp,
                "print each tensor's inferred parallel signature (S(axis), B, P) over --tp shards and the movement "
                "inserted, and exit (--model mlp)");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "write checkpoints here (DIR/step-N/: safetensors weights and optimizer state, index.json)");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "a checkpoint every N steps, and at the last (default: the last only)")
+      ->check(non_negative);
+  app.add_option("--checkpoint-keep", o.checkpoint_keep, "checkpoints kept: the newest K complete ones")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--resume", o.resume, "continue from the newest complete checkpoint in DIR (or from DIR/step-N itself), "
+                 "with the same settings; with --checkpoint-dir it goes on writing");
   app.add_option("--trace", o.trace, "write a Chrome trace of the run (acts, slot occupancy, requests) to FILE");
   try {
     app.parse(argc, argv);
@@ -471,6 +558,10 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   if (app.count("--print-plan") && o.print_plan.empty()) o.print_plan = "text";
+  if (app.count("--checkpoint-every") && o.checkpoint_dir.empty()) {
+    fmt::print(stderr, "baton-train: error: --checkpoint-every needs --checkpoint-dir\n");
+    return 1;
+  }
   try {
     return run(o);
   } catch (const std::exception& e) {

@@ -13,6 +13,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "baton/actors/runtime.h"
 #include "baton/graph/autodiff.h"
@@ -52,20 +53,36 @@ class ConstantSource final : public Kernel {
   Tensor value_;
 };
 
+/// How a variable actor hands its state over at checkpoint steps (replica 0's only).
+struct SnapshotHook {
+  std::string name;
+  std::int64_t every = 0;  // 0: never (replicas other than 0)
+  std::function<void(VariableSnapshot)> hand_over;
+};
+
 /// A weight with its optimizer. Act 0 emits the initial value; act k >= 1 applies step k-1's
 /// summed gradient (input 0, read with delay 1), scaled by the clipping factor (input 1, if
-/// any), then emits the new value. The master copy is the ParameterStore's tensor itself.
+/// any), then emits the new value. The master copy is the ParameterStore's tensor itself. A
+/// resumed job's actor starts at piece first_step (its acts count steps), from saved slots.
 template <class T>
 class VariableKernel final : public Kernel {
  public:
-  VariableKernel(Tensor master, OptimizerConfig cfg, std::int64_t total_steps)
-      : master_(std::move(master)), cfg_(cfg), total_steps_(total_steps) {
+  VariableKernel(Tensor master, OptimizerConfig cfg, std::int64_t total_steps, const std::map<std::string, Tensor>* slots,
+                 SnapshotHook snapshots)
+      : master_(std::move(master)), cfg_(cfg), total_steps_(total_steps), snapshots_(std::move(snapshots)) {
     auto n = static_cast<std::size_t>(master_.numel());
     if (cfg_.kind == OptimizerConfig::Kind::sgd) {
       if (cfg_.momentum != 0.0) m_.assign(n, T(0));
     } else {
       m_.assign(n, T(0));
       v_.assign(n, T(0));
+    }
+    if (slots != nullptr) {  // compile_training checked their names, shapes and dtypes
+      const auto names = optimizer_slot_names(cfg_);
+      for (std::size_t i = 0; i < names.size(); ++i) {
+        auto from = slots->at(names[i]).template data<T>();
+        std::copy(from.begin(), from.end(), (i == 0 ? m_ : v_).begin());
+      }
     }
   }
   void compute(KernelContext& ctx) override {
@@ -96,11 +113,27 @@ class VariableKernel final : public Kernel {
                    cfg_.kind == OptimizerConfig::Kind::adamw};
       adam_step(w, grad, std::span<T>(m_), std::span<T>(v_), c, step, lr);
     }
+    if (snapshots_.hand_over && snapshots_.every > 0 && (step % snapshots_.every == 0 || step == total_steps_)) {
+      hand_over(step);
+    }
+  }
+
+  void hand_over(std::int64_t step) {
+    auto copy_of = [&](std::span<const T> from) {
+      Tensor t = Tensor::empty(master_.shape(), master_.dtype());
+      std::copy(from.begin(), from.end(), t.data<T>().begin());
+      return t;
+    };
+    VariableSnapshot s{.name = snapshots_.name, .step = step, .weight = copy_of(master_.data<T>())};
+    const auto names = optimizer_slot_names(cfg_);
+    for (std::size_t i = 0; i < names.size(); ++i) s.slots[names[i]] = copy_of(i == 0 ? m_ : v_);
+    snapshots_.hand_over(std::move(s));
   }
 
   Tensor master_;
   OptimizerConfig cfg_;
   std::int64_t total_steps_;
+  SnapshotHook snapshots_;
   std::vector<T> m_, v_, scaled_;
 };
 
@@ -140,6 +173,7 @@ struct PlanBuilder {
   std::string suffix;      // "" for one replica, "@dp<r>" otherwise
   std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
   int loss_id = std::numeric_limits<int>::max();  // nodes up to it are the forward pass
+  std::int64_t first_piece = 0;  // a resumed job's first micro-batch (ActorDesc::first_piece)
 
   std::string named(const std::string& n) const { return n + suffix; }
   int stage(int id) const { return stage_of == nullptr ? 0 : (*stage_of)[static_cast<std::size_t>(id)]; }
@@ -169,14 +203,16 @@ struct PlanBuilder {
     for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
     RegisterIndex out = node_register(id, slots);
     plan.add_actor({.name = named(n.name), .kind = ActorKind::compute, .op = n.op, .dtype = kernel_dtype(g, n),
-                    .where = at(stream, place(id)), .inputs = std::move(inputs), .outputs = {out}, .attrs = n.attrs,
+                    .where = at(stream, place(id)), .inputs = std::move(inputs), .outputs = {out},
+                    .first_piece = first_piece, .attrs = n.attrs,
                     .role = id <= loss_id ? ActorRole::forward : ActorRole::backward});
   }
 
   void source_actor(const std::string& name, const std::string& op, DType dtype, std::vector<RegisterIndex> outputs,
                     std::int64_t pieces, std::uint8_t stream, Attrs attrs = {}, int place = 0) {
     plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = at(stream, place),
-                    .outputs = std::move(outputs), .pieces = pieces, .attrs = std::move(attrs)});
+                    .outputs = std::move(outputs), .pieces = pieces, .first_piece = first_piece,
+                    .attrs = std::move(attrs)});
   }
 };
 
@@ -386,12 +422,39 @@ std::vector<int> assign_shards(const Graph& g, const std::vector<bool>& need, in
   return shard;
 }
 
+/// The saved optimizer slots of trained variable `n` in a resumed job (null: start at zero),
+/// checked against the variable and the optimizer.
+const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, const Node& n) {
+  if (!cfg.optimizer_state) return nullptr;
+  auto it = cfg.optimizer_state->find(n.name);
+  const auto names = optimizer_slot_names(cfg.optimizer);
+  if (it == cfg.optimizer_state->end()) {
+    if (names.empty()) return nullptr;
+    throw GraphError(fmt::format("the optimizer state has no slots for trained variable '{}'", n.name));
+  }
+  for (const std::string& slot : names) {
+    auto s = it->second.find(slot);
+    if (s == it->second.end()) {
+      throw GraphError(fmt::format("the optimizer state of '{}' has no '{}' ({} keeps {})", n.name, slot,
+                                   name(cfg.optimizer.kind), fmt::join(names, " and ")));
+    }
+    if (s->second.shape() != n.shape || s->second.dtype() != n.dtype) {
+      throw GraphError(fmt::format("the optimizer state '{}' of '{}' is {} but the variable is {}{}", slot, n.name,
+                                   s->second.describe(), baton::name(n.dtype), to_string(n.shape)));
+    }
+  }
+  return &it->second;
+}
+
 }  // namespace
 
 TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::shared_ptr<ParameterStore> params) {
   if (!loss.valid() || &loss.graph() != &g) throw GraphError("compile_training: the loss is not a value of this graph");
   if (!loss.shape().empty()) throw GraphError(fmt::format("the loss must be a scalar; {} is not", loss.describe()));
   if (cfg.steps < 1) throw GraphError(fmt::format("steps must be >= 1, not {}", cfg.steps));
+  if (cfg.first_step < 0 || cfg.first_step >= cfg.steps) {
+    throw GraphError(fmt::format("a job of {} steps cannot start after step {}", cfg.steps, cfg.first_step));
+  }
   if (cfg.microbatches < 1) throw GraphError(fmt::format("microbatches must be >= 1, not {}", cfg.microbatches));
   if (cfg.dp < 1) throw GraphError(fmt::format("dp must be >= 1, not {}", cfg.dp));
   if (cfg.pp < 1) throw GraphError(fmt::format("pp must be >= 1, not {}", cfg.pp));
@@ -420,7 +483,8 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   if (!params) params = ParameterStore::initialize(g);
   const std::int64_t m = cfg.microbatches;
   const std::int64_t n_dp = cfg.dp;
-  const std::int64_t pieces = cfg.steps * m;
+  const std::int64_t run_steps = cfg.steps - cfg.first_step;  // this job's steps (a resumed one's rest)
+  const std::int64_t pieces = run_steps * m;
   const int loss_id = loss.id();
 
   // Gradients of the mean loss over the global batch (dp x M micro-batches): each micro-batch's
@@ -481,6 +545,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     if (n_pp > 1) b.stage_of = &stages;
     if (cfg.tp > 1) b.shard_of = &shards;
     b.loss_id = loss_id;
+    b.first_piece = cfg.first_step * m;
     if (n_dp > 1) b.suffix = fmt::format("@dp{}", r);
     replicas.push_back(std::move(b));
   }
@@ -624,19 +689,26 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
         if (it != grad_in[static_cast<std::size_t>(r)].end()) {
           OptimizerConfig oc = cfg.optimizer;
           const std::int64_t steps = cfg.steps;
-          kernels.add(op, DeviceType::cpu, dt, [master, oc, steps, dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
-            if (dt == DType::f64) return std::make_unique<VariableKernel<double>>(master, oc, steps);
-            return std::make_unique<VariableKernel<float>>(master, oc, steps);
+          const std::map<std::string, Tensor>* slots = optimizer_slots_of(cfg, n);
+          SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
+          // The factory keeps the state alive (`state`) for the slots it points into.
+          kernels.add(op, DeviceType::cpu, dt, [master, oc, steps, dt, slots, snap, state = cfg.optimizer_state](
+                                                   const KernelConfig&) -> std::unique_ptr<Kernel> {
+            if (dt == DType::f64) {
+              return std::make_unique<VariableKernel<double>>(master, oc, steps, slots, snap);
+            }
+            return std::make_unique<VariableKernel<float>>(master, oc, steps, slots, snap);
           });
           std::vector<InputPort> ins{{it->second, 1}};
           if (clip_reg[static_cast<std::size_t>(r)]) ins.push_back({*clip_reg[static_cast<std::size_t>(r)], 1});
           plan.add_actor({.name = op, .op = op, .dtype = dt, .where = b.at(backward_stream, b.place(id)),
-                          .inputs = std::move(ins), .outputs = {w}, .stops_when_unread = false});
+                          .inputs = std::move(ins), .outputs = {w}, .first_piece = cfg.first_step,
+                          .stops_when_unread = false});
         } else {
           kernels.add(op, DeviceType::cpu, dt, [master](const KernelConfig&) {
             return std::make_unique<ConstantSource>(master);
           });
-          b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps, backward_stream, {}, b.place(id));
+          b.source_actor("variable." + n.name, op, dt, {w}, run_steps, backward_stream, {}, b.place(id));
         }
         if (r == 0 && it != grad_in[0].end()) finals.push_back({n.name, w, b.at(backward_stream, b.place(id)), dt, n.shape});
         // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
@@ -692,12 +764,14 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   });
   plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
                   .where = replicas[0].at(forward_stream, loss_place), .inputs = {{loss_in}}});
-  gather_final_weights(plan, kernels, *params, finals, replicas[0].at(forward_stream, loss_place), cfg.steps);
+  gather_final_weights(plan, kernels, *params, finals, replicas[0].at(forward_stream, loss_place), run_steps);
 
   label_roles_and_stages(plan, replicas);
   // The order within each stage (schedule.h); the slots above bound what is in flight.
   if (n_pp > 1) order_pipeline(plan, parse_schedule(cfg.schedule), n_pp, m);
-  return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses)};
+  std::map<std::string, Placement> trained_at;
+  for (const FinalWeight& f : finals) trained_at[f.name] = f.where;
+  return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses), std::move(trained_at)};
 }
 
 std::vector<Tensor> evaluate(Graph& g, const std::map<std::string, Tensor>& feeds, const std::vector<Value>& fetches,

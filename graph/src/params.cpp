@@ -180,6 +180,21 @@ OptimizerConfig adamw(double lr, double weight_decay) {
 }
 }  // namespace optim
 
+std::string_view name(OptimizerConfig::Kind kind) {
+  switch (kind) {
+    case OptimizerConfig::Kind::sgd: return "sgd";
+    case OptimizerConfig::Kind::adam: return "adam";
+    case OptimizerConfig::Kind::adamw: return "adamw";
+  }
+  return "?";
+}
+
+std::vector<std::string> optimizer_slot_names(const OptimizerConfig& cfg) {
+  if (cfg.kind != OptimizerConfig::Kind::sgd) return {"exp_avg", "exp_avg_sq"};
+  if (cfg.momentum != 0.0) return {"momentum_buffer"};
+  return {};
+}
+
 double learning_rate(const OptimizerConfig& cfg, std::int64_t step, std::int64_t total_steps) {
   if (cfg.cosine) return lr_schedule(cfg.lr, step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio);
   if (cfg.warmup_steps > 0 && step < cfg.warmup_steps) {

@@ -118,6 +118,11 @@ struct ActorDesc {
   std::vector<RegisterIndex> outputs;
   /// Sources: pieces to emit (>= 0).
   std::int64_t pieces = 0;
+  /// The piece number its kernel sees at its first act (KernelContext::piece = first_piece +
+  /// act): a job resumed from a checkpoint numbers its pieces as the uninterrupted run would,
+  /// so kernels that are functions of the piece (data sources, dropout, a step counter) go on
+  /// where they left off. Register pieces (the handshakes) always count from 0.
+  std::int64_t first_piece = 0;
   /// Repeat: output pieces per input piece; accumulate: input pieces per output piece.
   std::int32_t group = 1;
   Attrs attrs;

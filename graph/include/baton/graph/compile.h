@@ -5,10 +5,12 @@
 /// counts chosen here. A step of M micro-batches is exactly synchronous SGD over the whole batch.
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "baton/actors/plan.h"
@@ -40,6 +42,28 @@ OptimizerConfig sgd(double lr, double momentum = 0.0, double weight_decay = 0.0)
 OptimizerConfig adam(double lr, double weight_decay = 0.0);
 OptimizerConfig adamw(double lr, double weight_decay = 0.01);
 }  // namespace optim
+
+/// "sgd", "adam" or "adamw".
+std::string_view name(OptimizerConfig::Kind kind);
+
+/// The state the optimizer keeps per weight, by torch.optim's names: SGD with momentum keeps
+/// "momentum_buffer"; Adam and AdamW keep "exp_avg" and "exp_avg_sq" (plain SGD: none). Their
+/// step count, for Adam's bias correction and the learning-rate schedule, is the job's step.
+std::vector<std::string> optimizer_slot_names(const OptimizerConfig& cfg);
+
+/// Each trained weight's optimizer slots: variable name -> slot name -> tensor (the weight's
+/// shape and dtype).
+using OptimizerState = std::map<std::string, std::map<std::string, Tensor>>;
+
+/// A trained weight as its variable actor hands it over after a checkpoint step's update
+/// (TrainConfig::on_snapshot): copies of the weight and its optimizer slots, so the job runs on
+/// while they are written.
+struct VariableSnapshot {
+  std::string name;
+  std::int64_t step = 0;
+  Tensor weight;
+  std::map<std::string, Tensor> slots;
+};
 
 /// The learning rate of optimizer step `step` (1-based) of `total_steps`: the warm-up and the
 /// cosine decay applied, as the variable actors apply them (for progress displays).
@@ -136,6 +160,23 @@ struct TrainConfig {
   /// replica r's stage s, shard k at (r * pp + s) * tp + k. Empty: the in-process device with
   /// that index on rank 0.
   std::vector<Placement> replica_places;
+  /// Resuming (checkpoint.h): the steps already done, 0 for a fresh start. The job runs steps
+  /// first_step + 1 .. steps: the variable actors count their steps from it (the learning-rate
+  /// schedule, Adam's bias correction) and every other actor numbers its pieces as the
+  /// uninterrupted run would (ActorDesc::first_piece), so data sources and dropout draw what
+  /// that run would have drawn and the loss curve goes on bit for bit. `params` must then hold
+  /// the weights after step first_step, and `optimizer_state` every trained weight's slots
+  /// (optimizer_slot_names); without it they start at zero. The LossLog counts this job's steps.
+  std::int64_t first_step = 0;
+  std::shared_ptr<const OptimizerState> optimizer_state;
+  /// Checkpoints: after the update of each step s with s % snapshot_every == 0, and of the last
+  /// step, each of replica 0's trained variable actors hands `on_snapshot` a copy of its weight
+  /// and slots, on its own worker thread. The snapshot is taken in the stream, without a pause
+  /// or a barrier: a variable actor's state after step s's update is exactly what step s + 1
+  /// starts from, whatever the other actors are doing, so the copies of one step form a
+  /// consistent state even though they are taken at different moments. 0: no snapshots.
+  std::int64_t snapshot_every = 0;
+  std::function<void(VariableSnapshot)> on_snapshot;
 };
 
 /// What the runtime needs to train: the plan, the kernels it names (the built-in ops plus this
@@ -145,6 +186,9 @@ struct TrainingJob {
   KernelRegistry kernels;
   std::shared_ptr<ParameterStore> params;
   std::shared_ptr<LossLog> losses;
+  /// Replica 0's trained variables and where each is trained: the rank whose snapshots (and
+  /// checkpoint file) hold it.
+  std::map<std::string, Placement> trained;
 };
 
 /// Compiles the training of `loss` (a scalar) over every trainable variable it depends on.

@@ -1,0 +1,521 @@
+// Checkpoints (checkpoint.h, safetensors.h): the file format, resuming bit for bit, and every
+// kind of bad checkpoint failing with one line that names the file.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/kernels/data.h"
+#include "loopback_run.h"
+#include "models.h"
+#include "test_util.h"
+
+using namespace baton;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// A fresh directory under /tmp, removed at the end of the test.
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& name) {
+    static int counter = 0;
+    path = fs::temp_directory_path() / fmt::format("baton-ckpt-{}-{}-{}", ::getpid(), name, counter++);
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_bytes(const fs::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+struct Setup {
+  int dp = 1;
+  int pp = 1;
+  int tp = 1;
+  std::int64_t microbatches = 2;  // per replica
+  std::int64_t steps = 20;
+  OptimizerConfig opt = optim::adam(0.01);
+  std::vector<Placement> places;  // on ranks (run on a loopback hub); empty: in-process devices
+  fs::path dir;                   // checkpoints go here (empty: none)
+  std::int64_t every = 10;
+  int keep = 2;
+  fs::path resume;  // a checkpoint directory to resume from
+  double dropout = 0.2;
+};
+
+struct Run {
+  std::vector<double> losses;  // this job's steps
+  std::map<std::string, std::string> weights;  // the bytes of each trained weight
+  std::int64_t first_step = 0;
+};
+
+/// The MLP of models.h (with dropout after the first layer, so that the random draws must go
+/// on too) on synthetic data, global batch 32.
+Run train(const Setup& s) {
+  constexpr std::int64_t batch = 32;
+  auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, 12, 4, 99));
+  Graph g(5);
+  const std::int64_t pieces = s.dp * s.microbatches;
+  const std::int64_t mb = batch / pieces;
+  Value logits = models::mlp(g, mb, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = s.tp});
+  Value loss = softmax_cross_entropy(s.dropout > 0 ? dropout(logits, s.dropout) : logits, g.find("label"));
+  TrainConfig cfg;
+  cfg.steps = s.steps;
+  cfg.microbatches = s.microbatches;
+  cfg.dp = s.dp;
+  cfg.pp = s.pp;
+  cfg.tp = s.tp;
+  cfg.optimizer = s.opt;
+  cfg.replica_places = s.places;
+  cfg.data = {{"synthetic", data::batch_source(dataset, batch, pieces, 7), {"x", "label"}}};
+  auto params = ParameterStore::initialize(g);
+  std::optional<checkpoint::Checkpoint> resumed;
+  if (!s.resume.empty()) {
+    resumed = checkpoint::load(checkpoint::find(s.resume).dir);
+    checkpoint::restore(*resumed, *params, s.opt);
+    cfg.first_step = resumed->step;
+    cfg.optimizer_state = std::make_shared<OptimizerState>(resumed->slots);
+  }
+  // One writer per rank, as each process of a job has its own; snapshots go to the writer of
+  // the rank that trains the variable.
+  int ranks = 1;
+  for (const Placement& p : s.places) ranks = std::max(ranks, p.rank + 1);
+  std::vector<std::shared_ptr<checkpoint::Writer>> writers;
+  auto trained = std::make_shared<std::map<std::string, Placement>>();
+  if (!s.dir.empty()) {
+    for (int r = 0; r < ranks; ++r) {
+      checkpoint::Settings cs{.dir = s.dir, .keep = s.keep, .rank = static_cast<std::uint32_t>(r),
+                              .layout = {s.dp, s.pp, s.tp, ranks}, .optimizer = s.opt,
+                              .config = {{"model", "mlp"}, {"run", "test"}}, .batch = batch, .seed = 5};
+      writers.push_back(std::make_shared<checkpoint::Writer>(cs));
+    }
+    cfg.snapshot_every = s.every;
+    cfg.on_snapshot = [writers, trained](VariableSnapshot snap) {
+      writers[trained->at(snap.name).rank]->take(std::move(snap));
+    };
+  }
+  TrainingJob job = compile_training(g, loss, cfg, params);
+  if (resumed) checkpoint::check_covers(*resumed, job.trained);
+  *trained = job.trained;
+  for (auto& w : writers) w->expect(job.trained);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  if (s.places.empty()) {
+    Runtime rt(job.plan, job.kernels, rs);
+    rt.run();
+  } else {
+    for (const auto& r : test::run_on_loopback(insert_transfers(job.plan), job.kernels, rs)) {
+      REQUIRE_MESSAGE(r.error.empty(), r.error);
+    }
+  }
+  for (auto& w : writers) w->finish();
+  Run out;
+  out.losses = job.losses->per_step();
+  out.first_step = cfg.first_step;
+  // Replica 0's weights (every rank's, as all run in this process).
+  for (const auto& [name, where] : job.trained) {
+    const Tensor& t = job.params->at(name);
+    out.weights[name] = std::string(static_cast<const char*>(t.raw()), t.nbytes());
+  }
+  return out;
+}
+
+/// Exactly equal: the same doubles and the same bytes.
+void check_continues(const Run& straight, const Run& resumed) {
+  REQUIRE(resumed.first_step > 0);
+  REQUIRE(straight.losses.size() == resumed.losses.size() + static_cast<std::size_t>(resumed.first_step));
+  for (std::size_t i = 0; i < resumed.losses.size(); ++i) {
+    const std::size_t step = i + static_cast<std::size_t>(resumed.first_step);
+    INFO("step " << step + 1 << ": " << straight.losses[step] << " vs " << resumed.losses[i]);
+    CHECK(std::memcmp(&straight.losses[step], &resumed.losses[i], sizeof(double)) == 0);
+  }
+  REQUIRE(straight.weights.size() == resumed.weights.size());
+  for (const auto& [name, bytes] : straight.weights) {
+    INFO(name);
+    const bool same_bytes = bytes == resumed.weights.at(name);
+    CHECK(same_bytes);
+  }
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+/// A one-rank checkpoint of 10 steps of the MLP with Adam, in `dir`/step-00000010.
+fs::path make_checkpoint(const fs::path& dir, OptimizerConfig opt = optim::adam(0.01)) {
+  train({.steps = 10, .opt = opt, .dir = dir, .every = 10});
+  return checkpoint::step_dir(dir, 10);
+}
+
+}  // namespace
+
+TEST_CASE("Safetensors.RoundTripKeepsNamesShapesDtypesBytesAndMetadata") {
+  TempDir tmp("roundtrip");
+  Tensor a = Tensor::empty({2, 3}, f32), b = Tensor::empty({}, f64), c = Tensor::empty({4}, i32),
+         d = Tensor::empty({0, 5}, f32), e = Tensor::empty({3}, i64), f = Tensor::empty({5}, u8);
+  for (int i = 0; i < 6; ++i) a.data<float>()[static_cast<std::size_t>(i)] = 0.5f * static_cast<float>(i) - 1.0f;
+  b.data<double>()[0] = 3.141592653589793;
+  for (int i = 0; i < 4; ++i) c.data<std::int32_t>()[static_cast<std::size_t>(i)] = -7 * i;
+  for (int i = 0; i < 3; ++i) e.data<std::int64_t>()[static_cast<std::size_t>(i)] = std::int64_t{1} << (40 + i);
+  for (int i = 0; i < 5; ++i) f.data<std::uint8_t>()[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(250 + i);
+  const fs::path p = tmp.path / "t.safetensors";
+  safetensors::write(p, {{"a", a}, {"b", b}, {"c", c}, {"d", d}, {"e", e}, {"f", f}}, {{"step", "7"}});
+  // The data starts 8-byte aligned, as the reference writer pads it.
+  const std::string bytes = read_bytes(p);
+  std::uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  CHECK(n % 8 == 0);
+  safetensors::Contents got = safetensors::read(p);
+  CHECK(got.metadata == std::map<std::string, std::string>{{"step", "7"}});
+  REQUIRE(got.tensors.size() == 6);
+  const std::vector<std::pair<std::string, Tensor>> want{{"a", a}, {"b", b}, {"c", c}, {"d", d}, {"e", e}, {"f", f}};
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    INFO(want[i].first);
+    CHECK(got.tensors[i].first == want[i].first);
+    CHECK(got.tensors[i].second.shape() == want[i].second.shape());
+    CHECK(got.tensors[i].second.dtype() == want[i].second.dtype());
+    CHECK(std::memcmp(got.tensors[i].second.raw(), want[i].second.raw(), want[i].second.nbytes()) == 0);
+  }
+  CHECK(got.find("c") != nullptr);
+  CHECK(got.find("zz") == nullptr);
+}
+
+TEST_CASE("Safetensors.BadFilesFailWithTheFileAndTheTensorNamed") {
+  TempDir tmp("bad");
+  Tensor w = Tensor::zeros({2, 2}, f32);
+  const fs::path good = tmp.path / "good.safetensors";
+  safetensors::write(good, {{"w", w}, {"v", Tensor::zeros({3}, f32)}}, {{"k", "v"}});
+  const std::string bytes = read_bytes(good);
+  std::uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  std::string header = bytes.substr(8, n);
+  const std::string data = bytes.substr(8 + n);
+  // A file with this header (padded to its old length where it is shorter) and data.
+  auto with_header = [&](std::string h, const std::string& d) {
+    std::string out(8, '\0');
+    const std::uint64_t len = h.size();
+    std::memcpy(out.data(), &len, 8);
+    return out + h + d;
+  };
+  auto read_error = [&](const std::string& file_bytes) {
+    const fs::path p = tmp.path / "bad.safetensors";
+    write_bytes(p, file_bytes);
+    std::string e = error_of([&] { safetensors::read(p); });
+    CHECK_MESSAGE(test::contains(e, p.string() + ": "), e);
+    return e;
+  };
+  auto expect_read_error = [&](const std::string& file_bytes, const std::string& needle) {
+    const std::string e = read_error(file_bytes);
+    CHECK_MESSAGE(test::contains(e, needle), e);
+  };
+  auto replaced = [&](std::string from, std::string to) {
+    std::string h = header;
+    const auto at = h.find(from);
+    REQUIRE_MESSAGE(at != std::string::npos, from);
+    h.replace(at, from.size(), to);
+    return h;
+  };
+  expect_read_error(bytes.substr(0, 5), "too short");
+  expect_read_error(bytes.substr(0, bytes.size() - 4), "tensor 'v': data_offsets [16, 28] are outside the 24 bytes");
+  expect_read_error(bytes.substr(0, 8 + n / 2), "runs past the end of the file");
+  std::string huge = bytes;
+  const std::uint64_t big = std::uint64_t{1} << 62;
+  std::memcpy(huge.data(), &big, 8);
+  expect_read_error(huge, "runs past the end");
+  expect_read_error(with_header("{\"w\": [1, 2", data), "not valid JSON");
+  expect_read_error(with_header("[1, 2, 3]", data), "not a JSON object");
+  expect_read_error(with_header(replaced("\"F32\"", "\"BF16\""), data), "tensor 'w': dtype 'BF16'");
+  expect_read_error(with_header(replaced("[2,2]", "[2,3]"), data), "tensor 'w': F32 [2, 3] needs 24 bytes");
+  expect_read_error(with_header(replaced("[2,2]", "[2,-2]"), data), "tensor 'w': shape");
+  expect_read_error(with_header(replaced("[16,28]", "[16,2800]"), data), "outside the 28 bytes");
+  expect_read_error(with_header(replaced("[16,28]", "[12,24]"), data), "overlap");
+  expect_read_error(with_header(replaced("[0,16]", "[\"a\",16]"), data), "tensor 'w': data_offsets");
+  expect_read_error(with_header(replaced("\"k\":\"v\"", "\"k\":7"), data), "__metadata__ 'k'");
+  CHECK(test::contains(read_error(with_header(replaced("{\"dtype\":\"F32\",\"shape\":[3]", "{\"shape\":[3]"), data)),
+                       "tensor 'v': no dtype"));
+  expect_read_error(std::string(8, '\0') + data, "the header length 0 cannot hold a JSON object");
+  CHECK(test::contains(error_of([&] { safetensors::read(tmp.path / "none.safetensors"); }), "none.safetensors: cannot read"));
+}
+
+TEST_CASE("Checkpoint.ResumeContinuesTheLossCurveBitForBit" * doctest::timeout(240)) {
+  // 20 steps straight vs 10, then a new job resumed from the checkpoint of step 10: the same
+  // losses and weights to the last bit, with dropout drawing, for both optimizers' state.
+  struct Case {
+    const char* name;
+    Setup setup;
+  };
+  const std::vector<Case> cases{
+      {"adam", {.opt = optim::adam(0.01)}},
+      {"sgd momentum", {.opt = optim::sgd(0.1, 0.9)}},
+      {"adamw warm-up cosine clip", {.opt = [] {
+         OptimizerConfig o = optim::adamw(0.01, 0.01);
+         o.warmup_steps = 4;
+         o.cosine = true;
+         o.clip_norm = 0.5;
+         return o;
+       }()}},
+      {"dp2", {.dp = 2, .opt = optim::adam(0.01)}},
+      {"pp2 1f1b", {.pp = 2, .microbatches = 4, .opt = optim::sgd(0.1, 0.9)}},
+      {"tp2", {.tp = 2, .opt = optim::adam(0.01)}},
+  };
+  for (const Case& c : cases) {
+    const std::string name = c.name;
+    CAPTURE(name);
+    TempDir a("straight"), b("resumed"), d("snapshot");
+    Setup straight = c.setup;
+    straight.dir = a.path;
+    const Run all = train(straight);
+    REQUIRE(all.losses.size() == 20);
+    CHECK(fs::is_directory(checkpoint::step_dir(a.path, 10)));
+    CHECK(fs::is_directory(checkpoint::step_dir(a.path, 20)));
+    // The snapshot taken in the stream at step 10 of the running job, resumed.
+    fs::copy(checkpoint::step_dir(a.path, 10), checkpoint::step_dir(d.path, 10));
+    Setup from_snapshot = c.setup;
+    from_snapshot.resume = d.path;
+    check_continues(all, train(from_snapshot));
+    if (c.setup.opt.cosine) continue;  // a job of 10 steps decays its rate over 10, not 20
+    // A job of 10 steps, then a new job of 20 resumed from its last checkpoint.
+    Setup first = c.setup;
+    first.steps = 10;
+    first.dir = b.path;
+    train(first);
+    Setup rest = c.setup;
+    rest.resume = b.path;
+    rest.dir = b.path;
+    const Run resumed = train(rest);
+    check_continues(all, resumed);
+    // The checkpoints of step 20 agree byte for byte (weights and optimizer state).
+    const bool same_files = read_bytes(checkpoint::step_dir(a.path, 20) / "rank0.safetensors") ==
+                            read_bytes(checkpoint::step_dir(b.path, 20) / "rank0.safetensors");
+    CHECK(same_files);
+  }
+}
+
+TEST_CASE("Checkpoint.EachRankWritesItsShardsAndResumeReadsThem" * doctest::timeout(240)) {
+  // Two pipeline stages on two ranks (runtimes joined by a loopback hub): each rank writes the
+  // weights it trains into its own file; a resumed job on the same layout continues bit for bit.
+  TempDir a("ranks-straight"), b("ranks-resumed");
+  const std::vector<Placement> places{{.rank = 0}, {.rank = 1}};
+  const Setup base{.pp = 2, .microbatches = 4, .opt = optim::adam(0.01), .places = places};
+  Setup straight = base;
+  straight.dir = a.path;
+  const Run all = train(straight);
+  const fs::path step10 = checkpoint::step_dir(a.path, 10);
+  CHECK(fs::exists(step10 / "rank0.safetensors"));
+  CHECK(fs::exists(step10 / "rank1.safetensors"));
+  const checkpoint::Checkpoint c = checkpoint::load(step10);
+  CHECK(c.layout == checkpoint::Layout{1, 2, 1, 2});
+  Setup first = base;
+  first.steps = 10;
+  first.dir = b.path;
+  train(first);
+  Setup rest = base;
+  rest.resume = b.path;
+  const Run resumed = train(rest);
+  REQUIRE(resumed.first_step == 10);
+  REQUIRE(all.losses.size() == 20);
+  REQUIRE(resumed.losses.size() == 10);
+  for (std::size_t i = 0; i < 10; ++i) CHECK(all.losses[10 + i] == resumed.losses[i]);
+  // A file missing (a rank that died while writing): that checkpoint is incomplete.
+  fs::remove(checkpoint::step_dir(b.path, 10) / "rank1.safetensors");
+  const std::string e = error_of([&] { checkpoint::load(checkpoint::step_dir(b.path, 10)); });
+  CHECK_MESSAGE(test::contains(e, "rank1.safetensors: missing: the checkpoint is incomplete"), e);
+}
+
+TEST_CASE("Checkpoint.ResumeWithAnotherLayoutContinuesTheCurve" * doctest::timeout(240)) {
+  // Weights are found by name, so a checkpoint of one device resumes as dp2 x pp2: the same
+  // curve within float tolerance (the gradients are summed in another order). Without dropout:
+  // its draws are keyed by each replica's own piece numbers, which dp changes.
+  TempDir a("layout");
+  const Run all = train({.microbatches = 4, .opt = optim::adam(0.01), .dropout = 0});
+  train({.microbatches = 4, .steps = 10, .opt = optim::adam(0.01), .dir = a.path, .dropout = 0});
+  const Run resumed =
+      train({.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::adam(0.01), .resume = a.path, .dropout = 0});
+  REQUIRE(resumed.losses.size() == 10);
+  for (std::size_t i = 0; i < 10; ++i) {
+    INFO("step " << i + 11);
+    CHECK(std::abs(all.losses[10 + i] - resumed.losses[i]) <= 1e-5 * std::max(1.0, std::abs(all.losses[10 + i])));
+  }
+}
+
+TEST_CASE("Checkpoint.KeepsTheNewestAndIgnoresWhatACrashLeft" * doctest::timeout(120)) {
+  TempDir a("keep");
+  train({.steps = 20, .opt = optim::sgd(0.1, 0.9), .dir = a.path, .every = 4, .keep = 2});
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(a.path)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"step-00000016", "step-00000020"});
+  // A crash while writing step 24 left its temporary directory, and one of several ranks
+  // left step 28 without all its files: both are passed over.
+  fs::create_directories(a.path / "step-00000024.tmp-99999");
+  write_bytes(a.path / "step-00000024.tmp-99999" / "rank0.safetensors", "torn");
+  fs::create_directories(a.path / "step-00000028");
+  fs::copy_file(checkpoint::step_dir(a.path, 20) / "index.json", a.path / "step-00000028" / "index.json");
+  const checkpoint::Found found = checkpoint::find(a.path);
+  CHECK(found.dir == checkpoint::step_dir(a.path, 20));
+  REQUIRE(found.skipped.size() == 1);
+  CHECK(test::contains(found.skipped[0], "step-00000028"));
+  CHECK(checkpoint::load(found.dir).step == 20);
+  // A file where the directory should be: refused before training, naming it.
+  write_bytes(a.path / "file", "x");
+  const std::string e = error_of([&] { train({.steps = 2, .dir = a.path / "file"}); });
+  CHECK_MESSAGE(test::contains(e, (a.path / "file").string() + ": cannot make the checkpoint directory"), e);
+  // Nothing complete at all: one line naming the directory.
+  TempDir empty("empty");
+  CHECK(test::contains(error_of([&] { checkpoint::find(empty.path); }), empty.path.string() + ": holds no checkpoint"));
+}
+
+TEST_CASE("Checkpoint.CorruptOrMismatchedCheckpointsFailNamingTheFile" * doctest::timeout(180)) {
+  TempDir a("corrupt");
+  const fs::path dir = make_checkpoint(a.path);
+  const fs::path file = dir / "rank0.safetensors", index = dir / "index.json";
+  const std::string good = read_bytes(file), good_index = read_bytes(index);
+  auto load_error = [&] { return error_of([&] { checkpoint::load(dir); }); };
+  SUBCASE("a flipped byte in the data fails the CRC") {
+    std::string bad = good;
+    bad[bad.size() - 3] ^= 0x10;
+    write_bytes(file, bad);
+    const std::string e = load_error();
+    CHECK_MESSAGE(test::contains(e, file.string() + ": CRC-32 of the data is"), e);
+  }
+  SUBCASE("a truncated file") {
+    write_bytes(file, good.substr(0, good.size() / 2));
+    const std::string e = load_error();
+    CHECK_MESSAGE((test::contains(e, file.string() + ": tensor ") && test::contains(e, "are outside the")), e);
+  }
+  SUBCASE("a header length past the end") {
+    std::string bad = good;
+    bad[5] = 0x7f;
+    CHECK(test::contains((write_bytes(file, bad), load_error()), file.string() + ": the header length"));
+  }
+  SUBCASE("a missing tensor") {
+    std::string ix = good_index;
+    const auto at = ix.find("\"fc0.w\"");
+    REQUIRE(at != std::string::npos);
+    ix.replace(at, 7, "\"fc9.w\"");
+    write_bytes(index, ix);
+    const std::string e = load_error();
+    CHECK_MESSAGE(test::contains(e, file.string() + ": tensor 'fc9.w' is missing"), e);
+  }
+  SUBCASE("a torn index") {
+    write_bytes(index, good_index.substr(0, good_index.size() / 2));
+    CHECK(test::contains(load_error(), index.string() + ": not valid JSON"));
+  }
+  SUBCASE("an index of another step") {
+    std::string ix = good_index;
+    const auto at = ix.find("\"step\":10");
+    REQUIRE(at != std::string::npos);
+    ix.replace(at, 9, "\"step\":12");
+    write_bytes(index, ix);
+    CHECK(test::contains(load_error(), index.string() + ": says step 12 but lies in step-00000010"));
+  }
+  SUBCASE("a file of another checkpoint") {
+    TempDir b("other");
+    train({.steps = 5, .opt = optim::adam(0.01), .dir = b.path, .every = 5});
+    fs::copy_file(checkpoint::step_dir(b.path, 5) / "rank0.safetensors", file, fs::copy_options::overwrite_existing);
+    CHECK(test::contains(load_error(), file.string() + ": holds step 5 but the index says step 10"));
+  }
+  SUBCASE("another model: a shape that does not match") {
+    const checkpoint::Checkpoint c = checkpoint::load(dir);
+    Graph g(5);
+    models::mlp(g, 8, {.inputs = 12, .hidden = 32, .layers = 2, .classes = 4});
+    auto params = ParameterStore::initialize(g);
+    const std::string e = error_of([&] { checkpoint::restore(c, *params, optim::adam(0.01)); });
+    CHECK_MESSAGE(test::contains(e, index.string() + ": weight 'fc0.b' is f32[16] in the checkpoint but f32[32]"), e);
+  }
+  SUBCASE("another optimizer") {
+    const checkpoint::Checkpoint c = checkpoint::load(dir);
+    Graph g(5);
+    models::mlp(g, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4});
+    auto params = ParameterStore::initialize(g);
+    const std::string e = error_of([&] { checkpoint::restore(c, *params, optim::sgd(0.1, 0.9)); });
+    CHECK_MESSAGE(test::contains(e, index.string() + ": written with optimizer adam, but this run uses sgd"), e);
+  }
+  SUBCASE("another layout: tensor parallel shards the model has not") {
+    const std::string e = error_of([&] { train({.tp = 2, .opt = optim::adam(0.01), .resume = dir}); });
+    CHECK_MESSAGE(test::contains(e, index.string() + ": holds weight 'fc0.b', which the model does not have"), e);
+  }
+  SUBCASE("a model with a weight the checkpoint lacks") {
+    checkpoint::Checkpoint c = checkpoint::load(dir);
+    c.weights.erase("fc1.w");
+    std::map<std::string, Placement> trained{{"fc1.w", {}}};
+    CHECK(test::contains(error_of([&] { checkpoint::check_covers(c, trained); }), "has no weight 'fc1.w'"));
+  }
+}
+
+TEST_CASE("Checkpoint.PythonReadsTheFileWithoutBaton" * doctest::timeout(60)) {
+  // An independent reader (json + struct, and torch.frombuffer where PyTorch is installed)
+  // sums each tensor of a checkpoint file; the sums must be ours.
+  if (std::system("python3 -c 'import json, struct' >/dev/null 2>&1") != 0) {
+    MESSAGE("python3 not found; the independent reader is skipped");
+    return;
+  }
+  TempDir a("python");
+  const fs::path file = make_checkpoint(a.path) / "rank0.safetensors";
+  const fs::path out = a.path / "sums.txt";
+  const std::string cmd = fmt::format("python3 {}/tests/read_safetensors.py {} > {}", BATON_SOURCE_DIR, file.string(), out.string());
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  std::map<std::string, std::string> theirs;
+  std::ifstream in(out);
+  for (std::string name, dtype, shape, sum; in >> name >> dtype >> shape >> sum;) theirs[name] = dtype + " " + shape + " " + sum;
+  const safetensors::Contents ours = safetensors::read(file);
+  REQUIRE(theirs.size() == ours.tensors.size());
+  for (const auto& [name, t] : ours.tensors) {
+    double sum = 0;
+    for (float x : t.data<float>()) sum += static_cast<double>(x);
+    std::vector<std::string> dims;
+    for (auto d : t.shape()) dims.push_back(std::to_string(d));
+    CHECK(theirs[name] == fmt::format("F32 [{}] {:.9g}", fmt::join(dims, ","), sum));
+  }
+  CHECK(theirs.count("fc0.w#exp_avg_sq") == 1);
+}
+
+TEST_CASE("Checkpoint.AWriteThatFailsFailsTheJobNamingThePath" * doctest::timeout(60)) {
+  // The writing thread's error comes back from finish(), and from the next snapshot a variable
+  // actor hands over (which fails the job on that actor).
+  TempDir a("unwritable");
+  const fs::path dir = a.path / "ckpt";
+  auto writer = std::make_shared<checkpoint::Writer>(
+      checkpoint::Settings{.dir = dir, .optimizer = optim::sgd(0.1), .config = {{"run", "t"}}});
+  writer->expect({{"w", Placement{}}});
+  // A variable this rank does not train is a bug in the caller: refused by name.
+  CHECK(test::contains(error_of([&] { writer->take(VariableSnapshot{.name = "v", .step = 1}); }), "variable 'v'"));
+  fs::remove_all(dir);
+  write_bytes(dir, "a file now");
+  auto snapshot = [](std::int64_t step) {
+    return VariableSnapshot{.name = "w", .step = step, .weight = Tensor::zeros({3}, f32)};
+  };
+  writer->take(snapshot(1));
+  const std::string e = error_of([&] { writer->finish(); });
+  CHECK_MESSAGE(test::contains(e, dir.string() + "/step-00000001.tmp-"), e);
+  CHECK(test::contains(error_of([&] { writer->take(snapshot(2)); }), dir.string()));
+  CHECK(writer->written().empty());
+}
