@@ -430,15 +430,36 @@ class Job {
   }
 
   void reap() {
+    std::vector<std::pair<Child*, int>> ended;
     for (;;) {
       int status = 0;
       const pid_t pid = ::waitpid(-1, &status, WNOHANG);
       if (pid < 0 && errno == EINTR) continue;
-      if (pid <= 0) return;
+      if (pid <= 0) break;
       auto it = std::find_if(children_.begin(), children_.end(),
                              [&](const auto& c) { return c->pid == pid; });
-      if (it != children_.end()) on_exit(**it, status);
+      if (it != children_.end()) ended.emplace_back(it->get(), status);
       // Otherwise an orphaned grandchild (we are a subreaper): reaped, nothing more.
+    }
+    // Children that ended since the last look come back in the kernel's order, not in the order
+    // they died. When a rank is killed from outside, a peer can die of it within a millisecond
+    // (UCX aborts a process whose shared-memory copy finds its peer gone): report the one killed
+    // from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP) as the cause, and name the others too.
+    auto external = [](int status) {
+      if (!WIFSIGNALED(status)) return false;
+      const int sig = WTERMSIG(status);
+      return sig == SIGKILL || sig == SIGTERM || sig == SIGINT || sig == SIGHUP;
+    };
+    std::stable_partition(ended.begin(), ended.end(), [&](const auto& e) { return external(e.second); });
+    const bool failed_before = failure_.has_value();
+    for (auto& [child, status] : ended) {
+      const bool was_first = !failure_;
+      on_exit(*child, status);
+      const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!failed_before && !was_first && !clean && child->kind == Child::Kind::rank) {
+        stderr_.append(fmt::format("baton-launch: {} also ended at the same time: {}\n", child->name(),
+                                   describe_wait_status(status)));
+      }
     }
   }
 

@@ -37,9 +37,17 @@ Context::Context(std::uint64_t features, const std::string& transports, std::str
     fail("ucp_config_read", s, who);
   }
   std::unique_ptr<ucp_config_t, decltype(&ucp_config_release)> config(raw_config, &ucp_config_release);
-  if (!transports.empty()) {
-    if (ucs_status_t s = ucp_config_modify(config.get(), "TLS", transports.c_str()); s != UCS_OK) {
-      fail(fmt::format("ucp_config_modify(TLS={})", transports), s, who);
+  // Unless told otherwise, every transport but CMA (process_vm_readv between processes of one
+  // host). With CMA, a rank whose peer dies mid-copy is aborted by UCX (SIGABRT and a backtrace:
+  // ERR_HANDLING_MODE_NONE makes a failed endpoint fatal), so the job ended blaming the survivor
+  // (found by tests/mp/test_faults.cpp). Without it a lost peer is an error baton reports. The
+  // shared-memory transports (posix, sysv) carry the same bandwidth here (baton-bench-transport:
+  // 64 KiB-16 MiB within noise); UCP_ERR_HANDLING_MODE_PEER, the other way out, cost 4-20x.
+  std::string tls = transports;
+  if (tls.empty() && std::getenv("UCX_TLS") == nullptr) tls = "^cma";
+  if (!tls.empty()) {
+    if (ucs_status_t s = ucp_config_modify(config.get(), "TLS", tls.c_str()); s != UCS_OK) {
+      fail(fmt::format("ucp_config_modify(TLS={})", tls), s, who);
     }
   }
   ucp_params_t params{};
@@ -47,7 +55,7 @@ Context::Context(std::uint64_t features, const std::string& transports, std::str
   params.features = features;
   if (ucs_status_t s = ucp_init(&params, config.get(), &handle_); s != UCS_OK) {
     handle_ = nullptr;
-    fail(transports.empty() ? std::string("ucp_init") : fmt::format("ucp_init(TLS={})", transports), s,
+    fail(tls.empty() ? std::string("ucp_init") : fmt::format("ucp_init(TLS={})", tls), s,
          who);
   }
 }
@@ -117,6 +125,10 @@ Endpoint::Endpoint(const Worker& worker, const std::string& peer_address, std::s
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
+  // PEER: a peer that dies fails the requests to it (the data plane reports them and the job
+  // ends naming that rank). With NONE, UCX aborts the whole process instead, e.g. when its
+  // shared-memory copy (CMA) finds the peer gone: the surviving rank died of SIGABRT with a UCX
+  // backtrace, and the launcher blamed it (found by the fault test, tests/mp/test_faults.cpp).
   params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
   if (ucs_status_t s = ucp_ep_create(worker_, &params, &handle_); s != UCS_OK) {
     handle_ = nullptr;

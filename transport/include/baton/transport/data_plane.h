@@ -24,7 +24,8 @@ namespace baton::transport {
 
 struct DataPlaneSettings {
   /// UCX_TLS for this data plane ("tcp", "posix,cma,tcp", ...); empty: the UCX_TLS environment
-  /// variable, or UCX's own choice.
+  /// variable, or else every transport but CMA (a peer that dies mid-copy makes UCX abort the
+  /// survivor under CMA; see ucx_handles.cpp).
   std::string transports;
   /// Polls of an idle worker before the progress thread sleeps on the worker's event fd (and
   /// an eventfd that a caller rings when it could not post its operation itself). Short: the
