@@ -5,6 +5,11 @@
 #   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest)
 #   scripts/run.sh bench NAME [...] install, build, run build/bin/baton-bench-NAME (JSON lines)
 #   scripts/run.sh build            install what is missing and build only
+#   scripts/run.sh sanitize         the tests under AddressSanitizer + UndefinedBehaviorSanitizer
+#                                   (build-asan/, every test) and ThreadSanitizer (build-tsan/,
+#                                   the runtime, transport and collective tests)
+#   scripts/run.sh fuzz [SECONDS]   build the libFuzzer targets with clang (build-fuzz/) and run
+#                                   each for SECONDS (default 30) on its corpus in fuzz/corpus/
 # Idempotent: packages are installed only when missing, CMake configures only once, and Ninja
 # (with ccache) rebuilds only what changed. Environment: BUILD_DIR (default build),
 # BUILD_TYPE (default Release), JOBS (default nproc), CI=true turns warnings into errors.
@@ -90,10 +95,11 @@ fetch_data() {
   log "wrote $dest ($(wc -c <"$dest") bytes)"
 }
 
+# configure [EXTRA CMAKE ARGS...]: the arguments are part of what decides whether to reconfigure.
 configure() {
   local werror=OFF
   [ "${CI:-}" = "true" ] && werror=ON
-  local want="type=$build_type werror=$werror san=${BATON_SANITIZE:-}"
+  local want="type=$build_type werror=$werror san=${BATON_SANITIZE:-} extra=$*"
   if [ -f "$build_dir/build.ninja" ] && [ "$(cat "$build_dir/.run-sh-config" 2>/dev/null)" = "$want" ]; then
     return 0
   fi
@@ -102,7 +108,7 @@ configure() {
     -DCMAKE_BUILD_TYPE="$build_type" \
     -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
     -DBATON_WERROR="$werror" \
-    -DBATON_SANITIZE="${BATON_SANITIZE:-}" >/dev/null
+    -DBATON_SANITIZE="${BATON_SANITIZE:-}" "$@" >/dev/null
   echo "$want" > "$build_dir/.run-sh-config"
 }
 
@@ -113,6 +119,69 @@ build() {
   log "building ($jobs jobs)"
   # To stderr: stdout carries only what the program prints (a benchmark's JSON lines).
   cmake --build "$build_dir" -j "$jobs" >&2
+}
+
+# The sanitizer stages. Without CUDA (its runtime trips ASan's shadow-memory checks, and there
+# is no GPU to test here anyway) and without benchmarks (they measure, and would measure the
+# sanitizers). Errors stop the test that made them. Warnings are the main build's gate (-Werror
+# there): with the sanitizers GCC 12 warns inside libstdc++'s <regex> (-Wmaybe-uninitialized).
+sanitize() {
+  install_missing
+  fetch_data
+  export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1"
+  # The soak test's 10^6 pieces take minutes under the sanitizers; leaks show with fewer.
+  export BATON_SOAK_PIECES=200000
+  (
+    build_dir="build-asan" build_type=RelWithDebInfo BATON_SANITIZE="address;undefined"
+    configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF \
+      -DCMAKE_CXX_FLAGS=-fno-sanitize-recover=undefined
+    log "building $build_dir: AddressSanitizer + UndefinedBehaviorSanitizer ($jobs jobs)"
+    cmake --build "$build_dir" -j "$jobs" >&2
+    log "running every test under AddressSanitizer + UndefinedBehaviorSanitizer"
+    ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" -E '^browser\.'
+  )
+  (
+    build_dir="build-tsan" build_type=RelWithDebInfo BATON_SANITIZE="thread"
+    configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF
+    log "building $build_dir: ThreadSanitizer ($jobs jobs)"
+    cmake --build "$build_dir" -j "$jobs" --target baton-tests >&2
+    log "running the runtime, transport and collective tests under ThreadSanitizer"
+    ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
+      -R '^(Runtime|Mailbox|Stress|LocalQueue|Plan|Validate|control|data plane|cross rank|Collectives|Schedule)[.:]'
+  )
+}
+
+# libFuzzer targets (fuzz/): clang from Debian, ASan + UBSan. Each runs for $1 seconds from its
+# corpus in fuzz/corpus/<name> (read only) plus what it finds (build-fuzz/corpus/<name>); a
+# crash, leak or timeout fails the stage and leaves the input in build-fuzz/artifacts/.
+fuzz() {
+  local seconds="${1:-30}"
+  install_missing clang
+  (
+    build_dir="build-fuzz" build_type=RelWithDebInfo BATON_SANITIZE=""
+    export CC=clang CXX=clang++
+    # Warnings are GCC's business (the main build is -Werror); clang 14's differ.
+    configure -DCMAKE_CXX_COMPILER=clang++ -DBATON_FUZZ=ON -DBATON_BUILD_TESTS=OFF -DBATON_BUILD_BENCHMARKS=OFF \
+      -DBATON_WERROR=OFF
+    local targets
+    targets=$(cd fuzz/corpus && ls)
+    log "building the fuzz targets: $(echo $targets)"
+    cmake --build "$build_dir" -j "$jobs" --target $(for t in $targets; do printf 'fuzz-%s ' "$t"; done) >&2
+    mkdir -p "$build_dir/artifacts"
+    for t in $targets; do
+      mkdir -p "$build_dir/corpus/$t"
+      log "fuzzing $t for ${seconds}s"
+      if ! UCX_MEM_EVENTS=no "$build_dir/bin/fuzz-$t" -max_total_time="$seconds" -max_len=65536 -timeout=20 \
+          -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$build_dir/artifacts/$t-" \
+          "$build_dir/corpus/$t" "fuzz/corpus/$t" >"$build_dir/fuzz-$t.log" 2>&1; then
+        tail -n 60 "$build_dir/fuzz-$t.log" >&2
+        log "fuzz-$t found a problem; the input is in $build_dir/artifacts/ (rerun: $build_dir/bin/fuzz-$t FILE)"
+        exit 1
+      fi
+      grep -E '^stat::number_of_executed_units|^Done' "$build_dir/fuzz-$t.log" | tail -n 1 >&2 || true
+    done
+  )
 }
 
 # The first port from 8080 on that nobody listens to on 127.0.0.1 (bash's /dev/tcp connects).
@@ -132,6 +201,12 @@ cmd="${1:-}"
 case "$cmd" in
   build)
     build
+    ;;
+  sanitize)
+    sanitize
+    ;;
+  fuzz)
+    fuzz "$@"
     ;;
   demo)
     build
@@ -188,7 +263,7 @@ case "$cmd" in
     exec "$prog" "$@"
     ;;
   *)
-    echo "usage: scripts/run.sh demo|test|bench NAME|build [ARGS...]" >&2
+    echo "usage: scripts/run.sh demo|test|bench NAME|build|sanitize|fuzz [ARGS...]" >&2
     exit 2
     ;;
 esac
