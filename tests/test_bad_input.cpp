@@ -7,6 +7,8 @@
 // Entries that live elsewhere because they need a fixture of their own are listed at the end of
 // this comment (they run in the same suite):
 //   - graph errors at build time (shapes, dtypes, a loss that is not a scalar): Graph.*
+//   - every kind of corrupt or mismatched checkpoint file, byte by byte: Checkpoint.*,
+//     Safetensors.* (here: what baton-train says about a few of them)
 //   - malformed, oversized and out-of-protocol control-plane messages, refused joins (duplicate
 //     rank, world-size mismatch): control: *; and the fuzz targets in fuzz/
 //   - plans that differ between ranks: "control: different plans are refused naming the ranks"
@@ -163,6 +165,37 @@ TEST_CASE("BadInput.DataFiles" * doctest::timeout(300)) {
       {{"--steps", "2"}, bad_pixel_dir + "/digits.csv.gz:1:", {{"BATON_DATA_DIR", bad_pixel_dir}}},
       {{"--steps", "2"}, bad_label_dir + "/digits.csv.gz:1:", {{"BATON_DATA_DIR", bad_label_dir}}},
       {{"--steps", "2"}, empty_dir + "/digits.csv.gz", {{"BATON_DATA_DIR", empty_dir}}},
+  };
+  for (const auto& c : cases) expect_refused("baton-train", c);
+}
+
+TEST_CASE("BadInput.Checkpoints" * doctest::timeout(300)) {
+  // A real checkpoint of a 2-step run, then a copy with a torn header.
+  const fs::path good = scratch() / "ckpt-good";
+  {
+    Proc p({bin + "/baton-train", "--steps", "2", "--hidden", "8", "--checkpoint-dir", good.string()});
+    REQUIRE_MESSAGE(p.wait(120s) == 0, p.all());
+  }
+  const fs::path torn = scratch() / "ckpt-torn";
+  fs::copy(good, torn, fs::copy_options::recursive);
+  fs::path rank_file;
+  for (const auto& e : fs::recursive_directory_iterator(torn)) {
+    if (e.path().filename() == "rank0.safetensors") rank_file = e.path();
+  }
+  REQUIRE_FALSE(rank_file.empty());
+  {
+    std::fstream f(rank_file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(200);
+    f.write("garbage", 7);
+  }
+  const std::string step = "step-00000002";
+  const std::vector<Case> cases{
+      {{"--resume", "/nonexistent-ckpt", "--steps", "4"}, "/nonexistent-ckpt: no such checkpoint directory"},
+      {{"--checkpoint-every", "5"}, "--checkpoint-every needs --checkpoint-dir"},
+      {{"--resume", good.string(), "--steps", "4", "--hidden", "16"},
+       (good / step / "index.json").string() + ": written by another job (hidden: checkpoint 8, this run 16)"},
+      {{"--resume", torn.string(), "--steps", "4", "--hidden", "8"}, rank_file.string() + ": "},
+      {{"--resume", good.string(), "--steps", "2", "--hidden", "8"}, "nothing left to train"},
   };
   for (const auto& c : cases) expect_refused("baton-train", c);
 }
