@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -88,6 +90,32 @@ struct TwoHosts {
 
 std::uint16_t pick_port() { return static_cast<std::uint16_t>(20000 + getpid() % 20000); }
 
+/// A long job (a chain of 10^6 slow pieces, rank 0 on host a, rank 1 on host b, over TCP), one
+/// launcher per host; returns once rank 1 runs, pieces have flowed for 1.5 s, and its pid is
+/// known (for the tests that break the job).
+struct LongJob {
+  std::unique_ptr<Proc> node0, node1;
+  std::string master;
+  pid_t rank1 = -1;
+
+  LongJob(const TwoHosts& hosts, int port_offset, const std::string& token) {
+    master = fmt::format("{}:{}", hosts.addr_a, pick_port() + port_offset);
+    auto launcher = [&](const std::string& ns, int node) {
+      return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
+                           master, "--token", token, "--", bin + "/baton-xrank-check", "--topology", "chain",
+                           "--pieces", "1000000", "--sleep-us", "200"});
+    };
+    node0 = std::make_unique<Proc>(launcher(hosts.a, 0), std::map<std::string, std::string>{{"UCX_TLS", "tcp"}});
+    node1 = std::make_unique<Proc>(launcher(hosts.b, 1), std::map<std::string, std::string>{{"UCX_TLS", "tcp"}});
+    REQUIRE_MESSAGE(
+        node1->read_until([](const std::string& out, const std::string&) { return contains(out, "rank 1 pid "); }, 60s),
+        node1->all());
+    std::this_thread::sleep_for(1500ms);  // mid-run: pieces flowing between the hosts
+    const auto pos = node1->out().find("rank 1 pid ");
+    rank1 = static_cast<pid_t>(std::stol(node1->out().substr(pos + 11)));
+  }
+};
+
 }  // namespace
 
 TEST_CASE("multi-host: one launcher per namespace (--nnodes/--node-rank) runs a cross-rank plan over TCP" *
@@ -122,21 +150,10 @@ TEST_CASE("multi-host: a rank killed on the other host ends the job on both" * d
     MESSAGE("skipped: " << hosts.why_not);
     return;
   }
-  const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port() + 1);
-  auto launcher = [&](const std::string& ns, int node) {
-    return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
-                         master, "--token", "netns-kill-token", "--", bin + "/baton-xrank-check", "--topology",
-                         "chain", "--pieces", "1000000", "--sleep-us", "200"});
-  };
-  Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
-  Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
-  REQUIRE_MESSAGE(node1.read_until([](const std::string& out, const std::string&) { return contains(out, "rank 1 pid "); },
-                                   60s),
-                  node1.all());
-  std::this_thread::sleep_for(1500ms);
-  const auto pos = node1.out().find("rank 1 pid ");
-  const pid_t victim = static_cast<pid_t>(std::stol(node1.out().substr(pos + 11)));
-  REQUIRE(::kill(victim, SIGKILL) == 0);
+  LongJob job(hosts, 1, "netns-kill-token");
+  Proc& node0 = *job.node0;
+  Proc& node1 = *job.node1;
+  REQUIRE(::kill(job.rank1, SIGKILL) == 0);
   const auto t0 = std::chrono::steady_clock::now();
   int c1 = node1.wait(30s);
   int c0 = node0.wait(30s);
@@ -155,18 +172,10 @@ TEST_CASE("multi-host: a network partition (link down) is found by heartbeats an
     MESSAGE("skipped: " << hosts.why_not);
     return;
   }
-  const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port() + 2);
-  auto launcher = [&](const std::string& ns, int node) {
-    return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
-                         master, "--token", "netns-partition-token", "--", bin + "/baton-xrank-check", "--topology",
-                         "chain", "--pieces", "1000000", "--sleep-us", "200"});
-  };
-  Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
-  Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
-  REQUIRE_MESSAGE(node1.read_until([](const std::string& out, const std::string&) { return contains(out, "rank 1 pid "); },
-                                   60s),
-                  node1.all());
-  std::this_thread::sleep_for(1500ms);  // pieces flowing between the hosts
+  LongJob job(hosts, 2, "netns-partition-token");
+  Proc& node0 = *job.node0;
+  Proc& node1 = *job.node1;
+  const std::string& master = job.master;
   // Pull the cable: nothing crosses any more, and neither side gets a reset or an end of file.
   REQUIRE(sh(fmt::format("ip -n {} link set {} down", hosts.a, hosts.veth_a)) == 0);
   const auto t0 = std::chrono::steady_clock::now();
