@@ -124,7 +124,7 @@ TEST_CASE("BadInput.TrainParallelConfigsAndDevices" * doctest::timeout(300)) {
       // More stages than layers.
       {{"--pp", "9", "--layers", "2"}, "--pp 9 is more stages than the mlp has layers: 3"},
       // A split that does not divide.
-      {{"--tp", "3"}, "hidden 256 is not divisible by tp 3"},
+      {{"--tp", "3"}, "axis 1 has size 256, which is not divisible by tp 3"},
       {{"--dp", "3", "--batch", "64"}, "--batch 64 is not a multiple of --dp 3"},
       // A micro-batch count that does not divide the batch.
       {{"--microbatches", "5", "--batch", "64"}, "--batch 64 is not a multiple of --dp 1 x --microbatches 5"},
