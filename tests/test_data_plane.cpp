@@ -577,10 +577,12 @@ class StopOnFirstMessage final : public LinkHandler {
   DataPlane* plane = nullptr;
   std::atomic<int> handled{0};
   std::atomic<bool> on_poller{false};
-  std::thread::id poller;
+  // Set by the test after the polling thread starts; read on whichever thread delivers. The
+  // message that triggers the read goes through UCX, which TSan cannot see as ordering.
+  std::atomic<std::thread::id> poller{};
   void on_message(std::uint32_t, const void*, std::size_t) override {
     if (handled.fetch_add(1) == 0) {
-      on_poller = std::this_thread::get_id() == poller;
+      on_poller = std::this_thread::get_id() == poller.load();
       plane->stop();  // only asks: must not wait for the thread that waits for this one
     }
   }
