@@ -119,6 +119,11 @@ TEST_CASE("BadInput.TrainParallelConfigsAndDevices" * doctest::timeout(300)) {
       {{"--devices", "gpu:2"}, "--devices 'gpu:2': expected cpu:K"},
       {{"--devices", "cpu:0"}, "--devices 'cpu:0'"},
       {{"--devices", "cpu:two"}, "--devices 'cpu:two'"},
+      {{"--devices", "0:gpu:0"}, "--devices: '0:gpu:0'"},
+      {{"--devices", "1:cuda:0"}, "names rank 1, but the job has 1 rank"},
+      {{"--devices", "0:cuda:0,0:cuda:1"}, "--devices lists 2 places, but --dp 1 x --pp 1 x --tp 1 = 1"},
+      // Without a driver: "cannot be used here: no CUDA driver ..."; with one: "does not exist".
+      {{"--devices", "0:cuda:9"}, "--devices 0:cuda:9: cuda:9 "},
       // dp x pp x tp must equal the devices given.
       {{"--dp", "2", "--devices", "cpu:3"}, "dp x pp x tp must equal the devices"},
       // More stages than layers.

@@ -15,11 +15,14 @@
 #include <thread>
 
 #include <CLI/CLI.hpp>
+#include <boost/algorithm/string/classification.hpp>
+#include <boost/algorithm/string/split.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
+#include "baton/kernels/cuda.h"
 #include "baton/kernels/data.h"
 #include "baton/observe/trace.h"
 #include "baton/observe/watch.h"
@@ -173,34 +176,70 @@ std::vector<std::string> must_match(const Options& o) {
   return keys;
 }
 
-/// Where replica r's stage s runs: the dp x pp places spread over the job's ranks, and over
-/// in-process devices (cpu:0, cpu:1, ...) within a rank.
+/// Where replica r's stage s runs: the dp x pp x tp places spread over the job's ranks, and over
+/// in-process devices within a rank. `--devices` is either TYPE:K, K devices of that type per
+/// rank (cpu:0 .. cpu:K-1, or the first K GPUs), or one explicit RANK:TYPE:INDEX per place,
+/// comma-separated ("0:cuda:0,0:cuda:1" or, mixed, "0:cpu:0,0:cuda:0" for a CPU first stage).
 std::vector<Placement> replica_places(const Options& o, const JobEnvironment& env) {
   const auto world = static_cast<int>(env.world_size);
   const int places = o.dp * o.pp * o.tp;
+  const std::string shape = fmt::format("--dp {} x --pp {} x --tp {} = {}", o.dp, o.pp, o.tp, places);
+  std::vector<Placement> where;
+  if (o.devices.find(',') != std::string::npos || std::count(o.devices.begin(), o.devices.end(), ':') == 2) {
+    // Explicit places, one per (replica, stage, shard).
+    std::vector<std::string> items;
+    boost::split(items, o.devices, boost::is_any_of(","));
+    for (const std::string& item : items) {
+      const auto colon = item.find(':');
+      int rank = -1;
+      if (colon == std::string::npos || std::sscanf(item.substr(0, colon).c_str(), "%d", &rank) != 1 ||
+          item.substr(0, colon) != std::to_string(rank)) {
+        throw std::invalid_argument(fmt::format("--devices: '{}' is not RANK:TYPE:INDEX (e.g. 0:cuda:0)", item));
+      }
+      if (rank < 0 || rank >= world) {
+        throw std::invalid_argument(fmt::format("--devices: '{}' names rank {}, but the job has {} rank{}", item, rank,
+                                                world, world == 1 ? "" : "s"));
+      }
+      Device d;
+      try {
+        d = Device::parse(item.substr(colon + 1));
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(fmt::format("--devices: '{}': {}", item, e.what()));
+      }
+      where.push_back(Placement{.rank = static_cast<std::uint16_t>(rank), .device = d});
+    }
+    if (static_cast<int>(where.size()) != places) {
+      throw std::invalid_argument(fmt::format("--devices lists {} place{}, but {} (one RANK:TYPE:INDEX per replica, "
+                                              "stage and shard)",
+                                              where.size(), where.size() == 1 ? "" : "s", shape));
+    }
+    return where;
+  }
   if (places % world != 0) {
-    throw std::invalid_argument(
-        fmt::format("--dp {} x --pp {} x --tp {} = {} cannot be spread evenly over the job's {} ranks", o.dp, o.pp, o.tp,
-                    places, world));
+    throw std::invalid_argument(fmt::format("{} cannot be spread evenly over the job's {} ranks", shape, world));
   }
   int per_rank = places / world;
+  DeviceType type = DeviceType::cpu;
   if (!o.devices.empty()) {
     int k = 0;
-    if (std::sscanf(o.devices.c_str(), "cpu:%d", &k) != 1 || k < 1 || o.devices != fmt::format("cpu:{}", k)) {
-      throw std::invalid_argument(fmt::format("--devices '{}': expected cpu:K (K in-process CPU devices per rank)", o.devices));
+    char kind[8] = {};
+    if (std::sscanf(o.devices.c_str(), "%4[a-z]:%d", kind, &k) != 2 || k < 1 ||
+        o.devices != fmt::format("{}:{}", kind, k) || (std::string_view(kind) != "cpu" && std::string_view(kind) != "cuda")) {
+      throw std::invalid_argument(fmt::format(
+          "--devices '{}': expected cpu:K or cuda:K (K in-process devices per rank), or RANK:TYPE:INDEX per place",
+          o.devices));
     }
     if (k * world != places) {
-      throw std::invalid_argument(fmt::format("--devices {} on {} rank{} gives {} devices, but --dp {} x --pp {} x --tp {} is "
-                                              "{} (dp x pp x tp must equal the devices)",
-                                              o.devices, world, world == 1 ? "" : "s", k * world, o.dp, o.pp, o.tp,
-                                              places));
+      throw std::invalid_argument(fmt::format("--devices {} on {} rank{} gives {} devices, but {} (dp x pp x tp must "
+                                              "equal the devices)",
+                                              o.devices, world, world == 1 ? "" : "s", k * world, shape));
     }
     per_rank = k;
+    type = std::string_view(kind) == "cuda" ? DeviceType::cuda : DeviceType::cpu;
   }
-  std::vector<Placement> where;
   for (int i = 0; i < places; ++i) {
     where.push_back(Placement{.rank = static_cast<std::uint16_t>(i / per_rank),
-                              .device = Device{DeviceType::cpu, static_cast<std::uint8_t>(i % per_rank)}});
+                              .device = Device{type, static_cast<std::uint8_t>(i % per_rank)}});
   }
   return where;
 }
@@ -251,6 +290,17 @@ int run(const Options& o) {
   cfg.balance = o.balance;
   if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed() || !o.devices.empty()) {
     cfg.replica_places = replica_places(o, env);  // also checks --devices
+    for (const Placement& p : cfg.replica_places) {
+      if (p.device.type != DeviceType::cuda || p.rank != env.rank || !o.print_plan.empty()) continue;
+      // Said before anything is built, rather than by the first allocation on the device (a
+      // plan can be printed anywhere).
+      const cuda::Availability& a = cuda::availability();
+      if (!a.ok) throw std::invalid_argument(fmt::format("--devices {}: {} cannot be used here: {}", o.devices, p.device.str(), a.reason));
+      if (p.device.index >= a.devices) {
+        throw std::invalid_argument(fmt::format("--devices {}: {} does not exist; this machine has {} CUDA device{}",
+                                                o.devices, p.device.str(), a.devices, a.devices == 1 ? "" : "s"));
+      }
+    }
   }
   if (text) {
     cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
@@ -531,7 +581,9 @@ int main(int argc, char** argv) {
   app.add_option("--balance", o.balance, "pipeline stages of equal cost by: flops (estimated) or profile (each "
                  "op's kernel timed on its shapes; one rank only)")
       ->check(CLI::IsMember({"flops", "profile"}));
-  app.add_option("--devices", o.devices, "in-process devices per rank, cpu:K (default: dp x pp x tp / ranks)");
+  app.add_option("--devices", o.devices,
+                 "where the dp x pp x tp places run: cpu:K or cuda:K (K in-process devices per rank; default cpu, dp x "
+                 "pp x tp / ranks), or RANK:TYPE:INDEX per place, comma-separated (0:cuda:0,0:cuda:1)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
   app.add_option("--dashboard", o.dashboard,
                  "serve a live dashboard of this job at HOST:PORT (:PORT or PORT: on 127.0.0.1; port 0: any free one)");

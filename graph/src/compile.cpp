@@ -21,6 +21,7 @@
 #include "baton/graph/profile.h"
 #include "baton/graph/schedule.h"
 #include "baton/kernels/optim.h"
+#include "device_variables.h"
 
 namespace baton {
 
@@ -53,12 +54,7 @@ class ConstantSource final : public Kernel {
   Tensor value_;
 };
 
-/// How a variable actor hands its state over at checkpoint steps (replica 0's only).
-struct SnapshotHook {
-  std::string name;
-  std::int64_t every = 0;  // 0: never (replicas other than 0)
-  std::function<void(VariableSnapshot)> hand_over;
-};
+using detail::SnapshotHook;
 
 /// A weight with its optimizer. Act 0 emits the initial value; act k >= 1 applies step k-1's
 /// summed gradient (input 0, read with delay 1), scaled by the clipping factor (input 1, if
@@ -185,6 +181,14 @@ struct PlanBuilder {
     p.stream = stream;
     return p;
   }
+  /// Where the host side of a place runs (data sources, loss reports, clipping: CPU closures):
+  /// the place itself on a CPU device; beside a CUDA device, the CPU device of the same rank and
+  /// index, whose registers the device copy actors read and write (insert_device_copies).
+  Placement host(std::uint8_t stream, int place = 0) const {
+    Placement p = at(stream, place);
+    if (p.device.type == DeviceType::cuda) p.device = Device{DeviceType::cpu, p.device.index};
+    return p;
+  }
 
   RegisterIndex add_register(const std::string& name, const Shape& shape, DType dtype, std::int32_t slots) {
     return plan.add_register({.name = named(name), .shape = shape, .dtype = dtype, .slots = slots});
@@ -209,8 +213,8 @@ struct PlanBuilder {
   }
 
   void source_actor(const std::string& name, const std::string& op, DType dtype, std::vector<RegisterIndex> outputs,
-                    std::int64_t pieces, std::uint8_t stream, Attrs attrs = {}, int place = 0) {
-    plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = at(stream, place),
+                    std::int64_t pieces, const Placement& where, Attrs attrs = {}) {
+    plan.add_actor({.name = named(name), .kind = ActorKind::source, .op = op, .dtype = dtype, .where = where,
                     .outputs = std::move(outputs), .pieces = pieces, .first_piece = first_piece,
                     .attrs = std::move(attrs)});
   }
@@ -303,6 +307,32 @@ std::vector<RegisterIndex> add_allreduce(std::vector<PlanBuilder>& replicas, con
     members.push_back({replicas[r].at(stream, place), inputs[r], replicas[r].suffix});
   }
   return add_allreduce(replicas[0].plan, name, members, shape, dtype, result_slots);
+}
+
+/// Every actor placed on a CUDA device has a CUDA kernel for its op and dtype, or the job is
+/// refused here, naming them, rather than when the runtime makes the kernels.
+void check_cuda_kernels(const Plan& plan, const KernelRegistry& kernels) {
+  std::vector<std::string> missing;
+  for (const ActorDesc& a : plan.actors) {
+    if (a.where.device.type != DeviceType::cuda) continue;
+    std::vector<std::string> ops;
+    if (a.kind == ActorKind::accumulate) {
+      ops = a.op == "last" ? std::vector<std::string>{"copy"} : std::vector<std::string>{"copy", "add"};
+    } else if (a.kind == ActorKind::compute || a.kind == ActorKind::source) {
+      ops = {a.op};
+    }
+    for (const std::string& op : ops) {
+      if (!kernels.contains(op, DeviceType::cuda, a.dtype)) {
+        missing.push_back(fmt::format("'{}' ({} {})", a.name, op, name(a.dtype)));
+      }
+    }
+  }
+  if (missing.empty()) return;
+  const std::size_t shown = std::min<std::size_t>(missing.size(), 8);
+  throw GraphError(fmt::format("{} actor{} on a CUDA device ha{} no CUDA kernel: {}{}; place {} on the CPU",
+                               missing.size(), missing.size() == 1 ? "" : "s", missing.size() == 1 ? "s" : "ve",
+                               fmt::join(missing.begin(), missing.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+                               missing.size() > shown ? ", ..." : "", missing.size() == 1 ? "it" : "them"));
 }
 
 /// Nodes that the targets depend on (ids are topological, so one backward sweep finds them).
@@ -479,6 +509,15 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   if (n_places > Device::max_index + 1 && cfg.replica_places.empty()) {
     throw GraphError(fmt::format("dp {} x pp {} x tp {} needs {} in-process devices; at most {}", cfg.dp, cfg.pp,
                                  cfg.tp, n_places, Device::max_index + 1));
+  }
+  const bool any_cuda = std::any_of(cfg.replica_places.begin(), cfg.replica_places.end(),
+                                    [](const Placement& p) { return p.device.type == DeviceType::cuda; });
+  if (any_cuda && std::any_of(cfg.replica_places.begin(), cfg.replica_places.end(),
+                              [&](const Placement& p) { return p.rank != cfg.replica_places[0].rank; })) {
+    // A register between ranks travels over UCX into the consumer's memory; this UCX has no
+    // CUDA transport, and the NCCL all-reduce is not wired into the compiler yet.
+    throw GraphError("CUDA devices on several ranks are not supported yet: put every place of the job on one rank "
+                     "(several CUDA devices in one process work)");
   }
   if (!params) params = ParameterStore::initialize(g);
   const std::int64_t m = cfg.microbatches;
@@ -662,7 +701,8 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           return std::make_unique<ReplicaPieces>(inner(kc), r, n_dp, m);
         });
       }
-      b.source_actor("data." + d.name, op, DType::f32, std::move(outs), pieces, forward_stream, {}, data_stage * b.tp);
+      b.source_actor("data." + d.name, op, DType::f32, std::move(outs), pieces,
+                     b.host(forward_stream, data_stage * b.tp));
     }
 
     for (int id = 0; id < g.size(); ++id) {
@@ -679,6 +719,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
         std::string op = b.named("variable." + n.name);
         auto it = grad_in[static_cast<std::size_t>(r)].find(id);
         const DType dt = n.dtype;
+        const bool on_cuda = b.at(backward_stream, b.place(id)).device.type == DeviceType::cuda;
         // Replica 0 trains the store's tensor itself; the others their own copies.
         Tensor master = params->at(n.name);
         if (r > 0) {
@@ -691,8 +732,15 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           const std::int64_t steps = cfg.steps;
           const std::map<std::string, Tensor>* slots = optimizer_slots_of(cfg, n);
           SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
+          if (on_cuda) {
+            // The slots point into cfg.optimizer_state, which the factory keeps alive.
+            KernelFactory make = detail::cuda_variable(master, oc, steps, slots, snap);
+            kernels.add(op, DeviceType::cuda, dt, [make, state = cfg.optimizer_state](const KernelConfig& kc) {
+              return make(kc);
+            });
+          }
           // The factory keeps the state alive (`state`) for the slots it points into.
-          kernels.add(op, DeviceType::cpu, dt, [master, oc, steps, dt, slots, snap, state = cfg.optimizer_state](
+          if (!on_cuda) kernels.add(op, DeviceType::cpu, dt, [master, oc, steps, dt, slots, snap, state = cfg.optimizer_state](
                                                    const KernelConfig&) -> std::unique_ptr<Kernel> {
             if (dt == DType::f64) {
               return std::make_unique<VariableKernel<double>>(master, oc, steps, slots, snap);
@@ -705,10 +753,14 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
                           .inputs = std::move(ins), .outputs = {w}, .first_piece = cfg.first_step,
                           .stops_when_unread = false});
         } else {
-          kernels.add(op, DeviceType::cpu, dt, [master](const KernelConfig&) {
-            return std::make_unique<ConstantSource>(master);
-          });
-          b.source_actor("variable." + n.name, op, dt, {w}, run_steps, backward_stream, {}, b.place(id));
+          if (on_cuda) {
+            kernels.add(op, DeviceType::cuda, dt, detail::cuda_constant(master));
+          } else {
+            kernels.add(op, DeviceType::cpu, dt, [master](const KernelConfig&) {
+              return std::make_unique<ConstantSource>(master);
+            });
+          }
+          b.source_actor("variable." + n.name, op, dt, {w}, run_steps, b.at(backward_stream, b.place(id)));
         }
         if (r == 0 && it != grad_in[0].end()) finals.push_back({n.name, w, b.at(backward_stream, b.place(id)), dt, n.shape});
         // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
@@ -719,7 +771,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
                         .group = static_cast<std::int32_t>(m)});
       } else if (n.op == "fill" && n.inputs.empty()) {
         RegisterIndex reg = b.node_register(id, 2);
-        b.source_actor(n.name, "fill", n.dtype, {reg}, pieces, stream_of(id), n.attrs, b.place(id));
+        b.source_actor(n.name, "fill", n.dtype, {reg}, pieces, b.at(stream_of(id), b.place(id)), n.attrs);
       } else {
         b.op_actor(id, stream_of(id), id <= loss_id ? forward_slots(b.stage(id)) : cfg.activation_slots);
       }
@@ -744,7 +796,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
           return std::make_unique<ClipKernel<float>>(max_norm);
         });
       }
-      plan.add_actor({.name = b.named("optim.clip"), .op = "optim.clip", .dtype = dt, .where = b.at(backward_stream),
+      plan.add_actor({.name = b.named("optim.clip"), .op = "optim.clip", .dtype = dt, .where = b.host(backward_stream),
                       .inputs = clip_inputs, .outputs = {*clip_reg[static_cast<std::size_t>(r)]}});
     }
     loss_regs.push_back(b.reg_of.at(loss_id));
@@ -763,12 +815,18 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     losses->record(ctx.piece, loss_scale * (loss_dt == DType::f64 ? scalar_of<double>(t) : scalar_of<float>(t)));
   });
   plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
-                  .where = replicas[0].at(forward_stream, loss_place), .inputs = {{loss_in}}});
-  gather_final_weights(plan, kernels, *params, finals, replicas[0].at(forward_stream, loss_place), run_steps);
+                  .where = replicas[0].host(forward_stream, loss_place), .inputs = {{loss_in}}});
+  gather_final_weights(plan, kernels, *params, finals, replicas[0].host(forward_stream, loss_place), run_steps);
 
   label_roles_and_stages(plan, replicas);
   // The order within each stage (schedule.h); the slots above bound what is in flight.
   if (n_pp > 1) order_pipeline(plan, parse_schedule(cfg.schedule), n_pp, m);
+  if (any_cuda) {
+    check_cuda_kernels(plan, kernels);
+    // Data and losses are made and read on the host; copy actors move them (on their own
+    // stream, so the copies overlap compute).
+    plan = insert_device_copies(plan);
+  }
   std::map<std::string, Placement> trained_at;
   for (const FinalWeight& f : finals) trained_at[f.name] = f.where;
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses), std::move(trained_at)};
@@ -800,9 +858,9 @@ std::vector<Tensor> evaluate(Graph& g, const std::map<std::string, Tensor>& feed
       b.kernels.add(op, DeviceType::cpu, n.dtype, [value](const KernelConfig&) {
         return std::make_unique<ConstantSource>(value);
       });
-      b.source_actor(op, op, n.dtype, {b.node_register(id, 1)}, 1, 0);
+      b.source_actor(op, op, n.dtype, {b.node_register(id, 1)}, 1, b.at(0));
     } else if (n.op == "fill" && n.inputs.empty()) {
-      b.source_actor(n.name, "fill", n.dtype, {b.node_register(id, 1)}, 1, 0, n.attrs);
+      b.source_actor(n.name, "fill", n.dtype, {b.node_register(id, 1)}, 1, b.at(0), n.attrs);
     } else {
       b.op_actor(id, 0, 1);
     }

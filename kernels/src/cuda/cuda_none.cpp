@@ -38,6 +38,7 @@ void sgd_step(float*, const float*, float*, std::int64_t, const SgdConfig&, std:
 void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamConfig&, std::int64_t, double, Stream&) {
   unavailable("adam_step");
 }
+void scale(float*, std::int64_t, float, Stream&) { unavailable("scale"); }
 void add_cuda_kernels(KernelRegistry&) {}
 
 }  // namespace baton::cuda

@@ -6,6 +6,7 @@
 
 #include "baton/kernels/tensor.h"
 #include "common.h"
+#include "launch.h"
 
 namespace baton::cuda {
 
@@ -169,6 +170,13 @@ void copy(Tensor& dst, const Tensor& src, Stream& stream) {
   // cudaMemcpyDefault: unified addressing tells host from device (and one device from another).
   BATON_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, stream.impl().stream),
                    fmt::format("{} (copy {} -> {})", stream.owner(), src.describe(), dst.describe()));
+}
+
+void scale(float* x, std::int64_t n, float factor, Stream& stream) {
+  if (n == 0) return;
+  stream.bind();
+  BATON_CUDA_CHECK(launch::unary(launch::Unary::scale, x, x, n, factor, stream.impl().stream),
+                   fmt::format("{} (scale of {} elements)", stream.owner(), n));
 }
 
 }  // namespace baton::cuda

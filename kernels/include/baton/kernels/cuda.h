@@ -92,6 +92,10 @@ void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, con
 void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, const AdamConfig& cfg, std::int64_t step,
                double lr, Stream& stream);
 
+/// x *= factor on n float32 elements of device memory, enqueued on `stream` (gradient clipping
+/// in a variable actor on a CUDA device). The product rounds once, as the CPU's does.
+void scale(float* x, std::int64_t n, float factor, Stream& stream);
+
 /// Registers the CUDA kernels (kernels/src/cuda/ops.cpp lists them) for DeviceType::cuda; does
 /// nothing in a build without CUDA. KernelRegistry::with_builtin_kernels() calls it.
 void add_cuda_kernels(KernelRegistry& reg);

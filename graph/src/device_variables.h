@@ -1,0 +1,35 @@
+#pragma once
+// Private to graph/src: the variable actors' kernels for a weight on a CUDA device, which the
+// compiler registers for DeviceType::cuda beside the CPU ones in compile.cpp.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "baton/graph/compile.h"
+#include "baton/kernels/kernel.h"
+
+namespace baton::detail {
+
+/// How a variable actor hands its state over at checkpoint steps (replica 0's only).
+struct SnapshotHook {
+  std::string name;
+  std::int64_t every = 0;  // 0: never (replicas other than 0)
+  std::function<void(VariableSnapshot)> hand_over;
+};
+
+/// A trained float32 weight on a CUDA device: as compile.cpp's VariableKernel (act 0 emits the
+/// initial value, act k applies step k's summed gradient, scaled by the clipping factor if
+/// there is one, and emits the new value), with the master copy and the optimizer slots in
+/// device memory and the step on the actor's stream (baton::cuda::sgd_step / adam_step, the
+/// CPU's arithmetic element for element). `host` is the ParameterStore's tensor: read once at
+/// the first act, written back after the job's last step, so evaluate() and checkpoints on the
+/// host see the trained value. Throws GraphError for a dtype other than f32.
+KernelFactory cuda_variable(Tensor host, const OptimizerConfig& cfg, std::int64_t total_steps,
+                            const std::map<std::string, Tensor>* slots, SnapshotHook snapshots);
+
+/// A weight that is not trained, on a CUDA device: uploads `value` once and copies it into each
+/// act's output on the stream.
+KernelFactory cuda_constant(Tensor value);
+
+}  // namespace baton::detail
