@@ -58,7 +58,8 @@ struct Options {
   std::int64_t tp = 1;
   std::string schedule = "1f1b";
   std::string balance = "flops";
-  std::string devices;  // "cpu:K": in-process devices per rank
+  std::string devices;  // "cpu:K", "cuda:K" or RANK:TYPE:INDEX per place
+  std::string precision = "f32";
   bool json = false;
   std::string print_plan;
   bool print_sbp = false;
@@ -264,7 +265,13 @@ int run(const Options& o) {
     return 0;
   }
   Graph g(o.seed);
-  Value loss = build(g, o, d, mb).loss.named("loss");
+  Value loss;
+  {
+    // Mixed precision (graph.h): the forward ops made here compute in bf16 or f32 by autocast's
+    // policy; weights, gradients and the optimizer stay f32.
+    auto mixed = g.autocast(o.precision == "bf16" ? DType::bf16 : DType::f32);
+    loss = build(g, o, d, mb).loss.named("loss");
+  }
   const bool text = o.model == "gpt";
   TrainConfig cfg;
   cfg.steps = o.steps;
@@ -576,6 +583,9 @@ int main(int argc, char** argv) {
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads, MLP and vocabulary)")
       ->check(CLI::Range(1, 64));
+  app.add_option("--precision", o.precision, "f32, or bf16: mixed precision as torch.autocast (matrix products in bf16, "
+                 "softmax, losses and norms in f32; f32 master weights and optimizer)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (each stage's order of passes and depth of activations)")
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
   app.add_option("--balance", o.balance, "pipeline stages of equal cost by: flops (estimated) or profile (each "

@@ -29,6 +29,7 @@ Value input_gradient(Value y, std::size_t i, Value dy) {
   auto in = [&](std::size_t k) { return g.value(n.inputs[k]); };
   Value x = in(i);
 
+  if (op == "cast") return cast(dy, x.dtype());
   if (op == "add") return sum_to(dy, x.shape());
   if (op == "sub") return sum_to(i == 0 ? dy : -dy, x.shape());
   if (op == "mul") return sum_to(dy * in(1 - i), x.shape());
@@ -126,6 +127,9 @@ std::vector<Value> gradients(Value loss, const std::vector<Value>& wrt, double s
     throw GraphError(fmt::format("the loss must be a scalar; {} is not (reduce it with mean() or sum())", loss.describe()));
   }
   const int end = loss.id() + 1;
+  // The backward ops follow the forward ops' dtypes (each gradient cast back to its value's),
+  // not a policy of their own.
+  auto no_autocast = g.autocast(DType::f32);
   // Which nodes lie on a path from some w to the loss.
   std::vector<bool> depends(static_cast<std::size_t>(end), false);
   for (const Value& w : wrt) {
@@ -149,6 +153,8 @@ std::vector<Value> gradients(Value loss, const std::vector<Value>& wrt, double s
       const auto in = static_cast<std::size_t>(inputs[k]);
       if (!depends[in]) continue;
       Value d = input_gradient(g.value(id), k, dy);
+      // A gradient has its value's dtype (under autocast an op may have computed in another).
+      if (d.dtype() != g.node(inputs[k]).dtype) d = cast(d, g.node(inputs[k]).dtype);
       grad[in] = grad[in].valid() ? grad[in] + d : d;
     }
     for (int made = first_new; made < g.size(); ++made) g.node_mut(made).grad_of = id;

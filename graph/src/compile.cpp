@@ -27,12 +27,10 @@ namespace baton {
 
 namespace {
 
-bool is_float(DType t) { return t == DType::f32 || t == DType::f64; }
-
 DType kernel_dtype(const Graph& g, const Node& n) {
-  if (is_float(n.dtype)) return n.dtype;
+  if (is_floating(n.dtype)) return n.dtype;
   for (int in : n.inputs) {
-    if (is_float(g.node(in).dtype)) return g.node(in).dtype;
+    if (is_floating(g.node(in).dtype)) return g.node(in).dtype;
   }
   return DType::f32;
 }

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "baton/graph/ops.h"
+
 namespace baton {
 
 Graph& Value::graph() const {
@@ -30,6 +32,22 @@ Value Value::named(std::string name) const {
 std::string Value::describe() const {
   if (!valid()) return "<invalid>";
   return fmt::format("{} {}{}", name(), baton::name(dtype()), to_string(shape()));
+}
+
+Graph::Autocast Graph::autocast(DType low) {
+  if (low != DType::bf16 && low != DType::f32) {
+    throw GraphError(fmt::format("autocast to {}: bf16, or f32 for none", name(low)));
+  }
+  return Autocast(*this, low == DType::f32 ? std::nullopt : std::optional<DType>(low));
+}
+
+Value Graph::cast_once(Value v, DType to) {
+  if (v.dtype() == to) return v;
+  const auto key = std::make_pair(v.id(), to);
+  if (auto it = casts_.find(key); it != casts_.end()) return value(it->second);
+  Value c = cast(v, to);
+  casts_[key] = c.id();
+  return c;
 }
 
 std::string Graph::unique_name(const std::string& base) {

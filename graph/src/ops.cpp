@@ -11,8 +11,6 @@ namespace baton {
 
 namespace {
 
-bool is_float(DType t) { return t == DType::f32 || t == DType::f64; }
-
 [[noreturn]] void fail(const char* op, const std::vector<Value>& inputs, const std::string& why) {
   std::string args;
   for (const auto& v : inputs) args += fmt::format("{}{}", args.empty() ? "" : ", ", v.describe());
@@ -21,7 +19,7 @@ bool is_float(DType t) { return t == DType::f32 || t == DType::f64; }
 
 void need_float(const char* op, const std::vector<Value>& inputs) {
   for (const auto& v : inputs) {
-    if (!is_float(v.dtype())) fail(op, inputs, fmt::format("'{}' must be f32 or f64", v.name()));
+    if (!is_floating(v.dtype())) fail(op, inputs, fmt::format("'{}' must be a float (f32, f64 or bf16)", v.name()));
   }
 }
 
@@ -31,12 +29,41 @@ void same_dtype(const char* op, const std::vector<Value>& inputs) {
   }
 }
 
+// Graph::autocast: how each op's float inputs are cast while one lives.
+enum class Precision : std::uint8_t { low, f32, widest };
+
+std::vector<Value> autocast(Precision p, std::vector<Value> in) {
+  if (in.empty()) return in;
+  Graph& g = in[0].graph();
+  const std::optional<DType> low = g.autocast_dtype();
+  if (!low) return in;
+  DType to = p == Precision::low ? *low : DType::f32;
+  if (p == Precision::widest) {
+    bool mixed = false;
+    std::optional<DType> widest;
+    for (const Value& v : in) {
+      if (!is_floating(v.dtype())) continue;
+      if (widest && *widest != v.dtype()) mixed = true;
+      if (!widest || size_of(v.dtype()) > size_of(*widest)) widest = v.dtype();
+    }
+    if (!mixed) return in;
+    to = *widest;
+  }
+  for (Value& v : in) {
+    if (is_floating(v.dtype()) && v.dtype() != DType::f64) v = g.cast_once(v, to);
+  }
+  return in;
+}
+
 Value unary(const char* op, Value x, Attrs attrs = {}) {
   need_float(op, {x});
   return x.graph().add(op, {x}, std::move(attrs), x.shape(), x.dtype());
 }
 
 Value binary(const char* op, Value a, Value b) {
+  const std::vector<Value> in = autocast(Precision::widest, {a, b});
+  a = in[0];
+  b = in[1];
   need_float(op, {a, b});
   same_dtype(op, {a, b});
   Shape s = broadcast_shapes(a.shape(), b.shape(), op, a, b);
@@ -66,8 +93,18 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op, const Val
   return out;
 }
 
+Value cast(Value x, DType to) {
+  need_float("cast", {x});
+  if (!is_floating(to)) fail("cast", {x}, fmt::format("to {}: only f32, f64 and bf16", name(to)));
+  if (x.dtype() == to) return x;
+  return x.graph().add("cast", {x}, {}, x.shape(), to);
+}
+
 Value matmul(Value a, Value b, bool trans_a, bool trans_b) {
   const char* op = "matmul";
+  const std::vector<Value> in = autocast(Precision::low, {a, b});
+  a = in[0];
+  b = in[1];
   need_float(op, {a, b});
   same_dtype(op, {a, b});
   if (a.rank() < 2 || b.rank() < 2) fail(op, {a, b}, "both inputs need at least 2 dimensions");
@@ -103,16 +140,19 @@ Value gelu(Value x) { return unary("gelu", x); }
 Value tanh(Value x) { return unary("tanh", x); }
 Value sigmoid(Value x) { return unary("sigmoid", x); }
 Value softmax(Value x) {
+  x = autocast(Precision::f32, {x})[0];
   if (x.rank() < 1) fail("softmax", {x}, "needs at least 1 dimension");
   return unary("softmax", x);
 }
 Value log_softmax(Value x) {
+  x = autocast(Precision::f32, {x})[0];
   if (x.rank() < 1) fail("log_softmax", {x}, "needs at least 1 dimension");
   return unary("log_softmax", x);
 }
 
 Value softmax_cross_entropy(Value logits, Value labels) {
   const char* op = "softmax_cross_entropy";
+  logits = autocast(Precision::f32, {logits})[0];
   need_float(op, {logits});
   if (labels.dtype() != DType::i32) fail(op, {logits, labels}, "labels must be i32 class indices");
   if (logits.rank() != 2) fail(op, {logits, labels}, "logits must be [N, C]");
@@ -122,6 +162,9 @@ Value softmax_cross_entropy(Value logits, Value labels) {
 
 Value mse(Value prediction, Value target) {
   const char* op = "mse";
+  const std::vector<Value> in = autocast(Precision::f32, {prediction, target});
+  prediction = in[0];
+  target = in[1];
   need_float(op, {prediction, target});
   same_dtype(op, {prediction, target});
   if (prediction.shape() != target.shape()) fail(op, {prediction, target}, "shapes differ");
@@ -193,9 +236,11 @@ Value reduce(const char* op, Value x, std::vector<std::int64_t> axes, bool keepd
 }
 }  // namespace
 
-Value sum(Value x, std::vector<std::int64_t> axes, bool keepdims) { return reduce("sum", x, std::move(axes), keepdims); }
+Value sum(Value x, std::vector<std::int64_t> axes, bool keepdims) {
+  return reduce("sum", autocast(Precision::f32, {x})[0], std::move(axes), keepdims);
+}
 Value mean(Value x, std::vector<std::int64_t> axes, bool keepdims) {
-  return reduce("mean", x, std::move(axes), keepdims);
+  return reduce("mean", autocast(Precision::f32, {x})[0], std::move(axes), keepdims);
 }
 Value max(Value x, std::vector<std::int64_t> axes, bool keepdims) {
   return reduce("max", x, std::move(axes), keepdims);
@@ -204,6 +249,7 @@ Value maximum(Value a, Value b) { return binary("maximum", a, b); }
 Value stop_gradient(Value x) { return unary("stop_gradient", x); }
 
 Value layer_norm(Value x, double eps) {
+  x = autocast(Precision::f32, {x})[0];
   if (x.rank() < 1) fail("layer_norm", {x}, "needs at least 1 dimension");
   return unary("layer_norm", x, Attrs{{"eps", eps}});
 }
@@ -218,6 +264,7 @@ Value layer_norm(Value x, Value gamma, Value beta, double eps) {
 
 Value embedding(Value table, Value ids) {
   const char* op = "embedding";
+  table = autocast(Precision::low, {table})[0];
   need_float(op, {table});
   if (table.rank() != 2) fail(op, {table, ids}, "table must be [V, D]");
   if (ids.dtype() != DType::i32) fail(op, {table, ids}, "ids must be i32");
@@ -249,8 +296,9 @@ Value slice(Value x, std::int64_t axis, std::int64_t start, std::int64_t end) {
   return x.graph().add("slice", {x}, Attrs{{"axis", a}, {"start", start}}, std::move(out), x.dtype());
 }
 
-Value concat(const std::vector<Value>& xs, std::int64_t axis) {
-  if (xs.empty()) throw GraphError("concat() of nothing");
+Value concat(const std::vector<Value>& inputs, std::int64_t axis) {
+  if (inputs.empty()) throw GraphError("concat() of nothing");
+  const std::vector<Value> xs = autocast(Precision::widest, inputs);
   same_dtype("concat", xs);
   auto a = norm_axis(axis, xs[0].shape().size(), "concat", xs);
   Shape out = xs[0].shape();

@@ -14,10 +14,9 @@ namespace {
 
 // The dtype a node's kernel is looked up with, as the compiler chooses it (compile.cpp).
 DType kernel_dtype_of(const Graph& g, const Node& n) {
-  auto is_float = [](DType t) { return t == DType::f32 || t == DType::f64; };
-  if (is_float(n.dtype)) return n.dtype;
+  if (is_floating(n.dtype)) return n.dtype;
   for (int in : n.inputs) {
-    if (is_float(g.node(in).dtype)) return g.node(in).dtype;
+    if (is_floating(g.node(in).dtype)) return g.node(in).dtype;
   }
   return DType::f32;
 }

@@ -29,7 +29,7 @@ struct Name {
   DType dtype;
   const char* text;
 };
-constexpr Name names[] = {{DType::f32, "F32"}, {DType::f64, "F64"}, {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::u8, "U8"}};
+constexpr Name names[] = {{DType::f32, "F32"}, {DType::f64, "F64"}, {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::u8, "U8"}, {DType::bf16, "BF16"}};
 
 const char* dtype_name(DType t) {
   for (const Name& n : names) {

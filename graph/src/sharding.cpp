@@ -180,7 +180,7 @@ Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given,
     matmul_rules(c, n);
   } else if (one_of(op, {"add", "sub", "mul", "div", "maximum"})) {
     elementwise_rules(c, n, given);
-  } else if (one_of(op, {"relu", "gelu", "tanh", "sigmoid", "scale", "stop_gradient"})) {
+  } else if (one_of(op, {"relu", "gelu", "tanh", "sigmoid", "scale", "stop_gradient", "cast"})) {
     if (x.is_split()) c.add1(x, x);
     if (x.is_partial() && (op == "scale" || op == "stop_gradient")) c.add1(x, x);
   } else if (one_of(op, {"softmax", "log_softmax", "layer_norm"})) {

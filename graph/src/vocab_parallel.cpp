@@ -17,10 +17,6 @@ namespace {
   throw GraphError(fmt::format("{}({}): {}", op, args, why));
 }
 
-bool is_float(DType t) {
-  return t == DType::f32 || t == DType::f64;
-}
-
 void check_labels(const char* op, const std::vector<Value>& all, const Value& labels,
                   std::int64_t rows) {
   if (labels.dtype() != DType::i32)
@@ -40,7 +36,7 @@ std::optional<Graph::Shard> on_shard(Graph& g, std::size_t parts, std::size_t k)
 
 Value embedding_shard(Value table, Value ids, std::int64_t start, std::int64_t vocab) {
   const char* op = "embedding_shard";
-  if (!is_float(table.dtype()) || table.rank() != 2)
+  if (!is_floating(table.dtype()) || table.rank() != 2)
     fail(op, {table, ids}, "table must be f32 or f64 [V, D]");
   if (ids.dtype() != DType::i32) fail(op, {table, ids}, "ids must be i32");
   if (start < 0 || start + table.dim(0) > vocab) {
@@ -84,7 +80,7 @@ Value vocab_parallel_ce_stats(Value logits, Value labels, Value row_max, std::in
                               std::int64_t vocab) {
   const char* op = "vocab_parallel_ce_stats";
   const std::vector<Value> all{logits, labels, row_max};
-  if (!is_float(logits.dtype()) || logits.rank() != 2)
+  if (!is_floating(logits.dtype()) || logits.rank() != 2)
     fail(op, all, "logits must be f32 or f64 [N, C]");
   check_labels(op, all, labels, logits.dim(0));
   if (row_max.dtype() != logits.dtype() || row_max.shape() != Shape{logits.dim(0)}) {
@@ -102,7 +98,7 @@ Value vocab_parallel_ce_stats(Value logits, Value labels, Value row_max, std::in
 
 Value vocab_parallel_ce_loss(Value stats, Value row_max) {
   const char* op = "vocab_parallel_ce_loss";
-  if (!is_float(stats.dtype()) || stats.rank() != 2 || stats.dim(1) != 2)
+  if (!is_floating(stats.dtype()) || stats.rank() != 2 || stats.dim(1) != 2)
     fail(op, {stats, row_max}, "stats must be [N, 2]");
   if (row_max.dtype() != stats.dtype() || row_max.shape() != Shape{stats.dim(0)}) {
     fail(op, {stats, row_max}, "row_max must be [N], of the stats' dtype");
@@ -117,7 +113,7 @@ Value vocab_parallel_cross_entropy(const std::vector<Value>& logits, Value label
   all.push_back(labels);
   std::int64_t vocab = 0;
   for (const Value& l : logits) {
-    if (!is_float(l.dtype()) || l.rank() != 2 || l.dtype() != logits[0].dtype() ||
+    if (!is_floating(l.dtype()) || l.rank() != 2 || l.dtype() != logits[0].dtype() ||
         l.dim(0) != logits[0].dim(0) || &l.graph() != &labels.graph()) {
       fail(op, all, "the logits must be f32 or f64 [N, C_k] of one graph, one N and one dtype");
     }

@@ -14,7 +14,7 @@ namespace baton {
 
 namespace {
 
-constexpr DType all_dtypes[] = {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8};
+constexpr DType all_dtypes[] = {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16};
 
 using detail::need_input;
 using detail::need_output;

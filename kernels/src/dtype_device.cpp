@@ -16,12 +16,13 @@ std::string_view name(DType t) {
     case DType::i32: return "i32";
     case DType::i64: return "i64";
     case DType::u8: return "u8";
+    case DType::bf16: return "bf16";
   }
   return "?";
 }
 
 std::optional<DType> parse_dtype(std::string_view s) {
-  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8}) {
+  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
     if (name(t) == s) return t;
   }
   return std::nullopt;

@@ -3,6 +3,7 @@
 // the op (and the tensor's role, where given) when one is missing.
 #include <algorithm>
 #include <cstddef>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -29,6 +30,15 @@ inline Tensor& need_output(const KernelContext& ctx, std::size_t i, const char* 
   }
   return *ctx.outputs[i];
 }
+
+/// bf16 (bf16.cpp): the float32 kernel `inner` run on float32 copies of an actor's bf16 inputs
+/// and outputs, on `device` (KernelRegistry::create's fallback where an op has no bf16 kernel).
+std::unique_ptr<Kernel> via_float32(std::unique_ptr<Kernel> inner, Device device);
+/// "cast" between f32, f64 and bf16 on the CPU (and f32 / bf16 on CUDA devices).
+void add_cast_kernels(KernelRegistry& reg);
+/// Element-wise conversion between f32, f64 and bf16 host tensors of one size (bf16: rounded
+/// to nearest even). Throws naming both for other dtypes.
+void convert_on_host(const Tensor& src, Tensor& dst);
 
 /// The extents of c = op(a) op(b), batched over a's leading axes (b shared when it is 2-D),
 /// after checking that a, b and c fit together; every kernel of "matmul" (CPU, CUDA) reads them

@@ -5,6 +5,7 @@
 #include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/ops.h"
+#include "kernel_args.h"
 
 namespace baton {
 
@@ -30,12 +31,22 @@ void KernelRegistry::add_fn(std::string op, DeviceType device, DType dtype,
 }
 
 bool KernelRegistry::contains(std::string_view op, DeviceType device, DType dtype) const {
-  return factories_.find(std::make_tuple(std::string(op), device, dtype)) != factories_.end();
+  if (factories_.find(std::make_tuple(std::string(op), device, dtype)) != factories_.end()) return true;
+  // bf16 falls back on the float32 kernel (create()).
+  return dtype == DType::bf16 && factories_.find(std::make_tuple(std::string(op), device, DType::f32)) != factories_.end();
 }
 
 std::unique_ptr<Kernel> KernelRegistry::create(std::string_view op,
                                                const KernelConfig& cfg) const {
   auto it = factories_.find(std::make_tuple(std::string(op), cfg.device.type, cfg.dtype));
+  if (it == factories_.end() && cfg.dtype == DType::bf16) {
+    // No bf16 kernel of its own: the float32 one, through float32 copies (bf16.cpp).
+    auto wide = factories_.find(std::make_tuple(std::string(op), cfg.device.type, DType::f32));
+    if (wide != factories_.end()) {
+      KernelConfig f32_cfg{cfg.actor, cfg.device, DType::f32, cfg.attrs};
+      return detail::via_float32(wide->second(f32_cfg), cfg.device);
+    }
+  }
   if (it == factories_.end()) {
     std::string have;
     for (const auto& [key, f] : factories_) {
@@ -76,6 +87,7 @@ KernelRegistry KernelRegistry::with_builtin_kernels() {
   add_cpu_tensor_ops(reg);
   add_cpu_nn_ops(reg);
   cuda::add_cuda_kernels(reg);
+  detail::add_cast_kernels(reg);
   return reg;
 }
 

@@ -39,6 +39,7 @@ void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamCon
   unavailable("adam_step");
 }
 void scale(float*, std::int64_t, float, Stream&) { unavailable("scale"); }
+void convert(Tensor&, const Tensor&, Stream&) { unavailable("convert"); }
 void add_cuda_kernels(KernelRegistry&) {}
 
 }  // namespace baton::cuda

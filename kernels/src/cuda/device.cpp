@@ -6,6 +6,7 @@
 
 #include "baton/kernels/tensor.h"
 #include "common.h"
+#include "convert.h"
 #include "launch.h"
 
 namespace baton::cuda {
@@ -177,6 +178,18 @@ void scale(float* x, std::int64_t n, float factor, Stream& stream) {
   stream.bind();
   BATON_CUDA_CHECK(launch::unary(launch::Unary::scale, x, x, n, factor, stream.impl().stream),
                    fmt::format("{} (scale of {} elements)", stream.owner(), n));
+}
+
+void convert(Tensor& dst, const Tensor& src, Stream& stream) {
+  auto kind = [](DType t) { return t == DType::f32 ? 0 : t == DType::bf16 ? 1 : -1; };
+  if (dst.numel() != src.numel() || kind(dst.dtype()) < 0 || kind(src.dtype()) < 0) {
+    throw std::invalid_argument(fmt::format("{}: convert {} into {}: same size, f32 or bf16 only", stream.owner(),
+                                            src.describe(), dst.describe()));
+  }
+  stream.bind();
+  BATON_CUDA_CHECK(launch::convert(src.raw(), kind(src.dtype()), dst.raw(), kind(dst.dtype()), src.numel(),
+                                   stream.impl().stream),
+                   fmt::format("{} (convert {} -> {})", stream.owner(), src.describe(), dst.describe()));
 }
 
 }  // namespace baton::cuda

@@ -380,7 +380,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
   using launch::Unary;
   using launch::UnaryGrad;
   constexpr auto cuda = DeviceType::cuda;
-  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8}) {
+  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
     // Copies: within a device, and across host and device (the copy actors of
     // insert_device_copies); cudaMemcpyDefault tells which from the pointers.
     for (const char* op : {"copy", "to_device", "to_host"}) {

@@ -9,9 +9,11 @@
 ///   auto b1 = g.variable("b1", {256}, baton::init::zeros());
 ///   auto h  = relu(matmul(x, w1) + b1);
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "baton/graph/sbp.h"
@@ -159,6 +161,34 @@ class Graph {
   };
   [[nodiscard]] Shard shard(std::int32_t k) { return Shard(*this, k); }
 
+  /// Mixed precision, as torch.autocast: while an Autocast lives, the ops made compute
+  ///  - matrix products and embeddings in `low` (bf16): their float inputs are cast to it;
+  ///  - softmax, log_softmax, the losses, layer_norm, sum and mean in f32, for range and
+  ///    precision: their float inputs are cast to f32;
+  ///  - elementwise ops whose float inputs differ in dtype in the wider one;
+  ///  - everything else in its input's dtype.
+  /// Weights stay f32 (the optimizer's master copy) and each is cast once, where first used;
+  /// autodiff casts each gradient back to its value's dtype, so a weight's gradient is summed
+  /// over micro-batches and replicas and applied in f32.
+  ///   { auto bf = g.autocast(); logits = models::mlp(g, ...); loss = softmax_cross_entropy(...); }
+  class Autocast {
+   public:
+    Autocast(Graph& g, std::optional<DType> low) : g_(g), previous_(g.autocast_) { g.autocast_ = low; }
+    ~Autocast() { g_.autocast_ = previous_; }
+    Autocast(const Autocast&) = delete;
+    Autocast& operator=(const Autocast&) = delete;
+
+   private:
+    Graph& g_;
+    std::optional<DType> previous_;
+  };
+  /// Throws GraphError unless `low` is bf16 or f32 (f32: autocast off, for a flag's default).
+  [[nodiscard]] Autocast autocast(DType low = DType::bf16);
+  /// The low dtype while an Autocast lives and is not f32.
+  std::optional<DType> autocast_dtype() const { return autocast_; }
+  /// cast(v, to), made once per (v, to) and reused (autocast's casts of a weight).
+  Value cast_once(Value v, DType to);
+
   /// One line per node: "h1 = relu(mm1) f32[32, 256]".
   std::string to_text() const;
   /// Graphviz, inputs and variables as ellipses.
@@ -170,6 +200,8 @@ class Graph {
   std::uint64_t seed_;
   int counter_ = 0;
   std::int32_t shard_ = -1;
+  std::optional<DType> autocast_;
+  std::map<std::pair<int, DType>, int> casts_;
 };
 
 }  // namespace baton

@@ -12,6 +12,10 @@ namespace baton {
 /// trans_a / trans_b read a or b transposed in their last two dimensions.
 Value matmul(Value a, Value b, bool trans_a = false, bool trans_b = false);
 
+/// x converted to another float dtype (f32, f64, bf16; bf16 rounds to nearest even); x itself
+/// if it has that dtype. Its gradient is dy cast back.
+Value cast(Value x, DType to);
+
 /// Elementwise with numpy broadcasting.
 Value operator+(Value a, Value b);
 Value operator-(Value a, Value b);

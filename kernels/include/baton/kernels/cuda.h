@@ -92,6 +92,11 @@ void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, con
 void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, const AdamConfig& cfg, std::int64_t step,
                double lr, Stream& stream);
 
+/// dst = src converted element for element between float32 and bfloat16 (or copied, same
+/// dtype), both in device memory, on `stream`; rounds to nearest even into bf16. Throws naming
+/// both tensors for other dtypes or sizes.
+void convert(Tensor& dst, const Tensor& src, Stream& stream);
+
 /// x *= factor on n float32 elements of device memory, enqueued on `stream` (gradient clipping
 /// in a variable actor on a CUDA device). The product rounds once, as the CPU's does.
 void scale(float* x, std::int64_t n, float factor, Stream& stream);
