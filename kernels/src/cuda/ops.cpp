@@ -255,8 +255,16 @@ class MatmulKernel final : public Kernel {
     const float alpha = 1.f, beta = 0.f;
     const int M = static_cast<int>(rows), N = static_cast<int>(n), K = static_cast<int>(k);
     if (M == 0 || N == 0) return;
+    const bool bf16 = c.dtype() == DType::bf16;
+    if (bf16 && (a.dtype() != DType::bf16 || b.dtype() != DType::bf16)) {
+      throw fail("a bf16 product needs bf16 operands");
+    }
     if (K == 0) {
-      launched(launch::fill(out_f32(c, name, "c"), c.numel(), 0.f, s), name, ctx);
+      if (bf16) {
+        check(cudaMemsetAsync(c.raw(), 0, c.nbytes(), s), "cudaMemsetAsync", ctx.stream->owner());  // bf16 zero: all bits 0
+      } else {
+        launched(launch::fill(out_f32(c, name, "c"), c.numel(), 0.f, s), name, ctx);
+      }
       return;
     }
     const cublasOperation_t op_b = trans_b_ ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -266,6 +274,14 @@ class MatmulKernel final : public Kernel {
     const long long stride_a = static_cast<long long>(M) * K;
     const long long stride_b = shared_b ? 0 : static_cast<long long>(K) * N;
     const long long stride_c = static_cast<long long>(M) * N;
+    if (bf16) {
+      // Tensor cores: bf16 operands and result, float32 accumulation (as torch's bf16 matmul).
+      check(cublasGemmStridedBatchedEx(ctx.stream->impl().blas, op_b, op_a, N, M, K, &alpha, b.raw(), CUDA_R_16BF, ldb,
+                                       stride_b, a.raw(), CUDA_R_16BF, lda, stride_a, &beta, c.raw(), CUDA_R_16BF, N,
+                                       stride_c, static_cast<int>(batches), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            "cublasGemmStridedBatchedEx", ctx.stream->owner());
+      return;
+    }
     check(cublasSgemmStridedBatched(ctx.stream->impl().blas, op_b, op_a, N, M, K, &alpha, in_f32(b, name, "b"), ldb,
                                     stride_b, in_f32(a, name, "a"), lda, stride_a, &beta, out_f32(c, name, "c"), N,
                                     stride_c, static_cast<int>(batches)),
@@ -412,9 +428,11 @@ void add_cuda_kernels(KernelRegistry& reg) {
   add_f32(reg, "log_softmax_grad", [](KernelContext& c) { softmax_grad(c, true, "log_softmax_grad"); });
   add_f32(reg, "softmax_cross_entropy_grad", cross_entropy_grad);
   reg.add("softmax_cross_entropy", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<CrossEntropyKernel>(); });
-  reg.add("matmul", cuda, DType::f32, [](const KernelConfig& cfg) {
-    return std::make_unique<MatmulKernel>(cfg.attrs.get_int("trans_a", 0) != 0, cfg.attrs.get_int("trans_b", 0) != 0);
-  });
+  for (DType t : {DType::f32, DType::bf16}) {
+    reg.add("matmul", cuda, t, [](const KernelConfig& cfg) {
+      return std::make_unique<MatmulKernel>(cfg.attrs.get_int("trans_a", 0) != 0, cfg.attrs.get_int("trans_b", 0) != 0);
+    });
+  }
   reg.add("transpose", cuda, DType::f32, [](const KernelConfig& cfg) {
     auto it = cfg.attrs.values().find("perm");
     if (it == cfg.attrs.values().end() || !std::holds_alternative<std::vector<std::int64_t>>(it->second)) {
