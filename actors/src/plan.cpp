@@ -210,7 +210,13 @@ Plan insert_transfers(const Plan& plan) {
   return out;
 }
 
-Plan insert_device_copies(const Plan& plan) {
+namespace {
+
+/// One pass of insert_device_copies(): a copy actor per (register, consuming device) where a
+/// register crosses between host and a CUDA device on its producer's rank, and a to_host copy
+/// for a register made on a CUDA device and read on another rank (by a transfer, or by an
+/// actor a transfer will be put before), so that what crosses ranks is host memory.
+Plan device_copies(const Plan& plan) {
   Plan out = plan;
   const auto n_registers = static_cast<RegisterIndex>(plan.registers.size());
   for (RegisterIndex r = 0; r < n_registers; ++r) {
@@ -222,8 +228,14 @@ Plan insert_device_copies(const Plan& plan) {
     for (ActorIndex c : out.registers[r].consumers) {
       if (c >= out.actors.size()) continue;
       const ActorDesc& a = out.actors[c];
-      if (a.where.rank != home.rank || a.where.device == home.device || a.kind == ActorKind::transfer) continue;
       if (a.op == "to_device" || a.op == "to_host") continue;  // a copy already
+      const bool remote = a.where.rank != home.rank || a.kind == ActorKind::transfer;
+      if (remote) {
+        // Staged through the producer's host side: UCX here moves host memory only.
+        if (home.device.type == DeviceType::cuda) elsewhere[Device{DeviceType::cpu, home.device.index}].push_back(c);
+        continue;
+      }
+      if (a.where.device == home.device) continue;
       if (a.where.device.type != DeviceType::cuda && home.device.type != DeviceType::cuda) continue;
       elsewhere[a.where.device].push_back(c);
     }
@@ -236,6 +248,32 @@ Plan insert_device_copies(const Plan& plan) {
     }
   }
   return out;
+}
+
+}  // namespace
+
+Plan insert_device_copies(const Plan& plan) {
+  Plan out = device_copies(plan);
+  // Registers between ranks where a CUDA device is at either end: the transfers are made here,
+  // on the host side of the consuming rank, and copied onto its device from there.
+  bool cross_rank_cuda = false;
+  for (const RegisterDesc& reg : out.registers) {
+    if (reg.producer == no_actor || reg.producer >= out.actors.size()) continue;
+    const Placement& home = out.actors[reg.producer].where;
+    for (ActorIndex c : reg.consumers) {
+      if (c >= out.actors.size()) continue;
+      const Placement& there = out.actors[c].where;
+      if (there.rank != home.rank && there.device.type == DeviceType::cuda) cross_rank_cuda = true;
+    }
+  }
+  if (!cross_rank_cuda) return out;
+  out = insert_transfers(out);
+  for (ActorDesc& a : out.actors) {
+    if (a.kind == ActorKind::transfer && a.where.device.type == DeviceType::cuda) {
+      a.where.device = Device{DeviceType::cpu, a.where.device.index};
+    }
+  }
+  return device_copies(out);
 }
 
 }  // namespace baton

@@ -510,13 +510,6 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   }
   const bool any_cuda = std::any_of(cfg.replica_places.begin(), cfg.replica_places.end(),
                                     [](const Placement& p) { return p.device.type == DeviceType::cuda; });
-  if (any_cuda && std::any_of(cfg.replica_places.begin(), cfg.replica_places.end(),
-                              [&](const Placement& p) { return p.rank != cfg.replica_places[0].rank; })) {
-    // A register between ranks travels over UCX into the consumer's memory; this UCX has no
-    // CUDA transport, and the NCCL all-reduce is not wired into the compiler yet.
-    throw GraphError("CUDA devices on several ranks are not supported yet: put every place of the job on one rank "
-                     "(several CUDA devices in one process work)");
-  }
   if (!params) params = ParameterStore::initialize(g);
   const std::int64_t m = cfg.microbatches;
   const std::int64_t n_dp = cfg.dp;
@@ -822,7 +815,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   if (any_cuda) {
     check_cuda_kernels(plan, kernels);
     // Data and losses are made and read on the host; copy actors move them (on their own
-    // stream, so the copies overlap compute).
+    // stream, so the copies overlap compute), and what crosses ranks goes through host memory.
     plan = insert_device_copies(plan);
   }
   std::map<std::string, Placement> trained_at;

@@ -190,7 +190,11 @@ inline constexpr std::uint8_t device_copy_stream = 15;
 /// device_copy_stream, named "<register>@<device>", writing a register of that name with the
 /// same shape, dtype and slots; the consumers on that device read it instead. Registers between
 /// two CPU devices stay as they are (host memory is shared); so does a plan without CUDA
-/// actors. Applying it twice changes nothing more.
+/// actors. Registers between ranks go through host memory (this UCX moves host memory only):
+/// a CUDA register read on another rank gets a to_host copy on its rank, and one read by a CUDA
+/// actor of another rank gets its transfer (insert_transfers) there now, on that rank's CPU
+/// device of the same index, with a to_device copy after it. Applying it twice changes nothing
+/// more.
 Plan insert_device_copies(const Plan& plan);
 
 }  // namespace baton
