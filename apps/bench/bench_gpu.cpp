@@ -383,6 +383,9 @@ struct BatonResult {
   std::map<std::string, double> kernel_s_by_op;
 };
 
+/// The shortest timed window that polling the loss log measures to within a few percent.
+constexpr double min_timed_s = 0.01;
+
 BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, double timeout_s) {
   Runtime rt(c.job.plan, c.job.kernels);
   std::exception_ptr failure;
@@ -421,6 +424,11 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   }
   BatonResult r;
   r.timed_s = std::chrono::duration<double>(*t_end - *t_warm).count();
+  if (r.timed_s < min_timed_s) {
+    throw std::runtime_error(fmt::format("the {} timed steps took {:.2f} ms, too short to time by polling the loss "
+                                         "log (every ~0.1 ms): raise --steps",
+                                         steps, r.timed_s * 1e3));
+  }
   r.job_s = report.wall_s;
   auto losses = c.job.losses->per_step();
   if (!losses.empty()) r.loss = losses.back();
