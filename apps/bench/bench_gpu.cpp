@@ -90,6 +90,8 @@ struct Options {
   bool reference = true;
   bool require_reference = false;
   bool quick = false;
+  /// Compile and size the plan, print it, train nothing.
+  bool plan_only = false;
   /// Auto batch: the fraction of the device's free memory the plan may take.
   double mem_fraction = 0.85;
   std::int64_t max_batch = 64;
@@ -116,6 +118,7 @@ struct Options {
              "  --torch-attention A naive (default: baton's ops) or sdpa (PyTorch's fused causal attention)\n"
              "  --no-reference      skip PyTorch;  --require-reference  exit 77 if PyTorch is missing\n"
              "  --timeout S         give up on a side after S seconds (default 600)\n"
+             "  --plan-only         compile, print the plan's size (register_bytes, estimated_bytes), train nothing\n"
              "  environment: BATON_PYTHON (default: the first of python3 on PATH, /usr/bin/python3 that imports\n"
              "  torch), BATON_GPT_TORCH (the reference script; default gpt_torch.py beside the program or in\n"
              "  the source tree)\n",
@@ -174,6 +177,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--no-reference") o.reference = false;
     else if (a == "--require-reference") o.require_reference = true;
     else if (a == "--quick") o.quick = true;
+    else if (a == "--plan-only") o.plan_only = true;
     else {
       fmt::print(stderr, "{}: unknown argument '{}'\n", prog, a);
       usage(2);
@@ -510,7 +514,7 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
     const std::string sizes_args =
         fmt::format("--d-model {} --heads {} --layers {} --seq {} --vocab {}", shape.d_model, shape.heads,
                     shape.layers, shape.seq, shape.vocab);
-    const bool with_ref = ref != nullptr && ref->missing().empty();
+    const bool with_ref = ref != nullptr && ref->missing().empty() && !o.plan_only;
     if (with_ref) {
       const std::string counted = ref->run("--count-only " + sizes_args, 120);
       const auto ref_params = bench::json_number(counted, "params");
@@ -533,6 +537,15 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
         throw std::runtime_error(fmt::format("the plan needs ~{:.1f} GB on {} ({}), {:.1f} GB free: lower --batch",
                                              static_cast<double>(compiled->estimated_bytes) / 1e9, device.str(),
                                              dev.name, static_cast<double>(dev.free_bytes) / 1e9));
+      }
+      if (o.plan_only) {
+        line.add("device", device.str()).add("device_name", dev.name).add("batch", batch).add("seq", shape.seq);
+        line.add("d_model", shape.d_model).add("heads", shape.heads).add("layers", shape.layers);
+        line.add("vocab", shape.vocab).add("params", n_params).add("params_multiply", n_multiply);
+        line.add("flops_per_token", flops_per_token).add("actors", static_cast<std::int64_t>(compiled->job.plan.actors.size()));
+        line.add("register_bytes", compiled->register_bytes).add("estimated_bytes", compiled->estimated_bytes);
+        line.print();
+        return true;
       }
       fmt::print(stderr, "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters, {} actors, {:.2f} GB of "
                  "registers; {} + {} steps\n",
