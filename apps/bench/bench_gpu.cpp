@@ -75,9 +75,11 @@ struct Sizes {
 };
 
 /// Suited to an 80 GB H100 with float32 activations (batch 0: as many as the plan fits).
-constexpr Sizes cuda_defaults{.d_model = 1024, .heads = 16, .layers = 8, .seq = 1024, .vocab = 32768, .batch = 0};
+constexpr Sizes cuda_defaults{
+    .d_model = 1024, .heads = 16, .layers = 8, .seq = 1024, .vocab = 32768, .batch = 0};
 /// A few tens of milliseconds per step on one core of the build machine.
-constexpr Sizes cpu_defaults{.d_model = 128, .heads = 4, .layers = 2, .seq = 64, .vocab = 512, .batch = 8};
+constexpr Sizes cpu_defaults{
+    .d_model = 128, .heads = 4, .layers = 2, .seq = 64, .vocab = 512, .batch = 8};
 
 struct Options {
   std::string device = "auto";  // auto, cpu, cuda:N
@@ -100,29 +102,43 @@ struct Options {
 
 [[noreturn]] void usage(int code) {
   std::FILE* f = code == 0 ? stdout : stderr;
-  fmt::print(f,
-             "usage: {} [--device auto|cpu|cuda:N] [sizes] [--warmup W] [--steps S] [--precision f32|tf32|bf16]\n"
-             "       [--peak-tflops X] [--torch-attention naive|sdpa] [--no-reference] [--quick] [--help]\n"
-             "  A GPT training step with baton and with PyTorch eager (the reference, same run); one JSON line.\n"
-             "  --device D          auto (default): cuda:0 if CUDA works, else a 'skipped' line and the CPU variant\n"
-             "  --d-model N --heads N --layers N --seq N --vocab N --batch N\n"
-             "                      defaults on CUDA: 1024, 16, 8, 1024, 32768, batch 0 = the largest that fits\n"
-             "                      --mem-fraction (default 0.85) of free memory, at most --max-batch (64);\n"
-             "                      on the CPU: 128, 4, 2, 64, 512, batch 8\n"
-             "  --warmup W --steps S  untimed then timed steps (CUDA 3 and 10, CPU 3 and 20; --quick: 1 and 3)\n"
-             "  --threads N         baton worker threads (and PyTorch CPU threads), default 1\n"
-             "  --precision P       f32 (default; full float32 products on both sides); tf32 and bf16 run\n"
-             "                      PyTorch alone: baton has neither yet\n"
-             "  --peak-tflops X     the device's peak for the precision, for MFU (default: from a table of\n"
-             "                      NVIDIA's dense figures by device name; none for the CPU)\n"
-             "  --torch-attention A naive (default: baton's ops) or sdpa (PyTorch's fused causal attention)\n"
-             "  --no-reference      skip PyTorch;  --require-reference  exit 77 if PyTorch is missing\n"
-             "  --timeout S         give up on a side after S seconds (default 600)\n"
-             "  --plan-only         compile, print the plan's size (register_bytes, estimated_bytes), train nothing\n"
-             "  environment: BATON_PYTHON (default: the first of python3 on PATH, /usr/bin/python3 that imports\n"
-             "  torch), BATON_GPT_TORCH (the reference script; default gpt_torch.py beside the program or in\n"
-             "  the source tree)\n",
-             prog);
+  fmt::print(
+      f,
+      "usage: {} [--device auto|cpu|cuda:N] [sizes] [--warmup W] [--steps S] [--precision "
+      "f32|tf32|bf16]\n"
+      "       [--peak-tflops X] [--torch-attention naive|sdpa] [--no-reference] [--quick] "
+      "[--help]\n"
+      "  A GPT training step with baton and with PyTorch eager (the reference, same run); one JSON "
+      "line.\n"
+      "  --device D          auto (default): cuda:0 if CUDA works, else a 'skipped' line and the "
+      "CPU variant\n"
+      "  --d-model N --heads N --layers N --seq N --vocab N --batch N\n"
+      "                      defaults on CUDA: 1024, 16, 8, 1024, 32768, batch 0 = the largest "
+      "that fits\n"
+      "                      --mem-fraction (default 0.85) of free memory, at most --max-batch "
+      "(64);\n"
+      "                      on the CPU: 128, 4, 2, 64, 512, batch 8\n"
+      "  --warmup W --steps S  untimed then timed steps (CUDA 3 and 10, CPU 3 and 20; --quick: 1 "
+      "and 3)\n"
+      "  --threads N         baton worker threads (and PyTorch CPU threads), default 1\n"
+      "  --precision P       f32 (default; full float32 products on both sides); tf32 and bf16 "
+      "run\n"
+      "                      PyTorch alone: baton has neither yet\n"
+      "  --peak-tflops X     the device's peak for the precision, for MFU (default: from a table "
+      "of\n"
+      "                      NVIDIA's dense figures by device name; none for the CPU)\n"
+      "  --torch-attention A naive (default: baton's ops) or sdpa (PyTorch's fused causal "
+      "attention)\n"
+      "  --no-reference      skip PyTorch;  --require-reference  exit 77 if PyTorch is missing\n"
+      "  --timeout S         give up on a side after S seconds (default 600)\n"
+      "  --plan-only         compile, print the plan's size (register_bytes, estimated_bytes), "
+      "train nothing\n"
+      "  environment: BATON_PYTHON (default: the first of python3 on PATH, /usr/bin/python3 that "
+      "imports\n"
+      "  torch), BATON_GPT_TORCH (the reference script; default gpt_torch.py beside the program or "
+      "in\n"
+      "  the source tree)\n",
+      prog);
   std::exit(code);
 }
 
@@ -157,27 +173,48 @@ Options parse(int argc, char** argv) {
   };
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
-    if (a == "-h" || a == "--help") usage(0);
-    else if (a == "--device") o.device = value(i, a);
-    else if (a == "--d-model") o.sizes.d_model = integer(i, a, 1);
-    else if (a == "--heads") o.sizes.heads = integer(i, a, 1);
-    else if (a == "--layers") o.sizes.layers = integer(i, a, 1);
-    else if (a == "--seq") o.sizes.seq = integer(i, a, 1);
-    else if (a == "--vocab") o.sizes.vocab = integer(i, a, 2);
-    else if (a == "--batch") o.sizes.batch = integer(i, a, 0);
-    else if (a == "--warmup") o.warmup = integer(i, a, 1);
-    else if (a == "--steps") o.steps = integer(i, a, 1);
-    else if (a == "--threads") o.threads = static_cast<int>(integer(i, a, 1));
-    else if (a == "--precision") o.precision = value(i, a);
-    else if (a == "--peak-tflops") o.peak_tflops = real(i, a);
-    else if (a == "--torch-attention") o.torch_attention = value(i, a);
-    else if (a == "--mem-fraction") o.mem_fraction = real(i, a);
-    else if (a == "--max-batch") o.max_batch = integer(i, a, 1);
-    else if (a == "--timeout") o.timeout_s = real(i, a);
-    else if (a == "--no-reference") o.reference = false;
-    else if (a == "--require-reference") o.require_reference = true;
-    else if (a == "--quick") o.quick = true;
-    else if (a == "--plan-only") o.plan_only = true;
+    if (a == "-h" || a == "--help")
+      usage(0);
+    else if (a == "--device")
+      o.device = value(i, a);
+    else if (a == "--d-model")
+      o.sizes.d_model = integer(i, a, 1);
+    else if (a == "--heads")
+      o.sizes.heads = integer(i, a, 1);
+    else if (a == "--layers")
+      o.sizes.layers = integer(i, a, 1);
+    else if (a == "--seq")
+      o.sizes.seq = integer(i, a, 1);
+    else if (a == "--vocab")
+      o.sizes.vocab = integer(i, a, 2);
+    else if (a == "--batch")
+      o.sizes.batch = integer(i, a, 0);
+    else if (a == "--warmup")
+      o.warmup = integer(i, a, 1);
+    else if (a == "--steps")
+      o.steps = integer(i, a, 1);
+    else if (a == "--threads")
+      o.threads = static_cast<int>(integer(i, a, 1));
+    else if (a == "--precision")
+      o.precision = value(i, a);
+    else if (a == "--peak-tflops")
+      o.peak_tflops = real(i, a);
+    else if (a == "--torch-attention")
+      o.torch_attention = value(i, a);
+    else if (a == "--mem-fraction")
+      o.mem_fraction = real(i, a);
+    else if (a == "--max-batch")
+      o.max_batch = integer(i, a, 1);
+    else if (a == "--timeout")
+      o.timeout_s = real(i, a);
+    else if (a == "--no-reference")
+      o.reference = false;
+    else if (a == "--require-reference")
+      o.require_reference = true;
+    else if (a == "--quick")
+      o.quick = true;
+    else if (a == "--plan-only")
+      o.plan_only = true;
     else {
       fmt::print(stderr, "{}: unknown argument '{}'\n", prog, a);
       usage(2);
@@ -188,7 +225,8 @@ Options parse(int argc, char** argv) {
     usage(2);
   }
   if (o.torch_attention != "naive" && o.torch_attention != "sdpa") {
-    fmt::print(stderr, "{}: --torch-attention must be naive or sdpa, not '{}'\n", prog, o.torch_attention);
+    fmt::print(stderr, "{}: --torch-attention must be naive or sdpa, not '{}'\n", prog,
+               o.torch_attention);
     usage(2);
   }
   if (o.device != "auto") {
@@ -207,7 +245,7 @@ Options parse(int argc, char** argv) {
 
 struct DeviceInfo {
   Device device;
-  std::string name;  // "NVIDIA H100 80GB HBM3", or "cpu"
+  std::string name;                               // "NVIDIA H100 80GB HBM3", or "cpu"
   std::uint64_t free_bytes = 0, total_bytes = 0;  // 0 for the CPU
 };
 
@@ -218,7 +256,8 @@ DeviceInfo describe(Device d) {
   // The CUDA runtime directly (this program links it): the kernels library names no device.
   auto check = [&](cudaError_t e, const char* what) {
     if (e != cudaSuccess) {
-      throw std::runtime_error(fmt::format("{} on {}: {} ({})", what, d.str(), cudaGetErrorName(e), static_cast<int>(e)));
+      throw std::runtime_error(fmt::format("{} on {}: {} ({})", what, d.str(), cudaGetErrorName(e),
+                                           static_cast<int>(e)));
     }
   };
   cudaDeviceProp prop{};
@@ -242,11 +281,9 @@ std::optional<double> table_peak_tflops(const std::string& name, const std::stri
   };
   // Most specific first: "H100 PCIe" before "H100".
   static constexpr Row rows[] = {
-      {"H100 PCIe", 51, 378, 756},
-      {"H100 NVL", 60, 418, 835},
+      {"H100 PCIe", 51, 378, 756}, {"H100 NVL", 60, 418, 835},
       {"H100", 67, 495, 989},  // SXM5 (HBM3)
-      {"H200", 67, 495, 989},
-      {"A100", 19.5, 156, 312},
+      {"H200", 67, 495, 989},      {"A100", 19.5, 156, 312},
   };
   for (const auto& r : rows) {
     if (name.find(r.match) == std::string::npos) continue;
@@ -268,12 +305,14 @@ class Reference {
     if (const char* env = std::getenv("BATON_PYTHON"); env != nullptr && *env != '\0') {
       pythons.emplace_back(env);
     } else {
-      pythons = {"python3", "/usr/bin/python3"};  // a GPU machine's torch is usually a pip one on PATH
+      pythons = {"python3",
+                 "/usr/bin/python3"};  // a GPU machine's torch is usually a pip one on PATH
     }
     std::vector<std::string> tried;
     for (const auto& py : pythons) {
       auto [status, out] = bench::run_capture(
-          fmt::format("timeout 60 {} -c 'import torch; print(torch.__version__)' 2>&1", bench::shell_quote(py)));
+          fmt::format("timeout 60 {} -c 'import torch; print(torch.__version__)' 2>&1",
+                      bench::shell_quote(py)));
       out = bench::trim(out);
       const auto nl = out.rfind('\n');
       std::string last = nl == std::string::npos ? out : out.substr(nl + 1);
@@ -282,14 +321,16 @@ class Reference {
         version_ = last;
         break;
       }
-      tried.push_back(fmt::format("{}: {}", py, last.empty() ? fmt::format("exit status {}", status) : last));
+      tried.push_back(
+          fmt::format("{}: {}", py, last.empty() ? fmt::format("exit status {}", status) : last));
     }
     if (python_.empty()) {
       missing_ = fmt::format("no python3 that imports torch ({})", fmt::join(tried, "; "));
       return;
     }
     std::vector<std::string> scripts;
-    if (const char* env = std::getenv("BATON_GPT_TORCH"); env != nullptr && *env != '\0') scripts.emplace_back(env);
+    if (const char* env = std::getenv("BATON_GPT_TORCH"); env != nullptr && *env != '\0')
+      scripts.emplace_back(env);
     scripts.push_back(bench::executable_dir() + "/gpt_torch.py");  // the GPU bundle
 #ifdef BATON_SOURCE_DIR
     scripts.emplace_back(std::string(BATON_SOURCE_DIR) + "/apps/bench/gpt_torch.py");
@@ -304,20 +345,27 @@ class Reference {
     missing_ = fmt::format("gpt_torch.py not found (looked in: {})", fmt::join(scripts, ", "));
   }
 
-  const std::string& missing() const { return missing_; }
-  const std::string& version() const { return version_; }
-  const std::string& python() const { return python_; }
+  const std::string& missing() const {
+    return missing_;
+  }
+  const std::string& version() const {
+    return version_;
+  }
+  const std::string& python() const {
+    return python_;
+  }
 
   /// The script's result line for these arguments; throws with its output if it has none.
   std::string run(const std::string& args, double timeout_s) const {
-    const std::string cmd = fmt::format("timeout --kill-after=10 {:.0f} {} {} {}", timeout_s,
-                                        bench::shell_quote(python_), bench::shell_quote(script_), args);
+    const std::string cmd =
+        fmt::format("timeout --kill-after=10 {:.0f} {} {} {}", timeout_s,
+                    bench::shell_quote(python_), bench::shell_quote(script_), args);
     auto [status, out] = bench::run_capture(cmd);
     std::string line = bench::last_json_line(out);
     if (status != 0 || line.empty()) {
-      throw std::runtime_error(fmt::format("the PyTorch reference '{}' failed (status {}{}): {}", cmd, status,
-                                           WIFEXITED(status) && WEXITSTATUS(status) == 124 ? ", timed out" : "",
-                                           bench::trim(out)));
+      throw std::runtime_error(fmt::format(
+          "the PyTorch reference '{}' failed (status {}{}): {}", cmd, status,
+          WIFEXITED(status) && WEXITSTATUS(status) == 124 ? ", timed out" : "", bench::trim(out)));
     }
     return line;
   }
@@ -330,15 +378,18 @@ class Reference {
 // baton
 
 /// A corpus of uniformly random token ids: the reference draws its tokens the same way.
-std::shared_ptr<const data::TextCorpus> random_corpus(std::int64_t vocab, std::int64_t seq, std::int64_t batch) {
+std::shared_ptr<const data::TextCorpus> random_corpus(std::int64_t vocab, std::int64_t seq,
+                                                      std::int64_t batch) {
   data::TextCorpus text;
   text.path = "<uniform random tokens>";
   // Only the size of the vocabulary matters here: ids are not decoded.
   text.vocab.assign(static_cast<std::size_t>(vocab), static_cast<unsigned char>('x'));
   std::mt19937_64 gen(seed);
-  const auto n = static_cast<std::size_t>(std::max<std::int64_t>(std::int64_t{1} << 20, 4 * (seq + 1) * batch));
+  const auto n = static_cast<std::size_t>(
+      std::max<std::int64_t>(std::int64_t{1} << 20, 4 * (seq + 1) * batch));
   text.ids.resize(n);
-  for (auto& id : text.ids) id = static_cast<std::int32_t>(gen() % static_cast<std::uint64_t>(vocab));
+  for (auto& id : text.ids)
+    id = static_cast<std::int32_t>(gen() % static_cast<std::uint64_t>(vocab));
   return std::make_shared<const data::TextCorpus>(std::move(text));
 }
 
@@ -351,8 +402,9 @@ struct Compiled {
   std::uint64_t estimated_bytes = 0;  // registers + weight and Adam's two moments
 };
 
-Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device device, std::int64_t total_steps,
-                     int threads, const std::shared_ptr<const data::TextCorpus>& corpus,
+Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device device,
+                     std::int64_t total_steps, int threads,
+                     const std::shared_ptr<const data::TextCorpus>& corpus,
                      std::shared_ptr<ParameterStore> params) {
   Compiled c;
   c.graph = std::make_unique<Graph>(seed);
@@ -362,7 +414,8 @@ Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device d
   cfg.microbatches = 1;
   cfg.optimizer = optim::adam(lr);
   cfg.threads = threads;
-  cfg.data = {{"text", data::text_source(corpus, batch, 1, shape.seq, seed), {"tokens", "targets"}}};
+  cfg.data = {
+      {"text", data::text_source(corpus, batch, 1, shape.seq, seed), {"tokens", "targets"}}};
   cfg.replica_places = {Placement{.device = device}};
   if (!params) params = ParameterStore::initialize(*c.graph);
   c.job = compile_training(*c.graph, out.loss, cfg, std::move(params));
@@ -373,7 +426,8 @@ Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device d
   for (const auto& r : c.job.plan.registers) {
     const auto& producer = c.job.plan.actors.at(r.producer);
     if (producer.where.device != device) continue;
-    c.register_bytes += static_cast<std::uint64_t>(r.slots) * static_cast<std::uint64_t>(numel(r.shape)) * size_of(r.dtype);
+    c.register_bytes += static_cast<std::uint64_t>(r.slots) *
+                        static_cast<std::uint64_t>(numel(r.shape)) * size_of(r.dtype);
   }
   c.estimated_bytes = c.register_bytes + 3 * static_cast<std::uint64_t>(c.params) * sizeof(float);
   return c;
@@ -415,7 +469,8 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
     if (!t_end && done >= warmup + steps) t_end = now;
     if (now > deadline && !timed_out) {
       timed_out = true;
-      rt.abort(fmt::format("{}: past the --timeout of {:.0f} s at step {} of {}", prog, timeout_s, done, warmup + steps));
+      rt.abort(fmt::format("{}: past the --timeout of {:.0f} s at step {} of {}", prog, timeout_s,
+                           done, warmup + steps));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
@@ -423,15 +478,17 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   if (failure) std::rethrow_exception(failure);
   if (!t_warm || !t_end) {
     // The job ended between two polls: the last steps' reports are not told apart.
-    throw std::runtime_error(fmt::format("the job ended before its step times were seen ({} of {} steps reported)",
-                                         c.job.losses->steps_done(), warmup + steps));
+    throw std::runtime_error(
+        fmt::format("the job ended before its step times were seen ({} of {} steps reported)",
+                    c.job.losses->steps_done(), warmup + steps));
   }
   BatonResult r;
   r.timed_s = std::chrono::duration<double>(*t_end - *t_warm).count();
   if (r.timed_s < min_timed_s) {
-    throw std::runtime_error(fmt::format("the {} timed steps took {:.2f} ms, too short to time by polling the loss "
-                                         "log (every ~0.1 ms): raise --steps",
-                                         steps, r.timed_s * 1e3));
+    throw std::runtime_error(
+        fmt::format("the {} timed steps took {:.2f} ms, too short to time by polling the loss "
+                    "log (every ~0.1 ms): raise --steps",
+                    steps, r.timed_s * 1e3));
   }
   r.job_s = report.wall_s;
   auto losses = c.job.losses->per_step();
@@ -449,26 +506,33 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
 std::int64_t auto_batch(const models::GptShape& shape, const DeviceInfo& dev, const Options& o,
                         const std::shared_ptr<const data::TextCorpus>& corpus,
                         const std::shared_ptr<ParameterStore>& params) {
-  const auto e1 = static_cast<double>(compile_gpt(shape, 1, dev.device, 2, o.threads, corpus, params).estimated_bytes);
-  const auto e2 = static_cast<double>(compile_gpt(shape, 2, dev.device, 2, o.threads, corpus, params).estimated_bytes);
+  const auto e1 = static_cast<double>(
+      compile_gpt(shape, 1, dev.device, 2, o.threads, corpus, params).estimated_bytes);
+  const auto e2 = static_cast<double>(
+      compile_gpt(shape, 2, dev.device, 2, o.threads, corpus, params).estimated_bytes);
   const double per_sample = e2 - e1, fixed = e1 - per_sample;
   const double budget = o.mem_fraction * static_cast<double>(dev.free_bytes);
   const auto fit = static_cast<std::int64_t>(std::floor((budget - fixed) / per_sample));
-  fmt::print(stderr, "{}: plan memory ~ {:.2f} GB + {:.2f} GB per sample; {:.1f} of {:.1f} GB free -> batch {}\n",
-             prog, fixed / 1e9, per_sample / 1e9, static_cast<double>(dev.free_bytes) / 1e9,
-             static_cast<double>(dev.total_bytes) / 1e9, std::clamp<std::int64_t>(fit, 1, o.max_batch));
+  fmt::print(
+      stderr,
+      "{}: plan memory ~ {:.2f} GB + {:.2f} GB per sample; {:.1f} of {:.1f} GB free -> batch {}\n",
+      prog, fixed / 1e9, per_sample / 1e9, static_cast<double>(dev.free_bytes) / 1e9,
+      static_cast<double>(dev.total_bytes) / 1e9, std::clamp<std::int64_t>(fit, 1, o.max_batch));
   if (fit < 1) {
-    throw std::runtime_error(fmt::format("even batch 1 needs ~{:.1f} GB on {} ({}), {:.1f} GB free: choose smaller "
-                                         "sizes (--seq, --layers, --d-model)",
-                                         (fixed + per_sample) / 1e9, dev.device.str(), dev.name,
-                                         static_cast<double>(dev.free_bytes) / 1e9));
+    throw std::runtime_error(
+        fmt::format("even batch 1 needs ~{:.1f} GB on {} ({}), {:.1f} GB free: choose smaller "
+                    "sizes (--seq, --layers, --d-model)",
+                    (fixed + per_sample) / 1e9, dev.device.str(), dev.name,
+                    static_cast<double>(dev.free_bytes) / 1e9));
   }
   return std::min(fit, o.max_batch);
 }
 
 // ---------------------------------------------------------------------------------------------
 
-std::int64_t pick(std::int64_t given, std::int64_t fallback) { return given > 0 ? given : fallback; }
+std::int64_t pick(std::int64_t given, std::int64_t fallback) {
+  return given > 0 ? given : fallback;
+}
 
 /// Runs the benchmark on `device`; returns false if it failed (a line with "error" was printed).
 bool bench_device(Device device, const Options& o, const Reference* ref) {
@@ -492,14 +556,17 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
     const std::string peak_source = o.peak_tflops > 0 ? "--peak-tflops" : (peak ? "table" : "");
     const bool baton_runs = o.precision == "f32";
     const std::string baton_refused =
-        baton_runs ? ""
-                   : fmt::format("baton has no {} kernels yet (its CUDA products are full float32): only the "
-                                 "PyTorch reference ran",
-                                 o.precision);
+        baton_runs
+            ? ""
+            : fmt::format(
+                  "baton has no {} kernels yet (its CUDA products are full float32): only the "
+                  "PyTorch reference ran",
+                  o.precision);
 
     // The parameter count is the model's, whatever the batch: check it against the reference's
     // before spending minutes on either side.
-    const auto corpus = random_corpus(shape.vocab, shape.seq, std::max<std::int64_t>(batch, o.max_batch));
+    const auto corpus =
+        random_corpus(shape.vocab, shape.seq, std::max<std::int64_t>(batch, o.max_batch));
     std::shared_ptr<ParameterStore> params;
     {
       Graph g(seed);
@@ -512,19 +579,22 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
       if (name != "wte" && name != "wpe") n_multiply += t.numel();
     }
     const std::string sizes_args =
-        fmt::format("--d-model {} --heads {} --layers {} --seq {} --vocab {}", shape.d_model, shape.heads,
-                    shape.layers, shape.seq, shape.vocab);
+        fmt::format("--d-model {} --heads {} --layers {} --seq {} --vocab {}", shape.d_model,
+                    shape.heads, shape.layers, shape.seq, shape.vocab);
     const bool with_ref = ref != nullptr && ref->missing().empty() && !o.plan_only;
     if (with_ref) {
       const std::string counted = ref->run("--count-only " + sizes_args, 120);
       const auto ref_params = bench::json_number(counted, "params");
       if (!ref_params || static_cast<std::int64_t>(*ref_params) != n_params) {
         throw std::runtime_error(fmt::format(
-            "the PyTorch model is not baton's: {} parameters against baton's {} ({}); fix apps/bench/gpt_torch.py",
-            ref_params ? fmt::format("{}", static_cast<std::int64_t>(*ref_params)) : "no count", n_params, sizes_args));
+            "the PyTorch model is not baton's: {} parameters against baton's {} ({}); fix "
+            "apps/bench/gpt_torch.py",
+            ref_params ? fmt::format("{}", static_cast<std::int64_t>(*ref_params)) : "no count",
+            n_params, sizes_args));
       }
     }
-    const double flops_per_token = 6.0 * static_cast<double>(n_multiply) + static_cast<double>(flops_attention);
+    const double flops_per_token =
+        6.0 * static_cast<double>(n_multiply) + static_cast<double>(flops_attention);
 
     std::optional<BatonResult> b;
     std::optional<Compiled> compiled;
@@ -532,25 +602,35 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
       if (batch == 0) {
         batch = cuda ? auto_batch(shape, dev, o, corpus, params) : def.batch;
       }
-      compiled.emplace(compile_gpt(shape, batch, device, warmup + steps, o.threads, corpus, params));
+      compiled.emplace(
+          compile_gpt(shape, batch, device, warmup + steps, o.threads, corpus, params));
       if (cuda && compiled->estimated_bytes > dev.free_bytes) {
-        throw std::runtime_error(fmt::format("the plan needs ~{:.1f} GB on {} ({}), {:.1f} GB free: lower --batch",
-                                             static_cast<double>(compiled->estimated_bytes) / 1e9, device.str(),
-                                             dev.name, static_cast<double>(dev.free_bytes) / 1e9));
+        throw std::runtime_error(
+            fmt::format("the plan needs ~{:.1f} GB on {} ({}), {:.1f} GB free: lower --batch",
+                        static_cast<double>(compiled->estimated_bytes) / 1e9, device.str(),
+                        dev.name, static_cast<double>(dev.free_bytes) / 1e9));
       }
       if (o.plan_only) {
-        line.add("device", device.str()).add("device_name", dev.name).add("batch", batch).add("seq", shape.seq);
+        line.add("device", device.str())
+            .add("device_name", dev.name)
+            .add("batch", batch)
+            .add("seq", shape.seq);
         line.add("d_model", shape.d_model).add("heads", shape.heads).add("layers", shape.layers);
         line.add("vocab", shape.vocab).add("params", n_params).add("params_multiply", n_multiply);
-        line.add("flops_per_token", flops_per_token).add("actors", static_cast<std::int64_t>(compiled->job.plan.actors.size()));
-        line.add("register_bytes", compiled->register_bytes).add("estimated_bytes", compiled->estimated_bytes);
+        line.add("flops_per_token", flops_per_token)
+            .add("actors", static_cast<std::int64_t>(compiled->job.plan.actors.size()));
+        line.add("register_bytes", compiled->register_bytes)
+            .add("estimated_bytes", compiled->estimated_bytes);
         line.print();
         return true;
       }
-      fmt::print(stderr, "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters, {} actors, {:.2f} GB of "
-                 "registers; {} + {} steps\n",
-                 prog, case_name, device.str(), dev.name, batch, shape.seq, static_cast<double>(n_params) / 1e6,
-                 compiled->job.plan.actors.size(), static_cast<double>(compiled->register_bytes) / 1e9, warmup, steps);
+      fmt::print(
+          stderr,
+          "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters, {} actors, {:.2f} GB of "
+          "registers; {} + {} steps\n",
+          prog, case_name, device.str(), dev.name, batch, shape.seq,
+          static_cast<double>(n_params) / 1e6, compiled->job.plan.actors.size(),
+          static_cast<double>(compiled->register_bytes) / 1e9, warmup, steps);
       b = run_baton(*compiled, warmup, steps, o.timeout_s);
     } else if (batch == 0) {
       batch = cuda ? 8 : def.batch;  // no plan to size it by
@@ -558,11 +638,13 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
 
     std::optional<std::string> t;
     if (with_ref) {
-      t = ref->run(fmt::format("--device {} {} --batch {} --warmup {} --steps {} --threads {} --precision {} "
-                               "--attention {} --lr {} --seed {}",
-                               cuda ? fmt::format("cuda:{}", device.index) : std::string("cpu"), sizes_args, batch,
-                               warmup, steps, o.threads, o.precision, o.torch_attention, lr, seed),
-                   o.timeout_s);
+      t = ref->run(
+          fmt::format(
+              "--device {} {} --batch {} --warmup {} --steps {} --threads {} --precision {} "
+              "--attention {} --lr {} --seed {}",
+              cuda ? fmt::format("cuda:{}", device.index) : std::string("cpu"), sizes_args, batch,
+              warmup, steps, o.threads, o.precision, o.torch_attention, lr, seed),
+          o.timeout_s);
     }
 
     const double tokens_per_step = static_cast<double>(batch * shape.seq);
@@ -570,7 +652,8 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
     if (b) rate = tokens_per_step * static_cast<double>(steps) / b->timed_s;
     if (t) {
       ref_rate = bench::json_number(*t, "tokens_per_s");
-      if (!ref_rate) throw std::runtime_error("the PyTorch reference printed no tokens_per_s: " + *t);
+      if (!ref_rate)
+        throw std::runtime_error("the PyTorch reference printed no tokens_per_s: " + *t);
     }
     auto mfu = [&](double r) { return r * flops_per_token / (*peak * 1e12); };
 
@@ -587,18 +670,24 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
     if (peak) {
       line.add("peak_tflops", *peak).add("peak_source", peak_source);
     } else {
-      line.add("peak_missing", fmt::format("no peak for '{}' at {}: give --peak-tflops", dev.name, o.precision));
+      line.add("peak_missing",
+               fmt::format("no peak for '{}' at {}: give --peak-tflops", dev.name, o.precision));
     }
     line.add("flops_per_token", flops_per_token);
-    line.add("flops_formula", "6*N + 12*layers*d_model*seq (PaLM/Megatron; N = parameters without wte, wpe)");
+    line.add("flops_formula",
+             "6*N + 12*layers*d_model*seq (PaLM/Megatron; N = parameters without wte, wpe)");
     line.add("params", n_params).add("params_multiply", n_multiply);
     line.add("device", device.str()).add("device_name", dev.name).add("precision", o.precision);
-    line.add("batch", batch).add("seq", shape.seq).add("d_model", shape.d_model).add("heads", shape.heads);
+    line.add("batch", batch)
+        .add("seq", shape.seq)
+        .add("d_model", shape.d_model)
+        .add("heads", shape.heads);
     line.add("layers", shape.layers).add("vocab", shape.vocab);
     line.add("warmup", warmup).add("steps", steps).add("threads", o.threads);
     if (b) {
       line.add("loss", b->loss).add("job_s", b->job_s).add("actors", b->actors);
-      line.add("register_bytes", compiled->register_bytes).add("estimated_bytes", compiled->estimated_bytes);
+      line.add("register_bytes", compiled->register_bytes)
+          .add("estimated_bytes", compiled->estimated_bytes);
     }
     if (t) {
       line.add("reference_loss", bench::json_number(*t, "loss").value_or(NAN));
@@ -610,15 +699,17 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
     if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
     line.print();
 
-    fmt::print(stderr, "{}: {}: baton {} | PyTorch {}{}\n", prog, case_name,
-               rate ? fmt::format("{:.0f} tokens/s ({:.2f} ms/step, loss {:.4f}){}", *rate,
-                                  b->timed_s * 1e3 / static_cast<double>(steps), b->loss,
-                                  peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(*rate)) : std::string())
-                    : std::string("skipped"),
-               ref_rate ? fmt::format("{:.0f} tokens/s{}", *ref_rate,
-                                      peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(*ref_rate)) : std::string())
-                        : std::string("not run"),
-               rate && ref_rate ? fmt::format(" | ratio {:.2f}", *rate / *ref_rate) : std::string());
+    fmt::print(
+        stderr, "{}: {}: baton {} | PyTorch {}{}\n", prog, case_name,
+        rate ? fmt::format("{:.0f} tokens/s ({:.2f} ms/step, loss {:.4f}){}", *rate,
+                           b->timed_s * 1e3 / static_cast<double>(steps), b->loss,
+                           peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(*rate)) : std::string())
+             : std::string("skipped"),
+        ref_rate
+            ? fmt::format("{:.0f} tokens/s{}", *ref_rate,
+                          peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(*ref_rate)) : std::string())
+            : std::string("not run"),
+        rate && ref_rate ? fmt::format(" | ratio {:.2f}", *rate / *ref_rate) : std::string());
     if (b) {
       std::vector<std::pair<double, std::string>> ops;
       for (const auto& [op, s] : b->kernel_s_by_op) ops.emplace_back(s, op);
@@ -626,10 +717,12 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
       std::string top;
       const double all_steps = static_cast<double>(warmup + steps);
       for (std::size_t i = 0; i < std::min<std::size_t>(ops.size(), 6); ++i) {
-        top += fmt::format("{}{} {:.2f}", i ? ", " : "", ops[i].second, ops[i].first * 1e3 / all_steps);
+        top += fmt::format("{}{} {:.2f}", i ? ", " : "", ops[i].second,
+                           ops[i].first * 1e3 / all_steps);
       }
-      fmt::print(stderr, "{}: {}: kernel ms/step by op (whole job; on CUDA the time to enqueue): {}\n", prog,
-                 case_name, top);
+      fmt::print(stderr,
+                 "{}: {}: kernel ms/step by op (whole job; on CUDA the time to enqueue): {}\n",
+                 prog, case_name, top);
     }
     return true;
   } catch (const std::exception& e) {
@@ -650,9 +743,11 @@ int main(int argc, char** argv) {
   if (opt.reference || opt.require_reference) {
     ref.emplace();
     if (!ref->missing().empty()) {
-      fmt::print(stderr, "{}: the PyTorch reference is missing: {}\n  (BATON_PYTHON names a python3 with torch; "
-                 "scripts/run.sh bench gpu installs Debian's python3-torch); no reference keys\n",
-                 prog, ref->missing());
+      fmt::print(
+          stderr,
+          "{}: the PyTorch reference is missing: {}\n  (BATON_PYTHON names a python3 with torch; "
+          "scripts/run.sh bench gpu installs Debian's python3-torch); no reference keys\n",
+          prog, ref->missing());
       if (opt.require_reference) return 77;  // CTest's SKIP_RETURN_CODE
     }
   }
@@ -676,7 +771,8 @@ int main(int argc, char** argv) {
       bench::JsonLine("gpu", "gpt_cuda")
           .add("error", fmt::format("no CUDA device: {}; use --device cpu", a.reason))
           .print();
-      fmt::print(stderr, "{}: --device {} asked for, but there is no CUDA device: {}\n", prog, opt.device, a.reason);
+      fmt::print(stderr, "{}: --device {} asked for, but there is no CUDA device: {}\n", prog,
+                 opt.device, a.reason);
       return 1;
     }
     devices.push_back(d);
