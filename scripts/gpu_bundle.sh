@@ -9,7 +9,14 @@ build=${1:-build}
 out="$build/gpu-bundle"
 rm -rf "$out"
 mkdir -p "$out/lib"
-for prog in baton-tests baton-train; do
+# baton-bench-gpu only where the build has it (BATON_BUILD_BENCHMARKS=ON), with its PyTorch
+# reference beside it, where it looks first.
+progs=(baton-tests baton-train)
+if [ -x "$build/bin/baton-bench-gpu" ]; then
+  progs+=(baton-bench-gpu)
+  cp "$(dirname "$0")/../apps/bench/gpt_torch.py" "$out/"
+fi
+for prog in "${progs[@]}"; do
   cp "$build/bin/$prog" "$out/"
   ldd "$build/bin/$prog" | awk '$3 ~ /^\// {print $3}' | while read -r lib; do
     case "$(basename "$lib")" in

@@ -3,7 +3,9 @@
 #   scripts/run.sh demo [ARGS...]   install what is missing, build, train the MLP on digits with
 #                                   a live dashboard (DASHBOARD=HOST:PORT to choose, =off for none)
 #   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest)
-#   scripts/run.sh bench NAME [...] install, build, run build/bin/baton-bench-NAME (JSON lines)
+#   scripts/run.sh bench NAME [...] install, build, run build/bin/baton-bench-NAME (JSON lines);
+#                                   `bench gpu`: the GPT step on cuda:0 against PyTorch, or, without
+#                                   a CUDA device, a "skipped" line for it and the CPU variant
 #   scripts/run.sh build            install what is missing and build only
 #   scripts/run.sh sanitize         the tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #                                   (build-asan/, every test) and ThreadSanitizer (build-tsan/,
@@ -238,8 +240,10 @@ case "$cmd" in
     [ -n "$name" ] || { log "usage: scripts/run.sh bench NAME (e.g. actors)"; exit 2; }
     shift
     build
-    # baton-bench-train's reference is PyTorch from Debian (python3-torch, for /usr/bin/python3).
-    if [ "$name" = train ] && ! /usr/bin/python3 -c "import torch" >/dev/null 2>&1; then
+    # baton-bench-train's reference is PyTorch from Debian (python3-torch, for /usr/bin/python3);
+    # baton-bench-gpu's too where no python3 on PATH has torch (a GPU machine's pip one).
+    if { [ "$name" = train ] || { [ "$name" = gpu ] && ! python3 -c "import torch" >/dev/null 2>&1; }; } &&
+      ! /usr/bin/python3 -c "import torch" >/dev/null 2>&1; then
       log "installing python3-torch for the reference"
       sudo=""
       if [ "$(id -u)" -ne 0 ]; then

@@ -42,6 +42,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "capture.h"
 #include "json_line.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -146,68 +147,17 @@ struct JsonLine : baton::bench::JsonLine {
   explicit JsonLine(std::string_view case_name) : baton::bench::JsonLine("train", case_name) {}
 };
 
-/// The string after "key": in a flat JSON object (no escapes), if there is one.
-std::optional<std::string> json_string(const std::string& line, std::string_view key) {
-  const std::string needle = fmt::format("\"{}\": \"", key);
-  auto at = line.find(needle);
-  if (at == std::string::npos) return std::nullopt;
-  auto begin = at + needle.size();
-  auto end = line.find('"', begin);
-  if (end == std::string::npos) return std::nullopt;
-  return line.substr(begin, end - begin);
-}
-
-/// The number after "key": in a flat JSON object, if there is one.
-std::optional<double> json_number(const std::string& line, std::string_view key) {
-  const std::string needle = fmt::format("\"{}\":", key);
-  auto at = line.find(needle);
-  if (at == std::string::npos) return std::nullopt;
-  const char* begin = line.c_str() + at + needle.size();
-  char* end = nullptr;
-  double v = std::strtod(begin, &end);
-  if (end == begin) return std::nullopt;
-  return v;
-}
-
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // ---------------------------------------------------------------------------------------------
 // The PyTorch reference: a subprocess that prints one JSON line.
 
-std::string shell_quote(std::string_view s) {
-  std::string out = "'";
-  for (char c : s) {
-    if (c == '\'') {
-      out += "'\\''";
-    } else {
-      out += c;
-    }
-  }
-  return out + "'";
-}
-
-/// Runs a shell command; returns its exit status and stdout (stderr is left alone).
-std::pair<int, std::string> run_capture(const std::string& cmd) {
-  std::FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return {-1, {}};
-  std::string out;
-  std::array<char, 4096> buf{};
-  std::size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  int status = ::pclose(p);
-  return {status, out};
-}
-
-std::string trim(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
-  return s;
-}
-
-std::string executable_dir() {
-  std::error_code ec;
-  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string(".") : p.parent_path().string();
-}
+using bench::executable_dir;
+using bench::json_number;
+using bench::json_string;
+using bench::run_capture;
+using bench::shell_quote;
+using bench::trim;
 
 class Reference {
  public:

@@ -1,0 +1,98 @@
+#pragma once
+// What the benchmarks with a Python reference share: running a shell command and reading its
+// stdout, quoting for the shell, finding files beside the program, and reading numbers and
+// strings out of the flat JSON line a reference prints.
+//
+//   auto [status, out] = baton::bench::run_capture("python3 ref.py --steps 10");
+//   auto line = baton::bench::last_json_line(out);
+//   double rate = baton::bench::json_number(line, "samples_per_s").value_or(NAN);
+#include <stdio.h>
+
+#include <array>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace baton::bench {
+
+/// 'text' for /bin/sh, whatever it holds.
+inline std::string shell_quote(std::string_view s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
+
+/// Runs a shell command; returns its exit status (as pclose gives it) and stdout (stderr is
+/// left alone). The command bounds its own time (wrap it in `timeout` where it could hang).
+inline std::pair<int, std::string> run_capture(const std::string& cmd) {
+  std::FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return {-1, {}};
+  std::string out;
+  std::array<char, 4096> buf{};
+  std::size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  int status = ::pclose(p);
+  return {status, out};
+}
+
+inline std::string trim(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+/// The folder of the running program (/proc/self/exe), or "." if it cannot be read.
+inline std::string executable_dir() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : p.parent_path().string();
+}
+
+/// The last line of `out` that starts with '{' (a reference's result line), or "".
+inline std::string last_json_line(const std::string& out) {
+  std::string line;
+  std::size_t pos = 0;
+  while (pos < out.size()) {
+    auto nl = out.find('\n', pos);
+    std::string l = out.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
+    if (!l.empty() && l.front() == '{') line = l;
+    if (nl == std::string::npos) break;
+    pos = nl + 1;
+  }
+  return line;
+}
+
+/// The string after "key": in a flat JSON object (no escapes), if there is one.
+inline std::optional<std::string> json_string(const std::string& line, std::string_view key) {
+  const std::string needle = fmt::format("\"{}\": \"", key);
+  auto at = line.find(needle);
+  if (at == std::string::npos) return std::nullopt;
+  auto begin = at + needle.size();
+  auto end = line.find('"', begin);
+  if (end == std::string::npos) return std::nullopt;
+  return line.substr(begin, end - begin);
+}
+
+/// The number after "key": in a flat JSON object, if there is one.
+inline std::optional<double> json_number(const std::string& line, std::string_view key) {
+  const std::string needle = fmt::format("\"{}\":", key);
+  auto at = line.find(needle);
+  if (at == std::string::npos) return std::nullopt;
+  const char* begin = line.c_str() + at + needle.size();
+  char* end = nullptr;
+  double v = std::strtod(begin, &end);
+  if (end == begin) return std::nullopt;
+  return v;
+}
+
+}  // namespace baton::bench
