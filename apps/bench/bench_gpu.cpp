@@ -13,7 +13,7 @@
 //                                           chosen to fill the memory); else a "skipped" line
 //                                           for it and the CPU variant (small sizes)
 //   baton-bench-gpu --device cpu --quick    the harness on the CPU, PyTorch (CPU) as reference
-//   baton-bench-gpu --precision bf16        baton refuses (no bf16 yet); PyTorch alone runs
+//   baton-bench-gpu --precision bf16        mixed precision on both sides (autocast's policy)
 //
 // Model FLOPs per token (PaLM, appendix B; Megatron-LM's count): 6 N + 12 L d T, where N counts
 // the parameters that multiply (every one but the token and position tables, which are looked
@@ -121,9 +121,9 @@ struct Options {
       "  --warmup W --steps S  untimed then timed steps (CUDA 3 and 10, CPU 3 and 20; --quick: 1 "
       "and 3)\n"
       "  --threads N         baton worker threads (and PyTorch CPU threads), default 1\n"
-      "  --precision P       f32 (default; full float32 products on both sides); tf32 and bf16 "
-      "run\n"
-      "                      PyTorch alone: baton has neither yet\n"
+      "  --precision P       f32 (default; full float32 products on both sides), bf16 (autocast on "
+      "both\n"
+      "                      sides; f32 weights and Adam) or tf32 (PyTorch alone)\n"
       "  --peak-tflops X     the device's peak for the precision, for MFU (default: from a table "
       "of\n"
       "                      NVIDIA's dense figures by device name; none for the CPU)\n"
@@ -405,10 +405,15 @@ struct Compiled {
 Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device device,
                      std::int64_t total_steps, int threads,
                      const std::shared_ptr<const data::TextCorpus>& corpus,
-                     std::shared_ptr<ParameterStore> params) {
+                     std::shared_ptr<ParameterStore> params, DType precision) {
   Compiled c;
   c.graph = std::make_unique<Graph>(seed);
-  models::Outputs out = models::gpt_with_loss(*c.graph, batch, shape);
+  models::Outputs out;
+  {
+    // bf16: torch.autocast's policy (graph.h), as the PyTorch side runs it.
+    auto mixed = c.graph->autocast(precision);
+    out = models::gpt_with_loss(*c.graph, batch, shape);
+  }
   TrainConfig cfg;
   cfg.steps = total_steps;
   cfg.microbatches = 1;
@@ -500,6 +505,9 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   return r;
 }
 
+/// baton's compute dtype for --precision (tf32 is PyTorch's alone).
+DType precision_of(const Options& o) { return o.precision == "bf16" ? DType::bf16 : DType::f32; }
+
 /// The largest batch whose plan fits `fraction` of the device's free memory: the estimate is
 /// linear in the batch (the weights and their Adam moments, plus registers whose size is a
 /// multiple of it), so two small compilations give it.
@@ -507,9 +515,9 @@ std::int64_t auto_batch(const models::GptShape& shape, const DeviceInfo& dev, co
                         const std::shared_ptr<const data::TextCorpus>& corpus,
                         const std::shared_ptr<ParameterStore>& params) {
   const auto e1 = static_cast<double>(
-      compile_gpt(shape, 1, dev.device, 2, o.threads, corpus, params).estimated_bytes);
+      compile_gpt(shape, 1, dev.device, 2, o.threads, corpus, params, precision_of(o)).estimated_bytes);
   const auto e2 = static_cast<double>(
-      compile_gpt(shape, 2, dev.device, 2, o.threads, corpus, params).estimated_bytes);
+      compile_gpt(shape, 2, dev.device, 2, o.threads, corpus, params, precision_of(o)).estimated_bytes);
   const double per_sample = e2 - e1, fixed = e1 - per_sample;
   const double budget = o.mem_fraction * static_cast<double>(dev.free_bytes);
   const auto fit = static_cast<std::int64_t>(std::floor((budget - fixed) / per_sample));
@@ -554,14 +562,12 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
     std::optional<double> peak = o.peak_tflops > 0 ? std::optional<double>(o.peak_tflops)
                                                    : table_peak_tflops(dev.name, o.precision);
     const std::string peak_source = o.peak_tflops > 0 ? "--peak-tflops" : (peak ? "table" : "");
-    const bool baton_runs = o.precision == "f32";
+    const bool baton_runs = o.precision != "tf32";
+    const DType precision = precision_of(o);
     const std::string baton_refused =
-        baton_runs
-            ? ""
-            : fmt::format(
-                  "baton has no {} kernels yet (its CUDA products are full float32): only the "
-                  "PyTorch reference ran",
-                  o.precision);
+        baton_runs ? ""
+                   : "baton does not use TF32 (its float32 products are full float32): only the PyTorch "
+                     "reference ran";
 
     // The parameter count is the model's, whatever the batch: check it against the reference's
     // before spending minutes on either side.
@@ -603,7 +609,7 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
         batch = cuda ? auto_batch(shape, dev, o, corpus, params) : def.batch;
       }
       compiled.emplace(
-          compile_gpt(shape, batch, device, warmup + steps, o.threads, corpus, params));
+          compile_gpt(shape, batch, device, warmup + steps, o.threads, corpus, params, precision));
       if (cuda && compiled->estimated_bytes > dev.free_bytes) {
         throw std::runtime_error(
             fmt::format("the plan needs ~{:.1f} GB on {} ({}), {:.1f} GB free: lower --batch",
