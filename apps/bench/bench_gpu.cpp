@@ -86,6 +86,10 @@ struct Options {
   Sizes sizes;
   std::int64_t warmup = -1, steps = -1;  // -1: the device's default
   int threads = 1;
+  /// Slots of each activation register. One device runs one act at a time, so a second slot
+  /// (forward running a micro-batch ahead of backward) buys nothing there and doubles the
+  /// activations' memory; the attention scores dominate it.
+  std::int32_t activation_slots = 1;
   std::string precision = "f32";
   double peak_tflops = 0;  // 0: from the table
   std::string torch_attention = "naive";
@@ -121,6 +125,7 @@ struct Options {
       "  --warmup W --steps S  untimed then timed steps (CUDA 3 and 10, CPU 3 and 20; --quick: 1 "
       "and 3)\n"
       "  --threads N         baton worker threads (and PyTorch CPU threads), default 1\n"
+      "  --activation-slots K  slots per activation register (default 1: one device)\n"
       "  --precision P       f32 (default; full float32 products on both sides), bf16 (autocast on "
       "both\n"
       "                      sides; f32 weights and Adam) or tf32 (PyTorch alone)\n"
@@ -197,6 +202,8 @@ Options parse(int argc, char** argv) {
       o.threads = static_cast<int>(integer(i, a, 1));
     else if (a == "--precision")
       o.precision = value(i, a);
+    else if (a == "--activation-slots")
+      o.activation_slots = static_cast<std::int32_t>(integer(i, a, 1));
     else if (a == "--peak-tflops")
       o.peak_tflops = real(i, a);
     else if (a == "--torch-attention")
@@ -405,7 +412,7 @@ struct Compiled {
 Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device device,
                      std::int64_t total_steps, int threads,
                      const std::shared_ptr<const data::TextCorpus>& corpus,
-                     std::shared_ptr<ParameterStore> params, DType precision) {
+                     std::shared_ptr<ParameterStore> params, DType precision, std::int32_t activation_slots) {
   Compiled c;
   c.graph = std::make_unique<Graph>(seed);
   models::Outputs out;
@@ -419,6 +426,7 @@ Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device d
   cfg.microbatches = 1;
   cfg.optimizer = optim::adam(lr);
   cfg.threads = threads;
+  cfg.activation_slots = activation_slots;
   cfg.data = {
       {"text", data::text_source(corpus, batch, 1, shape.seq, seed), {"tokens", "targets"}}};
   cfg.replica_places = {Placement{.device = device}};
@@ -515,9 +523,9 @@ std::int64_t auto_batch(const models::GptShape& shape, const DeviceInfo& dev, co
                         const std::shared_ptr<const data::TextCorpus>& corpus,
                         const std::shared_ptr<ParameterStore>& params) {
   const auto e1 = static_cast<double>(
-      compile_gpt(shape, 1, dev.device, 2, o.threads, corpus, params, precision_of(o)).estimated_bytes);
+      compile_gpt(shape, 1, dev.device, 2, o.threads, corpus, params, precision_of(o), o.activation_slots).estimated_bytes);
   const auto e2 = static_cast<double>(
-      compile_gpt(shape, 2, dev.device, 2, o.threads, corpus, params, precision_of(o)).estimated_bytes);
+      compile_gpt(shape, 2, dev.device, 2, o.threads, corpus, params, precision_of(o), o.activation_slots).estimated_bytes);
   const double per_sample = e2 - e1, fixed = e1 - per_sample;
   const double budget = o.mem_fraction * static_cast<double>(dev.free_bytes);
   const auto fit = static_cast<std::int64_t>(std::floor((budget - fixed) / per_sample));
@@ -609,7 +617,7 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
         batch = cuda ? auto_batch(shape, dev, o, corpus, params) : def.batch;
       }
       compiled.emplace(
-          compile_gpt(shape, batch, device, warmup + steps, o.threads, corpus, params, precision));
+          compile_gpt(shape, batch, device, warmup + steps, o.threads, corpus, params, precision, o.activation_slots));
       if (cuda && compiled->estimated_bytes > dev.free_bytes) {
         throw std::runtime_error(
             fmt::format("the plan needs ~{:.1f} GB on {} ({}), {:.1f} GB free: lower --batch",
