@@ -297,6 +297,16 @@ int run(const Options& o) {
   cfg.balance = o.balance;
   if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed() || !o.devices.empty()) {
     cfg.replica_places = replica_places(o, env);  // also checks --devices
+    if (env.distributed() && o.devices.starts_with("cuda:") && o.devices.find(',') == std::string::npos &&
+        std::getenv("CUDA_VISIBLE_DEVICES") == nullptr) {
+      // cuda:K on each of several ranks: every rank's plan says cuda:0 .. cuda:K-1 (the plan is
+      // the same on every rank), and each process on a host sees its own K GPUs as those, as
+      // torchrun users pin cuda:LOCAL_RANK. Set before the first CUDA call reads it.
+      const int k = std::stoi(o.devices.substr(5));
+      std::string visible;
+      for (int i = 0; i < k; ++i) visible += fmt::format("{}{}", i == 0 ? "" : ",", static_cast<int>(env.local_rank) * k + i);
+      ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
+    }
     for (const Placement& p : cfg.replica_places) {
       if (p.device.type != DeviceType::cuda || p.rank != env.rank || !o.print_plan.empty()) continue;
       // Said before anything is built, rather than by the first allocation on the device (a
