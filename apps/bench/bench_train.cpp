@@ -220,16 +220,7 @@ class Reference {
         shell_quote(python_), shell_quote(script_), c.name, steps, c.threads, c.batch, warmup, lr, seed, repeats);
     auto [status, out] = run_capture(cmd);
     if (status != 0) throw std::runtime_error(fmt::format("'{}' failed (status {})", cmd, status));
-    // The last line that is a JSON object.
-    std::string line;
-    std::size_t pos = 0;
-    while (pos < out.size()) {
-      auto nl = out.find('\n', pos);
-      std::string l = out.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
-      if (!l.empty() && l.front() == '{') line = l;
-      if (nl == std::string::npos) break;
-      pos = nl + 1;
-    }
+    const std::string line = bench::last_json_line(out);
     auto rate = json_number(line, "samples_per_s");
     auto step_ms = json_number(line, "step_ms");
     auto loss = json_number(line, "loss");

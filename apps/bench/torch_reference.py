@@ -34,6 +34,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import gpt_torch  # noqa: E402  (beside this script: python puts its directory on sys.path)
+
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,32 +96,9 @@ class SyntheticBatches:
 
 # --- GPT ----------------------------------------------------------------------------------------
 
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d, eps=1e-5)
-        self.wq = nn.Linear(d, d, bias=False)
-        self.wk = nn.Linear(d, d, bias=False)
-        self.wv = nn.Linear(d, d, bias=False)
-        self.wo = nn.Linear(d, d, bias=False)
-        self.ln2 = nn.LayerNorm(d, eps=1e-5)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x, mask):
-        b, t, d = x.shape
-        nh, dh = self.heads, d // self.heads
-        h = self.ln1(x)
-        q = self.wq(h).view(b, t, nh, dh).transpose(1, 2)  # [b, nh, t, dh]
-        k = self.wk(h).view(b, t, nh, dh).transpose(1, 2)
-        v = self.wv(h).view(b, t, nh, dh).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))
-        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        o = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.wo(o)
-        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # exact (erf) GELU
-        return x
+def Block(d, heads):  # noqa: N802 (a module, as the other models' classes)
+    """baton's GPT block (apps/bench/gpt_torch.py, which bench gpu uses) with plain attention."""
+    return gpt_torch.Block(d, heads, "naive")
 
 
 class Gpt(nn.Module):
