@@ -39,5 +39,6 @@ void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamCon
   unavailable("adam_step");
 }
 void add_cuda_kernels(KernelRegistry&) {}
+void add_collective_kernels(KernelRegistry&) {}
 
 }  // namespace baton::cuda
