@@ -1,7 +1,7 @@
 #pragma once
-// Private to the .cu files of kernels/src/cuda: block-wide reductions in double, shared by the
-// row-wise kernels and the reductions. Every thread of the block must call them (they
-// synchronise), with blockDim.x a power of two; every thread gets the result.
+// Private to the .cu files of kernels/src/cuda: what several of them need on the device (a
+// block-wide reduction in double, NaN-propagating maximum, strided index offsets) and the
+// grid size of a grid-stride loop.
 #include <cuda_runtime.h>
 
 #include "launch.h"
@@ -18,8 +18,9 @@ struct Max {
   __device__ double operator()(double a, double b) const { return nan_max(a, b); }
 };
 
-/// Combines every thread's `v` with `op` (a tree, so the order is fixed for a block size);
-/// `scratch` holds blockDim.x doubles in shared memory.
+/// Combines every thread's `v` with `op` (a tree, so the order is fixed for a block size) and
+/// gives every thread the result. Every thread of the block must call it (it synchronises);
+/// blockDim.x a power of two; `scratch` holds blockDim.x doubles in shared memory.
 template <class Op>
 __device__ double reduce(double v, double* scratch, Op op) {
   scratch[threadIdx.x] = v;

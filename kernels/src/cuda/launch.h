@@ -2,7 +2,8 @@
 // Private to kernels/src/cuda: the CUDA kernels' launchers, compiled by nvcc (C++17) from the
 // .cu files and called from ops.cpp (C++20). Plain pointers, sizes and a stream only; each
 // returns the launch's cudaError_t, which the caller checks and reports with its actor's name.
-// All tensors are dense, row-major float32 in device memory; labels and ids are int32.
+// All tensors are dense and row-major in device memory, float32 unless a launcher says
+// otherwise; labels and ids are int32.
 #include <cuda_runtime.h>
 
 namespace baton::cuda::launch {

@@ -1,5 +1,6 @@
-// The CUDA kernels of the training ops (baton/kernels/ops.h), float32, registered for
-// DeviceType::cuda. Each checks shapes on the host, then only enqueues work on its actor's
+// The CUDA kernels of the training ops (baton/kernels/ops.h), float32 (slices, concat and
+// dropout also float64), and of the all-reduce's actors (baton/graph/collectives.h), registered
+// for DeviceType::cuda. Each checks shapes on the host, then only enqueues work on its actor's
 // stream (KernelContext::stream); nothing here waits for the device. Every launch is checked
 // and a failure names the op, the actor and the CUDA error.
 #include <algorithm>
@@ -825,11 +826,16 @@ class EmbeddingKernel final : public Kernel {
 // device or the host) into `scratch`, in the stream's order.
 const void* readable(const Tensor& t, std::int64_t offset, std::size_t bytes, Scratch& scratch, KernelContext& ctx) {
   const void* p = at_elem(t, offset);
+  if (bytes == 0) return p;
   cudaPointerAttributes attr{};
-  check(cudaPointerGetAttributes(&attr, p), "cudaPointerGetAttributes", ctx.stream->owner());
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    // Not sticky, but the next launch's cudaGetLastError would report it: clear it, and copy.
+    cudaGetLastError();
+    attr.type = cudaMemoryTypeUnregistered;
+  }
   const bool here = (attr.type == cudaMemoryTypeDevice && attr.device == ctx.stream->device().index) ||
                     attr.type == cudaMemoryTypeManaged;
-  if (here || bytes == 0) return p;
+  if (here) return p;
   void* local = scratch.get(bytes, ctx);
   check(cudaMemcpyAsync(local, p, bytes, cudaMemcpyDefault, ctx.stream->impl().stream), "cudaMemcpyAsync",
         ctx.stream->owner());
