@@ -328,7 +328,7 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
     }
     check_op(gpu, reg, "dropout", Attrs{{"p", 0.5}}, {random_f32({0})}, {{{0}, f32}}, 0.0);
   }
-  SUBCASE("slice, its gradient and concat, f32 and f64") {
+  SUBCASE("slice, its gradient, concat and reshape, f32 and f64") {
     for (DType dt : {f32, f64}) {
       CAPTURE(name(dt));
       auto r = [dt](const Shape& s) { return random_of(dt, s); };
@@ -343,6 +343,7 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
                exact);
       check_op(gpu, reg, "concat", ints({{"axis", 0}}), {r({3, 7}), r({1, 7})}, {{{4, 7}, dt}}, exact);
       check_op(gpu, reg, "concat", ints({{"axis", -1}}), {r({5, 1}), r({5, 6})}, {{{5, 7}, dt}}, exact);
+      check_op(gpu, reg, "reshape", {}, {r({6, 5})}, {{{3, 10}, dt}}, exact);
     }
   }
   SUBCASE("the all-reduce's kernels, f32 and f64") {

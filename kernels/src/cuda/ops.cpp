@@ -1,8 +1,8 @@
-// The CUDA kernels of the training ops (baton/kernels/ops.h), float32 (slices, concat and
-// dropout also float64), and of the all-reduce's actors (baton/graph/collectives.h), registered
-// for DeviceType::cuda. Each checks shapes on the host, then only enqueues work on its actor's
-// stream (KernelContext::stream); nothing here waits for the device. Every launch is checked
-// and a failure names the op, the actor and the CUDA error.
+// The CUDA kernels of the training ops (baton/kernels/ops.h), float32 (the ops that move
+// bytes, and dropout, also float64), and of the all-reduce's actors (baton/graph/collectives.h),
+// registered for DeviceType::cuda. Each checks shapes on the host, then only enqueues work on
+// its actor's stream (KernelContext::stream); nothing here waits for the device. Every launch
+// is checked and a failure names the op, the actor and the CUDA error.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -1015,7 +1015,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
     reg.add_fn("noop", cuda, t, [](KernelContext&) {});
   }
   for (const char* op : {"reshape", "stop_gradient"}) {
-    add_f32(reg, op, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
+    for (DType t : {DType::f32, DType::f64}) reg.add_fn(op, cuda, t, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
   }
   add_f32(reg, "add", [](KernelContext& c) { binary(c, Binary::add, "add"); });
   add_f32(reg, "sub", [](KernelContext& c) { binary(c, Binary::sub, "sub"); });
