@@ -298,7 +298,7 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
       check_op(gpu, reg, "mse_grad", {}, {random_f32(s), random_f32(s), random_f32({}, 0.5, 2)}, {{s, f32}});
     }
   }
-  SUBCASE("sum, mean and max over axes") {
+  SUBCASE("sum, mean and max over axes, f32 and f64") {
     auto axes = [](std::vector<std::int64_t> a, bool keep) {
       return Attrs{{"axes", std::move(a)}, {"keepdims", std::int64_t{keep ? 1 : 0}}};
     };
@@ -313,6 +313,8 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
       check_op(gpu, reg, op, axes({1}, false), {random_f32({5000, 3})}, {{{5000}, f32}});
       check_op(gpu, reg, op, axes({1}, false), {with_nan}, {{{6}, f32}});
       check_op(gpu, reg, op, axes({1}, false), {random_f32({3, 0})}, {{{3}, f32}});  // of nothing: 0, NaN, -inf
+      check_op(gpu, reg, op, axes({0, 2}, true), {random_f64({33, 4, 20})}, {{{1, 4, 1}, f64}}, 1e-12);
+      check_op(gpu, reg, op, {}, {random_f64({1000})}, {{{}, f64}}, 1e-12);
     }
   }
   SUBCASE("dropout: the CPU's mask, bit for bit") {

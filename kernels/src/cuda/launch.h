@@ -104,6 +104,8 @@ enum class Reduce : int { sum, max };
 /// and a NaN wins, as on the CPU.
 cudaError_t reduce(Reduce op, const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
                    long long n_red, double factor, cudaStream_t s);
+cudaError_t reduce(Reduce op, const double* x, double* y, const Indexing& out, long long n_out, const Indexing& red,
+                   long long n_red, double factor, cudaStream_t s);
 
 /// c[i] = a[i] + b[i] over n elements (c may be a): the all-reduce's adds, in the element type.
 cudaError_t add(const float* a, const float* b, float* c, long long n, cudaStream_t s);

@@ -600,11 +600,18 @@ class ReduceKernel final : public Kernel {
     const long long n_red = reduce_indexing(x.shape(), kept, out, red, op_, x, y);
     // numel(x) / numel(y) elements fall on each output (0 / 0 = NaN for a mean of nothing).
     const double count = y.numel() == 0 ? 1.0 : static_cast<double>(x.numel()) / static_cast<double>(y.numel());
-    const bool mean = std::string_view(op_) == "mean";
-    const bool max = std::string_view(op_) == "max";
-    launched(launch::reduce(max ? launch::Reduce::max : launch::Reduce::sum, in_f32(x, op_, "x"), out_f32(y, op_, "y"),
-                            out, y.numel(), red, n_red, mean ? 1.0 / count : 1.0, stream_of(ctx, op_)),
-             op_, ctx);
+    const double factor = std::string_view(op_) == "mean" ? 1.0 / count : 1.0;
+    const auto mode = std::string_view(op_) == "max" ? launch::Reduce::max : launch::Reduce::sum;
+    check_same_dtype(x, y, op_);
+    cudaStream_t s = stream_of(ctx, op_);
+    if (x.dtype() == DType::f64) {
+      launched(launch::reduce(mode, static_cast<const double*>(x.raw()), static_cast<double*>(y.raw()), out, y.numel(),
+                              red, n_red, factor, s),
+               op_, ctx);
+    } else {
+      launched(launch::reduce(mode, in_f32(x, op_, "x"), out_f32(y, op_, "y"), out, y.numel(), red, n_red, factor, s),
+               op_, ctx);
+    }
   }
 
  private:
@@ -1119,9 +1126,11 @@ void add_cuda_kernels(KernelRegistry& reg) {
   reg.add("mse", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<MseKernel>(); });
   add_f32(reg, "mse_grad", mse_grad);
   for (const char* op : {"sum", "mean", "max"}) {
-    reg.add(op, cuda, DType::f32, [op](const KernelConfig& cfg) {
-      return std::make_unique<ReduceKernel>(op, int_list_or_empty(cfg, op, "axes"), flag(cfg, op, "keepdims"));
-    });
+    for (DType t : {DType::f32, DType::f64}) {
+      reg.add(op, cuda, t, [op](const KernelConfig& cfg) {
+        return std::make_unique<ReduceKernel>(op, int_list_or_empty(cfg, op, "axes"), flag(cfg, op, "keepdims"));
+      });
+    }
   }
   // Slices and concatenation move bytes: every float type.
   for (DType t : {DType::f32, DType::f64}) {

@@ -69,8 +69,9 @@ cudaError_t copy_runs_t(const void* src, void* dst, long long rows, long long ru
 // ---- reductions over axes ----------------------------------------------------------------------
 
 // One thread per output: when there are many outputs (every SM busy) or few elements each.
-__global__ void reduce_per_thread(int op, const float* x, float* y, Indexing out, long long n_out, Indexing red,
-                                  long long n_red, double factor) {
+template <class T>
+__global__ void reduce_per_thread(int op, const T* x, T* y, Indexing out, long long n_out, Indexing red, long long n_red,
+                                  double factor) {
   const bool max = static_cast<Reduce>(op) == Reduce::max;
   for (long long o = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; o < n_out;
        o += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -80,13 +81,14 @@ __global__ void reduce_per_thread(int op, const float* x, float* y, Indexing out
       const double v = x[base + block::offset_a(red, r)];
       acc = max ? block::nan_max(acc, v) : acc + v;
     }
-    y[o] = static_cast<float>(max ? acc : acc * factor);
+    y[o] = static_cast<T>(max ? acc : acc * factor);
   }
 }
 
 // One block per output: few outputs over many elements (a loss's mean, a row's maximum).
-__global__ void reduce_per_block(int op, const float* x, float* y, Indexing out, long long n_out, Indexing red,
-                                 long long n_red, double factor) {
+template <class T>
+__global__ void reduce_per_block(int op, const T* x, T* y, Indexing out, long long n_out, Indexing red, long long n_red,
+                                 double factor) {
   __shared__ double scratch[threads];
   const bool max = static_cast<Reduce>(op) == Reduce::max;
   for (long long o = blockIdx.x; o < n_out; o += gridDim.x) {
@@ -97,8 +99,24 @@ __global__ void reduce_per_block(int op, const float* x, float* y, Indexing out,
       acc = max ? block::nan_max(acc, v) : acc + v;
     }
     const double total = max ? block::reduce(acc, scratch, block::Max{}) : block::reduce(acc, scratch, block::Sum{});
-    if (threadIdx.x == 0) y[o] = static_cast<float>(max ? total : total * factor);
+    if (threadIdx.x == 0) y[o] = static_cast<T>(max ? total : total * factor);
   }
+}
+
+template <class T>
+cudaError_t reduce_t(Reduce op, const T* x, T* y, const Indexing& out, long long n_out, const Indexing& red,
+                     long long n_red, double factor, cudaStream_t s) {
+  if (n_out == 0) return cudaSuccess;
+  // A block per output keeps the threads of a block on one output's elements; worth it while
+  // the outputs alone would leave SMs idle and each has a block's worth of elements.
+  if (n_out < 4096 && n_red >= threads) {
+    reduce_per_block<T><<<static_cast<unsigned>(n_out), threads, 0, s>>>(static_cast<int>(op), x, y, out, n_out, red,
+                                                                          n_red, factor);
+  } else {
+    reduce_per_thread<T><<<blocks_for(n_out), threads, 0, s>>>(static_cast<int>(op), x, y, out, n_out, red, n_red,
+                                                               factor);
+  }
+  return cudaGetLastError();
 }
 
 // ---- adds --------------------------------------------------------------------------------------
@@ -147,17 +165,11 @@ cudaError_t copy_runs(const void* src, void* dst, int elem_bytes, long long rows
 
 cudaError_t reduce(Reduce op, const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
                    long long n_red, double factor, cudaStream_t s) {
-  if (n_out == 0) return cudaSuccess;
-  // A block per output keeps the threads of a block on one output's elements; worth it while
-  // the outputs alone would leave SMs idle and each has a block's worth of elements.
-  if (n_out < 4096 && n_red >= threads) {
-    reduce_per_block<<<static_cast<unsigned>(n_out), threads, 0, s>>>(static_cast<int>(op), x, y, out, n_out, red,
-                                                                       n_red, factor);
-  } else {
-    reduce_per_thread<<<blocks_for(n_out), threads, 0, s>>>(static_cast<int>(op), x, y, out, n_out, red, n_red,
-                                                            factor);
-  }
-  return cudaGetLastError();
+  return reduce_t(op, x, y, out, n_out, red, n_red, factor, s);
+}
+cudaError_t reduce(Reduce op, const double* x, double* y, const Indexing& out, long long n_out, const Indexing& red,
+                   long long n_red, double factor, cudaStream_t s) {
+  return reduce_t(op, x, y, out, n_out, red, n_red, factor, s);
 }
 
 cudaError_t add(const float* a, const float* b, float* c, long long n, cudaStream_t s) { return add_t(a, b, c, n, s); }
