@@ -234,6 +234,8 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
     check_op(gpu, reg, "sum_to", {}, {random_f32({64, 10})}, {{{10}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{3, 1, 5}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{}, f32}});
+    check_op(gpu, reg, "sum_to", {}, {random_f32({3000, 40})}, {{{40}, f32}});  // a bias gradient: a block per output
+    check_op(gpu, reg, "sum_to", {}, {random_f64({30, 7})}, {{{1, 7}, f64}}, 1e-12);
     check_op(gpu, reg, "broadcast_to", {}, {random_f32({4, 1})}, {{{2, 4, 3}, f32}});
     check_op(gpu, reg, "transpose", Attrs{{"perm", std::vector<std::int64_t>{0, 2, 1, 3}}}, {random_f32({2, 3, 4, 5})},
              {{{2, 4, 3, 5}, f32}});

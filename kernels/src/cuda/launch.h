@@ -31,10 +31,6 @@ cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx,
 cudaError_t fill(float* y, long long n, float value, cudaStream_t s);
 /// y[i] = x[sum_d idx_d(i) * ix.a[d]]: transpose and broadcast_to.
 cudaError_t gather(const float* x, float* y, const Indexing& ix, long long n, cudaStream_t s);
-/// y[o] = sum of x over the reduced index space; `out` indexes x by the output's dims (stride 0
-/// along a reduced dim), `red` walks the reduced dims (shape, and x's stride in ix.a).
-cudaError_t sum_to(const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
-                   long long n_red, cudaStream_t s);
 
 // Row-wise ops over the last axis: `rows` rows of `cols`.
 cudaError_t softmax(const float* x, float* y, long long rows, long long cols, bool log, cudaStream_t s);
@@ -100,8 +96,10 @@ cudaError_t copy_runs(const void* src, void* dst, int elem_bytes, long long rows
 
 enum class Reduce : int { sum, max };
 /// y[o] = the sum times `factor` (a mean: 1 / count), or the maximum, of x over the reduced
-/// index space; `out` and `red` as for sum_to. In double; the maximum of nothing is -infinity
-/// and a NaN wins, as on the CPU.
+/// index space: sum_to, sum, mean and max. `out` indexes x by the output's elements (x's dims,
+/// extent 1 and stride 0 along a reduced dim), `red` walks the reduced dims (their extents, and
+/// x's strides in red.a). In double; the maximum of nothing is -infinity and a NaN wins, as on
+/// the CPU.
 cudaError_t reduce(Reduce op, const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
                    long long n_red, double factor, cudaStream_t s);
 cudaError_t reduce(Reduce op, const double* x, double* y, const Indexing& out, long long n_out, const Indexing& red,

@@ -155,40 +155,6 @@ void copy_kernel(KernelContext& ctx, const char* name) {
   copy(y, x, *ctx.stream);
 }
 
-void sum_to(KernelContext& ctx) {
-  const char* name = "sum_to";
-  const Tensor& x = need_input(ctx, 0, name, "x");
-  Tensor& y = need_output(ctx, 0, name, "y");
-  const Shape& xs = x.shape();
-  const Shape& ys = y.shape();
-  if (ys.size() > xs.size()) {
-    throw std::invalid_argument(fmt::format("sum_to: y {} has more axes than x {}", y.describe(), x.describe()));
-  }
-  const auto st = strides_of(xs);
-  Indexing out = indexing_for(xs, name);
-  Indexing red;
-  long long n_red = 1;
-  const std::size_t lead = xs.size() - ys.size();
-  for (std::size_t d = 0; d < xs.size(); ++d) {
-    const std::int64_t yd = d < lead ? 1 : ys[d - lead];
-    if (yd != xs[d] && yd != 1) {
-      throw std::invalid_argument(fmt::format("sum_to: y {} is not broadcast-compatible with x {}", y.describe(), x.describe()));
-    }
-    if (yd == xs[d]) {
-      out.a[d] = st[d];
-    } else {
-      out.shape[d] = 1;
-      out.a[d] = 0;
-      red.shape[red.ndim] = xs[d];
-      red.a[red.ndim] = st[d];
-      ++red.ndim;
-      n_red *= xs[d];
-    }
-  }
-  launched(launch::sum_to(in_f32(x, name, "x"), out_f32(y, name, "y"), out, y.numel(), red, n_red, stream_of(ctx, name)),
-           name, ctx);
-}
-
 void broadcast_to(KernelContext& ctx) {
   const char* name = "broadcast_to";
   const Tensor& x = need_input(ctx, 0, name, "x");
@@ -566,6 +532,26 @@ long long reduce_indexing(const Shape& xs, const Shape& kept, Indexing& out, Ind
     }
   }
   return n_red;
+}
+
+// sum_to: x summed onto y's shape (which broadcasts to x's): a bias's gradient.
+void sum_to(KernelContext& ctx) {
+  const char* name = "sum_to";
+  const Tensor& x = need_input(ctx, 0, name, "x");
+  Tensor& y = need_output(ctx, 0, name, "y");
+  check_same_dtype(x, y, name);
+  Indexing out, red;
+  const long long n_red = reduce_indexing(x.shape(), y.shape(), out, red, name, x, y);
+  cudaStream_t s = stream_of(ctx, name);
+  if (x.dtype() == DType::f64) {
+    launched(launch::reduce(launch::Reduce::sum, static_cast<const double*>(x.raw()), static_cast<double*>(y.raw()), out,
+                            y.numel(), red, n_red, 1.0, s),
+             name, ctx);
+  } else {
+    launched(launch::reduce(launch::Reduce::sum, in_f32(x, name, "x"), out_f32(y, name, "y"), out, y.numel(), red, n_red,
+                            1.0, s),
+             name, ctx);
+  }
 }
 
 // sum, mean and max over `axes` (all when empty), with or without keepdims, as the CPU's
@@ -1037,7 +1023,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
   add_f32(reg, "gelu_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::gelu, "gelu_grad"); });
   add_f32(reg, "tanh_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::tanh, "tanh_grad"); });
   add_f32(reg, "sigmoid_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::sigmoid, "sigmoid_grad"); });
-  add_f32(reg, "sum_to", sum_to);
+  for (DType t : {DType::f32, DType::f64}) reg.add_fn("sum_to", cuda, t, sum_to);
   add_f32(reg, "broadcast_to", broadcast_to);
   add_f32(reg, "softmax", [](KernelContext& c) { softmax(c, false, "softmax"); });
   add_f32(reg, "log_softmax", [](KernelContext& c) { softmax(c, true, "log_softmax"); });
