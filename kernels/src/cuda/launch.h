@@ -49,9 +49,12 @@ cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long lon
 /// vocabulary (the CPU throws there), gives a zero row. Unsharded: start 0, vocab = rows.
 cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long rows,
                       long long start, long long vocab, cudaStream_t s);
-/// dtable = 0, then dtable[ids[i] - start, :] += dy[i, :] (atomic adds) for the ids the shard holds.
+/// dtable = 0, then dtable[ids[i] - start, :] += dy[i, :] for the ids the shard holds, each row's
+/// positions added in increasing order as on the CPU (no atomics: the same bits every run).
+/// `scratch` is device memory of embedding_grad_scratch(n, rows) bytes; n and rows below 2^31.
 cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long long n, long long d, long long rows,
-                           long long start, long long vocab, cudaStream_t s);
+                           long long start, long long vocab, void* scratch, size_t scratch_bytes, cudaStream_t s);
+size_t embedding_grad_scratch(long long n, long long rows);
 /// y = x with y[..., i, j] = value where j > i, over `batch` matrices of t x t.
 cudaError_t causal_mask(const float* x, float* y, long long batch, long long t, float value, cudaStream_t s);
 

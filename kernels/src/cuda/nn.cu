@@ -1,7 +1,7 @@
 // Row-wise CUDA kernels over the last axis (softmax, cross-entropy, layer norm, the
 // vocabulary-parallel cross-entropy's stats: one block per row, reductions in double as the CPU
-// kernels do), the scalar losses (mse, the vocabulary-parallel loss) and the embedding gather /
-// scatter-add, whole or one vocabulary shard.
+// kernels do), the scalar losses (mse, the vocabulary-parallel loss) and the embedding gather,
+// whole or one vocabulary shard (its gradient: embedding_grad.cu).
 #include <cmath>
 
 #include "block.cuh"
@@ -180,17 +180,6 @@ __global__ void embedding_kernel(const float* table, const int* ids, float* y, l
   }
 }
 
-__global__ void embedding_grad_kernel(const int* ids, const float* dy, float* dtable, long long n, long long d,
-                                      long long rows, long long start, long long vocab) {
-  const long long total = n * d;
-  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long pos = i / d, col = i % d;
-    const long long row = shard_row(ids[pos], rows, start, vocab);
-    if (row >= 0) atomicAdd(&dtable[row * d + col], dy[i]);
-  }
-}
-
 // exp(x - m) as a float, like the CPU's std::exp(float): the float difference, then exp in
 // double rounded once (glibc's expf is within an ulp of that; the tests allow 1e-5).
 __device__ float exp_diff(float x, float m) { return static_cast<float>(exp(static_cast<double>(x - m))); }
@@ -350,18 +339,6 @@ cudaError_t embedding(const float* table, const int* ids, float* y, long long n,
                       long long start, long long vocab, cudaStream_t s) {
   if (n * d == 0) return cudaSuccess;
   embedding_kernel<<<blocks_for(n * d), threads, 0, s>>>(table, ids, y, n, d, rows, start, vocab);
-  return cudaGetLastError();
-}
-
-cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long long n, long long d, long long rows,
-                           long long start, long long vocab, cudaStream_t s) {
-  if (rows * d > 0) {
-    if (cudaError_t e = cudaMemsetAsync(dtable, 0, static_cast<size_t>(rows * d) * sizeof(float), s); e != cudaSuccess) {
-      return e;
-    }
-  }
-  if (n * d == 0) return cudaSuccess;
-  embedding_grad_kernel<<<blocks_for(n * d), threads, 0, s>>>(ids, dy, dtable, n, d, rows, start, vocab);
   return cudaGetLastError();
 }
 

@@ -780,7 +780,8 @@ void vocab_ce_loss_grad(KernelContext& ctx) {
 }
 
 // embedding / embedding_grad, whole or one shard of the vocabulary. An id outside the
-// vocabulary cannot throw from the device: it gives a zero row and no gradient.
+// vocabulary cannot throw from the device: it gives a zero row and no gradient. The gradient
+// sorts the positions by row instead of adding atomically, so it is the CPU's sum, bit for bit.
 class EmbeddingKernel final : public Kernel {
  public:
   EmbeddingKernel(VocabRange range, bool grad) : range_(range), grad_(grad) {}
@@ -802,14 +803,22 @@ class EmbeddingKernel final : public Kernel {
     Tensor& dtable = need_output(ctx, 0, name, "dtable");
     check_table(dtable, ids, dy, name);
     const std::int64_t vocab = range_.check(name, dtable.dim(0), dtable, "dtable");
+    if (ids.numel() > INT_MAX || dtable.dim(0) >= INT_MAX) {
+      throw std::invalid_argument(fmt::format("{}: ids {} or dtable {} exceed the sort's 32-bit counts", name,
+                                              ids.describe(), dtable.describe()));
+    }
+    cudaStream_t s = stream_of(ctx, name);
+    const std::size_t bytes = launch::embedding_grad_scratch(ids.numel(), dtable.dim(0));
+    void* scratch = scratch_.get(bytes, ctx);
     launched(launch::embedding_grad(in_i32(ids, name, "ids"), in_f32(dy, name, "dy"), out_f32(dtable, name, "dtable"),
-                                    ids.numel(), dtable.dim(1), dtable.dim(0), range_.start, vocab, stream_of(ctx, name)),
+                                    ids.numel(), dtable.dim(1), dtable.dim(0), range_.start, vocab, scratch, bytes, s),
              name, ctx);
   }
 
  private:
   VocabRange range_;
   bool grad_;
+  Scratch scratch_;  // the sort's keys, positions and temporary storage
 };
 
 // ---- the all-reduce's kernels (graph/collectives.h) ------------------------------------------
