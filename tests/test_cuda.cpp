@@ -106,18 +106,24 @@ std::vector<double> values(const Tensor& t) {
   return v;
 }
 
-// max |got - want| / max |want|; a NaN where the other has none is an infinite error.
+// max |got - want| / max |want| over the finite values; a NaN where the other has none, or an
+// infinity that the other does not have, is an infinite error.
 double rel_error(const Tensor& got, const Tensor& want) {
   REQUIRE(got.dtype() == want.dtype());
   const auto g = values(got);
   const auto w = values(want);
   REQUIRE(g.size() == w.size());
   double scale = 0, err = 0;
-  for (std::size_t i = 0; i < w.size(); ++i) scale = std::max(scale, std::abs(w[i]));
   for (std::size_t i = 0; i < w.size(); ++i) {
-    const double d = std::abs(g[i] - w[i]);
+    if (std::isfinite(w[i])) scale = std::max(scale, std::abs(w[i]));
+  }
+  for (std::size_t i = 0; i < w.size(); ++i) {
     if (std::isnan(g[i]) != std::isnan(w[i])) return INFINITY;
-    if (!std::isnan(d)) err = std::max(err, d);
+    if (std::isinf(g[i]) || std::isinf(w[i])) {
+      if (g[i] != w[i]) return INFINITY;
+      continue;
+    }
+    if (!std::isnan(w[i])) err = std::max(err, std::abs(g[i] - w[i]));
   }
   return scale == 0 ? err : err / scale;
 }
