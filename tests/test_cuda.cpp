@@ -12,13 +12,16 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "baton/actors.h"
+#include "baton/graph/collectives.h"
 #include "baton/kernels.h"
 #include "baton/kernels/optim.h"
 
@@ -45,6 +48,21 @@ Tensor random_f32(const Shape& s, float lo = -2.f, float hi = 2.f) {
   std::uniform_real_distribution<float> d(lo, hi);
   for (float& x : t.data<float>()) x = d(rng());
   return t;
+}
+
+Tensor random_f64(const Shape& s, double lo = -2, double hi = 2) {
+  Tensor t = Tensor::empty(s, f64);
+  std::uniform_real_distribution<double> d(lo, hi);
+  for (double& x : t.data<double>()) x = d(rng());
+  return t;
+}
+
+Tensor random_of(DType dt, const Shape& s) { return dt == f64 ? random_f64(s) : random_f32(s); }
+
+Attrs ints(std::initializer_list<std::pair<const char*, std::int64_t>> kv) {
+  Attrs a;
+  for (const auto& [k, v] : kv) a.set(k, v);
+  return a;
 }
 
 Tensor random_ids(const Shape& s, int n) {
@@ -78,29 +96,64 @@ struct Gpu {
   }
 };
 
+std::vector<double> values(const Tensor& t) {
+  std::vector<double> v;
+  if (t.dtype() == f64) {
+    for (double x : t.data<double>()) v.push_back(x);
+  } else {
+    for (float x : t.data<float>()) v.push_back(x);
+  }
+  return v;
+}
+
+// max |got - want| / max |want| over the finite values; a NaN where the other has none, or an
+// infinity that the other does not have, is an infinite error.
 double rel_error(const Tensor& got, const Tensor& want) {
-  auto g = got.data<float>();
-  auto w = want.data<float>();
+  REQUIRE(got.dtype() == want.dtype());
+  const auto g = values(got);
+  const auto w = values(want);
   REQUIRE(g.size() == w.size());
   double scale = 0, err = 0;
-  for (std::size_t i = 0; i < w.size(); ++i) scale = std::max(scale, std::abs(static_cast<double>(w[i])));
   for (std::size_t i = 0; i < w.size(); ++i) {
-    const double d = std::abs(static_cast<double>(g[i]) - w[i]);
+    if (std::isfinite(w[i])) scale = std::max(scale, std::abs(w[i]));
+  }
+  for (std::size_t i = 0; i < w.size(); ++i) {
     if (std::isnan(g[i]) != std::isnan(w[i])) return INFINITY;
-    if (!std::isnan(d)) err = std::max(err, d);
+    if (std::isinf(g[i]) || std::isinf(w[i])) {
+      if (g[i] != w[i]) return INFINITY;
+      continue;
+    }
+    if (!std::isnan(w[i])) err = std::max(err, std::abs(g[i] - w[i]));
   }
   return scale == 0 ? err : err / scale;
 }
 
-// Runs `op` with `attrs` on the CPU and on cuda:0 and compares every output.
-void check_op(Gpu& gpu, const KernelRegistry& reg, const std::string& op, const Attrs& attrs,
+// Runs `op` with `attrs` on the CPU and on cuda:0 as act `piece` and compares every output
+// (tolerance 0: the same bits). The kernels' dtype is the first output's. Without a GPU
+// (gpu null) only the CPU kernel runs, and the CUDA kernel is made: the inputs fit the op and
+// the CUDA kernel exists and takes the attributes.
+void check_op(Gpu* gpu_or_null, const KernelRegistry& reg, const std::string& op, const Attrs& attrs,
               const std::vector<Tensor>& inputs, const std::vector<std::pair<Shape, DType>>& outputs,
-              double tolerance = 1e-5) {
+              double tolerance = 1e-5, std::int64_t piece = 0) {
   CAPTURE(op);
   CAPTURE(attrs.str());
+  CAPTURE(piece);
   const Device cpu{}, dev = Device::parse("cuda:0");
-  auto cpu_kernel = reg.create(op, KernelConfig{"cpu." + op, cpu, f32, attrs});
-  auto gpu_kernel = reg.create(op, KernelConfig{"cuda." + op, dev, f32, attrs});
+  const DType dt = outputs.empty() ? f32 : outputs[0].second;
+  auto cpu_kernel = reg.create(op, KernelConfig{"cpu." + op, cpu, dt, attrs});
+  auto gpu_kernel = reg.create(op, KernelConfig{"cuda." + op, dev, dt, attrs});
+  if (gpu_or_null == nullptr) {
+    std::vector<const Tensor*> in;
+    for (const Tensor& t : inputs) in.push_back(&t);
+    std::vector<Tensor> out;
+    for (const auto& [shape, dtype] : outputs) out.push_back(Tensor::zeros(shape, dtype));
+    std::vector<Tensor*> out_p;
+    for (auto& t : out) out_p.push_back(&t);
+    KernelContext c{in, out_p, piece};
+    CHECK_NOTHROW(cpu_kernel->compute(c));
+    return;
+  }
+  Gpu& gpu = *gpu_or_null;
   std::vector<const Tensor*> in_cpu, in_gpu;
   std::vector<Tensor> dev_inputs;
   for (const Tensor& t : inputs) dev_inputs.push_back(gpu.to_device(t));
@@ -116,8 +169,8 @@ void check_op(Gpu& gpu, const KernelRegistry& reg, const std::string& op, const 
   std::vector<Tensor*> out_cpu_p, out_gpu_p;
   for (auto& t : out_cpu) out_cpu_p.push_back(&t);
   for (auto& t : out_gpu) out_gpu_p.push_back(&t);
-  KernelContext c_cpu{in_cpu, out_cpu_p, 0};
-  KernelContext c_gpu{in_gpu, out_gpu_p, 0, gpu.stream.get()};
+  KernelContext c_cpu{in_cpu, out_cpu_p, piece};
+  KernelContext c_gpu{in_gpu, out_gpu_p, piece, gpu.stream.get()};
   cpu_kernel->compute(c_cpu);
   gpu_kernel->compute(c_gpu);
   for (std::size_t o = 0; o < outputs.size(); ++o) {
@@ -143,9 +196,14 @@ TEST_CASE("Cuda.Availability.SaysWhy") {
 }
 
 TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
-  if (!cuda_usable()) return;
-  Gpu gpu;
-  const KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  std::optional<Gpu> device;
+  if (cuda_usable()) device.emplace();
+  Gpu* gpu = device ? &*device : nullptr;
+  const KernelRegistry reg = [] {
+    KernelRegistry r = KernelRegistry::with_builtin_kernels();
+    add_collective_kernels(r);
+    return r;
+  }();
 
   SUBCASE("matmul, every transpose, batched and shared b") {
     for (int ta = 0; ta < 2; ++ta) {
@@ -182,6 +240,8 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
     check_op(gpu, reg, "sum_to", {}, {random_f32({64, 10})}, {{{10}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{3, 1, 5}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{}, f32}});
+    check_op(gpu, reg, "sum_to", {}, {random_f32({3000, 40})}, {{{40}, f32}});  // a bias gradient: a block per output
+    check_op(gpu, reg, "sum_to", {}, {random_f64({30, 7})}, {{{1, 7}, f64}}, 1e-12);
     check_op(gpu, reg, "broadcast_to", {}, {random_f32({4, 1})}, {{{2, 4, 3}, f32}});
     check_op(gpu, reg, "transpose", Attrs{{"perm", std::vector<std::int64_t>{0, 2, 1, 3}}}, {random_f32({2, 3, 4, 5})},
              {{{2, 4, 3, 5}, f32}});
@@ -208,7 +268,110 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
   SUBCASE("embedding and its gradient") {
     const Tensor ids = random_ids({4, 9}, 50);
     check_op(gpu, reg, "embedding", {}, {random_f32({50, 16}), ids}, {{{4, 9, 16}, f32}});
-    check_op(gpu, reg, "embedding_grad", {}, {ids, random_f32({4, 9, 16})}, {{{50, 16}, f32}});
+    // The gradient adds each row's positions in the CPU's order: the same bits. Few rows for
+    // many positions (long runs), and no positions at all.
+    check_op(gpu, reg, "embedding_grad", {}, {ids, random_f32({4, 9, 16})}, {{{50, 16}, f32}}, 0.0);
+    check_op(gpu, reg, "embedding_grad", {}, {random_ids({64, 33}, 5), random_f32({64, 33, 3})}, {{{5, 3}, f32}}, 0.0);
+    check_op(gpu, reg, "embedding_grad", {}, {random_ids({0}, 5), random_f32({0, 8})}, {{{5, 8}, f32}}, 0.0);
+  }
+  SUBCASE("embedding over a shard of the vocabulary") {
+    // Rows [30, 50) and the last rows [44, 64) of 64, an odd width: ids of other shards give
+    // zero rows and no gradient.
+    for (auto [start, d] : {std::pair<std::int64_t, std::int64_t>{30, 16}, {44, 7}}) {
+      const Attrs shard = ints({{"vocab_start", start}, {"vocab", 64}});
+      const Tensor ids = random_ids({5, 11}, 64);
+      check_op(gpu, reg, "embedding", shard, {random_f32({20, d}), ids}, {{{5, 11, d}, f32}});
+      check_op(gpu, reg, "embedding_grad", shard, {ids, random_f32({5, 11, d})}, {{{20, d}, f32}}, 0.0);
+    }
+  }
+  SUBCASE("vocabulary-parallel cross-entropy, forward and backward") {
+    // The first and the last shard of 1000 classes, and one shard holding them all.
+    for (auto [start, cols, vocab] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{0, 300, 1000},
+                                      {700, 300, 1000}, {0, 7, 7}}) {
+      CAPTURE(start);
+      const Attrs shard = ints({{"vocab_start", start}, {"vocab", vocab}});
+      const Shape s{17, cols};
+      const Tensor logits = random_f32(s, -5, 5), labels = random_ids({17}, static_cast<int>(vocab));
+      const Tensor row_max = random_f32({17}, 4, 6);
+      check_op(gpu, reg, "vocab_parallel_ce_stats", shard, {logits, labels, row_max}, {{{17, 2}, f32}});
+      check_op(gpu, reg, "vocab_parallel_ce_stats_grad", shard, {logits, labels, row_max, random_f32({17, 2})},
+               {{s, f32}});
+    }
+    for (std::int64_t rows : {33, 5000}) {
+      const Tensor stats = random_f32({rows, 2}, 0.5, 3);
+      check_op(gpu, reg, "vocab_parallel_ce_loss", {}, {stats, random_f32({rows})}, {{{}, f32}});
+      check_op(gpu, reg, "vocab_parallel_ce_loss_grad", {}, {stats, random_f32({}, 0.5, 2)}, {{{rows, 2}, f32}});
+    }
+  }
+  SUBCASE("mse and its gradient") {
+    // 100003 elements: every one of the mean's parts; none: NaN, as the CPU.
+    for (const Shape& s : {Shape{17, 33}, Shape{100003}, Shape{0}}) {
+      check_op(gpu, reg, "mse", {}, {random_f32(s), random_f32(s)}, {{{}, f32}});
+      check_op(gpu, reg, "mse_grad", {}, {random_f32(s), random_f32(s), random_f32({}, 0.5, 2)}, {{s, f32}});
+    }
+  }
+  SUBCASE("sum, mean and max over axes, f32 and f64") {
+    auto axes = [](std::vector<std::int64_t> a, bool keep) {
+      return Attrs{{"axes", std::move(a)}, {"keepdims", std::int64_t{keep ? 1 : 0}}};
+    };
+    Tensor with_nan = random_f32({6, 300});
+    with_nan.data<float>()[2 * 300 + 17] = NAN;  // row 2's sum, mean and max are NaN
+    for (const char* op : {"sum", "mean", "max"}) {
+      check_op(gpu, reg, op, {}, {random_f32({37, 300})}, {{{}, f32}});                 // all: a block per output
+      check_op(gpu, reg, op, axes({1}, false), {random_f32({17, 300})}, {{{17}, f32}});
+      check_op(gpu, reg, op, axes({-1}, true), {random_f32({17, 5})}, {{{17, 1}, f32}});  // a thread per output
+      check_op(gpu, reg, op, axes({0}, true), {random_f32({5, 7, 9})}, {{{1, 7, 9}, f32}});
+      check_op(gpu, reg, op, axes({0, 2}, false), {random_f32({4, 5, 6})}, {{{5}, f32}});
+      check_op(gpu, reg, op, axes({1}, false), {random_f32({5000, 3})}, {{{5000}, f32}});
+      check_op(gpu, reg, op, axes({1}, false), {with_nan}, {{{6}, f32}});
+      check_op(gpu, reg, op, axes({1}, false), {random_f32({3, 0})}, {{{3}, f32}});  // of nothing: 0, NaN, -inf
+      check_op(gpu, reg, op, axes({0, 2}, true), {random_f64({33, 4, 20})}, {{{1, 4, 1}, f64}}, 1e-12);
+      check_op(gpu, reg, op, {}, {random_f64({1000})}, {{{}, f64}}, 1e-12);
+    }
+  }
+  SUBCASE("dropout: the CPU's mask, bit for bit") {
+    for (std::int64_t piece : {std::int64_t{0}, std::int64_t{7}, std::int64_t{123456789}}) {
+      for (double p : {0.0, 0.1, 0.5, 1.0}) {
+        check_op(gpu, reg, "dropout", Attrs{{"p", p}, {"seed", std::int64_t{42}}}, {random_f32({1001})},
+                 {{{1001}, f32}}, 0.0, piece);
+      }
+      check_op(gpu, reg, "dropout", Attrs{{"p", 0.3}, {"seed", std::int64_t{-5}}}, {random_f32({3, 37, 5})},
+               {{{3, 37, 5}, f32}}, 0.0, piece);
+      check_op(gpu, reg, "dropout", Attrs{{"p", 0.3}, {"seed", std::int64_t{9}}}, {random_f64({257})}, {{{257}, f64}}, 0.0,
+               piece);
+    }
+    check_op(gpu, reg, "dropout", Attrs{{"p", 0.5}}, {random_f32({0})}, {{{0}, f32}}, 0.0);
+  }
+  SUBCASE("slice, its gradient, concat and reshape, f32 and f64") {
+    for (DType dt : {f32, f64}) {
+      CAPTURE(name(dt));
+      auto r = [dt](const Shape& s) { return random_of(dt, s); };
+      const double exact = 0.0;
+      // A middle axis, the first (one contiguous run) and the last (runs of a few elements).
+      check_op(gpu, reg, "slice", ints({{"axis", 1}, {"start", 2}}), {r({5, 7, 3})}, {{{5, 3, 3}, dt}}, exact);
+      check_op(gpu, reg, "slice", ints({{"axis", 0}, {"start", 4}}), {r({9, 13})}, {{{5, 13}, dt}}, exact);
+      check_op(gpu, reg, "slice", ints({{"axis", -1}, {"start", 1}}), {r({6, 11})}, {{{6, 9}, dt}}, exact);
+      check_op(gpu, reg, "slice_grad", ints({{"axis", 1}, {"start", 2}}), {r({5, 3, 3})}, {{{5, 7, 3}, dt}}, exact);
+      check_op(gpu, reg, "slice_grad", ints({{"axis", -1}, {"start", 10}}), {r({6, 1})}, {{{6, 11}, dt}}, exact);
+      check_op(gpu, reg, "concat", ints({{"axis", 1}}), {r({4, 2, 3}), r({4, 5, 3}), r({4, 1, 3})}, {{{4, 8, 3}, dt}},
+               exact);
+      check_op(gpu, reg, "concat", ints({{"axis", 0}}), {r({3, 7}), r({1, 7})}, {{{4, 7}, dt}}, exact);
+      check_op(gpu, reg, "concat", ints({{"axis", -1}}), {r({5, 1}), r({5, 6})}, {{{5, 7}, dt}}, exact);
+      check_op(gpu, reg, "reshape", {}, {r({6, 5})}, {{{3, 10}, dt}}, exact);
+    }
+  }
+  SUBCASE("the all-reduce's kernels, f32 and f64") {
+    for (DType dt : {f32, f64}) {
+      CAPTURE(name(dt));
+      auto r = [dt](const Shape& s) { return random_of(dt, s); };
+      const double exact = 0.0;
+      check_op(gpu, reg, "allreduce.slice", ints({{"offset", 5}}), {r({100})}, {{{37}, dt}}, exact);
+      check_op(gpu, reg, "allreduce.add", ints({{"offset", 11}, {"from", -1}}), {r({37}), r({100})}, {{{37}, dt}}, exact);
+      check_op(gpu, reg, "allreduce.add", ints({{"offset", 11}, {"from", 3}}), {r({100}), r({100})}, {{{37}, dt}}, exact);
+      check_op(gpu, reg, "allreduce.sum", {}, {r({41}), r({41}), r({41})}, {{{41}, dt}}, exact);
+      check_op(gpu, reg, "allreduce.split", {}, {r({100})}, {{{30}, dt}, {{45}, dt}, {{25}, dt}}, exact);
+      check_op(gpu, reg, "allreduce.concat", {}, {r({30}), r({1}), r({69})}, {{{100}, dt}}, exact);
+    }
   }
 }
 
@@ -298,5 +461,100 @@ TEST_CASE("Cuda.Runtime.CopyActorsMoveEveryPieceInOrder" * doctest::timeout(60))
     rt.run();
     REQUIRE(seen.size() == 200);
     for (std::size_t i = 0; i < seen.size(); ++i) CHECK(seen[i] == std::max(0.f, 2.f * (static_cast<float>(i) - 3)));
+  }
+}
+
+namespace {
+
+// Small integers: every sum of a few is exact in float32.
+float value(std::int64_t member, std::int64_t piece, std::int64_t i) {
+  return static_cast<float>((member + 1) * 1000 + i % 977 + piece * 7);
+}
+
+class FunctionKernelOf final : public Kernel {
+ public:
+  explicit FunctionKernelOf(std::function<void(KernelContext&)> fn) : fn_(std::move(fn)) {}
+  void compute(KernelContext& ctx) override { fn_(ctx); }
+
+ private:
+  std::function<void(KernelContext&)> fn_;
+};
+
+}  // namespace
+
+// An all-reduce among members on three streams (workers) of cuda:0, fed from and checked on the
+// host: the CUDA all-reduce kernels in a running plan, every piece's sum exact on every member
+// (small integers, so float sums are exact and the check is equality). Without a GPU, the plan
+// is still checked: every actor on cuda:0 finds a kernel, and the host crossings are copies.
+TEST_CASE("Cuda.Collectives.AllReduceAmongStreamsOfOneDevice" * doctest::timeout(120)) {
+  const bool gpu = cuda_usable();
+  const std::int64_t elements = 4099, pieces = 6, n = 3;
+  for (auto algorithm : {AllReduceAlgorithm::ring, AllReduceAlgorithm::two_hop}) {
+    CAPTURE(static_cast<int>(algorithm));
+    Plan plan;
+    {
+      std::vector<AllReduceMember> members;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const std::string suffix = fmt::format("@m{}", j);
+        auto r = plan.add_register({.name = "grad" + suffix, .shape = {elements}, .dtype = f32});
+        plan.add_actor({.name = "fill" + suffix, .kind = ActorKind::source, .op = "test.fill", .outputs = {r},
+                        .pieces = pieces, .attrs = {{"member", j}}});
+        members.push_back(
+            {Placement{.device = Device::parse("cuda:0"), .stream = static_cast<std::uint8_t>(j)}, r, suffix});
+      }
+      const auto results = add_allreduce(plan, "ar", members, {elements}, f32, 2, {.algorithm = algorithm});
+      for (std::int64_t j = 0; j < n; ++j) {
+        plan.add_actor({.name = fmt::format("check@m{}", j), .op = "test.check",
+                        .inputs = {{results[static_cast<std::size_t>(j)]}}, .attrs = {{"member", j}}});
+      }
+      plan = insert_device_copies(plan);
+    }
+    int to_device = 0, to_host = 0;
+    for (const auto& a : plan.actors) {
+      to_device += a.op == "to_device";
+      to_host += a.op == "to_host";
+    }
+    CHECK(to_device == n);
+    CHECK(to_host == n);
+    for (auto mode : {ExecutionMode::threaded, ExecutionMode::deterministic}) {
+      CAPTURE(static_cast<int>(mode));
+      KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+      add_collective_kernels(reg);
+      reg.add("test.fill", DeviceType::cpu, f32, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+        const std::int64_t member = cfg.attrs.get_int("member", -1);
+        return std::make_unique<FunctionKernelOf>([member](KernelContext& ctx) {
+          auto out = ctx.outputs[0]->data<float>();
+          for (std::size_t i = 0; i < out.size(); ++i) out[i] = value(member, ctx.piece, static_cast<std::int64_t>(i));
+        });
+      });
+      std::mutex m;
+      std::vector<std::string> wrong;
+      std::vector<std::int64_t> checked(static_cast<std::size_t>(n), 0);
+      reg.add("test.check", DeviceType::cpu, f32, [&](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+        const std::int64_t member = cfg.attrs.get_int("member", -1);
+        return std::make_unique<FunctionKernelOf>([&, member](KernelContext& ctx) {
+          auto in = ctx.inputs[0]->data<float>();
+          std::lock_guard lock(m);
+          ++checked[static_cast<std::size_t>(member)];
+          for (std::size_t i = 0; i < in.size(); ++i) {
+            float want = 0;
+            for (std::int64_t j = 0; j < n; ++j) want += value(j, ctx.piece, static_cast<std::int64_t>(i));
+            if (in[i] != want && wrong.size() < 5) {
+              wrong.push_back(
+                  fmt::format("member {} piece {} element {}: {}, the sum is {}", member, ctx.piece, i, in[i], want));
+            }
+          }
+        });
+      });
+      REQUIRE_NOTHROW(validate(plan, reg));
+      if (!gpu) continue;
+      RuntimeSettings s;
+      s.mode = mode;
+      s.stall_timeout = std::chrono::milliseconds(20'000);
+      Runtime rt(plan, reg, s);
+      rt.run();
+      CHECK_MESSAGE(wrong.empty(), fmt::format("{}", fmt::join(wrong, "; ")));
+      for (std::int64_t c : checked) CHECK(c == pieces);
+    }
   }
 }

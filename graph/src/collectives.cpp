@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "baton/kernels/cuda.h"
+
 namespace baton {
 
 std::vector<std::int64_t> chunk_offsets(std::int64_t n, std::int64_t parts) {
@@ -153,6 +155,7 @@ std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
 void add_collective_kernels(KernelRegistry& kernels) {
   add_kernels<float>(kernels, DType::f32);
   add_kernels<double>(kernels, DType::f64);
+  cuda::add_collective_kernels(kernels);  // nothing in a build without CUDA
 }
 
 std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,

@@ -41,5 +41,6 @@ void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamCon
 void scale(float*, std::int64_t, float, Stream&) { unavailable("scale"); }
 void convert(Tensor&, const Tensor&, Stream&) { unavailable("convert"); }
 void add_cuda_kernels(KernelRegistry&) {}
+void add_collective_kernels(KernelRegistry&) {}
 
 }  // namespace baton::cuda

@@ -1,5 +1,5 @@
 // Elementwise CUDA kernels: broadcasting binary ops, activations and their gradients, fill,
-// strided gathers (transpose, broadcast_to), sum_to and the optimizer steps. Grid-stride loops,
+// strided gathers (transpose, broadcast_to) and the optimizer steps. Grid-stride loops,
 // one thread per element; these ops are memory-bound, so simple is fast enough.
 #include <cmath>
 
@@ -101,23 +101,6 @@ __global__ void gather_kernel(const float* x, float* y, Indexing ix, long long n
   }
 }
 
-// One thread per output element; neighbouring threads read neighbouring elements when the
-// reduced dims are the leading ones (a bias gradient), which is the common case.
-__global__ void sum_to_kernel(const float* x, float* y, Indexing out, long long n_out, Indexing red, long long n_red) {
-  for (long long o = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; o < n_out;
-       o += static_cast<long long>(gridDim.x) * blockDim.x) {
-    long long base, unused;
-    offsets(out, o, base, unused);
-    double sum = 0;
-    for (long long r = 0; r < n_red; ++r) {
-      long long off;
-      offsets(red, r, off, unused);
-      sum += x[base + off];
-    }
-    y[o] = static_cast<float>(sum);
-  }
-}
-
 __global__ void adam_kernel(float* w, const float* g, float* m, float* v, long long n, AdamConstants k) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -177,13 +160,6 @@ cudaError_t fill(float* y, long long n, float value, cudaStream_t s) {
 cudaError_t gather(const float* x, float* y, const Indexing& ix, long long n, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   gather_kernel<<<blocks_for(n), threads, 0, s>>>(x, y, ix, n);
-  return cudaGetLastError();
-}
-
-cudaError_t sum_to(const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
-                   long long n_red, cudaStream_t s) {
-  if (n_out == 0) return cudaSuccess;
-  sum_to_kernel<<<blocks_for(n_out), threads, 0, s>>>(x, y, out, n_out, red, n_red);
   return cudaGetLastError();
 }
 

@@ -2,7 +2,8 @@
 // Private to kernels/src/cuda: the CUDA kernels' launchers, compiled by nvcc (C++17) from the
 // .cu files and called from ops.cpp (C++20). Plain pointers, sizes and a stream only; each
 // returns the launch's cudaError_t, which the caller checks and reports with its actor's name.
-// All tensors are dense, row-major float32 in device memory; labels and ids are int32.
+// All tensors are dense and row-major in device memory, float32 unless a launcher says
+// otherwise; labels and ids are int32.
 #include <cuda_runtime.h>
 
 namespace baton::cuda::launch {
@@ -30,10 +31,6 @@ cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx,
 cudaError_t fill(float* y, long long n, float value, cudaStream_t s);
 /// y[i] = x[sum_d idx_d(i) * ix.a[d]]: transpose and broadcast_to.
 cudaError_t gather(const float* x, float* y, const Indexing& ix, long long n, cudaStream_t s);
-/// y[o] = sum of x over the reduced index space; `out` indexes x by the output's dims (stride 0
-/// along a reduced dim), `red` walks the reduced dims (shape, and x's stride in ix.a).
-cudaError_t sum_to(const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
-                   long long n_red, cudaStream_t s);
 
 // Row-wise ops over the last axis: `rows` rows of `cols`.
 cudaError_t softmax(const float* x, float* y, long long rows, long long cols, bool log, cudaStream_t s);
@@ -47,14 +44,73 @@ cudaError_t cross_entropy_grad(const float* logits, const int* labels, const flo
 cudaError_t layer_norm(const float* x, float* y, long long rows, long long cols, double eps, cudaStream_t s);
 cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long long rows, long long cols, double eps,
                             cudaStream_t s);
-/// y[i, :] = table[ids[i], :]; an id outside [0, vocab) gives a zero row.
-cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long vocab,
-                      cudaStream_t s);
-/// dtable = 0, then dtable[ids[i], :] += dy[i, :] (atomic adds).
-cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long long n, long long d, long long vocab,
-                           cudaStream_t s);
+/// y[i, :] = table[ids[i] - start, :] for a table of `rows` rows holding entries
+/// [start, start + rows) of a vocabulary [0, vocab); an id of another shard, or outside the
+/// vocabulary (the CPU throws there), gives a zero row. Unsharded: start 0, vocab = rows.
+cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long rows,
+                      long long start, long long vocab, cudaStream_t s);
+/// dtable = 0, then dtable[ids[i] - start, :] += dy[i, :] for the ids the shard holds, each row's
+/// positions added in increasing order as on the CPU (no atomics: the same bits every run).
+/// `scratch` is device memory of embedding_grad_scratch(n, rows) bytes; n and rows below 2^31.
+cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long long n, long long d, long long rows,
+                           long long start, long long vocab, void* scratch, size_t scratch_bytes, cudaStream_t s);
+size_t embedding_grad_scratch(long long n, long long rows);
 /// y = x with y[..., i, j] = value where j > i, over `batch` matrices of t x t.
 cudaError_t causal_mask(const float* x, float* y, long long batch, long long t, float value, cudaStream_t s);
+
+// Vocabulary-parallel cross-entropy (baton/kernels/ops_nn.cpp): logits [rows, cols] hold
+// classes [start, start + cols) of [0, vocab); a label outside [0, vocab) (the CPU throws)
+// makes its row's stats and gradient NaN.
+/// stats[r] = (sum_j exp(logits[r, j] - row_max[r]), logits[r, label - start] or 0).
+cudaError_t vocab_ce_stats(const float* logits, const int* labels, const float* row_max, float* stats, long long rows,
+                           long long cols, long long start, long long vocab, cudaStream_t s);
+/// dlogits = exp(logits - row_max) * dstats[:, 0] + onehot(label - start) * dstats[:, 1].
+cudaError_t vocab_ce_stats_grad(const float* logits, const int* labels, const float* row_max, const float* dstats,
+                                float* dlogits, long long rows, long long cols, long long start, long long vocab,
+                                cudaStream_t s);
+
+/// The scalar means (mse, vocab_ce_loss) sum in `mean_parts` blocks, then one block adds the
+/// parts in a fixed order: `partial` is device scratch of mean_parts doubles.
+constexpr int mean_parts = 256;
+/// loss[0] = mean of (pred - target)^2 (NaN for n = 0, as the CPU).
+cudaError_t mse(const float* pred, const float* target, float* loss, double* partial, long long n, cudaStream_t s);
+/// dpred = (2 dloss / n) (pred - target), the factor rounded to float once as on the CPU.
+cudaError_t mse_grad(const float* pred, const float* target, const float* dloss, float* dpred, long long n,
+                     cudaStream_t s);
+/// loss[0] = mean over rows of log(stats[r, 0]) + row_max[r] - stats[r, 1].
+cudaError_t vocab_ce_loss(const float* stats, const float* row_max, float* loss, double* partial, long long rows,
+                          cudaStream_t s);
+/// dstats[r] = (dloss / (rows stats[r, 0]), -dloss / rows).
+cudaError_t vocab_ce_loss_grad(const float* stats, const float* dloss, float* dstats, long long rows, cudaStream_t s);
+
+/// Dropout as the CPU draws it (baton/kernels/ops_nn.cpp), bit for bit: element i of piece
+/// `piece` is kept, as x[i] * scale, when the top 53 bits of splitmix64's output i of the stream
+/// keyed by (seed, piece) reach `threshold` (ceil(p 2^53)); otherwise it is 0.
+cudaError_t dropout(const float* x, float* y, long long n, long long seed, long long piece,
+                    unsigned long long threshold, float scale, cudaStream_t s);
+cudaError_t dropout(const double* x, double* y, long long n, long long seed, long long piece,
+                    unsigned long long threshold, double scale, cudaStream_t s);
+
+/// Copies `rows` runs of `run` elements of `elem_bytes` (1, 2, 4 or 8) bytes:
+/// dst[r * dst_pitch + j] = src[r * src_pitch + j], pitches in elements. The pointers may be
+/// on different devices only when the runs are contiguous (one cudaMemcpyAsync).
+cudaError_t copy_runs(const void* src, void* dst, int elem_bytes, long long rows, long long run, long long src_pitch,
+                      long long dst_pitch, cudaStream_t s);
+
+enum class Reduce : int { sum, max };
+/// y[o] = the sum times `factor` (a mean: 1 / count), or the maximum, of x over the reduced
+/// index space: sum_to, sum, mean and max. `out` indexes x by the output's elements (x's dims,
+/// extent 1 and stride 0 along a reduced dim), `red` walks the reduced dims (their extents, and
+/// x's strides in red.a). In double; the maximum of nothing is -infinity and a NaN wins, as on
+/// the CPU.
+cudaError_t reduce(Reduce op, const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
+                   long long n_red, double factor, cudaStream_t s);
+cudaError_t reduce(Reduce op, const double* x, double* y, const Indexing& out, long long n_out, const Indexing& red,
+                   long long n_red, double factor, cudaStream_t s);
+
+/// c[i] = a[i] + b[i] over n elements (c may be a): the all-reduce's adds, in the element type.
+cudaError_t add(const float* a, const float* b, float* c, long long n, cudaStream_t s);
+cudaError_t add(const double* a, const double* b, double* c, long long n, cudaStream_t s);
 
 /// One Adam/AdamW step with the per-step constants of baton/kernels/optim.cpp, computed there
 /// in double and rounded once, so that each element follows the CPU's float arithmetic:

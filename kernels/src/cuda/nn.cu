@@ -1,7 +1,10 @@
-// Row-wise CUDA kernels over the last axis (softmax, cross-entropy, layer norm: one block per
-// row, reductions in double as the CPU kernels do) and the embedding gather / scatter-add.
+// Row-wise CUDA kernels over the last axis (softmax, cross-entropy, layer norm, the
+// vocabulary-parallel cross-entropy's stats: one block per row, reductions in double as the CPU
+// kernels do), the scalar losses (mse, the vocabulary-parallel loss) and the embedding gather,
+// whole or one vocabulary shard (its gradient: embedding_grad.cu).
 #include <cmath>
 
+#include "block.cuh"
 #include "launch.h"
 
 namespace baton::cuda::launch {
@@ -158,24 +161,118 @@ __global__ void layer_norm_grad_kernel(const float* x, const float* dy, float* d
   }
 }
 
-__global__ void embedding_kernel(const float* table, const int* ids, float* y, long long n, long long d, long long vocab) {
+// The row of the shard that `id` names, or -1 for another shard's id (or one outside the
+// vocabulary, which the CPU rejects).
+__device__ long long shard_row(long long id, long long rows, long long start, long long vocab) {
+  if (id < 0 || id >= vocab) return -1;
+  const long long row = id - start;
+  return row >= 0 && row < rows ? row : -1;
+}
+
+__global__ void embedding_kernel(const float* table, const int* ids, float* y, long long n, long long d,
+                                 long long rows, long long start, long long vocab) {
   const long long total = n * d;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long row = i / d, col = i % d;
-    const long long id = ids[row];
-    y[i] = (id >= 0 && id < vocab) ? table[id * d + col] : 0.f;
+    const long long pos = i / d, col = i % d;
+    const long long row = shard_row(ids[pos], rows, start, vocab);
+    y[i] = row >= 0 ? table[row * d + col] : 0.f;
   }
 }
 
-__global__ void embedding_grad_kernel(const int* ids, const float* dy, float* dtable, long long n, long long d,
-                                      long long vocab) {
-  const long long total = n * d;
+// exp(x - m) as a float, like the CPU's std::exp(float): the float difference, then exp in
+// double rounded once (glibc's expf is within an ulp of that; the tests allow 1e-5).
+__device__ float exp_diff(float x, float m) { return static_cast<float>(exp(static_cast<double>(x - m))); }
+
+// One block per row (grid-stride over rows): the row's sum of exp(logits - row_max).
+__global__ void vocab_ce_stats_kernel(const float* logits, const int* labels, const float* row_max, float* stats,
+                                      long long rows, long long cols, long long start, long long vocab) {
+  __shared__ double scratch[threads];
+  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = logits + r * cols;
+    const float m = row_max[r];
+    double s = 0;
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += exp_diff(xr[j], m);
+    const double sum = block::reduce(s, scratch, block::Sum{});
+    if (threadIdx.x == 0) {
+      const long long label = labels[r];
+      const long long col = label - start;
+      const bool valid = label >= 0 && label < vocab;
+      stats[2 * r] = valid ? static_cast<float>(sum) : NAN;
+      stats[2 * r + 1] = !valid ? NAN : (col >= 0 && col < cols ? xr[col] : 0.f);
+    }
+  }
+}
+
+__global__ void vocab_ce_stats_grad_kernel(const float* logits, const int* labels, const float* row_max,
+                                           const float* dstats, float* dlogits, long long rows, long long cols,
+                                           long long start, long long vocab) {
+  const long long total = rows * cols;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long row = i / d, col = i % d;
-    const long long id = ids[row];
-    if (id >= 0 && id < vocab) atomicAdd(&dtable[id * d + col], dy[i]);
+    const long long r = i / cols, j = i % cols;
+    const long long label = labels[r];
+    // As the CPU: the float product, then the label's column gets its float add.
+    float v = exp_diff(logits[i], row_max[r]) * dstats[2 * r];
+    if (j == label - start) v += dstats[2 * r + 1];
+    dlogits[i] = label >= 0 && label < vocab ? v : NAN;
+  }
+}
+
+// The terms of the scalar means, each in double as the CPU sums them.
+struct MseTerm {
+  const float* pred;
+  const float* target;
+  __device__ double operator()(long long i) const {
+    const double d = static_cast<double>(pred[i]) - static_cast<double>(target[i]);
+    return d * d;
+  }
+};
+struct VocabLossTerm {
+  const float* stats;
+  const float* row_max;
+  __device__ double operator()(long long r) const {
+    return ::log(static_cast<double>(stats[2 * r])) + static_cast<double>(row_max[r]) -
+           static_cast<double>(stats[2 * r + 1]);
+  }
+};
+
+// Stage one of a scalar mean: block b sums its grid-stride share into partial[b].
+template <class Term>
+__global__ void partial_sums(Term term, long long n, double* partial) {
+  __shared__ double scratch[threads];
+  double s = 0;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    s += term(i);
+  }
+  const double total = block::reduce(s, scratch, block::Sum{});
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+// Stage two, one block: the parts in a fixed order, divided by n (0 / 0 = NaN for n = 0).
+__global__ void finish_mean(const double* partial, int parts, float* out, long long n) {
+  __shared__ double scratch[threads];
+  double s = 0;
+  for (int i = static_cast<int>(threadIdx.x); i < parts; i += static_cast<int>(blockDim.x)) s += partial[i];
+  const double total = block::reduce(s, scratch, block::Sum{});
+  if (threadIdx.x == 0) out[0] = static_cast<float>(total / static_cast<double>(n));
+}
+
+__global__ void mse_grad_kernel(const float* pred, const float* target, const float* dloss, float* dpred, long long n) {
+  const float scale = static_cast<float>(2.0 * static_cast<double>(dloss[0]) / static_cast<double>(n));
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    dpred[i] = scale * (pred[i] - target[i]);
+  }
+}
+
+__global__ void vocab_ce_loss_grad_kernel(const float* stats, const float* dloss, float* dstats, long long rows) {
+  const double g = static_cast<double>(dloss[0]) / static_cast<double>(rows);
+  for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<long long>(gridDim.x) * blockDim.x) {
+    dstats[2 * r] = static_cast<float>(g / static_cast<double>(stats[2 * r]));
+    dstats[2 * r + 1] = static_cast<float>(-g);
   }
 }
 
@@ -238,20 +335,64 @@ cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long lon
   return cudaGetLastError();
 }
 
-cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long vocab,
-                      cudaStream_t s) {
+cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long rows,
+                      long long start, long long vocab, cudaStream_t s) {
   if (n * d == 0) return cudaSuccess;
-  embedding_kernel<<<blocks_for(n * d), threads, 0, s>>>(table, ids, y, n, d, vocab);
+  embedding_kernel<<<blocks_for(n * d), threads, 0, s>>>(table, ids, y, n, d, rows, start, vocab);
   return cudaGetLastError();
 }
 
-cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long long n, long long d, long long vocab,
-                           cudaStream_t s) {
-  if (cudaError_t e = cudaMemsetAsync(dtable, 0, static_cast<size_t>(vocab * d) * sizeof(float), s); e != cudaSuccess) {
-    return e;
+cudaError_t vocab_ce_stats(const float* logits, const int* labels, const float* row_max, float* stats, long long rows,
+                           long long cols, long long start, long long vocab, cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  vocab_ce_stats_kernel<<<static_cast<unsigned>(rows < 65535 ? rows : 65535), threads, 0, s>>>(
+      logits, labels, row_max, stats, rows, cols, start, vocab);
+  return cudaGetLastError();
+}
+
+cudaError_t vocab_ce_stats_grad(const float* logits, const int* labels, const float* row_max, const float* dstats,
+                                float* dlogits, long long rows, long long cols, long long start, long long vocab,
+                                cudaStream_t s) {
+  if (rows * cols == 0) return cudaSuccess;
+  vocab_ce_stats_grad_kernel<<<blocks_for(rows * cols), threads, 0, s>>>(logits, labels, row_max, dstats, dlogits,
+                                                                         rows, cols, start, vocab);
+  return cudaGetLastError();
+}
+
+namespace {
+template <class Term>
+cudaError_t scalar_mean(Term term, long long n, float* out, double* partial, cudaStream_t s) {
+  // The number of parts depends on n alone, so a mean is the same bits every time.
+  const long long b = (n + threads - 1) / threads;
+  const int parts = static_cast<int>(b < mean_parts ? b : mean_parts);
+  if (parts > 0) {
+    partial_sums<Term><<<static_cast<unsigned>(parts), threads, 0, s>>>(term, n, partial);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
-  if (n * d == 0) return cudaSuccess;
-  embedding_grad_kernel<<<blocks_for(n * d), threads, 0, s>>>(ids, dy, dtable, n, d, vocab);
+  finish_mean<<<1, threads, 0, s>>>(partial, parts, out, n);
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t mse(const float* pred, const float* target, float* loss, double* partial, long long n, cudaStream_t s) {
+  return scalar_mean(MseTerm{pred, target}, n, loss, partial, s);
+}
+
+cudaError_t mse_grad(const float* pred, const float* target, const float* dloss, float* dpred, long long n,
+                     cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  mse_grad_kernel<<<blocks_for(n), threads, 0, s>>>(pred, target, dloss, dpred, n);
+  return cudaGetLastError();
+}
+
+cudaError_t vocab_ce_loss(const float* stats, const float* row_max, float* loss, double* partial, long long rows,
+                          cudaStream_t s) {
+  return scalar_mean(VocabLossTerm{stats, row_max}, rows, loss, partial, s);
+}
+
+cudaError_t vocab_ce_loss_grad(const float* stats, const float* dloss, float* dstats, long long rows, cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  vocab_ce_loss_grad_kernel<<<blocks_for(rows), threads, 0, s>>>(stats, dloss, dstats, rows);
   return cudaGetLastError();
 }
 

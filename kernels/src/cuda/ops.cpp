@@ -1,17 +1,23 @@
-// The CUDA kernels of the training ops (baton/kernels/ops.h), float32, registered for
-// DeviceType::cuda. Each checks shapes on the host, then only enqueues work on its actor's
-// stream (KernelContext::stream); nothing here waits for the device. Every launch is checked
-// and a failure names the op, the actor and the CUDA error.
+// The CUDA kernels of the training ops (baton/kernels/ops.h), float32 (the ops that move
+// bytes, dropout and the reductions also float64), registered for DeviceType::cuda (the
+// all-reduce's: collectives.cpp). Each checks shapes on the host, then only enqueues work on
+// its actor's stream (KernelContext::stream); nothing here waits for the device. Every launch
+// is checked and a failure names the op, the actor and the CUDA error.
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "../kernel_args.h"
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/optim.h"
 #include "baton/kernels/tensor.h"
 #include "common.h"
+#include "kernel_util.h"
 #include "launch.h"
 
 namespace baton::cuda {
@@ -21,14 +27,11 @@ namespace {
 using detail::need_input;
 using detail::need_output;
 using launch::Indexing;
-
-cudaStream_t stream_of(const KernelContext& ctx, const char* op) {
-  if (ctx.stream == nullptr) {
-    throw std::invalid_argument(fmt::format("{}: a CUDA kernel ran without a CUDA stream (is its actor on a cuda device?)", op));
-  }
-  ctx.stream->bind();
-  return ctx.stream->impl().stream;
-}
+using util::at_elem;
+using util::check_same_dtype;
+using util::launched;
+using util::Scratch;
+using util::stream_of;
 
 const float* in_f32(const Tensor& t, const char* op, const char* role) {
   if (t.dtype() != DType::f32) throw std::invalid_argument(fmt::format("{}: {} is {}, expected f32", op, role, t.describe()));
@@ -51,10 +54,6 @@ class FunctionKernelF final : public Kernel {
  private:
   std::function<void(KernelContext&)> fn_;
 };
-
-void launched(cudaError_t e, const char* op, const KernelContext& ctx) {
-  check(e, op, ctx.stream->owner());
-}
 
 std::vector<std::int64_t> strides_of(const Shape& s) {
   std::vector<std::int64_t> st(s.size(), 1);
@@ -148,40 +147,6 @@ void copy_kernel(KernelContext& ctx, const char* name) {
   }
   stream_of(ctx, name);
   copy(y, x, *ctx.stream);
-}
-
-void sum_to(KernelContext& ctx) {
-  const char* name = "sum_to";
-  const Tensor& x = need_input(ctx, 0, name, "x");
-  Tensor& y = need_output(ctx, 0, name, "y");
-  const Shape& xs = x.shape();
-  const Shape& ys = y.shape();
-  if (ys.size() > xs.size()) {
-    throw std::invalid_argument(fmt::format("sum_to: y {} has more axes than x {}", y.describe(), x.describe()));
-  }
-  const auto st = strides_of(xs);
-  Indexing out = indexing_for(xs, name);
-  Indexing red;
-  long long n_red = 1;
-  const std::size_t lead = xs.size() - ys.size();
-  for (std::size_t d = 0; d < xs.size(); ++d) {
-    const std::int64_t yd = d < lead ? 1 : ys[d - lead];
-    if (yd != xs[d] && yd != 1) {
-      throw std::invalid_argument(fmt::format("sum_to: y {} is not broadcast-compatible with x {}", y.describe(), x.describe()));
-    }
-    if (yd == xs[d]) {
-      out.a[d] = st[d];
-    } else {
-      out.shape[d] = 1;
-      out.a[d] = 0;
-      red.shape[red.ndim] = xs[d];
-      red.a[red.ndim] = st[d];
-      ++red.ndim;
-      n_red *= xs[d];
-    }
-  }
-  launched(launch::sum_to(in_f32(x, name, "x"), out_f32(y, name, "y"), out, y.numel(), red, n_red, stream_of(ctx, name)),
-           name, ctx);
 }
 
 void broadcast_to(KernelContext& ctx) {
@@ -367,13 +332,6 @@ void cross_entropy_grad(KernelContext& ctx) {
 
 double read_eps(const KernelConfig& cfg) { return cfg.attrs.get_double("eps", 1e-5); }
 
-// Without the vocab / vocab_start attributes (a tensor-parallel shard): those stay on the CPU.
-void no_vocab_shard(const KernelConfig& cfg, const char* op) {
-  if (cfg.attrs.has("vocab") || cfg.attrs.has("vocab_start")) {
-    throw std::invalid_argument(fmt::format("{} (actor '{}'): the CUDA kernel has no vocabulary shards (vocab, vocab_start)", op, cfg.actor));
-  }
-}
-
 void check_table(const Tensor& table, const Tensor& ids, const Tensor& y, const char* name) {
   if (table.shape().size() != 2) throw std::invalid_argument(fmt::format("{}: table {} must be [V, D]", name, table.describe()));
   Shape want = ids.shape();
@@ -383,6 +341,457 @@ void check_table(const Tensor& table, const Tensor& ids, const Tensor& y, const 
                                             table.describe(), to_string(want), y.describe()));
   }
 }
+
+// ---- dropout ---------------------------------------------------------------------------------
+
+// The CPU's mask (ops_nn.cpp) element for element: the same threshold and scale, made here in
+// double exactly as there, and the same counter-based hash on the device.
+template <class T>
+class DropoutKernel final : public Kernel {
+ public:
+  DropoutKernel(double p, std::int64_t seed)
+      : seed_(seed),
+        threshold_(static_cast<unsigned long long>(std::ceil(p * 9007199254740992.0))),
+        scale_(p < 1.0 ? static_cast<T>(1.0 / (1.0 - p)) : T(0)) {}
+  void compute(KernelContext& ctx) override {
+    const char* name = "dropout";
+    const Tensor& x = need_input(ctx, 0, name, "x");
+    Tensor& y = need_output(ctx, 0, name, "y");
+    check_same_shape(x, y, name);
+    if (x.dtype() != dtype_of<T>() || y.dtype() != dtype_of<T>()) {
+      throw std::invalid_argument(fmt::format("dropout: x {} and y {} must be {}", x.describe(), y.describe(), baton::name(dtype_of<T>())));
+    }
+    launched(launch::dropout(static_cast<const T*>(x.raw()), static_cast<T*>(y.raw()), x.numel(), seed_, ctx.piece,
+                             threshold_, scale_, stream_of(ctx, name)),
+             name, ctx);
+  }
+
+ private:
+  std::int64_t seed_;
+  unsigned long long threshold_;
+  T scale_;
+};
+
+// ---- slices and concatenation (any element type: they move bytes) ---------------------------
+
+std::size_t normalise_axis(std::int64_t axis, std::size_t rank, const char* op, const Tensor& t) {
+  const auto r = static_cast<std::int64_t>(rank);
+  if (axis < -r || axis >= r) throw std::invalid_argument(fmt::format("{}: axis {} is out of range for {}", op, axis, t.describe()));
+  return static_cast<std::size_t>(axis < 0 ? axis + r : axis);
+}
+
+std::int64_t product(const Shape& s, std::size_t begin, std::size_t end) {
+  std::int64_t n = 1;
+  for (std::size_t i = begin; i < end; ++i) n *= s[i];
+  return n;
+}
+
+// slice: y = x's window [start, start + y's extent) along the axis; slice_grad: dx = 0 but that
+// window, which is dy. The same checks and words as the CPU kernel.
+class SliceKernel final : public Kernel {
+ public:
+  SliceKernel(bool grad, std::int64_t axis, std::int64_t start) : grad_(grad), axis_(axis), start_(start) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = grad_ ? "slice_grad" : "slice";
+    const Tensor& in = need_input(ctx, 0, op);
+    Tensor& out = need_output(ctx, 0, op);
+    check_same_dtype(in, out, op);
+    const Tensor& whole = grad_ ? out : in;
+    const Tensor& part = grad_ ? in : out;
+    const Shape& ws = whole.shape();
+    const Shape& ps = part.shape();
+    auto fail = [&](const char* why) {
+      return std::invalid_argument(fmt::format("{} (axis {}, start {}): {} {} and {} {}: {}", op, axis_, start_,
+                                               grad_ ? "dx" : "x", whole.describe(), grad_ ? "dy" : "y",
+                                               part.describe(), why));
+    };
+    if (ws.size() != ps.size() || ws.empty()) throw fail("ranks differ or are 0");
+    const std::size_t ax = normalise_axis(axis_, ws.size(), op, whole);
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      if (i != ax && ws[i] != ps[i]) throw fail("extents differ off the axis");
+    }
+    if (start_ < 0 || start_ + ps[ax] > ws[ax]) throw fail("the window leaves the axis");
+    const std::int64_t outer = product(ws, 0, ax);
+    const std::int64_t inner = product(ws, ax + 1, ws.size());
+    const std::int64_t whole_run = ws[ax] * inner;
+    const std::int64_t part_run = ps[ax] * inner;
+    const int elem = static_cast<int>(size_of(in.dtype()));
+    cudaStream_t s = stream_of(ctx, op);
+    if (grad_) {
+      if (out.nbytes() > 0) launched(cudaMemsetAsync(out.raw(), 0, out.nbytes(), s), op, ctx);
+      launched(launch::copy_runs(in.raw(), at_elem(out, start_ * inner), elem, outer, part_run, part_run, whole_run, s), op,
+               ctx);
+    } else {
+      launched(launch::copy_runs(at_elem(in, start_ * inner), out.raw(), elem, outer, part_run, whole_run, part_run, s), op,
+               ctx);
+    }
+  }
+
+ private:
+  bool grad_;
+  std::int64_t axis_, start_;
+};
+
+class ConcatKernel final : public Kernel {
+ public:
+  explicit ConcatKernel(std::int64_t axis) : axis_(axis) {}
+  void compute(KernelContext& ctx) override {
+    const char* op = "concat";
+    Tensor& y = need_output(ctx, 0, op);
+    const Shape& ys = y.shape();
+    for (std::size_t k = 0; k < ctx.inputs.size(); ++k) check_same_dtype(need_input(ctx, k, op), y, op);
+    auto fail = [&](const std::string& why) {
+      std::string inputs;
+      for (const Tensor* x : ctx.inputs) inputs += (inputs.empty() ? "" : ", ") + x->describe();
+      return std::invalid_argument(fmt::format("concat (axis {}): inputs [{}], y {}: {}", axis_, inputs, y.describe(), why));
+    };
+    if (ctx.inputs.empty() || ys.empty()) throw fail("needs inputs and an output with axes");
+    const std::size_t ax = normalise_axis(axis_, ys.size(), op, y);
+    std::int64_t total = 0;
+    for (std::size_t k = 0; k < ctx.inputs.size(); ++k) {
+      const Shape& xs = ctx.inputs[k]->shape();
+      bool fits = xs.size() == ys.size();
+      for (std::size_t i = 0; fits && i < ys.size(); ++i) fits = i == ax || xs[i] == ys[i];
+      if (!fits) throw fail(fmt::format("input {} differs from y off the axis", k));
+      total += xs[ax];
+    }
+    if (total != ys[ax]) throw fail(fmt::format("the inputs add up to {} along the axis", total));
+    const std::int64_t outer = product(ys, 0, ax);
+    const std::int64_t inner = product(ys, ax + 1, ys.size());
+    const int elem = static_cast<int>(size_of(y.dtype()));
+    cudaStream_t s = stream_of(ctx, op);
+    std::int64_t offset = 0;  // of the current input's window within a row of y
+    for (const Tensor* x : ctx.inputs) {
+      const std::int64_t run = x->shape()[ax] * inner;
+      launched(launch::copy_runs(x->raw(), at_elem(y, offset), elem, outer, run, run, ys[ax] * inner, s), op, ctx);
+      offset += run;
+    }
+  }
+
+ private:
+  std::int64_t axis_;
+};
+
+// ---- reductions over axes --------------------------------------------------------------------
+
+// The index spaces of x reduced onto `kept` (x's shape with the reduced axes as 1, aligned
+// right as in numpy): `out` walks kept's elements in row-major order (y's layout, with or
+// without the reduced axes), `red` the reduced elements of each; returns red's size.
+long long reduce_indexing(const Shape& xs, const Shape& kept, Indexing& out, Indexing& red, const char* op,
+                          const Tensor& x, const Tensor& y) {
+  if (kept.size() > xs.size()) {
+    throw std::invalid_argument(fmt::format("{}: y {} has more axes than x {}", op, y.describe(), x.describe()));
+  }
+  const auto st = strides_of(xs);
+  out = indexing_for(xs, op);
+  red = Indexing{};
+  long long n_red = 1;
+  const std::size_t lead = xs.size() - kept.size();
+  for (std::size_t d = 0; d < xs.size(); ++d) {
+    const std::int64_t yd = d < lead ? 1 : kept[d - lead];
+    if (yd != xs[d] && yd != 1) {
+      throw std::invalid_argument(fmt::format("{}: y {} does not broadcast to x {}", op, y.describe(), x.describe()));
+    }
+    if (yd == xs[d]) {
+      out.a[d] = st[d];
+    } else {
+      out.shape[d] = 1;
+      out.a[d] = 0;
+      red.shape[red.ndim] = xs[d];
+      red.a[red.ndim] = st[d];
+      ++red.ndim;
+      n_red *= xs[d];
+    }
+  }
+  return n_red;
+}
+
+// sum_to: x summed onto y's shape (which broadcasts to x's): a bias's gradient.
+void sum_to(KernelContext& ctx) {
+  const char* name = "sum_to";
+  const Tensor& x = need_input(ctx, 0, name, "x");
+  Tensor& y = need_output(ctx, 0, name, "y");
+  check_same_dtype(x, y, name);
+  Indexing out, red;
+  const long long n_red = reduce_indexing(x.shape(), y.shape(), out, red, name, x, y);
+  cudaStream_t s = stream_of(ctx, name);
+  if (x.dtype() == DType::f64) {
+    launched(launch::reduce(launch::Reduce::sum, static_cast<const double*>(x.raw()), static_cast<double*>(y.raw()), out,
+                            y.numel(), red, n_red, 1.0, s),
+             name, ctx);
+  } else {
+    launched(launch::reduce(launch::Reduce::sum, in_f32(x, name, "x"), out_f32(y, name, "y"), out, y.numel(), red, n_red,
+                            1.0, s),
+             name, ctx);
+  }
+}
+
+// sum, mean and max over `axes` (all when empty), with or without keepdims, as the CPU's
+// ReduceKernel: the same shape checks, double accumulation, a mean times 1 / count.
+class ReduceKernel final : public Kernel {
+ public:
+  ReduceKernel(const char* op, std::vector<std::int64_t> axes, bool keepdims)
+      : op_(op), axes_(std::move(axes)), keepdims_(keepdims) {}
+  void compute(KernelContext& ctx) override {
+    const Tensor& x = need_input(ctx, 0, op_, "x");
+    Tensor& y = need_output(ctx, 0, op_, "y");
+    const std::size_t rank = x.shape().size();
+    std::vector<bool> reduced(rank, axes_.empty());
+    for (std::int64_t a : axes_) {
+      const std::size_t i = normalise_axis(a, rank, op_, x);
+      if (reduced[i]) throw std::invalid_argument(fmt::format("{}: axis {} listed twice for {}", op_, a, x.describe()));
+      reduced[i] = true;
+    }
+    Shape kept = x.shape(), dropped;
+    for (std::size_t i = 0; i < rank; ++i) {
+      if (reduced[i]) {
+        kept[i] = 1;
+      } else {
+        dropped.push_back(x.shape()[i]);
+      }
+    }
+    if (y.shape() != (keepdims_ ? kept : dropped)) {
+      throw std::invalid_argument(fmt::format("{} (keepdims={}): x {} reduces to {}, not y {}", op_, int(keepdims_),
+                                              x.describe(), to_string(keepdims_ ? kept : dropped), y.describe()));
+    }
+    Indexing out, red;
+    const long long n_red = reduce_indexing(x.shape(), kept, out, red, op_, x, y);
+    // numel(x) / numel(y) elements fall on each output (0 / 0 = NaN for a mean of nothing).
+    const double count = y.numel() == 0 ? 1.0 : static_cast<double>(x.numel()) / static_cast<double>(y.numel());
+    const double factor = std::string_view(op_) == "mean" ? 1.0 / count : 1.0;
+    const auto mode = std::string_view(op_) == "max" ? launch::Reduce::max : launch::Reduce::sum;
+    check_same_dtype(x, y, op_);
+    cudaStream_t s = stream_of(ctx, op_);
+    if (x.dtype() == DType::f64) {
+      launched(launch::reduce(mode, static_cast<const double*>(x.raw()), static_cast<double*>(y.raw()), out, y.numel(),
+                              red, n_red, factor, s),
+               op_, ctx);
+    } else {
+      launched(launch::reduce(mode, in_f32(x, op_, "x"), out_f32(y, op_, "y"), out, y.numel(), red, n_red, factor, s),
+               op_, ctx);
+    }
+  }
+
+ private:
+  const char* op_;
+  std::vector<std::int64_t> axes_;
+  bool keepdims_;
+};
+
+std::vector<std::int64_t> int_list_or_empty(const KernelConfig& cfg, const char* op, const char* name) {
+  auto it = cfg.attrs.values().find(name);
+  if (it == cfg.attrs.values().end()) return {};
+  if (const auto* v = std::get_if<std::vector<std::int64_t>>(&it->second)) return *v;
+  throw std::invalid_argument(fmt::format("{} (actor '{}'): attribute '{}' is not an int list", op, cfg.actor, name));
+}
+
+bool flag(const KernelConfig& cfg, const char* op, const char* name) {
+  const auto v = cfg.attrs.get_int(name, 0);
+  if (v != 0 && v != 1) {
+    throw std::invalid_argument(fmt::format("{} (actor '{}'): attribute '{}' must be 0 or 1, not {}", op, cfg.actor, name, v));
+  }
+  return v == 1;
+}
+
+std::int64_t required_int(const KernelConfig& cfg, const char* op, const char* name) {
+  if (!cfg.attrs.has(name)) throw std::invalid_argument(fmt::format("{} (actor '{}') needs an integer attribute '{}'", op, cfg.actor, name));
+  return cfg.attrs.get_int(name, 0);
+}
+
+// ---- losses ----------------------------------------------------------------------------------
+
+void check_scalar(const Tensor& t, const char* op, const char* role) {
+  if (!t.shape().empty()) throw std::invalid_argument(fmt::format("{}: {} must be a scalar [], got {}", op, role, t.describe()));
+}
+
+class MseKernel final : public Kernel {
+ public:
+  void compute(KernelContext& ctx) override {
+    const char* name = "mse";
+    const Tensor& pred = need_input(ctx, 0, name, "pred");
+    const Tensor& target = need_input(ctx, 1, name, "target");
+    Tensor& loss = need_output(ctx, 0, name, "loss");
+    check_same_shape(pred, target, name);
+    check_scalar(loss, name, "loss");
+    cudaStream_t s = stream_of(ctx, name);
+    auto* partial = static_cast<double*>(scratch_.get(launch::mean_parts * sizeof(double), ctx));
+    launched(launch::mse(in_f32(pred, name, "pred"), in_f32(target, name, "target"), out_f32(loss, name, "loss"), partial,
+                         pred.numel(), s),
+             name, ctx);
+  }
+
+ private:
+  Scratch scratch_;
+};
+
+void mse_grad(KernelContext& ctx) {
+  const char* name = "mse_grad";
+  const Tensor& pred = need_input(ctx, 0, name, "pred");
+  const Tensor& target = need_input(ctx, 1, name, "target");
+  const Tensor& dloss = need_input(ctx, 2, name, "dloss");
+  Tensor& dpred = need_output(ctx, 0, name, "dpred");
+  check_same_shape(pred, target, name);
+  check_same_shape(pred, dpred, name);
+  check_scalar(dloss, name, "dloss");
+  launched(launch::mse_grad(in_f32(pred, name, "pred"), in_f32(target, name, "target"), in_f32(dloss, name, "dloss"),
+                            out_f32(dpred, name, "dpred"), pred.numel(), stream_of(ctx, name)),
+           name, ctx);
+}
+
+// ---- vocabulary shards -----------------------------------------------------------------------
+
+// The entries [start, start + n) of a vocabulary [0, vocab) a table or logits hold; unsharded
+// (no attributes): the tensor's own entries. Read and checked as the CPU's VocabRange.
+struct VocabRange {
+  std::int64_t start = 0;
+  std::int64_t vocab = -1;  // -1: the tensor's own entries
+  static VocabRange read(const KernelConfig& cfg, const char* op) {
+    VocabRange r;
+    r.start = cfg.attrs.get_int("vocab_start", 0);
+    r.vocab = cfg.attrs.get_int("vocab", -1);
+    if (cfg.attrs.has("vocab_start") != cfg.attrs.has("vocab") || (r.vocab >= 0 && (r.start < 0 || r.vocab < 1))) {
+      throw std::invalid_argument(fmt::format(
+          "{} (actor '{}'): a shard of a vocabulary needs both attributes vocab >= 1 and vocab_start >= 0, got {}", op,
+          cfg.actor, cfg.attrs.str()));
+    }
+    return r;
+  }
+  // Checks that `entries` fit; returns the size of the whole vocabulary.
+  std::int64_t check(const char* op, std::int64_t entries, const Tensor& t, const char* role) const {
+    if (vocab < 0) return entries;
+    if (start + entries > vocab) {
+      throw std::invalid_argument(fmt::format("{}: {} {} holds entries [{}, {}) of a vocabulary of only {}", op, role,
+                                              t.describe(), start, start + entries, vocab));
+    }
+    return vocab;
+  }
+};
+
+void check_per_row(const Tensor& logits, const Tensor& per_row, const char* op, const char* role, std::int64_t cols) {
+  const Shape want = cols == 0 ? Shape{logits.dim(0)} : Shape{logits.dim(0), cols};
+  if (per_row.shape() != want) {
+    throw std::invalid_argument(fmt::format("{}: {} {} must be {} for logits {}", op, role, per_row.describe(),
+                                            to_string(want), logits.describe()));
+  }
+}
+
+// A label outside the vocabulary cannot throw from the device: its row's stats are NaN.
+class VocabCeStatsKernel final : public Kernel {
+ public:
+  VocabCeStatsKernel(VocabRange range, bool grad) : range_(range), grad_(grad) {}
+  void compute(KernelContext& ctx) override {
+    const char* name = grad_ ? "vocab_parallel_ce_stats_grad" : "vocab_parallel_ce_stats";
+    const Tensor& logits = need_input(ctx, 0, name, "logits");
+    const Tensor& labels = need_input(ctx, 1, name, "labels");
+    const Tensor& row_max = need_input(ctx, 2, name, "row_max");
+    check_logits_labels(logits, labels, name);
+    check_per_row(logits, row_max, name, "row_max", 0);
+    const std::int64_t vocab = range_.check(name, logits.dim(1), logits, "logits");
+    cudaStream_t s = stream_of(ctx, name);
+    if (!grad_) {
+      Tensor& stats = need_output(ctx, 0, name, "stats");
+      check_per_row(logits, stats, name, "stats", 2);
+      launched(launch::vocab_ce_stats(in_f32(logits, name, "logits"), in_i32(labels, name, "labels"),
+                                      in_f32(row_max, name, "row_max"), out_f32(stats, name, "stats"), logits.dim(0),
+                                      logits.dim(1), range_.start, vocab, s),
+               name, ctx);
+      return;
+    }
+    const Tensor& dstats = need_input(ctx, 3, name, "dstats");
+    Tensor& dlogits = need_output(ctx, 0, name, "dlogits");
+    check_per_row(logits, dstats, name, "dstats", 2);
+    check_same_shape(logits, dlogits, name);
+    launched(launch::vocab_ce_stats_grad(in_f32(logits, name, "logits"), in_i32(labels, name, "labels"),
+                                         in_f32(row_max, name, "row_max"), in_f32(dstats, name, "dstats"),
+                                         out_f32(dlogits, name, "dlogits"), logits.dim(0), logits.dim(1), range_.start,
+                                         vocab, s),
+             name, ctx);
+  }
+
+ private:
+  VocabRange range_;
+  bool grad_;
+};
+
+class VocabCeLossKernel final : public Kernel {
+ public:
+  void compute(KernelContext& ctx) override {
+    const char* name = "vocab_parallel_ce_loss";
+    const Tensor& stats = need_input(ctx, 0, name, "stats");
+    const Tensor& row_max = need_input(ctx, 1, name, "row_max");
+    Tensor& loss = need_output(ctx, 0, name, "loss");
+    if (stats.shape().size() != 2 || stats.dim(1) != 2 || row_max.shape() != Shape{stats.dim(0)}) {
+      throw std::invalid_argument(fmt::format("{}: stats must be [N, 2] and row_max [N], got {} and {}", name,
+                                              stats.describe(), row_max.describe()));
+    }
+    check_scalar(loss, name, "loss");
+    cudaStream_t s = stream_of(ctx, name);
+    auto* partial = static_cast<double*>(scratch_.get(launch::mean_parts * sizeof(double), ctx));
+    launched(launch::vocab_ce_loss(in_f32(stats, name, "stats"), in_f32(row_max, name, "row_max"),
+                                   out_f32(loss, name, "loss"), partial, stats.dim(0), s),
+             name, ctx);
+  }
+
+ private:
+  Scratch scratch_;
+};
+
+void vocab_ce_loss_grad(KernelContext& ctx) {
+  const char* name = "vocab_parallel_ce_loss_grad";
+  const Tensor& stats = need_input(ctx, 0, name, "stats");
+  const Tensor& dloss = need_input(ctx, 1, name, "dloss");
+  Tensor& dstats = need_output(ctx, 0, name, "dstats");
+  if (stats.shape().size() != 2 || stats.dim(1) != 2) {
+    throw std::invalid_argument(fmt::format("{}: stats must be [N, 2], got {}", name, stats.describe()));
+  }
+  check_scalar(dloss, name, "dloss");
+  check_same_shape(stats, dstats, name);
+  launched(launch::vocab_ce_loss_grad(in_f32(stats, name, "stats"), in_f32(dloss, name, "dloss"),
+                                      out_f32(dstats, name, "dstats"), stats.dim(0), stream_of(ctx, name)),
+           name, ctx);
+}
+
+// embedding / embedding_grad, whole or one shard of the vocabulary. An id outside the
+// vocabulary cannot throw from the device: it gives a zero row and no gradient. The gradient
+// sorts the positions by row instead of adding atomically, so it is the CPU's sum, bit for bit.
+class EmbeddingKernel final : public Kernel {
+ public:
+  EmbeddingKernel(VocabRange range, bool grad) : range_(range), grad_(grad) {}
+  void compute(KernelContext& ctx) override {
+    const char* name = grad_ ? "embedding_grad" : "embedding";
+    if (!grad_) {
+      const Tensor& table = need_input(ctx, 0, name, "table");
+      const Tensor& ids = need_input(ctx, 1, name, "ids");
+      Tensor& y = need_output(ctx, 0, name, "y");
+      check_table(table, ids, y, name);
+      const std::int64_t vocab = range_.check(name, table.dim(0), table, "table");
+      launched(launch::embedding(in_f32(table, name, "table"), in_i32(ids, name, "ids"), out_f32(y, name, "y"), ids.numel(),
+                                 table.dim(1), table.dim(0), range_.start, vocab, stream_of(ctx, name)),
+               name, ctx);
+      return;
+    }
+    const Tensor& ids = need_input(ctx, 0, name, "ids");
+    const Tensor& dy = need_input(ctx, 1, name, "dy");
+    Tensor& dtable = need_output(ctx, 0, name, "dtable");
+    check_table(dtable, ids, dy, name);
+    const std::int64_t vocab = range_.check(name, dtable.dim(0), dtable, "dtable");
+    if (ids.numel() > INT_MAX || dtable.dim(0) >= INT_MAX) {
+      throw std::invalid_argument(fmt::format("{}: ids {} or dtable {} exceed the sort's 32-bit counts", name,
+                                              ids.describe(), dtable.describe()));
+    }
+    cudaStream_t s = stream_of(ctx, name);
+    const std::size_t bytes = launch::embedding_grad_scratch(ids.numel(), dtable.dim(0));
+    void* scratch = scratch_.get(bytes, ctx);
+    launched(launch::embedding_grad(in_i32(ids, name, "ids"), in_f32(dy, name, "dy"), out_f32(dtable, name, "dtable"),
+                                    ids.numel(), dtable.dim(1), dtable.dim(0), range_.start, vocab, scratch, bytes, s),
+             name, ctx);
+  }
+
+ private:
+  VocabRange range_;
+  bool grad_;
+  Scratch scratch_;  // the sort's keys, positions and temporary storage
+};
 
 template <class Fn>
 void add_f32(KernelRegistry& reg, const char* op, Fn fn) {
@@ -405,7 +814,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
     reg.add_fn("noop", cuda, t, [](KernelContext&) {});
   }
   for (const char* op : {"reshape", "stop_gradient"}) {
-    add_f32(reg, op, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
+    for (DType t : {DType::f32, DType::f64}) reg.add_fn(op, cuda, t, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
   }
   add_f32(reg, "add", [](KernelContext& c) { binary(c, Binary::add, "add"); });
   add_f32(reg, "sub", [](KernelContext& c) { binary(c, Binary::sub, "sub"); });
@@ -420,7 +829,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
   add_f32(reg, "gelu_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::gelu, "gelu_grad"); });
   add_f32(reg, "tanh_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::tanh, "tanh_grad"); });
   add_f32(reg, "sigmoid_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::sigmoid, "sigmoid_grad"); });
-  add_f32(reg, "sum_to", sum_to);
+  for (DType t : {DType::f32, DType::f64}) reg.add_fn("sum_to", cuda, t, sum_to);
   add_f32(reg, "broadcast_to", broadcast_to);
   add_f32(reg, "softmax", [](KernelContext& c) { softmax(c, false, "softmax"); });
   add_f32(reg, "log_softmax", [](KernelContext& c) { softmax(c, true, "log_softmax"); });
@@ -496,31 +905,54 @@ void add_cuda_kernels(KernelRegistry& reg) {
                name, c);
     });
   });
-  reg.add("embedding", cuda, DType::f32, [](const KernelConfig& cfg) {
-    no_vocab_shard(cfg, "embedding");
-    return std::make_unique<FunctionKernelF>([](KernelContext& c) {
-      const char* name = "embedding";
-      const Tensor& table = need_input(c, 0, name, "table");
-      const Tensor& ids = need_input(c, 1, name, "ids");
-      Tensor& y = need_output(c, 0, name, "y");
-      check_table(table, ids, y, name);
-      launched(launch::embedding(in_f32(table, name, "table"), in_i32(ids, name, "ids"), out_f32(y, name, "y"), ids.numel(),
-                                 table.dim(1), table.dim(0), stream_of(c, name)),
-               name, c);
+  for (auto [op, grad] : {std::pair{"embedding", false}, std::pair{"embedding_grad", true}}) {
+    reg.add(op, cuda, DType::f32, [op = op, grad = grad](const KernelConfig& cfg) {
+      return std::make_unique<EmbeddingKernel>(VocabRange::read(cfg, op), grad);
     });
+  }
+  for (auto [op, grad] : {std::pair{"vocab_parallel_ce_stats", false}, std::pair{"vocab_parallel_ce_stats_grad", true}}) {
+    reg.add(op, cuda, DType::f32, [op = op, grad = grad](const KernelConfig& cfg) {
+      return std::make_unique<VocabCeStatsKernel>(VocabRange::read(cfg, op), grad);
+    });
+  }
+  reg.add("vocab_parallel_ce_loss", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<VocabCeLossKernel>(); });
+  add_f32(reg, "vocab_parallel_ce_loss_grad", vocab_ce_loss_grad);
+  reg.add("mse", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<MseKernel>(); });
+  add_f32(reg, "mse_grad", mse_grad);
+  for (const char* op : {"sum", "mean", "max"}) {
+    for (DType t : {DType::f32, DType::f64}) {
+      reg.add(op, cuda, t, [op](const KernelConfig& cfg) {
+        return std::make_unique<ReduceKernel>(op, int_list_or_empty(cfg, op, "axes"), flag(cfg, op, "keepdims"));
+      });
+    }
+  }
+  // Slices and concatenation move bytes: every float type.
+  for (DType t : {DType::f32, DType::f64}) {
+    for (auto [op, grad] : {std::pair{"slice", false}, std::pair{"slice_grad", true}}) {
+      reg.add(op, cuda, t, [op = op, grad = grad](const KernelConfig& cfg) {
+        return std::make_unique<SliceKernel>(grad, required_int(cfg, op, "axis"), required_int(cfg, op, "start"));
+      });
+    }
+    reg.add("concat", cuda, t, [](const KernelConfig& cfg) {
+      return std::make_unique<ConcatKernel>(required_int(cfg, "concat", "axis"));
+    });
+  }
+  auto dropout = [](const KernelConfig& cfg) {
+    // torch.nn.Dropout's default p, as the CPU.
+    const double p = cfg.attrs.get_double("p", 0.5);
+    const std::int64_t seed = cfg.attrs.get_int("seed", 0);
+    if (!(p >= 0.0 && p <= 1.0)) {
+      throw std::invalid_argument(fmt::format("dropout (actor '{}'): attribute p must be in [0, 1], got {}", cfg.actor, p));
+    }
+    return std::pair{p, seed};
+  };
+  reg.add("dropout", cuda, DType::f32, [dropout](const KernelConfig& cfg) {
+    auto [p, seed] = dropout(cfg);
+    return std::make_unique<DropoutKernel<float>>(p, seed);
   });
-  reg.add("embedding_grad", cuda, DType::f32, [](const KernelConfig& cfg) {
-    no_vocab_shard(cfg, "embedding_grad");
-    return std::make_unique<FunctionKernelF>([](KernelContext& c) {
-      const char* name = "embedding_grad";
-      const Tensor& ids = need_input(c, 0, name, "ids");
-      const Tensor& dy = need_input(c, 1, name, "dy");
-      Tensor& dtable = need_output(c, 0, name, "dtable");
-      check_table(dtable, ids, dy, name);
-      launched(launch::embedding_grad(in_i32(ids, name, "ids"), in_f32(dy, name, "dy"), out_f32(dtable, name, "dtable"),
-                                      ids.numel(), dtable.dim(1), dtable.dim(0), stream_of(c, name)),
-               name, c);
-    });
+  reg.add("dropout", cuda, DType::f64, [dropout](const KernelConfig& cfg) {
+    auto [p, seed] = dropout(cfg);
+    return std::make_unique<DropoutKernel<double>>(p, seed);
   });
 }
 

@@ -23,8 +23,8 @@
 /// the chain's fixed order (member c+1, c+2, ..., c). Members on other ranks are reached
 /// through transfer actors (insert_transfers: UCX tagged send / receive, shared memory or CMA
 /// between the processes of one host), members on other in-process devices read each
-/// other's registers in place. Kernels: allreduce.slice / .add / .concat (f32, f64;
-/// add_collective_kernels).
+/// other's registers in place. Kernels: allreduce.slice / .add / .concat (f32, f64, on the CPU
+/// and CUDA devices; add_collective_kernels).
 ///
 ///   auto results = baton::add_allreduce(plan, "grad", members, {1 << 20}, baton::f32);
 ///   auto fine = baton::add_allreduce(plan, "g2", members, {1 << 20}, baton::f32, 2,

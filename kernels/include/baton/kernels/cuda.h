@@ -104,5 +104,10 @@ void scale(float* x, std::int64_t n, float factor, Stream& stream);
 /// Registers the CUDA kernels (kernels/src/cuda/ops.cpp lists them) for DeviceType::cuda; does
 /// nothing in a build without CUDA. KernelRegistry::with_builtin_kernels() calls it.
 void add_cuda_kernels(KernelRegistry& reg);
+/// Registers the CUDA kernels of the all-reduce's actors (allreduce.slice, .add, .sum, .split,
+/// .concat for f32 and f64; baton/graph/collectives.h), so that an all-reduce among actors on
+/// CUDA devices of one process runs there; an input on another device (or the host) is copied
+/// to the actor's device first. Does nothing without CUDA. baton::add_collective_kernels calls it.
+void add_collective_kernels(KernelRegistry& reg);
 
 }  // namespace baton::cuda
