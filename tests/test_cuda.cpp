@@ -25,18 +25,12 @@
 #include "baton/kernels.h"
 #include "baton/kernels/optim.h"
 
+#include "test_util.h"
+
 using namespace baton;
+using test::cuda_usable;
 
 namespace {
-
-bool cuda_usable() {
-  const auto& a = cuda::availability();
-  if (!a.ok) {
-    std::printf("%s; CUDA tests skipped\n", a.reason.c_str());
-    std::fflush(stdout);
-  }
-  return a.ok;
-}
 
 std::mt19937& rng() {
   static std::mt19937 g(std::random_device{}());

@@ -20,18 +20,12 @@
 #include "baton/kernels/data.h"
 #include "models.h"
 
+#include "test_util.h"
+
 using namespace baton;
+using test::cuda_usable;
 
 namespace {
-
-bool cuda_usable() {
-  const auto& a = cuda::availability();
-  if (!a.ok) {
-    std::printf("%s; CUDA tests skipped\n", a.reason.c_str());
-    std::fflush(stdout);
-  }
-  return a.ok;
-}
 
 const Device cuda0 = Device::parse("cuda:0");
 const Device cpu0 = Device::parse("cpu:0");

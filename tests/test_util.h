@@ -1,11 +1,25 @@
 #pragma once
 // Small helpers the test files share.
 #include <cstddef>
+#include <cstdio>
 #include <string>
 
 #include <doctest/doctest.h>
 
+#include "baton/kernels/cuda.h"
+
 namespace baton::test {
+
+/// Whether the CUDA tests can run here; if not, prints "<reason>; CUDA tests skipped", which
+/// CTest reports as a skip (tests/CMakeLists.txt).
+inline bool cuda_usable() {
+  const auto& a = cuda::availability();
+  if (!a.ok) {
+    std::printf("%s; CUDA tests skipped\n", a.reason.c_str());
+    std::fflush(stdout);
+  }
+  return a.ok;
+}
 
 inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
