@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -478,4 +479,60 @@ TEST_CASE("Nccl.TwoDevices.AllReduceIsTheSumOnBoth" * doctest::timeout(180)) {
   Runtime rt(plan, reg, s);
   rt.run();
   CHECK(seen.size() == 100);
+}
+
+TEST_CASE("Nccl.IdExchange.RunJobHandsKernelsAStoreFilledBeforeTheStart" * doctest::timeout(120)) {
+  // Two ranks of run_job in this process. On rank 0 the kernel factory publishes 128 bytes while
+  // the runtime is built (as an NCCL group's root does with its unique id); rank 1's kernel
+  // reads them at its first act without waiting (timeout 0): the start barrier comes between.
+  const std::string id = some_id();
+  std::mutex mutex;
+  std::string seen;
+  KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  reg.add("share", DeviceType::cpu, f32, [&](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+    if (cfg.services == nullptr || cfg.services->store == nullptr) throw std::runtime_error("no store for the kernels");
+    if (cfg.services->rank == 0) cfg.services->store->set("test/id", id);
+    struct Fetch final : Kernel {
+      Store* store;
+      std::uint16_t rank;
+      std::mutex* mutex;
+      std::string* seen;
+      Fetch(Store* s, std::uint16_t r, std::mutex* m, std::string* out) : store(s), rank(r), mutex(m), seen(out) {}
+      void compute(KernelContext&) override {
+        if (rank != 1) return;
+        std::string value = store->get("test/id", 0ms);
+        std::lock_guard lock(*mutex);
+        *seen = std::move(value);
+      }
+    };
+    return std::make_unique<Fetch>(cfg.services->store, cfg.services->rank, &mutex, &seen);
+  });
+  // Each rank's output is read on the other (run_job's data plane wants ranks that talk).
+  Plan plan;
+  std::vector<RegisterIndex> outs;
+  for (std::uint16_t rank = 0; rank < 2; ++rank) {
+    outs.push_back(plan.add_register({.name = fmt::format("out{}", rank), .shape = {1}, .dtype = f32}));
+    plan.add_actor({.name = fmt::format("share{}", rank), .kind = ActorKind::source, .op = "share",
+                    .where = {rank, Device{}, 0}, .outputs = {outs.back()}, .pieces = 1});
+  }
+  for (std::uint16_t rank = 0; rank < 2; ++rank) {
+    plan.add_actor({.name = fmt::format("sink{}", rank), .op = "noop", .where = {rank, Device{}, 0},
+                    .inputs = {{outs[1u - rank]}}});
+  }
+  transport::RendezvousServer server(server_settings(2));
+  std::vector<std::future<RunReport>> ranks;
+  for (std::uint32_t rank = 0; rank < 2; ++rank) {
+    ranks.push_back(std::async(std::launch::async, [&, rank] {
+      JobEnvironment env{rank, 2, rank, "127.0.0.1:" + std::to_string(server.port()),
+                         "0123456789abcdef0123456789abcdef"};
+      JobSettings js;
+      js.join_timeout = 20'000ms;
+      js.start_timeout = 20'000ms;
+      js.finish_timeout = 20'000ms;
+      return run_job(plan, reg, env, js);
+    }));
+  }
+  for (auto& r : ranks) r.get();
+  std::lock_guard lock(mutex);
+  CHECK(seen == id);
 }
