@@ -143,8 +143,8 @@ std::vector<std::unique_ptr<Communicator>> Communicator::create_local(const std:
     throw std::invalid_argument(fmt::format("communicator '{}': {} ranks but {} devices", name, ranks.size(), devices.size()));
   }
   if (unique_id.size() != unique_id_bytes) {
-    throw std::invalid_argument(fmt::format("communicator '{}': a unique id has {} bytes, not {}", name,
-                                            unique_id_bytes, unique_id.size()));
+    throw std::invalid_argument(fmt::format("communicator '{}': the unique id has {} bytes, not {}", name,
+                                            unique_id.size(), unique_id_bytes));
   }
   std::vector<std::unique_ptr<Communicator>> out;
   for (std::size_t i = 0; i < ranks.size(); ++i) {
