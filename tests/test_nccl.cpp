@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <future>
@@ -479,6 +480,41 @@ TEST_CASE("Nccl.TwoDevices.AllReduceIsTheSumOnBoth" * doctest::timeout(180)) {
   Runtime rt(plan, reg, s);
   rt.run();
   CHECK(seen.size() == 100);
+}
+
+TEST_CASE("Nccl.TwoDevices.ACollectiveWithoutItsPeerIsAbortedByTheWatchdog" * doctest::timeout(120)) {
+  if (!cuda_usable(2)) return;
+  // Both members are made (the set-up needs both), but only member 0 calls the all-reduce: its
+  // kernel waits on the device for member 1 forever, where no NCCL host call sees it. The
+  // watchdog aborts the communicator after the timeout and says which collective and rank.
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::string reported;
+  nccl::Communicators comms(0, nullptr, {.timeout = 2000ms}, [&](const std::string& why) {
+    std::lock_guard lock(mutex);
+    reported = why;
+    cv.notify_all();
+  });
+  const nccl::Group g{"half", {0, 0}, {0, 1}};
+  comms.prepare(g);
+  OnDevice d0(0);
+  nccl::Communicator& c0 = comms.communicator("half", 0);
+  Tensor in = d0.up(random_values(1000, 3));
+  Tensor out = d0.poisoned(1000);
+  c0.all_reduce(in, out, *d0.stream);
+  {
+    std::unique_lock lock(mutex);
+    REQUIRE(cv.wait_for(lock, 20s, [&] { return !reported.empty(); }));
+  }
+  CHECK(contains(reported, "communicator 'half' rank 0 of 2 on cuda:0: ncclAllReduce #1"));
+  CHECK(contains(reported, "aborted by the NCCL watchdog"));
+  // The abort ended the kernel: the stream drains instead of hanging.
+  try {
+    d0.stream->synchronize();
+  } catch (const std::exception& e) {
+    MESSAGE("after the abort the stream reports: " << e.what());
+  }
+  CHECK(contains(thrown([&] { c0.all_reduce(in, out, *d0.stream); }), "after the communicator was aborted"));
 }
 
 TEST_CASE("Nccl.IdExchange.RunJobHandsKernelsAStoreFilledBeforeTheStart" * doctest::timeout(120)) {

@@ -127,7 +127,8 @@ Core::Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry)
     // NCCL gives up a little before the watchdog would, so that the error reported is its own
     // (which names the call and the rank), and at once when the run fails.
     const auto wait = settings.stall_timeout.count() > 0 ? settings.stall_timeout * 3 / 4 : std::chrono::milliseconds{120'000};
-    nccl = std::make_unique<nccl::Communicators>(settings.rank, settings.store, nccl::WaitSettings{wait, &failed_});
+    nccl = std::make_unique<nccl::Communicators>(settings.rank, settings.store, nccl::WaitSettings{wait, &failed_},
+                                                 [this](const std::string& why) { fail(why); });
     services = KernelServices{settings.rank, settings.store, nccl.get(), &failed_};
   }
 }

@@ -43,10 +43,17 @@ void Group::check() const {
   }
 }
 
-Communicators::Communicators(std::uint16_t rank, Store* store, WaitSettings wait)
-    : rank_(rank), store_(store), wait_(wait) {}
+Communicators::Communicators(std::uint16_t rank, Store* store, WaitSettings wait,
+                             std::function<void(const std::string&)> on_failure)
+    : rank_(rank), store_(store), wait_(wait), on_failure_(std::move(on_failure)) {}
 
 Communicators::~Communicators() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
   // All at once: finalising one rank of a communicator may need the others of this process.
   std::vector<Communicator*> all;
   for (auto& [name, entry] : groups_) {
@@ -126,12 +133,43 @@ Communicator& Communicators::communicator(const std::string& name, int member) {
     }
     auto comms = Communicator::create_local(e->id, static_cast<int>(g.ranks.size()), local, devices, name, wait_);
     for (std::size_t j = 0; j < local.size(); ++j) e->comms[local[j]] = std::move(comms[j]);
+    start_watchdog();
   } catch (const std::exception& ex) {
     // Every local member fails the same way; none tries again (its peers have given up too).
     e->error = ex.what();
     throw;
   }
   return *e->comms.at(member);
+}
+
+void Communicators::start_watchdog() {
+  std::lock_guard lock(mutex_);
+  if (!watchdog_.joinable() && !stopping_) watchdog_ = std::thread([this] { watch(); });
+}
+
+// A collective whose peer never calls it hangs on the device, where no host call of NCCL sees
+// it (ncclCommGetAsyncError stays ncclSuccess); only its age tells. PyTorch's ProcessGroupNCCL
+// keeps such a watchdog thread for the same reason.
+void Communicators::watch() {
+  std::unique_lock lock(mutex_);
+  while (!stopping_) {
+    wake_.wait_for(lock, watchdog_period, [&] { return stopping_; });
+    if (stopping_) break;
+    // Communicators are only added while the run goes (the destructor stops this thread before
+    // it closes them), so the pointers stay good once the locks are let go. A group that is
+    // being made holds its lock for long: it has nothing to watch yet.
+    std::vector<Communicator*> all;
+    for (auto& [name, entry] : groups_) {
+      std::unique_lock making(entry->mutex, std::try_to_lock);
+      if (!making.owns_lock()) continue;
+      for (auto& [member, comm] : entry->comms) all.push_back(comm.get());
+    }
+    lock.unlock();
+    for (Communicator* c : all) {
+      if (auto why = c->abort_if_overdue(); why && on_failure_) on_failure_(*why);
+    }
+    lock.lock();
+  }
 }
 
 namespace {

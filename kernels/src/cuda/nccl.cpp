@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "baton/kernels/nccl.h"
@@ -18,6 +19,9 @@
 namespace baton::nccl {
 
 struct Communicator::Impl {
+  /// Held while the communicator is used or aborted: NCCL's calls on one communicator must not
+  /// overlap, and the watchdog thread may abort it while a worker enqueues.
+  std::mutex mutex;
   ncclComm_t comm = nullptr;
   /// Recorded on the stream after each collective: not reached yet at the end means some work
   /// never finished (a peer that stopped), so the communicator must be aborted, not finalised.
@@ -25,6 +29,10 @@ struct Communicator::Impl {
   /// An error or a timeout: the communicator was aborted (comm is null then) or must be.
   bool failed = false;
   std::string failure;
+  /// The latest collective: which call, how many so far, when it was enqueued (the watchdog).
+  const char* last_call = "";
+  std::int64_t calls = 0;
+  std::chrono::steady_clock::time_point enqueued_at{};
 };
 
 namespace {
@@ -100,6 +108,17 @@ class DeviceGuard {
 };
 
 std::string seconds(std::chrono::milliseconds d) { return fmt::format("{:.1f} s", static_cast<double>(d.count()) / 1e3); }
+
+/// Aborts with impl.mutex held (or with no other user left). Never throws.
+void abort_comm(Communicator::Impl& impl, Device device) noexcept {
+  if (impl.comm == nullptr) return;
+  const DeviceGuard restore;
+  cudaSetDevice(device.index);
+  ncclCommAbort(impl.comm);
+  impl.comm = nullptr;
+  impl.failed = true;
+  if (impl.failure.empty()) impl.failure = "aborted";
+}
 
 }  // namespace
 
@@ -238,13 +257,28 @@ Communicator::~Communicator() {
 }
 
 void Communicator::abort() noexcept {
-  if (impl_->comm == nullptr) return;
-  const DeviceGuard restore;
-  cudaSetDevice(device_.index);
-  ncclCommAbort(impl_->comm);
-  impl_->comm = nullptr;
-  impl_->failed = true;
-  if (impl_->failure.empty()) impl_->failure = "aborted";
+  std::lock_guard lock(impl_->mutex);
+  abort_comm(*impl_, device_);
+}
+
+std::optional<std::string> Communicator::abort_if_overdue() noexcept {
+  try {
+    std::unique_lock lock(impl_->mutex, std::try_to_lock);
+    if (!lock.owns_lock() || impl_->comm == nullptr || impl_->calls == 0) return std::nullopt;
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - impl_->enqueued_at);
+    if (waited < wait_.timeout) return std::nullopt;
+    const cudaError_t q = cudaEventQuery(impl_->last);
+    if (q == cudaSuccess) return std::nullopt;
+    cudaGetLastError();  // not ready is no error to keep
+    std::string why = fmt::format("{}: {} #{} was enqueued {} ago and has not finished on the device (does every rank "
+                                  "of the group call it?); aborted by the NCCL watchdog",
+                                  describe(), impl_->last_call, impl_->calls, seconds(waited));
+    impl_->failure = why;
+    abort_comm(*impl_, device_);
+    return why;
+  } catch (...) {  // formatting ran out of memory: try again next time
+    return std::nullopt;
+  }
 }
 
 void Communicator::close(const std::vector<Communicator*>& comms) noexcept {
@@ -313,6 +347,7 @@ void check_operands(const Communicator& c, const char* call, const Tensor& in, c
 template <class Call>
 static void enqueue(Communicator& c, Communicator::Impl& impl, const WaitSettings& wait, const char* call,
                     cuda::Stream& stream, Call&& launch) {
+  std::lock_guard lock(impl.mutex);
   if (impl.comm == nullptr || impl.failed) {
     throw std::runtime_error(fmt::format("{}: {} after the communicator was aborted ({})", c.describe(), call,
                                          impl.failure.empty() ? "an earlier error" : impl.failure));
@@ -332,7 +367,7 @@ static void enqueue(Communicator& c, Communicator::Impl& impl, const WaitSetting
       case Outcome::cancelled: why = fmt::format("{} given up: the run failed meanwhile", what); break;
     }
     impl.failure = why;
-    c.abort();
+    abort_comm(impl, c.device());
     throw std::runtime_error(fmt::format("{}: {}", c.describe(), why));
   };
   // An asynchronous error of an earlier collective (a peer's network failure) shows here first.
@@ -343,10 +378,13 @@ static void enqueue(Communicator& c, Communicator::Impl& impl, const WaitSetting
   } else if (r != ncclSuccess) {
     impl.failure = fmt::format("{} failed: {}", call, describe_error(r, impl.comm));
     const std::string message = fmt::format("{}: {}", c.describe(), impl.failure);
-    c.abort();
+    abort_comm(impl, c.device());
     throw std::runtime_error(message);
   }
   BATON_CUDA_CHECK(cudaEventRecord(impl.last, stream.impl().stream), c.describe());
+  impl.last_call = call;
+  ++impl.calls;
+  impl.enqueued_at = Clock::now();
 }
 
 void Communicator::all_reduce(const Tensor& in, Tensor& out, cuda::Stream& stream) {

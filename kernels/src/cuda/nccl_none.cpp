@@ -36,6 +36,7 @@ std::vector<std::unique_ptr<Communicator>> Communicator::create_local(const std:
   unavailable("communicator '" + name + "'");
 }
 void Communicator::abort() noexcept {}
+std::optional<std::string> Communicator::abort_if_overdue() noexcept { return std::nullopt; }
 void Communicator::close(const std::vector<Communicator*>&) noexcept {}
 void Communicator::all_reduce(const Tensor&, Tensor&, cuda::Stream&) { unavailable(describe() + ": all_reduce"); }
 void Communicator::reduce_scatter(const Tensor&, Tensor&, cuda::Stream&) { unavailable(describe() + ": reduce_scatter"); }

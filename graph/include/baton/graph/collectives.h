@@ -90,7 +90,8 @@ enum class NcclCollective : std::uint8_t { all_reduce, reduce_scatter, all_gathe
 /// NCCL matches the calls of a communicator in the order each rank makes them, and a stream
 /// runs its work in order: NCCL actors that share a communicator or a stream must act in the
 /// same order on every rank (give them an ActOrder lane, or each group a stream of its own),
-/// else two ranks can wait on each other until the runtime's stall timeout. The first act of
+/// else two ranks can wait on each other until NCCL's watchdog fails the run (3/4 of the
+/// runtime's stall timeout; baton/kernels/nccl.h). The first act of
 /// each member waits for the whole group's first act (the communicator's set-up).
 ///
 ///   auto sums = baton::add_nccl_allreduce(plan, "grad", {{{0, Device::parse("cuda:0")}, g0, "@dp0"},

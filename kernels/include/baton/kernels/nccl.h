@@ -8,7 +8,9 @@
 /// Nothing here may hang: communicators are non-blocking (ncclConfig_t::blocking = 0), and every
 /// wait for NCCL (initialisation, the enqueueing of a collective, finalisation) polls
 /// ncclCommGetAsyncError until a deadline, then aborts the communicator (ncclCommAbort) and
-/// throws an error that names the communicator, the call and the rank.
+/// throws an error that names the communicator, the call and the rank. A collective that was
+/// enqueued but never finishes on the device (its peer never called it) is caught by
+/// Communicators' watchdog thread, which aborts the communicator and reports it.
 ///
 ///   std::string id = baton::nccl::make_unique_id();        // one rank makes it, all use it
 ///   auto comm = baton::nccl::Communicator::create(id, 1, 0, Device::parse("cuda:0"), "grad");
@@ -21,11 +23,15 @@
 /// barrier.
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "baton/kernels/device.h"
@@ -104,7 +110,13 @@ class Communicator {
   void all_gather(const Tensor& in, Tensor& out, cuda::Stream& stream);
 
   /// Aborts the communicator now (its device work ends, its later calls throw). Never throws.
+  /// Any thread.
   void abort() noexcept;
+  /// For a watchdog thread: if the latest collective was enqueued longer than the timeout ago
+  /// and has not finished on the device, aborts the communicator (which ends that work) and
+  /// returns why ("... ncclAllReduce #7 enqueued 45.0 s ago has not finished ..."); else
+  /// nothing. Does not wait: skips a communicator another thread is using.
+  std::optional<std::string> abort_if_overdue() noexcept;
   /// Ends several communicators of this process together, as the destructor ends one: those
   /// that are healthy and idle are finalised all at once (finalising one rank may wait for the
   /// others) and destroyed; the rest, and any whose finalisation fails or times out, aborted.
@@ -149,10 +161,20 @@ struct Group {
 /// id (fetched from the store on the other ranks). Thread-safe. The destructor finalises or
 /// aborts them all; the runtime destroys it before its CUDA streams, so that no stream waits on
 /// a collective whose peer is gone.
+///
+/// Once it has a communicator it runs a watchdog thread (waking every watchdog_period) that
+/// aborts a communicator whose latest collective has been enqueued for longer than the timeout
+/// without finishing on the device, and passes the reason to `on_failure` (the runtime fails the
+/// run with it): a peer that stopped calling would otherwise leave the device, and anything that
+/// waits for its stream, waiting forever.
 class Communicators {
  public:
-  /// `rank`: the job rank of this runtime; `store`: null in a job of one rank.
-  Communicators(std::uint16_t rank, Store* store, WaitSettings wait);
+  /// How often the watchdog looks at the communicators' latest collectives.
+  static constexpr std::chrono::milliseconds watchdog_period{200};
+  /// `rank`: the job rank of this runtime; `store`: null in a job of one rank; `on_failure`:
+  /// called on the watchdog thread with the reason when it aborts a communicator.
+  Communicators(std::uint16_t rank, Store* store, WaitSettings wait,
+                std::function<void(const std::string&)> on_failure = {});
   ~Communicators();
   Communicators(const Communicators&) = delete;
   Communicators& operator=(const Communicators&) = delete;
@@ -172,11 +194,17 @@ class Communicators {
     std::map<int, std::unique_ptr<Communicator>> comms;  // by member, once made
     std::string error;  // why making them failed: every later ask fails the same way
   };
+  void start_watchdog();
+  void watch();
   std::uint16_t rank_;
   Store* store_;
   WaitSettings wait_;
-  std::mutex mutex_;  // guards groups_ (not the entries)
+  std::function<void(const std::string&)> on_failure_;
+  std::mutex mutex_;  // guards groups_ (not the entries) and the watchdog's state
   std::map<std::string, std::unique_ptr<Entry>> groups_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread watchdog_;  // started with the first communicator; joined first in the destructor
 };
 
 /// Registers "nccl.allreduce", "nccl.reduce_scatter" and "nccl.all_gather" for cuda and every
