@@ -29,6 +29,7 @@ endif()
 # know CUDA C++20) and hold only launchers with plain-pointer interfaces; the kernel classes
 # around them are C++20 in .cpp files.
 set(BATON_CUDA FALSE)
+set(BATON_NCCL FALSE)
 if(NOT BATON_WITH_CUDA STREQUAL "OFF")
   find_package(CUDAToolkit QUIET)
   if(CUDAToolkit_FOUND AND NOT CMAKE_CUDA_COMPILER AND EXISTS "${CUDAToolkit_NVCC_EXECUTABLE}")
@@ -44,9 +45,18 @@ if(NOT BATON_WITH_CUDA STREQUAL "OFF")
     enable_language(CUDA)
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    # NCCL (collectives between GPUs), linked as the shared library: libnccl is about 200 MB, and
+    # every CUDA install or PyTorch wheel (nvidia/nccl/lib) on a GPU machine carries one.
+    # BATON_NCCL is what the rest of the build tests; without it the NCCL API says "built
+    # without NCCL".
+    find_path(BATON_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
     find_library(BATON_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    set(BATON_NCCL FALSE)
+    if(BATON_NCCL_INCLUDE_DIR AND BATON_NCCL_LIBRARY)
+      set(BATON_NCCL TRUE)
+    endif()
     set(BATON_CUDA TRUE)
-    message(STATUS "baton: CUDA ${CUDAToolkit_VERSION} at ${CUDAToolkit_BIN_DIR}, architectures ${CMAKE_CUDA_ARCHITECTURES}; NCCL: ${BATON_NCCL_LIBRARY}")
+    message(STATUS "baton: CUDA ${CUDAToolkit_VERSION} at ${CUDAToolkit_BIN_DIR}, architectures ${CMAKE_CUDA_ARCHITECTURES}; NCCL: ${BATON_NCCL} (${BATON_NCCL_LIBRARY})")
   elseif(BATON_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "BATON_WITH_CUDA=ON but no CUDA toolkit (nvcc) was found; set CUDAToolkit_ROOT")
   else()

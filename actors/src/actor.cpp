@@ -100,7 +100,7 @@ void Actor::wire_inputs() {
   if (desc_.kind == ActorKind::repeat) bytes_in_per_act_ = 0;  // it reads nothing: an alias
   if (core_.dry_run) return;
   const DType dtype = desc_.dtype;
-  KernelConfig cfg{desc_.name, desc_.where.device, dtype, desc_.attrs};
+  KernelConfig cfg{desc_.name, desc_.where.device, dtype, desc_.attrs, &core_.services};
   switch (desc_.kind) {
     case ActorKind::repeat: break;
     case ActorKind::transfer:

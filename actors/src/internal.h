@@ -26,6 +26,7 @@
 #include "baton/kernels/allocator.h"
 #include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/nccl.h"
 #include "baton/transport/link.h"
 
 namespace baton::detail {
@@ -330,9 +331,14 @@ struct Core : transport::LinkHandler {
   std::int64_t dry_acts = 0;
   std::int64_t dry_reached = 0;
   bool dry_spent = false;
-  // Last, so destroyed first: each waits for its queued work, which reads and writes register
-  // slots and posts to workers, before those go.
+  // Late, so destroyed early (after only the communicators below): each waits for its queued
+  // work, which reads and writes register slots and posts to workers, before those go.
   std::map<std::pair<Device, std::uint8_t>, std::unique_ptr<cuda::Stream>> streams;
+  // After the streams, so destroyed before them: a collective whose peer is gone never ends,
+  // and a stream would wait for it forever unless its communicator is aborted first.
+  std::unique_ptr<nccl::Communicators> nccl;
+  /// What the kernels get beyond their registers (KernelConfig::services).
+  KernelServices services;
 };
 
 }  // namespace baton::detail

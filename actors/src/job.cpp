@@ -9,11 +9,25 @@
 
 #include <fmt/format.h>
 
+#include "baton/kernels/store.h"
 #include "baton/transport/control.h"
 
 namespace baton {
 
 namespace {
+
+/// The job's shared values, through the rendezvous server (ControlClient::publish / fetch).
+class ControlStore final : public Store {
+ public:
+  explicit ControlStore(transport::ControlClient& control) : control_(control) {}
+  void set(const std::string& key, const std::string& value) override { control_.publish(key, value); }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return control_.fetch(key, timeout);
+  }
+
+ private:
+  transport::ControlClient& control_;
+};
 
 std::uint32_t parse_number(const char* var, const char* text) {
   char* end = nullptr;
@@ -102,6 +116,9 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
       observer->on_command(kind, body);
     });
   }
+  // Kernels publish while the runtime is built (an NCCL group's unique id), before the start
+  // barrier, and fetch once running; the runtime uses it no more once run() returns.
+  ControlStore store(control);
   transport::DataPlane data(env.rank, env.world_size, js.data);
   // An empty host: join() names this machine.
   const auto table = control.join(transport::RankInfo{env.rank, {}, data.address(), plan.hash()});
@@ -109,6 +126,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   try {
     js.runtime.rank = static_cast<std::uint16_t>(env.rank);
     js.runtime.link = &data;
+    js.runtime.store = &store;
     auto rt = std::make_unique<Runtime>(plan, kernels, js.runtime);
     std::lock_guard lock(mutex);
     runtime = std::move(rt);

@@ -123,6 +123,14 @@ Core::Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry)
     : plan(std::move(p)), kernels(k), settings(s), dry_run(dry) {
   if (dry_run) settings.activity_log = false;
   activity_log.store(settings.activity_log, std::memory_order_relaxed);
+  if (!dry_run) {
+    // NCCL gives up a little before the watchdog would, so that the error reported is its own
+    // (which names the call and the rank), and at once when the run fails.
+    const auto wait = settings.stall_timeout.count() > 0 ? settings.stall_timeout * 3 / 4 : std::chrono::milliseconds{120'000};
+    nccl = std::make_unique<nccl::Communicators>(settings.rank, settings.store, nccl::WaitSettings{wait, &failed_},
+                                                 [this](const std::string& why) { fail(why); });
+    services = KernelServices{settings.rank, settings.store, nccl.get(), &failed_};
+  }
 }
 
 Core::~Core() {

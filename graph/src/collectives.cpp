@@ -219,4 +219,62 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
   return results;
 }
 
+std::vector<RegisterIndex> add_nccl_allreduce(Plan& plan, const std::string& name,
+                                              const std::vector<AllReduceMember>& members, const Shape& shape,
+                                              DType dtype, std::int32_t result_slots, const std::string& group) {
+  return add_nccl_collective(plan, NcclCollective::all_reduce, name, members, shape, dtype, result_slots, group);
+}
+
+std::vector<RegisterIndex> add_nccl_collective(Plan& plan, NcclCollective collective, const std::string& name,
+                                               const std::vector<AllReduceMember>& members, const Shape& shape,
+                                               DType dtype, std::int32_t result_slots, const std::string& group) {
+  if (members.empty()) throw std::invalid_argument(fmt::format("NCCL collective '{}' has no members", name));
+  const auto n = static_cast<std::int64_t>(members.size());
+  std::vector<std::int64_t> ranks, devices;
+  for (const AllReduceMember& m : members) {
+    if (m.where.device.type != DeviceType::cuda) {
+      throw std::invalid_argument(fmt::format("NCCL collective '{}': member '{}' is on rank {} {}, not a CUDA device",
+                                              name, m.suffix, m.where.rank, m.where.device.str()));
+    }
+    for (std::size_t j = 0; j < ranks.size(); ++j) {
+      if (ranks[j] == m.where.rank && devices[j] == m.where.device.index) {
+        throw std::invalid_argument(fmt::format("NCCL collective '{}': members '{}' and '{}' are both on rank {} {} "
+                                                "(NCCL needs one GPU per member)",
+                                                name, members[j].suffix, m.suffix, m.where.rank, m.where.device.str()));
+      }
+    }
+    ranks.push_back(m.where.rank);
+    devices.push_back(m.where.device.index);
+  }
+  const std::int64_t elements = numel(shape);
+  const char* op = "nccl.allreduce";
+  const char* result = ".allreduced";
+  Shape out_shape = shape;
+  if (collective == NcclCollective::reduce_scatter) {
+    if (elements % n != 0) {
+      throw std::invalid_argument(fmt::format("NCCL reduce-scatter '{}': {} elements do not split into {} equal parts",
+                                              name, elements, n));
+    }
+    op = "nccl.reduce_scatter";
+    result = ".reduce_scattered";
+    out_shape = {elements / n};
+  } else if (collective == NcclCollective::all_gather) {
+    op = "nccl.all_gather";
+    result = ".all_gathered";
+    out_shape = {elements * n};
+  }
+  std::vector<RegisterIndex> results;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const AllReduceMember& m = members[static_cast<std::size_t>(i)];
+    results.push_back(
+        plan.add_register({.name = name + result + m.suffix, .shape = out_shape, .dtype = dtype, .slots = result_slots}));
+    plan.add_actor({.name = name + ".nccl" + m.suffix, .op = op, .dtype = dtype, .where = m.where,
+                    .inputs = {{m.input}}, .outputs = {results.back()},
+                    .attrs = {{"group", group.empty() ? name : group}, {"ranks", ranks}, {"devices", devices},
+                              {"member", i}},
+                    .role = ActorRole::collective});
+  }
+  return results;
+}
+
 }  // namespace baton

@@ -4,6 +4,7 @@
 
 #include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/nccl.h"
 #include "baton/kernels/ops.h"
 #include "kernel_args.h"
 
@@ -88,6 +89,7 @@ KernelRegistry KernelRegistry::with_builtin_kernels() {
   add_cpu_nn_ops(reg);
   cuda::add_cuda_kernels(reg);
   detail::add_cast_kernels(reg);
+  nccl::add_nccl_kernels(reg);
   return reg;
 }
 

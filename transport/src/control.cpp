@@ -638,6 +638,7 @@ struct RendezvousServer::Impl {
       if (type == "bye") return on_bye(*p);
       if (type == "clock") return on_clock(*p, m);
       if (type == "telemetry") return on_telemetry(*p, m);
+      if (type == "publish") return on_publish(*p, m);
       // Unknown types are ignored, so that a newer client can talk to an older server.
     } catch (const ProtocolError& e) {
       on_lost(*p, Loss::protocol, fmt::format("a message with {}", e.what()));
@@ -654,6 +655,30 @@ struct RendezvousServer::Impl {
   void on_telemetry(const Peer& p, const json::object& m) {
     if (p.role != Role::rank || !settings.on_telemetry) return;
     settings.on_telemetry(Telemetry{p.number, get_string(m, "kind"), get_string(m, "body")});
+  }
+
+  // A key is set once, by one rank; every rank (the publisher too) gets `value` in the order
+  // the server saw the publish, so a value published before a barrier arrives before that
+  // barrier's barrier_done.
+  void on_publish(const Peer& p, const json::object& m) {
+    if (p.role != Role::rank) return;
+    const std::string key = get_string(m, "key");
+    const std::string value = get_bytes(m, "value");
+    if (auto it = published.find(key); it != published.end()) {
+      if (it->second.second != value) {
+        fail_job(fmt::format("rank {} published '{}' with another value than rank {} did", p.number, key,
+                             it->second.first),
+                 p.number, p.host);
+      }
+      return;
+    }
+    published.emplace(key, std::pair{p.number, value});
+    auto v = message("value");
+    v["key"] = js(key);
+    v["value"] = json::string(base64_encode(value));
+    for (const auto& peer : rank_peers) {
+      if (peer) peer->channel->send(v);
+    }
   }
 
   void send_command(const std::string& kind, const std::string& body) {
@@ -987,6 +1012,7 @@ struct RendezvousServer::Impl {
   std::vector<std::optional<RankInfo>> infos;
   std::map<std::uint32_t, std::shared_ptr<Peer>> launcher_peers;
   std::map<std::string, Barrier> barriers;
+  std::map<std::string, std::pair<std::uint32_t, std::string>> published;  // key -> (rank, value)
   std::uint64_t barrier_generation = 0;
   std::uint32_t joined_ranks = 0;
   std::uint32_t byes = 0;
@@ -1175,6 +1201,32 @@ class ClientCore {
     throw TransportError(fmt::format("barrier '{}' timed out after {} ms{}", name, timeout.count(), missing));
   }
 
+  /// See ControlClient::publish.
+  void publish(const std::string& key, const std::string& value) {
+    {
+      std::lock_guard lock(mutex_);
+      if (aborted_) throw TransportError(fmt::format("publish '{}': the job was aborted: {}", key, *aborted_));
+      if (!joined_ || closed_) throw TransportError(fmt::format("publish '{}': {} is not joined", key, config_.who));
+      values_.emplace(key, value);
+    }
+    auto m = message("publish");
+    m["key"] = js(key);
+    m["value"] = json::string(base64_encode(value));
+    post_send(std::move(m));
+  }
+
+  /// See ControlClient::fetch.
+  std::string fetch(const std::string& key, milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    std::unique_lock lock(mutex_);
+    if (!joined_ || closed_) throw TransportError(fmt::format("fetch '{}': {} is not joined", key, config_.who));
+    cv_.wait_until(lock, deadline, [&] { return values_.count(key) != 0 || aborted_ || !channel_open_; });
+    if (auto it = values_.find(key); it != values_.end()) return it->second;
+    if (aborted_) throw TransportError(fmt::format("fetch '{}': the job was aborted: {}", key, *aborted_));
+    if (!channel_open_) throw TransportError(fmt::format("fetch '{}': the control connection is closed", key));
+    throw TransportError(fmt::format("fetch '{}': no rank published it within {}", key, format_duration(timeout)));
+  }
+
   /// Sends `m` and waits (up to `bound`) until it is written. Best effort; never throws.
   void send_flushed(json::object m, milliseconds bound) {
     auto written = std::make_shared<bool>(false);
@@ -1342,6 +1394,8 @@ class ClientCore {
         barrier_missing_[get_string(m, "name")] = get_u32_list(m, "missing");
       } else if (type == "join_status") {
         join_missing_ = get_u32_list(m, "missing");
+      } else if (type == "value") {
+        values_[get_string(m, "key")] = get_bytes(m, "value");
       } else if (type == "done") {
         job_done_ = true;
       } else if (type == "clock_reply") {
@@ -1478,6 +1532,7 @@ class ClientCore {
   std::map<std::string, std::uint64_t> barriers_entered_;
   std::map<std::string, std::vector<std::uint32_t>> barrier_missing_;
   std::optional<std::vector<std::uint32_t>> join_missing_;
+  std::map<std::string, std::string> values_;  // published keys (ControlClient::publish / fetch)
   std::function<void(const std::string&)> on_abort_;
   std::function<void(const std::string&, const std::string&)> on_command_;
   std::int64_t clock_reply_t0_ = -1;
@@ -1561,6 +1616,12 @@ void ControlClient::on_abort(std::function<void(const std::string& reason)> call
 
 void ControlClient::barrier(const std::string& name, std::chrono::milliseconds timeout) {
   impl_->core.barrier(name, timeout);
+}
+
+void ControlClient::publish(const std::string& key, const std::string& value) { impl_->core.publish(key, value); }
+
+std::string ControlClient::fetch(const std::string& key, std::chrono::milliseconds timeout) {
+  return impl_->core.fetch(key, timeout);
 }
 
 void ControlClient::fail(const std::string& reason) {

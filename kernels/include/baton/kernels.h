@@ -6,5 +6,7 @@
 #include "baton/kernels/device.h"
 #include "baton/kernels/dtype.h"
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/nccl.h"
 #include "baton/kernels/ops.h"
+#include "baton/kernels/store.h"
 #include "baton/kernels/tensor.h"

@@ -8,6 +8,7 @@ class Link;
 }
 
 namespace baton {
+class Store;
 
 enum class ExecutionMode : std::uint8_t {
   /// One worker thread per (device, stream) used by the plan.
@@ -48,6 +49,11 @@ struct RuntimeSettings {
   /// link in tests). Needed when the plan has actors on other ranks; the runtime becomes its
   /// handler. Not owned; must outlive the Runtime.
   transport::Link* link = nullptr;
+  /// Values shared with the other ranks of the job (run_job sets it to the control plane): how
+  /// an NCCL group's unique id reaches its members. Its kernels see it in KernelServices. Not
+  /// owned; must outlive the run. NCCL's waits (a communicator's set-up, a collective's
+  /// enqueueing) are bounded by 3/4 of stall_timeout (120 s when the watchdog is off).
+  Store* store = nullptr;
 };
 
 }  // namespace baton

@@ -75,6 +75,42 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
                                          const Shape& shape, DType dtype, std::int32_t result_slots = 2,
                                          const AllReduceSettings& settings = {});
 
+/// The collectives add_nccl_collective can add (kernels "nccl.allreduce", "nccl.reduce_scatter",
+/// "nccl.all_gather"; baton/kernels/nccl.h).
+enum class NcclCollective : std::uint8_t { all_reduce, reduce_scatter, all_gather };
+
+/// The all-reduce of the members' inputs through NCCL instead of actors: one actor per member,
+/// on the member's placement (a CUDA device; rank, device and stream), reading the member's
+/// input register and writing its result register (`result_slots`; named
+/// "<name>.allreduced<suffix>" as add_allreduce's are). The actors share the NCCL communicator
+/// `group` (default: `name`), made the first time they act from a unique id that the group's
+/// lowest rank publishes through the job's control plane; the result is NCCL's sum, the same
+/// bits on every member. Members must be on distinct (rank, CUDA device) pairs.
+///
+/// NCCL matches the calls of a communicator in the order each rank makes them, and a stream
+/// runs its work in order: NCCL actors that share a communicator or a stream must act in the
+/// same order on every rank (give them an ActOrder lane, or each group a stream of its own),
+/// else two ranks can wait on each other until NCCL's watchdog fails the run (3/4 of the
+/// runtime's stall timeout; baton/kernels/nccl.h). The first act of
+/// each member waits for the whole group's first act (the communicator's set-up).
+///
+///   auto sums = baton::add_nccl_allreduce(plan, "grad", {{{0, Device::parse("cuda:0")}, g0, "@dp0"},
+///                                                       {{1, Device::parse("cuda:0")}, g1, "@dp1"}},
+///                                         {1 << 20}, baton::f32);
+std::vector<RegisterIndex> add_nccl_allreduce(Plan& plan, const std::string& name,
+                                              const std::vector<AllReduceMember>& members, const Shape& shape,
+                                              DType dtype, std::int32_t result_slots = 2, const std::string& group = {});
+
+/// add_nccl_allreduce for any of the three collectives. `shape` is the shape of each member's
+/// input; the results are: all_reduce `shape`; reduce_scatter {numel / members} (member i gets
+/// elements [i x that, (i + 1) x that) of the sum; numel must divide evenly); all_gather
+/// {members x numel} (every member's input in member order). Result registers are named
+/// "<name>.allreduced", ".reduce_scattered" or ".all_gathered" + suffix.
+std::vector<RegisterIndex> add_nccl_collective(Plan& plan, NcclCollective collective, const std::string& name,
+                                               const std::vector<AllReduceMember>& members, const Shape& shape,
+                                               DType dtype, std::int32_t result_slots = 2,
+                                               const std::string& group = {});
+
 /// Segments per chunk that add_allreduce uses for `elements` of `dtype` over `members`:
 /// ceil(largest chunk's bytes / segment_bytes), at least 1, at most max_segments, at most the
 /// largest chunk's elements and at most 240 / members (each member's input is read by members

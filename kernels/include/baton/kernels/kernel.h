@@ -1,5 +1,6 @@
 #pragma once
 /// Kernels and the registry that finds them by (op, device type, dtype).
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -20,6 +21,10 @@ namespace baton {
 namespace cuda {
 class Stream;
 }
+namespace nccl {
+class Communicators;
+}
+class Store;
 
 /// What a kernel sees when its actor acts. The tensors are the register slots themselves: a
 /// kernel reads its inputs in place and writes its outputs in place. An input pointer is null
@@ -43,12 +48,27 @@ class Kernel {
   virtual void compute(KernelContext& ctx) = 0;
 };
 
+/// What the runtime of one run offers its kernels beyond their actor's registers: the job's
+/// shared values and NCCL communicators. Owned by the runtime; valid while it lives.
+struct KernelServices {
+  /// The job rank this runtime plays.
+  std::uint16_t rank = 0;
+  /// Values shared with the job's other ranks (baton/kernels/store.h); null in a job of one rank.
+  Store* store = nullptr;
+  /// This run's NCCL communicators, made on first use (baton/kernels/nccl.h).
+  nccl::Communicators* nccl = nullptr;
+  /// Set once the run has failed: a kernel that waits (for a peer, a device) gives up early.
+  const std::atomic<bool>* failed = nullptr;
+};
+
 /// What a factory knows about the actor it makes a kernel for.
 struct KernelConfig {
   std::string_view actor;
   Device device;
   DType dtype;
   const Attrs& attrs;
+  /// Null where a kernel is made outside a runtime (tests of single kernels).
+  const KernelServices* services = nullptr;
 };
 
 using KernelFactory = std::function<std::unique_ptr<Kernel>(const KernelConfig&)>;

@@ -25,6 +25,9 @@
 ///                    traces (body is JSON text, at most max_telemetry_bytes); the server hands
 ///                    it to ServerSettings::on_telemetry
 ///   server -> ranks  command {kind, body}: RendezvousServer::send_command (e.g. "record a trace")
+///   rank -> server   publish {key, value} (value in base64): a key is set once; the server sends
+///                    value {key, value} to every rank (ControlClient::publish / fetch). A second
+///                    publish of a key with another value fails the job.
 ///
 /// Boost.JSON's implementation is compiled into baton::transport (control.cpp): a program that
 /// links it uses <boost/json.hpp> and must not include <boost/json/src.hpp> again.
@@ -181,6 +184,15 @@ class ControlClient {
   void finish(std::chrono::milliseconds timeout);
   /// The abort reason, once aborted.
   std::optional<std::string> aborted() const;
+  /// Any thread, after join(): shares `value` (any bytes) under `key` with every rank of the job
+  /// (NCCL's unique ids travel this way). Does not wait; a value published before a barrier
+  /// has reached every rank when that barrier completes. Throws TransportError if not joined
+  /// or aborted.
+  void publish(const std::string& key, const std::string& value);
+  /// Any thread, after join(): the value some rank published under `key`, waiting for it up to
+  /// `timeout`. Throws TransportError naming the key if it does not come in time, the job is
+  /// aborted or the connection closes.
+  std::string fetch(const std::string& key, std::chrono::milliseconds timeout);
   /// Any thread, after join(): sends `telemetry {kind, body}` to the server (body: JSON text of
   /// at most max_telemetry_bytes, else std::invalid_argument). Does not wait; does nothing once
   /// the job is aborted or finished.
