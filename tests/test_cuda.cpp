@@ -223,6 +223,12 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
   SUBCASE("activations and their gradients") {
     const Shape s{13, 37};
     for (const char* op : {"relu", "gelu", "tanh", "sigmoid"}) check_op(gpu, reg, op, {}, {random_f32(s)}, {{s, f32}});
+    // A NaN stays NaN through each activation (relu too, as torch.relu and the CPU's std::max),
+    // and through the gradients where the CPU's does.
+    Tensor with_nan = random_f32(s);
+    with_nan.data<float>()[40] = NAN;
+    for (const char* op : {"relu", "gelu", "tanh", "sigmoid"}) check_op(gpu, reg, op, {}, {with_nan}, {{s, f32}});
+    for (const char* op : {"relu_grad", "gelu_grad"}) check_op(gpu, reg, op, {}, {with_nan, random_f32(s)}, {{s, f32}});
     for (const char* op : {"relu_grad", "gelu_grad"}) {
       check_op(gpu, reg, op, {}, {random_f32(s), random_f32(s)}, {{s, f32}});
     }
