@@ -189,6 +189,36 @@ TEST_CASE("Cuda.Availability.SaysWhy") {
                        std::runtime_error);
 }
 
+// A stream made, and a kernel launched, on cuda:0 right after an allocation on cuda:1 made
+// that device current on this thread: the stream must still live on cuda:0 and its kernel run
+// there (Stream::bind once trusted a remembered device and skipped the switch). Needs two GPUs.
+TEST_CASE("Cuda.Stream.BindsItsDeviceWhateverWasCurrent" * doctest::timeout(60)) {
+  if (!cuda_usable()) return;
+  if (cuda::availability().devices < 2) {
+    MESSAGE("one CUDA device: nothing to switch between");
+    return;
+  }
+  const Device d0 = Device::parse("cuda:0"), d1 = Device::parse("cuda:1");
+  auto first = cuda::Stream::create(d0, "first");
+  auto memory0 = cuda::make_device_allocator(d0);
+  auto memory1 = cuda::make_device_allocator(d1);
+  const Tensor x = random_f32({1000});
+  Tensor dx = Tensor::empty(x.shape(), f32, *memory0), dy = Tensor::empty(x.shape(), f32, *memory0);
+  Tensor elsewhere = Tensor::empty({16}, f32, *memory1);  // makes cuda:1 current here
+  auto second = cuda::Stream::create(d0, "second");
+  cuda::copy(dx, x, *second);
+  const KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  auto scale = reg.create("scale", KernelConfig{"twice", d0, f32, Attrs{{"value", 2.0}}});
+  const Tensor* in[] = {&dx};
+  Tensor* out[] = {&dy};
+  KernelContext ctx{in, out, 0, second.get()};
+  scale->compute(ctx);
+  Tensor back = Tensor::empty(x.shape(), f32);
+  cuda::copy(back, dy, *second);
+  second->synchronize();
+  for (std::size_t i = 0; i < 1000; ++i) CHECK(back.data<float>()[i] == 2.f * x.data<float>()[i]);
+}
+
 TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
   std::optional<Gpu> device;
   if (cuda_usable()) device.emplace();
