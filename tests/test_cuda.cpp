@@ -219,6 +219,28 @@ TEST_CASE("Cuda.Stream.BindsItsDeviceWhateverWasCurrent" * doctest::timeout(60))
   for (std::size_t i = 0; i < 1000; ++i) CHECK(back.data<float>()[i] == 2.f * x.data<float>()[i]);
 }
 
+// The CUDA binary ops check their shapes on the host, before anything reaches a device, so
+// this runs without a GPU: an input with more axes than the output is refused (it once wrapped
+// an unsigned count and read as broadcast along every axis).
+TEST_CASE("Cuda.Kernels.BinaryRefusesAnInputWithMoreAxesThanTheOutput") {
+  if (!cuda::built_with_cuda()) {
+    cuda_usable();  // says why, and CTest reports a skip
+    return;
+  }
+  const KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  const Tensor a = random_f32({2, 3}), b = random_f32({3});
+  Tensor c = Tensor::zeros({3}, f32);
+  for (const char* op : {"add", "mul", "maximum"}) {
+    CAPTURE(op);
+    auto k = reg.create(op, KernelConfig{"wide", Device::parse("cuda:0"), f32, {}});
+    const Tensor* in[] = {&a, &b};
+    Tensor* out[] = {&c};
+    KernelContext ctx{in, out, 0};
+    CHECK_THROWS_WITH_AS(k->compute(ctx), doctest::Contains("a of shape [2, 3] does not broadcast to [3]"),
+                         std::invalid_argument);
+  }
+}
+
 TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
   std::optional<Gpu> device;
   if (cuda_usable()) device.emplace();
@@ -588,3 +610,4 @@ TEST_CASE("Cuda.Collectives.AllReduceAmongStreamsOfOneDevice" * doctest::timeout
     }
   }
 }
+
