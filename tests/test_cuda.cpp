@@ -8,14 +8,21 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <functional>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -611,3 +618,44 @@ TEST_CASE("Cuda.Collectives.AllReduceAmongStreamsOfOneDevice" * doctest::timeout
   }
 }
 
+// A kernel that faults on the device at its last act: the fault is sticky, so the stream's
+// when_reached callbacks never run and the consumer never hears of that piece. The run must
+// fail naming the CUDA error and the actors, not wait (the stall watchdog is off here). The
+// fault ruins the process's CUDA context, so the run happens in a child process: this same
+// test program, with BATON_TEST_CUDA_FAULT_CHILD set, under a 90 s deadline.
+TEST_CASE("Cuda.Runtime.DeviceFaultFailsTheJob" * doctest::timeout(150)) {
+  if (!cuda_usable()) return;
+  const char* test_name = "Cuda.Runtime.DeviceFaultFailsTheJob";
+  if (std::getenv("BATON_TEST_CUDA_FAULT_CHILD") == nullptr) {
+    const auto log = std::filesystem::temp_directory_path() / fmt::format("baton-cuda-fault-{}.log", ::getpid());
+    const auto exe = std::filesystem::read_symlink("/proc/self/exe");
+    const int status = std::system(fmt::format("BATON_TEST_CUDA_FAULT_CHILD=1 timeout 90 '{}' -tc='{}' > '{}' 2>&1",
+                                               exe.string(), test_name, log.string())
+                                       .c_str());
+    std::stringstream out;
+    out << std::ifstream(log).rdbuf();
+    std::filesystem::remove(log);
+    CHECK_MESSAGE(status == 0, fmt::format("the child run (exit status {}) said:\n{}", status, out.str()));
+    return;
+  }
+  const Device gpu = Device::parse("cuda:0");
+  Plan p;
+  auto r = p.add_register({.name = "r", .shape = {1024}, .dtype = f32, .slots = 2});
+  p.add_actor({.name = "faulty", .kind = ActorKind::source, .op = "test.fault", .where = {.device = gpu}, .outputs = {r},
+               .pieces = 3});
+  p.add_actor({.name = "sink", .op = "noop", .where = {.device = gpu}, .inputs = {{r}}});
+  KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  reg.add_fn("test.fault", DeviceType::cuda, f32, [](KernelContext& ctx) {
+    Tensor& y = *ctx.outputs[0];
+    // Piece 2 writes through an address no allocation has: an illegal access on the device.
+    float* to = ctx.piece == 2 ? reinterpret_cast<float*>(std::uintptr_t{256}) : y.data<float>().data();
+    cuda::scale(to, y.numel(), 2.f, *ctx.stream);
+  });
+  RuntimeSettings s;
+  s.mode = ExecutionMode::threaded;
+  s.stall_timeout = std::chrono::milliseconds(0);
+  Runtime rt(p, reg, s);
+  const std::string why = test::thrown_message<JobError>([&] { rt.run(); });
+  CHECK(test::contains(why, "cudaError"));
+  CHECK((test::contains(why, "'faulty'") || test::contains(why, "'sink'")));
+}

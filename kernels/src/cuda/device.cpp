@@ -84,6 +84,13 @@ void Stream::when_reached(void (*fn)(void*), void* arg) {
 
 void Stream::synchronize() { BATON_CUDA_CHECK(cudaStreamSynchronize(impl_->stream), owner_); }
 
+std::string Stream::failure() const {
+  const cudaError_t e = cudaStreamQuery(impl_->stream);
+  if (e == cudaSuccess || e == cudaErrorNotReady) return {};
+  return fmt::format("{}: its CUDA work failed: {} ({}): {}", owner_, cudaGetErrorName(e), static_cast<int>(e),
+                     cudaGetErrorString(e));
+}
+
 namespace {
 
 // Pooled by exact size: registers are allocated once per plan, in few sizes, and a plan made
