@@ -8,14 +8,21 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <functional>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -189,6 +196,58 @@ TEST_CASE("Cuda.Availability.SaysWhy") {
                        std::runtime_error);
 }
 
+// A stream made, and a kernel launched, on cuda:0 right after an allocation on cuda:1 made
+// that device current on this thread: the stream must still live on cuda:0 and its kernel run
+// there (Stream::bind once trusted a remembered device and skipped the switch). Needs two GPUs.
+TEST_CASE("Cuda.Stream.BindsItsDeviceWhateverWasCurrent" * doctest::timeout(60)) {
+  if (!cuda_usable()) return;
+  if (cuda::availability().devices < 2) {
+    MESSAGE("one CUDA device: nothing to switch between");
+    return;
+  }
+  const Device d0 = Device::parse("cuda:0"), d1 = Device::parse("cuda:1");
+  auto first = cuda::Stream::create(d0, "first");
+  auto memory0 = cuda::make_device_allocator(d0);
+  auto memory1 = cuda::make_device_allocator(d1);
+  const Tensor x = random_f32({1000});
+  Tensor dx = Tensor::empty(x.shape(), f32, *memory0), dy = Tensor::empty(x.shape(), f32, *memory0);
+  Tensor elsewhere = Tensor::empty({16}, f32, *memory1);  // makes cuda:1 current here
+  auto second = cuda::Stream::create(d0, "second");
+  cuda::copy(dx, x, *second);
+  const KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  auto scale = reg.create("scale", KernelConfig{"twice", d0, f32, Attrs{{"value", 2.0}}});
+  const Tensor* in[] = {&dx};
+  Tensor* out[] = {&dy};
+  KernelContext ctx{in, out, 0, second.get()};
+  scale->compute(ctx);
+  Tensor back = Tensor::empty(x.shape(), f32);
+  cuda::copy(back, dy, *second);
+  second->synchronize();
+  for (std::size_t i = 0; i < 1000; ++i) CHECK(back.data<float>()[i] == 2.f * x.data<float>()[i]);
+}
+
+// The CUDA binary ops check their shapes on the host, before anything reaches a device, so
+// this runs without a GPU: an input with more axes than the output is refused (it once wrapped
+// an unsigned count and read as broadcast along every axis).
+TEST_CASE("Cuda.Kernels.BinaryRefusesAnInputWithMoreAxesThanTheOutput") {
+  if (!cuda::built_with_cuda()) {
+    cuda_usable();  // says why, and CTest reports a skip
+    return;
+  }
+  const KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  const Tensor a = random_f32({2, 3}), b = random_f32({3});
+  Tensor c = Tensor::zeros({3}, f32);
+  for (const char* op : {"add", "mul", "maximum"}) {
+    CAPTURE(op);
+    auto k = reg.create(op, KernelConfig{"wide", Device::parse("cuda:0"), f32, {}});
+    const Tensor* in[] = {&a, &b};
+    Tensor* out[] = {&c};
+    KernelContext ctx{in, out, 0};
+    CHECK_THROWS_WITH_AS(k->compute(ctx), doctest::Contains("a of shape [2, 3] does not broadcast to [3]"),
+                         std::invalid_argument);
+  }
+}
+
 TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
   std::optional<Gpu> device;
   if (cuda_usable()) device.emplace();
@@ -223,6 +282,12 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
   SUBCASE("activations and their gradients") {
     const Shape s{13, 37};
     for (const char* op : {"relu", "gelu", "tanh", "sigmoid"}) check_op(gpu, reg, op, {}, {random_f32(s)}, {{s, f32}});
+    // A NaN stays NaN through each activation (relu too, as torch.relu and the CPU's std::max),
+    // and through the gradients where the CPU's does.
+    Tensor with_nan = random_f32(s);
+    with_nan.data<float>()[40] = NAN;
+    for (const char* op : {"relu", "gelu", "tanh", "sigmoid"}) check_op(gpu, reg, op, {}, {with_nan}, {{s, f32}});
+    for (const char* op : {"relu_grad", "gelu_grad"}) check_op(gpu, reg, op, {}, {with_nan, random_f32(s)}, {{s, f32}});
     for (const char* op : {"relu_grad", "gelu_grad"}) {
       check_op(gpu, reg, op, {}, {random_f32(s), random_f32(s)}, {{s, f32}});
     }
@@ -551,4 +616,46 @@ TEST_CASE("Cuda.Collectives.AllReduceAmongStreamsOfOneDevice" * doctest::timeout
       for (std::int64_t c : checked) CHECK(c == pieces);
     }
   }
+}
+
+// A kernel that faults on the device at its last act: the fault is sticky, so the stream's
+// when_reached callbacks never run and the consumer never hears of that piece. The run must
+// fail naming the CUDA error and the actors, not wait (the stall watchdog is off here). The
+// fault ruins the process's CUDA context, so the run happens in a child process: this same
+// test program, with BATON_TEST_CUDA_FAULT_CHILD set, under a 90 s deadline.
+TEST_CASE("Cuda.Runtime.DeviceFaultFailsTheJob" * doctest::timeout(150)) {
+  if (!cuda_usable()) return;
+  const char* test_name = "Cuda.Runtime.DeviceFaultFailsTheJob";
+  if (std::getenv("BATON_TEST_CUDA_FAULT_CHILD") == nullptr) {
+    const auto log = std::filesystem::temp_directory_path() / fmt::format("baton-cuda-fault-{}.log", ::getpid());
+    const auto exe = std::filesystem::read_symlink("/proc/self/exe");
+    const int status = std::system(fmt::format("BATON_TEST_CUDA_FAULT_CHILD=1 timeout 90 '{}' -tc='{}' > '{}' 2>&1",
+                                               exe.string(), test_name, log.string())
+                                       .c_str());
+    std::stringstream out;
+    out << std::ifstream(log).rdbuf();
+    std::filesystem::remove(log);
+    CHECK_MESSAGE(status == 0, fmt::format("the child run (exit status {}) said:\n{}", status, out.str()));
+    return;
+  }
+  const Device gpu = Device::parse("cuda:0");
+  Plan p;
+  auto r = p.add_register({.name = "r", .shape = {1024}, .dtype = f32, .slots = 2});
+  p.add_actor({.name = "faulty", .kind = ActorKind::source, .op = "test.fault", .where = {.device = gpu}, .outputs = {r},
+               .pieces = 3});
+  p.add_actor({.name = "sink", .op = "noop", .where = {.device = gpu}, .inputs = {{r}}});
+  KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  reg.add_fn("test.fault", DeviceType::cuda, f32, [](KernelContext& ctx) {
+    Tensor& y = *ctx.outputs[0];
+    // Piece 2 writes through an address no allocation has: an illegal access on the device.
+    float* to = ctx.piece == 2 ? reinterpret_cast<float*>(std::uintptr_t{256}) : y.data<float>().data();
+    cuda::scale(to, y.numel(), 2.f, *ctx.stream);
+  });
+  RuntimeSettings s;
+  s.mode = ExecutionMode::threaded;
+  s.stall_timeout = std::chrono::milliseconds(0);
+  Runtime rt(p, reg, s);
+  const std::string why = test::thrown_message<JobError>([&] { rt.run(); });
+  CHECK(test::contains(why, "cudaError"));
+  CHECK((test::contains(why, "'faulty'") || test::contains(why, "'sink'")));
 }

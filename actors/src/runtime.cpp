@@ -683,10 +683,24 @@ RunReport Runtime::run() {
     std::uint64_t last_progress = ~std::uint64_t{0};
     auto last_change = std::chrono::steady_clock::now();
     bool stalled = false;
+    // A CUDA stream whose work failed (a device fault) never runs its when_reached callbacks,
+    // so its actors' requests and acks never come: without this check the job would wait for
+    // the stall timeout (or, with none, forever) and then not say why.
+    std::string device_error;
+    std::pair<Device, std::uint8_t> failed_stream;
     std::unique_lock lock(core.mutex);
     while (!core.done && !core.failed()) {
       core.cv.wait_for(lock, std::chrono::milliseconds(50));
-      if (core.done || core.failed() || core.settings.stall_timeout.count() <= 0) continue;
+      if (core.done || core.failed()) continue;
+      for (const auto& [where, stream] : core.streams) {
+        device_error = stream->failure();
+        if (!device_error.empty()) {
+          failed_stream = where;
+          break;
+        }
+      }
+      if (!device_error.empty()) break;
+      if (core.settings.stall_timeout.count() <= 0) continue;
       std::uint64_t progress = static_cast<std::uint64_t>(core.retired.load());
       for (const auto& a : core.actors) {
         if (a) progress += a->counters().acts.load(std::memory_order_relaxed);
@@ -706,6 +720,19 @@ RunReport Runtime::run() {
     if (stalled) {
       core.fail(fmt::format("no actor acted for {} ms (stall timeout); unfinished actors:{}",
                             core.settings.stall_timeout.count(), core.describe_stuck()));
+    }
+    if (!device_error.empty()) {
+      // Which of the stream's kernels faulted is not known (the work was asynchronous): name
+      // every actor that had work on it and had not finished.
+      std::string on_it;
+      for (std::size_t i = 0; i < core.actors.size(); ++i) {
+        const auto& a = core.actors[i];
+        const Placement& at = core.plan.actors[i].where;
+        if (a && !a->retired() && at.device == failed_stream.first && at.stream == failed_stream.second) {
+          on_it += fmt::format(" '{}' (after {} acts)", a->name(), a->acts());
+        }
+      }
+      core.fail(fmt::format("{}; actors on that stream:{}", device_error, on_it.empty() ? " none unfinished" : on_it));
     }
   }
   if (core.failed()) throw JobError(core.error);

@@ -27,6 +27,7 @@ std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner) {
 }
 void Stream::when_reached(void (*)(void*), void*) { unavailable(owner_); }
 void Stream::synchronize() { unavailable(owner_); }
+std::string Stream::failure() const { return {}; }
 void Stream::bind() const { unavailable(owner_); }
 
 std::unique_ptr<Allocator> make_device_allocator(Device device) { unavailable("memory on " + device.str()); }

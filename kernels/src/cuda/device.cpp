@@ -69,13 +69,13 @@ Stream::~Stream() {
 }
 
 void Stream::bind() const {
-  // The current device is per host thread; kernels of one worker all use one device, so the
-  // check is almost always a cache hit.
-  thread_local int current = -1;
-  if (current != device_.index) {
-    BATON_CUDA_CHECK(cudaSetDevice(device_.index), owner_);
-    current = device_.index;
-  }
+  // Asks the runtime rather than remembering what we set last: other calls switch the current
+  // device behind our back (the allocators' cudaSetDevice, ~Stream), and a remembered value
+  // would then skip the switch, creating a stream or cuBLAS handle on, or launching from, the
+  // wrong device. cudaGetDevice reads a thread-local; no driver round trip.
+  int current = -1;
+  BATON_CUDA_CHECK(cudaGetDevice(&current), owner_);
+  if (current != device_.index) BATON_CUDA_CHECK(cudaSetDevice(device_.index), owner_);
 }
 
 void Stream::when_reached(void (*fn)(void*), void* arg) {
@@ -83,6 +83,13 @@ void Stream::when_reached(void (*fn)(void*), void* arg) {
 }
 
 void Stream::synchronize() { BATON_CUDA_CHECK(cudaStreamSynchronize(impl_->stream), owner_); }
+
+std::string Stream::failure() const {
+  const cudaError_t e = cudaStreamQuery(impl_->stream);
+  if (e == cudaSuccess || e == cudaErrorNotReady) return {};
+  return fmt::format("{}: its CUDA work failed: {} ({}): {}", owner_, cudaGetErrorName(e), static_cast<int>(e),
+                     cudaGetErrorString(e));
+}
 
 namespace {
 

@@ -54,7 +54,8 @@ __global__ void unary_kernel(int op, const float* x, float* y, long long n, floa
     const float v = x[i];
     float r;
     switch (static_cast<Unary>(op)) {
-      case Unary::relu: r = v > 0.f ? v : 0.f; break;
+      // As the CPU's std::max(x, 0): a NaN stays NaN (torch.relu), -0 stays -0.
+      case Unary::relu: r = v < 0.f ? 0.f : v; break;
       case Unary::gelu: r = gelu(v); break;
       case Unary::tanh: r = tanhf(v); break;
       case Unary::sigmoid: r = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(v)))); break;

@@ -64,6 +64,10 @@ std::vector<std::int64_t> strides_of(const Shape& s) {
 // x's strides along the dims of `out` (aligned right, numpy rules): 0 where x is broadcast.
 void broadcast_strides(const Shape& x, const Shape& out, long long* dst, const char* op, const char* role) {
   const auto st = strides_of(x);
+  // More axes than the output: `lead` below would wrap and every stride read as broadcast.
+  if (x.size() > out.size()) {
+    throw std::invalid_argument(fmt::format("{}: {} of shape {} does not broadcast to {}", op, role, to_string(x), to_string(out)));
+  }
   const std::size_t lead = out.size() - x.size();
   for (std::size_t d = 0; d < out.size(); ++d) {
     if (d < lead) {

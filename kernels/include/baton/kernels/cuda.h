@@ -59,6 +59,10 @@ class Stream {
   void when_reached(void (*fn)(void*), void* arg);
   /// Blocks until the stream's work is done; throws naming the owner if any of it failed.
   void synchronize();
+  /// Without waiting: "" while the stream's work is running or done, else "<owner>: <the CUDA
+  /// error>" once it failed (a device fault is sticky, and then no when_reached callback runs:
+  /// the runtime polls this so that such a job fails instead of waiting). Any thread.
+  std::string failure() const;
   /// Makes this stream's device current on the calling thread (cheap when it already is).
   void bind() const;
 
