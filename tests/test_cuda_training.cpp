@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "baton/graph.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
+#include "baton/kernels/nccl.h"
 #include "models.h"
 
 #include "test_util.h"
@@ -155,6 +157,43 @@ TEST_CASE("CudaTraining.WhatCrossesRanksGoesThroughHostMemory") {
   }
   CHECK(transfers >= 3);  // the activation, its gradient, the labels to the last stage and the loss back
   CHECK(insert_device_copies(plan) == plan);  // nothing more to do
+}
+
+TEST_CASE("CudaTraining.DataParallelGradientsGoThroughNcclInOneOrder") {
+  Digits d;
+  auto compiled = [&](const std::string& collectives, Device device) {
+    MlpJob job(d, {Placement{.rank = 0, .device = device}, Placement{.rank = 1, .device = device}}, optim::sgd(0.1));
+    job.cfg.dp = 2;
+    job.cfg.bucket_bytes = 0;  // a bucket per weight: several NCCL calls a step
+    job.cfg.collectives = collectives;
+    return compile_training(job.g, job.loss, job.cfg).plan;
+  };
+  if (!nccl::built_with_nccl()) {
+    CHECK_THROWS_WITH_AS(compiled("nccl", cuda0), doctest::Contains("built without NCCL"), GraphError);
+    return;
+  }
+  const Plan plan = compiled("auto", cuda0);
+  std::map<std::uint16_t, std::vector<std::pair<std::int32_t, std::string>>> order;  // rank -> (key, weight)
+  for (const ActorDesc& a : plan.actors) {
+    if (a.name.starts_with("grad.")) CHECK_FALSE(a.op.starts_with("allreduce."));  // no ring (the loss keeps one)
+    if (a.op != "nccl.allreduce") continue;
+    CHECK(a.where.device == cuda0);
+    CHECK(a.where.stream == 14);
+    CHECK(a.role == ActorRole::collective);
+    CHECK(a.order.lane >= 0);
+    order[a.where.rank].push_back({a.order.rank, a.name.substr(0, a.name.find('@'))});
+  }
+  REQUIRE(order.size() == 2);
+  // Six weights, six buckets, called in the same order on both ranks.
+  for (auto& [rank, calls] : order) std::sort(calls.begin(), calls.end());
+  CHECK(order[0].size() == 6);
+  CHECK(order[0] == order[1]);
+  // Actors on request; NCCL refused where a replica is not on a CUDA device.
+  for (const ActorDesc& a : compiled("actors", cuda0).actors) CHECK(a.op != "nccl.allreduce");
+  for (const ActorDesc& a : compiled("auto", cpu0).actors) CHECK(a.op != "nccl.allreduce");
+  CHECK_THROWS_WITH_AS(compiled("nccl", cpu0), doctest::Contains("needs every replica on a CUDA device"), GraphError);
+  CHECK_THROWS_WITH_AS(compiled("gloo", cuda0), doctest::Contains("collectives 'gloo': auto, actors or nccl"),
+                       GraphError);
 }
 
 TEST_CASE("CudaTraining.RefusesWhatItCannotRunWithAReason") {

@@ -60,6 +60,7 @@ struct Options {
   std::string balance = "flops";
   std::string devices;  // "cpu:K", "cuda:K" or RANK:TYPE:INDEX per place
   std::string precision = "f32";
+  std::string collectives = "auto";
   bool json = false;
   std::string print_plan;
   bool print_sbp = false;
@@ -280,6 +281,7 @@ int run(const Options& o) {
   cfg.threads = o.threads;
   cfg.dp = o.dp;
   cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
+  cfg.collectives = o.collectives;
   // A stage is at least one layer: a finer cut would split a layer's ops over devices, which
   // only adds transfers. Refused here, where the model's layers are known.
   const std::int64_t model_layers = o.model == "mlp" ? o.layers + 1 : o.layers + 2;
@@ -593,6 +595,9 @@ int main(int argc, char** argv) {
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads, MLP and vocabulary)")
       ->check(CLI::Range(1, 64));
+  app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients: auto (NCCL when every replica is on a "
+                 "CUDA device, else actors), nccl, or actors (a ring of add actors; any devices)")
+      ->check(CLI::IsMember({"auto", "nccl", "actors"}));
   app.add_option("--precision", o.precision, "f32, or bf16: mixed precision as torch.autocast (matrix products in bf16, "
                  "softmax, losses and norms in f32; f32 master weights and optimizer)")
       ->check(CLI::IsMember({"f32", "bf16"}));

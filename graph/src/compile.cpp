@@ -20,6 +20,7 @@
 #include "baton/graph/collectives.h"
 #include "baton/graph/profile.h"
 #include "baton/graph/schedule.h"
+#include "baton/kernels/nccl.h"
 #include "baton/kernels/optim.h"
 #include "device_variables.h"
 
@@ -333,6 +334,26 @@ void check_cuda_kernels(const Plan& plan, const KernelRegistry& kernels) {
                                missing.size() > shown ? ", ..." : "", missing.size() == 1 ? "it" : "them"));
 }
 
+/// The stream NCCL all-reduce actors run on: a worker and CUDA stream of their own, so that a
+/// collective waiting for its peers holds up neither compute nor copies.
+constexpr std::uint8_t nccl_stream = 14;
+/// Their lanes (ActOrder): one per (rank, device), above any pipeline stage's.
+constexpr std::int32_t nccl_lane_base = 1 << 20;
+
+/// Whether a bucket's all-reduce over these members goes through NCCL (TrainConfig::collectives).
+bool use_nccl(const TrainConfig& cfg, const std::vector<PlanBuilder>& replicas, int place) {
+  const bool all_cuda = std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
+    return b.at(0, place).device.type == DeviceType::cuda;
+  });
+  if (cfg.collectives == "actors") return false;
+  if (cfg.collectives == "auto") return all_cuda && nccl::built_with_nccl();
+  if (!all_cuda) {
+    throw GraphError("collectives 'nccl' needs every replica on a CUDA device; use 'actors' (or 'auto')");
+  }
+  if (!nccl::built_with_nccl()) throw GraphError("collectives 'nccl': baton was built without NCCL");
+  return true;
+}
+
 /// Nodes that the targets depend on (ids are topological, so one backward sweep finds them).
 std::vector<bool> needed_nodes(const Graph& g, const std::vector<Value>& targets) {
   std::vector<bool> need(static_cast<std::size_t>(g.size()), false);
@@ -490,6 +511,9 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
     throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
   }
   if (cfg.tp < 1) throw GraphError(fmt::format("tp must be >= 1, not {}", cfg.tp));
+  if (cfg.collectives != "auto" && cfg.collectives != "actors" && cfg.collectives != "nccl") {
+    throw GraphError(fmt::format("collectives '{}': auto, actors or nccl", cfg.collectives));
+  }
   if (cfg.balance != "flops" && cfg.balance != "profile") {
     throw GraphError(fmt::format("balance '{}': flops or profile", cfg.balance));
   }
@@ -620,11 +644,32 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
       continue;
     }
     const int place = replicas[0].place(bucket[0].id());
+    const bool nccl = use_nccl(cfg, replicas, place);
+    // The all-reduce of one register per replica: NCCL's, or the ring of actors.
+    auto allreduce = [&](const std::string& name, const std::vector<RegisterIndex>& inputs, const Shape& shape,
+                         DType dt) {
+      if (!nccl) return add_allreduce(replicas, name, inputs, shape, dt, backward_stream, 1, place);
+      std::vector<AllReduceMember> members;
+      for (std::size_t r = 0; r < replicas.size(); ++r) {
+        members.push_back({replicas[r].at(nccl_stream, place), inputs[r], replicas[r].suffix});
+      }
+      const std::size_t before = plan.actors.size();
+      // One communicator per place (its members are the same every step), and the buckets in
+      // one order on every rank: NCCL pairs the ranks' calls by their order on a communicator.
+      auto out = add_nccl_allreduce(plan, name, members, shape, dt, 1, fmt::format("grad.place{}", place));
+      for (std::size_t a = before; a < plan.actors.size(); ++a) {
+        ActorDesc& d = plan.actors[a];
+        d.role = ActorRole::collective;
+        d.order = ActOrder{.lane = nccl_lane_base + d.where.device.code(), .units = {0}, .period = 1,
+                           .rank = static_cast<std::int32_t>(bi)};
+      }
+      return out;
+    };
     if (bucket.size() == 1) {
       const Value& v = bucket[0];
       std::vector<RegisterIndex> inputs;
       for (std::int64_t r = 0; r < n_dp; ++r) inputs.push_back(local(r, v));
-      auto reduced = add_allreduce(replicas, "grad." + v.name(), inputs, v.shape(), v.dtype(), backward_stream, 1, place);
+      auto reduced = allreduce("grad." + v.name(), inputs, v.shape(), v.dtype());
       for (std::int64_t r = 0; r < n_dp; ++r) grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
       continue;
     }
@@ -641,7 +686,7 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
       plan.add_actor({.name = b.named(name + ".pack"), .op = "allreduce.concat", .dtype = dt,
                       .where = b.at(backward_stream, place), .inputs = std::move(ins), .outputs = {flat.back()}});
     }
-    auto reduced = add_allreduce(replicas, name, flat, {total}, dt, backward_stream, 1, place);
+    auto reduced = allreduce(name, flat, {total}, dt);
     for (std::int64_t r = 0; r < n_dp; ++r) {
       auto& b = replicas[static_cast<std::size_t>(r)];
       std::vector<RegisterIndex> outs;

@@ -134,6 +134,13 @@ struct TrainConfig {
   /// default, 25 MB): one all-reduce per bucket instead of one per weight. 0: one per weight,
   /// each as soon as it is summed.
   std::int64_t bucket_bytes = 25 << 20;
+  /// How dp > 1 all-reduces the gradient buckets: "actors" (the ring of add actors,
+  /// collectives.h; any devices, through host memory between ranks), "nccl" (one NCCL
+  /// all-reduce actor per replica, on a stream of its own, the buckets in one fixed order on
+  /// every rank; every replica's place must be a CUDA device, each on its own GPU) or "auto":
+  /// NCCL where every member is on a CUDA device and baton has NCCL, else actors. The loss's
+  /// all-reduce (a scalar per micro-batch) is always made of actors.
+  std::string collectives = "auto";
   /// Pipeline parallelism: the forward ops cut into `pp` stages of about equal estimated cost
   /// (multiply-adds), each backward op on the stage of the forward op it differentiates (so a
   /// weight's gradient is made where the weight lives), each stage on its own device. The M
