@@ -79,4 +79,51 @@ inline MatmulDims matmul_dims(const Tensor& a, const Tensor& b, const Tensor& c,
   return d;
 }
 
+/// An axis in [-rank, rank) as an index in [0, rank); throws naming the op and the tensor.
+inline std::size_t normalise_axis(std::int64_t axis, std::size_t rank, const char* op, const Tensor& t) {
+  const auto r = static_cast<std::int64_t>(rank);
+  if (axis < -r || axis >= r) {
+    throw std::invalid_argument(fmt::format("{}: axis {} is out of range for {}", op, axis, t.describe()));
+  }
+  return static_cast<std::size_t>(axis < 0 ? axis + r : axis);
+}
+
+/// The product of s[begin, end).
+inline std::int64_t product(const Shape& s, std::size_t begin, std::size_t end) {
+  std::int64_t n = 1;
+  for (std::size_t i = begin; i < end; ++i) n *= s[i];
+  return n;
+}
+
+/// y = concat(inputs, axis) as rows: `outer` rows of y, each the inputs' runs of x.shape[axis]
+/// x `inner` elements side by side. Every kernel of "concat" (CPU, CUDA) checks the shapes here.
+struct ConcatDims {
+  std::size_t axis = 0;
+  std::int64_t outer = 1, inner = 1;
+};
+
+inline ConcatDims concat_dims(const KernelContext& ctx, const Tensor& y, std::int64_t axis) {
+  const Shape& ys = y.shape();
+  auto fail = [&](const std::string& why) {
+    std::string inputs;
+    for (const Tensor* x : ctx.inputs) inputs += (inputs.empty() ? "" : ", ") + x->describe();
+    return std::invalid_argument(fmt::format("concat (axis {}): inputs [{}], y {}: {}", axis, inputs, y.describe(), why));
+  };
+  if (ctx.inputs.empty() || ys.empty()) throw fail("needs inputs and an output with axes");
+  ConcatDims d;
+  d.axis = normalise_axis(axis, ys.size(), "concat", y);
+  std::int64_t total = 0;
+  for (std::size_t k = 0; k < ctx.inputs.size(); ++k) {
+    const Shape& xs = ctx.inputs[k]->shape();
+    bool fits = xs.size() == ys.size();
+    for (std::size_t i = 0; fits && i < ys.size(); ++i) fits = i == d.axis || xs[i] == ys[i];
+    if (!fits) throw fail(fmt::format("input {} differs from y off the axis", k));
+    total += xs[d.axis];
+  }
+  if (total != ys[d.axis]) throw fail(fmt::format("the inputs add up to {} along the axis", total));
+  d.outer = product(ys, 0, d.axis);
+  d.inner = product(ys, d.axis + 1, ys.size());
+  return d;
+}
+
 }  // namespace baton::detail

@@ -73,21 +73,8 @@ bool flag(const KernelConfig& cfg, const char* op, const char* name) {
   return v == 1;
 }
 
-// An axis in [-rank, rank) as an index in [0, rank).
-std::size_t normalise_axis(std::int64_t axis, std::size_t rank, const char* op, const Tensor& t) {
-  const auto r = static_cast<std::int64_t>(rank);
-  if (axis < -r || axis >= r) {
-    throw std::invalid_argument(
-        fmt::format("{}: axis {} is out of range for {}", op, axis, t.describe()));
-  }
-  return static_cast<std::size_t>(axis < 0 ? axis + r : axis);
-}
-
-std::int64_t product(const Shape& s, std::size_t begin, std::size_t end) {
-  std::int64_t n = 1;
-  for (std::size_t i = begin; i < end; ++i) n *= s[i];
-  return n;
-}
+using detail::normalise_axis;
+using detail::product;
 
 // ---- matmul ----------------------------------------------------------------------------------
 
@@ -478,25 +465,9 @@ class ConcatKernel final : public Kernel {
     Tensor& y = need_output(ctx, 0, "concat");
     const Shape& ys = y.shape();
     for (std::size_t k = 0; k < ctx.inputs.size(); ++k) (void)need_input(ctx, k, "concat");
-    auto fail = [&](const std::string& why) {
-      std::string inputs;
-      for (const Tensor* x : ctx.inputs) inputs += (inputs.empty() ? "" : ", ") + x->describe();
-      return std::invalid_argument(
-          fmt::format("concat (axis {}): inputs [{}], y {}: {}", axis_, inputs, y.describe(), why));
-    };
-    if (ctx.inputs.empty() || ys.empty()) throw fail("needs inputs and an output with axes");
-    const std::size_t ax = normalise_axis(axis_, ys.size(), "concat", y);
-    std::int64_t total = 0;
-    for (std::size_t k = 0; k < ctx.inputs.size(); ++k) {
-      const Shape& xs = ctx.inputs[k]->shape();
-      bool fits = xs.size() == ys.size();
-      for (std::size_t i = 0; fits && i < ys.size(); ++i) fits = i == ax || xs[i] == ys[i];
-      if (!fits) throw fail(fmt::format("input {} differs from y off the axis", k));
-      total += xs[ax];
-    }
-    if (total != ys[ax]) throw fail(fmt::format("the inputs add up to {} along the axis", total));
-    const std::int64_t outer = product(ys, 0, ax);
-    const std::int64_t inner = product(ys, ax + 1, ys.size());
+    const detail::ConcatDims d = detail::concat_dims(ctx, y, axis_);
+    const std::size_t ax = d.axis;
+    const std::int64_t outer = d.outer, inner = d.inner;
     T* dst = y.data<T>().data();
     std::int64_t offset = 0;  // of the current input's window within a row of y
     for (const Tensor* x : ctx.inputs) {

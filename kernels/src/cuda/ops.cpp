@@ -378,17 +378,8 @@ class DropoutKernel final : public Kernel {
 
 // ---- slices and concatenation (any element type: they move bytes) ---------------------------
 
-std::size_t normalise_axis(std::int64_t axis, std::size_t rank, const char* op, const Tensor& t) {
-  const auto r = static_cast<std::int64_t>(rank);
-  if (axis < -r || axis >= r) throw std::invalid_argument(fmt::format("{}: axis {} is out of range for {}", op, axis, t.describe()));
-  return static_cast<std::size_t>(axis < 0 ? axis + r : axis);
-}
-
-std::int64_t product(const Shape& s, std::size_t begin, std::size_t end) {
-  std::int64_t n = 1;
-  for (std::size_t i = begin; i < end; ++i) n *= s[i];
-  return n;
-}
+using baton::detail::normalise_axis;
+using baton::detail::product;
 
 // slice: y = x's window [start, start + y's extent) along the axis; slice_grad: dx = 0 but that
 // window, which is dy. The same checks and words as the CPU kernel.
@@ -444,24 +435,9 @@ class ConcatKernel final : public Kernel {
     Tensor& y = need_output(ctx, 0, op);
     const Shape& ys = y.shape();
     for (std::size_t k = 0; k < ctx.inputs.size(); ++k) check_same_dtype(need_input(ctx, k, op), y, op);
-    auto fail = [&](const std::string& why) {
-      std::string inputs;
-      for (const Tensor* x : ctx.inputs) inputs += (inputs.empty() ? "" : ", ") + x->describe();
-      return std::invalid_argument(fmt::format("concat (axis {}): inputs [{}], y {}: {}", axis_, inputs, y.describe(), why));
-    };
-    if (ctx.inputs.empty() || ys.empty()) throw fail("needs inputs and an output with axes");
-    const std::size_t ax = normalise_axis(axis_, ys.size(), op, y);
-    std::int64_t total = 0;
-    for (std::size_t k = 0; k < ctx.inputs.size(); ++k) {
-      const Shape& xs = ctx.inputs[k]->shape();
-      bool fits = xs.size() == ys.size();
-      for (std::size_t i = 0; fits && i < ys.size(); ++i) fits = i == ax || xs[i] == ys[i];
-      if (!fits) throw fail(fmt::format("input {} differs from y off the axis", k));
-      total += xs[ax];
-    }
-    if (total != ys[ax]) throw fail(fmt::format("the inputs add up to {} along the axis", total));
-    const std::int64_t outer = product(ys, 0, ax);
-    const std::int64_t inner = product(ys, ax + 1, ys.size());
+    const baton::detail::ConcatDims d = baton::detail::concat_dims(ctx, y, axis_);
+    const std::size_t ax = d.axis;
+    const std::int64_t outer = d.outer, inner = d.inner;
     const int elem = static_cast<int>(size_of(y.dtype()));
     cudaStream_t s = stream_of(ctx, op);
     std::int64_t offset = 0;  // of the current input's window within a row of y
