@@ -44,7 +44,7 @@ std::unique_ptr<Kernel> KernelRegistry::create(std::string_view op,
     // No bf16 kernel of its own: the float32 one, through float32 copies (bf16.cpp).
     auto wide = factories_.find(std::make_tuple(std::string(op), cfg.device.type, DType::f32));
     if (wide != factories_.end()) {
-      KernelConfig f32_cfg{cfg.actor, cfg.device, DType::f32, cfg.attrs};
+      KernelConfig f32_cfg{cfg.actor, cfg.device, DType::f32, cfg.attrs, cfg.services};
       return detail::via_float32(wide->second(f32_cfg), cfg.device);
     }
   }
