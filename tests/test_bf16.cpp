@@ -220,3 +220,26 @@ TEST_CASE("Bf16.MlpTrainsLikeFloat32" * doctest::timeout(120)) {
   CHECK(tail_bf < 0.2 * bf[0]);
   CHECK(std::abs(tail_bf - tail_f32) <= 0.25 * tail_f32 + 0.01);
 }
+
+TEST_CASE("Bf16.TheVocabularyParallelGptComputesItsLossInFloat32") {
+  // The GPT's head and loss split by vocabulary (tp 2): under autocast the sharded loss is f32
+  // like softmax_cross_entropy, and the sharded embeddings look up bf16 tables.
+  Graph g(3);
+  models::Outputs out;
+  {
+    auto bf = g.autocast();
+    out = models::gpt_with_loss(g, 2, {.vocab = 64, .seq = 8, .d_model = 32, .heads = 4, .layers = 1, .tp = 2});
+  }
+  CHECK(out.loss.dtype() == DType::f32);
+  int embeddings = 0;
+  for (int id = 0; id < g.size(); ++id) {
+    const Node& n = g.node(id);
+    if (n.op != "embedding") continue;
+    ++embeddings;
+    CHECK(g.node(n.inputs[0]).dtype == DType::bf16);
+  }
+  CHECK(embeddings >= 2);
+  for (const Value& d : gradients(out.loss, g.variables())) {
+    if (d.valid()) CHECK(d.dtype() == DType::f32);
+  }
+}

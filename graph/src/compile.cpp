@@ -848,7 +848,10 @@ TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg, std::
   const double loss_scale = 1.0 / static_cast<double>(n_dp);
   kernels.add_fn("loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt, loss_scale](KernelContext& ctx) {
     const Tensor& t = *ctx.inputs[0];
-    losses->record(ctx.piece, loss_scale * (loss_dt == DType::f64 ? scalar_of<double>(t) : scalar_of<float>(t)));
+    const double value = loss_dt == DType::f64    ? scalar_of<double>(t)
+                         : loss_dt == DType::bf16 ? static_cast<double>(to_float(t.data<bfloat16>()[0]))
+                                                  : scalar_of<float>(t);
+    losses->record(ctx.piece, loss_scale * value);
   });
   plan.add_actor({.name = "loss.report", .op = "loss.report", .dtype = loss_dt,
                   .where = replicas[0].host(forward_stream, loss_place), .inputs = {{loss_in}}});

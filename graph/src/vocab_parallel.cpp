@@ -36,6 +36,10 @@ std::optional<Graph::Shard> on_shard(Graph& g, std::size_t parts, std::size_t k)
 
 Value embedding_shard(Value table, Value ids, std::int64_t start, std::int64_t vocab) {
   const char* op = "embedding_shard";
+  // Under autocast an embedding looks up in the low dtype, as embedding() does (graph.h).
+  if (auto low = table.graph().autocast_dtype(); low && is_floating(table.dtype())) {
+    table = table.graph().cast_once(table, *low);
+  }
   if (!is_floating(table.dtype()) || table.rank() != 2)
     fail(op, {table, ids}, "table must be f32 or f64 [V, D]");
   if (ids.dtype() != DType::i32) fail(op, {table, ids}, "ids must be i32");
@@ -106,9 +110,18 @@ Value vocab_parallel_ce_loss(Value stats, Value row_max) {
   return stats.graph().add(op, {stats, row_max}, {}, Shape{}, stats.dtype());
 }
 
-Value vocab_parallel_cross_entropy(const std::vector<Value>& logits, Value labels) {
+Value vocab_parallel_cross_entropy(const std::vector<Value>& shard_logits, Value labels) {
   const char* op = "vocab_parallel_cross_entropy";
-  if (logits.empty()) throw GraphError("vocab_parallel_cross_entropy() of no logits");
+  if (shard_logits.empty()) throw GraphError("vocab_parallel_cross_entropy() of no logits");
+  // Under autocast a loss computes in f32, as softmax_cross_entropy does (graph.h), each shard's
+  // logits cast on their own shard.
+  std::vector<Value> logits = shard_logits;
+  if (labels.graph().autocast_dtype()) {
+    for (std::size_t k = 0; k < logits.size(); ++k) {
+      auto scope = on_shard(labels.graph(), logits.size(), k);
+      if (is_floating(logits[k].dtype())) logits[k] = labels.graph().cast_once(logits[k], DType::f32);
+    }
+  }
   std::vector<Value> all = logits;
   all.push_back(labels);
   std::int64_t vocab = 0;
