@@ -70,6 +70,7 @@ const ActorDesc& actor_named(const Plan& p, const std::string& name) {
 }  // namespace
 
 TEST_CASE("CudaTraining.PlanComputesOnTheDeviceAndFeedsItFromTheHost") {
+  if (!test::cuda_built()) return;  // compiling refuses CUDA actors without CUDA kernels
   Digits d;
   OptimizerConfig opt = optim::adam(1e-3);
   opt.clip_norm = 1.0;
@@ -111,6 +112,7 @@ TEST_CASE("CudaTraining.PlanComputesOnTheDeviceAndFeedsItFromTheHost") {
 }
 
 TEST_CASE("CudaTraining.MixedPlacementsCopyOnlyAtTheBoundary") {
+  if (!test::cuda_built()) return;  // compiling refuses CUDA actors without CUDA kernels
   // A CPU first stage and a CUDA second one: one copy per register crossing between them.
   Digits d;
   MlpJob job(d, {Placement{.device = cpu0}, Placement{.device = cuda0}}, optim::sgd(0.1));
@@ -131,6 +133,7 @@ TEST_CASE("CudaTraining.MixedPlacementsCopyOnlyAtTheBoundary") {
 }
 
 TEST_CASE("CudaTraining.WhatCrossesRanksGoesThroughHostMemory") {
+  if (!test::cuda_built()) return;  // compiling refuses CUDA actors without CUDA kernels
   // Two pipeline stages on two ranks, each on its rank's cuda:0 (one GPU can hold both).
   Digits d;
   MlpJob job(d, {Placement{.rank = 0, .device = cuda0}, Placement{.rank = 1, .device = cuda0}}, optim::sgd(0.1));

@@ -10,6 +10,16 @@
 
 namespace baton::test {
 
+/// Whether this build has the CUDA path (its kernels registered), as tests of CUDA plans need
+/// even without a GPU; if not, prints "built without CUDA; CUDA tests skipped" (a CTest skip).
+inline bool cuda_built() {
+  if (!cuda::built_with_cuda()) {
+    std::printf("built without CUDA; CUDA tests skipped\n");
+    std::fflush(stdout);
+  }
+  return cuda::built_with_cuda();
+}
+
 /// Whether the CUDA tests can run here; if not, prints "<reason>; CUDA tests skipped", which
 /// CTest reports as a skip (tests/CMakeLists.txt).
 inline bool cuda_usable() {
