@@ -135,10 +135,7 @@ TEST_CASE("mp: faults, a rank killed at random moments ends the job within 10 s 
       std::this_thread::sleep_for(1ms);
     }
     REQUIRE_MESSAGE(ranks.size() == 2, job.all());
-    // Chosen first, so that nothing stands between seeing a write and the kill.
     const std::size_t victim = std::uniform_int_distribution<std::size_t>(0, 1)(rng);
-    const int victim_rank = rank_of(ranks[victim]);
-    REQUIRE(victim_rank >= 0);
     if (moment == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 150)(rng)));
     } else if (moment == 1) {
@@ -154,6 +151,8 @@ TEST_CASE("mp: faults, a rank killed at random moments ends the job within 10 s 
       }
     }
     REQUIRE_MESSAGE(std::chrono::steady_clock::now() < deadline, "the moment never came: ", job.all());
+    const int victim_rank = rank_of(ranks[victim]);  // known once the rank has started
+    REQUIRE(victim_rank >= 0);
     const bool was_writing = writing(dir);
     REQUIRE(::kill(ranks[victim], SIGKILL) == 0);
     const auto killed_at = std::chrono::steady_clock::now();
