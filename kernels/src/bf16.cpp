@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <memory>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -20,7 +21,9 @@ namespace {
 
 template <class From, class To>
 To convert_one(From x) {
-  if constexpr (std::is_same_v<From, bfloat16>) {
+  if constexpr (std::is_same_v<From, To>) {
+    return x;
+  } else if constexpr (std::is_same_v<From, bfloat16>) {
     return static_cast<To>(to_float(x));
   } else if constexpr (std::is_same_v<To, bfloat16>) {
     return to_bf16(static_cast<float>(x));
