@@ -147,8 +147,11 @@ Actor::Block Actor::next_block_of_stream() const {
   if (outputs_read_ > 0 && outputs_dead_ == outputs_read_ && desc_.stops_when_unread) return Block::unread;
   if (starved) return Block::starved;
   if (acts_ % out_group_ == 0) {
+    // The piece the next act opens, counting acts still in flight on a stream or the wire (they
+    // hold slots that they have not published yet).
+    const std::int64_t piece = acts_ / out_group_;
     for (const auto& out : outputs_) {
-      if (out->written + inflight_ - out->freed >= out->slots) return Block::backpressured;
+      if (piece - out->freed >= out->slots) return Block::backpressured;
     }
   }
   if (lane_ != nullptr && lane_->turn != this) return Block::turn;
@@ -205,9 +208,13 @@ void Actor::act() {
   }
   const bool opens_group = k % out_group_ == 0;
   const bool closes_group = k % out_group_ == out_group_ - 1;
+  // The slot of the piece this act writes: k / out_group_, not out.written, which counts only
+  // published pieces and lags behind while acts are in flight on a CUDA stream (a second act
+  // enqueued before the first was reached would otherwise write the first one's slot).
+  const std::int64_t out_piece = k / out_group_;
   for (std::size_t o = 0; o < outputs_.size(); ++o) {
     Output& out = *outputs_[o];
-    out_view_[o] = &out.buffers[static_cast<std::size_t>(out.written % out.slots)];
+    out_view_[o] = &out.buffers[static_cast<std::size_t>(out_piece % out.slots)];
   }
   if (!core_.dry_run) {
     const std::uint64_t kernel_start = core_.settings.time_accounting ? ticks() : 0;

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# docs/gpu.md's checks, run on a lent GPU machine from a bundle made here by
+# scripts/gpu_bundle.sh. Each check has its own time limit and log; one line per check goes to
+# stdout (and $OUT/summary.txt): name, exit status, seconds, and the log's last useful line.
+#
+#   scripts/gpu_checks.sh tests   the CUDA and NCCL tests, and the CPU runtime tests there
+#   scripts/gpu_checks.sh train   baton-train on digits on cuda:0, f32 and bf16 (1000 steps)
+#   scripts/gpu_checks.sh bench   baton-bench-gpu: f32, bf16, bf16 against PyTorch's sdpa
+#   scripts/gpu_checks.sh torch   PyTorch alone (bf16, sdpa) at TORCH_BATCHES, for its best batch
+#   scripts/gpu_checks.sh all     the three in turn
+#
+# Environment: BUNDLE (default build-gpu/gpu-bundle), OUT (the folder for logs; the device tool
+# sets it), BENCH_ARGS (extra arguments for every baton-bench-gpu run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=${BUNDLE:-build-gpu/gpu-bundle}
+OUT=${OUT:-/tmp/gpu-checks}
+mkdir -p "$OUT"
+what=${1:-all}
+
+# cuBLAS and NCCL come from the GPU machine's CUDA install or PyTorch's wheels (not carried).
+find_lib() {
+  find /usr/local /usr/lib /opt -name "$1" 2>/dev/null | head -n 1
+}
+cublas=$(find_lib 'libcublas.so.13')
+nccl=$(find_lib 'libnccl.so.2')
+export LD_LIBRARY_PATH="$PWD/$B/lib${cublas:+:$(dirname "$cublas")}${nccl:+:$(dirname "$nccl")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The UCX modules, if the bundle carries them.
+[ -d "$B/lib/ucx" ] && export UCX_MODULE_DIR="$PWD/$B/lib/ucx"
+
+summary="$OUT/summary.txt"
+check() {  # check NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local log="$OUT/$name.log" start end rc
+  start=$(date +%s.%N)
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  end=$(date +%s.%N)
+  local last
+  last=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-300)
+  printf '%-28s rc=%-3s %6.1fs  %s\n' "$name" "$rc" "$(awk -v a="$start" -v b="$end" 'BEGIN{print b-a}')" "$last" | tee -a "$summary"
+}
+
+header() {
+  {
+    echo "== $(date -u +%FT%TZ) $what"
+    nvidia-smi -L
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+    echo "cublas: ${cublas:-none}  nccl: ${nccl:-none}"
+    python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1
+  } | tee -a "$summary"
+}
+
+tests() {
+  check cuda-tests 240 "$B/baton-tests" -tc='Cuda*' -d
+  check nccl-tests 120 "$B/baton-tests" -tc='Nccl.*' -d
+  check cpu-runtime-tests 90 "$B/baton-tests" -tc='Runtime.*,Plan.*,Ops.*,Schedule.*'
+}
+
+train() {
+  check train-f32 90 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
+  check train-bf16 90 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
+    --precision bf16
+  check train-gpt-bf16 60 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
+    --batch 8 --precision bf16
+}
+
+bench() {
+  # shellcheck disable=SC2086
+  check bench-bf16 280 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 ${BENCH_ARGS:-}
+  check bench-bf16-sdpa 280 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa ${BENCH_ARGS:-}
+  check bench-f32 280 "$B/baton-bench-gpu" --device cuda:0 ${BENCH_ARGS:-}
+}
+
+# PyTorch alone at several batches (bf16 autocast, fused attention: as a user would run it), to
+# find its best batch; one JSON line each.
+torch_sweep() {
+  local b
+  for b in ${TORCH_BATCHES:-4 8 16 32}; do
+    check "torch-sdpa-bf16-b$b" 120 python3 "$B/gpt_torch.py" --device cuda --d-model 1024 --heads 16 --layers 8 \
+      --seq 1024 --vocab 32768 --batch "$b" --precision bf16 --attention sdpa
+  done
+}
+
+header
+case "$what" in
+  tests) tests ;;
+  train) train ;;
+  bench) bench ;;
+  torch) torch_sweep ;;
+  all) tests; train; bench ;;
+  *) echo "usage: $0 tests|train|bench|torch|all" >&2; exit 2 ;;
+esac
