@@ -227,6 +227,8 @@ void training_scaling(bool quick) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The training cases keep min(devices, cores) threads busy; the bubble's kernels sleep.
+  bench::load().start(argc, argv, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   bool quick = false;
   std::string only;
   for (int i = 1; i < argc; ++i) {
@@ -238,7 +240,8 @@ int main(int argc, char** argv) {
     } else if (a == "--no-reference") {
       // its reference is a formula; accepted so that scripts/run.sh bench parallel can pass it on
     } else {
-      fmt::print(stderr, "usage: baton-bench-parallel [--quick] [--only bubble|train|balance]\n");
+      fmt::print(stderr, "usage: baton-bench-parallel [--quick] [--only bubble|train|balance] [--allow-load]\n{}",
+                 bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }

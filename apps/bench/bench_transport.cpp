@@ -63,8 +63,10 @@ struct Options {
 
 [[noreturn]] void usage(int code) {
   fmt::print(code == 0 ? stdout : stderr,
-             "usage: baton-bench-transport [--quick] [--no-reference] [--case NAME] [--help]\n"
-             "  Two ranks on this host, shared memory and TCP; one JSON line per case on stdout.\n");
+             "usage: baton-bench-transport [--quick] [--no-reference] [--case NAME] [--allow-load] [--help]\n"
+             "  Two ranks on this host, shared memory and TCP; one JSON line per case on stdout.\n"
+             "{}",
+             baton::bench::allow_load_usage);
   std::exit(code);
 }
 
@@ -193,6 +195,7 @@ std::string size_name(std::int64_t b) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  baton::bench::load().start(argc, argv, 2);  // two ranks, each with a busy worker
   Options o = parse(argc, argv);
   if (o.worker) return worker_main(o);
   signal(SIGPIPE, SIG_IGN);
