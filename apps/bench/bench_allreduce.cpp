@@ -2,8 +2,12 @@
 // this host, against OpenMPI's MPI_Allreduce measured in the same run (baton-mpi-allreduce-ref
 // under mpirun, shared memory). Each rank's producer waits for its own previous result before
 // it emits the next tensor (delay 1), so the all-reduces run back to back as MPI's do, not
-// pipelined. Bus bandwidth as nccl-tests defines it: busbw = algbw x 2(n-1)/n, algbw = bytes /
-// time per all-reduce (on rank 0, between its producer's acts, after a warm-up).
+// pipelined. Both sides report the same statistic, as OSU and nccl-tests do: each rank's time
+// per all-reduce averaged over the timed iterations (after a warm-up), the slowest rank's
+// (baton: between its producer's acts; MPI: MPI_Wtime around the loop after a barrier, the
+// maximum over ranks by MPI_Reduce). Bus bandwidth as nccl-tests defines it:
+// busbw = 2(n-1)/n x bytes / time. mpirun gets --oversubscribe only where the ranks outnumber
+// the cores this process may use.
 //
 //   baton-bench-allreduce            2 and 4 ranks, 1 KiB .. 256 MiB
 //   baton-bench-allreduce --quick    2 ranks, three sizes, few iterations (the CTest smoke run)
@@ -24,6 +28,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "json_line.h"
 #include "spawn.h"
@@ -80,7 +85,7 @@ int worker(std::int64_t bytes, std::int64_t iters, const AllReduceSettings& sett
     auto rep = run_job(allreduce_plan(static_cast<std::uint16_t>(env.world_size), bytes / 4, warm + iters + 1, settings), kernels, env, js);
     const auto timed = std::chrono::duration<double>(starts->at(static_cast<std::size_t>(warm + iters)) -
                                                      starts->at(static_cast<std::size_t>(warm)));
-    if (env.rank == 0) fmt::print("RESULT {:.9f}\n", timed.count() / static_cast<double>(iters));
+    fmt::print("RESULT {:.9f}\n", timed.count() / static_cast<double>(iters));
     if (std::getenv("BATON_BENCH_TABLE")) fmt::print(stderr, "rank {}:\n{}", env.rank, rep.metrics.table());
     return 0;
   } catch (const std::exception& e) {
@@ -89,7 +94,16 @@ int worker(std::int64_t bytes, std::int64_t iters, const AllReduceSettings& sett
   }
 }
 
-/// MPI_Allreduce seconds per op by size, from one mpirun; empty if MPI is not there.
+/// mpirun's options for n ranks on this machine: --oversubscribe only where n is above the cores.
+std::vector<std::string> mpirun_options(int n) {
+  std::vector<std::string> out{"--allow-run-as-root"};
+  if (n > bench::usable_cores()) out.emplace_back("--oversubscribe");
+  for (const char* o : {"--mca", "btl", "self,vader"}) out.emplace_back(o);
+  return out;
+}
+
+/// MPI_Allreduce seconds per op by size (the slowest rank's average), from one mpirun per size;
+/// empty if MPI is not there.
 std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, const std::vector<std::int64_t>& sizes,
                                              bool quick) {
   std::map<std::int64_t, double> out;
@@ -98,9 +112,12 @@ std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, cons
     return out;
   }
   for (std::int64_t bytes : sizes) {
-    std::vector<std::string> argv{"mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
-                                  "-np", std::to_string(n), ref, std::to_string(iterations_for(bytes, quick)),
-                                  std::to_string(bytes)};
+    std::vector<std::string> argv{"mpirun"};
+    for (auto& o : mpirun_options(n)) argv.push_back(std::move(o));
+    for (auto a : {std::string("-np"), std::to_string(n), ref, std::to_string(iterations_for(bytes, quick)),
+                   std::to_string(bytes)}) {
+      argv.push_back(std::move(a));
+    }
     auto child = bench::spawn(argv, {}, true);
     auto [code, text] = bench::finish(child, bench::Clock::now() + std::chrono::seconds(300));
     std::istringstream lines(text);
@@ -123,6 +140,7 @@ std::string size_name(std::int64_t b) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::load().start(argc, argv, 2);
   bool quick = false, reference = true;
   std::int64_t worker_bytes = -1, worker_iters = 0;
   AllReduceSettings settings;
@@ -158,7 +176,8 @@ int main(int argc, char** argv) {
       fmt::print(stderr,
                  "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop]\n"
                  "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
-                 "                             [--max-mib B]\n");
+                 "                             [--max-mib B] [--allow-load]\n{}",
+                 bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -181,29 +200,42 @@ int main(int argc, char** argv) {
                                        std::to_string(settings.max_segments)};
   int failures = 0;
   for (int n : ranks) {
+    bench::load().set_own_threads(n);  // every rank keeps a worker busy
     const auto mpi = reference ? mpi_reference(ref, n, sizes, quick) : std::map<std::int64_t, double>{};
+    std::vector<int> every_rank(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) every_rank[static_cast<std::size_t>(r)] = r;
     for (std::int64_t bytes : sizes) {
       const std::int64_t iters = iterations_for(bytes, quick);
       std::vector<std::string> args = knobs;
       args.insert(args.end(), {"--worker", std::to_string(bytes), std::to_string(iters)});
-      auto out = bench::run_job_of(self, args, n, 0, {});
-      auto pos = out ? out->find("RESULT ") : std::string::npos;
-      if (pos == std::string::npos) {
+      const auto outs = bench::run_job_outputs(self, args, n, every_rank, {});
+      // Each rank's time per all-reduce; the slowest rank's is the figure.
+      std::vector<double> per_rank;
+      for (const auto& [r, out] : outs ? *outs : std::map<int, std::string>{}) {
+        if (auto pos = out.find("RESULT "); pos != std::string::npos) per_rank.push_back(std::stod(out.substr(pos + 7)));
+      }
+      if (static_cast<int>(per_rank.size()) != n) {
+        fmt::print(stderr, "baton-bench-allreduce: {} of {} ranks reported a time for {} bytes\n", per_rank.size(), n,
+                   bytes);
         ++failures;
         continue;
       }
-      const double secs = std::stod(out->substr(pos + 7));
+      const double secs = *std::max_element(per_rank.begin(), per_rank.end());
+      const double fastest = *std::min_element(per_rank.begin(), per_rank.end());
       const double factor = 2.0 * (n - 1) / n;
       const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
       bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));
       line.add("value", busbw).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("iterations", iters)
-          .add("us_per_op", secs * 1e6).add("algorithm", ring ? "ring" : "two_hop")
+          .add("stat", "the slowest rank's time per all-reduce, averaged over the iterations (both sides)")
+          .add("us_per_op", secs * 1e6).add("fastest_rank_us_per_op", fastest * 1e6)
+          .add("oversubscribed", n > bench::usable_cores()).add("algorithm", ring ? "ring" : "two_hop")
           .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
           .add("segment_kib", settings.segment_bytes >> 10);
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")
-            .add("ratio", busbw / ref_busbw);
+            .add("ratio", busbw / ref_busbw).add("reference_us_per_op", it->second * 1e6)
+            .add("reference_mpirun", fmt::format("{}", fmt::join(mpirun_options(n), " ")));
       }
       line.print();
     }

@@ -1,5 +1,8 @@
 // The reference for baton-bench-allreduce: MPI_Allreduce (float sum) back to back, as
-// nccl-tests / OSU time it. Rank 0 prints one line per size: "SIZE_BYTES SECONDS_PER_OP".
+// nccl-tests / OSU time it: after a warm-up and a barrier, each rank times the loop with
+// MPI_Wtime; its time per all-reduce is that over the iterations, and the figure is the slowest
+// rank's (MPI_Reduce with MPI_MAX), the statistic baton-bench-allreduce reports for its own
+// ranks. Rank 0 prints one line per size: "SIZE_BYTES SECONDS_PER_OP".
 //   mpirun -np N baton-mpi-allreduce-ref ITERS SIZE_BYTES...
 #include <mpi.h>
 

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -107,15 +108,18 @@ inline std::uint16_t free_port() {
 }
 
 /// Runs `world` ranks of `self args` as one job (this process hosts its rendezvous server) and
-/// returns rank `report_rank`'s stdout, or nullopt if a rank failed or ran past `limit`.
-inline std::optional<std::string> run_job_of(const std::string& self, const std::vector<std::string>& args, int world,
-                                             int report_rank, const Env& env_in,
-                                             std::chrono::seconds limit = std::chrono::seconds(300)) {
+/// returns the stdout of each rank whose index is in `capture` (the others' is discarded), by
+/// rank; nullopt if a rank failed or ran past `limit`.
+inline std::optional<std::map<int, std::string>> run_job_outputs(const std::string& self,
+                                                                 const std::vector<std::string>& args, int world,
+                                                                 const std::vector<int>& capture, const Env& env_in,
+                                                                 std::chrono::seconds limit = std::chrono::seconds(300)) {
   transport::ServerSettings ss;
   ss.bind_host = "127.0.0.1";
   ss.token = transport::random_token();
   ss.world_size = static_cast<std::uint32_t>(world);
   transport::RendezvousServer server(ss);
+  auto captured = [&](int r) { return std::find(capture.begin(), capture.end(), r) != capture.end(); };
   std::vector<Child> kids;
   for (int r = 0; r < world; ++r) {
     Env env = env_in;
@@ -126,26 +130,32 @@ inline std::optional<std::string> run_job_of(const std::string& self, const std:
     env["BATON_JOB_TOKEN"] = ss.token;
     std::vector<std::string> argv{self};
     argv.insert(argv.end(), args.begin(), args.end());
-    kids.push_back(spawn(argv, env, r == report_rank));
+    kids.push_back(spawn(argv, env, captured(r)));
   }
   const auto deadline = Clock::now() + limit;
-  std::string report;
+  std::map<int, std::string> outputs;
   bool ok = true;
-  // The reporting rank first: its output is read as it comes, so it never blocks on a full pipe.
-  std::vector<int> order{report_rank};
+  // Captured ranks print a line or two at the end, far below a pipe's capacity: reading them
+  // one after the other cannot block a rank on a full pipe.
   for (int r = 0; r < world; ++r) {
-    if (r != report_rank) order.push_back(r);
-  }
-  for (int r : order) {
     auto [code, out] = finish(kids[static_cast<std::size_t>(r)], deadline);
-    if (r == report_rank) report = out;
+    if (captured(r)) outputs[r] = std::move(out);
     if (code != 0) {
       fmt::print(stderr, "rank {} of the benchmark job exited {}\n", r, code);
       ok = false;
     }
   }
   if (!ok) return std::nullopt;
-  return report;
+  return outputs;
+}
+
+/// run_job_outputs() for one rank's stdout.
+inline std::optional<std::string> run_job_of(const std::string& self, const std::vector<std::string>& args, int world,
+                                             int report_rank, const Env& env_in,
+                                             std::chrono::seconds limit = std::chrono::seconds(300)) {
+  auto outputs = run_job_outputs(self, args, world, {report_rank}, env_in, limit);
+  if (!outputs) return std::nullopt;
+  return (*outputs)[report_rank];
 }
 
 }  // namespace baton::bench
