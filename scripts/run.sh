@@ -25,11 +25,13 @@ jobs="${JOBS:-$(nproc)}"
 
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
-# Debian packages the build, the tests and the benchmarks need.
+# Debian packages the build, the tests and the benchmarks need (libtbb-dev and libcaf-dev: the
+# peers baton-bench-actors measures in the same run).
 packages=(
   g++ cmake ninja-build ccache pkg-config
   libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev zlib1g-dev
   iproute2 openssh-client openssh-server openmpi-bin libopenmpi-dev
+  libtbb-dev libcaf-dev
 )
 
 # Only the tests need these: the dashboard's browser test drives headless Chromium (without it,

@@ -1,15 +1,20 @@
 // baton-bench-actors: what the actor runtime costs. Each case builds a plan, runs it on a fresh
 // baton::Runtime (default settings, threaded mode) and prints one JSON line to stdout; where a
 // raw reference exists (the same protocol hand-written without the runtime) it is measured in
-// the same run and printed next to it. Human-readable notes go to stderr.
+// the same run and printed next to it. The chain cases (chain_noop, metg) also run the same
+// 4-stage chain, with the same kernels, pieces and threads, on TBB's flow graph and on CAF
+// actors (actor_peers.h), interleaved with baton's runs. Human-readable notes go to stderr.
 //
 //   baton-bench-actors            every case, ~120 ms per measured run, best of 3
 //   baton-bench-actors --quick    10x fewer pieces and a short METG sweep (the CTest smoke run)
 //   baton-bench-actors --case cross_thread
 //   baton-bench-actors --case trace        what recording a trace costs (activity log + drain)
+//   baton-bench-actors --case metg --require-peers   exit 77 unless TBB and CAF were built in
 //
 // METG is Task Bench's "minimum effective task granularity" (Slaughter et al., SC'20): the
-// smallest task at which the system still reaches 50% of the ideal throughput.
+// smallest task at which the system still reaches 50% of the ideal throughput (the same tasks
+// run back to back on the same number of cores). Each system gets its own METG from the same
+// sweep; "ratio_<peer>" = the peer's METG / baton's (above 1: baton runs finer tasks).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -17,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -27,6 +33,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "actor_peers.h"
 #include "json_line.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
@@ -43,7 +50,8 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   bool quick = false;
-  std::string only;  // run cases whose name starts with this
+  bool require_peers = false;  // exit 77 (CTest's skip) if TBB or CAF was not built in
+  std::string only;            // run cases whose name starts with this
 };
 
 constexpr std::string_view case_names[] = {"same_thread_hop",
@@ -51,6 +59,7 @@ constexpr std::string_view case_names[] = {"same_thread_hop",
                                            "cross_thread_stream_slots2",
                                            "cross_thread_stream_slots4",
                                            "cross_thread_hop_latency",
+                                           "chain_noop",
                                            "metg",
                                            "trace_overhead_noop",
                                            "trace_overhead_spin2us",
@@ -59,12 +68,14 @@ constexpr std::string_view case_names[] = {"same_thread_hop",
 [[noreturn]] void usage(int code) {
   std::FILE* f = code == 0 ? stdout : stderr;
   fmt::print(f,
-             "usage: baton-bench-actors [--quick] [--case NAME] [--help]\n"
+             "usage: baton-bench-actors [--quick] [--case NAME] [--require-peers] [--allow-load] [--help]\n"
              "  Measures the actor runtime and prints one JSON line per case to stdout.\n"
-             "  --quick      10x fewer pieces and a shorter METG sweep (smoke test)\n"
-             "  --case NAME  run only the cases whose name starts with NAME\n"
+             "  --quick          10x fewer pieces and a shorter METG sweep (smoke test)\n"
+             "  --case NAME      run only the cases whose name starts with NAME\n"
+             "  --require-peers  exit 77 if the TBB flow graph or CAF peer was not built in\n"
+             "{}"
              "  cases: {}\n",
-             fmt::join(case_names, ", "));
+             baton::bench::allow_load_usage, fmt::join(case_names, ", "));
   std::exit(code);
 }
 
@@ -76,6 +87,8 @@ Options parse(int argc, char** argv) {
       usage(0);
     } else if (a == "--quick") {
       o.quick = true;
+    } else if (a == "--require-peers") {
+      o.require_peers = true;
     } else if (a == "--case") {
       if (i + 1 >= argc) {
         fmt::print(stderr, "baton-bench-actors: --case needs a NAME\n");
@@ -403,14 +416,22 @@ struct Bench {
 
   /// Calibrates each runner's piece count, then runs them in turn for `repeats` rounds (baton
   /// and its reference interleaved, so that a slow spell of the machine hits both alike) and
-  /// keeps each one's best and median run.
+  /// keeps each one's best and median run. With `same_pieces` every runner gets the largest of
+  /// the counts (the same tasks for every system, each run at least the target long).
   std::vector<Measured> measure(const std::vector<Runner>& runners, std::int64_t start,
-                                std::int64_t min_pieces, double run_s = 0) const {
+                                std::int64_t min_pieces, double run_s = 0, bool same_pieces = false) const {
     const double target = run_s > 0 ? run_s : target_s();
     std::vector<Measured> out(runners.size());
+    auto equalize = [&] {
+      if (!same_pieces) return;
+      std::int64_t most = 0;
+      for (const auto& m : out) most = std::max(most, m.pieces);
+      for (auto& m : out) m.pieces = most;
+    };
     for (std::size_t i = 0; i < runners.size(); ++i) {
       out[i].pieces = calibrate(runners[i], start, target, min_pieces);
     }
+    equalize();
     for (int attempt = 0; attempt < 3; ++attempt) {
       std::vector<std::vector<Sample>> samples(runners.size());
       for (int r = 0; r < repeats; ++r) {
@@ -427,10 +448,11 @@ struct Bench {
         if (attempt < 2 && out[i].best.wall_s < 0.7 * target && out[i].pieces < max_pieces) {
           const double scaled = static_cast<double>(out[i].pieces) * target / std::max(out[i].best.wall_s, 1e-9);
           const auto n = std::clamp<std::int64_t>(static_cast<std::int64_t>(scaled), min_pieces, max_pieces);
-          again = again || n != out[i].pieces;
-          out[i].pieces = n;
+          again = again || n > out[i].pieces || (!same_pieces && n != out[i].pieces);
+          out[i].pieces = same_pieces ? std::max(n, out[i].pieces) : n;
         }
       }
+      equalize();
       if (!again) break;
     }
     return out;
@@ -686,6 +708,104 @@ struct Bench {
     return std::chrono::duration<double, std::micro>(now - t0).count() / static_cast<double>(calls);
   }
 
+  /// The peers of the chain cases, each on `threads` threads; a peer that was not built in is
+  /// named in `missing` with the reason.
+  struct Peers {
+    std::vector<std::unique_ptr<baton::bench::PeerChain>> chains;
+    std::vector<std::pair<std::string, std::string>> missing;  // {name, why}
+  };
+  static Peers make_peers(int threads, int slots, int stages) {
+    Peers p;
+    // TBB bounds the pieces in flight over the whole chain: as many as baton's registers hold.
+    if (auto why = baton::bench::tbb_missing(); why.empty()) {
+      p.chains.push_back(baton::bench::make_tbb_chain(threads, slots * (stages - 1)));
+    } else {
+      p.missing.emplace_back("tbb_flow_graph", why);
+    }
+    if (auto why = baton::bench::caf_missing(); why.empty()) {
+      p.chains.push_back(baton::bench::make_caf_chain(threads, slots));
+    } else {
+      p.missing.emplace_back("caf", why);
+    }
+    return p;
+  }
+
+  /// The work of each stage as a peer runs it: an instance of the same kernel baton's actor runs.
+  std::vector<baton::bench::StageWork> stage_work(const std::vector<Stage>& stages) const {
+    std::vector<baton::bench::StageWork> out;
+    for (const Stage& s : stages) {
+      baton::KernelConfig cfg{s.name, baton::Device{}, baton::DType::f32, s.attrs};
+      std::shared_ptr<baton::Kernel> kernel = kernels.create(s.op, cfg);
+      out.push_back([kernel] {
+        baton::KernelContext ctx{};
+        kernel->compute(ctx);
+      });
+    }
+    return out;
+  }
+
+  static Runner peer_runner(baton::bench::PeerChain& chain, const std::vector<baton::bench::StageWork>& work) {
+    return [&chain, &work](std::int64_t n) {
+      const auto r = chain.run(work, n, reference_timeout_s);
+      return Sample{r.wall_s, 0, 0};
+    };
+  }
+
+  /// The chain of metg() with no work: what a piece's four acts and three hops cost each system
+  /// when there is nothing else to do (the hop cost that sets METG).
+  void chain_noop() const {
+    constexpr int stages_n = 4, threads = 2, slots = 2;
+    const std::vector<Stage> stages{{"source", 0}, {"s1", 0}, {"s2", 1}, {"s3", 1}};
+    Peers peers = make_peers(threads, slots, stages_n);
+    const auto work = stage_work(stages);
+    std::vector<Runner> runners{[&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels); }};
+    for (auto& c : peers.chains) runners.push_back(peer_runner(*c, work));
+    const auto m = measure(runners, 100, 200, 0, true);
+    auto rate = [&](std::size_t i) { return static_cast<double>(m[i].pieces) / m[i].best.wall_s; };
+    JsonLine line("chain_noop");
+    line.add("value", rate(0)).add("unit", "pieces/s");
+    // The headline ratio is against the faster peer.
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < m.size(); ++i) {
+      if (best == 0 || rate(i) > rate(best)) best = i;
+    }
+    if (best > 0) {
+      line.add("reference", rate(best)).add("ratio", rate(0) / rate(best));
+      line.add("reference_is", fmt::format("the faster peer: {}", peers.chains[best - 1]->name()));
+    }
+    // Every system ran the same pieces (measure(..., same_pieces)).
+    line.add("stat", "best of 3").add("ns_per_piece", 1e9 / rate(0)).add("pieces", m[0].pieces);
+    std::string notes;
+    for (std::size_t i = 1; i < m.size(); ++i) {
+      const auto& name = peers.chains[i - 1]->name();
+      line.add(name, rate(i)).add("ratio_" + name, rate(0) / rate(i)).add(name + "_ns_per_piece", 1e9 / rate(i));
+      line.add(name + "_is", peers.chains[i - 1]->describe());
+      notes += fmt::format(", {} {:.3g}", name, rate(i));
+    }
+    for (const auto& [name, why] : peers.missing) line.add(name + "_missing", why);
+    line.add("stages", stages_n).add("slots", slots).add("threads", threads).add("wall_s", m[0].best.wall_s);
+    line.add("parks", m[0].best.parks).print();
+    fmt::print(stderr, "chain_noop: baton {:.3g} pieces/s{} (4 noop stages, 2 threads)\n", rate(0), notes);
+  }
+
+  /// METG from a sweep (grains in decreasing order): the smallest grain at >= 50%, interpolating
+  /// log(grain) linearly in efficiency between the last grain that reached it and the first (going
+  /// down) that did not. Returns {METG, how it was bounded}.
+  static std::pair<double, std::string> metg_of(const std::vector<double>& grains_us, const std::vector<double>& eff) {
+    std::size_t first_fail = 0;
+    while (first_fail < eff.size() && eff[first_fail] >= 0.5) ++first_fail;
+    if (first_fail == eff.size()) {
+      return {grains_us.back(), "every grain reached 50%: METG is at most the smallest grain tried"};
+    }
+    if (first_fail == 0) return {grains_us.front(), "no grain reached 50%: METG is above the largest grain tried"};
+    const double hi = grains_us[first_fail - 1];
+    const double lo = grains_us[first_fail];
+    const double e_hi = eff[first_fail - 1];
+    const double e_lo = eff[first_fail];
+    const double f = (e_hi - 0.5) / (e_hi - e_lo);
+    return {std::exp(std::log(hi) + f * (std::log(lo) - std::log(hi))), "interpolated"};
+  }
+
   void metg() const {
     constexpr int stages_n = 4;
     constexpr int threads = 2;
@@ -693,10 +813,13 @@ struct Bench {
     std::vector<double> grains_us =
         opt.quick ? std::vector<double>{100, 10, 2, 0.5} : std::vector<double>{200, 100, 50, 20, 10, 5, 2, 1, 0.5, 0.25};
     const std::size_t swept = grains_us.size();
-    // If the finest grain still reaches 50%, go on down (a few steps at most) to bracket METG.
+    // If the finest grain still reaches 50% on some system, go on down (a few steps at most) to
+    // bracket its METG.
     constexpr double finer_us[] = {0.25, 0.1, 0.05};
     const std::int64_t min_pieces = opt.quick ? 50 : 200;
-    std::vector<double> eff;
+    Peers peers = make_peers(threads, slots, stages_n);
+    const std::size_t systems = 1 + peers.chains.size();
+    std::vector<std::vector<double>> eff(systems);  // [system][grain]
     std::vector<double> measured_us;
     for (std::size_t g = 0; g < grains_us.size(); ++g) {
       const double grain_us = grains_us[g];
@@ -706,37 +829,38 @@ struct Bench {
                                 {"s1", 0, "spin_ns", spin},
                                 {"s2", 1, "spin_ns", spin},
                                 {"s3", 1, "spin_ns", spin}};
-      auto baton_run = [&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels); };
+      const auto work = stage_work(stages);
+      std::vector<Runner> runners{[&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels); }};
+      for (auto& c : peers.chains) runners.push_back(peer_runner(*c, work));
       // Task Bench's ideal: the same task run alone, back to back, on one core. The spin kernel
       // reads the clock, so a nominal 0.25 us task really takes a little longer; timing it
-      // keeps that overshoot out of the runtime's efficiency.
+      // keeps that overshoot out of every system's efficiency.
       const double task_us = time_task_us(spin);
       const double ideal_per_piece_s = stages_n * task_us * 1e-6 / threads;
-      const Measured stats = measure({baton_run}, 50, min_pieces).front();
-      const std::int64_t pieces = stats.pieces;
-      const double ideal_s = static_cast<double>(pieces) * ideal_per_piece_s;
-      const double e = ideal_s / stats.best.wall_s;
-      eff.push_back(e);
+      const auto m = measure(runners, 50, min_pieces, 0, true);
+      auto efficiency = [&](std::size_t i, bool median = false) {
+        const double wall = median ? m[i].median.wall_s : m[i].best.wall_s;
+        return static_cast<double>(m[i].pieces) * ideal_per_piece_s / wall;
+      };
+      for (std::size_t i = 0; i < systems; ++i) eff[i].push_back(efficiency(i));
       measured_us.push_back(task_us);
-      JsonLine("metg_grain")
-          .add("value", e)
-          .add("unit", "fraction")
-          .add("grain_us", task_us)
-          .add("nominal_grain_us", grain_us)
-          .add("efficiency", e)
-          .add("stat", "best of 3")
-          .add("median", ideal_s / stats.median.wall_s)
-          .add("pieces", pieces)
-          .add("stages", stages_n)
-          .add("slots", slots)
-          .add("threads", threads)
-          .add("ideal_s", ideal_s)
-          .add("wall_s", stats.best.wall_s)
-          .add("parks", stats.best.parks)
-          .print();
-      fmt::print(stderr, "metg: grain {:>6} us  efficiency {:5.1f}%  ({} pieces, {:.3f} s)\n", grain_us, 100 * e,
-                 pieces, stats.best.wall_s);
-      if (g + 1 == grains_us.size() && e >= 0.5) {
+      JsonLine line("metg_grain");
+      line.add("value", efficiency(0)).add("unit", "fraction").add("grain_us", task_us);
+      line.add("nominal_grain_us", grain_us).add("efficiency", efficiency(0)).add("stat", "best of 3");
+      line.add("median", efficiency(0, true)).add("pieces", m[0].pieces).add("stages", stages_n);
+      line.add("slots", slots).add("threads", threads).add("wall_s", m[0].best.wall_s).add("parks", m[0].best.parks);
+      std::string notes;
+      for (std::size_t i = 1; i < systems; ++i) {
+        const auto& name = peers.chains[i - 1]->name();
+        line.add("efficiency_" + name, efficiency(i)).add(name + "_median", efficiency(i, true));
+        notes += fmt::format("  {} {:5.1f}%", name, 100 * efficiency(i));
+      }
+      line.print();
+      fmt::print(stderr, "metg: grain {:>6} us  baton {:5.1f}%{}  ({} pieces, {:.3f} s)\n", grain_us,
+                 100 * efficiency(0), notes, m[0].pieces, m[0].best.wall_s);
+      const bool any_above =
+          std::any_of(eff.begin(), eff.end(), [](const std::vector<double>& e) { return e.back() >= 0.5; });
+      if (g + 1 == grains_us.size() && any_above) {
         for (double finer : finer_us) {
           if (finer < grain_us) {
             grains_us.push_back(finer);
@@ -745,47 +869,49 @@ struct Bench {
         }
       }
     }
-    // The smallest grain at >= 50%: interpolate log(grain) linearly in efficiency between the last
-    // grain that reached it and the first (going down) that did not.
-    double value = measured_us.back();
-    std::string bound = "interpolated";
-    std::size_t first_fail = 0;
-    while (first_fail < eff.size() && eff[first_fail] >= 0.5) ++first_fail;
-    if (first_fail == eff.size()) {
-      bound = "every grain reached 50%: METG is at most the smallest grain tried";
-    } else if (first_fail == 0) {
-      value = measured_us.front();
-      bound = "no grain reached 50%: METG is above the largest grain tried";
-    } else {
-      const double hi = measured_us[first_fail - 1];
-      const double lo = measured_us[first_fail];
-      const double e_hi = eff[first_fail - 1];
-      const double e_lo = eff[first_fail];
-      const double f = (e_hi - 0.5) / (e_hi - e_lo);
-      value = std::exp(std::log(hi) + f * (std::log(lo) - std::log(hi)));
+    const auto [value, bound] = metg_of(measured_us, eff[0]);
+    JsonLine line("metg");
+    line.add("value", value).add("unit", "us").add("bound", bound);
+    // The headline ratio is against the peer with the finer METG.
+    std::size_t best = 0;
+    std::vector<double> peer_metg(systems, value);
+    for (std::size_t i = 1; i < systems; ++i) {
+      peer_metg[i] = metg_of(measured_us, eff[i]).first;
+      if (best == 0 || peer_metg[i] < peer_metg[best]) best = i;
     }
-    JsonLine("metg")
-        .add("value", value)
-        .add("unit", "us")
-        .add("reference", 100.0)
-        .add("ratio", 100.0 / value)
-        .add("reference_is", "Task Bench paper, best of 15 systems (not measured here)")
-        .add("efficiency_threshold", 0.5)
-        .add("bound", bound)
-        .add("stages", stages_n)
-        .add("slots", slots)
-        .add("threads", threads)
-        .add("grains", static_cast<std::int64_t>(grains_us.size()))
-        .add("grains_beyond_sweep", static_cast<std::int64_t>(grains_us.size() - swept))
-        .print();
-    fmt::print(stderr, "metg: {:.3g} us at 50% efficiency ({})\n", value, bound);
+    if (best > 0) {
+      line.add("reference", peer_metg[best]).add("ratio", peer_metg[best] / value);
+      line.add("reference_is", fmt::format("the peer with the finer METG: {}", peers.chains[best - 1]->name()));
+    }
+    std::string notes;
+    for (std::size_t i = 1; i < systems; ++i) {
+      const auto& name = peers.chains[i - 1]->name();
+      const auto [v, b] = metg_of(measured_us, eff[i]);
+      line.add(name, v).add("ratio_" + name, v / value).add(name + "_bound", b).add(name + "_is", peers.chains[i - 1]->describe());
+      notes += fmt::format(", {} {:.3g} us ({})", name, v, b);
+    }
+    for (const auto& [name, why] : peers.missing) line.add(name + "_missing", why);
+    line.add("efficiency_threshold", 0.5).add("stages", stages_n).add("slots", slots).add("threads", threads);
+    line.add("grains", static_cast<std::int64_t>(grains_us.size()));
+    line.add("grains_beyond_sweep", static_cast<std::int64_t>(grains_us.size() - swept));
+    line.print();
+    fmt::print(stderr, "metg: baton {:.3g} us at 50% efficiency ({}){}\n", value, bound, notes);
   }
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  baton::bench::load().start(argc, argv, 2);  // two worker threads in most cases
   const Options opt = parse(argc, argv);
+  if (opt.require_peers) {
+    for (const auto& why : {baton::bench::tbb_missing(), baton::bench::caf_missing()}) {
+      if (!why.empty()) {
+        fmt::print(stderr, "baton-bench-actors: a peer is missing: {}\n", why);
+        return 77;  // CTest's SKIP_RETURN_CODE
+      }
+    }
+  }
   const auto t0 = Clock::now();
   (void)baton::ns_per_tick();  // its one-off 2 ms calibration, outside every measurement
   Bench bench{opt};
@@ -795,6 +921,7 @@ int main(int argc, char** argv) {
       {"cross_thread_stream_slots2", [&] { bench.cross_thread_stream(2); }},
       {"cross_thread_stream_slots4", [&] { bench.cross_thread_stream(4); }},
       {"cross_thread_hop_latency", [&] { bench.cross_thread_hop_latency(); }},
+      {"chain_noop", [&] { bench.chain_noop(); }},
       {"metg", [&] { bench.metg(); }},
       {"trace_overhead_noop", [&] { bench.trace_overhead("trace_overhead_noop", "noop", 0); }},
       {"trace_overhead_spin2us", [&] { bench.trace_overhead("trace_overhead_spin2us", "spin_ns", 2000); }},
