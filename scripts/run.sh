@@ -241,21 +241,19 @@ case "$cmd" in
     name="${1:-}"
     [ -n "$name" ] || { log "usage: scripts/run.sh bench NAME (e.g. actors)"; exit 2; }
     shift
-    build
-    # baton-bench-train's reference is PyTorch from Debian (python3-torch, for /usr/bin/python3);
-    # baton-bench-gpu's too where no python3 on PATH has torch (a GPU machine's pip one).
-    if { [ "$name" = train ] || { [ "$name" = gpu ] && ! python3 -c "import torch" >/dev/null 2>&1; }; } &&
-      ! /usr/bin/python3 -c "import torch" >/dev/null 2>&1; then
-      log "installing python3-torch for the reference"
-      sudo=""
-      if [ "$(id -u)" -ne 0 ]; then
-        command -v sudo >/dev/null || { log "need root (or sudo) to install python3-torch"; exit 1; }
-        sudo="sudo"
-      fi
-      export DEBIAN_FRONTEND=noninteractive
-      $sudo apt-get update -qq
-      $sudo apt-get install -y -qq --no-install-recommends python3 python3-torch >/dev/null
+    # baton-bench-train's references are Debian's PyTorch (python3-torch, for /usr/bin/python3)
+    # and LibTorch (libtorch-dev, the same 1.13, which baton-bench-train-libtorch is built with);
+    # baton-bench-gpu's is PyTorch too where no python3 on PATH has torch (a GPU machine's pip one).
+    bench_packages=()
+    [ "$name" = train ] && bench_packages+=(python3-torch libtorch-dev)
+    if [ "$name" = gpu ] && ! python3 -c "import torch" >/dev/null 2>&1; then bench_packages+=(python3-torch); fi
+    if [ ${#bench_packages[@]} -gt 0 ]; then
+      had="$(dpkg-query -W -f='${Status}\n' "${bench_packages[@]}" 2>/dev/null | grep -c "install ok installed" || true)"
+      install_missing "${bench_packages[@]}"
+      # CMake looks for LibTorch when it configures: configure again once it has been installed.
+      [ "$had" = "${#bench_packages[@]}" ] || rm -f "$build_dir/.run-sh-config"
     fi
+    build
     # bench parallel: the pipeline bubble, then the all-reduce against MPI_Allreduce.
     if [ "$name" = parallel ]; then
       "$build_dir/bin/baton-bench-parallel" "$@"

@@ -1,26 +1,31 @@
 #!/usr/bin/env python3
 """PyTorch reference for baton-bench-train: trains the same model as a baton case and prints
 one JSON line: {"case", "samples_per_s", "step_ms", "loss", "steps", "threads", "batch", "torch",
-"omp_wait_policy", "repeats"}.
+"omp_wait_policy", "repeats", "weights"}. baton-bench-train-libtorch (libtorch_reference.cpp) is
+the same in C++.
 
     /usr/bin/python3 apps/bench/torch_reference.py --case mlp_b64 --steps 500 --threads 1
+    /usr/bin/python3 apps/bench/torch_reference.py --case x --model mlp --inputs 784 --hidden 1024 \
+        --batch 256 --steps 20 --weights FILE
 
-Cases (a "_2threads" suffix only names the thread count, which --threads sets):
-  mlp_*      64-256-256-10 MLP (Linear+ReLU x 2, Linear), batch from the name (mlp_b64 -> 64),
-             on a synthetic teacher-labelled set like baton::data::synthetic (4096 rows,
-             80% for training, shuffled epochs)
-  gpt_small  GPT (vocab 64, seq 32, d_model 64, 4 heads, 2 layers), batch 16, uniformly random
-             tokens
+Models (--model, else from the case name: "mlp*" or "gpt*"):
+  mlp  an MLP (Linear+ReLU x --layers, Linear; default 64-256-256-10), batch from --batch or the
+       name (mlp_b64 -> 64), on a synthetic teacher-labelled set like baton::data::synthetic
+       (4096 rows, 80% for training, shuffled epochs)
+  gpt  a GPT (default vocab 64, seq 32, d_model 64, 4 heads, 2 layers; batch 16), uniformly
+       random tokens
 Adam (lr 1e-3), cross-entropy. The thread settings are made before any work. `--warmup` steps
 run first on a throwaway copy of the model; each timed run (`--repeats`, the fastest counts)
 then trains a fresh model for `--steps` steps, so "loss" is the loss of step `--steps` from
-initialization, like baton's.
+initialization, like baton's. --weights FILE: baton's initial weights (apps/bench/weights_file.h),
+loaded into every model, so that the runs start from baton's point.
 """
 import argparse
 import json
 import math
 import os
 import re
+import struct
 import sys
 import time
 
@@ -47,7 +52,64 @@ def parse():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1, help="timed runs (each from a fresh model); the best counts")
-    return p.parse_args()
+    p.add_argument("--model", choices=["mlp", "gpt"], default=None, help="default: from the case name")
+    p.add_argument("--inputs", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=None, help="default: 2")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--weights", default=None, help="baton's initial weights (weights_file.h)")
+    args = p.parse_args()
+    if args.model is None:
+        args.model = "mlp" if args.case.startswith("mlp") else "gpt" if args.case.startswith("gpt") else None
+        if args.model is None:
+            raise SystemExit(f"torch_reference.py: unknown case {args.case!r} (give --model)")
+    if args.layers is None:
+        args.layers = 2
+    return args
+
+
+# --- baton's initial weights --------------------------------------------------------------------
+
+def read_weights(path):
+    """{name: tensor} from a weights file (apps/bench/weights_file.h)."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    if not blob.startswith(b"BATONW1\n"):
+        raise SystemExit(f"torch_reference.py: {path} is not a baton weights file")
+    pos = 8
+    (count,) = struct.unpack_from("<I", blob, pos)
+    pos += 4
+    out = {}
+    for _ in range(count):
+        (n,) = struct.unpack_from("<I", blob, pos)
+        name = blob[pos + 4:pos + 4 + n].decode()
+        pos += 4 + n
+        (rank,) = struct.unpack_from("<I", blob, pos)
+        shape = struct.unpack_from(f"<{rank}q", blob, pos + 4)
+        pos += 4 + 8 * rank
+        numel = math.prod(shape)
+        out[name] = torch.frombuffer(bytearray(blob[pos:pos + 4 * numel]), dtype=torch.float32).reshape(shape)
+        pos += 4 * numel
+    return out
+
+
+def load_weights(slots, weights, path):
+    """Copies baton's tensors into the parameters: slots = [(baton name, parameter, transpose)]
+    (a Linear weight is [in, out] in baton, [out, in] in torch)."""
+    if len(slots) != len(weights):
+        raise SystemExit(f"torch_reference.py: {path} holds {len(weights)} tensors, the model has {len(slots)}")
+    with torch.no_grad():
+        for name, param, transpose in slots:
+            if name not in weights:
+                raise SystemExit(f"torch_reference.py: {path} has no tensor {name!r}")
+            t = weights[name].t() if transpose else weights[name]
+            if t.shape != param.shape:
+                raise SystemExit(f"torch_reference.py: {name!r} is {tuple(t.shape)}, its parameter {tuple(param.shape)}")
+            param.copy_(t)
 
 
 # --- MLP ----------------------------------------------------------------------------------------
@@ -66,6 +128,13 @@ class Mlp(nn.Module):
         for fc in self.fcs[:-1]:
             x = F.relu(fc(x))
         return self.fcs[-1](x)
+
+    def slots(self):
+        out = []
+        for i, fc in enumerate(self.fcs):
+            name = "out" if i + 1 == len(self.fcs) else f"fc{i}"
+            out += [(f"{name}.w", fc.weight, True), (f"{name}.b", fc.bias, False)]
+        return out
 
 
 class SyntheticBatches:
@@ -124,6 +193,19 @@ class Gpt(nn.Module):
             x = blk(x, self.mask)
         return self.head(self.lnf(x))
 
+    def slots(self):
+        out = [("wte", self.wte.weight, False), ("wpe", self.wpe, False)]
+        for l, b in enumerate(self.blocks):
+            p = f"h{l}."
+            out += [(p + "ln1.g", b.ln1.weight, False), (p + "ln1.b", b.ln1.bias, False),
+                    (p + "attn.wq", b.wq.weight, True), (p + "attn.wk", b.wk.weight, True),
+                    (p + "attn.wv", b.wv.weight, True), (p + "attn.wo", b.wo.weight, True),
+                    (p + "ln2.g", b.ln2.weight, False), (p + "ln2.b", b.ln2.bias, False),
+                    (p + "mlp.w1", b.fc1.weight, True), (p + "mlp.b1", b.fc1.bias, False),
+                    (p + "mlp.w2", b.fc2.weight, True), (p + "mlp.b2", b.fc2.bias, False)]
+        return out + [("lnf.g", self.lnf.weight, False), ("lnf.b", self.lnf.bias, False),
+                      ("head.w", self.head.weight, True)]
+
 
 class RandomTokens:
     def __init__(self, batch, seq, vocab, seed):
@@ -137,23 +219,25 @@ class RandomTokens:
 
 # --- training -----------------------------------------------------------------------------------
 
-def make(args):
-    if args.case.startswith("mlp"):
+def make(args, weights=None):
+    if args.model == "mlp":
         m = re.match(r"mlp_b(\d+)", args.case)
         batch = args.batch or (int(m.group(1)) if m else 64)
-        model, data = Mlp(), SyntheticBatches(batch, args.seed)
+        model = Mlp(args.inputs, args.hidden, args.layers, args.classes)
+        data = SyntheticBatches(batch, args.seed, width=args.inputs, classes=args.classes)
 
         def loss_fn(x, y):
             return F.cross_entropy(model(x), y)
-    elif args.case.startswith("gpt"):
+    else:
         batch = args.batch or 16
-        vocab, seq = 64, 32
-        model, data = Gpt(vocab=vocab, seq=seq), RandomTokens(batch, seq, vocab, args.seed)
+        vocab, seq = args.vocab, args.seq
+        model = Gpt(vocab=vocab, seq=seq, d=args.d_model, heads=args.heads, layers=args.layers)
+        data = RandomTokens(batch, seq, vocab, args.seed)
 
         def loss_fn(tokens, targets):
             return F.cross_entropy(model(tokens).view(-1, vocab), targets)
-    else:
-        raise SystemExit(f"torch_reference.py: unknown case {args.case!r}")
+    if weights is not None:
+        load_weights(model.slots(), weights, args.weights)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     return batch, data, opt, loss_fn
 
@@ -175,13 +259,14 @@ def main():
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     torch.manual_seed(args.seed)
+    weights = read_weights(args.weights) if args.weights else None
     if args.warmup > 0:  # a throwaway model, so the timed one starts from initialization
-        _, data, opt, loss_fn = make(args)
+        _, data, opt, loss_fn = make(args, weights)
         train(data, opt, loss_fn, args.warmup)
     wall, final = math.inf, math.nan
     for _ in range(max(1, args.repeats)):
         torch.manual_seed(args.seed)
-        batch, data, opt, loss_fn = make(args)
+        batch, data, opt, loss_fn = make(args, weights)
         t0 = time.perf_counter()
         loss = train(data, opt, loss_fn, args.steps)
         final = loss.item()  # synchronizes (a no-op on the CPU)
@@ -197,6 +282,7 @@ def main():
         "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "repeats": max(1, args.repeats),
+        "weights": "baton" if weights is not None else "own",
     }))
     sys.stdout.flush()
 
