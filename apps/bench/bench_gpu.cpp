@@ -90,9 +90,13 @@ struct Options {
   /// (forward running a micro-batch ahead of backward) buys nothing there and doubles the
   /// activations' memory; the attention scores dominate it.
   std::int32_t activation_slots = 1;
-  std::string precision = "f32";
+  /// "" until resolved for the device and mode (resolve()).
+  std::string precision;
   double peak_tflops = 0;  // 0: from the table
-  std::string torch_attention = "naive";
+  std::string torch_attention;  // naive, sdpa, auto; "" until resolved
+  /// best: each side at its own best batch (a search); same: both at one batch (--batch, or
+  /// the largest baton's plan fits). "" until resolved: same where --batch is given, else best.
+  std::string batch_mode;
   bool reference = true;
   bool require_reference = false;
   bool quick = false;
@@ -100,7 +104,7 @@ struct Options {
   bool plan_only = false;
   /// Auto batch: the fraction of the device's free memory the plan may take.
   double mem_fraction = 0.85;
-  std::int64_t max_batch = 64;
+  std::int64_t max_batch = 0;  // 0: 64 on CUDA, 8 on the CPU
   double timeout_s = 600;
 };
 
@@ -117,25 +121,41 @@ struct Options {
       "  --device D          auto (default): cuda:0 if CUDA works, else a 'skipped' line and the "
       "CPU variant\n"
       "  --d-model N --heads N --layers N --seq N --vocab N --batch N\n"
-      "                      defaults on CUDA: 1024, 16, 8, 1024, 32768, batch 0 = the largest "
-      "that fits\n"
-      "                      --mem-fraction (default 0.85) of free memory, at most --max-batch "
-      "(64);\n"
-      "                      on the CPU: 128, 4, 2, 64, 512, batch 8\n"
+      "                      defaults on CUDA: 1024, 16, 8, 1024, 32768; on the CPU: 128, 4, 2, "
+      "64, 512.\n"
+      "                      No --batch: --batch-mode best. baton's plan may take --mem-fraction "
+      "(default\n"
+      "                      0.85) of the free memory; --max-batch bounds every batch (default 64 "
+      "on CUDA,\n"
+      "                      8 on the CPU)\n"
       "  --warmup W --steps S  untimed then timed steps (CUDA 3 and 10, CPU 3 and 20; --quick: 1 "
       "and 3)\n"
       "  --threads N         baton worker threads (and PyTorch CPU threads), default 1\n"
       "  --activation-slots K  slots per activation register (default 1: one device)\n"
-      "  --precision P       f32 (default; full float32 products on both sides), bf16 (autocast on "
-      "both\n"
-      "                      sides; f32 weights and Adam) or tf32 (PyTorch alone)\n"
+      "  --batch-mode M      best (default without --batch): each side at its own best batch, the "
+      "fastest\n"
+      "                      of the powers of two up to --max-batch that fit (baton: and the largest "
+      "its\n"
+      "                      plan fits; PyTorch: until it runs out of memory), both batches reported, "
+      "the\n"
+      "                      ratio of tokens/s; same (default with --batch): both sides at one batch\n"
+      "  --precision P       f32 (full float32 products on both sides), bf16 (autocast on both sides; "
+      "f32\n"
+      "                      weights and Adam) or tf32 (PyTorch alone). Default: bf16 on CUDA with "
+      "--batch-mode\n"
+      "                      best (as a user runs PyTorch), f32 otherwise\n"
       "  --peak-tflops X     the device's peak for the precision, for MFU (default: from a table "
       "of\n"
       "                      NVIDIA's dense figures by device name; none for the CPU)\n"
-      "  --torch-attention A naive (default: baton's ops) or sdpa (PyTorch's fused causal "
-      "attention)\n"
+      "  --torch-attention A naive (baton's ops), sdpa (PyTorch's fused causal attention) or auto "
+      "(sdpa where\n"
+      "                      this PyTorch has it, else naive). Default: auto with --batch-mode best, "
+      "naive\n"
+      "                      with same\n"
       "  --no-reference      skip PyTorch;  --require-reference  exit 77 if PyTorch is missing\n"
       "  --timeout S         give up on a side after S seconds (default 600)\n"
+      "  --allow-load        print the ratio even on a machine loaded above its cores (marked "
+      "\"loaded\")\n"
       "  --plan-only         compile, print the plan's size (register_bytes, estimated_bytes), "
       "train nothing\n"
       "  environment: BATON_PYTHON (default: the first of python3 on PATH, /usr/bin/python3 that "
@@ -208,6 +228,8 @@ Options parse(int argc, char** argv) {
       o.peak_tflops = real(i, a);
     else if (a == "--torch-attention")
       o.torch_attention = value(i, a);
+    else if (a == "--batch-mode")
+      o.batch_mode = value(i, a);
     else if (a == "--mem-fraction")
       o.mem_fraction = real(i, a);
     else if (a == "--max-batch")
@@ -227,13 +249,27 @@ Options parse(int argc, char** argv) {
       usage(2);
     }
   }
-  if (o.precision != "f32" && o.precision != "tf32" && o.precision != "bf16") {
+  if (!o.precision.empty() && o.precision != "f32" && o.precision != "tf32" &&
+      o.precision != "bf16") {
     fmt::print(stderr, "{}: --precision must be f32, tf32 or bf16, not '{}'\n", prog, o.precision);
     usage(2);
   }
-  if (o.torch_attention != "naive" && o.torch_attention != "sdpa") {
-    fmt::print(stderr, "{}: --torch-attention must be naive or sdpa, not '{}'\n", prog,
+  if (!o.torch_attention.empty() && o.torch_attention != "naive" && o.torch_attention != "sdpa" &&
+      o.torch_attention != "auto") {
+    fmt::print(stderr, "{}: --torch-attention must be naive, sdpa or auto, not '{}'\n", prog,
                o.torch_attention);
+    usage(2);
+  }
+  if (o.batch_mode.empty()) o.batch_mode = o.sizes.batch > 0 ? "same" : "best";
+  if (o.batch_mode != "best" && o.batch_mode != "same") {
+    fmt::print(stderr, "{}: --batch-mode must be best or same, not '{}'\n", prog, o.batch_mode);
+    usage(2);
+  }
+  if (o.batch_mode == "best" && o.sizes.batch > 0) {
+    fmt::print(stderr,
+               "{}: --batch {} fixes the batch, --batch-mode best searches for it: give one of them "
+               "(--batch-mode same --batch N compares both sides at N)\n",
+               prog, o.sizes.batch);
     usage(2);
   }
   if (o.device != "auto") {
@@ -318,14 +354,17 @@ class Reference {
     std::vector<std::string> tried;
     for (const auto& py : pythons) {
       auto [status, out] = bench::run_capture(
-          fmt::format("timeout 60 {} -c 'import torch; print(torch.__version__)' 2>&1",
+          fmt::format("timeout 60 {} -c 'import torch, torch.nn.functional as F; "
+                      "print(torch.__version__, hasattr(F, \"scaled_dot_product_attention\"))' 2>&1",
                       bench::shell_quote(py)));
       out = bench::trim(out);
       const auto nl = out.rfind('\n');
       std::string last = nl == std::string::npos ? out : out.substr(nl + 1);
       if (status == 0) {
         python_ = py;
-        version_ = last;
+        const auto space = last.find(' ');
+        version_ = last.substr(0, space);
+        has_sdpa_ = space != std::string::npos && last.substr(space + 1) == "True";
         break;
       }
       tried.push_back(
@@ -361,6 +400,31 @@ class Reference {
   const std::string& python() const {
     return python_;
   }
+  /// Whether this PyTorch has F.scaled_dot_product_attention (2.0 and later).
+  bool has_sdpa() const {
+    return has_sdpa_;
+  }
+
+  /// One run of the script: its exit status, its result line ("" if none) and its output.
+  struct Outcome {
+    int exit_code = -1;
+    std::string line, out;
+    /// The script ran out of device memory (it exits 3 and says "oom": true).
+    bool oom() const {
+      return exit_code == 3 && line.find("\"oom\": true") != std::string::npos;
+    }
+  };
+  Outcome try_run(const std::string& args, double timeout_s) const {
+    const std::string cmd =
+        fmt::format("timeout --kill-after=10 {:.0f} {} {} {}", timeout_s,
+                    bench::shell_quote(python_), bench::shell_quote(script_), args);
+    auto [status, out] = bench::run_capture(cmd);
+    Outcome r;
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.line = bench::last_json_line(out);
+    r.out = std::move(out);
+    return r;
+  }
 
   /// The script's result line for these arguments; throws with its output if it has none.
   std::string run(const std::string& args, double timeout_s) const {
@@ -379,6 +443,7 @@ class Reference {
 
  private:
   std::string python_, script_, version_, missing_;
+  bool has_sdpa_ = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -457,6 +522,11 @@ struct BatonResult {
 /// The shortest timed window that polling the loss log measures to within a few percent.
 constexpr double min_timed_s = 0.01;
 
+/// The timed steps passed too quickly to be timed (a search grows the steps and tries again).
+struct TooShort : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, double timeout_s) {
   Runtime rt(c.job.plan, c.job.kernels);
   std::exception_ptr failure;
@@ -498,7 +568,7 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   BatonResult r;
   r.timed_s = std::chrono::duration<double>(*t_end - *t_warm).count();
   if (r.timed_s < min_timed_s) {
-    throw std::runtime_error(
+    throw TooShort(
         fmt::format("the {} timed steps took {:.2f} ms, too short to time by polling the loss "
                     "log (every ~0.1 ms): raise --steps",
                     steps, r.timed_s * 1e3));
@@ -550,193 +620,381 @@ std::int64_t pick(std::int64_t given, std::int64_t fallback) {
   return given > 0 ? given : fallback;
 }
 
+/// The options with every default that depends on the device settled: the precision (bf16 on
+/// CUDA when each side runs at its best batch, as a PyTorch user would; f32 otherwise), the
+/// attention of the reference (auto: sdpa where PyTorch has it, when at its best; naive, baton's
+/// own ops, when both run at one batch) and the largest batch.
+Options resolve(Options o, bool cuda, const Reference* ref) {
+  const bool best = o.batch_mode == "best";
+  if (o.precision.empty()) o.precision = cuda && best ? "bf16" : "f32";
+  if (o.torch_attention.empty()) o.torch_attention = best ? "auto" : "naive";
+  if (o.torch_attention == "auto") {
+    o.torch_attention = ref != nullptr && ref->missing().empty() && ref->has_sdpa() ? "sdpa" : "naive";
+  }
+  if (o.max_batch <= 0) o.max_batch = cuda ? 64 : 8;
+  return o;
+}
+
+/// The batches a search tries, smallest first: the powers of two up to `limit`, and `limit`
+/// itself where it is not one (the largest batch that fits, e.g. 5).
+std::vector<std::int64_t> search_batches(std::int64_t limit) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t b = 1; b <= limit; b *= 2) out.push_back(b);
+  if (limit >= 1 && out.back() != limit) out.push_back(limit);
+  return out;
+}
+
+/// One batch a search tried: its tokens/s, or why it gave none ("out of memory").
+struct Tried {
+  std::int64_t batch = 0;
+  std::optional<double> tokens_per_s;
+  std::string failed;
+};
+
+/// The batch with the most tokens/s; 0 if none ran.
+std::int64_t fastest(const std::vector<Tried>& tried) {
+  std::int64_t best = 0;
+  double rate = -1;
+  for (const Tried& t : tried) {
+    if (t.tokens_per_s && *t.tokens_per_s > rate) {
+      rate = *t.tokens_per_s;
+      best = t.batch;
+    }
+  }
+  return best;
+}
+
+/// "1:1.2e+04 2:2.3e+04 4:out of memory": a search, as the JSON line reports it.
+std::string describe_search(const std::vector<Tried>& tried) {
+  std::vector<std::string> parts;
+  for (const Tried& t : tried) {
+    parts.push_back(t.tokens_per_s ? fmt::format("{}:{:.4g}", t.batch, *t.tokens_per_s)
+                                   : fmt::format("{}:{}", t.batch, t.failed));
+  }
+  return fmt::format("{}", fmt::join(parts, " "));
+}
+
+/// What every run on one device shares.
+struct Setup {
+  Device device;
+  bool cuda = false;
+  Options o;  // resolved
+  models::GptShape shape;
+  DeviceInfo dev;
+  std::int64_t warmup = 0, steps = 0;
+  std::shared_ptr<const data::TextCorpus> corpus;
+  std::shared_ptr<ParameterStore> params;
+  std::int64_t n_params = 0, n_multiply = 0;
+  double flops_per_token = 0;
+  std::string sizes_args;
+};
+
+/// A measured run of baton at one batch.
+struct BatonAt {
+  std::int64_t batch = 0, steps = 0;
+  BatonResult r;
+  std::uint64_t register_bytes = 0, estimated_bytes = 0;
+  double tokens_per_s = 0;
+};
+
+/// Whether an exception from a baton run says the device ran out of memory.
+bool out_of_memory(const std::exception& e) {
+  const std::string what = e.what();
+  return what.find("out of memory") != std::string::npos || what.find("cudaErrorMemoryAllocation") != std::string::npos;
+}
+
+/// baton at `batch` for `steps` timed steps; with `grow`, a timed window too short to time
+/// doubles the steps and runs again (a search's small batches).
+BatonAt baton_at(const Setup& s, std::int64_t batch, std::int64_t steps, bool grow) {
+  for (int attempt = 0;; ++attempt) {
+    Compiled compiled = compile_gpt(s.shape, batch, s.device, s.warmup + steps, s.o.threads, s.corpus, s.params,
+                                    precision_of(s.o), s.o.activation_slots);
+    if (s.cuda && compiled.estimated_bytes > s.dev.free_bytes) {
+      throw std::runtime_error(fmt::format("the plan needs ~{:.1f} GB on {} ({}), {:.1f} GB free: out of memory",
+                                           static_cast<double>(compiled.estimated_bytes) / 1e9, s.device.str(),
+                                           s.dev.name, static_cast<double>(s.dev.free_bytes) / 1e9));
+    }
+    try {
+      BatonAt b;
+      b.batch = batch;
+      b.steps = steps;
+      b.r = run_baton(compiled, s.warmup, steps, s.o.timeout_s);
+      b.register_bytes = compiled.register_bytes;
+      b.estimated_bytes = compiled.estimated_bytes;
+      b.tokens_per_s = static_cast<double>(batch * s.shape.seq * steps) / b.r.timed_s;
+      return b;
+    } catch (const TooShort&) {
+      if (!grow || attempt >= 10) throw;
+      steps *= 2;
+    }
+  }
+}
+
+/// A run of the PyTorch reference at one batch: its result line, or that it ran out of memory.
+struct TorchAt {
+  std::int64_t batch = 0;
+  bool oom = false;
+  std::string line;
+  double tokens_per_s = 0;
+};
+
+TorchAt torch_at(const Setup& s, const Reference& ref, std::int64_t batch, bool oom_is_an_answer) {
+  const auto outcome = ref.try_run(
+      fmt::format("--device {} {} --batch {} --warmup {} --steps {} --threads {} --precision {} --attention {} "
+                  "--lr {} --seed {}",
+                  s.cuda ? fmt::format("cuda:{}", s.device.index) : std::string("cpu"), s.sizes_args, batch,
+                  s.warmup, s.steps, s.o.threads, s.o.precision, s.o.torch_attention, lr, seed),
+      s.o.timeout_s);
+  TorchAt t;
+  t.batch = batch;
+  if (outcome.oom() && oom_is_an_answer) {
+    t.oom = true;
+    return t;
+  }
+  const auto rate = bench::json_number(outcome.line, "tokens_per_s");
+  if (outcome.exit_code != 0 || !rate) {
+    throw std::runtime_error(fmt::format("the PyTorch reference failed at batch {} (exit {}{}): {}", batch,
+                                         outcome.exit_code, outcome.exit_code == 124 ? ", timed out" : "",
+                                         bench::trim(outcome.out)));
+  }
+  t.line = outcome.line;
+  t.tokens_per_s = *rate;
+  return t;
+}
+
+/// baton at its best batch: every batch of search_batches(the largest its plan fits, at most
+/// --max-batch), the fastest measured again.
+std::pair<BatonAt, std::vector<Tried>> baton_best(const Setup& s) {
+  const std::int64_t limit = s.cuda ? auto_batch(s.shape, s.dev, s.o, s.corpus, s.params) : s.o.max_batch;
+  std::vector<Tried> tried;
+  std::map<std::int64_t, std::int64_t> steps_of;  // the steps each batch needed
+  for (std::int64_t b : search_batches(limit)) {
+    try {
+      const BatonAt at = baton_at(s, b, s.steps, true);
+      tried.push_back({b, at.tokens_per_s, {}});
+      steps_of[b] = at.steps;
+      fmt::print(stderr, "{}: baton at batch {}: {:.0f} tokens/s\n", prog, b, at.tokens_per_s);
+    } catch (const std::exception& e) {
+      if (!out_of_memory(e)) throw;
+      tried.push_back({b, std::nullopt, "out of memory"});
+      fmt::print(stderr, "{}: baton at batch {}: out of memory ({})\n", prog, b, e.what());
+      break;  // a larger batch needs more
+    }
+  }
+  const std::int64_t best = fastest(tried);
+  if (best == 0) throw std::runtime_error("baton ran at no batch: " + describe_search(tried));
+  return {baton_at(s, best, steps_of.at(best), true), tried};
+}
+
+/// PyTorch at its best batch: the powers of two up to --max-batch until one runs out of memory,
+/// the fastest measured again.
+std::pair<TorchAt, std::vector<Tried>> torch_best(const Setup& s, const Reference& ref) {
+  std::vector<Tried> tried;
+  for (std::int64_t b : search_batches(s.o.max_batch)) {
+    const TorchAt at = torch_at(s, ref, b, true);
+    if (at.oom) {
+      tried.push_back({b, std::nullopt, "out of memory"});
+      fmt::print(stderr, "{}: PyTorch at batch {}: out of memory\n", prog, b);
+      break;
+    }
+    tried.push_back({b, at.tokens_per_s, {}});
+    fmt::print(stderr, "{}: PyTorch at batch {}: {:.0f} tokens/s\n", prog, b, at.tokens_per_s);
+  }
+  const std::int64_t best = fastest(tried);
+  if (best == 0) throw std::runtime_error("PyTorch ran at no batch: " + describe_search(tried));
+  return {torch_at(s, ref, best, false), tried};
+}
+
+/// The settings every run on `device` shares; checks the reference's parameter count against
+/// baton's before spending minutes on either side.
+Setup make_setup(Device device, const Options& given, const Reference* ref, bool with_ref) {
+  Setup s;
+  s.device = device;
+  s.cuda = device.type == DeviceType::cuda;
+  s.o = resolve(given, s.cuda, ref);
+  const Sizes& def = s.cuda ? cuda_defaults : cpu_defaults;
+  s.shape = models::GptShape{.vocab = pick(s.o.sizes.vocab, def.vocab),
+                             .seq = pick(s.o.sizes.seq, def.seq),
+                             .d_model = pick(s.o.sizes.d_model, def.d_model),
+                             .heads = pick(s.o.sizes.heads, def.heads),
+                             .layers = pick(s.o.sizes.layers, def.layers)};
+  s.warmup = s.o.warmup > 0 ? s.o.warmup : (s.o.quick ? 1 : 3);
+  s.steps = s.o.steps > 0 ? s.o.steps : (s.o.quick ? 3 : (s.cuda ? 10 : 20));
+  s.dev = describe(device);
+  s.corpus = random_corpus(s.shape.vocab, s.shape.seq, std::max<std::int64_t>(s.o.sizes.batch, s.o.max_batch));
+  {
+    Graph g(seed);
+    (void)models::gpt_with_loss(g, 1, s.shape);
+    s.params = ParameterStore::initialize(g);
+  }
+  for (const auto& [name, t] : s.params->values()) {
+    s.n_params += t.numel();
+    if (name != "wte" && name != "wpe") s.n_multiply += t.numel();
+  }
+  s.sizes_args = fmt::format("--d-model {} --heads {} --layers {} --seq {} --vocab {}", s.shape.d_model,
+                             s.shape.heads, s.shape.layers, s.shape.seq, s.shape.vocab);
+  if (with_ref) {
+    const std::string counted = ref->run("--count-only " + s.sizes_args, 120);
+    const auto ref_params = bench::json_number(counted, "params");
+    if (!ref_params || static_cast<std::int64_t>(*ref_params) != s.n_params) {
+      throw std::runtime_error(fmt::format(
+          "the PyTorch model is not baton's: {} parameters against baton's {} ({}); fix apps/bench/gpt_torch.py",
+          ref_params ? fmt::format("{}", static_cast<std::int64_t>(*ref_params)) : "no count", s.n_params,
+          s.sizes_args));
+    }
+  }
+  // Model FLOPs per token: 6 N + 12 L d T (the file's header).
+  s.flops_per_token = 6.0 * static_cast<double>(s.n_multiply) +
+                      static_cast<double>(12 * s.shape.layers * s.shape.d_model * s.shape.seq);
+  return s;
+}
+
+/// --plan-only: the plan's size at the batch asked for (or the largest that fits).
+void print_plan(const Setup& s) {
+  const std::int64_t batch =
+      s.o.sizes.batch > 0 ? s.o.sizes.batch : (s.cuda ? auto_batch(s.shape, s.dev, s.o, s.corpus, s.params)
+                                                      : cpu_defaults.batch);
+  const Compiled c = compile_gpt(s.shape, batch, s.device, s.warmup + s.steps, s.o.threads, s.corpus, s.params,
+                                 precision_of(s.o), s.o.activation_slots);
+  bench::JsonLine line("gpu", s.cuda ? "gpt_cuda" : "gpt_cpu");
+  line.add("device", s.device.str()).add("device_name", s.dev.name).add("batch", batch).add("seq", s.shape.seq);
+  line.add("d_model", s.shape.d_model).add("heads", s.shape.heads).add("layers", s.shape.layers);
+  line.add("vocab", s.shape.vocab).add("params", s.n_params).add("params_multiply", s.n_multiply);
+  line.add("flops_per_token", s.flops_per_token).add("actors", static_cast<std::int64_t>(c.job.plan.actors.size()));
+  line.add("register_bytes", c.register_bytes).add("estimated_bytes", c.estimated_bytes);
+  line.print();
+}
+
 /// Runs the benchmark on `device`; returns false if it failed (a line with "error" was printed).
-bool bench_device(Device device, const Options& o, const Reference* ref) {
+bool bench_device(Device device, const Options& given, const Reference* ref) {
   const bool cuda = device.type == DeviceType::cuda;
-  const Sizes& def = cuda ? cuda_defaults : cpu_defaults;
-  const models::GptShape shape{.vocab = pick(o.sizes.vocab, def.vocab),
-                               .seq = pick(o.sizes.seq, def.seq),
-                               .d_model = pick(o.sizes.d_model, def.d_model),
-                               .heads = pick(o.sizes.heads, def.heads),
-                               .layers = pick(o.sizes.layers, def.layers)};
-  const std::int64_t warmup = o.warmup > 0 ? o.warmup : (o.quick ? 1 : 3);
-  const std::int64_t steps = o.steps > 0 ? o.steps : (o.quick ? 3 : (cuda ? 10 : 20));
   const std::string case_name = cuda ? "gpt_cuda" : "gpt_cpu";
   bench::JsonLine line("gpu", case_name);
-  std::int64_t batch = o.sizes.batch;
+  std::int64_t batch = given.sizes.batch;
   try {
-    const DeviceInfo dev = describe(device);
-    const std::int64_t flops_attention = 12 * shape.layers * shape.d_model * shape.seq;
-    std::optional<double> peak = o.peak_tflops > 0 ? std::optional<double>(o.peak_tflops)
-                                                   : table_peak_tflops(dev.name, o.precision);
+    const bool with_ref = ref != nullptr && ref->missing().empty() && !given.plan_only;
+    const Setup s = make_setup(device, given, ref, with_ref);
+    const Options& o = s.o;
+    if (o.plan_only) {
+      print_plan(s);
+      return true;
+    }
+    const bool best_mode = o.batch_mode == "best";
+    std::optional<double> peak =
+        o.peak_tflops > 0 ? std::optional<double>(o.peak_tflops) : table_peak_tflops(s.dev.name, o.precision);
     const std::string peak_source = o.peak_tflops > 0 ? "--peak-tflops" : (peak ? "table" : "");
     const bool baton_runs = o.precision != "tf32";
-    const DType precision = precision_of(o);
     const std::string baton_refused =
         baton_runs ? ""
-                   : "baton does not use TF32 (its float32 products are full float32): only the PyTorch "
-                     "reference ran";
+                   : "baton does not use TF32 (its float32 products are full float32): only the PyTorch reference ran";
 
-    // The parameter count is the model's, whatever the batch: check it against the reference's
-    // before spending minutes on either side.
-    const auto corpus =
-        random_corpus(shape.vocab, shape.seq, std::max<std::int64_t>(batch, o.max_batch));
-    std::shared_ptr<ParameterStore> params;
-    {
-      Graph g(seed);
-      (void)models::gpt_with_loss(g, 1, shape);
-      params = ParameterStore::initialize(g);
-    }
-    std::int64_t n_params = 0, n_multiply = 0;
-    for (const auto& [name, t] : params->values()) {
-      n_params += t.numel();
-      if (name != "wte" && name != "wpe") n_multiply += t.numel();
-    }
-    const std::string sizes_args =
-        fmt::format("--d-model {} --heads {} --layers {} --seq {} --vocab {}", shape.d_model,
-                    shape.heads, shape.layers, shape.seq, shape.vocab);
-    const bool with_ref = ref != nullptr && ref->missing().empty() && !o.plan_only;
-    if (with_ref) {
-      const std::string counted = ref->run("--count-only " + sizes_args, 120);
-      const auto ref_params = bench::json_number(counted, "params");
-      if (!ref_params || static_cast<std::int64_t>(*ref_params) != n_params) {
-        throw std::runtime_error(fmt::format(
-            "the PyTorch model is not baton's: {} parameters against baton's {} ({}); fix "
-            "apps/bench/gpt_torch.py",
-            ref_params ? fmt::format("{}", static_cast<std::int64_t>(*ref_params)) : "no count",
-            n_params, sizes_args));
+    std::optional<BatonAt> b;
+    std::optional<TorchAt> t;
+    std::vector<Tried> baton_search, torch_search;
+    std::int64_t torch_batch = 0;
+    if (best_mode) {
+      if (baton_runs) {
+        auto [at, tried] = baton_best(s);
+        b = std::move(at);
+        baton_search = std::move(tried);
+        batch = b->batch;
       }
-    }
-    const double flops_per_token =
-        6.0 * static_cast<double>(n_multiply) + static_cast<double>(flops_attention);
-
-    std::optional<BatonResult> b;
-    std::optional<Compiled> compiled;
-    if (baton_runs) {
+      if (with_ref) {
+        auto [at, tried] = torch_best(s, *ref);
+        t = std::move(at);
+        torch_search = std::move(tried);
+        torch_batch = t->batch;
+      }
+    } else {
       if (batch == 0) {
-        batch = cuda ? auto_batch(shape, dev, o, corpus, params) : def.batch;
+        batch = cuda ? auto_batch(s.shape, s.dev, o, s.corpus, s.params) : cpu_defaults.batch;
       }
-      compiled.emplace(
-          compile_gpt(shape, batch, device, warmup + steps, o.threads, corpus, params, precision, o.activation_slots));
-      if (cuda && compiled->estimated_bytes > dev.free_bytes) {
-        throw std::runtime_error(
-            fmt::format("the plan needs ~{:.1f} GB on {} ({}), {:.1f} GB free: lower --batch",
-                        static_cast<double>(compiled->estimated_bytes) / 1e9, device.str(),
-                        dev.name, static_cast<double>(dev.free_bytes) / 1e9));
+      if (baton_runs) {
+        fmt::print(stderr, "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters; {} + {} steps\n", prog,
+                   case_name, device.str(), s.dev.name, batch, s.shape.seq, static_cast<double>(s.n_params) / 1e6,
+                   s.warmup, s.steps);
+        b = baton_at(s, batch, s.steps, false);
       }
-      if (o.plan_only) {
-        line.add("device", device.str())
-            .add("device_name", dev.name)
-            .add("batch", batch)
-            .add("seq", shape.seq);
-        line.add("d_model", shape.d_model).add("heads", shape.heads).add("layers", shape.layers);
-        line.add("vocab", shape.vocab).add("params", n_params).add("params_multiply", n_multiply);
-        line.add("flops_per_token", flops_per_token)
-            .add("actors", static_cast<std::int64_t>(compiled->job.plan.actors.size()));
-        line.add("register_bytes", compiled->register_bytes)
-            .add("estimated_bytes", compiled->estimated_bytes);
-        line.print();
-        return true;
+      if (with_ref) {
+        t = torch_at(s, *ref, batch, false);
+        torch_batch = batch;
       }
-      fmt::print(
-          stderr,
-          "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters, {} actors, {:.2f} GB of "
-          "registers; {} + {} steps\n",
-          prog, case_name, device.str(), dev.name, batch, shape.seq,
-          static_cast<double>(n_params) / 1e6, compiled->job.plan.actors.size(),
-          static_cast<double>(compiled->register_bytes) / 1e9, warmup, steps);
-      b = run_baton(*compiled, warmup, steps, o.timeout_s);
-    } else if (batch == 0) {
-      batch = cuda ? 8 : def.batch;  // no plan to size it by
     }
 
-    std::optional<std::string> t;
-    if (with_ref) {
-      t = ref->run(
-          fmt::format(
-              "--device {} {} --batch {} --warmup {} --steps {} --threads {} --precision {} "
-              "--attention {} --lr {} --seed {}",
-              cuda ? fmt::format("cuda:{}", device.index) : std::string("cpu"), sizes_args, batch,
-              warmup, steps, o.threads, o.precision, o.torch_attention, lr, seed),
-          o.timeout_s);
-    }
-
-    const double tokens_per_step = static_cast<double>(batch * shape.seq);
-    std::optional<double> rate, ref_rate;
-    if (b) rate = tokens_per_step * static_cast<double>(steps) / b->timed_s;
-    if (t) {
-      ref_rate = bench::json_number(*t, "tokens_per_s");
-      if (!ref_rate)
-        throw std::runtime_error("the PyTorch reference printed no tokens_per_s: " + *t);
-    }
-    auto mfu = [&](double r) { return r * flops_per_token / (*peak * 1e12); };
-
-    if (rate) line.add("value", *rate);
+    auto mfu = [&](double r) { return r * s.flops_per_token / (*peak * 1e12); };
+    if (b) line.add("value", b->tokens_per_s);
     line.add("unit", "tokens/s");
-    if (ref_rate) line.add("reference", *ref_rate);
-    if (rate && ref_rate) line.add("ratio", *rate / *ref_rate);
+    if (t) line.add("reference", t->tokens_per_s);
+    if (b && t) line.add("ratio", b->tokens_per_s / t->tokens_per_s);
+    line.add("batch_mode", o.batch_mode);
+    if (b) line.add("batch", b->batch);
+    if (t) line.add("reference_batch", torch_batch);
+    if (!baton_search.empty()) line.add("batch_search", describe_search(baton_search));
+    if (!torch_search.empty()) line.add("reference_batch_search", describe_search(torch_search));
+    if (best_mode) {
+      line.add("batch_rule", fmt::format("the fastest of the powers of two up to {} that fit (baton: and the largest "
+                                         "its plan fits), measured again",
+                                         o.max_batch));
+    }
     if (!baton_refused.empty()) line.add("skipped", baton_refused);
-    if (rate && peak) line.add("mfu", mfu(*rate));
-    if (ref_rate && peak) line.add("reference_mfu", mfu(*ref_rate));
-    if (b) line.add("step_ms", b->timed_s * 1e3 / static_cast<double>(steps));
-    if (t) line.add("reference_step_ms", bench::json_number(*t, "step_ms").value_or(NAN));
-    if (rate) line.add("model_tflops", *rate * flops_per_token / 1e12);
+    if (b && peak) line.add("mfu", mfu(b->tokens_per_s));
+    if (t && peak) line.add("reference_mfu", mfu(t->tokens_per_s));
+    if (b) line.add("step_ms", b->r.timed_s * 1e3 / static_cast<double>(b->steps));
+    if (t) line.add("reference_step_ms", bench::json_number(t->line, "step_ms").value_or(NAN));
+    if (b) line.add("model_tflops", b->tokens_per_s * s.flops_per_token / 1e12);
     if (peak) {
       line.add("peak_tflops", *peak).add("peak_source", peak_source);
     } else {
-      line.add("peak_missing",
-               fmt::format("no peak for '{}' at {}: give --peak-tflops", dev.name, o.precision));
+      line.add("peak_missing", fmt::format("no peak for '{}' at {}: give --peak-tflops", s.dev.name, o.precision));
     }
-    line.add("flops_per_token", flops_per_token);
-    line.add("flops_formula",
-             "6*N + 12*layers*d_model*seq (PaLM/Megatron; N = parameters without wte, wpe)");
-    line.add("params", n_params).add("params_multiply", n_multiply);
-    line.add("device", device.str()).add("device_name", dev.name).add("precision", o.precision);
-    line.add("batch", batch)
-        .add("seq", shape.seq)
-        .add("d_model", shape.d_model)
-        .add("heads", shape.heads);
-    line.add("layers", shape.layers).add("vocab", shape.vocab);
-    line.add("warmup", warmup).add("steps", steps).add("threads", o.threads);
+    line.add("flops_per_token", s.flops_per_token);
+    line.add("flops_formula", "6*N + 12*layers*d_model*seq (PaLM/Megatron; N = parameters without wte, wpe)");
+    line.add("params", s.n_params).add("params_multiply", s.n_multiply);
+    line.add("device", device.str()).add("device_name", s.dev.name).add("precision", o.precision);
+    line.add("seq", s.shape.seq).add("d_model", s.shape.d_model).add("heads", s.shape.heads);
+    line.add("layers", s.shape.layers).add("vocab", s.shape.vocab);
+    line.add("warmup", s.warmup).add("steps", b ? b->steps : s.steps).add("threads", o.threads);
     if (b) {
-      line.add("loss", b->loss).add("job_s", b->job_s).add("actors", b->actors);
-      line.add("register_bytes", compiled->register_bytes)
-          .add("estimated_bytes", compiled->estimated_bytes);
+      line.add("loss", b->r.loss).add("job_s", b->r.job_s).add("actors", b->r.actors);
+      line.add("register_bytes", b->register_bytes).add("estimated_bytes", b->estimated_bytes);
     }
     if (t) {
-      line.add("reference_loss", bench::json_number(*t, "loss").value_or(NAN));
-      if (const auto m = bench::json_number(*t, "max_memory_bytes"); m && *m > 0) {
+      line.add("reference_steps", s.steps);
+      line.add("reference_loss", bench::json_number(t->line, "loss").value_or(NAN));
+      if (const auto m = bench::json_number(t->line, "max_memory_bytes"); m && *m > 0) {
         line.add("reference_max_memory_bytes", *m);  // torch.cuda.max_memory_allocated
       }
-      line.add("reference_attention", o.torch_attention).add("torch_version", ref->version());
+      line.add("reference_attention", o.torch_attention).add("reference_precision", o.precision);
+      line.add("torch_version", ref->version());
+      if (best_mode && o.torch_attention != "sdpa") {
+        line.add("reference_attention_note",
+                 fmt::format("PyTorch {} has no scaled_dot_product_attention (2.0 and later)", ref->version()));
+      }
     }
     if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
     line.print();
 
     fmt::print(
         stderr, "{}: {}: baton {} | PyTorch {}{}\n", prog, case_name,
-        rate ? fmt::format("{:.0f} tokens/s ({:.2f} ms/step, loss {:.4f}){}", *rate,
-                           b->timed_s * 1e3 / static_cast<double>(steps), b->loss,
-                           peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(*rate)) : std::string())
-             : std::string("skipped"),
-        ref_rate
-            ? fmt::format("{:.0f} tokens/s{}", *ref_rate,
-                          peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(*ref_rate)) : std::string())
-            : std::string("not run"),
-        rate && ref_rate ? fmt::format(" | ratio {:.2f}", *rate / *ref_rate) : std::string());
+        b ? fmt::format("{:.0f} tokens/s at batch {} ({:.2f} ms/step, loss {:.4f}){}", b->tokens_per_s, b->batch,
+                        b->r.timed_s * 1e3 / static_cast<double>(b->steps), b->r.loss,
+                        peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(b->tokens_per_s)) : std::string())
+          : std::string("skipped"),
+        t ? fmt::format("{:.0f} tokens/s at batch {}{}", t->tokens_per_s, torch_batch,
+                        peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(t->tokens_per_s)) : std::string())
+          : std::string("not run"),
+        b && t ? fmt::format(" | ratio {}", bench::ratio_note(b->tokens_per_s / t->tokens_per_s)) : std::string());
     if (b) {
       std::vector<std::pair<double, std::string>> ops;
-      for (const auto& [op, s] : b->kernel_s_by_op) ops.emplace_back(s, op);
+      for (const auto& [op, sec] : b->r.kernel_s_by_op) ops.emplace_back(sec, op);
       std::sort(ops.rbegin(), ops.rend());
       std::string top;
-      const double all_steps = static_cast<double>(warmup + steps);
+      const double all_steps = static_cast<double>(s.warmup + b->steps);
       for (std::size_t i = 0; i < std::min<std::size_t>(ops.size(), 6); ++i) {
-        top += fmt::format("{}{} {:.2f}", i ? ", " : "", ops[i].second,
-                           ops[i].first * 1e3 / all_steps);
+        top += fmt::format("{}{} {:.2f}", i ? ", " : "", ops[i].second, ops[i].first * 1e3 / all_steps);
       }
-      fmt::print(stderr,
-                 "{}: {}: kernel ms/step by op (whole job; on CUDA the time to enqueue): {}\n",
-                 prog, case_name, top);
+      fmt::print(stderr, "{}: {}: kernel ms/step by op (whole job; on CUDA the time to enqueue): {}\n", prog,
+                 case_name, top);
     }
     return true;
   } catch (const std::exception& e) {
@@ -751,6 +1009,7 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::load().start(argc, argv, 1);
   const Options opt = parse(argc, argv);
   (void)baton::ns_per_tick();  // its one-off calibration, outside every measurement
   std::optional<Reference> ref;

@@ -20,8 +20,12 @@ throughput, as baton's (the time between its loss reports of step warmup and war
 
 --precision: f32 (full float32 products: TF32 off, PyTorch's default), tf32 (TF32 matrix
 products), bf16 (torch.autocast to bfloat16; weights and Adam stay float32).
---attention: naive (the same ops as baton: q k^T, scale, mask, softmax, times v) or sdpa
-(F.scaled_dot_product_attention with is_causal, the fused kernel a PyTorch user would reach for).
+--attention: naive (the same ops as baton: q k^T, scale, mask, softmax, times v), sdpa
+(F.scaled_dot_product_attention with is_causal, the fused kernel a PyTorch user would reach for)
+or auto (sdpa where this PyTorch has it, 2.0 and later; else naive). The line says which ran.
+
+Out of device memory (baton-bench-gpu's batch search tries ever larger batches until one does
+not fit), the script prints {"oom": true, "batch", "error"} and exits 3.
 """
 import argparse
 import json
@@ -53,7 +57,7 @@ def parse():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
     p.add_argument("--precision", choices=["f32", "tf32", "bf16"], default="f32")
-    p.add_argument("--attention", choices=["naive", "sdpa"], default="naive")
+    p.add_argument("--attention", choices=["naive", "sdpa", "auto"], default="naive")
     p.add_argument("--count-only", action="store_true", help="print the parameter count and exit")
     return p.parse_args()
 
@@ -116,8 +120,17 @@ class Gpt(nn.Module):
         return self.head(self.lnf(x))
 
 
+def is_out_of_memory(e):
+    """Whether an exception is the device running out of memory (torch.cuda.OutOfMemoryError
+    where this PyTorch has it, else the RuntimeError whose message says so)."""
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom_type is not None and isinstance(e, oom_type)) or "out of memory" in str(e)
+
+
 def main():
     args = parse()
+    if args.attention == "auto":
+        args.attention = "sdpa" if hasattr(F, "scaled_dot_product_attention") else "naive"
     if args.attention == "sdpa" and not hasattr(F, "scaled_dot_product_attention"):
         raise SystemExit(f"gpt_torch.py: --attention sdpa needs PyTorch 2.0 or later (this is {torch.__version__})")
     if args.count_only:
@@ -151,17 +164,24 @@ def main():
         opt.step()
         return loss
 
-    for _ in range(args.warmup):
-        step()
-    sync()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    t0 = time.perf_counter()
-    loss = None
-    for _ in range(args.steps):
-        loss = step()
-    sync()
-    wall = time.perf_counter() - t0
+    try:
+        for _ in range(args.warmup):
+            step()
+        sync()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        loss = None
+        for _ in range(args.steps):
+            loss = step()
+        sync()
+        wall = time.perf_counter() - t0
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+        if not is_out_of_memory(e):
+            raise
+        print(json.dumps({"oom": True, "batch": args.batch, "error": str(e).splitlines()[0]}))
+        sys.stdout.flush()
+        sys.exit(3)
     tokens = args.steps * args.batch * args.seq
     print(json.dumps({
         "params": params,
