@@ -208,7 +208,14 @@ caf::actor_system_config& with_threads(caf::actor_system_config& cfg, int thread
 class CafChain final : public PeerChain {
  public:
   CafChain(int threads, int slots)
-      : system_(with_threads(cfg_, threads)), threads_(threads), slots_(slots) {}
+      : system_(with_threads(cfg_, threads)), threads_(threads), slots_(slots) {
+    // The setting is a string key: check that the scheduler took it.
+    const auto workers = system_.scheduler().num_workers();
+    if (workers != static_cast<std::size_t>(threads)) {
+      throw std::runtime_error(fmt::format(
+          "caf: asked for {} scheduler threads, the actor system has {}", threads, workers));
+    }
+  }
 
   PeerSample run(const std::vector<StageWork>& stages, std::int64_t pieces,
                  double timeout_s) override {

@@ -4,16 +4,25 @@
 // training with Adam (lr 1e-3) on one device (TrainConfig::replica_places), fed uniformly random
 // tokens. baton runs `warmup` + `steps` steps as one job; the timed window is from the loss
 // report of step `warmup` to that of step `warmup + steps`, so it is steady-state throughput
-// (set-up, allocation and the first steps excluded). The reference is the same model, batch,
-// optimizer and precision in PyTorch eager mode (apps/bench/gpt_torch.py, a subprocess), timed
-// the same way with torch.cuda.synchronize; both parameter counts are compared first and a
-// mismatch fails the benchmark. One JSON line per case on stdout; notes on stderr.
+// (set-up, allocation and the first steps excluded). The reference is the same model and
+// optimizer in PyTorch eager mode (apps/bench/gpt_torch.py, a subprocess), timed the same way
+// with torch.cuda.synchronize; both parameter counts are compared first and a mismatch fails the
+// benchmark. One JSON line per case on stdout; notes on stderr.
 //
-//   baton-bench-gpu                         cuda:0 if there is one (an H100-sized GPT, batch
-//                                           chosen to fill the memory); else a "skipped" line
-//                                           for it and the CPU variant (small sizes)
+// By default (--batch-mode best) each side runs at its own best batch, as its user would run
+// it: PyTorch with scaled_dot_product_attention (where it has it) and, on CUDA, bf16 autocast,
+// at the fastest of the powers of two up to --max-batch, tried until one runs out of memory;
+// baton, also bf16 on CUDA, at the fastest of the powers of two up to the largest batch its plan
+// fits, and that largest one (each batch in a child process: baton pools device memory for the
+// life of a process). The fastest batch of each side is measured again; both batches, both
+// searches and both tokens/s are reported, and the ratio is of tokens/s. --batch N (or
+// --batch-mode same) runs both sides at one batch with the same ops (naive attention) instead.
+//
+//   baton-bench-gpu                         cuda:0 if there is one (an H100-sized GPT); else a
+//                                           "skipped" line for it and the CPU variant
 //   baton-bench-gpu --device cpu --quick    the harness on the CPU, PyTorch (CPU) as reference
-//   baton-bench-gpu --precision bf16        mixed precision on both sides (autocast's policy)
+//   baton-bench-gpu --batch-mode same --precision bf16   one batch (the largest baton's plan
+//                                           fits), mixed precision on both sides
 //
 // Model FLOPs per token (PaLM, appendix B; Megatron-LM's count): 6 N + 12 L d T, where N counts
 // the parameters that multiply (every one but the token and position tables, which are looked
@@ -703,9 +712,9 @@ bool out_of_memory(const std::exception& e) {
   return what.find("out of memory") != std::string::npos || what.find("cudaErrorMemoryAllocation") != std::string::npos;
 }
 
-/// baton at `batch` for `steps` timed steps; with `grow`, a timed window too short to time
-/// doubles the steps and runs again (a search's small batches).
-BatonAt baton_at(const Setup& s, std::int64_t batch, std::int64_t steps, bool grow) {
+/// baton at `batch` for `steps` timed steps; a timed window too short to time doubles the steps
+/// and runs again (a search's small batches, a fast machine).
+BatonAt baton_at(const Setup& s, std::int64_t batch, std::int64_t steps) {
   for (int attempt = 0;; ++attempt) {
     Compiled compiled = compile_gpt(s.shape, batch, s.device, s.warmup + steps, s.o.threads, s.corpus, s.params,
                                     precision_of(s.o), s.o.activation_slots);
@@ -724,7 +733,7 @@ BatonAt baton_at(const Setup& s, std::int64_t batch, std::int64_t steps, bool gr
       b.tokens_per_s = static_cast<double>(batch * s.shape.seq * steps) / b.r.timed_s;
       return b;
     } catch (const TooShort&) {
-      if (!grow || attempt >= 10) throw;
+      if (attempt >= 10) throw;
       steps *= 2;
     }
   }
@@ -762,15 +771,50 @@ TorchAt torch_at(const Setup& s, const Reference& ref, std::int64_t batch, bool 
   return t;
 }
 
+/// baton at `batch` in a child process of this program (--batch-mode same --no-reference):
+/// baton's device memory is pooled by size for the life of the process (kernels/src/cuda), so
+/// a search run in this process would keep every batch's blocks and starve the next batch and
+/// the PyTorch reference. Throws with the child's error (which names "out of memory" where the
+/// device ran out).
+BatonAt baton_in_child(const Setup& s, std::int64_t batch, std::int64_t steps) {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw std::runtime_error("cannot read /proc/self/exe to run a batch in a child: " + ec.message());
+  const std::string cmd = fmt::format(
+      "BATON_BENCH_CHILD=1 timeout --kill-after=10 {:.0f} {} --device {} --batch-mode same --batch {} --no-reference {} --warmup {} "
+      "--steps {} --threads {} --precision {} --activation-slots {} --timeout {:.0f} --allow-load 2>&1",
+      s.o.timeout_s + 60, bench::shell_quote(self.string()), s.device.str(), batch, s.sizes_args, s.warmup, steps,
+      s.o.threads, s.o.precision, s.o.activation_slots, s.o.timeout_s);
+  // Its notes on stderr come back with its line: shown only where it fails.
+  auto [status, out] = bench::run_capture(cmd);
+  const std::string line = bench::last_json_line(out);
+  const auto rate = bench::json_number(line, "value");
+  if (!rate) {
+    throw std::runtime_error(fmt::format("baton at batch {} (a child, status {}): {}", batch, status,
+                                         bench::json_string(line, "error").value_or(bench::trim(out))));
+  }
+  BatonAt b;
+  b.batch = batch;
+  b.steps = static_cast<std::int64_t>(bench::json_number(line, "steps").value_or(static_cast<double>(steps)));
+  b.tokens_per_s = *rate;
+  b.r.timed_s = bench::json_number(line, "step_ms").value_or(NAN) * static_cast<double>(b.steps) / 1e3;
+  b.r.loss = bench::json_number(line, "loss").value_or(NAN);
+  b.r.job_s = bench::json_number(line, "job_s").value_or(NAN);
+  b.r.actors = static_cast<std::int64_t>(bench::json_number(line, "actors").value_or(0));
+  b.register_bytes = static_cast<std::uint64_t>(bench::json_number(line, "register_bytes").value_or(0));
+  b.estimated_bytes = static_cast<std::uint64_t>(bench::json_number(line, "estimated_bytes").value_or(0));
+  return b;
+}
+
 /// baton at its best batch: every batch of search_batches(the largest its plan fits, at most
-/// --max-batch), the fastest measured again.
+/// --max-batch), each in a child process, the fastest measured again.
 std::pair<BatonAt, std::vector<Tried>> baton_best(const Setup& s) {
   const std::int64_t limit = s.cuda ? auto_batch(s.shape, s.dev, s.o, s.corpus, s.params) : s.o.max_batch;
   std::vector<Tried> tried;
   std::map<std::int64_t, std::int64_t> steps_of;  // the steps each batch needed
   for (std::int64_t b : search_batches(limit)) {
     try {
-      const BatonAt at = baton_at(s, b, s.steps, true);
+      const BatonAt at = baton_in_child(s, b, s.steps);
       tried.push_back({b, at.tokens_per_s, {}});
       steps_of[b] = at.steps;
       fmt::print(stderr, "{}: baton at batch {}: {:.0f} tokens/s\n", prog, b, at.tokens_per_s);
@@ -783,7 +827,7 @@ std::pair<BatonAt, std::vector<Tried>> baton_best(const Setup& s) {
   }
   const std::int64_t best = fastest(tried);
   if (best == 0) throw std::runtime_error("baton ran at no batch: " + describe_search(tried));
-  return {baton_at(s, best, steps_of.at(best), true), tried};
+  return {baton_in_child(s, best, steps_of.at(best)), tried};
 }
 
 /// PyTorch at its best batch: the powers of two up to --max-batch until one runs out of memory,
@@ -909,15 +953,16 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
       if (batch == 0) {
         batch = cuda ? auto_batch(s.shape, s.dev, o, s.corpus, s.params) : cpu_defaults.batch;
       }
+      // PyTorch first: baton keeps its device memory pooled until this process ends.
+      if (with_ref) {
+        t = torch_at(s, *ref, batch, false);
+        torch_batch = batch;
+      }
       if (baton_runs) {
         fmt::print(stderr, "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters; {} + {} steps\n", prog,
                    case_name, device.str(), s.dev.name, batch, s.shape.seq, static_cast<double>(s.n_params) / 1e6,
                    s.warmup, s.steps);
-        b = baton_at(s, batch, s.steps, false);
-      }
-      if (with_ref) {
-        t = torch_at(s, *ref, batch, false);
-        torch_batch = batch;
+        b = baton_at(s, batch, s.steps);
       }
     }
 
@@ -984,7 +1029,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
                         peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(t->tokens_per_s)) : std::string())
           : std::string("not run"),
         b && t ? fmt::format(" | ratio {}", bench::ratio_note(b->tokens_per_s / t->tokens_per_s)) : std::string());
-    if (b) {
+    if (b && !b->r.kernel_s_by_op.empty()) {  // a child's run printed its own
       std::vector<std::pair<double, std::string>> ops;
       for (const auto& [op, sec] : b->r.kernel_s_by_op) ops.emplace_back(sec, op);
       std::sort(ops.rbegin(), ops.rend());

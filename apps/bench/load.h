@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <string_view>
@@ -76,7 +77,8 @@ class LoadWatch {
  public:
   /// Reads the start load, and takes --allow-load out of argv (so that a benchmark's own parser
   /// never sees it). Call first thing in main(). A benchmark's worker processes (started with
-  /// --worker) print nothing about the load: their parent does.
+  /// --worker, or with BATON_BENCH_CHILD in the environment) print nothing about the load: their
+  /// parent does.
   void start(int& argc, char** argv, int own_threads) {
     int out = 1;
     bool worker = false;
@@ -95,6 +97,8 @@ class LoadWatch {
     cores_ = usable_cores();
     start_ = read_loadavg();
     started_ = true;
+    // A child a benchmark starts for one measurement says so in its environment.
+    worker = worker || std::getenv("BATON_BENCH_CHILD") != nullptr;
     if (start_ > cores_ && !worker) {
       fmt::print(stderr, "load average {:.2f} is above the {} cores: {}\n", start_, cores_,
                  allow_
