@@ -93,6 +93,8 @@ struct Options {
   std::string precision = "f32";
   double peak_tflops = 0;  // 0: from the table
   std::string torch_attention = "naive";
+  /// baton's attention: naive (matmul, mask, softmax, matmul) or fused (attention(), ops.h).
+  std::string attention = "naive";
   bool reference = true;
   bool require_reference = false;
   bool quick = false;
@@ -110,8 +112,8 @@ struct Options {
       f,
       "usage: {} [--device auto|cpu|cuda:N] [sizes] [--warmup W] [--steps S] [--precision "
       "f32|tf32|bf16]\n"
-      "       [--peak-tflops X] [--torch-attention naive|sdpa] [--no-reference] [--quick] "
-      "[--help]\n"
+      "       [--peak-tflops X] [--attention naive|fused] [--torch-attention naive|sdpa]\n"
+      "       [--no-reference] [--quick] [--help]\n"
       "  A GPT training step with baton and with PyTorch eager (the reference, same run); one JSON "
       "line.\n"
       "  --device D          auto (default): cuda:0 if CUDA works, else a 'skipped' line and the "
@@ -132,6 +134,10 @@ struct Options {
       "  --peak-tflops X     the device's peak for the precision, for MFU (default: from a table "
       "of\n"
       "                      NVIDIA's dense figures by device name; none for the CPU)\n"
+      "  --attention A       baton's attention: naive (default: matmul, mask, softmax, matmul) "
+      "or fused\n"
+      "                      (one op per block, FlashAttention's tiling: no T x T scores in "
+      "memory)\n"
       "  --torch-attention A naive (default: baton's ops) or sdpa (PyTorch's fused causal "
       "attention)\n"
       "  --no-reference      skip PyTorch;  --require-reference  exit 77 if PyTorch is missing\n"
@@ -208,6 +214,8 @@ Options parse(int argc, char** argv) {
       o.peak_tflops = real(i, a);
     else if (a == "--torch-attention")
       o.torch_attention = value(i, a);
+    else if (a == "--attention")
+      o.attention = value(i, a);
     else if (a == "--mem-fraction")
       o.mem_fraction = real(i, a);
     else if (a == "--max-batch")
@@ -234,6 +242,10 @@ Options parse(int argc, char** argv) {
   if (o.torch_attention != "naive" && o.torch_attention != "sdpa") {
     fmt::print(stderr, "{}: --torch-attention must be naive or sdpa, not '{}'\n", prog,
                o.torch_attention);
+    usage(2);
+  }
+  if (o.attention != "naive" && o.attention != "fused") {
+    fmt::print(stderr, "{}: --attention must be naive or fused, not '{}'\n", prog, o.attention);
     usage(2);
   }
   if (o.device != "auto") {
@@ -558,7 +570,8 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
                                .seq = pick(o.sizes.seq, def.seq),
                                .d_model = pick(o.sizes.d_model, def.d_model),
                                .heads = pick(o.sizes.heads, def.heads),
-                               .layers = pick(o.sizes.layers, def.layers)};
+                               .layers = pick(o.sizes.layers, def.layers),
+                               .attention = models::parse_attention(o.attention)};
   const std::int64_t warmup = o.warmup > 0 ? o.warmup : (o.quick ? 1 : 3);
   const std::int64_t steps = o.steps > 0 ? o.steps : (o.quick ? 3 : (cuda ? 10 : 20));
   const std::string case_name = cuda ? "gpt_cuda" : "gpt_cpu";
@@ -710,6 +723,7 @@ bool bench_device(Device device, const Options& o, const Reference* ref) {
       }
       line.add("reference_attention", o.torch_attention).add("torch_version", ref->version());
     }
+    line.add("attention", o.attention);
     if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
     line.print();
 
