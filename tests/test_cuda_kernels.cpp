@@ -371,6 +371,55 @@ TEST_CASE("Attention.Graph.ChecksShapesAndNamesTheOp") {
   CHECK(grad_ops == 1);
 }
 
+// Megatron's attention block with the fused ops, sharded from annotations (wq, wk, wv and w1,
+// b1 by columns; wo and w2 by rows): the heads axis carries the split through attention and the
+// columns through bias_gelu, so each half needs one all-reduce, and values and gradients equal
+// the logical graph's (float64: the same sums in another grouping, 1e-10).
+TEST_CASE("Attention.Sharding.SplitByHeadsAndColumnsAsTheUnfusedBlock") {
+  const std::int64_t b = 2, t = 5, d = 8, nh = 4, dh = d / nh;
+  const Sbp cols = sbp::split(1), rows = sbp::split(0);
+  for (int tp : {2, 4}) {
+    CAPTURE(tp);
+    Graph logical(9);
+    auto x = logical.input("x", {b, t, d}, f64);
+    auto w = [&](const char* name, Shape s, Sbp sig) {
+      return logical.variable(name, std::move(s), init::normal(0.0, 0.3), sig, f64);
+    };
+    auto wq = w("wq", {d, d}, cols), wk = w("wk", {d, d}, cols), wv = w("wv", {d, d}, cols), wo = w("wo", {d, d}, rows);
+    auto w1 = w("w1", {d, 2 * d}, cols), b1 = w("b1", {2 * d}, rows), w2 = w("w2", {2 * d, d}, rows);
+    auto heads = [&](Value v) { return transpose(reshape(matmul(x, v), {b, t, nh, dh}), {0, 2, 1, 3}); };
+    auto o = reshape(transpose(attention(heads(wq), heads(wk), heads(wv)), {0, 2, 1, 3}), {b, t, d});
+    auto h = x + matmul(o, wo);
+    Value y = (h + matmul(bias_gelu(matmul(h, w1), b1), w2)).named("y");
+    Graph physical(9);
+    ShardedGraph sharded = shard_graph(logical, physical, tp);
+    REQUIRE(sharded.movements().size() == 2);
+    for (const auto& m : sharded.movements()) CHECK(m.kind == Movement::all_reduce);
+
+    Tensor feed = random_tensor(f64, {b, t, d});
+    auto lp = ParameterStore::initialize(logical);
+    auto pp = ParameterStore::initialize(physical);
+    Value whole = sharded.whole(y);
+    std::vector<Value> vars = physical.variables();
+    std::vector<Value> fetch = gradients(sum(whole * whole), vars);
+    fetch.push_back(whole);
+    auto got = evaluate(physical, {{"x", feed}}, fetch, *pp);
+    const std::vector<Value> weights{wq, wk, wv, wo, w1, b1, w2};
+    std::vector<Value> want_fetch = gradients(sum(y * y), weights);
+    want_fetch.push_back(y);
+    auto want = evaluate(logical, {{"x", feed}}, want_fetch, *lp);
+    CHECK_CLOSE(got.back(), want.back(), 1e-10);
+    std::map<std::string, Tensor> grads;
+    for (std::size_t i = 0; i < vars.size(); ++i) grads[vars[i].name()] = got[i];
+    auto joined = join_parts(physical, grads);
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      CAPTURE(weights[i].name());
+      REQUIRE(joined.count(weights[i].name()));
+      CHECK_CLOSE(joined.at(weights[i].name()), want[i], 1e-10);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // CPU: bias + GELU
 

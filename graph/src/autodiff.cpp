@@ -16,10 +16,12 @@ Value add_grad_op(const char* op, std::vector<Value> inputs, Attrs attrs, const 
 }
 
 // The node op(inputs, attrs) if one was made already (by the gradient of another input of the
-// same forward node), else a new one: ops whose one node gives the gradients of several inputs.
-Value shared_grad_op(const char* op, std::vector<Value> inputs, const Attrs& attrs, Shape shape, DType dtype) {
+// same forward node `y`, so after it), else a new one: ops whose one node gives the gradients of
+// several inputs.
+Value shared_grad_op(const char* op, std::vector<Value> inputs, const Attrs& attrs, Shape shape, DType dtype,
+                     const Value& y) {
   Graph& g = inputs[0].graph();
-  for (int id = g.size() - 1; id >= 0; --id) {
+  for (int id = g.size() - 1; id > y.id(); --id) {
     const Node& n = g.node(id);
     if (n.op != op || n.inputs.size() != inputs.size() || !(n.attrs == attrs)) continue;
     bool same = true;
@@ -74,7 +76,7 @@ Value input_gradient(Value y, std::size_t i, Value dy) {
   if (op == "relu" || op == "gelu") return add_grad_op(op == "relu" ? "relu_grad" : "gelu_grad", {x, dy}, {}, x);
   if (op == "bias_gelu") {
     // One node for both inputs: d/dx, and its column sums for the bias.
-    Value dx = shared_grad_op("bias_gelu_grad", {in(0), in(1), dy}, {}, in(0).shape(), in(0).dtype());
+    Value dx = shared_grad_op("bias_gelu_grad", {in(0), in(1), dy}, {}, in(0).shape(), in(0).dtype(), y);
     return i == 0 ? dx : sum_to(dx, x.shape());
   }
   if (op == "attention") {
@@ -82,7 +84,7 @@ Value input_gradient(Value y, std::size_t i, Value dy) {
     const std::int64_t d = x.dim(-1);
     Shape packed = x.shape();
     packed.back() *= 3;
-    Value grads = shared_grad_op("attention_grad", {in(0), in(1), in(2), y, dy}, n.attrs, packed, x.dtype());
+    Value grads = shared_grad_op("attention_grad", {in(0), in(1), in(2), y, dy}, n.attrs, packed, x.dtype(), y);
     const auto k = static_cast<std::int64_t>(i);
     return slice(grads, -1, k * d, (k + 1) * d);
   }
