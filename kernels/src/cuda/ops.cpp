@@ -831,7 +831,7 @@ void add_float_kernels(KernelRegistry& reg) {
   using launch::UnaryGrad;
   constexpr auto cuda = DeviceType::cuda;
   constexpr DType dt = dtype_for<E>();
-  auto fn = [&reg, dt](const char* op, std::function<void(KernelContext&)> f) { reg.add_fn(op, cuda, dt, std::move(f)); };
+  auto fn = [&reg](const char* op, std::function<void(KernelContext&)> f) { reg.add_fn(op, cuda, dt, std::move(f)); };
   fn("add", [](KernelContext& c) { binary<E>(c, Binary::add, "add"); });
   fn("sub", [](KernelContext& c) { binary<E>(c, Binary::sub, "sub"); });
   fn("mul", [](KernelContext& c) { binary<E>(c, Binary::mul, "mul"); });
