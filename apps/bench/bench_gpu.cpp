@@ -106,6 +106,8 @@ struct Options {
   /// best: each side at its own best batch (a search); same: both at one batch (--batch, or
   /// the largest baton's plan fits). "" until resolved: same where --batch is given, else best.
   std::string batch_mode;
+  /// baton's attention: naive (matmul, mask, softmax, matmul) or fused (attention(), ops.h).
+  std::string attention = "naive";
   bool reference = true;
   bool require_reference = false;
   bool quick = false;
@@ -123,8 +125,8 @@ struct Options {
       f,
       "usage: {} [--device auto|cpu|cuda:N] [sizes] [--warmup W] [--steps S] [--precision "
       "f32|tf32|bf16]\n"
-      "       [--peak-tflops X] [--torch-attention naive|sdpa] [--no-reference] [--quick] "
-      "[--help]\n"
+      "       [--peak-tflops X] [--attention naive|fused] [--torch-attention naive|sdpa]\n"
+      "       [--no-reference] [--quick] [--help]\n"
       "  A GPT training step with baton and with PyTorch eager (the reference, same run); one JSON "
       "line.\n"
       "  --device D          auto (default): cuda:0 if CUDA works, else a 'skipped' line and the "
@@ -156,6 +158,10 @@ struct Options {
       "  --peak-tflops X     the device's peak for the precision, for MFU (default: from a table "
       "of\n"
       "                      NVIDIA's dense figures by device name; none for the CPU)\n"
+      "  --attention A       baton's attention: naive (default: matmul, mask, softmax, matmul) "
+      "or fused\n"
+      "                      (one op per block, FlashAttention's tiling: no T x T scores in "
+      "memory)\n"
       "  --torch-attention A naive (baton's ops), sdpa (PyTorch's fused causal attention) or auto "
       "(sdpa where\n"
       "                      this PyTorch has it, else naive). Default: auto with --batch-mode best, "
@@ -239,6 +245,8 @@ Options parse(int argc, char** argv) {
       o.torch_attention = value(i, a);
     else if (a == "--batch-mode")
       o.batch_mode = value(i, a);
+    else if (a == "--attention")
+      o.attention = value(i, a);
     else if (a == "--mem-fraction")
       o.mem_fraction = real(i, a);
     else if (a == "--max-batch")
@@ -279,6 +287,10 @@ Options parse(int argc, char** argv) {
                "{}: --batch {} fixes the batch, --batch-mode best searches for it: give one of them "
                "(--batch-mode same --batch N compares both sides at N)\n",
                prog, o.sizes.batch);
+    usage(2);
+  }
+  if (o.attention != "naive" && o.attention != "fused") {
+    fmt::print(stderr, "{}: --attention must be naive or fused, not '{}'\n", prog, o.attention);
     usage(2);
   }
   if (o.device != "auto") {
@@ -782,9 +794,9 @@ BatonAt baton_in_child(const Setup& s, std::int64_t batch, std::int64_t steps) {
   if (ec) throw std::runtime_error("cannot read /proc/self/exe to run a batch in a child: " + ec.message());
   const std::string cmd = fmt::format(
       "BATON_BENCH_CHILD=1 timeout --kill-after=10 {:.0f} {} --device {} --batch-mode same --batch {} --no-reference {} --warmup {} "
-      "--steps {} --threads {} --precision {} --activation-slots {} --timeout {:.0f} --allow-load 2>&1",
+      "--steps {} --threads {} --precision {} --attention {} --activation-slots {} --timeout {:.0f} --allow-load 2>&1",
       s.o.timeout_s + 60, bench::shell_quote(self.string()), s.device.str(), batch, s.sizes_args, s.warmup, steps,
-      s.o.threads, s.o.precision, s.o.activation_slots, s.o.timeout_s);
+      s.o.threads, s.o.precision, s.o.attention, s.o.activation_slots, s.o.timeout_s);
   // Its notes on stderr come back with its line: shown only where it fails.
   auto [status, out] = bench::run_capture(cmd);
   const std::string line = bench::last_json_line(out);
@@ -861,7 +873,8 @@ Setup make_setup(Device device, const Options& given, const Reference* ref, bool
                              .seq = pick(s.o.sizes.seq, def.seq),
                              .d_model = pick(s.o.sizes.d_model, def.d_model),
                              .heads = pick(s.o.sizes.heads, def.heads),
-                             .layers = pick(s.o.sizes.layers, def.layers)};
+                             .layers = pick(s.o.sizes.layers, def.layers),
+                             .attention = models::parse_attention(s.o.attention)};
   s.warmup = s.o.warmup > 0 ? s.o.warmup : (s.o.quick ? 1 : 3);
   s.steps = s.o.steps > 0 ? s.o.steps : (s.o.quick ? 3 : (s.cuda ? 10 : 20));
   s.dev = describe(device);
@@ -1016,6 +1029,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
                  fmt::format("PyTorch {} has no scaled_dot_product_attention (2.0 and later)", ref->version()));
       }
     }
+    line.add("attention", o.attention);
     if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
     line.print();
 

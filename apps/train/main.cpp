@@ -50,6 +50,7 @@ struct Options {
   std::int64_t d_model = 64;
   std::int64_t heads = 4;
   std::int64_t seq = 32;
+  std::string attention = "naive";
   std::int64_t hidden = 256;
   int threads = 1;
   int dp = 1;
@@ -119,7 +120,9 @@ models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t ba
     return {logits, softmax_cross_entropy(logits, g.find("label"))};
   }
   if (!d.text) throw std::invalid_argument("--model gpt needs --data text:PATH");
-  return models::gpt_with_loss(g, batch, {d.text->vocab_size(), o.seq, o.d_model, o.heads, o.layers, o.tp});
+  return models::gpt_with_loss(g, batch,
+                               {.vocab = d.text->vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
+                                .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention)});
 }
 
 /// Held-out accuracy (labelled data) or loss (text), with the trained weights.
@@ -586,6 +589,9 @@ int main(int argc, char** argv) {
   app.add_option("--d-model", o.d_model, "gpt width")->check(positive);
   app.add_option("--heads", o.heads, "gpt attention heads")->check(positive);
   app.add_option("--seq", o.seq, "gpt context length")->check(positive);
+  app.add_option("--attention", o.attention, "gpt attention: naive (matmul, mask, softmax, matmul: the T x T scores in "
+                 "memory) or fused (one op, FlashAttention's tiling; no scores in memory)")
+      ->check(CLI::IsMember({"naive", "fused"}));
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));

@@ -1,6 +1,7 @@
 #include "models.h"
 
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -79,14 +80,21 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
       auto w = [&](const char* what, Shape shape) {
         return g.variable(shard_name(p(what), sk), std::move(shape), init::normal(0.0, 0.02));
       };
-      auto split_heads = [&](Value v) {  // [b, t, d/tp] -> [b * nh_k, t, dh]
-        return reshape(transpose(reshape(v, {b, t, nh_k, dh}), {0, 2, 1, 3}), {b * nh_k, t, dh});
+      auto split_heads = [&](Value v) {  // [b, t, d/tp] -> [b, nh_k, t, dh]
+        return transpose(reshape(v, {b, t, nh_k, dh}), {0, 2, 1, 3});
       };
       auto q = split_heads(matmul(ln1, w("attn.wq", {d, d_k})));
       auto k = split_heads(matmul(ln1, w("attn.wk", {d, d_k})));
       auto v = split_heads(matmul(ln1, w("attn.wv", {d, d_k})));
-      auto att = softmax(causal_mask(matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
-      auto o = reshape(transpose(reshape(matmul(att, v), {b, nh_k, t, dh}), {0, 2, 1, 3}), {b, t, d_k});
+      Value heads;  // [b, nh_k, t, dh]
+      if (s.attention == GptShape::Attention::fused) {
+        heads = attention(q, k, v);  // causal, scaled by 1/sqrt(dh)
+      } else {
+        auto q3 = reshape(q, {b * nh_k, t, dh}), k3 = reshape(k, {b * nh_k, t, dh}), v3 = reshape(v, {b * nh_k, t, dh});
+        auto att = softmax(causal_mask(matmul(q3, k3, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
+        heads = reshape(matmul(att, v3), {b, nh_k, t, dh});
+      }
+      auto o = reshape(transpose(heads, {0, 2, 1, 3}), {b, t, d_k});
       Value part = matmul(o, w("attn.wo", {d_k, d}));
       attn = sk == 0 ? part : attn + part;
     }
@@ -96,8 +104,9 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
     Value mlp;
     for (std::int64_t sk = 0; sk < tp; ++sk) {
       auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(sk));
-      auto fc = gelu(matmul(ln2, g.variable(shard_name(p("mlp.w1"), sk), {d, f_k}, init::normal(0.0, 0.02))) +
-                     g.variable(shard_name(p("mlp.b1"), sk), {f_k}, init::zeros()));
+      auto h1 = matmul(ln2, g.variable(shard_name(p("mlp.w1"), sk), {d, f_k}, init::normal(0.0, 0.02)));
+      auto b1 = g.variable(shard_name(p("mlp.b1"), sk), {f_k}, init::zeros());
+      auto fc = s.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
       Value part = matmul(fc, g.variable(shard_name(p("mlp.w2"), sk), {f_k, d}, init::normal(0.0, 0.02)));
       mlp = sk == 0 ? part : mlp + part;
     }
@@ -120,6 +129,12 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
 }
 
 }  // namespace
+
+GptShape::Attention parse_attention(std::string_view s) {
+  if (s == "naive") return GptShape::Attention::naive;
+  if (s == "fused") return GptShape::Attention::fused;
+  throw std::invalid_argument(fmt::format("--attention must be naive or fused, not '{}'", s));
+}
 
 Value gpt(Graph& g, std::int64_t batch, const GptShape& s) { return build_gpt(g, batch, s, false).logits; }
 

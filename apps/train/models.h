@@ -2,6 +2,7 @@
 // The models baton-train knows, written with the DSL.
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "baton/graph.h"
 
@@ -39,7 +40,20 @@ struct GptShape {
   /// [vocab/tp, d]) and the head by columns ("head.w.tp<k>" [d, vocab/tp]). heads and vocab must
   /// be multiples of tp.
   std::int64_t tp = 1;
+  /// How a block attends: `naive` spells it out (matmul, scale, causal_mask, softmax, matmul:
+  /// every head's T x T scores are tensors, in memory for the backward), `fused` calls
+  /// attention() (ops.h: FlashAttention's tiling and online softmax, no scores in memory). The
+  /// same function, so the same weights give the same loss up to rounding.
+  enum class Attention : std::uint8_t { naive, fused };
+  Attention attention = Attention::naive;
+  /// The MLP's first layer as bias_gelu(x w1, b1), one op, instead of gelu(x w1 + b1): the same
+  /// bits in f32; under bf16 autocast the activation stays bf16, as torch's Linear + GELU.
+  bool fused_bias_gelu = true;
 };
+
+/// "naive" or "fused" (baton-train's and baton-bench-gpu's --attention); throws
+/// std::invalid_argument naming the flag's value otherwise.
+GptShape::Attention parse_attention(std::string_view s);
 
 /// A GPT-style decoder: token + position embeddings, `layers` pre-norm blocks of causal
 /// multi-head attention and a GELU MLP (4 x d_model), a final layer norm and a linear head.

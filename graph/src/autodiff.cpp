@@ -15,6 +15,22 @@ Value add_grad_op(const char* op, std::vector<Value> inputs, Attrs attrs, const 
   return like.graph().add(op, std::move(inputs), std::move(attrs), like.shape(), like.dtype());
 }
 
+// The node op(inputs, attrs) if one was made already (by the gradient of another input of the
+// same forward node `y`, so after it), else a new one: ops whose one node gives the gradients of
+// several inputs.
+Value shared_grad_op(const char* op, std::vector<Value> inputs, const Attrs& attrs, Shape shape, DType dtype,
+                     const Value& y) {
+  Graph& g = inputs[0].graph();
+  for (int id = g.size() - 1; id > y.id(); --id) {
+    const Node& n = g.node(id);
+    if (n.op != op || n.inputs.size() != inputs.size() || !(n.attrs == attrs)) continue;
+    bool same = true;
+    for (std::size_t k = 0; k < inputs.size() && same; ++k) same = n.inputs[k] == inputs[k].id();
+    if (same) return g.value(id);
+  }
+  return g.add(op, std::move(inputs), attrs, std::move(shape), dtype);
+}
+
 [[noreturn]] void no_gradient(const Node& n, std::size_t input, const Graph& g) {
   throw GraphError(fmt::format("op '{}' ('{}') has no gradient with respect to its input {} ('{}'), which the loss "
                                "needs to differentiate",
@@ -58,6 +74,20 @@ Value input_gradient(Value y, std::size_t i, Value dy) {
     return tb ? matmul(dy, a, true, ta) : matmul(a, dy, !ta, false);
   }
   if (op == "relu" || op == "gelu") return add_grad_op(op == "relu" ? "relu_grad" : "gelu_grad", {x, dy}, {}, x);
+  if (op == "bias_gelu") {
+    // One node for both inputs: d/dx, and its column sums for the bias.
+    Value dx = shared_grad_op("bias_gelu_grad", {in(0), in(1), dy}, {}, in(0).shape(), in(0).dtype(), y);
+    return i == 0 ? dx : sum_to(dx, x.shape());
+  }
+  if (op == "attention") {
+    // One node gives dq, dk and dv side by side along the last axis; input i's is its slice.
+    const std::int64_t d = x.dim(-1);
+    Shape packed = x.shape();
+    packed.back() *= 3;
+    Value grads = shared_grad_op("attention_grad", {in(0), in(1), in(2), y, dy}, n.attrs, packed, x.dtype(), y);
+    const auto k = static_cast<std::int64_t>(i);
+    return slice(grads, -1, k * d, (k + 1) * d);
+  }
   if (op == "tanh" || op == "sigmoid") return add_grad_op(op == "tanh" ? "tanh_grad" : "sigmoid_grad", {y, dy}, {}, x);
   if (op == "softmax" || op == "log_softmax") {
     return add_grad_op(op == "softmax" ? "softmax_grad" : "log_softmax_grad", {y, dy}, {}, x);

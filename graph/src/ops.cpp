@@ -3,6 +3,7 @@
 #include "baton/graph/ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include <fmt/format.h>
@@ -139,6 +140,19 @@ Value relu(Value x) { return unary("relu", x); }
 Value gelu(Value x) { return unary("gelu", x); }
 Value tanh(Value x) { return unary("tanh", x); }
 Value sigmoid(Value x) { return unary("sigmoid", x); }
+Value bias_gelu(Value x, Value b) {
+  const char* op = "bias_gelu";
+  const std::vector<Value> in = autocast(Precision::low, {x, b});
+  x = in[0];
+  b = in[1];
+  need_float(op, {x, b});
+  same_dtype(op, {x, b});
+  if (x.rank() < 1 || b.shape() != Shape{x.dim(-1)}) {
+    fail(op, {x, b}, fmt::format("b must be one bias per column of x: [{}]", x.rank() < 1 ? 0 : x.dim(-1)));
+  }
+  return x.graph().add(op, {x, b}, {}, x.shape(), x.dtype());
+}
+
 Value softmax(Value x) {
   x = autocast(Precision::f32, {x})[0];
   if (x.rank() < 1) fail("softmax", {x}, "needs at least 1 dimension");
@@ -276,6 +290,25 @@ Value embedding(Value table, Value ids) {
 Value causal_mask(Value scores) {
   if (scores.rank() < 2 || scores.dim(-1) != scores.dim(-2)) fail("causal_mask", {scores}, "scores must be [..., T, T]");
   return unary("causal_mask", scores, Attrs{{"value", -std::numeric_limits<double>::infinity()}});
+}
+
+Value attention(Value q, Value k, Value v, const AttentionOptions& options) {
+  const char* op = "attention";
+  const std::vector<Value> in = autocast(Precision::low, {q, k, v});
+  q = in[0];
+  k = in[1];
+  v = in[2];
+  need_float(op, {q, k, v});
+  same_dtype(op, {q, k, v});
+  if (q.rank() < 2) fail(op, {q, k, v}, "q, k and v must be [..., T, D] (at least 2 axes)");
+  if (k.shape() != q.shape() || v.shape() != q.shape()) {
+    fail(op, {q, k, v}, "q, k and v must have one shape [..., T, D] (self-attention, as many heads each)");
+  }
+  if (q.dim(-1) == 0) fail(op, {q, k, v}, "the head size D is 0");
+  const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.dim(-1))));
+  if (!std::isfinite(scale)) fail(op, {q, k, v}, fmt::format("scale {} is not finite", scale));
+  return q.graph().add(op, {q, k, v}, Attrs{{"causal", std::int64_t{options.causal}}, {"scale", scale}}, q.shape(),
+                       q.dtype());
 }
 
 Value dropout(Value x, double p) {

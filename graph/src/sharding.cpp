@@ -183,6 +183,15 @@ Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given,
   } else if (one_of(op, {"relu", "gelu", "tanh", "sigmoid", "scale", "stop_gradient", "cast"})) {
     if (x.is_split()) c.add1(x, x);
     if (x.is_partial() && (op == "scale" || op == "stop_gradient")) c.add1(x, x);
+  } else if (op == "bias_gelu") {
+    // Rows split: each shard its rows, the whole bias; columns split: the bias split with them.
+    const auto last = static_cast<std::int32_t>(n.shape.size()) - 1;
+    if (x.is_split() && x.axis < last) c.add({x, sbp::broadcast()}, x);
+    if (x.is_split() && x.axis == last) c.add({x, sbp::split(0)}, x);
+  } else if (op == "attention") {
+    // Heads (and batches) are independent: q, k and v split alike on a leading axis.
+    const auto rank = static_cast<std::int32_t>(n.shape.size());
+    if (x.is_split() && x.axis + 2 < rank) c.add({x, x, x}, x);
   } else if (one_of(op, {"softmax", "log_softmax", "layer_norm"})) {
     if (x.is_split() && x.axis + 1 < static_cast<std::int32_t>(n.shape.size())) c.add1(x, x);
   } else if (op == "causal_mask") {

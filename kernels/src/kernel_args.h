@@ -2,7 +2,9 @@
 // Private to kernels/src: how a kernel fetches the tensors it relies on, with an error naming
 // the op (and the tensor's role, where given) when one is missing.
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -124,6 +126,69 @@ inline ConcatDims concat_dims(const KernelContext& ctx, const Tensor& y, std::in
   d.outer = product(ys, 0, d.axis);
   d.inner = product(ys, d.axis + 1, ys.size());
   return d;
+}
+
+/// The extents of attention(q, k, v) -> o and attention_grad(q, k, v, o, do) -> [dq dk dv]:
+/// q, k and v share one shape [..., T, D]; `heads` is the product of the leading axes (batch x
+/// heads), each attending over its own T x T scores. Every kernel of both ops (CPU, CUDA) checks
+/// its tensors here, so they refuse the same shapes with the same words.
+struct AttentionDims {
+  std::int64_t heads = 0, t = 0, d = 0;
+};
+
+inline AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
+  const Shape& s = q.shape();
+  if (s.size() < 2 || k.shape() != s || v.shape() != s) {
+    throw std::invalid_argument(fmt::format("{}: q {}, k {} and v {} must share one shape [..., T, D]", op, q.describe(),
+                                            k.describe(), v.describe()));
+  }
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+    throw std::invalid_argument(fmt::format("{}: q {}, k {} and v {} differ in dtype", op, q.describe(), k.describe(),
+                                            v.describe()));
+  }
+  AttentionDims a;
+  a.t = s[s.size() - 2];
+  a.d = s.back();
+  a.heads = product(s, 0, s.size() - 2);
+  return a;
+}
+
+/// attention_grad's output: dq, dk and dv side by side along the last axis, [..., T, 3 D].
+inline Shape attention_grad_shape(const Shape& q) {
+  Shape s = q;
+  if (!s.empty()) s.back() *= 3;
+  return s;
+}
+
+/// The attention's attributes: `causal` (0 or 1, default 1: key j is hidden from query i when
+/// j > i) and `scale` (the scores' factor; absent: 1 / sqrt(D), as torch's SDPA).
+struct AttentionAttrs {
+  bool causal = true;
+  double scale = 0;  // NaN until resolved for a D
+  static AttentionAttrs read(const Attrs& attrs, std::string_view actor, const char* op) {
+    AttentionAttrs a;
+    const std::int64_t c = attrs.get_int("causal", 1);
+    if (c != 0 && c != 1) {
+      throw std::invalid_argument(fmt::format("{} (actor '{}'): attribute causal must be 0 or 1, not {}", op, actor, c));
+    }
+    a.causal = c == 1;
+    a.scale = attrs.get_double("scale", std::numeric_limits<double>::quiet_NaN());
+    if (!std::isnan(a.scale) && !std::isfinite(a.scale)) {
+      throw std::invalid_argument(fmt::format("{} (actor '{}'): attribute scale must be finite, not {}", op, actor, a.scale));
+    }
+    return a;
+  }
+  double scale_for(std::int64_t d) const { return std::isnan(scale) ? 1.0 / std::sqrt(static_cast<double>(d)) : scale; }
+};
+
+/// bias_gelu(x [..., F], b [F]) and its gradient: checks that b is one bias per column of x
+/// and returns F.
+inline std::int64_t bias_columns(const Tensor& x, const Tensor& b, const char* op) {
+  if (x.shape().empty() || b.shape() != Shape{x.shape().back()}) {
+    throw std::invalid_argument(fmt::format("{}: b {} must be [F] for x {} of shape [..., F]", op, b.describe(),
+                                            x.describe()));
+  }
+  return x.shape().back();
 }
 
 }  // namespace baton::detail

@@ -197,6 +197,43 @@ void grad_kernel(KernelContext& ctx) {
   for (std::size_t i = 0; i < n; ++i) dxp[i] = Op::f(ap[i], dyp[i]);
 }
 
+// bias_gelu(x, b) = gelu(x + b), b one bias per column of x [..., F]; its gradient with respect
+// to x is gelu_grad(x + b, dy) (the bias's is that summed over the rows: sum_to, in the graph).
+// The sum is rounded to T as the unfused add would round it, so that the fused op gives the
+// unfused ops' bits.
+template <class T>
+void bias_gelu_kernel(KernelContext& ctx) {
+  const char* op = "bias_gelu";
+  const Tensor& x = need_input(ctx, 0, op, "x");
+  const Tensor& b = need_input(ctx, 1, op, "b");
+  Tensor& y = need_output(ctx, 0, op, "y");
+  const auto f = to_size(detail::bias_columns(x, b, op));
+  check_same_shape(op, x, "x", y, "y");
+  const T* xp = in_data<T>(x, op, "x");
+  const T* bp = in_data<T>(b, op, "b");
+  T* yp = out_data<T>(y, op, "y");
+  const std::size_t n = to_size(x.numel());
+  for (std::size_t i = 0; i < n; ++i) yp[i] = Gelu::f(static_cast<T>(xp[i] + bp[i % f]));
+}
+
+template <class T>
+void bias_gelu_grad_kernel(KernelContext& ctx) {
+  const char* op = "bias_gelu_grad";
+  const Tensor& x = need_input(ctx, 0, op, "x");
+  const Tensor& b = need_input(ctx, 1, op, "b");
+  const Tensor& dy = need_input(ctx, 2, op, "dy");
+  Tensor& dx = need_output(ctx, 0, op, "dx");
+  const auto f = to_size(detail::bias_columns(x, b, op));
+  check_same_shape(op, x, "x", dy, "dy");
+  check_same_shape(op, x, "x", dx, "dx");
+  const T* xp = in_data<T>(x, op, "x");
+  const T* bp = in_data<T>(b, op, "b");
+  const T* dyp = in_data<T>(dy, op, "dy");
+  T* dxp = out_data<T>(dx, op, "dx");
+  const std::size_t n = to_size(x.numel());
+  for (std::size_t i = 0; i < n; ++i) dxp[i] = GeluGrad::f(static_cast<T>(xp[i] + bp[i % f]), dyp[i]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Softmax and log-softmax over the last axis
 
@@ -878,6 +915,8 @@ void add_nn_ops_for(KernelRegistry& reg) {
   reg.add_fn("gelu_grad", cpu, dt, grad_kernel<T, GeluGrad>);
   reg.add_fn("tanh_grad", cpu, dt, grad_kernel<T, TanhGrad>);
   reg.add_fn("sigmoid_grad", cpu, dt, grad_kernel<T, SigmoidGrad>);
+  reg.add_fn("bias_gelu", cpu, dt, bias_gelu_kernel<T>);
+  reg.add_fn("bias_gelu_grad", cpu, dt, bias_gelu_grad_kernel<T>);
   reg.add_fn("softmax", cpu, dt, softmax_kernel<T>);
   reg.add_fn("log_softmax", cpu, dt, log_softmax_kernel<T>);
   reg.add_fn("softmax_grad", cpu, dt, softmax_grad_kernel<T>);
@@ -932,6 +971,7 @@ void add_nn_ops_for(KernelRegistry& reg) {
 void add_cpu_nn_ops(KernelRegistry& reg) {
   add_nn_ops_for<float>(reg);
   add_nn_ops_for<double>(reg);
+  add_cpu_attention_ops(reg);
 }
 
 }  // namespace baton

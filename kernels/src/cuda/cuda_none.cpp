@@ -39,6 +39,12 @@ void sgd_step(float*, const float*, float*, std::int64_t, const SgdConfig&, std:
 void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamConfig&, std::int64_t, double, Stream&) {
   unavailable("adam_step");
 }
+void adam_step_multi(std::span<const AdamSlice>, const AdamConfig&, std::int64_t, double, Stream&) {
+  unavailable("adam_step_multi");
+}
+void sgd_step_multi(std::span<const SgdSlice>, const SgdConfig&, std::int64_t, double, Stream&) {
+  unavailable("sgd_step_multi");
+}
 void scale(float*, std::int64_t, float, Stream&) { unavailable("scale"); }
 void convert(Tensor&, const Tensor&, Stream&) { unavailable("convert"); }
 void add_cuda_kernels(KernelRegistry&) {}

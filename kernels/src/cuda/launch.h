@@ -10,6 +10,15 @@ namespace baton::cuda::launch {
 
 constexpr int max_dims = 8;
 
+/// bfloat16 in device memory, as the launchers' interface names it (raw 16-bit storage: the
+/// .cu files read it as __nv_bfloat16, the host files have baton::bfloat16). A bf16 launcher
+/// loads each element exactly into float32, computes as its float32 twin does and rounds the
+/// result to nearest even once when it stores it: the bits that the float32 kernel run on
+/// converted copies would give (KernelRegistry's fallback), without the copies.
+struct Bf16 {
+  unsigned short bits;
+};
+
 /// An output of `ndim` dims and, per input, the element stride along each output dim (0 where
 /// the input is broadcast along it): numpy broadcasting, transposes and broadcast_to.
 struct Indexing {
@@ -26,15 +35,24 @@ enum class UnaryGrad : int { relu, gelu, tanh, sigmoid };
 
 cudaError_t binary(Binary op, const float* a, const float* b, float* c, const Indexing& ix, long long n,
                    cudaStream_t s);
+cudaError_t binary(Binary op, const Bf16* a, const Bf16* b, Bf16* c, const Indexing& ix, long long n, cudaStream_t s);
 cudaError_t unary(Unary op, const float* x, float* y, long long n, float param, cudaStream_t s);
+cudaError_t unary(Unary op, const Bf16* x, Bf16* y, long long n, float param, cudaStream_t s);
 cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx, long long n, cudaStream_t s);
+cudaError_t unary_grad(UnaryGrad op, const Bf16* x, const Bf16* dy, Bf16* dx, long long n, cudaStream_t s);
 cudaError_t fill(float* y, long long n, float value, cudaStream_t s);
+cudaError_t fill(Bf16* y, long long n, float value, cudaStream_t s);
 /// y[i] = x[sum_d idx_d(i) * ix.a[d]]: transpose and broadcast_to.
 cudaError_t gather(const float* x, float* y, const Indexing& ix, long long n, cudaStream_t s);
+/// The same for elements of `elem_bytes` bytes (2, 4 or 8): it moves bytes, so any dtype.
+cudaError_t gather_bytes(const void* x, void* y, int elem_bytes, const Indexing& ix, long long n, cudaStream_t s);
 
 // Row-wise ops over the last axis: `rows` rows of `cols`.
 cudaError_t softmax(const float* x, float* y, long long rows, long long cols, bool log, cudaStream_t s);
+cudaError_t softmax(const Bf16* x, Bf16* y, long long rows, long long cols, bool log, cudaStream_t s);
 cudaError_t softmax_grad(const float* y, const float* dy, float* dx, long long rows, long long cols, bool log,
+                         cudaStream_t s);
+cudaError_t softmax_grad(const Bf16* y, const Bf16* dy, Bf16* dx, long long rows, long long cols, bool log,
                          cudaStream_t s);
 /// loss[0] = mean over rows of the cross-entropy; row_loss is scratch of `rows` doubles.
 cudaError_t cross_entropy(const float* logits, const int* labels, float* loss, double* row_loss, long long rows,
@@ -42,12 +60,17 @@ cudaError_t cross_entropy(const float* logits, const int* labels, float* loss, d
 cudaError_t cross_entropy_grad(const float* logits, const int* labels, const float* dloss, float* dlogits,
                                long long rows, long long cols, cudaStream_t s);
 cudaError_t layer_norm(const float* x, float* y, long long rows, long long cols, double eps, cudaStream_t s);
+cudaError_t layer_norm(const Bf16* x, Bf16* y, long long rows, long long cols, double eps, cudaStream_t s);
 cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long long rows, long long cols, double eps,
+                            cudaStream_t s);
+cudaError_t layer_norm_grad(const Bf16* x, const Bf16* dy, Bf16* dx, long long rows, long long cols, double eps,
                             cudaStream_t s);
 /// y[i, :] = table[ids[i] - start, :] for a table of `rows` rows holding entries
 /// [start, start + rows) of a vocabulary [0, vocab); an id of another shard, or outside the
 /// vocabulary (the CPU throws there), gives a zero row. Unsharded: start 0, vocab = rows.
 cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long rows,
+                      long long start, long long vocab, cudaStream_t s);
+cudaError_t embedding(const Bf16* table, const int* ids, Bf16* y, long long n, long long d, long long rows,
                       long long start, long long vocab, cudaStream_t s);
 /// dtable = 0, then dtable[ids[i] - start, :] += dy[i, :] for the ids the shard holds, each row's
 /// positions added in increasing order as on the CPU (no atomics: the same bits every run).
@@ -57,6 +80,7 @@ cudaError_t embedding_grad(const int* ids, const float* dy, float* dtable, long 
 size_t embedding_grad_scratch(long long n, long long rows);
 /// y = x with y[..., i, j] = value where j > i, over `batch` matrices of t x t.
 cudaError_t causal_mask(const float* x, float* y, long long batch, long long t, float value, cudaStream_t s);
+cudaError_t causal_mask(const Bf16* x, Bf16* y, long long batch, long long t, float value, cudaStream_t s);
 
 // Vocabulary-parallel cross-entropy (baton/kernels/ops_nn.cpp): logits [rows, cols] hold
 // classes [start, start + cols) of [0, vocab); a label outside [0, vocab) (the CPU throws)
@@ -106,6 +130,8 @@ enum class Reduce : int { sum, max };
 cudaError_t reduce(Reduce op, const float* x, float* y, const Indexing& out, long long n_out, const Indexing& red,
                    long long n_red, double factor, cudaStream_t s);
 cudaError_t reduce(Reduce op, const double* x, double* y, const Indexing& out, long long n_out, const Indexing& red,
+                   long long n_red, double factor, cudaStream_t s);
+cudaError_t reduce(Reduce op, const Bf16* x, Bf16* y, const Indexing& out, long long n_out, const Indexing& red,
                    long long n_red, double factor, cudaStream_t s);
 
 /// c[i] = a[i] + b[i] over n elements (c may be a): the all-reduce's adds, in the element type.

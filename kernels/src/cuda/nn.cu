@@ -5,10 +5,13 @@
 #include <cmath>
 
 #include "block.cuh"
+#include "elem.cuh"
 #include "launch.h"
 
 namespace baton::cuda::launch {
 namespace {
+
+using elem::load;
 
 constexpr int threads = 256;
 
@@ -41,41 +44,46 @@ __device__ double block_max(double v, double* scratch) {
   return r;
 }
 
-__device__ double row_max(const float* xr, long long cols, double* scratch) {
+template <class T>
+__device__ double row_max(const T* xr, long long cols, double* scratch) {
   double m = -INFINITY;
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-    const double v = xr[j];
+    const double v = load(xr + j);
     if (v > m || isnan(v)) m = v;
   }
   return block_max(m, scratch);
 }
 
-__global__ void softmax_kernel(const float* x, float* y, long long cols, bool log) {
+// The float32 kernels and their bfloat16 twins (elem.cuh): each row in double either way.
+template <class T>
+__global__ void softmax_kernel(const T* x, T* y, long long cols, bool log) {
   __shared__ double scratch[threads];
-  const float* xr = x + blockIdx.x * cols;
-  float* yr = y + blockIdx.x * cols;
+  const T* xr = x + blockIdx.x * cols;
+  T* yr = y + blockIdx.x * cols;
   const double mx = row_max(xr, cols, scratch);
   double s = 0;
-  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += exp(xr[j] - mx);
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += exp(load(xr + j) - mx);
   const double sum = block_sum(s, scratch);
   const double lse = mx + ::log(sum);
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-    yr[j] = static_cast<float>(log ? xr[j] - lse : exp(xr[j] - mx) / sum);
+    elem::store_d(yr + j, log ? load(xr + j) - lse : exp(load(xr + j) - mx) / sum);
   }
 }
 
 // softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy)
-__global__ void softmax_grad_kernel(const float* y, const float* dy, float* dx, long long cols, bool log) {
+template <class T>
+__global__ void softmax_grad_kernel(const T* y, const T* dy, T* dx, long long cols, bool log) {
   __shared__ double scratch[threads];
   const long long off = blockIdx.x * cols;
   double s = 0;
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-    s += log ? static_cast<double>(dy[off + j]) : static_cast<double>(dy[off + j]) * y[off + j];
+    const double g = load(dy + off + j);
+    s += log ? g : g * load(y + off + j);
   }
   const double sum = block_sum(s, scratch);
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-    const double yj = y[off + j], g = dy[off + j];
-    dx[off + j] = static_cast<float>(log ? g - exp(yj) * sum : yj * (g - sum));
+    const double yj = load(y + off + j), g = load(dy + off + j);
+    elem::store_d(dx + off + j, log ? g - exp(yj) * sum : yj * (g - sum));
   }
 }
 
@@ -120,44 +128,48 @@ __global__ void cross_entropy_grad_kernel(const float* logits, const int* labels
   }
 }
 
-__device__ void moments(const float* xr, long long cols, double eps, double* scratch, double& mean, double& rstd) {
+template <class T>
+__device__ void moments(const T* xr, long long cols, double eps, double* scratch, double& mean, double& rstd) {
   double s = 0;
-  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += load(xr + j);
   mean = block_sum(s, scratch) / static_cast<double>(cols);
   double q = 0;
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-    const double d = xr[j] - mean;
+    const double d = load(xr + j) - mean;
     q += d * d;
   }
   const double var = block_sum(q, scratch) / static_cast<double>(cols);
   rstd = 1.0 / sqrt(var + eps);
 }
 
-__global__ void layer_norm_kernel(const float* x, float* y, long long cols, double eps) {
+template <class T>
+__global__ void layer_norm_kernel(const T* x, T* y, long long cols, double eps) {
   __shared__ double scratch[threads];
-  const float* xr = x + blockIdx.x * cols;
-  float* yr = y + blockIdx.x * cols;
+  const T* xr = x + blockIdx.x * cols;
+  T* yr = y + blockIdx.x * cols;
   double mean, rstd;
   moments(xr, cols, eps, scratch, mean, rstd);
-  for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = static_cast<float>((xr[j] - mean) * rstd);
+  for (long long j = threadIdx.x; j < cols; j += blockDim.x) elem::store_d(yr + j, (load(xr + j) - mean) * rstd);
 }
 
-__global__ void layer_norm_grad_kernel(const float* x, const float* dy, float* dx, long long cols, double eps) {
+template <class T>
+__global__ void layer_norm_grad_kernel(const T* x, const T* dy, T* dx, long long cols, double eps) {
   __shared__ double scratch[threads];
   const long long off = blockIdx.x * cols;
   double mean, rstd;
   moments(x + off, cols, eps, scratch, mean, rstd);
   double s_dy = 0, s_dy_xhat = 0;
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-    const double xhat = (x[off + j] - mean) * rstd;
-    s_dy += dy[off + j];
-    s_dy_xhat += dy[off + j] * xhat;
+    const double xhat = (load(x + off + j) - mean) * rstd;
+    const double g = load(dy + off + j);
+    s_dy += g;
+    s_dy_xhat += g * xhat;
   }
   const double mean_dy = block_sum(s_dy, scratch) / static_cast<double>(cols);
   const double mean_dy_xhat = block_sum(s_dy_xhat, scratch) / static_cast<double>(cols);
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-    const double xhat = (x[off + j] - mean) * rstd;
-    dx[off + j] = static_cast<float>(rstd * (dy[off + j] - mean_dy - xhat * mean_dy_xhat));
+    const double xhat = (load(x + off + j) - mean) * rstd;
+    elem::store_d(dx + off + j, rstd * (load(dy + off + j) - mean_dy - xhat * mean_dy_xhat));
   }
 }
 
@@ -169,14 +181,15 @@ __device__ long long shard_row(long long id, long long rows, long long start, lo
   return row >= 0 && row < rows ? row : -1;
 }
 
-__global__ void embedding_kernel(const float* table, const int* ids, float* y, long long n, long long d,
-                                 long long rows, long long start, long long vocab) {
+template <class T>
+__global__ void embedding_kernel(const T* table, const int* ids, T* y, long long n, long long d, long long rows,
+                                 long long start, long long vocab) {
   const long long total = n * d;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
     const long long pos = i / d, col = i % d;
     const long long row = shard_row(ids[pos], rows, start, vocab);
-    y[i] = row >= 0 ? table[row * d + col] : 0.f;
+    y[i] = row >= 0 ? table[row * d + col] : T(0.f);
   }
 }
 
@@ -276,11 +289,16 @@ __global__ void vocab_ce_loss_grad_kernel(const float* stats, const float* dloss
   }
 }
 
-__global__ void causal_mask_kernel(const float* x, float* y, long long total, long long t, float value) {
+template <class T>
+__global__ void causal_mask_kernel(const T* x, T* y, long long total, long long t, float value) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
     const long long j = i % t, r = (i / t) % t;
-    y[i] = j > r ? value : x[i];
+    if (j > r) {
+      elem::store(y + i, value);
+    } else {
+      y[i] = x[i];
+    }
   }
 }
 
@@ -292,17 +310,64 @@ unsigned blocks_for(long long n) {
 
 }  // namespace
 
-cudaError_t softmax(const float* x, float* y, long long rows, long long cols, bool log, cudaStream_t s) {
+namespace {
+template <class T>
+cudaError_t softmax_t(const T* x, T* y, long long rows, long long cols, bool log, cudaStream_t s) {
   if (rows == 0 || cols == 0) return cudaSuccess;
-  softmax_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(x, y, cols, log);
+  softmax_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(y), cols, log);
   return cudaGetLastError();
+}
+template <class T>
+cudaError_t softmax_grad_t(const T* y, const T* dy, T* dx, long long rows, long long cols, bool log, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  softmax_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(y), elem::dev(dy), elem::dev(dx), cols,
+                                                                      log);
+  return cudaGetLastError();
+}
+template <class T>
+cudaError_t layer_norm_t(const T* x, T* y, long long rows, long long cols, double eps, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  layer_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(y), cols, eps);
+  return cudaGetLastError();
+}
+template <class T>
+cudaError_t layer_norm_grad_t(const T* x, const T* dy, T* dx, long long rows, long long cols, double eps,
+                              cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  layer_norm_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(dy), elem::dev(dx),
+                                                                         cols, eps);
+  return cudaGetLastError();
+}
+template <class T>
+cudaError_t embedding_t(const T* table, const int* ids, T* y, long long n, long long d, long long rows,
+                        long long start, long long vocab, cudaStream_t s) {
+  if (n * d == 0) return cudaSuccess;
+  embedding_kernel<<<blocks_for(n * d), threads, 0, s>>>(elem::dev(table), ids, elem::dev(y), n, d, rows, start, vocab);
+  return cudaGetLastError();
+}
+template <class T>
+cudaError_t causal_mask_t(const T* x, T* y, long long batch, long long t, float value, cudaStream_t s) {
+  const long long total = batch * t * t;
+  if (total == 0) return cudaSuccess;
+  causal_mask_kernel<<<blocks_for(total), threads, 0, s>>>(elem::dev(x), elem::dev(y), total, t, value);
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t softmax(const float* x, float* y, long long rows, long long cols, bool log, cudaStream_t s) {
+  return softmax_t(x, y, rows, cols, log, s);
+}
+cudaError_t softmax(const Bf16* x, Bf16* y, long long rows, long long cols, bool log, cudaStream_t s) {
+  return softmax_t(x, y, rows, cols, log, s);
 }
 
 cudaError_t softmax_grad(const float* y, const float* dy, float* dx, long long rows, long long cols, bool log,
                          cudaStream_t s) {
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  softmax_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(y, dy, dx, cols, log);
-  return cudaGetLastError();
+  return softmax_grad_t(y, dy, dx, rows, cols, log, s);
+}
+cudaError_t softmax_grad(const Bf16* y, const Bf16* dy, Bf16* dx, long long rows, long long cols, bool log,
+                         cudaStream_t s) {
+  return softmax_grad_t(y, dy, dx, rows, cols, log, s);
 }
 
 cudaError_t cross_entropy(const float* logits, const int* labels, float* loss, double* row_loss, long long rows,
@@ -323,23 +388,28 @@ cudaError_t cross_entropy_grad(const float* logits, const int* labels, const flo
 }
 
 cudaError_t layer_norm(const float* x, float* y, long long rows, long long cols, double eps, cudaStream_t s) {
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  layer_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(x, y, cols, eps);
-  return cudaGetLastError();
+  return layer_norm_t(x, y, rows, cols, eps, s);
+}
+cudaError_t layer_norm(const Bf16* x, Bf16* y, long long rows, long long cols, double eps, cudaStream_t s) {
+  return layer_norm_t(x, y, rows, cols, eps, s);
 }
 
 cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long long rows, long long cols, double eps,
                             cudaStream_t s) {
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  layer_norm_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(x, dy, dx, cols, eps);
-  return cudaGetLastError();
+  return layer_norm_grad_t(x, dy, dx, rows, cols, eps, s);
+}
+cudaError_t layer_norm_grad(const Bf16* x, const Bf16* dy, Bf16* dx, long long rows, long long cols, double eps,
+                            cudaStream_t s) {
+  return layer_norm_grad_t(x, dy, dx, rows, cols, eps, s);
 }
 
 cudaError_t embedding(const float* table, const int* ids, float* y, long long n, long long d, long long rows,
                       long long start, long long vocab, cudaStream_t s) {
-  if (n * d == 0) return cudaSuccess;
-  embedding_kernel<<<blocks_for(n * d), threads, 0, s>>>(table, ids, y, n, d, rows, start, vocab);
-  return cudaGetLastError();
+  return embedding_t(table, ids, y, n, d, rows, start, vocab, s);
+}
+cudaError_t embedding(const Bf16* table, const int* ids, Bf16* y, long long n, long long d, long long rows,
+                      long long start, long long vocab, cudaStream_t s) {
+  return embedding_t(table, ids, y, n, d, rows, start, vocab, s);
 }
 
 cudaError_t vocab_ce_stats(const float* logits, const int* labels, const float* row_max, float* stats, long long rows,
@@ -397,10 +467,10 @@ cudaError_t vocab_ce_loss_grad(const float* stats, const float* dloss, float* ds
 }
 
 cudaError_t causal_mask(const float* x, float* y, long long batch, long long t, float value, cudaStream_t s) {
-  const long long total = batch * t * t;
-  if (total == 0) return cudaSuccess;
-  causal_mask_kernel<<<blocks_for(total), threads, 0, s>>>(x, y, total, t, value);
-  return cudaGetLastError();
+  return causal_mask_t(x, y, batch, t, value, s);
+}
+cudaError_t causal_mask(const Bf16* x, Bf16* y, long long batch, long long t, float value, cudaStream_t s) {
+  return causal_mask_t(x, y, batch, t, value, s);
 }
 
 }  // namespace baton::cuda::launch

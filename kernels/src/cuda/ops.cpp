@@ -1,6 +1,9 @@
 // The CUDA kernels of the training ops (baton/kernels/ops.h), float32 (the ops that move
 // bytes, dropout and the reductions also float64), registered for DeviceType::cuda (the
-// all-reduce's: collectives.cpp). Each checks shapes on the host, then only enqueues work on
+// all-reduce's: collectives.cpp). The elementwise, row-wise and byte-moving ops also have
+// native bfloat16 kernels (bf16 in and out, float32 math inside: launch.h's Bf16), so that
+// KernelRegistry does not run them through float32 copies; the fused ops (bias + GELU,
+// attention) and the multi-tensor optimizer steps are in fused.cpp. Each checks shapes on the host, then only enqueues work on
 // its actor's stream (KernelContext::stream); nothing here waits for the device. Every launch
 // is checked and a failure names the op, the actor and the CUDA error.
 #include <algorithm>
@@ -9,6 +12,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -17,6 +21,7 @@
 #include "baton/kernels/optim.h"
 #include "baton/kernels/tensor.h"
 #include "common.h"
+#include "fused.h"
 #include "kernel_util.h"
 #include "launch.h"
 
@@ -41,6 +46,26 @@ float* out_f32(Tensor& t, const char* op, const char* role) {
   if (t.dtype() != DType::f32) throw std::invalid_argument(fmt::format("{}: {} is {}, expected f32", op, role, t.describe()));
   return static_cast<float*>(t.raw());
 }
+// The element types of the float kernels: float32 and bfloat16 (launch::Bf16).
+template <class E>
+constexpr DType dtype_for() {
+  return std::is_same_v<E, launch::Bf16> ? DType::bf16 : DType::f32;
+}
+template <class E>
+const E* in_as(const Tensor& t, const char* op, const char* role) {
+  if (t.dtype() != dtype_for<E>()) {
+    throw std::invalid_argument(fmt::format("{}: {} is {}, expected {}", op, role, t.describe(), name(dtype_for<E>())));
+  }
+  return static_cast<const E*>(t.raw());
+}
+template <class E>
+E* out_as(Tensor& t, const char* op, const char* role) {
+  if (t.dtype() != dtype_for<E>()) {
+    throw std::invalid_argument(fmt::format("{}: {} is {}, expected {}", op, role, t.describe(), name(dtype_for<E>())));
+  }
+  return static_cast<E*>(t.raw());
+}
+
 const int* in_i32(const Tensor& t, const char* op, const char* role) {
   if (t.dtype() != DType::i32) throw std::invalid_argument(fmt::format("{}: {} is {}, expected i32", op, role, t.describe()));
   return static_cast<const int*>(t.raw());
@@ -112,6 +137,7 @@ std::pair<long long, long long> rows_cols(const Tensor& x, const char* op) {
 
 
 // c = a (op) b with numpy broadcasting.
+template <class E>
 void binary(KernelContext& ctx, launch::Binary op, const char* name) {
   const Tensor& a = need_input(ctx, 0, name, "a");
   const Tensor& b = need_input(ctx, 1, name, "b");
@@ -119,27 +145,29 @@ void binary(KernelContext& ctx, launch::Binary op, const char* name) {
   Indexing ix = indexing_for(c.shape(), name);
   broadcast_strides(a.shape(), c.shape(), ix.a, name, "a");
   broadcast_strides(b.shape(), c.shape(), ix.b, name, "b");
-  launched(launch::binary(op, in_f32(a, name, "a"), in_f32(b, name, "b"), out_f32(c, name, "c"), ix, c.numel(),
+  launched(launch::binary(op, in_as<E>(a, name, "a"), in_as<E>(b, name, "b"), out_as<E>(c, name, "c"), ix, c.numel(),
                           stream_of(ctx, name)),
            name, ctx);
 }
 
+template <class E>
 void unary(KernelContext& ctx, launch::Unary op, const char* name, float param = 0) {
   const Tensor& x = need_input(ctx, 0, name, "x");
   Tensor& y = need_output(ctx, 0, name, "y");
   check_same_numel(x, y, name);
-  launched(launch::unary(op, in_f32(x, name, "x"), out_f32(y, name, "y"), y.numel(), param, stream_of(ctx, name)), name,
-           ctx);
+  launched(launch::unary(op, in_as<E>(x, name, "x"), out_as<E>(y, name, "y"), y.numel(), param, stream_of(ctx, name)),
+           name, ctx);
 }
 
+template <class E>
 void unary_grad(KernelContext& ctx, launch::UnaryGrad op, const char* name) {
   const Tensor& x = need_input(ctx, 0, name, "x");
   const Tensor& dy = need_input(ctx, 1, name, "dy");
   Tensor& dx = need_output(ctx, 0, name, "dx");
   check_same_shape(x, dy, name);
   check_same_shape(x, dx, name);
-  launched(launch::unary_grad(op, in_f32(x, name, "x"), in_f32(dy, name, "dy"), out_f32(dx, name, "dx"), dx.numel(),
-                              stream_of(ctx, name)),
+  launched(launch::unary_grad(op, in_as<E>(x, name, "x"), in_as<E>(dy, name, "dy"), out_as<E>(dx, name, "dx"),
+                              dx.numel(), stream_of(ctx, name)),
            name, ctx);
 }
 
@@ -160,9 +188,12 @@ void broadcast_to(KernelContext& ctx) {
   if (x.shape().size() > y.shape().size()) {
     throw std::invalid_argument(fmt::format("broadcast_to: x {} has more axes than y {}", x.describe(), y.describe()));
   }
+  check_same_dtype(x, y, name);
   Indexing ix = indexing_for(y.shape(), name);
   broadcast_strides(x.shape(), y.shape(), ix.a, name, "x");
-  launched(launch::gather(in_f32(x, name, "x"), out_f32(y, name, "y"), ix, y.numel(), stream_of(ctx, name)), name, ctx);
+  launched(launch::gather_bytes(x.raw(), y.raw(), static_cast<int>(size_of(y.dtype())), ix, y.numel(),
+                                stream_of(ctx, name)),
+           name, ctx);
 }
 
 class TransposeKernel final : public Kernel {
@@ -185,7 +216,10 @@ class TransposeKernel final : public Kernel {
       }
       ix.a[i] = st[static_cast<std::size_t>(p)];
     }
-    launched(launch::gather(in_f32(x, name, "x"), out_f32(y, name, "y"), ix, y.numel(), stream_of(ctx, name)), name, ctx);
+    check_same_dtype(x, y, name);
+    launched(launch::gather_bytes(x.raw(), y.raw(), static_cast<int>(size_of(y.dtype())), ix, y.numel(),
+                                  stream_of(ctx, name)),
+             name, ctx);
   }
 
  private:
@@ -261,14 +295,17 @@ class MatmulKernel final : public Kernel {
   bool trans_a_, trans_b_;
 };
 
+template <class E>
 void softmax(KernelContext& ctx, bool log, const char* name) {
   const Tensor& x = need_input(ctx, 0, name, "x");
   Tensor& y = need_output(ctx, 0, name, "y");
   check_same_shape(x, y, name);
   auto [rows, cols] = rows_cols(x, name);
-  launched(launch::softmax(in_f32(x, name, "x"), out_f32(y, name, "y"), rows, cols, log, stream_of(ctx, name)), name, ctx);
+  launched(launch::softmax(in_as<E>(x, name, "x"), out_as<E>(y, name, "y"), rows, cols, log, stream_of(ctx, name)), name,
+           ctx);
 }
 
+template <class E>
 void softmax_grad(KernelContext& ctx, bool log, const char* name) {
   const Tensor& y = need_input(ctx, 0, name, "y");
   const Tensor& dy = need_input(ctx, 1, name, "dy");
@@ -276,8 +313,8 @@ void softmax_grad(KernelContext& ctx, bool log, const char* name) {
   check_same_shape(y, dy, name);
   check_same_shape(y, dx, name);
   auto [rows, cols] = rows_cols(y, name);
-  launched(launch::softmax_grad(in_f32(y, name, "y"), in_f32(dy, name, "dy"), out_f32(dx, name, "dx"), rows, cols, log,
-                                stream_of(ctx, name)),
+  launched(launch::softmax_grad(in_as<E>(y, name, "y"), in_as<E>(dy, name, "dy"), out_as<E>(dx, name, "dx"), rows, cols,
+                                log, stream_of(ctx, name)),
            name, ctx);
 }
 
@@ -498,6 +535,10 @@ void sum_to(KernelContext& ctx) {
   if (x.dtype() == DType::f64) {
     launched(launch::reduce(launch::Reduce::sum, static_cast<const double*>(x.raw()), static_cast<double*>(y.raw()), out,
                             y.numel(), red, n_red, 1.0, s),
+             name, ctx);
+  } else if (x.dtype() == DType::bf16) {
+    launched(launch::reduce(launch::Reduce::sum, in_as<launch::Bf16>(x, name, "x"), out_as<launch::Bf16>(y, name, "y"),
+                            out, y.numel(), red, n_red, 1.0, s),
              name, ctx);
   } else {
     launched(launch::reduce(launch::Reduce::sum, in_f32(x, name, "x"), out_f32(y, name, "y"), out, y.numel(), red, n_red,
@@ -745,8 +786,16 @@ class EmbeddingKernel final : public Kernel {
       Tensor& y = need_output(ctx, 0, name, "y");
       check_table(table, ids, y, name);
       const std::int64_t vocab = range_.check(name, table.dim(0), table, "table");
+      cudaStream_t s = stream_of(ctx, name);
+      if (table.dtype() == DType::bf16) {
+        launched(launch::embedding(in_as<launch::Bf16>(table, name, "table"), in_i32(ids, name, "ids"),
+                                   out_as<launch::Bf16>(y, name, "y"), ids.numel(), table.dim(1), table.dim(0),
+                                   range_.start, vocab, s),
+                 name, ctx);
+        return;
+      }
       launched(launch::embedding(in_f32(table, name, "table"), in_i32(ids, name, "ids"), out_f32(y, name, "y"), ids.numel(),
-                                 table.dim(1), table.dim(0), range_.start, vocab, stream_of(ctx, name)),
+                                 table.dim(1), table.dim(0), range_.start, vocab, s),
                name, ctx);
       return;
     }
@@ -773,76 +822,47 @@ class EmbeddingKernel final : public Kernel {
   Scratch scratch_;  // the sort's keys, positions and temporary storage
 };
 
-template <class Fn>
-void add_f32(KernelRegistry& reg, const char* op, Fn fn) {
-  reg.add_fn(op, DeviceType::cuda, DType::f32, std::function<void(KernelContext&)>(std::move(fn)));
-}
-
-}  // namespace
-
-void add_cuda_kernels(KernelRegistry& reg) {
+// The kernels of one float element type E (float32 or bfloat16): the elementwise and row-wise
+// ops, whose bf16 kernels compute in float32 and round once.
+template <class E>
+void add_float_kernels(KernelRegistry& reg) {
   using launch::Binary;
   using launch::Unary;
   using launch::UnaryGrad;
   constexpr auto cuda = DeviceType::cuda;
-  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
-    // Copies: within a device, and across host and device (the copy actors of
-    // insert_device_copies); cudaMemcpyDefault tells which from the pointers.
-    for (const char* op : {"copy", "to_device", "to_host"}) {
-      reg.add_fn(op, cuda, t, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
-    }
-    reg.add_fn("noop", cuda, t, [](KernelContext&) {});
-  }
-  for (const char* op : {"reshape", "stop_gradient"}) {
-    for (DType t : {DType::f32, DType::f64}) reg.add_fn(op, cuda, t, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
-  }
-  add_f32(reg, "add", [](KernelContext& c) { binary(c, Binary::add, "add"); });
-  add_f32(reg, "sub", [](KernelContext& c) { binary(c, Binary::sub, "sub"); });
-  add_f32(reg, "mul", [](KernelContext& c) { binary(c, Binary::mul, "mul"); });
-  add_f32(reg, "div", [](KernelContext& c) { binary(c, Binary::div, "div"); });
-  add_f32(reg, "maximum", [](KernelContext& c) { binary(c, Binary::maximum, "maximum"); });
-  add_f32(reg, "relu", [](KernelContext& c) { unary(c, Unary::relu, "relu"); });
-  add_f32(reg, "gelu", [](KernelContext& c) { unary(c, Unary::gelu, "gelu"); });
-  add_f32(reg, "tanh", [](KernelContext& c) { unary(c, Unary::tanh, "tanh"); });
-  add_f32(reg, "sigmoid", [](KernelContext& c) { unary(c, Unary::sigmoid, "sigmoid"); });
-  add_f32(reg, "relu_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::relu, "relu_grad"); });
-  add_f32(reg, "gelu_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::gelu, "gelu_grad"); });
-  add_f32(reg, "tanh_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::tanh, "tanh_grad"); });
-  add_f32(reg, "sigmoid_grad", [](KernelContext& c) { unary_grad(c, UnaryGrad::sigmoid, "sigmoid_grad"); });
-  for (DType t : {DType::f32, DType::f64}) reg.add_fn("sum_to", cuda, t, sum_to);
-  add_f32(reg, "broadcast_to", broadcast_to);
-  add_f32(reg, "softmax", [](KernelContext& c) { softmax(c, false, "softmax"); });
-  add_f32(reg, "log_softmax", [](KernelContext& c) { softmax(c, true, "log_softmax"); });
-  add_f32(reg, "softmax_grad", [](KernelContext& c) { softmax_grad(c, false, "softmax_grad"); });
-  add_f32(reg, "log_softmax_grad", [](KernelContext& c) { softmax_grad(c, true, "log_softmax_grad"); });
-  add_f32(reg, "softmax_cross_entropy_grad", cross_entropy_grad);
-  reg.add("softmax_cross_entropy", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<CrossEntropyKernel>(); });
-  for (DType t : {DType::f32, DType::bf16}) {
-    reg.add("matmul", cuda, t, [](const KernelConfig& cfg) {
-      return std::make_unique<MatmulKernel>(cfg.attrs.get_int("trans_a", 0) != 0, cfg.attrs.get_int("trans_b", 0) != 0);
-    });
-  }
-  reg.add("transpose", cuda, DType::f32, [](const KernelConfig& cfg) {
-    auto it = cfg.attrs.values().find("perm");
-    if (it == cfg.attrs.values().end() || !std::holds_alternative<std::vector<std::int64_t>>(it->second)) {
-      throw std::invalid_argument(fmt::format("transpose (actor '{}') needs an int list attribute 'perm'", cfg.actor));
-    }
-    return std::make_unique<TransposeKernel>(std::get<std::vector<std::int64_t>>(it->second));
-  });
-  reg.add("scale", cuda, DType::f32, [](const KernelConfig& cfg) {
+  constexpr DType dt = dtype_for<E>();
+  auto fn = [&reg](const char* op, std::function<void(KernelContext&)> f) { reg.add_fn(op, cuda, dt, std::move(f)); };
+  fn("add", [](KernelContext& c) { binary<E>(c, Binary::add, "add"); });
+  fn("sub", [](KernelContext& c) { binary<E>(c, Binary::sub, "sub"); });
+  fn("mul", [](KernelContext& c) { binary<E>(c, Binary::mul, "mul"); });
+  fn("div", [](KernelContext& c) { binary<E>(c, Binary::div, "div"); });
+  fn("maximum", [](KernelContext& c) { binary<E>(c, Binary::maximum, "maximum"); });
+  fn("relu", [](KernelContext& c) { unary<E>(c, Unary::relu, "relu"); });
+  fn("gelu", [](KernelContext& c) { unary<E>(c, Unary::gelu, "gelu"); });
+  fn("tanh", [](KernelContext& c) { unary<E>(c, Unary::tanh, "tanh"); });
+  fn("sigmoid", [](KernelContext& c) { unary<E>(c, Unary::sigmoid, "sigmoid"); });
+  fn("relu_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::relu, "relu_grad"); });
+  fn("gelu_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::gelu, "gelu_grad"); });
+  fn("tanh_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::tanh, "tanh_grad"); });
+  fn("sigmoid_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::sigmoid, "sigmoid_grad"); });
+  fn("softmax", [](KernelContext& c) { softmax<E>(c, false, "softmax"); });
+  fn("log_softmax", [](KernelContext& c) { softmax<E>(c, true, "log_softmax"); });
+  fn("softmax_grad", [](KernelContext& c) { softmax_grad<E>(c, false, "softmax_grad"); });
+  fn("log_softmax_grad", [](KernelContext& c) { softmax_grad<E>(c, true, "log_softmax_grad"); });
+  reg.add("scale", cuda, dt, [](const KernelConfig& cfg) {
     const auto value = static_cast<float>(cfg.attrs.get_double("value", std::nan("")));
     if (std::isnan(value)) throw std::invalid_argument(fmt::format("scale (actor '{}') needs a double attribute 'value'", cfg.actor));
-    return std::make_unique<FunctionKernelF>([value](KernelContext& c) { unary(c, Unary::scale, "scale", value); });
+    return std::make_unique<FunctionKernelF>([value](KernelContext& c) { unary<E>(c, Unary::scale, "scale", value); });
   });
-  reg.add("fill", cuda, DType::f32, [](const KernelConfig& cfg) {
+  reg.add("fill", cuda, dt, [](const KernelConfig& cfg) {
     const auto value = static_cast<float>(cfg.attrs.get_double("value", std::nan("")));
     if (!cfg.attrs.has("value")) throw std::invalid_argument(fmt::format("fill (actor '{}') needs a double attribute 'value'", cfg.actor));
     return std::make_unique<FunctionKernelF>([value](KernelContext& c) {
       Tensor& y = need_output(c, 0, "fill", "y");
-      launched(launch::fill(out_f32(y, "fill", "y"), y.numel(), value, stream_of(c, "fill")), "fill", c);
+      launched(launch::fill(out_as<E>(y, "fill", "y"), y.numel(), value, stream_of(c, "fill")), "fill", c);
     });
   });
-  reg.add("layer_norm", cuda, DType::f32, [](const KernelConfig& cfg) {
+  reg.add("layer_norm", cuda, dt, [](const KernelConfig& cfg) {
     const double eps = read_eps(cfg);
     return std::make_unique<FunctionKernelF>([eps](KernelContext& c) {
       const char* name = "layer_norm";
@@ -850,10 +870,11 @@ void add_cuda_kernels(KernelRegistry& reg) {
       Tensor& y = need_output(c, 0, name, "y");
       check_same_shape(x, y, name);
       auto [rows, cols] = rows_cols(x, name);
-      launched(launch::layer_norm(in_f32(x, name, "x"), out_f32(y, name, "y"), rows, cols, eps, stream_of(c, name)), name, c);
+      launched(launch::layer_norm(in_as<E>(x, name, "x"), out_as<E>(y, name, "y"), rows, cols, eps, stream_of(c, name)),
+               name, c);
     });
   });
-  reg.add("layer_norm_grad", cuda, DType::f32, [](const KernelConfig& cfg) {
+  reg.add("layer_norm_grad", cuda, dt, [](const KernelConfig& cfg) {
     const double eps = read_eps(cfg);
     return std::make_unique<FunctionKernelF>([eps](KernelContext& c) {
       const char* name = "layer_norm_grad";
@@ -863,12 +884,12 @@ void add_cuda_kernels(KernelRegistry& reg) {
       check_same_shape(x, dy, name);
       check_same_shape(x, dx, name);
       auto [rows, cols] = rows_cols(x, name);
-      launched(launch::layer_norm_grad(in_f32(x, name, "x"), in_f32(dy, name, "dy"), out_f32(dx, name, "dx"), rows, cols, eps,
-                                       stream_of(c, name)),
+      launched(launch::layer_norm_grad(in_as<E>(x, name, "x"), in_as<E>(dy, name, "dy"), out_as<E>(dx, name, "dx"), rows,
+                                       cols, eps, stream_of(c, name)),
                name, c);
     });
   });
-  reg.add("causal_mask", cuda, DType::f32, [](const KernelConfig& cfg) {
+  reg.add("causal_mask", cuda, dt, [](const KernelConfig& cfg) {
     const auto value = static_cast<float>(cfg.attrs.get_double("value", -std::numeric_limits<double>::infinity()));
     return std::make_unique<FunctionKernelF>([value](KernelContext& c) {
       const char* name = "causal_mask";
@@ -880,34 +901,39 @@ void add_cuda_kernels(KernelRegistry& reg) {
         throw std::invalid_argument(fmt::format("causal_mask: x {} must be [..., T, T]", x.describe()));
       }
       const long long t = s.back();
-      launched(launch::causal_mask(in_f32(x, name, "x"), out_f32(y, name, "y"), t == 0 ? 0 : x.numel() / (t * t), t, value,
-                                   stream_of(c, name)),
+      launched(launch::causal_mask(in_as<E>(x, name, "x"), out_as<E>(y, name, "y"), t == 0 ? 0 : x.numel() / (t * t), t,
+                                   value, stream_of(c, name)),
                name, c);
     });
   });
-  for (auto [op, grad] : {std::pair{"embedding", false}, std::pair{"embedding_grad", true}}) {
-    reg.add(op, cuda, DType::f32, [op = op, grad = grad](const KernelConfig& cfg) {
-      return std::make_unique<EmbeddingKernel>(VocabRange::read(cfg, op), grad);
-    });
-  }
-  for (auto [op, grad] : {std::pair{"vocab_parallel_ce_stats", false}, std::pair{"vocab_parallel_ce_stats_grad", true}}) {
-    reg.add(op, cuda, DType::f32, [op = op, grad = grad](const KernelConfig& cfg) {
-      return std::make_unique<VocabCeStatsKernel>(VocabRange::read(cfg, op), grad);
-    });
-  }
-  reg.add("vocab_parallel_ce_loss", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<VocabCeLossKernel>(); });
-  add_f32(reg, "vocab_parallel_ce_loss_grad", vocab_ce_loss_grad);
-  reg.add("mse", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<MseKernel>(); });
-  add_f32(reg, "mse_grad", mse_grad);
-  for (const char* op : {"sum", "mean", "max"}) {
-    for (DType t : {DType::f32, DType::f64}) {
-      reg.add(op, cuda, t, [op](const KernelConfig& cfg) {
-        return std::make_unique<ReduceKernel>(op, int_list_or_empty(cfg, op, "axes"), flag(cfg, op, "keepdims"));
-      });
+}
+
+}  // namespace
+
+void add_cuda_kernels(KernelRegistry& reg) {
+  constexpr auto cuda = DeviceType::cuda;
+  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
+    // Copies: within a device, and across host and device (the copy actors of
+    // insert_device_copies); cudaMemcpyDefault tells which from the pointers.
+    for (const char* op : {"copy", "to_device", "to_host"}) {
+      reg.add_fn(op, cuda, t, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
     }
+    reg.add_fn("noop", cuda, t, [](KernelContext&) {});
   }
-  // Slices and concatenation move bytes: every float type.
-  for (DType t : {DType::f32, DType::f64}) {
+  add_float_kernels<float>(reg);
+  add_float_kernels<launch::Bf16>(reg);
+  // The ops that move bytes (and sum_to): every float type.
+  for (DType t : {DType::f32, DType::f64, DType::bf16}) {
+    for (const char* op : {"reshape", "stop_gradient"}) reg.add_fn(op, cuda, t, [op](KernelContext& ctx) { copy_kernel(ctx, op); });
+    reg.add_fn("sum_to", cuda, t, sum_to);
+    reg.add_fn("broadcast_to", cuda, t, broadcast_to);
+    reg.add("transpose", cuda, t, [](const KernelConfig& cfg) {
+      auto it = cfg.attrs.values().find("perm");
+      if (it == cfg.attrs.values().end() || !std::holds_alternative<std::vector<std::int64_t>>(it->second)) {
+        throw std::invalid_argument(fmt::format("transpose (actor '{}') needs an int list attribute 'perm'", cfg.actor));
+      }
+      return std::make_unique<TransposeKernel>(std::get<std::vector<std::int64_t>>(it->second));
+    });
     for (auto [op, grad] : {std::pair{"slice", false}, std::pair{"slice_grad", true}}) {
       reg.add(op, cuda, t, [op = op, grad = grad](const KernelConfig& cfg) {
         return std::make_unique<SliceKernel>(grad, required_int(cfg, op, "axis"), required_int(cfg, op, "start"));
@@ -916,6 +942,38 @@ void add_cuda_kernels(KernelRegistry& reg) {
     reg.add("concat", cuda, t, [](const KernelConfig& cfg) {
       return std::make_unique<ConcatKernel>(required_int(cfg, "concat", "axis"));
     });
+  }
+  reg.add_fn("softmax_cross_entropy_grad", cuda, DType::f32, cross_entropy_grad);
+  reg.add("softmax_cross_entropy", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<CrossEntropyKernel>(); });
+  for (DType t : {DType::f32, DType::bf16}) {
+    reg.add("matmul", cuda, t, [](const KernelConfig& cfg) {
+      return std::make_unique<MatmulKernel>(cfg.attrs.get_int("trans_a", 0) != 0, cfg.attrs.get_int("trans_b", 0) != 0);
+    });
+  }
+  for (auto [op, grad] : {std::pair{"embedding", false}, std::pair{"embedding_grad", true}}) {
+    reg.add(op, cuda, DType::f32, [op = op, grad = grad](const KernelConfig& cfg) {
+      return std::make_unique<EmbeddingKernel>(VocabRange::read(cfg, op), grad);
+    });
+  }
+  // The bf16 lookup is a gather; its gradient (a sort and sums) stays the float32 kernel's.
+  reg.add("embedding", cuda, DType::bf16, [](const KernelConfig& cfg) {
+    return std::make_unique<EmbeddingKernel>(VocabRange::read(cfg, "embedding"), false);
+  });
+  for (auto [op, grad] : {std::pair{"vocab_parallel_ce_stats", false}, std::pair{"vocab_parallel_ce_stats_grad", true}}) {
+    reg.add(op, cuda, DType::f32, [op = op, grad = grad](const KernelConfig& cfg) {
+      return std::make_unique<VocabCeStatsKernel>(VocabRange::read(cfg, op), grad);
+    });
+  }
+  reg.add("vocab_parallel_ce_loss", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<VocabCeLossKernel>(); });
+  reg.add_fn("vocab_parallel_ce_loss_grad", cuda, DType::f32, vocab_ce_loss_grad);
+  reg.add("mse", cuda, DType::f32, [](const KernelConfig&) { return std::make_unique<MseKernel>(); });
+  reg.add_fn("mse_grad", cuda, DType::f32, mse_grad);
+  for (const char* op : {"sum", "mean", "max"}) {
+    for (DType t : {DType::f32, DType::f64}) {
+      reg.add(op, cuda, t, [op](const KernelConfig& cfg) {
+        return std::make_unique<ReduceKernel>(op, int_list_or_empty(cfg, op, "axes"), flag(cfg, op, "keepdims"));
+      });
+    }
   }
   auto dropout = [](const KernelConfig& cfg) {
     // torch.nn.Dropout's default p, as the CPU.
@@ -934,6 +992,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
     auto [p, seed] = dropout(cfg);
     return std::make_unique<DropoutKernel<double>>(p, seed);
   });
+  add_fused_kernels(reg);
 }
 
 void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, const SgdConfig& cfg, std::int64_t step,

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "block.cuh"
+#include "elem.cuh"
 #include "launch.h"
 
 namespace baton::cuda::launch {
@@ -78,10 +79,10 @@ __global__ void reduce_per_thread(int op, const T* x, T* y, Indexing out, long l
     const long long base = block::offset_a(out, o);
     double acc = max ? -INFINITY : 0.0;
     for (long long r = 0; r < n_red; ++r) {
-      const double v = x[base + block::offset_a(red, r)];
+      const double v = elem::load(x + base + block::offset_a(red, r));
       acc = max ? block::nan_max(acc, v) : acc + v;
     }
-    y[o] = static_cast<T>(max ? acc : acc * factor);
+    elem::store_d(y + o, max ? acc : acc * factor);
   }
 }
 
@@ -95,11 +96,11 @@ __global__ void reduce_per_block(int op, const T* x, T* y, Indexing out, long lo
     const long long base = block::offset_a(out, o);
     double acc = max ? -INFINITY : 0.0;
     for (long long r = threadIdx.x; r < n_red; r += blockDim.x) {
-      const double v = x[base + block::offset_a(red, r)];
+      const double v = elem::load(x + base + block::offset_a(red, r));
       acc = max ? block::nan_max(acc, v) : acc + v;
     }
     const double total = max ? block::reduce(acc, scratch, block::Max{}) : block::reduce(acc, scratch, block::Sum{});
-    if (threadIdx.x == 0) y[o] = static_cast<T>(max ? total : total * factor);
+    if (threadIdx.x == 0) elem::store_d(y + o, max ? total : total * factor);
   }
 }
 
@@ -170,6 +171,10 @@ cudaError_t reduce(Reduce op, const float* x, float* y, const Indexing& out, lon
 cudaError_t reduce(Reduce op, const double* x, double* y, const Indexing& out, long long n_out, const Indexing& red,
                    long long n_red, double factor, cudaStream_t s) {
   return reduce_t(op, x, y, out, n_out, red, n_red, factor, s);
+}
+cudaError_t reduce(Reduce op, const Bf16* x, Bf16* y, const Indexing& out, long long n_out, const Indexing& red,
+                   long long n_red, double factor, cudaStream_t s) {
+  return reduce_t(op, elem::dev(x), elem::dev(y), out, n_out, red, n_red, factor, s);
 }
 
 cudaError_t add(const float* a, const float* b, float* c, long long n, cudaStream_t s) { return add_t(a, b, c, n, s); }

@@ -2,6 +2,7 @@
 /// The DSL's ops. Each infers its output's shape and dtype when called and throws GraphError
 /// naming the op, its inputs and their shapes if they do not fit.
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "baton/graph/graph.h"
@@ -31,6 +32,12 @@ Value relu(Value x);
 Value gelu(Value x);
 Value tanh(Value x);
 Value sigmoid(Value x);
+/// gelu(x + b) in one op, b one bias per column of x [..., F] (a Linear layer's bias and its
+/// activation): one pass over x instead of two, and no x + b tensor kept for the backward. Under
+/// autocast the bias joins x's product dtype, as torch's Linear casts its bias (so a bf16
+/// product gives a bf16 activation). Its gradient: bias_gelu_grad for x, summed over the rows
+/// for b.
+Value bias_gelu(Value x, Value b);
 /// Over the last axis.
 Value softmax(Value x);
 Value log_softmax(Value x);
@@ -65,6 +72,22 @@ Value embedding(Value table, Value ids);
 /// Scores [..., T, T] with the entries above the diagonal set to -infinity (attention can
 /// only look back).
 Value causal_mask(Value scores);
+
+struct AttentionOptions {
+  /// Query i sees keys j <= i only (torch's is_causal, the mask aligned top left).
+  bool causal = true;
+  /// The scores' factor; unset: 1 / sqrt(D).
+  std::optional<double> scale;
+};
+/// Fused scaled dot-product attention over q, k, v [..., T, D] (the leading axes: batch and
+/// heads): softmax(scale q k^T, masked if causal) v -> [..., T, D], as
+/// matmul(softmax(causal_mask(scale * matmul(q, k, false, true))), v) but without the T x T
+/// scores (FlashAttention's tiling and online softmax; CPU kernels f32 and f64, CUDA f32 and
+/// bf16). Under autocast it computes in the low dtype (torch's SDPA does). Its gradient is one
+/// op, attention_grad, whose [..., T, 3 D] result is sliced into dq, dk and dv.
+///   auto o = attention(q, k, v);                                   // causal, 1/sqrt(D)
+///   auto o2 = attention(q, k, v, {.causal = false, .scale = 0.5});
+Value attention(Value q, Value k, Value v, const AttentionOptions& options = {});
 /// Zeroes each element with probability p (and scales the rest by 1/(1-p)); the mask depends on
 /// the graph's seed, this op and the micro-batch, so a run is reproducible.
 Value dropout(Value x, double p);

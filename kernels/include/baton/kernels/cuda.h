@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -95,6 +96,31 @@ void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, con
               double lr, Stream& stream);
 void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, const AdamConfig& cfg, std::int64_t step,
                double lr, Stream& stream);
+
+/// One weight of a multi-tensor step: n float32 elements of device memory in each array.
+struct AdamSlice {
+  float* w;
+  const float* g;
+  float* m;
+  float* v;
+  std::int64_t n;
+};
+struct SgdSlice {
+  float* w;
+  const float* g;
+  float* momentum_buf;  ///< may be null when the momentum is 0
+  std::int64_t n;
+};
+/// adam_step / sgd_step over many weights in a few launches (one per 36 weights or 320 chunks
+/// of 64 Ki elements, the pointers in the kernel's arguments, as PyTorch's multi_tensor_apply):
+/// the per-weight launches of a step cost more than their work for small weights. Every
+/// element's arithmetic is adam_step's (sgd_step's), so the results are theirs bit for bit.
+///   std::vector<cuda::AdamSlice> all = {{w1, g1, m1, v1, n1}, {w2, g2, m2, v2, n2}};
+///   cuda::adam_step_multi(all, cfg, step, lr, stream);
+void adam_step_multi(std::span<const AdamSlice> tensors, const AdamConfig& cfg, std::int64_t step, double lr,
+                     Stream& stream);
+void sgd_step_multi(std::span<const SgdSlice> tensors, const SgdConfig& cfg, std::int64_t step, double lr,
+                    Stream& stream);
 
 /// dst = src converted element for element between float32 and bfloat16 (or copied, same
 /// dtype), both in device memory, on `stream`; rounds to nearest even into bf16. Throws naming

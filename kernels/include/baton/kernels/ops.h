@@ -65,13 +65,26 @@
 ///                                      probability 1-p and scales it by 1/(1-p); the mask is a pure
 ///                                      function of (seed, KernelContext::piece, element index), so
 ///                                      dropout(dy) with the same attrs and piece is its gradient.
+///
+/// Fused ops (ops_nn.cpp, ops_attention.cpp; CUDA kernels for f32 and bf16 too)
+///   bias_gelu(x [..., F], b [F]) -> y          gelu(x + b), the sum rounded as the add's
+///   bias_gelu_grad(x, b, dy) -> dx             gelu_grad(x + b, dy) (db: sum_to of dx)
+///   attention(q, k, v) -> o            q, k, v, o [..., T, D] (the leading axes: batch x heads):
+///                                      o = softmax(scale q k^T, keys j > i hidden if causal) v,
+///                                      without the T x T scores (online softmax, per block).
+///                                      attrs causal (0/1, default 1), scale (double, default
+///                                      1/sqrt(D)).
+///   attention_grad(q, k, v, o, do) -> dqkv [..., T, 3 D]     dq, dk, dv side by side along the
+///                                      last axis (one output per op); the same attrs.
 #include "baton/kernels/kernel.h"
 
 namespace baton {
 
 /// Registers the tensor ops above for cpu/f32 and cpu/f64.
 void add_cpu_tensor_ops(KernelRegistry& reg);
-/// Registers the neural-network ops above for cpu/f32 and cpu/f64.
+/// Registers the neural-network ops above (the fused ones included) for cpu/f32 and cpu/f64.
 void add_cpu_nn_ops(KernelRegistry& reg);
+/// Registers attention and attention_grad for cpu/f32 and cpu/f64 (add_cpu_nn_ops calls it).
+void add_cpu_attention_ops(KernelRegistry& reg);
 
 }  // namespace baton

@@ -1,0 +1,217 @@
+// Fused elementwise kernels: bias + GELU (forward and backward) in one pass, float32 and bfloat16
+// (elem.cuh), with the unfused kernels' arithmetic (elementwise.cu), and the multi-tensor
+// optimizer steps: one launch over many weights, each element's arithmetic that of the
+// one-tensor kernels (adam(), sgd()).
+#include <cmath>
+
+#include "elem.cuh"
+#include "launch_fused.h"
+
+namespace baton::cuda::launch {
+namespace {
+
+using elem::load;
+
+constexpr int threads = 256;
+
+unsigned blocks_for(long long n) {
+  long long b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  return static_cast<unsigned>(b > 262140 ? 262140 : b);
+}
+
+// The gelu kernel's formula (elementwise.cu), so that the fused op gives its bits.
+__device__ float gelu(float x) { return static_cast<float>(0.5 * x * (1.0 + erf(x * 0.70710678118654752440))); }
+
+template <class T>
+__global__ void bias_gelu_kernel(const T* x, const T* b, T* y, long long n, long long cols) {
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const float z = load(x + i) + load(b + i % cols);  // rounded to float, as the add's output
+    elem::store(y + i, gelu(z));
+  }
+}
+
+// gelu_grad's formula (elementwise.cu) at z = x + b.
+template <class T>
+__global__ void bias_gelu_grad_kernel(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols) {
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const float z = load(x + i) + load(b + i % cols);
+    const double v = z, g = load(dy + i);
+    const double cdf = 0.5 * (1.0 + erf(v * 0.70710678118654752440));
+    const double pdf = 0.39894228040143267794 * exp(-0.5 * v * v);
+    elem::store_d(dx + i, g * (cdf + v * pdf));
+  }
+}
+
+template <class T>
+cudaError_t bias_gelu_t(const T* x, const T* b, T* y, long long n, long long cols, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  if (cols <= 0) return cudaErrorInvalidValue;
+  bias_gelu_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n, cols);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t bias_gelu_grad_t(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  if (cols <= 0) return cudaErrorInvalidValue;
+  bias_gelu_grad_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy), elem::dev(dx), n,
+                                                          cols);
+  return cudaGetLastError();
+}
+
+// ---- multi-tensor optimizer steps -------------------------------------------------------------
+
+// One launch's tensors and its blocks: block i steps chunk chunk[i] (multi_chunk elements) of
+// tensor tensor[i]. Passed by value as the kernel's arguments (about 3 KB, under the 4 KB every
+// CUDA version takes).
+struct AdamArgs {
+  float* w[multi_tensors];
+  const float* g[multi_tensors];
+  float* m[multi_tensors];
+  float* v[multi_tensors];
+  long long n[multi_tensors];
+  unsigned char tensor[multi_blocks];
+  int chunk[multi_blocks];
+};
+struct SgdArgs {
+  float* w[multi_tensors];
+  const float* g[multi_tensors];
+  float* buf[multi_tensors];
+  long long n[multi_tensors];
+  unsigned char tensor[multi_blocks];
+  int chunk[multi_blocks];
+};
+static_assert(multi_tensors <= 255, "a block names its tensor in one byte");
+static_assert(sizeof(AdamArgs) + sizeof(AdamConstants) < 4000, "kernel arguments stay under 4 KB");
+static_assert(sizeof(SgdArgs) + 64 < 4000, "kernel arguments stay under 4 KB");
+
+__global__ void adam_multi_kernel(AdamArgs a, AdamConstants k) {
+  const int t = a.tensor[blockIdx.x];
+  const long long begin = static_cast<long long>(a.chunk[blockIdx.x]) * multi_chunk;
+  const long long end = begin + multi_chunk < a.n[t] ? begin + multi_chunk : a.n[t];
+  float* w = a.w[t];
+  const float* g = a.g[t];
+  float* m = a.m[t];
+  float* v = a.v[t];
+  for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    // adam_kernel's arithmetic (elementwise.cu), operation for operation.
+    const float gi = g[i] + k.l2 * w[i];
+    const float mi = k.b1 * m[i] + k.one_minus_b1 * gi;
+    const float vi = k.b2 * v[i] + k.one_minus_b2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    w[i] = __fsub_rn(__fmul_rn(w[i], k.decay),
+                     __fdiv_rn(__fmul_rn(k.step_size, mi), __fadd_rn(__fmul_rn(sqrtf(vi), k.inv_bc2_sqrt), k.eps)));
+  }
+}
+
+__global__ void sgd_multi_kernel(SgdArgs a, double lr, double mu, double wd, bool nesterov, bool first) {
+  const int t = a.tensor[blockIdx.x];
+  const long long begin = static_cast<long long>(a.chunk[blockIdx.x]) * multi_chunk;
+  const long long end = begin + multi_chunk < a.n[t] ? begin + multi_chunk : a.n[t];
+  float* w = a.w[t];
+  const float* g = a.g[t];
+  float* buf = a.buf[t];
+  for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    // sgd_kernel's arithmetic (elementwise.cu).
+    const double wi = w[i];
+    double d = static_cast<double>(g[i]) + wd * wi;
+    if (buf != nullptr) {
+      const double b = first ? d : mu * static_cast<double>(buf[i]) + d;
+      buf[i] = static_cast<float>(b);
+      d = nesterov ? d + mu * b : b;
+    }
+    w[i] = static_cast<float>(wi - lr * d);
+  }
+}
+
+// Packs tensors and their chunks into launches of at most multi_tensors tensors and
+// multi_blocks blocks; `set(args, slot, tensor)` writes a tensor's pointers into a slot and
+// `launch(args, blocks)` enqueues one launch.
+template <class Args, class Pointers, class Set, class Launch>
+cudaError_t pack_and_launch(const Pointers* list, long long count, Set set, Launch launch) {
+  Args args{};
+  int tensors = 0, blocks = 0;
+  auto flush = [&]() -> cudaError_t {
+    const int b = blocks;
+    tensors = 0;
+    blocks = 0;
+    return b == 0 ? cudaSuccess : launch(args, b);
+  };
+  for (long long t = 0; t < count; ++t) {
+    const Pointers& p = list[t];
+    if (p.n <= 0) continue;
+    if (tensors == multi_tensors) {
+      if (cudaError_t e = flush(); e != cudaSuccess) return e;
+    }
+    int slot = tensors++;
+    set(args, slot, p);
+    const long long chunks = (p.n + multi_chunk - 1) / multi_chunk;
+    for (long long c = 0; c < chunks; ++c) {
+      if (blocks == multi_blocks) {
+        // The launch is full: the rest of this tensor's chunks go into the next, as its slot 0.
+        if (cudaError_t e = flush(); e != cudaSuccess) return e;
+        slot = tensors++;
+        set(args, slot, p);
+      }
+      args.tensor[blocks] = static_cast<unsigned char>(slot);
+      args.chunk[blocks] = static_cast<int>(c);
+      ++blocks;
+    }
+  }
+  return flush();
+}
+
+}  // namespace
+
+cudaError_t bias_gelu(const float* x, const float* b, float* y, long long n, long long cols, cudaStream_t s) {
+  return bias_gelu_t(x, b, y, n, cols, s);
+}
+cudaError_t bias_gelu(const Bf16* x, const Bf16* b, Bf16* y, long long n, long long cols, cudaStream_t s) {
+  return bias_gelu_t(x, b, y, n, cols, s);
+}
+cudaError_t bias_gelu_grad(const float* x, const float* b, const float* dy, float* dx, long long n, long long cols,
+                           cudaStream_t s) {
+  return bias_gelu_grad_t(x, b, dy, dx, n, cols, s);
+}
+cudaError_t bias_gelu_grad(const Bf16* x, const Bf16* b, const Bf16* dy, Bf16* dx, long long n, long long cols,
+                           cudaStream_t s) {
+  return bias_gelu_grad_t(x, b, dy, dx, n, cols, s);
+}
+
+cudaError_t adam_multi(const AdamPointers* tensors, long long count, const AdamConstants& k, cudaStream_t s) {
+  return pack_and_launch<AdamArgs>(
+      tensors, count,
+      [](AdamArgs& a, int slot, const AdamPointers& p) {
+        a.w[slot] = p.w;
+        a.g[slot] = p.g;
+        a.m[slot] = p.m;
+        a.v[slot] = p.v;
+        a.n[slot] = p.n;
+      },
+      [&](const AdamArgs& a, int blocks) {
+        adam_multi_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(a, k);
+        return cudaGetLastError();
+      });
+}
+
+cudaError_t sgd_multi(const SgdPointers* tensors, long long count, double lr, double momentum, double weight_decay,
+                      bool nesterov, bool first, cudaStream_t s) {
+  return pack_and_launch<SgdArgs>(
+      tensors, count,
+      [](SgdArgs& a, int slot, const SgdPointers& p) {
+        a.w[slot] = p.w;
+        a.g[slot] = p.g;
+        a.buf[slot] = p.buf;
+        a.n[slot] = p.n;
+      },
+      [&](const SgdArgs& a, int blocks) {
+        sgd_multi_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(a, lr, momentum, weight_decay, nesterov, first);
+        return cudaGetLastError();
+      });
+}
+
+}  // namespace baton::cuda::launch

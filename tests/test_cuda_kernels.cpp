@@ -1,0 +1,918 @@
+// The kernels a GPU needs (step 11): native bf16 kernels, bias + GELU, the fused attention and
+// the multi-tensor optimizer steps.
+//
+// CPU halves (every build, every machine): the fused attention's CPU kernels against the unfused
+// composition (matmul, scale, causal_mask, softmax, matmul) in float64 to 1e-12, its gradient
+// against central finite differences in float64 and against the unfused ops' autodiff, the
+// graph op's shape rules, bias_gelu against gelu(x + b) bit for bit, and the GPT with the fused
+// ops against the GPT without them.
+//
+// GPU halves (tests named CudaKernels.*; without a GPU they print "...; CUDA tests skipped" and
+// CTest reports them skipped): every new CUDA kernel against the CPU kernel on fresh random
+// inputs, GPU outputs poisoned with NaN first. Errors are max |gpu - cpu| / max |cpu| over the
+// elements; a failure prints the worst element's index and both values.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/kernels.h"
+#include "baton/kernels/data.h"
+#include "baton/kernels/optim.h"
+#include "models.h"
+
+#include "test_util.h"
+
+using namespace baton;
+using test::cuda_usable;
+
+namespace {
+
+std::mt19937& rng() {
+  static std::mt19937 g(std::random_device{}());
+  return g;
+}
+
+// Uniform in [lo, hi), in `dt` (bf16: the float rounded to nearest even).
+Tensor random_tensor(DType dt, const Shape& s, double lo = -2, double hi = 2) {
+  Tensor t = Tensor::empty(s, dt);
+  std::uniform_real_distribution<double> u(lo, hi);
+  switch (dt) {
+    case DType::f64:
+      for (double& x : t.data<double>()) x = u(rng());
+      break;
+    case DType::f32:
+      for (float& x : t.data<float>()) x = static_cast<float>(u(rng()));
+      break;
+    case DType::bf16:
+      for (bfloat16& x : t.data<bfloat16>()) x = to_bf16(static_cast<float>(u(rng())));
+      break;
+    default:
+      FAIL("random_tensor: a float dtype, not " << name(dt));
+  }
+  return t;
+}
+
+std::vector<double> values(const Tensor& t) {
+  std::vector<double> v;
+  switch (t.dtype()) {
+    case DType::f64:
+      for (double x : t.data<double>()) v.push_back(x);
+      break;
+    case DType::f32:
+      for (float x : t.data<float>()) v.push_back(x);
+      break;
+    case DType::bf16:
+      for (bfloat16 x : t.data<bfloat16>()) v.push_back(to_float(x));
+      break;
+    default:
+      FAIL("values: a float dtype, not " << name(t.dtype()));
+  }
+  return v;
+}
+
+/// How far `got` is from `want`: max |got - want| / max |want| (the largest finite |want|), and
+/// where. A NaN on one side only, or an infinity the other does not have, is an infinite error.
+struct Difference {
+  double error = 0;
+  std::size_t worst = 0;
+  double got = 0, want = 0, scale = 0;
+  std::string str() const {
+    return fmt::format("relative error {:.3g} (max |want| {:.4g}); worst element {}: got {:.8g}, want {:.8g}", error,
+                       scale, worst, got, want);
+  }
+};
+
+Difference difference(const Tensor& got, const Tensor& want) {
+  const auto g = values(got), w = values(want);
+  REQUIRE(g.size() == w.size());
+  Difference d;
+  for (double x : w) {
+    if (std::isfinite(x)) d.scale = std::max(d.scale, std::abs(x));
+  }
+  double worst_abs = -1;
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    double e;
+    if (std::isnan(g[i]) != std::isnan(w[i]) || ((std::isinf(g[i]) || std::isinf(w[i])) && g[i] != w[i])) {
+      e = INFINITY;
+    } else if (std::isnan(w[i]) || std::isinf(w[i])) {
+      e = 0;
+    } else {
+      e = std::abs(g[i] - w[i]);
+    }
+    if (e > worst_abs) {
+      worst_abs = e;
+      d.worst = i;
+      d.got = g[i];
+      d.want = w[i];
+    }
+  }
+  d.error = worst_abs <= 0 ? 0 : (d.scale == 0 || std::isinf(worst_abs) ? worst_abs : worst_abs / d.scale);
+  return d;
+}
+
+#define CHECK_CLOSE(got, want, tolerance)                 \
+  do {                                                    \
+    const Difference diff_ = difference((got), (want));   \
+    INFO(diff_.str());                                    \
+    CHECK(diff_.error <= (tolerance));                    \
+  } while (false)
+
+const KernelRegistry& registry() {
+  static const KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  return reg;
+}
+
+// Runs `op` on the CPU (the registry's kernel for `dt`; bf16: the float32 kernel on converted
+// copies) into fresh outputs poisoned with NaN.
+std::vector<Tensor> run_cpu(const std::string& op, DType dt, const Attrs& attrs, const std::vector<Tensor>& inputs,
+                            const std::vector<Shape>& outputs) {
+  auto kernel = registry().create(op, KernelConfig{"cpu." + op, Device{}, dt, attrs});
+  std::vector<const Tensor*> in;
+  for (const Tensor& t : inputs) in.push_back(&t);
+  std::vector<Tensor> out;
+  for (const Shape& s : outputs) {
+    out.push_back(Tensor::empty(s, dt));
+    std::memset(out.back().raw(), 0xff, out.back().nbytes());  // NaN in every float dtype
+  }
+  std::vector<Tensor*> out_p;
+  for (Tensor& t : out) out_p.push_back(&t);
+  KernelContext ctx{in, out_p, 0};
+  kernel->compute(ctx);
+  return out;
+}
+
+Tensor run1(const std::string& op, DType dt, const Attrs& attrs, const std::vector<Tensor>& inputs, const Shape& out) {
+  return run_cpu(op, dt, attrs, inputs, {out})[0];
+}
+
+Tensor to_dtype(const Tensor& t, DType dt) {
+  if (t.dtype() == dt) return t;
+  return run1("cast", dt, {}, {t}, t.shape());
+}
+
+// The unfused attention of the graph's ops, kernel by kernel on the CPU.
+Tensor naive_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
+  const DType dt = q.dtype();
+  const Shape& s = q.shape();
+  Shape scores = s;
+  scores.back() = s[s.size() - 2];
+  Tensor x = run1("matmul", dt, Attrs{{"trans_a", std::int64_t{0}}, {"trans_b", std::int64_t{1}}}, {q, k}, scores);
+  x = run1("scale", dt, Attrs{{"value", scale}}, {x}, scores);
+  if (causal) x = run1("causal_mask", dt, Attrs{{"value", -std::numeric_limits<double>::infinity()}}, {x}, scores);
+  x = run1("softmax", dt, {}, {x}, scores);
+  return run1("matmul", dt, Attrs{{"trans_a", std::int64_t{0}}, {"trans_b", std::int64_t{0}}}, {x, v}, s);
+}
+
+Attrs attention_attrs(bool causal, double scale) {
+  return Attrs{{"causal", std::int64_t{causal ? 1 : 0}}, {"scale", scale}};
+}
+
+Shape packed(Shape s) {
+  s.back() *= 3;
+  return s;
+}
+
+// Columns [part d, (part + 1) d) of every row of a packed [..., T, 3 d] gradient.
+Tensor unpack(const Tensor& grads, int part) {
+  return run1("slice", grads.dtype(), Attrs{{"axis", std::int64_t{-1}}, {"start", part * (grads.shape().back() / 3)}},
+              {grads}, [&] {
+                Shape s = grads.shape();
+                s.back() /= 3;
+                return s;
+              }());
+}
+
+double dot(const Tensor& a, const Tensor& b) {
+  const auto x = values(a), y = values(b);
+  double s = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
+  return s;
+}
+
+struct AttentionCase {
+  Shape shape;  // [..., T, D]
+  bool causal;
+  double scale;
+};
+
+std::vector<AttentionCase> cpu_cases() {
+  std::vector<AttentionCase> cases;
+  // T = 1 and T past a block (32 query rows, 64 keys), D small and odd; a custom scale.
+  for (const Shape& s : {Shape{2, 3, 1, 4}, Shape{2, 1, 5, 3}, Shape{1, 2, 17, 8}, Shape{2, 70, 16}, Shape{130, 5}}) {
+    for (bool causal : {true, false}) cases.push_back({s, causal, 1.0 / std::sqrt(static_cast<double>(s.back()))});
+  }
+  cases.push_back({{2, 2, 33, 6}, true, 0.7});
+  return cases;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// CPU: the fused attention
+
+// Both in double: every score, exponential and sum of the two agrees to rounding (a few 1e-16
+// relative per operation, over sums of at most T D terms); 1e-12 leaves three orders of margin.
+TEST_CASE("Attention.Cpu.MatchesTheUnfusedOpsInFloat64") {
+  for (const AttentionCase& c : cpu_cases()) {
+    CAPTURE(to_string(c.shape));
+    CAPTURE(c.causal);
+    const Tensor q = random_tensor(f64, c.shape), k = random_tensor(f64, c.shape), v = random_tensor(f64, c.shape);
+    const Tensor fused = run1("attention", f64, attention_attrs(c.causal, c.scale), {q, k, v}, c.shape);
+    CHECK_CLOSE(fused, naive_attention(q, k, v, c.causal, c.scale), 1e-12);
+  }
+}
+
+// The gradient kernel against central differences of sum(dO * attention(q, k, v)) in float64:
+// h = 1e-6 gives a truncation error near 1e-12 and a rounding error near 1e-10 for these
+// magnitudes, so 1e-6 relative plus 1e-8 absolute per element (as test_ops_nn.cpp).
+TEST_CASE("Attention.Cpu.GradientMatchesFiniteDifferences") {
+  for (const AttentionCase& c : {AttentionCase{{2, 7, 3}, true, 1 / std::sqrt(3.0)}, AttentionCase{{1, 2, 6, 4}, false, 0.8},
+                                 AttentionCase{{1, 70, 2}, true, 1.1}}) {
+    CAPTURE(to_string(c.shape));
+    CAPTURE(c.causal);
+    std::vector<Tensor> qkv{random_tensor(f64, c.shape), random_tensor(f64, c.shape), random_tensor(f64, c.shape)};
+    const Tensor dout = random_tensor(f64, c.shape);
+    const Attrs attrs = attention_attrs(c.causal, c.scale);
+    const Tensor o = run1("attention", f64, attrs, qkv, c.shape);
+    const Tensor grads = run1("attention_grad", f64, attrs, {qkv[0], qkv[1], qkv[2], o, dout}, packed(c.shape));
+    for (int part = 0; part < 3; ++part) {
+      CAPTURE(part);
+      const Tensor analytic = unpack(grads, part);
+      auto x = qkv[static_cast<std::size_t>(part)].data<double>();
+      const auto a = analytic.data<double>();
+      // Every element for the small cases, every 7th for the long one.
+      const std::size_t step = x.size() > 100 ? 7 : 1;
+      for (std::size_t i = 0; i < x.size(); i += step) {
+        const double keep = x[i], h = 1e-6;
+        x[i] = keep + h;
+        const double up = dot(dout, run1("attention", f64, attrs, qkv, c.shape));
+        x[i] = keep - h;
+        const double down = dot(dout, run1("attention", f64, attrs, qkv, c.shape));
+        x[i] = keep;
+        const double numeric = (up - down) / (2 * h);
+        INFO("element " << i << ": analytic " << a[i] << ", numeric " << numeric);
+        CHECK(std::abs(a[i] - numeric) <= 1e-6 * std::abs(numeric) + 1e-8);
+      }
+    }
+  }
+}
+
+// The fused gradient against autodiff through the unfused ops, both in double through the
+// graph (evaluate): the graph's attention, its gradient op and the slices that unpack it. Both
+// are exact formulas evaluated in double: 1e-12 as above.
+TEST_CASE("Attention.Cpu.GradientMatchesTheUnfusedOpsAutodiff") {
+  for (const AttentionCase& c : cpu_cases()) {
+    CAPTURE(to_string(c.shape));
+    CAPTURE(c.causal);
+    std::map<std::string, Tensor> feeds{{"q", random_tensor(f64, c.shape)}, {"k", random_tensor(f64, c.shape)},
+                                        {"v", random_tensor(f64, c.shape)}, {"r", random_tensor(f64, c.shape)}};
+    auto grads_of = [&](bool fused) {
+      Graph g(1);
+      Value q = g.input("q", c.shape, f64), k = g.input("k", c.shape, f64), v = g.input("v", c.shape, f64);
+      Value o;
+      if (fused) {
+        o = attention(q, k, v, {.causal = c.causal, .scale = c.scale});
+      } else {
+        Value s = matmul(q, k, false, true) * c.scale;
+        o = matmul(softmax(c.causal ? causal_mask(s) : s), v);
+      }
+      Value loss = sum(o * g.input("r", c.shape, f64));
+      std::vector<Value> fetch = gradients(loss, {q, k, v});
+      fetch.push_back(o);
+      auto params = ParameterStore::initialize(g);
+      return evaluate(g, feeds, fetch, *params);
+    };
+    const auto fused = grads_of(true), naive = grads_of(false);
+    for (std::size_t i = 0; i < 4; ++i) {
+      CAPTURE(i);  // dq, dk, dv, o
+      CHECK_CLOSE(fused[i], naive[i], 1e-12);
+    }
+  }
+}
+
+// The f32 kernels accumulate in double and round once: within an ulp or two of the f64 result
+// (relative 1.2e-7 each); 1e-6 relative to the largest element.
+TEST_CASE("Attention.Cpu.Float32AgreesWithFloat64") {
+  for (const AttentionCase& c : cpu_cases()) {
+    CAPTURE(to_string(c.shape));
+    CAPTURE(c.causal);
+    const Attrs attrs = attention_attrs(c.causal, c.scale);
+    std::vector<Tensor> in32;
+    for (int i = 0; i < 4; ++i) in32.push_back(random_tensor(f32, c.shape));
+    std::vector<Tensor> in64;
+    for (const Tensor& t : in32) in64.push_back(to_dtype(t, f64));
+    const Tensor o32 = run1("attention", f32, attrs, {in32[0], in32[1], in32[2]}, c.shape);
+    const Tensor o64 = run1("attention", f64, attrs, {in64[0], in64[1], in64[2]}, c.shape);
+    CHECK_CLOSE(to_dtype(o32, f64), o64, 1e-6);
+    // The gradient at the f32 output (rounded the same way in both).
+    const Tensor o = to_dtype(o32, f64);
+    const Tensor g32 = run1("attention_grad", f32, attrs, {in32[0], in32[1], in32[2], o32, in32[3]}, packed(c.shape));
+    const Tensor g64 = run1("attention_grad", f64, attrs, {in64[0], in64[1], in64[2], o, in64[3]}, packed(c.shape));
+    CHECK_CLOSE(to_dtype(g32, f64), g64, 1e-6);
+  }
+}
+
+TEST_CASE("Attention.Graph.ChecksShapesAndNamesTheOp") {
+  Graph g;
+  Value q = g.input("q", {2, 4, 8, 16}), k = g.input("k", {2, 4, 8, 16}), v = g.input("v", {2, 4, 8, 16});
+  Value o = attention(q, k, v);
+  CHECK(o.shape() == Shape{2, 4, 8, 16});
+  CHECK(o.dtype() == f32);
+  CHECK(o.node().attrs.get_int("causal", -1) == 1);
+  CHECK(o.node().attrs.get_double("scale", 0) == doctest::Approx(0.25));
+  CHECK(attention(q, k, v, {.causal = false, .scale = 2.0}).node().attrs.get_double("scale", 0) == 2.0);
+  auto error = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const GraphError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  Value k_short = g.input("k_short", {2, 4, 7, 16});
+  CHECK(test::contains(error([&] { attention(q, k_short, v); }),
+                       "attention(q f32[2, 4, 8, 16], k_short f32[2, 4, 7, 16], v f32[2, 4, 8, 16]): q, k and v must "
+                       "have one shape"));
+  Value flat = g.input("flat", {16});
+  CHECK(test::contains(error([&] { attention(flat, flat, flat); }), "at least 2 axes"));
+  Value ids = g.input("ids", {2, 4, 8, 16}, i32);
+  CHECK(test::contains(error([&] { attention(q, k, ids); }), "must be a float"));
+  CHECK(test::contains(error([&] { attention(q, k, v, {.scale = std::numeric_limits<double>::infinity()}); }),
+                       "is not finite"));
+  // Under autocast it computes in bf16, like torch's SDPA; its gradient comes back in f32.
+  Value o_bf;
+  {
+    auto bf = g.autocast();
+    o_bf = attention(q, k, v);
+  }
+  CHECK(o_bf.dtype() == bf16);
+  Value loss = sum(cast(o_bf, f32) * g.input("r", {2, 4, 8, 16}));
+  const auto grads = gradients(loss, {q, k, v});
+  for (const Value& d : grads) {
+    CHECK(d.dtype() == f32);
+    CHECK(d.shape() == q.shape());
+  }
+  // One gradient op for the three inputs.
+  int grad_ops = 0;
+  for (int id = 0; id < g.size(); ++id) grad_ops += g.node(id).op == "attention_grad";
+  CHECK(grad_ops == 1);
+}
+
+// Megatron's attention block with the fused ops, sharded from annotations (wq, wk, wv and w1,
+// b1 by columns; wo and w2 by rows): the heads axis carries the split through attention and the
+// columns through bias_gelu, so each half needs one all-reduce, and values and gradients equal
+// the logical graph's (float64: the same sums in another grouping, 1e-10).
+TEST_CASE("Attention.Sharding.SplitByHeadsAndColumnsAsTheUnfusedBlock") {
+  const std::int64_t b = 2, t = 5, d = 8, nh = 4, dh = d / nh;
+  const Sbp cols = sbp::split(1), rows = sbp::split(0);
+  for (int tp : {2, 4}) {
+    CAPTURE(tp);
+    Graph logical(9);
+    auto x = logical.input("x", {b, t, d}, f64);
+    auto w = [&](const char* name, Shape s, Sbp sig) {
+      return logical.variable(name, std::move(s), init::normal(0.0, 0.3), sig, f64);
+    };
+    auto wq = w("wq", {d, d}, cols), wk = w("wk", {d, d}, cols), wv = w("wv", {d, d}, cols), wo = w("wo", {d, d}, rows);
+    auto w1 = w("w1", {d, 2 * d}, cols), b1 = w("b1", {2 * d}, rows), w2 = w("w2", {2 * d, d}, rows);
+    auto heads = [&](Value v) { return transpose(reshape(matmul(x, v), {b, t, nh, dh}), {0, 2, 1, 3}); };
+    auto o = reshape(transpose(attention(heads(wq), heads(wk), heads(wv)), {0, 2, 1, 3}), {b, t, d});
+    auto h = x + matmul(o, wo);
+    Value y = (h + matmul(bias_gelu(matmul(h, w1), b1), w2)).named("y");
+    Graph physical(9);
+    ShardedGraph sharded = shard_graph(logical, physical, tp);
+    REQUIRE(sharded.movements().size() == 2);
+    for (const auto& m : sharded.movements()) CHECK(m.kind == Movement::all_reduce);
+
+    Tensor feed = random_tensor(f64, {b, t, d});
+    auto lp = ParameterStore::initialize(logical);
+    auto pp = ParameterStore::initialize(physical);
+    Value whole = sharded.whole(y);
+    std::vector<Value> vars = physical.variables();
+    std::vector<Value> fetch = gradients(sum(whole * whole), vars);
+    fetch.push_back(whole);
+    auto got = evaluate(physical, {{"x", feed}}, fetch, *pp);
+    const std::vector<Value> weights{wq, wk, wv, wo, w1, b1, w2};
+    std::vector<Value> want_fetch = gradients(sum(y * y), weights);
+    want_fetch.push_back(y);
+    auto want = evaluate(logical, {{"x", feed}}, want_fetch, *lp);
+    CHECK_CLOSE(got.back(), want.back(), 1e-10);
+    std::map<std::string, Tensor> grads;
+    for (std::size_t i = 0; i < vars.size(); ++i) grads[vars[i].name()] = got[i];
+    auto joined = join_parts(physical, grads);
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      CAPTURE(weights[i].name());
+      REQUIRE(joined.count(weights[i].name()));
+      CHECK_CLOSE(joined.at(weights[i].name()), want[i], 1e-10);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU: bias + GELU
+
+// gelu(x + b) fused: the sum rounded to the element type as the add's output is, then the gelu
+// kernel's formula: the same bits as the two ops, forward and backward.
+TEST_CASE("BiasGelu.Cpu.IsGeluOfTheSumBitForBit") {
+  for (DType dt : {f32, f64}) {
+    CAPTURE(name(dt));
+    const Shape s{3, 5, 37};
+    const Tensor x = random_tensor(dt, s, -4, 4), b = random_tensor(dt, {37}), dy = random_tensor(dt, s);
+    const Tensor sum = run1("add", dt, {}, {x, b}, s);
+    CHECK_CLOSE(run1("bias_gelu", dt, {}, {x, b}, s), run1("gelu", dt, {}, {sum}, s), 0.0);
+    CHECK_CLOSE(run1("bias_gelu_grad", dt, {}, {x, b, dy}, s), run1("gelu_grad", dt, {}, {sum, dy}, s), 0.0);
+  }
+  CHECK_THROWS_WITH_AS(run1("bias_gelu", f32, {}, {random_tensor(f32, {4, 6}), random_tensor(f32, {5})}, {4, 6}),
+                       doctest::Contains("must be [F] for x f32[4, 6]"), std::invalid_argument);
+}
+
+TEST_CASE("BiasGelu.Graph.GradientsMatchTheUnfusedOps") {
+  // Through autodiff: d/dx and d/db (the column sums) equal the unfused graph's, bit for bit in
+  // f32 and f64 (the same kernels' arithmetic in the same order).
+  for (DType dt : {f32, f64}) {
+    CAPTURE(name(dt));
+    const Shape s{6, 11};
+    std::map<std::string, Tensor> feeds{{"x", random_tensor(dt, s)}, {"b", random_tensor(dt, {11})},
+                                        {"r", random_tensor(dt, s)}};
+    auto run = [&](bool fused) {
+      Graph g(1);
+      Value x = g.input("x", s, dt), b = g.input("b", {11}, dt);
+      Value y = fused ? bias_gelu(x, b) : gelu(x + b);
+      Value loss = sum(y * g.input("r", s, dt));
+      std::vector<Value> fetch = gradients(loss, {x, b});
+      fetch.push_back(y);
+      auto params = ParameterStore::initialize(g);
+      return evaluate(g, feeds, fetch, *params);
+    };
+    const auto fused = run(true), naive = run(false);
+    for (std::size_t i = 0; i < 3; ++i) {
+      CAPTURE(i);  // dx, db, y
+      CHECK_CLOSE(fused[i], naive[i], 0.0);
+    }
+  }
+  Graph g;
+  Value x = g.input("x", {4, 8}), w = g.input("w", {8, 8}), b = g.input("b", {8});
+  CHECK_THROWS_WITH_AS(bias_gelu(x, g.input("b7", {7})), doctest::Contains("b must be one bias per column of x: [8]"),
+                       GraphError);
+  // Under autocast the bias joins the product's bf16, as torch's Linear casts its bias.
+  auto bf = g.autocast();
+  Value y = bias_gelu(matmul(x, w), b);
+  CHECK(y.dtype() == bf16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU: the GPT with the fused ops
+
+namespace {
+
+struct GptRun {
+  std::vector<Tensor> grads;  // of every variable, in g.variables() order
+  double loss = 0;
+};
+
+GptRun gpt_loss_and_grads(models::GptShape shape, std::int64_t batch, const std::map<std::string, Tensor>& feeds) {
+  Graph g(11);
+  models::Outputs out = models::gpt_with_loss(g, batch, shape);
+  std::vector<Value> fetch = gradients(out.loss, g.variables());
+  fetch.push_back(out.loss);
+  auto params = ParameterStore::initialize(g);
+  std::vector<Tensor> got = evaluate(g, feeds, fetch, *params);
+  GptRun r;
+  r.loss = got.back().data<float>()[0];
+  got.pop_back();
+  r.grads = std::move(got);
+  return r;
+}
+
+std::map<std::string, Tensor> gpt_feeds(std::int64_t vocab, std::int64_t batch, std::int64_t seq) {
+  Tensor tokens = Tensor::empty({batch, seq}, i32), targets = Tensor::empty({batch * seq}, i32);
+  std::uniform_int_distribution<int> u(0, static_cast<int>(vocab) - 1);
+  for (auto& t : tokens.data<std::int32_t>()) t = u(rng());
+  for (auto& t : targets.data<std::int32_t>()) t = u(rng());
+  return {{"tokens", tokens}, {"targets", targets}};
+}
+
+}  // namespace
+
+// The same weights and tokens: the fused MLP activation gives the unfused GPT's loss and
+// gradients bit for bit (f32); the fused attention gives them to float32 rounding (its sums run
+// in double, the unfused ops' in float: 1e-4 relative to the largest gradient of each weight).
+TEST_CASE("Gpt.FusedOpsGiveTheUnfusedLossAndGradients" * doctest::timeout(120)) {
+  const models::GptShape base{.vocab = 40, .seq = 12, .d_model = 16, .heads = 2, .layers = 2};
+  const auto feeds = gpt_feeds(base.vocab, 3, base.seq);
+  models::GptShape unfused = base, bias_gelu_only = base, all = base;
+  unfused.fused_bias_gelu = false;
+  all.attention = models::GptShape::Attention::fused;
+  const GptRun a = gpt_loss_and_grads(unfused, 3, feeds);
+  const GptRun b = gpt_loss_and_grads(bias_gelu_only, 3, feeds);
+  const GptRun c = gpt_loss_and_grads(all, 3, feeds);
+  CHECK(b.loss == a.loss);
+  REQUIRE(a.grads.size() == b.grads.size());
+  REQUIRE(a.grads.size() == c.grads.size());
+  for (std::size_t i = 0; i < a.grads.size(); ++i) {
+    CAPTURE(i);
+    CHECK_CLOSE(b.grads[i], a.grads[i], 0.0);
+    CHECK_CLOSE(c.grads[i], a.grads[i], 1e-4);
+  }
+  CHECK(c.loss == doctest::Approx(a.loss).epsilon(1e-6));
+}
+
+// The whole path (compiler, runtime, Adam) with the fused attention on the CPU: ten steps give
+// the unfused run's losses to float32 rounding compounded over the steps.
+TEST_CASE("Gpt.FusedAttentionTrainsAsTheUnfusedOnTheCpu" * doctest::timeout(120)) {
+  auto corpus = std::make_shared<data::TextCorpus>();
+  corpus->vocab.assign(24, static_cast<unsigned char>('x'));
+  std::mt19937 gen(5);
+  for (int i = 0; i < 4096; ++i) corpus->ids.push_back(static_cast<std::int32_t>(gen() % 24));
+  auto run = [&](models::GptShape::Attention attention) {
+    Graph g(3);
+    models::Outputs out = models::gpt_with_loss(
+        g, 4, {.vocab = 24, .seq = 16, .d_model = 16, .heads = 2, .layers = 1, .attention = attention});
+    TrainConfig cfg;
+    cfg.steps = 10;
+    cfg.optimizer = optim::adam(3e-3);
+    cfg.data = {{"text", data::text_source(corpus, 4, 1, 16, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, out.loss, cfg);
+    RuntimeSettings rs;
+    rs.stall_timeout = std::chrono::milliseconds(30'000);
+    Runtime(job.plan, job.kernels, rs).run();
+    return job.losses->per_step();
+  };
+  const auto naive = run(models::GptShape::Attention::naive), fused = run(models::GptShape::Attention::fused);
+  REQUIRE(naive.size() == 10);
+  REQUIRE(fused.size() == 10);
+  for (std::size_t i = 0; i < naive.size(); ++i) {
+    CAPTURE(i);
+    CHECK(fused[i] == doctest::Approx(naive[i]).epsilon(1e-4));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU halves
+
+namespace {
+
+// One device, its stream and memory, for running single kernels outside a runtime.
+struct Gpu {
+  std::unique_ptr<cuda::Stream> stream = cuda::Stream::create(Device::parse("cuda:0"), "test_cuda_kernels");
+  std::unique_ptr<Allocator> memory = cuda::make_device_allocator(Device::parse("cuda:0"));
+
+  Tensor to_device(const Tensor& host) {
+    Tensor d = Tensor::empty(host.shape(), host.dtype(), *memory);
+    cuda::copy(d, host, *stream);
+    return d;
+  }
+  Tensor to_host(const Tensor& dev) {
+    Tensor h = Tensor::empty(dev.shape(), dev.dtype());
+    cuda::copy(h, dev, *stream);
+    stream->synchronize();
+    return h;
+  }
+  // Every byte 0xff: NaN in f32, f64 and bf16, so an element a kernel forgot shows.
+  Tensor poisoned(const Shape& s, DType t) {
+    Tensor h = Tensor::empty(s, t);
+    std::memset(h.raw(), 0xff, h.nbytes());
+    return to_device(h);
+  }
+  // Runs `op` for `dt` on cuda:0 on copies of `inputs`; returns the outputs on the host.
+  std::vector<Tensor> run(const std::string& op, DType dt, const Attrs& attrs, const std::vector<Tensor>& inputs,
+                          const std::vector<Shape>& outputs) {
+    auto kernel = registry().create(op, KernelConfig{"cuda." + op, Device::parse("cuda:0"), dt, attrs});
+    std::vector<Tensor> dev_in;
+    for (const Tensor& t : inputs) dev_in.push_back(to_device(t));
+    std::vector<const Tensor*> in;
+    for (const Tensor& t : dev_in) in.push_back(&t);
+    std::vector<Tensor> out;
+    for (const Shape& s : outputs) out.push_back(poisoned(s, dt));
+    std::vector<Tensor*> out_p;
+    for (Tensor& t : out) out_p.push_back(&t);
+    KernelContext ctx{in, out_p, 0, stream.get()};
+    kernel->compute(ctx);
+    std::vector<Tensor> back;
+    for (const Tensor& t : out) back.push_back(to_host(t));
+    return back;
+  }
+  Tensor run1(const std::string& op, DType dt, const Attrs& attrs, const std::vector<Tensor>& inputs, const Shape& out) {
+    return run(op, dt, attrs, inputs, {out})[0];
+  }
+};
+
+// `op` on cuda:0 against the CPU's kernel for the same dtype, every output within `tolerance`.
+void check_against_cpu(Gpu& gpu, const std::string& op, DType dt, const Attrs& attrs, const std::vector<Tensor>& inputs,
+                       const std::vector<Shape>& outputs, double tolerance) {
+  CAPTURE(op);
+  CAPTURE(name(dt));
+  CAPTURE(attrs.str());
+  const auto want = run_cpu(op, dt, attrs, inputs, outputs);
+  const auto got = gpu.run(op, dt, attrs, inputs, outputs);
+  for (std::size_t o = 0; o < outputs.size(); ++o) {
+    CAPTURE(o);
+    CHECK_CLOSE(got[o], want[o], tolerance);
+  }
+}
+
+}  // namespace
+
+// The native bf16 kernels against the CPU's bf16 (its float32 kernel on converted copies, one
+// rounding at the end). Both compute in float32 from the same bf16 inputs; the float32 results
+// agree to 1e-5 (Cuda.Kernels.MatchCpu) and then round to bf16, where a result near a rounding
+// boundary may land one bf16 ulp (2^-8 of its magnitude, 2^-7 at worst) apart: 1e-2 relative to
+// the largest element. The byte moves must agree exactly.
+TEST_CASE("CudaKernels.Bf16.MatchCpu" * doctest::timeout(120)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  const double rounding = 1e-2, exact = 0.0;
+  auto r = [](const Shape& s, double lo = -2, double hi = 2) { return random_tensor(bf16, s, lo, hi); };
+  SUBCASE("elementwise with broadcasting") {
+    for (const char* op : {"add", "sub", "mul", "maximum"}) {
+      check_against_cpu(gpu, op, bf16, {}, {r({5, 7}), r({5, 7})}, {{5, 7}}, rounding);
+      check_against_cpu(gpu, op, bf16, {}, {r({4, 5, 7}), r({7})}, {{4, 5, 7}}, rounding);        // a bias
+      check_against_cpu(gpu, op, bf16, {}, {r({7}), r({4, 5, 7})}, {{4, 5, 7}}, rounding);        // on the left
+      check_against_cpu(gpu, op, bf16, {}, {r({4, 1, 7}), r({5, 1})}, {{4, 5, 7}}, rounding);     // strided
+      check_against_cpu(gpu, op, bf16, {}, {r({300, 1000}), r({1000})}, {{300, 1000}}, rounding);  // many blocks
+    }
+    check_against_cpu(gpu, "div", bf16, {}, {r({6, 9}), r({9}, 0.5, 2)}, {{6, 9}}, rounding);
+  }
+  SUBCASE("activations, their gradients and scale") {
+    const Shape s{13, 37};
+    for (const char* op : {"relu", "gelu", "tanh", "sigmoid"}) check_against_cpu(gpu, op, bf16, {}, {r(s, -4, 4)}, {s}, rounding);
+    for (const char* op : {"relu_grad", "gelu_grad"}) check_against_cpu(gpu, op, bf16, {}, {r(s, -4, 4), r(s)}, {s}, rounding);
+    for (const char* op : {"tanh_grad", "sigmoid_grad"}) check_against_cpu(gpu, op, bf16, {}, {r(s, 0, 1), r(s)}, {s}, rounding);
+    check_against_cpu(gpu, "scale", bf16, Attrs{{"value", 0.37}}, {r({100})}, {{100}}, rounding);
+    check_against_cpu(gpu, "fill", bf16, Attrs{{"value", -1.5}}, {}, {{3, 3}}, exact);
+  }
+  SUBCASE("layer norm, softmax and log-softmax, forward and backward") {
+    for (std::int64_t cols : {7, 300, 1000}) {
+      const Shape s{17, cols};
+      check_against_cpu(gpu, "softmax", bf16, {}, {r(s, -5, 5)}, {s}, rounding);
+      check_against_cpu(gpu, "log_softmax", bf16, {}, {r(s, -5, 5)}, {s}, rounding);
+      check_against_cpu(gpu, "softmax_grad", bf16, {}, {r(s, 0, 1), r(s)}, {s}, rounding);
+      check_against_cpu(gpu, "log_softmax_grad", bf16, {}, {r(s, -3, 0), r(s)}, {s}, rounding);
+      check_against_cpu(gpu, "layer_norm", bf16, Attrs{{"eps", 1e-5}}, {r(s, -3, 5)}, {s}, rounding);
+      check_against_cpu(gpu, "layer_norm_grad", bf16, Attrs{{"eps", 1e-5}}, {r(s, -3, 5), r(s)}, {s}, rounding);
+    }
+    check_against_cpu(gpu, "causal_mask", bf16, Attrs{{"value", -1e9}}, {r({2, 6, 6})}, {{2, 6, 6}}, exact);
+  }
+  SUBCASE("byte moves and sum_to") {
+    auto ints = [](std::int64_t axis, std::int64_t start) { return Attrs{{"axis", axis}, {"start", start}}; };
+    check_against_cpu(gpu, "transpose", bf16, Attrs{{"perm", std::vector<std::int64_t>{0, 2, 1, 3}}}, {r({2, 3, 4, 5})},
+                      {{2, 4, 3, 5}}, exact);
+    check_against_cpu(gpu, "reshape", bf16, {}, {r({6, 4})}, {{4, 6}}, exact);
+    check_against_cpu(gpu, "stop_gradient", bf16, {}, {r({6, 4})}, {{6, 4}}, exact);
+    check_against_cpu(gpu, "copy", bf16, {}, {r({33})}, {{33}}, exact);
+    check_against_cpu(gpu, "broadcast_to", bf16, {}, {r({4, 1})}, {{2, 4, 3}}, exact);
+    check_against_cpu(gpu, "slice", bf16, ints(1, 2), {r({5, 7, 3})}, {{5, 3, 3}}, exact);
+    check_against_cpu(gpu, "slice", bf16, ints(-1, 5), {r({6, 11})}, {{6, 4}}, exact);
+    check_against_cpu(gpu, "slice_grad", bf16, ints(1, 2), {r({5, 3, 3})}, {{5, 7, 3}}, exact);
+    check_against_cpu(gpu, "concat", bf16, Attrs{{"axis", std::int64_t{1}}}, {r({4, 2, 3}), r({4, 5, 3})}, {{4, 7, 3}},
+                      exact);
+    // Sums in double, rounded once: the bf16 rounding alone.
+    check_against_cpu(gpu, "sum_to", bf16, {}, {r({64, 10})}, {{10}}, rounding);
+    check_against_cpu(gpu, "sum_to", bf16, {}, {r({3000, 40})}, {{40}}, rounding);
+    check_against_cpu(gpu, "sum_to", bf16, {}, {r({3, 4, 5})}, {{3, 1, 5}}, rounding);
+  }
+  SUBCASE("embedding") {
+    Tensor ids = Tensor::empty({4, 9}, i32);
+    std::uniform_int_distribution<int> u(0, 49);
+    for (auto& x : ids.data<std::int32_t>()) x = u(rng());
+    check_against_cpu(gpu, "embedding", bf16, {}, {r({50, 16}), ids}, {{4, 9, 16}}, exact);
+  }
+  SUBCASE("registered as bf16 kernels, not the float32 fallback") {
+    for (const char* op : {"add", "gelu", "gelu_grad", "layer_norm", "layer_norm_grad", "softmax", "softmax_grad",
+                           "transpose", "reshape", "slice", "concat", "sum_to", "broadcast_to", "scale", "bias_gelu",
+                           "bias_gelu_grad", "attention", "attention_grad"}) {
+      CAPTURE(op);
+      CHECK(test::contains(registry().describe(), fmt::format("\n{}:", op)));
+      const std::string line = [&] {
+        const std::string all = "\n" + registry().describe() + "\n";
+        const auto at = all.find(fmt::format("\n{}:", op));
+        return all.substr(at + 1, all.find('\n', at + 1) - at - 1);
+      }();
+      CHECK(test::contains(line, "cuda/bf16"));
+    }
+  }
+}
+
+// bias_gelu on the GPU: f32 gives the GPU's own gelu(add(x, b)) bit for bit (the same
+// arithmetic) and the CPU's to 1e-5 (the f32 kernels' agreement); bf16 within one bf16 rounding
+// of the CPU's (1e-2, see CudaKernels.Bf16.MatchCpu).
+TEST_CASE("CudaKernels.BiasGelu.MatchCpu" * doctest::timeout(60)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  for (const Shape& s : {Shape{3, 5, 37}, Shape{257, 1024}}) {
+    const Shape bias{s.back()};
+    const Tensor x = random_tensor(f32, s, -4, 4), b = random_tensor(f32, bias), dy = random_tensor(f32, s);
+    check_against_cpu(gpu, "bias_gelu", f32, {}, {x, b}, {s}, 1e-5);
+    check_against_cpu(gpu, "bias_gelu_grad", f32, {}, {x, b, dy}, {s}, 1e-5);
+    const Tensor sum = gpu.run1("add", f32, {}, {x, b}, s);
+    CHECK_CLOSE(gpu.run1("bias_gelu", f32, {}, {x, b}, s), gpu.run1("gelu", f32, {}, {sum}, s), 0.0);
+    CHECK_CLOSE(gpu.run1("bias_gelu_grad", f32, {}, {x, b, dy}, s), gpu.run1("gelu_grad", f32, {}, {sum, dy}, s), 0.0);
+    const Tensor xb = to_dtype(x, bf16), bb = to_dtype(b, bf16), dyb = to_dtype(dy, bf16);
+    check_against_cpu(gpu, "bias_gelu", bf16, {}, {xb, bb}, {s}, 1e-2);
+    check_against_cpu(gpu, "bias_gelu_grad", bf16, {}, {xb, bb, dyb}, {s}, 1e-2);
+  }
+}
+
+// The fused attention on the GPU against the CPU kernel on the same inputs (bf16: the CPU's
+// float32 kernel on the exact float32 values of the bf16 inputs, rounded once at the end).
+//  - f32: float32 FMAs, sums over D and over T in another order than the CPU's double sums, and
+//    exp2f (2 ulp) of scores pre-scaled by log2 e rounded to float: relative errors near 1e-6;
+//    1e-4 relative to the largest element still catches any misplaced tile (errors of order 1).
+//  - bf16: the probabilities P and dS are rounded to bf16 (2^-9 relative) before their products
+//    on the tensor cores, as FlashAttention does, and the outputs are rounded to bf16 (2^-9):
+//    forward 2e-2; the gradients sum T such products and D = rowsum(dO * O) cancels against dP,
+//    so 4e-2.
+TEST_CASE("CudaKernels.Attention.MatchCpu" * doctest::timeout(300)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  struct Case {
+    Shape shape;
+    bool causal;
+  };
+  // T: one row, less than a tile, tiles and a ragged end; D: every compiled head size (16, 32,
+  // 64, 128, 16-byte rows read 16 bytes at a time) and padded ones (8, 40: element by element).
+  const std::vector<Case> cases{{{1, 1, 1, 16}, true},   {{2, 3, 17, 8}, true},    {{2, 2, 64, 64}, true},
+                                {{1, 2, 100, 64}, false}, {{2, 1, 257, 40}, true},  {{1, 3, 130, 32}, true},
+                                {{1, 1, 200, 128}, true}, {{1, 2, 96, 128}, false}, {{3, 77, 16}, true}};
+  for (DType dt : {f32, bf16}) {
+    const double fwd_tol = dt == f32 ? 1e-4 : 2e-2, bwd_tol = dt == f32 ? 1e-4 : 4e-2;
+    for (const Case& c : cases) {
+      CAPTURE(name(dt));
+      CAPTURE(to_string(c.shape));
+      CAPTURE(c.causal);
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.back()));
+      const Attrs attrs = attention_attrs(c.causal, scale);
+      const Tensor q = random_tensor(dt, c.shape), k = random_tensor(dt, c.shape), v = random_tensor(dt, c.shape);
+      const Tensor dout = random_tensor(dt, c.shape);
+      check_against_cpu(gpu, "attention", dt, attrs, {q, k, v}, {c.shape}, fwd_tol);
+      // The gradient from the same o (the CPU's) on both sides.
+      const Tensor o = run1("attention", dt, attrs, {q, k, v}, c.shape);
+      const auto want = run_cpu("attention_grad", dt, attrs, {q, k, v, o, dout}, {packed(c.shape)})[0];
+      const auto got = gpu.run1("attention_grad", dt, attrs, {q, k, v, o, dout}, packed(c.shape));
+      for (int part = 0; part < 3; ++part) {
+        CAPTURE(part);  // dq, dk, dv
+        CHECK_CLOSE(unpack(got, part), unpack(want, part), bwd_tol);
+      }
+    }
+  }
+}
+
+// A head size past the kernels' 128 is refused on the host, naming the tensor.
+TEST_CASE("CudaKernels.Attention.RefusesHeadsPast128") {
+  if (!test::cuda_built()) return;
+  const Tensor q = random_tensor(f32, {1, 4, 130});
+  Tensor o = Tensor::zeros({1, 4, 130}, f32);
+  auto kernel = registry().create("attention", KernelConfig{"big", Device::parse("cuda:0"), f32, attention_attrs(true, 0.1)});
+  const Tensor* in[] = {&q, &q, &q};
+  Tensor* out[] = {&o};
+  KernelContext ctx{in, out, 0};
+  CHECK_THROWS_WITH_AS(kernel->compute(ctx), doctest::Contains("the CUDA kernels take D <= 128"), std::invalid_argument);
+}
+
+// The multi-tensor steps against the one-tensor steps on the GPU (the same arithmetic per
+// element: the same bits) and the CPU's (IEEE float operations in the same order: the same bits
+// expected; 1e-6 relative to the largest weight allows a compiler's FMA contraction on the CPU).
+// Sizes: empty, one element, chunk edges (65536, 65537), more than 36 tensors (several
+// launches) and one tensor of more than 320 chunks (split across launches).
+TEST_CASE("CudaKernels.MultiTensorOptimizers.MatchOneTensorSteps" * doctest::timeout(120)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  std::vector<std::int64_t> sizes{0, 1, 1000, 65536, 65537, 200'000};
+  for (int i = 0; i < 40; ++i) sizes.push_back(100 + 37 * i);
+  sizes.push_back(321 * 65536 + 5);
+  struct Weight {
+    Tensor w, m, v;             // host, stepped by the CPU
+    Tensor dw, dm, dv;          // device, stepped by adam_step_multi
+    Tensor sw, sm, sv;          // device, stepped by adam_step one at a time
+  };
+  for (bool decoupled : {false, true}) {
+    CAPTURE(decoupled);
+    const AdamConfig cfg{.lr = 1e-2, .weight_decay = 0.1, .decoupled = decoupled};
+    std::vector<Weight> ws;
+    for (std::int64_t n : sizes) {
+      Weight x;
+      x.w = random_tensor(f32, {n});
+      x.m = Tensor::zeros({n}, f32);
+      x.v = Tensor::zeros({n}, f32);
+      x.dw = gpu.to_device(x.w), x.dm = gpu.to_device(x.m), x.dv = gpu.to_device(x.v);
+      x.sw = gpu.to_device(x.w), x.sm = gpu.to_device(x.m), x.sv = gpu.to_device(x.v);
+      ws.push_back(std::move(x));
+    }
+    for (std::int64_t step = 1; step <= 3; ++step) {
+      std::vector<cuda::AdamSlice> slices;
+      std::vector<Tensor> grads;
+      for (Weight& x : ws) {
+        const Tensor g = random_tensor(f32, x.w.shape());
+        grads.push_back(gpu.to_device(g));
+        adam_step(x.w.data<float>(), g.data<float>(), x.m.data<float>(), x.v.data<float>(), cfg, step, cfg.lr);
+        cuda::adam_step(x.sw.data<float>().data(), grads.back().data<float>().data(), x.sm.data<float>().data(),
+                        x.sv.data<float>().data(), x.w.numel(), cfg, step, cfg.lr, *gpu.stream);
+        slices.push_back({x.dw.data<float>().data(), grads.back().data<float>().data(), x.dm.data<float>().data(),
+                          x.dv.data<float>().data(), x.w.numel()});
+      }
+      cuda::adam_step_multi(slices, cfg, step, cfg.lr, *gpu.stream);
+      gpu.stream->synchronize();
+    }
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      CAPTURE(sizes[i]);
+      CHECK_CLOSE(gpu.to_host(ws[i].dw), gpu.to_host(ws[i].sw), 0.0);
+      CHECK_CLOSE(gpu.to_host(ws[i].dm), gpu.to_host(ws[i].sm), 0.0);
+      CHECK_CLOSE(gpu.to_host(ws[i].dv), gpu.to_host(ws[i].sv), 0.0);
+      CHECK_CLOSE(gpu.to_host(ws[i].dw), ws[i].w, 1e-6);
+      CHECK_CLOSE(gpu.to_host(ws[i].dv), ws[i].v, 1e-6);
+    }
+  }
+  for (double momentum : {0.0, 0.9}) {
+    for (bool nesterov : {false, true}) {
+      if (nesterov && momentum == 0.0) continue;
+      CAPTURE(momentum);
+      CAPTURE(nesterov);
+      const SgdConfig cfg{.lr = 0.1, .momentum = momentum, .weight_decay = 0.01, .nesterov = nesterov};
+      std::vector<Tensor> w, buf, dw, dbuf, sw, sbuf;
+      for (std::int64_t n : sizes) {
+        w.push_back(random_tensor(f32, {n}));
+        buf.push_back(Tensor::zeros({n}, f32));
+        dw.push_back(gpu.to_device(w.back()));
+        dbuf.push_back(gpu.to_device(buf.back()));
+        sw.push_back(gpu.to_device(w.back()));
+        sbuf.push_back(gpu.to_device(buf.back()));
+      }
+      for (std::int64_t step = 1; step <= 3; ++step) {
+        std::vector<cuda::SgdSlice> slices;
+        std::vector<Tensor> grads;
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          const Tensor g = random_tensor(f32, w[i].shape());
+          grads.push_back(gpu.to_device(g));
+          sgd_step(w[i].data<float>(), g.data<float>(), buf[i].data<float>(), cfg, step, cfg.lr);
+          cuda::sgd_step(sw[i].data<float>().data(), grads.back().data<float>().data(), sbuf[i].data<float>().data(),
+                         w[i].numel(), cfg, step, cfg.lr, *gpu.stream);
+          slices.push_back({dw[i].data<float>().data(), grads.back().data<float>().data(), dbuf[i].data<float>().data(),
+                            w[i].numel()});
+        }
+        cuda::sgd_step_multi(slices, cfg, step, cfg.lr, *gpu.stream);
+        gpu.stream->synchronize();
+      }
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        CAPTURE(sizes[i]);
+        CHECK_CLOSE(gpu.to_host(dw[i]), gpu.to_host(sw[i]), 0.0);
+        CHECK_CLOSE(gpu.to_host(dw[i]), w[i], 1e-6);
+      }
+    }
+  }
+}
+
+// The GPT on cuda:0 with the fused attention and bias + GELU against the unfused GPT on cuda:0:
+// five Adam steps, f32 (float32 rounding compounded over the steps: 1e-3 relative) and bf16
+// (the naive path keeps its scores in float32 after the bf16 products, the fused one rounds P
+// to bf16: 2e-2).
+TEST_CASE("CudaKernels.Gpt.FusedTrainsAsUnfusedOnTheGpu" * doctest::timeout(300)) {
+  if (!cuda_usable()) return;
+  auto corpus = std::make_shared<data::TextCorpus>();
+  corpus->vocab.assign(64, static_cast<unsigned char>('x'));
+  std::mt19937 gen(5);
+  for (int i = 0; i < 1 << 16; ++i) corpus->ids.push_back(static_cast<std::int32_t>(gen() % 64));
+  auto run = [&](bool fused, DType precision) {
+    Graph g(3);
+    models::Outputs out;
+    {
+      auto mixed = g.autocast(precision);
+      out = models::gpt_with_loss(g, 4,
+                                  {.vocab = 64, .seq = 128, .d_model = 128, .heads = 2, .layers = 2,
+                                   .attention = fused ? models::GptShape::Attention::fused : models::GptShape::Attention::naive,
+                                   .fused_bias_gelu = fused});
+    }
+    TrainConfig cfg;
+    cfg.steps = 5;
+    cfg.optimizer = optim::adam(1e-3);
+    cfg.replica_places = {Placement{.device = Device::parse("cuda:0")}};
+    cfg.data = {{"text", data::text_source(corpus, 4, 1, 128, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, out.loss, cfg);
+    RuntimeSettings rs;
+    rs.stall_timeout = std::chrono::milliseconds(60'000);
+    Runtime(job.plan, job.kernels, rs).run();
+    return job.losses->per_step();
+  };
+  for (DType precision : {f32, bf16}) {
+    CAPTURE(name(precision));
+    const auto naive = run(false, precision), fused = run(true, precision);
+    REQUIRE(naive.size() == 5);
+    REQUIRE(fused.size() == 5);
+    for (std::size_t i = 0; i < 5; ++i) {
+      CAPTURE(i);
+      MESSAGE("step " << i << ": naive " << naive[i] << ", fused " << fused[i]);
+      CHECK(fused[i] == doctest::Approx(naive[i]).epsilon(precision == f32 ? 1e-3 : 2e-2));
+    }
+  }
+}
