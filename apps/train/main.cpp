@@ -63,6 +63,7 @@ struct Options {
   std::string collectives = "auto";
   bool json = false;
   std::string print_plan;
+  std::vector<std::string> print_after;
   bool print_sbp = false;
   std::string trace;
   std::string dashboard;  // HOST:PORT to serve the dashboard on
@@ -362,6 +363,9 @@ int run(const Options& o) {
     cfg.snapshot_every = o.checkpoint_every > 0 ? o.checkpoint_every : o.steps;
     cfg.on_snapshot = writer->hook();
   }
+  // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
+  cfg.print_after = o.print_after;
+  if (env.rank != 0) cfg.print_ir = [](std::string_view, const std::string&) {};
   TrainingJob job = compile_training(g, loss, cfg, params);
   if (resumed) checkpoint::check_covers(*resumed, job.trained);
   if (writer) writer->expect(job.trained);
@@ -618,6 +622,10 @@ int main(int argc, char** argv) {
       ->expected(0, 1)
       ->default_str("text")
       ->check(CLI::IsMember({"text", "dot"}));
+  app.add_option("--print-after", o.print_after,
+                 "print the compiler's IR after these passes (comma-separated, or all), as LLVM's -print-after: "
+                 "autodiff, sbp, stages, replicas, lower, device_copies, transfers, lanes")
+      ->delimiter(',');
   app.add_flag("--print-sbp", o.print_sbp,
                "print each tensor's inferred parallel signature (S(axis), B, P) over --tp shards and the movement "
                "inserted, and exit (--model mlp)");
