@@ -182,6 +182,15 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Regis
     copy_tensor(master, copy);
     master = copy;
   }
+  // What its kernel keeps (the memory report): the master weight, the optimizer's slots, and
+  // the scaled gradient when clipping.
+  const std::int64_t weight_bytes = numel(n.shape) * static_cast<std::int64_t>(size_of(dt));
+  std::vector<KeptBytes> kept{{MemoryCategory::weights, weight_bytes}};
+  if (grad != nullptr) {
+    const auto slots = static_cast<std::int64_t>(optimizer_slot_names(cfg.optimizer).size());
+    if (slots > 0) kept.push_back({MemoryCategory::optimizer_state, slots * weight_bytes});
+    if (clip != nullptr) kept.push_back({MemoryCategory::gradients, weight_bytes});
+  }
   if (grad != nullptr) {
     SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
     add_variable_kernel(b.kernels, op, on_cuda, master, dt, cfg, optimizer_slots_of(cfg, n),
@@ -207,6 +216,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Regis
     b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps - cfg.first_step,
                    b.at(stream, b.place(id)));
   }
+  b.plan.actors.back().kept = std::move(kept);
   // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
   // weight at once: the repeat needs the activations' depth, or it caps the schedule.
   RegisterIndex rep = b.node_register(

@@ -15,7 +15,7 @@ const std::vector<std::string_view>& names() {
   // Device copies before transfers: what crosses ranks from or to a CUDA device is staged
   // through host memory, and the copies say which host register the transfer then reads.
   static const std::vector<std::string_view> all{
-      "autodiff", "sbp", "stages", "replicas", "lower", "device_copies", "transfers", "lanes"};
+      "autodiff", "sbp", "stages", "replicas", "lower", "device_copies", "transfers", "lanes", "memory"};
   return all;
 }
 
@@ -32,6 +32,7 @@ void check_config(const TrainConfig& cfg) {
   if (cfg.schedule != "gpipe" && cfg.schedule != "1f1b") {
     throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
   }
+  if (cfg.memory_budget < 0) throw GraphError(fmt::format("memory budget must be >= 0, not {}", cfg.memory_budget));
   if (cfg.tp < 1) throw GraphError(fmt::format("tp must be >= 1, not {}", cfg.tp));
   if (cfg.collectives != "auto" && cfg.collectives != "actors" && cfg.collectives != "nccl") {
     throw GraphError(fmt::format("collectives '{}': auto, actors or nccl", cfg.collectives));
@@ -106,6 +107,8 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   print_after(cfg, "transfers", [&] { return job.plan.to_text(); });
   job.plan = lanes(job.plan, cfg);
   print_after(cfg, "lanes", [&] { return job.plan.to_text(); });
+  job.plan = memory(job.plan, cfg);
+  print_after(cfg, "memory", [&] { return job.plan.to_text() + memory_text(job.plan); });
   return job;
 }
 

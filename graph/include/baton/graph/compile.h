@@ -188,6 +188,12 @@ struct TrainConfig {
   /// -print-after): each is handed to `print_ir` (default: printed on stdout under a header)
   /// as text once the pass has run. Unknown names are refused.
   std::vector<std::string> print_after;
+  /// The memory pass (passes.h): register slots in one arena per device, slots whose lives
+  /// never meet sharing bytes (plan_memory.h). False: every slot has memory of its own.
+  bool memory_plan = true;
+  /// Refuse, at compile time, a plan that needs more than this many bytes on some device
+  /// (registers, weights and optimizer state, by the plan: plan_memory.h). 0: no limit.
+  std::int64_t memory_budget = 0;
   std::function<void(std::string_view pass, const std::string& ir)> print_ir;
 };
 

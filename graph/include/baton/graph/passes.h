@@ -2,7 +2,7 @@
 /// The compiler as a pipeline of named passes, as LLVM's and XLA's are. compile_training runs
 /// them in this order, each a function from explicit values to a value that prints itself:
 ///
-///   autodiff -> sbp -> stages -> replicas -> lower -> device_copies -> transfers -> lanes
+///   autodiff -> sbp -> stages -> replicas -> lower -> device_copies -> transfers -> lanes -> memory
 ///
 ///   autodiff       the loss's gradients, as new nodes of the graph; which nodes the plan needs
 ///   sbp            each node's tensor-parallel shard (the SBP split of the model, tp)
@@ -13,9 +13,10 @@
 ///                  crosses ranks from or to a CUDA device is staged through host memory
 ///   transfers      a transfer actor wherever a register crosses ranks (insert_transfers)
 ///   lanes          each stage's fixed order of acts (schedule.h)
+///   memory         register slots placed in one arena per device (plan_memory.h)
 ///
 /// baton-train --print-after PASS (or all) prints a pass's value (TrainConfig::print_after). The
-/// runtime's Plan stays the contract: the last three passes are Plan -> Plan.
+/// runtime's Plan stays the contract: the last four passes are Plan -> Plan.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -117,8 +118,21 @@ Plan device_copies(const Plan& plan, const KernelRegistry& kernels);
 Plan transfers(const Plan& plan);
 
 /// lanes: each pipeline stage's order of forward and backward passes (order_pipeline,
-/// schedule.h) with pp > 1. A plan without stages comes back unchanged.
+/// schedule.h) with pp > 1. Without stages, with TrainConfig::memory_plan, the one stage runs
+/// each micro-batch's forward and then its backward (1F1B on one stage), an order that lets
+/// the memory pass share bytes between the registers it orders; else the plan is unchanged.
 Plan lanes(const Plan& plan, const TrainConfig& cfg);
+
+/// memory: with TrainConfig::memory_plan, every register slot the runtime allocates (not a
+/// repeat's, which aliases its input, nor page-locked ones between host and device) gets an
+/// offset in one arena per (rank, device), and slots whose lives never meet share bytes
+/// (plan_memory.h says when a life is known: inside a lane). Then, with a memory_budget,
+/// refuses (GraphError) a plan that needs more than that on some device, naming its needs by
+/// category and the largest consumers.
+Plan memory(const Plan& plan, const TrainConfig& cfg);
+
+/// The plan's peak bytes per device by category, and the largest consumers (memory_report).
+std::string memory_text(const Plan& plan);
 
 /// Runs the passes in order on `loss` and `cfg` (checked first) and returns the job; after each
 /// pass named in cfg.print_after (or "all") hands its text to cfg.print_ir.
