@@ -16,6 +16,7 @@
 #include "baton/graph.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
+#include "loopback_run.h"
 #include "models.h"
 #include "test_util.h"
 
@@ -221,6 +222,7 @@ struct Mode {
   int threads = 1;
   bool gpt = false;
   OptimizerConfig opt = optim::sgd(0.1, 0.9);
+  bool ranks = false;  // each place a rank of its own, joined by a loopback data plane
 };
 
 struct Trained {
@@ -262,6 +264,9 @@ Trained train(const Mode& mode, bool planned) {
   cfg.optimizer = mode.opt;
   cfg.bucket_bytes = 256;  // several buckets
   cfg.memory_plan = planned;
+  if (mode.ranks) {
+    for (int r = 0; r < mode.dp * mode.pp * mode.tp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
+  }
   TrainingJob job = compile_training(g, loss, cfg);
   Trained out;
   for (const RegisterDesc& r : job.plan.registers) {
@@ -274,7 +279,11 @@ Trained train(const Mode& mode, bool planned) {
   if (planned) poison_outputs(job);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
-  Runtime(job.plan, job.kernels, rs).run();
+  if (mode.ranks) {
+    for (const auto& r : test::run_on_loopback(job.plan, job.kernels, rs)) REQUIRE_MESSAGE(r.error.empty(), r.error);
+  } else {
+    Runtime(job.plan, job.kernels, rs).run();
+  }
   out.losses = job.losses->per_step();
   for (auto& [name, t] : job.params->values()) {
     auto d = t.data<float>();
@@ -298,6 +307,8 @@ TEST_CASE("MemoryPlan.PoisonedArenasTrainBitForBitAsSlotsOfTheirOwn" * doctest::
       {.name = "pp 2 x tp 2, two threads", .pp = 2, .tp = 2, .m = 2, .threads = 2},
       {.name = "gpt", .m = 2, .gpt = true, .opt = optim::adam(0.01)},
       {.name = "gpt tp 2 x pp 2", .pp = 2, .tp = 2, .m = 2, .gpt = true, .opt = optim::adam(0.01)},
+      {.name = "pp 2 over two ranks", .pp = 2, .m = 3, .ranks = true},
+      {.name = "dp 2 over two ranks", .dp = 2, .m = 2, .ranks = true},
   };
   for (const Mode& mode : modes) {
     CAPTURE(mode.name);
@@ -320,6 +331,36 @@ TEST_CASE("MemoryPlan.PoisonedArenasTrainBitForBitAsSlotsOfTheirOwn" * doctest::
     }
     CHECK(std::isfinite(own.losses.back()));
   }
+}
+
+TEST_CASE("MemoryPlan.CudaRegistersGoInTheDevicesArenaAndPageLockedOnesHaveTheirOwn") {
+  if (!test::cuda_built()) return;  // compiling refuses CUDA actors without CUDA kernels
+  Graph g(2);
+  auto dataset = std::make_shared<const data::Dataset>(data::synthetic(64, 12, 4, 7));
+  Value logits = models::mlp(g, 8, {.inputs = 12, .hidden = 32, .layers = 2, .classes = 4});
+  Value loss = softmax_cross_entropy(logits, g.find("label"));
+  TrainConfig cfg;
+  cfg.microbatches = 2;
+  cfg.replica_places = {Placement{.device = Device{DeviceType::cuda, 0}}};
+  cfg.data = {{"synthetic", data::batch_source(dataset, 16, 2, 9), {"x", "label"}}};
+  const TrainingJob job = compile_training(g, loss, cfg);
+  int on_device = 0, pinned = 0;
+  for (RegisterIndex r = 0; r < job.plan.registers.size(); ++r) {
+    const RegisterDesc& reg = job.plan.registers[r];
+    const RegisterMemory mem = register_memory(job.plan, r);
+    CAPTURE(reg.name);
+    if (mem.pinned) {
+      ++pinned;
+      CHECK(reg.arena == -1);
+    } else if (mem.allocated && reg.arena >= 0) {
+      const ArenaDesc& arena = job.plan.arenas[static_cast<std::size_t>(reg.arena)];
+      CHECK(arena.device == mem.device);
+      on_device += mem.device.type == DeviceType::cuda;
+    }
+  }
+  CHECK(pinned > 0);      // the data and the loss cross between host and device
+  CHECK(on_device > 0);
+  CHECK_NOTHROW(validate(job.plan, job.kernels));
 }
 
 TEST_CASE("MemoryPlan.ThePlanReportsItsBytesByCategoryAndABudgetRefusesWhatDoesNotFit") {

@@ -57,6 +57,13 @@ std::vector<Tensor> evaluate(Graph& g, const std::map<std::string, Tensor>& feed
     b.plan.add_actor(
         {.name = op, .op = op, .dtype = n.dtype, .inputs = {{b.reg_of.at(fetches[i].id())}}});
   }
+  // The ops in one lane, in topological order, so that the memory pass can pack their
+  // registers: an evaluation of many rows needs its activations only while they are read.
+  std::int32_t rank = 0;
+  for (ActorDesc& a : plan.actors) {
+    if (a.kind == ActorKind::compute && !a.outputs.empty()) a.order = ActOrder{.lane = 0, .units = {0}, .period = 1, .rank = rank++};
+  }
+  plan = passes::memory(plan, TrainConfig{});
   RuntimeSettings s;
   s.mode = ExecutionMode::deterministic;
   Runtime rt(std::move(plan), kernels, s);
