@@ -265,7 +265,8 @@ Trained train(const Mode& mode, bool planned) {
   cfg.bucket_bytes = 256;  // several buckets
   cfg.memory_plan = planned;
   if (mode.ranks) {
-    for (int r = 0; r < mode.dp * mode.pp * mode.tp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
+    for (int r = 0; r < mode.dp * mode.pp * mode.tp; ++r)
+      cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
   }
   TrainingJob job = compile_training(g, loss, cfg);
   Trained out;
@@ -280,7 +281,8 @@ Trained train(const Mode& mode, bool planned) {
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
   if (mode.ranks) {
-    for (const auto& r : test::run_on_loopback(job.plan, job.kernels, rs)) REQUIRE_MESSAGE(r.error.empty(), r.error);
+    for (const auto& r : test::run_on_loopback(job.plan, job.kernels, rs))
+      REQUIRE_MESSAGE(r.error.empty(), r.error);
   } else {
     Runtime(job.plan, job.kernels, rs).run();
   }
@@ -358,7 +360,7 @@ TEST_CASE("MemoryPlan.CudaRegistersGoInTheDevicesArenaAndPageLockedOnesHaveTheir
       on_device += mem.device.type == DeviceType::cuda;
     }
   }
-  CHECK(pinned > 0);      // the data and the loss cross between host and device
+  CHECK(pinned > 0);  // the data and the loss cross between host and device
   CHECK(on_device > 0);
   CHECK_NOTHROW(validate(job.plan, job.kernels));
 }

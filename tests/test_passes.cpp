@@ -270,3 +270,29 @@ TEST_CASE("Passes.ThePipelineIsCompileTrainingAndPrintsAfterEachPass") {
   CHECK_THROWS_WITH_AS(compile_training(one.g, one.loss, one.cfg),
                        doctest::Contains("print after 'inline': no such pass"), GraphError);
 }
+
+TEST_CASE("Passes.MemoryPlacesEverySlotTheRuntimeAllocatesAndLanesOrderTheOneStage") {
+  Mlp m;
+  m.cfg.microbatches = 2;
+  m.cfg.memory_plan = false;
+  const TrainingJob job = compile_training(m.g, m.loss, m.cfg);
+  // Without the memory plan: no arenas, and a plan without stages has no lanes.
+  CHECK(job.plan.arenas.empty());
+  CHECK(find_actor(job.plan, "loss")->order.lane < 0);
+  TrainConfig on = m.cfg;
+  on.memory_plan = true;
+  const Plan laned = passes::lanes(job.plan, on);
+  CHECK(find_actor(laned, "loss")->order.lane >= 0);
+  CHECK(find_actor(laned, "variable.w1")->order.lane < 0);
+  const Plan placed = passes::memory(laned, on);
+  REQUIRE(placed.arenas.size() == 1);
+  for (RegisterIndex r = 0; r < placed.registers.size(); ++r) {
+    const RegisterDesc& reg = placed.registers[r];
+    CAPTURE(reg.name);
+    const bool allocated = register_memory(placed, r).allocated && slot_bytes(reg) > 0;
+    CHECK((reg.arena == 0) == allocated);
+    if (allocated) CHECK(reg.offsets.size() == static_cast<std::size_t>(reg.slots));
+  }
+  CHECK(passes::memory(placed, on) == placed);  // placing again places the same way
+  CHECK_NOTHROW(validate(placed, job.kernels));
+}

@@ -61,7 +61,8 @@ std::vector<Tensor> evaluate(Graph& g, const std::map<std::string, Tensor>& feed
   // registers: an evaluation of many rows needs its activations only while they are read.
   std::int32_t rank = 0;
   for (ActorDesc& a : plan.actors) {
-    if (a.kind == ActorKind::compute && !a.outputs.empty()) a.order = ActOrder{.lane = 0, .units = {0}, .period = 1, .rank = rank++};
+    if (a.kind == ActorKind::compute && !a.outputs.empty())
+      a.order = ActOrder{.lane = 0, .units = {0}, .period = 1, .rank = rank++};
   }
   plan = passes::memory(plan, TrainConfig{});
   RuntimeSettings s;
