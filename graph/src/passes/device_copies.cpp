@@ -1,11 +1,10 @@
-// The passes from a plan to a plan (passes.h): transfers, device copies and lanes.
+// The device copies pass (passes.h): copy actors between host and CUDA devices.
 #include <algorithm>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "baton/graph/passes.h"
-#include "baton/graph/schedule.h"
 
 namespace baton::passes {
 
@@ -41,10 +40,6 @@ void check_cuda_kernels(const Plan& plan, const KernelRegistry& kernels) {
 
 }  // namespace
 
-Plan transfers(const Plan& plan) {
-  return insert_transfers(plan);
-}
-
 Plan device_copies(const Plan& plan, const KernelRegistry& kernels) {
   const bool any_cuda = std::any_of(plan.actors.begin(), plan.actors.end(), [](const ActorDesc& a) {
     return a.where.device.type == DeviceType::cuda;
@@ -54,18 +49,6 @@ Plan device_copies(const Plan& plan, const KernelRegistry& kernels) {
   // Data and losses are made and read on the host; copy actors move them (on their own
   // stream, so the copies overlap compute), and what crosses ranks goes through host memory.
   return insert_device_copies(plan);
-}
-
-Plan lanes(const Plan& plan, const TrainConfig& cfg) {
-  Plan out = plan;
-  // The order within each stage (schedule.h); the slots of the lowering bound what is in flight.
-  if (cfg.pp > 1) {
-    order_pipeline(out, parse_schedule(cfg.schedule), cfg.pp, cfg.microbatches);
-  } else if (cfg.memory_plan) {
-    // One stage: F0 B0 F1 B1 ... (1F1B without warm-up), within the activation slots.
-    order_pipeline(out, PipelineSchedule::one_f_one_b, 1, cfg.microbatches);
-  }
-  return out;
 }
 
 }  // namespace baton::passes
