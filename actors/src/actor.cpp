@@ -35,8 +35,7 @@ void Actor::wire_outputs() {
     out->pending.assign(static_cast<std::size_t>(reg.slots), 0);
     out->buffers.resize(static_cast<std::size_t>(reg.slots));
     if (!core_.dry_run && desc_.kind != ActorKind::repeat) {
-      Allocator& alloc = core_.allocator_for(desc_, reg);
-      for (auto& b : out->buffers) b = Tensor::empty(reg.shape, reg.dtype, alloc);
+      for (std::size_t s = 0; s < out->buffers.size(); ++s) out->buffers[s] = core_.register_slot(desc_, reg, s);
     }
     for (ActorIndex c : reg.consumers) {
       Actor* consumer = core_.actors[c].get();

@@ -303,6 +303,14 @@ struct Core : transport::LinkHandler {
   std::unique_ptr<Allocator> pinned;
   /// Where the slots of `reg`, written by `producer`, live.
   Allocator& allocator_for(const ActorDesc& producer, const RegisterDesc& reg);
+  /// The plan's arenas on this rank (Plan::arenas; allocated on first use, null elsewhere) and
+  /// a handle per slot placed in one. After the allocators (freed before them), before the
+  /// actors (whose slots point into them).
+  struct Arena;
+  std::vector<std::unique_ptr<Arena>> arenas;
+  std::vector<std::unique_ptr<Allocator>> arena_slots;
+  /// Slot `slot` of `reg` (written by `producer`): its place in its arena, or memory of its own.
+  Tensor register_slot(const ActorDesc& producer, const RegisterDesc& reg, std::size_t slot);
   /// The CUDA stream of a (device, stream) placement, made on first use.
   cuda::Stream& stream_for(const Placement& where);
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank

@@ -20,6 +20,17 @@ std::string_view name(ActorKind k) {
   return "?";
 }
 
+std::string_view name(MemoryCategory c) {
+  switch (c) {
+    case MemoryCategory::weights: return "weights";
+    case MemoryCategory::optimizer_state: return "optimizer_state";
+    case MemoryCategory::activations: return "activations";
+    case MemoryCategory::gradients: return "gradients";
+    case MemoryCategory::other: return "other";
+  }
+  return "?";
+}
+
 RegisterIndex Plan::add_register(RegisterDesc r) {
   registers.push_back(std::move(r));
   return static_cast<RegisterIndex>(registers.size() - 1);
@@ -67,14 +78,19 @@ std::string placement_str(const Placement& p) {
 
 std::string Plan::to_text() const {
   std::string out;
+  for (std::size_t i = 0; i < arenas.size(); ++i) {
+    out += fmt::format("arena {} r{}/{} bytes={}\n", i, arenas[i].rank, arenas[i].device.str(), arenas[i].bytes);
+  }
   for (std::size_t i = 0; i < registers.size(); ++i) {
     const auto& r = registers[i];
     std::string consumers;
     for (auto c : r.consumers) consumers += fmt::format("{}{}", consumers.empty() ? "" : ",", c);
-    out += fmt::format("register {} {} {}{} slots={} producer={} consumers=[{}]\n", i, r.name,
+    out += fmt::format("register {} {} {}{} slots={} producer={} consumers=[{}]", i, r.name,
                        name(r.dtype), to_string(r.shape), r.slots,
                        r.producer == no_actor ? std::string("none") : std::to_string(r.producer),
                        consumers);
+    if (r.arena >= 0 || !r.offsets.empty()) out += fmt::format(" arena={}@[{}]", r.arena, fmt::join(r.offsets, ","));
+    out += '\n';
   }
   for (std::size_t i = 0; i < actors.size(); ++i) {
     const auto& a = actors[i];
@@ -98,6 +114,11 @@ std::string Plan::to_text() const {
     if (a.order.lane >= 0) {
       out += fmt::format(" order=lane{}:rank{}:units[{}]/{}", a.order.lane, a.order.rank,
                          fmt::join(a.order.units, ","), a.order.period);
+    }
+    if (!a.kept.empty()) {
+      std::string kept;
+      for (const KeptBytes& k : a.kept) kept += fmt::format("{}{}:{}", kept.empty() ? "" : ",", name(k.category), k.bytes);
+      out += fmt::format(" kept=[{}]", kept);
     }
     if (!a.attrs.values().empty()) {
       out += ' ';
@@ -164,6 +185,12 @@ void reroute(Plan& out, RegisterIndex r, const std::vector<ActorIndex>& consumer
   copy.name = fmt::format("{}@{}", copy.name, suffix);
   copy.producer = no_actor;
   copy.consumers.clear();
+  // Not placed, and neither is r once its readers change: their lives are the memory pass's to
+  // work out (it runs after the movers); left in place they could overlap.
+  copy.arena = -1;
+  copy.offsets.clear();
+  out.registers[r].arena = -1;
+  out.registers[r].offsets.clear();
   const RegisterIndex local = out.add_register(copy);
   mover.name = copy.name;
   mover.dtype = copy.dtype;

@@ -7,6 +7,7 @@
 #include <boost/lockfree/spsc_queue.hpp>
 #include <fmt/format.h>
 
+#include "baton/actors/plan_memory.h"
 #include "internal.h"
 
 namespace baton {
@@ -264,6 +265,52 @@ Allocator& Core::allocator_for(const ActorDesc& producer, const RegisterDesc& re
   auto& alloc = allocators[d];
   if (!alloc) alloc = std::make_unique<CpuAllocator>(d);
   return *alloc;
+}
+
+namespace {
+
+/// A slot placed in an arena: hands out its block; the arena frees it.
+class ArenaBlock final : public Allocator {
+ public:
+  ArenaBlock(void* data, std::size_t bytes, Device device) : data_(data), bytes_(bytes), device_(device) {}
+  void* allocate(std::size_t bytes) override {
+    if (bytes > bytes_) throw std::bad_alloc();
+    return data_;
+  }
+  void deallocate(void*, std::size_t) noexcept override {}
+  Device device() const override { return device_; }
+
+ private:
+  void* data_;
+  std::size_t bytes_;
+  Device device_;
+};
+
+}  // namespace
+
+/// One arena's memory, from its device's allocator.
+struct Core::Arena {
+  Allocator* from = nullptr;
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  Arena(Allocator& a, std::size_t n) : from(&a), data(a.allocate(n)), bytes(n) {}
+  ~Arena() { from->deallocate(data, bytes); }
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+};
+
+Tensor Core::register_slot(const ActorDesc& producer, const RegisterDesc& reg, std::size_t slot) {
+  if (reg.arena < 0) return Tensor::empty(reg.shape, reg.dtype, allocator_for(producer, reg));
+  // validate() checked the arena, its device and the offsets.
+  const auto a = static_cast<std::size_t>(reg.arena);
+  if (arenas.size() < plan.arenas.size()) arenas.resize(plan.arenas.size());
+  if (!arenas[a]) {
+    const ArenaDesc& desc = plan.arenas[a];
+    arenas[a] = std::make_unique<Arena>(allocator_for(producer, reg), static_cast<std::size_t>(std::max<std::int64_t>(desc.bytes, 1)));
+  }
+  auto* at = static_cast<std::byte*>(arenas[a]->data) + reg.offsets[slot];
+  arena_slots.push_back(std::make_unique<ArenaBlock>(at, static_cast<std::size_t>(slot_bytes(reg)), producer.where.device));
+  return Tensor::empty(reg.shape, reg.dtype, *arena_slots.back());
 }
 
 cuda::Stream& Core::stream_for(const Placement& where) {
@@ -594,6 +641,9 @@ void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t ran
   std::vector<std::string> problems;
   static_checks(plan, kernels, rank, problems);
   if (problems.empty()) progress_check(plan, rank, problems);
+  // Arenas: no two slots that may be live at once share bytes (lives follow the lanes, so an
+  // order that deadlocks is reported as that first).
+  if (problems.empty()) check_memory(plan, problems);
   if (problems.empty()) return;
   std::string msg = problems.size() == 1 ? "invalid plan: " : fmt::format("invalid plan ({} problems):", problems.size());
   for (std::size_t i = 0; i < problems.size(); ++i) msg += (problems.size() == 1 ? "" : "\n  - ") + problems[i];

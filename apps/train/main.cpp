@@ -11,11 +11,13 @@
 #include <cstdlib>
 #include <optional>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <thread>
 
 #include <CLI/CLI.hpp>
 #include <boost/algorithm/string/classification.hpp>
+#include <boost/algorithm/string/replace.hpp>
 #include <boost/algorithm/string/split.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -64,7 +66,10 @@ struct Options {
   std::string collectives = "auto";
   bool json = false;
   std::string print_plan;
+  std::vector<std::string> print_after;
   bool print_sbp = false;
+  bool memory_plan = true;
+  std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
   std::string dashboard;  // HOST:PORT to serve the dashboard on
   double dashboard_linger = 0;
@@ -78,6 +83,29 @@ struct Data {
   std::shared_ptr<const data::Dataset> train, heldout;        // labelled sets
   std::shared_ptr<const data::TextCorpus> text, text_heldout;  // text
 };
+
+/// "1048576", "512MiB", "2GiB", "1.5GB", "64KB" -> bytes; "" -> 0 (no budget). Throws
+/// std::invalid_argument naming `flag` for anything else.
+std::int64_t parse_bytes(const char* flag, const std::string& text) {
+  if (text.empty()) return 0;
+  std::size_t used = 0;
+  double value = -1;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  const std::map<std::string, double> units{{"", 1},          {"B", 1},         {"KB", 1e3}, {"MB", 1e6},
+                                            {"GB", 1e9},       {"KiB", 1024.0},  {"MiB", 1048576.0},
+                                            {"GiB", 1073741824.0}};
+  auto it = units.find(unit);
+  if (used == 0 || it == units.end() || !(value > 0) || !std::isfinite(value)) {
+    throw std::invalid_argument(fmt::format("{} '{}': expected a positive number of bytes, optionally with a unit "
+                                            "(B, KB, MB, GB, KiB, MiB, GiB)", flag, text));
+  }
+  return static_cast<std::int64_t>(std::llround(value * it->second));
+}
 
 Data load(const Options& o) {
   Data d;
@@ -365,6 +393,11 @@ int run(const Options& o) {
     cfg.snapshot_every = o.checkpoint_every > 0 ? o.checkpoint_every : o.steps;
     cfg.on_snapshot = writer->hook();
   }
+  cfg.memory_plan = o.memory_plan;
+  cfg.memory_budget = parse_bytes("--memory-budget", o.memory_budget);
+  // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
+  cfg.print_after = o.print_after;
+  if (env.rank != 0) cfg.print_ir = [](std::string_view, const std::string&) {};
   TrainingJob job = compile_training(g, loss, cfg, params);
   if (resumed) checkpoint::check_covers(*resumed, job.trained);
   if (writer) writer->expect(job.trained);
@@ -376,7 +409,14 @@ int run(const Options& o) {
   const bool leader = env.rank == (reporter == job.plan.actors.end() ? 0u : reporter->where.rank);
   if (!o.print_plan.empty()) {
     if (!leader) return 0;
-    fmt::print("{}", o.print_plan == "dot" ? job.plan.to_dot() : job.plan.to_text());
+    if (o.print_plan == "dot") {
+      fmt::print("{}", job.plan.to_dot());
+    } else {
+      // The plan, then what it needs on each device (comments, so the text is still the plan).
+      std::string memory = "memory by device (peak from the plan):\n" + to_text(memory_report(job.plan));
+      boost::replace_all(memory, "\n", "\n# ");
+      fmt::print("{}# {}\n", job.plan.to_text(), memory.substr(0, memory.size() - 3));
+    }
     return 0;
   }
   if (!o.json && leader) {
@@ -624,6 +664,16 @@ int main(int argc, char** argv) {
       ->expected(0, 1)
       ->default_str("text")
       ->check(CLI::IsMember({"text", "dot"}));
+  app.add_option("--print-after", o.print_after,
+                 "print the compiler's IR after these passes (comma-separated, or all), as LLVM's -print-after: "
+                 "autodiff, sbp, stages, replicas, lower, device_copies, transfers, lanes")
+      ->delimiter(',');
+  app.add_flag("!--no-memory-plan", o.memory_plan,
+               "give every register slot memory of its own instead of packing slots whose lives never meet into "
+               "one arena per device");
+  app.add_option("--memory-budget", o.memory_budget,
+                 "refuse, before running, a plan that needs more than this on some device (bytes, or 512MiB, 2GiB, "
+                 "1.5GB; CPU devices too), naming the largest consumers");
   app.add_flag("--print-sbp", o.print_sbp,
                "print each tensor's inferred parallel signature (S(axis), B, P) over --tp shards and the movement "
                "inserted, and exit (--model mlp)");

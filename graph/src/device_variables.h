@@ -1,6 +1,7 @@
 #pragma once
 // Private to graph/src: the variable actors' kernels for a weight on a CUDA device, which the
-// compiler registers for DeviceType::cuda beside the CPU ones in compile.cpp.
+// compiler registers for DeviceType::cuda beside the CPU ones in
+// passes/lower_variables.cpp.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -18,7 +19,7 @@ struct SnapshotHook {
   std::function<void(VariableSnapshot)> hand_over;
 };
 
-/// A trained float32 weight on a CUDA device: as compile.cpp's VariableKernel (act 0 emits the
+/// A trained float32 weight on a CUDA device: as lower_variables.cpp's VariableKernel (act 0 emits the
 /// initial value, act k applies step k's summed gradient, scaled by the clipping factor if
 /// there is one, and emits the new value), with the master copy and the optimizer slots in
 /// device memory and the step on the actor's stream (baton::cuda::sgd_step / adam_step, the

@@ -12,7 +12,7 @@ namespace baton {
 
 namespace {
 
-// The dtype a node's kernel is looked up with, as the compiler chooses it (compile.cpp).
+// The dtype a node's kernel is looked up with, as the compiler chooses it (passes/plan_builder.cpp).
 DType kernel_dtype_of(const Graph& g, const Node& n) {
   if (is_floating(n.dtype)) return n.dtype;
   for (int in : n.inputs) {

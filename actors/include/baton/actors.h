@@ -7,6 +7,7 @@
 #include "baton/actors/message.h"
 #include "baton/actors/metrics.h"
 #include "baton/actors/plan.h"
+#include "baton/actors/plan_memory.h"
 #include "baton/actors/runtime.h"
 #include "baton/actors/settings.h"
 #include "baton/actors/job.h"

@@ -6,6 +6,7 @@
 #include "baton/graph/compile.h"
 #include "baton/graph/graph.h"
 #include "baton/graph/ops.h"
+#include "baton/graph/passes.h"
 #include "baton/graph/profile.h"
 #include "baton/graph/safetensors.h"
 #include "baton/graph/sbp.h"

@@ -64,6 +64,19 @@ enum class ActorRole : std::uint8_t {
 };
 std::string_view name(ActorRole r);
 
+/// What a piece of memory holds, for the plan's memory report (plan_memory.h).
+enum class MemoryCategory : std::uint8_t { weights, optimizer_state, activations, gradients, other };
+inline constexpr std::size_t memory_categories = 5;
+std::string_view name(MemoryCategory c);
+
+/// Bytes a kernel keeps for the whole job outside any register (a variable's master weight and
+/// optimizer state): the memory report counts them on the actor's device; the kernel allocates them.
+struct KeptBytes {
+  MemoryCategory category = MemoryCategory::other;
+  std::int64_t bytes = 0;
+  friend bool operator==(const KeptBytes&, const KeptBytes&) = default;
+};
+
 /// Where an actor runs: which rank, which device, which stream (worker thread) on it.
 struct Placement {
   std::uint16_t rank = 0;
@@ -135,6 +148,8 @@ struct ActorDesc {
   std::int32_t stage = -1;
   /// Its place in its worker's fixed order of acts, if it has one (pipeline schedules).
   ActOrder order{};
+  /// Memory its kernel keeps beyond its registers, by category (KeptBytes).
+  std::vector<KeptBytes> kept;
   friend bool operator==(const ActorDesc&, const ActorDesc&) = default;
 };
 
@@ -147,19 +162,34 @@ struct RegisterDesc {
   /// Filled in by Plan::add_actor; checked by validate() in a hand-edited plan.
   ActorIndex producer = no_actor;
   std::vector<ActorIndex> consumers;
+  /// The memory plan (plan_memory.h): the arena (Plan::arenas) its slots live in and each slot's
+  /// byte offset there. -1 (and no offsets): the runtime allocates each slot on its own.
+  std::int32_t arena = -1;
+  std::vector<std::int64_t> offsets;
   friend bool operator==(const RegisterDesc&, const RegisterDesc&) = default;
+};
+
+/// One block of memory on one device of one rank that the runtime allocates once; the slots of
+/// the registers placed in it (RegisterDesc::arena) point into it, and slots whose lives never
+/// overlap share bytes (the memory pass, graph/passes.h; validate() checks them).
+struct ArenaDesc {
+  std::uint16_t rank = 0;
+  Device device{};
+  std::int64_t bytes = 0;
+  friend bool operator==(const ArenaDesc&, const ArenaDesc&) = default;
 };
 
 struct Plan {
   std::vector<ActorDesc> actors;
   std::vector<RegisterDesc> registers;
+  std::vector<ArenaDesc> arenas;
 
   RegisterIndex add_register(RegisterDesc r);
   /// Appends the actor and records it as producer / consumer of its registers.
   /// Throws std::invalid_argument for a register index out of range.
   ActorIndex add_actor(ActorDesc a);
 
-  /// One line per register and per actor, in order. The hash is taken over this text.
+  /// One line per arena, per register and per actor, in order. The hash is taken over this text.
   std::string to_text() const;
   /// Graphviz: actors as nodes (clustered by rank/device/stream), registers as edges.
   std::string to_dot() const;

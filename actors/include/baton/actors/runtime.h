@@ -30,7 +30,8 @@ class JobError : public std::runtime_error {
 
 /// Checks a plan against the registry: every register has one producer and consistent
 /// consumers, slots >= 1, kinds have the ports they need, every kernel exists, and a dry run
-/// of the handshakes makes progress (a cycle needs delays and slots enough to turn). Throws
+/// of the handshakes makes progress (a cycle needs delays and slots enough to turn), and no two
+/// register slots that may be live at once share bytes of an arena (plan_memory.h). Throws
 /// PlanError.
 void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank = 0);
 

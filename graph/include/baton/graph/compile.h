@@ -1,7 +1,7 @@
 #pragma once
-/// The compiler: a graph becomes a plan of actors for one device. One actor per op; a variable
-/// actor per weight that applies its optimizer; repeat actors so the M micro-batches of a step
-/// read one weight; accumulate actors so their M gradients sum into one; the register slot
+/// The compiler: a graph becomes a plan of actors, through a pipeline of passes (passes.h). One
+/// actor per op; a variable actor per weight that applies its optimizer; repeat actors so the M
+/// micro-batches of a step read one weight; accumulate actors so their M gradients sum into one; the register slot
 /// counts chosen here. A step of M micro-batches is exactly synchronous SGD over the whole batch.
 #include <atomic>
 #include <cstdint>
@@ -184,6 +184,17 @@ struct TrainConfig {
   /// consistent state even though they are taken at different moments. 0: no snapshots.
   std::int64_t snapshot_every = 0;
   std::function<void(VariableSnapshot)> on_snapshot;
+  /// The compiler's passes (passes.h) whose result to print, by name, or "all" (as LLVM's
+  /// -print-after): each is handed to `print_ir` (default: printed on stdout under a header)
+  /// as text once the pass has run. Unknown names are refused.
+  std::vector<std::string> print_after;
+  /// The memory pass (passes.h): register slots in one arena per device, slots whose lives
+  /// never meet sharing bytes (plan_memory.h). False: every slot has memory of its own.
+  bool memory_plan = true;
+  /// Refuse, at compile time, a plan that needs more than this many bytes on some device
+  /// (registers, weights and optimizer state, by the plan: plan_memory.h). 0: no limit.
+  std::int64_t memory_budget = 0;
+  std::function<void(std::string_view pass, const std::string& ir)> print_ir;
 };
 
 /// What the runtime needs to train: the plan, the kernels it names (the built-in ops plus this

@@ -1,0 +1,495 @@
+// Slot lives, the arena check and the memory report (plan_memory.h).
+#include "baton/actors/plan_memory.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <tuple>
+
+#include <fmt/format.h>
+
+namespace baton {
+
+namespace {
+
+/// Past this many lane periods a periodic life is folded into one period (the union of its
+/// spans there): still sound, less precise. Registers' slots and micro-batches are small
+/// numbers, so real plans stay far below it.
+constexpr std::int64_t max_unrolled_periods = 64;
+
+/// Where each act of each lane member falls in its lane's period (ActOrder, as the runtime's
+/// Lane::start sorts them): position[actor][u] for its unit u, and the acts of each lane's period.
+struct LanePositions {
+  std::vector<std::vector<std::int32_t>> position;
+  std::map<std::int32_t, std::int32_t> acts;
+};
+
+LanePositions lane_positions(const Plan& plan) {
+  LanePositions out;
+  out.position.resize(plan.actors.size());
+  std::map<std::int32_t,
+           std::vector<std::tuple<std::int32_t, std::int32_t, ActorIndex, std::size_t>>>
+      lanes;
+  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+    const ActOrder& o = plan.actors[i].order;
+    if (o.lane < 0) continue;
+    out.position[i].resize(o.units.size());
+    for (std::size_t u = 0; u < o.units.size(); ++u)
+      lanes[o.lane].emplace_back(o.units[u], o.rank, i, u);
+  }
+  for (auto& [lane, entries] : lanes) {
+    std::sort(entries.begin(), entries.end());
+    for (std::size_t k = 0; k < entries.size(); ++k) {
+      const auto& [unit, rank, actor, u] = entries[k];
+      out.position[actor][u] = static_cast<std::int32_t>(k);
+    }
+    out.acts[lane] = static_cast<std::int32_t>(entries.size());
+  }
+  return out;
+}
+
+/// The write and last-read positions of each micro-batch m of register r within its lane's
+/// period, if its life is known (plan_memory.h), else nothing.
+bool piece_spans(const Plan& plan, RegisterIndex r, const LanePositions& lanes,
+                 std::vector<std::int64_t>& write, std::vector<std::int64_t>& last_read) {
+  const RegisterDesc& reg = plan.registers[r];
+  if (reg.producer >= plan.actors.size()) return false;
+  const ActorDesc& p = plan.actors[reg.producer];
+  if (p.kind != ActorKind::compute || p.order.lane < 0 || p.order.units.empty()) return false;
+  const std::size_t units = p.order.units.size();
+  const auto& wpos = lanes.position[reg.producer];
+  write.assign(wpos.begin(), wpos.end());
+  last_read = write;
+  for (ActorIndex c : reg.consumers) {
+    if (c >= plan.actors.size()) return false;
+    const ActorDesc& a = plan.actors[c];
+    if (a.kind != ActorKind::compute || a.order.lane != p.order.lane ||
+        a.order.units.size() != units)
+      return false;
+    for (const InputPort& in : a.inputs) {
+      if (in.reg == r && in.delay != 0) return false;
+    }
+    for (std::size_t m = 0; m < units; ++m) {
+      const std::int64_t at = lanes.position[c][m];
+      if (at <= write[m])
+        return false;  // read before it is written in the period: not a life we know
+      last_read[m] = std::max(last_read[m], at);
+    }
+  }
+  return true;
+}
+
+void sort_spans(std::vector<std::pair<std::int64_t, std::int64_t>>& spans) {
+  std::sort(spans.begin(), spans.end());
+  std::vector<std::pair<std::int64_t, std::int64_t>> merged;
+  for (const auto& s : spans) {
+    if (!merged.empty() && s.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, s.second);
+    } else {
+      merged.push_back(s);
+    }
+  }
+  spans = std::move(merged);
+}
+
+/// The spans of `life` over `periods` lane periods (a multiple of its own), or folded into one
+/// period when periods is 0.
+std::vector<std::pair<std::int64_t, std::int64_t>> unrolled(const SlotLife& life,
+                                                            std::int64_t periods) {
+  const std::int64_t n = life.lane_acts;
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  if (periods == 0) {
+    for (const auto& [a, b] : life.spans) out.emplace_back(a % n, a % n + (b - a));
+  } else {
+    for (std::int64_t k = 0; k < periods / life.period; ++k) {
+      for (const auto& [a, b] : life.spans)
+        out.emplace_back(a + k * life.period * n, b + k * life.period * n);
+    }
+  }
+  sort_spans(out);
+  return out;
+}
+
+bool intersect(const std::vector<std::pair<std::int64_t, std::int64_t>>& a,
+               const std::vector<std::pair<std::int64_t, std::int64_t>>& b) {
+  std::size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i].second < b[j].first) {
+      ++i;
+    } else if (b[j].second < a[i].first) {
+      ++j;
+    } else {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+std::int64_t slot_bytes(const RegisterDesc& reg) {
+  return numel(reg.shape) * static_cast<std::int64_t>(size_of(reg.dtype));
+}
+
+std::vector<std::vector<SlotLife>> slot_lives(const Plan& plan) {
+  const LanePositions lanes = lane_positions(plan);
+  std::vector<std::vector<SlotLife>> out(plan.registers.size());
+  std::vector<std::int64_t> write, last_read;
+  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
+    const RegisterDesc& reg = plan.registers[r];
+    const std::int64_t slots = std::max<std::int32_t>(reg.slots, 1);
+    out[r].resize(static_cast<std::size_t>(slots));
+    if (!piece_spans(plan, r, lanes, write, last_read)) continue;
+    const ActOrder& o = plan.actors[reg.producer].order;
+    const auto units = static_cast<std::int64_t>(o.units.size());
+    const std::int64_t n = lanes.acts.at(o.lane);
+    // Piece p = q * units + m is in slot p % slots; the pattern repeats after lcm(units, slots)
+    // pieces. Past the cap, slot j holds micro-batch m in some period iff m = j mod gcd.
+    std::int64_t periods = std::lcm(units, slots) / units;
+    const bool fold = periods > max_unrolled_periods;
+    if (fold) periods = 1;
+    for (std::int64_t j = 0; j < slots; ++j) {
+      SlotLife& life = out[r][static_cast<std::size_t>(j)];
+      life.lane = o.lane;
+      life.lane_acts = static_cast<std::int32_t>(n);
+      life.period = static_cast<std::int32_t>(periods);
+    }
+    const std::int64_t g = std::gcd(units, slots);
+    for (std::int64_t q = 0; q < periods; ++q) {
+      for (std::int64_t m = 0; m < units; ++m) {
+        const auto span = std::pair{q * n + write[static_cast<std::size_t>(m)],
+                                    q * n + last_read[static_cast<std::size_t>(m)]};
+        if (fold) {
+          for (std::int64_t j = m % g; j < slots; j += g)
+            out[r][static_cast<std::size_t>(j)].spans.push_back(span);
+        } else {
+          out[r][static_cast<std::size_t>((q * units + m) % slots)].spans.push_back(span);
+        }
+      }
+    }
+    for (SlotLife& life : out[r]) sort_spans(life.spans);
+  }
+  return out;
+}
+
+bool may_overlap(const SlotLife& a, const SlotLife& b) {
+  if (a.always() || b.always() || a.lane != b.lane || a.lane_acts != b.lane_acts) return true;
+  std::int64_t periods = std::lcm<std::int64_t>(a.period, b.period);
+  if (periods > max_unrolled_periods) periods = 0;  // fold both into one period
+  return intersect(unrolled(a, periods), unrolled(b, periods));
+}
+
+LifeTable::LifeTable(const std::vector<std::vector<SlotLife>>& lives) {
+  std::map<std::int32_t, std::int64_t> periods;  // lane -> common period (0: folded)
+  for (const auto& reg : lives) {
+    for (const SlotLife& life : reg) {
+      if (life.always()) continue;
+      auto [it, fresh] = periods.emplace(life.lane, life.period);
+      if (!fresh && it->second != 0) {
+        it->second = std::lcm<std::int64_t>(it->second, life.period);
+        if (it->second > max_unrolled_periods) it->second = 0;
+      }
+    }
+  }
+  entries_.resize(lives.size());
+  for (std::size_t r = 0; r < lives.size(); ++r) {
+    for (const SlotLife& life : lives[r]) {
+      Entry e;
+      if (!life.always()) {
+        const auto spans = unrolled(life, periods.at(life.lane));
+        e = Entry{life.lane, spans_.size(), spans.size()};
+        spans_.insert(spans_.end(), spans.begin(), spans.end());
+      }
+      entries_[r].push_back(e);
+    }
+  }
+}
+
+bool LifeTable::may_overlap(RegisterIndex a, std::size_t slot_a, RegisterIndex b,
+                            std::size_t slot_b) const {
+  const Entry& x = entries_[a][slot_a];
+  const Entry& y = entries_[b][slot_b];
+  if (x.lane < 0 || y.lane < 0 || x.lane != y.lane) return true;
+  std::size_t i = x.first, j = y.first;
+  const std::size_t i_end = x.first + x.count, j_end = y.first + y.count;
+  while (i < i_end && j < j_end) {
+    if (spans_[i].second < spans_[j].first) {
+      ++i;
+    } else if (spans_[j].second < spans_[i].first) {
+      ++j;
+    } else {
+      return true;
+    }
+  }
+  return false;
+}
+
+RegisterMemory register_memory(const Plan& plan, RegisterIndex r) {
+  const RegisterDesc& reg = plan.registers[r];
+  RegisterMemory out;
+  if (reg.producer >= plan.actors.size()) return out;
+  const ActorDesc& p = plan.actors[reg.producer];
+  if (p.kind == ActorKind::repeat) return out;
+  out.allocated = true;
+  out.rank = p.where.rank;
+  out.device = p.where.device;
+  // As the runtime's Core::allocator_for: a CUDA producer's registers are device memory, unless
+  // it copies to the host; what crosses between host and device is page-locked host memory.
+  if (p.where.device.type == DeviceType::cuda && p.op != "to_host") return out;
+  bool crosses = p.op == "to_host";
+  for (ActorIndex c : reg.consumers)
+    crosses = crosses || (c < plan.actors.size() && plan.actors[c].op == "to_device");
+  if (crosses) {
+    out.pinned = true;
+    out.device = Device{DeviceType::cpu, p.where.device.index};
+  }
+  return out;
+}
+
+MemoryCategory register_category(const Plan& plan, RegisterIndex r) {
+  for (int hops = 0; hops < 8 && r < plan.registers.size(); ++hops) {
+    const ActorIndex producer = plan.registers[r].producer;
+    if (producer >= plan.actors.size()) return MemoryCategory::other;
+    const ActorDesc& p = plan.actors[producer];
+    const bool mover = p.kind == ActorKind::transfer || p.op == "to_host" || p.op == "to_device";
+    if (mover && !p.inputs.empty()) {
+      r = p.inputs[0].reg;
+      continue;
+    }
+    switch (p.role) {
+      case ActorRole::update:
+        return MemoryCategory::weights;
+      case ActorRole::data:
+      case ActorRole::forward:
+        return MemoryCategory::activations;
+      case ActorRole::backward:
+      case ActorRole::collective:
+        return MemoryCategory::gradients;
+      default:
+        return p.kind == ActorKind::repeat ? MemoryCategory::weights : MemoryCategory::other;
+    }
+  }
+  return MemoryCategory::other;
+}
+
+void check_memory(const Plan& plan, std::vector<std::string>& problems) {
+  const std::size_t before = problems.size();
+  auto problem = [&]<class... A>(fmt::format_string<A...> f, A&&... args) {
+    problems.push_back(fmt::format(f, std::forward<A>(args)...));
+  };
+  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
+    const RegisterDesc& reg = plan.registers[r];
+    if (reg.arena < 0 && reg.offsets.empty()) continue;
+    if (reg.arena < 0 || static_cast<std::size_t>(reg.arena) >= plan.arenas.size()) {
+      problem("register '{}' is placed in arena {}, which does not exist ({} arenas)", reg.name,
+              reg.arena, plan.arenas.size());
+      continue;
+    }
+    const ArenaDesc& arena = plan.arenas[static_cast<std::size_t>(reg.arena)];
+    const RegisterMemory mem = register_memory(plan, r);
+    if (!mem.allocated) {
+      problem(
+          "register '{}' is placed in arena {}, but the runtime allocates no slots for it (a "
+          "repeat's output "
+          "aliases its input)",
+          reg.name, reg.arena);
+    } else if (mem.pinned) {
+      problem(
+          "register '{}' is placed in arena {}, but it is copied between host and device and needs "
+          "page-locked "
+          "memory of its own",
+          reg.name, reg.arena);
+    } else if (mem.rank != arena.rank || mem.device != arena.device) {
+      problem("register '{}' lives on r{}/{} but is placed in arena {} on r{}/{}", reg.name,
+              mem.rank, mem.device.str(), reg.arena, arena.rank, arena.device.str());
+    }
+    if (reg.offsets.size() != static_cast<std::size_t>(std::max(reg.slots, 0))) {
+      problem("register '{}' has {} slots but {} offsets", reg.name, reg.slots, reg.offsets.size());
+      continue;
+    }
+    const std::int64_t bytes = slot_bytes(reg);
+    for (std::size_t s = 0; s < reg.offsets.size(); ++s) {
+      const std::int64_t at = reg.offsets[s];
+      if (at < 0 || at % arena_alignment != 0 || at + bytes > arena.bytes) {
+        problem(
+            "register '{}' slot {} at offset {} ({} bytes) is not inside arena {} ({} bytes) at a "
+            "multiple of {}",
+            reg.name, s, at, bytes, reg.arena, arena.bytes, arena_alignment);
+      }
+    }
+  }
+  if (problems.size() != before) return;
+  // Slots that share bytes must never be live at once: sweep each arena by offset.
+  const LifeTable lives(slot_lives(plan));
+  struct Block {
+    std::int64_t begin, end;
+    RegisterIndex reg;
+    std::size_t slot;
+  };
+  std::map<std::int32_t, std::vector<Block>> arenas;
+  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
+    const RegisterDesc& reg = plan.registers[r];
+    const std::int64_t bytes = slot_bytes(reg);
+    if (reg.arena < 0 || bytes == 0) continue;
+    for (std::size_t s = 0; s < reg.offsets.size(); ++s)
+      arenas[reg.arena].push_back({reg.offsets[s], reg.offsets[s] + bytes, r, s});
+  }
+  int reported = 0;
+  for (auto& [arena, blocks] : arenas) {
+    std::sort(blocks.begin(), blocks.end(),
+              [](const Block& a, const Block& b) { return a.begin < b.begin; });
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      for (std::size_t k = i + 1; k < blocks.size() && blocks[k].begin < blocks[i].end; ++k) {
+        const Block &a = blocks[i], &b = blocks[k];
+        if (!lives.may_overlap(a.reg, a.slot, b.reg, b.slot)) continue;
+        if (++reported > 8) return;
+        problem(
+            "registers '{}' (slot {}) and '{}' (slot {}) share bytes [{}, {}) of arena {} but may "
+            "be live at once",
+            plan.registers[a.reg].name, a.slot, plan.registers[b.reg].name, b.slot,
+            std::max(a.begin, b.begin), std::min(a.end, b.end), arena);
+      }
+    }
+  }
+}
+
+std::int64_t DeviceMemory::total() const {
+  std::int64_t sum = slack;
+  for (std::int64_t b : bytes) sum += b;
+  return sum;
+}
+
+namespace {
+
+/// A planned slot whose life a lane knows.
+struct LaneSlot {
+  RegisterIndex reg;
+  const SlotLife* life;
+  std::int64_t bytes;
+};
+
+/// The moment of `slots` (one lane's, on one device) when the most bytes are live: the bytes
+/// then, charged to the registers live then (added to `charged`).
+std::int64_t lane_peak(const std::vector<LaneSlot>& slots, std::vector<std::int64_t>& charged) {
+  if (slots.empty()) return 0;
+  std::int64_t periods = 1;
+  for (const LaneSlot& s : slots) periods = std::lcm<std::int64_t>(periods, s.life->period);
+  if (periods > max_unrolled_periods) periods = 0;  // folded: an upper bound of each moment
+  const std::int64_t n = slots[0].life->lane_acts;
+  std::vector<std::int64_t> delta(
+      static_cast<std::size_t>(n * std::max<std::int64_t>(periods, 1) + 1), 0);
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> spans;
+  for (const LaneSlot& s : slots) {
+    spans.push_back(unrolled(*s.life, periods));
+    for (const auto& [a, b] : spans.back()) {
+      delta[static_cast<std::size_t>(a)] += s.bytes;
+      delta[static_cast<std::size_t>(b + 1)] -= s.bytes;
+    }
+  }
+  std::int64_t live = 0, peak = 0, when = 0;
+  for (std::size_t t = 0; t + 1 < delta.size(); ++t) {
+    live += delta[t];
+    if (live > peak) {
+      peak = live;
+      when = static_cast<std::int64_t>(t);
+    }
+  }
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    for (const auto& [a, b] : spans[i]) {
+      if (a <= when && when <= b) charged[slots[i].reg] += slots[i].bytes;
+    }
+  }
+  return peak;
+}
+
+}  // namespace
+
+std::vector<DeviceMemory> memory_report(const Plan& plan, std::size_t consumers) {
+  using Key = std::pair<std::uint16_t, Device>;
+  std::map<Key, DeviceMemory> devices;
+  auto at = [&](std::uint16_t rank, Device d) -> DeviceMemory& {
+    DeviceMemory& m = devices[{rank, d}];
+    m.rank = rank;
+    m.device = d;
+    return m;
+  };
+  std::map<Key, std::int64_t> arena_bytes, placed_live;
+  for (const ArenaDesc& a : plan.arenas) {
+    at(a.rank, a.device).registers += a.bytes;
+    arena_bytes[{a.rank, a.device}] += a.bytes;
+  }
+  const auto lives = slot_lives(plan);
+  std::vector<std::int64_t> charged(plan.registers.size(), 0);
+  std::map<std::pair<Key, std::int32_t>, std::vector<LaneSlot>> lanes;
+  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
+    const RegisterDesc& reg = plan.registers[r];
+    const RegisterMemory mem = register_memory(plan, r);
+    const std::int64_t bytes = slot_bytes(reg);
+    if (!mem.allocated || bytes == 0) continue;
+    DeviceMemory& m = at(mem.rank, mem.device);
+    if (reg.arena < 0) {
+      m.registers += bytes * reg.slots;
+      charged[r] += bytes * reg.slots;
+      continue;
+    }
+    for (std::size_t s = 0; s < lives[r].size(); ++s) {
+      if (lives[r][s].always()) {
+        charged[r] += bytes;
+        placed_live[{mem.rank, mem.device}] += bytes;
+      } else {
+        lanes[{{mem.rank, mem.device}, lives[r][s].lane}].push_back({r, &lives[r][s], bytes});
+      }
+    }
+  }
+  for (const auto& [key, slots] : lanes) placed_live[key.first] += lane_peak(slots, charged);
+  std::map<Key, std::vector<DeviceMemory::Consumer>> who;
+  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
+    if (charged[r] == 0) continue;
+    const RegisterMemory mem = register_memory(plan, r);
+    const MemoryCategory c = register_category(plan, r);
+    at(mem.rank, mem.device).bytes[static_cast<std::size_t>(c)] += charged[r];
+    who[{mem.rank, mem.device}].push_back({plan.registers[r].name, c, charged[r]});
+  }
+  for (const ActorDesc& a : plan.actors) {
+    for (const KeptBytes& k : a.kept) {
+      at(a.where.rank, a.where.device).bytes[static_cast<std::size_t>(k.category)] += k.bytes;
+      who[{a.where.rank, a.where.device}].push_back({a.name, k.category, k.bytes});
+    }
+  }
+  std::vector<DeviceMemory> out;
+  for (auto& [key, m] : devices) {
+    m.slack = arena_bytes[key] - placed_live[key];
+    auto& list = who[key];
+    std::stable_sort(list.begin(), list.end(),
+                     [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
+    if (list.size() > consumers) list.resize(consumers);
+    m.largest = std::move(list);
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+std::string format_bytes(std::int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (bytes < 1024) return fmt::format("{} B", bytes);
+  if (bytes < (1 << 20)) return fmt::format("{:.1f} KiB", b / 1024);
+  if (bytes < (std::int64_t{1} << 30)) return fmt::format("{:.1f} MiB", b / (1 << 20));
+  return fmt::format("{:.2f} GiB", b / static_cast<double>(std::int64_t{1} << 30));
+}
+
+std::string to_text(const std::vector<DeviceMemory>& report) {
+  std::string out;
+  for (const DeviceMemory& m : report) {
+    out += fmt::format("r{}/{} peak {}:", m.rank, m.device.str(), format_bytes(m.total()));
+    for (std::size_t c = 0; c < memory_categories; ++c) {
+      out += fmt::format(" {} {},", name(static_cast<MemoryCategory>(c)), format_bytes(m.bytes[c]));
+    }
+    out += fmt::format(" arena slack {} (registers allocate {})\n", format_bytes(m.slack),
+                       format_bytes(m.registers));
+    for (const auto& c : m.largest)
+      out += fmt::format("  {} {} ({})\n", format_bytes(c.bytes), c.name, name(c.category));
+  }
+  return out;
+}
+
+}  // namespace baton

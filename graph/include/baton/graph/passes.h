@@ -1,0 +1,142 @@
+#pragma once
+/// The compiler as a pipeline of named passes, as LLVM's and XLA's are. compile_training runs
+/// them in this order, each a function from explicit values to a value that prints itself:
+///
+///   autodiff -> sbp -> stages -> replicas -> lower -> device_copies -> transfers -> lanes -> memory
+///
+///   autodiff       the loss's gradients, as new nodes of the graph; which nodes the plan needs
+///   sbp            each node's tensor-parallel shard (the SBP split of the model, tp)
+///   stages         each node's pipeline stage and each stage's activation depth (pp, schedule)
+///   replicas       where each (replica, stage, shard) runs and the gradient buckets (dp)
+///   lower          the actors and registers of every replica: the plan, and its kernels
+///   device_copies  copy actors between host and CUDA devices (insert_device_copies); what
+///                  crosses ranks from or to a CUDA device is staged through host memory
+///   transfers      a transfer actor wherever a register crosses ranks (insert_transfers)
+///   lanes          each stage's fixed order of acts (schedule.h)
+///   memory         register slots placed in one arena per device (plan_memory.h)
+///
+/// baton-train --print-after PASS (or all) prints a pass's value (TrainConfig::print_after). The
+/// runtime's Plan stays the contract: the last four passes are Plan -> Plan.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "baton/actors/plan.h"
+#include "baton/graph/compile.h"
+#include "baton/graph/graph.h"
+#include "baton/kernels/kernel.h"
+
+namespace baton::passes {
+
+/// The passes' names, in the order compile_training runs them.
+const std::vector<std::string_view>& names();
+
+/// Throws GraphError for a TrainConfig that no pass can compile (steps, microbatches, dp, pp,
+/// tp, schedule, balance, collectives, places), naming the setting.
+void check_config(const TrainConfig& cfg);
+
+/// autodiff: the gradients of the mean loss over the global batch (dp x M micro-batches), so
+/// each micro-batch's gradient is scaled by 1 / (dp M) (the accumulate actors sum a replica's M,
+/// the all-reduce the replicas').
+struct Differentiated {
+  Value loss;
+  /// (variable, its gradient) for every trainable variable the loss depends on, in graph order.
+  std::vector<std::pair<Value, Value>> trained;
+  /// The nodes the plan computes: the loss, the gradients and everything they read.
+  std::vector<bool> need;
+  /// Needed nodes, one line each, then "trained W <- GRAD".
+  std::string to_text() const;
+};
+Differentiated autodiff(Graph& g, Value loss, const TrainConfig& cfg);
+
+/// sbp: the tensor-parallel shard of every node. A forward node keeps the shard the model gave
+/// it (Graph::shard scopes, or shard_graph() from SBP signatures; -1, shared, runs on shard 0);
+/// a backward node goes with the highest shard among its inputs, so the gradient of shard k's
+/// weights and activations is computed where they live. tp 1: every node on shard 0.
+struct Shards {
+  int tp = 1;
+  std::vector<int> of;  // by node id
+  int at(int id) const { return of.empty() ? 0 : of[static_cast<std::size_t>(id)]; }
+  std::string to_text(const Graph& g, const Differentiated& d) const;
+};
+Shards sbp(const Graph& g, const Differentiated& d, int tp);
+
+/// stages: the forward ops cut into pp stages of about equal cost (TrainConfig::balance), each
+/// backward op on the stage of the forward op it differentiates; and the slots of the
+/// activation registers on each stage: the schedule's depth (gpipe M, 1f1b pp - s; without
+/// stages, TrainConfig::activation_slots).
+struct Stages {
+  int pp = 1;
+  std::vector<int> of;                      // by node id (empty: all 0)
+  std::vector<std::int32_t> forward_slots;  // by stage
+  std::int32_t backward_slots = 2;
+  int at(int id) const { return of.empty() ? 0 : of[static_cast<std::size_t>(id)]; }
+  std::string to_text(const Graph& g, const Differentiated& d) const;
+};
+Stages stages(const Graph& g, const Differentiated& d, const TrainConfig& cfg,
+              const ParameterStore& params);
+
+/// replicas: where replica r's stage s, shard k runs (TrainConfig::replica_places at
+/// (r * pp + s) * tp + k, or in-process device of that index), and, with dp > 1, the buckets
+/// whose gradients are all-reduced together, as DDP makes them: in reverse order of the weights
+/// (roughly the order their gradients are ready), a bucket takes weights of one place and dtype
+/// until the next would pass TrainConfig::bucket_bytes.
+struct Replicas {
+  int dp = 1, pp = 1, tp = 1;
+  /// [replica][stage * tp + shard]
+  std::vector<std::vector<Placement>> places;
+  struct Bucket {
+    std::vector<Value> weights;
+    int place = 0;      // their stage * tp + shard
+    bool nccl = false;  // all-reduced by NCCL (TrainConfig::collectives), else by actors
+  };
+  std::vector<Bucket> buckets;
+  /// "@dp<r>" with dp > 1, else "".
+  std::string suffix(std::int64_t r) const;
+  std::string to_text() const;
+};
+Replicas replicate(const Differentiated& d, const Shards& shards, const Stages& st,
+                   const TrainConfig& cfg);
+
+/// lower: the plan of every replica's actors and registers (compile.h draws one), the kernels
+/// it names, and where results land. Throws GraphError for an input no data feeds.
+TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const Stages& st,
+                  const Replicas& reps, const TrainConfig& cfg,
+                  std::shared_ptr<ParameterStore> params);
+
+/// device_copies: with any actor on a CUDA device, refuses actors whose op has no CUDA kernel
+/// (GraphError naming them) and adds the copy actors (insert_device_copies, plan.h); a plan of
+/// host devices comes back unchanged.
+Plan device_copies(const Plan& plan, const KernelRegistry& kernels);
+
+/// transfers: insert_transfers (plan.h); a plan within one rank comes back unchanged.
+Plan transfers(const Plan& plan);
+
+/// lanes: each pipeline stage's order of forward and backward passes (order_pipeline,
+/// schedule.h) with pp > 1. Without stages, with TrainConfig::memory_plan, the one stage runs
+/// each micro-batch's forward and then its backward (1F1B on one stage), an order that lets
+/// the memory pass share bytes between the registers it orders; else the plan is unchanged.
+Plan lanes(const Plan& plan, const TrainConfig& cfg);
+
+/// memory: with TrainConfig::memory_plan, every register slot the runtime allocates (not a
+/// repeat's, which aliases its input, nor page-locked ones between host and device) gets an
+/// offset in one arena per (rank, device), and slots whose lives never meet share bytes
+/// (plan_memory.h says when a life is known: inside a lane). Then, with a memory_budget,
+/// refuses (GraphError) a plan that needs more than that on some device, naming its needs by
+/// category and the largest consumers.
+Plan memory(const Plan& plan, const TrainConfig& cfg);
+
+/// The plan's peak bytes per device by category, and the largest consumers (memory_report).
+std::string memory_text(const Plan& plan);
+
+/// Runs the passes in order on `loss` and `cfg` (checked first) and returns the job; after each
+/// pass named in cfg.print_after (or "all") hands its text to cfg.print_ir.
+TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
+                std::shared_ptr<ParameterStore> params);
+
+}  // namespace baton::passes

@@ -1,0 +1,303 @@
+// The lowering pass (passes.h): graph -> actors and registers for every replica. A training
+// plan's shape (compile.h):
+//
+//   data ──> forward ops ──> loss ──> loss.report
+//                 ^    \──> backward ops ──> accumulate(M) ──┐
+//   variable ──> repeat(M)                                   │ (delay 1: step s's weights come
+//      ^──────────────────────────────────────────────────────┘  from step s-1's gradients)
+#include <algorithm>
+#include <optional>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "baton/graph/collectives.h"
+#include "lowering.h"
+
+namespace baton::passes {
+
+namespace detail {
+
+namespace {
+
+template <class T>
+double scalar_of(const Tensor& t) {
+  return static_cast<double>(t.data<T>()[0]);
+}
+
+/// Runs another kernel with its piece numbers mapped: replica r of dp, M micro-batches a step,
+/// reads micro-batch s*dp*M + r*M + k of the whole job where it is at its own piece s*M + k.
+class ReplicaPieces final : public Kernel {
+ public:
+  ReplicaPieces(std::unique_ptr<Kernel> inner, std::int64_t replica, std::int64_t replicas,
+                std::int64_t m)
+      : inner_(std::move(inner)), replica_(replica), replicas_(replicas), m_(m) {}
+  void compute(KernelContext& ctx) override {
+    KernelContext mapped{ctx.inputs, ctx.outputs,
+                         (ctx.piece / m_) * replicas_ * m_ + replica_ * m_ + ctx.piece % m_};
+    inner_->compute(mapped);
+  }
+
+ private:
+  std::unique_ptr<Kernel> inner_;
+  std::int64_t replica_, replicas_, m_;
+};
+
+/// Fills ActorDesc::role and ::stage for people and tools (the dashboard's timeline): forward
+/// and backward ops were labelled as they were made; the rest is told by kind and op. Each
+/// (stage, shard) of each replica has its own device, which gives the stage.
+void label_roles_and_stages(Plan& plan, const std::vector<PlanBuilder>& replicas) {
+  std::map<std::pair<std::uint16_t, Device>, int> stage_of_device;
+  for (const auto& b : replicas) {
+    for (std::size_t i = 0; i < b.places.size(); ++i) {
+      stage_of_device[{b.places[i].rank, b.places[i].device}] = static_cast<int>(i) / b.tp;
+    }
+  }
+  for (ActorDesc& a : plan.actors) {
+    if (auto it = stage_of_device.find({a.where.rank, a.where.device});
+        it != stage_of_device.end()) {
+      a.stage = it->second;
+    }
+    if (a.role != ActorRole::other) continue;
+    if (a.op.starts_with("allreduce.")) {
+      a.role = ActorRole::collective;
+    } else if (a.kind == ActorKind::accumulate) {
+      a.role = ActorRole::backward;
+    } else if (a.kind == ActorKind::repeat || a.op.starts_with("variable.") ||
+               a.op == "optim.clip") {
+      a.role = ActorRole::update;
+    } else if (a.kind == ActorKind::source && a.op.starts_with("data.")) {
+      a.role = ActorRole::data;
+    } else if (a.op == "loss.report") {
+      a.role = ActorRole::forward;
+    }
+  }
+}
+
+/// Replica `r`'s data: each binding is one source actor whose outputs are the inputs it feeds.
+/// Returns the input nodes fed.
+std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const TrainConfig& cfg) {
+  std::set<int> fed;
+  const std::int64_t n_dp = cfg.dp, m = cfg.microbatches;
+  for (const DataBinding& d : cfg.data) {
+    std::vector<RegisterIndex> outs;
+    int data_stage = st.pp - 1;
+    for (const std::string& in : d.inputs) {
+      Value v = b.g.find(in);
+      if (!v.valid() || v.node().op != "input") {
+        throw GraphError(
+            fmt::format("data '{}' feeds '{}', which is not an input of the graph", d.name, in));
+      }
+      fed.insert(v.id());
+      // Deep enough that a later stage's reader (the labels, read by the loss) does not hold
+      // the first stage's back.
+      outs.push_back(b.node_register(v.id(), std::max<std::int32_t>(2, st.forward_slots[0])));
+      data_stage = std::min(data_stage, b.stage(v.id()));
+    }
+    std::string op = b.named("data." + d.name);
+    if (n_dp == 1) {
+      b.kernels.add(op, DeviceType::cpu, DType::f32, d.source);
+    } else {
+      KernelFactory inner = d.source;
+      b.kernels.add(op, DeviceType::cpu, DType::f32,
+                    [inner, r, n_dp, m](const KernelConfig& kc) -> std::unique_ptr<Kernel> {
+                      return std::make_unique<ReplicaPieces>(inner(kc), r, n_dp, m);
+                    });
+    }
+    b.source_actor("data." + d.name, op, DType::f32, std::move(outs),
+                   (cfg.steps - cfg.first_step) * m, b.host(forward_stream, data_stage * b.tp));
+  }
+  return fed;
+}
+
+/// Replica `r`'s actors for the needed nodes, in topological order: variables, fills and ops.
+void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const Stages& st,
+                 const TrainConfig& cfg, const std::set<int>& fed, const GradientInputs& grad_in,
+                 const std::optional<RegisterIndex>& clip, ParameterStore& params,
+                 std::vector<FinalWeight>& finals) {
+  const int loss_id = d.loss.id();
+  const auto stream_of = [&](int id) {
+    return id <= loss_id ? forward_stream : backward_stream(cfg);
+  };
+  for (int id = 0; id < b.g.size(); ++id) {
+    if (!d.need[static_cast<std::size_t>(id)]) continue;
+    const Node& n = b.g.node(id);
+    if (n.op == "input") {
+      if (!fed.count(id)) {
+        throw GraphError(fmt::format("input '{}' ({}{}) is fed by no data source", n.name,
+                                     name(n.dtype), to_string(n.shape)));
+      }
+    } else if (n.op == "variable") {
+      auto it = grad_in[static_cast<std::size_t>(r)].find(id);
+      const bool trained = it != grad_in[static_cast<std::size_t>(r)].end();
+      const RegisterIndex w = lower_variable(b, r, id, trained ? &it->second : nullptr,
+                                             clip ? &*clip : nullptr, st, cfg, params);
+      const Placement where = b.at(backward_stream(cfg), b.place(id));
+      if (r == 0 && trained) finals.push_back({n.name, w, where, n.dtype, n.shape});
+    } else if (n.op == "fill" && n.inputs.empty()) {
+      RegisterIndex reg = b.node_register(id, 2);
+      b.source_actor(n.name, "fill", n.dtype, {reg},
+                     (cfg.steps - cfg.first_step) * cfg.microbatches,
+                     b.at(stream_of(id), b.place(id)), n.attrs);
+    } else {
+      b.op_actor(id, stream_of(id),
+                 id <= loss_id ? st.forward_slots[static_cast<std::size_t>(b.stage(id))]
+                               : st.backward_slots);
+    }
+  }
+}
+
+/// Replica `r`'s gradient accumulation (each trained weight's M micro-batch gradients summed
+/// into `grad_sum`) and, with clipping, the actor that computes the step's clipping factor.
+void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
+                        const TrainConfig& cfg, const GradientInputs& grad_sum,
+                        const GradientInputs& grad_in, const std::optional<RegisterIndex>& clip) {
+  std::vector<InputPort> clip_inputs;
+  for (const auto& [v, grad] : d.trained) {
+    b.plan.add_actor({.name = b.named("grad." + v.name() + ".accumulate"),
+                      .kind = ActorKind::accumulate,
+                      .dtype = v.dtype(),
+                      .where = b.at(backward_stream(cfg), b.place(v.id())),
+                      .inputs = {{b.reg_of.at(grad.id())}},
+                      .outputs = {grad_sum[static_cast<std::size_t>(r)].at(v.id())},
+                      .group = static_cast<std::int32_t>(cfg.microbatches)});
+    clip_inputs.push_back({grad_in[static_cast<std::size_t>(r)].at(v.id())});
+  }
+  if (!clip) return;
+  const DType dt = d.trained[0].first.dtype();
+  if (r == 0) add_clip_kernel(b.kernels, dt, cfg.optimizer.clip_norm);
+  b.plan.add_actor({.name = b.named("optim.clip"),
+                    .op = "optim.clip",
+                    .dtype = dt,
+                    .where = b.host(backward_stream(cfg)),
+                    .inputs = clip_inputs,
+                    .outputs = {*clip}});
+}
+
+/// The loss of each micro-batch, summed over the replicas (each replica's micro-batch k of a
+/// step) and reported once, on replica 0, as their mean.
+std::shared_ptr<LossLog> lower_loss_report(std::vector<PlanBuilder>& replicas,
+                                           const Differentiated& d,
+                                           const std::vector<RegisterIndex>& loss_regs,
+                                           const TrainConfig& cfg) {
+  auto losses = std::make_shared<LossLog>(cfg.microbatches);
+  const DType loss_dt = d.loss.dtype();
+  RegisterIndex loss_in = loss_regs[0];
+  const int loss_place = replicas[0].place(d.loss.id());
+  if (cfg.dp > 1) {
+    loss_in = add_replica_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2,
+                                    loss_place)[0];
+  }
+  const double loss_scale = 1.0 / static_cast<double>(cfg.dp);
+  replicas[0].kernels.add_fn(
+      "loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt, loss_scale](KernelContext& ctx) {
+        const Tensor& t = *ctx.inputs[0];
+        const double value = loss_dt == DType::f64 ? scalar_of<double>(t)
+                             : loss_dt == DType::bf16
+                                 ? static_cast<double>(to_float(t.data<bfloat16>()[0]))
+                                 : scalar_of<float>(t);
+        losses->record(ctx.piece, loss_scale * value);
+      });
+  replicas[0].plan.add_actor({.name = "loss.report",
+                              .op = "loss.report",
+                              .dtype = loss_dt,
+                              .where = replicas[0].host(forward_stream, loss_place),
+                              .inputs = {{loss_in}}});
+  return losses;
+}
+
+}  // namespace
+
+/// An accumulate "last" beside the variable keeps the last of its steps + 1 pieces, so one piece
+/// crosses, once, at the end; a sink on the reporting rank copies it into the ParameterStore.
+void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& params,
+                          const std::vector<FinalWeight>& finals, const Placement& reporter,
+                          std::int64_t steps) {
+  for (const FinalWeight& f : finals) {
+    if (f.where.rank == reporter.rank) continue;
+    const std::string name = "final." + f.name;
+    RegisterIndex last =
+        plan.add_register({.name = name, .shape = f.shape, .dtype = f.dtype, .slots = 1});
+    plan.add_actor({.name = name + ".last",
+                    .kind = ActorKind::accumulate,
+                    .op = "last",
+                    .dtype = f.dtype,
+                    .where = f.where,
+                    .inputs = {{f.reg}},
+                    .outputs = {last},
+                    .group = static_cast<std::int32_t>(steps + 1),
+                    .role = ActorRole::update});
+    Tensor dest = params.at(f.name);
+    kernels.add_fn(name, DeviceType::cpu, f.dtype,
+                   [dest](KernelContext& ctx) mutable { copy_tensor(*ctx.inputs[0], dest); });
+    plan.add_actor({.name = name,
+                    .op = name,
+                    .dtype = f.dtype,
+                    .where = reporter,
+                    .inputs = {{last}},
+                    .role = ActorRole::update});
+  }
+}
+
+}  // namespace detail
+
+TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const Stages& st,
+                  const Replicas& reps, const TrainConfig& cfg,
+                  std::shared_ptr<ParameterStore> params) {
+  using namespace detail;
+  Plan plan;
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  if (cfg.dp > 1) add_collective_kernels(kernels);
+  std::vector<PlanBuilder> replicas;
+  for (std::int64_t r = 0; r < cfg.dp; ++r) {
+    PlanBuilder b{g, plan, kernels};
+    b.places = reps.places[static_cast<std::size_t>(r)];
+    b.tp = cfg.tp;
+    if (cfg.pp > 1) b.stages = &st;
+    if (cfg.tp > 1) b.shards = &shards;
+    b.loss_id = d.loss.id();
+    b.first_piece = cfg.first_step * cfg.microbatches;
+    b.suffix = reps.suffix(r);
+    replicas.push_back(std::move(b));
+  }
+  // Every replica's summed gradient, and what its variable actors read: the same register with
+  // one replica, the all-reduced one with several (made first: variables read them, with a
+  // delay, before the actors that write them are added).
+  GradientInputs grad_sum(static_cast<std::size_t>(cfg.dp));
+  for (const auto& [v, grad] : d.trained) {
+    for (std::int64_t r = 0; r < cfg.dp; ++r) {
+      grad_sum[static_cast<std::size_t>(r)][v.id()] =
+          replicas[static_cast<std::size_t>(r)].add_register("grad." + v.name(), v.shape(),
+                                                             v.dtype(), 1);
+    }
+  }
+  const GradientInputs grad_in = lower_gradient_allreduce(replicas, reps, grad_sum, cfg);
+  std::vector<std::optional<RegisterIndex>> clip(static_cast<std::size_t>(cfg.dp));
+  if (cfg.optimizer.clip_norm > 0 && !d.trained.empty()) {
+    for (std::int64_t r = 0; r < cfg.dp; ++r) {
+      clip[static_cast<std::size_t>(r)] = replicas[static_cast<std::size_t>(r)].add_register(
+          "clip.factor", {1}, d.trained[0].first.dtype(), 1);
+    }
+  }
+  // Replica 0's trained weights: where each one's steps come out (see gather_final_weights).
+  std::vector<FinalWeight> finals;
+  std::vector<RegisterIndex> loss_regs;
+  for (std::int64_t r = 0; r < cfg.dp; ++r) {
+    PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
+    const std::set<int> fed = lower_data(b, r, st, cfg);
+    lower_nodes(b, r, d, st, cfg, fed, grad_in, clip[static_cast<std::size_t>(r)], *params, finals);
+    lower_accumulation(b, r, d, cfg, grad_sum, grad_in, clip[static_cast<std::size_t>(r)]);
+    loss_regs.push_back(b.reg_of.at(d.loss.id()));
+  }
+  auto losses = lower_loss_report(replicas, d, loss_regs, cfg);
+  gather_final_weights(plan, kernels, *params, finals,
+                       replicas[0].host(forward_stream, replicas[0].place(d.loss.id())),
+                       cfg.steps - cfg.first_step);
+  label_roles_and_stages(plan, replicas);
+  std::map<std::string, Placement> trained_at;
+  for (const FinalWeight& f : finals) trained_at[f.name] = f.where;
+  return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses),
+                     std::move(trained_at)};
+}
+
+}  // namespace baton::passes

@@ -1,0 +1,122 @@
+// Lowering data parallelism (lowering.h): each bucket of summed gradients all-reduced over the
+// replicas, by a ring of actors (collectives.h) or by NCCL.
+#include <fmt/format.h>
+
+#include "baton/graph/collectives.h"
+#include "lowering.h"
+
+namespace baton::passes::detail {
+
+std::vector<RegisterIndex> add_replica_allreduce(std::vector<PlanBuilder>& replicas,
+                                                 const std::string& name,
+                                                 const std::vector<RegisterIndex>& inputs,
+                                                 const Shape& shape, DType dtype,
+                                                 std::uint8_t stream, std::int32_t result_slots,
+                                                 int place) {
+  std::vector<AllReduceMember> members;
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    members.push_back({replicas[r].at(stream, place), inputs[r], replicas[r].suffix});
+  }
+  return add_allreduce(replicas[0].plan, name, members, shape, dtype, result_slots);
+}
+
+namespace {
+
+/// The all-reduce of one register per replica (bucket `bi` of `reps`): NCCL's, or the ring of
+/// actors.
+std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
+                                            const Replicas& reps, std::size_t bi,
+                                            const std::string& name,
+                                            const std::vector<RegisterIndex>& inputs,
+                                            const Shape& shape, DType dt, const TrainConfig& cfg) {
+  const Replicas::Bucket& bucket = reps.buckets[bi];
+  if (!bucket.nccl) {
+    return add_replica_allreduce(replicas, name, inputs, shape, dt, backward_stream(cfg), 1,
+                                 bucket.place);
+  }
+  Plan& plan = replicas[0].plan;
+  std::vector<AllReduceMember> members;
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    members.push_back({replicas[r].at(nccl_stream, bucket.place), inputs[r], replicas[r].suffix});
+  }
+  const std::size_t before = plan.actors.size();
+  // One communicator per place (its members are the same every step), and the buckets in
+  // one order on every rank: NCCL pairs the ranks' calls by their order on a communicator.
+  auto out = add_nccl_allreduce(plan, name, members, shape, dt, 1,
+                                fmt::format("grad.place{}", bucket.place));
+  for (std::size_t a = before; a < plan.actors.size(); ++a) {
+    ActorDesc& d = plan.actors[a];
+    d.role = ActorRole::collective;
+    d.order = ActOrder{.lane = nccl_lane_base + d.where.device.code(),
+                       .units = {0},
+                       .period = 1,
+                       .rank = static_cast<std::int32_t>(bi)};
+  }
+  return out;
+}
+
+}  // namespace
+
+GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, const Replicas& reps,
+                                        const GradientInputs& grad_sum, const TrainConfig& cfg) {
+  const auto n_dp = static_cast<std::int64_t>(replicas.size());
+  GradientInputs grad_in(grad_sum.size());
+  auto local = [&](std::int64_t r, const Value& v) {
+    return grad_sum[static_cast<std::size_t>(r)].at(v.id());
+  };
+  for (std::size_t bi = 0; bi < reps.buckets.size(); ++bi) {
+    const std::vector<Value>& bucket = reps.buckets[bi].weights;
+    if (n_dp == 1) {
+      for (const Value& v : bucket) grad_in[0][v.id()] = local(0, v);
+      continue;
+    }
+    if (bucket.size() == 1) {
+      // A bucket of one is all-reduced as it is.
+      const Value& v = bucket[0];
+      std::vector<RegisterIndex> inputs;
+      for (std::int64_t r = 0; r < n_dp; ++r) inputs.push_back(local(r, v));
+      auto reduced = allreduce_bucket(replicas, reps, bi, "grad." + v.name(), inputs, v.shape(),
+                                      v.dtype(), cfg);
+      for (std::int64_t r = 0; r < n_dp; ++r)
+        grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
+      continue;
+    }
+    // A bigger one is packed into one flat register, all-reduced once, and unpacked.
+    const int place = reps.buckets[bi].place;
+    const std::string name = fmt::format("grad.bucket{}", bi);
+    std::int64_t total = 0;
+    for (const Value& v : bucket) total += numel(v.shape());
+    const DType dt = bucket[0].dtype();
+    std::vector<RegisterIndex> flat;
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      auto& b = replicas[static_cast<std::size_t>(r)];
+      flat.push_back(b.add_register(name, {total}, dt, 1));
+      std::vector<InputPort> ins;
+      for (const Value& v : bucket) ins.push_back({local(r, v)});
+      b.plan.add_actor({.name = b.named(name + ".pack"),
+                        .op = "allreduce.concat",
+                        .dtype = dt,
+                        .where = b.at(backward_stream(cfg), place),
+                        .inputs = std::move(ins),
+                        .outputs = {flat.back()}});
+    }
+    auto reduced = allreduce_bucket(replicas, reps, bi, name, flat, {total}, dt, cfg);
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      auto& b = replicas[static_cast<std::size_t>(r)];
+      std::vector<RegisterIndex> outs;
+      for (const Value& v : bucket) {
+        outs.push_back(b.add_register("grad." + v.name() + ".allreduced", v.shape(), v.dtype(), 1));
+        grad_in[static_cast<std::size_t>(r)][v.id()] = outs.back();
+      }
+      b.plan.add_actor({.name = b.named(name + ".unpack"),
+                        .op = "allreduce.split",
+                        .dtype = dt,
+                        .where = b.at(backward_stream(cfg), place),
+                        .inputs = {{reduced[static_cast<std::size_t>(r)]}},
+                        .outputs = std::move(outs)});
+    }
+  }
+  return grad_in;
+}
+
+}  // namespace baton::passes::detail

@@ -1,0 +1,136 @@
+#pragma once
+// Private to graph/src/passes: what the lowering pass (lower*.cpp) and evaluate() share: the
+// builder of one replica's actors and registers, and the kernels the compiler makes itself.
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "baton/actors/plan.h"
+#include "baton/graph/compile.h"
+#include "baton/graph/graph.h"
+#include "baton/graph/passes.h"
+#include "baton/kernels/kernel.h"
+
+namespace baton::passes::detail {
+
+/// The dtype an op's kernel is looked up with: its own if floating, else its first floating
+/// input's, else f32.
+DType kernel_dtype(const Graph& g, const Node& n);
+
+/// Copies `from` into `to` (same byte size, else std::invalid_argument).
+void copy_tensor(const Tensor& from, Tensor& to);
+
+/// Throws GraphError unless `loss` is a scalar value of `g`.
+void check_loss(const Graph& g, const Value& loss);
+
+/// Nodes that the targets depend on (ids are topological, so one backward sweep finds them).
+std::vector<bool> needed_nodes(const Graph& g, const std::vector<Value>& targets);
+
+/// A source that writes a fixed tensor (a weight that is not trained, a feed).
+class ConstantSource final : public Kernel {
+ public:
+  explicit ConstantSource(Tensor value) : value_(std::move(value)) {}
+  void compute(KernelContext& ctx) override { copy_tensor(value_, *ctx.outputs[0]); }
+
+ private:
+  Tensor value_;
+};
+
+/// The streams of a training plan's workers (TrainConfig::threads): the forward pass and data
+/// on one, the backward pass and optimizers on the other when there are two.
+constexpr std::uint8_t forward_stream = 0;
+inline std::uint8_t backward_stream(const TrainConfig& cfg) {
+  return static_cast<std::uint8_t>(cfg.threads >= 2 ? 1 : 0);
+}
+
+/// The stream NCCL all-reduce actors run on: a worker and CUDA stream of their own, so that a
+/// collective waiting for its peers holds up neither compute nor copies.
+constexpr std::uint8_t nccl_stream = 14;
+/// Their lanes (ActOrder): one per (rank, device), above any pipeline stage's.
+constexpr std::int32_t nccl_lane_base = 1 << 20;
+
+/// Builds the actors and registers for the nodes a plan needs: one model replica's worth, with
+/// names suffixed and actors placed for that replica.
+struct PlanBuilder {
+  Graph& g;
+  Plan& plan;
+  KernelRegistry& kernels;
+  /// Rank and device of each (pipeline stage, tensor shard) of this replica, at stage * tp + shard.
+  std::vector<Placement> places{Placement{}};
+  int tp = 1;
+  const Stages* stages = nullptr;       // null: all on stage 0
+  const Shards* shards = nullptr;       // null: all on shard 0
+  std::string suffix;                   // "" for one replica, "@dp<r>" otherwise
+  std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
+  int loss_id = std::numeric_limits<int>::max();  // nodes up to it are the forward pass
+  std::int64_t first_piece = 0;  // a resumed job's first micro-batch (ActorDesc::first_piece)
+
+  std::string named(const std::string& n) const { return n + suffix; }
+  int stage(int id) const { return stages == nullptr ? 0 : stages->at(id); }
+  int shard(int id) const { return shards == nullptr ? 0 : shards->at(id); }
+  /// The node's index into `places`.
+  int place(int id) const { return stage(id) * tp + shard(id); }
+  Placement at(std::uint8_t stream, int place = 0) const;
+  /// Where the host side of a place runs (data sources, loss reports, clipping: CPU closures):
+  /// the place itself on a CPU device; beside a CUDA device, the CPU device of the same rank and
+  /// index, whose registers the device copy actors read and write (insert_device_copies).
+  Placement host(std::uint8_t stream, int place = 0) const;
+
+  RegisterIndex add_register(const std::string& name, const Shape& shape, DType dtype,
+                             std::int32_t slots);
+  RegisterIndex node_register(int id, std::int32_t slots);
+  void op_actor(int id, std::uint8_t stream, std::int32_t slots);
+  void source_actor(const std::string& name, const std::string& op, DType dtype,
+                    std::vector<RegisterIndex> outputs, std::int64_t pieces, const Placement& where,
+                    Attrs attrs = {});
+};
+
+/// A trained weight of replica 0: the register its variable actor writes once per step (and
+/// once more with the last step's update applied), and where that actor runs.
+struct FinalWeight {
+  std::string name;
+  RegisterIndex reg;
+  Placement where;
+  DType dtype;
+  Shape shape;
+};
+
+/// The registers each replica's variable actors read their summed gradients from, by variable
+/// node id: the accumulated gradient with one replica, the all-reduced one with several.
+using GradientInputs = std::vector<std::map<int, RegisterIndex>>;
+
+/// Adds the all-reduce of every bucket of `reps` (lower_allreduce.cpp): from each replica's
+/// summed gradients `grad_sum` to the registers the variables read, which it returns.
+GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, const Replicas& reps,
+                                        const GradientInputs& grad_sum, const TrainConfig& cfg);
+
+/// The all-reduce of `inputs[r]` (replica r's register) over the replicas, made of actors
+/// (collectives.h), each member at its replica's `place` and `stream`; the N result registers.
+std::vector<RegisterIndex> add_replica_allreduce(std::vector<PlanBuilder>& replicas,
+                                                 const std::string& name,
+                                                 const std::vector<RegisterIndex>& inputs,
+                                                 const Shape& shape, DType dtype,
+                                                 std::uint8_t stream, std::int32_t result_slots,
+                                                 int place);
+
+/// Adds replica `r`'s variable actor for variable node `id` (lower_variables.cpp): its optimizer
+/// (reading `grad`, with `clip` if given) or, for a weight that is not trained, a constant
+/// source; then the repeat that lets the step's M micro-batches read it. Returns the register
+/// it writes once per step.
+RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const RegisterIndex* grad,
+                             const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
+                             ParameterStore& params);
+
+/// Registers the global-norm clipping kernel "optim.clip" for `dt` (TrainConfig's clip_norm).
+void add_clip_kernel(KernelRegistry& kernels, DType dt, double max_norm);
+
+/// The process that reports (loss.report's rank) evaluates the trained weights, but a weight
+/// placed on another rank is trained there: its final value comes over as part of the plan.
+void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& params,
+                          const std::vector<FinalWeight>& finals, const Placement& reporter,
+                          std::int64_t steps);
+
+}  // namespace baton::passes::detail

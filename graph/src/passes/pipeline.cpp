@@ -1,0 +1,122 @@
+// The pipeline of passes (passes.h) and compile_training, which runs it.
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "baton/graph/passes.h"
+#include "lowering.h"
+
+namespace baton {
+
+namespace passes {
+
+const std::vector<std::string_view>& names() {
+  // Device copies before transfers: what crosses ranks from or to a CUDA device is staged
+  // through host memory, and the copies say which host register the transfer then reads.
+  static const std::vector<std::string_view> all{
+      "autodiff", "sbp", "stages", "replicas", "lower", "device_copies", "transfers", "lanes", "memory"};
+  return all;
+}
+
+void check_config(const TrainConfig& cfg) {
+  if (cfg.steps < 1) throw GraphError(fmt::format("steps must be >= 1, not {}", cfg.steps));
+  if (cfg.first_step < 0 || cfg.first_step >= cfg.steps) {
+    throw GraphError(
+        fmt::format("a job of {} steps cannot start after step {}", cfg.steps, cfg.first_step));
+  }
+  if (cfg.microbatches < 1)
+    throw GraphError(fmt::format("microbatches must be >= 1, not {}", cfg.microbatches));
+  if (cfg.dp < 1) throw GraphError(fmt::format("dp must be >= 1, not {}", cfg.dp));
+  if (cfg.pp < 1) throw GraphError(fmt::format("pp must be >= 1, not {}", cfg.pp));
+  if (cfg.schedule != "gpipe" && cfg.schedule != "1f1b") {
+    throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
+  }
+  if (cfg.memory_budget < 0) throw GraphError(fmt::format("memory budget must be >= 0, not {}", cfg.memory_budget));
+  if (cfg.tp < 1) throw GraphError(fmt::format("tp must be >= 1, not {}", cfg.tp));
+  if (cfg.collectives != "auto" && cfg.collectives != "actors" && cfg.collectives != "nccl") {
+    throw GraphError(fmt::format("collectives '{}': auto, actors or nccl", cfg.collectives));
+  }
+  if (cfg.balance != "flops" && cfg.balance != "profile") {
+    throw GraphError(fmt::format("balance '{}': flops or profile", cfg.balance));
+  }
+  if (cfg.pp > 1 && cfg.balance == "profile" &&
+      std::any_of(cfg.replica_places.begin(), cfg.replica_places.end(),
+                  [](const Placement& p) { return p.rank != 0; })) {
+    // Timings differ from rank to rank, and so would the plans (whose hashes must match).
+    throw GraphError(
+        "balance 'profile' times the kernels on this process, so ranks would cut the stages "
+        "differently; "
+        "use 'flops' for a job over several ranks");
+  }
+  const int n_places = cfg.dp * cfg.pp * cfg.tp;
+  if (!cfg.replica_places.empty() &&
+      cfg.replica_places.size() != static_cast<std::size_t>(n_places)) {
+    throw GraphError(fmt::format("dp {} x pp {} x tp {} is {} but {} replica places are given",
+                                 cfg.dp, cfg.pp, cfg.tp, n_places, cfg.replica_places.size()));
+  }
+  if (n_places > Device::max_index + 1 && cfg.replica_places.empty()) {
+    throw GraphError(fmt::format("dp {} x pp {} x tp {} needs {} in-process devices; at most {}",
+                                 cfg.dp, cfg.pp, cfg.tp, n_places, Device::max_index + 1));
+  }
+  for (const std::string& pass : cfg.print_after) {
+    const auto& all = names();
+    if (pass != "all" && std::find(all.begin(), all.end(), pass) == all.end()) {
+      throw GraphError(fmt::format("print after '{}': no such pass; the passes are {} (or all)",
+                                   pass, fmt::join(all, ", ")));
+    }
+  }
+}
+
+namespace {
+
+/// Hands `text` to cfg.print_ir if cfg.print_after names `pass` (or all).
+void print_after(const TrainConfig& cfg, std::string_view pass,
+                 const std::function<std::string()>& text) {
+  const bool wanted = std::any_of(cfg.print_after.begin(), cfg.print_after.end(),
+                                  [&](const std::string& p) { return p == "all" || p == pass; });
+  if (!wanted) return;
+  const std::string ir = text();
+  if (cfg.print_ir) {
+    cfg.print_ir(pass, ir);
+  } else {
+    fmt::print("*** IR after {} ***\n{}", pass, ir);
+  }
+}
+
+}  // namespace
+
+TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
+                std::shared_ptr<ParameterStore> params) {
+  detail::check_loss(g, loss);
+  check_config(cfg);
+  if (!params) params = ParameterStore::initialize(g);
+  const Differentiated d = autodiff(g, loss, cfg);
+  print_after(cfg, "autodiff", [&] { return d.to_text(); });
+  const Shards shards = sbp(g, d, cfg.tp);
+  print_after(cfg, "sbp", [&] { return shards.to_text(g, d); });
+  const Stages st = stages(g, d, cfg, *params);
+  print_after(cfg, "stages", [&] { return st.to_text(g, d); });
+  const Replicas reps = replicate(d, shards, st, cfg);
+  print_after(cfg, "replicas", [&] { return reps.to_text(); });
+  TrainingJob job = lower(g, d, shards, st, reps, cfg, std::move(params));
+  print_after(cfg, "lower", [&] { return job.plan.to_text(); });
+  job.plan = device_copies(job.plan, job.kernels);
+  print_after(cfg, "device_copies", [&] { return job.plan.to_text(); });
+  job.plan = transfers(job.plan);
+  print_after(cfg, "transfers", [&] { return job.plan.to_text(); });
+  job.plan = lanes(job.plan, cfg);
+  print_after(cfg, "lanes", [&] { return job.plan.to_text(); });
+  job.plan = memory(job.plan, cfg);
+  print_after(cfg, "memory", [&] { return job.plan.to_text() + memory_text(job.plan); });
+  return job;
+}
+
+}  // namespace passes
+
+TrainingJob compile_training(Graph& g, Value loss, const TrainConfig& cfg,
+                             std::shared_ptr<ParameterStore> params) {
+  return passes::run(g, loss, cfg, std::move(params));
+}
+
+}  // namespace baton

@@ -1,0 +1,91 @@
+// What the lowering pass and evaluate() share (lowering.h).
+#include <cstring>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "lowering.h"
+
+namespace baton::passes::detail {
+
+DType kernel_dtype(const Graph& g, const Node& n) {
+  if (is_floating(n.dtype)) return n.dtype;
+  for (int in : n.inputs) {
+    if (is_floating(g.node(in).dtype)) return g.node(in).dtype;
+  }
+  return DType::f32;
+}
+
+void copy_tensor(const Tensor& from, Tensor& to) {
+  if (from.nbytes() != to.nbytes()) {
+    throw std::invalid_argument(fmt::format("copy of {} into {}", from.describe(), to.describe()));
+  }
+  std::memcpy(to.raw(), from.raw(), from.nbytes());
+}
+
+std::vector<bool> needed_nodes(const Graph& g, const std::vector<Value>& targets) {
+  std::vector<bool> need(static_cast<std::size_t>(g.size()), false);
+  for (const Value& t : targets) need[static_cast<std::size_t>(t.id())] = true;
+  for (int id = g.size() - 1; id >= 0; --id) {
+    if (!need[static_cast<std::size_t>(id)]) continue;
+    for (int in : g.node(id).inputs) need[static_cast<std::size_t>(in)] = true;
+  }
+  return need;
+}
+
+Placement PlanBuilder::at(std::uint8_t stream, int place) const {
+  Placement p = places[static_cast<std::size_t>(place)];
+  p.stream = stream;
+  return p;
+}
+
+Placement PlanBuilder::host(std::uint8_t stream, int place) const {
+  Placement p = at(stream, place);
+  if (p.device.type == DeviceType::cuda) p.device = Device{DeviceType::cpu, p.device.index};
+  return p;
+}
+
+RegisterIndex PlanBuilder::add_register(const std::string& name, const Shape& shape, DType dtype,
+                                        std::int32_t slots) {
+  return plan.add_register({.name = named(name), .shape = shape, .dtype = dtype, .slots = slots});
+}
+
+RegisterIndex PlanBuilder::node_register(int id, std::int32_t slots) {
+  const Node& n = g.node(id);
+  RegisterIndex r = add_register(n.name, n.shape, n.dtype, slots);
+  reg_of[id] = r;
+  return r;
+}
+
+void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
+  const Node& n = g.node(id);
+  std::vector<InputPort> inputs;
+  for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
+  RegisterIndex out = node_register(id, slots);
+  plan.add_actor({.name = named(n.name),
+                  .kind = ActorKind::compute,
+                  .op = n.op,
+                  .dtype = kernel_dtype(g, n),
+                  .where = at(stream, place(id)),
+                  .inputs = std::move(inputs),
+                  .outputs = {out},
+                  .first_piece = first_piece,
+                  .attrs = n.attrs,
+                  .role = id <= loss_id ? ActorRole::forward : ActorRole::backward});
+}
+
+void PlanBuilder::source_actor(const std::string& name, const std::string& op, DType dtype,
+                               std::vector<RegisterIndex> outputs, std::int64_t pieces,
+                               const Placement& where, Attrs attrs) {
+  plan.add_actor({.name = named(name),
+                  .kind = ActorKind::source,
+                  .op = op,
+                  .dtype = dtype,
+                  .where = where,
+                  .outputs = std::move(outputs),
+                  .pieces = pieces,
+                  .first_piece = first_piece,
+                  .attrs = std::move(attrs)});
+}
+
+}  // namespace baton::passes::detail

@@ -1,0 +1,145 @@
+// The pipeline staging pass (passes.h): each node's stage and each stage's activation depth.
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "baton/graph/passes.h"
+#include "baton/graph/profile.h"
+
+namespace baton::passes {
+
+namespace {
+
+bool is_leaf(const Node& n) {
+  return n.op == "input" || n.op == "variable" || (n.op == "fill" && n.inputs.empty());
+}
+
+/// An op's estimated cost, for balancing pipeline stages: multiply-adds for a matrix product,
+/// output elements for the rest.
+double op_cost(const Graph& g, const Node& n) {
+  const double out = static_cast<double>(numel(n.shape));
+  if ((n.op == "matmul" || n.op == "batch_matmul") && !n.inputs.empty()) {
+    const Shape& a = g.node(n.inputs[0]).shape;
+    return out * static_cast<double>(a.empty() ? 1 : a.back());
+  }
+  return std::max(1.0, out);
+}
+
+/// The forward ops (in order) cut into `stages` runs of about equal cost (`measured`, each
+/// node's profiled cost, or the estimate).
+void cut_forward(const Graph& g, const std::vector<bool>& need, int loss_id, int stages,
+                 const std::vector<double>* measured, std::vector<int>& stage) {
+  double total = 0;
+  int ops = 0;
+  for (int id = 0; id <= loss_id; ++id) {
+    const Node& n = g.node(id);
+    if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
+    total += measured ? (*measured)[static_cast<std::size_t>(id)] : op_cost(g, n);
+    ++ops;
+  }
+  if (ops < stages) {
+    throw GraphError(fmt::format(
+        "a {}-stage pipeline needs at least {} ops in the forward pass; this one has {}", stages,
+        stages, ops));
+  }
+  double done = 0;
+  int last = 0, placed = 0;
+  for (int id = 0; id <= loss_id; ++id) {
+    const Node& n = g.node(id);
+    if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
+    const double c = measured ? (*measured)[static_cast<std::size_t>(id)] : op_cost(g, n);
+    int s = static_cast<int>((done + c / 2) / total * stages);
+    // Stages in order, none skipped (at most one past the previous op's), and never so early
+    // that too few ops are left for the stages after this one.
+    const int lo = std::max(last, stages - (ops - placed));
+    const int hi = placed == 0 ? 0 : last + 1;
+    s = std::clamp(s, lo, std::max(lo, hi));
+    stage[static_cast<std::size_t>(id)] = s;
+    last = s;
+    done += c;
+    ++placed;
+  }
+}
+
+/// Pipeline stages: the forward ops cut by cost; inputs and variables go with their first
+/// reader; a backward op goes with the forward op whose backward step made it (Node::grad_of):
+/// the gradient of a weight is made where the weight and its accumulation live, and only dx
+/// crosses back to the stage before. A backward op without one goes with the latest stage
+/// among its forward inputs, or, with none, with the earliest among its inputs (where the
+/// summed gradient is needed next).
+std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, int loss_id,
+                               int stages, const std::vector<double>* measured) {
+  std::vector<int> stage(static_cast<std::size_t>(g.size()), -1);
+  cut_forward(g, need, loss_id, stages, measured, stage);
+  for (int id = 0; id < g.size(); ++id) {
+    if (!need[static_cast<std::size_t>(id)]) continue;
+    const Node& n = g.node(id);
+    if (id > loss_id && n.grad_of >= 0 && stage[static_cast<std::size_t>(n.grad_of)] >= 0) {
+      stage[static_cast<std::size_t>(id)] = stage[static_cast<std::size_t>(n.grad_of)];
+    } else if (id > loss_id) {
+      int fwd = -1, any = stages;
+      for (int in : n.inputs) {
+        const int s = stage[static_cast<std::size_t>(in)];
+        if (in <= loss_id && !is_leaf(g.node(in))) fwd = std::max(fwd, s);
+        if (s >= 0) any = std::min(any, s);
+      }
+      stage[static_cast<std::size_t>(id)] = fwd >= 0 ? fwd : (any < stages ? any : stages - 1);
+    }
+    // Leaves and forward ops give their stage to the leaves they read, if those have none yet.
+    for (int in : n.inputs) {
+      if (is_leaf(g.node(in)) && stage[static_cast<std::size_t>(in)] < 0) {
+        stage[static_cast<std::size_t>(in)] = stage[static_cast<std::size_t>(id)];
+      }
+    }
+  }
+  for (auto& s : stage) s = std::max(s, 0);
+  return stage;
+}
+
+/// Each node's profiled cost (profile.h), a forward op's including its backward steps.
+std::vector<double> measured_costs(const Graph& g, const Differentiated& d,
+                                   const ParameterStore& params) {
+  // A stage runs its forward ops and their backward steps (Node::grad_of), so a forward op
+  // costs both. A kernel too fast to time still counts a little, so that no stage is cut
+  // from nothing.
+  std::vector<double> measured = profile_op_costs(g, params, {.only = d.need});
+  for (int id = g.size() - 1; id > d.loss.id(); --id) {
+    const int of = g.node(id).grad_of;
+    if (of >= 0) measured[static_cast<std::size_t>(of)] += measured[static_cast<std::size_t>(id)];
+  }
+  for (double& c : measured) c = std::max(c, 1e-9);
+  return measured;
+}
+
+}  // namespace
+
+Stages stages(const Graph& g, const Differentiated& d, const TrainConfig& cfg,
+              const ParameterStore& params) {
+  Stages out{.pp = cfg.pp, .backward_slots = cfg.activation_slots};
+  for (int s = 0; s < cfg.pp; ++s) {
+    // The schedule's depth: GPipe keeps every micro-batch's activations, 1F1B pp - s.
+    out.forward_slots.push_back(
+        cfg.pp == 1 ? cfg.activation_slots
+        : cfg.schedule == "gpipe"
+            ? static_cast<std::int32_t>(std::max<std::int64_t>(cfg.microbatches, 1))
+            : cfg.pp - s);
+  }
+  if (cfg.pp <= 1) return out;
+  std::vector<double> measured;
+  if (cfg.balance == "profile") measured = measured_costs(g, d, params);
+  out.of = assign_stages(g, d.need, d.loss.id(), cfg.pp, measured.empty() ? nullptr : &measured);
+  return out;
+}
+
+std::string Stages::to_text(const Graph& g, const Differentiated& d) const {
+  std::string out = fmt::format("pp {}, activation slots by stage [{}], backward {}\n", pp,
+                                fmt::join(forward_slots, ", "), backward_slots);
+  for (int id = 0; id < g.size(); ++id) {
+    if (d.need[static_cast<std::size_t>(id)])
+      out += fmt::format("{} stage={}\n", g.node(id).name, at(id));
+  }
+  return out;
+}
+
+}  // namespace baton::passes

@@ -1,0 +1,405 @@
+// The static memory plan (plan_memory.h, the memory pass in passes.h): slot lives from the
+// lanes' order, arenas whose shared bytes are never live twice at once (validate() refuses
+// anything else), the plan's memory report and budget, and training with slots packed into
+// arenas that are poisoned between lives, equal bit for bit to training with memory of its own.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/kernels.h"
+#include "baton/kernels/data.h"
+#include "loopback_run.h"
+#include "models.h"
+#include "test_util.h"
+
+using namespace baton;
+
+namespace {
+
+/// src -> a -> b -> c -> d -> sink: a copy chain whose four copies act in one lane (in that
+/// order, one act each per period), each output with `slots` slots. The sink records what
+/// arrives. Registers: 0 src.out, 1 a.out, 2 b.out, 3 c.out, 4 d.out.
+struct Chain {
+  Plan plan;
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  std::shared_ptr<std::vector<float>> seen = std::make_shared<std::vector<float>>();
+  explicit Chain(std::int32_t slots = 1, std::int64_t pieces = 20) {
+    const Shape shape{64};  // 256 bytes: one arena_alignment
+    std::vector<RegisterIndex> r;
+    for (const char* n : {"src.out", "a.out", "b.out", "c.out", "d.out"}) {
+      r.push_back(plan.add_register({.name = n, .shape = shape, .slots = slots}));
+    }
+    plan.add_actor({.name = "src",
+                    .kind = ActorKind::source,
+                    .op = "fill_piece",
+                    .outputs = {r[0]},
+                    .pieces = pieces});
+    const char* names[] = {"a", "b", "c", "d"};
+    for (int i = 0; i < 4; ++i) {
+      plan.add_actor({.name = names[i],
+                      .op = "copy",
+                      .inputs = {{r[static_cast<std::size_t>(i)]}},
+                      .outputs = {r[static_cast<std::size_t>(i + 1)]},
+                      .order = ActOrder{.lane = 0, .units = {0}, .period = 1, .rank = i}});
+    }
+    kernels.add_fn("record", DeviceType::cpu, DType::f32, [seen = seen](KernelContext& ctx) {
+      for (float v : ctx.inputs[0]->data<float>()) seen->push_back(v);
+    });
+    plan.add_actor({.name = "sink", .op = "record", .inputs = {{r[4]}}});
+  }
+  /// Puts every register of `regs` (each slot at the offset given) into one arena on cpu:0.
+  void place(const std::vector<std::pair<RegisterIndex, std::vector<std::int64_t>>>& regs,
+             std::int64_t bytes) {
+    plan.arenas = {{.rank = 0, .device = Device{}, .bytes = bytes}};
+    for (const auto& [reg, offsets] : regs) {
+      plan.registers[reg].arena = 0;
+      plan.registers[reg].offsets = offsets;
+    }
+  }
+};
+
+std::string problems_of(const Plan& plan, const KernelRegistry& kernels) {
+  try {
+    validate(plan, kernels);
+  } catch (const PlanError& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("MemoryPlan.ALifeInALaneRunsFromItsWriteToItsLastRead") {
+  Chain c;
+  const auto lives = slot_lives(c.plan);
+  // The source acts when it likes: its register is live the whole job.
+  CHECK(lives[0][0].always());
+  // a, b, c, d are positions 0..3 of a period of 4 acts; a.out is written at 0 and read at 1.
+  REQUIRE_FALSE(lives[1][0].always());
+  CHECK(lives[1][0].lane_acts == 4);
+  CHECK(lives[1][0].spans == std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 1}});
+  CHECK(lives[3][0].spans == std::vector<std::pair<std::int64_t, std::int64_t>>{{2, 3}});
+  // b reads a.out in the act that writes b.out: they meet; a.out and c.out never do.
+  CHECK(may_overlap(lives[1][0], lives[2][0]));
+  CHECK_FALSE(may_overlap(lives[1][0], lives[3][0]));
+  CHECK(may_overlap(lives[0][0], lives[3][0]));
+  // The sink is in no lane: what it reads is live whenever it likes.
+  CHECK(lives[4][0].always());
+  // Two slots: piece p is in slot p % 2, so slot 0 holds the even periods' pieces and slot 1
+  // the odd ones': the pattern repeats after two periods, and the two never meet.
+  Chain two(2);
+  const auto l2 = slot_lives(two.plan);
+  CHECK(l2[1][0].period == 2);
+  CHECK(l2[1][0].spans == std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 1}});
+  CHECK(l2[1][1].spans == std::vector<std::pair<std::int64_t, std::int64_t>>{{4, 5}});
+  CHECK_FALSE(may_overlap(l2[1][0], l2[1][1]));
+  CHECK(may_overlap(l2[1][0], l2[2][0]));
+  CHECK(may_overlap(l2[1][0], l2[2][1]) == false);  // b.out slot 1 lives in the odd periods
+}
+
+TEST_CASE("MemoryPlan.ALifeIsTheWholeJobWhereNoLaneProvesOtherwise") {
+  // A reader outside the lane, a reader with a delay, or a lane of another worker: always.
+  for (int variant = 0; variant < 3; ++variant) {
+    CAPTURE(variant);
+    Chain c;
+    ActorDesc& b = c.plan.actors[2];
+    if (variant == 0) b.order = ActOrder{};
+    if (variant == 1) b.inputs[0].delay = 1;
+    if (variant == 2) b.order.lane = 1;
+    const auto lives = slot_lives(c.plan);
+    CHECK(lives[1][0].always());        // a.out, read by b
+    CHECK_FALSE(lives[3][0].always());  // c.out: written by c and read by d, both in lane 0
+  }
+}
+
+TEST_CASE("MemoryPlan.ValidateRefusesSharedBytesThatMayBeLiveAtOnce" * doctest::timeout(30)) {
+  {
+    // a.out and c.out share their bytes: never live at once, so the chain still delivers every
+    // piece intact.
+    Chain c(1, 50);
+    c.place({{1, {0}}, {2, {256}}, {3, {0}}}, 512);
+    CHECK(problems_of(c.plan, c.kernels).empty());
+    RuntimeSettings s;
+    s.mode = ExecutionMode::deterministic;
+    Runtime(c.plan, c.kernels, s).run();
+    REQUIRE(c.seen->size() == 50 * 64);
+    for (std::size_t i = 0; i < c.seen->size(); ++i)
+      CHECK((*c.seen)[i] == static_cast<float>(i / 64));
+  }
+  {
+    // b reads a.out while it writes b.out: refused, both named.
+    Chain c;
+    c.place({{1, {0}}, {2, {0}}}, 256);
+    const std::string why = problems_of(c.plan, c.kernels);
+    CHECK(test::contains(
+        why, "registers 'a.out' (slot 0) and 'b.out' (slot 0) share bytes [0, 256) of arena 0"));
+  }
+  {
+    // Out of the arena, misaligned, a missing arena, offsets for the wrong number of slots.
+    Chain c(2);
+    c.place({{1, {0, 256}}, {2, {512, 700}}, {3, {1024}}}, 768);
+    c.plan.registers[4].arena = 3;
+    c.plan.registers[4].offsets = {0, 0};
+    const std::string why = problems_of(c.plan, c.kernels);
+    CHECK(test::contains(why, "'b.out' slot 1 at offset 700"));
+    CHECK(test::contains(why, "'c.out' has 2 slots but 1 offsets"));
+    CHECK(test::contains(why, "placed in arena 3, which does not exist"));
+  }
+  {
+    // An arena on another device than the producer's.
+    Chain c;
+    c.place({{1, {0}}}, 256);
+    c.plan.arenas[0].device = Device{DeviceType::cpu, 1};
+    CHECK(test::contains(problems_of(c.plan, c.kernels),
+                         "'a.out' lives on r0/cpu:0 but is placed in arena 0 on r0/cpu:1"));
+  }
+}
+
+namespace {
+
+/// Fills a float tensor with NaN and any other with 0xA5 bytes.
+void poison(Tensor& t) {
+  if (t.dtype() == DType::f32) {
+    for (float& v : t.data<float>()) v = std::numeric_limits<float>::quiet_NaN();
+  } else if (t.dtype() == DType::f64) {
+    for (double& v : t.data<double>()) v = std::numeric_limits<double>::quiet_NaN();
+  } else {
+    std::memset(t.raw(), 0xA5, t.nbytes());
+  }
+}
+
+/// Runs another kernel after poisoning its outputs (those that are not also its inputs): each
+/// slot's bytes hold garbage from the moment its new life starts, so a slot that shared them
+/// with one still live would hand its reader NaN, and a kernel that read its output before
+/// writing it would too.
+class Poisoning final : public Kernel {
+ public:
+  explicit Poisoning(std::unique_ptr<Kernel> inner) : inner_(std::move(inner)) {}
+  void compute(KernelContext& ctx) override {
+    for (Tensor* out : ctx.outputs) {
+      bool is_input = false;
+      for (const Tensor* in : ctx.inputs)
+        is_input = is_input || (in != nullptr && in->raw() == out->raw());
+      if (!is_input) poison(*out);
+    }
+    inner_->compute(ctx);
+  }
+
+ private:
+  std::unique_ptr<Kernel> inner_;
+};
+
+/// Every compute and source actor of the job poisons its outputs before it writes them.
+void poison_outputs(TrainingJob& job) {
+  auto base = std::make_shared<const KernelRegistry>(job.kernels);
+  for (ActorDesc& a : job.plan.actors) {
+    if (a.kind != ActorKind::compute && a.kind != ActorKind::source) continue;
+    if (a.outputs.empty()) continue;
+    const std::string op = "poisoning." + a.op;
+    if (!job.kernels.contains(op, a.where.device.type, a.dtype)) {
+      job.kernels.add(op, a.where.device.type, a.dtype,
+                      [base, inner = a.op](const KernelConfig& cfg) {
+                        return std::make_unique<Poisoning>(base->create(inner, cfg));
+                      });
+    }
+    a.op = op;
+  }
+}
+
+struct Mode {
+  std::string name;
+  int dp = 1, pp = 1, tp = 1;
+  std::string schedule = "1f1b";
+  std::int64_t m = 1;  // micro-batches per replica
+  int threads = 1;
+  bool gpt = false;
+  OptimizerConfig opt = optim::sgd(0.1, 0.9);
+  bool ranks = false;  // each place a rank of its own, joined by a loopback data plane
+};
+
+struct Trained {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<float>> weights;
+  std::int64_t slot_bytes = 0;   // of the slots the plan placed in arenas (aligned)
+  std::int64_t arena_bytes = 0;  // of its arenas
+};
+
+Trained train(const Mode& mode, bool planned) {
+  constexpr std::int64_t batch = 24, steps = 4;
+  const std::int64_t pieces = mode.dp * mode.m;
+  Graph g(11);
+  Value loss;
+  TrainConfig cfg;
+  if (mode.gpt) {
+    auto corpus = std::make_shared<data::TextCorpus>();
+    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+    for (int i = 0; i < 500; ++i) corpus->ids.push_back((i * 7 + i / 13) % 16);
+    loss = models::gpt_with_loss(
+               g, batch / pieces,
+               {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = mode.tp})
+               .loss;
+    cfg.data = {{"text", data::text_source(corpus, batch, pieces, 8, 5), {"tokens", "targets"}}};
+  } else {
+    auto dataset = std::make_shared<const data::Dataset>(data::synthetic(240, 12, 4, 7));
+    Value logits = models::mlp(
+        g, batch / pieces, {.inputs = 12, .hidden = 16, .layers = 3, .classes = 4, .tp = mode.tp});
+    loss = softmax_cross_entropy(logits, g.find("label"));
+    cfg.data = {{"synthetic", data::batch_source(dataset, batch, pieces, 9), {"x", "label"}}};
+  }
+  cfg.steps = steps;
+  cfg.microbatches = mode.m;
+  cfg.dp = mode.dp;
+  cfg.pp = mode.pp;
+  cfg.tp = mode.tp;
+  cfg.schedule = mode.schedule;
+  cfg.threads = mode.threads;
+  cfg.optimizer = mode.opt;
+  cfg.bucket_bytes = 256;  // several buckets
+  cfg.memory_plan = planned;
+  if (mode.ranks) {
+    for (int r = 0; r < mode.dp * mode.pp * mode.tp; ++r)
+      cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
+  }
+  TrainingJob job = compile_training(g, loss, cfg);
+  Trained out;
+  for (const RegisterDesc& r : job.plan.registers) {
+    // Each slot rounded up to the arena's alignment, as the pass places them.
+    const std::int64_t slot =
+        (baton::slot_bytes(r) + arena_alignment - 1) / arena_alignment * arena_alignment;
+    if (r.arena >= 0) out.slot_bytes += slot * r.slots;
+  }
+  for (const ArenaDesc& a : job.plan.arenas) out.arena_bytes += a.bytes;
+  if (planned) poison_outputs(job);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  if (mode.ranks) {
+    for (const auto& r : test::run_on_loopback(job.plan, job.kernels, rs))
+      REQUIRE_MESSAGE(r.error.empty(), r.error);
+  } else {
+    Runtime(job.plan, job.kernels, rs).run();
+  }
+  out.losses = job.losses->per_step();
+  for (auto& [name, t] : job.params->values()) {
+    auto d = t.data<float>();
+    out.weights[name] = std::vector<float>(d.begin(), d.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("MemoryPlan.PoisonedArenasTrainBitForBitAsSlotsOfTheirOwn" * doctest::timeout(240)) {
+  const std::vector<Mode> modes{
+      {.name = "one device"},
+      {.name = "one device, 3 micro-batches, adam", .m = 3, .opt = optim::adam(0.01)},
+      {.name = "two threads", .m = 2, .threads = 2},
+      {.name = "dp 2", .dp = 2, .m = 2},
+      {.name = "pp 2 gpipe", .pp = 2, .schedule = "gpipe", .m = 4},
+      {.name = "pp 3 1f1b", .pp = 3, .m = 4},
+      {.name = "tp 2", .tp = 2, .m = 2},
+      {.name = "dp 2 x pp 2", .dp = 2, .pp = 2, .m = 2},
+      {.name = "pp 2 x tp 2, two threads", .pp = 2, .tp = 2, .m = 2, .threads = 2},
+      {.name = "gpt", .m = 2, .gpt = true, .opt = optim::adam(0.01)},
+      {.name = "gpt tp 2 x pp 2", .pp = 2, .tp = 2, .m = 2, .gpt = true, .opt = optim::adam(0.01)},
+      {.name = "pp 2 over two ranks", .pp = 2, .m = 3, .ranks = true},
+      {.name = "dp 2 over two ranks", .dp = 2, .m = 2, .ranks = true},
+  };
+  for (const Mode& mode : modes) {
+    CAPTURE(mode.name);
+    const Trained own = train(mode, false);
+    const Trained packed = train(mode, true);
+    CHECK(own.arena_bytes == 0);
+    // Sharing happened: the arenas hold the planned slots in less than their sum.
+    CHECK(packed.arena_bytes < packed.slot_bytes);
+    MESSAGE(mode.name << ": " << packed.slot_bytes << " bytes of slots in " << packed.arena_bytes
+                      << " bytes of arena");
+    // Bit for bit: the same kernels on the same inputs in the same order. Slots of their own
+    // are 64-byte aligned and arena slots 256-byte aligned, so even code that picks its path by
+    // alignment (up to AVX-512's 64 bytes) takes the same one (checked under OPENBLAS_CORETYPE
+    // Haswell, Zen, SkylakeX and Sandybridge).
+    REQUIRE(own.losses.size() == 4);
+    CHECK(packed.losses == own.losses);
+    for (const auto& [name, w] : own.weights) {
+      CAPTURE(name);
+      CHECK(packed.weights.at(name) == w);
+    }
+    CHECK(std::isfinite(own.losses.back()));
+  }
+}
+
+TEST_CASE("MemoryPlan.CudaRegistersGoInTheDevicesArenaAndPageLockedOnesHaveTheirOwn") {
+  if (!test::cuda_built()) return;  // compiling refuses CUDA actors without CUDA kernels
+  Graph g(2);
+  auto dataset = std::make_shared<const data::Dataset>(data::synthetic(64, 12, 4, 7));
+  Value logits = models::mlp(g, 8, {.inputs = 12, .hidden = 32, .layers = 2, .classes = 4});
+  Value loss = softmax_cross_entropy(logits, g.find("label"));
+  TrainConfig cfg;
+  cfg.microbatches = 2;
+  cfg.replica_places = {Placement{.device = Device{DeviceType::cuda, 0}}};
+  cfg.data = {{"synthetic", data::batch_source(dataset, 16, 2, 9), {"x", "label"}}};
+  const TrainingJob job = compile_training(g, loss, cfg);
+  int on_device = 0, pinned = 0;
+  for (RegisterIndex r = 0; r < job.plan.registers.size(); ++r) {
+    const RegisterDesc& reg = job.plan.registers[r];
+    const RegisterMemory mem = register_memory(job.plan, r);
+    CAPTURE(reg.name);
+    if (mem.pinned) {
+      ++pinned;
+      CHECK(reg.arena == -1);
+    } else if (mem.allocated && reg.arena >= 0) {
+      const ArenaDesc& arena = job.plan.arenas[static_cast<std::size_t>(reg.arena)];
+      CHECK(arena.device == mem.device);
+      on_device += mem.device.type == DeviceType::cuda;
+    }
+  }
+  CHECK(pinned > 0);  // the data and the loss cross between host and device
+  CHECK(on_device > 0);
+  CHECK_NOTHROW(validate(job.plan, job.kernels));
+}
+
+TEST_CASE("MemoryPlan.ThePlanReportsItsBytesByCategoryAndABudgetRefusesWhatDoesNotFit") {
+  auto compile = [](std::int64_t budget, bool planned) {
+    Graph g(2);
+    auto dataset = std::make_shared<const data::Dataset>(data::synthetic(64, 12, 4, 7));
+    Value logits = models::mlp(g, 8, {.inputs = 12, .hidden = 32, .layers = 2, .classes = 4});
+    Value loss = softmax_cross_entropy(logits, g.find("label"));
+    TrainConfig cfg;
+    cfg.optimizer = optim::adam(0.01);
+    cfg.microbatches = 2;
+    cfg.memory_budget = budget;
+    cfg.memory_plan = planned;
+    cfg.data = {{"synthetic", data::batch_source(dataset, 16, 2, 9), {"x", "label"}}};
+    return compile_training(g, loss, cfg);
+  };
+  const TrainingJob job = compile(0, true);
+  const auto report = memory_report(job.plan);
+  REQUIRE(report.size() == 1);
+  const DeviceMemory& m = report[0];
+  std::int64_t params = 0;
+  for (const auto& [name, t] : job.params->values()) params += t.numel() * 4;
+  auto bytes = [&](MemoryCategory c) { return m.bytes[static_cast<std::size_t>(c)]; };
+  // Weights: the master copies and each weight's once-a-step register; Adam's two slots each.
+  CHECK(bytes(MemoryCategory::weights) == 2 * params);
+  CHECK(bytes(MemoryCategory::optimizer_state) == 2 * params);
+  CHECK(bytes(MemoryCategory::activations) > 0);
+  CHECK(bytes(MemoryCategory::gradients) > 0);
+  CHECK(m.total() == m.registers + 3 * params);  // what the runtime allocates, and the kernels keep
+  CHECK(m.slack >= 0);
+  CHECK_FALSE(m.largest.empty());
+  const std::int64_t unplanned = memory_report(compile(0, false).plan)[0].total();
+  CHECK(m.total() < unplanned);
+  CHECK(test::contains(to_text(report), "r0/cpu:0 peak "));
+  // A budget below the peak is refused before anything runs, naming the largest consumer.
+  const std::string why = test::thrown_message<GraphError>([&] { compile(m.total() - 1, true); });
+  CHECK(test::contains(why, "but the memory budget is"));
+  CHECK(test::contains(why, m.largest[0].name));
+  CHECK_NOTHROW(compile(m.total(), true));
+}
