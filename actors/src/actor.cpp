@@ -93,10 +93,11 @@ void Actor::wire_inputs() {
       in.producer = ActorId::make(at.rank, at.device, at.stream, reg.producer);
     }
     port_to_input_.push_back(static_cast<std::uint32_t>(inputs_.size()));
-    inputs_.push_back(in);
+    inputs_.push_back(std::move(in));
   }
   in_view_.assign(desc_.inputs.size(), nullptr);
   if (desc_.kind == ActorKind::repeat) bytes_in_per_act_ = 0;  // it reads nothing: an alias
+  wire_streams();
   if (core_.dry_run) return;
   const DType dtype = desc_.dtype;
   KernelConfig cfg{desc_.name, desc_.where.device, dtype, desc_.attrs, &core_.services};
@@ -112,9 +113,50 @@ void Actor::wire_inputs() {
       break;
     default: kernel_ = core_.kernels->create(desc_.op, cfg);
   }
-  if (desc_.where.device.type == DeviceType::cuda && desc_.kind != ActorKind::repeat) {
+}
+
+// Which handshakes follow stream order, which wait for the stream (EdgeSync, plan.h), and the
+// events that order streams among themselves.
+void Actor::wire_streams() {
+  if (!core_.dry_run && on_stream(desc_)) {
     stream_ = &core_.stream_for(desc_.where);
+    cuda_stream_ = dynamic_cast<cuda::Stream*>(stream_);
+    stream_ordered_ = core_.settings.mode != ExecutionMode::deterministic;
   }
+  const Plan& plan = core_.plan;
+  for (auto& out : outputs_) {
+    const RegisterDesc& reg = plan.registers[out->reg];
+    const auto slots = static_cast<std::size_t>(out->slots);
+    out->deferred.assign(out->consumers.size(), false);
+    out->ready.assign(slots, nullptr);
+    out->done.assign(out->consumers.size(), std::vector<std::vector<const StreamEvent*>>(slots));
+    bool readers_on_streams = false;
+    for (std::size_t c = 0; c < out->consumers.size(); ++c) {
+      const EdgeSync e = edge_sync(plan, out->reg, reg.consumers[c]);
+      out->deferred[c] = stream_ordered_ && e == EdgeSync::to_host;
+      out->any_deferred = out->any_deferred || out->deferred[c];
+      readers_on_streams = readers_on_streams || e == EdgeSync::event || e == EdgeSync::alias;
+    }
+    if (stream_ordered_ && readers_on_streams) {
+      out->ready_events.resize(slots);
+      for (auto& e : out->ready_events) e = stream_->make_event();
+    }
+    needs_reached_ = needs_reached_ || out->any_deferred;
+  }
+  for (Input& in : inputs_) {
+    in.sync = edge_sync(plan, in.reg, index_);
+    if (stream_ordered_ && in.sync == EdgeSync::event) {
+      in.done_events.resize(static_cast<std::size_t>(in.slots));
+      for (auto& e : in.done_events) e = stream_->make_event();
+    }
+    needs_reached_ = needs_reached_ || defers_ack(in);
+  }
+}
+
+// A reader on a stream whose data a host (or a stream of another kind) wrote acks only once its
+// stream has run the read: the writer would otherwise overwrite the slot under it.
+bool Actor::defers_ack(const Input& in) const {
+  return stream_ordered_ && (in.sync == EdgeSync::from_host || in.sync == EdgeSync::to_host);
 }
 
 std::int64_t Actor::needed_piece(const Input& in) const {
@@ -208,21 +250,41 @@ void Actor::act() {
   const bool opens_group = k % out_group_ == 0;
   const bool closes_group = k % out_group_ == out_group_ - 1;
   // The slot of the piece this act writes: k / out_group_, not out.written, which counts only
-  // published pieces and lags behind while acts are in flight on a CUDA stream (a second act
+  // published pieces and lags behind while acts are in flight on a stream (a second act
   // enqueued before the first was reached would otherwise write the first one's slot).
   const std::int64_t out_piece = k / out_group_;
+  const auto out_slot = [&](const Output& out) { return static_cast<std::size_t>(out_piece % out.slots); };
   for (std::size_t o = 0; o < outputs_.size(); ++o) {
     Output& out = *outputs_[o];
-    out_view_[o] = &out.buffers[static_cast<std::size_t>(out_piece % out.slots)];
+    out_view_[o] = &out.buffers[out_slot(out)];
   }
   if (!core_.dry_run) {
     const std::uint64_t kernel_start = core_.settings.time_accounting ? ticks() : 0;
     try {
-      KernelContext ctx{in_view_, out_view_, desc_.first_piece + k, stream_};
+      if (stream_ordered_) {
+        // Stream order covers what this stream wrote and read; what other streams did, events.
+        for (Input& in : inputs_) {
+          const std::int64_t q = needed_piece(in);
+          if (in.sync != EdgeSync::event || q < 0 || in.source == nullptr) continue;
+          if (const StreamEvent* written = in.source->ready[static_cast<std::size_t>(q % in.slots)]) {
+            stream_->wait(*written);
+          }
+        }
+        if (opens_group) {
+          for (auto& out : outputs_) wait_for_readers(*out, out_slot(*out));
+        }
+      }
+      KernelContext ctx{in_view_, out_view_, desc_.first_piece + k, cuda_stream_, stream_};
       switch (desc_.kind) {
-        case ActorKind::repeat:
+        case ActorKind::repeat: {
           *out_view_[0] = *in_view_[0];  // alias: the consumers read the input slot itself
+          // ... and wait for what the input's writer's stream waits for (EdgeSync::alias).
+          const Input& in = inputs_[0];
+          Output& out = *outputs_[0];
+          out.ready[out_slot(out)] =
+              in.source == nullptr ? nullptr : in.source->ready[static_cast<std::size_t>(needed_piece(in) % in.slots)];
           break;
+        }
         case ActorKind::accumulate:
           if (!kernel_) {  // op "last": only the group's last piece counts
             if (closes_group) copy_kernel_->compute(ctx);
@@ -230,16 +292,24 @@ void Actor::act() {
             copy_kernel_->compute(ctx);
           } else {
             const Tensor* sum_in[2] = {out_view_[0], in_view_[0]};
-            KernelContext add{sum_in, out_view_, k, stream_};
+            KernelContext add{sum_in, out_view_, k, cuda_stream_, stream_};
             kernel_->compute(add);
           }
           break;
         default:
           kernel_->compute(ctx);
       }
+      if (stream_ordered_ && closes_group) {
+        for (auto& out : outputs_) {
+          if (out->ready_events.empty()) continue;
+          StreamEvent& e = *out->ready_events[out_slot(*out)];
+          stream_->record(e);
+          out->ready[out_slot(*out)] = &e;
+        }
+      }
       // One worker for every device (deterministic mode) cannot wait for a callback: the act
       // ends when its stream does.
-      if (stream_ != nullptr && core_.settings.mode == ExecutionMode::deterministic) stream_->synchronize();
+      if (stream_ != nullptr && !stream_ordered_) stream_->synchronize();
     } catch (const std::exception& e) {
       core_.fail(fmt::format("actor '{}' ({} {} on {}) failed at piece {}: {}", desc_.name,
                              baton::name(desc_.kind), desc_.op, id_.str(), k, e.what()));
@@ -251,28 +321,37 @@ void Actor::act() {
   if (core_.dry_run) core_.count_dry_act(acts_);
   bump(counters_.acts, std::uint64_t{1});
   bump(counters_.bytes_in, bytes_in_per_act_);
-  if (stream_ != nullptr && !core_.dry_run && core_.settings.mode != ExecutionMode::deterministic) {
-    // The kernel only enqueued its work: its requests and acks go out when the stream reaches
-    // this point (on_stream_reached), so a request always means the data is there and an ack
-    // that the slot is no longer read. A host callback posts to the worker's mailbox, which
-    // wakes the worker if it parked; polling an event would need the worker to keep spinning.
-    struct Reached {
-      Worker* worker;
-      Message m;
-    };
-    auto* r = new Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}};
-    try {
-      stream_->when_reached([](void* p) {
-        std::unique_ptr<Reached> done(static_cast<Reached*>(p));
-        done->worker->post(done->m);
-      }, r);
-    } catch (const std::exception& e) {
-      delete r;
-      core_.fail(fmt::format("actor '{}' ({} on {}) failed at piece {}: {}", desc_.name, desc_.op, id_.str(), k, e.what()));
-      return;
+  if (stream_ordered_) {
+    // The kernel only enqueued its work. What stream order or events cover goes out now; what
+    // the host must not see before the stream ran it (a host reader's request, the ack to a
+    // host writer) waits for a callback from the stream, which posts to this worker (waking
+    // it if parked: polling an event would keep the worker spinning).
+    after_act(k, Handoff::enqueued);
+    if (core_.failed()) return;
+    bool waits = false;
+    if (closes_group) {
+      for (const auto& out : outputs_) waits = waits || out->any_deferred;
     }
-    on_stream_.push_back(k);
-    ++inflight_;
+    for (const Input& in : inputs_) waits = waits || (defers_ack(in) && k / in_ratio_ - in.delay >= 0);
+    if (waits) {
+      struct Reached {
+        Worker* worker;
+        Message m;
+      };
+      auto* r = new Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}};
+      try {
+        stream_->when_reached([](void* p) {
+          std::unique_ptr<Reached> done(static_cast<Reached*>(p));
+          done->worker->post(done->m);
+        }, r);
+      } catch (const std::exception& e) {
+        delete r;
+        core_.fail(fmt::format("actor '{}' ({} on {}) failed at piece {}: {}", desc_.name, desc_.op, id_.str(), k, e.what()));
+        return;
+      }
+      on_stream_.push_back(k);
+      ++inflight_;
+    }
     if (logging) worker_->log(ActRecord{index_, k, log_start, steady_ns(), worker_->index()});
     return;
   }
@@ -281,32 +360,44 @@ void Actor::act() {
   if (logging) worker_->log(ActRecord{index_, k, log_start, log_end, worker_->index()});
 }
 
-// Act k's work is done: its outputs are published (at the end of a group) and its inputs acked.
-void Actor::after_act(std::int64_t k) {
+// The slot is about to be written again on this stream: first the reads of its last piece on
+// other streams must be done (the events their readers left with their acks).
+void Actor::wait_for_readers(Output& out, std::size_t slot) {
+  for (auto& per_consumer : out.done) {
+    for (const StreamEvent* e : per_consumer[slot]) stream_->wait(*e);
+    per_consumer[slot].clear();
+  }
+}
+
+// Act k's work is done (or, on a stream, enqueued / reached: Handoff): its outputs are
+// published (at the end of a group) and its inputs acked.
+void Actor::after_act(std::int64_t k, Handoff h) {
   // The act ends before its requests and acks go out, so no consumer's act (nor this act's
   // next, once its slot comes back) can appear to start before it ended: a trace's arrows
   // point forward in time.
   const bool closes_group = k % out_group_ == out_group_ - 1;
   if (closes_group) {
-    bump(counters_.bytes_out, bytes_out_per_act_);
-    for (auto& out : outputs_) publish(*out);
+    if (h != Handoff::reached) bump(counters_.bytes_out, bytes_out_per_act_);
+    for (auto& out : outputs_) publish(*out, k / out_group_, h);
   }
   // Acks after requests: a consumer hears of new data before the producer hears of space.
   if (desc_.kind != ActorKind::repeat) {
     for (Input& in : inputs_) {
       std::int64_t q = k / in_ratio_ - in.delay;
-      if (q >= 0) release(in, q);
+      if (q < 0) continue;
+      const bool waited = h != Handoff::all && defers_ack(in);
+      if (h == Handoff::all || (h == Handoff::reached) == waited) release(in, q);
     }
   }
 }
 
 void Actor::on_stream_reached(const Message& m) {
   if (on_stream_.empty() || on_stream_.front() != m.piece) {
-    return protocol_error(m, "its CUDA stream reached an act that was not the next one enqueued");
+    return protocol_error(m, "its stream reached an act that was not the next one waited for");
   }
   on_stream_.pop_front();
   --inflight_;
-  after_act(m.piece);
+  after_act(m.piece, Handoff::reached);
 }
 
 // Pull piece k of the remote register into our next slot. It is published (and acked to the
@@ -356,45 +447,82 @@ void Actor::on_pulled(const Message& m) {
     if (started != 0) worker_->log(ActRecord{index_, piece, started, steady_ns(), worker_->index()});
     bump(counters_.bytes_in, bytes_in_per_act_);
     bump(counters_.bytes_out, bytes_out_per_act_);
-    publish(out);
+    publish(out, piece);
     release(inputs_[0], piece);
   }
 }
 
-void Actor::publish(Output& out) {
-  const std::int64_t piece = out.written;
-  const auto slot = static_cast<std::uint16_t>(piece % out.slots);
-  out.pending[slot] = out.live;
-  out.written = piece + 1;
-  auto outstanding = static_cast<std::int32_t>(out.written - out.freed);
-  if (outstanding > out.max_outstanding) {
-    out.max_outstanding = outstanding;
-    out.max_outstanding_seen.store(outstanding, std::memory_order_relaxed);
-  }
-  out.written_seen.store(out.written, std::memory_order_relaxed);
-  for (std::size_t c = 0; c < out.consumers.size(); ++c) {
-    const Consumer& consumer = out.consumers[c];
-    if (consumer.detached_from != never) continue;
-    if (consumer.worker == nullptr && !core_.dry_run && out.buffers[slot].nbytes() > 0) {
-      // A consumer on another rank pulls the payload from this slot, which stays ours until
-      // it acks (the slot's credit keeps it unchanged meanwhile).
-      Tensor& data = out.buffers[slot];
-      try {
-        core_.settings.link->send_payload(consumer.id.rank(), payload_tag(out.reg, piece), data.raw(),
-                                          data.nbytes());
-      } catch (const std::exception& e) {
-        core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
-                               core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));
-        return;
-      }
+// The piece in the next slot is written (Handoff::all, ::enqueued: the bookkeeping happens
+// here) and its consumers hear of it: all of them, or (on a stream) those that need not wait
+// for the stream now and the others once it has run the write (::reached).
+void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
+  if (h != Handoff::reached) {
+    if (piece != out.written) {
+      core_.fail(fmt::format("actor '{}' published piece {} of '{}' out of turn (piece {} was next)", desc_.name, piece,
+                             core_.plan.registers[out.reg].name, out.written));
+      return;
     }
-    send(consumer.worker, Message{id_, consumer.id, piece, out.reg, slot, MsgKind::request,
-                                  static_cast<std::uint8_t>(c)});
+    const auto slot = static_cast<std::size_t>(piece % out.slots);
+    out.pending[slot] = out.live;
+    out.written = piece + 1;
+    auto outstanding = static_cast<std::int32_t>(out.written - out.freed);
+    if (outstanding > out.max_outstanding) {
+      out.max_outstanding = outstanding;
+      out.max_outstanding_seen.store(outstanding, std::memory_order_relaxed);
+    }
+    out.written_seen.store(out.written, std::memory_order_relaxed);
   }
-  if (out.live == 0) advance_freed(out);
+  for (std::size_t c = 0; c < out.consumers.size(); ++c) {
+    if (piece >= out.consumers[c].detached_from) continue;
+    const bool waits = h != Handoff::all && out.deferred[c];
+    if (h == Handoff::all || (h == Handoff::reached) == waits) request(out, piece, c);
+    if (core_.failed()) return;
+  }
+  if (h != Handoff::reached && out.live == 0) advance_freed(out);
+}
+
+void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
+  const Consumer& consumer = out.consumers[c];
+  const auto slot = static_cast<std::uint16_t>(piece % out.slots);
+  if (consumer.worker == nullptr && !core_.dry_run && out.buffers[slot].nbytes() > 0) {
+    // A consumer on another rank pulls the payload from this slot, which stays ours until
+    // it acks (the slot's credit keeps it unchanged meanwhile).
+    Tensor& data = out.buffers[slot];
+    try {
+      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(out.reg, piece), data.raw(), data.nbytes());
+    } catch (const std::exception& e) {
+      core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
+                             core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));
+      return;
+    }
+  }
+  send(consumer.worker, Message{id_, consumer.id, piece, out.reg, slot, MsgKind::request, static_cast<std::uint8_t>(c)});
 }
 
 void Actor::release(Input& in, std::int64_t piece) {
+  const auto slot = static_cast<std::size_t>(piece % in.slots);
+  if (in.source != nullptr) {
+    std::vector<const StreamEvent*>& left = in.source->done[in.consumer_index][slot];
+    if (stream_ordered_ && in.sync == EdgeSync::event) {
+      // Our reads of the slot are enqueued: the writer's stream waits for them, not the host.
+      StreamEvent& e = *in.done_events[slot];
+      try {
+        stream_->record(e);
+      } catch (const std::exception& ex) {
+        core_.fail(fmt::format("actor '{}' ({} on {}) failed at piece {}: {}", desc_.name, desc_.op, id_.str(), piece,
+                               ex.what()));
+        return;
+      }
+      left.push_back(&e);
+    } else if (desc_.kind == ActorKind::repeat) {
+      // What the repeat's readers left for this piece's group goes on to the writer.
+      auto it = repeat_done_.find(piece);
+      if (it != repeat_done_.end()) {
+        left.insert(left.end(), it->second.begin(), it->second.end());
+        repeat_done_.erase(it);
+      }
+    }
+  }
   in.released = piece + 1;
   send(in.producer_worker, Message{id_, in.producer, piece, in.reg,
                                    static_cast<std::uint16_t>(piece % in.slots), MsgKind::ack,
@@ -437,6 +565,15 @@ void Actor::on_ack(const Message& m) {
   Consumer& c = out->consumers[m.consumer];
   if (m.piece != c.acked || m.piece >= out->written) return protocol_error(m, "ack out of order");
   c.acked = m.piece + 1;
+  if (desc_.kind == ActorKind::repeat && !out->done.empty()) {
+    // The events this reader left go to the input piece its output piece aliases.
+    auto& left = out->done[m.consumer][static_cast<std::size_t>(m.piece % out->slots)];
+    if (!left.empty()) {
+      auto& to = repeat_done_[m.piece / desc_.group];
+      to.insert(to.end(), left.begin(), left.end());
+      left.clear();
+    }
+  }
   if (m.piece < c.detached_from) {
     --out->pending[static_cast<std::size_t>(m.piece % out->slots)];
     advance_freed(*out);

@@ -2,6 +2,7 @@
 // Internals of the runtime: the actor state machine, worker threads and the runtime core.
 // Not installed; nothing outside actors/src includes this.
 #include <array>
+#include <chrono>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -27,6 +28,7 @@
 #include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/nccl.h"
+#include "baton/kernels/stream.h"
 #include "baton/transport/link.h"
 
 namespace baton::detail {
@@ -56,6 +58,17 @@ struct Output {
   std::int64_t written = 0;           // pieces published; piece p lives in slot p % slots
   std::int64_t freed = 0;             // pieces acked by every live consumer (in order)
   std::int32_t max_outstanding = 0;
+  // Stream-ordered handshakes (an actor on a stream, or a repeat aliasing what one wrote):
+  // per consumer, whether its requests wait for the stream to reach the write (EdgeSync::to_host).
+  std::vector<bool> deferred;
+  bool any_deferred = false;
+  // Per slot: what a reader on another stream waits for before reading (an event recorded
+  // after the write; a repeat forwards its input's). Null: nothing to wait for.
+  std::vector<const StreamEvent*> ready;
+  std::vector<std::unique_ptr<StreamEvent>> ready_events;  // the writer's own, per slot
+  // Per consumer, per slot: events its readers recorded after their reads (left here before
+  // their ack); the writer's stream waits for them before it writes the slot again.
+  std::vector<std::vector<std::vector<const StreamEvent*>>> done;
   // Mirrors for the metrics reader (relaxed, written by the owner only).
   std::atomic<std::int64_t> written_seen{0};
   std::atomic<std::int64_t> freed_seen{0};
@@ -75,6 +88,9 @@ struct Input {
   std::int64_t released = 0;        // pieces acked back to the producer
   std::int64_t end = -1;            // total pieces, once end-of-stream arrived
   bool detached = false;
+  EdgeSync sync = EdgeSync::host;   // with the data's writer (plan.h)
+  // EdgeSync::event: per slot, recorded on this actor's stream after its last read of the slot.
+  std::vector<std::unique_ptr<StreamEvent>> done_events;
 };
 
 /// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it
@@ -149,11 +165,21 @@ class Actor {
   void act_transfer();
   void on_pulled(const Message& m);
   void on_stream_reached(const Message& m);
-  void after_act(std::int64_t k);
+  /// What act k hands on: `all` for an act that is over (host actors, deterministic mode);
+  /// `enqueued` right after an act on a stream was enqueued (what stream order or events
+  /// cover); `reached` once the stream has run it (what the host had to wait for).
+  enum class Handoff : std::uint8_t { all, enqueued, reached };
+  void after_act(std::int64_t k, Handoff h = Handoff::all);
+  void wait_for_readers(Output& out, std::size_t slot);
+  void wire_streams();
   void advance();
   void act();
-  void publish(Output& out);
+  /// Piece `piece` of `out` is written: with Handoff::all or ::enqueued it is the next one
+  /// (out.written), booked here; with ::reached only the requests that waited go out.
+  void publish(Output& out, std::int64_t piece, Handoff h = Handoff::all);
+  void request(Output& out, std::int64_t piece, std::size_t consumer);
   void release(Input& in, std::int64_t piece);
+  bool defers_ack(const Input& in) const;
   void advance_freed(Output& out);
   void release_repeat_inputs();
   void finish(bool unread);
@@ -192,10 +218,19 @@ class Actor {
   std::int64_t inflight_ = 0;
   std::vector<bool> pulled_;
   std::vector<std::uint64_t> pull_started_;  // per slot, for the activity log
-  // CUDA actors: the stream their kernels enqueue on, and the acts enqueued whose requests and
-  // acks wait for the stream to reach them (counted in inflight_ too: their slots are taken).
-  cuda::Stream* stream_ = nullptr;
+  // Actors on a CUDA or sim device: the stream their kernels enqueue on (and the same as a CUDA
+  // stream, for CUDA kernels), whether handshakes follow stream order (not in deterministic
+  // mode, which waits for the stream after every act), and the acts whose requests or acks
+  // wait for the stream to reach them (counted in inflight_ too, so the actor does not finish
+  // before they went out).
+  AsyncStream* stream_ = nullptr;
+  cuda::Stream* cuda_stream_ = nullptr;
+  bool stream_ordered_ = false;
+  bool needs_reached_ = false;  // some output defers requests or some input defers acks
   std::deque<std::int64_t> on_stream_;
+  // A repeat: the events its readers left for the pieces of each input piece (group), handed
+  // to the input's writer with the ack of that piece.
+  std::map<std::int64_t, std::vector<const StreamEvent*>> repeat_done_;
   bool finished_ = false;
   bool retired_ = false;
   ActorActivity activity_ = ActorActivity::starved;
@@ -311,8 +346,13 @@ struct Core : transport::LinkHandler {
   std::vector<std::unique_ptr<Allocator>> arena_slots;
   /// Slot `slot` of `reg` (written by `producer`): its place in its arena, or memory of its own.
   Tensor register_slot(const ActorDesc& producer, const RegisterDesc& reg, std::size_t slot);
-  /// The CUDA stream of a (device, stream) placement, made on first use.
-  cuda::Stream& stream_for(const Placement& where);
+  /// The stream of a (device, stream) placement on a CUDA or sim device, made on first use.
+  AsyncStream& stream_for(const Placement& where);
+  /// Waits until every stream has run what was enqueued (or `limit` passed, if > 0); returns
+  /// why not ("" when all are idle): a stream's failure or the time-out.
+  std::string drain_streams(std::chrono::milliseconds limit);
+  /// "<error>; actors on that stream: '<name>' (<acts> acts enqueued), ..."
+  std::string describe_stream_failure(const std::pair<Device, std::uint8_t>& where, const std::string& why) const;
   std::vector<std::unique_ptr<Actor>> actors;  // by plan index; null if on another rank
   std::vector<std::unique_ptr<Worker>> workers;
   std::map<std::int32_t, Lane> lanes;  // by ActOrder::lane, for the local actors
@@ -341,7 +381,7 @@ struct Core : transport::LinkHandler {
   bool dry_spent = false;
   // Late, so destroyed early (after only the communicators below): each waits for its queued
   // work, which reads and writes register slots and posts to workers, before those go.
-  std::map<std::pair<Device, std::uint8_t>, std::unique_ptr<cuda::Stream>> streams;
+  std::map<std::pair<Device, std::uint8_t>, std::unique_ptr<AsyncStream>> streams;
   // After the streams, so destroyed before them: a collective whose peer is gone never ends,
   // and a stream would wait for it forever unless its communicator is aborted first.
   std::unique_ptr<nccl::Communicators> nccl;

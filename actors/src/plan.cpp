@@ -76,6 +76,84 @@ std::string placement_str(const Placement& p) {
 }
 }  // namespace
 
+std::string_view name(EdgeSync s) {
+  switch (s) {
+    case EdgeSync::host: return "host";
+    case EdgeSync::to_host: return "to_host";
+    case EdgeSync::from_host: return "from_host";
+    case EdgeSync::same_stream: return "same_stream";
+    case EdgeSync::event: return "event";
+    case EdgeSync::alias: return "alias";
+  }
+  return "?";
+}
+
+bool on_stream(const ActorDesc& a) {
+  return is_async(a.where.device.type) && a.kind != ActorKind::repeat && a.kind != ActorKind::transfer;
+}
+
+ActorIndex data_writer(const Plan& plan, RegisterIndex reg) {
+  // Bounded: a cycle of repeats (which validate() would refuse anyway) cannot loop forever.
+  for (std::size_t hops = 0; hops <= plan.actors.size() && reg < plan.registers.size(); ++hops) {
+    const ActorIndex p = plan.registers[reg].producer;
+    if (p >= plan.actors.size()) return no_actor;
+    const ActorDesc& a = plan.actors[p];
+    if (a.kind != ActorKind::repeat || a.inputs.empty()) return p;
+    reg = a.inputs[0].reg;
+  }
+  return no_actor;
+}
+
+namespace {
+
+/// Two streams whose events can order each other: same rank, same kind of device.
+bool same_kind(const ActorDesc& a, const ActorDesc& b) {
+  return a.where.rank == b.where.rank && a.where.device.type == b.where.device.type;
+}
+
+/// Whether every reader of the repeat `r`'s output (through further repeats) is on a stream
+/// that can wait on an event of `writer`'s.
+bool readers_on_streams(const Plan& plan, ActorIndex r, const ActorDesc& writer, std::size_t depth) {
+  if (depth > plan.actors.size()) return false;
+  for (RegisterIndex out : plan.actors[r].outputs) {
+    if (out >= plan.registers.size()) return false;
+    for (ActorIndex c : plan.registers[out].consumers) {
+      if (c >= plan.actors.size()) return false;
+      const ActorDesc& a = plan.actors[c];
+      if (a.kind == ActorKind::repeat) {
+        if (!readers_on_streams(plan, c, writer, depth + 1)) return false;
+      } else if (!on_stream(a) || !same_kind(a, writer)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+EdgeSync edge_sync(const Plan& plan, RegisterIndex reg, ActorIndex consumer) {
+  const ActorIndex w = data_writer(plan, reg);
+  if (w == no_actor || consumer >= plan.actors.size()) return EdgeSync::host;
+  const ActorDesc& writer = plan.actors[w];
+  const ActorDesc& reader = plan.actors[consumer];
+  const bool writes_on_stream = on_stream(writer);
+  if (reader.kind == ActorKind::repeat) {
+    if (!writes_on_stream) return EdgeSync::host;
+    return readers_on_streams(plan, consumer, writer, 0) ? EdgeSync::alias : EdgeSync::to_host;
+  }
+  const bool reads_on_stream = on_stream(reader);
+  if (!writes_on_stream) return reads_on_stream ? EdgeSync::from_host : EdgeSync::host;
+  if (!reads_on_stream || !same_kind(reader, writer)) {
+    // A reader on a stream of another kind (a sim device reading CUDA memory) sees the data
+    // as the host does: once the writer's stream has reached the write. Its own reads then
+    // end before its stream is reached, which it waits for before acking (from_host's rule
+    // applies on its side: see the runtime).
+    return EdgeSync::to_host;
+  }
+  return reader.where == writer.where ? EdgeSync::same_stream : EdgeSync::event;
+}
+
 std::string Plan::to_text() const {
   std::string out;
   for (std::size_t i = 0; i < arenas.size(); ++i) {
@@ -90,6 +168,14 @@ std::string Plan::to_text() const {
                        r.producer == no_actor ? std::string("none") : std::to_string(r.producer),
                        consumers);
     if (r.arena >= 0 || !r.offsets.empty()) out += fmt::format(" arena={}@[{}]", r.arena, fmt::join(r.offsets, ","));
+    std::string syncs;
+    bool crosses_a_stream = false;
+    for (auto c : r.consumers) {
+      const EdgeSync e = edge_sync(*this, static_cast<RegisterIndex>(i), c);
+      crosses_a_stream = crosses_a_stream || e != EdgeSync::host;
+      syncs += fmt::format("{}{}", syncs.empty() ? "" : ",", name(e));
+    }
+    if (crosses_a_stream) out += fmt::format(" sync=[{}]", syncs);
     out += '\n';
   }
   for (std::size_t i = 0; i < actors.size(); ++i) {
@@ -259,15 +345,15 @@ Plan device_copies(const Plan& plan) {
       const bool remote = a.where.rank != home.rank || a.kind == ActorKind::transfer;
       if (remote) {
         // Staged through the producer's host side: UCX here moves host memory only.
-        if (home.device.type == DeviceType::cuda) elsewhere[Device{DeviceType::cpu, home.device.index}].push_back(c);
+        if (is_async(home.device.type)) elsewhere[Device{DeviceType::cpu, home.device.index}].push_back(c);
         continue;
       }
       if (a.where.device == home.device) continue;
-      if (a.where.device.type != DeviceType::cuda && home.device.type != DeviceType::cuda) continue;
+      if (!is_async(a.where.device.type) && !is_async(home.device.type)) continue;
       elsewhere[a.where.device].push_back(c);
     }
     for (const auto& [device, consumers] : elsewhere) {
-      const bool to_host = device.type != DeviceType::cuda;
+      const bool to_host = !is_async(device.type);
       ActorDesc t;
       t.op = to_host ? "to_host" : "to_device";
       t.where = Placement{home.rank, to_host ? home.device : device, device_copy_stream};
@@ -290,13 +376,13 @@ Plan insert_device_copies(const Plan& plan) {
     for (ActorIndex c : reg.consumers) {
       if (c >= out.actors.size()) continue;
       const Placement& there = out.actors[c].where;
-      if (there.rank != home.rank && there.device.type == DeviceType::cuda) cross_rank_cuda = true;
+      if (there.rank != home.rank && is_async(there.device.type)) cross_rank_cuda = true;
     }
   }
   if (!cross_rank_cuda) return out;
   out = insert_transfers(out);
   for (ActorDesc& a : out.actors) {
-    if (a.kind == ActorKind::transfer && a.where.device.type == DeviceType::cuda) {
+    if (a.kind == ActorKind::transfer && is_async(a.where.device.type)) {
       a.where.device = Device{DeviceType::cpu, a.where.device.index};
     }
   }

@@ -3,11 +3,13 @@
 #include <sched.h>
 #include <cstring>
 #include <set>
+#include <thread>
 
 #include <boost/lockfree/spsc_queue.hpp>
 #include <fmt/format.h>
 
 #include "baton/actors/plan_memory.h"
+#include "baton/kernels/sim.h"
 #include "internal.h"
 
 namespace baton {
@@ -254,10 +256,12 @@ Allocator& Core::allocator_for(const ActorDesc& producer, const RegisterDesc& re
     if (!alloc) alloc = cuda::make_device_allocator(d);
     return *alloc;
   }
-  // Registers that cross between host and device are page-locked, so that their copies run on
-  // the copy engines, asynchronously.
-  bool crosses = producer.op == "to_host";
-  for (ActorIndex c : reg.consumers) crosses = crosses || plan.actors[c].op == "to_device";
+  // Registers that cross between host and a CUDA device are page-locked, so that their copies
+  // run on the copy engines, asynchronously. (A sim device's memory is host memory.)
+  bool crosses = producer.op == "to_host" && d.type == DeviceType::cuda;
+  for (ActorIndex c : reg.consumers) {
+    crosses = crosses || (plan.actors[c].op == "to_device" && plan.actors[c].where.device.type == DeviceType::cuda);
+  }
   if (crosses) {
     if (!pinned) pinned = cuda::make_pinned_allocator(Device{});
     return *pinned;
@@ -313,10 +317,56 @@ Tensor Core::register_slot(const ActorDesc& producer, const RegisterDesc& reg, s
   return Tensor::empty(reg.shape, reg.dtype, *arena_slots.back());
 }
 
-cuda::Stream& Core::stream_for(const Placement& where) {
+AsyncStream& Core::stream_for(const Placement& where) {
   auto& s = streams[{where.device, where.stream}];
-  if (!s) s = cuda::Stream::create(where.device, fmt::format("worker {}/s{}", where.device.str(), where.stream));
+  if (!s) {
+    const std::string owner = fmt::format("worker {}/s{}", where.device.str(), where.stream);
+    if (where.device.type == DeviceType::sim) {
+      s = sim::Stream::create(where.device, owner, sim::StreamSettings{settings.sim_spin_polls});
+    } else {
+      s = cuda::Stream::create(where.device, owner);
+    }
+  }
   return *s;
+}
+
+std::string Core::describe_stream_failure(const std::pair<Device, std::uint8_t>& where, const std::string& why) const {
+  // Which of the stream's kernels failed is not known (the work was asynchronous, and an actor
+  // whose handshakes follow stream order may have retired with its work still queued): name
+  // every actor that had work on it.
+  std::string on_it;
+  for (std::size_t i = 0; i < actors.size(); ++i) {
+    const auto& a = actors[i];
+    const Placement& at = plan.actors[i].where;
+    if (a && at.device == where.first && at.stream == where.second) {
+      on_it += fmt::format(" '{}' ({} acts enqueued{})", a->name(), a->acts(), a->retired() ? ", retired" : "");
+    }
+  }
+  return fmt::format("{}; actors on that stream:{}", why, on_it.empty() ? " none" : on_it);
+}
+
+std::string Core::drain_streams(std::chrono::milliseconds limit) {
+  // Actors on streams retire once their last act is enqueued: the job is over when the streams
+  // have run it all. Polled, with the stall timeout as the deadline, so that a device that
+  // never finishes fails the job instead of hanging it.
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    bool all_idle = true;
+    for (const auto& [where, stream] : streams) {
+      if (std::string why = stream->failure(); !why.empty()) return describe_stream_failure(where, why);
+      all_idle = all_idle && stream->idle();
+    }
+    if (all_idle) return {};
+    if (limit.count() > 0 && std::chrono::steady_clock::now() > deadline) {
+      std::string busy;
+      for (const auto& [where, stream] : streams) {
+        if (!stream->idle()) busy += " " + stream->owner();
+      }
+      return fmt::format("the job's last acts were enqueued but their streams did not finish within {} ms:{}",
+                         limit.count(), busy);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 
 void Core::fail(std::string reason) {
@@ -733,7 +783,7 @@ RunReport Runtime::run() {
     std::uint64_t last_progress = ~std::uint64_t{0};
     auto last_change = std::chrono::steady_clock::now();
     bool stalled = false;
-    // A CUDA stream whose work failed (a device fault) never runs its when_reached callbacks,
+    // A stream whose work failed (a CUDA device fault) never runs its when_reached callbacks,
     // so its actors' requests and acks never come: without this check the job would wait for
     // the stall timeout (or, with none, forever) and then not say why.
     std::string device_error;
@@ -772,18 +822,11 @@ RunReport Runtime::run() {
                             core.settings.stall_timeout.count(), core.describe_stuck()));
     }
     if (!device_error.empty()) {
-      // Which of the stream's kernels faulted is not known (the work was asynchronous): name
-      // every actor that had work on it and had not finished.
-      std::string on_it;
-      for (std::size_t i = 0; i < core.actors.size(); ++i) {
-        const auto& a = core.actors[i];
-        const Placement& at = core.plan.actors[i].where;
-        if (a && !a->retired() && at.device == failed_stream.first && at.stream == failed_stream.second) {
-          on_it += fmt::format(" '{}' (after {} acts)", a->name(), a->acts());
-        }
-      }
-      core.fail(fmt::format("{}; actors on that stream:{}", device_error, on_it.empty() ? " none unfinished" : on_it));
+      core.fail(core.describe_stream_failure(failed_stream, device_error));
     }
+  }
+  if (!core.failed() && !core.streams.empty()) {
+    if (std::string why = core.drain_streams(core.settings.stall_timeout); !why.empty()) core.fail(why);
   }
   if (core.failed()) throw JobError(core.error);
   RunReport report;

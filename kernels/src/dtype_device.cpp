@@ -32,6 +32,7 @@ std::string_view name(DeviceType t) {
   switch (t) {
     case DeviceType::cpu: return "cpu";
     case DeviceType::cuda: return "cuda";
+    case DeviceType::sim: return "sim";
   }
   return "?";
 }
@@ -44,9 +45,11 @@ Device Device::parse(std::string_view text) {
     d.type = DeviceType::cpu;
   } else if (kind == "cuda") {
     d.type = DeviceType::cuda;
+  } else if (kind == "sim") {
+    d.type = DeviceType::sim;
   } else {
     throw std::invalid_argument(
-        fmt::format("unknown device '{}': expected cpu[:N] or cuda[:N]", text));
+        fmt::format("unknown device '{}': expected cpu[:N], cuda[:N] or sim[:N]", text));
   }
   if (colon == std::string_view::npos) return d;
   std::string_view idx = text.substr(colon + 1);

@@ -6,6 +6,7 @@
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/nccl.h"
 #include "baton/kernels/ops.h"
+#include "baton/kernels/sim.h"
 #include "kernel_args.h"
 
 namespace baton {
@@ -33,6 +34,8 @@ void KernelRegistry::add_fn(std::string op, DeviceType device, DType dtype,
 
 bool KernelRegistry::contains(std::string_view op, DeviceType device, DType dtype) const {
   if (factories_.find(std::make_tuple(std::string(op), device, dtype)) != factories_.end()) return true;
+  // A sim device runs the CPU kernel on its stream (create()).
+  if (device == DeviceType::sim) return contains(op, DeviceType::cpu, dtype);
   // bf16 falls back on the float32 kernel (create()).
   return dtype == DType::bf16 && factories_.find(std::make_tuple(std::string(op), device, DType::f32)) != factories_.end();
 }
@@ -40,6 +43,13 @@ bool KernelRegistry::contains(std::string_view op, DeviceType device, DType dtyp
 std::unique_ptr<Kernel> KernelRegistry::create(std::string_view op,
                                                const KernelConfig& cfg) const {
   auto it = factories_.find(std::make_tuple(std::string(op), cfg.device.type, cfg.dtype));
+  if (it == factories_.end() && cfg.device.type == DeviceType::sim &&
+      contains(op, DeviceType::cpu, cfg.dtype)) {
+    // No sim kernel of its own: the CPU kernel (of the same device index), enqueued on the
+    // actor's sim stream. Its memory is host memory.
+    KernelConfig cpu_cfg{cfg.actor, Device{DeviceType::cpu, cfg.device.index}, cfg.dtype, cfg.attrs, cfg.services};
+    return sim::on_stream(create(op, cpu_cfg), std::string(cfg.actor));
+  }
   if (it == factories_.end() && cfg.dtype == DType::bf16) {
     // No bf16 kernel of its own: the float32 one, through float32 copies (bf16.cpp).
     auto wide = factories_.find(std::make_tuple(std::string(op), cfg.device.type, DType::f32));
@@ -88,6 +98,7 @@ KernelRegistry KernelRegistry::with_builtin_kernels() {
   add_cpu_tensor_ops(reg);
   add_cpu_nn_ops(reg);
   cuda::add_cuda_kernels(reg);
+  sim::add_sim_kernels(reg);
   detail::add_cast_kernels(reg);
   nccl::add_nccl_kernels(reg);
   return reg;

@@ -8,5 +8,7 @@
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/nccl.h"
 #include "baton/kernels/ops.h"
+#include "baton/kernels/sim.h"
 #include "baton/kernels/store.h"
+#include "baton/kernels/stream.h"
 #include "baton/kernels/tensor.h"

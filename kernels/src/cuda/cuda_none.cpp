@@ -25,6 +25,10 @@ Stream::~Stream() = default;
 std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner) {
   unavailable(std::string(owner) + ": a stream on " + device.str());
 }
+std::unique_ptr<StreamEvent> Stream::make_event() { unavailable(owner_); }
+void Stream::record(StreamEvent&) { unavailable(owner_); }
+void Stream::wait(const StreamEvent&) { unavailable(owner_); }
+bool Stream::idle() const { return true; }
 void Stream::when_reached(void (*)(void*), void*) { unavailable(owner_); }
 void Stream::synchronize() { unavailable(owner_); }
 std::string Stream::failure() const { return {}; }

@@ -78,6 +78,44 @@ void Stream::bind() const {
   if (current != device_.index) BATON_CUDA_CHECK(cudaSetDevice(device_.index), owner_);
 }
 
+namespace {
+struct Event final : StreamEvent {
+  cudaEvent_t event = nullptr;
+  int device = 0;
+  ~Event() override {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
+};
+
+const Event& cuda_event(const StreamEvent& e, const std::string& who) {
+  const auto* ev = dynamic_cast<const Event*>(&e);
+  if (ev == nullptr) throw std::invalid_argument(fmt::format("{}: an event of another kind of stream (not CUDA)", who));
+  return *ev;
+}
+}  // namespace
+
+std::unique_ptr<StreamEvent> Stream::make_event() {
+  bind();
+  auto e = std::make_unique<Event>();
+  e->device = device_.index;
+  BATON_CUDA_CHECK(cudaEventCreateWithFlags(&e->event, cudaEventDisableTiming), owner_);
+  return e;
+}
+
+void Stream::record(StreamEvent& e) {
+  const Event& ev = cuda_event(e, owner_);
+  bind();
+  BATON_CUDA_CHECK(cudaEventRecord(ev.event, impl_->stream), owner_);
+}
+
+void Stream::wait(const StreamEvent& e) {
+  const Event& ev = cuda_event(e, owner_);
+  bind();
+  BATON_CUDA_CHECK(cudaStreamWaitEvent(impl_->stream, ev.event, 0), owner_);
+}
+
+bool Stream::idle() const { return cudaStreamQuery(impl_->stream) != cudaErrorNotReady; }
+
 void Stream::when_reached(void (*fn)(void*), void* arg) {
   BATON_CUDA_CHECK(cudaLaunchHostFunc(impl_->stream, fn, arg), owner_);
 }

@@ -189,7 +189,8 @@ struct Plan {
   /// Throws std::invalid_argument for a register index out of range.
   ActorIndex add_actor(ActorDesc a);
 
-  /// One line per arena, per register and per actor, in order. The hash is taken over this text.
+  /// One line per arena, per register and per actor, in order; a register read across a stream
+  /// boundary lists each consumer's EdgeSync (`sync=[...]`). The hash is taken over this text.
   std::string to_text() const;
   /// Graphviz: actors as nodes (clustered by rank/device/stream), registers as edges.
   std::string to_dot() const;
@@ -200,6 +201,42 @@ struct Plan {
   std::vector<ActorIndex> actors_on(std::uint16_t rank) const;
   friend bool operator==(const Plan&, const Plan&) = default;
 };
+
+/// How a consumer of a register learns that a piece is there, and its producer that the slot is
+/// free again, where asynchronous devices (CUDA, sim: baton/kernels/stream.h) are involved. The
+/// *writer* is the register's producer, or through repeat actors (which only alias) the actor
+/// that wrote the data. DESIGN.md section 3: the host waits for a stream only where the host
+/// must see the data.
+enum class EdgeSync : std::uint8_t {
+  /// Writer and reader on the host (or the reader on another rank, from a host writer):
+  /// requests and acks go out when the acts end.
+  host,
+  /// Written on a stream, read on the host or another rank: the request goes out when the
+  /// writer's stream has reached the write (a host callback).
+  to_host,
+  /// Written on the host, read on a stream: the ack goes out when the reader's stream has
+  /// reached the read (a host callback).
+  from_host,
+  /// Both on one stream: stream order alone; requests and acks go out at enqueue time.
+  same_stream,
+  /// On two streams of the same kind (and rank): requests and acks go out at enqueue time; the
+  /// reader's stream waits on an event recorded after the write, the writer's on one recorded
+  /// after the read before it writes the slot again.
+  event,
+  /// A repeat actor reading what a stream wrote for readers that are all on streams: it
+  /// forwards the request at once, and the write's event to its readers, their events back.
+  alias,
+};
+std::string_view name(EdgeSync s);
+
+/// The actor that wrote the data in `reg`: its producer, or through repeats the producer of the
+/// repeat's input. no_actor if none.
+ActorIndex data_writer(const Plan& plan, RegisterIndex reg);
+/// Whether `a` enqueues its work on a stream: a compute, source or accumulate actor on a CUDA
+/// or sim device (repeats only alias; transfers are the data plane's).
+bool on_stream(const ActorDesc& a);
+/// How consumer `consumer` of `reg` synchronizes with the register's writer (see EdgeSync).
+EdgeSync edge_sync(const Plan& plan, RegisterIndex reg, ActorIndex consumer);
 
 /// The plan with a transfer actor on the consumer's rank for every register read on another
 /// rank than its producer's: one transfer per (register, consuming rank), placed on the
@@ -214,7 +251,8 @@ Plan insert_transfers(const Plan& plan);
 inline constexpr std::uint8_t device_copy_stream = 15;
 
 /// The plan with a copy actor for every register read on the same rank but on another device,
-/// where one of the two is a CUDA device: "to_device" on the consumers' device (host -> device,
+/// where one of the two is an asynchronous device (CUDA or sim; "CUDA" below stands for
+/// both): "to_device" on the consumers' device (host -> device,
 /// or device -> device) or "to_host" on the producer's CUDA device (device -> host: its register
 /// is page-locked host memory). One copy per (register, consuming device), on stream
 /// device_copy_stream, named "<register>@<device>", writing a register of that name with the

@@ -32,6 +32,10 @@ struct RuntimeSettings {
   /// thread, another rank) needs: with more threads than cores this halved cross-rank latency.
   /// Zero: never yield.
   int spin_yield_every = 10;
+  /// A sim device's stream thread polls this many times (a CPU pause each) for new work before
+  /// it sleeps (baton/kernels/sim.h): long enough to ride out the host's gap between enqueues
+  /// of short kernels, short enough to give the core back on a 2-core machine.
+  int sim_spin_polls = 2000;
   /// If no actor acts or retires for this long, the run fails and names what each unfinished
   /// actor waits for. Zero turns the watchdog off.
   std::chrono::milliseconds stall_timeout{60'000};

@@ -10,8 +10,9 @@
 ///   baton::cuda::copy(t, host_tensor, *stream);  stream->synchronize();
 ///
 /// Kernels registered for DeviceType::cuda find their actor's stream in KernelContext::stream
-/// and only enqueue work on it; the runtime sends the actor's requests and acks once the stream
-/// has reached that point (Stream::when_reached), so a request always means the data is there.
+/// and only enqueue work on it. The runtime orders what reads their registers by stream order
+/// and events (baton/kernels/stream.h), and waits for the stream on the host only where the
+/// host must see the data (Stream::when_reached).
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -22,6 +23,7 @@
 #include "baton/kernels/allocator.h"
 #include "baton/kernels/device.h"
 #include "baton/kernels/optim.h"
+#include "baton/kernels/stream.h"
 
 namespace baton {
 class KernelRegistry;
@@ -44,28 +46,37 @@ bool built_with_cuda();
 
 /// A CUDA stream on one device with the cuBLAS handle that launches on it: what one worker
 /// thread enqueues its actors' work on. Move-only owner; the destructor waits for the stream's
-/// work, then destroys it (never throws). Methods may be called from one thread at a time.
-class Stream {
+/// work, then destroys it (never throws). Methods may be called from one thread at a time,
+/// except failure() and idle().
+class Stream final : public AsyncStream {
  public:
   /// Throws std::runtime_error naming `owner` (an actor or worker), the CUDA call and its error.
   static std::unique_ptr<Stream> create(Device device, std::string_view owner);
-  ~Stream();
+  ~Stream() override;
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
 
-  Device device() const { return device_; }
-  const std::string& owner() const { return owner_; }
+  Device device() const override { return device_; }
+  const std::string& owner() const override { return owner_; }
+  /// A cudaEvent_t without timing (cudaEventDisableTiming).
+  std::unique_ptr<StreamEvent> make_event() override;
+  /// cudaEventRecord on this stream.
+  void record(StreamEvent& e) override;
+  /// cudaStreamWaitEvent: no host wait. `e` may come from a stream of another device.
+  void wait(const StreamEvent& e) override;
   /// Calls fn(arg) on a CUDA driver thread once all work enqueued so far has finished
   /// (cudaLaunchHostFunc). fn must not call CUDA; it should only hand a message on. Throws.
-  void when_reached(void (*fn)(void*), void* arg);
+  void when_reached(void (*fn)(void*), void* arg) override;
   /// Blocks until the stream's work is done; throws naming the owner if any of it failed.
-  void synchronize();
+  void synchronize() override;
   /// Without waiting: "" while the stream's work is running or done, else "<owner>: <the CUDA
   /// error>" once it failed (a device fault is sticky, and then no when_reached callback runs:
   /// the runtime polls this so that such a job fails instead of waiting). Any thread.
-  std::string failure() const;
+  std::string failure() const override;
+  /// cudaStreamQuery: the work enqueued so far has finished (or failed). Any thread.
+  bool idle() const override;
   /// Makes this stream's device current on the calling thread (cheap when it already is).
-  void bind() const;
+  void bind() const override;
 
   struct Impl;  // the CUDA handles (kernels/src/cuda/common.h)
   Impl& impl() { return *impl_; }

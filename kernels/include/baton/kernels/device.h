@@ -7,10 +7,15 @@
 
 namespace baton {
 
-enum class DeviceType : std::uint8_t { cpu = 0, cuda = 1 };
+/// cpu: the host. cuda: an NVIDIA GPU. sim: a simulated asynchronous device (baton/kernels/sim.h),
+/// host memory with a CUDA-like stream, so that the runtime's stream logic runs without a GPU.
+enum class DeviceType : std::uint8_t { cpu = 0, cuda = 1, sim = 2 };
 
-/// A device on one rank: "cpu:0", "cuda:1". Several CPU devices in one process stand in for
-/// several accelerators (each gets its own worker threads and memory accounting).
+/// Devices whose kernels only enqueue work on a stream (baton/kernels/stream.h).
+constexpr bool is_async(DeviceType t) { return t == DeviceType::cuda || t == DeviceType::sim; }
+
+/// A device on one rank: "cpu:0", "cuda:1", "sim:0". Several CPU devices in one process stand in
+/// for several accelerators (each gets its own worker threads and memory accounting).
 struct Device {
   DeviceType type = DeviceType::cpu;
   std::uint8_t index = 0;
@@ -18,7 +23,7 @@ struct Device {
   /// Devices per type that fit in an actor id's device bits (see actors/ids.h).
   static constexpr int max_index = 63;
 
-  /// Parses "cpu", "cpu:3", "cuda:0". Throws std::invalid_argument naming the text.
+  /// Parses "cpu", "cpu:3", "cuda:0", "sim:1". Throws std::invalid_argument naming the text.
   static Device parse(std::string_view text);
   std::string str() const;
   /// Packs type and index into 8 bits: 2 bits of type, 6 of index.

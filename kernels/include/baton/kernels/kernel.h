@@ -18,6 +18,7 @@
 
 namespace baton {
 
+class AsyncStream;
 namespace cuda {
 class Stream;
 }
@@ -37,6 +38,9 @@ struct KernelContext {
   /// The actor's CUDA stream (baton/kernels/cuda.h) when it runs on a CUDA device, else null:
   /// a CUDA kernel only enqueues its work there.
   cuda::Stream* stream = nullptr;
+  /// The actor's stream on any asynchronous device (CUDA or sim; baton/kernels/stream.h), else
+  /// null. On a CUDA device it is `stream`.
+  AsyncStream* async_stream = nullptr;
 };
 
 /// One kernel instance per actor, created when a plan is instantiated; it may keep state

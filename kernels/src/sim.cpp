@@ -1,0 +1,272 @@
+// The sim device's stream: a thread that runs closures in order, with events, waits between
+// streams and host callbacks, failing stickily as a CUDA stream does (see sim.h).
+#include "baton/kernels/sim.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "baton/kernels/dtype.h"
+#include "baton/kernels/tensor.h"
+
+namespace baton::sim {
+
+struct Stream::State {
+  struct Item {
+    std::function<void()> work;
+    bool callback = false;  // skipped after a failure, as CUDA skips host functions
+  };
+  std::string owner;
+  mutable std::mutex mutex;
+  std::condition_variable work_cv;      // the stream's thread waits here for work
+  std::condition_variable progress_cv;  // synchronize() and other streams' waits wait here
+  std::deque<Item> queue;
+  std::atomic<std::uint64_t> enqueued{0};  // written under mutex
+  std::atomic<std::uint64_t> executed{0};  // written under mutex
+  std::atomic<bool> failed{false};
+  std::string error;  // under mutex, set once with failed
+  int waiters = 0;    // threads blocked on progress_cv; under mutex
+  bool parked = false;
+  std::atomic<bool> stop{false};
+
+  void fail(const std::string& what) {
+    std::lock_guard lock(mutex);
+    if (failed.load(std::memory_order_relaxed)) return;
+    error = fmt::format("{}: its work failed: {}", owner, what);
+    failed.store(true, std::memory_order_release);
+  }
+
+  /// Blocks (another stream's thread, or a host thread in synchronize) until `position` items
+  /// have run here, this stream failed or stops, or `give_up` says so. Returns this stream's
+  /// error, if any.
+  std::string wait_until(std::uint64_t position, const std::atomic<bool>* give_up) {
+    std::unique_lock lock(mutex);
+    ++waiters;
+    while (executed.load(std::memory_order_relaxed) < position && !failed.load(std::memory_order_relaxed) &&
+           !stop.load(std::memory_order_relaxed) && !(give_up != nullptr && give_up->load(std::memory_order_relaxed))) {
+      // Bounded, so that a waiter whose own stream stops (give_up) notices without a notify.
+      progress_cv.wait_for(lock, std::chrono::milliseconds(10));
+    }
+    --waiters;
+    if (failed.load(std::memory_order_relaxed)) return error;
+    if (executed.load(std::memory_order_relaxed) < position) return owner + ": stopped before the work waited for ran";
+    return {};
+  }
+};
+
+namespace {
+
+struct Event final : StreamEvent {
+  std::shared_ptr<Stream::State> state;  // null: never recorded
+  std::uint64_t position = 0;
+};
+
+template <class E, class Sim = std::conditional_t<std::is_const_v<E>, const Event, Event>>
+Sim& sim_event(E& e, const std::string& who) {
+  auto* ev = dynamic_cast<Sim*>(&e);
+  if (ev == nullptr) throw std::invalid_argument(fmt::format("{}: an event of another kind of stream (not sim)", who));
+  return *ev;
+}
+
+}  // namespace
+
+Stream::Stream(Device device, std::string owner, StreamSettings settings)
+    : device_(device), owner_(std::move(owner)), settings_(settings), state_(std::make_shared<State>()) {
+  state_->owner = owner_;
+}
+
+std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner, StreamSettings settings) {
+  if (device.type != DeviceType::sim) {
+    throw std::invalid_argument(fmt::format("{}: a sim stream on {}, which is not a sim device", owner, device.str()));
+  }
+  std::unique_ptr<Stream> s(new Stream(device, std::string(owner), settings));
+  s->thread_ = std::thread([p = s.get()] { p->loop(); });
+  return s;
+}
+
+Stream::~Stream() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stop.store(true, std::memory_order_relaxed);
+  }
+  state_->work_cv.notify_all();
+  state_->progress_cv.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Stream::loop() {
+  State& st = *state_;
+  int idle = 0;
+  for (;;) {
+    State::Item item;
+    if (st.enqueued.load(std::memory_order_acquire) == st.executed.load(std::memory_order_relaxed) &&
+        !st.stop.load(std::memory_order_relaxed) && idle < settings_.spin_polls) {
+      ++idle;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+      continue;
+    }
+    {
+      std::unique_lock lock(st.mutex);
+      if (st.queue.empty() && !st.stop.load(std::memory_order_relaxed)) {
+        st.parked = true;
+        st.work_cv.wait(lock, [&] { return st.stop.load(std::memory_order_relaxed) || !st.queue.empty(); });
+        st.parked = false;
+      }
+      if (st.stop.load(std::memory_order_relaxed)) return;  // what is left is dropped
+      item = std::move(st.queue.front());
+      st.queue.pop_front();
+    }
+    idle = 0;
+    if (!st.failed.load(std::memory_order_acquire)) {
+      try {
+        item.work();
+      } catch (const std::exception& e) {
+        st.fail(e.what());
+      } catch (...) {
+        st.fail("an exception that is not a std::exception");
+      }
+    }
+    {
+      std::lock_guard lock(st.mutex);
+      st.executed.store(st.executed.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+      if (st.waiters == 0) continue;
+    }
+    st.progress_cv.notify_all();
+  }
+}
+
+void Stream::enqueue(std::function<void()> work) {
+  State& st = *state_;
+  bool wake = false;
+  {
+    std::lock_guard lock(st.mutex);
+    st.queue.push_back(State::Item{std::move(work), false});
+    st.enqueued.store(st.enqueued.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+    wake = st.parked;
+  }
+  if (wake) st.work_cv.notify_one();
+}
+
+std::uint64_t Stream::executed() const { return state_->executed.load(std::memory_order_acquire); }
+
+std::unique_ptr<StreamEvent> Stream::make_event() { return std::make_unique<Event>(); }
+
+void Stream::record(StreamEvent& e) {
+  Event& ev = sim_event(e, owner_);
+  ev.state = state_;
+  ev.position = state_->enqueued.load(std::memory_order_acquire);
+}
+
+void Stream::wait(const StreamEvent& e) {
+  const Event& ev = sim_event(e, owner_);
+  if (ev.state == nullptr || ev.state == state_) return;  // never recorded, or our own order
+  // As cudaStreamWaitEvent: the event as recorded now, whatever is recorded into it later.
+  enqueue([other = ev.state, position = ev.position, mine = state_] {
+    std::string why = other->wait_until(position, &mine->stop);
+    if (!why.empty()) throw std::runtime_error(fmt::format("waited for another stream: {}", why));
+  });
+}
+
+void Stream::when_reached(void (*fn)(void*), void* arg) {
+  State& st = *state_;
+  bool wake = false;
+  {
+    std::lock_guard lock(st.mutex);
+    st.queue.push_back(State::Item{[fn, arg] { fn(arg); }, true});
+    st.enqueued.store(st.enqueued.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+    wake = st.parked;
+  }
+  if (wake) st.work_cv.notify_one();
+}
+
+void Stream::synchronize() {
+  const std::uint64_t target = state_->enqueued.load(std::memory_order_acquire);
+  std::string why = state_->wait_until(target, nullptr);
+  if (!why.empty()) throw std::runtime_error(why);
+}
+
+std::string Stream::failure() const {
+  if (!state_->failed.load(std::memory_order_acquire)) return {};
+  std::lock_guard lock(state_->mutex);
+  return state_->error;
+}
+
+bool Stream::idle() const {
+  return state_->failed.load(std::memory_order_acquire) ||
+         state_->executed.load(std::memory_order_acquire) == state_->enqueued.load(std::memory_order_acquire);
+}
+
+namespace {
+
+/// A CPU kernel run on the actor's sim stream: the act's tensor pointers and piece go with it
+/// (the actor reuses its views for the next act before this one runs).
+class OnStream final : public Kernel {
+ public:
+  OnStream(std::unique_ptr<Kernel> cpu, std::string actor) : cpu_(std::move(cpu)), actor_(std::move(actor)) {}
+  void compute(KernelContext& ctx) override {
+    auto* s = dynamic_cast<Stream*>(ctx.async_stream);
+    if (s == nullptr) {
+      throw std::invalid_argument(fmt::format("actor '{}': a sim kernel ran without a sim stream (is its actor on a "
+                                              "sim device?)",
+                                              actor_));
+    }
+    s->enqueue([k = cpu_.get(), in = std::vector<const Tensor*>(ctx.inputs.begin(), ctx.inputs.end()),
+                out = std::vector<Tensor*>(ctx.outputs.begin(), ctx.outputs.end()), piece = ctx.piece] {
+      KernelContext c{in, out, piece, nullptr, nullptr};
+      k->compute(c);
+    });
+  }
+
+ private:
+  std::unique_ptr<Kernel> cpu_;
+  std::string actor_;
+};
+
+void copy_bytes(KernelContext& ctx, const char* op) {
+  if (ctx.inputs.size() != 1 || ctx.outputs.size() != 1 || ctx.inputs[0] == nullptr || ctx.outputs[0] == nullptr) {
+    throw std::invalid_argument(fmt::format("{}: needs one input and one output", op));
+  }
+  const Tensor& from = *ctx.inputs[0];
+  Tensor& to = *ctx.outputs[0];
+  if (from.nbytes() != to.nbytes()) {
+    throw std::invalid_argument(fmt::format("{}: {} into {}: sizes differ", op, from.describe(), to.describe()));
+  }
+  if (from.nbytes() > 0) std::memcpy(to.raw(), from.raw(), from.nbytes());
+}
+
+class CopyKernel final : public Kernel {
+ public:
+  explicit CopyKernel(const char* op) : op_(op) {}
+  void compute(KernelContext& ctx) override { copy_bytes(ctx, op_); }
+
+ private:
+  const char* op_;
+};
+
+}  // namespace
+
+std::unique_ptr<Kernel> on_stream(std::unique_ptr<Kernel> cpu_kernel, std::string actor) {
+  return std::make_unique<OnStream>(std::move(cpu_kernel), std::move(actor));
+}
+
+void add_sim_kernels(KernelRegistry& reg) {
+  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
+    for (const char* op : {"copy", "to_device", "to_host"}) {
+      reg.add(op, DeviceType::sim, t, [op](const KernelConfig& cfg) {
+        return on_stream(std::make_unique<CopyKernel>(op), std::string(cfg.actor));
+      });
+    }
+  }
+}
+
+}  // namespace baton::sim

@@ -1,0 +1,448 @@
+// The sim device (baton/kernels/sim.h): an asynchronous stream on the CPU, and the runtime's
+// stream-ordered handshakes on it (DESIGN.md section 3, EdgeSync in plan.h). These are the twins
+// of the CUDA runtime tests (test_cuda.cpp), and they run everywhere: in CI, under TSan.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "baton/actors.h"
+#include "baton/graph/collectives.h"
+#include "baton/kernels.h"
+
+#include "test_util.h"
+
+using namespace baton;
+using namespace std::chrono_literals;
+
+namespace {
+
+const Device sim0 = Device::parse("sim:0");
+const Device sim1 = Device::parse("sim:1");
+
+std::unique_ptr<sim::Stream> make_stream(Device d = sim0, std::string_view owner = "test") {
+  return sim::Stream::create(d, owner);
+}
+
+/// Waits (bounded) until `pred` holds; false if it did not within `limit`.
+template <class P>
+bool eventually(P pred, std::chrono::milliseconds limit = 10'000ms) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(100us);
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("Sim.Stream.RunsWorkInOrderAndFailsStickily" * doctest::timeout(60)) {
+  auto s = make_stream();
+  std::vector<int> order;  // written by the stream's thread only, read after synchronize()
+  for (int i = 0; i < 100; ++i) s->enqueue([&order, i] { order.push_back(i); });
+  s->synchronize();
+  REQUIRE(order.size() == 100);
+  for (int i = 0; i < 100; ++i) CHECK(order[static_cast<std::size_t>(i)] == i);
+  CHECK(s->idle());
+  CHECK(s->failure().empty());
+
+  // A failure is sticky, as a CUDA fault is: nothing after it runs, callbacks included.
+  std::atomic<int> ran_after{0};
+  std::atomic<int> callbacks{0};
+  s->enqueue([] { throw std::runtime_error("the kernel broke"); });
+  s->enqueue([&] { ++ran_after; });
+  s->when_reached([](void* p) { ++*static_cast<std::atomic<int>*>(p); }, &callbacks);
+  CHECK(eventually([&] { return s->idle(); }));
+  CHECK(test::contains(s->failure(), "the kernel broke"));
+  CHECK(test::contains(s->failure(), "test"));
+  CHECK(ran_after == 0);
+  CHECK(callbacks == 0);
+  CHECK_THROWS_WITH_AS(s->synchronize(), doctest::Contains("the kernel broke"), std::runtime_error);
+}
+
+TEST_CASE("Sim.Stream.CallbacksComeWhenTheWorkBeforeThemIsDone" * doctest::timeout(60)) {
+  auto s = make_stream();
+  std::atomic<bool> done{false};
+  struct Seen {
+    std::atomic<bool>* done;
+    std::atomic<int> calls{0};
+    std::atomic<bool> early{false};
+  } seen{&done};
+  s->enqueue([&] {
+    std::this_thread::sleep_for(20ms);
+    done = true;
+  });
+  s->when_reached([](void* p) {
+    auto* v = static_cast<Seen*>(p);
+    if (!v->done->load()) v->early = true;
+    ++v->calls;
+  }, &seen);
+  CHECK(eventually([&] { return seen.calls.load() == 1; }));
+  CHECK_FALSE(seen.early.load());
+}
+
+TEST_CASE("Sim.Stream.EventsOrderTwoStreams" * doctest::timeout(60)) {
+  auto a = make_stream(sim0, "a");
+  auto b = make_stream(sim1, "b");
+  auto e = a->make_event();
+  // Waiting for an event never recorded waits for nothing.
+  std::atomic<bool> b_ran{false};
+  b->wait(*e);
+  b->enqueue([&] { b_ran = true; });
+  b->synchronize();
+  CHECK(b_ran.load());
+
+  // b's work after the wait runs only once a's work before the record has: a blocks until told,
+  // so without the event b would run first.
+  std::atomic<bool> release_a{false}, a_done{false}, b_saw_a{false}, b_done{false};
+  a->enqueue([&] {
+    (void)eventually([&] { return release_a.load(); });
+    a_done = true;
+  });
+  a->record(*e);
+  a->enqueue([] {});                // recorded after: not waited for
+  b->wait(*e);
+  b->enqueue([&] {
+    b_saw_a = a_done.load();
+    b_done = true;
+  });
+  std::this_thread::sleep_for(20ms);
+  CHECK_FALSE(b_done.load());       // still waiting for a
+  // A later record does not change what the earlier wait waits for.
+  a->record(*e);
+  release_a = true;
+  b->synchronize();
+  CHECK(b_saw_a.load());
+
+  // A wait on a stream that failed fails the waiting stream too (CUDA would never get past it).
+  auto c = make_stream(sim0, "c");
+  auto f = c->make_event();
+  c->enqueue([] { throw std::runtime_error("c broke"); });
+  c->record(*f);
+  b->wait(*f);
+  CHECK_THROWS_WITH_AS(b->synchronize(), doctest::Contains("c broke"), std::runtime_error);
+}
+
+TEST_CASE("Sim.Stream.DestroyingAStreamThatOthersWaitForIsSafe" * doctest::timeout(60)) {
+  auto b = make_stream(sim1, "b");
+  {
+    auto a = make_stream(sim0, "a");
+    auto e = a->make_event();
+    a->enqueue([] { std::this_thread::sleep_for(50ms); });
+    a->record(*e);
+    b->wait(*e);
+  }  // a stops with its work undone: b's wait must end, not hang or read freed memory
+  CHECK_THROWS_WITH_AS(b->synchronize(), doctest::Contains("stopped"), std::runtime_error);
+}
+
+namespace {
+
+/// Registers "test.slow_scale" for sim: y = 2 x, written one element at a time with a pause, so
+/// that a reader that came too early sees a mix of old and new values.
+void add_slow_kernels(KernelRegistry& reg) {
+  reg.add_fn("test.slow_scale", DeviceType::cpu, f32, [](KernelContext& ctx) {
+    auto x = ctx.inputs[0]->data<float>();
+    auto y = ctx.outputs[0]->data<float>();
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      y[i] = 2.f * x[i];
+      if (i % 256 == 0) std::this_thread::sleep_for(1us);
+    }
+  });
+}
+
+/// A sink that checks every element of a piece is the same value and collects it.
+void add_collector(KernelRegistry& reg, std::vector<float>& seen) {
+  reg.add_fn("test.collect", DeviceType::cpu, f32, [&seen](KernelContext& ctx) {
+    auto x = ctx.inputs[0]->data<float>();
+    for (float v : x) {
+      if (v != x[0]) throw std::runtime_error(fmt::format("piece {}: mixed values {} and {}", ctx.piece, x[0], v));
+    }
+    seen.push_back(x[0]);
+  });
+}
+
+// source (cpu) -> slow scale x2 (sim:0 s0) -> relu (sim:0 s0) -> scale (sim:0 s1: an event edge)
+// -> collect (cpu): insert_device_copies puts a to_device and a to_host copy in between.
+Plan host_device_host(std::int64_t pieces, std::int32_t slots) {
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {4096}, .dtype = f32, .slots = slots});
+  auto b = p.add_register({.name = "b", .shape = {4096}, .dtype = f32, .slots = slots});
+  auto c = p.add_register({.name = "c", .shape = {4096}, .dtype = f32, .slots = slots});
+  auto d = p.add_register({.name = "d", .shape = {4096}, .dtype = f32, .slots = slots});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .outputs = {a}, .pieces = pieces,
+               .attrs = Attrs{{"offset", std::int64_t{-3}}}});
+  p.add_actor({.name = "twice", .op = "test.slow_scale", .where = {.device = sim0}, .inputs = {{a}}, .outputs = {b}});
+  p.add_actor({.name = "relu", .op = "relu", .where = {.device = sim0}, .inputs = {{b}}, .outputs = {c}});
+  p.add_actor({.name = "again", .op = "test.slow_scale", .where = {.device = sim0, .stream = 1}, .inputs = {{c}},
+               .outputs = {d}});
+  p.add_actor({.name = "sink", .op = "test.collect", .inputs = {{d}}});
+  return insert_device_copies(p);
+}
+
+const ActorDesc& actor_named(const Plan& p, const std::string& name) {
+  for (const auto& a : p.actors) {
+    if (a.name == name) return a;
+  }
+  throw std::invalid_argument("no actor " + name);
+}
+
+ActorIndex index_of(const Plan& p, const std::string& name) {
+  return static_cast<ActorIndex>(&actor_named(p, name) - p.actors.data());
+}
+
+}  // namespace
+
+TEST_CASE("Sim.Plan.EdgesSayHowTheySynchronize") {
+  const Plan plan = host_device_host(10, 2);
+  auto sync_of = [&](const std::string& consumer) {
+    const ActorDesc& a = actor_named(plan, consumer);
+    return edge_sync(plan, a.inputs[0].reg, index_of(plan, consumer));
+  };
+  // Copies on the copy stream, as for CUDA.
+  CHECK(actor_named(plan, "a@sim:0").op == "to_device");
+  CHECK(actor_named(plan, "d@cpu:0").op == "to_host");
+  CHECK(sync_of("a@sim:0") == EdgeSync::from_host);  // a host writer: the copy acks when it ran
+  CHECK(sync_of("twice") == EdgeSync::event);         // copy stream -> compute stream
+  CHECK(sync_of("relu") == EdgeSync::same_stream);
+  CHECK(sync_of("again") == EdgeSync::event);         // stream 0 -> stream 1
+  CHECK(sync_of("d@cpu:0") == EdgeSync::event);
+  CHECK(sync_of("sink") == EdgeSync::to_host);        // the host reads what a stream wrote
+  CHECK(test::contains(plan.to_text(), "sync=[same_stream]"));
+  CHECK(test::contains(plan.to_text(), "sync=[to_host]"));
+}
+
+// The twin of Cuda.Runtime.CopyActorsMoveEveryPieceInOrder: every piece arrives complete and in
+// order through two streams and the copies, with 1 and 2 slots per register (a request or an
+// ack that went out before the stream ran what it stands for shows as a mixed or stale piece).
+TEST_CASE("Sim.Runtime.CopyActorsMoveEveryPieceInOrder" * doctest::timeout(120)) {
+  for (std::int32_t slots : {1, 2}) {
+    const Plan plan = host_device_host(200, slots);
+    for (auto mode : {ExecutionMode::threaded, ExecutionMode::deterministic}) {
+      CAPTURE(slots);
+      CAPTURE(static_cast<int>(mode));
+      KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+      add_slow_kernels(reg);
+      std::vector<float> seen;
+      add_collector(reg, seen);
+      RuntimeSettings s;
+      s.mode = mode;
+      s.stall_timeout = 30'000ms;
+      Runtime rt(plan, reg, s);
+      rt.run();
+      REQUIRE(seen.size() == 200);
+      for (std::size_t i = 0; i < seen.size(); ++i) {
+        CHECK(seen[i] == 4.f * std::max(0.f, static_cast<float>(i) - 3));
+      }
+    }
+  }
+}
+
+// A writer on one stream must not write a slot again before a reader on another stream has run
+// its read of it (the event the reader left with its ack): here the writer is fast and the
+// reader slow, with one slot, so a writer that did not wait would change the piece under it.
+TEST_CASE("Sim.Runtime.AWriterWaitsForItsReadersOnOtherStreams" * doctest::timeout(120)) {
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {4096}, .dtype = f32, .slots = 2});
+  auto b = p.add_register({.name = "b", .shape = {4096}, .dtype = f32, .slots = 1});
+  auto c = p.add_register({.name = "c", .shape = {4096}, .dtype = f32, .slots = 2});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .outputs = {a}, .pieces = 100});
+  p.add_actor({.name = "fast", .op = "relu", .where = {.device = sim0}, .inputs = {{a}}, .outputs = {b}});
+  p.add_actor({.name = "slow", .op = "test.slow_scale", .where = {.device = sim0, .stream = 1}, .inputs = {{b}},
+               .outputs = {c}});
+  p.add_actor({.name = "sink", .op = "test.collect", .inputs = {{c}}});
+  const Plan plan = insert_device_copies(p);
+  CHECK(edge_sync(plan, b, index_of(plan, "slow")) == EdgeSync::event);
+  KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  add_slow_kernels(reg);
+  std::vector<float> seen;
+  add_collector(reg, seen);
+  RuntimeSettings s;
+  s.stall_timeout = 30'000ms;
+  Runtime rt(plan, reg, s);
+  rt.run();
+  REQUIRE(seen.size() == 100);
+  for (std::size_t i = 0; i < seen.size(); ++i) CHECK(seen[i] == 2.f * static_cast<float>(i));
+}
+
+// The point of stream order: a consumer on the same stream enqueues its act while the
+// producer's is still running (the host does not sit between kernels). The producer's kernel
+// blocks until the consumer's act has been enqueued; under the old rule (requests only once the
+// stream had run the act) it would wait for its deadline and the test fail.
+TEST_CASE("Sim.Runtime.AConsumerOnTheSameStreamEnqueuesBeforeTheProducerRan" * doctest::timeout(60)) {
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {16}, .dtype = f32, .slots = 1});
+  auto b = p.add_register({.name = "b", .shape = {16}, .dtype = f32, .slots = 1});
+  auto c = p.add_register({.name = "c", .shape = {16}, .dtype = f32, .slots = 1});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .outputs = {a}, .pieces = 20});
+  p.add_actor({.name = "producer", .op = "test.producer", .where = {.device = sim0}, .inputs = {{a}}, .outputs = {b}});
+  p.add_actor({.name = "consumer", .op = "test.consumer", .where = {.device = sim0}, .inputs = {{b}}, .outputs = {c}});
+  p.add_actor({.name = "sink", .op = "noop", .inputs = {{c}}});
+  const Plan plan = insert_device_copies(p);
+  KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  std::atomic<std::int64_t> consumer_enqueued{-1};
+  std::atomic<int> producer_waited_out{0};
+  reg.add("test.producer", DeviceType::sim, f32, [&](const KernelConfig& cfg) {
+    struct Producer final : Kernel {
+      std::atomic<std::int64_t>* enqueued;
+      std::atomic<int>* waited_out;
+      std::unique_ptr<Kernel> copy;
+      void compute(KernelContext& ctx) override {
+        auto* s = dynamic_cast<sim::Stream*>(ctx.async_stream);
+        if (s == nullptr) throw std::logic_error("no sim stream");
+        const std::int64_t piece = ctx.piece;
+        const Tensor* in = ctx.inputs[0];
+        Tensor* out = ctx.outputs[0];
+        s->enqueue([=, this] {
+          std::memcpy(out->raw(), in->raw(), in->nbytes());
+          // Runs on the stream: the consumer of this piece should already be enqueued.
+          if (!eventually([&] { return enqueued->load() >= piece; }, 5'000ms)) ++*waited_out;
+        });
+      }
+    };
+    auto k = std::make_unique<Producer>();
+    k->enqueued = &consumer_enqueued;
+    k->waited_out = &producer_waited_out;
+    (void)cfg;
+    return k;
+  });
+  reg.add("test.consumer", DeviceType::sim, f32, [&](const KernelConfig&) {
+    struct Consumer final : Kernel {
+      std::atomic<std::int64_t>* enqueued;
+      void compute(KernelContext& ctx) override {
+        auto* s = dynamic_cast<sim::Stream*>(ctx.async_stream);
+        if (s == nullptr) throw std::logic_error("no sim stream");
+        const Tensor* in = ctx.inputs[0];
+        Tensor* out = ctx.outputs[0];
+        s->enqueue([=] { std::memcpy(out->raw(), in->raw(), in->nbytes()); });
+        enqueued->store(ctx.piece);  // on the worker, at enqueue time
+      }
+    };
+    auto k = std::make_unique<Consumer>();
+    k->enqueued = &consumer_enqueued;
+    return k;
+  });
+  CHECK(edge_sync(plan, actor_named(plan, "consumer").inputs[0].reg, index_of(plan, "consumer")) ==
+        EdgeSync::same_stream);
+  RuntimeSettings s;
+  s.stall_timeout = 30'000ms;
+  Runtime rt(plan, reg, s);
+  rt.run();
+  CHECK(consumer_enqueued.load() == 19);
+  CHECK(producer_waited_out.load() == 0);
+}
+
+// The twin of Cuda.Runtime.DeviceFaultFailsTheJob: a kernel that fails on the stream at its last
+// act fails the job, naming the failure and the actors on that stream, with the stall watchdog
+// off (nothing else would end the wait: the failed stream runs no more callbacks).
+TEST_CASE("Sim.Runtime.AStreamFailureFailsTheJob" * doctest::timeout(60)) {
+  Plan p;
+  auto r = p.add_register({.name = "r", .shape = {1024}, .dtype = f32, .slots = 2});
+  auto h = p.add_register({.name = "h", .shape = {1024}, .dtype = f32, .slots = 2});
+  p.add_actor({.name = "faulty", .kind = ActorKind::source, .op = "test.fault", .where = {.device = sim0},
+               .outputs = {r}, .pieces = 3});
+  p.add_actor({.name = "middle", .op = "copy", .where = {.device = sim0}, .inputs = {{r}}, .outputs = {h}});
+  p.add_actor({.name = "sink", .op = "noop", .inputs = {{h}}});
+  KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  reg.add_fn("test.fault", DeviceType::cpu, f32, [](KernelContext& ctx) {
+    if (ctx.piece == 2) throw std::runtime_error("illegal address (simulated)");
+  });
+  for (auto mode : {ExecutionMode::threaded, ExecutionMode::deterministic}) {
+    CAPTURE(static_cast<int>(mode));
+    RuntimeSettings s;
+    s.mode = mode;
+    s.stall_timeout = 0ms;
+    Runtime rt(insert_device_copies(p), reg, s);
+    const std::string why = test::thrown_message<JobError>([&] { rt.run(); });
+    CHECK(test::contains(why, "illegal address (simulated)"));
+    if (mode == ExecutionMode::threaded) CHECK((test::contains(why, "'faulty'") || test::contains(why, "'middle'")));
+  }
+}
+
+// The twin of Cuda.Collectives.AllReduceAmongStreamsOfOneDevice: the actors' all-reduce among
+// members on three streams of two sim devices (event edges between them), fed from the host:
+// every member gets every piece's exact sum (small integers: float sums are exact).
+TEST_CASE("Sim.Collectives.AllReduceAmongStreams" * doctest::timeout(120)) {
+  const std::int64_t elements = 4099, pieces = 6, n = 3;
+  auto value = [](std::int64_t member, std::int64_t piece, std::int64_t i) {
+    return static_cast<float>((member + 1) * 1000 + i % 977 + piece * 7);
+  };
+  for (auto algorithm : {AllReduceAlgorithm::ring, AllReduceAlgorithm::two_hop}) {
+    for (auto mode : {ExecutionMode::threaded, ExecutionMode::deterministic}) {
+      CAPTURE(static_cast<int>(algorithm));
+      CAPTURE(static_cast<int>(mode));
+      Plan plan;
+      std::vector<AllReduceMember> members;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const std::string suffix = fmt::format("@m{}", j);
+        auto r = plan.add_register({.name = "grad" + suffix, .shape = {elements}, .dtype = f32});
+        plan.add_actor({.name = "fill" + suffix, .kind = ActorKind::source, .op = "test.fill", .outputs = {r},
+                        .pieces = pieces, .attrs = {{"member", j}}});
+        members.push_back({Placement{.device = j == 2 ? sim1 : sim0, .stream = static_cast<std::uint8_t>(j)}, r, suffix});
+      }
+      std::vector<RegisterIndex> results = add_allreduce(plan, "ar", members, {elements}, f32, 2, {.algorithm = algorithm});
+      for (std::int64_t j = 0; j < n; ++j) {
+        plan.add_actor({.name = fmt::format("check@m{}", j), .op = "test.check", .inputs = {{results[static_cast<std::size_t>(j)]}},
+                        .attrs = {{"member", j}}});
+      }
+      plan = insert_device_copies(plan);
+      KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+      add_collective_kernels(reg);
+      reg.add("test.fill", DeviceType::cpu, f32, [&](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+        const std::int64_t member = cfg.attrs.get_int("member", -1);
+        struct Fill final : Kernel {
+          std::int64_t member;
+          decltype(value) v;
+          Fill(std::int64_t m, decltype(value) f) : member(m), v(f) {}
+          void compute(KernelContext& ctx) override {
+            auto y = ctx.outputs[0]->data<float>();
+            for (std::size_t i = 0; i < y.size(); ++i) y[i] = v(member, ctx.piece, static_cast<std::int64_t>(i));
+          }
+        };
+        return std::make_unique<Fill>(member, value);
+      });
+      std::mutex m;
+      std::vector<std::string> wrong;
+      std::vector<std::int64_t> checked(static_cast<std::size_t>(n), 0);
+      reg.add("test.check", DeviceType::cpu, f32, [&](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+        const std::int64_t member = cfg.attrs.get_int("member", -1);
+        struct Check final : Kernel {
+          std::function<void(KernelContext&)> fn;
+          void compute(KernelContext& ctx) override { fn(ctx); }
+        };
+        auto k = std::make_unique<Check>();
+        k->fn = [&, member](KernelContext& ctx) {
+          auto in = ctx.inputs[0]->data<float>();
+          std::lock_guard lock(m);
+          ++checked[static_cast<std::size_t>(member)];
+          for (std::size_t i = 0; i < in.size(); ++i) {
+            float want = 0;
+            for (std::int64_t j = 0; j < n; ++j) want += value(j, ctx.piece, static_cast<std::int64_t>(i));
+            if (in[i] != want && wrong.size() < 5) {
+              wrong.push_back(fmt::format("member {} piece {} element {}: {}, the sum is {}", member, ctx.piece, i,
+                                          in[i], want));
+            }
+          }
+        };
+        return k;
+      });
+      RuntimeSettings s;
+      s.mode = mode;
+      s.stall_timeout = 30'000ms;
+      Runtime rt(plan, reg, s);
+      rt.run();
+      CHECK_MESSAGE(wrong.empty(), fmt::format("{}", fmt::join(wrong, "; ")));
+      for (std::int64_t c : checked) CHECK(c == pieces);
+    }
+  }
+}
