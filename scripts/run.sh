@@ -152,7 +152,7 @@ sanitize() {
     cmake --build "$build_dir" -j "$jobs" --target baton-tests >&2
     log "running the runtime, transport and collective tests under ThreadSanitizer"
     ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
-      -R '^(Runtime|Mailbox|Stress|LocalQueue|Plan|Validate|control|data plane|cross rank|Collectives|Schedule)[.:]'
+      -R '^(Runtime|Mailbox|Stress|LocalQueue|Plan|Validate|control|data plane|cross rank|Collectives|Schedule|Sim)[.:]'
   )
 }
 

@@ -122,6 +122,7 @@ void Actor::wire_streams() {
     stream_ = &core_.stream_for(desc_.where);
     cuda_stream_ = dynamic_cast<cuda::Stream*>(stream_);
     stream_ordered_ = core_.settings.mode != ExecutionMode::deterministic;
+    wait_every_act_ = !core_.settings.stream_order;
   }
   const Plan& plan = core_.plan;
   for (auto& out : outputs_) {
@@ -133,11 +134,11 @@ void Actor::wire_streams() {
     bool readers_on_streams = false;
     for (std::size_t c = 0; c < out->consumers.size(); ++c) {
       const EdgeSync e = edge_sync(plan, out->reg, reg.consumers[c]);
-      out->deferred[c] = stream_ordered_ && e == EdgeSync::to_host;
+      out->deferred[c] = stream_ordered_ && (wait_every_act_ || e == EdgeSync::to_host);
       out->any_deferred = out->any_deferred || out->deferred[c];
       readers_on_streams = readers_on_streams || e == EdgeSync::event || e == EdgeSync::alias;
     }
-    if (stream_ordered_ && readers_on_streams) {
+    if (stream_ordered_ && !wait_every_act_ && readers_on_streams) {
       out->ready_events.resize(slots);
       for (auto& e : out->ready_events) e = stream_->make_event();
     }
@@ -145,6 +146,8 @@ void Actor::wire_streams() {
   }
   for (Input& in : inputs_) {
     in.sync = edge_sync(plan, in.reg, index_);
+    // Every act waits for its stream anyway: the host sees every edge as host memory does.
+    if (wait_every_act_ && in.sync != EdgeSync::host) in.sync = EdgeSync::from_host;
     if (stream_ordered_ && in.sync == EdgeSync::event) {
       in.done_events.resize(static_cast<std::size_t>(in.slots));
       for (auto& e : in.done_events) e = stream_->make_event();

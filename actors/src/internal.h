@@ -226,6 +226,7 @@ class Actor {
   AsyncStream* stream_ = nullptr;
   cuda::Stream* cuda_stream_ = nullptr;
   bool stream_ordered_ = false;
+  bool wait_every_act_ = false;  // RuntimeSettings::stream_order off
   bool needs_reached_ = false;  // some output defers requests or some input defers acks
   std::deque<std::int64_t> on_stream_;
   // A repeat: the events its readers left for the pieces of each input piece (group), handed

@@ -235,10 +235,13 @@ RegisterMemory register_memory(const Plan& plan, RegisterIndex r) {
   out.device = p.where.device;
   // As the runtime's Core::allocator_for: a CUDA producer's registers are device memory, unless
   // it copies to the host; what crosses between host and device is page-locked host memory.
+  // (A sim device's memory is host memory: nothing of it is page-locked.)
   if (p.where.device.type == DeviceType::cuda && p.op != "to_host") return out;
-  bool crosses = p.op == "to_host";
-  for (ActorIndex c : reg.consumers)
-    crosses = crosses || (c < plan.actors.size() && plan.actors[c].op == "to_device");
+  bool crosses = p.op == "to_host" && p.where.device.type == DeviceType::cuda;
+  for (ActorIndex c : reg.consumers) {
+    crosses = crosses || (c < plan.actors.size() && plan.actors[c].op == "to_device" &&
+                          plan.actors[c].where.device.type == DeviceType::cuda);
+  }
   if (crosses) {
     out.pinned = true;
     out.device = Device{DeviceType::cpu, p.where.device.index};

@@ -6,7 +6,10 @@
 // one worker thread; its idle fraction is 1 - (time in its kernels) / (wall time), averaged
 // over the stages. The reference is the bubble formula (K-1)/(M+K-1) (GPipe; 1F1B has the same
 // bubble and fewer live activations). Also printed: the most activation slots ever in use, per
-// schedule (gpipe gives stage s M slots, 1f1b K - s). Then training throughput: the MLP and the
+// schedule (gpipe gives stage s M slots, 1f1b K - s). Each case runs twice: on CPU devices (a
+// worker per stage sleeps in its kernels) and on sim devices (`_sim`: the workers only enqueue,
+// each stage's stream sleeps, copies move the registers between devices; what a GPU pipeline
+// does). Then training throughput: the MLP and the
 // small GPT on dp / pp / tp / hybrid against one device with the same micro-batching; the
 // efficiency divides the speed-up by min(devices, cores).
 //
@@ -21,6 +24,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <vector>
 #include <numeric>
 #include <string>
 
@@ -46,12 +54,45 @@ struct Result {
   double wall_s = 0;
 };
 
-Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fwd_ns, std::int64_t bwd_ns) {
+/// Per stage, the nanoseconds its kernels spent sleeping (on the worker for a CPU device, on the
+/// stream's thread for a sim device): what "busy" means for a stage of sleeping kernels.
+struct StageClock {
+  std::vector<std::atomic<std::int64_t>> busy_ns;
+  explicit StageClock(int k) : busy_ns(static_cast<std::size_t>(k)) {}
+};
+
+/// sleep_ns that also books the time it really slept to its stage (attribute "stage").
+void add_timed_sleep(KernelRegistry& reg, StageClock& clock) {
+  reg.add("bench.sleep", DeviceType::cpu, DType::f32, [&clock](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+    struct Sleep final : Kernel {
+      std::int64_t ns;
+      std::atomic<std::int64_t>* busy;
+      void compute(KernelContext& ctx) override {
+        const auto t0 = std::chrono::steady_clock::now();
+        std::this_thread::sleep_for(std::chrono::nanoseconds(ns));
+        busy->fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+                        std::memory_order_relaxed);
+        if (!ctx.outputs.empty() && !ctx.inputs.empty() && ctx.inputs[0] != nullptr) {
+          std::memcpy(ctx.outputs[0]->raw(), ctx.inputs[0]->raw(), ctx.outputs[0]->nbytes());
+        }
+      }
+    };
+    auto k = std::make_unique<Sleep>();
+    k->ns = cfg.attrs.get_int("ns", 0);
+    k->busy = &clock.busy_ns.at(static_cast<std::size_t>(cfg.attrs.get_int("stage", 0)));
+    return k;
+  });
+}
+
+/// The pipeline on `type` devices: cpu (a worker per stage runs its kernels) or sim (each
+/// stage's kernels run on its device's stream, the worker only enqueues: an accelerator).
+Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fwd_ns, std::int64_t bwd_ns,
+           DeviceType type = DeviceType::cpu) {
   Plan p;
   auto reg = [&](std::string name, std::int32_t slots) {
     return p.add_register({.name = std::move(name), .shape = {4}, .dtype = DType::f32, .slots = slots});
   };
-  auto at = [](int s) { return Placement{.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(s)}}; };
+  auto at = [type](int s) { return Placement{.device = Device{type, static_cast<std::uint8_t>(s)}}; };
   const RegisterIndex data = reg("data", std::max(2, schedule == "gpipe" ? m : k));
   p.add_actor({.name = "data", .kind = ActorKind::source, .op = "noop", .where = at(0), .outputs = {data},
                .pieces = static_cast<std::int64_t>(steps) * m});
@@ -71,9 +112,10 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
   for (int s = 0; s < k; ++s) {
     const std::int32_t slots = schedule == "gpipe" ? m : k - s;
     act[static_cast<std::size_t>(s)] = reg(fmt::format("act{}", s), slots);
-    p.add_actor({.name = fmt::format("fwd{}", s), .op = "sleep_ns", .where = at(s),
+    p.add_actor({.name = fmt::format("fwd{}", s), .op = "bench.sleep", .where = at(s),
                  .inputs = {{s == 0 ? data : act[static_cast<std::size_t>(s - 1)]}, {weight[static_cast<std::size_t>(s)]}},
-                 .outputs = {act[static_cast<std::size_t>(s)]}, .attrs = {{"ns", fwd_ns}}, .role = ActorRole::forward,
+                 .outputs = {act[static_cast<std::size_t>(s)]}, .attrs = {{"ns", fwd_ns}, {"stage", std::int64_t{s}}},
+                 .role = ActorRole::forward,
                  .stage = s});
   }
   RegisterIndex upstream_grad = 0;
@@ -81,31 +123,35 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
     const RegisterIndex g = reg(fmt::format("grad{}", s), 2);
     std::vector<InputPort> ins{{act[static_cast<std::size_t>(s)]}, {weight[static_cast<std::size_t>(s)]}};
     if (s < k - 1) ins.push_back({upstream_grad});
-    p.add_actor({.name = fmt::format("bwd{}", s), .op = "sleep_ns", .where = at(s), .inputs = std::move(ins),
-                 .outputs = {g}, .attrs = {{"ns", bwd_ns}}, .role = ActorRole::backward, .stage = s});
+    p.add_actor({.name = fmt::format("bwd{}", s), .op = "bench.sleep", .where = at(s), .inputs = std::move(ins),
+                 .outputs = {g}, .attrs = {{"ns", bwd_ns}, {"stage", std::int64_t{s}}}, .role = ActorRole::backward,
+                 .stage = s});
     p.add_actor({.name = fmt::format("grad{}.accumulate", s), .kind = ActorKind::accumulate, .where = at(s),
                  .inputs = {{g}}, .outputs = {grad_sum[static_cast<std::size_t>(s)]}, .group = m});
     upstream_grad = g;
   }
   // Each stage runs the schedule's exact order, as compile_training's stages do.
   order_pipeline(p, parse_schedule(schedule), k, m);
-  Runtime rt(p, KernelRegistry::with_builtin_kernels());
+  StageClock clock(k);
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  add_timed_sleep(kernels, clock);
+  Runtime rt(insert_device_copies(p), kernels);
   RunReport report = rt.run();
   Result r;
   r.wall_s = report.wall_s;
   double idle = 0;
   for (int s = 0; s < k; ++s) {
-    double kernel = 0;
-    for (const auto& a : report.metrics.actors) {
-      if (a.name == fmt::format("fwd{}", s) || a.name == fmt::format("bwd{}", s)) kernel += a.kernel_s;
-    }
+    const double kernel = static_cast<double>(clock.busy_ns[static_cast<std::size_t>(s)].load()) * 1e-9;
     idle += 1.0 - kernel / report.wall_s;
     if (std::getenv("BATON_BENCH_STAGES")) fmt::print(stderr, "  stage {} idle {:.3f}\n", s, 1.0 - kernel / report.wall_s);
   }
   if (std::getenv("BATON_BENCH_STAGES")) fmt::print(stderr, "{}", report.metrics.table());
   r.idle = idle / k;
   for (const auto& reg_metrics : report.metrics.registers) {
-    if (reg_metrics.name.rfind("act", 0) == 0) r.peak_activations += reg_metrics.max_outstanding;
+    // The stages' own activation registers (not the device copies of them, "act<s>@sim:<t>").
+    if (reg_metrics.name.rfind("act", 0) == 0 && reg_metrics.name.find('@') == std::string::npos) {
+      r.peak_activations += reg_metrics.max_outstanding;
+    }
   }
   return r;
 }
@@ -252,14 +298,18 @@ int main(int argc, char** argv) {
       if (!only.empty() && only != "bubble") break;
       if (quick && m > 4) continue;
       for (const std::string schedule : {"gpipe", "1f1b"}) {
-        Result r = run(k, m, schedule, steps, fwd_ns, bwd_ns);
+       for (DeviceType type : {DeviceType::cpu, DeviceType::sim}) {
+        Result r = run(k, m, schedule, steps, fwd_ns, bwd_ns, type);
         const double formula = static_cast<double>(k - 1) / static_cast<double>(m + k - 1);
-        bench::JsonLine line("parallel", fmt::format("bubble_K{}_M{}_{}", k, m, schedule));
+        bench::JsonLine line("parallel", fmt::format("bubble_K{}_M{}_{}{}", k, m, schedule,
+                                                     type == DeviceType::sim ? "_sim" : ""));
         line.add("value", r.idle).add("unit", "idle fraction").add("reference", formula)
             .add("reference_name", "(K-1)/(M+K-1)").add("ratio", formula > 0 ? r.idle / formula : 0.0)
             .add("peak_activation_slots", r.peak_activations)
-            .add("peak_activation_schedule", expected_peak(k, m, schedule)).add("steps", steps).add("wall_s", r.wall_s);
+            .add("peak_activation_schedule", expected_peak(k, m, schedule)).add("steps", steps).add("wall_s", r.wall_s)
+            .add("device", std::string(name(type)));
         line.print();
+       }
       }
     }
   }

@@ -257,9 +257,11 @@ std::vector<Placement> replica_places(const Options& o, const JobEnvironment& en
     int k = 0;
     char kind[8] = {};
     if (std::sscanf(o.devices.c_str(), "%4[a-z]:%d", kind, &k) != 2 || k < 1 ||
-        o.devices != fmt::format("{}:{}", kind, k) || (std::string_view(kind) != "cpu" && std::string_view(kind) != "cuda")) {
+        o.devices != fmt::format("{}:{}", kind, k) ||
+        (std::string_view(kind) != "cpu" && std::string_view(kind) != "cuda" && std::string_view(kind) != "sim")) {
       throw std::invalid_argument(fmt::format(
-          "--devices '{}': expected cpu:K or cuda:K (K in-process devices per rank), or RANK:TYPE:INDEX per place",
+          "--devices '{}': expected cpu:K, cuda:K or sim:K (K in-process devices per rank), or RANK:TYPE:INDEX per "
+          "place",
           o.devices));
     }
     if (k * world != places) {
@@ -268,7 +270,7 @@ std::vector<Placement> replica_places(const Options& o, const JobEnvironment& en
                                               o.devices, world, world == 1 ? "" : "s", k * world, shape));
     }
     per_rank = k;
-    type = std::string_view(kind) == "cuda" ? DeviceType::cuda : DeviceType::cpu;
+    type = Device::parse(kind).type;
   }
   for (int i = 0; i < places; ++i) {
     where.push_back(Placement{.rank = static_cast<std::uint16_t>(i / per_rank),
@@ -653,7 +655,7 @@ int main(int argc, char** argv) {
                  "op's kernel timed on its shapes; one rank only)")
       ->check(CLI::IsMember({"flops", "profile"}));
   app.add_option("--devices", o.devices,
-                 "where the dp x pp x tp places run: cpu:K or cuda:K (K in-process devices per rank; default cpu, dp x "
+                 "where the dp x pp x tp places run: cpu:K, cuda:K or sim:K (K in-process devices per rank; default cpu, dp x "
                  "pp x tp / ranks), or RANK:TYPE:INDEX per place, comma-separated (0:cuda:0,0:cuda:1)");
   app.add_flag("--json", o.json, "print one JSON object as the last line");
   app.add_option("--dashboard", o.dashboard,

@@ -50,14 +50,16 @@ struct Stream::State {
   std::string wait_until(std::uint64_t position, const std::atomic<bool>* give_up) {
     std::unique_lock lock(mutex);
     ++waiters;
-    while (executed.load(std::memory_order_relaxed) < position && !failed.load(std::memory_order_relaxed) &&
-           !stop.load(std::memory_order_relaxed) && !(give_up != nullptr && give_up->load(std::memory_order_relaxed))) {
+    while (executed.load(std::memory_order_relaxed) < position &&
+           !failed.load(std::memory_order_relaxed) && !stop.load(std::memory_order_relaxed) &&
+           !(give_up != nullptr && give_up->load(std::memory_order_relaxed))) {
       // Bounded, so that a waiter whose own stream stops (give_up) notices without a notify.
       progress_cv.wait_for(lock, std::chrono::milliseconds(10));
     }
     --waiters;
     if (failed.load(std::memory_order_relaxed)) return error;
-    if (executed.load(std::memory_order_relaxed) < position) return owner + ": stopped before the work waited for ran";
+    if (executed.load(std::memory_order_relaxed) < position)
+      return owner + ": stopped before the work waited for ran";
     return {};
   }
 };
@@ -72,20 +74,27 @@ struct Event final : StreamEvent {
 template <class E, class Sim = std::conditional_t<std::is_const_v<E>, const Event, Event>>
 Sim& sim_event(E& e, const std::string& who) {
   auto* ev = dynamic_cast<Sim*>(&e);
-  if (ev == nullptr) throw std::invalid_argument(fmt::format("{}: an event of another kind of stream (not sim)", who));
+  if (ev == nullptr)
+    throw std::invalid_argument(
+        fmt::format("{}: an event of another kind of stream (not sim)", who));
   return *ev;
 }
 
 }  // namespace
 
 Stream::Stream(Device device, std::string owner, StreamSettings settings)
-    : device_(device), owner_(std::move(owner)), settings_(settings), state_(std::make_shared<State>()) {
+    : device_(device),
+      owner_(std::move(owner)),
+      settings_(settings),
+      state_(std::make_shared<State>()) {
   state_->owner = owner_;
 }
 
-std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner, StreamSettings settings) {
+std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner,
+                                       StreamSettings settings) {
   if (device.type != DeviceType::sim) {
-    throw std::invalid_argument(fmt::format("{}: a sim stream on {}, which is not a sim device", owner, device.str()));
+    throw std::invalid_argument(
+        fmt::format("{}: a sim stream on {}, which is not a sim device", owner, device.str()));
   }
   std::unique_ptr<Stream> s(new Stream(device, std::string(owner), settings));
   s->thread_ = std::thread([p = s.get()] { p->loop(); });
@@ -107,7 +116,8 @@ void Stream::loop() {
   int idle = 0;
   for (;;) {
     State::Item item;
-    if (st.enqueued.load(std::memory_order_acquire) == st.executed.load(std::memory_order_relaxed) &&
+    if (st.enqueued.load(std::memory_order_acquire) ==
+            st.executed.load(std::memory_order_relaxed) &&
         !st.stop.load(std::memory_order_relaxed) && idle < settings_.spin_polls) {
       ++idle;
 #if defined(__x86_64__) || defined(__i386__)
@@ -119,7 +129,8 @@ void Stream::loop() {
       std::unique_lock lock(st.mutex);
       if (st.queue.empty() && !st.stop.load(std::memory_order_relaxed)) {
         st.parked = true;
-        st.work_cv.wait(lock, [&] { return st.stop.load(std::memory_order_relaxed) || !st.queue.empty(); });
+        st.work_cv.wait(
+            lock, [&] { return st.stop.load(std::memory_order_relaxed) || !st.queue.empty(); });
         st.parked = false;
       }
       if (st.stop.load(std::memory_order_relaxed)) return;  // what is left is dropped
@@ -157,9 +168,13 @@ void Stream::enqueue(std::function<void()> work) {
   if (wake) st.work_cv.notify_one();
 }
 
-std::uint64_t Stream::executed() const { return state_->executed.load(std::memory_order_acquire); }
+std::uint64_t Stream::executed() const {
+  return state_->executed.load(std::memory_order_acquire);
+}
 
-std::unique_ptr<StreamEvent> Stream::make_event() { return std::make_unique<Event>(); }
+std::unique_ptr<StreamEvent> Stream::make_event() {
+  return std::make_unique<Event>();
+}
 
 void Stream::record(StreamEvent& e) {
   Event& ev = sim_event(e, owner_);
@@ -203,7 +218,8 @@ std::string Stream::failure() const {
 
 bool Stream::idle() const {
   return state_->failed.load(std::memory_order_acquire) ||
-         state_->executed.load(std::memory_order_acquire) == state_->enqueued.load(std::memory_order_acquire);
+         state_->executed.load(std::memory_order_acquire) ==
+             state_->enqueued.load(std::memory_order_acquire);
 }
 
 namespace {
@@ -212,19 +228,22 @@ namespace {
 /// (the actor reuses its views for the next act before this one runs).
 class OnStream final : public Kernel {
  public:
-  OnStream(std::unique_ptr<Kernel> cpu, std::string actor) : cpu_(std::move(cpu)), actor_(std::move(actor)) {}
+  OnStream(std::unique_ptr<Kernel> cpu, std::string actor)
+      : cpu_(std::move(cpu)), actor_(std::move(actor)) {}
   void compute(KernelContext& ctx) override {
     auto* s = dynamic_cast<Stream*>(ctx.async_stream);
     if (s == nullptr) {
-      throw std::invalid_argument(fmt::format("actor '{}': a sim kernel ran without a sim stream (is its actor on a "
-                                              "sim device?)",
-                                              actor_));
+      throw std::invalid_argument(
+          fmt::format("actor '{}': a sim kernel ran without a sim stream (is its actor on a "
+                      "sim device?)",
+                      actor_));
     }
-    s->enqueue([k = cpu_.get(), in = std::vector<const Tensor*>(ctx.inputs.begin(), ctx.inputs.end()),
-                out = std::vector<Tensor*>(ctx.outputs.begin(), ctx.outputs.end()), piece = ctx.piece] {
-      KernelContext c{in, out, piece, nullptr, nullptr};
-      k->compute(c);
-    });
+    s->enqueue(
+        [k = cpu_.get(), in = std::vector<const Tensor*>(ctx.inputs.begin(), ctx.inputs.end()),
+         out = std::vector<Tensor*>(ctx.outputs.begin(), ctx.outputs.end()), piece = ctx.piece] {
+          KernelContext c{in, out, piece, nullptr, nullptr};
+          k->compute(c);
+        });
   }
 
  private:
@@ -233,13 +252,15 @@ class OnStream final : public Kernel {
 };
 
 void copy_bytes(KernelContext& ctx, const char* op) {
-  if (ctx.inputs.size() != 1 || ctx.outputs.size() != 1 || ctx.inputs[0] == nullptr || ctx.outputs[0] == nullptr) {
+  if (ctx.inputs.size() != 1 || ctx.outputs.size() != 1 || ctx.inputs[0] == nullptr ||
+      ctx.outputs[0] == nullptr) {
     throw std::invalid_argument(fmt::format("{}: needs one input and one output", op));
   }
   const Tensor& from = *ctx.inputs[0];
   Tensor& to = *ctx.outputs[0];
   if (from.nbytes() != to.nbytes()) {
-    throw std::invalid_argument(fmt::format("{}: {} into {}: sizes differ", op, from.describe(), to.describe()));
+    throw std::invalid_argument(
+        fmt::format("{}: {} into {}: sizes differ", op, from.describe(), to.describe()));
   }
   if (from.nbytes() > 0) std::memcpy(to.raw(), from.raw(), from.nbytes());
 }

@@ -41,7 +41,7 @@ Placement PlanBuilder::at(std::uint8_t stream, int place) const {
 
 Placement PlanBuilder::host(std::uint8_t stream, int place) const {
   Placement p = at(stream, place);
-  if (p.device.type == DeviceType::cuda) p.device = Device{DeviceType::cpu, p.device.index};
+  if (is_async(p.device.type)) p.device = Device{DeviceType::cpu, p.device.index};
   return p;
 }
 

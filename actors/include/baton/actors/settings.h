@@ -32,6 +32,12 @@ struct RuntimeSettings {
   /// thread, another rank) needs: with more threads than cores this halved cross-rank latency.
   /// Zero: never yield.
   int spin_yield_every = 10;
+  /// Actors on streams (CUDA, sim) hand their registers on in stream order (EdgeSync, plan.h):
+  /// the host waits for a stream only where it must see the data. False: every act on a
+  /// stream waits for its stream to run it before its requests and acks go out (a host round
+  /// trip per act, as before step 11; for comparison and for telling a stream-order problem
+  /// from another).
+  bool stream_order = true;
   /// A sim device's stream thread polls this many times (a CPU pause each) for new work before
   /// it sleeps (baton/kernels/sim.h): long enough to ride out the host's gap between enqueues
   /// of short kernels, short enough to give the core back on a 2-core machine.

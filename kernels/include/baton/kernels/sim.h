@@ -36,7 +36,8 @@ struct StreamSettings {
 /// what(), and nothing enqueued after it runs (no callback either). Thread-safe.
 class Stream final : public AsyncStream {
  public:
-  static std::unique_ptr<Stream> create(Device device, std::string_view owner, StreamSettings settings = {});
+  static std::unique_ptr<Stream> create(Device device, std::string_view owner,
+                                        StreamSettings settings = {});
   /// Stops the thread; work not yet started is dropped (the runtime waits for idle() first).
   ~Stream() override;
   Stream(const Stream&) = delete;
