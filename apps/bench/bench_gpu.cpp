@@ -173,7 +173,9 @@ struct Options {
       "\"loaded\")\n"
       "  --plan-only         compile, print the plan's size (register_bytes, estimated_bytes), "
       "train nothing\n"
-      "  environment: BATON_PYTHON (default: the first of python3 on PATH, /usr/bin/python3 that "
+      "  environment: BATON_STREAM_ORDER=0 (every act waits for its stream: the host round trip "
+      "that\n"
+      "  stream-ordered handshakes remove), BATON_PYTHON (default: the first of python3 on PATH, /usr/bin/python3 that "
       "imports\n"
       "  torch), BATON_GPT_TORCH (the reference script; default gpt_torch.py beside the program or "
       "in\n"
@@ -549,7 +551,13 @@ struct TooShort : std::runtime_error {
 };
 
 BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, double timeout_s) {
-  Runtime rt(c.job.plan, c.job.kernels);
+  RuntimeSettings settings;
+  // BATON_STREAM_ORDER=0: every act waits for its stream (RuntimeSettings::stream_order), to
+  // measure what stream-ordered handshakes buy.
+  if (const char* e = std::getenv("BATON_STREAM_ORDER"); e != nullptr && std::string_view(e) == "0") {
+    settings.stream_order = false;
+  }
+  Runtime rt(c.job.plan, c.job.kernels, settings);
   std::exception_ptr failure;
   RunReport report;
   std::atomic<bool> finished{false};
