@@ -9,11 +9,19 @@
 #   scripts/gpu_checks.sh torch   PyTorch alone (bf16, sdpa) at TORCH_BATCHES, for its best batch
 #   scripts/gpu_checks.sh all     the three in turn
 #
+# Carry build-gpu/gpu-carry (the packed bundle; it is unpacked here) or build-gpu/gpu-bundle.
 # Environment: BUNDLE (default build-gpu/gpu-bundle), OUT (the folder for logs; the device tool
 # sets it), BENCH_ARGS (extra arguments for every baton-bench-gpu run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=${BUNDLE:-build-gpu/gpu-bundle}
+# The packed bundle (scripts/gpu_bundle.sh), carried where the bundle itself is too big to.
+packed="$(dirname "$B")/gpu-carry/gpu-bundle.tar.xz"
+if [ ! -x "$B/baton-tests" ] && [ -f "$packed" ]; then
+  mkdir -p "$(dirname "$B")"
+  tar -C "$(dirname "$B")" -xJf "$packed" 2>/dev/null ||
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$packed" "$(dirname "$B")"
+fi
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 what=${1:-all}
