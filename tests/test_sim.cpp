@@ -593,3 +593,34 @@ TEST_CASE("Sim.Training.EveryParallelModeTrainsAsOnTheCpu" * doctest::timeout(30
     }
   }
 }
+
+// RuntimeSettings::device_time: an actor on a stream books the time its kernels ran there
+// (timing events around each act), not the time it took to enqueue them. Each kernel sleeps
+// 2 ms on the stream, and a sleep is never shorter than asked: at least 20 ms for 10 acts.
+TEST_CASE("Sim.Runtime.DeviceTimeIsTheTimeOnTheStream" * doctest::timeout(60)) {
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {4}, .dtype = f32, .slots = 2});
+  auto b = p.add_register({.name = "b", .shape = {4}, .dtype = f32, .slots = 2});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .where = {.device = sim0}, .outputs = {a},
+               .pieces = 10});
+  p.add_actor({.name = "slow", .op = "sleep_ns", .where = {.device = sim0}, .inputs = {{a}}, .outputs = {b},
+               .attrs = {{"ns", std::int64_t{2'000'000}}}});
+  p.add_actor({.name = "sink", .op = "noop", .where = {.device = sim0}, .inputs = {{b}}});
+  for (bool timed : {true, false}) {
+    CAPTURE(timed);
+    RuntimeSettings s;
+    s.device_time = timed;
+    s.stall_timeout = 30'000ms;
+    Runtime rt(p, KernelRegistry::with_builtin_kernels(), s);
+    const RunReport report = rt.run();
+    double slow = -1;
+    for (const auto& m : report.metrics.actors) {
+      if (m.name == "slow") slow = m.device_s;
+    }
+    if (timed) {
+      CHECK(slow >= 10 * 2e-3);
+    } else {
+      CHECK(slow == 0);
+    }
+  }
+}

@@ -277,6 +277,16 @@ void Actor::act() {
           for (auto& out : outputs_) wait_for_readers(*out, out_slot(*out));
         }
       }
+      Timing timed;
+      if (stream_ordered_ && core_.settings.device_time) {
+        if (!spare_timings_.empty()) {
+          timed = std::move(spare_timings_.back());
+          spare_timings_.pop_back();
+        } else {
+          timed = Timing{stream_->make_timing_event(), stream_->make_timing_event()};
+        }
+        stream_->record(*timed.start);
+      }
       KernelContext ctx{in_view_, out_view_, desc_.first_piece + k, cuda_stream_, stream_};
       switch (desc_.kind) {
         case ActorKind::repeat: {
@@ -301,6 +311,11 @@ void Actor::act() {
           break;
         default:
           kernel_->compute(ctx);
+      }
+      if (timed.start) {
+        stream_->record(*timed.end);
+        timings_.push_back(std::move(timed));
+        collect_device_time(false);
       }
       if (stream_ordered_ && closes_group) {
         for (auto& out : outputs_) {
@@ -361,6 +376,20 @@ void Actor::act() {
   const std::uint64_t log_end = logging ? steady_ns() : 0;
   after_act(k);
   if (logging) worker_->log(ActRecord{index_, k, log_start, log_end, worker_->index()});
+}
+
+void Actor::collect_device_time(bool all) {
+  while (!timings_.empty()) {
+    Timing& t = timings_.front();
+    const std::optional<double> ms = stream_->elapsed_ms(*t.start, *t.end);
+    if (!ms) {
+      if (!all) return;
+    } else {
+      bump(counters_.device_ns, static_cast<std::uint64_t>(std::max(0.0, *ms) * 1e6));
+    }
+    spare_timings_.push_back(std::move(t));
+    timings_.pop_front();
+  }
 }
 
 // The slot is about to be written again on this stream: first the reads of its last piece on

@@ -121,6 +121,7 @@ struct alignas(64) ActorCounters {
   std::atomic<std::uint64_t> bytes_out{0};
   std::array<std::atomic<std::uint64_t>, 4> ticks{};  // busy, starved, backpressured, transferring
   std::atomic<std::uint64_t> kernel_ticks{0};          // the part of busy spent in kernels
+  std::atomic<std::uint64_t> device_ns{0};             // kernels' time on the device (device_time)
   std::atomic<std::uint64_t> since{0};
   std::atomic<ActorActivity> activity{ActorActivity::starved};
 };
@@ -229,6 +230,18 @@ class Actor {
   bool wait_every_act_ = false;  // RuntimeSettings::stream_order off
   bool needs_reached_ = false;  // some output defers requests or some input defers acks
   std::deque<std::int64_t> on_stream_;
+  // RuntimeSettings::device_time: timing events around acts the device has not run yet (in act
+  // order), and spare pairs.
+  struct Timing {
+    std::unique_ptr<StreamEvent> start, end;
+  };
+  std::deque<Timing> timings_;
+  std::vector<Timing> spare_timings_;
+ public:
+  /// Books the device time of the timed acts the device has run; all of them if `all` (after
+  /// the streams drained). The actor's thread, or any once the workers have stopped.
+  void collect_device_time(bool all);
+ private:
   // A repeat: the events its readers left for the pieces of each input piece (group), handed
   // to the input's writer with the ack of that piece.
   std::map<std::int64_t, std::vector<const StreamEvent*>> repeat_done_;

@@ -457,6 +457,7 @@ MetricsSnapshot Core::snapshot() const {
     m.backpressured_s = secs[2] * tick_ns * 1e-9;
     m.transferring_s = secs[3] * tick_ns * 1e-9;
     m.kernel_s = static_cast<double>(c.kernel_ticks.load(std::memory_order_relaxed)) * tick_ns * 1e-9;
+    m.device_s = static_cast<double>(c.device_ns.load(std::memory_order_relaxed)) * 1e-9;
     s.actors.push_back(std::move(m));
   }
   for (const auto& a : actors) {
@@ -827,6 +828,11 @@ RunReport Runtime::run() {
   }
   if (!core.failed() && !core.streams.empty()) {
     if (std::string why = core.drain_streams(core.settings.stall_timeout); !why.empty()) core.fail(why);
+    if (core.settings.device_time) {
+      for (auto& a : core.actors) {
+        if (a) a->collect_device_time(true);
+      }
+    }
   }
   if (core.failed()) throw JobError(core.error);
   RunReport report;

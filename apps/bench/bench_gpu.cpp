@@ -540,6 +540,7 @@ struct BatonResult {
   double loss = NAN;
   std::int64_t actors = 0;
   std::map<std::string, double> kernel_s_by_op;
+  std::map<std::string, double> device_s_by_op;  // BATON_DEVICE_TIME=1
 };
 
 /// The shortest timed window that polling the loss log measures to within a few percent.
@@ -556,6 +557,10 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   // measure what stream-ordered handshakes buy.
   if (const char* e = std::getenv("BATON_STREAM_ORDER"); e != nullptr && std::string_view(e) == "0") {
     settings.stream_order = false;
+  }
+  // BATON_DEVICE_TIME=1: each op's time on the device too (RuntimeSettings::device_time).
+  if (const char* e = std::getenv("BATON_DEVICE_TIME"); e != nullptr && std::string_view(e) == "1") {
+    settings.device_time = true;
   }
   Runtime rt(c.job.plan, c.job.kernels, settings);
   std::exception_ptr failure;
@@ -608,7 +613,10 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   r.actors = static_cast<std::int64_t>(c.job.plan.actors.size());
   std::map<std::string, std::string> op_of;
   for (const auto& a : c.job.plan.actors) op_of[a.name] = a.op.empty() ? "(" + a.name + ")" : a.op;
-  for (const auto& a : report.metrics.actors) r.kernel_s_by_op[op_of[a.name]] += a.kernel_s;
+  for (const auto& a : report.metrics.actors) {
+    r.kernel_s_by_op[op_of[a.name]] += a.kernel_s;
+    if (a.device_s > 0) r.device_s_by_op[op_of[a.name]] += a.device_s;
+  }
   return r;
 }
 
@@ -1052,16 +1060,27 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
           : std::string("not run"),
         b && t ? fmt::format(" | ratio {}", bench::ratio_note(b->tokens_per_s / t->tokens_per_s)) : std::string());
     if (b && !b->r.kernel_s_by_op.empty()) {  // a child's run printed its own
-      std::vector<std::pair<double, std::string>> ops;
-      for (const auto& [op, sec] : b->r.kernel_s_by_op) ops.emplace_back(sec, op);
-      std::sort(ops.rbegin(), ops.rend());
-      std::string top;
       const double all_steps = static_cast<double>(s.warmup + b->steps);
-      for (std::size_t i = 0; i < std::min<std::size_t>(ops.size(), 6); ++i) {
-        top += fmt::format("{}{} {:.2f}", i ? ", " : "", ops[i].second, ops[i].first * 1e3 / all_steps);
-      }
+      auto top = [&](const std::map<std::string, double>& by_op, std::size_t n) {
+        std::vector<std::pair<double, std::string>> ops;
+        double total = 0;
+        for (const auto& [op, sec] : by_op) {
+          ops.emplace_back(sec, op);
+          total += sec;
+        }
+        std::sort(ops.rbegin(), ops.rend());
+        std::string out = fmt::format("total {:.2f}", total * 1e3 / all_steps);
+        for (std::size_t i = 0; i < std::min(ops.size(), n); ++i) {
+          out += fmt::format(", {} {:.2f}", ops[i].second, ops[i].first * 1e3 / all_steps);
+        }
+        return out;
+      };
       fmt::print(stderr, "{}: {}: kernel ms/step by op (whole job; on CUDA the time to enqueue): {}\n", prog,
-                 case_name, top);
+                 case_name, top(b->r.kernel_s_by_op, 6));
+      if (!b->r.device_s_by_op.empty()) {
+        fmt::print(stderr, "{}: {}: device ms/step by op (BATON_DEVICE_TIME=1): {}\n", prog, case_name,
+                   top(b->r.device_s_by_op, 14));
+      }
     }
     return true;
   } catch (const std::exception& e) {

@@ -69,6 +69,11 @@ namespace {
 struct Event final : StreamEvent {
   std::shared_ptr<Stream::State> state;  // null: never recorded
   std::uint64_t position = 0;
+  // Timing events: the steady clock when the stream reached the last record (0: not yet),
+  // written by the stream's thread.
+  bool timing = false;
+  std::shared_ptr<std::atomic<std::int64_t>> reached_ns =
+      std::make_shared<std::atomic<std::int64_t>>(0);
 };
 
 template <class E, class Sim = std::conditional_t<std::is_const_v<E>, const Event, Event>>
@@ -176,8 +181,33 @@ std::unique_ptr<StreamEvent> Stream::make_event() {
   return std::make_unique<Event>();
 }
 
+std::unique_ptr<StreamEvent> Stream::make_timing_event() {
+  auto e = std::make_unique<Event>();
+  e->timing = true;
+  return e;
+}
+
+std::optional<double> Stream::elapsed_ms(const StreamEvent& start, const StreamEvent& end) const {
+  const Event& a = sim_event(start, owner_);
+  const Event& b = sim_event(end, owner_);
+  const std::int64_t t0 = a.reached_ns->load(std::memory_order_acquire);
+  const std::int64_t t1 = b.reached_ns->load(std::memory_order_acquire);
+  if (t0 == 0 || t1 == 0) return std::nullopt;
+  return static_cast<double>(t1 - t0) * 1e-6;
+}
+
 void Stream::record(StreamEvent& e) {
   Event& ev = sim_event(e, owner_);
+  if (ev.timing) {
+    // A fresh cell per record: a reader of the last one's time never sees this one's.
+    ev.reached_ns = std::make_shared<std::atomic<std::int64_t>>(0);
+    enqueue([cell = ev.reached_ns] {
+      cell->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count(),
+                  std::memory_order_release);
+    });
+  }
   ev.state = state_;
   ev.position = state_->enqueued.load(std::memory_order_acquire);
 }

@@ -27,6 +27,8 @@ std::unique_ptr<Stream> Stream::create(Device device, std::string_view owner) {
 }
 std::unique_ptr<StreamEvent> Stream::make_event() { unavailable(owner_); }
 void Stream::record(StreamEvent&) { unavailable(owner_); }
+std::unique_ptr<StreamEvent> Stream::make_timing_event() { unavailable(owner_); }
+std::optional<double> Stream::elapsed_ms(const StreamEvent&, const StreamEvent&) const { return std::nullopt; }
 void Stream::wait(const StreamEvent&) { unavailable(owner_); }
 bool Stream::idle() const { return true; }
 void Stream::when_reached(void (*)(void*), void*) { unavailable(owner_); }

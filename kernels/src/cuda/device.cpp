@@ -102,6 +102,24 @@ std::unique_ptr<StreamEvent> Stream::make_event() {
   return e;
 }
 
+std::unique_ptr<StreamEvent> Stream::make_timing_event() {
+  bind();
+  auto e = std::make_unique<Event>();
+  e->device = device_.index;
+  BATON_CUDA_CHECK(cudaEventCreateWithFlags(&e->event, cudaEventDefault), owner_);
+  return e;
+}
+
+std::optional<double> Stream::elapsed_ms(const StreamEvent& start, const StreamEvent& end) const {
+  float ms = 0;
+  const cudaError_t e = cudaEventElapsedTime(&ms, cuda_event(start, owner_).event, cuda_event(end, owner_).event);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not ready (or never recorded): not an error of the stream's
+    return std::nullopt;
+  }
+  return static_cast<double>(ms);
+}
+
 void Stream::record(StreamEvent& e) {
   const Event& ev = cuda_event(e, owner_);
   bind();

@@ -38,6 +38,10 @@ struct ActorMetrics {
   double transferring_s = 0;
   /// The part of busy_s spent inside the kernel; the rest is the handshakes around it.
   double kernel_s = 0;
+  /// On a stream (CUDA, sim) with RuntimeSettings::device_time: the time its kernels ran on the
+  /// device, as far as the device has run them (0 otherwise). kernel_s is then the time to
+  /// enqueue them.
+  double device_s = 0;
   ActorActivity activity = ActorActivity::starved;
 
   double lifetime_s() const { return busy_s + starved_s + backpressured_s + transferring_s; }

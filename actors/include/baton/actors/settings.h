@@ -38,6 +38,10 @@ struct RuntimeSettings {
   /// trip per act, as before step 11; for comparison and for telling a stream-order problem
   /// from another).
   bool stream_order = true;
+  /// Actors on streams also measure how long their kernels ran on the device (two timing events
+  /// around each act; ActorMetrics::device_s): on an asynchronous device the host's time in a
+  /// kernel is only the time to enqueue it. A few microseconds per act.
+  bool device_time = false;
   /// A sim device's stream thread polls this many times (a CPU pause each) for new work before
   /// it sleeps (baton/kernels/sim.h): long enough to ride out the host's gap between enqueues
   /// of short kernels, short enough to give the core back on a 2-core machine.

@@ -60,6 +60,10 @@ class Stream final : public AsyncStream {
   const std::string& owner() const override { return owner_; }
   /// A cudaEvent_t without timing (cudaEventDisableTiming).
   std::unique_ptr<StreamEvent> make_event() override;
+  /// A cudaEvent_t with timing.
+  std::unique_ptr<StreamEvent> make_timing_event() override;
+  /// cudaEventElapsedTime; nullopt while cudaErrorNotReady.
+  std::optional<double> elapsed_ms(const StreamEvent& start, const StreamEvent& end) const override;
   /// cudaEventRecord on this stream.
   void record(StreamEvent& e) override;
   /// cudaStreamWaitEvent: no host wait. `e` may come from a stream of another device.

@@ -49,6 +49,9 @@ class Stream final : public AsyncStream {
   Device device() const override { return device_; }
   const std::string& owner() const override { return owner_; }
   std::unique_ptr<StreamEvent> make_event() override;
+  /// A timing event's time is taken by the stream's thread when it reaches the record.
+  std::unique_ptr<StreamEvent> make_timing_event() override;
+  std::optional<double> elapsed_ms(const StreamEvent& start, const StreamEvent& end) const override;
   void record(StreamEvent& e) override;
   /// Enqueues a wait: the stream's thread blocks there until the other stream has run
   /// everything `e` marks (or failed, which fails this stream too: CUDA would never get past).

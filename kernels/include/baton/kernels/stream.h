@@ -14,6 +14,7 @@
 /// not change what an earlier wait waits for. Waiting for an event that was never recorded
 /// waits for nothing.
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "baton/kernels/device.h"
@@ -43,6 +44,11 @@ class AsyncStream {
   /// Work enqueued on this stream from now on starts only after the work `e` marks (on this
   /// or another stream of the same kind). Throws on failure, or for an event of another kind.
   virtual void wait(const StreamEvent& e) = 0;
+  /// An event that also keeps the time the stream reached it (costlier than make_event()).
+  virtual std::unique_ptr<StreamEvent> make_timing_event() = 0;
+  /// Milliseconds between two timing events recorded on this stream, once the stream has
+  /// reached both; nullopt while either is pending (or was never recorded). Any thread.
+  virtual std::optional<double> elapsed_ms(const StreamEvent& start, const StreamEvent& end) const = 0;
   /// Calls fn(arg) once all the work enqueued so far has finished, on a thread of the stream's
   /// (a CUDA driver thread; the sim stream's own). fn must not use the stream; it should only
   /// hand a message on. After a failure of the stream it is never called. Throws.
