@@ -299,7 +299,9 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
     check_op(gpu, reg, "sum_to", {}, {random_f32({64, 10})}, {{{10}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{3, 1, 5}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{}, f32}});
-    check_op(gpu, reg, "sum_to", {}, {random_f32({3000, 40})}, {{{40}, f32}});  // a bias gradient: a block per output
+    check_op(gpu, reg, "sum_to", {}, {random_f32({3000, 40})}, {{{40}, f32}});  // a bias gradient
+    check_op(gpu, reg, "sum_to", {}, {random_f32({4, 1000, 130})}, {{{130}, f32}});
+    check_op(gpu, reg, "sum_to", {}, {random_f32({2, 3, 4100})}, {{{1, 1, 4100}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f64({30, 7})}, {{{1, 7}, f64}}, 1e-12);
     check_op(gpu, reg, "broadcast_to", {}, {random_f32({4, 1})}, {{{2, 4, 3}, f32}});
     check_op(gpu, reg, "transpose", Attrs{{"perm", std::vector<std::int64_t>{0, 2, 1, 3}}}, {random_f32({2, 3, 4, 5})},
@@ -375,6 +377,8 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
     };
     Tensor with_nan = random_f32({6, 300});
     with_nan.data<float>()[2 * 300 + 17] = NAN;  // row 2's sum, mean and max are NaN
+    Tensor many_rows_with_nan = random_f32({1500, 100});
+    many_rows_with_nan.data<float>()[1200 * 100 + 99] = NAN;
     for (const char* op : {"sum", "mean", "max"}) {
       check_op(gpu, reg, op, {}, {random_f32({37, 300})}, {{{}, f32}});                 // all: a block per output
       check_op(gpu, reg, op, axes({1}, false), {random_f32({17, 300})}, {{{17}, f32}});
@@ -383,6 +387,12 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
       check_op(gpu, reg, op, axes({0, 2}, false), {random_f32({4, 5, 6})}, {{{5}, f32}});
       check_op(gpu, reg, op, axes({1}, false), {random_f32({5000, 3})}, {{{5000}, f32}});
       check_op(gpu, reg, op, axes({1}, false), {with_nan}, {{{6}, f32}});
+      // The coalesced layouts (reduce_columns, reduce_rows in tensor.cu): over leading rows with
+      // a column count that is no multiple of 32, and over the last axis of many rows, a NaN in one.
+      check_op(gpu, reg, op, axes({0}, false), {random_f32({3000, 70})}, {{{70}, f32}});
+      check_op(gpu, reg, op, axes({0, 1}, false), {random_f32({9, 500, 33})}, {{{33}, f32}});
+      check_op(gpu, reg, op, axes({1}, false), {random_f32({2048, 300})}, {{{2048}, f32}});
+      check_op(gpu, reg, op, axes({1}, true), {many_rows_with_nan}, {{{1500, 1}, f32}});
       check_op(gpu, reg, op, axes({1}, false), {random_f32({3, 0})}, {{{3}, f32}});  // of nothing: 0, NaN, -inf
       check_op(gpu, reg, op, axes({0, 2}, true), {random_f64({33, 4, 20})}, {{{1, 4, 1}, f64}}, 1e-12);
       check_op(gpu, reg, op, {}, {random_f64({1000})}, {{{}, f64}}, 1e-12);

@@ -635,6 +635,12 @@ TEST_CASE("CudaKernels.Bf16.MatchCpu" * doctest::timeout(120)) {
   Gpu gpu;
   const double rounding = 1e-2, exact = 0.0;
   auto r = [](const Shape& s, double lo = -2, double hi = 2) { return random_tensor(bf16, s, lo, hi); };
+  SUBCASE("casts round as the CPU does, bit for bit (four at a time, and one at a time)") {
+    for (std::int64_t n : {4096, 4099}) {
+      check_against_cpu(gpu, "cast", bf16, {}, {random_tensor(f32, {n}, -300, 300)}, {{n}}, exact);
+      check_against_cpu(gpu, "cast", f32, {}, {r({n}, -300, 300)}, {{n}}, exact);
+    }
+  }
   SUBCASE("elementwise with broadcasting") {
     for (const char* op : {"add", "sub", "mul", "maximum"}) {
       check_against_cpu(gpu, op, bf16, {}, {r({5, 7}), r({5, 7})}, {{5, 7}}, rounding);

@@ -104,10 +104,82 @@ __global__ void reduce_per_block(int op, const T* x, T* y, Indexing out, long lo
   }
 }
 
+// Over leading rows: x is [n_red, n_out] row-major, y [n_out] (a bias's gradient: sum_to over
+// the batch and sequence). A block owns 32 columns; its 32 x 32 threads sum rows ty, ty + 32, ...
+// of their column, so that each warp reads 32 neighbouring elements of a row (coalesced), then
+// the 32 partial sums of a column are combined in a fixed order: the same bits every run.
+constexpr int column_rows = 32;
+template <class T>
+__global__ void reduce_columns(int op, const T* x, T* y, long long n_out, long long n_red, double factor) {
+  __shared__ double part[column_rows][33];
+  const bool max = static_cast<Reduce>(op) == Reduce::max;
+  const long long c = blockIdx.x * 32LL + threadIdx.x;
+  double acc = max ? -INFINITY : 0.0;
+  if (c < n_out) {
+    for (long long r = threadIdx.y; r < n_red; r += column_rows) {
+      const double v = elem::load(x + r * n_out + c);
+      acc = max ? block::nan_max(acc, v) : acc + v;
+    }
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < n_out) {
+    double total = part[0][threadIdx.x];
+    for (int k = 1; k < column_rows; ++k) {
+      total = max ? block::nan_max(total, part[k][threadIdx.x]) : total + part[k][threadIdx.x];
+    }
+    elem::store_d(y + c, max ? total : total * factor);
+  }
+}
+
+// Over trailing elements: x is [n_out, n_red] row-major (a mean over the last axis). A warp per
+// row, its lanes reading neighbouring elements, combined by shuffles in a fixed order.
+template <class T>
+__global__ void reduce_rows(int op, const T* x, T* y, long long n_out, long long n_red, double factor) {
+  const bool max = static_cast<Reduce>(op) == Reduce::max;
+  const long long warps = blockDim.x / 32;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  for (long long row = blockIdx.x * warps + threadIdx.x / 32; row < n_out; row += gridDim.x * warps) {
+    const T* p = x + row * n_red;
+    double acc = max ? -INFINITY : 0.0;
+    for (long long r = lane; r < n_red; r += 32) {
+      const double v = elem::load(p + r);
+      acc = max ? block::nan_max(acc, v) : acc + v;
+    }
+    for (int step = 16; step > 0; step /= 2) {
+      const double other = __shfl_down_sync(0xffffffffu, acc, step);
+      acc = max ? block::nan_max(acc, other) : acc + other;
+    }
+    if (lane == 0) elem::store_d(y + row, max ? acc : acc * factor);
+  }
+}
+
+// Whether ix walks its index space as one row-major run of step `scale`: offset_a(ix, i) ==
+// i * scale for every i (dims of extent 1 have any stride).
+bool contiguous_run(const Indexing& ix, long long scale) {
+  long long expect = scale;
+  for (int d = ix.ndim - 1; d >= 0; --d) {
+    if (ix.shape[d] != 1 && ix.a[d] != expect) return false;
+    expect *= ix.shape[d];
+  }
+  return true;
+}
+
 template <class T>
 cudaError_t reduce_t(Reduce op, const T* x, T* y, const Indexing& out, long long n_out, const Indexing& red,
                      long long n_red, double factor, cudaStream_t s) {
   if (n_out == 0) return cudaSuccess;
+  // The two layouts training reduces most, read coalesced; any other through the general kernels.
+  if (n_red > 1 && contiguous_run(out, 1) && contiguous_run(red, n_out)) {
+    const dim3 block(32, column_rows);
+    reduce_columns<T><<<static_cast<unsigned>((n_out + 31) / 32), block, 0, s>>>(static_cast<int>(op), x, y, n_out,
+                                                                                n_red, factor);
+    return cudaGetLastError();
+  }
+  if (n_out >= 1024 && n_red > 1 && contiguous_run(out, n_red) && contiguous_run(red, 1)) {
+    reduce_rows<T><<<blocks_for(n_out * 32), threads, 0, s>>>(static_cast<int>(op), x, y, n_out, n_red, factor);
+    return cudaGetLastError();
+  }
   // A block per output keeps the threads of a block on one output's elements; worth it while
   // the outputs alone would leave SMs idle and each has a block's worth of elements.
   if (n_out < 4096 && n_red >= threads) {
