@@ -13,6 +13,7 @@
 #include "baton/graph.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
+#include "equivalence.h"
 #include "models.h"
 #include "test_util.h"
 
@@ -523,69 +524,64 @@ TEST_CASE("Sbp.AnnotatedMlpStartsFromThePiecesOfTheOneDeviceWeights") {
 
 namespace {
 
-struct MlpRun {
-  std::vector<double> losses;
-  std::map<std::string, Tensor> weights;
-};
+constexpr std::int64_t mlp_batch = 32, mlp_steps = 20;
+const OptimizerConfig mlp_adam = optim::adam(0.01);
 
 /// models::mlp trained 20 steps from ParameterStore::initialize of its own graph (tp > 1: the
 /// pieces of the one-device weights), its weights joined back.
-MlpRun train_mlp(std::int64_t tp, int dp, int pp, std::int64_t layers) {
-  constexpr std::int64_t batch = 32;
+test::TrainedRun train_mlp(std::int64_t tp, int dp, int pp, std::int64_t layers, DType dtype) {
+  constexpr std::int64_t batch = mlp_batch;
   auto dataset =
       std::make_shared<const baton::data::Dataset>(baton::data::synthetic(256, 12, 4, 99));
   const std::int64_t m = 2, pieces = dp * m;
   Graph g(5);
   Value logits = models::mlp(
-      g, batch / pieces, {.inputs = 12, .hidden = 16, .layers = layers, .classes = 4, .tp = tp});
+      g, batch / pieces,
+      {.inputs = 12, .hidden = 16, .layers = layers, .classes = 4, .tp = tp, .dtype = dtype});
   TrainConfig cfg;
-  cfg.steps = 20;
+  cfg.steps = mlp_steps;
   cfg.microbatches = m;
   cfg.dp = dp;
   cfg.pp = pp;
   cfg.tp = static_cast<int>(tp);
-  cfg.optimizer = optim::adam(0.01);
+  cfg.optimizer = mlp_adam;
   cfg.data = {{"synthetic", baton::data::batch_source(dataset, batch, pieces, 7), {"x", "label"}}};
   TrainingJob job = compile_training(g, softmax_cross_entropy(logits, g.find("label")), cfg);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
   Runtime rt(job.plan, job.kernels, rs);
   rt.run();
-  return {job.losses->per_step(), join_parts(g, job.params->values())};
+  test::TrainedRun out;
+  out.losses = job.losses->per_step();
+  for (const auto& [name, t] : join_parts(g, job.params->values())) out.weights[name] = test::widened(t);
+  return out;
 }
 
 }  // namespace
 
 TEST_CASE("Sbp.AnnotatedMlpTrainsAsOneDevice" * doctest::timeout(180)) {
-  // Tolerance 1e-5 relative, as in test_parallel.cpp: the shards' partial products are summed
-  // in another order than one device's matrix product.
-  constexpr double tolerance = 1e-5;
-  for (std::int64_t layers : {2, 3, 4}) {
-    const MlpRun one = train_mlp(1, 1, 1, layers);
+  // The shards' partial products are summed in another order than one device's matrix
+  // product: test::Reordering's tolerance (20 steps of Adam, sums over the batch of 32).
+  // In f64, and in f32, the dtype training uses.
+  struct Mix {
+    std::int64_t tp;
+    int dp, pp;
+  };
+  const Mix mixes[] = {{2, 1, 1}, {4, 1, 1}, {2, 2, 1}, {2, 1, 2}};
+  for (auto [layers, dtype] : {std::pair{2, DType::f64}, {3, DType::f64}, {4, DType::f64}, {2, DType::f32},
+                               {3, DType::f32}, {4, DType::f32}}) {
+    const double tolerance =
+        test::tolerance({.dtype = dtype, .steps = mlp_steps, .longest_sum = mlp_batch, .lr = mlp_adam.lr});
+    const test::TrainedRun one = train_mlp(1, 1, 1, layers, dtype);
     REQUIRE(one.losses.size() == 20);
     CHECK(one.losses.back() < one.losses.front());
-    struct Mix {
-      std::int64_t tp;
-      int dp, pp;
-    };
-    for (Mix mix : {Mix{2, 1, 1}, Mix{4, 1, 1}, Mix{2, 2, 1}, Mix{2, 1, 2}}) {
+    for (Mix mix : mixes) {
       CAPTURE(layers);
+      CAPTURE(dtype);
       CAPTURE(mix.tp);
       CAPTURE(mix.dp);
       CAPTURE(mix.pp);
-      const MlpRun split = train_mlp(mix.tp, mix.dp, mix.pp, layers);
-      REQUIRE(split.losses.size() == one.losses.size());
-      for (std::size_t s = 0; s < one.losses.size(); ++s) {
-        INFO("step " << s << ": " << one.losses[s] << " vs " << split.losses[s]);
-        CHECK(std::abs(one.losses[s] - split.losses[s]) <=
-              tolerance * std::max(1.0, std::abs(one.losses[s])));
-      }
-      REQUIRE(split.weights.size() == one.weights.size());
-      for (const auto& [name, w] : one.weights) {
-        CAPTURE(name);
-        REQUIRE(split.weights.count(name));
-        check_close(w, split.weights.at(name), tolerance);
-      }
+      test::check_same_training(one, train_mlp(mix.tp, mix.dp, mix.pp, layers, dtype), tolerance);
     }
   }
 }

@@ -19,6 +19,9 @@ struct MlpShape {
   /// The model is written once, with these signatures as annotations (sbp.h), and sharded by
   /// shard_graph() (sharding.h); the parts start as pieces of the one-device weights.
   std::int64_t tp = 1;
+  /// The dtype of the input x, the weights and everything computed from them: f32, or f64
+  /// (the tests' parallel-equals-sequential runs, where rounding is too small to hide a bug).
+  DType dtype = DType::f32;
 };
 
 /// x [batch, inputs] -> `layers` x (Linear + ReLU) -> Linear -> logits [batch, classes].
@@ -39,6 +42,8 @@ struct GptShape {
   /// [vocab/tp, d]) and the head by columns ("head.w.tp<k>" [d, vocab/tp]). heads and vocab must
   /// be multiples of tp.
   std::int64_t tp = 1;
+  /// The dtype of the weights and of everything computed from them: f32, or f64 (as MlpShape).
+  DType dtype = DType::f32;
 };
 
 /// A GPT-style decoder: token + position embeddings, `layers` pre-norm blocks of causal
