@@ -32,9 +32,11 @@ packages=(
   iproute2 openssh-client openssh-server openmpi-bin libopenmpi-dev
 )
 
-# Only the tests need these: the dashboard's browser test drives headless Chromium (without it,
-# that test is skipped).
-test_packages=(chromium)
+# Only the tests need these: the dashboard's browser test drives headless Chromium, the
+# checkpoint test reads a file with python3, and bench.gpu.reference runs PyTorch (Debian's
+# python3-torch, for /usr/bin/python3). Without them those tests skip, and under CI=true a skip
+# of anything but a GPU fails (tests/skip.h), so CI must install them.
+test_packages=(chromium python3 python3-torch)
 
 install_missing() {
   local missing=()
@@ -186,6 +188,37 @@ fuzz() {
   )
 }
 
+# What CI must have that no test can check by itself: bench.gpu.reference exits 77 (CTest: skipped)
+# without a python3 that imports torch, and is a benchmark, not a doctest (tests/skip.h).
+ci_preconditions() {
+  if ! /usr/bin/python3 -c "import torch" >/dev/null 2>&1; then
+    log "CI=true: /usr/bin/python3 cannot import torch (python3-torch): the PyTorch reference would be skipped"
+    exit 1
+  fi
+}
+
+# Debian's OpenBLAS picks its kernels by CPU at run time (DYNAMIC_ARCH), and each family sums
+# in its own order, so the tolerances of the float tests must hold under each (tests/equivalence.h).
+# After the suite ran with this machine's own kernels, the float suites (parallel training
+# against one device, SBP, vocabulary parallel, checkpoints, training) run again under every
+# other family this CPU can execute: Haswell (AVX2 + FMA; Zen uses the same kernels), SkylakeX
+# (AVX-512) and Sandybridge (AVX, no FMA).
+float_suites_under_other_blas_kernels() {
+  local flags own
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  own="$(OPENBLAS_VERBOSE=2 "$build_dir/bin/baton-tests" --count 2>&1 | sed -n 's/^Core: //p' | head -n 1)"
+  local families=()
+  [[ "$flags" == *" avx2 "* && "$flags" == *" fma "* ]] && families+=(Haswell)
+  [[ "$flags" == *" avx512f "* && "$flags" == *" avx512bw "* && "$flags" == *" avx512vl "* && "$flags" == *" avx512dq "* ]] && families+=(SkylakeX)
+  [[ "$flags" == *" avx "* ]] && families+=(Sandybridge)
+  for family in "${families[@]}"; do
+    [ "$family" = "$own" ] && continue
+    log "the float suites with OpenBLAS's $family kernels (OPENBLAS_CORETYPE=$family; this CPU's own: ${own:-unknown})"
+    OPENBLAS_CORETYPE="$family" ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
+      -R '^(Parallel|Sbp|VocabParallel|Ops\.VocabParallel|Checkpoint|Training|Balance)\.'
+  done
+}
+
 # The first port from 8080 on that nobody listens to on 127.0.0.1 (bash's /dev/tcp connects).
 free_port() {
   local port
@@ -229,11 +262,20 @@ case "$cmd" in
       "${dashboard[@]}" "$@"
     ;;
   test)
-    # Not fatal: without Chromium (offline, no root) the browser test skips with a message.
-    ( install_missing "${test_packages[@]}" ) || log "could not install ${test_packages[*]}: the browser test will be skipped"
+    # Outside CI not fatal: without them (offline, no root) those tests skip, saying why. In CI
+    # they must be there.
+    if [ "${CI:-}" = "true" ]; then
+      install_missing "${test_packages[@]}"
+      ci_preconditions
+    else
+      ( install_missing "${test_packages[@]}" ) || log "could not install ${test_packages[*]}: the tests that need them will skip"
+    fi
     build
     log "running the test suite"
-    exec ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" "$@"
+    ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" "$@"
+    # The float suites again under other CPU kernel families of OpenBLAS, only with no ctest
+    # arguments given (a whole run).
+    if [ $# -eq 0 ]; then float_suites_under_other_blas_kernels; fi
     ;;
   bench)
     name="${1:-}"

@@ -501,8 +501,7 @@ TEST_CASE("Checkpoint.PythonReadsTheFileWithoutBaton" * doctest::timeout(60)) {
   // An independent reader (json + struct, and torch.frombuffer where PyTorch is installed)
   // sums each tensor of a checkpoint file; the sums must be ours.
   if (std::system("python3 -c 'import json, struct' >/dev/null 2>&1") != 0) {
-    MESSAGE("python3 not found; the independent reader is skipped");
-    return;
+    return test::skip(test::Missing::python3, "python3 not found: the independent reader cannot run");
   }
   TempDir a("python");
   const fs::path file = make_checkpoint(a.path) / "rank0.safetensors";

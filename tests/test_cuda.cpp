@@ -202,8 +202,7 @@ TEST_CASE("Cuda.Availability.SaysWhy") {
 TEST_CASE("Cuda.Stream.BindsItsDeviceWhateverWasCurrent" * doctest::timeout(60)) {
   if (!cuda_usable()) return;
   if (cuda::availability().devices < 2) {
-    MESSAGE("one CUDA device: nothing to switch between");
-    return;
+    return test::skip(test::Missing::second_cuda_device, "one CUDA device: nothing to switch between");
   }
   const Device d0 = Device::parse("cuda:0"), d1 = Device::parse("cuda:1");
   auto first = cuda::Stream::create(d0, "first");

@@ -283,8 +283,8 @@ TEST_CASE("Data.Digits.RealFileHas1797RowsOf64PixelsAndEveryClass") {
   try {
     path = data::find_digits_file();
   } catch (const std::runtime_error& e) {
-    MESSAGE("skipped: the real digits file is not here: " << e.what());
-    return;
+    return baton::test::skip(baton::test::Missing::data_file,
+                             std::string("the real digits file is not here (scripts/run.sh fetches it): ") + e.what());
   }
   const auto d = data::load_digits(path);
   CHECK(d.rows() == 1797);

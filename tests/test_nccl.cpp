@@ -43,18 +43,16 @@ std::string thrown(F&& fn) {
 bool cuda_usable(int devices = 1) {
   const auto& a = cuda::availability();
   if (!a.ok) {
-    std::printf("%s; CUDA tests skipped\n", a.reason.c_str());
-    std::fflush(stdout);
+    baton::test::skip(baton::test::Missing::cuda_device, a.reason + "; CUDA tests skipped");
     return false;
   }
   if (!nccl::built_with_nccl()) {
-    std::printf("built without NCCL; CUDA tests skipped\n");
-    std::fflush(stdout);
+    baton::test::skip(baton::test::Missing::cuda_device, "built without NCCL; CUDA tests skipped");
     return false;
   }
   if (a.devices < devices) {
-    std::printf("%d CUDA device(s), this test needs %d; CUDA tests skipped\n", a.devices, devices);
-    std::fflush(stdout);
+    baton::test::skip(baton::test::Missing::second_cuda_device,
+                      fmt::format("{} CUDA device(s), this test needs {}; CUDA tests skipped", a.devices, devices));
     return false;
   }
   return true;

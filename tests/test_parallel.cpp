@@ -262,10 +262,7 @@ TEST_CASE("Parallel.BadPipelineConfigsFailBeforeRunning") {
 
 TEST_CASE("Parallel.SmallGptPipelineAndDataParallelEqualOneDevice" * doctest::timeout(120)) {
   const std::string path = "/usr/share/common-licenses/GPL-3";
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is missing");
-    return;
-  }
+  if (!std::filesystem::exists(path)) return test::skip(test::Missing::system_file, path + " is missing (Debian: base-files)");
   auto corpus = std::make_shared<const baton::data::TextCorpus>(baton::data::load_text(path));
   const std::int64_t batch = 8, seq = 16, steps = 5;
   const OptimizerConfig adam = optim::adam(3e-3);
@@ -480,10 +477,7 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
   // device, started from the shards put together. The shards' partial sums (of products, of
   // embeddings, of exp() in the loss) are added in another order: test::Reordering's tolerance.
   const std::string path = "/usr/share/common-licenses/GPL-3";
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is missing");
-    return;
-  }
+  if (!std::filesystem::exists(path)) return test::skip(test::Missing::system_file, path + " is missing (Debian: base-files)");
   auto corpus = std::make_shared<const baton::data::TextCorpus>(baton::data::load_text(path));
   const std::int64_t batch = 8, seq = 16, steps = 20;
   const OptimizerConfig adam = optim::adam(3e-3);

@@ -8,6 +8,7 @@
 #include "baton/graph.h"
 #include "baton/kernels/data.h"
 #include "models.h"
+#include "skip.h"
 
 using namespace baton;
 
@@ -61,10 +62,7 @@ TEST_CASE("Training.MlpOnDigitsReaches97PercentHeldOut" * doctest::timeout(120))
 TEST_CASE("Training.SmallGptLearnsTextBelowTheUnigramEntropy" * doctest::timeout(120)) {
   // Any text file will do; Debian's base-files ships the GPL, which is English prose.
   const std::string path = "/usr/share/common-licenses/GPL-3";
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is missing");
-    return;
-  }
+  if (!std::filesystem::exists(path)) return test::skip(test::Missing::system_file, path + " is missing (Debian: base-files)");
   auto corpus = std::make_shared<const data::TextCorpus>(data::load_text(path));
   models::GptShape shape{.vocab = corpus->vocab_size(), .seq = 32, .d_model = 64, .heads = 4, .layers = 2};
   Graph g(3);
