@@ -491,6 +491,8 @@ TEST_CASE("Data.Text.VocabIdsAndEntropy") {
   CHECK(c.ids == std::vector<std::int32_t>{1, 2, 3, 1, 0, 2});
   // p = {1/6, 2/6, 2/6, 1/6}
   const double expected = -(2 * (1.0 / 6) * std::log(1.0 / 6) + 2 * (2.0 / 6) * std::log(2.0 / 6));
+  // Four terms in double, another order: a few roundings; Approx's default (1.2e-5) is far
+  // above them and far below a wrong count (a probability off by 1/6).
   CHECK(c.unigram_entropy_nats() == doctest::Approx(expected));
 }
 

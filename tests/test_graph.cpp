@@ -69,6 +69,9 @@ void check_gradients(const std::string& what, Graph& g, Value loss, const std::m
       wd[i] = keep;
       double numeric = (up - down) / (2 * h);
       INFO(vars[v].name() << "[" << i << "]: analytic " << ad[i] << ", numeric " << numeric);
+      // Central differences with h = 1e-6 in f64 err by h^2 |L'3| / 6 ~ 1e-12 and by the loss's
+      // rounding over 2h, ~1e-16 x 10 / 1e-6 = 1e-9 (a loss of tens of ops rounds each once):
+      // 1e-6 absolute plus 1e-5 relative is far above that, and far below a wrong term.
       CHECK(std::abs(ad[i] - numeric) <= 1e-6 + 1e-5 * std::abs(numeric));
     }
   }
@@ -394,6 +397,10 @@ TEST_CASE("Training.GlobalNormClippingBoundsTheUpdate" * doctest::timeout(60)) {
   };
   const double unclipped = step_norm(0.0);
   REQUIRE(unclipped > 0.05);
+  // A clip far above the norm scales by 1: the same step, up to the f32 rounding of w - step
+  // read back as a difference, u |w| / |step| ~ 6e-8 / 1e-2 = 6e-6 of the norm (1e-5). A clip to
+  // a quarter: the step is max / (norm + 1e-6) times the gradient, off by 1e-6 / norm = 2e-5
+  // (norm > 0.05) plus the same 6e-6 (1e-4).
   CHECK(step_norm(1e6) == doctest::Approx(unclipped).epsilon(1e-5));
   CHECK(step_norm(unclipped / 4) == doctest::Approx(unclipped / 4).epsilon(1e-4));
 }
