@@ -126,9 +126,18 @@ build() {
 }
 
 # The sanitizer stages. Without CUDA (its runtime trips ASan's shadow-memory checks, and there
-# is no GPU to test here anyway) and without benchmarks (they measure, and would measure the
-# sanitizers). Errors stop the test that made them. Warnings are the main build's gate (-Werror
-# there): with the sanitizers GCC 12 warns inside libstdc++'s <regex> (-Wmaybe-uninitialized).
+# is no GPU to test here anyway; so nvcc compiles nothing here) and without benchmarks (they
+# measure, and would measure the sanitizers). Errors stop the test that made them. Warnings
+# are the main build's gate (-Werror there): with the sanitizers GCC 12 warns inside
+# libstdc++'s <regex> (-Wmaybe-uninitialized).
+# Each builds only what it runs: ASan the programs ctest runs (not the browser test, which it
+# does not run, nor the demo); TSan the concurrency tests alone (tests/CMakeLists.txt makes
+# baton-tests of them in a TSan build). Debug information is line tables only (-g1): the
+# sanitizers' reports name file, line and function from them, and full -g costs compile and
+# link time for nothing the reports print.
+sanitizer_debug_flags="-O2 -g1 -DNDEBUG"
+asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-skip-selftest hello_mlp)
+
 sanitize() {
   install_missing
   fetch_data
@@ -139,15 +148,16 @@ sanitize() {
   (
     build_dir="build-asan" build_type=RelWithDebInfo BATON_SANITIZE="address;undefined"
     configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF \
-      -DCMAKE_CXX_FLAGS=-fno-sanitize-recover=undefined
+      -DCMAKE_CXX_FLAGS=-fno-sanitize-recover=undefined -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$sanitizer_debug_flags"
     log "building $build_dir: AddressSanitizer + UndefinedBehaviorSanitizer ($jobs jobs)"
-    cmake --build "$build_dir" -j "$jobs" >&2
+    cmake --build "$build_dir" -j "$jobs" --target "${asan_targets[@]}" >&2
     log "running every test under AddressSanitizer + UndefinedBehaviorSanitizer"
     ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" -E '^browser\.'
   )
   (
     build_dir="build-tsan" build_type=RelWithDebInfo BATON_SANITIZE="thread"
-    configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF
+    configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF \
+      -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$sanitizer_debug_flags"
     log "building $build_dir: ThreadSanitizer ($jobs jobs)"
     cmake --build "$build_dir" -j "$jobs" --target baton-tests >&2
     log "running the runtime, transport and collective tests under ThreadSanitizer"
@@ -167,7 +177,7 @@ fuzz() {
     export CC=clang CXX=clang++
     # Warnings are GCC's business (the main build is -Werror); clang 14's differ.
     configure -DCMAKE_CXX_COMPILER=clang++ -DBATON_FUZZ=ON -DBATON_BUILD_TESTS=OFF -DBATON_BUILD_BENCHMARKS=OFF \
-      -DBATON_WERROR=OFF
+      -DBATON_WERROR=OFF -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$sanitizer_debug_flags"
     local targets
     targets=$(cd fuzz/corpus && ls)
     log "building the fuzz targets: $(echo $targets)"
