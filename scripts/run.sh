@@ -2,7 +2,9 @@
 # baton's one entry point on a fresh Debian 12 machine (root):
 #   scripts/run.sh demo [ARGS...]   install what is missing, build, train the MLP on digits with
 #                                   a live dashboard (DASHBOARD=HOST:PORT to choose, =off for none)
-#   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest)
+#   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest;
+#                                   ARGS go to ctest), and without ARGS then the float suites again
+#                                   under OpenBLAS's other CPU kernel families (OPENBLAS_CORETYPE)
 #   scripts/run.sh bench NAME [...] install, build, run build/bin/baton-bench-NAME (JSON lines);
 #                                   `bench gpu`: the GPT step on cuda:0 against PyTorch, or, without
 #                                   a CUDA device, a "skipped" line for it and the CPU variant
