@@ -141,7 +141,7 @@ sanitizer_debug_flags="-O2 -g1 -DNDEBUG"
 asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-skip-selftest hello_mlp)
 
 sanitize() {
-  install_missing
+  install_missing python3  # the checkpoint test's independent reader (a failure under CI without it)
   fetch_data
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1"
