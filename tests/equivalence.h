@@ -88,7 +88,7 @@ struct Reordering {
 
 /// The conditioning budget C of Reordering's derivation. What the tests need of it, over every
 /// comparison of test_parallel, test_sbp, test_graph and test_checkpoint under
-/// OPENBLAS_CORETYPE Haswell, Zen, SkylakeX, Sandybridge and Cooperlake (AMD EPYC, 2025):
+/// OPENBLAS_CORETYPE Haswell, Zen, SkylakeX, Sandybridge and Cooperlake (this AMD EPYC's own):
 /// C = 44 at most (4.4% of the tolerance: Sbp.AnnotatedMlpTrainsAsOneDevice, fc2.w of the
 /// 4-layer MLP, f64, Sandybridge; in f32 2.9%, the same weight under Haswell and Zen, 1.12e-5
 /// against 3.8e-4). The same weight needs C of about 40 in both dtypes: the difference scales
