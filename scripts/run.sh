@@ -2,7 +2,9 @@
 # baton's one entry point on a fresh Debian 12 machine (root):
 #   scripts/run.sh demo [ARGS...]   install what is missing, build, train the MLP on digits with
 #                                   a live dashboard (DASHBOARD=HOST:PORT to choose, =off for none)
-#   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest)
+#   scripts/run.sh test [ARGS...]   install what is missing, build, run the whole test suite (ctest;
+#                                   ARGS go to ctest), and without ARGS then the float suites again
+#                                   under OpenBLAS's other CPU kernel families (OPENBLAS_CORETYPE)
 #   scripts/run.sh bench NAME [...] install, build, run build/bin/baton-bench-NAME (JSON lines);
 #                                   `bench gpu`: the GPT step on cuda:0 against PyTorch, or, without
 #                                   a CUDA device, a "skipped" line for it and the CPU variant
@@ -34,9 +36,11 @@ packages=(
   libtbb-dev libcaf-dev
 )
 
-# Only the tests need these: the dashboard's browser test drives headless Chromium (without it,
-# that test is skipped).
-test_packages=(chromium)
+# Only the tests need these: the dashboard's browser test drives headless Chromium, the
+# checkpoint test reads a file with python3, and bench.gpu.reference runs PyTorch (Debian's
+# python3-torch, for /usr/bin/python3). Without them those tests skip, and under CI=true a skip
+# of anything but a GPU fails (tests/skip.h), so CI must install them.
+test_packages=(chromium python3 python3-torch)
 
 install_missing() {
   local missing=()
@@ -126,11 +130,20 @@ build() {
 }
 
 # The sanitizer stages. Without CUDA (its runtime trips ASan's shadow-memory checks, and there
-# is no GPU to test here anyway) and without benchmarks (they measure, and would measure the
-# sanitizers). Errors stop the test that made them. Warnings are the main build's gate (-Werror
-# there): with the sanitizers GCC 12 warns inside libstdc++'s <regex> (-Wmaybe-uninitialized).
+# is no GPU to test here anyway; so nvcc compiles nothing here) and without benchmarks (they
+# measure, and would measure the sanitizers). Errors stop the test that made them. Warnings
+# are the main build's gate (-Werror there): with the sanitizers GCC 12 warns inside
+# libstdc++'s <regex> (-Wmaybe-uninitialized).
+# Each builds only what it runs: ASan the programs ctest runs (not the browser test, which it
+# does not run, nor the demo); TSan the concurrency tests alone (tests/CMakeLists.txt makes
+# baton-tests of them in a TSan build). Debug information is line tables only (-g1): the
+# sanitizers' reports name file, line and function from them, and full -g costs compile and
+# link time for nothing the reports print.
+sanitizer_debug_flags="-O2 -g1 -DNDEBUG"
+asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-skip-selftest hello_mlp)
+
 sanitize() {
-  install_missing
+  install_missing python3  # the checkpoint test's independent reader (a failure under CI without it)
   fetch_data
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1"
@@ -139,15 +152,16 @@ sanitize() {
   (
     build_dir="build-asan" build_type=RelWithDebInfo BATON_SANITIZE="address;undefined"
     configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF \
-      -DCMAKE_CXX_FLAGS=-fno-sanitize-recover=undefined
+      -DCMAKE_CXX_FLAGS=-fno-sanitize-recover=undefined -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$sanitizer_debug_flags"
     log "building $build_dir: AddressSanitizer + UndefinedBehaviorSanitizer ($jobs jobs)"
-    cmake --build "$build_dir" -j "$jobs" >&2
+    cmake --build "$build_dir" -j "$jobs" --target "${asan_targets[@]}" >&2
     log "running every test under AddressSanitizer + UndefinedBehaviorSanitizer"
     ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" -E '^browser\.'
   )
   (
     build_dir="build-tsan" build_type=RelWithDebInfo BATON_SANITIZE="thread"
-    configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF
+    configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF \
+      -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$sanitizer_debug_flags"
     log "building $build_dir: ThreadSanitizer ($jobs jobs)"
     cmake --build "$build_dir" -j "$jobs" --target baton-tests >&2
     log "running the runtime, transport and collective tests under ThreadSanitizer"
@@ -167,7 +181,7 @@ fuzz() {
     export CC=clang CXX=clang++
     # Warnings are GCC's business (the main build is -Werror); clang 14's differ.
     configure -DCMAKE_CXX_COMPILER=clang++ -DBATON_FUZZ=ON -DBATON_BUILD_TESTS=OFF -DBATON_BUILD_BENCHMARKS=OFF \
-      -DBATON_WERROR=OFF
+      -DBATON_WERROR=OFF -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$sanitizer_debug_flags"
     local targets
     targets=$(cd fuzz/corpus && ls)
     log "building the fuzz targets: $(echo $targets)"
@@ -186,6 +200,37 @@ fuzz() {
       grep -E '^stat::number_of_executed_units|^Done' "$build_dir/fuzz-$t.log" | tail -n 1 >&2 || true
     done
   )
+}
+
+# What CI must have that no test can check by itself: bench.gpu.reference exits 77 (CTest: skipped)
+# without a python3 that imports torch, and is a benchmark, not a doctest (tests/skip.h).
+ci_preconditions() {
+  if ! /usr/bin/python3 -c "import torch" >/dev/null 2>&1; then
+    log "CI=true: /usr/bin/python3 cannot import torch (python3-torch): the PyTorch reference would be skipped"
+    exit 1
+  fi
+}
+
+# Debian's OpenBLAS picks its kernels by CPU at run time (DYNAMIC_ARCH), and each family sums
+# in its own order, so the tolerances of the float tests must hold under each (tests/equivalence.h).
+# After the suite ran with this machine's own kernels, the float suites (parallel training
+# against one device, SBP, vocabulary parallel, checkpoints, training) run again under every
+# other family this CPU can execute: Haswell (AVX2 + FMA; Zen uses the same kernels), SkylakeX
+# (AVX-512) and Sandybridge (AVX, no FMA).
+float_suites_under_other_blas_kernels() {
+  local flags own
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  own="$(OPENBLAS_VERBOSE=2 "$build_dir/bin/baton-tests" --count 2>&1 | sed -n 's/^Core: //p' | head -n 1)"
+  local families=()
+  [[ "$flags" == *" avx2 "* && "$flags" == *" fma "* ]] && families+=(Haswell)
+  [[ "$flags" == *" avx512f "* && "$flags" == *" avx512bw "* && "$flags" == *" avx512vl "* && "$flags" == *" avx512dq "* ]] && families+=(SkylakeX)
+  [[ "$flags" == *" avx "* ]] && families+=(Sandybridge)
+  for family in "${families[@]}"; do
+    [ "$family" = "$own" ] && continue
+    log "the float suites with OpenBLAS's $family kernels (OPENBLAS_CORETYPE=$family; this CPU's own: ${own:-unknown})"
+    OPENBLAS_CORETYPE="$family" ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
+      -R '^(Parallel|Sbp|VocabParallel|Ops\.VocabParallel|Checkpoint|Training|Balance)\.'
+  done
 }
 
 # The first port from 8080 on that nobody listens to on 127.0.0.1 (bash's /dev/tcp connects).
@@ -231,11 +276,20 @@ case "$cmd" in
       "${dashboard[@]}" "$@"
     ;;
   test)
-    # Not fatal: without Chromium (offline, no root) the browser test skips with a message.
-    ( install_missing "${test_packages[@]}" ) || log "could not install ${test_packages[*]}: the browser test will be skipped"
+    # Outside CI not fatal: without them (offline, no root) those tests skip, saying why. In CI
+    # they must be there.
+    if [ "${CI:-}" = "true" ]; then
+      install_missing "${test_packages[@]}"
+      ci_preconditions
+    else
+      ( install_missing "${test_packages[@]}" ) || log "could not install ${test_packages[*]}: the tests that need them will skip"
+    fi
     build
     log "running the test suite"
-    exec ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" "$@"
+    ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" "$@"
+    # The float suites again under other CPU kernel families of OpenBLAS, only with no ctest
+    # arguments given (a whole run).
+    if [ $# -eq 0 ]; then float_suites_under_other_blas_kernels; fi
     ;;
   bench)
     name="${1:-}"

@@ -208,7 +208,9 @@ TEST_CASE("Bf16.MlpTrainsLikeFloat32" * doctest::timeout(120)) {
   const auto f32 = run(DType::f32), bf = run(DType::bf16);
   REQUIRE(f32.size() == 300);
   REQUIRE(bf.size() == 300);
-  // The first step sees the same weights: its loss differs only by bf16 rounding.
+  // The first step sees the same weights: its loss differs only by bf16 rounding. bf16 keeps 8
+  // bits (one rounding: 2^-9 = 2e-3 relative); the logits pass through two bf16 products of
+  // sums rounded once each, and the loss averages them: 2%, a few roundings, not a drift.
   CHECK(std::abs(bf[0] - f32[0]) <= 0.02 * f32[0]);
   // Both learn, and to about the same loss (the mean of the last 50 steps).
   double tail_f32 = 0, tail_bf = 0;
@@ -218,6 +220,9 @@ TEST_CASE("Bf16.MlpTrainsLikeFloat32" * doctest::timeout(120)) {
   }
   MESSAGE("mean loss of the last 50 steps: f32 " << tail_f32 << ", bf16 " << tail_bf << " (first " << f32[0] << ")");
   CHECK(tail_bf < 0.2 * bf[0]);
+  // Not a rounding bound: after 300 steps the two runs follow different paths (bf16 noise is
+  // a different SGD noise), so the claim is only that bf16 learns about as well: the tail within
+  // 25% of f32's (+0.01 for a tail near 0); this run gives 0.06% (f32 0.1380, bf16 0.1381).
   CHECK(std::abs(tail_bf - tail_f32) <= 0.25 * tail_f32 + 0.01);
 }
 

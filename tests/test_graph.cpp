@@ -8,6 +8,7 @@
 #include <random>
 #include <string>
 
+#include "equivalence.h"
 #include "test_util.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -68,6 +69,9 @@ void check_gradients(const std::string& what, Graph& g, Value loss, const std::m
       wd[i] = keep;
       double numeric = (up - down) / (2 * h);
       INFO(vars[v].name() << "[" << i << "]: analytic " << ad[i] << ", numeric " << numeric);
+      // Central differences with h = 1e-6 in f64 err by h^2 |L'3| / 6 ~ 1e-12 and by the loss's
+      // rounding over 2h, ~1e-16 x 10 / 1e-6 = 1e-9 (a loss of tens of ops rounds each once):
+      // 1e-6 absolute plus 1e-5 relative is far above that, and far below a wrong term.
       CHECK(std::abs(ad[i] - numeric) <= 1e-6 + 1e-5 * std::abs(numeric));
     }
   }
@@ -264,23 +268,21 @@ TEST_CASE("Autodiff.LossesAndEmbeddingMatchFiniteDifferences") {
 
 namespace {
 
-struct MlpRun {
-  std::vector<double> losses;
-  std::map<std::string, std::vector<float>> weights;
-};
+using MlpRun = test::TrainedRun;
+constexpr std::int64_t mlp_batch = 32;
 
 MlpRun train_mlp(std::int64_t microbatches, int threads, OptimizerConfig opt, std::int64_t steps = 10,
-                 std::uint64_t seed = 5) {
-  constexpr std::int64_t batch = 32, width = 12, classes = 4;
+                 std::uint64_t seed = 5, DType dtype = DType::f32, std::int64_t batch = mlp_batch) {
+  constexpr std::int64_t width = 12, classes = 4;
   auto data = std::make_shared<const data::Dataset>(data::synthetic(256, width, classes, 99));
   Graph g(seed);
   const std::int64_t mb = batch / microbatches;
-  auto x = g.input("x", {mb, width});
+  auto x = g.input("x", {mb, width}, dtype);
   auto y = g.input("label", {mb}, i32);
-  auto w1 = g.variable("w1", {width, 16}, init::kaiming());
-  auto b1 = g.variable("b1", {16}, init::zeros());
-  auto w2 = g.variable("w2", {16, classes}, init::kaiming());
-  auto b2 = g.variable("b2", {classes}, init::zeros());
+  auto w1 = g.variable("w1", {width, 16}, init::kaiming(), dtype);
+  auto b1 = g.variable("b1", {16}, init::zeros(), dtype);
+  auto w2 = g.variable("w2", {16, classes}, init::kaiming(), dtype);
+  auto b2 = g.variable("b2", {classes}, init::zeros(), dtype);
   auto loss = softmax_cross_entropy(matmul(relu(matmul(x, w1) + b1), w2) + b2, y);
   TrainConfig cfg;
   cfg.steps = steps;
@@ -293,40 +295,40 @@ MlpRun train_mlp(std::int64_t microbatches, int threads, OptimizerConfig opt, st
   rs.stall_timeout = std::chrono::milliseconds(20'000);
   Runtime rt(job.plan, job.kernels, rs);
   rt.run();
-  MlpRun out;
-  out.losses = job.losses->per_step();
-  for (auto& [name, t] : job.params->values()) {
-    auto d = t.data<float>();
-    out.weights[name] = std::vector<float>(d.begin(), d.end());
-  }
-  return out;
-}
-
-void check_close(const MlpRun& a, const MlpRun& b, double rel) {
-  for (auto& [name, w] : a.weights) {
-    const auto& v = b.weights.at(name);
-    REQUIRE(w.size() == v.size());
-    for (std::size_t i = 0; i < w.size(); ++i) {
-      INFO(name << "[" << i << "]: " << w[i] << " vs " << v[i]);
-      CHECK(std::abs(w[i] - v[i]) <= rel * std::max(1.0f, std::abs(w[i])));
-    }
-  }
+  return test::trained(job);
 }
 
 }  // namespace
 
 TEST_CASE("Training.MicrobatchesGiveTheSameWeights" * doctest::timeout(60)) {
-  // Tolerance 1e-5 relative: the M partial gradients are summed in a different order than the
-  // one big batch's, so float32 rounding differs in the last bits; after 10 steps that stays
-  // around 1e-7..1e-6.
-  for (auto opt : {optim::sgd(0.1, 0.9), optim::adam(0.01)}) {
-    MlpRun one = train_mlp(1, 1, opt);
-    REQUIRE(one.losses.size() == 10);
-    CHECK(one.losses.back() < one.losses.front());
-    for (std::int64_t m : {2, 4}) {
-      MlpRun many = train_mlp(m, 1, opt);
-      REQUIRE(many.losses.size() == 10);
-      check_close(one, many, 1e-5);
+  // The M partial gradients are summed in another order than the one big batch's:
+  // test::Reordering's tolerance (10 steps, sums over the batch of 32), in f64 and in f32.
+  for (DType dtype : {DType::f64, DType::f32}) {
+    for (auto opt : {optim::sgd(0.1, 0.9), optim::adam(0.01)}) {
+      CAPTURE(dtype);
+      MlpRun one = train_mlp(1, 1, opt, 10, 5, dtype);
+      REQUIRE(one.losses.size() == 10);
+      CHECK(one.losses.back() < one.losses.front());
+      const double tol = test::tolerance({.dtype = dtype, .steps = 10, .longest_sum = mlp_batch, .lr = opt.lr});
+      for (std::int64_t m : {2, 4}) {
+        CAPTURE(m);
+        test::check_same_training(one, train_mlp(m, 1, opt, 10, 5, dtype), tol);
+      }
+    }
+  }
+}
+
+TEST_CASE("Training.ReorderingToleranceIsFarBelowALostMicrobatch" * doctest::timeout(60)) {
+  // The tolerance above must still see a wrong sum: training on 3 of the 4 micro-batches of
+  // each step (batch 24 instead of 32, as if one micro-batch's gradient were lost) moves the
+  // weights by far more than it, in both dtypes and with both optimizers.
+  for (DType dtype : {DType::f64, DType::f32}) {
+    for (auto opt : {optim::sgd(0.1, 0.9), optim::adam(0.01)}) {
+      CAPTURE(dtype);
+      const MlpRun one = train_mlp(4, 1, opt, 10, 5, dtype);
+      const MlpRun lost = train_mlp(3, 1, opt, 10, 5, dtype, /*batch=*/24);
+      const double tol = test::tolerance({.dtype = dtype, .steps = 10, .longest_sum = mlp_batch, .lr = opt.lr});
+      CHECK(test::largest_difference(one, lost) > 10 * tol);
     }
   }
 }
@@ -395,6 +397,10 @@ TEST_CASE("Training.GlobalNormClippingBoundsTheUpdate" * doctest::timeout(60)) {
   };
   const double unclipped = step_norm(0.0);
   REQUIRE(unclipped > 0.05);
+  // A clip far above the norm scales by 1: the same step, up to the f32 rounding of w - step
+  // read back as a difference, u |w| / |step| ~ 6e-8 / 1e-2 = 6e-6 of the norm (1e-5). A clip to
+  // a quarter: the step is max / (norm + 1e-6) times the gradient, off by 1e-6 / norm = 2e-5
+  // (norm > 0.05) plus the same 6e-6 (1e-4).
   CHECK(step_norm(1e6) == doctest::Approx(unclipped).epsilon(1e-5));
   CHECK(step_norm(unclipped / 4) == doctest::Approx(unclipped / 4).epsilon(1e-4));
 }

@@ -26,6 +26,7 @@
 #include "output.h"
 #include "plan.h"
 #include "process.h"
+#include "skip.h"
 
 extern char** environ;
 
@@ -812,10 +813,7 @@ TEST_CASE("Launch.AdoptsTheLayoutOfMpirun" * doctest::timeout(60)) {
       break;
     }
   }
-  if (mpirun.empty()) {
-    MESSAGE("skipped: mpirun is not installed (Debian: openmpi-bin)");
-    return;
-  }
+  if (mpirun.empty()) return baton::test::skip(baton::test::Missing::mpirun, "mpirun is not installed (Debian: openmpi-bin)");
   Process p({mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "BATON_MASTER",
              launcher_path, "--", "sh", "-c", "echo $BATON_RANK $BATON_WORLD_SIZE"},
             {fmt::format("BATON_MASTER=127.0.0.1:{}", free_port())});

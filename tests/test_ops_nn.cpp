@@ -136,7 +136,13 @@ void check_close(const std::vector<double>& got, const std::vector<double>& want
   }
 }
 
-// Forward kernels against float64 references: f32 to 1e-5 relative (1e-6 absolute floor).
+// Forward kernels against float64 references. The kernels' reductions are rows of at most a
+// few dozen terms (softmax and layer norm over <= 16 columns, cross-entropy over <= 10 classes),
+// so a float32 result carries at most about n u = 16 x 6e-8 = 1e-6 relative from the sums plus
+// a few ulp from exp, log, tanh and sqrt: 1e-5 relative leaves a factor of 5 or more; the 1e-6
+// absolute floor is for results near 0 that come out of a cancellation (x - mean, log-sum-exp
+// minus a logit), where the error is absolute, about n u |terms| with |terms| <= ~10. In f64
+// the same sums with u = 1.1e-16: 1e-12.
 template <class T>
 void check_forward(const Tensor& got, const std::vector<double>& want) {
   if constexpr (std::is_same_v<T, float>) {
@@ -146,7 +152,10 @@ void check_forward(const Tensor& got, const std::vector<double>& want) {
   }
 }
 
-// Gradient kernels against central differences, in f64.
+// Gradient kernels against central differences, in f64. The difference quotient (h = 1e-6)
+// errs by its truncation, h^2 |f'''| / 6 ~ 1e-12 for these smooth ops of O(1) inputs, and by
+// the rounding of f, about u |f| / h ~ 1e-16 x 10 / 1e-6 = 1e-9: hence 1e-8 absolute, and 1e-6
+// relative for the larger gradients.
 void check_gradient(const Tensor& got, const std::vector<double>& finite_differences) {
   check_close(values(got), finite_differences, 1e-6, 1e-8);
 }
@@ -607,6 +616,8 @@ TEST_CASE_TEMPLATE("Ops.CausalMask.ThenSoftmaxGivesZerosAboveTheDiagonal", T, fl
       if (j > i) CHECK(v == 0.0);
       sum += v;
     }
+    // A row of at most 6 probabilities: its f32 sum is 1 within 6 u = 4e-7 (1e-6 for both dtypes;
+    // f64 is far inside). Row 0 has one unmasked entry: exp(0) / exp(0), 1 within one rounding.
     CHECK(sum == doctest::Approx(1.0).epsilon(1e-6));
     if (i == 0) CHECK(p[row * 6] == doctest::Approx(1.0).epsilon(1e-7));
   }
@@ -810,6 +821,10 @@ const std::vector<double> w0 = {0.5, -1.0, 2.0, 0.0};
 const std::vector<std::vector<double>> grads = {
     {0.1, -0.2, 0.3, 0.05}, {-0.4, 0.1, 0.2, 0.0}, {0.3, 0.3, -0.1, -0.2}};
 
+// got within tol of want, relative to max(1, |want|) (Approx's scale 1). The optimizer tests
+// below take a few element-wise steps in double of values below 10, so a double result is
+// within a few roundings, 1e-15 .. 1e-13 (sqrt and the bias corrections add one each per step);
+// an f32 run within a few f32 roundings, 1e-6.
 void check_values(const std::vector<double>& got, const std::vector<double>& want, double tol) {
   REQUIRE(got.size() == want.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -851,7 +866,9 @@ TEST_CASE("Optim.Sgd.MatchesTorchFormulasForThreeSteps") {
       check_values(w, want, 1e-14);
     }
   }
-  // One step by hand: plain SGD moves by lr * g.
+  // One step by hand: plain SGD moves by lr * g. The hand values are decimal, not binary,
+  // fractions: Approx's default (1.2e-5 relative) only allows for that; a wrong formula misses by
+  // far more (0.05 and more here).
   std::vector<double> w = {1.0, -2.0};
   std::vector<double> g = {0.5, -0.25};
   baton::sgd_step(std::span<double>(w), std::span<const double>(g), {}, baton::SgdConfig{}, 1, 0.1);
@@ -930,6 +947,7 @@ TEST_CASE("Optim.Adam.MatchesTorchFormulasForThreeSteps") {
   std::vector<double> v(2, 0.0);
   baton::adam_step(std::span<double>(w), std::span<const double>(g), std::span<double>(m),
                    std::span<double>(v), baton::AdamConfig{}, 1, 0.1);
+  // One step in double: a handful of roundings of values below 2 (1e-14).
   CHECK(w[0] == doctest::Approx(1.0 - 0.1 * 0.3 / (0.3 + 1e-8)).epsilon(1e-14));
   CHECK(w[1] == doctest::Approx(1.0 + 0.1 * 2.0 / (2.0 + 1e-8)).epsilon(1e-14));
   CHECK(m[0] == doctest::Approx(0.1 * 0.3).epsilon(1e-14));
@@ -964,6 +982,8 @@ TEST_CASE("Optim.AdamW.DecaysTheWeightInsteadOfAddingL2ToTheGradient") {
   check_values(adam_l2, step(baton::AdamConfig{}, g_l2), 1e-15);
   // With a zero gradient, AdamW still shrinks the weight; Adam+L2's first step moves it by ~lr.
   CHECK(adamw[2] == doctest::Approx(0.5 * (1 - lr * wd)).epsilon(1e-14));
+  // ~lr, not exactly: Adam's first step is lr g / (|g| + eps), eps = 1e-8 against g = wd w = 5e-3
+  // here, so it falls short of lr by a relative 2e-6 of lr, below 1e-6 of the weight.
   CHECK(adam_l2[2] == doctest::Approx(0.5 - lr).epsilon(1e-6));
 }
 
@@ -1002,7 +1022,8 @@ TEST_CASE("Optim.Steps.RejectMismatchedSizesAndStepZero") {
 }
 
 TEST_CASE("Optim.LrSchedule.WarmsUpLinearlyThenFollowsTheCosine") {
-  // 10 warm-up steps, then 100 steps of cosine.
+  // 10 warm-up steps, then 100 steps of cosine. Closed forms in double: Approx's default
+  // (1.2e-5 relative) is far above their few roundings, and far below a step off (>= 1e-2).
   CHECK(baton::lr_schedule(1.0, 0, 10, 110) == 0.0);
   CHECK(baton::lr_schedule(1.0, 5, 10, 110) == doctest::Approx(0.5));
   CHECK(baton::lr_schedule(2.0, 9, 10, 110) == doctest::Approx(1.8));
@@ -1022,6 +1043,7 @@ TEST_CASE("Optim.LrSchedule.WarmsUpLinearlyThenFollowsTheCosine") {
 }
 
 TEST_CASE("Optim.ClipFactor.MatchesClipGradNorm") {
+  // One division in double: within one rounding (1e-16), 1e-15 allows for the order of the sum.
   CHECK(baton::clip_factor(10.0, 1.0) == doctest::Approx(1.0 / (10.0 + 1e-6)).epsilon(1e-15));
   CHECK(baton::clip_factor(2.0, 5.0) == 1.0);
   CHECK(baton::clip_factor(0.0, 1.0) == 1.0);

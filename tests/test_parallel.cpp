@@ -11,6 +11,7 @@
 #include "baton/graph.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
+#include "equivalence.h"
 #include "loopback_run.h"
 #include "test_util.h"
 #include "models.h"
@@ -19,9 +20,7 @@ using namespace baton;
 
 namespace {
 
-struct Run {
-  std::vector<double> losses;
-  std::map<std::string, std::vector<float>> weights;
+struct Run : test::TrainedRun {
   Plan plan;
 };
 
@@ -36,33 +35,32 @@ struct Setup {
   std::int64_t bucket_bytes = 25 << 20;
   std::vector<Placement> places;  // empty: in-process devices
   bool loopback_ranks = false;    // places are ranks: run them as runtimes joined by a LoopbackHub
+  DType dtype = DType::f32;       // of the input and the weights
 };
 
 /// The losses, the weights (replica 0's) and the plan of a finished job.
 Run collect(const TrainingJob& job) {
   Run out;
-  out.losses = job.losses->per_step();
-  for (auto& [name, t] : job.params->values()) {
-    auto d = t.data<float>();
-    out.weights[name] = std::vector<float>(d.begin(), d.end());
-  }
+  static_cast<test::TrainedRun&>(out) = test::trained(job);
   out.plan = job.plan;
   return out;
 }
 
+constexpr std::int64_t mlp_batch = 32;
+
 /// A small MLP on synthetic data, global batch 32 split into dp x M micro-batches.
 Run train(const Setup& s) {
-  constexpr std::int64_t batch = 32, width = 12, classes = 4;
+  constexpr std::int64_t batch = mlp_batch, width = 12, classes = 4;
   auto dataset = std::make_shared<const baton::data::Dataset>(baton::data::synthetic(256, width, classes, 99));
   Graph g(5);
   const std::int64_t pieces = s.dp * s.microbatches;
   const std::int64_t mb = batch / pieces;
-  auto x = g.input("x", {mb, width});
+  auto x = g.input("x", {mb, width}, s.dtype);
   auto y = g.input("label", {mb}, i32);
-  auto w1 = g.variable("w1", {width, 16}, init::kaiming());
-  auto b1 = g.variable("b1", {16}, init::zeros());
-  auto w2 = g.variable("w2", {16, classes}, init::kaiming());
-  auto b2 = g.variable("b2", {classes}, init::zeros());
+  auto w1 = g.variable("w1", {width, 16}, init::kaiming(), s.dtype);
+  auto b1 = g.variable("b1", {16}, init::zeros(), s.dtype);
+  auto w2 = g.variable("w2", {16, classes}, init::kaiming(), s.dtype);
+  auto b2 = g.variable("b2", {classes}, init::zeros(), s.dtype);
   auto loss = softmax_cross_entropy(matmul(relu(matmul(x, w1) + b1), w2) + b2, y);
   TrainConfig cfg;
   cfg.steps = s.steps;
@@ -89,42 +87,33 @@ Run train(const Setup& s) {
   return collect(job);
 }
 
-// Tolerance: 1e-5 relative (of max(1, |w|)). The replicas' gradients are summed in another
-// order than one device's N*M micro-batches, so float32 rounding differs in the last bits;
-// after 10 steps the differences stay around 1e-7..1e-6.
-constexpr double tolerance = 1e-5;
+// Every parallel-equals-sequential test runs in f64, where the reordered sums' rounding is
+// 2^29 times smaller and a wrong sum cannot hide in it, and in f32, the dtype training uses.
+constexpr DType both_dtypes[] = {DType::f64, DType::f32};
 
-void check_same(const Run& a, const Run& b) {
-  REQUIRE(a.losses.size() == b.losses.size());
-  for (std::size_t s = 0; s < a.losses.size(); ++s) {
-    INFO("step " << s << ": " << a.losses[s] << " vs " << b.losses[s]);
-    CHECK(std::abs(a.losses[s] - b.losses[s]) <= tolerance * std::max(1.0, std::abs(a.losses[s])));
-  }
-  for (auto& [name, w] : a.weights) {
-    const auto& v = b.weights.at(name);
-    REQUIRE(w.size() == v.size());
-    double worst = 0;
-    for (std::size_t i = 0; i < w.size(); ++i) {
-      worst = std::max(worst, std::abs(double(w[i]) - double(v[i])) / std::max(1.0, std::abs(double(w[i]))));
-    }
-    INFO(name << ": largest relative difference " << worst);
-    CHECK(worst <= tolerance);
-  }
+/// One device's run `one` against the reorganised run `other` of the MLP above: the tolerance of
+/// test::Reordering for the setup's dtype, steps and optimizer (the longest sum is the batch).
+void check_same(const Run& one, const Run& other, const Setup& s) {
+  test::check_same_training(one, other,
+                            test::tolerance({.dtype = s.dtype, .steps = s.steps, .longest_sum = mlp_batch, .lr = s.opt.lr}));
 }
 
 }  // namespace
 
 TEST_CASE("Parallel.DataParallelEqualsOneDevice" * doctest::timeout(120)) {
-  for (auto opt : {optim::sgd(0.1, 0.9), optim::adam(0.01)}) {
-    for (std::int64_t dp : {2, 4}) {
-      for (std::int64_t m : {1, 2}) {
-        CAPTURE(dp);
-        CAPTURE(m);
-        Run one = train({.dp = 1, .microbatches = dp * m, .opt = opt});
-        Run many = train({.dp = dp, .microbatches = m, .opt = opt});
-        REQUIRE(one.losses.size() == 10);
-        CHECK(one.losses.back() < one.losses.front());
-        check_same(one, many);
+  for (DType dtype : both_dtypes) {
+    for (auto opt : {optim::sgd(0.1, 0.9), optim::adam(0.01)}) {
+      for (std::int64_t dp : {2, 4}) {
+        for (std::int64_t m : {1, 2}) {
+          CAPTURE(dtype);
+          CAPTURE(dp);
+          CAPTURE(m);
+          const Setup many{.dp = dp, .microbatches = m, .opt = opt, .dtype = dtype};
+          Run one = train({.dp = 1, .microbatches = dp * m, .opt = opt, .dtype = dtype});
+          REQUIRE(one.losses.size() == 10);
+          CHECK(one.losses.back() < one.losses.front());
+          check_same(one, train(many), many);
+        }
       }
     }
   }
@@ -133,20 +122,24 @@ TEST_CASE("Parallel.DataParallelEqualsOneDevice" * doctest::timeout(120)) {
 TEST_CASE("Parallel.DataParallelWithClippingAndTwoThreadsPerReplica" * doctest::timeout(120)) {
   auto opt = optim::adamw(0.02);
   opt.clip_norm = 0.5;
-  Run one = train({.dp = 1, .microbatches = 4, .threads = 2, .opt = opt});
-  Run many = train({.dp = 2, .microbatches = 2, .threads = 2, .opt = opt});
-  check_same(one, many);
+  for (DType dtype : both_dtypes) {
+    CAPTURE(dtype);
+    const Setup many{.dp = 2, .microbatches = 2, .threads = 2, .opt = opt, .dtype = dtype};
+    check_same(train({.dp = 1, .microbatches = 4, .threads = 2, .opt = opt, .dtype = dtype}), train(many), many);
+  }
 }
 
 TEST_CASE("Parallel.DataParallelAcrossRanksEqualsOneDevice" * doctest::timeout(120)) {
   // Replica r on rank r: the all-reduce's chunks cross ranks through transfer actors.
-  for (std::int64_t dp : {2, 4}) {
+  for (auto [dp, dtype] : {std::pair{2, DType::f64}, {2, DType::f32}, {4, DType::f64}, {4, DType::f32}}) {
     CAPTURE(dp);
+    CAPTURE(dtype);
     std::vector<Placement> places;
     for (std::int64_t r = 0; r < dp; ++r) places.push_back({.rank = static_cast<std::uint16_t>(r)});
-    Run one = train({.dp = 1, .microbatches = dp * 2});
-    Run ranks = train({.dp = dp, .microbatches = 2, .places = places, .loopback_ranks = true});
-    check_same(one, ranks);
+    Run one = train({.dp = 1, .microbatches = dp * 2, .dtype = dtype});
+    const Setup on_ranks{.dp = dp, .microbatches = 2, .places = places, .loopback_ranks = true, .dtype = dtype};
+    Run ranks = train(on_ranks);
+    check_same(one, ranks, on_ranks);
     int transfers = 0;
     for (const auto& a : insert_transfers(ranks.plan).actors) transfers += a.kind == ActorKind::transfer;
     CHECK(transfers > 0);
@@ -200,17 +193,21 @@ TEST_CASE("Parallel.BadDataParallelConfigsFailBeforeRunning") {
 }
 
 TEST_CASE("Parallel.PipelineEqualsOneDevice" * doctest::timeout(120)) {
-  for (const char* schedule : {"gpipe", "1f1b"}) {
-    for (int pp : {2, 4}) {
-      CAPTURE(schedule);
-      CAPTURE(pp);
-      Run one = train({.microbatches = 4, .opt = optim::adam(0.01)});
-      Run piped = train({.pp = pp, .schedule = schedule, .microbatches = 4, .opt = optim::adam(0.01)});
-      check_same(one, piped);
-      // Every stage has work, on its own device.
-      std::set<int> devices;
-      for (const auto& a : piped.plan.actors) devices.insert(a.where.device.index);
-      CHECK(devices.size() == static_cast<std::size_t>(pp));
+  for (DType dtype : both_dtypes) {
+    for (const char* schedule : {"gpipe", "1f1b"}) {
+      for (int pp : {2, 4}) {
+        CAPTURE(dtype);
+        CAPTURE(schedule);
+        CAPTURE(pp);
+        Run one = train({.microbatches = 4, .opt = optim::adam(0.01), .dtype = dtype});
+        const Setup s{.pp = pp, .schedule = schedule, .microbatches = 4, .opt = optim::adam(0.01), .dtype = dtype};
+        Run piped = train(s);
+        check_same(one, piped, s);
+        // Every stage has work, on its own device.
+        std::set<int> devices;
+        for (const auto& a : piped.plan.actors) devices.insert(a.where.device.index);
+        CHECK(devices.size() == static_cast<std::size_t>(pp));
+      }
     }
   }
 }
@@ -234,16 +231,19 @@ TEST_CASE("Parallel.PipelineScheduleIsTheActivationDepth") {
 }
 
 TEST_CASE("Parallel.DataTimesPipelineEqualsOneDevice" * doctest::timeout(120)) {
-  Run one = train({.microbatches = 4, .opt = optim::sgd(0.1, 0.9)});
-  Run hybrid = train({.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::sgd(0.1, 0.9)});
-  check_same(one, hybrid);
   std::vector<Placement> places;  // 2 replicas x 2 stages over 2 ranks: a replica per rank
   for (std::uint16_t r = 0; r < 2; ++r) {
     for (std::uint8_t s = 0; s < 2; ++s) places.push_back({.rank = r, .device = Device{DeviceType::cpu, s}});
   }
-  Run ranks = train({.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::sgd(0.1, 0.9), .places = places,
-                     .loopback_ranks = true});
-  check_same(one, ranks);
+  for (DType dtype : both_dtypes) {
+    CAPTURE(dtype);
+    Run one = train({.microbatches = 4, .opt = optim::sgd(0.1, 0.9), .dtype = dtype});
+    const Setup hybrid{.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::sgd(0.1, 0.9), .dtype = dtype};
+    check_same(one, train(hybrid), hybrid);
+    const Setup ranks{.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::sgd(0.1, 0.9), .places = places,
+                      .loopback_ranks = true, .dtype = dtype};
+    check_same(one, train(ranks), ranks);
+  }
 }
 
 TEST_CASE("Parallel.BadPipelineConfigsFailBeforeRunning") {
@@ -262,57 +262,61 @@ TEST_CASE("Parallel.BadPipelineConfigsFailBeforeRunning") {
 
 TEST_CASE("Parallel.SmallGptPipelineAndDataParallelEqualOneDevice" * doctest::timeout(120)) {
   const std::string path = "/usr/share/common-licenses/GPL-3";
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is missing");
-    return;
-  }
+  if (!std::filesystem::exists(path)) return test::skip(test::Missing::system_file, path + " is missing (Debian: base-files)");
   auto corpus = std::make_shared<const baton::data::TextCorpus>(baton::data::load_text(path));
-  auto gpt_run = [&](int dp, int pp, std::int64_t m) {
-    const std::int64_t batch = 8, pieces = dp * m;
-    models::GptShape shape{.vocab = corpus->vocab_size(), .seq = 16, .d_model = 32, .heads = 2, .layers = 2};
+  const std::int64_t batch = 8, seq = 16, steps = 5;
+  const OptimizerConfig adam = optim::adam(3e-3);
+  auto gpt_run = [&](int dp, int pp, std::int64_t m, DType dtype) {
+    const std::int64_t pieces = dp * m;
+    models::GptShape shape{
+        .vocab = corpus->vocab_size(), .seq = seq, .d_model = 32, .heads = 2, .layers = 2, .dtype = dtype};
     Graph g(3);
     Value logits = models::gpt(g, batch / pieces, shape);
     Value loss = softmax_cross_entropy(logits, g.find("targets"));
     TrainConfig cfg;
-    cfg.steps = 5;
+    cfg.steps = steps;
     cfg.microbatches = m;
     cfg.dp = dp;
     cfg.pp = pp;
-    cfg.optimizer = optim::adam(3e-3);
-    cfg.data = {{"text", baton::data::text_source(corpus, batch, pieces, 16, 3), {"tokens", "targets"}}};
+    cfg.optimizer = adam;
+    cfg.data = {{"text", baton::data::text_source(corpus, batch, pieces, seq, 3), {"tokens", "targets"}}};
     TrainingJob job = compile_training(g, loss, cfg);
     Runtime rt(job.plan, job.kernels);
     rt.run();
     return collect(job);
   };
-  Run one = gpt_run(1, 1, 2);
-  REQUIRE(one.losses.size() == 5);
-  check_same(one, gpt_run(1, 2, 2));
-  check_same(one, gpt_run(2, 1, 1));
-  check_same(one, gpt_run(2, 2, 1));
+  for (DType dtype : both_dtypes) {
+    CAPTURE(dtype);
+    // The longest sums are the weight gradients' over the batch's batch x seq positions.
+    const double tol = test::tolerance({.dtype = dtype, .steps = steps, .longest_sum = batch * seq, .lr = adam.lr});
+    Run one = gpt_run(1, 1, 2, dtype);
+    REQUIRE(one.losses.size() == steps);
+    test::check_same_training(one, gpt_run(1, 2, 2, dtype), tol);
+    test::check_same_training(one, gpt_run(2, 1, 1, dtype), tol);
+    test::check_same_training(one, gpt_run(2, 2, 1, dtype), tol);
+  }
 }
 
 namespace {
 
-/// Concatenates tensors along an axis (0: rows, 1: columns; 1-D tensors along their one axis).
-std::vector<float> concat(const std::vector<const Tensor*>& parts, int axis) {
-  std::vector<float> out;
+/// Concatenates tensors of one dtype along an axis (0: rows, 1: columns; 1-D tensors along
+/// their one axis) into `whole`.
+void concat(const std::vector<const Tensor*>& parts, int axis, Tensor& whole) {
+  const std::size_t es = size_of(whole.dtype());
+  auto* out = static_cast<std::byte*>(whole.raw());
   if (parts[0]->shape().size() == 1 || axis == 0) {
     for (const Tensor* t : parts) {
-      auto d = t->data<float>();
-      out.insert(out.end(), d.begin(), d.end());
+      out = std::copy_n(static_cast<const std::byte*>(t->raw()), static_cast<std::size_t>(t->numel()) * es, out);
     }
-    return out;
+    return;
   }
   const std::int64_t rows = parts[0]->shape()[0];
   for (std::int64_t r = 0; r < rows; ++r) {
     for (const Tensor* t : parts) {
-      const auto cols = static_cast<std::size_t>(t->shape()[1]);
-      auto d = t->data<float>().subspan(static_cast<std::size_t>(r) * cols, cols);
-      out.insert(out.end(), d.begin(), d.end());
+      const auto row = static_cast<std::size_t>(t->shape()[1]) * es;
+      out = std::copy_n(static_cast<const std::byte*>(t->raw()) + static_cast<std::size_t>(r) * row, row, out);
     }
   }
-  return out;
 }
 
 /// One device's view of a tensor-parallel model's weights: each "<name>.tp<k>" family put back
@@ -325,7 +329,7 @@ std::map<std::string, Tensor> assembled(const ParameterStore& p, std::int64_t tp
     auto pos = name.rfind(".tp");
     if (pos == std::string::npos) {
       Tensor copy = Tensor::empty(t.shape(), t.dtype());
-      std::copy(t.data<float>().begin(), t.data<float>().end(), copy.data<float>().begin());
+      concat({&t}, 0, copy);
       out[name] = copy;
       continue;
     }
@@ -336,9 +340,8 @@ std::map<std::string, Tensor> assembled(const ParameterStore& p, std::int64_t tp
     const bool rows = row_split(base);
     Shape shape = t.shape();
     shape[rows || shape.size() == 1 ? 0 : 1] *= tp;
-    Tensor whole = Tensor::empty(shape, DType::f32);
-    auto v = concat(parts, rows ? 0 : 1);
-    std::copy(v.begin(), v.end(), whole.data<float>().begin());
+    Tensor whole = Tensor::empty(shape, t.dtype());
+    concat(parts, rows ? 0 : 1, whole);
     out[base] = whole;
   }
   return out;
@@ -355,32 +358,37 @@ bool gpt_row_split(const std::string& base) {
   return base.ends_with("attn.wo") || base.ends_with("mlp.w2") || base == "wte";
 }
 
-Run train_tp(std::int64_t tp, int dp, int pp, std::shared_ptr<ParameterStore> start = nullptr) {
-  constexpr std::int64_t batch = 32;
+constexpr std::int64_t tp_steps = 10;
+const OptimizerConfig tp_adam = optim::adam(0.01);
+
+Run train_tp(std::int64_t tp, int dp, int pp, DType dtype, std::shared_ptr<ParameterStore> start = nullptr) {
+  constexpr std::int64_t batch = mlp_batch;
   auto dataset = std::make_shared<const baton::data::Dataset>(baton::data::synthetic(256, 12, 4, 99));
-  const models::MlpShape shape{.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = tp};
+  const models::MlpShape shape{.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = tp, .dtype = dtype};
   const std::int64_t m = 2, pieces = dp * m;
   Graph g(5);
   Value logits = models::mlp(g, batch / pieces, shape);  // before find("label"): it makes the input
   Value loss = softmax_cross_entropy(logits, g.find("label"));
   TrainConfig cfg;
-  cfg.steps = 10;
+  cfg.steps = tp_steps;
   cfg.microbatches = m;
   cfg.dp = dp;
   cfg.pp = pp;
   cfg.tp = static_cast<int>(tp);
-  cfg.optimizer = optim::adam(0.01);
+  cfg.optimizer = tp_adam;
   cfg.data = {{"synthetic", baton::data::batch_source(dataset, batch, pieces, 7), {"x", "label"}}};
   TrainingJob job = compile_training(g, loss, cfg, std::move(start));
   Runtime rt(job.plan, job.kernels);
   rt.run();
   Run out = collect(job);
   out.weights.clear();
-  for (auto& [name, t] : assembled(*job.params, tp, mlp_row_split)) {
-    auto d = t.data<float>();
-    out.weights[name] = std::vector<float>(d.begin(), d.end());
-  }
+  for (auto& [name, t] : assembled(*job.params, tp, mlp_row_split)) out.weights[name] = test::widened(t);
   return out;
+}
+
+/// The tolerance of train_tp's runs in `dtype`.
+double tp_tolerance(DType dtype) {
+  return test::tolerance({.dtype = dtype, .steps = tp_steps, .longest_sum = mlp_batch, .lr = tp_adam.lr});
 }
 
 }  // namespace
@@ -388,23 +396,26 @@ Run train_tp(std::int64_t tp, int dp, int pp, std::shared_ptr<ParameterStore> st
 TEST_CASE("Parallel.TensorParallelEqualsOneDevice" * doctest::timeout(120)) {
   // The tensor-parallel model's initial shards, put together, are the one-device model's
   // initial weights: then both must train alike.
-  for (std::int64_t tp : {2, 4}) {
-    CAPTURE(tp);
-    Graph shards(5);
-    models::mlp(shards, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = tp});
-    auto sharded_start = ParameterStore::initialize(shards);
-    Graph whole(5);
-    models::mlp(whole, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4});
-    auto one_start = ParameterStore::initialize(whole);
-    for (auto& [name, full] : assembled(*sharded_start, tp, mlp_row_split)) {
-      Tensor& t = one_start->at(name);
-      auto v = full.data<float>();
-      REQUIRE(static_cast<std::size_t>(t.numel()) == v.size());
-      std::copy(v.begin(), v.end(), t.data<float>().begin());
+  for (DType dtype : both_dtypes) {
+    for (std::int64_t tp : {2, 4}) {
+      CAPTURE(dtype);
+      CAPTURE(tp);
+      Graph shards(5);
+      models::mlp(shards, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = tp, .dtype = dtype});
+      auto sharded_start = ParameterStore::initialize(shards);
+      Graph whole(5);
+      models::mlp(whole, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .dtype = dtype});
+      auto one_start = ParameterStore::initialize(whole);
+      for (auto& [name, full] : assembled(*sharded_start, tp, mlp_row_split)) {
+        Tensor& t = one_start->at(name);
+        REQUIRE(t.shape() == full.shape());
+        REQUIRE(t.dtype() == dtype);
+        concat({&full}, 0, t);
+      }
+      Run one = train_tp(1, 1, 1, dtype, one_start);
+      Run split = train_tp(tp, 1, 1, dtype, sharded_start);
+      test::check_same_training(one, split, tp_tolerance(dtype));
     }
-    Run one = train_tp(1, 1, 1, one_start);
-    Run split = train_tp(tp, 1, 1, sharded_start);
-    check_same(one, split);
   }
 }
 
@@ -425,22 +436,26 @@ TEST_CASE("Parallel.TensorParallelPlacesShardsAndCombinesWithDataAndPipeline" * 
   }
   CHECK(on_one > 8);
   // tp with dp and pp: the same result as tp alone (same shards, same start).
-  Graph s(5);
-  models::mlp(s, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = 2});
-  auto start = ParameterStore::initialize(s);
-  auto copy_of = [&] {
-    auto p = std::make_shared<ParameterStore>();
-    for (const auto& [name, t] : start->values()) {
-      Tensor c = Tensor::empty(t.shape(), t.dtype());
-      std::copy(t.data<float>().begin(), t.data<float>().end(), c.data<float>().begin());
-      p->set(name, c);
-    }
-    return p;
-  };
-  Run tp_only = train_tp(2, 1, 1, copy_of());
-  check_same(tp_only, train_tp(2, 2, 1, copy_of()));
-  check_same(tp_only, train_tp(2, 1, 2, copy_of()));
-  check_same(tp_only, train_tp(2, 2, 2, copy_of()));
+  for (DType dtype : both_dtypes) {
+    CAPTURE(dtype);
+    Graph s(5);
+    models::mlp(s, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = 2, .dtype = dtype});
+    auto start = ParameterStore::initialize(s);
+    auto copy_of = [&] {
+      auto p = std::make_shared<ParameterStore>();
+      for (const auto& [name, t] : start->values()) {
+        Tensor c = Tensor::empty(t.shape(), t.dtype());
+        concat({&t}, 0, c);
+        p->set(name, c);
+      }
+      return p;
+    };
+    const double tol = tp_tolerance(dtype);
+    Run tp_only = train_tp(2, 1, 1, dtype, copy_of());
+    test::check_same_training(tp_only, train_tp(2, 2, 1, dtype, copy_of()), tol);
+    test::check_same_training(tp_only, train_tp(2, 1, 2, dtype, copy_of()), tol);
+    test::check_same_training(tp_only, train_tp(2, 2, 2, dtype, copy_of()), tol);
+  }
 }
 
 TEST_CASE("Parallel.BadTensorParallelConfigsFailBeforeRunning") {
@@ -459,17 +474,17 @@ TEST_CASE("Parallel.BadTensorParallelConfigsFailBeforeRunning") {
 TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(180)) {
   // Megatron's split of every block and of the vocabulary (the token table by rows, the head by
   // columns, the loss computed from the shards' logits without gathering them) against one
-  // device, started from the shards put together. Tolerance as above (1e-5): the shards' partial
-  // sums (of products, of embeddings, of exp() in the loss) are added in another order.
+  // device, started from the shards put together. The shards' partial sums (of products, of
+  // embeddings, of exp() in the loss) are added in another order: test::Reordering's tolerance.
   const std::string path = "/usr/share/common-licenses/GPL-3";
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is missing");
-    return;
-  }
+  if (!std::filesystem::exists(path)) return test::skip(test::Missing::system_file, path + " is missing (Debian: base-files)");
   auto corpus = std::make_shared<const baton::data::TextCorpus>(baton::data::load_text(path));
   const std::int64_t batch = 8, seq = 16, steps = 20;
+  const OptimizerConfig adam = optim::adam(3e-3);
+  DType dtype = DType::f32;
   auto shape = [&](std::int64_t tp) {
-    return models::GptShape{.vocab = corpus->vocab_size(), .seq = seq, .d_model = 32, .heads = 4, .layers = 2, .tp = tp};
+    return models::GptShape{
+        .vocab = corpus->vocab_size(), .seq = seq, .d_model = 32, .heads = 4, .layers = 2, .tp = tp, .dtype = dtype};
   };
   // ranks: shard k on rank k (runtimes joined by a LoopbackHub), the shards' sums and maxima
   // crossing ranks through transfer actors.
@@ -480,7 +495,7 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
     cfg.steps = steps;
     cfg.tp = static_cast<int>(tp);
     cfg.dp = dp;
-    cfg.optimizer = optim::adam(3e-3);
+    cfg.optimizer = adam;
     cfg.data = {{"text", baton::data::text_source(corpus, batch, dp, seq, 3), {"tokens", "targets"}}};
     for (int k = 0; ranks && k < tp; ++k) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(k)});
     TrainingJob job = compile_training(g, loss, cfg, std::move(start));
@@ -495,15 +510,16 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
     }
     Run out;
     out.losses = job.losses->per_step();
-    for (auto& [name, t] : assembled(*job.params, tp, gpt_row_split)) {
-      auto d = t.data<float>();
-      out.weights[name] = std::vector<float>(d.begin(), d.end());
-    }
+    for (auto& [name, t] : assembled(*job.params, tp, gpt_row_split)) out.weights[name] = test::widened(t);
     return out;
   };
   REQUIRE(corpus->vocab_size() % 4 == 0);
-  for (auto [tp, dp, ranks] : {std::tuple{2, 1, false}, std::tuple{4, 1, false}, std::tuple{2, 2, false},
-                               std::tuple{2, 1, true}}) {
+  // f64 for each layout; f32 for two of them (tp 4, and tp 2 across ranks), to keep the time.
+  for (auto [tp, dp, ranks, dt] :
+       {std::tuple{2, 1, false, DType::f64}, std::tuple{4, 1, false, DType::f64}, std::tuple{2, 2, false, DType::f64},
+        std::tuple{2, 1, true, DType::f64}, std::tuple{4, 1, false, DType::f32}, std::tuple{2, 1, true, DType::f32}}) {
+    dtype = dt;
+    CAPTURE(dtype);
     CAPTURE(tp);
     CAPTURE(dp);
     CAPTURE(ranks);
@@ -518,7 +534,9 @@ TEST_CASE("Parallel.SmallGptTensorParallelEqualsOneDevice" * doctest::timeout(18
     Plan plan;
     Run split = run(tp, dp, ranks, sharded_start, &plan);
     REQUIRE(one.losses.size() == static_cast<std::size_t>(steps));
-    check_same(one, split);
+    // The longest sums are the weight gradients' over batch x seq positions.
+    test::check_same_training(
+        one, split, test::tolerance({.dtype = dtype, .steps = steps, .longest_sum = batch * seq, .lr = adam.lr}));
     // Shard k's vocabulary lives on device k (of replica 0) and the logits are never gathered:
     // no register holds a row of all V of them.
     for (const auto& a : plan.actors) {

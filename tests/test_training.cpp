@@ -8,6 +8,7 @@
 #include "baton/graph.h"
 #include "baton/kernels/data.h"
 #include "models.h"
+#include "skip.h"
 
 using namespace baton;
 
@@ -55,16 +56,16 @@ TEST_CASE("Training.MlpOnDigitsReaches97PercentHeldOut" * doctest::timeout(120))
   }
   double accuracy = static_cast<double>(right) / static_cast<double>(heldout.rows());
   MESSAGE("held-out accuracy " << accuracy << " over " << heldout.rows() << " rows");
+  // A learning claim, not a rounding bound: 98.05% is what this seed reaches, the same under
+  // OPENBLAS_CORETYPE Cooperlake, Haswell and Sandybridge; 97% is 4 of the 359 held-out rows
+  // below it, and a model that did not learn sits near 10%.
   CHECK(accuracy >= 0.97);
 }
 
 TEST_CASE("Training.SmallGptLearnsTextBelowTheUnigramEntropy" * doctest::timeout(120)) {
   // Any text file will do; Debian's base-files ships the GPL, which is English prose.
   const std::string path = "/usr/share/common-licenses/GPL-3";
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is missing");
-    return;
-  }
+  if (!std::filesystem::exists(path)) return test::skip(test::Missing::system_file, path + " is missing (Debian: base-files)");
   auto corpus = std::make_shared<const data::TextCorpus>(data::load_text(path));
   models::GptShape shape{.vocab = corpus->vocab_size(), .seq = 32, .d_model = 64, .heads = 4, .layers = 2};
   Graph g(3);
@@ -82,5 +83,8 @@ TEST_CASE("Training.SmallGptLearnsTextBelowTheUnigramEntropy" * doctest::timeout
   const double unigram = corpus->unigram_entropy_nats();
   MESSAGE("mean loss of the last 20 steps " << last << " nats; unigram entropy " << unigram);
   CHECK(losses.front() > unigram);  // it starts knowing nothing
+  // A learning claim: 2.21 against 3.17 nats here (the same to 1e-4 under Cooperlake, Haswell
+  // and Sandybridge kernels); half a nat below the unigram entropy is what only context can
+  // give, and leaves 0.46 nats of margin.
   CHECK(last < unigram - 0.5);      // and learns context: well below what letter counts give
 }

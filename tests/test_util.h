@@ -1,33 +1,26 @@
 #pragma once
 // Small helpers the test files share.
 #include <cstddef>
-#include <cstdio>
 #include <string>
 
 #include <doctest/doctest.h>
 
 #include "baton/kernels/cuda.h"
+#include "skip.h"
 
 namespace baton::test {
 
 /// Whether this build has the CUDA path (its kernels registered), as tests of CUDA plans need
-/// even without a GPU; if not, prints "built without CUDA; CUDA tests skipped" (a CTest skip).
+/// even without a GPU; if not, skips the test ("built without CUDA; CUDA tests skipped").
 inline bool cuda_built() {
-  if (!cuda::built_with_cuda()) {
-    std::printf("built without CUDA; CUDA tests skipped\n");
-    std::fflush(stdout);
-  }
+  if (!cuda::built_with_cuda()) skip(Missing::cuda_device, "built without CUDA; CUDA tests skipped");
   return cuda::built_with_cuda();
 }
 
-/// Whether the CUDA tests can run here; if not, prints "<reason>; CUDA tests skipped", which
-/// CTest reports as a skip (tests/CMakeLists.txt).
+/// Whether the CUDA tests can run here; if not, skips the test ("<reason>; CUDA tests skipped").
 inline bool cuda_usable() {
   const auto& a = cuda::availability();
-  if (!a.ok) {
-    std::printf("%s; CUDA tests skipped\n", a.reason.c_str());
-    std::fflush(stdout);
-  }
+  if (!a.ok) skip(Missing::cuda_device, a.reason + "; CUDA tests skipped");
   return a.ok;
 }
 

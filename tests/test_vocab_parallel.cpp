@@ -109,6 +109,11 @@ void check_close(const std::vector<double>& got, const std::vector<double>& want
   }
 }
 
+// The kernels against float64 loops: each value is a max, a copy, or a sum of at most 10
+// exp() terms, all positive (condition 1): f32 carries n u = 10 x 6e-8 = 6e-7 relative from
+// the sum plus a few ulp from exp and log, so 1e-5 relative; the loss, a log-sum-exp minus a
+// logit of magnitude <= ~10, cancels to an absolute error of about 10 u, hence the 1e-6 floor.
+// f64: the same with u = 1.1e-16, 1e-12.
 template <class T>
 void check_forward(const Tensor& got, const std::vector<double>& want) {
   if constexpr (std::is_same_v<T, float>) {
@@ -119,6 +124,8 @@ void check_forward(const Tensor& got, const std::vector<double>& want) {
 }
 
 // d/dx of sum(dy * f()) by central differences (h = 1e-6), x perturbed in place and restored.
+// Compared at 1e-6 relative and 1e-8 absolute: the quotient errs by its truncation, h^2 |f'3|
+// / 6 ~ 1e-12, and by rounding, u |f| / h ~ 1e-16 x 10 / 1e-6 = 1e-9.
 std::vector<double> vjp_by_differences(Tensor& x, const Tensor& dy,
                                        const std::function<Tensor()>& f) {
   constexpr double h = 1e-6;
@@ -267,6 +274,8 @@ TEST_CASE("Ops.EmbeddingShard.GradientTouchesOnlyItsRows") {
     check_close(values(dtable), fd, 1e-6, 1e-8);
   }
   // Shard [3, 6): row 2 (id 5) gets dy of positions 1 and 3; no other shard's id leaks in.
+  // The kernel adds the same two doubles (to a zero row): Approx's default, 1.2e-5 relative,
+  // only allows for the order, and is far below a leaked or missing dy (O(1)).
   Tensor dtable = apply<double>("embedding_grad", {ids, dy}, {3, 3}, shard_attrs(3, vocab));
   for (std::size_t j = 0; j < 3; ++j) {
     CHECK(dtable.data<double>()[6 + j] ==
@@ -431,6 +440,9 @@ TEST_CASE("VocabParallel.CrossEntropyEqualsSoftmaxCrossEntropyWithItsGradient") 
     std::vector<Value> fetch{loss};
     for (const Value& d : gradients(loss, parts)) fetch.push_back(d);
     auto got = evaluate(g, {{"labels", labels}}, fetch, params);
+    // f64 throughout: the shards' sums of exp() (12 positive terms) and the loss's log, in
+    // another order than one softmax_cross_entropy: a few roundings of values below 10, 1e-13;
+    // the gradients (softmax - onehot) / N are below 1, so 1e-12 relative, 1e-15 absolute.
     CHECK(got[0].data<double>()[0] == doctest::Approx(ref_loss).epsilon(1e-13));
     // Each shard's gradient is its columns of the whole one: softmax - onehot, over N.
     from = 0;
@@ -481,6 +493,9 @@ TEST_CASE("VocabParallel.EmbeddingEqualsEmbeddingWithItsGradient") {
     std::vector<Value> fetch{loss};
     for (const Value& dt : gradients(loss, tables)) fetch.push_back(dt);
     auto got = evaluate(g, {{"ids", ids}, {"r", r}}, fetch, params);
+    // f64: the lookups are copies and their gradients sums of at most 2 dy; only the loss, a
+    // sum of 30 products, is reordered: 30 u sum|terms| ~ 1e-14 relative, hence 1e-13 (and
+    // 1e-13 relative, 1e-15 absolute for the gradients).
     CHECK(got[0].data<double>()[0] == doctest::Approx(ref[0].data<double>()[0]).epsilon(1e-13));
     from = 0;
     for (std::size_t k = 0; k < heights.size(); ++k) {
@@ -499,6 +514,7 @@ TEST_CASE("VocabParallel.StopGradientCutsTheGradient") {
   Tensor v = random_f64({3}, 4);
   p.set("x", v);
   auto got = evaluate(g, {}, {gradients(loss, {x})[0]}, p);
+  // d/dx sum(x * stop_gradient(x)) is x times 1: exact up to one rounding (1e-15 relative).
   check_close(values(got[0]), values(v), 1e-15, 0);
   // A max with no stop_gradient after it is named when autodiff needs its gradient.
   Graph h;

@@ -15,13 +15,13 @@ Value mlp(Graph& g, std::int64_t batch, const MlpShape& s, std::string* sbp_text
   // the first by columns (w S(1), b S(0)), the second by rows (w S(0)); shard_graph infers the
   // rest (the first product S(1), the second P, one all-reduce before the second bias).
   auto build = [&](Graph& m) {
-    Value h = m.input("x", {batch, s.inputs});
+    Value h = m.input("x", {batch, s.inputs}, s.dtype);
     m.input("label", {batch}, i32);
     std::int64_t width = s.inputs;
     for (std::int64_t l = 0; l < s.layers; ++l) {
       const bool columns = l % 2 == 0 && l + 1 < s.layers, rows = l % 2 == 1;
-      auto w = m.variable(fmt::format("fc{}.w", l), {width, s.hidden}, init::kaiming());
-      auto b = m.variable(fmt::format("fc{}.b", l), {s.hidden}, init::zeros());
+      auto w = m.variable(fmt::format("fc{}.w", l), {width, s.hidden}, init::kaiming(), s.dtype);
+      auto b = m.variable(fmt::format("fc{}.b", l), {s.hidden}, init::zeros(), s.dtype);
       if (columns) {
         m.set_sbp(w, sbp::split(1));
         m.set_sbp(b, sbp::split(0));
@@ -30,8 +30,8 @@ Value mlp(Graph& g, std::int64_t batch, const MlpShape& s, std::string* sbp_text
       h = relu(matmul(h, w) + b);
       width = s.hidden;
     }
-    auto w = m.variable("out.w", {width, s.classes}, init::kaiming());
-    auto b = m.variable("out.b", {s.classes}, init::zeros());
+    auto w = m.variable("out.w", {width, s.classes}, init::kaiming(), s.dtype);
+    auto b = m.variable("out.b", {s.classes}, init::zeros(), s.dtype);
     return (matmul(h, w) + b).named("logits");
   };
   if (s.tp == 1 && sbp_text == nullptr) return build(g);  // the graph is its own physical graph
@@ -64,21 +64,21 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
   std::vector<Value> tables;
   for (std::int64_t k = 0; k < tp; ++k) {
     auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(k));
-    tables.push_back(g.variable(shard_name("wte", k), {v_k, d}, init::normal(0.0, 0.02)));
+    tables.push_back(g.variable(shard_name("wte", k), {v_k, d}, init::normal(0.0, 0.02), s.dtype));
   }
-  auto wpe = g.variable("wpe", {t, d}, init::normal(0.0, 0.02));
+  auto wpe = g.variable("wpe", {t, d}, init::normal(0.0, 0.02), s.dtype);
   Value x = (tp == 1 ? embedding(tables[0], tokens) : vocab_parallel_embedding(tables, tokens)) + wpe;  // [b, t, d]
   const std::int64_t nh_k = nh / tp, d_k = d / tp, f_k = 4 * d / tp;  // per shard
   for (std::int64_t l = 0; l < s.layers; ++l) {
     auto p = [&](const char* what) { return fmt::format("h{}.{}", l, what); };
-    auto ln1 = layer_norm(x, g.variable(p("ln1.g"), {d}, init::ones()), g.variable(p("ln1.b"), {d}, init::zeros()));
+    auto ln1 = layer_norm(x, g.variable(p("ln1.g"), {d}, init::ones(), s.dtype), g.variable(p("ln1.b"), {d}, init::zeros(), s.dtype));
     // Attention: shard k computes heads [k nh/tp, (k+1) nh/tp) and its part of the output
     // projection; the parts are summed once.
     Value attn;
     for (std::int64_t sk = 0; sk < tp; ++sk) {
       auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(sk));
       auto w = [&](const char* what, Shape shape) {
-        return g.variable(shard_name(p(what), sk), std::move(shape), init::normal(0.0, 0.02));
+        return g.variable(shard_name(p(what), sk), std::move(shape), init::normal(0.0, 0.02), s.dtype);
       };
       auto split_heads = [&](Value v) {  // [b, t, d/tp] -> [b, nh_k, t, dh]
         return transpose(reshape(v, {b, t, nh_k, dh}), {0, 2, 1, 3});
@@ -99,25 +99,25 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
       attn = sk == 0 ? part : attn + part;
     }
     x = x + attn;
-    auto ln2 = layer_norm(x, g.variable(p("ln2.g"), {d}, init::ones()), g.variable(p("ln2.b"), {d}, init::zeros()));
+    auto ln2 = layer_norm(x, g.variable(p("ln2.g"), {d}, init::ones(), s.dtype), g.variable(p("ln2.b"), {d}, init::zeros(), s.dtype));
     // MLP: w1 (and b1) by columns, w2 by rows.
     Value mlp;
     for (std::int64_t sk = 0; sk < tp; ++sk) {
       auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(sk));
-      auto h1 = matmul(ln2, g.variable(shard_name(p("mlp.w1"), sk), {d, f_k}, init::normal(0.0, 0.02)));
-      auto b1 = g.variable(shard_name(p("mlp.b1"), sk), {f_k}, init::zeros());
+      auto h1 = matmul(ln2, g.variable(shard_name(p("mlp.w1"), sk), {d, f_k}, init::normal(0.0, 0.02), s.dtype));
+      auto b1 = g.variable(shard_name(p("mlp.b1"), sk), {f_k}, init::zeros(), s.dtype);
       auto fc = s.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
-      Value part = matmul(fc, g.variable(shard_name(p("mlp.w2"), sk), {f_k, d}, init::normal(0.0, 0.02)));
+      Value part = matmul(fc, g.variable(shard_name(p("mlp.w2"), sk), {f_k, d}, init::normal(0.0, 0.02), s.dtype));
       mlp = sk == 0 ? part : mlp + part;
     }
-    x = x + mlp + g.variable(p("mlp.b2"), {d}, init::zeros());
+    x = x + mlp + g.variable(p("mlp.b2"), {d}, init::zeros(), s.dtype);
   }
-  auto lnf = layer_norm(x, g.variable("lnf.g", {d}, init::ones()), g.variable("lnf.b", {d}, init::zeros()));
+  auto lnf = layer_norm(x, g.variable("lnf.g", {d}, init::ones(), s.dtype), g.variable("lnf.b", {d}, init::zeros(), s.dtype));
   // The head by columns: shard k's logits are classes [k V/tp, (k+1) V/tp).
   std::vector<Value> logits;
   for (std::int64_t k = 0; k < tp; ++k) {
     auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(k));
-    logits.push_back(reshape(matmul(lnf, g.variable(shard_name("head.w", k), {d, v_k}, init::normal(0.0, 0.02))),
+    logits.push_back(reshape(matmul(lnf, g.variable(shard_name("head.w", k), {d, v_k}, init::normal(0.0, 0.02), s.dtype)),
                              {b * t, v_k}));
   }
   Outputs out;

@@ -20,6 +20,9 @@ struct MlpShape {
   /// The model is written once, with these signatures as annotations (sbp.h), and sharded by
   /// shard_graph() (sharding.h); the parts start as pieces of the one-device weights.
   std::int64_t tp = 1;
+  /// The dtype of the input x, the weights and everything computed from them: f32, or f64
+  /// (the tests' parallel-equals-sequential runs, where rounding is too small to hide a bug).
+  DType dtype = DType::f32;
 };
 
 /// x [batch, inputs] -> `layers` x (Linear + ReLU) -> Linear -> logits [batch, classes].
@@ -49,6 +52,8 @@ struct GptShape {
   /// The MLP's first layer as bias_gelu(x w1, b1), one op, instead of gelu(x w1 + b1): the same
   /// bits in f32; under bf16 autocast the activation stays bf16, as torch's Linear + GELU.
   bool fused_bias_gelu = true;
+  /// The dtype of the weights and of everything computed from them: f32, or f64 (as MlpShape).
+  DType dtype = DType::f32;
 };
 
 /// "naive" or "fused" (baton-train's and baton-bench-gpu's --attention); throws

@@ -3,8 +3,8 @@
 // of the plan with a non-zero rate, the graph has a node per actor, the charts and the pipeline
 // timeline have drawn. A screenshot lands in build/test-artifacts/dashboard.png.
 //
-// Where Chromium is not installed or cannot start, the program says so and exits 77, which CTest
-// reports as skipped (SKIP_RETURN_CODE). scripts/run.sh installs Debian's chromium for tests.
+// Where Chromium is not installed or cannot start, the test skips (test::skip: exit 77, which
+// CTest reports as skipped; a failure under CI=true). scripts/run.sh installs Debian's chromium.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -24,6 +24,7 @@
 #include "browser/cdp.h"
 #include "http_client.h"
 #include "mp/proc.h"
+#include "skip.h"
 
 namespace fs = std::filesystem;
 namespace json = boost::json;
@@ -31,9 +32,6 @@ using namespace std::chrono_literals;
 using baton::test::Proc;
 
 namespace {
-
-/// Why the test could not run (no browser), or empty.
-std::string skip_reason;
 
 std::optional<std::string> find_chromium() {
   if (const char* given = std::getenv("BATON_CHROMIUM"); given != nullptr && *given != '\0') return std::string(given);
@@ -95,8 +93,8 @@ constexpr const char* probe_js = R"JS((() => {
 TEST_CASE("Browser.DashboardShowsALiveTrainingRun" * doctest::timeout(300)) {
   const auto chromium = find_chromium();
   if (!chromium) {
-    skip_reason = "no chromium on PATH (Debian: apt-get install chromium; or set BATON_CHROMIUM)";
-    return;
+    return baton::test::skip(baton::test::Missing::chromium,
+                             "no chromium on PATH (Debian: apt-get install chromium; or set BATON_CHROMIUM)");
   }
   // A run long enough for the whole test; the test ends it. BATON_BROWSER_TRAIN_ARGS replaces
   // the model and its parallelism (e.g. "--model gpt --data text:README.md --pp 2 --microbatches 4").
@@ -143,9 +141,9 @@ TEST_CASE("Browser.DashboardShowsALiveTrainingRun" * doctest::timeout(300)) {
   const auto started = std::chrono::steady_clock::now();
   while (!fs::exists(port_file) || read_file(port_file).find('\n') == std::string::npos) {
     if (!baton::test::process_alive(browser.pid()) || std::chrono::steady_clock::now() - started > 60s) {
-      skip_reason = "chromium (" + *chromium + ") did not start: " + tail(read_file(log));
       train.kill_group(SIGKILL);
-      return;
+      return baton::test::skip(baton::test::Missing::chromium,
+                               "chromium (" + *chromium + ") did not start: " + tail(read_file(log)));
     }
     std::this_thread::sleep_for(100ms);
   }
@@ -241,13 +239,4 @@ TEST_CASE("Browser.DashboardShowsALiveTrainingRun" * doctest::timeout(300)) {
   train.wait(10s);
 }
 
-int main(int argc, char** argv) {
-  doctest::Context context(argc, argv);
-  const int failed = context.run();
-  if (context.shouldExit()) return failed;
-  if (failed == 0 && !skip_reason.empty()) {
-    std::printf("SKIPPED: the browser test needs Chromium: %s\n", skip_reason.c_str());
-    return 77;
-  }
-  return failed;
-}
+int main(int argc, char** argv) { return baton::test::run_tests(argc, argv); }

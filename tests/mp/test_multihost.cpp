@@ -1,7 +1,7 @@
 // Many hosts, simulated: network namespaces joined by a veth pair, one baton-launch per
 // namespace (--nnodes/--node-rank, as torchrun), and the ssh path (--hosts) against an sshd
-// this test starts inside one of them. Needs root (CI runs as root); skips with a message
-// where namespaces cannot be made. UCX_TLS=tcp: namespaces do not stop UCX from choosing
+// this test starts inside one of them. Needs root (CI runs as root); skips (test::skip: a
+// failure under CI=true) where namespaces cannot be made. UCX_TLS=tcp: namespaces do not stop UCX from choosing
 // shared memory between processes of one machine. Traffic stays inside the namespaces.
 #include <doctest/doctest.h>
 
@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "proc.h"
+#include "skip.h"
 
 using namespace std::chrono_literals;
 using baton::test::Proc;
@@ -36,11 +37,13 @@ int sh(const std::string& cmd) {
 /// the pair) by the destructor.
 struct TwoHosts {
   std::string a, b, addr_a, addr_b, veth_a, why_not;
+  baton::test::Missing missing = baton::test::Missing::network_namespaces;  // what why_not lacks
   bool ok = false;
 
   TwoHosts() {
     if (geteuid() != 0) {
       why_not = "needs root to create network namespaces";
+      missing = baton::test::Missing::root;
       return;
     }
     if (sh("command -v ip") != 0) {
@@ -121,10 +124,7 @@ struct LongJob {
 TEST_CASE("multi-host: one launcher per namespace (--nnodes/--node-rank) runs a cross-rank plan over TCP" *
           doctest::timeout(180)) {
   TwoHosts hosts;
-  if (!hosts.ok) {
-    MESSAGE("skipped: " << hosts.why_not);
-    return;
-  }
+  if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);
   const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port());
   auto launcher = [&](const std::string& ns, int node) {
     return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
@@ -146,10 +146,7 @@ TEST_CASE("multi-host: one launcher per namespace (--nnodes/--node-rank) runs a 
 
 TEST_CASE("multi-host: a rank killed on the other host ends the job on both" * doctest::timeout(180)) {
   TwoHosts hosts;
-  if (!hosts.ok) {
-    MESSAGE("skipped: " << hosts.why_not);
-    return;
-  }
+  if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);
   LongJob job(hosts, 1, "netns-kill-token");
   Proc& node0 = *job.node0;
   Proc& node1 = *job.node1;
@@ -168,10 +165,7 @@ TEST_CASE("multi-host: a rank killed on the other host ends the job on both" * d
 TEST_CASE("multi-host: a network partition (link down) is found by heartbeats and ends the job on both sides" *
           doctest::timeout(180)) {
   TwoHosts hosts;
-  if (!hosts.ok) {
-    MESSAGE("skipped: " << hosts.why_not);
-    return;
-  }
+  if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);
   LongJob job(hosts, 2, "netns-partition-token");
   Proc& node0 = *job.node0;
   Proc& node1 = *job.node1;
@@ -196,13 +190,9 @@ TEST_CASE("multi-host: a network partition (link down) is found by heartbeats an
 
 TEST_CASE("multi-host: --hosts starts the other host's launcher over ssh" * doctest::timeout(180)) {
   TwoHosts hosts;
-  if (!hosts.ok) {
-    MESSAGE("skipped: " << hosts.why_not);
-    return;
-  }
+  if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);
   if (sh("test -x /usr/sbin/sshd && command -v ssh && command -v ssh-keygen") != 0) {
-    MESSAGE("skipped: needs openssh-server and openssh-client");
-    return;
+    return baton::test::skip(baton::test::Missing::sshd, "needs openssh-server and openssh-client");
   }
   // A private sshd inside namespace b: its own host key, root's login by a key made here.
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("baton-ssh-{}", getpid());
