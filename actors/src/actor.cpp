@@ -352,22 +352,21 @@ void Actor::act() {
     }
     for (const Input& in : inputs_) waits = waits || (defers_ack(in) && k / in_ratio_ - in.delay >= 0);
     if (waits) {
-      struct Reached {
-        Worker* worker;
-        Message m;
-      };
-      auto* r = new Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}};
+      on_stream_.push_back(
+          std::make_unique<Reached>(Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}}));
       try {
         stream_->when_reached([](void* p) {
-          std::unique_ptr<Reached> done(static_cast<Reached*>(p));
-          done->worker->post(done->m);
-        }, r);
+          // A copy first: once posted, the actor may free what p points to.
+          const auto& r = *static_cast<const Reached*>(p);
+          Worker* w = r.worker;
+          const Message m = r.m;
+          w->post(m);
+        }, on_stream_.back().get());
       } catch (const std::exception& e) {
-        delete r;
+        on_stream_.pop_back();
         core_.fail(fmt::format("actor '{}' ({} on {}) failed at piece {}: {}", desc_.name, desc_.op, id_.str(), k, e.what()));
         return;
       }
-      on_stream_.push_back(k);
       ++inflight_;
     }
     if (logging) worker_->log(ActRecord{index_, k, log_start, steady_ns(), worker_->index()});
@@ -424,7 +423,7 @@ void Actor::after_act(std::int64_t k, Handoff h) {
 }
 
 void Actor::on_stream_reached(const Message& m) {
-  if (on_stream_.empty() || on_stream_.front() != m.piece) {
+  if (on_stream_.empty() || on_stream_.front()->m.piece != m.piece) {
     return protocol_error(m, "its stream reached an act that was not the next one waited for");
   }
   on_stream_.pop_front();

@@ -229,7 +229,14 @@ class Actor {
   bool stream_ordered_ = false;
   bool wait_every_act_ = false;  // RuntimeSettings::stream_order off
   bool needs_reached_ = false;  // some output defers requests or some input defers acks
-  std::deque<std::int64_t> on_stream_;
+  // Acts whose handoff waits for the stream, in act order, each with what its callback posts.
+  // The actor owns them: a failed stream never runs its callbacks (AsyncStream::when_reached),
+  // and what they would have freed must not leak.
+  struct Reached {
+    Worker* worker;
+    Message m;
+  };
+  std::deque<std::unique_ptr<Reached>> on_stream_;
   // RuntimeSettings::device_time: timing events around acts the device has not run yet (in act
   // order), and spare pairs.
   struct Timing {
