@@ -254,8 +254,11 @@ bool Stream::idle() const {
 
 namespace {
 
-/// A CPU kernel run on the actor's sim stream: the act's tensor pointers and piece go with it
-/// (the actor reuses its views for the next act before this one runs).
+/// A CPU kernel run on the actor's sim stream. Its arguments are taken when it is enqueued, as a
+/// CUDA launch takes its pointers and sizes: the tensors (handles to the same memory) and the
+/// piece go with it, since the actor reuses its views for the next act before this one runs,
+/// and a repeat (a weight's, a view) points its output handle at the next piece's slot while
+/// readers of the last piece are still queued.
 class OnStream final : public Kernel {
  public:
   OnStream(std::unique_ptr<Kernel> cpu, std::string actor)
@@ -268,12 +271,22 @@ class OnStream final : public Kernel {
                       "sim device?)",
                       actor_));
     }
-    s->enqueue(
-        [k = cpu_.get(), in = std::vector<const Tensor*>(ctx.inputs.begin(), ctx.inputs.end()),
-         out = std::vector<Tensor*>(ctx.outputs.begin(), ctx.outputs.end()), piece = ctx.piece] {
-          KernelContext c{in, out, piece, nullptr, nullptr};
-          k->compute(c);
-        });
+    struct Args {
+      std::vector<Tensor> in, out;  // shallow copies (the same storage)
+      std::vector<const Tensor*> in_ptrs;
+      std::vector<Tensor*> out_ptrs;
+    };
+    auto args = std::make_shared<Args>();
+    for (const Tensor* t : ctx.inputs) args->in.push_back(t == nullptr ? Tensor{} : *t);
+    for (const Tensor* t : ctx.outputs) args->out.push_back(t == nullptr ? Tensor{} : *t);
+    for (std::size_t i = 0; i < ctx.inputs.size(); ++i)
+      args->in_ptrs.push_back(ctx.inputs[i] == nullptr ? nullptr : &args->in[i]);
+    for (std::size_t i = 0; i < ctx.outputs.size(); ++i)
+      args->out_ptrs.push_back(ctx.outputs[i] == nullptr ? nullptr : &args->out[i]);
+    s->enqueue([k = cpu_.get(), args = std::move(args), piece = ctx.piece] {
+      KernelContext c{args->in_ptrs, args->out_ptrs, piece, nullptr, nullptr};
+      k->compute(c);
+    });
   }
 
  private:
