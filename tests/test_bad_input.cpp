@@ -251,3 +251,37 @@ TEST_CASE("BadInput.WrongTokenAndMissingNode" * doctest::timeout(120)) {
   CHECK(code0 < 128);
   CHECK(node0.err().find("node 1") != std::string::npos);
 }
+
+// Not bad input, but the same harness: --print-memory answers from the plan alone (nothing
+// trains), and a budget below what it prints is refused before anything runs.
+TEST_CASE("Train.PrintMemoryAnswersFromThePlanAndABudgetBelowItIsRefused" * doctest::timeout(120)) {
+  const std::vector<std::string> args{bin + "/baton-train", "--model", "mlp", "--data", "digits", "--dp", "2",
+                                      "--pp", "2", "--microbatches", "2", "--steps", "100000", "--print-memory"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> argv = args;
+    argv.insert(argv.end(), more.begin(), more.end());
+    return argv;
+  };
+  Proc text(with({}), {});
+  REQUIRE(text.wait(60s) == 0);
+  CAPTURE(text.out());
+  CHECK(text.out().find("memory by device (peak from the plan):") == 0);
+  for (const char* device : {"r0/cpu:0 peak", "r0/cpu:3 peak"}) CHECK(text.out().find(device) != std::string::npos);
+  Proc json(with({"--json"}), {});
+  REQUIRE(json.wait(60s) == 0);
+  const std::string out = json.out();
+  CAPTURE(out);
+  const std::size_t at = out.find("\"peak_bytes\": ");
+  REQUIRE(at != std::string::npos);
+  const long long peak = std::stoll(out.substr(at + 14));
+  CHECK(peak > 0);
+  // The largest device's peak is at least this one's; a budget one byte below it is refused.
+  long long largest = 0;
+  for (std::size_t p = out.find("\"peak_bytes\": "); p != std::string::npos; p = out.find("\"peak_bytes\": ", p + 1))
+    largest = std::max(largest, std::stoll(out.substr(p + 14)));
+  expect_refused("baton-train", {{"--model", "mlp", "--data", "digits", "--dp", "2", "--pp", "2", "--microbatches", "2",
+                                  "--memory-budget", std::to_string(largest - 1)},
+                                 "but the memory budget is"});
+  Proc fits(with({"--memory-budget", std::to_string(largest)}), {});
+  CHECK(fits.wait(60s) == 0);
+}

@@ -163,6 +163,85 @@ TEST_CASE("MemoryPlan.ValidateRefusesSharedBytesThatMayBeLiveAtOnce" * doctest::
   }
 }
 
+// A view (plan.h: a repeat of group 1, what a reshape lowers to) copies nothing: its readers read
+// the input's slot, so the input lives until they are done, and the view has no bytes to place.
+TEST_CASE("MemoryPlan.AViewsReadersKeepItsInputAliveAndTheViewAllocatesNothing" * doctest::timeout(30)) {
+  auto with_view = [] {
+    auto c = std::make_unique<Chain>(1, 30);
+    // d adds a view of a.out, seen as 8 x 8, to c.out: a.out is now read at position 3.
+    const RegisterIndex v = c->plan.add_register({.name = "a.view", .shape = {8, 8}});
+    c->plan.add_actor({.name = "a.reshape", .kind = ActorKind::repeat, .op = "view", .inputs = {{1}},
+                       .outputs = {v}, .group = 1});
+    c->kernels.add_fn("add_flat", DeviceType::cpu, DType::f32, [](KernelContext& ctx) {
+      auto x = ctx.inputs[0]->data<float>(), y = ctx.inputs[1]->data<float>();
+      auto out = ctx.outputs[0]->data<float>();
+      REQUIRE(ctx.inputs[1]->shape() == Shape{8, 8});  // the view's own shape
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = x[i] + y[i];
+    });
+    ActorDesc& d = c->plan.actors[4];
+    REQUIRE(d.name == "d");
+    d.op = "add_flat";
+    d.inputs.push_back({v});
+    c->plan.registers[v].consumers.push_back(4);  // what add_actor would have recorded
+    return c;
+  };
+  {
+    auto c = with_view();
+    const auto lives = slot_lives(c->plan);
+    CHECK(lives[1][0].spans == std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 3}});
+    CHECK(may_overlap(lives[1][0], lives[3][0]));  // a.out now meets c.out (read together by d)
+    CHECK_FALSE(register_memory(c->plan, 5).allocated);
+    CHECK(aliased_register(c->plan, 5) == 1);
+    // So a.out and c.out may no longer share bytes.
+    c->place({{1, {0}}, {3, {0}}}, 256);
+    CHECK(test::contains(problems_of(c->plan, c->kernels),
+                         "registers 'a.out' (slot 0) and 'c.out' (slot 0) share bytes"));
+  }
+  for (auto mode : {ExecutionMode::threaded, ExecutionMode::deterministic}) {
+    CAPTURE(static_cast<int>(mode));
+    auto c = with_view();
+    c->place({{1, {0}}, {2, {256}}, {3, {512}}}, 768);  // b.out between them, as apart as they must be
+    REQUIRE(problems_of(c->plan, c->kernels).empty());
+    RuntimeSettings s;
+    s.mode = mode;
+    s.stall_timeout = std::chrono::milliseconds(20'000);
+    Runtime(c->plan, c->kernels, s).run();
+    REQUIRE(c->seen->size() == 30 * 64);
+    for (std::size_t i = 0; i < c->seen->size(); ++i) CHECK((*c->seen)[i] == 2.0f * static_cast<float>(i / 64));
+  }
+}
+
+// The compiler lowers a reshape whose input is on its own device to a view, and a reshape
+// across devices (a pipeline cut) to a copy that the transfer passes then move.
+TEST_CASE("MemoryPlan.AReshapeOnItsInputsDeviceLowersToAView") {
+  for (int pp : {1, 2}) {
+    CAPTURE(pp);
+    Graph g(3);
+    auto corpus = std::make_shared<data::TextCorpus>();
+    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+    for (int i = 0; i < 300; ++i) corpus->ids.push_back((i * 5 + i / 7) % 16);
+    Value loss = models::gpt_with_loss(g, 4, {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2}).loss;
+    TrainConfig cfg;
+    cfg.pp = pp;
+    cfg.microbatches = 2;
+    cfg.data = {{"text", data::text_source(corpus, 8, 2, 8, 5), {"tokens", "targets"}}};
+    const TrainingJob job = compile_training(g, loss, cfg);
+    std::size_t views = 0, reshape_copies = 0;
+    for (const ActorDesc& a : job.plan.actors) {
+      if (a.op == "reshape") ++reshape_copies;
+      if (a.op != "view") continue;
+      ++views;
+      CHECK(is_view(a));
+      const ActorDesc& writer = job.plan.actors[job.plan.registers[a.inputs[0].reg].producer];
+      CHECK(writer.where == a.where);
+      CHECK_FALSE(register_memory(job.plan, a.outputs[0]).allocated);
+    }
+    CHECK(views > 0);
+    if (pp == 1) CHECK(reshape_copies == 0);
+    CHECK_NOTHROW(validate(job.plan, job.kernels));
+  }
+}
+
 namespace {
 
 /// Fills a float tensor with NaN and any other with 0xA5 bytes.

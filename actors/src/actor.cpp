@@ -35,7 +35,7 @@ void Actor::wire_outputs() {
     out->pending.assign(static_cast<std::size_t>(reg.slots), 0);
     out->buffers.resize(static_cast<std::size_t>(reg.slots));
     if (!core_.dry_run && desc_.kind != ActorKind::repeat) {
-      for (std::size_t s = 0; s < out->buffers.size(); ++s) out->buffers[s] = core_.register_slot(desc_, reg, s);
+      for (std::size_t s = 0; s < out->buffers.size(); ++s) out->buffers[s] = core_.register_slot(desc_, r, s);
     }
     for (ActorIndex c : reg.consumers) {
       Actor* consumer = core_.actors[c].get();
@@ -290,7 +290,9 @@ void Actor::act() {
       KernelContext ctx{in_view_, out_view_, desc_.first_piece + k, cuda_stream_, stream_};
       switch (desc_.kind) {
         case ActorKind::repeat: {
-          *out_view_[0] = *in_view_[0];  // alias: the consumers read the input slot itself
+          // An alias: the consumers read the input slot itself (a view sees it in its own shape).
+          const Shape& shape = core_.plan.registers[outputs_[0]->reg].shape;
+          *out_view_[0] = in_view_[0]->shape() == shape ? *in_view_[0] : in_view_[0]->view(shape);
           // ... and wait for what the input's writer's stream waits for (EdgeSync::alias).
           const Input& in = inputs_[0];
           Output& out = *outputs_[0];

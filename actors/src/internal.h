@@ -358,7 +358,7 @@ struct Core : transport::LinkHandler {
   std::map<Device, std::unique_ptr<Allocator>> device_allocators;
   std::unique_ptr<Allocator> pinned;
   /// Where the slots of `reg`, written by `producer`, live.
-  Allocator& allocator_for(const ActorDesc& producer, const RegisterDesc& reg);
+  Allocator& allocator_for(const ActorDesc& producer, RegisterIndex reg);
   /// The plan's arenas on this rank (Plan::arenas; allocated on first use, null elsewhere) and
   /// a handle per slot placed in one. After the allocators (freed before them), before the
   /// actors (whose slots point into them).
@@ -366,7 +366,7 @@ struct Core : transport::LinkHandler {
   std::vector<std::unique_ptr<Arena>> arenas;
   std::vector<std::unique_ptr<Allocator>> arena_slots;
   /// Slot `slot` of `reg` (written by `producer`): its place in its arena, or memory of its own.
-  Tensor register_slot(const ActorDesc& producer, const RegisterDesc& reg, std::size_t slot);
+  Tensor register_slot(const ActorDesc& producer, RegisterIndex r, std::size_t slot);
   /// The stream of a (device, stream) placement on a CUDA or sim device, made on first use.
   AsyncStream& stream_for(const Placement& where);
   /// Waits until every stream has run what was enqueued (or `limit` passed, if > 0); returns

@@ -92,6 +92,39 @@ bool on_stream(const ActorDesc& a) {
   return is_async(a.where.device.type) && a.kind != ActorKind::repeat && a.kind != ActorKind::transfer;
 }
 
+bool is_view(const ActorDesc& a) {
+  return a.kind == ActorKind::repeat && a.group == 1 && a.inputs.size() == 1 && a.inputs[0].delay == 0;
+}
+
+RegisterIndex aliased_register(const Plan& plan, RegisterIndex reg) {
+  // Bounded, as data_writer.
+  for (std::size_t hops = 0; hops <= plan.actors.size() && reg < plan.registers.size(); ++hops) {
+    const ActorIndex p = plan.registers[reg].producer;
+    if (p >= plan.actors.size()) return reg;
+    const ActorDesc& a = plan.actors[p];
+    if (a.kind != ActorKind::repeat || a.inputs.empty()) return reg;
+    reg = a.inputs[0].reg;
+  }
+  return reg;
+}
+
+namespace {
+
+bool copied_to_cuda(const Plan& plan, RegisterIndex reg, std::size_t depth) {
+  if (depth > plan.actors.size() || reg >= plan.registers.size()) return false;
+  for (ActorIndex c : plan.registers[reg].consumers) {
+    if (c >= plan.actors.size()) continue;
+    const ActorDesc& a = plan.actors[c];
+    if (a.op == "to_device" && a.where.device.type == DeviceType::cuda) return true;
+    if (is_view(a) && a.outputs.size() == 1 && copied_to_cuda(plan, a.outputs[0], depth + 1)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool copied_to_cuda(const Plan& plan, RegisterIndex reg) { return copied_to_cuda(plan, reg, 0); }
+
 ActorIndex data_writer(const Plan& plan, RegisterIndex reg) {
   // Bounded: a cycle of repeats (which validate() would refuse anyway) cannot loop forever.
   for (std::size_t hops = 0; hops <= plan.actors.size() && reg < plan.registers.size(); ++hops) {

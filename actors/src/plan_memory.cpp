@@ -48,26 +48,28 @@ LanePositions lane_positions(const Plan& plan) {
   return out;
 }
 
-/// The write and last-read positions of each micro-batch m of register r within its lane's
-/// period, if its life is known (plan_memory.h), else nothing.
-bool piece_spans(const Plan& plan, RegisterIndex r, const LanePositions& lanes,
-                 std::vector<std::int64_t>& write, std::vector<std::int64_t>& last_read) {
-  const RegisterDesc& reg = plan.registers[r];
-  if (reg.producer >= plan.actors.size()) return false;
-  const ActorDesc& p = plan.actors[reg.producer];
-  if (p.kind != ActorKind::compute || p.order.lane < 0 || p.order.units.empty()) return false;
-  const std::size_t units = p.order.units.size();
-  const auto& wpos = lanes.position[reg.producer];
-  write.assign(wpos.begin(), wpos.end());
-  last_read = write;
-  for (ActorIndex c : reg.consumers) {
+/// Folds into `last_read` the positions at which the readers of `reg` (a register whose bytes
+/// are those of the register written at `write`, itself or a view of it) read each micro-batch
+/// m; false if some reader's position is not known (plan_memory.h).
+bool reader_positions(const Plan& plan, RegisterIndex reg, const ActOrder& writer,
+                      const LanePositions& lanes, const std::vector<std::int64_t>& write,
+                      std::vector<std::int64_t>& last_read, std::size_t depth) {
+  if (depth > plan.actors.size()) return false;
+  const std::size_t units = writer.units.size();
+  for (ActorIndex c : plan.registers[reg].consumers) {
     if (c >= plan.actors.size()) return false;
     const ActorDesc& a = plan.actors[c];
-    if (a.kind != ActorKind::compute || a.order.lane != p.order.lane ||
-        a.order.units.size() != units)
+    if (is_view(a)) {
+      // A view's readers read these bytes (ActorKind::repeat); the view itself reads nothing.
+      if (a.outputs.size() != 1 ||
+          !reader_positions(plan, a.outputs[0], writer, lanes, write, last_read, depth + 1))
+        return false;
+      continue;
+    }
+    if (a.kind != ActorKind::compute || a.order.lane != writer.lane || a.order.units.size() != units)
       return false;
     for (const InputPort& in : a.inputs) {
-      if (in.reg == r && in.delay != 0) return false;
+      if (in.reg == reg && in.delay != 0) return false;
     }
     for (std::size_t m = 0; m < units; ++m) {
       const std::int64_t at = lanes.position[c][m];
@@ -77,6 +79,20 @@ bool piece_spans(const Plan& plan, RegisterIndex r, const LanePositions& lanes,
     }
   }
   return true;
+}
+
+/// The write and last-read positions of each micro-batch m of register r within its lane's
+/// period, if its life is known (plan_memory.h), else nothing.
+bool piece_spans(const Plan& plan, RegisterIndex r, const LanePositions& lanes,
+                 std::vector<std::int64_t>& write, std::vector<std::int64_t>& last_read) {
+  const RegisterDesc& reg = plan.registers[r];
+  if (reg.producer >= plan.actors.size()) return false;
+  const ActorDesc& p = plan.actors[reg.producer];
+  if (p.kind != ActorKind::compute || p.order.lane < 0 || p.order.units.empty()) return false;
+  const auto& wpos = lanes.position[reg.producer];
+  write.assign(wpos.begin(), wpos.end());
+  last_read = write;
+  return reader_positions(plan, r, p.order, lanes, write, last_read, 0);
 }
 
 void sort_spans(std::vector<std::pair<std::int64_t, std::int64_t>>& spans) {
@@ -237,12 +253,7 @@ RegisterMemory register_memory(const Plan& plan, RegisterIndex r) {
   // it copies to the host; what crosses between host and device is page-locked host memory.
   // (A sim device's memory is host memory: nothing of it is page-locked.)
   if (p.where.device.type == DeviceType::cuda && p.op != "to_host") return out;
-  bool crosses = p.op == "to_host" && p.where.device.type == DeviceType::cuda;
-  for (ActorIndex c : reg.consumers) {
-    crosses = crosses || (c < plan.actors.size() && plan.actors[c].op == "to_device" &&
-                          plan.actors[c].where.device.type == DeviceType::cuda);
-  }
-  if (crosses) {
+  if ((p.op == "to_host" && p.where.device.type == DeviceType::cuda) || copied_to_cuda(plan, r)) {
     out.pinned = true;
     out.device = Device{DeviceType::cpu, p.where.device.index};
   }

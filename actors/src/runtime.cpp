@@ -249,7 +249,7 @@ void Core::instantiate() {
   }
 }
 
-Allocator& Core::allocator_for(const ActorDesc& producer, const RegisterDesc& reg) {
+Allocator& Core::allocator_for(const ActorDesc& producer, RegisterIndex reg) {
   const Device d = producer.where.device;
   if (d.type == DeviceType::cuda && producer.op != "to_host") {
     auto& alloc = device_allocators[d];
@@ -258,10 +258,8 @@ Allocator& Core::allocator_for(const ActorDesc& producer, const RegisterDesc& re
   }
   // Registers that cross between host and a CUDA device are page-locked, so that their copies
   // run on the copy engines, asynchronously. (A sim device's memory is host memory.)
-  bool crosses = producer.op == "to_host" && d.type == DeviceType::cuda;
-  for (ActorIndex c : reg.consumers) {
-    crosses = crosses || (plan.actors[c].op == "to_device" && plan.actors[c].where.device.type == DeviceType::cuda);
-  }
+  const bool crosses = (producer.op == "to_host" && d.type == DeviceType::cuda) ||
+                       copied_to_cuda(plan, reg);
   if (crosses) {
     if (!pinned) pinned = cuda::make_pinned_allocator(Device{});
     return *pinned;
@@ -303,14 +301,15 @@ struct Core::Arena {
   Arena& operator=(const Arena&) = delete;
 };
 
-Tensor Core::register_slot(const ActorDesc& producer, const RegisterDesc& reg, std::size_t slot) {
-  if (reg.arena < 0) return Tensor::empty(reg.shape, reg.dtype, allocator_for(producer, reg));
+Tensor Core::register_slot(const ActorDesc& producer, RegisterIndex r, std::size_t slot) {
+  const RegisterDesc& reg = plan.registers[r];
+  if (reg.arena < 0) return Tensor::empty(reg.shape, reg.dtype, allocator_for(producer, r));
   // validate() checked the arena, its device and the offsets.
   const auto a = static_cast<std::size_t>(reg.arena);
   if (arenas.size() < plan.arenas.size()) arenas.resize(plan.arenas.size());
   if (!arenas[a]) {
     const ArenaDesc& desc = plan.arenas[a];
-    arenas[a] = std::make_unique<Arena>(allocator_for(producer, reg), static_cast<std::size_t>(std::max<std::int64_t>(desc.bytes, 1)));
+    arenas[a] = std::make_unique<Arena>(allocator_for(producer, r), static_cast<std::size_t>(std::max<std::int64_t>(desc.bytes, 1)));
   }
   auto* at = static_cast<std::byte*>(arenas[a]->data) + reg.offsets[slot];
   arena_slots.push_back(std::make_unique<ArenaBlock>(at, static_cast<std::size_t>(slot_bytes(reg)), producer.where.device));
@@ -556,7 +555,17 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
         } else if (a.inputs[0].reg < plan.registers.size() && a.outputs[0] < plan.registers.size()) {
           const auto& in = plan.registers[a.inputs[0].reg];
           const auto& out = plan.registers[a.outputs[0]];
-          if (in.shape != out.shape || in.dtype != out.dtype) {
+          // A view (a repeat of group 1) may see the input's elements as another shape.
+          const bool view = a.kind == ActorKind::repeat && a.group == 1;
+          auto elements = [](const Shape& shape) -> std::int64_t {
+            try {
+              return numel(shape);
+            } catch (const std::exception&) {
+              return -1;  // reported with the register below
+            }
+          };
+          const bool same_bytes = in.dtype == out.dtype && elements(in.shape) == elements(out.shape);
+          if (view ? !same_bytes : (in.shape != out.shape || in.dtype != out.dtype)) {
             problem("{} actor '{}' reads {}{} but writes {}{}", name(a.kind), a.name, name(in.dtype),
                     to_string(in.shape), name(out.dtype), to_string(out.shape));
           }

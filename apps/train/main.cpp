@@ -68,6 +68,7 @@ struct Options {
   std::string print_plan;
   std::vector<std::string> print_after;
   bool print_sbp = false;
+  bool print_memory = false;
   bool memory_plan = true;
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
@@ -279,6 +280,25 @@ std::vector<Placement> replica_places(const Options& o, const JobEnvironment& en
   return where;
 }
 
+/// --print-memory: what the plan needs on each device, from the plan alone (plan_memory.h).
+void print_memory(const Plan& plan, bool json) {
+  const std::vector<DeviceMemory> report = memory_report(plan);
+  if (!json) {
+    fmt::print("memory by device (peak from the plan):\n{}", to_text(report));
+    return;
+  }
+  std::vector<std::string> devices;
+  for (const DeviceMemory& m : report) {
+    std::string fields = fmt::format("\"rank\": {}, \"device\": \"{}\", \"peak_bytes\": {}", m.rank, m.device.str(), m.total());
+    for (std::size_t c = 0; c < memory_categories; ++c) {
+      fields += fmt::format(", \"{}_bytes\": {}", name(static_cast<MemoryCategory>(c)), m.bytes[c]);
+    }
+    fields += fmt::format(", \"arena_slack_bytes\": {}, \"register_bytes\": {}", m.slack, m.registers);
+    devices.push_back("{" + fields + "}");
+  }
+  fmt::print("{{\"memory\": [{}]}}\n", fmt::join(devices, ", "));
+}
+
 int run(const Options& o) {
   const JobEnvironment env = JobEnvironment::from_env();
   const Data d = load(o);
@@ -343,7 +363,7 @@ int run(const Options& o) {
       ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
     }
     for (const Placement& p : cfg.replica_places) {
-      if (p.device.type != DeviceType::cuda || p.rank != env.rank || !o.print_plan.empty()) continue;
+      if (p.device.type != DeviceType::cuda || p.rank != env.rank || !o.print_plan.empty() || o.print_memory) continue;
       // Said before anything is built, rather than by the first allocation on the device (a
       // plan can be printed anywhere).
       const cuda::Availability& a = cuda::availability();
@@ -409,6 +429,11 @@ int run(const Options& o) {
   const auto reporter = std::find_if(job.plan.actors.begin(), job.plan.actors.end(),
                                      [](const ActorDesc& a) { return a.name == "loss.report"; });
   const bool leader = env.rank == (reporter == job.plan.actors.end() ? 0u : reporter->where.rank);
+  if (o.print_memory) {
+    if (!leader) return 0;
+    print_memory(job.plan, o.json);
+    return 0;
+  }
   if (!o.print_plan.empty()) {
     if (!leader) return 0;
     if (o.print_plan == "dot") {
@@ -676,6 +701,9 @@ int main(int argc, char** argv) {
   app.add_option("--memory-budget", o.memory_budget,
                  "refuse, before running, a plan that needs more than this on some device (bytes, or 512MiB, 2GiB, "
                  "1.5GB; CPU devices too), naming the largest consumers");
+  app.add_flag("--print-memory", o.print_memory,
+               "print what the plan needs on each device (peak bytes of weights, optimizer state, activations, "
+               "gradients, arena slack, the largest consumers), from the plan alone, and exit (--json: one object)");
   app.add_flag("--print-sbp", o.print_sbp,
                "print each tensor's inferred parallel signature (S(axis), B, P) over --tp shards and the movement "
                "inserted, and exit (--model mlp)");

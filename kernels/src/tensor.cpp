@@ -87,6 +87,17 @@ Tensor Tensor::zeros(Shape shape, DType dtype) {
   return t;
 }
 
+Tensor Tensor::view(Shape shape) const {
+  const std::int64_t n = baton::numel(shape);
+  if (n != numel_) {
+    throw std::invalid_argument(fmt::format("a view of {} as {}: {} elements are not {}", describe(),
+                                            to_string(shape), numel_, n));
+  }
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
 std::string Tensor::describe() const {
   if (!defined()) return "undefined tensor";
   return fmt::format("{}{} on {}", name(dtype_), to_string(shape_), device().str());

@@ -59,6 +59,29 @@ RegisterIndex PlanBuilder::node_register(int id, std::int32_t slots) {
 
 void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
   const Node& n = g.node(id);
+  const ActorRole role = id <= loss_id ? ActorRole::forward : ActorRole::backward;
+  if (n.op == "reshape") {
+    // A reshape of a register on the same device is a view of it (plan.h): no copy, no bytes
+    // of its own. Across devices or ranks it stays a copy, which the copy and transfer passes
+    // then move.
+    const RegisterIndex in = reg_of.at(n.inputs[0]);
+    const ActorIndex producer = plan.registers[in].producer;
+    const Placement here = at(stream, place(id));
+    if (producer < plan.actors.size() && plan.actors[producer].where.rank == here.rank &&
+        plan.actors[producer].where.device == here.device) {
+      const RegisterIndex out = node_register(id, slots);
+      plan.add_actor({.name = named(n.name),
+                      .kind = ActorKind::repeat,
+                      .op = "view",
+                      .dtype = n.dtype,
+                      .where = here,
+                      .inputs = {{in}},
+                      .outputs = {out},
+                      .group = 1,
+                      .role = role});
+      return;
+    }
+  }
   std::vector<InputPort> inputs;
   for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
   RegisterIndex out = node_register(id, slots);
@@ -71,7 +94,7 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
                   .outputs = {out},
                   .first_piece = first_piece,
                   .attrs = n.attrs,
-                  .role = id <= loss_id ? ActorRole::forward : ActorRole::backward});
+                  .role = role});
 }
 
 void PlanBuilder::source_actor(const std::string& name, const std::string& op, DType dtype,

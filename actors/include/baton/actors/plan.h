@@ -32,6 +32,10 @@ enum class ActorKind : std::uint8_t {
   compute,
   /// One input, one output: each input piece is read by `group` output pieces without a copy
   /// (the output aliases the input slot). Lets the M micro-batches of a step read one weight.
+  /// With group 1 it is a *view*: output piece p is input piece p, in the input's slot, and the
+  /// output may have another shape of as many elements (a reshape without a copy; see
+  /// aliased_register()). Readers of a view read the input's bytes: the memory plan counts their
+  /// reads as reads of the input, and the stream handshakes as reads of what its writer wrote.
   repeat,
   /// One input, one output: sums each `group` consecutive input pieces into one output piece
   /// (the gradient accumulation of M micro-batches). With op "last" it keeps the group's last
@@ -232,6 +236,15 @@ std::string_view name(EdgeSync s);
 /// The actor that wrote the data in `reg`: its producer, or through repeats the producer of the
 /// repeat's input. no_actor if none.
 ActorIndex data_writer(const Plan& plan, RegisterIndex reg);
+/// Whether `a` is a view: a repeat of group 1 (ActorKind::repeat), reading its input without a delay.
+bool is_view(const ActorDesc& a);
+/// The register whose slots hold the bytes of `reg`: `reg` itself, or through repeats (views and
+/// the weights' repeats, which allocate nothing) the register they alias.
+RegisterIndex aliased_register(const Plan& plan, RegisterIndex reg);
+/// Whether the bytes of `reg` are copied to a CUDA device (a `to_device` reader of it, or of a
+/// view of it): such a register is page-locked host memory, so that the copy runs
+/// asynchronously on a copy engine (the runtime's allocator and the memory plan agree by this).
+bool copied_to_cuda(const Plan& plan, RegisterIndex reg);
 /// Whether `a` enqueues its work on a stream: a compute, source or accumulate actor on a CUDA
 /// or sim device (repeats only alias; transfers are the data plane's).
 bool on_stream(const ActorDesc& a);

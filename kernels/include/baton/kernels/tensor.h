@@ -45,6 +45,9 @@ class Tensor {
   /// Memory from `alloc` (and on its device).
   static Tensor empty(Shape shape, DType dtype, Allocator& alloc);
   static Tensor zeros(Shape shape, DType dtype);
+  /// Another handle to the same memory, seen as `shape` (as many elements; else
+  /// std::invalid_argument): a reshape without a copy (the plan's views, plan.h).
+  Tensor view(Shape shape) const;
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }
