@@ -89,6 +89,16 @@ Value input_gradient(Value y, std::size_t i, Value dy) {
     return slice(grads, -1, k * d, (k + 1) * d);
   }
   if (op == "tanh" || op == "sigmoid") return add_grad_op(op == "tanh" ? "tanh_grad" : "sigmoid_grad", {y, dy}, {}, x);
+  if (op == "exp") return dy * y;
+  if (op == "log") return dy / x;  // NaN where x < 0, as the forward
+  if (op == "sqrt" || op == "rsqrt") return add_grad_op(op == "sqrt" ? "sqrt_grad" : "rsqrt_grad", {y, dy}, {}, x);
+  if (op == "silu") return add_grad_op("silu_grad", {x, dy}, {}, x);
+  if (op == "pow") return add_grad_op("pow_grad", {x, dy}, n.attrs, x);
+  if (op == "rms_norm") {
+    if (i == 0) return add_grad_op("rms_norm_grad", {in(0), in(1), dy}, n.attrs, x);
+    return add_grad_op("rms_norm_grad_weight", {in(0), dy}, n.attrs, x);
+  }
+  if (op == "rope") return add_grad_op("rope_grad", {dy}, n.attrs, x);
   if (op == "softmax" || op == "log_softmax") {
     return add_grad_op(op == "softmax" ? "softmax_grad" : "log_softmax_grad", {y, dy}, {}, x);
   }

@@ -140,6 +140,15 @@ Value relu(Value x) { return unary("relu", x); }
 Value gelu(Value x) { return unary("gelu", x); }
 Value tanh(Value x) { return unary("tanh", x); }
 Value sigmoid(Value x) { return unary("sigmoid", x); }
+Value exp(Value x) { return unary("exp", autocast(Precision::f32, {x})[0]); }
+Value log(Value x) { return unary("log", autocast(Precision::f32, {x})[0]); }
+Value sqrt(Value x) { return unary("sqrt", x); }
+Value rsqrt(Value x) { return unary("rsqrt", autocast(Precision::f32, {x})[0]); }
+Value pow(Value x, double exponent) {
+  if (!std::isfinite(exponent)) fail("pow", {x}, fmt::format("exponent {} is not finite", exponent));
+  return unary("pow", autocast(Precision::f32, {x})[0], Attrs{{"exponent", exponent}});
+}
+Value silu(Value x) { return unary("silu", x); }
 Value bias_gelu(Value x, Value b) {
   const char* op = "bias_gelu";
   const std::vector<Value> in = autocast(Precision::low, {x, b});
@@ -274,6 +283,38 @@ Value layer_norm(Value x, Value gamma, Value beta, double eps) {
     fail("layer_norm", {x, gamma, beta}, fmt::format("gamma and beta must be {}", to_string(last)));
   }
   return layer_norm(x, eps) * gamma + beta;
+}
+
+Value rms_norm(Value x, Value w, double eps) {
+  const char* op = "rms_norm";
+  const std::vector<Value> in = autocast(Precision::f32, {x, w});
+  x = in[0];
+  w = in[1];
+  need_float(op, {x, w});
+  same_dtype(op, {x, w});
+  if (x.rank() < 1 || x.dim(-1) == 0) fail(op, {x, w}, "x must be [..., D] with D > 0");
+  if (w.shape() != Shape{x.dim(-1)}) fail(op, {x, w}, fmt::format("w must be one scale per feature: [{}]", x.dim(-1)));
+  // eps = 0 divides by zero on an all-zero row (padding); a NaN would slip through a > test.
+  if (!(eps > 0.0 && std::isfinite(eps))) fail(op, {x, w}, fmt::format("eps = {} must be finite and > 0", eps));
+  return x.graph().add(op, {x, w}, Attrs{{"eps", eps}}, x.shape(), x.dtype());
+}
+
+Value rope(Value x, double base) {
+  const char* op = "rope";
+  need_float(op, {x});
+  if (x.rank() < 2) fail(op, {x}, "x must be [..., T, D] (at least 2 axes: positions, features)");
+  if (x.dim(-1) == 0 || x.dim(-1) % 2 != 0) {
+    fail(op, {x}, fmt::format("the head size D = {} must be even and > 0 (features rotate in pairs)", x.dim(-1)));
+  }
+  if (!(base > 0.0 && std::isfinite(base))) fail(op, {x}, fmt::format("base = {} must be finite and > 0", base));
+  return unary(op, x, Attrs{{"base", base}});
+}
+
+Value swiglu(Value x, Value w1, Value w3, Value w2) {
+  if (w1.rank() != 2 || w3.shape() != w1.shape() || w2.rank() != 2 || w2.dim(0) != w1.dim(1)) {
+    fail("swiglu", {x, w1, w3, w2}, "w1 and w3 must be [D, F] and w2 [F, D]");
+  }
+  return matmul(silu(matmul(x, w1)) * matmul(x, w3), w2);
 }
 
 Value embedding(Value table, Value ids) {

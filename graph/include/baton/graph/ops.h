@@ -38,6 +38,18 @@ Value sigmoid(Value x);
 /// product gives a bf16 activation). Its gradient: bias_gelu_grad for x, summed over the rows
 /// for b.
 Value bias_gelu(Value x, Value b);
+/// The math of current LLMs, elementwise. log, sqrt and rsqrt of a negative number give NaN (of
+/// 0: -inf, 0, +inf), as in torch; nothing checks the domain. Under autocast exp, log, rsqrt
+/// and pow compute in f32 (torch's autocast lists them so); sqrt and silu keep x's dtype.
+Value exp(Value x);
+Value log(Value x);
+Value sqrt(Value x);
+/// 1 / sqrt(x).
+Value rsqrt(Value x);
+/// x^exponent for a finite exponent; pow(x, 2.0) is x squared.
+Value pow(Value x, double exponent);
+/// x sigmoid(x) (SiLU, or Swish with beta 1: Llama's activation).
+Value silu(Value x);
 /// Over the last axis.
 Value softmax(Value x);
 Value log_softmax(Value x);
@@ -66,6 +78,22 @@ Value stop_gradient(Value x);
 Value layer_norm(Value x, Value gamma, Value beta, double eps = 1e-5);
 /// Without the affine part.
 Value layer_norm(Value x, double eps = 1e-5);
+/// Llama's RMSNorm over the last axis: x w / sqrt(mean(x^2) + eps), w [D] the learnt scale
+/// (initialise it to ones), eps > 0. Under autocast it computes in f32 (as transformers'
+/// LlamaRMSNorm does). One op, whose gradient is rms_norm_grad (dx) and rms_norm_grad_weight (dw).
+Value rms_norm(Value x, Value w, double eps = 1e-6);
+/// Rotary position embedding (RoFormer) of x [..., T, D], D even: position t is the index on
+/// axis -2, so x is laid out as attention() takes it, [batch, heads, T, D]. The layout is Hugging
+/// Face Llama's "rotate_half" (not the interleaved one of the original paper and Meta's code):
+/// for i < D/2 the pair (x_i, x_{i+D/2}) is rotated by the angle t base^(-2i/D),
+///   y_i = x_i cos - x_{i+D/2} sin,   y_{i+D/2} = x_{i+D/2} cos + x_i sin,
+/// so weights from transformers' Llama checkpoints load unpermuted. Its gradient is the
+/// rotation by the negated angles (op rope_grad).
+///   auto q = rope(split_heads(matmul(x, wq)), 10000.0);   // [b, heads, t, head_dim]
+Value rope(Value x, double base = 10000.0);
+/// Llama's feed-forward block: matmul(silu(matmul(x, w1)) * matmul(x, w3), w2), x [..., D],
+/// w1 and w3 [D, F] (gate and up projections), w2 [F, D] (down). Built from the ops above.
+Value swiglu(Value x, Value w1, Value w3, Value w2);
 /// Rows of table [V, D] picked by integer ids [...] -> [..., D]. (Split by vocabulary over
 /// tensor-parallel shards: vocab_parallel.h.)
 Value embedding(Value table, Value ids);

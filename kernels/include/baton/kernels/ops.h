@@ -76,6 +76,21 @@
 ///                                      1/sqrt(D)).
 ///   attention_grad(q, k, v, o, do) -> dqkv [..., T, 3 D]     dq, dk, dv side by side along the
 ///                                      last axis (one output per op); the same attrs.
+///
+/// The math of current LLMs (ops_llm.cpp; no CUDA kernels yet)
+///   exp | log | sqrt | rsqrt | silu(x) -> y     silu(x) = x sigmoid(x); log, sqrt, rsqrt of a
+///                                      negative are NaN (as torch), not an error
+///   pow(x) -> y                        attr exponent (double, finite): x^exponent
+///   sqrt_grad(y, dy) -> dx | rsqrt_grad(y, dy) -> dx          (from the forward output y)
+///   silu_grad(x, dy) -> dx | pow_grad(x, dy) -> dx            (pow_grad: attr exponent)
+///   rms_norm(x [..., D], w [D]) -> y   attr eps (double > 0, default 1e-6): y = x w / sqrt(mean(x^2)
+///                                      + eps) over the last axis (Llama's RMSNorm)
+///   rms_norm_grad(x, w, dy) -> dx | rms_norm_grad_weight(x, dy) -> dw [D]      attr eps
+///   rope(x [..., T, D]) -> y           attr base (double > 0, default 10000): rotary position
+///                                      embedding, position t = index on axis -2, D even, pairs
+///                                      (i, i + D/2) rotated by t base^(-2i/D) (Hugging Face's
+///                                      rotate_half layout)
+///   rope_grad(dy) -> dx                attr base: the rotation by the negated angles
 #include "baton/kernels/kernel.h"
 
 namespace baton {
@@ -86,5 +101,8 @@ void add_cpu_tensor_ops(KernelRegistry& reg);
 void add_cpu_nn_ops(KernelRegistry& reg);
 /// Registers attention and attention_grad for cpu/f32 and cpu/f64 (add_cpu_nn_ops calls it).
 void add_cpu_attention_ops(KernelRegistry& reg);
+/// Registers the LLM ops above (exp ... rope_grad) for cpu/f32 and cpu/f64 (add_cpu_nn_ops
+/// calls it).
+void add_cpu_llm_ops(KernelRegistry& reg);
 
 }  // namespace baton
