@@ -493,8 +493,8 @@ struct Compiled {
   TrainingJob job;
   std::int64_t params = 0;            // every trained parameter
   std::int64_t params_multiply = 0;   // without the token and position tables
-  std::uint64_t register_bytes = 0;   // every register slot on the benchmark's device
-  std::uint64_t estimated_bytes = 0;  // registers + weight and Adam's two moments
+  std::uint64_t register_bytes = 0;   // what the runtime allocates for registers on the device (its arenas)
+  std::uint64_t estimated_bytes = 0;  // the plan's peak there: registers + what kernels keep
 };
 
 Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device device,
@@ -524,13 +524,14 @@ Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device d
     c.params += t.numel();
     if (name != "wte" && name != "wpe") c.params_multiply += t.numel();
   }
-  for (const auto& r : c.job.plan.registers) {
-    const auto& producer = c.job.plan.actors.at(r.producer);
-    if (producer.where.device != device) continue;
-    c.register_bytes += static_cast<std::uint64_t>(r.slots) *
-                        static_cast<std::uint64_t>(numel(r.shape)) * size_of(r.dtype);
+  // The plan's own account (plan_memory.h): its arenas (slots whose lives never meet share
+  // bytes; views and repeats have none) and what the kernels keep (master weights, Adam's
+  // moments), on the benchmark's device.
+  for (const DeviceMemory& m : memory_report(c.job.plan)) {
+    if (m.device != device) continue;
+    c.register_bytes += static_cast<std::uint64_t>(m.registers);
+    c.estimated_bytes += static_cast<std::uint64_t>(m.total());
   }
-  c.estimated_bytes = c.register_bytes + 3 * static_cast<std::uint64_t>(c.params) * sizeof(float);
   return c;
 }
 
