@@ -3,9 +3,12 @@
 // with one or many segments per chunk, and with fewer slots than segments in flight.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -181,4 +184,146 @@ TEST_CASE("Collectives.ChunksCoverTheTensor") {
   CHECK(chunk_offsets(10, 3) == std::vector<std::int64_t>{0, 4, 7, 10});
   CHECK(chunk_offsets(1, 4) == std::vector<std::int64_t>{0, 1, 1, 1, 1});
   CHECK(chunk_offsets(0, 2) == std::vector<std::int64_t>{0, 0, 0});
+}
+
+namespace {
+
+// Compressed all-reduce (AllReduceSettings::wire = bf16): member j's element i of piece p.
+// `exact`: small integers (each below 16, so sums of 4 stay below 256: exact in bf16's 8 bits);
+// else fractions with 24 significant bits, which bf16 must round.
+float wire_value(bool exact, std::int64_t member, std::int64_t piece, std::int64_t i) {
+  if (exact) return static_cast<float>((i * 7 + member * 3 + piece) % 16);
+  return static_cast<float>(1.0 + 0.37 * static_cast<double>(member) + 1e-3 * static_cast<double>(i % 1013) +
+                            1e-5 * static_cast<double>(piece));
+}
+
+/// Members' sources and checks for a compressed all-reduce: the check of member j keeps what it
+/// got (`seen[j]`), and fails the job where a sum is off by more than bf16 allows.
+struct WirePlan {
+  Plan plan;
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  std::shared_ptr<std::vector<std::vector<float>>> seen;
+  WirePlan(const std::vector<Placement>& places, std::int64_t elements, std::int64_t pieces, bool exact) {
+    const auto n = static_cast<std::int64_t>(places.size());
+    seen = std::make_shared<std::vector<std::vector<float>>>(places.size());
+    add_collective_kernels(kernels);
+    kernels.add("test.wire_fill", DeviceType::cpu, DType::f32, [exact](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+      struct Fill final : Kernel {
+        bool exact;
+        std::int64_t member;
+        Fill(bool e, std::int64_t m) : exact(e), member(m) {}
+        void compute(KernelContext& ctx) override {
+          auto out = ctx.outputs[0]->data<float>();
+          for (std::size_t i = 0; i < out.size(); ++i)
+            out[i] = wire_value(exact, member, ctx.piece, static_cast<std::int64_t>(i));
+        }
+      };
+      return std::make_unique<Fill>(exact, cfg.attrs.get_int("member", -1));
+    });
+    kernels.add("test.wire_check", DeviceType::cpu, DType::f32,
+                [exact, n, seen = seen](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+                  struct Check final : Kernel {
+                    bool exact;
+                    std::int64_t n, member;
+                    std::shared_ptr<std::vector<std::vector<float>>> seen;
+                    void compute(KernelContext& ctx) override {
+                      auto in = ctx.inputs[0]->data<float>();
+                      for (std::size_t i = 0; i < in.size(); ++i) {
+                        double want = 0, magnitude = 0;
+                        for (std::int64_t j = 0; j < n; ++j) {
+                          const double v = wire_value(exact, j, ctx.piece, static_cast<std::int64_t>(i));
+                          want += v;
+                          magnitude += std::abs(v);
+                        }
+                        // Exact sums must come back exactly. Else each of the chain's n roundings
+                        // to bf16 (to nearest: relative error <= 2^-9) errs by at most 2^-9 of a
+                        // partial, and no partial exceeds the sum of magnitudes: n x 2^-9 x that,
+                        // doubled for margin.
+                        const double bound = exact ? 0.0 : static_cast<double>(n) * std::ldexp(magnitude, -8);
+                        if (std::abs(static_cast<double>(in[i]) - want) > bound) {
+                          throw std::runtime_error(fmt::format("member {}: piece {} element {} is {}, the sum is {}",
+                                                               member, ctx.piece, i, in[i], want));
+                        }
+                      }
+                      auto& keep = (*seen)[static_cast<std::size_t>(member)];
+                      keep.insert(keep.end(), in.begin(), in.end());
+                    }
+                  };
+                  auto k = std::make_unique<Check>();
+                  k->exact = exact;
+                  k->n = n;
+                  k->member = cfg.attrs.get_int("member", -1);
+                  k->seen = seen;
+                  return k;
+                });
+    std::vector<AllReduceMember> members;
+    for (std::size_t j = 0; j < places.size(); ++j) {
+      const std::string suffix = fmt::format("@m{}", j);
+      auto r = plan.add_register({.name = "grad" + suffix, .shape = {elements}, .dtype = DType::f32});
+      plan.add_actor({.name = "fill" + suffix, .kind = ActorKind::source, .op = "test.wire_fill", .where = places[j],
+                      .outputs = {r}, .pieces = pieces, .attrs = {{"member", static_cast<std::int64_t>(j)}}});
+      members.push_back({places[j], r, suffix});
+    }
+    AllReduceSettings settings{.segment_bytes = 4096};
+    settings.wire = DType::bf16;
+    auto results = add_allreduce(plan, "ar", members, {elements}, DType::f32, 2, settings);
+    for (std::size_t j = 0; j < places.size(); ++j) {
+      plan.add_actor({.name = fmt::format("check@m{}", j), .op = "test.wire_check", .where = places[j],
+                      .inputs = {{results[j]}}, .attrs = {{"member", static_cast<std::int64_t>(j)}}});
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("Collectives.CompressedAllReduceSendsBf16AndEveryMemberGetsTheSameBits" * doctest::timeout(120)) {
+  const std::int64_t elements = 10'007, pieces = 3;
+  for (bool exact : {true, false}) {
+    CAPTURE(exact);
+    SUBCASE("ranks") {
+      for (std::int64_t n : {2, 3}) {
+        CAPTURE(n);
+        std::vector<Placement> places;
+        for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
+        WirePlan w(places, elements, pieces, exact);
+        const Plan plan = insert_transfers(w.plan);
+        // What crosses ranks is the bf16 partials and sums: half the bytes of the f32 gradient.
+        std::size_t transfers = 0;
+        for (const ActorDesc& a : plan.actors) {
+          if (a.kind != ActorKind::transfer) continue;
+          ++transfers;
+          CHECK(plan.registers[a.outputs[0]].dtype == DType::bf16);
+        }
+        CHECK(transfers > 0);
+        for (const auto& r : test::run_on_loopback(plan, w.kernels)) REQUIRE_MESSAGE(r.error.empty(), r.error);
+        for (std::int64_t j = 0; j < n; ++j) {
+          REQUIRE((*w.seen)[static_cast<std::size_t>(j)].size() == static_cast<std::size_t>(elements * pieces));
+          CHECK((*w.seen)[static_cast<std::size_t>(j)] == (*w.seen)[0]);  // the same bits everywhere
+        }
+      }
+    }
+    SUBCASE("devices") {
+      std::vector<Placement> places;
+      for (std::uint8_t j = 0; j < 4; ++j) places.push_back({.device = Device{DeviceType::cpu, j}});
+      WirePlan w(places, elements, pieces, exact);
+      Runtime(w.plan, w.kernels).run();
+      for (std::size_t j = 0; j < 4; ++j) CHECK((*w.seen)[j] == (*w.seen)[0]);
+    }
+  }
+}
+
+TEST_CASE("Collectives.CompressionIsRefusedWhereItHasNoKernels") {
+  Plan p;
+  std::vector<AllReduceMember> members;
+  for (std::uint8_t j = 0; j < 2; ++j) {
+    auto r = p.add_register({.name = fmt::format("g{}", j), .shape = {8}, .dtype = DType::f64});
+    members.push_back({Placement{.device = Device{DeviceType::cpu, j}}, r, fmt::format("@m{}", j)});
+  }
+  AllReduceSettings s;
+  s.wire = DType::bf16;
+  CHECK_THROWS_WITH_AS(add_allreduce(p, "ar", members, {8}, DType::f64, 2, s),
+                       doctest::Contains("only bf16 for f32, by the ring"), std::invalid_argument);
+  s.algorithm = AllReduceAlgorithm::two_hop;
+  CHECK_THROWS_WITH_AS(add_allreduce(p, "ar", members, {8}, DType::f32, 2, s), doctest::Contains("by two_hop"),
+                       std::invalid_argument);
 }

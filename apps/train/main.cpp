@@ -64,6 +64,7 @@ struct Options {
   std::string devices;  // "cpu:K", "cuda:K" or RANK:TYPE:INDEX per place
   std::string precision = "f32";
   std::string collectives = "auto";
+  std::string grad_compression = "none";
   bool json = false;
   std::string print_plan;
   std::vector<std::string> print_after;
@@ -335,6 +336,7 @@ int run(const Options& o) {
   cfg.dp = o.dp;
   cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
   cfg.collectives = o.collectives;
+  cfg.grad_compression = o.grad_compression;
   // A stage is at least one layer: a finer cut would split a layer's ops over devices, which
   // only adds transfers. Refused here, where the model's layers are known.
   const std::int64_t model_layers = o.model == "mlp" ? o.layers + 1 : o.layers + 2;
@@ -668,6 +670,10 @@ int main(int argc, char** argv) {
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
   app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads, MLP and vocabulary)")
       ->check(CLI::Range(1, 64));
+  app.add_option("--grad-compression", o.grad_compression,
+                 "with --dp: gradients travel between replicas in bf16 and are summed in f32 (half the bytes; CPU, "
+                 "the actors' ring), or none")
+      ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients: auto (NCCL when every replica is on a "
                  "CUDA device, else actors), nccl, or actors (a ring of add actors; any devices)")
       ->check(CLI::IsMember({"auto", "nccl", "actors"}));

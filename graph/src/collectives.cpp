@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <memory>
 #include <stdexcept>
+#include <type_traits>
 
 #include <fmt/format.h>
 
@@ -39,6 +40,27 @@ std::int64_t allreduce_segments(std::int64_t elements, DType dtype, std::int64_t
 
 namespace {
 
+/// Where a compressed all-reduce keeps its sums in bf16 (AllReduceSettings::wire), the f32
+/// kernels read and write them through these: widen on load (exact), round once on store.
+template <class T>
+bool is_wire(const Tensor& t) {
+  return std::is_same_v<T, float> && t.dtype() == DType::bf16;
+}
+
+template <class T>
+T load(const Tensor& t, std::size_t i) {
+  if (is_wire<T>(t)) return static_cast<T>(to_float(t.data<bfloat16>()[i]));
+  return t.data<T>()[i];
+}
+
+template <class T>
+void check_window(const Tensor& t, std::int64_t offset, std::size_t count, std::string_view actor) {
+  if (offset < 0 || static_cast<std::size_t>(offset) + count > static_cast<std::size_t>(t.numel())) {
+    throw std::runtime_error(fmt::format("{}: elements [{}, {}) lie outside its input of {}", actor, offset,
+                                         static_cast<std::size_t>(offset) + count, t.numel()));
+  }
+}
+
 template <class T>
 std::span<const T> window(const Tensor& t, std::int64_t offset, std::size_t count, std::string_view actor) {
   auto all = t.data<T>();
@@ -56,6 +78,12 @@ struct Slice final : Kernel {
   std::int64_t offset;
   Slice(std::string_view a, std::int64_t off) : actor(a), offset(off) {}
   void compute(KernelContext& ctx) override {
+    if (is_wire<T>(*ctx.outputs[0])) {
+      auto out = ctx.outputs[0]->data<bfloat16>();
+      auto in = window<T>(*ctx.inputs[0], offset, out.size(), actor);
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = to_bf16(in[i]);
+      return;
+    }
     auto out = ctx.outputs[0]->data<T>();
     auto in = window<T>(*ctx.inputs[0], offset, out.size(), actor);
     std::copy(in.begin(), in.end(), out.begin());
@@ -71,6 +99,7 @@ struct Add final : Kernel {
   std::int64_t offset, from;
   Add(std::string_view a, std::int64_t off, std::int64_t f) : actor(a), offset(off), from(f) {}
   void compute(KernelContext& ctx) override {
+    if (is_wire<T>(*ctx.inputs[0]) || is_wire<T>(*ctx.outputs[0])) return compute_wire(ctx);
     auto out = ctx.outputs[0]->data<T>();
     auto a = window<T>(*ctx.inputs[0], from < 0 ? 0 : from, out.size(), actor);
     auto b = window<T>(*ctx.inputs[1], offset, out.size(), actor);
@@ -78,6 +107,25 @@ struct Add final : Kernel {
     const T* __restrict x = a.data();
     const T* __restrict y = b.data();
     for (std::size_t i = 0; i < out.size(); ++i) o[i] = x[i] + y[i];
+  }
+  /// A compressed hop: the partial (bf16, or the first member's f32 input read in place) plus
+  /// this member's f32 segment, added in f32 and rounded once to bf16 (or, never in a plan
+  /// add_allreduce makes, kept in f32).
+  void compute_wire(KernelContext& ctx) {
+    const Tensor& partial = *ctx.inputs[0];
+    Tensor& out_t = *ctx.outputs[0];
+    const auto count = static_cast<std::size_t>(out_t.numel());
+    const std::int64_t at = from < 0 ? 0 : from;
+    check_window<T>(partial, at, count, actor);
+    auto own = window<T>(*ctx.inputs[1], offset, count, actor);
+    for (std::size_t i = 0; i < count; ++i) {
+      const T sum = load<T>(partial, static_cast<std::size_t>(at) + i) + own[i];
+      if (is_wire<T>(out_t)) {
+        out_t.data<bfloat16>()[i] = to_bf16(static_cast<float>(sum));
+      } else {
+        out_t.data<T>()[i] = sum;
+      }
+    }
   }
 };
 
@@ -113,6 +161,12 @@ void add_kernels(KernelRegistry& k, DType dt) {
     auto out = ctx.outputs[0]->data<T>();
     std::size_t at = 0;
     for (const Tensor* in : ctx.inputs) {
+      if (is_wire<T>(*in)) {  // a compressed sum, widened (exactly)
+        auto i = in->data<bfloat16>();
+        for (std::size_t e = 0; e < i.size(); ++e) out[at + e] = static_cast<T>(to_float(i[e]));
+        at += i.size();
+        continue;
+      }
       auto i = in->data<T>();
       std::copy(i.begin(), i.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
       at += i.size();
@@ -165,6 +219,21 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
   const auto n = static_cast<std::int64_t>(members.size());
   const auto chunks = chunk_offsets(numel(shape), n);
   const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
+  const DType wire = settings.wire.value_or(dtype);
+  if (wire != dtype) {
+    if (wire != DType::bf16 || dtype != DType::f32 || !ring) {
+      throw std::invalid_argument(fmt::format(
+          "all-reduce '{}': sums on the wire in {} for {} members{}: only bf16 for f32, by the ring", name,
+          baton::name(wire), baton::name(dtype), ring ? "" : " by two_hop"));
+    }
+    for (const AllReduceMember& m : members) {
+      if (m.where.device.type != DeviceType::cpu) {
+        throw std::invalid_argument(fmt::format(
+            "all-reduce '{}': member '{}' is on {}; compressed sums (bf16 on the wire) have CPU kernels only", name,
+            m.suffix, m.where.device.str()));
+      }
+    }
+  }
   const std::int64_t segments = ring ? allreduce_segments(numel(shape), dtype, n, settings) : 0;
   auto member = [&](std::int64_t j) -> const AllReduceMember& { return members[static_cast<std::size_t>(j % n)]; };
   // sums[c * segments + s]: the finished sum of segment s of chunk c, on member c; in tensor order.
@@ -185,7 +254,7 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
       if (n == 1 || first.where.rank != member(c + 2).where.rank) {
         // Only the segment should travel: copy it out of the input first.
         RegisterIndex r = plan.add_register({.name = fmt::format("{}.part{}{}", name, piece, first.suffix),
-                                             .shape = {count}, .dtype = dtype, .slots = settings.slots});
+                                             .shape = {count}, .dtype = wire, .slots = settings.slots});
         plan.add_actor({.name = fmt::format("{}.slice{}{}", name, piece, first.suffix), .op = "allreduce.slice",
                         .dtype = dtype, .where = first.where, .inputs = {{first.input}}, .outputs = {r},
                         .attrs = {{"offset", offset}}, .role = ActorRole::collective});
@@ -197,7 +266,7 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
         const std::string out_name = k == n ? fmt::format("{}.sum{}{}", name, piece, m.suffix)
                                             : fmt::format("{}.part{}{}", name, piece, m.suffix);
         RegisterIndex r =
-            plan.add_register({.name = out_name, .shape = {count}, .dtype = dtype, .slots = settings.slots});
+            plan.add_register({.name = out_name, .shape = {count}, .dtype = wire, .slots = settings.slots});
         plan.add_actor({.name = fmt::format("{}.add{}{}", name, piece, m.suffix), .op = "allreduce.add",
                         .dtype = dtype, .where = m.where, .inputs = {partial, {m.input}}, .outputs = {r},
                         .attrs = {{"from", from}, {"offset", offset}}, .role = ActorRole::collective});

@@ -12,12 +12,12 @@ std::vector<RegisterIndex> add_replica_allreduce(std::vector<PlanBuilder>& repli
                                                  const std::vector<RegisterIndex>& inputs,
                                                  const Shape& shape, DType dtype,
                                                  std::uint8_t stream, std::int32_t result_slots,
-                                                 int place) {
+                                                 int place, const AllReduceSettings& settings) {
   std::vector<AllReduceMember> members;
   for (std::size_t r = 0; r < replicas.size(); ++r) {
     members.push_back({replicas[r].at(stream, place), inputs[r], replicas[r].suffix});
   }
-  return add_allreduce(replicas[0].plan, name, members, shape, dtype, result_slots);
+  return add_allreduce(replicas[0].plan, name, members, shape, dtype, result_slots, settings);
 }
 
 namespace {
@@ -30,9 +30,22 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
                                             const std::vector<RegisterIndex>& inputs,
                                             const Shape& shape, DType dt, const TrainConfig& cfg) {
   const Replicas::Bucket& bucket = reps.buckets[bi];
+  const bool compress = cfg.grad_compression == "bf16";
+  if (compress && (bucket.nccl || dt != DType::f32)) {
+    throw GraphError(fmt::format(
+        "grad compression 'bf16' compresses f32 gradients summed by the ring of actors on the CPU; "
+        "'{}' is {}{} (use --collectives actors with replicas on the CPU, or no compression)",
+        name, baton::name(dt), bucket.nccl ? " and all-reduced by NCCL" : ""));
+  }
   if (!bucket.nccl) {
-    return add_replica_allreduce(replicas, name, inputs, shape, dt, backward_stream(cfg), 1,
-                                 bucket.place);
+    AllReduceSettings settings;
+    if (compress) settings.wire = DType::bf16;
+    try {
+      return add_replica_allreduce(replicas, name, inputs, shape, dt, backward_stream(cfg), 1,
+                                   bucket.place, settings);
+    } catch (const std::invalid_argument& e) {
+      throw GraphError(e.what());
+    }
   }
   Plan& plan = replicas[0].plan;
   std::vector<AllReduceMember> members;

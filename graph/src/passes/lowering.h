@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "baton/actors/plan.h"
+#include "baton/graph/collectives.h"
 #include "baton/graph/compile.h"
 #include "baton/graph/graph.h"
 #include "baton/graph/passes.h"
@@ -114,7 +115,7 @@ std::vector<RegisterIndex> add_replica_allreduce(std::vector<PlanBuilder>& repli
                                                  const std::vector<RegisterIndex>& inputs,
                                                  const Shape& shape, DType dtype,
                                                  std::uint8_t stream, std::int32_t result_slots,
-                                                 int place);
+                                                 int place, const AllReduceSettings& settings = {});
 
 /// Adds replica `r`'s variable actor for variable node `id` (lower_variables.cpp): its optimizer
 /// (reading `grad`, with `clip` if given) or, for a weight that is not trained, a constant

@@ -37,6 +37,12 @@ void check_config(const TrainConfig& cfg) {
   if (cfg.collectives != "auto" && cfg.collectives != "actors" && cfg.collectives != "nccl") {
     throw GraphError(fmt::format("collectives '{}': auto, actors or nccl", cfg.collectives));
   }
+  if (cfg.grad_compression == "fp16") {
+    throw GraphError("grad compression 'fp16': baton has no float16 dtype; use bf16 (f32's range, no loss scaling)");
+  }
+  if (cfg.grad_compression != "none" && cfg.grad_compression != "bf16") {
+    throw GraphError(fmt::format("grad compression '{}': none or bf16", cfg.grad_compression));
+  }
   if (cfg.balance != "flops" && cfg.balance != "profile") {
     throw GraphError(fmt::format("balance '{}': flops or profile", cfg.balance));
   }

@@ -24,12 +24,14 @@
 /// through transfer actors (insert_transfers: UCX tagged send / receive, shared memory or CMA
 /// between the processes of one host), members on other in-process devices read each
 /// other's registers in place. Kernels: allreduce.slice / .add / .concat (f32, f64, on the CPU
-/// and CUDA devices; add_collective_kernels).
+/// and CUDA devices; add_collective_kernels; on the CPU the f32 ones also read and write bf16
+/// sums, AllReduceSettings::wire).
 ///
 ///   auto results = baton::add_allreduce(plan, "grad", members, {1 << 20}, baton::f32);
 ///   auto fine = baton::add_allreduce(plan, "g2", members, {1 << 20}, baton::f32, 2,
 ///                                    {.segment_bytes = 64 << 10});
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +69,13 @@ struct AllReduceSettings {
   std::int64_t max_segments = 16;
   /// Slots of every partial and sum register: how many segments may be in flight on one hop.
   std::int32_t slots = 2;
+  /// Gradient compression on the wire (Horovod's fp16 compression, in bf16): the dtype the
+  /// partial and finished sums are stored in and travel in; unset, the tensor's. Only bf16 for
+  /// f32 members on the CPU, ring only: each hop adds its member's f32 segment to the received
+  /// partial in f32 and rounds once to bf16 to send it on (the chain's first partial is
+  /// rounded when it is sliced out), and each member's gather widens the bf16 sums back to f32.
+  /// Half the bytes on every hop; every member still ends with the same bits.
+  std::optional<DType> wire;
 };
 
 /// Adds the all-reduce of the members' inputs (each of `shape` and `dtype`) under `name`;

@@ -141,6 +141,12 @@ struct TrainConfig {
   /// NCCL where every member is on a CUDA device and baton has NCCL, else actors. The loss's
   /// all-reduce (a scalar per micro-batch) is always made of actors.
   std::string collectives = "auto";
+  /// dp > 1: "none", or "bf16": the gradient sums travel (and are kept between hops) in bf16 and
+  /// are added in f32 (AllReduceSettings::wire; Horovod's compression), half the bytes on the
+  /// wire. f32 gradients, the ring of actors on the CPU only (a NCCL bucket or a CUDA replica
+  /// is refused). "fp16" is refused: baton has no float16 dtype (bf16 keeps f32's range, so
+  /// it needs no loss scaling).
+  std::string grad_compression = "none";
   /// Pipeline parallelism: the forward ops cut into `pp` stages of about equal estimated cost
   /// (multiply-adds), each backward op on the stage of the forward op it differentiates (so a
   /// weight's gradient is made where the weight lives), each stage on its own device. The M
