@@ -27,6 +27,21 @@ std::pair<TrainingJob, RunReport> train(Graph& g, Value loss, TrainConfig cfg) {
   return {std::move(job), report};
 }
 
+/// The share of `heldout`'s rows the MLP of `shape` with `params` classifies right.
+double heldout_accuracy(const data::Dataset& heldout, const models::MlpShape& shape, const ParameterStore& params) {
+  Graph eval(1);
+  Value logits = models::mlp(eval, heldout.rows(), shape);
+  Tensor out = evaluate(eval, {{"x", heldout.features}, {"label", heldout.labels}}, {logits}, params)[0];
+  auto l = out.data<float>();
+  auto y = heldout.labels.data<std::int32_t>();
+  std::int64_t right = 0;
+  for (std::int64_t i = 0; i < heldout.rows(); ++i) {
+    auto row = l.subspan(static_cast<std::size_t>(i * 10), 10);
+    if (std::max_element(row.begin(), row.end()) - row.begin() == y[static_cast<std::size_t>(i)]) ++right;
+  }
+  return static_cast<double>(right) / static_cast<double>(heldout.rows());
+}
+
 }  // namespace
 
 TEST_CASE("Training.MlpOnDigitsReaches97PercentHeldOut" * doctest::timeout(120)) {
@@ -48,17 +63,7 @@ TEST_CASE("Training.MlpOnDigitsReaches97PercentHeldOut" * doctest::timeout(120))
   REQUIRE(losses.size() == 1000);
   CHECK(losses.back() < 0.1 * losses.front());
 
-  Graph eval(1);
-  Value eval_logits = models::mlp(eval, heldout.rows(), shape);
-  Tensor out = evaluate(eval, {{"x", heldout.features}, {"label", heldout.labels}}, {eval_logits}, *job.params)[0];
-  auto l = out.data<float>();
-  auto y = heldout.labels.data<std::int32_t>();
-  std::int64_t right = 0;
-  for (std::int64_t i = 0; i < heldout.rows(); ++i) {
-    auto row = l.subspan(static_cast<std::size_t>(i * 10), 10);
-    if (std::max_element(row.begin(), row.end()) - row.begin() == y[static_cast<std::size_t>(i)]) ++right;
-  }
-  double accuracy = static_cast<double>(right) / static_cast<double>(heldout.rows());
+  const double accuracy = heldout_accuracy(heldout, shape, *job.params);
   MESSAGE("held-out accuracy " << accuracy << " over " << heldout.rows() << " rows");
   // A learning claim, not a rounding bound: 98.05% is what this seed reaches, the same under
   // OPENBLAS_CORETYPE Cooperlake, Haswell and Sandybridge; 97% is 4 of the 359 held-out rows
@@ -120,17 +125,7 @@ TEST_CASE("Training.Bf16CompressedGradientsLearnAsF32Ones" * doctest::timeout(24
       cfg.optimizer = optim::adam(1e-3);
       cfg.data = {{"digits", data::batch_source(train_ptr, 64, 2, 1), {"x", "label"}}};
       auto [job, report] = train(g, loss, cfg);
-      Graph eval(1);
-      Value eval_logits = models::mlp(eval, heldout.rows(), shape);
-      Tensor out = evaluate(eval, {{"x", heldout.features}, {"label", heldout.labels}}, {eval_logits}, *job.params)[0];
-      auto l = out.data<float>();
-      auto y = heldout.labels.data<std::int32_t>();
-      std::int64_t right = 0;
-      for (std::int64_t i = 0; i < heldout.rows(); ++i) {
-        auto row = l.subspan(static_cast<std::size_t>(i * 10), 10);
-        if (std::max_element(row.begin(), row.end()) - row.begin() == y[static_cast<std::size_t>(i)]) ++right;
-      }
-      accuracy[compression] = static_cast<double>(right) / static_cast<double>(heldout.rows());
+      accuracy[compression] = heldout_accuracy(heldout, shape, *job.params);
       MESSAGE(compression << ": held-out accuracy " << accuracy[compression]);
     }
     // Both learn (97%: see Training.MlpOnDigitsReaches97PercentHeldOut), and compression costs at

@@ -33,6 +33,33 @@ inline Tensor& need_output(const KernelContext& ctx, std::size_t i, const char* 
   return *ctx.outputs[i];
 }
 
+/// Throws naming the op and the tensor's role unless `t` is of dtype `want`.
+inline void check_dtype(const Tensor& t, DType want, const char* op, const char* role) {
+  if (t.dtype() != want) {
+    throw std::invalid_argument(fmt::format("{}: {} must be {}, got {}", op, role, name(want), t.describe()));
+  }
+}
+
+/// The elements of a tensor of element type T (checked, naming op and role).
+template <class T>
+const T* in_data(const Tensor& t, const char* op, const char* role) {
+  check_dtype(t, dtype_of<T>(), op, role);
+  return static_cast<const T*>(t.raw());
+}
+
+template <class T>
+T* out_data(Tensor& t, const char* op, const char* role) {
+  check_dtype(t, dtype_of<T>(), op, role);
+  return static_cast<T*>(t.raw());
+}
+
+inline void check_same_shape(const char* op, const Tensor& a, const char* a_role, const Tensor& b, const char* b_role) {
+  if (a.shape() != b.shape()) {
+    throw std::invalid_argument(fmt::format("{}: {} {} and {} {} must have the same shape", op, a_role, a.describe(),
+                                            b_role, b.describe()));
+  }
+}
+
 /// bf16 (bf16.cpp): the float32 kernel `inner` run on float32 copies of an actor's bf16 inputs
 /// and outputs, on `device` (KernelRegistry::create's fallback where an op has no bf16 kernel).
 std::unique_ptr<Kernel> via_float32(std::unique_ptr<Kernel> inner, Device device);

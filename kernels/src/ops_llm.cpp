@@ -22,32 +22,10 @@ namespace {
 
 using detail::need_input;
 using detail::need_output;
-
-template <class T>
-const T* in_data(const Tensor& t, const char* op, const char* role) {
-  if (t.dtype() != dtype_of<T>()) {
-    throw std::invalid_argument(
-        fmt::format("{}: {} must be {}, got {}", op, role, name(dtype_of<T>()), t.describe()));
-  }
-  return static_cast<const T*>(t.raw());
-}
-
-template <class T>
-T* out_data(Tensor& t, const char* op, const char* role) {
-  if (t.dtype() != dtype_of<T>()) {
-    throw std::invalid_argument(
-        fmt::format("{}: {} must be {}, got {}", op, role, name(dtype_of<T>()), t.describe()));
-  }
-  return static_cast<T*>(t.raw());
-}
-
-void check_same_shape(const char* op, const Tensor& a, const char* a_role, const Tensor& b,
-                      const char* b_role) {
-  if (a.shape() != b.shape()) {
-    throw std::invalid_argument(fmt::format("{}: {} {} and {} {} must have the same shape", op,
-                                            a_role, a.describe(), b_role, b.describe()));
-  }
-}
+using detail::check_dtype;
+using detail::check_same_shape;
+using detail::in_data;
+using detail::out_data;
 
 std::size_t to_size(std::int64_t n) {
   return static_cast<std::size_t>(n);

@@ -24,33 +24,10 @@ namespace {
 
 using detail::need_input;
 using detail::need_output;
-
-void check_dtype(const Tensor& t, DType want, const char* op, const char* role) {
-  if (t.dtype() != want) {
-    throw std::invalid_argument(
-        fmt::format("{}: {} must be {}, got {}", op, role, name(want), t.describe()));
-  }
-}
-
-template <class T>
-const T* in_data(const Tensor& t, const char* op, const char* role) {
-  check_dtype(t, dtype_of<T>(), op, role);
-  return static_cast<const T*>(t.raw());
-}
-
-template <class T>
-T* out_data(Tensor& t, const char* op, const char* role) {
-  check_dtype(t, dtype_of<T>(), op, role);
-  return static_cast<T*>(t.raw());
-}
-
-void check_same_shape(const char* op, const Tensor& a, const char* a_role, const Tensor& b,
-                      const char* b_role) {
-  if (a.shape() != b.shape()) {
-    throw std::invalid_argument(fmt::format("{}: {} {} and {} {} must have the same shape", op,
-                                            a_role, a.describe(), b_role, b.describe()));
-  }
-}
+using detail::check_dtype;
+using detail::check_same_shape;
+using detail::in_data;
+using detail::out_data;
 
 void check_scalar(const char* op, const Tensor& t, const char* role) {
   if (!t.shape().empty()) {
