@@ -327,3 +327,31 @@ TEST_CASE("Collectives.CompressionIsRefusedWhereItHasNoKernels") {
   CHECK_THROWS_WITH_AS(add_allreduce(p, "ar", members, {8}, DType::f32, 2, s), doctest::Contains("by two_hop"),
                        std::invalid_argument);
 }
+
+// The overlap of gradient all-reduces with the backward pass (activity.h), on hand-made
+// records: spans per (all-reduce, piece), their union, and what of it backward acts cover.
+TEST_CASE("Collectives.OverlapWithTheBackwardPassIsMeasuredFromTheActivityLog") {
+  Plan p;
+  auto g = p.add_register({.name = "g", .shape = {4}});
+  auto s = p.add_register({.name = "s", .shape = {4}});
+  auto l = p.add_register({.name = "l", .shape = {}});
+  const ActorIndex bwd = p.add_actor({.name = "bwd", .kind = ActorKind::source, .op = "fill_piece", .outputs = {g},
+                                      .pieces = 2, .role = ActorRole::backward});
+  const ActorIndex add = p.add_actor({.name = "grad.add", .op = "copy", .inputs = {{g}}, .outputs = {s},
+                                      .attrs = {{"allreduce", std::string("grad")}}, .role = ActorRole::collective});
+  const ActorIndex loss = p.add_actor({.name = "loss.add", .kind = ActorKind::source, .op = "fill_piece",
+                                       .outputs = {l}, .pieces = 2, .attrs = {{"allreduce", std::string("loss")}},
+                                       .role = ActorRole::collective});
+  // Piece 0: the all-reduce runs over [100, 300) (two acts), backward over [0, 200): 100 of 200
+  // overlap. Piece 1: [400, 500), backward [450, 460): 10 of 100. The loss's all-reduce counts not.
+  const std::vector<ActRecord> acts{
+      {bwd, 0, 0, 200, 0},  {add, 0, 100, 150, 1}, {add, 0, 250, 300, 1}, {bwd, 1, 450, 460, 0},
+      {add, 1, 400, 500, 1}, {loss, 0, 0, 1000, 1},
+  };
+  const CollectiveOverlap o = collective_overlap(p, acts);
+  CHECK(o.spans == 2);
+  CHECK(o.collective_s == doctest::Approx(300e-9));
+  CHECK(o.overlapped_s == doctest::Approx(110e-9));
+  CHECK(o.fraction() == doctest::Approx(110.0 / 300.0));
+  CHECK(collective_overlap(p, {}).fraction() == 0.0);
+}

@@ -11,7 +11,9 @@
 // each stage's stream sleeps, copies move the registers between devices; what a GPU pipeline
 // does). Then training throughput: the MLP and the
 // small GPT on dp / pp / tp / hybrid against one device with the same micro-batching; the
-// efficiency divides the speed-up by min(devices, cores).
+// efficiency divides the speed-up by min(devices, cores); with dp, allreduce_overlap is the
+// share of the time the gradients' all-reduces were under way that the backward pass ran
+// beside them (from the activity log of a separate run).
 //
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
@@ -30,6 +32,7 @@
 #include <memory>
 #include <vector>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 
 #include <fmt/format.h>
@@ -178,7 +181,10 @@ std::vector<double> g_device_kernel_s;
 
 /// `one_thread`: every actor on the calling thread (ExecutionMode::deterministic), so that
 /// kernel times are free of other threads' competition for the cores.
-double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, bool one_thread = false) {
+/// `overlap`: with the activity log on, what share of the time the gradients' all-reduces were
+/// under way the backward pass ran beside them (collective_overlap, activity.h).
+double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, bool one_thread = false,
+                     CollectiveOverlap* overlap = nullptr) {
   static const auto synthetic = std::make_shared<const data::Dataset>(data::synthetic(4096, 64, 10, 1));
   static const auto text = std::filesystem::exists("/usr/share/common-licenses/GPL-3")
                                ? std::make_shared<const data::TextCorpus>(data::load_text("/usr/share/common-licenses/GPL-3"))
@@ -206,8 +212,17 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, 
   TrainingJob job = compile_training(g, loss, cfg);
   RuntimeSettings rs;
   if (one_thread) rs.mode = ExecutionMode::deterministic;
+  rs.activity_log = overlap != nullptr;
   Runtime rt(job.plan, job.kernels, rs);
   RunReport report = rt.run();
+  if (overlap != nullptr) {
+    std::vector<ActRecord> acts;
+    rt.drain_activity(acts);
+    if (rt.activity_dropped() > 0) {
+      throw std::runtime_error(fmt::format("the activity log dropped {} records: fewer steps", rt.activity_dropped()));
+    }
+    *overlap = collective_overlap(job.plan, acts);
+  }
   g_device_kernel_s.assign(static_cast<std::size_t>(t.dp * t.pp * t.tp), 0.0);
   for (const auto& a : report.metrics.actors) g_device_kernel_s.at(a.where.device.index) += a.kernel_s;
   return static_cast<double>(steps * batch) / report.wall_s;
@@ -253,8 +268,8 @@ void training_scaling(bool quick) {
       for (int i = 0; i < (quick ? 1 : 3); ++i) r = std::max(r, samples_per_s(t, steps, batch));
       return r;
     };
-    const std::vector<Training> configs = {
-        {model, 2, 1, 1, 1}, {model, 1, 2, 1, 4}, {model, 1, 1, 2, 1}, {model, 2, 2, 1, 2}, {model, 2, 1, 2, 1}};
+    const std::vector<Training> configs = {{model, 2, 1, 1, 1}, {model, 4, 1, 1, 1}, {model, 1, 2, 1, 4},
+                                           {model, 1, 1, 2, 1}, {model, 2, 2, 1, 2}, {model, 2, 1, 2, 1}};
     for (const Training& t : configs) {
       // The one-device run with the same micro-batching (the same split of the global batch).
       const double one = best({model, 1, 1, 1, t.dp * t.microbatches});
@@ -265,6 +280,13 @@ void training_scaling(bool quick) {
           .add("ratio", many / one).add("devices", devices).add("cores", static_cast<std::int64_t>(cores))
           .add("efficiency", many / one / std::min<double>(devices, cores)).add("batch", batch)
           .add("microbatches", t.microbatches);
+      if (t.dp > 1) {
+        // A run of its own with the activity log on (the log costs a little time per act).
+        CollectiveOverlap o;
+        samples_per_s(t, std::min<std::int64_t>(steps, 20), batch, false, &o);
+        line.add("allreduce_overlap", o.fraction()).add("allreduce_s", o.collective_s)
+            .add("allreduce_overlapped_s", o.overlapped_s);
+      }
       line.print();
     }
   }

@@ -189,7 +189,8 @@ std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
           {.name = fmt::format("{}.chunk{}{}", name, c, m.suffix), .shape = {len(c)}, .dtype = dtype, .slots = slots}));
     }
     plan.add_actor({.name = name + ".split" + m.suffix, .op = "allreduce.split", .dtype = dtype, .where = m.where,
-                    .inputs = {{m.input}}, .outputs = chunk[static_cast<std::size_t>(j)], .role = ActorRole::collective});
+                    .inputs = {{m.input}}, .outputs = chunk[static_cast<std::size_t>(j)], .attrs = {{"allreduce", name}},
+                    .role = ActorRole::collective});
   }
   std::vector<RegisterIndex> sums;
   for (std::int64_t c = 0; c < n; ++c) {
@@ -199,7 +200,8 @@ std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
     const std::string sum_name = fmt::format("{}.sum{}{}", name, c, owner.suffix);
     sums.push_back(plan.add_register({.name = sum_name, .shape = {len(c)}, .dtype = dtype, .slots = slots}));
     plan.add_actor({.name = sum_name, .op = "allreduce.sum", .dtype = dtype, .where = owner.where,
-                    .inputs = std::move(ins), .outputs = {sums.back()}, .role = ActorRole::collective});
+                    .inputs = std::move(ins), .outputs = {sums.back()}, .attrs = {{"allreduce", name}},
+                    .role = ActorRole::collective});
   }
   return sums;
 }
@@ -257,7 +259,7 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
                                              .shape = {count}, .dtype = wire, .slots = settings.slots});
         plan.add_actor({.name = fmt::format("{}.slice{}{}", name, piece, first.suffix), .op = "allreduce.slice",
                         .dtype = dtype, .where = first.where, .inputs = {{first.input}}, .outputs = {r},
-                        .attrs = {{"offset", offset}}, .role = ActorRole::collective});
+                        .attrs = {{"offset", offset}, {"allreduce", name}}, .role = ActorRole::collective});
         partial = {r};
         from = -1;
       }
@@ -269,7 +271,7 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
             plan.add_register({.name = out_name, .shape = {count}, .dtype = wire, .slots = settings.slots});
         plan.add_actor({.name = fmt::format("{}.add{}{}", name, piece, m.suffix), .op = "allreduce.add",
                         .dtype = dtype, .where = m.where, .inputs = {partial, {m.input}}, .outputs = {r},
-                        .attrs = {{"from", from}, {"offset", offset}}, .role = ActorRole::collective});
+                        .attrs = {{"from", from}, {"offset", offset}, {"allreduce", name}}, .role = ActorRole::collective});
         partial = {r};
         from = -1;
       }
@@ -283,7 +285,8 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
     results.push_back(
         plan.add_register({.name = name + ".allreduced" + m.suffix, .shape = shape, .dtype = dtype, .slots = result_slots}));
     plan.add_actor({.name = name + ".gather" + m.suffix, .op = "allreduce.concat", .dtype = dtype, .where = m.where,
-                    .inputs = std::move(ins), .outputs = {results.back()}, .role = ActorRole::collective});
+                    .inputs = std::move(ins), .outputs = {results.back()}, .attrs = {{"allreduce", name}},
+                    .role = ActorRole::collective});
   }
   return results;
 }
@@ -339,7 +342,7 @@ std::vector<RegisterIndex> add_nccl_collective(Plan& plan, NcclCollective collec
         plan.add_register({.name = name + result + m.suffix, .shape = out_shape, .dtype = dtype, .slots = result_slots}));
     plan.add_actor({.name = name + ".nccl" + m.suffix, .op = op, .dtype = dtype, .where = m.where,
                     .inputs = {{m.input}}, .outputs = {results.back()},
-                    .attrs = {{"group", group.empty() ? name : group}, {"ranks", ranks}, {"devices", devices},
+                    .attrs = {{"group", group.empty() ? name : group}, {"ranks", ranks}, {"devices", devices}, {"allreduce", name},
                               {"member", i}},
                     .role = ActorRole::collective});
   }

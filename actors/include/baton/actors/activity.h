@@ -5,6 +5,7 @@
 /// A full ring drops records (counted) rather than slowing the actors down.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "baton/actors/plan.h"
 
@@ -29,5 +30,21 @@ struct ActRecord {
 
 /// steady_clock now, in nanoseconds, as ActRecord uses it.
 std::uint64_t steady_ns();
+
+/// How much of the time the gradients' all-reduces were under way the backward pass ran
+/// beside them (what data parallelism hides behind compute, as DDP's bucketing intends).
+/// An all-reduce's actors carry the attribute "allreduce" (its name; collectives.h), and the
+/// transfers that move their registers count with them. For each (all-reduce, piece) its span
+/// runs from the start of its first act to the end of its last; `collective_s` is the measure
+/// of the union of those spans, `overlapped_s` the part of it during which some backward act
+/// (ActorRole::backward) ran. The loss's all-reduce ("loss") is not a gradient's and is left out.
+/// Records of one process (one clock); those of actors the plan does not have are ignored.
+struct CollectiveOverlap {
+  double collective_s = 0;
+  double overlapped_s = 0;
+  std::size_t spans = 0;  // (all-reduce, piece) pairs seen
+  double fraction() const { return collective_s > 0 ? overlapped_s / collective_s : 0.0; }
+};
+CollectiveOverlap collective_overlap(const Plan& plan, const std::vector<ActRecord>& acts);
 
 }  // namespace baton
