@@ -204,6 +204,24 @@ TEST_CASE("Sbp.InferenceRulesPerOp") {
     CHECK_SIG(sig(causal_mask(scores), {S(0)}), (Signature{{S(0)}, S(0)}));
     CHECK_SIG(sig(causal_mask(scores), {S(1)}), (Signature{{B}, B}));
   }
+  SUBCASE("the LLM ops: elementwise ones keep a split, rms_norm needs its last axis, rope its last two") {
+    for (Value y : {exp(h), log(h), sqrt(h), rsqrt(h), pow(h, 2.0), silu(h)}) {
+      CHECK_SIG(sig(y, {S(0)}), (Signature{{S(0)}, S(0)}));
+      CHECK_SIG(sig(y, {S(1)}), (Signature{{S(1)}, S(1)}));
+      CHECK_SIG(sig(y, {P}), (Signature{{B}, B}));  // not linear: the partial sums added first
+    }
+    auto scale_w = g.variable("scale_w", {16});
+    CHECK_SIG(sig(rms_norm(h, scale_w), {S(0), B}), (Signature{{S(0), B}, S(0)}));
+    CHECK_SIG(sig(rms_norm(h, scale_w), {S(0), S(0)}), (Signature{{S(0), B}, S(0)}));  // w gathered
+    CHECK_SIG(sig(rms_norm(h, scale_w), {S(1), B}), (Signature{{B, B}, B}));
+    CHECK_SIG(sig(rms_norm(h, scale_w), {P, B}), (Signature{{B, B}, B}));
+    auto heads = g.input("heads", {2, 4, 8, 6});  // [batch, heads, T, D]
+    CHECK_SIG(sig(rope(heads), {S(0)}), (Signature{{S(0)}, S(0)}));
+    CHECK_SIG(sig(rope(heads), {S(1)}), (Signature{{S(1)}, S(1)}));  // heads split (tensor parallel)
+    CHECK_SIG(sig(rope(heads), {S(2)}), (Signature{{B}, B}));        // positions: t is the index
+    CHECK_SIG(sig(rope(heads), {S(3)}), (Signature{{B}, B}));        // the rotated pairs span D
+    CHECK_SIG(sig(rope(heads), {P}), (Signature{{P}, P}));  // a rotation is linear
+  }
   SUBCASE("reductions: a split axis summed away is a partial sum") {
     CHECK_SIG(sig(sum(h, {1}), {S(1)}), (Signature{{S(1)}, P}));
     CHECK_SIG(sig(sum(h, {1}), {S(0)}), (Signature{{S(0)}, S(0)}));

@@ -54,6 +54,10 @@ struct Options {
   std::int64_t seq = 32;
   std::string attention = "naive";
   std::int64_t hidden = 256;
+  std::int64_t kv_heads = 0;    // llama: 0 is --heads (multi-head attention)
+  std::int64_t ffn_hidden = 0;  // llama: 0 is 8 d_model / 3 rounded up to a multiple of 32
+  double rope_base = 10000.0;
+  bool tie_embeddings = false;
   int threads = 1;
   int dp = 1;
   double bucket_mb = 25;
@@ -142,6 +146,39 @@ OptimizerConfig optimizer(const Options& o) {
   return c;
 }
 
+/// --model llama's shape from the flags; a value the model cannot take is refused naming its
+/// flag (the model's own checks, in models.cpp, speak of its fields).
+models::LlamaShape llama_shape(const Options& o, const data::TextCorpus& text) {
+  models::LlamaShape s{.vocab = text.vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
+                       .kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads, .layers = o.layers,
+                       .rope_base = o.rope_base, .tie_embeddings = o.tie_embeddings, .tp = o.tp,
+                       .attention = models::parse_attention(o.attention)};
+  // Llama's intermediate size is about 8/3 d (SwiGLU's three matrices cost as GELU's two of 4 d),
+  // rounded up as Meta's multiple_of does, here to 32.
+  s.ffn_hidden = o.ffn_hidden != 0 ? o.ffn_hidden : (8 * o.d_model / 3 + 31) / 32 * 32;
+  if (o.d_model % o.heads != 0) {
+    throw std::invalid_argument(fmt::format("--d-model {} is not a multiple of --heads {}", o.d_model, o.heads));
+  }
+  if ((o.d_model / o.heads) % 2 != 0) {
+    throw std::invalid_argument(fmt::format("--d-model {} / --heads {} = {}: a llama head's size must be even (RoPE "
+                                            "rotates pairs of features)",
+                                            o.d_model, o.heads, o.d_model / o.heads));
+  }
+  if (s.kv_heads > o.heads || o.heads % s.kv_heads != 0) {
+    throw std::invalid_argument(fmt::format("--kv-heads {} must divide --heads {} (each kv head serves --heads / "
+                                            "--kv-heads query heads)",
+                                            s.kv_heads, o.heads));
+  }
+  if (o.heads % o.tp != 0) {
+    throw std::invalid_argument(fmt::format("--heads {} is not a multiple of --tp {}", o.heads, o.tp));
+  }
+  if (s.ffn_hidden % o.tp != 0) {
+    throw std::invalid_argument(fmt::format("--ffn-hidden {} is not a multiple of --tp {}{}", s.ffn_hidden, o.tp,
+                                            o.ffn_hidden == 0 ? " (the default, 8 d_model / 3 rounded up to 32)" : ""));
+  }
+  return s;
+}
+
 /// Logits and loss of a model for `batch` rows (builds the model into g).
 models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t batch) {
   if (o.model == "mlp") {
@@ -149,7 +186,8 @@ models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t ba
     Value logits = models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp});
     return {logits, softmax_cross_entropy(logits, g.find("label"))};
   }
-  if (!d.text) throw std::invalid_argument("--model gpt needs --data text:PATH");
+  if (!d.text) throw std::invalid_argument(fmt::format("--model {} needs --data text:PATH", o.model));
+  if (o.model == "llama") return models::llama_with_loss(g, batch, llama_shape(o, *d.text));
   return models::gpt_with_loss(g, batch,
                                {.vocab = d.text->vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
                                 .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention)});
@@ -191,7 +229,7 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
 /// What makes a run the run it is, as a checkpoint records it; a resumed run must agree on the
 /// keys of must_match() (the rest, dp, pp, micro-batches, threads, may change).
 std::map<std::string, std::string> run_config(const Options& o) {
-  return {{"model", o.model},          {"data", o.data},
+  std::map<std::string, std::string> config{{"model", o.model},          {"data", o.data},
           {"steps", std::to_string(o.steps)}, {"batch", std::to_string(o.batch)},
           {"optimizer", o.optimizer}, {"lr", fmt::format("{}", o.lr)},
           {"momentum", fmt::format("{}", o.momentum)}, {"weight_decay", fmt::format("{}", o.weight_decay)},
@@ -202,12 +240,20 @@ std::map<std::string, std::string> run_config(const Options& o) {
           {"seq", std::to_string(o.seq)}, {"tp", std::to_string(o.tp)},
           {"microbatches", std::to_string(o.microbatches)}, {"dp", std::to_string(o.dp)},
           {"pp", std::to_string(o.pp)}};
+  if (o.model == "llama") {  // only then, so that the other models' checkpoints read as before
+    config["kv_heads"] = std::to_string(o.kv_heads);
+    config["ffn_hidden"] = std::to_string(o.ffn_hidden);
+    config["rope_base"] = fmt::format("{}", o.rope_base);
+    config["tie_embeddings"] = o.tie_embeddings ? "true" : "false";
+  }
+  return config;
 }
 
 std::vector<std::string> must_match(const Options& o) {
   std::vector<std::string> keys{"model", "data", "batch", "optimizer", "lr", "momentum", "weight_decay", "warmup",
                                 "cosine", "clip", "seed", "layers", "hidden", "d_model", "heads", "seq", "tp"};
   if (o.cosine) keys.push_back("steps");  // the decay spans the whole run
+  if (o.model == "llama") keys.insert(keys.end(), {"kv_heads", "ffn_hidden", "rope_base", "tie_embeddings"});
   return keys;
 }
 
@@ -327,7 +373,7 @@ int run(const Options& o) {
     auto mixed = g.autocast(o.precision == "bf16" ? DType::bf16 : DType::f32);
     loss = build(g, o, d, mb).loss.named("loss");
   }
-  const bool text = o.model == "gpt";
+  const bool text = o.model != "mlp";
   TrainConfig cfg;
   cfg.steps = o.steps;
   cfg.microbatches = o.microbatches;
@@ -639,7 +685,7 @@ int main(int argc, char** argv) {
   CLI::App app{"baton-train: train a model on real data as a stream of actors"};
   // A flag given twice takes its last value, so that scripts/run.sh demo ARGS can override the demo's own.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app.add_option("--model", o.model, "mlp or gpt")->check(CLI::IsMember({"mlp", "gpt"}));
+  app.add_option("--model", o.model, "mlp, gpt or llama")->check(CLI::IsMember({"mlp", "gpt", "llama"}));
   app.add_option("--data", o.data, "digits, synthetic or text:PATH");
   app.add_option("--steps", o.steps, "optimizer steps in all (a resumed run goes on to this one)")->check(positive);
   app.add_option("--batch", o.batch, "global batch per step")->check(positive);
@@ -653,12 +699,20 @@ int main(int argc, char** argv) {
   app.add_flag("--cosine", o.cosine, "cosine decay after the warm-up");
   app.add_option("--clip", o.clip, "clip gradients to this global norm (0: off)")->check(non_negative);
   app.add_option("--seed", o.seed, "seed for weights, shuffling and dropout");
-  app.add_option("--layers", o.layers, "hidden layers (mlp) or blocks (gpt)")->check(positive);
+  app.add_option("--layers", o.layers, "hidden layers (mlp) or blocks (gpt, llama)")->check(positive);
   app.add_option("--hidden", o.hidden, "mlp hidden width")->check(positive);
-  app.add_option("--d-model", o.d_model, "gpt width")->check(positive);
-  app.add_option("--heads", o.heads, "gpt attention heads")->check(positive);
-  app.add_option("--seq", o.seq, "gpt context length")->check(positive);
-  app.add_option("--attention", o.attention, "gpt attention: naive (matmul, mask, softmax, matmul: the T x T scores in "
+  app.add_option("--d-model", o.d_model, "gpt and llama width")->check(positive);
+  app.add_option("--heads", o.heads, "gpt and llama attention (query) heads")->check(positive);
+  app.add_option("--seq", o.seq, "gpt and llama context length")->check(positive);
+  app.add_option("--kv-heads", o.kv_heads, "llama key/value heads (grouped-query attention; must divide --heads; "
+                 "default: --heads)")
+      ->check(positive);
+  app.add_option("--ffn-hidden", o.ffn_hidden, "llama SwiGLU hidden width (default: 8 d_model / 3 rounded up to a "
+                 "multiple of 32)")
+      ->check(positive);
+  app.add_option("--rope-base", o.rope_base, "llama RoPE base (rope_theta)")->check(positive);
+  app.add_flag("--tie-embeddings", o.tie_embeddings, "llama: the LM head is the token table transposed");
+  app.add_option("--attention", o.attention, "gpt and llama attention: naive (matmul, mask, softmax, matmul: the T x T scores in "
                  "memory) or fused (one op, FlashAttention's tiling; no scores in memory)")
       ->check(CLI::IsMember({"naive", "fused"}));
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
@@ -668,7 +722,7 @@ int main(int argc, char** argv) {
                  "(DDP's 25; 0: one all-reduce per weight)")
       ->check(CLI::Range(0.0, 1e6));
   app.add_option("--pp", o.pp, "pipeline stages, each on its own device")->check(CLI::Range(1, 64));
-  app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT attention heads, MLP and vocabulary)")
+  app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT and Llama attention heads, MLP and vocabulary)")
       ->check(CLI::Range(1, 64));
   app.add_option("--grad-compression", o.grad_compression,
                  "with --dp: gradients travel between replicas in bf16 and are summed in f32 (half the bytes; CPU, "

@@ -140,4 +140,138 @@ Value gpt(Graph& g, std::int64_t batch, const GptShape& s) { return build_gpt(g,
 
 Outputs gpt_with_loss(Graph& g, std::int64_t batch, const GptShape& s) { return build_gpt(g, batch, s, true); }
 
+namespace {
+
+void check_llama(const LlamaShape& s) {
+  auto bad = [](const std::string& what) { throw GraphError("llama: " + what); };
+  if (s.heads < 1 || s.d_model % s.heads != 0) bad(fmt::format("d_model {} is not a multiple of heads {}", s.d_model, s.heads));
+  if ((s.d_model / s.heads) % 2 != 0) {
+    bad(fmt::format("the head size d_model / heads = {} must be even (RoPE rotates pairs)", s.d_model / s.heads));
+  }
+  if (s.kv_heads < 1 || s.kv_heads > s.heads || s.heads % s.kv_heads != 0) {
+    bad(fmt::format("kv_heads {} must divide heads {} (each kv head serves heads / kv_heads query heads)", s.kv_heads,
+                    s.heads));
+  }
+  if (s.ffn_hidden < 1) bad(fmt::format("ffn_hidden {} must be >= 1", s.ffn_hidden));
+  const std::int64_t tp = s.tp;
+  if (tp < 1 || s.heads % tp != 0) bad(fmt::format("heads {} is not divisible by tp {}", s.heads, tp));
+  if (s.ffn_hidden % tp != 0) bad(fmt::format("ffn_hidden {} is not divisible by tp {}", s.ffn_hidden, tp));
+  if (s.vocab % tp != 0) {
+    bad(fmt::format("vocab {} is not divisible by tp {} (the token table and the head are split by vocabulary over "
+                    "the tp shards)",
+                    s.vocab, tp));
+  }
+}
+
+/// [b, kv, t, dh] -> [b, kv * rep, t, dh], kv head j read by query heads [j rep, (j+1) rep)
+/// (transformers' repeat_kv: expand, then reshape).
+Value repeat_kv(Value x, std::int64_t rep) {
+  if (rep == 1) return x;
+  const Shape s = x.shape();  // a copy: adding nodes may move the graph's
+  auto five = reshape(x, {s[0], s[1], 1, s[2], s[3]});
+  return reshape(broadcast_to(five, {s[0], s[1], rep, s[2], s[3]}), {s[0], s[1] * rep, s[2], s[3]});
+}
+
+Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with_loss) {
+  check_llama(s);
+  const std::int64_t b = batch, t = s.seq, d = s.d_model, nh = s.heads, nkv = s.kv_heads, dh = d / nh;
+  const std::int64_t tp = s.tp, rep = nh / nkv;
+  const bool kv_split = nkv % tp == 0;
+  const std::int64_t nh_k = nh / tp, f_k = s.ffn_hidden / tp, v_k = s.vocab / tp;
+  auto shard_name = [&](const std::string& name, std::int64_t k) {
+    return tp == 1 ? name : fmt::format("{}.tp{}", name, k);
+  };
+  auto on_shard = [&](std::int64_t k) { return g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(k)); };
+  auto weight = [&](const std::string& name, Shape shape) {
+    return g.variable(name, std::move(shape), init::normal(0.0, 0.02), s.dtype);
+  };
+  auto norm = [&](Value x, const std::string& name) {
+    return rms_norm(x, g.variable(name, {d}, init::ones(), s.dtype), s.norm_eps);
+  };
+  auto tokens = g.input("tokens", {b, t}, i32);
+  auto targets = g.input("targets", {b * t}, i32);
+  std::vector<Value> tables;
+  for (std::int64_t k = 0; k < tp; ++k) {
+    auto on = on_shard(k);
+    tables.push_back(weight(shard_name("model.embed_tokens.weight", k), {v_k, d}));
+  }
+  Value x = tp == 1 ? embedding(tables[0], tokens) : vocab_parallel_embedding(tables, tokens);  // [b, t, d]
+  auto split_heads = [&](Value v, std::int64_t n) {  // [b, t, n dh] -> [b, n, t, dh]
+    return transpose(reshape(v, {b, t, n, dh}), {0, 2, 1, 3});
+  };
+  for (std::int64_t l = 0; l < s.layers; ++l) {
+    auto p = [&](const char* what) { return fmt::format("model.layers.{}.{}", l, what); };
+    Value h = norm(x, p("input_layernorm.weight"));
+    // Keys and values kept whole when their heads do not split over the shards: computed once,
+    // repeated to one per query head; each shard then takes its query heads' share.
+    Value k_all, v_all;
+    if (!kv_split) {
+      k_all = repeat_kv(rope(split_heads(matmul(h, weight(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv), s.rope_base), rep);
+      v_all = repeat_kv(split_heads(matmul(h, weight(p("self_attn.v_proj.weight"), {d, nkv * dh})), nkv), rep);
+    }
+    Value attn;
+    for (std::int64_t sk = 0; sk < tp; ++sk) {
+      auto on = on_shard(sk);
+      auto w = [&](const char* what, Shape shape) { return weight(shard_name(p(what), sk), std::move(shape)); };
+      Value q = rope(split_heads(matmul(h, w("self_attn.q_proj.weight", {d, nh_k * dh})), nh_k), s.rope_base);
+      Value k, v;
+      if (kv_split) {
+        const std::int64_t nkv_k = nkv / tp;
+        k = repeat_kv(rope(split_heads(matmul(h, w("self_attn.k_proj.weight", {d, nkv_k * dh})), nkv_k), s.rope_base), rep);
+        v = repeat_kv(split_heads(matmul(h, w("self_attn.v_proj.weight", {d, nkv_k * dh})), nkv_k), rep);
+      } else if (tp == 1) {
+        k = k_all;
+        v = v_all;
+      } else {
+        k = slice(k_all, 1, sk * nh_k, (sk + 1) * nh_k);
+        v = slice(v_all, 1, sk * nh_k, (sk + 1) * nh_k);
+      }
+      Value heads;  // [b, nh_k, t, dh]
+      if (s.attention == GptShape::Attention::fused) {
+        heads = attention(q, k, v);  // causal, scaled by 1/sqrt(dh)
+      } else {
+        auto q3 = reshape(q, {b * nh_k, t, dh}), k3 = reshape(k, {b * nh_k, t, dh}), v3 = reshape(v, {b * nh_k, t, dh});
+        auto att = softmax(causal_mask(matmul(q3, k3, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
+        heads = reshape(matmul(att, v3), {b, nh_k, t, dh});
+      }
+      auto o = reshape(transpose(heads, {0, 2, 1, 3}), {b, t, nh_k * dh});
+      Value part = matmul(o, w("self_attn.o_proj.weight", {nh_k * dh, d}));
+      attn = sk == 0 ? part : attn + part;
+    }
+    x = x + attn;
+    Value h2 = norm(x, p("post_attention_layernorm.weight"));
+    Value mlp;
+    for (std::int64_t sk = 0; sk < tp; ++sk) {
+      auto on = on_shard(sk);
+      auto w = [&](const char* what, Shape shape) { return weight(shard_name(p(what), sk), std::move(shape)); };
+      // gate (w1) and up (w3) by columns, down (w2) by rows: SwiGLU is elementwise in between.
+      Value part = swiglu(h2, w("mlp.gate_proj.weight", {d, f_k}), w("mlp.up_proj.weight", {d, f_k}),
+                          w("mlp.down_proj.weight", {f_k, d}));
+      mlp = sk == 0 ? part : mlp + part;
+    }
+    x = x + mlp;
+  }
+  Value xf = norm(x, "model.norm.weight");
+  std::vector<Value> logits;
+  for (std::int64_t k = 0; k < tp; ++k) {
+    auto on = on_shard(k);
+    // Tied: the head is the token table transposed, and shard k's table rows are its classes.
+    Value y = s.tie_embeddings ? matmul(xf, tables[static_cast<std::size_t>(k)], false, true)
+                               : matmul(xf, weight(shard_name("lm_head.weight", k), {d, v_k}));
+    logits.push_back(reshape(y, {b * t, v_k}));
+  }
+  Outputs out;
+  out.logits = (tp == 1 ? logits[0] : concat(logits, 1)).named("logits");
+  if (with_loss) {
+    out.loss = tp == 1 ? softmax_cross_entropy(out.logits, targets) : vocab_parallel_cross_entropy(logits, targets);
+  }
+  return out;
+}
+
+}  // namespace
+
+Value llama(Graph& g, std::int64_t batch, const LlamaShape& s) { return build_llama(g, batch, s, false).logits; }
+
+Outputs llama_with_loss(Graph& g, std::int64_t batch, const LlamaShape& s) { return build_llama(g, batch, s, true); }
+
 }  // namespace baton::models

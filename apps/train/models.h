@@ -77,4 +77,52 @@ struct Outputs {
 /// never gathers them (the logits are then only computed where they are fetched).
 Outputs gpt_with_loss(Graph& g, std::int64_t batch, const GptShape& s);
 
+struct LlamaShape {
+  std::int64_t vocab = 64;
+  std::int64_t seq = 32;
+  std::int64_t d_model = 64;
+  std::int64_t heads = 4;
+  /// Grouped-query attention: the keys and values have kv_heads heads, each shared by
+  /// heads / kv_heads query heads (query head h reads kv head h / (heads / kv_heads), as
+  /// transformers' repeat_kv). kv_heads == heads is multi-head attention, 1 multi-query.
+  std::int64_t kv_heads = 4;
+  /// The SwiGLU MLP's hidden width (Llama's intermediate_size): gate and up [d, ffn], down
+  /// [ffn, d].
+  std::int64_t ffn_hidden = 192;
+  std::int64_t layers = 2;
+  double rope_base = 10000.0;  // transformers' rope_theta
+  double norm_eps = 1e-5;      // RMSNorm's eps (Llama 2's rms_norm_eps)
+  /// The head reuses the token table (logits = x embed_tokens^T) instead of a weight of its own.
+  bool tie_embeddings = false;
+  /// Tensor-parallel shards (Megatron, as GptShape::tp): per block q, k, v and gate, up by
+  /// columns, o and down by rows, each half's partial products summed once; the token table by
+  /// rows and the head by columns (vocab_parallel.h). heads, ffn_hidden and vocab must be
+  /// multiples of tp. The kv heads are split too when kv_heads % tp == 0; otherwise k_proj and
+  /// v_proj stay whole (replicated) and each shard takes the kv heads its query heads read.
+  std::int64_t tp = 1;
+  GptShape::Attention attention = GptShape::Attention::naive;  // as GptShape::attention
+  DType dtype = DType::f32;
+};
+
+/// Llama's decoder (Touvron et al. 2023; transformers' LlamaForCausalLM): a token embedding (no
+/// position table), `layers` blocks of
+///   x += o_proj(attention(rope(q_proj(rms_norm(x))), rope(k_proj(..)), v_proj(..)))  (causal, GQA)
+///   x += down_proj(silu(gate_proj(rms_norm(x))) * up_proj(rms_norm(x)))               (SwiGLU)
+/// then a final RMSNorm and the LM head; no biases. Inputs "tokens" (i32 [batch, seq]) and
+/// "targets" (i32 [batch * seq]); returns the logits [batch * seq, vocab].
+///
+/// The weights are named as transformers names LlamaForCausalLM's, so that its checkpoints
+/// map name for name: "model.embed_tokens.weight", "model.layers.N.input_layernorm.weight",
+/// "model.layers.N.self_attn.{q,k,v,o}_proj.weight", "model.layers.N.post_attention_layernorm.weight",
+/// "model.layers.N.mlp.{gate,up,down}_proj.weight", "model.norm.weight", "lm_head.weight"
+/// (absent when tied); with tp > 1 a split weight's shards add ".tp<k>". The projections are
+/// stored [in, out] (x w), the transpose of torch's Linear.weight [out, in]; the token table is
+/// [vocab, d] in both. RoPE is the rotate_half layout transformers uses (ops.h: rope), so q_proj
+/// and k_proj need no permutation.
+Value llama(Graph& g, std::int64_t batch, const LlamaShape& s);
+
+/// llama() and its mean cross-entropy against "targets" (vocabulary-parallel with tp > 1, as
+/// gpt_with_loss).
+Outputs llama_with_loss(Graph& g, std::int64_t batch, const LlamaShape& s);
+
 }  // namespace baton::models

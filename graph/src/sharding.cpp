@@ -180,7 +180,8 @@ Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given,
     matmul_rules(c, n);
   } else if (one_of(op, {"add", "sub", "mul", "div", "maximum"})) {
     elementwise_rules(c, n, given);
-  } else if (one_of(op, {"relu", "gelu", "tanh", "sigmoid", "scale", "stop_gradient", "cast"})) {
+  } else if (one_of(op, {"relu", "gelu", "tanh", "sigmoid", "scale", "stop_gradient", "cast", "exp", "log", "sqrt",
+                         "rsqrt", "pow", "silu"})) {
     if (x.is_split()) c.add1(x, x);
     if (x.is_partial() && (op == "scale" || op == "stop_gradient")) c.add1(x, x);
   } else if (op == "bias_gelu") {
@@ -188,6 +189,14 @@ Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given,
     const auto last = static_cast<std::int32_t>(n.shape.size()) - 1;
     if (x.is_split() && x.axis < last) c.add({x, sbp::broadcast()}, x);
     if (x.is_split() && x.axis == last) c.add({x, sbp::split(0)}, x);
+  } else if (op == "rms_norm") {
+    // Normalised over the last axis: rows split, each shard its rows and the whole scale.
+    const auto last = static_cast<std::int32_t>(n.shape.size()) - 1;
+    if (x.is_split() && x.axis < last) c.add({x, sbp::broadcast()}, x);
+  } else if (op == "rope") {
+    // Rotates each position's features by its index on axis -2: any axis before those two.
+    if (x.is_split() && x.axis + 2 < static_cast<std::int32_t>(n.shape.size())) c.add1(x, x);
+    if (x.is_partial()) c.add1(x, x);  // a rotation is linear
   } else if (op == "attention") {
     // Heads (and batches) are independent: q, k and v split alike on a leading axis.
     const auto rank = static_cast<std::int32_t>(n.shape.size());
