@@ -13,7 +13,8 @@
 // small GPT on dp / pp / tp / hybrid against one device with the same micro-batching; the
 // efficiency divides the speed-up by min(devices, cores); with dp, allreduce_overlap is the
 // share of the time the gradients' all-reduces were under way that the backward pass ran
-// beside them (from the activity log of a separate run).
+// beside them (from the activity log of a separate run). The `_bf16` cases send the gradient
+// sums in bf16 (--grad-compression bf16).
 //
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
@@ -174,6 +175,7 @@ struct Training {
   int dp = 1, pp = 1, tp = 1;
   std::int64_t microbatches = 1;  // per replica
   std::string balance = "flops";
+  std::string grad_compression = "none";
 };
 
 /// Kernel seconds of each device (a pipeline stage, without dp or tp) in the last run.
@@ -203,6 +205,7 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, 
   cfg.pp = t.pp;
   cfg.tp = t.tp;
   cfg.balance = t.balance;
+  cfg.grad_compression = t.grad_compression;
   cfg.optimizer = optim::adam(1e-3);
   if (gpt) {
     cfg.data = {{"text", data::text_source(text, batch, pieces, 32, 1), {"tokens", "targets"}}};
@@ -268,14 +271,17 @@ void training_scaling(bool quick) {
       for (int i = 0; i < (quick ? 1 : 3); ++i) r = std::max(r, samples_per_s(t, steps, batch));
       return r;
     };
-    const std::vector<Training> configs = {{model, 2, 1, 1, 1}, {model, 4, 1, 1, 1}, {model, 1, 2, 1, 4},
-                                           {model, 1, 1, 2, 1}, {model, 2, 2, 1, 2}, {model, 2, 1, 2, 1}};
+    const std::vector<Training> configs = {
+        {model, 2, 1, 1, 1},          {model, 2, 1, 1, 1, "flops", "bf16"}, {model, 4, 1, 1, 1},
+        {model, 4, 1, 1, 1, "flops", "bf16"}, {model, 1, 2, 1, 4},          {model, 1, 1, 2, 1},
+        {model, 2, 2, 1, 2},          {model, 2, 1, 2, 1}};
     for (const Training& t : configs) {
       // The one-device run with the same micro-batching (the same split of the global batch).
       const double one = best({model, 1, 1, 1, t.dp * t.microbatches});
       const double many = best(t);
       const int devices = t.dp * t.pp * t.tp;
-      bench::JsonLine line("parallel", fmt::format("train_{}_dp{}_pp{}_tp{}", model, t.dp, t.pp, t.tp));
+      bench::JsonLine line("parallel", fmt::format("train_{}_dp{}_pp{}_tp{}{}", model, t.dp, t.pp, t.tp,
+                                                   t.grad_compression == "none" ? "" : "_" + t.grad_compression));
       line.add("value", many).add("unit", "samples/s").add("reference", one).add("reference_name", "one device")
           .add("ratio", many / one).add("devices", devices).add("cores", static_cast<std::int64_t>(cores))
           .add("efficiency", many / one / std::min<double>(devices, cores)).add("batch", batch)
