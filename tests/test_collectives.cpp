@@ -3,6 +3,7 @@
 // with one or many segments per chunk, and with fewer slots than segments in flight.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -354,4 +355,33 @@ TEST_CASE("Collectives.OverlapWithTheBackwardPassIsMeasuredFromTheActivityLog") 
   CHECK(o.overlapped_s == doctest::Approx(110e-9));
   CHECK(o.fraction() == doctest::Approx(110.0 / 300.0));
   CHECK(collective_overlap(p, {}).fraction() == 0.0);
+}
+
+// The direct all-reduce (every member sums every input, in member order): exact sums, the same
+// bits on every member, over ranks and in-process devices; and the ring hands small tensors to
+// it below AllReduceSettings::direct_below_bytes.
+TEST_CASE("Collectives.DirectAllReduceSumsOnEveryMember" * doctest::timeout(120)) {
+  const AllReduceSettings direct{.algorithm = AllReduceAlgorithm::direct};
+  for (std::int64_t n : {2, 3, 4}) {
+    for (std::int64_t elements : {std::int64_t{1}, std::int64_t{1000}, std::int64_t{65537}}) {
+      CAPTURE(n);
+      CAPTURE(elements);
+      std::vector<Placement> places;
+      for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
+      const Plan plan = insert_transfers(allreduce_plan(places, elements, 4, direct));
+      for (const auto& r : test::run_on_loopback(plan, registry(n))) REQUIRE_MESSAGE(r.error.empty(), r.error);
+    }
+  }
+  std::vector<Placement> devices;
+  for (std::uint8_t j = 0; j < 3; ++j) devices.push_back({.device = Device{DeviceType::cpu, j}});
+  Runtime rt(allreduce_plan(devices, 4099, 10, direct), registry(3));
+  CHECK(rt.run().metrics.actors.size() == 9u);  // fill, sum and check per member
+  // The ring's choice by size: 4 KiB below 8 KiB goes direct (one sum per member), above it not.
+  const AllReduceSettings by_size{.direct_below_bytes = 8 << 10};
+  const Plan small = allreduce_plan(devices, 1024, 1, by_size), large = allreduce_plan(devices, 4096, 1, by_size);
+  auto sums = [](const Plan& p) {
+    return std::count_if(p.actors.begin(), p.actors.end(), [](const ActorDesc& a) { return a.op == "allreduce.sum"; });
+  };
+  CHECK(sums(small) == 3);
+  CHECK(sums(large) == 0);
 }

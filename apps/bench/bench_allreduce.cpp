@@ -15,6 +15,7 @@
 //   baton-bench-allreduce --segment-kib K --max-segments S --ranks N --min-kib A --max-mib B
 //                                    other AllReduceSettings, rank counts and sizes (sweeps)
 //   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
+//   baton-bench-allreduce --algorithm direct     every member sums every input (one hop; small tensors)
 // BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr.
 #include <unistd.h>
 
@@ -154,11 +155,13 @@ int main(int argc, char** argv) {
       reference = false;
     } else if (a == "--algorithm" && i + 1 < argc) {
       const std::string alg = argv[++i];
-      if (alg != "ring" && alg != "two_hop") {
-        fmt::print(stderr, "baton-bench-allreduce: --algorithm {}: ring or two_hop\n", alg);
+      if (alg != "ring" && alg != "two_hop" && alg != "direct") {
+        fmt::print(stderr, "baton-bench-allreduce: --algorithm {}: ring, two_hop or direct\n", alg);
         return 2;
       }
-      settings.algorithm = alg == "ring" ? AllReduceAlgorithm::ring : AllReduceAlgorithm::two_hop;
+      settings.algorithm = alg == "ring"      ? AllReduceAlgorithm::ring
+                           : alg == "direct" ? AllReduceAlgorithm::direct
+                                             : AllReduceAlgorithm::two_hop;
     } else if (a == "--segment-kib" && i + 1 < argc) {
       settings.segment_bytes = std::stoll(argv[++i]) << 10;
     } else if (a == "--max-segments" && i + 1 < argc) {
@@ -174,7 +177,7 @@ int main(int argc, char** argv) {
       worker_iters = std::stoll(argv[++i]);
     } else {
       fmt::print(stderr,
-                 "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop]\n"
+                 "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop|direct]\n"
                  "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
                  "                             [--max-mib B] [--allow-load]\n{}",
                  bench::allow_load_usage);
@@ -195,7 +198,8 @@ int main(int argc, char** argv) {
   }
   if (ranks.empty()) ranks = quick ? std::vector<int>{2} : std::vector<int>{2, 4};
   const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
-  const std::vector<std::string> knobs{"--algorithm", ring ? "ring" : "two_hop", "--segment-kib",
+  const char* algorithm = ring ? "ring" : settings.algorithm == AllReduceAlgorithm::direct ? "direct" : "two_hop";
+  const std::vector<std::string> knobs{"--algorithm", algorithm, "--segment-kib",
                                        std::to_string(settings.segment_bytes >> 10), "--max-segments",
                                        std::to_string(settings.max_segments)};
   int failures = 0;
@@ -228,7 +232,7 @@ int main(int argc, char** argv) {
       line.add("value", busbw).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("iterations", iters)
           .add("stat", "the slowest rank's time per all-reduce, averaged over the iterations (both sides)")
           .add("us_per_op", secs * 1e6).add("fastest_rank_us_per_op", fastest * 1e6)
-          .add("oversubscribed", n > bench::usable_cores()).add("algorithm", ring ? "ring" : "two_hop")
+          .add("oversubscribed", n > bench::usable_cores()).add("algorithm", algorithm)
           .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
           .add("segment_kib", settings.segment_bytes >> 10);
       if (auto it = mpi.find(bytes); it != mpi.end()) {

@@ -206,6 +206,23 @@ std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
   return sums;
 }
 
+/// AllReduceAlgorithm::direct: each member sums every member's input, in member order.
+std::vector<RegisterIndex> add_direct_allreduce(Plan& plan, const std::string& name,
+                                                const std::vector<AllReduceMember>& members, const Shape& shape,
+                                                DType dtype, std::int32_t result_slots) {
+  std::vector<InputPort> all;
+  for (const AllReduceMember& m : members) all.push_back({m.input});
+  std::vector<RegisterIndex> results;
+  for (const AllReduceMember& m : members) {
+    results.push_back(
+        plan.add_register({.name = name + ".allreduced" + m.suffix, .shape = shape, .dtype = dtype, .slots = result_slots}));
+    plan.add_actor({.name = name + ".sum" + m.suffix, .op = "allreduce.sum", .dtype = dtype, .where = m.where,
+                    .inputs = all, .outputs = {results.back()}, .attrs = {{"allreduce", name}},
+                    .role = ActorRole::collective});
+  }
+  return results;
+}
+
 }  // namespace
 
 void add_collective_kernels(KernelRegistry& kernels) {
@@ -220,6 +237,16 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
   if (members.empty()) throw std::invalid_argument(fmt::format("all-reduce '{}' has no members", name));
   const auto n = static_cast<std::int64_t>(members.size());
   const auto chunks = chunk_offsets(numel(shape), n);
+  const std::int64_t bytes = numel(shape) * static_cast<std::int64_t>(size_of(dtype));
+  const bool direct = settings.algorithm == AllReduceAlgorithm::direct ||
+                      (settings.algorithm == AllReduceAlgorithm::ring && bytes < settings.direct_below_bytes &&
+                       !(settings.wire && *settings.wire != dtype));
+  if (direct && settings.wire && *settings.wire != dtype) {
+    throw std::invalid_argument(fmt::format("all-reduce '{}': sums on the wire in {} for {} members by direct: only "
+                                            "bf16 for f32, by the ring",
+                                            name, baton::name(*settings.wire), baton::name(dtype)));
+  }
+  if (direct) return add_direct_allreduce(plan, name, members, shape, dtype, result_slots);
   const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
   const DType wire = settings.wire.value_or(dtype);
   if (wire != dtype) {

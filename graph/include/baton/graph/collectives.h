@@ -55,11 +55,21 @@ enum class AllReduceAlgorithm : std::uint8_t {
   /// every member in one act, every member's gather copies the N sums. Two hops whatever N,
   /// whole chunks, no segments.
   two_hop,
+  /// Latency first, for small tensors: every member's sum actor reads every member's whole
+  /// input (members on other ranks through one transfer each) and adds them in member order,
+  /// so every member makes the same sum, bit for bit, one hop after the inputs are ready. Each
+  /// member receives (N-1) whole tensors instead of the ring's 2(N-1)/N: cheap only while the
+  /// tensor is small (AllReduceSettings::direct_below_bytes).
+  direct,
 };
 
 /// How add_allreduce cuts the tensor. Defaults measured with baton-bench-allreduce (README).
 struct AllReduceSettings {
   AllReduceAlgorithm algorithm = AllReduceAlgorithm::ring;
+  /// With the ring: a tensor of fewer bytes than this is all-reduced `direct` instead (0: never).
+  /// As NCCL and Open MPI's tuned module choose by size; the default is the crossover measured
+  /// with baton-bench-allreduce (README, "Numbers").
+  std::int64_t direct_below_bytes = 0;
   /// Target bytes of one segment: each chunk is cut into ceil(chunk bytes / segment_bytes)
   /// segments, so a tensor below N x segment_bytes has one segment per chunk (the fewest
   /// actors) and larger ones pipeline.
