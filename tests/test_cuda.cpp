@@ -303,6 +303,18 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
       check_op(gpu, reg, op, {}, {random_f32(s, 0.f, 1.f), random_f32(s)}, {{s, f32}});
     }
   }
+  SUBCASE("the LLM ops' elementwise part and their gradients") {
+    const Shape s{13, 37};
+    const Tensor positive = random_f32(s, 0.1f, 4.f);
+    for (const char* op : {"exp", "silu"}) check_op(gpu, reg, op, {}, {random_f32(s)}, {{s, f32}});
+    for (const char* op : {"log", "sqrt", "rsqrt"}) check_op(gpu, reg, op, {}, {positive}, {{s, f32}});
+    for (double e : {2.0, 0.5, -1.5}) {
+      check_op(gpu, reg, "pow", Attrs{{"exponent", e}}, {positive}, {{s, f32}});
+      check_op(gpu, reg, "pow_grad", Attrs{{"exponent", e}}, {positive, random_f32(s)}, {{s, f32}});
+    }
+    for (const char* op : {"sqrt_grad", "rsqrt_grad"}) check_op(gpu, reg, op, {}, {positive, random_f32(s)}, {{s, f32}});
+    check_op(gpu, reg, "silu_grad", {}, {random_f32(s), random_f32(s)}, {{s, f32}});
+  }
   SUBCASE("shape ops") {
     check_op(gpu, reg, "sum_to", {}, {random_f32({64, 10})}, {{{10}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{3, 1, 5}, f32}});

@@ -84,6 +84,13 @@ __global__ void binary_kernel(int op, const T* a, const T* b, T* c, Indexing ix,
   }
 }
 
+/// As ops_llm.cpp's: exp(-|x|) never overflows, and the two branches are one function.
+__device__ float sigmoid_f(float x) {
+  const float z = expf(-fabsf(x));
+  const float r = 1.f / (1.f + z);
+  return x >= 0.f ? r : z * r;
+}
+
 __device__ float gelu(float x) { return static_cast<float>(0.5 * x * (1.0 + erf(x * 0.70710678118654752440))); }
 
 template <class T>
@@ -98,6 +105,14 @@ __global__ void unary_kernel(int op, const T* x, T* y, long long n, float param)
       case Unary::gelu: r = gelu(v); break;
       case Unary::tanh: r = tanhf(v); break;
       case Unary::sigmoid: r = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(v)))); break;
+      // The LLM ops in float, as the CPU's kernels (ops_llm.cpp) compute them in the element
+      // type; CUDA's expf, logf and powf are within 2 ulp, sqrtf is exact.
+      case Unary::exp: r = expf(v); break;
+      case Unary::log: r = logf(v); break;
+      case Unary::sqrt: r = sqrtf(v); break;
+      case Unary::rsqrt: r = 1.f / sqrtf(v); break;
+      case Unary::silu: r = v * sigmoid_f(v); break;
+      case Unary::pow: r = powf(v, param); break;
       default: r = v * param; break;
     }
     store(y + i, r);
@@ -105,7 +120,7 @@ __global__ void unary_kernel(int op, const T* x, T* y, long long n, float param)
 }
 
 template <class T>
-__global__ void unary_grad_kernel(int op, const T* x, const T* dy, T* dx, long long n) {
+__global__ void unary_grad_kernel(int op, const T* x, const T* dy, T* dx, long long n, float param) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
     const double v = load(x + i), g = load(dy + i);
@@ -120,6 +135,14 @@ __global__ void unary_grad_kernel(int op, const T* x, const T* dy, T* dx, long l
         break;
       }
       case UnaryGrad::tanh: r = g * (1 - v * v); break;
+      case UnaryGrad::sqrt: r = 0.5 * g / v; break;          // from y = sqrt(x)
+      case UnaryGrad::rsqrt: r = -0.5 * g * v * v * v; break;  // from y = x^-1/2
+      case UnaryGrad::silu: {
+        const double sg = sigmoid_f(static_cast<float>(v));
+        r = g * sg * (1 + v * (1 - sg));
+        break;
+      }
+      case UnaryGrad::pow: r = g * param * pow(v, static_cast<double>(param) - 1); break;
       default: r = g * v * (1 - v); break;
     }
     elem::store_d(dx + i, r);
@@ -188,10 +211,10 @@ cudaError_t unary_t(Unary op, const T* x, T* y, long long n, float param, cudaSt
 }
 
 template <class T>
-cudaError_t unary_grad_t(UnaryGrad op, const T* x, const T* dy, T* dx, long long n, cudaStream_t s) {
+cudaError_t unary_grad_t(UnaryGrad op, const T* x, const T* dy, T* dx, long long n, cudaStream_t s, float param) {
   if (n == 0) return cudaSuccess;
   unary_grad_kernel<<<blocks_for(n), threads, 0, s>>>(static_cast<int>(op), elem::dev(x), elem::dev(dy), elem::dev(dx),
-                                                      n);
+                                                      n, param);
   return cudaGetLastError();
 }
 
@@ -225,11 +248,13 @@ cudaError_t unary(Unary op, const Bf16* x, Bf16* y, long long n, float param, cu
   return unary_t(op, x, y, n, param, s);
 }
 
-cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx, long long n, cudaStream_t s) {
-  return unary_grad_t(op, x, dy, dx, n, s);
+cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx, long long n, cudaStream_t s,
+                       float param) {
+  return unary_grad_t(op, x, dy, dx, n, s, param);
 }
-cudaError_t unary_grad(UnaryGrad op, const Bf16* x, const Bf16* dy, Bf16* dx, long long n, cudaStream_t s) {
-  return unary_grad_t(op, x, dy, dx, n, s);
+cudaError_t unary_grad(UnaryGrad op, const Bf16* x, const Bf16* dy, Bf16* dx, long long n, cudaStream_t s,
+                       float param) {
+  return unary_grad_t(op, x, dy, dx, n, s, param);
 }
 
 cudaError_t fill(float* y, long long n, float value, cudaStream_t s) { return fill_t(y, n, value, s); }

@@ -29,17 +29,21 @@ struct Indexing {
 };
 
 enum class Binary : int { add, sub, mul, div, maximum };
-enum class Unary : int { relu, gelu, tanh, sigmoid, scale };
-/// relu and gelu take the forward input x; tanh and sigmoid the forward output y.
-enum class UnaryGrad : int { relu, gelu, tanh, sigmoid };
+/// pow raises to `param`; scale multiplies by it.
+enum class Unary : int { relu, gelu, tanh, sigmoid, scale, exp, log, sqrt, rsqrt, silu, pow };
+/// relu, gelu, silu and pow (exponent `param`) take the forward input x; tanh, sigmoid, sqrt and
+/// rsqrt the forward output y.
+enum class UnaryGrad : int { relu, gelu, tanh, sigmoid, sqrt, rsqrt, silu, pow };
 
 cudaError_t binary(Binary op, const float* a, const float* b, float* c, const Indexing& ix, long long n,
                    cudaStream_t s);
 cudaError_t binary(Binary op, const Bf16* a, const Bf16* b, Bf16* c, const Indexing& ix, long long n, cudaStream_t s);
 cudaError_t unary(Unary op, const float* x, float* y, long long n, float param, cudaStream_t s);
 cudaError_t unary(Unary op, const Bf16* x, Bf16* y, long long n, float param, cudaStream_t s);
-cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx, long long n, cudaStream_t s);
-cudaError_t unary_grad(UnaryGrad op, const Bf16* x, const Bf16* dy, Bf16* dx, long long n, cudaStream_t s);
+cudaError_t unary_grad(UnaryGrad op, const float* x, const float* dy, float* dx, long long n, cudaStream_t s,
+                       float param = 0);
+cudaError_t unary_grad(UnaryGrad op, const Bf16* x, const Bf16* dy, Bf16* dx, long long n, cudaStream_t s,
+                       float param = 0);
 cudaError_t fill(float* y, long long n, float value, cudaStream_t s);
 cudaError_t fill(Bf16* y, long long n, float value, cudaStream_t s);
 /// y[i] = x[sum_d idx_d(i) * ix.a[d]]: transpose and broadcast_to.

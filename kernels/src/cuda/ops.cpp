@@ -160,14 +160,14 @@ void unary(KernelContext& ctx, launch::Unary op, const char* name, float param =
 }
 
 template <class E>
-void unary_grad(KernelContext& ctx, launch::UnaryGrad op, const char* name) {
+void unary_grad(KernelContext& ctx, launch::UnaryGrad op, const char* name, float param = 0) {
   const Tensor& x = need_input(ctx, 0, name, "x");
   const Tensor& dy = need_input(ctx, 1, name, "dy");
   Tensor& dx = need_output(ctx, 0, name, "dx");
   check_same_shape(x, dy, name);
   check_same_shape(x, dx, name);
   launched(launch::unary_grad(op, in_as<E>(x, name, "x"), in_as<E>(dy, name, "dy"), out_as<E>(dx, name, "dx"),
-                              dx.numel(), stream_of(ctx, name)),
+                              dx.numel(), stream_of(ctx, name), param),
            name, ctx);
 }
 
@@ -845,6 +845,15 @@ void add_float_kernels(KernelRegistry& reg) {
   fn("gelu_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::gelu, "gelu_grad"); });
   fn("tanh_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::tanh, "tanh_grad"); });
   fn("sigmoid_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::sigmoid, "sigmoid_grad"); });
+  // The LLM ops' elementwise part (ops_llm.cpp has the CPU's).
+  fn("exp", [](KernelContext& c) { unary<E>(c, Unary::exp, "exp"); });
+  fn("log", [](KernelContext& c) { unary<E>(c, Unary::log, "log"); });
+  fn("sqrt", [](KernelContext& c) { unary<E>(c, Unary::sqrt, "sqrt"); });
+  fn("rsqrt", [](KernelContext& c) { unary<E>(c, Unary::rsqrt, "rsqrt"); });
+  fn("silu", [](KernelContext& c) { unary<E>(c, Unary::silu, "silu"); });
+  fn("sqrt_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::sqrt, "sqrt_grad"); });
+  fn("rsqrt_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::rsqrt, "rsqrt_grad"); });
+  fn("silu_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::silu, "silu_grad"); });
   fn("softmax", [](KernelContext& c) { softmax<E>(c, false, "softmax"); });
   fn("log_softmax", [](KernelContext& c) { softmax<E>(c, true, "log_softmax"); });
   fn("softmax_grad", [](KernelContext& c) { softmax_grad<E>(c, false, "softmax_grad"); });
@@ -854,6 +863,23 @@ void add_float_kernels(KernelRegistry& reg) {
     if (std::isnan(value)) throw std::invalid_argument(fmt::format("scale (actor '{}') needs a double attribute 'value'", cfg.actor));
     return std::make_unique<FunctionKernelF>([value](KernelContext& c) { unary<E>(c, Unary::scale, "scale", value); });
   });
+  for (const char* op : {"pow", "pow_grad"}) {
+    reg.add(op, cuda, dt, [op](const KernelConfig& cfg) {
+      const double p = cfg.attrs.get_double("exponent", 1.0);
+      if (!std::isfinite(p)) {
+        throw std::invalid_argument(fmt::format("{} (actor '{}'): exponent {} is not finite", op, cfg.actor, p));
+      }
+      const auto e = static_cast<float>(p);
+      const bool grad = std::string_view(op) == "pow_grad";
+      return std::make_unique<FunctionKernelF>([e, grad](KernelContext& c) {
+        if (grad) {
+          unary_grad<E>(c, UnaryGrad::pow, "pow_grad", e);
+        } else {
+          unary<E>(c, Unary::pow, "pow", e);
+        }
+      });
+    });
+  }
   reg.add("fill", cuda, dt, [](const KernelConfig& cfg) {
     const auto value = static_cast<float>(cfg.attrs.get_double("value", std::nan("")));
     if (!cfg.attrs.has("value")) throw std::invalid_argument(fmt::format("fill (actor '{}') needs a double attribute 'value'", cfg.actor));
