@@ -315,6 +315,19 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
     for (const char* op : {"sqrt_grad", "rsqrt_grad"}) check_op(gpu, reg, op, {}, {positive, random_f32(s)}, {{s, f32}});
     check_op(gpu, reg, "silu_grad", {}, {random_f32(s), random_f32(s)}, {{s, f32}});
   }
+  SUBCASE("RMSNorm and the rotary embedding") {
+    const Shape x{3, 7, 64};
+    const Attrs eps{{"eps", 1e-5}};
+    const Tensor w = random_f32({64}, 0.5f, 1.5f);
+    check_op(gpu, reg, "rms_norm", eps, {random_f32(x), w}, {{x, f32}});
+    check_op(gpu, reg, "rms_norm_grad", eps, {random_f32(x), w, random_f32(x)}, {{x, f32}});
+    check_op(gpu, reg, "rms_norm_grad_weight", eps, {random_f32(x), random_f32(x)}, {{{64}, f32}});
+    // Positions up to 300 (angles up to 300 radians): the tables are the CPU's, made on the host.
+    for (const Shape& r : {Shape{2, 5, 16}, Shape{2, 4, 300, 32}}) {
+      check_op(gpu, reg, "rope", Attrs{{"base", 10000.0}}, {random_f32(r)}, {{r, f32}});
+      check_op(gpu, reg, "rope_grad", Attrs{{"base", 500000.0}}, {random_f32(r)}, {{r, f32}});
+    }
+  }
   SUBCASE("shape ops") {
     check_op(gpu, reg, "sum_to", {}, {random_f32({64, 10})}, {{{10}, f32}});
     check_op(gpu, reg, "sum_to", {}, {random_f32({3, 4, 5})}, {{{3, 1, 5}, f32}});

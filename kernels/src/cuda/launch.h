@@ -69,6 +69,17 @@ cudaError_t layer_norm_grad(const float* x, const float* dy, float* dx, long lon
                             cudaStream_t s);
 cudaError_t layer_norm_grad(const Bf16* x, const Bf16* dy, Bf16* dx, long long rows, long long cols, double eps,
                             cudaStream_t s);
+// The LLM ops (llm.cu), f32: RMSNorm over the last axis (`rows` rows of `cols`) and its
+// gradients (rstd: scratch of `rows` doubles); the rotary embedding of x [blocks, t_len, 2 half]
+// by tables [t_len, half] of cos and sin (negated sin: its gradient).
+cudaError_t rms_norm(const float* x, const float* w, float* y, long long rows, long long cols, double eps,
+                     cudaStream_t s);
+cudaError_t rms_norm_grad(const float* x, const float* w, const float* dy, float* dx, long long rows, long long cols,
+                          double eps, cudaStream_t s);
+cudaError_t rms_norm_grad_weight(const float* x, const float* dy, double* rstd, float* dw, long long rows,
+                                 long long cols, double eps, cudaStream_t s);
+cudaError_t rope(const float* x, const float* cos_table, const float* sin_table, float* y, long long blocks,
+                 long long t_len, long long half, cudaStream_t s);
 /// y[i, :] = table[ids[i] - start, :] for a table of `rows` rows holding entries
 /// [start, start + rows) of a vocabulary [0, vocab); an id of another shard, or outside the
 /// vocabulary (the CPU throws there), gives a zero row. Unsharded: start 0, vocab = rows.

@@ -1019,6 +1019,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
     return std::make_unique<DropoutKernel<double>>(p, seed);
   });
   add_fused_kernels(reg);
+  add_llm_kernels(reg);
 }
 
 void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, const SgdConfig& cfg, std::int64_t step,
