@@ -23,11 +23,14 @@ namespace fs = std::filesystem;
 
 std::string read_input(const std::string& path) {
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) throw std::invalid_argument(fmt::format("--input {}: no such file", path));
+  if (!fs::is_regular_file(path, ec))
+    throw std::invalid_argument(fmt::format("--input {}: no such file", path));
   std::ifstream in(path, std::ios::binary);
   std::stringstream text;
   text << in.rdbuf();
-  if (!in && !in.eof()) throw std::invalid_argument(fmt::format("--input {}: cannot read: {}", path, std::strerror(errno)));
+  if (!in && !in.eof())
+    throw std::invalid_argument(
+        fmt::format("--input {}: cannot read: {}", path, std::strerror(errno)));
   return text.str();
 }
 
@@ -75,10 +78,12 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer Tokenizer::load(const std::string& path) {
   auto impl = std::make_unique<Impl>();
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) throw std::runtime_error(fmt::format("--tokenizer {}: no such file", path));
+  if (!fs::is_regular_file(path, ec))
+    throw std::runtime_error(fmt::format("--tokenizer {}: no such file", path));
   const auto status = impl->sp.Load(path);
   if (!status.ok()) {
-    throw std::runtime_error(fmt::format("--tokenizer {}: not a SentencePiece model: {}", path, status.ToString()));
+    throw std::runtime_error(
+        fmt::format("--tokenizer {}: not a SentencePiece model: {}", path, status.ToString()));
   }
   return Tokenizer(std::move(impl));
 }
@@ -100,40 +105,53 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& inputs, std::int64_t 
   Lines iterator(std::move(lines));
   // One thread and a fixed seed: the same text gives the same model on every run.
   sentencepiece::SetRandomGeneratorSeed(1);
-  const std::unordered_map<std::string, std::string> args{{"model_type", model_type},
-                                                          {"vocab_size", std::to_string(vocab_size)},
-                                                          {"num_threads", "1"},
-                                                          {"minloglevel", "2"}};
+  const std::unordered_map<std::string, std::string> args{
+      {"model_type", model_type},
+      {"vocab_size", std::to_string(vocab_size)},
+      {"num_threads", "1"},
+      {"minloglevel", "2"}};
   std::string proto;
   const auto status = sentencepiece::SentencePieceTrainer::Train(args, &iterator, &proto);
   if (!status.ok()) {
-    throw std::runtime_error(fmt::format("--train-tokenizer (--vocab-size {}, --model-type {}): SentencePiece cannot "
-                                         "train: {}", vocab_size, model_type, status.ToString()));
+    throw std::runtime_error(
+        fmt::format("--train-tokenizer (--vocab-size {}, --model-type {}): SentencePiece cannot "
+                    "train: {}",
+                    vocab_size, model_type, status.ToString()));
   }
   std::ofstream out(model_path, std::ios::binary | std::ios::trunc);
   out.write(proto.data(), static_cast<std::streamsize>(proto.size()));
   out.close();
-  if (!out) throw std::runtime_error(fmt::format("{}: cannot write the tokenizer: {}", model_path, std::strerror(errno)));
+  if (!out)
+    throw std::runtime_error(
+        fmt::format("{}: cannot write the tokenizer: {}", model_path, std::strerror(errno)));
   auto impl = std::make_unique<Impl>();
   const auto loaded = impl->sp.LoadFromSerializedProto(proto);
-  if (!loaded.ok()) throw std::runtime_error(fmt::format("{}: cannot load what was trained: {}", model_path, loaded.ToString()));
+  if (!loaded.ok())
+    throw std::runtime_error(
+        fmt::format("{}: cannot load what was trained: {}", model_path, loaded.ToString()));
   return Tokenizer(std::move(impl));
 }
 
-std::int64_t Tokenizer::vocab_size() const { return impl_->sp.GetPieceSize(); }
-std::int32_t Tokenizer::eos_id() const { return impl_->sp.eos_id(); }
+std::int64_t Tokenizer::vocab_size() const {
+  return impl_->sp.GetPieceSize();
+}
+std::int32_t Tokenizer::eos_id() const {
+  return impl_->sp.eos_id();
+}
 
 std::vector<std::int32_t> Tokenizer::encode(const std::string& text) const {
   std::vector<int> ids;
   const auto status = impl_->sp.Encode(text, &ids);
-  if (!status.ok()) throw std::runtime_error(fmt::format("SentencePiece cannot encode: {}", status.ToString()));
+  if (!status.ok())
+    throw std::runtime_error(fmt::format("SentencePiece cannot encode: {}", status.ToString()));
   return {ids.begin(), ids.end()};
 }
 
 std::string Tokenizer::decode(const std::vector<std::int32_t>& ids) const {
   std::string text;
   const auto status = impl_->sp.Decode(std::vector<int>(ids.begin(), ids.end()), &text);
-  if (!status.ok()) throw std::runtime_error(fmt::format("SentencePiece cannot decode: {}", status.ToString()));
+  if (!status.ok())
+    throw std::runtime_error(fmt::format("SentencePiece cannot decode: {}", status.ToString()));
   return text;
 }
 
@@ -156,17 +174,22 @@ Summary prepare_data(const Options& o) {
     throw std::invalid_argument("--tokenizer MODEL or --train-tokenizer: give exactly one");
   }
   if (!o.train_tokenizer && o.vocab_size != 0) {
-    throw std::invalid_argument("--vocab-size: only with --train-tokenizer (a loaded model has its own)");
+    throw std::invalid_argument(
+        "--vocab-size: only with --train-tokenizer (a loaded model has its own)");
   }
   if (!(o.val_fraction >= 0 && o.val_fraction < 1)) {
-    throw std::invalid_argument(fmt::format("--val-fraction {}: must be in [0, 1)", o.val_fraction));
+    throw std::invalid_argument(
+        fmt::format("--val-fraction {}: must be in [0, 1)", o.val_fraction));
   }
-  if (o.shard_tokens < 1) throw std::invalid_argument(fmt::format("--shard-tokens {}: must be >= 1", o.shard_tokens));
+  if (o.shard_tokens < 1)
+    throw std::invalid_argument(fmt::format("--shard-tokens {}: must be >= 1", o.shard_tokens));
   for (const std::string& path : o.inputs) read_input(path);  // every input named before any work
 
   std::error_code ec;
   fs::create_directories(o.output, ec);
-  if (ec) throw std::runtime_error(fmt::format("--output {}: cannot create the directory: {}", o.output, ec.message()));
+  if (ec)
+    throw std::runtime_error(
+        fmt::format("--output {}: cannot create the directory: {}", o.output, ec.message()));
   Summary s;
   Tokenizer tok = [&] {
     if (!o.train_tokenizer) return Tokenizer::load(o.tokenizer);
@@ -179,7 +202,9 @@ Summary prepare_data(const Options& o) {
     s.tokenizer_path = (fs::path(o.output) / tokenizer_name).string();
     if (!fs::equivalent(o.tokenizer, s.tokenizer_path, ec)) {
       fs::copy_file(o.tokenizer, s.tokenizer_path, fs::copy_options::overwrite_existing, ec);
-      if (ec) throw std::runtime_error(fmt::format("{}: cannot copy the tokenizer there: {}", s.tokenizer_path, ec.message()));
+      if (ec)
+        throw std::runtime_error(
+            fmt::format("{}: cannot copy the tokenizer there: {}", s.tokenizer_path, ec.message()));
     }
   }
 
@@ -188,15 +213,16 @@ Summary prepare_data(const Options& o) {
     const std::vector<std::int32_t> more = tok.encode_file(path);
     ids.insert(ids.end(), more.begin(), more.end());
   }
-  const auto val = static_cast<std::size_t>(std::llround(o.val_fraction * static_cast<double>(ids.size())));
+  const auto val =
+      static_cast<std::size_t>(std::llround(o.val_fraction * static_cast<double>(ids.size())));
   const std::size_t train = ids.size() - val;
   if (train < 2) {
-    throw std::invalid_argument(fmt::format("--input: {} tokens leave {} for training; a model needs at least 2",
-                                            ids.size(), train));
+    throw std::invalid_argument(fmt::format(
+        "--input: {} tokens leave {} for training; a model needs at least 2", ids.size(), train));
   }
   const std::span<const std::int32_t> all(ids);
-  s.index = data::write_token_shards(o.output, all.first(train), all.subspan(train), tok.vocab_size(), tokenizer_name,
-                                     o.shard_tokens);
+  s.index = data::write_token_shards(o.output, all.first(train), all.subspan(train),
+                                     tok.vocab_size(), tokenizer_name, o.shard_tokens);
   s.train_tokens = static_cast<std::int64_t>(train);
   s.val_tokens = static_cast<std::int64_t>(val);
   return s;

@@ -2,7 +2,8 @@
 /// Text files to token shards (graph/tokens.h) through a SentencePiece tokenizer (Debian's
 /// libsentencepiece): what baton-prepare-data does, as a library the tests call.
 ///
-///   baton::prepare::Options o{.inputs = {"/usr/share/common-licenses/GPL-3"}, .train_tokenizer = true,
+///   baton::prepare::Options o{.inputs = {"/usr/share/common-licenses/GPL-3"}, .train_tokenizer =
+///   true,
 ///                             .vocab_size = 512, .output = "data/gpl"};
 ///   baton::prepare::Summary s = baton::prepare::prepare_data(o);
 ///
@@ -53,11 +54,11 @@ class Tokenizer {
 struct Options {
   std::vector<std::string> inputs;  // --input: text files
   std::string tokenizer;            // --tokenizer: a .model to load
-  bool train_tokenizer = false;     // --train-tokenizer: train one, written to output/tokenizer.model
-  std::int64_t vocab_size = 0;      // --vocab-size (with --train-tokenizer)
-  std::string model_type = "bpe";   // --model-type: bpe or unigram
-  std::string output;               // --output: the shard directory
-  double val_fraction = 0.1;        // --val-fraction, in [0, 1)
+  bool train_tokenizer = false;  // --train-tokenizer: train one, written to output/tokenizer.model
+  std::int64_t vocab_size = 0;   // --vocab-size (with --train-tokenizer)
+  std::string model_type = "bpe";           // --model-type: bpe or unigram
+  std::string output;                       // --output: the shard directory
+  double val_fraction = 0.1;                // --val-fraction, in [0, 1)
   std::int64_t shard_tokens = 100'000'000;  // --shard-tokens: tokens per shard at most
 };
 

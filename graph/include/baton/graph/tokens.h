@@ -8,14 +8,16 @@
 ///
 ///   {"format": "baton-token-shards", "version": 1, "dtype": "uint16", "vocab_size": 512,
 ///    "tokenizer": "tokenizer.model",
-///    "train": [{"file": "train_000.bin", "tokens": 91234}], "val": [{"file": "val_000.bin", "tokens": 4801}]}
+///    "train": [{"file": "train_000.bin", "tokens": 91234}], "val": [{"file": "val_000.bin",
+///    "tokens": 4801}]}
 ///
 /// A split is its shards' tokens one after another (shard order): a window may run across a
 /// shard boundary. The shards are memory-mapped, not read: a corpus larger than memory costs
 /// only the pages the windows touch.
 ///
 ///   auto shards = baton::data::TokenShards::open("data/gpl", "train");
-///   cfg.data = {{"tokens", baton::data::token_source(shards, 16, 2, 64, 1), {"tokens", "targets"}}};
+///   cfg.data = {{"tokens", baton::data::token_source(shards, 16, 2, 64, 1), {"tokens",
+///   "targets"}}};
 #include <cstdint>
 #include <memory>
 #include <span>
