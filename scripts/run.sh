@@ -33,7 +33,7 @@ packages=(
   g++ cmake ninja-build ccache pkg-config
   libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev zlib1g-dev
   iproute2 openssh-client openssh-server openmpi-bin libopenmpi-dev
-  libtbb-dev libcaf-dev
+  libtbb-dev libcaf-dev libsentencepiece-dev
 )
 
 # Only the tests need these: the dashboard's browser test drives headless Chromium, the

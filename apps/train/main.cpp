@@ -25,6 +25,7 @@
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels/cuda.h"
+#include "baton/graph/tokens.h"
 #include "baton/kernels/data.h"
 #include "baton/observe/trace.h"
 #include "baton/observe/watch.h"
@@ -88,6 +89,10 @@ struct Options {
 struct Data {
   std::shared_ptr<const data::Dataset> train, heldout;        // labelled sets
   std::shared_ptr<const data::TextCorpus> text, text_heldout;  // text
+  std::shared_ptr<const data::TokenShards> tokens, tokens_val;  // token shards (tokens_val: null without val_*.bin)
+
+  /// The GPT's vocabulary: the text's distinct bytes, or the shards' tokenizer's.
+  std::int64_t vocab_size() const { return tokens ? tokens->vocab_size() : text->vocab_size(); }
 };
 
 /// "1048576", "512MiB", "2GiB", "1.5GB", "64KB" -> bytes; "" -> 0 (no budget). Throws
@@ -130,8 +135,13 @@ Data load(const Options& o) {
     heldout.ids.assign(all.ids.begin() + cut, all.ids.end());
     d.text = std::make_shared<const data::TextCorpus>(std::move(train));
     d.text_heldout = std::make_shared<const data::TextCorpus>(std::move(heldout));
+  } else if (o.data.rfind("tokens:", 0) == 0) {
+    // baton-prepare-data's shards: val_*.bin is the held-out stretch.
+    const std::string dir = o.data.substr(7);
+    d.tokens = data::TokenShards::open(dir, "train");
+    if (!d.tokens->index().val.empty()) d.tokens_val = data::TokenShards::open(dir, "val");
   } else {
-    throw std::invalid_argument(fmt::format("--data {}: expected digits, synthetic or text:PATH", o.data));
+    throw std::invalid_argument(fmt::format("--data {}: expected digits, synthetic, text:PATH or tokens:DIR", o.data));
   }
   return d;
 }
@@ -148,8 +158,8 @@ OptimizerConfig optimizer(const Options& o) {
 
 /// --model llama's shape from the flags; a value the model cannot take is refused naming its
 /// flag (the model's own checks, in models.cpp, speak of its fields).
-models::LlamaShape llama_shape(const Options& o, const data::TextCorpus& text) {
-  models::LlamaShape s{.vocab = text.vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
+models::LlamaShape llama_shape(const Options& o, std::int64_t vocab) {
+  models::LlamaShape s{.vocab = vocab, .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
                        .kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads, .layers = o.layers,
                        .rope_base = o.rope_base, .tie_embeddings = o.tie_embeddings, .tp = o.tp,
                        .attention = models::parse_attention(o.attention)};
@@ -186,10 +196,12 @@ models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t ba
     Value logits = models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp});
     return {logits, softmax_cross_entropy(logits, g.find("label"))};
   }
-  if (!d.text) throw std::invalid_argument(fmt::format("--model {} needs --data text:PATH", o.model));
-  if (o.model == "llama") return models::llama_with_loss(g, batch, llama_shape(o, *d.text));
+  if (!d.text && !d.tokens) {
+    throw std::invalid_argument(fmt::format("--model {} needs --data text:PATH or tokens:DIR", o.model));
+  }
+  if (o.model == "llama") return models::llama_with_loss(g, batch, llama_shape(o, d.vocab_size()));
   return models::gpt_with_loss(g, batch,
-                               {.vocab = d.text->vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
+                               {.vocab = d.vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
                                 .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention)});
 }
 
@@ -212,7 +224,13 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
   }
   // Text: the mean loss over consecutive held-out windows.
   const std::int64_t rows = 16, t = o.seq;
-  const auto& ids = d.text_heldout->ids;
+  std::vector<std::int32_t> ids;
+  if (d.text_heldout) {
+    ids = d.text_heldout->ids;
+  } else if (d.tokens_val) {
+    ids.resize(static_cast<std::size_t>(std::min(d.tokens_val->size(), rows * t + 1)));
+    d.tokens_val->copy(0, static_cast<std::int64_t>(ids.size()), ids.data());
+  }
   const std::int64_t windows = std::min<std::int64_t>(rows, (static_cast<std::int64_t>(ids.size()) - 1) / t);
   if (windows < 1) return {NAN, NAN};
   Graph g(o.seed);
@@ -422,7 +440,9 @@ int run(const Options& o) {
       }
     }
   }
-  if (text) {
+  if (text && d.tokens) {
+    cfg.data = {{"tokens", data::token_source(d.tokens, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
+  } else if (text) {
     cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
   } else {
     cfg.data = {{o.data, data::batch_source(d.train, o.batch, pieces, o.seed), {"x", "label"}}};
@@ -686,7 +706,7 @@ int main(int argc, char** argv) {
   // A flag given twice takes its last value, so that scripts/run.sh demo ARGS can override the demo's own.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", o.model, "mlp, gpt or llama")->check(CLI::IsMember({"mlp", "gpt", "llama"}));
-  app.add_option("--data", o.data, "digits, synthetic or text:PATH");
+  app.add_option("--data", o.data, "digits, synthetic, text:PATH (characters) or tokens:DIR (baton-prepare-data's shards)");
   app.add_option("--steps", o.steps, "optimizer steps in all (a resumed run goes on to this one)")->check(positive);
   app.add_option("--batch", o.batch, "global batch per step")->check(positive);
   app.add_option("--microbatches", o.microbatches, "micro-batches per step (gradient accumulation)")

@@ -303,19 +303,17 @@ class TextSourceKernel final : public Kernel {
 
     const std::int64_t step = ctx.piece / microbatches_;
     const std::int64_t micro = ctx.piece % microbatches_;
-    // One generator per step, drawn row by row from the step's first row: the offsets of a
-    // step's global batch do not depend on how it is cut into micro-batches.
-    std::mt19937_64 rng(splitmix64(splitmix64(seed_) ^ static_cast<std::uint64_t>(step)));
     const auto starts = static_cast<std::uint64_t>(corpus_->ids.size()) -
                         static_cast<std::uint64_t>(seq_);
-    for (std::int64_t skip = 0; skip < micro * per_piece_; ++skip) bounded(rng, starts);
+    const std::vector<std::uint64_t> offsets =
+        window_starts(seed_, step, micro * per_piece_, per_piece_, starts);
 
     const std::int32_t* ids = corpus_->ids.data();
     auto tok = tokens.data<std::int32_t>();
     auto tgt = targets.data<std::int32_t>();
     const auto s = static_cast<std::size_t>(seq_);
     for (std::int64_t r = 0; r < per_piece_; ++r) {
-      const auto offset = static_cast<std::size_t>(bounded(rng, starts));
+      const auto offset = static_cast<std::size_t>(offsets[static_cast<std::size_t>(r)]);
       const auto out = static_cast<std::size_t>(r) * s;
       std::copy_n(ids + offset, s, tok.data() + out);
       std::copy_n(ids + offset + 1, s, tgt.data() + out);
@@ -549,6 +547,21 @@ KernelFactory batch_source(std::shared_ptr<const Dataset> data, std::int64_t bat
     return std::make_unique<BatchSourceKernel>(data, batch, microbatches, seed,
                                                std::string(cfg.actor));
   };
+}
+
+std::vector<std::uint64_t> window_starts(std::uint64_t seed, std::int64_t step, std::int64_t first_row,
+                                         std::int64_t rows, std::uint64_t starts) {
+  if (starts < 1 || first_row < 0 || rows < 0) {
+    throw std::invalid_argument(fmt::format("window_starts: needs starts >= 1, first_row >= 0 and rows >= 0, "
+                                            "not {}, {} and {}", starts, first_row, rows));
+  }
+  // One generator per step, drawn row by row from the step's first row: the offsets of a
+  // step's global batch do not depend on how it is cut into micro-batches.
+  std::mt19937_64 rng(splitmix64(splitmix64(seed) ^ static_cast<std::uint64_t>(step)));
+  for (std::int64_t skip = 0; skip < first_row; ++skip) bounded(rng, starts);
+  std::vector<std::uint64_t> out(static_cast<std::size_t>(rows));
+  for (auto& o : out) o = bounded(rng, starts);
+  return out;
 }
 
 KernelFactory text_source(std::shared_ptr<const TextCorpus> corpus, std::int64_t batch,

@@ -99,6 +99,15 @@ TextCorpus load_text(const std::string& path);
 KernelFactory batch_source(std::shared_ptr<const Dataset> data, std::int64_t batch,
                            std::int64_t microbatches, std::uint64_t seed);
 
+/// The window starts of rows [first_row, first_row + rows) of step `step`'s global batch: each
+/// drawn uniformly from [0, starts) by one std::mt19937_64 per step, seeded with (seed, step),
+/// row by row from the step's first row, so a step's windows do not depend on how its batch is
+/// cut into micro-batches. text_source() and the token shards' source (graph/tokens.h) draw
+/// their windows here. Throws std::invalid_argument unless starts >= 1, first_row >= 0 and
+/// rows >= 0.
+std::vector<std::uint64_t> window_starts(std::uint64_t seed, std::int64_t step, std::int64_t first_row,
+                                         std::int64_t rows, std::uint64_t starts);
+
 /// A source kernel of character windows from `corpus`. Row i of step s's global batch is the
 /// window starting at offset o(s, i), drawn uniformly from [0, n - seq - 1] by a generator
 /// seeded with (seed, s): tokens = ids[o, o + seq) and targets = ids[o + 1, o + seq + 1) (the
