@@ -159,7 +159,7 @@ TEST_CASE("BadInput.DataFiles" * doctest::timeout(300)) {
   write_file("emptydigits/digits.csv.gz", "");
 
   const std::vector<Case> cases{
-      {{"--data", "nosuch"}, "--data nosuch: expected digits, synthetic or text:PATH"},
+      {{"--data", "nosuch"}, "--data nosuch: expected digits, synthetic, text:PATH or tokens:DIR"},
       {{"--model", "gpt", "--data", "text:/nonexistent/corpus.txt"}, "/nonexistent/corpus.txt"},
       {{"--model", "gpt", "--data", "text:" + empty}, empty + ": 0 bytes"},
       {{"--model", "gpt", "--data", "text:" + one}, one},
