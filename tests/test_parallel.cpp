@@ -152,20 +152,29 @@ TEST_CASE("Parallel.DataParallelPlanHasTheAllReduceInBuckets") {
     for (const auto& a : r.plan.actors) n += a.op == op;
     return n;
   };
-  // One all-reduce per weight (bucket_bytes 0): 4 weights and the loss, 2 replicas; each a
-  // ring (collectives.h) with one segment per chunk: an add per chunk, a gather (concat) per
-  // replica, no slice (the replicas are devices of one rank).
+  // One all-reduce per weight (bucket_bytes 0): 4 weights and the loss, 2 replicas. A tensor of
+  // gradient_direct_below_bytes or more goes by the ring (collectives.h) with one segment per
+  // chunk: an add per chunk, a gather (concat) per replica, no slice (the replicas are devices
+  // of one rank); a smaller one by the direct all-reduce: one sum actor per replica.
   Run per_weight = train({.dp = 2, .microbatches = 1, .steps = 1, .bucket_bytes = 0});
+  int direct = 0;  // all-reduces by the direct algorithm: replica 0's sum actors
+  for (const auto& a : per_weight.plan.actors) direct += a.op == "allreduce.sum" && !a.name.ends_with("@dp1");
+  const int ring = 5 - direct;
+  CHECK(direct >= 1);  // the loss (one element) at least
+  CHECK(ring >= 1);    // the largest weight
   CHECK(count(per_weight, "allreduce.split") == 0);
   CHECK(count(per_weight, "allreduce.slice") == 0);
-  CHECK(count(per_weight, "allreduce.add") == 10);
-  CHECK(count(per_weight, "allreduce.concat") == 10);
+  CHECK(count(per_weight, "allreduce.sum") == 2 * direct);
+  CHECK(count(per_weight, "allreduce.add") == 2 * ring);
+  CHECK(count(per_weight, "allreduce.concat") == 2 * ring);
   // DDP's 25 MB: the 4 weights share one bucket, packed (concat) and unpacked (split) around
-  // one all-reduce; the loss has its own.
+  // one all-reduce (a ring: the bucket holds the largest weight, so it is over the crossover);
+  // the loss has its own, direct.
   Run bucketed = train({.dp = 2, .microbatches = 1, .steps = 1});
-  CHECK(count(bucketed, "allreduce.add") == 4);
+  CHECK(count(bucketed, "allreduce.add") == 2);
   CHECK(count(bucketed, "allreduce.split") == 2);
-  CHECK(count(bucketed, "allreduce.concat") == 6);
+  CHECK(count(bucketed, "allreduce.concat") == 4);
+  CHECK(count(bucketed, "allreduce.sum") == 2);
   // Replica r's actors run on in-process device cpu:r.
   for (const auto& a : bucketed.plan.actors) {
     if (a.name.ends_with("@dp1")) CHECK(a.where.device.index == 1);

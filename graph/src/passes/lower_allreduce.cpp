@@ -39,6 +39,12 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
   }
   if (!bucket.nccl) {
     AllReduceSettings settings;
+    // A small bucket (a bias's gradient, a layer norm's) goes by the direct all-reduce: one hop
+    // where the ring takes 2(N-1). Measured with baton-bench-allreduce on the 2-core machine,
+    // 2 and 4 ranks, two runs (README, "Numbers"): direct was 1.5-9x faster at 1 and 4 KiB and
+    // 1.3-4x slower at 16 KiB, where UCX leaves its eager protocol for rendezvous and the ring's
+    // chunks still travel eagerly; 8 KiB (not measured) is taken as the crossover's safe side.
+    settings.direct_below_bytes = gradient_direct_below_bytes;
     if (compress) settings.wire = DType::bf16;
     try {
       return add_replica_allreduce(replicas, name, inputs, shape, dt, backward_stream(cfg), 1,

@@ -63,12 +63,16 @@ enum class AllReduceAlgorithm : std::uint8_t {
   direct,
 };
 
+/// Below this many bytes a gradient bucket is all-reduced `direct`, above it by the ring: the
+/// crossover measured with baton-bench-allreduce (README, "Numbers").
+inline constexpr std::int64_t gradient_direct_below_bytes = std::int64_t{8} << 10;
+
 /// How add_allreduce cuts the tensor. Defaults measured with baton-bench-allreduce (README).
 struct AllReduceSettings {
   AllReduceAlgorithm algorithm = AllReduceAlgorithm::ring;
-  /// With the ring: a tensor of fewer bytes than this is all-reduced `direct` instead (0: never).
-  /// As NCCL and Open MPI's tuned module choose by size; the default is the crossover measured
-  /// with baton-bench-allreduce (README, "Numbers").
+  /// With the ring: a tensor of fewer bytes than this is all-reduced `direct` instead (0: never,
+  /// so that asking for the ring gets the ring). As NCCL and Open MPI's tuned module choose by
+  /// size, the gradient buckets of compile_training use gradient_direct_below_bytes.
   std::int64_t direct_below_bytes = 0;
   /// Target bytes of one segment: each chunk is cut into ceil(chunk bytes / segment_bytes)
   /// segments, so a tensor below N x segment_bytes has one segment per chunk (the fewest
