@@ -241,7 +241,10 @@ class Reference {
   bool runs() const { return missing_.empty(); }
 
   /// Trains the case for `steps` steps (after `warmup` untimed ones) from the weights in
-  /// `weights_file`, the best of `repeats` timed runs.
+  /// `weights_file`, the best of `repeats` timed runs. OpenBLAS runs on the case's threads:
+  /// Debian's torch 1.13 does not hand torch.set_num_threads on to its OpenBLAS, whose pthread
+  /// build would otherwise add a thread per core to every matrix product (baton's side calls
+  /// openblas_set_num_threads).
   Result run(const Case& c, std::int64_t steps, std::int64_t warmup, int repeats, const std::string& weights_file) const {
     std::string shape;
     if (c.model == "mlp") {
@@ -252,9 +255,9 @@ class Reference {
                           c.gpt.d_model, c.gpt.heads, c.gpt.layers);
     }
     const std::string cmd = fmt::format(
-        "timeout --kill-after=10 {} env OMP_WAIT_POLICY={} {} --case {} {} --steps {} --threads {} --batch {} --warmup {} "
-        "--lr {} --seed {} --repeats {} --weights {}",
-        reference_timeout_s, shell_quote(omp_wait_policy()), command_, c.name, shape, steps, c.threads, c.batch, warmup,
+        "timeout --kill-after=10 {} env OMP_WAIT_POLICY={} OPENBLAS_NUM_THREADS={} {} --case {} {} --steps {} --threads {} "
+        "--batch {} --warmup {} --lr {} --seed {} --repeats {} --weights {}",
+        reference_timeout_s, shell_quote(omp_wait_policy()), c.threads, command_, c.name, shape, steps, c.threads, c.batch, warmup,
         lr, seed, repeats, shell_quote(weights_file));
     auto [status, out] = run_capture(cmd);
     if (status != 0) throw std::runtime_error(fmt::format("'{}' failed (status {})", cmd, status));
@@ -533,6 +536,7 @@ void bench_case(const Case& c, const Options& o, const Data& d, const std::vecto
       if (ref->name() == "pytorch") line.add("torch_version", ref->version());
     }
     line.add("reference_omp_wait_policy", results.front().second.omp_wait_policy);
+    line.add("reference_openblas_threads", c.threads);
   }
   line.print();
   std::string ref_note;
