@@ -4,7 +4,10 @@
     build/bin/baton-bench-parallel  > /tmp/parallel.jsonl
     build/bin/baton-bench-allreduce > /tmp/allreduce.jsonl
     scripts/plot_bench.py bubble    /tmp/parallel.jsonl  docs/bubble.svg
-    scripts/plot_bench.py allreduce /tmp/allreduce.jsonl docs/allreduce.svg
+    scripts/plot_bench.py allreduce /tmp/allreduce.jsonl docs/allreduce.svg [/tmp/transport.jsonl]
+
+With baton-bench-transport's lines as a fourth argument, the all-reduce plot also draws
+ucx_perftest's tag_bw over shared memory (the transport's ceiling) at the sizes it measured.
 """
 import json
 import math
@@ -75,8 +78,19 @@ def bubble(rows):
     return svg("Pipeline bubble: idle fraction per stage", "micro-batches M", "idle fraction", series)
 
 
-def allreduce(rows):
+def allreduce(rows, transport=()):
     series = []
+    # perftest's one-way bandwidth is a ceiling for busbw: a ring moves 2(n-1)/n of the tensor
+    # through every link, and busbw counts exactly those bytes.
+    ceiling = []
+    for r in transport:
+        case = r.get("case", "")
+        if case.startswith("transfer_bw_") and case.endswith("_shm") and "reference" in r:
+            size = case[len("transfer_bw_"):-len("_shm")]
+            scale = 1 << 20 if size.endswith("MiB") else 1 << 10
+            ceiling.append((int(size[:-3]) * scale, r["reference"]))
+    if ceiling:
+        series.append(("ucx_perftest tag_bw (shm)", sorted(ceiling), True))
     for n in (2, 4):
         mine = [(r["bytes"], r["value"]) for r in rows if r.get("ranks") == n]
         ref = [(r["bytes"], r["reference"]) for r in rows if r.get("ranks") == n and "reference" in r]
@@ -90,9 +104,12 @@ def allreduce(rows):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] not in ("bubble", "allreduce"):
+    if len(sys.argv) not in (4, 5) or sys.argv[1] not in ("bubble", "allreduce"):
         sys.exit(__doc__)
     rows = lines(sys.argv[2])
-    text = bubble(rows) if sys.argv[1] == "bubble" else allreduce(rows)
+    if sys.argv[1] == "bubble":
+        text = bubble(rows)
+    else:
+        text = allreduce(rows, lines(sys.argv[4]) if len(sys.argv) == 5 else ())
     with open(sys.argv[3], "w") as f:
         f.write(text)

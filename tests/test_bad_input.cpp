@@ -287,4 +287,8 @@ TEST_CASE("Train.PrintMemoryAnswersFromThePlanAndABudgetBelowItIsRefused" * doct
                                  "but the memory budget is"});
   Proc fits(with({"--memory-budget", std::to_string(largest)}), {});
   CHECK(fits.wait(60s) == 0);
+  // --device-memory is the same limit under the name the step-9 issue gives it.
+  expect_refused("baton-train", {{"--model", "mlp", "--data", "digits", "--dp", "2", "--pp", "2", "--microbatches", "2",
+                                  "--device-memory", std::to_string(largest - 1)},
+                                 "but the memory budget is"});
 }

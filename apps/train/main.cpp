@@ -778,7 +778,7 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-memory-plan", o.memory_plan,
                "give every register slot memory of its own instead of packing slots whose lives never meet into "
                "one arena per device");
-  app.add_option("--memory-budget", o.memory_budget,
+  app.add_option("--memory-budget,--device-memory", o.memory_budget,
                  "refuse, before running, a plan that needs more than this on some device (bytes, or 512MiB, 2GiB, "
                  "1.5GB; CPU devices too), naming the largest consumers");
   app.add_flag("--print-memory", o.print_memory,
