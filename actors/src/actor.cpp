@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "baton/actors/plan_memory.h"
 #include "internal.h"
 
 namespace baton::detail {
@@ -36,6 +37,12 @@ void Actor::wire_outputs() {
     out->buffers.resize(static_cast<std::size_t>(reg.slots));
     if (!core_.dry_run && desc_.kind != ActorKind::repeat) {
       for (std::size_t s = 0; s < out->buffers.size(); ++s) out->buffers[s] = core_.register_slot(desc_, r, s);
+      const RegisterMemory mem = register_memory(plan, r);
+      if (core_.settings.measure_memory && mem.allocated) {
+        out->in_use = &core_.in_use[mem.device];
+        out->slot_bytes = slot_bytes(reg);
+        out->unread = std::make_unique<std::atomic<std::int32_t>[]>(static_cast<std::size_t>(reg.slots));
+      }
     }
     for (ActorIndex c : reg.consumers) {
       Actor* consumer = core_.actors[c].get();
@@ -497,6 +504,12 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
     }
     const auto slot = static_cast<std::size_t>(piece % out.slots);
     out.pending[slot] = out.live;
+    if (out.in_use != nullptr) {
+      // Before the requests go out: a reader counts itself down only after it has one.
+      out.unread[slot].store(out.live, std::memory_order_relaxed);
+      out.in_use->add(out.slot_bytes);
+      if (out.live == 0) out.in_use->sub(out.slot_bytes);
+    }
     out.written = piece + 1;
     auto outstanding = static_cast<std::int32_t>(out.written - out.freed);
     if (outstanding > out.max_outstanding) {
@@ -534,6 +547,7 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
 
 void Actor::release(Input& in, std::int64_t piece) {
   const auto slot = static_cast<std::size_t>(piece % in.slots);
+  if (in.source != nullptr && in.source->in_use != nullptr) in.source->reader_done(slot);
   if (in.source != nullptr) {
     std::vector<const StreamEvent*>& left = in.source->done[in.consumer_index][slot];
     if (stream_ordered_ && in.sync == EdgeSync::event) {
@@ -609,6 +623,8 @@ void Actor::on_ack(const Message& m) {
   }
   if (m.piece < c.detached_from) {
     --out->pending[static_cast<std::size_t>(m.piece % out->slots)];
+    // A reader on another rank: its release happened there.
+    if (out->in_use != nullptr && c.worker == nullptr) out->reader_done(static_cast<std::size_t>(m.piece % out->slots));
     advance_freed(*out);
   }
 }
@@ -631,6 +647,7 @@ void Actor::on_detach(const Message& m) {
   c.detached_from = m.piece;
   for (std::int64_t p = std::max(c.acked, m.piece); p < out->written; ++p) {
     --out->pending[static_cast<std::size_t>(p % out->slots)];
+    if (out->in_use != nullptr) out->reader_done(static_cast<std::size_t>(p % out->slots));
   }
   if (--out->live == 0) ++outputs_dead_;
   advance_freed(*out);

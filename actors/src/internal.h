@@ -47,6 +47,19 @@ struct Consumer {
   std::int64_t detached_from = never;  // pieces >= this will not be read
 };
 
+/// A device's register bytes in use, with the most ever (RuntimeSettings::measure_memory).
+struct InUse {
+  std::atomic<std::int64_t> now{0};
+  std::atomic<std::int64_t> peak{0};
+  void add(std::int64_t bytes) {
+    const std::int64_t v = now.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    std::int64_t p = peak.load(std::memory_order_relaxed);
+    while (v > p && !peak.compare_exchange_weak(p, v, std::memory_order_relaxed)) {
+    }
+  }
+  void sub(std::int64_t bytes) { now.fetch_sub(bytes, std::memory_order_relaxed); }
+};
+
 /// A register this actor produces: its slots and who still reads each.
 struct Output {
   RegisterIndex reg = 0;
@@ -69,6 +82,17 @@ struct Output {
   // Per consumer, per slot: events its readers recorded after their reads (left here before
   // their ack); the writer's stream waits for them before it writes the slot again.
   std::vector<std::vector<std::vector<const StreamEvent*>>> done;
+  // RuntimeSettings::measure_memory (null in_use: not measured): the device's count, the bytes
+  // of a slot, and per slot the readers yet to finish with its piece. Readers on this rank
+  // count themselves down when they release a piece (not when the ack reaches the writer, which
+  // may be later than the plan's lives assume); the writer counts down readers on other ranks
+  // as their acks arrive and readers that detach.
+  InUse* in_use = nullptr;
+  std::int64_t slot_bytes = 0;
+  std::unique_ptr<std::atomic<std::int32_t>[]> unread;
+  void reader_done(std::size_t slot) {
+    if (unread[slot].fetch_sub(1, std::memory_order_acq_rel) == 1) in_use->sub(slot_bytes);
+  }
   // Mirrors for the metrics reader (relaxed, written by the owner only).
   std::atomic<std::int64_t> written_seen{0};
   std::atomic<std::int64_t> freed_seen{0};
@@ -354,6 +378,9 @@ struct Core : transport::LinkHandler {
   RuntimeSettings settings;
   bool dry_run;
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
+  /// RuntimeSettings::measure_memory: register bytes in use per device of this rank (made while
+  /// wiring, before any worker runs; outlives the actors that point here).
+  std::map<Device, InUse> in_use;
   /// CUDA devices' memory, and page-locked host memory for registers copied to or from them.
   std::map<Device, std::unique_ptr<Allocator>> device_allocators;
   std::unique_ptr<Allocator> pinned;

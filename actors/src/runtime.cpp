@@ -848,6 +848,9 @@ RunReport Runtime::run() {
   report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.metrics = core.snapshot();
   report.metrics.elapsed_s = report.wall_s;
+  for (const auto& [device, use] : core.in_use) {
+    report.memory.push_back({device, use.peak.load(std::memory_order_relaxed)});
+  }
   for (auto& w : core.workers) {
     report.messages += w->messages();
     report.parks += w->parks();

@@ -75,6 +75,7 @@ struct Options {
   std::vector<std::string> print_after;
   bool print_sbp = false;
   bool print_memory = false;
+  bool measure_memory = false;
   bool memory_plan = true;
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
@@ -346,6 +347,29 @@ std::vector<Placement> replica_places(const Options& o, const JobEnvironment& en
 }
 
 /// --print-memory: what the plan needs on each device, from the plan alone (plan_memory.h).
+/// --measure-memory: each device's register high-water mark over the run against the plan's
+/// account of the same bytes (its peak without what kernels keep), on stderr.
+void print_measured_memory(const Plan& plan, const RunReport& report, std::uint16_t rank) {
+  std::map<Device, std::int64_t> kept;
+  for (const ActorDesc& a : plan.actors) {
+    if (a.where.rank != rank) continue;
+    for (const KeptBytes& k : a.kept) kept[a.where.device] += k.bytes;
+  }
+  std::map<Device, std::int64_t> planned;
+  for (const DeviceMemory& m : memory_report(plan)) {
+    if (m.rank != rank) continue;
+    std::int64_t bytes = -kept[m.device];
+    for (std::int64_t b : m.bytes) bytes += b;
+    planned[m.device] = bytes;
+  }
+  for (const MeasuredMemory& m : report.memory) {
+    const std::int64_t plan_bytes = planned[m.device];
+    fmt::print(stderr, "baton-train: r{}/{} registers in use at most {} during the run; the plan allows for {} ({:.1f}%)\n",
+               rank, m.device.str(), format_bytes(m.peak_bytes), format_bytes(plan_bytes),
+               plan_bytes > 0 ? 100.0 * static_cast<double>(m.peak_bytes) / static_cast<double>(plan_bytes) : 0.0);
+  }
+}
+
 void print_memory(const Plan& plan, bool json) {
   const std::vector<DeviceMemory> report = memory_report(plan);
   if (!json) {
@@ -572,6 +596,7 @@ int run(const Options& o) {
       js.observer = tracer.get();
     }
   }
+  js.runtime.measure_memory = o.measure_memory;
   RunReport report;
   std::exception_ptr failure;
   std::atomic<bool> finished{false};
@@ -621,6 +646,7 @@ int run(const Options& o) {
     }
   }
   if (failure) std::rethrow_exception(failure);
+  if (o.measure_memory) print_measured_memory(job.plan, report, env.rank);
   if (writer && !o.json && !writer->written().empty()) {
     fmt::print(stderr, "baton-train: rank {} wrote {} checkpoint{}, the last {}\n", env.rank, writer->written().size(),
                writer->written().size() == 1 ? "" : "s", writer->written().back().string());
@@ -781,6 +807,9 @@ int main(int argc, char** argv) {
   app.add_option("--memory-budget,--device-memory", o.memory_budget,
                  "refuse, before running, a plan that needs more than this on some device (bytes, or 512MiB, 2GiB, "
                  "1.5GB; CPU devices too), naming the largest consumers");
+  app.add_flag("--measure-memory", o.measure_memory,
+               "measure each device's register memory in use over the run and print its high-water mark beside "
+               "the plan's account of the same bytes (stderr)");
   app.add_flag("--print-memory", o.print_memory,
                "print what the plan needs on each device (peak bytes of weights, optimizer state, activations, "
                "gradients, arena slack, the largest consumers), from the plan alone, and exit (--json: one object)");

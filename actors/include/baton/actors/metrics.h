@@ -67,8 +67,18 @@ struct MetricsSnapshot {
   std::uint64_t total_acts() const;
 };
 
+/// A device's register memory in use as measured over a run (RuntimeSettings::measure_memory),
+/// for comparison with the plan's own account (memory_report).
+struct MeasuredMemory {
+  Device device{};
+  /// The most bytes of register slots in use at once: written and not yet read by every reader.
+  std::int64_t peak_bytes = 0;
+};
+
 struct RunReport {
   MetricsSnapshot metrics;
+  /// By device of this rank, where RuntimeSettings::measure_memory was set.
+  std::vector<MeasuredMemory> memory;
   double wall_s = 0;
   /// Messages delivered, and how often a worker went to sleep for want of one.
   std::uint64_t messages = 0;

@@ -53,6 +53,11 @@ struct RuntimeSettings {
   bool record_handshakes = false;
   /// Per-actor busy / starved / back-pressured time (two TSC reads per act).
   bool time_accounting = true;
+  /// Measure each device's register memory in use over the run (RunReport::memory): a slot is
+  /// in use from the act that writes it until the last of its readers has finished reading it
+  /// (a view's or a weight repeat's readers count as the input's). Two atomic adds per piece and
+  /// reader; for checking the memory plan's peak (plan_memory.h) against a run.
+  bool measure_memory = false;
   /// Makes each worker an activity ring (64 Ki records, 2 MiB) and starts logging every act
   /// (see activity.h; Runtime::set_activity_log turns it off and on again). For traces and the
   /// dashboard's pipeline timeline.
