@@ -1,10 +1,13 @@
 // Activation recomputation (the recompute pass, passes.h; TrainConfig::recompute): the backward
 // pass reads clones of the recomputed forward nodes, made on the backward side of the same
-// stage and shard; training equals no recomputation bit for bit in every parallel mode; and the
+// stage and shard; training equals no recomputation bit for bit in every parallel mode, with
+// the memory plan's arenas poisoned between lives; and the
 // memory plan needs less with selective recomputation and less again with full.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -72,6 +75,47 @@ struct Model {
   }
 };
 
+/// Every compute and source actor poisons its outputs (NaN) before it writes them, as
+/// test_memory_plan.cpp's poisoned arenas do: a clone whose slot shared bytes with a slot still
+/// live, or that acted before its inputs were written, would hand its readers NaN.
+class Poisoning final : public Kernel {
+ public:
+  explicit Poisoning(std::unique_ptr<Kernel> inner) : inner_(std::move(inner)) {}
+  void compute(KernelContext& ctx) override {
+    for (Tensor* out : ctx.outputs) {
+      bool is_input = false;
+      for (const Tensor* in : ctx.inputs)
+        is_input = is_input || (in != nullptr && in->raw() == out->raw());
+      if (is_input) continue;
+      if (out->dtype() == DType::f32) {
+        for (float& v : out->data<float>()) v = std::numeric_limits<float>::quiet_NaN();
+      } else {
+        std::memset(out->raw(), 0xA5, out->nbytes());
+      }
+    }
+    inner_->compute(ctx);
+  }
+
+ private:
+  std::unique_ptr<Kernel> inner_;
+};
+
+void poison_outputs(TrainingJob& job) {
+  auto base = std::make_shared<const KernelRegistry>(job.kernels);
+  for (ActorDesc& a : job.plan.actors) {
+    if ((a.kind != ActorKind::compute && a.kind != ActorKind::source) || a.outputs.empty())
+      continue;
+    const std::string op = "poisoning." + a.op;
+    if (!job.kernels.contains(op, a.where.device.type, a.dtype)) {
+      job.kernels.add(op, a.where.device.type, a.dtype,
+                      [base, inner = a.op](const KernelConfig& cfg) {
+                        return std::make_unique<Poisoning>(base->create(inner, cfg));
+                      });
+    }
+    a.op = op;
+  }
+}
+
 struct Trained {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> weights;
@@ -90,6 +134,7 @@ Trained train(const Setup& s, const std::string& recompute) {
     // (A view, which computes nothing, acts when its input is ready.)
     if ((s.pp > 1 || s.memory_plan) && a.kind == ActorKind::compute) CHECK(a.order.lane >= 0);
   }
+  if (s.memory_plan) poison_outputs(job);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
   Runtime(job.plan, job.kernels, rs).run();
