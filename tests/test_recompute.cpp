@@ -17,6 +17,7 @@
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels/data.h"
+#include "loopback_run.h"
 #include "models.h"
 #include "test_util.h"
 
@@ -32,6 +33,7 @@ struct Setup {
   int threads = 1;
   bool llama = false;
   bool memory_plan = true;
+  bool ranks = false;  // each place a rank of its own, joined by a loopback data plane
 };
 
 /// A small GPT (or Llama) over a 16-letter text, and its training config.
@@ -72,6 +74,10 @@ struct Model {
     cfg.memory_plan = s.memory_plan;
     cfg.optimizer = optim::adam(0.01);
     cfg.recompute = recompute;
+    if (s.ranks) {
+      for (int r = 0; r < s.dp * s.pp * s.tp; ++r)
+        cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
+    }
   }
 };
 
@@ -137,7 +143,12 @@ Trained train(const Setup& s, const std::string& recompute) {
   if (s.memory_plan) poison_outputs(job);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
-  Runtime(job.plan, job.kernels, rs).run();
+  if (s.ranks) {
+    for (const auto& r : test::run_on_loopback(job.plan, job.kernels, rs))
+      REQUIRE_MESSAGE(r.error.empty(), r.error);
+  } else {
+    Runtime(job.plan, job.kernels, rs).run();
+  }
   out.losses = job.losses->per_step();
   for (auto& [name, t] : job.params->values()) {
     auto d = t.data<float>();
@@ -173,6 +184,7 @@ TEST_CASE("Recompute.TrainsBitForBitAsWithoutRecomputationInEveryMode" * doctest
       {.name = "pp 3 gpipe", .pp = 3, .schedule = "gpipe", .m = 4},
       {.name = "tp 2", .tp = 2},
       {.name = "pp 2 x tp 2, two threads", .pp = 2, .tp = 2, .threads = 2},
+      {.name = "pp 2 over two ranks", .pp = 2, .m = 4, .ranks = true},
       {.name = "llama", .llama = true},
       {.name = "llama pp 2", .pp = 2, .llama = true},
   };
