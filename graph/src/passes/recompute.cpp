@@ -35,9 +35,9 @@ bool is_leaf(const Node& n) {
   return n.inputs.empty();
 }
 
-/// The forward nodes `mode` recomputes: those of a segment (a block, or a block's attention
-/// core) that no needed forward node of another segment reads (what leaves a segment is kept:
-/// the next block reads it). Leaves are never recomputed, nor the loss.
+/// The forward nodes recomputed: those of a segment (a block with `full`, else a block's
+/// attention core) that no needed forward node of another segment reads (what leaves a segment is
+/// kept: the next block reads it). Leaves are never recomputed, nor the loss.
 std::vector<bool> recomputed_nodes(const Graph& g, const Differentiated& d, bool full) {
   const int loss_id = d.loss.id();
   auto segment = [&](int id) {
@@ -45,18 +45,18 @@ std::vector<bool> recomputed_nodes(const Graph& g, const Differentiated& d, bool
     if (full) return n.block;
     return n.attention_core && n.block >= 0 ? n.block : (n.attention_core ? -2 : -1);
   };
-  std::vector<bool> leaves(static_cast<std::size_t>(loss_id) + 1, false);
+  std::vector<bool> exits(static_cast<std::size_t>(loss_id) + 1, false);
   for (int id = 0; id <= loss_id; ++id) {
     if (!d.need[static_cast<std::size_t>(id)]) continue;
     for (int in : g.node(id).inputs) {
-      if (segment(in) != segment(id)) leaves[static_cast<std::size_t>(in)] = true;
+      if (segment(in) != segment(id)) exits[static_cast<std::size_t>(in)] = true;
     }
   }
   std::vector<bool> out(static_cast<std::size_t>(loss_id) + 1, false);
   for (int id = 0; id < loss_id; ++id) {
     const Node& n = g.node(id);
     out[static_cast<std::size_t>(id)] = d.need[static_cast<std::size_t>(id)] && !is_leaf(n) &&
-                                        segment(id) >= 0 && !leaves[static_cast<std::size_t>(id)];
+                                        segment(id) >= 0 && !exits[static_cast<std::size_t>(id)];
   }
   return out;
 }
