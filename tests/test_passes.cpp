@@ -48,9 +48,9 @@ const ActorDesc* find_actor(const Plan& p, const std::string& name) {
 }  // namespace
 
 TEST_CASE("Passes.NamesAreThePipelineInOrder") {
-  const std::vector<std::string_view> want{"autodiff",  "sbp",   "stages",
-                                           "replicas",  "lower", "device_copies",
-                                           "transfers", "lanes", "memory"};
+  const std::vector<std::string_view> want{"autodiff",      "sbp",       "stages", "recompute",
+                                           "replicas",      "lower",     "device_copies",
+                                           "transfers",     "lanes",     "memory"};
   const auto& got = passes::names();
   REQUIRE(got.size() >= want.size());
   CHECK(std::vector<std::string_view>(

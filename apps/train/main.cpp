@@ -77,6 +77,7 @@ struct Options {
   bool print_memory = false;
   bool measure_memory = false;
   bool memory_plan = true;
+  std::string recompute = "none";
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
   std::string dashboard;  // HOST:PORT to serve the dashboard on
@@ -421,6 +422,7 @@ int run(const Options& o) {
   cfg.microbatches = o.microbatches;
   cfg.optimizer = optimizer(o);
   cfg.threads = o.threads;
+  cfg.recompute = o.recompute;
   cfg.dp = o.dp;
   cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
   cfg.collectives = o.collectives;
@@ -799,11 +801,15 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"text", "dot"}));
   app.add_option("--print-after", o.print_after,
                  "print the compiler's IR after these passes (comma-separated, or all), as LLVM's -print-after: "
-                 "autodiff, sbp, stages, replicas, lower, device_copies, transfers, lanes")
+                 "autodiff, sbp, stages, recompute, replicas, lower, device_copies, transfers, lanes, memory")
       ->delimiter(',');
   app.add_flag("!--no-memory-plan", o.memory_plan,
                "give every register slot memory of its own instead of packing slots whose lives never meet into "
                "one arena per device");
+  app.add_option("--recompute", o.recompute,
+                 "activation recomputation: none, selective (the attention scores computed again in the backward pass "
+                 "instead of kept) or full (only each block's input kept, the block computed again in its backward)")
+      ->check(CLI::IsMember({"none", "selective", "full"}));
   app.add_option("--memory-budget,--device-memory", o.memory_budget,
                  "refuse, before running, a plan that needs more than this on some device (bytes, or 512MiB, 2GiB, "
                  "1.5GB; CPU devices too), naming the largest consumers");

@@ -70,6 +70,7 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
   Value x = (tp == 1 ? embedding(tables[0], tokens) : vocab_parallel_embedding(tables, tokens)) + wpe;  // [b, t, d]
   const std::int64_t nh_k = nh / tp, d_k = d / tp, f_k = 4 * d / tp;  // per shard
   for (std::int64_t l = 0; l < s.layers; ++l) {
+    auto in_block = g.block(static_cast<std::int32_t>(l));  // what --recompute full recomputes
     auto p = [&](const char* what) { return fmt::format("h{}.{}", l, what); };
     auto ln1 = layer_norm(x, g.variable(p("ln1.g"), {d}, init::ones(), s.dtype), g.variable(p("ln1.b"), {d}, init::zeros(), s.dtype));
     // Attention: shard k computes heads [k nh/tp, (k+1) nh/tp) and its part of the output
@@ -91,6 +92,7 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
         heads = attention(q, k, v);  // causal, scaled by 1/sqrt(dh)
       } else {
         auto q3 = reshape(q, {b * nh_k, t, dh}), k3 = reshape(k, {b * nh_k, t, dh}), v3 = reshape(v, {b * nh_k, t, dh});
+        auto core = g.attention_core();  // the T x T scores: what --recompute selective recomputes
         auto att = softmax(causal_mask(matmul(q3, k3, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
         heads = reshape(matmul(att, v3), {b, nh_k, t, dh});
       }
@@ -200,6 +202,7 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
     return transpose(reshape(v, {b, t, n, dh}), {0, 2, 1, 3});
   };
   for (std::int64_t l = 0; l < s.layers; ++l) {
+    auto in_block = g.block(static_cast<std::int32_t>(l));  // what --recompute full recomputes
     auto p = [&](const char* what) { return fmt::format("model.layers.{}.{}", l, what); };
     Value h = norm(x, p("input_layernorm.weight"));
     // Keys and values kept whole when their heads do not split over the shards: computed once,
@@ -231,6 +234,7 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
         heads = attention(q, k, v);  // causal, scaled by 1/sqrt(dh)
       } else {
         auto q3 = reshape(q, {b * nh_k, t, dh}), k3 = reshape(k, {b * nh_k, t, dh}), v3 = reshape(v, {b * nh_k, t, dh});
+        auto core = g.attention_core();  // the T x T scores: what --recompute selective recomputes
         auto att = softmax(causal_mask(matmul(q3, k3, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
         heads = reshape(matmul(att, v3), {b, nh_k, t, dh});
       }

@@ -79,6 +79,8 @@ Value Graph::add(std::string op, std::vector<Value> inputs, Attrs attrs, Shape s
   n.shape = std::move(shape);
   n.dtype = dtype;
   n.tp_shard = shard_;
+  n.block = block_;
+  n.attention_core = attention_core_;
   (void)numel(n.shape);  // rejects negative extents and overflow
   nodes_.push_back(std::move(n));
   return Value(this, size() - 1);

@@ -15,7 +15,7 @@ const std::vector<std::string_view>& names() {
   // Device copies before transfers: what crosses ranks from or to a CUDA device is staged
   // through host memory, and the copies say which host register the transfer then reads.
   static const std::vector<std::string_view> all{
-      "autodiff", "sbp", "stages", "replicas", "lower", "device_copies", "transfers", "lanes", "memory"};
+      "autodiff", "sbp", "stages", "recompute", "replicas", "lower", "device_copies", "transfers", "lanes", "memory"};
   return all;
 }
 
@@ -31,6 +31,9 @@ void check_config(const TrainConfig& cfg) {
   if (cfg.pp < 1) throw GraphError(fmt::format("pp must be >= 1, not {}", cfg.pp));
   if (cfg.schedule != "gpipe" && cfg.schedule != "1f1b") {
     throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
+  }
+  if (cfg.recompute != "none" && cfg.recompute != "selective" && cfg.recompute != "full") {
+    throw GraphError(fmt::format("recompute '{}': none, selective or full", cfg.recompute));
   }
   if (cfg.memory_budget < 0) throw GraphError(fmt::format("memory budget must be >= 0, not {}", cfg.memory_budget));
   if (cfg.tp < 1) throw GraphError(fmt::format("tp must be >= 1, not {}", cfg.tp));
@@ -103,9 +106,11 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   print_after(cfg, "sbp", [&] { return shards.to_text(g, d); });
   const Stages st = stages(g, d, cfg, *params);
   print_after(cfg, "stages", [&] { return st.to_text(g, d); });
-  const Replicas reps = replicate(d, shards, st, cfg);
+  const Recomputed rc = recompute(g, d, shards, st, cfg);
+  print_after(cfg, "recompute", [&] { return rc.to_text(); });
+  const Replicas reps = replicate(rc.d, rc.shards, rc.stages, cfg);
   print_after(cfg, "replicas", [&] { return reps.to_text(); });
-  TrainingJob job = lower(g, d, shards, st, reps, cfg, std::move(params));
+  TrainingJob job = lower(g, rc.d, rc.shards, rc.stages, reps, cfg, std::move(params));
   print_after(cfg, "lower", [&] { return job.plan.to_text(); });
   job.plan = device_copies(job.plan, job.kernels);
   print_after(cfg, "device_copies", [&] { return job.plan.to_text(); });

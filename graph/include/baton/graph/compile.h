@@ -197,6 +197,12 @@ struct TrainConfig {
   /// The memory pass (passes.h): register slots in one arena per device, slots whose lives
   /// never meet sharing bytes (plan_memory.h). False: every slot has memory of its own.
   bool memory_plan = true;
+  /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
+  /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
+  /// backward pass instead of kept; "full": only what crosses each transformer block's boundary
+  /// (Graph::block) is kept and the rest of the block is computed again in its backward pass.
+  /// The same kernels on the same inputs: losses and weights equal "none" bit for bit.
+  std::string recompute = "none";
   /// Refuse, at compile time, a plan that needs more than this many bytes on some device
   /// (registers, weights and optimizer state, by the plan: plan_memory.h). 0: no limit.
   std::int64_t memory_budget = 0;

@@ -85,6 +85,12 @@ struct Node {
   /// Autodiff: the forward node whose backward step made this node (-1: none). Pipeline stages
   /// put it on that node's stage, next to the activations and weights it reads.
   std::int32_t grad_of = -1;
+  /// Activation recomputation (TrainConfig::recompute): the transformer block this node was
+  /// made in (Graph::Block scopes; -1: none), and whether it is part of a block's attention
+  /// core, softmax(Q K^T) V (Graph::AttentionCore scopes), whose T x T activations selective
+  /// recomputation recomputes.
+  std::int32_t block = -1;
+  bool attention_core = false;
 };
 
 /// A handle to a node's output. Cheap to copy; valid while its Graph lives.
@@ -161,6 +167,33 @@ class Graph {
   };
   [[nodiscard]] Shard shard(std::int32_t k) { return Shard(*this, k); }
 
+  /// Nodes created while a Block lives belong to transformer block `index`; while an
+  /// AttentionCore lives, to its attention core too (see Node::block). Full recomputation keeps
+  /// only what crosses a block's boundary and recomputes the rest in the backward pass:
+  ///   for (l ...) { auto in_block = g.block(l); ... { auto core = g.attention_core(); ... } }
+  class Block {
+   public:
+    Block(Graph& g, std::int32_t index, bool core)
+        : g_(g), block_(g.block_), core_(g.attention_core_) {
+      if (index >= 0) g.block_ = index;
+      g.attention_core_ = core || core_;
+    }
+    ~Block() {
+      g_.block_ = block_;
+      g_.attention_core_ = core_;
+    }
+    Block(const Block&) = delete;
+    Block& operator=(const Block&) = delete;
+
+   private:
+    Graph& g_;
+    std::int32_t block_;
+    bool core_;
+  };
+  [[nodiscard]] Block block(std::int32_t index) { return Block(*this, index, false); }
+  /// The attention core of the current block (see Block).
+  [[nodiscard]] Block attention_core() { return Block(*this, -1, true); }
+
   /// Mixed precision, as torch.autocast: while an Autocast lives, the ops made compute
   ///  - matrix products and embeddings in `low` (bf16): their float inputs are cast to it;
   ///  - softmax, log_softmax, the losses, layer_norm, sum and mean in f32, for range and
@@ -200,6 +233,8 @@ class Graph {
   std::uint64_t seed_;
   int counter_ = 0;
   std::int32_t shard_ = -1;
+  std::int32_t block_ = -1;
+  bool attention_core_ = false;
   std::optional<DType> autocast_;
   std::map<std::pair<int, DType>, int> casts_;
 };

@@ -2,11 +2,14 @@
 /// The compiler as a pipeline of named passes, as LLVM's and XLA's are. compile_training runs
 /// them in this order, each a function from explicit values to a value that prints itself:
 ///
-///   autodiff -> sbp -> stages -> replicas -> lower -> device_copies -> transfers -> lanes -> memory
+///   autodiff -> sbp -> stages -> recompute -> replicas -> lower -> device_copies -> transfers
+///            -> lanes -> memory
 ///
 ///   autodiff       the loss's gradients, as new nodes of the graph; which nodes the plan needs
 ///   sbp            each node's tensor-parallel shard (the SBP split of the model, tp)
 ///   stages         each node's pipeline stage and each stage's activation depth (pp, schedule)
+///   recompute      forward nodes computed again in the backward pass instead of kept
+///                  (TrainConfig::recompute: selective, full)
 ///   replicas       where each (replica, stage, shard) runs and the gradient buckets (dp)
 ///   lower          the actors and registers of every replica: the plan, and its kernels
 ///   device_copies  copy actors between host and CUDA devices (insert_device_copies); what
@@ -80,6 +83,28 @@ struct Stages {
 };
 Stages stages(const Graph& g, const Differentiated& d, const TrainConfig& cfg,
               const ParameterStore& params);
+
+/// recompute: activation recomputation (TrainConfig::recompute; Chen et al. 2016, Megatron's
+/// selective recomputation, Korthikanti et al. 2022). The recomputed forward nodes are those of a
+/// segment (a block's attention core for "selective", a whole block for "full") that no forward
+/// node outside the segment reads; every backward node that reads one on its own stage reads a
+/// clone instead, computed in the backward pass from the segment's kept inputs (its boundary:
+/// the block's input, weights, ...) by the same op on the same stage and shard, so the forward
+/// node's activation is free once the forward pass has read it. The backward nodes are made
+/// again after the loss (the old ones left unneeded) so that node ids stay a topological order
+/// and each clone comes just before its first reader. "none" changes nothing.
+struct Recomputed {
+  Differentiated d;
+  Shards shards;  // extended to the new nodes
+  Stages stages;
+  std::string mode = "none";
+  /// clone id -> the forward node it computes again
+  std::map<int, int> clones;
+  /// The mode and what is recomputed, then Differentiated::to_text().
+  std::string to_text() const;
+};
+Recomputed recompute(Graph& g, const Differentiated& d, const Shards& shards, const Stages& st,
+                     const TrainConfig& cfg);
 
 /// replicas: where replica r's stage s, shard k runs (TrainConfig::replica_places at
 /// (r * pp + s) * tp + k, or in-process device of that index), and, with dp > 1, the buckets
