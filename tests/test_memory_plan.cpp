@@ -375,9 +375,9 @@ Trained train(const Mode& mode, bool planned) {
       for (const KeptBytes& k : a.kept) kept[a.where.device] += k.bytes;
     }
     for (const DeviceMemory& m : memory_report(job.plan)) {
-      std::int64_t planned = -kept[m.device];
-      for (std::int64_t b : m.bytes) planned += b;
-      out.measured_and_planned[fmt::format("r{}/{}", m.rank, m.device.str())] = {0, planned};
+      std::int64_t plan_bytes = -kept[m.device];
+      for (std::int64_t b : m.bytes) plan_bytes += b;
+      out.measured_and_planned[fmt::format("r{}/{}", m.rank, m.device.str())] = {0, plan_bytes};
     }
     for (const MeasuredMemory& m : report.memory) {
       out.measured_and_planned[fmt::format("r0/{}", m.device.str())].first = m.peak_bytes;
