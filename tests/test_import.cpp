@@ -1,4 +1,6 @@
-// Other people's weights: the safetensors reader's F16 and BF16 tensors.
+// Other people's weights: the safetensors reader's F16 and BF16 tensors, the importer that maps
+// transformers' Llama names and layout onto models::llama (import.h), and the same Llama trained
+// in baton and in PyTorch from the same file on the same batches (tests/llama_reference.py).
 #include <doctest/doctest.h>
 #include <unistd.h>
 
@@ -20,6 +22,8 @@
 #include "baton/graph.h"
 #include "baton/graph/safetensors.h"
 #include "baton/kernels/data.h"
+#include "import.h"
+#include "models.h"
 #include "skip.h"
 #include "test_util.h"
 
@@ -70,6 +74,43 @@ std::string error_of(const std::function<void()>& fn) {
     return e.what();
   }
   return "(no error)";
+}
+
+/// A tiny Llama's graph and its weights (seeded by `seed`).
+struct TinyLlama {
+  models::LlamaShape shape{.vocab = 24, .seq = 6, .d_model = 16, .heads = 4, .kv_heads = 2, .ffn_hidden = 24, .layers = 2};
+  Graph g;
+  Value logits;
+  std::shared_ptr<ParameterStore> params;
+  TinyLlama(std::uint64_t seed, std::int64_t tp, bool tied, DType dtype = DType::f32) : g(seed) {
+    shape.tp = tp;
+    shape.tie_embeddings = tied;
+    shape.dtype = dtype;
+    logits = models::llama(g, 2, shape);
+    params = ParameterStore::initialize(g);
+  }
+};
+
+bool torch_linear(const std::string& name) { return name.ends_with("_proj.weight") || name == "lm_head.weight"; }
+
+/// A one-device Llama's weights in transformers' layout: Linear weights transposed to [out, in].
+std::vector<std::pair<std::string, Tensor>> hf_tensors(const ParameterStore& params) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [name, t] : params.values()) {
+    if (!torch_linear(name)) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const std::int64_t rows = t.dim(0), cols = t.dim(1);
+    Tensor tt = Tensor::empty({cols, rows}, t.dtype());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) {
+        tt.data<float>()[static_cast<std::size_t>(c * rows + r)] = t.data<float>()[static_cast<std::size_t>(r * cols + c)];
+      }
+    }
+    out.emplace_back(name, tt);
+  }
+  return out;
 }
 
 std::vector<float> floats(const Tensor& t) { return {t.data<float>().begin(), t.data<float>().end()}; }
@@ -144,4 +185,240 @@ TEST_CASE("Safetensors.Bf16IsKeptAndOtherDtypesAreRefusedNamingTheTensor") {
   t.data<bfloat16>()[1] = to_bf16(-2.0f);
   safetensors::write(p, {{"t", t}});
   CHECK(safetensors::read(p).find("t")->data<bfloat16>()[0].bits == t.data<bfloat16>()[0].bits);
+}
+
+TEST_CASE("Import.LlamaFromTransformersLayoutGivesTheSameWeightsAndLogits") {
+  TempDir tmp("llama");
+  TinyLlama source(1, 1, false);
+  const fs::path file = tmp.path / "hf.safetensors";
+  safetensors::write(file, hf_tensors(*source.params));
+  // Another seed's weights, replaced by the file's: equal to the source's, bit for bit.
+  TinyLlama target(2, 1, false);
+  CHECK(floats(target.params->at("model.layers.0.self_attn.q_proj.weight")) !=
+        floats(source.params->at("model.layers.0.self_attn.q_proj.weight")));
+  models::init_from(file, "llama", *target.params);
+  for (const auto& [name, t] : source.params->values()) {
+    INFO(name);
+    CHECK(floats(target.params->at(name)) == floats(t));
+  }
+  // The same logits: the model reads the file's layout as transformers does (x W^T).
+  Tensor tokens = Tensor::empty({2, 6}, i32);
+  for (std::int32_t i = 0; i < 12; ++i) tokens.data<std::int32_t>()[static_cast<std::size_t>(i)] = (7 * i + 3) % 24;
+  const std::map<std::string, Tensor> feeds{{"tokens", tokens}, {"targets", Tensor::zeros({12}, i32)}};
+  CHECK(floats(evaluate(source.g, feeds, {source.logits}, *source.params)[0]) ==
+        floats(evaluate(target.g, feeds, {target.logits}, *target.params)[0]));
+
+  // Into f64 weights: every F32 value exactly.
+  TinyLlama wide(3, 1, false, DType::f64);
+  models::init_from(file, "llama", *wide.params);
+  const Tensor& down = wide.params->at("model.layers.1.mlp.down_proj.weight");
+  CHECK(down.dtype() == DType::f64);
+  CHECK(down.data<double>()[5] == static_cast<double>(source.params->at("model.layers.1.mlp.down_proj.weight").data<float>()[5]));
+
+  // Tensor parallelism: each shard is its piece of the file's tensor (q by columns, o by rows,
+  // the token table by rows), and the logits are the one-device model's up to the order of the
+  // shards' partial sums (f32 rounding of a few terms: 1e-5 of logits of size ~1).
+  TinyLlama split(4, 2, false);
+  models::init_from(file, "llama", *split.params);
+  const Tensor& q = source.params->at("model.layers.0.self_attn.q_proj.weight");  // [16, 16]
+  const Tensor& q1 = split.params->at("model.layers.0.self_attn.q_proj.weight.tp1");  // [16, 8]
+  REQUIRE(q1.shape() == Shape{16, 8});
+  CHECK(q1.data<float>()[3 * 8 + 2] == q.data<float>()[3 * 16 + 8 + 2]);
+  const Tensor& o = source.params->at("model.layers.0.self_attn.o_proj.weight");
+  CHECK(split.params->at("model.layers.0.self_attn.o_proj.weight.tp1").data<float>()[0] == o.data<float>()[8 * 16]);
+  CHECK(split.params->at("model.embed_tokens.weight.tp1").data<float>()[0] ==
+        source.params->at("model.embed_tokens.weight").data<float>()[12 * 16]);
+  const std::vector<float> one = floats(evaluate(source.g, feeds, {source.logits}, *source.params)[0]);
+  const std::vector<float> two = floats(evaluate(split.g, feeds, {split.logits}, *split.params)[0]);
+  REQUIRE(one.size() == two.size());
+  for (std::size_t i = 0; i < one.size(); ++i) CHECK(two[i] == doctest::Approx(one[i]).epsilon(1e-5).scale(1.0));
+}
+
+TEST_CASE("Import.MissingExtraOrMisshapenTensorsAreErrorsNamingThem") {
+  TempDir tmp("errors");
+  TinyLlama source(1, 1, false);
+  const fs::path file = tmp.path / "w.safetensors";
+  auto error_with = [&](std::vector<std::pair<std::string, Tensor>> tensors, bool tied = false) {
+    safetensors::write(file, tensors);
+    TinyLlama target(2, 1, tied);
+    return error_of([&] { models::init_from(file, "llama", *target.params); });
+  };
+  auto all = hf_tensors(*source.params);
+  auto without = [&](const std::string& name) {
+    auto v = all;
+    std::erase_if(v, [&](const auto& p) { return p.first == name; });
+    return v;
+  };
+  std::string e = error_with(without("model.layers.1.mlp.up_proj.weight"));
+  CHECK_MESSAGE(test::contains(e, file.string() + ": the model's weight 'model.layers.1.mlp.up_proj.weight' [24, 16] is "
+                                                   "not in the file (--model llama)"), e);
+  auto extra = all;
+  extra.emplace_back("model.layers.2.input_layernorm.weight", Tensor::zeros({16}, f32));
+  e = error_with(extra);
+  CHECK_MESSAGE(test::contains(e, "tensor 'model.layers.2.input_layernorm.weight' [16] is no weight of the model"), e);
+  // A Linear weight in baton's layout, [in, out], instead of torch's [out, in].
+  auto wrong = without("model.layers.0.mlp.gate_proj.weight");
+  wrong.emplace_back("model.layers.0.mlp.gate_proj.weight", source.params->at("model.layers.0.mlp.gate_proj.weight"));
+  e = error_with(wrong);
+  CHECK_MESSAGE(test::contains(e, "tensor 'model.layers.0.mlp.gate_proj.weight' is [16, 24] in the file but [24, 16] in "
+                                  "the model (a torch Linear weight, [out, in])"), e);
+  auto ints = without("model.norm.weight");
+  ints.emplace_back("model.norm.weight", Tensor::zeros({16}, i32));
+  CHECK(test::contains(error_with(ints), "tensor 'model.norm.weight' is i32 [16], not a floating dtype"));
+  // Tied: lm_head.weight is dropped, or the token table itself; another head is an error.
+  CHECK(error_with(without("lm_head.weight"), true) == "(no error)");
+  auto tied_copy = without("lm_head.weight");
+  tied_copy.emplace_back("lm_head.weight", source.params->at("model.embed_tokens.weight"));
+  CHECK(error_with(tied_copy, true) == "(no error)");
+  e = error_with(all, true);
+  CHECK_MESSAGE(test::contains(e, "tensor 'lm_head.weight' [24, 16] is no weight of the model (--model llama with "
+                                  "--tie-embeddings, whose head is the token table)"), e);
+  // Shards that do not tile the file's tensor: heads 4 over tp 2 need q_proj rows 16, not 12.
+  auto narrow = without("model.layers.0.self_attn.q_proj.weight");
+  narrow.emplace_back("model.layers.0.self_attn.q_proj.weight", Tensor::zeros({12, 16}, f32));
+  safetensors::write(file, narrow);
+  TinyLlama split(2, 2, false);
+  e = error_of([&] { models::init_from(file, "llama", *split.params); });
+  CHECK_MESSAGE(test::contains(e, "tensor 'model.layers.0.self_attn.q_proj.weight' is [12, 16] in the file, which 2 "
+                                  "shards of [8, 16] do not make"), e);
+  // A file that is not safetensors at all: the reader's error, naming it.
+  write_raw(file, "{\"w\"", "");
+  TinyLlama target(2, 1, false);
+  e = error_of([&] { models::init_from(file, "llama", *target.params); });
+  CHECK_MESSAGE(test::contains(e, file.string() + ": the header is not valid JSON"), e);
+}
+
+// ---- The same Llama in baton and in PyTorch ------------------------------------------------
+
+namespace {
+
+const std::string reference_text = "/usr/share/common-licenses/GPL-3";
+constexpr std::int64_t ref_batch = 8, ref_steps = 20;
+constexpr double ref_lr = 3e-3;
+constexpr std::uint64_t ref_data_seed = 11;
+
+models::LlamaShape reference_shape(std::int64_t vocab, DType dtype) {
+  return {.vocab = vocab, .seq = 16, .d_model = 32, .heads = 4, .kv_heads = 2, .ffn_hidden = 64, .layers = 2,
+          .rope_base = 10000.0, .norm_eps = 1e-5, .dtype = dtype};
+}
+
+std::string reference_flags(const models::LlamaShape& s) {
+  return fmt::format("--vocab {} --d-model {} --heads {} --kv-heads {} --ffn-hidden {} --layers {} --rope-base {} --eps {} "
+                     "--lr {} --seed 5",
+                     s.vocab, s.d_model, s.heads, s.kv_heads, s.ffn_hidden, s.layers, s.rope_base, s.norm_eps, ref_lr);
+}
+
+/// The batches baton's text_source gives steps 0 .. ref_steps - 1 (kernels/data.h: row i of
+/// step s is the window at window_starts(seed, s, 0, batch, n - seq)[i]), for the reference.
+void write_batches(const fs::path& file, const data::TextCorpus& corpus, std::int64_t seq) {
+  Tensor tokens = Tensor::empty({ref_steps, ref_batch, seq}, i32), targets = Tensor::empty({ref_steps, ref_batch * seq}, i32);
+  const auto starts = static_cast<std::uint64_t>(corpus.ids.size()) - static_cast<std::uint64_t>(seq);
+  std::size_t at = 0;
+  for (std::int64_t step = 0; step < ref_steps; ++step) {
+    for (std::uint64_t o : data::window_starts(ref_data_seed, step, 0, ref_batch, starts)) {
+      for (std::int64_t j = 0; j < seq; ++j, ++at) {
+        tokens.data<std::int32_t>()[at] = corpus.ids[o + static_cast<std::size_t>(j)];
+        targets.data<std::int32_t>()[at] = corpus.ids[o + static_cast<std::size_t>(j) + 1];
+      }
+    }
+  }
+  safetensors::write(file, {{"tokens", tokens}, {"targets", targets}});
+}
+
+/// baton's losses: models::llama started from `weights`, trained on text_source's batches.
+std::vector<double> baton_losses(const fs::path& weights, std::shared_ptr<const data::TextCorpus> corpus, DType dtype) {
+  Graph g(5);
+  const models::LlamaShape s = reference_shape(corpus->vocab_size(), dtype);
+  Value loss = models::llama_with_loss(g, ref_batch, s).loss;
+  auto params = ParameterStore::initialize(g);
+  models::init_from(weights, "llama", *params);
+  TrainConfig cfg;
+  cfg.steps = ref_steps;
+  cfg.optimizer = optim::adam(ref_lr);
+  cfg.data = {{"text", data::text_source(corpus, ref_batch, 1, s.seq, ref_data_seed), {"tokens", "targets"}}};
+  TrainingJob job = compile_training(g, loss, cfg, params);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(60'000);
+  Runtime rt(job.plan, job.kernels, rs);
+  rt.run();
+  return job.losses->per_step();
+}
+
+std::vector<double> torch_losses(const std::string& command) {
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+  const int status = ::pclose(pipe);
+  REQUIRE_MESSAGE(status == 0, command << " failed: " << out);
+  std::vector<double> losses;
+  boost::system::error_code ec;
+  const boost::json::value parsed = boost::json::parse(out, ec);
+  const boost::json::array* values = ec || !parsed.is_object() || !parsed.as_object().contains("losses")
+                                         ? nullptr
+                                         : parsed.as_object().at("losses").if_array();
+  REQUIRE_MESSAGE(values != nullptr, command << " printed no {\"losses\": [...]}: " << out);
+  for (const auto& v : *values) {
+    REQUIRE_MESSAGE(v.is_number(), command << " printed a loss that is not a number: " << out);
+    losses.push_back(v.to_number<double>());
+  }
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE("Import.LlamaTrainsAsPyTorchFromTheSameSafetensorsFile" * doctest::timeout(280)) {
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+    return test::skip(test::Missing::torch, "/usr/bin/python3 cannot import torch (Debian: python3-torch)");
+  }
+  if (!fs::exists(reference_text)) {
+    return test::skip(test::Missing::system_file, reference_text + " is missing (Debian: base-files)");
+  }
+  TempDir tmp("torch");
+  auto corpus = std::make_shared<const data::TextCorpus>(data::load_text(reference_text));
+  const std::string script = std::string(BATON_SOURCE_DIR) + "/tests/llama_reference.py";
+  const fs::path batches = tmp.path / "batches.safetensors";
+  write_batches(batches, *corpus, 16);
+  struct Case {
+    const char* file_dtype;  // how the reference writes its initial weights
+    DType dtype;             // what both sides train in
+    double tolerance;
+  };
+  // f64: the two sides differ by the order of their sums and by libm (exp, sin, cos), each near
+  // 1e-16 relative; 20 Adam steps carry a gradient's rounding into the weights (the update is
+  // g / (sqrt(v) + eps): relative errors pass through, not shrunk), so the losses, about 4,
+  // differ by a few 1e-15 (measured: at most 3.6e-15 under every OpenBLAS core type): 1e-10.
+  // f32: the same differences at 6e-8 relative per operation (measured: at most 4.8e-7 over the
+  // 20 steps); 2e-5 leaves room for other CPUs' BLAS kernels summing in other orders.
+  const std::vector<Case> cases{{"F32", DType::f64, 1e-10}, {"BF16", DType::f64, 1e-10}, {"F16", DType::f64, 1e-10},
+                                {"F32", DType::f32, 2e-5}};
+  for (const Case& c : cases) {
+    CAPTURE(c.file_dtype);
+    CAPTURE(name(c.dtype));
+    const fs::path weights = tmp.path / fmt::format("llama-{}.safetensors", c.file_dtype);
+    const models::LlamaShape s = reference_shape(corpus->vocab_size(), c.dtype);
+    const std::string flags = reference_flags(s);
+    if (!fs::exists(weights)) {
+      const std::string init = fmt::format("/usr/bin/python3 {} init {} {} --file-dtype {}", script, weights.string(), flags, c.file_dtype);
+      REQUIRE_MESSAGE(std::system(init.c_str()) == 0, init);
+    }
+    const std::vector<double> theirs = torch_losses(fmt::format("/usr/bin/python3 {} train {} {} {} --dtype {}", script,
+                                                                weights.string(), batches.string(), flags,
+                                                                c.dtype == DType::f64 ? "float64" : "float32"));
+    const std::vector<double> ours = baton_losses(weights, corpus, c.dtype);
+    REQUIRE(theirs.size() == static_cast<std::size_t>(ref_steps));
+    REQUIRE(ours.size() == static_cast<std::size_t>(ref_steps));
+    double worst = 0;
+    for (std::int64_t i = 0; i < ref_steps; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      worst = std::max(worst, std::abs(ours[k] - theirs[k]));
+      CHECK_MESSAGE(std::abs(ours[k] - theirs[k]) <= c.tolerance, "step " << i + 1 << ": baton " << ours[k] << ", torch " << theirs[k]);
+    }
+    // The model learns: the file's weights are a start, not the end.
+    CHECK(ours.back() < ours.front() - 0.3);
+    fmt::print("llama vs torch ({} file, {}): step 1 {:.10f} / {:.10f}, step 10 {:.10f} / {:.10f}, step 20 {:.10f} / "
+               "{:.10f} (baton / torch), max |difference| {:.3g}\n",
+               c.file_dtype, name(c.dtype), ours[0], theirs[0], ours[9], theirs[9], ours[19], theirs[19], worst);
+  }
 }

@@ -29,6 +29,7 @@
 #include "baton/kernels/data.h"
 #include "baton/observe/trace.h"
 #include "baton/observe/watch.h"
+#include "import.h"
 #include "models.h"
 
 namespace {
@@ -84,6 +85,7 @@ struct Options {
   std::int64_t checkpoint_every = 0;  // 0: at the last step only
   int checkpoint_keep = 2;
   std::string resume;
+  std::string init_from;  // a safetensors file of the model's weights (import.h)
 };
 
 struct Data {
@@ -364,8 +366,16 @@ void print_memory(const Plan& plan, bool json) {
   fmt::print("{{\"memory\": [{}]}}\n", fmt::join(devices, ", "));
 }
 
-int run(const Options& o) {
+int run(const Options& given) {
   const JobEnvironment env = JobEnvironment::from_env();
+  std::optional<safetensors::Contents> init;  // --init-from's file
+  Options o = given;
+  if (!o.init_from.empty()) {
+    if (!o.resume.empty()) {
+      throw std::invalid_argument("--init-from and --resume: a resumed run has its checkpoint's weights; give one");
+    }
+    init = safetensors::read(o.init_from);
+  }
   const Data d = load(o);
   const std::int64_t pieces = o.dp * o.microbatches;  // micro-batches of a step, over all replicas
   if (o.batch % pieces != 0) {
@@ -450,6 +460,7 @@ int run(const Options& o) {
   // Resuming: the weights and optimizer state after the checkpoint's step, which this job
   // continues from (checkpoint.h).
   auto params = ParameterStore::initialize(g);
+  if (init) models::init_from(*init, o.init_from, o.model, *params);
   std::optional<checkpoint::Checkpoint> resumed;
   if (!o.resume.empty()) {
     const checkpoint::Found found = checkpoint::find(o.resume);
@@ -794,6 +805,10 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-keep", o.checkpoint_keep, "checkpoints kept: the newest K complete ones")->check(CLI::Range(1, 1 << 20));
   app.add_option("--resume", o.resume, "continue from the newest complete checkpoint in DIR (or from DIR/step-N itself), "
                  "with the same settings; with --checkpoint-dir it goes on writing");
+  app.add_option("--init-from", o.init_from,
+                 "start from the weights in this safetensors file (F32, F16 or BF16): --model llama in transformers' "
+                 "LlamaForCausalLM names and layout, gpt and mlp in baton's own")
+      ->check(CLI::ExistingFile);
   app.add_option("--trace", o.trace, "write a Chrome trace of the run (acts, slot occupancy, requests) to FILE");
   try {
     app.parse(argc, argv);
