@@ -422,3 +422,80 @@ TEST_CASE("Import.LlamaTrainsAsPyTorchFromTheSameSafetensorsFile" * doctest::tim
                c.file_dtype, name(c.dtype), ours[0], theirs[0], ours[9], theirs[9], ours[19], theirs[19], worst);
   }
 }
+
+TEST_CASE("Import.Gpt2FromItsPublishedLayoutGivesPyTorchsLogits" * doctest::timeout(120)) {
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+    return test::skip(test::Missing::torch, "/usr/bin/python3 cannot import torch (Debian: python3-torch)");
+  }
+  TempDir tmp("gpt2");
+  const std::string script = std::string(BATON_SOURCE_DIR) + "/tests/gpt2_reference.py";
+  // 12 positions for a context of 8: the model reads the first rows of the table.
+  const models::Gpt2Shape shape{.vocab = 40, .seq = 8, .positions = 12, .d_model = 16, .heads = 4, .layers = 2};
+  const std::int64_t batch = 2;
+  for (const char* prefix : {"", "transformer."}) {  // GPT2Model's names, and GPT2LMHeadModel's
+    CAPTURE(prefix);
+    const fs::path file = tmp.path / "gpt2.safetensors";
+    const std::string command = fmt::format("/usr/bin/python3 {} {} --vocab {} --d-model {} --heads {} --layers {} "
+                                            "--positions {} --seq {} --batch {}{}",
+                                            script, file.string(), shape.vocab, shape.d_model, shape.heads, shape.layers,
+                                            shape.positions, shape.seq, batch,
+                                            *prefix != '\0' ? fmt::format(" --prefix {}", prefix) : std::string());
+    std::FILE* pipe = ::popen(command.c_str(), "r");
+    REQUIRE(pipe != nullptr);
+    std::string out;
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+    REQUIRE_MESSAGE(::pclose(pipe) == 0, command);
+    const boost::json::object reference = boost::json::parse(out).as_object();
+    Tensor tokens = Tensor::empty({batch, shape.seq}, i32);
+    const auto& ids = reference.at("tokens").as_array();
+    REQUIRE(static_cast<std::int64_t>(ids.size()) == tokens.numel());
+    for (std::size_t i = 0; i < ids.size(); ++i) tokens.data<std::int32_t>()[i] = static_cast<std::int32_t>(ids[i].to_number<std::int64_t>());
+    // f64: the two differ only by the order of sums and libm's tanh, exp (1e-16 relative) through
+    // two blocks: 1e-12 on logits of size ~1 (measured: 7.8e-16). f32: the same at 6e-8 relative
+    // per operation through the 16-wide products and norms of two blocks (measured: 3.6e-7 under
+    // every OpenBLAS core type): 5e-6.
+    struct Precision {
+      DType dtype;
+      const char* key;
+      double tolerance;
+    };
+    for (const Precision& precision : {Precision{DType::f64, "float64", 1e-12}, Precision{DType::f32, "float32", 5e-6}}) {
+      const auto [dtype, key, tolerance] = precision;
+      CAPTURE(precision.key);
+      models::Gpt2Shape s = shape;
+      s.dtype = dtype;
+      Graph g(9);
+      Value logits = models::gpt2(g, batch, s);
+      auto params = ParameterStore::initialize(g);
+      models::init_from(file, "gpt2", *params);
+      const Tensor got = evaluate(g, {{"tokens", tokens}, {"targets", Tensor::zeros({batch * shape.seq}, i32)}}, {logits}, *params)[0];
+      const auto& want = reference.at(key).as_array();
+      REQUIRE(static_cast<std::int64_t>(want.size()) == got.numel());
+      double worst = 0;
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        const double ours = dtype == DType::f64 ? got.data<double>()[i] : static_cast<double>(got.data<float>()[i]);
+        worst = std::max(worst, std::abs(ours - want[i].to_number<double>()));
+      }
+      CHECK_MESSAGE(worst <= tolerance, "the largest difference from torch's logits is " << worst);
+      fmt::print("gpt2 vs torch ({}{}): max |logit difference| {:.3g}\n", prefix, key, worst);
+    }
+  }
+  // The importer refuses an untied head and a file without the model's position rows.
+  TempDir bad("gpt2-bad");
+  Graph g(9);
+  models::gpt2(g, batch, shape);
+  auto params = ParameterStore::initialize(g);
+  std::vector<std::pair<std::string, Tensor>> tensors(params->values().begin(), params->values().end());
+  tensors.emplace_back("lm_head.weight", Tensor::zeros({shape.vocab, shape.d_model}, f32));
+  safetensors::write(bad.path / "w.safetensors", tensors);
+  std::string e = error_of([&] { models::init_from(bad.path / "w.safetensors", "gpt2", *params); });
+  CHECK_MESSAGE(test::contains(e, "tensor 'lm_head.weight' [40, 16] is no weight of the model (--model gpt2, whose head is "
+                                  "the token table)"), e);
+  tensors.pop_back();
+  std::erase_if(tensors, [](const auto& p) { return p.first == "wpe.weight"; });
+  tensors.emplace_back("wpe.weight", Tensor::zeros({8, shape.d_model}, f32));
+  safetensors::write(bad.path / "w.safetensors", tensors);
+  e = error_of([&] { models::init_from(bad.path / "w.safetensors", "gpt2", *params); });
+  CHECK_MESSAGE(test::contains(e, "tensor 'wpe.weight' is [8, 16] in the file but [12, 16] in the model"), e);
+}

@@ -104,8 +104,13 @@ void init_from(const safetensors::Contents& contents, const std::filesystem::pat
   auto fail = [&](const std::string& what) {
     throw std::invalid_argument(fmt::format("{}: {}", file.string(), what));
   };
+  // The file's tensors by the model's names: GPT2LMHeadModel's state_dict says
+  // "transformer.h.0...." where the published files (GPT2Model's) say "h.0....".
   std::map<std::string, const Tensor*> tensors;
-  for (const auto& [name, t] : contents.tensors) tensors.emplace(name, &t);
+  for (const auto& [name, t] : contents.tensors) {
+    const std::string key = layout == "gpt2" && name.starts_with("transformer.") ? name.substr(12) : name;
+    if (!tensors.emplace(key, &t).second) fail(fmt::format("tensor '{}' is in the file twice (as '{}' too)", key, name));
+  }
   auto find = [&](const std::string& name) -> const Tensor* {
     auto it = tensors.find(name);
     return it == tensors.end() ? nullptr : it->second;
@@ -172,14 +177,17 @@ void init_from(const safetensors::Contents& contents, const std::filesystem::pat
   for (const auto& [name, t] : tensors) {
     if (used.count(name) != 0) continue;
     // A tied head is the token table: a file may still carry it, as the same tensor.
-    const Tensor* table = find("model.embed_tokens.weight");
-    if (name == "lm_head.weight" && layout == "llama" && table != nullptr &&
+    const Tensor* table = find(layout == "gpt2" ? "wte.weight" : "model.embed_tokens.weight");
+    if (name == "lm_head.weight" && (layout == "llama" || layout == "gpt2") && table != nullptr &&
         table->shape() == t->shape() && table->dtype() == t->dtype() && std::memcmp(table->raw(), t->raw(), t->nbytes()) == 0) {
       continue;
     }
+    // GPT-2's causal masks, buffers that older files carry beside the weights.
+    if (layout == "gpt2" && (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias"))) continue;
     fail(fmt::format("tensor '{}' {} is no weight of the model (--model {}{})", name, to_string(t->shape()), layout,
                      layout == "llama" && name == "lm_head.weight" ? " with --tie-embeddings, whose head is the token table"
-                                                                  : ""));
+                     : name == "lm_head.weight"                    ? ", whose head is the token table"
+                                                                   : ""));
   }
 }
 

@@ -16,6 +16,10 @@ namespace baton::models {
 ///    baton's [in, out]; the token table and the norms are taken as they are. A tied model's
 ///    file may hold no lm_head.weight (transformers drops the shared tensor), or one equal to
 ///    the token table.
+///  - "gpt2": transformers' GPT-2 (models::gpt2 uses its names; with or without the
+///    "transformer." prefix). Its Conv1D weights are [in, out] already, c_attn stays fused (the
+///    model splits it), the head is tied (lm_head.weight, if there, must be wte.weight), and
+///    the attention masks some files carry (h.N.attn.bias, h.N.attn.masked_bias) are skipped.
 ///  - "gpt", "mlp": baton's own names and layout (what baton writes), nothing transposed.
 /// Under tensor parallelism a variable "NAME.tp<k>" is shard k of the file's NAME, cut along
 /// the one axis where the shard is narrower (rows or columns, as the model splits it).
