@@ -15,8 +15,8 @@
 #include <functional>
 #include <sstream>
 
-#include <boost/json.hpp>
 #include <fmt/format.h>
+#include <boost/json.hpp>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -37,7 +37,8 @@ struct TempDir {
   fs::path path;
   explicit TempDir(const std::string& name) {
     static int counter = 0;
-    path = fs::temp_directory_path() / fmt::format("baton-import-{}-{}-{}", ::getpid(), name, counter++);
+    path = fs::temp_directory_path() /
+           fmt::format("baton-import-{}-{}-{}", ::getpid(), name, counter++);
     fs::remove_all(path);
     fs::create_directories(path);
   }
@@ -78,7 +79,13 @@ std::string error_of(const std::function<void()>& fn) {
 
 /// A tiny Llama's graph and its weights (seeded by `seed`).
 struct TinyLlama {
-  models::LlamaShape shape{.vocab = 24, .seq = 6, .d_model = 16, .heads = 4, .kv_heads = 2, .ffn_hidden = 24, .layers = 2};
+  models::LlamaShape shape{.vocab = 24,
+                           .seq = 6,
+                           .d_model = 16,
+                           .heads = 4,
+                           .kv_heads = 2,
+                           .ffn_hidden = 24,
+                           .layers = 2};
   Graph g;
   Value logits;
   std::shared_ptr<ParameterStore> params;
@@ -91,7 +98,9 @@ struct TinyLlama {
   }
 };
 
-bool torch_linear(const std::string& name) { return name.ends_with("_proj.weight") || name == "lm_head.weight"; }
+bool torch_linear(const std::string& name) {
+  return name.ends_with("_proj.weight") || name == "lm_head.weight";
+}
 
 /// A one-device Llama's weights in transformers' layout: Linear weights transposed to [out, in].
 std::vector<std::pair<std::string, Tensor>> hf_tensors(const ParameterStore& params) {
@@ -105,7 +114,8 @@ std::vector<std::pair<std::string, Tensor>> hf_tensors(const ParameterStore& par
     Tensor tt = Tensor::empty({cols, rows}, t.dtype());
     for (std::int64_t r = 0; r < rows; ++r) {
       for (std::int64_t c = 0; c < cols; ++c) {
-        tt.data<float>()[static_cast<std::size_t>(c * rows + r)] = t.data<float>()[static_cast<std::size_t>(r * cols + c)];
+        tt.data<float>()[static_cast<std::size_t>(c * rows + r)] =
+            t.data<float>()[static_cast<std::size_t>(r * cols + c)];
       }
     }
     out.emplace_back(name, tt);
@@ -113,7 +123,9 @@ std::vector<std::pair<std::string, Tensor>> hf_tensors(const ParameterStore& par
   return out;
 }
 
-std::vector<float> floats(const Tensor& t) { return {t.data<float>().begin(), t.data<float>().end()}; }
+std::vector<float> floats(const Tensor& t) {
+  return {t.data<float>().begin(), t.data<float>().end()};
+}
 
 }  // namespace
 
@@ -136,8 +148,10 @@ TEST_CASE("Safetensors.F16ReadsAsTheExactFloatForEveryBitPattern") {
     const double want = half_value(static_cast<std::uint16_t>(i));
     const float got = t.data<float>()[i];
     const bool same = std::isnan(want) ? std::isnan(got)
-                                       : static_cast<double>(got) == want && std::signbit(got) == std::signbit(want);
-    if (!same && ++wrong <= 5) FAIL_CHECK(fmt::format("F16 0x{:04x}: read {} but it is {}", i, got, want));
+                                       : static_cast<double>(got) == want &&
+                                             std::signbit(got) == std::signbit(want);
+    if (!same && ++wrong <= 5)
+      FAIL_CHECK(fmt::format("F16 0x{:04x}: read {} but it is {}", i, got, want));
   }
   CHECK(wrong == 0);
   // A few by name: one, the largest half, the smallest subnormal, minus zero.
@@ -151,16 +165,17 @@ TEST_CASE("Safetensors.Bf16IsKeptAndOtherDtypesAreRefusedNamingTheTensor") {
   TempDir tmp("dtypes");
   // BF16 and F16 beside F32, as a mixed checkpoint has them.
   const std::array<std::uint16_t, 3> bf{0x3f80, 0xc040, 0x0001};  // 1, -3, the smallest subnormal
-  const std::array<std::uint16_t, 2> half{0x4200, 0xbc00};         // 3, -1
+  const std::array<std::uint16_t, 2> half{0x4200, 0xbc00};        // 3, -1
   const float f = 0.25f;
   std::string data(reinterpret_cast<const char*>(bf.data()), 6);
   data.append(reinterpret_cast<const char*>(half.data()), 4);
   data.append(reinterpret_cast<const char*>(&f), 4);
   const fs::path p = tmp.path / "mixed.safetensors";
-  write_raw(p,
-            R"({"b":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]},"h":{"dtype":"F16","shape":[2],"data_offsets":[6,10]},)"
-            R"("f":{"dtype":"F32","shape":[],"data_offsets":[10,14]}})",
-            data);
+  write_raw(
+      p,
+      R"({"b":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]},"h":{"dtype":"F16","shape":[2],"data_offsets":[6,10]},)"
+      R"("f":{"dtype":"F32","shape":[],"data_offsets":[10,14]}})",
+      data);
   const safetensors::Contents c = safetensors::read(p);
   REQUIRE(c.find("b") != nullptr);
   CHECK(c.find("b")->dtype() == DType::bf16);
@@ -171,14 +186,21 @@ TEST_CASE("Safetensors.Bf16IsKeptAndOtherDtypesAreRefusedNamingTheTensor") {
 
   // Dtypes baton has no tensors for, and an F16 tensor whose bytes do not match its shape.
   for (const char* dtype : {"F8_E4M3", "I8", "U16", "BOOL", "f16"}) {
-    write_raw(p, fmt::format(R"({{"w":{{"dtype":"{}","shape":[2],"data_offsets":[0,2]}}}})", dtype), std::string(2, '\0'));
+    write_raw(p, fmt::format(R"({{"w":{{"dtype":"{}","shape":[2],"data_offsets":[0,2]}}}})", dtype),
+              std::string(2, '\0'));
     const std::string e = error_of([&] { safetensors::read(p); });
-    CHECK_MESSAGE(test::contains(e, fmt::format("{}: tensor 'w': dtype '{}' is not one baton reads (F32, F64, F16, BF16", p.string(), dtype)), e);
+    CHECK_MESSAGE(
+        test::contains(
+            e, fmt::format("{}: tensor 'w': dtype '{}' is not one baton reads (F32, F64, F16, BF16",
+                           p.string(), dtype)),
+        e);
   }
   write_raw(p, R"({"w":{"dtype":"F16","shape":[3],"data_offsets":[0,4]}})", std::string(4, '\0'));
-  CHECK(test::contains(error_of([&] { safetensors::read(p); }), "tensor 'w': F16 [3] needs 6 bytes but data_offsets [0, 4] hold 4"));
+  CHECK(test::contains(error_of([&] { safetensors::read(p); }),
+                       "tensor 'w': F16 [3] needs 6 bytes but data_offsets [0, 4] hold 4"));
   write_raw(p, R"({"w":{"dtype":"BF16","shape":[2],"data_offsets":[0,6]}})", std::string(4, '\0'));
-  CHECK(test::contains(error_of([&] { safetensors::read(p); }), "tensor 'w': data_offsets [0, 6] are outside the 4 bytes of data"));
+  CHECK(test::contains(error_of([&] { safetensors::read(p); }),
+                       "tensor 'w': data_offsets [0, 6] are outside the 4 bytes of data"));
   // baton writes BF16 and reads it back as it was.
   Tensor t = Tensor::empty({2}, DType::bf16);
   t.data<bfloat16>()[0] = to_bf16(1.5f);
@@ -203,8 +225,10 @@ TEST_CASE("Import.LlamaFromTransformersLayoutGivesTheSameWeightsAndLogits") {
   }
   // The same logits: the model reads the file's layout as transformers does (x W^T).
   Tensor tokens = Tensor::empty({2, 6}, i32);
-  for (std::int32_t i = 0; i < 12; ++i) tokens.data<std::int32_t>()[static_cast<std::size_t>(i)] = (7 * i + 3) % 24;
-  const std::map<std::string, Tensor> feeds{{"tokens", tokens}, {"targets", Tensor::zeros({12}, i32)}};
+  for (std::int32_t i = 0; i < 12; ++i)
+    tokens.data<std::int32_t>()[static_cast<std::size_t>(i)] = (7 * i + 3) % 24;
+  const std::map<std::string, Tensor> feeds{{"tokens", tokens},
+                                            {"targets", Tensor::zeros({12}, i32)}};
   CHECK(floats(evaluate(source.g, feeds, {source.logits}, *source.params)[0]) ==
         floats(evaluate(target.g, feeds, {target.logits}, *target.params)[0]));
 
@@ -213,25 +237,30 @@ TEST_CASE("Import.LlamaFromTransformersLayoutGivesTheSameWeightsAndLogits") {
   models::init_from(file, "llama", *wide.params);
   const Tensor& down = wide.params->at("model.layers.1.mlp.down_proj.weight");
   CHECK(down.dtype() == DType::f64);
-  CHECK(down.data<double>()[5] == static_cast<double>(source.params->at("model.layers.1.mlp.down_proj.weight").data<float>()[5]));
+  CHECK(down.data<double>()[5] ==
+        static_cast<double>(
+            source.params->at("model.layers.1.mlp.down_proj.weight").data<float>()[5]));
 
   // Tensor parallelism: each shard is its piece of the file's tensor (q by columns, o by rows,
   // the token table by rows), and the logits are the one-device model's up to the order of the
   // shards' partial sums (f32 rounding of a few terms: 1e-5 of logits of size ~1).
   TinyLlama split(4, 2, false);
   models::init_from(file, "llama", *split.params);
-  const Tensor& q = source.params->at("model.layers.0.self_attn.q_proj.weight");  // [16, 16]
+  const Tensor& q = source.params->at("model.layers.0.self_attn.q_proj.weight");      // [16, 16]
   const Tensor& q1 = split.params->at("model.layers.0.self_attn.q_proj.weight.tp1");  // [16, 8]
   REQUIRE(q1.shape() == Shape{16, 8});
   CHECK(q1.data<float>()[3 * 8 + 2] == q.data<float>()[3 * 16 + 8 + 2]);
   const Tensor& o = source.params->at("model.layers.0.self_attn.o_proj.weight");
-  CHECK(split.params->at("model.layers.0.self_attn.o_proj.weight.tp1").data<float>()[0] == o.data<float>()[8 * 16]);
+  CHECK(split.params->at("model.layers.0.self_attn.o_proj.weight.tp1").data<float>()[0] ==
+        o.data<float>()[8 * 16]);
   CHECK(split.params->at("model.embed_tokens.weight.tp1").data<float>()[0] ==
         source.params->at("model.embed_tokens.weight").data<float>()[12 * 16]);
-  const std::vector<float> one = floats(evaluate(source.g, feeds, {source.logits}, *source.params)[0]);
+  const std::vector<float> one =
+      floats(evaluate(source.g, feeds, {source.logits}, *source.params)[0]);
   const std::vector<float> two = floats(evaluate(split.g, feeds, {split.logits}, *split.params)[0]);
   REQUIRE(one.size() == two.size());
-  for (std::size_t i = 0; i < one.size(); ++i) CHECK(two[i] == doctest::Approx(one[i]).epsilon(1e-5).scale(1.0));
+  for (std::size_t i = 0; i < one.size(); ++i)
+    CHECK(two[i] == doctest::Approx(one[i]).epsilon(1e-5).scale(1.0));
 }
 
 TEST_CASE("Import.MissingExtraOrMisshapenTensorsAreErrorsNamingThem") {
@@ -250,37 +279,57 @@ TEST_CASE("Import.MissingExtraOrMisshapenTensorsAreErrorsNamingThem") {
     return v;
   };
   std::string e = error_with(without("model.layers.1.mlp.up_proj.weight"));
-  CHECK_MESSAGE(test::contains(e, file.string() + ": the model's weight 'model.layers.1.mlp.up_proj.weight' [24, 16] is "
-                                                   "not in the file (--model llama)"), e);
+  CHECK_MESSAGE(
+      test::contains(e, file.string() +
+                            ": the model's weight 'model.layers.1.mlp.up_proj.weight' [24, 16] is "
+                            "not in the file (--model llama)"),
+      e);
   auto extra = all;
   extra.emplace_back("model.layers.2.input_layernorm.weight", Tensor::zeros({16}, f32));
   e = error_with(extra);
-  CHECK_MESSAGE(test::contains(e, "tensor 'model.layers.2.input_layernorm.weight' [16] is no weight of the model"), e);
+  CHECK_MESSAGE(
+      test::contains(
+          e, "tensor 'model.layers.2.input_layernorm.weight' [16] is no weight of the model"),
+      e);
   // A Linear weight in baton's layout, [in, out], instead of torch's [out, in].
   auto wrong = without("model.layers.0.mlp.gate_proj.weight");
-  wrong.emplace_back("model.layers.0.mlp.gate_proj.weight", source.params->at("model.layers.0.mlp.gate_proj.weight"));
+  wrong.emplace_back("model.layers.0.mlp.gate_proj.weight",
+                     source.params->at("model.layers.0.mlp.gate_proj.weight"));
   e = error_with(wrong);
-  CHECK_MESSAGE(test::contains(e, "tensor 'model.layers.0.mlp.gate_proj.weight' is [16, 24] in the file but [24, 16] in "
-                                  "the model (a torch Linear weight, [out, in])"), e);
+  CHECK_MESSAGE(
+      test::contains(
+          e,
+          "tensor 'model.layers.0.mlp.gate_proj.weight' is [16, 24] in the file but [24, 16] in "
+          "the model (a torch Linear weight, [out, in])"),
+      e);
   auto ints = without("model.norm.weight");
   ints.emplace_back("model.norm.weight", Tensor::zeros({16}, i32));
-  CHECK(test::contains(error_with(ints), "tensor 'model.norm.weight' is i32 [16], not a floating dtype"));
+  CHECK(test::contains(error_with(ints),
+                       "tensor 'model.norm.weight' is i32 [16], not a floating dtype"));
   // Tied: lm_head.weight is dropped, or the token table itself; another head is an error.
   CHECK(error_with(without("lm_head.weight"), true) == "(no error)");
   auto tied_copy = without("lm_head.weight");
   tied_copy.emplace_back("lm_head.weight", source.params->at("model.embed_tokens.weight"));
   CHECK(error_with(tied_copy, true) == "(no error)");
   e = error_with(all, true);
-  CHECK_MESSAGE(test::contains(e, "tensor 'lm_head.weight' [24, 16] is no weight of the model (--model llama with "
-                                  "--tie-embeddings, whose head is the token table)"), e);
+  CHECK_MESSAGE(
+      test::contains(
+          e,
+          "tensor 'lm_head.weight' [24, 16] is no weight of the model (--model llama with "
+          "--tie-embeddings, whose head is the token table)"),
+      e);
   // Shards that do not tile the file's tensor: heads 4 over tp 2 need q_proj rows 16, not 12.
   auto narrow = without("model.layers.0.self_attn.q_proj.weight");
   narrow.emplace_back("model.layers.0.self_attn.q_proj.weight", Tensor::zeros({12, 16}, f32));
   safetensors::write(file, narrow);
   TinyLlama split(2, 2, false);
   e = error_of([&] { models::init_from(file, "llama", *split.params); });
-  CHECK_MESSAGE(test::contains(e, "tensor 'model.layers.0.self_attn.q_proj.weight' is [12, 16] in the file, which 2 "
-                                  "shards of [8, 16] do not make"), e);
+  CHECK_MESSAGE(
+      test::contains(
+          e,
+          "tensor 'model.layers.0.self_attn.q_proj.weight' is [12, 16] in the file, which 2 "
+          "shards of [8, 16] do not make"),
+      e);
   // A file that is not safetensors at all: the reader's error, naming it.
   write_raw(file, "{\"w\"", "");
   TinyLlama target(2, 1, false);
@@ -298,21 +347,34 @@ constexpr double ref_lr = 3e-3;
 constexpr std::uint64_t ref_data_seed = 11;
 
 models::LlamaShape reference_shape(std::int64_t vocab, DType dtype) {
-  return {.vocab = vocab, .seq = 16, .d_model = 32, .heads = 4, .kv_heads = 2, .ffn_hidden = 64, .layers = 2,
-          .rope_base = 10000.0, .norm_eps = 1e-5, .dtype = dtype};
+  return {.vocab = vocab,
+          .seq = 16,
+          .d_model = 32,
+          .heads = 4,
+          .kv_heads = 2,
+          .ffn_hidden = 64,
+          .layers = 2,
+          .rope_base = 10000.0,
+          .norm_eps = 1e-5,
+          .dtype = dtype};
 }
 
 std::string reference_flags(const models::LlamaShape& s) {
-  return fmt::format("--vocab {} --d-model {} --heads {} --kv-heads {} --ffn-hidden {} --layers {} --rope-base {} --eps {} "
-                     "--lr {} --seed 5",
-                     s.vocab, s.d_model, s.heads, s.kv_heads, s.ffn_hidden, s.layers, s.rope_base, s.norm_eps, ref_lr);
+  return fmt::format(
+      "--vocab {} --d-model {} --heads {} --kv-heads {} --ffn-hidden {} --layers {} --rope-base {} "
+      "--eps {} "
+      "--lr {} --seed 5",
+      s.vocab, s.d_model, s.heads, s.kv_heads, s.ffn_hidden, s.layers, s.rope_base, s.norm_eps,
+      ref_lr);
 }
 
 /// The batches baton's text_source gives steps 0 .. ref_steps - 1 (kernels/data.h: row i of
 /// step s is the window at window_starts(seed, s, 0, batch, n - seq)[i]), for the reference.
 void write_batches(const fs::path& file, const data::TextCorpus& corpus, std::int64_t seq) {
-  Tensor tokens = Tensor::empty({ref_steps, ref_batch, seq}, i32), targets = Tensor::empty({ref_steps, ref_batch * seq}, i32);
-  const auto starts = static_cast<std::uint64_t>(corpus.ids.size()) - static_cast<std::uint64_t>(seq);
+  Tensor tokens = Tensor::empty({ref_steps, ref_batch, seq}, i32),
+         targets = Tensor::empty({ref_steps, ref_batch * seq}, i32);
+  const auto starts =
+      static_cast<std::uint64_t>(corpus.ids.size()) - static_cast<std::uint64_t>(seq);
   std::size_t at = 0;
   for (std::int64_t step = 0; step < ref_steps; ++step) {
     for (std::uint64_t o : data::window_starts(ref_data_seed, step, 0, ref_batch, starts)) {
@@ -326,7 +388,8 @@ void write_batches(const fs::path& file, const data::TextCorpus& corpus, std::in
 }
 
 /// baton's losses: models::llama started from `weights`, trained on text_source's batches.
-std::vector<double> baton_losses(const fs::path& weights, std::shared_ptr<const data::TextCorpus> corpus, DType dtype) {
+std::vector<double> baton_losses(const fs::path& weights,
+                                 std::shared_ptr<const data::TextCorpus> corpus, DType dtype) {
   Graph g(5);
   const models::LlamaShape s = reference_shape(corpus->vocab_size(), dtype);
   Value loss = models::llama_with_loss(g, ref_batch, s).loss;
@@ -335,7 +398,9 @@ std::vector<double> baton_losses(const fs::path& weights, std::shared_ptr<const 
   TrainConfig cfg;
   cfg.steps = ref_steps;
   cfg.optimizer = optim::adam(ref_lr);
-  cfg.data = {{"text", data::text_source(corpus, ref_batch, 1, s.seq, ref_data_seed), {"tokens", "targets"}}};
+  cfg.data = {{"text",
+               data::text_source(corpus, ref_batch, 1, s.seq, ref_data_seed),
+               {"tokens", "targets"}}};
   TrainingJob job = compile_training(g, loss, cfg, params);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(60'000);
@@ -355,9 +420,10 @@ std::vector<double> torch_losses(const std::string& command) {
   std::vector<double> losses;
   boost::system::error_code ec;
   const boost::json::value parsed = boost::json::parse(out, ec);
-  const boost::json::array* values = ec || !parsed.is_object() || !parsed.as_object().contains("losses")
-                                         ? nullptr
-                                         : parsed.as_object().at("losses").if_array();
+  const boost::json::array* values =
+      ec || !parsed.is_object() || !parsed.as_object().contains("losses")
+          ? nullptr
+          : parsed.as_object().at("losses").if_array();
   REQUIRE_MESSAGE(values != nullptr, command << " printed no {\"losses\": [...]}: " << out);
   for (const auto& v : *values) {
     REQUIRE_MESSAGE(v.is_number(), command << " printed a loss that is not a number: " << out);
@@ -370,10 +436,12 @@ std::vector<double> torch_losses(const std::string& command) {
 
 TEST_CASE("Import.LlamaTrainsAsPyTorchFromTheSameSafetensorsFile" * doctest::timeout(280)) {
   if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-    return test::skip(test::Missing::torch, "/usr/bin/python3 cannot import torch (Debian: python3-torch)");
+    return test::skip(test::Missing::torch,
+                      "/usr/bin/python3 cannot import torch (Debian: python3-torch)");
   }
   if (!fs::exists(reference_text)) {
-    return test::skip(test::Missing::system_file, reference_text + " is missing (Debian: base-files)");
+    return test::skip(test::Missing::system_file,
+                      reference_text + " is missing (Debian: base-files)");
   }
   TempDir tmp("torch");
   auto corpus = std::make_shared<const data::TextCorpus>(data::load_text(reference_text));
@@ -391,7 +459,9 @@ TEST_CASE("Import.LlamaTrainsAsPyTorchFromTheSameSafetensorsFile" * doctest::tim
   // differ by a few 1e-15 (measured: at most 3.6e-15 under every OpenBLAS core type): 1e-10.
   // f32: the same differences at 6e-8 relative per operation (measured: at most 4.8e-7 over the
   // 20 steps); 2e-5 leaves room for other CPUs' BLAS kernels summing in other orders.
-  const std::vector<Case> cases{{"F32", DType::f64, 1e-10}, {"BF16", DType::f64, 1e-10}, {"F16", DType::f64, 1e-10},
+  const std::vector<Case> cases{{"F32", DType::f64, 1e-10},
+                                {"BF16", DType::f64, 1e-10},
+                                {"F16", DType::f64, 1e-10},
                                 {"F32", DType::f32, 2e-5}};
   for (const Case& c : cases) {
     CAPTURE(c.file_dtype);
@@ -400,12 +470,13 @@ TEST_CASE("Import.LlamaTrainsAsPyTorchFromTheSameSafetensorsFile" * doctest::tim
     const models::LlamaShape s = reference_shape(corpus->vocab_size(), c.dtype);
     const std::string flags = reference_flags(s);
     if (!fs::exists(weights)) {
-      const std::string init = fmt::format("/usr/bin/python3 {} init {} {} --file-dtype {}", script, weights.string(), flags, c.file_dtype);
+      const std::string init = fmt::format("/usr/bin/python3 {} init {} {} --file-dtype {}", script,
+                                           weights.string(), flags, c.file_dtype);
       REQUIRE_MESSAGE(std::system(init.c_str()) == 0, init);
     }
-    const std::vector<double> theirs = torch_losses(fmt::format("/usr/bin/python3 {} train {} {} {} --dtype {}", script,
-                                                                weights.string(), batches.string(), flags,
-                                                                c.dtype == DType::f64 ? "float64" : "float32"));
+    const std::vector<double> theirs = torch_losses(
+        fmt::format("/usr/bin/python3 {} train {} {} {} --dtype {}", script, weights.string(),
+                    batches.string(), flags, c.dtype == DType::f64 ? "float64" : "float32"));
     const std::vector<double> ours = baton_losses(weights, corpus, c.dtype);
     REQUIRE(theirs.size() == static_cast<std::size_t>(ref_steps));
     REQUIRE(ours.size() == static_cast<std::size_t>(ref_steps));
@@ -413,33 +484,40 @@ TEST_CASE("Import.LlamaTrainsAsPyTorchFromTheSameSafetensorsFile" * doctest::tim
     for (std::int64_t i = 0; i < ref_steps; ++i) {
       const auto k = static_cast<std::size_t>(i);
       worst = std::max(worst, std::abs(ours[k] - theirs[k]));
-      CHECK_MESSAGE(std::abs(ours[k] - theirs[k]) <= c.tolerance, "step " << i + 1 << ": baton " << ours[k] << ", torch " << theirs[k]);
+      CHECK_MESSAGE(std::abs(ours[k] - theirs[k]) <= c.tolerance,
+                    "step " << i + 1 << ": baton " << ours[k] << ", torch " << theirs[k]);
     }
     // The model learns: the file's weights are a start, not the end.
     CHECK(ours.back() < ours.front() - 0.3);
-    fmt::print("llama vs torch ({} file, {}): step 1 {:.10f} / {:.10f}, step 10 {:.10f} / {:.10f}, step 20 {:.10f} / "
-               "{:.10f} (baton / torch), max |difference| {:.3g}\n",
-               c.file_dtype, name(c.dtype), ours[0], theirs[0], ours[9], theirs[9], ours[19], theirs[19], worst);
+    fmt::print(
+        "llama vs torch ({} file, {}): step 1 {:.10f} / {:.10f}, step 10 {:.10f} / {:.10f}, step "
+        "20 {:.10f} / "
+        "{:.10f} (baton / torch), max |difference| {:.3g}\n",
+        c.file_dtype, name(c.dtype), ours[0], theirs[0], ours[9], theirs[9], ours[19], theirs[19],
+        worst);
   }
 }
 
 TEST_CASE("Import.Gpt2FromItsPublishedLayoutGivesPyTorchsLogits" * doctest::timeout(120)) {
   if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-    return test::skip(test::Missing::torch, "/usr/bin/python3 cannot import torch (Debian: python3-torch)");
+    return test::skip(test::Missing::torch,
+                      "/usr/bin/python3 cannot import torch (Debian: python3-torch)");
   }
   TempDir tmp("gpt2");
   const std::string script = std::string(BATON_SOURCE_DIR) + "/tests/gpt2_reference.py";
   // 12 positions for a context of 8: the model reads the first rows of the table.
-  const models::Gpt2Shape shape{.vocab = 40, .seq = 8, .positions = 12, .d_model = 16, .heads = 4, .layers = 2};
+  const models::Gpt2Shape shape{
+      .vocab = 40, .seq = 8, .positions = 12, .d_model = 16, .heads = 4, .layers = 2};
   const std::int64_t batch = 2;
   for (const char* prefix : {"", "transformer."}) {  // GPT2Model's names, and GPT2LMHeadModel's
     CAPTURE(prefix);
     const fs::path file = tmp.path / "gpt2.safetensors";
-    const std::string command = fmt::format("/usr/bin/python3 {} {} --vocab {} --d-model {} --heads {} --layers {} "
-                                            "--positions {} --seq {} --batch {}{}",
-                                            script, file.string(), shape.vocab, shape.d_model, shape.heads, shape.layers,
-                                            shape.positions, shape.seq, batch,
-                                            *prefix != '\0' ? fmt::format(" --prefix {}", prefix) : std::string());
+    const std::string command = fmt::format(
+        "/usr/bin/python3 {} {} --vocab {} --d-model {} --heads {} --layers {} "
+        "--positions {} --seq {} --batch {}{}",
+        script, file.string(), shape.vocab, shape.d_model, shape.heads, shape.layers,
+        shape.positions, shape.seq, batch,
+        *prefix != '\0' ? fmt::format(" --prefix {}", prefix) : std::string());
     std::FILE* pipe = ::popen(command.c_str(), "r");
     REQUIRE(pipe != nullptr);
     std::string out;
@@ -450,7 +528,8 @@ TEST_CASE("Import.Gpt2FromItsPublishedLayoutGivesPyTorchsLogits" * doctest::time
     Tensor tokens = Tensor::empty({batch, shape.seq}, i32);
     const auto& ids = reference.at("tokens").as_array();
     REQUIRE(static_cast<std::int64_t>(ids.size()) == tokens.numel());
-    for (std::size_t i = 0; i < ids.size(); ++i) tokens.data<std::int32_t>()[i] = static_cast<std::int32_t>(ids[i].to_number<std::int64_t>());
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      tokens.data<std::int32_t>()[i] = static_cast<std::int32_t>(ids[i].to_number<std::int64_t>());
     // f64: the two differ only by the order of sums and libm's tanh, exp (1e-16 relative) through
     // two blocks: 1e-12 on logits of size ~1 (measured: 7.8e-16). f32: the same at 6e-8 relative
     // per operation through the 16-wide products and norms of two blocks (measured: 3.6e-7 under
@@ -460,7 +539,8 @@ TEST_CASE("Import.Gpt2FromItsPublishedLayoutGivesPyTorchsLogits" * doctest::time
       const char* key;
       double tolerance;
     };
-    for (const Precision& precision : {Precision{DType::f64, "float64", 1e-12}, Precision{DType::f32, "float32", 5e-6}}) {
+    for (const Precision& precision :
+         {Precision{DType::f64, "float64", 1e-12}, Precision{DType::f32, "float32", 5e-6}}) {
       const auto [dtype, key, tolerance] = precision;
       CAPTURE(precision.key);
       models::Gpt2Shape s = shape;
@@ -469,12 +549,15 @@ TEST_CASE("Import.Gpt2FromItsPublishedLayoutGivesPyTorchsLogits" * doctest::time
       Value logits = models::gpt2(g, batch, s);
       auto params = ParameterStore::initialize(g);
       models::init_from(file, "gpt2", *params);
-      const Tensor got = evaluate(g, {{"tokens", tokens}, {"targets", Tensor::zeros({batch * shape.seq}, i32)}}, {logits}, *params)[0];
+      const Tensor got =
+          evaluate(g, {{"tokens", tokens}, {"targets", Tensor::zeros({batch * shape.seq}, i32)}},
+                   {logits}, *params)[0];
       const auto& want = reference.at(key).as_array();
       REQUIRE(static_cast<std::int64_t>(want.size()) == got.numel());
       double worst = 0;
       for (std::size_t i = 0; i < want.size(); ++i) {
-        const double ours = dtype == DType::f64 ? got.data<double>()[i] : static_cast<double>(got.data<float>()[i]);
+        const double ours =
+            dtype == DType::f64 ? got.data<double>()[i] : static_cast<double>(got.data<float>()[i]);
         worst = std::max(worst, std::abs(ours - want[i].to_number<double>()));
       }
       CHECK_MESSAGE(worst <= tolerance, "the largest difference from torch's logits is " << worst);
@@ -486,16 +569,22 @@ TEST_CASE("Import.Gpt2FromItsPublishedLayoutGivesPyTorchsLogits" * doctest::time
   Graph g(9);
   models::gpt2(g, batch, shape);
   auto params = ParameterStore::initialize(g);
-  std::vector<std::pair<std::string, Tensor>> tensors(params->values().begin(), params->values().end());
+  std::vector<std::pair<std::string, Tensor>> tensors(params->values().begin(),
+                                                      params->values().end());
   tensors.emplace_back("lm_head.weight", Tensor::zeros({shape.vocab, shape.d_model}, f32));
   safetensors::write(bad.path / "w.safetensors", tensors);
   std::string e = error_of([&] { models::init_from(bad.path / "w.safetensors", "gpt2", *params); });
-  CHECK_MESSAGE(test::contains(e, "tensor 'lm_head.weight' [40, 16] is no weight of the model (--model gpt2, whose head is "
-                                  "the token table)"), e);
+  CHECK_MESSAGE(
+      test::contains(
+          e,
+          "tensor 'lm_head.weight' [40, 16] is no weight of the model (--model gpt2, whose head is "
+          "the token table)"),
+      e);
   tensors.pop_back();
   std::erase_if(tensors, [](const auto& p) { return p.first == "wpe.weight"; });
   tensors.emplace_back("wpe.weight", Tensor::zeros({8, shape.d_model}, f32));
   safetensors::write(bad.path / "w.safetensors", tensors);
   e = error_of([&] { models::init_from(bad.path / "w.safetensors", "gpt2", *params); });
-  CHECK_MESSAGE(test::contains(e, "tensor 'wpe.weight' is [8, 16] in the file but [12, 16] in the model"), e);
+  CHECK_MESSAGE(
+      test::contains(e, "tensor 'wpe.weight' is [8, 16] in the file but [12, 16] in the model"), e);
 }

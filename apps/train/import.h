@@ -32,7 +32,7 @@ namespace baton::models {
 void init_from(const std::filesystem::path& file, std::string_view layout, ParameterStore& params);
 
 /// The same, from a file already read (`file` names it in errors).
-void init_from(const safetensors::Contents& contents, const std::filesystem::path& file, std::string_view layout,
-               ParameterStore& params);
+void init_from(const safetensors::Contents& contents, const std::filesystem::path& file,
+               std::string_view layout, ParameterStore& params);
 
 }  // namespace baton::models
