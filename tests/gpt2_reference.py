@@ -7,7 +7,10 @@ safetensors file in GPT-2's published names and layout, and its logits for fixed
     gpt2_reference.py WEIGHTS --vocab V --d-model D --heads H --layers L --positions P
                       --seq T --batch B [--prefix transformer.]
 prints {"tokens": [...], "float64": [...], "float32": [...]}: the logits [B * T, V] in each
-dtype, from the weights as the file holds them (F32).
+dtype, from the weights as the file holds them (F32). With --train BATCHES (as
+llama_reference.py's: "tokens" I32 [steps, B, T], "targets" I32 [steps, B * T]) it then trains
+the file's weights in float64, one Adam step (--lr) per batch, and prints {"losses": [...]}
+instead.
 """
 import argparse
 import json
@@ -18,7 +21,7 @@ import torch
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from llama_reference import write_safetensors  # noqa: E402
+from llama_reference import read_safetensors, write_safetensors  # noqa: E402
 
 
 def gelu_new(x):
@@ -55,6 +58,8 @@ def main():
     for flag in ["vocab", "d-model", "heads", "layers", "positions", "seq", "batch"]:
         p.add_argument("--" + flag, type=int, required=True)
     p.add_argument("--prefix", default="")
+    p.add_argument("--train")
+    p.add_argument("--lr", type=float, default=1e-3)
     a = p.parse_args()
     torch.manual_seed(3)
     d = a.d_model
@@ -80,6 +85,21 @@ def main():
         on_file[f"{a.prefix}h.{l}.attn.bias"] = torch.tril(torch.ones(a.positions, a.positions)).view(
             1, 1, a.positions, a.positions)
     write_safetensors(a.weights, on_file)
+    if a.train:
+        params = {n: t.double().requires_grad_() for n, t in weights.items()}
+        batches = read_safetensors(a.train)
+        opt = torch.optim.Adam(list(params.values()), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+        losses = []
+        for step in range(batches["tokens"].shape[0]):
+            opt.zero_grad()
+            logits = forward(params, batches["tokens"][step].long(), a, torch.float64)
+            loss = torch.nn.functional.cross_entropy(logits, batches["targets"][step].long())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        json.dump({"losses": losses}, sys.stdout)
+        print()
+        return
     tokens = (torch.arange(a.batch * a.seq) * 7 + 3).remainder(a.vocab).view(a.batch, a.seq)
     out = {"tokens": tokens.flatten().tolist()}
     for dtype in (torch.float64, torch.float32):
