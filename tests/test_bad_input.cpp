@@ -99,7 +99,7 @@ TEST_CASE("BadInput.TrainFlagsAndValues" * doctest::timeout(300)) {
       {{"--steps", "0"}, "--steps: must be > 0, not 0"},
       {{"--steps", "-3"}, "--steps"},
       {{"--lr", "abc"}, "--lr: must be a number, not 'abc'"},
-      {{"--model", "resnet"}, "--model: resnet not in {mlp,gpt,llama}"},
+      {{"--model", "resnet"}, "--model: resnet not in {mlp,gpt,llama,gpt2}"},
       {{"--grad-compression", "gzip"}, "--grad-compression: gzip not in"},
       {{"--dp", "2", "--grad-compression", "fp16"}, "grad compression 'fp16': baton has no float16 dtype"},
       {{"--optimizer", "lbfgs"}, "--optimizer: lbfgs not in"},
@@ -173,6 +173,10 @@ TEST_CASE("BadInput.DataFiles" * doctest::timeout(300)) {
       {{"--steps", "2"}, bad_pixel_dir + "/digits.csv.gz:1:", {{"BATON_DATA_DIR", bad_pixel_dir}}},
       {{"--steps", "2"}, bad_label_dir + "/digits.csv.gz:1:", {{"BATON_DATA_DIR", bad_label_dir}}},
       {{"--steps", "2"}, empty_dir + "/digits.csv.gz", {{"BATON_DATA_DIR", empty_dir}}},
+      {{"--init-from", "/nonexistent/w.safetensors"}, "/nonexistent/w.safetensors"},
+      {{"--init-from", two}, two + ": 2 bytes is too short for a safetensors file"},
+      {{"--init-from", two, "--resume", empty_dir}, "--init-from and --resume"},
+      {{"--model", "gpt2", "--tp", "2", "--data", "text:" + two}, "--model gpt2 runs with --tp 1"},
   };
   for (const auto& c : cases) expect_refused("baton-train", c);
 }

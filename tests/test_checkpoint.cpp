@@ -255,7 +255,7 @@ TEST_CASE("Safetensors.BadFilesFailWithTheFileAndTheTensorNamed") {
   expect_read_error(huge, "runs past the end");
   expect_read_error(with_header("{\"w\": [1, 2", data), "not valid JSON");
   expect_read_error(with_header("[1, 2, 3]", data), "not a JSON object");
-  expect_read_error(with_header(replaced("\"F32\"", "\"F16\""), data), "tensor 'w': dtype 'F16'");
+  expect_read_error(with_header(replaced("\"F32\"", "\"F8_E4M3\""), data), "tensor 'w': dtype 'F8_E4M3'");
   expect_read_error(with_header(replaced("[2,2]", "[2,3]"), data), "tensor 'w': F32 [2, 3] needs 24 bytes");
   expect_read_error(with_header(replaced("[2,2]", "[2,-2]"), data), "tensor 'w': shape");
   expect_read_error(with_header(replaced("[16,28]", "[16,2800]"), data), "outside the 28 bytes");

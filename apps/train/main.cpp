@@ -29,6 +29,7 @@
 #include "baton/kernels/data.h"
 #include "baton/observe/trace.h"
 #include "baton/observe/watch.h"
+#include "import.h"
 #include "models.h"
 
 namespace {
@@ -86,6 +87,8 @@ struct Options {
   std::int64_t checkpoint_every = 0;  // 0: at the last step only
   int checkpoint_keep = 2;
   std::string resume;
+  std::string init_from;  // a safetensors file of the model's weights (import.h)
+  std::int64_t positions = 0;  // gpt2: rows of the position table (0: --seq, or the --init-from file's)
 };
 
 struct Data {
@@ -202,6 +205,12 @@ models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t ba
     throw std::invalid_argument(fmt::format("--model {} needs --data text:PATH or tokens:DIR", o.model));
   }
   if (o.model == "llama") return models::llama_with_loss(g, batch, llama_shape(o, d.vocab_size()));
+  if (o.model == "gpt2") {
+    if (o.tp != 1) throw std::invalid_argument("--model gpt2 runs with --tp 1 (its fused c_attn is not split)");
+    return models::gpt2_with_loss(g, batch,
+                                  {.vocab = d.vocab_size(), .seq = o.seq, .positions = o.positions, .d_model = o.d_model,
+                                   .heads = o.heads, .layers = o.layers, .attention = models::parse_attention(o.attention)});
+  }
   return models::gpt_with_loss(g, batch,
                                {.vocab = d.vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
                                 .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention)});
@@ -266,6 +275,7 @@ std::map<std::string, std::string> run_config(const Options& o) {
     config["rope_base"] = fmt::format("{}", o.rope_base);
     config["tie_embeddings"] = o.tie_embeddings ? "true" : "false";
   }
+  if (o.model == "gpt2") config["positions"] = std::to_string(o.positions);
   return config;
 }
 
@@ -274,6 +284,7 @@ std::vector<std::string> must_match(const Options& o) {
                                 "cosine", "clip", "seed", "layers", "hidden", "d_model", "heads", "seq", "tp"};
   if (o.cosine) keys.push_back("steps");  // the decay spans the whole run
   if (o.model == "llama") keys.insert(keys.end(), {"kv_heads", "ffn_hidden", "rope_base", "tie_embeddings"});
+  if (o.model == "gpt2") keys.push_back("positions");
   return keys;
 }
 
@@ -389,8 +400,19 @@ void print_memory(const Plan& plan, bool json) {
   fmt::print("{{\"memory\": [{}]}}\n", fmt::join(devices, ", "));
 }
 
-int run(const Options& o) {
+int run(const Options& given) {
   const JobEnvironment env = JobEnvironment::from_env();
+  // --init-from's file, read once: a GPT-2's position table says how many positions it has.
+  std::optional<safetensors::Contents> init;
+  Options o = given;
+  if (!o.init_from.empty()) {
+    if (!o.resume.empty()) {
+      throw std::invalid_argument("--init-from and --resume: a resumed run has its checkpoint's weights; give one");
+    }
+    init = safetensors::read(o.init_from);
+    const Tensor* wpe = init->find("wpe.weight") != nullptr ? init->find("wpe.weight") : init->find("transformer.wpe.weight");
+    if (o.model == "gpt2" && o.positions == 0 && wpe != nullptr && wpe->shape().size() == 2) o.positions = wpe->dim(0);
+  }
   const Data d = load(o);
   const std::int64_t pieces = o.dp * o.microbatches;  // micro-batches of a step, over all replicas
   if (o.batch % pieces != 0) {
@@ -476,6 +498,7 @@ int run(const Options& o) {
   // Resuming: the weights and optimizer state after the checkpoint's step, which this job
   // continues from (checkpoint.h).
   auto params = ParameterStore::initialize(g);
+  if (init) models::init_from(*init, o.init_from, o.model, *params);
   std::optional<checkpoint::Checkpoint> resumed;
   if (!o.resume.empty()) {
     const checkpoint::Found found = checkpoint::find(o.resume);
@@ -733,7 +756,8 @@ int main(int argc, char** argv) {
   CLI::App app{"baton-train: train a model on real data as a stream of actors"};
   // A flag given twice takes its last value, so that scripts/run.sh demo ARGS can override the demo's own.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app.add_option("--model", o.model, "mlp, gpt or llama")->check(CLI::IsMember({"mlp", "gpt", "llama"}));
+  app.add_option("--model", o.model, "mlp, gpt, llama or gpt2 (GPT-2's layout: tied head, learned positions, tanh GELU)")
+      ->check(CLI::IsMember({"mlp", "gpt", "llama", "gpt2"}));
   app.add_option("--data", o.data, "digits, synthetic, text:PATH (characters) or tokens:DIR (baton-prepare-data's shards)");
   app.add_option("--steps", o.steps, "optimizer steps in all (a resumed run goes on to this one)")->check(positive);
   app.add_option("--batch", o.batch, "global batch per step")->check(positive);
@@ -757,6 +781,9 @@ int main(int argc, char** argv) {
       ->check(positive);
   app.add_option("--ffn-hidden", o.ffn_hidden, "llama SwiGLU hidden width (default: 8 d_model / 3 rounded up to a "
                  "multiple of 32)")
+      ->check(positive);
+  app.add_option("--positions", o.positions, "gpt2: rows of the learned position table (default: the --init-from "
+                 "file's, else --seq)")
       ->check(positive);
   app.add_option("--rope-base", o.rope_base, "llama RoPE base (rope_theta)")->check(positive);
   app.add_flag("--tie-embeddings", o.tie_embeddings, "llama: the LM head is the token table transposed");
@@ -829,6 +856,10 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-keep", o.checkpoint_keep, "checkpoints kept: the newest K complete ones")->check(CLI::Range(1, 1 << 20));
   app.add_option("--resume", o.resume, "continue from the newest complete checkpoint in DIR (or from DIR/step-N itself), "
                  "with the same settings; with --checkpoint-dir it goes on writing");
+  app.add_option("--init-from", o.init_from,
+                 "start from the weights in this safetensors file (F32, F16 or BF16): --model llama and gpt2 in "
+                 "transformers' names and layout (LlamaForCausalLM, GPT-2), gpt and mlp in baton's own")
+      ->check(CLI::ExistingFile);
   app.add_option("--trace", o.trace, "write a Chrome trace of the run (acts, slot occupancy, requests) to FILE");
   try {
     app.parse(argc, argv);

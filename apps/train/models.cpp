@@ -278,4 +278,62 @@ Value llama(Graph& g, std::int64_t batch, const LlamaShape& s) { return build_ll
 
 Outputs llama_with_loss(Graph& g, std::int64_t batch, const LlamaShape& s) { return build_llama(g, batch, s, true); }
 
+Value gelu_tanh(Value x) {
+  const double c = std::sqrt(2.0 / 3.14159265358979323846);
+  return (x + x * baton::tanh((x + baton::pow(x, 3.0) * 0.044715) * c)) * 0.5;
+}
+
+namespace {
+
+Outputs build_gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s, bool with_loss) {
+  const std::int64_t b = batch, t = s.seq, d = s.d_model, nh = s.heads;
+  const std::int64_t positions = s.positions == 0 ? s.seq : s.positions;
+  if (nh < 1 || d % nh != 0) throw GraphError(fmt::format("gpt2: d_model {} is not a multiple of heads {}", d, nh));
+  if (positions < t) throw GraphError(fmt::format("gpt2: {} positions cannot hold seq {}", positions, t));
+  const std::int64_t dh = d / nh;
+  auto weight = [&](const std::string& name, Shape shape) {
+    return g.variable(name, std::move(shape), init::normal(0.0, 0.02), s.dtype);
+  };
+  auto zeros = [&](const std::string& name, std::int64_t n) { return g.variable(name, {n}, init::zeros(), s.dtype); };
+  auto norm = [&](Value x, const std::string& name) {
+    return layer_norm(x, g.variable(name + ".weight", {d}, init::ones(), s.dtype), zeros(name + ".bias", d), s.norm_eps);
+  };
+  auto linear = [&](Value x, const std::string& name, std::int64_t in, std::int64_t out) {  // Conv1D: x w + b
+    return matmul(x, weight(name + ".weight", {in, out})) + zeros(name + ".bias", out);
+  };
+  auto tokens = g.input("tokens", {b, t}, i32);
+  auto targets = g.input("targets", {b * t}, i32);
+  Value wte = weight("wte.weight", {s.vocab, d});
+  Value wpe = weight("wpe.weight", {positions, d});
+  Value x = embedding(wte, tokens) + (positions == t ? wpe : slice(wpe, 0, 0, t));  // [b, t, d]
+  auto split_heads = [&](Value v) { return transpose(reshape(v, {b, t, nh, dh}), {0, 2, 1, 3}); };
+  for (std::int64_t l = 0; l < s.layers; ++l) {
+    const std::string p = fmt::format("h.{}.", l);
+    Value qkv = linear(norm(x, p + "ln_1"), p + "attn.c_attn", d, 3 * d);  // [b, t, 3 d]: q | k | v
+    Value q = split_heads(slice(qkv, 2, 0, d)), k = split_heads(slice(qkv, 2, d, 2 * d)),
+          v = split_heads(slice(qkv, 2, 2 * d, 3 * d));
+    Value heads;  // [b, nh, t, dh]
+    if (s.attention == GptShape::Attention::fused) {
+      heads = attention(q, k, v);
+    } else {
+      auto q3 = reshape(q, {b * nh, t, dh}), k3 = reshape(k, {b * nh, t, dh}), v3 = reshape(v, {b * nh, t, dh});
+      auto att = softmax(causal_mask(matmul(q3, k3, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));
+      heads = reshape(matmul(att, v3), {b, nh, t, dh});
+    }
+    x = x + linear(reshape(transpose(heads, {0, 2, 1, 3}), {b, t, d}), p + "attn.c_proj", d, d);
+    Value h = gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d));
+    x = x + linear(h, p + "mlp.c_proj", 4 * d, d);
+  }
+  Outputs out;
+  out.logits = reshape(matmul(norm(x, "ln_f"), wte, false, true), {b * t, s.vocab}).named("logits");
+  if (with_loss) out.loss = softmax_cross_entropy(out.logits, targets);
+  return out;
+}
+
+}  // namespace
+
+Value gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s) { return build_gpt2(g, batch, s, false).logits; }
+
+Outputs gpt2_with_loss(Graph& g, std::int64_t batch, const Gpt2Shape& s) { return build_gpt2(g, batch, s, true); }
+
 }  // namespace baton::models

@@ -125,4 +125,36 @@ Value llama(Graph& g, std::int64_t batch, const LlamaShape& s);
 /// gpt_with_loss).
 Outputs llama_with_loss(Graph& g, std::int64_t batch, const LlamaShape& s);
 
+struct Gpt2Shape {
+  std::int64_t vocab = 64;
+  std::int64_t seq = 32;
+  /// Rows of the learned position table (GPT-2's n_positions, 1024 in the published models):
+  /// positions [0, seq) are used. 0 means seq.
+  std::int64_t positions = 0;
+  std::int64_t d_model = 64;
+  std::int64_t heads = 4;
+  std::int64_t layers = 2;
+  double norm_eps = 1e-5;  // GPT-2's layer_norm_epsilon
+  GptShape::Attention attention = GptShape::Attention::naive;
+  DType dtype = DType::f32;
+};
+
+/// GPT-2 (Radford et al. 2019; transformers' GPT2LMHeadModel) in its published names and layout,
+/// so that its safetensors files load name for name (import.h): token and learned position
+/// embeddings "wte.weight" [vocab, d] and "wpe.weight" [positions, d]; `layers` pre-norm blocks
+/// "h.N." of ln_1, attn.c_attn (q, k and v fused: weight [d, 3 d], bias [3 d], split in the
+/// graph), attn.c_proj, ln_2, mlp.c_fc [d, 4 d], mlp.c_proj [4 d, d], every projection with a
+/// bias and stored [in, out] as GPT-2's Conv1D stores it (x w + b, baton's own layout); the
+/// MLP's activation the tanh form of GELU (GPT-2's gelu_new); "ln_f"; and the head tied to
+/// the token table (logits = x wte^T). Inputs "tokens" (i32 [batch, seq]) and "targets" (i32
+/// [batch * seq]); returns the logits [batch * seq, vocab]. One device's model (no tp).
+Value gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s);
+
+/// gpt2() and its mean cross-entropy against "targets".
+Outputs gpt2_with_loss(Graph& g, std::int64_t batch, const Gpt2Shape& s);
+
+/// GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GPT-2's
+/// gelu_new, torch's gelu(approximate="tanh")), from the DSL's ops.
+Value gelu_tanh(Value x);
+
 }  // namespace baton::models

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -30,6 +31,15 @@ struct Name {
   const char* text;
 };
 constexpr Name names[] = {{DType::f32, "F32"}, {DType::f64, "F64"}, {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::u8, "U8"}, {DType::bf16, "BF16"}};
+constexpr const char* read_names = "F32, F64, F16, BF16, I32, I64, U8";
+
+/// A dtype as the file stores it: baton's own, or F16, which baton has no tensors of and reads
+/// as f32 (every half is a float exactly).
+struct Stored {
+  DType dtype;            // the tensor read() returns
+  std::uint64_t bytes;    // per element in the file
+  bool f16 = false;
+};
 
 const char* dtype_name(DType t) {
   for (const Name& n : names) {
@@ -38,9 +48,10 @@ const char* dtype_name(DType t) {
   return nullptr;
 }
 
-std::optional<DType> dtype_of_name(std::string_view s) {
+std::optional<Stored> stored_of_name(std::string_view s) {
+  if (s == "F16") return Stored{DType::f32, 2, true};
   for (const Name& n : names) {
-    if (s == n.text) return n.dtype;
+    if (s == n.text) return Stored{n.dtype, size_of(n.dtype)};
   }
   return std::nullopt;
 }
@@ -77,12 +88,26 @@ std::optional<std::uint64_t> unsigned_of(const boost::json::value& v) {
 
 struct Entry {
   std::string name;
-  DType dtype;
+  Stored stored;
   Shape shape;
   std::uint64_t begin, end;
 };
 
 }  // namespace
+
+float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0) {
+    // Zero or subnormal: mantissa x 2^-24, exact in a float (whose normal range covers it).
+    const float f = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign != 0 ? -f : f;
+  }
+  // Normal: the exponent rebiased from 15 to 127; infinity and NaN keep all ones (and the
+  // NaN its payload, so a NaN stays a NaN).
+  const std::uint32_t e = exponent == 0x1f ? 0xffu : exponent + (127 - 15);
+  return std::bit_cast<float>(sign | (e << 23) | (mantissa << 13));
+}
 
 const Tensor* Contents::find(const std::string& name) const {
   for (const auto& [n, t] : tensors) {
@@ -175,10 +200,10 @@ Contents read(const std::filesystem::path& path) {
     const boost::json::value* offsets = o->if_contains("data_offsets");
     if (dt == nullptr || !dt->is_string()) bad("no dtype string");
     const std::string dt_text(dt->as_string());
-    const auto dtype = dtype_of_name(dt_text);
-    if (!dtype) bad(fmt::format("dtype '{}' is not one baton reads (F32, F64, I32, I64, U8)", dt_text));
+    const auto stored = stored_of_name(dt_text);
+    if (!stored) bad(fmt::format("dtype '{}' is not one baton reads ({})", dt_text, read_names));
     if (shape == nullptr || !shape->is_array()) bad("no shape array");
-    Entry e{name, *dtype, {}, 0, 0};
+    Entry e{name, *stored, {}, 0, 0};
     // The element count, checked for overflow: a hostile shape must not wrap to a small size.
     std::uint64_t elements = 1;
     for (const auto& d : shape->as_array()) {
@@ -201,7 +226,7 @@ Contents read(const std::filesystem::path& path) {
     if (e.begin > e.end || e.end > data_size) {
       bad(fmt::format("data_offsets [{}, {}] are outside the {} bytes of data", e.begin, e.end, data_size));
     }
-    const std::uint64_t elem = size_of(*dtype);
+    const std::uint64_t elem = stored->bytes;
     if (elements > std::numeric_limits<std::uint64_t>::max() / elem || elements * elem != e.end - e.begin) {
       bad(fmt::format("{} {} needs {} bytes but data_offsets [{}, {}] hold {}", dt_text, to_string(e.shape),
                       elements > std::numeric_limits<std::uint64_t>::max() / elem ? std::string("more than 2^64")
@@ -226,11 +251,21 @@ Contents read(const std::filesystem::path& path) {
                            at < data_size ? " (trailing bytes)" : ""));
   }
   for (const Entry& e : entries) {
-    Tensor t = Tensor::empty(e.shape, e.dtype);
-    if (t.nbytes() > 0) {
+    Tensor t = Tensor::empty(e.shape, e.stored.dtype);
+    const std::uint64_t bytes = e.end - e.begin;
+    if (bytes > 0) {
+      // F16 is read into the second half of the f32 tensor's memory and widened from the front:
+      // element i's float ends at 4 (i + 1), never past the half it came from (2 n + 2 (i + 1)).
+      char* to = static_cast<char*>(t.raw()) + (t.nbytes() - bytes);
       in.seekg(static_cast<std::streamoff>(8 + n + e.begin));
-      if (!in.read(static_cast<char*>(t.raw()), static_cast<std::streamsize>(t.nbytes()))) {
-        fail(path, fmt::format("tensor '{}': cannot read its bytes", e.name));
+      if (!in.read(to, static_cast<std::streamsize>(bytes))) fail(path, fmt::format("tensor '{}': cannot read its bytes", e.name));
+      if (e.stored.f16) {
+        float* f = t.data<float>().data();
+        for (std::size_t i = 0, count = static_cast<std::size_t>(t.numel()); i < count; ++i) {
+          std::uint16_t h;
+          std::memcpy(&h, to + 2 * i, 2);
+          f[i] = half_to_float(h);
+        }
       }
     }
     out.tensors.emplace_back(e.name, std::move(t));

@@ -6,7 +6,9 @@
 ///    "__metadata__": {"step": "10", ...}}
 ///
 /// then the tensors' bytes, back to back, little-endian, row-major (offsets count from the end
-/// of the header). baton writes and reads F32, F64, I32, I64 and U8.
+/// of the header). baton writes and reads F32, F64, BF16, I32, I64 and U8, and reads F16 too
+/// (published half-precision checkpoints), as f32: every half is a float exactly, and baton has
+/// no half tensors. Other dtypes (F8_*, I8, I16, U16, BOOL, ...) are refused, naming the tensor.
 ///
 ///   baton::safetensors::write("w.safetensors.tmp", {{"w1", w1}}, {{"step", "10"}});
 ///   auto file = baton::safetensors::read("w.safetensors");   // file.tensors[0].second ...
@@ -46,6 +48,11 @@ void write(const std::filesystem::path& path, const std::vector<std::pair<std::s
            const std::map<std::string, std::string>& metadata = {});
 
 /// Reads and checks a whole file. Throws std::runtime_error "<path>: <what is wrong>".
+/// F16 tensors come back as f32 (half_to_float); every other dtype as stored.
 Contents read(const std::filesystem::path& path);
+
+/// IEEE 754 binary16 bits -> the float of the same value (exact: subnormals, signed zeros,
+/// infinities; a NaN stays a NaN).
+float half_to_float(std::uint16_t bits);
 
 }  // namespace baton::safetensors
