@@ -304,8 +304,8 @@ case "$cmd" in
         --model-type bpe --val-fraction 0.1 --output "$shards" >&2
       echo "$want" >"$shards/inputs.txt"
     fi
-    exec "$build_dir/bin/baton-train" --model gpt --data "tokens:$shards" --steps 800 --batch 16 --seq 64 \
-      --d-model 96 --heads 4 --layers 4 --lr 5e-3 --warmup 30 --cosine \
+    exec "$build_dir/bin/baton-train" --model gpt --data "tokens:$shards" --steps 1000 --batch 16 --seq 64 \
+      --d-model 96 --heads 4 --layers 3 --lr 5e-3 --warmup 30 --cosine \
       --dp 2 --pp 2 --microbatches 2 --sample 200 --sample-prompt "This License" "${dashboard[@]}" "$@"
     ;;
   test)

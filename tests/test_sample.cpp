@@ -20,6 +20,7 @@
 #include "models.h"
 #include "mp/proc.h"
 #include "sample.h"
+#include "skip.h"
 
 using namespace baton;
 using namespace std::chrono_literals;
@@ -200,6 +201,38 @@ TEST_CASE("Sample.BatonTrainSamplesAMemorisedText" * doctest::timeout(240)) {
   // The prompt and its 60 greedy characters, decoded from the text's bytes.
   CHECK(r.out.find("sample (60 tokens after the prompt, temperature 0):\n" + expected.substr(0, 69) + "\n") !=
         std::string::npos);
+}
+
+TEST_CASE("Sample.BatonTrainDecodesTokensThroughTheShardsTokenizer" * doctest::timeout(240)) {
+  const std::string prepare = std::string(BATON_BIN_DIR) + "/baton-prepare-data";
+  if (!fs::exists(prepare)) {
+    return test::skip(test::Missing::sentencepiece, "no baton-prepare-data (a build without libsentencepiece-dev)");
+  }
+  // The line once per text line, as baton-prepare-data encodes files line by line.
+  const fs::path dir = scratch() / "fox-tokens";
+  fs::create_directories(dir);
+  {
+    std::ofstream out(dir / "fox.txt");
+    for (int i = 0; i < 60; ++i) out << "the quick brown fox jumps over the lazy dog.\n";
+  }
+  test::Proc p({prepare, "--input", (dir / "fox.txt").string(), "--train-tokenizer", "--vocab-size", "40", "--output",
+                (dir / "shards").string()});
+  const int code = p.wait(60s);
+  CAPTURE(p.err());
+  REQUIRE(code == 0);
+  const Outcome r = train_cli({"--model", "gpt", "--data", "tokens:" + (dir / "shards").string(), "--steps", "300",
+                               "--batch", "16", "--seq", "16", "--d-model", "32", "--heads", "2", "--layers", "1",
+                               "--lr", "1e-2", "--seed", "3", "--sample", "60", "--sample-prompt", "the quick",
+                               "--temperature", "0"});
+  CAPTURE(r.out);
+  CAPTURE(r.err);
+  REQUIRE(r.code == 0);
+  // SentencePiece's pieces carry their leading space, so the lines join with one.
+  CHECK(r.out.find("temperature 0):\nthe quick brown fox jumps over the lazy dog. the quick brown fox") !=
+        std::string::npos);
+  CHECK(train_cli({"--model", "gpt", "--data", "tokens:" + (dir / "shards").string(), "--steps", "1", "--batch", "2",
+                   "--seq", "8", "--sample", "3", "--sample-prompt", "!!!"}, 60s)
+            .code == 0);  // a piece it does not know is SentencePiece's unknown id, not an error
 }
 
 TEST_CASE("Sample.BatonTrainRefusesBadSampleFlags" * doctest::timeout(240)) {
