@@ -123,7 +123,8 @@ TEST_CASE("Sample.TheSameSeedGivesTheSameText" * doctest::timeout(120)) {
   auto build = [&](Graph& g) { return models::gpt(g, 1, shape); };
   const std::vector<std::int32_t> prompt{3, 1, 4};
   auto draw = [&](std::uint64_t seed) {
-    return sample::generate(build, shape.seq, vocab, *params, prompt, {.tokens = 40, .temperature = 1.0, .seed = seed});
+    return sample::generate(build, shape.seq, vocab, *params, prompt,
+                            {.tokens = 40, .temperature = 1.0, .seed = seed});
   };
   const auto a = draw(5), b = draw(5), c = draw(6);
   REQUIRE(a.size() == 40);
@@ -153,9 +154,9 @@ TEST_CASE("Sample.GreedyReproducesAMemorisedText" * doctest::timeout(240)) {
   // The prompt is past the ambiguous "the "; 100 greedy tokens run more than twice round the
   // period, through contexts longer than the model's 16 (the window slides).
   const std::string prompt = "the quick";
-  const auto ids = sample::generate([&](Graph& eval) { return models::gpt(eval, 1, shape); }, shape.seq,
-                                    corpus->vocab_size(), *job.params, encode(*corpus, prompt),
-                                    {.tokens = 100, .temperature = 0.0, .seed = 1});
+  const auto ids = sample::generate(
+      [&](Graph& eval) { return models::gpt(eval, 1, shape); }, shape.seq, corpus->vocab_size(),
+      *job.params, encode(*corpus, prompt), {.tokens = 100, .temperature = 0.0, .seed = 1});
   const std::string text = decode(*corpus, ids);
   std::string expected;
   while (expected.size() < prompt.size() + 100) expected += line;
@@ -169,7 +170,8 @@ TEST_CASE("Sample.BadSettingsAreRefused") {
   models::gpt(init, 1, shape);
   auto params = ParameterStore::initialize(init);
   auto build = [&](Graph& g) { return models::gpt(g, 1, shape); };
-  auto refused = [&](std::vector<std::int32_t> prompt, sample::Settings s, std::int64_t vocab, const std::string& says) {
+  auto refused = [&](std::vector<std::int32_t> prompt, sample::Settings s, std::int64_t vocab,
+                     const std::string& says) {
     CAPTURE(says);
     try {
       sample::generate(build, shape.seq, vocab, *params, prompt, s);
@@ -180,8 +182,10 @@ TEST_CASE("Sample.BadSettingsAreRefused") {
   };
   refused({1}, {.tokens = 0}, 8, "tokens must be >= 1, not 0");
   refused({1}, {.tokens = 5, .temperature = -0.5}, 8, "temperature must be a finite number >= 0");
-  refused({1}, {.tokens = 5, .temperature = std::numeric_limits<double>::quiet_NaN()}, 8, "temperature");
-  refused({1}, {.tokens = 5, .temperature = std::numeric_limits<double>::infinity()}, 8, "temperature");
+  refused({1}, {.tokens = 5, .temperature = std::numeric_limits<double>::quiet_NaN()}, 8,
+          "temperature");
+  refused({1}, {.tokens = 5, .temperature = std::numeric_limits<double>::infinity()}, 8,
+          "temperature");
   refused({}, {.tokens = 5}, 8, "the prompt is empty");
   refused({1, 8}, {.tokens = 5}, 8, "prompt token 1 is id 8, outside the vocabulary [0, 8)");
   refused({1, -1}, {.tokens = 5}, 8, "prompt token 1 is id -1");
@@ -190,23 +194,28 @@ TEST_CASE("Sample.BadSettingsAreRefused") {
 
 TEST_CASE("Sample.BatonTrainSamplesAMemorisedText" * doctest::timeout(240)) {
   const std::string file = repeating_text_file();
-  const Outcome r = train_cli({"--model", "gpt", "--data", "text:" + file, "--steps", "300", "--batch", "16",
-                               "--seq", "16", "--d-model", "32", "--heads", "2", "--layers", "1", "--lr", "1e-2",
-                               "--seed", "3", "--sample", "60", "--sample-prompt", "the quick", "--temperature", "0"});
+  const Outcome r = train_cli({"--model",       "gpt",  "--data",          "text:" + file,
+                               "--steps",       "300",  "--batch",         "16",
+                               "--seq",         "16",   "--d-model",       "32",
+                               "--heads",       "2",    "--layers",        "1",
+                               "--lr",          "1e-2", "--seed",          "3",
+                               "--sample",      "60",   "--sample-prompt", "the quick",
+                               "--temperature", "0"});
   CAPTURE(r.out);
   CAPTURE(r.err);
   REQUIRE(r.code == 0);
   std::string expected;
   while (expected.size() < 80) expected += line;
   // The prompt and its 60 greedy characters, decoded from the text's bytes.
-  CHECK(r.out.find("sample (60 tokens after the prompt, temperature 0):\n" + expected.substr(0, 69) + "\n") !=
-        std::string::npos);
+  CHECK(r.out.find("sample (60 tokens after the prompt, temperature 0):\n" +
+                   expected.substr(0, 69) + "\n") != std::string::npos);
 }
 
 TEST_CASE("Sample.BatonTrainDecodesTokensThroughTheShardsTokenizer" * doctest::timeout(240)) {
   const std::string prepare = std::string(BATON_BIN_DIR) + "/baton-prepare-data";
   if (!fs::exists(prepare)) {
-    return test::skip(test::Missing::sentencepiece, "no baton-prepare-data (a build without libsentencepiece-dev)");
+    return test::skip(test::Missing::sentencepiece,
+                      "no baton-prepare-data (a build without libsentencepiece-dev)");
   }
   // The line once per text line, as baton-prepare-data encodes files line by line.
   const fs::path dir = scratch() / "fox-tokens";
@@ -215,30 +224,37 @@ TEST_CASE("Sample.BatonTrainDecodesTokensThroughTheShardsTokenizer" * doctest::t
     std::ofstream out(dir / "fox.txt");
     for (int i = 0; i < 60; ++i) out << "the quick brown fox jumps over the lazy dog.\n";
   }
-  test::Proc p({prepare, "--input", (dir / "fox.txt").string(), "--train-tokenizer", "--vocab-size", "40", "--output",
-                (dir / "shards").string()});
+  test::Proc p({prepare, "--input", (dir / "fox.txt").string(), "--train-tokenizer", "--vocab-size",
+                "40", "--output", (dir / "shards").string()});
   const int code = p.wait(60s);
   CAPTURE(p.err());
   REQUIRE(code == 0);
-  const Outcome r = train_cli({"--model", "gpt", "--data", "tokens:" + (dir / "shards").string(), "--steps", "300",
-                               "--batch", "16", "--seq", "16", "--d-model", "32", "--heads", "2", "--layers", "1",
-                               "--lr", "1e-2", "--seed", "3", "--sample", "60", "--sample-prompt", "the quick",
-                               "--temperature", "0"});
+  const Outcome r =
+      train_cli({"--model",       "gpt",  "--data",          "tokens:" + (dir / "shards").string(),
+                 "--steps",       "300",  "--batch",         "16",
+                 "--seq",         "16",   "--d-model",       "32",
+                 "--heads",       "2",    "--layers",        "1",
+                 "--lr",          "1e-2", "--seed",          "3",
+                 "--sample",      "60",   "--sample-prompt", "the quick",
+                 "--temperature", "0"});
   CAPTURE(r.out);
   CAPTURE(r.err);
   REQUIRE(r.code == 0);
   // SentencePiece's pieces carry their leading space, so the lines join with one.
-  CHECK(r.out.find("temperature 0):\nthe quick brown fox jumps over the lazy dog. the quick brown fox") !=
+  CHECK(r.out.find(
+            "temperature 0):\nthe quick brown fox jumps over the lazy dog. the quick brown fox") !=
         std::string::npos);
-  CHECK(train_cli({"--model", "gpt", "--data", "tokens:" + (dir / "shards").string(), "--steps", "1", "--batch", "2",
-                   "--seq", "8", "--sample", "3", "--sample-prompt", "!!!"}, 60s)
+  CHECK(train_cli({"--model", "gpt", "--data", "tokens:" + (dir / "shards").string(), "--steps",
+                   "1", "--batch", "2", "--seq", "8", "--sample", "3", "--sample-prompt", "!!!"},
+                  60s)
             .code == 0);  // a piece it does not know is SentencePiece's unknown id, not an error
 }
 
 TEST_CASE("Sample.BatonTrainRefusesBadSampleFlags" * doctest::timeout(240)) {
   const std::string file = repeating_text_file();
-  const std::vector<std::string> gpt{"--model", "gpt", "--data", "text:" + file, "--steps", "1", "--batch", "2",
-                                     "--seq", "8", "--d-model", "16", "--heads", "2", "--layers", "1"};
+  const std::vector<std::string> gpt{
+      "--model", "gpt", "--data",    "text:" + file, "--steps", "1", "--batch",  "2",
+      "--seq",   "8",   "--d-model", "16",           "--heads", "2", "--layers", "1"};
   struct Case {
     std::vector<std::string> args;
     std::string says;
@@ -259,12 +275,13 @@ TEST_CASE("Sample.BatonTrainRefusesBadSampleFlags" * doctest::timeout(240)) {
     const Outcome r = train_cli(args, 60s);
     CAPTURE(c.says);
     CAPTURE(r.err);
-    CHECK(r.code > 0);  // 1 from baton-train, CLI11's own code (105) for a value it refuses
+    CHECK(r.code > 0);    // 1 from baton-train, CLI11's own code (105) for a value it refuses
     CHECK(r.code < 128);  // an error exit, not a signal
     CHECK(r.err.substr(0, r.err.find('\n')).find(c.says) != std::string::npos);
     CHECK(r.out.find("step") == std::string::npos);  // refused before training
   }
-  const Outcome mlp = train_cli({"--model", "mlp", "--data", "synthetic", "--steps", "1", "--sample", "5"}, 60s);
+  const Outcome mlp =
+      train_cli({"--model", "mlp", "--data", "synthetic", "--steps", "1", "--sample", "5"}, 60s);
   CAPTURE(mlp.err);
   CHECK(mlp.code == 1);
   CHECK(mlp.err.find("--sample needs a language model: --model gpt or llama") != std::string::npos);

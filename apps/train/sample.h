@@ -39,8 +39,8 @@ using BuildLogits = std::function<Value(Graph& g)>;
 /// id outside [0, vocab), tokens < 1, a negative or non-finite temperature, logits of another
 /// shape than [seq, vocab].
 std::vector<std::int32_t> generate(const BuildLogits& build, std::int64_t seq, std::int64_t vocab,
-                                   const ParameterStore& params, const std::vector<std::int32_t>& prompt,
-                                   const Settings& s);
+                                   const ParameterStore& params,
+                                   const std::vector<std::int32_t>& prompt, const Settings& s);
 
 /// The index drawn from softmax(logits / temperature) by the uniform number u in [0, 1) (the
 /// inverse of the distribution function), or the first largest logit when temperature is 0.

@@ -17,8 +17,8 @@ namespace baton::sample {
 
 /// What the flags ask for.
 struct Request {
-  std::int64_t tokens = 0;  // --sample
-  std::string prompt;       // --sample-prompt; "" starts from the data's first token
+  std::int64_t tokens = 0;   // --sample
+  std::string prompt;        // --sample-prompt; "" starts from the data's first token
   double temperature = 0.8;  // --temperature
   std::uint64_t seed = 1;    // --sample-seed (default: --seed)
 };
