@@ -31,6 +31,7 @@
 #include "baton/observe/watch.h"
 #include "import.h"
 #include "models.h"
+#include "sample_text.h"
 
 namespace {
 
@@ -89,6 +90,10 @@ struct Options {
   std::string resume;
   std::string init_from;  // a safetensors file of the model's weights (import.h)
   std::int64_t positions = 0;  // gpt2: rows of the position table (0: --seq, or the --init-from file's)
+  std::int64_t sample = 0;  // --sample: tokens of text drawn from the trained model (0: none)
+  std::string sample_prompt;
+  double temperature = 0.8;
+  std::optional<std::uint64_t> sample_seed;  // default: --seed
 };
 
 struct Data {
@@ -414,6 +419,14 @@ int run(const Options& given) {
     if (o.model == "gpt2" && o.positions == 0 && wpe != nullptr && wpe->shape().size() == 2) o.positions = wpe->dim(0);
   }
   const Data d = load(o);
+  // Checked before training: a prompt the data cannot encode is refused now, not after it.
+  std::optional<sample::TextSampler> sampler;
+  if (o.sample > 0) {
+    if (o.model == "mlp") throw std::invalid_argument("--sample needs a language model: --model gpt or llama");
+    sampler.emplace(sample::Request{.tokens = o.sample, .prompt = o.sample_prompt, .temperature = o.temperature,
+                                    .seed = o.sample_seed.value_or(o.seed)},
+                    d.text, d.tokens);
+  }
   const std::int64_t pieces = o.dp * o.microbatches;  // micro-batches of a step, over all replicas
   if (o.batch % pieces != 0) {
     throw std::invalid_argument(fmt::format("--batch {} is not a multiple of --dp {} x --microbatches {} = {}", o.batch,
@@ -693,15 +706,18 @@ int run(const Options& given) {
     return 0;
   }
   auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
+  std::optional<sample::TextSampler::Result> drawn;
+  if (sampler) drawn = sampler->run([&](Graph& eval) { return build(eval, o, d, 1).logits; }, o.seq, *job.params);
   const double samples_per_s = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
   if (o.json) {
     fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"tp\": {}, \"ranks\": {}, \"microbatches\": {}, "
                "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
-               "\"wall_s\": {:.6g}, \"first_step\": {}{}}}\n",
+               "\"wall_s\": {:.6g}, \"first_step\": {}{}{}}}\n",
                o.model, o.data, o.steps, o.batch, o.dp, o.pp, o.tp, env.world_size, o.microbatches, losses.back(),
                std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
                std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s, first,
-               d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "");
+               d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "",
+               drawn ? fmt::format(", \"sample\": {}", sample::TextSampler::json_string(drawn->text)) : "");
   } else {
     fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {:.4f}", tty ? "\n" : "",
                o.steps - first, report.wall_s, samples_per_s, losses.back(), eval_loss);
@@ -721,6 +737,10 @@ int run(const Options& given) {
     }
     fmt::print("busiest actors ({} of {}); all actors: {:.3f} s in kernels, {:.3f} s in handshakes\n{}", top.actors.size(),
                all, kernel, busy - kernel, top.table());
+    if (drawn) {
+      fmt::print("\nsample ({} tokens after the prompt, temperature {}):\n{}\n", drawn->tokens, o.temperature,
+                 drawn->text);
+    }
   }
   if (watch.serving() && o.dashboard_linger > 0) {
     std::fflush(stdout);
@@ -861,12 +881,24 @@ int main(int argc, char** argv) {
                  "transformers' names and layout (LlamaForCausalLM, GPT-2), gpt and mlp in baton's own")
       ->check(CLI::ExistingFile);
   app.add_option("--trace", o.trace, "write a Chrome trace of the run (acts, slot occupancy, requests) to FILE");
+  app.add_option("--sample", o.sample, "after training, draw this many tokens of text from the model (gpt, llama) "
+                 "and print them")
+      ->check(positive);
+  app.add_option("--sample-prompt", o.sample_prompt, "--sample: the text to continue (default: the data's first token)");
+  app.add_option("--temperature", o.temperature, "--sample: softmax temperature (0: greedy)")->check(non_negative);
+  app.add_option("--sample-seed", o.sample_seed, "--sample: the draws' seed (default: --seed)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   if (app.count("--print-plan") && o.print_plan.empty()) o.print_plan = "text";
+  for (const char* flag : {"--sample-prompt", "--temperature", "--sample-seed"}) {
+    if (app.count(flag) && o.sample == 0) {
+      fmt::print(stderr, "baton-train: error: {} needs --sample N\n", flag);
+      return 1;
+    }
+  }
   if (app.count("--checkpoint-every") && o.checkpoint_dir.empty()) {
     fmt::print(stderr, "baton-train: error: --checkpoint-every needs --checkpoint-dir\n");
     return 1;
