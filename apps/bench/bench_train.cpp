@@ -54,6 +54,7 @@
 #include "weights_file.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
+#include "baton/kernels/ops.h"
 #include "baton/kernels/data.h"
 #include "models.h"
 
@@ -71,9 +72,12 @@ struct Case {
   std::string name;
   std::string model;  // "mlp" or "gpt"
   std::int64_t batch = 0;
-  int threads = 1;
+  int threads = 1;  // baton's worker threads (TrainConfig::threads)
   models::MlpShape mlp{};
   models::GptShape gpt{};
+  int blas_threads = 1;  // baton's threads per matrix product (set_blas_threads)
+  /// The cores the case may use: the references get as many threads.
+  int cores() const { return threads * blas_threads; }
 };
 
 /// The small GPT of baton-train's defaults, and one where the matrix products dominate a step.
@@ -93,6 +97,13 @@ std::vector<Case> all_cases() {
   for (Case c : base) {
     c.name += "_2threads";
     c.threads = 2;
+    out.push_back(c);
+  }
+  // The other way to give baton 2 cores: one worker whose matrix products run on both (what
+  // the references do with their 2 intra-op threads).
+  for (Case c : base) {
+    c.name += "_blas2";
+    c.blas_threads = 2;
     out.push_back(c);
   }
   return out;
@@ -257,7 +268,7 @@ class Reference {
     const std::string cmd = fmt::format(
         "timeout --kill-after=10 {} env OMP_WAIT_POLICY={} OPENBLAS_NUM_THREADS={} {} --case {} {} --steps {} --threads {} "
         "--batch {} --warmup {} --lr {} --seed {} --repeats {} --weights {}",
-        reference_timeout_s, shell_quote(omp_wait_policy()), c.threads, command_, c.name, shape, steps, c.threads, c.batch, warmup,
+        reference_timeout_s, shell_quote(omp_wait_policy()), c.cores(), command_, c.name, shape, steps, c.cores(), c.batch, warmup,
         lr, seed, repeats, shell_quote(weights_file));
     auto [status, out] = run_capture(cmd);
     if (status != 0) throw std::runtime_error(fmt::format("'{}' failed (status {})", cmd, status));
@@ -425,6 +436,10 @@ BatonResult run_baton(const Case& c, std::int64_t steps, const Data& d) {
     cfg.data = {{"synthetic", data::batch_source(d.synthetic.at(c.mlp.inputs), c.batch, 1, seed), {"x", "label"}}};
   }
   TrainingJob job = compile_training(g, loss, cfg);
+  set_blas_threads(c.blas_threads);
+  struct Reset {
+    ~Reset() { set_blas_threads(1); }
+  } reset_blas;  // the next case starts from one, whatever happens to this one
   Runtime rt(job.plan, job.kernels);
   RunReport report = rt.run();
   BatonResult r;
@@ -524,10 +539,11 @@ void bench_case(const Case& c, const Options& o, const Data& d, const std::vecto
     line.add("shape", fmt::format("d{} L{} T{} heads {} vocab {}", c.gpt.d_model, c.gpt.layers, c.gpt.seq, c.gpt.heads,
                                   c.gpt.vocab));
   }
-  line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("repeats", runs);
+  line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("blas_threads", c.blas_threads);
+  line.add("repeats", runs);
   line.add("step_ms", step_ms);
   line.add("kernel_ms_per_step", kernel_ms);
-  if (c.threads == 1) line.add("overhead_ms_per_step", step_ms - kernel_ms);
+  if (c.cores() == 1) line.add("overhead_ms_per_step", step_ms - kernel_ms);
   line.add("handshake_ms_per_step", handshake_ms);
   line.add("loss", r.loss);
   line.add("actors", r.actors);
@@ -536,7 +552,7 @@ void bench_case(const Case& c, const Options& o, const Data& d, const std::vecto
       if (ref->name() == "pytorch") line.add("torch_version", ref->version());
     }
     line.add("reference_omp_wait_policy", results.front().second.omp_wait_policy);
-    line.add("reference_openblas_threads", c.threads);
+    line.add("reference_openblas_threads", c.cores());
   }
   line.print();
   std::string ref_note;
@@ -584,7 +600,7 @@ int main(int argc, char** argv) {
              ref_names.empty() ? std::string() : fmt::format(", references: {}", fmt::join(ref_names, ", ")));
   int failed = 0;
   for (const auto& c : cases) {
-    bench::load().set_own_threads(c.threads);
+    bench::load().set_own_threads(c.cores());
     try {
       bench_case(c, opt, d, refs);
     } catch (const std::exception& e) {

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "baton/kernels/ops.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/kernels/cuda.h"
@@ -78,6 +79,7 @@ struct Options {
   bool print_sbp = false;
   bool print_memory = false;
   bool measure_memory = false;
+  int blas_threads = 0;  // 0: baton's default (1, or BATON_BLAS_THREADS)
   bool memory_plan = true;
   std::string recompute = "none";
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
@@ -457,6 +459,7 @@ int run(const Options& given) {
   cfg.microbatches = o.microbatches;
   cfg.optimizer = optimizer(o);
   cfg.threads = o.threads;
+  if (o.blas_threads > 0) set_blas_threads(o.blas_threads);
   cfg.recompute = o.recompute;
   cfg.dp = o.dp;
   cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
@@ -811,6 +814,10 @@ int main(int argc, char** argv) {
                  "memory) or fused (one op, FlashAttention's tiling; no scores in memory)")
       ->check(CLI::IsMember({"naive", "fused"}));
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
+  app.add_option("--blas-threads", o.blas_threads,
+                 "threads of every CPU matrix product (default 1, one per actor; more pays where the plan leaves cores "
+                 "idle: one device, one micro-batch)")
+      ->check(CLI::Range(1, 256));
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));
   app.add_option("--bucket-mb", o.bucket_mb, "data parallelism: gradients all-reduced in buckets of this many MiB "

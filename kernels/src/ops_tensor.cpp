@@ -541,9 +541,9 @@ void add_ops(KernelRegistry& reg) {
 
 // Kernels run one per actor thread, so BLAS's own threads would only contend with the other
 // actors; BATON_BLAS_THREADS overrides. OpenBLAS's setting is process-wide: set it once.
+std::once_flag blas_configured;
 void configure_blas_threads() {
-  static std::once_flag once;
-  std::call_once(once, [] {
+  std::call_once(blas_configured, [] {
     int threads = 1;
     if (const char* env = std::getenv("BATON_BLAS_THREADS"); env != nullptr && *env != '\0') {
       threads = std::max(1, std::atoi(env));
@@ -553,6 +553,17 @@ void configure_blas_threads() {
 }
 
 }  // namespace
+
+void set_blas_threads(int threads) {
+  if (threads < 1) throw std::invalid_argument(fmt::format("BLAS threads must be at least 1, not {}", threads));
+  configure_blas_threads();  // first, so that it cannot undo this later
+  openblas_set_num_threads(threads);
+}
+
+int blas_threads() {
+  configure_blas_threads();
+  return openblas_get_num_threads();
+}
 
 void add_cpu_tensor_ops(KernelRegistry& reg) {
   configure_blas_threads();

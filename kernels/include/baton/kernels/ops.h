@@ -97,6 +97,11 @@ namespace baton {
 
 /// Registers the tensor ops above for cpu/f32 and cpu/f64.
 void add_cpu_tensor_ops(KernelRegistry& reg);
+/// Threads of every CPU matrix product (OpenBLAS's, process-wide). Default 1, or
+/// BATON_BLAS_THREADS: kernels run one per actor thread, so BLAS's own threads contend with the
+/// other actors; more pays where the plan leaves cores idle (one device, one micro-batch).
+void set_blas_threads(int threads);
+int blas_threads();
 /// Registers the neural-network ops above (the fused ones included) for cpu/f32 and cpu/f64.
 void add_cpu_nn_ops(KernelRegistry& reg);
 /// Registers attention and attention_grad for cpu/f32 and cpu/f64 (add_cpu_nn_ops calls it).
