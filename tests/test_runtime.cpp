@@ -459,3 +459,31 @@ TEST_CASE("Runtime.ActivityLog.RecordsEveryActInOrderPerActor" * doctest::timeou
   off.run();
   CHECK(off.drain_activity(log) == 0);
 }
+
+TEST_CASE("Runtime.MeasuredMemory.ASlotIsInUseFromItsWriteToItsLastRelease" * doctest::timeout(60)) {
+  auto reg = KernelRegistry::with_builtin_kernels();
+  // Off by default: nothing measured.
+  CHECK(Runtime(chain3(1, 10), reg, deterministic()).run().memory.empty());
+  // One slot per register, one thread in a fixed order: B publishes b before it releases a (a
+  // reader's request goes out before its writer hears of space), so both 8-byte slots are in use
+  // at once, and never more.
+  RuntimeSettings one = deterministic();
+  one.measure_memory = true;
+  const RunReport d = Runtime(chain3(1, 10), reg, one).run();
+  REQUIRE(d.memory.size() == 1);
+  CHECK(d.memory[0].peak_bytes == 16);
+  // Three workers (A, B, C on cpu:0, 1, 2), 2 slots per register: each device counts the
+  // register its actor writes, at least one slot and at most both.
+  Plan p = chain3(2, 2000);
+  for (int i = 0; i < 3; ++i) p.actors[static_cast<std::size_t>(i)].where.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(i)};
+  RuntimeSettings many = threaded();
+  many.measure_memory = true;
+  const RunReport t = Runtime(p, reg, many).run();
+  std::map<std::string, std::int64_t> peak;
+  for (const MeasuredMemory& m : t.memory) peak[m.device.str()] = m.peak_bytes;
+  CHECK(peak.size() == 2);  // C writes nothing: its device has nothing to count
+  CHECK(peak["cpu:0"] >= 8);
+  CHECK(peak["cpu:0"] <= 16);
+  CHECK(peak["cpu:1"] >= 8);
+  CHECK(peak["cpu:1"] <= 16);
+}
