@@ -19,6 +19,7 @@
 #include "baton/kernels/data.h"
 #include "loopback_run.h"
 #include "models.h"
+#include "poison.h"
 #include "test_util.h"
 
 using namespace baton;
@@ -245,55 +246,6 @@ TEST_CASE("MemoryPlan.AReshapeOnItsInputsDeviceLowersToAView") {
 
 namespace {
 
-/// Fills a float tensor with NaN and any other with 0xA5 bytes.
-void poison(Tensor& t) {
-  if (t.dtype() == DType::f32) {
-    for (float& v : t.data<float>()) v = std::numeric_limits<float>::quiet_NaN();
-  } else if (t.dtype() == DType::f64) {
-    for (double& v : t.data<double>()) v = std::numeric_limits<double>::quiet_NaN();
-  } else {
-    std::memset(t.raw(), 0xA5, t.nbytes());
-  }
-}
-
-/// Runs another kernel after poisoning its outputs (those that are not also its inputs): each
-/// slot's bytes hold garbage from the moment its new life starts, so a slot that shared them
-/// with one still live would hand its reader NaN, and a kernel that read its output before
-/// writing it would too.
-class Poisoning final : public Kernel {
- public:
-  explicit Poisoning(std::unique_ptr<Kernel> inner) : inner_(std::move(inner)) {}
-  void compute(KernelContext& ctx) override {
-    for (Tensor* out : ctx.outputs) {
-      bool is_input = false;
-      for (const Tensor* in : ctx.inputs)
-        is_input = is_input || (in != nullptr && in->raw() == out->raw());
-      if (!is_input) poison(*out);
-    }
-    inner_->compute(ctx);
-  }
-
- private:
-  std::unique_ptr<Kernel> inner_;
-};
-
-/// Every compute and source actor of the job poisons its outputs before it writes them.
-void poison_outputs(TrainingJob& job) {
-  auto base = std::make_shared<const KernelRegistry>(job.kernels);
-  for (ActorDesc& a : job.plan.actors) {
-    if (a.kind != ActorKind::compute && a.kind != ActorKind::source) continue;
-    if (a.outputs.empty()) continue;
-    const std::string op = "poisoning." + a.op;
-    if (!job.kernels.contains(op, a.where.device.type, a.dtype)) {
-      job.kernels.add(op, a.where.device.type, a.dtype,
-                      [base, inner = a.op](const KernelConfig& cfg) {
-                        return std::make_unique<Poisoning>(base->create(inner, cfg));
-                      });
-    }
-    a.op = op;
-  }
-}
-
 struct Mode {
   std::string name;
   int dp = 1, pp = 1, tp = 1;
@@ -361,7 +313,7 @@ Trained train(const Mode& mode, bool planned) {
     if (r.arena >= 0) out.slot_bytes += slot * r.slots;
   }
   for (const ArenaDesc& a : job.plan.arenas) out.arena_bytes += a.bytes;
-  if (planned) poison_outputs(job);
+  if (planned) test::poison_outputs(job);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
   rs.measure_memory = true;
@@ -370,14 +322,8 @@ Trained train(const Mode& mode, bool planned) {
       REQUIRE_MESSAGE(r.error.empty(), r.error);
   } else {
     const RunReport report = Runtime(job.plan, job.kernels, rs).run();
-    std::map<Device, std::int64_t> kept;
-    for (const ActorDesc& a : job.plan.actors) {
-      for (const KeptBytes& k : a.kept) kept[a.where.device] += k.bytes;
-    }
     for (const DeviceMemory& m : memory_report(job.plan)) {
-      std::int64_t plan_bytes = -kept[m.device];
-      for (std::int64_t b : m.bytes) plan_bytes += b;
-      out.measured_and_planned[fmt::format("r{}/{}", m.rank, m.device.str())] = {0, plan_bytes};
+      out.measured_and_planned[fmt::format("r{}/{}", m.rank, m.device.str())] = {0, m.registers_at_peak()};
     }
     for (const MeasuredMemory& m : report.memory) {
       out.measured_and_planned[fmt::format("r0/{}", m.device.str())].first = m.peak_bytes;

@@ -19,6 +19,7 @@
 #include "baton/kernels/data.h"
 #include "loopback_run.h"
 #include "models.h"
+#include "poison.h"
 #include "test_util.h"
 
 using namespace baton;
@@ -81,47 +82,6 @@ struct Model {
   }
 };
 
-/// Every compute and source actor poisons its outputs (NaN) before it writes them, as
-/// test_memory_plan.cpp's poisoned arenas do: a clone whose slot shared bytes with a slot still
-/// live, or that acted before its inputs were written, would hand its readers NaN.
-class Poisoning final : public Kernel {
- public:
-  explicit Poisoning(std::unique_ptr<Kernel> inner) : inner_(std::move(inner)) {}
-  void compute(KernelContext& ctx) override {
-    for (Tensor* out : ctx.outputs) {
-      bool is_input = false;
-      for (const Tensor* in : ctx.inputs)
-        is_input = is_input || (in != nullptr && in->raw() == out->raw());
-      if (is_input) continue;
-      if (out->dtype() == DType::f32) {
-        for (float& v : out->data<float>()) v = std::numeric_limits<float>::quiet_NaN();
-      } else {
-        std::memset(out->raw(), 0xA5, out->nbytes());
-      }
-    }
-    inner_->compute(ctx);
-  }
-
- private:
-  std::unique_ptr<Kernel> inner_;
-};
-
-void poison_outputs(TrainingJob& job) {
-  auto base = std::make_shared<const KernelRegistry>(job.kernels);
-  for (ActorDesc& a : job.plan.actors) {
-    if ((a.kind != ActorKind::compute && a.kind != ActorKind::source) || a.outputs.empty())
-      continue;
-    const std::string op = "poisoning." + a.op;
-    if (!job.kernels.contains(op, a.where.device.type, a.dtype)) {
-      job.kernels.add(op, a.where.device.type, a.dtype,
-                      [base, inner = a.op](const KernelConfig& cfg) {
-                        return std::make_unique<Poisoning>(base->create(inner, cfg));
-                      });
-    }
-    a.op = op;
-  }
-}
-
 struct Trained {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> weights;
@@ -140,7 +100,7 @@ Trained train(const Setup& s, const std::string& recompute) {
     // (A view, which computes nothing, acts when its input is ready.)
     if ((s.pp > 1 || s.memory_plan) && a.kind == ActorKind::compute) CHECK(a.order.lane >= 0);
   }
-  if (s.memory_plan) poison_outputs(job);
+  if (s.memory_plan) test::poison_outputs(job);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
   if (s.ranks) {

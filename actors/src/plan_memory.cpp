@@ -466,7 +466,9 @@ std::vector<DeviceMemory> memory_report(const Plan& plan, std::size_t consumers)
   }
   for (const ActorDesc& a : plan.actors) {
     for (const KeptBytes& k : a.kept) {
-      at(a.where.rank, a.where.device).bytes[static_cast<std::size_t>(k.category)] += k.bytes;
+      DeviceMemory& m = at(a.where.rank, a.where.device);
+      m.bytes[static_cast<std::size_t>(k.category)] += k.bytes;
+      m.kept += k.bytes;
       who[{a.where.rank, a.where.device}].push_back({a.name, k.category, k.bytes});
     }
   }

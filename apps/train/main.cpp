@@ -369,17 +369,9 @@ std::vector<Placement> replica_places(const Options& o, const JobEnvironment& en
 /// --measure-memory: each device's register high-water mark over the run against the plan's
 /// account of the same bytes (its peak without what kernels keep), on stderr.
 void print_measured_memory(const Plan& plan, const RunReport& report, std::uint16_t rank) {
-  std::map<Device, std::int64_t> kept;
-  for (const ActorDesc& a : plan.actors) {
-    if (a.where.rank != rank) continue;
-    for (const KeptBytes& k : a.kept) kept[a.where.device] += k.bytes;
-  }
   std::map<Device, std::int64_t> planned;
   for (const DeviceMemory& m : memory_report(plan)) {
-    if (m.rank != rank) continue;
-    std::int64_t bytes = -kept[m.device];
-    for (std::int64_t b : m.bytes) bytes += b;
-    planned[m.device] = bytes;
+    if (m.rank == rank) planned[m.device] = m.registers_at_peak();
   }
   for (const MeasuredMemory& m : report.memory) {
     const std::int64_t plan_bytes = planned[m.device];

@@ -98,6 +98,9 @@ struct DeviceMemory {
   /// The peak, by category: registers of their own and always live in full, the lane-planned
   /// ones as live at their lane's busiest moment, and what kernels keep (ActorDesc::kept).
   std::array<std::int64_t, memory_categories> bytes{};
+  /// Of `bytes`, what kernels keep (ActorDesc::kept): the rest is register slots live at the peak,
+  /// what RunReport::memory measures.
+  std::int64_t kept = 0;
   /// Arena bytes beyond what is live at the peak (the cost of packing slots at offsets).
   std::int64_t slack = 0;
   /// What the runtime allocates for registers: arenas and registers of their own.
@@ -111,6 +114,8 @@ struct DeviceMemory {
   };
   std::vector<Consumer> largest;
   std::int64_t total() const;
+  /// Register bytes live at the peak: total() without the slack and what kernels keep.
+  std::int64_t registers_at_peak() const { return total() - slack - kept; }
 };
 
 /// Every device's needs, ordered by (rank, device); `largest` keeps the top `consumers`.
