@@ -73,6 +73,7 @@ struct Options {
   std::string precision = "f32";
   std::string collectives = "auto";
   std::string grad_compression = "none";
+  int zero = 0;
   bool json = false;
   std::string print_plan;
   std::vector<std::string> print_after;
@@ -457,6 +458,7 @@ int run(const Options& given) {
   cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
   cfg.collectives = o.collectives;
   cfg.grad_compression = o.grad_compression;
+  cfg.zero = o.zero;
   // A stage is at least one layer: a finer cut would split a layer's ops over devices, which
   // only adds transfers. Refused here, where the model's layers are known.
   const std::int64_t model_layers = o.model == "mlp" ? o.layers + 1 : o.layers + 2;
@@ -822,6 +824,9 @@ int main(int argc, char** argv) {
                  "with --dp: gradients travel between replicas in bf16 and are summed in f32 (half the bytes; CPU, "
                  "the actors' ring), or none")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
+  app.add_option("--zero", o.zero, "with --dp: ZeRO stage: 1 splits the optimizer state (and master weights) over the "
+                 "replicas, 2 the gradients too (reduce-scatter instead of all-reduce); 0 none. Same results as plain dp")
+      ->check(CLI::Range(0, 3));
   app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients: auto (NCCL when every replica is on a "
                  "CUDA device, else actors), nccl, or actors (a ring of add actors; any devices)")
       ->check(CLI::IsMember({"auto", "nccl", "actors"}));

@@ -148,14 +148,24 @@ void add_kernels(KernelRegistry& k, DType dt) {
       at += o.size();
     }
   });
-  k.add_fn("allreduce.sum", DeviceType::cpu, dt, [](KernelContext& ctx) {
-    auto out = ctx.outputs[0]->data<T>();
-    auto first = ctx.inputs[0]->data<T>();
-    std::copy(first.begin(), first.end(), out.begin());
-    for (std::size_t j = 1; j < ctx.inputs.size(); ++j) {
-      auto in = ctx.inputs[j]->data<T>();
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
-    }
+  // out = in_0 + in_1 + ... left to right over elements [offset, offset + out.size()) of each
+  // input (the whole input for an all-reduce, one member's chunk for a reduce-scatter).
+  k.add("allreduce.sum", DeviceType::cpu, dt, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+    struct Sum final : Kernel {
+      std::string actor;
+      std::int64_t offset;
+      Sum(std::string_view a, std::int64_t off) : actor(a), offset(off) {}
+      void compute(KernelContext& ctx) override {
+        auto out = ctx.outputs[0]->data<T>();
+        auto first = window<T>(*ctx.inputs[0], offset, out.size(), actor);
+        std::copy(first.begin(), first.end(), out.begin());
+        for (std::size_t j = 1; j < ctx.inputs.size(); ++j) {
+          auto in = window<T>(*ctx.inputs[j], offset, out.size(), actor);
+          for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
+        }
+      }
+    };
+    return std::make_unique<Sum>(cfg.actor, cfg.attrs.get_int("offset", 0));
   });
   k.add_fn("allreduce.concat", DeviceType::cpu, dt, [](KernelContext& ctx) {
     auto out = ctx.outputs[0]->data<T>();
@@ -231,44 +241,53 @@ void add_collective_kernels(KernelRegistry& kernels) {
   cuda::add_collective_kernels(kernels);  // nothing in a build without CUDA
 }
 
-std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
-                                         const Shape& shape, DType dtype, std::int32_t result_slots,
-                                         const AllReduceSettings& settings) {
+namespace {
+
+/// Checks the members and the wire dtype; whether `settings` send this tensor by the direct form.
+bool direct_for(const std::string& name, const std::vector<AllReduceMember>& members, const Shape& shape, DType dtype,
+                const AllReduceSettings& settings) {
   if (members.empty()) throw std::invalid_argument(fmt::format("all-reduce '{}' has no members", name));
-  const auto n = static_cast<std::int64_t>(members.size());
-  const auto chunks = chunk_offsets(numel(shape), n);
   const std::int64_t bytes = numel(shape) * static_cast<std::int64_t>(size_of(dtype));
+  const bool compressed = settings.wire && *settings.wire != dtype;
   const bool direct = settings.algorithm == AllReduceAlgorithm::direct ||
-                      (settings.algorithm == AllReduceAlgorithm::ring && bytes < settings.direct_below_bytes &&
-                       !(settings.wire && *settings.wire != dtype));
-  if (direct && settings.wire && *settings.wire != dtype) {
+                      (settings.algorithm == AllReduceAlgorithm::ring && bytes < settings.direct_below_bytes && !compressed);
+  if (direct && compressed) {
     throw std::invalid_argument(fmt::format("all-reduce '{}': sums on the wire in {} for {} members by direct: only "
                                             "bf16 for f32, by the ring",
                                             name, baton::name(*settings.wire), baton::name(dtype)));
   }
-  if (direct) return add_direct_allreduce(plan, name, members, shape, dtype, result_slots);
+  if (!compressed) return direct;
   const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
-  const DType wire = settings.wire.value_or(dtype);
-  if (wire != dtype) {
-    if (wire != DType::bf16 || dtype != DType::f32 || !ring) {
+  if (*settings.wire != DType::bf16 || dtype != DType::f32 || !ring) {
+    throw std::invalid_argument(fmt::format("all-reduce '{}': sums on the wire in {} for {} members{}: only bf16 for f32, by the ring",
+                                            name, baton::name(*settings.wire), baton::name(dtype), ring ? "" : " by two_hop"));
+  }
+  for (const AllReduceMember& m : members) {
+    if (m.where.device.type != DeviceType::cpu) {
       throw std::invalid_argument(fmt::format(
-          "all-reduce '{}': sums on the wire in {} for {} members{}: only bf16 for f32, by the ring", name,
-          baton::name(wire), baton::name(dtype), ring ? "" : " by two_hop"));
-    }
-    for (const AllReduceMember& m : members) {
-      if (m.where.device.type != DeviceType::cpu) {
-        throw std::invalid_argument(fmt::format(
-            "all-reduce '{}': member '{}' is on {}; compressed sums (bf16 on the wire) have CPU kernels only", name,
-            m.suffix, m.where.device.str()));
-      }
+          "all-reduce '{}': member '{}' is on {}; compressed sums (bf16 on the wire) have CPU kernels only", name,
+          m.suffix, m.where.device.str()));
     }
   }
-  const std::int64_t segments = ring ? allreduce_segments(numel(shape), dtype, n, settings) : 0;
+  return false;
+}
+
+/// The reduce-scatter of a ring or two_hop all-reduce (direct_for() said no).
+ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
+                                        const Shape& shape, DType dtype, const AllReduceSettings& settings) {
+  const auto n = static_cast<std::int64_t>(members.size());
+  ReduceScattered out{.offsets = chunk_offsets(numel(shape), n), .parts = {}};
+  const auto& chunks = out.offsets;
+  out.parts.resize(static_cast<std::size_t>(n));
+  if (settings.algorithm != AllReduceAlgorithm::ring) {
+    auto sums = add_two_hop_sums(plan, name, members, dtype, chunks, settings.slots);
+    for (std::int64_t c = 0; c < n; ++c) out.parts[static_cast<std::size_t>(c)] = {sums[static_cast<std::size_t>(c)]};
+    return out;
+  }
+  const DType wire = settings.wire.value_or(dtype);
+  const std::int64_t segments = allreduce_segments(numel(shape), dtype, n, settings);
   auto member = [&](std::int64_t j) -> const AllReduceMember& { return members[static_cast<std::size_t>(j % n)]; };
-  // sums[c * segments + s]: the finished sum of segment s of chunk c, on member c; in tensor order.
-  std::vector<RegisterIndex> sums;
-  if (!ring) sums = add_two_hop_sums(plan, name, members, dtype, chunks, settings.slots);
-  for (std::int64_t c = 0; c < n && ring; ++c) {
+  for (std::int64_t c = 0; c < n; ++c) {
     const auto c_at = static_cast<std::size_t>(c);
     const auto seg = chunk_offsets(chunks[c_at + 1] - chunks[c_at], segments);
     for (std::int64_t s = 0; s < segments; ++s) {
@@ -302,17 +321,56 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
         partial = {r};
         from = -1;
       }
-      sums.push_back(partial.reg);
+      out.parts[c_at].push_back(partial.reg);
     }
+  }
+  return out;
+}
+
+}  // namespace
+
+ReduceScattered add_reduce_scatter(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
+                                   const Shape& shape, DType dtype, const AllReduceSettings& settings) {
+  if (!direct_for(name, members, shape, dtype, settings)) {
+    return ring_or_two_hop_scatter(plan, name, members, shape, dtype, settings);
+  }
+  // Direct: member c sums chunk c of every member's input, in member order (the same sums, bit
+  // for bit, as the direct all-reduce makes of those elements).
+  const auto n = static_cast<std::int64_t>(members.size());
+  ReduceScattered out{.offsets = chunk_offsets(numel(shape), n), .parts = {}};
+  std::vector<InputPort> all;
+  for (const AllReduceMember& m : members) all.push_back({m.input});
+  for (std::int64_t c = 0; c < n; ++c) {
+    const AllReduceMember& m = members[static_cast<std::size_t>(c)];
+    const std::int64_t begin = out.offsets[static_cast<std::size_t>(c)];
+    const std::int64_t count = out.offsets[static_cast<std::size_t>(c) + 1] - begin;
+    const std::string sum_name = fmt::format("{}.sum{}{}", name, c, m.suffix);
+    RegisterIndex r = plan.add_register({.name = sum_name, .shape = {count}, .dtype = dtype, .slots = settings.slots});
+    plan.add_actor({.name = sum_name, .op = "allreduce.sum", .dtype = dtype, .where = m.where, .inputs = all,
+                    .outputs = {r}, .attrs = {{"offset", begin}, {"allreduce", name}}, .role = ActorRole::collective});
+    out.parts.push_back({r});
+  }
+  return out;
+}
+
+std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
+                                         const Shape& shape, DType dtype, std::int32_t result_slots,
+                                         const AllReduceSettings& settings) {
+  if (direct_for(name, members, shape, dtype, settings)) {
+    return add_direct_allreduce(plan, name, members, shape, dtype, result_slots);
+  }
+  // The reduce-scatter, then every member gathers every member's sums in tensor order.
+  const ReduceScattered scattered = ring_or_two_hop_scatter(plan, name, members, shape, dtype, settings);
+  std::vector<InputPort> sums;
+  for (const auto& parts : scattered.parts) {
+    for (RegisterIndex r : parts) sums.push_back({r});
   }
   std::vector<RegisterIndex> results;
   for (const AllReduceMember& m : members) {
-    std::vector<InputPort> ins;
-    for (RegisterIndex r : sums) ins.push_back({r});
     results.push_back(
         plan.add_register({.name = name + ".allreduced" + m.suffix, .shape = shape, .dtype = dtype, .slots = result_slots}));
     plan.add_actor({.name = name + ".gather" + m.suffix, .op = "allreduce.concat", .dtype = dtype, .where = m.where,
-                    .inputs = std::move(ins), .outputs = {results.back()}, .attrs = {{"allreduce", name}},
+                    .inputs = sums, .outputs = {results.back()}, .attrs = {{"allreduce", name}},
                     .role = ActorRole::collective});
   }
   return results;

@@ -113,8 +113,8 @@ std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const
 /// Replica `r`'s actors for the needed nodes, in topological order: variables, fills and ops.
 void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const Stages& st,
                  const TrainConfig& cfg, const std::set<int>& fed, const GradientInputs& grad_in,
-                 const std::optional<RegisterIndex>& clip, ParameterStore& params,
-                 std::vector<FinalWeight>& finals) {
+                 const GradientInputs& zero_steps, const std::optional<RegisterIndex>& clip,
+                 ParameterStore& params, std::vector<FinalWeight>& finals) {
   const int loss_id = d.loss.id();
   const auto stream_of = [&](int id) {
     return id <= loss_id ? forward_stream : backward_stream(cfg);
@@ -128,11 +128,18 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
                                      name(n.dtype), to_string(n.shape)));
       }
     } else if (n.op == "variable") {
+      const Placement where = b.at(backward_stream(cfg), b.place(id));
+      if (auto z = zero_steps[static_cast<std::size_t>(r)].find(id);
+          z != zero_steps[static_cast<std::size_t>(r)].end()) {
+        // Under ZeRO the bucket's gather writes the weight (lower_zero); the store is no master.
+        add_weight_repeat(b, id, z->second, st, cfg);
+        if (r == 0) finals.push_back({n.name, z->second, where, n.dtype, n.shape, false});
+        continue;
+      }
       auto it = grad_in[static_cast<std::size_t>(r)].find(id);
       const bool trained = it != grad_in[static_cast<std::size_t>(r)].end();
       const RegisterIndex w = lower_variable(b, r, id, trained ? &it->second : nullptr,
                                              clip ? &*clip : nullptr, st, cfg, params);
-      const Placement where = b.at(backward_stream(cfg), b.place(id));
       if (r == 0 && trained) finals.push_back({n.name, w, where, n.dtype, n.shape});
     } else if (n.op == "fill" && n.inputs.empty()) {
       RegisterIndex reg = b.node_register(id, 2);
@@ -161,9 +168,9 @@ void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
                       .inputs = {{b.reg_of.at(grad.id())}},
                       .outputs = {grad_sum[static_cast<std::size_t>(r)].at(v.id())},
                       .group = static_cast<std::int32_t>(cfg.microbatches)});
-    clip_inputs.push_back({grad_in[static_cast<std::size_t>(r)].at(v.id())});
+    if (cfg.zero == 0 || cfg.dp == 1) clip_inputs.push_back({grad_in[static_cast<std::size_t>(r)].at(v.id())});
   }
-  if (!clip) return;
+  if (!clip || clip_inputs.empty()) return;  // under ZeRO, lower_zero clips
   const DType dt = d.trained[0].first.dtype();
   if (r == 0) add_clip_kernel(b.kernels, dt, cfg.optimizer.clip_norm);
   b.plan.add_actor({.name = b.named("optim.clip"),
@@ -214,7 +221,7 @@ void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& p
                           const std::vector<FinalWeight>& finals, const Placement& reporter,
                           std::int64_t steps) {
   for (const FinalWeight& f : finals) {
-    if (f.where.rank == reporter.rank) continue;
+    if (f.in_store && f.where.rank == reporter.rank) continue;
     const std::string name = "final." + f.name;
     RegisterIndex last =
         plan.add_register({.name = name, .shape = f.shape, .dtype = f.dtype, .slots = 1});
@@ -271,7 +278,21 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
                                                              v.dtype(), 1);
     }
   }
-  const GradientInputs grad_in = lower_gradient_allreduce(replicas, reps, grad_sum, cfg);
+  // Under ZeRO the variables' actors are the buckets' sharded optimizers (lower_zero), and each
+  // trained weight's step register is written by its bucket's gather.
+  const bool zero = cfg.zero > 0 && cfg.dp > 1;
+  GradientInputs grad_in(static_cast<std::size_t>(cfg.dp)), zero_steps(grad_in.size());
+  if (zero) {
+    for (const auto& [v, grad] : d.trained) {
+      for (std::int64_t r = 0; r < cfg.dp; ++r) {
+        zero_steps[static_cast<std::size_t>(r)][v.id()] =
+            replicas[static_cast<std::size_t>(r)].add_register(v.name() + ".step", v.shape(),
+                                                               v.dtype(), 1);
+      }
+    }
+  } else {
+    grad_in = lower_gradient_allreduce(replicas, reps, grad_sum, cfg);
+  }
   std::vector<std::optional<RegisterIndex>> clip(static_cast<std::size_t>(cfg.dp));
   if (cfg.optimizer.clip_norm > 0 && !d.trained.empty()) {
     for (std::int64_t r = 0; r < cfg.dp; ++r) {
@@ -285,14 +306,19 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   for (std::int64_t r = 0; r < cfg.dp; ++r) {
     PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
     const std::set<int> fed = lower_data(b, r, st, cfg);
-    lower_nodes(b, r, d, st, cfg, fed, grad_in, clip[static_cast<std::size_t>(r)], *params, finals);
+    lower_nodes(b, r, d, st, cfg, fed, grad_in, zero_steps, clip[static_cast<std::size_t>(r)],
+                *params, finals);
     lower_accumulation(b, r, d, cfg, grad_sum, grad_in, clip[static_cast<std::size_t>(r)]);
     loss_regs.push_back(b.reg_of.at(d.loss.id()));
   }
+  const Placement reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
+  if (zero) {
+    lower_zero(replicas, reps, d, grad_sum, zero_steps, clip, cfg, *params, reporter.rank);
+    // Replica 0's gathers on the reporting rank write the store themselves (lower_zero).
+    for (FinalWeight& f : finals) f.in_store = f.in_store || f.where.rank == reporter.rank;
+  }
   auto losses = lower_loss_report(replicas, d, loss_regs, cfg);
-  gather_final_weights(plan, kernels, *params, finals,
-                       replicas[0].host(forward_stream, replicas[0].place(d.loss.id())),
-                       cfg.steps - cfg.first_step);
+  gather_final_weights(plan, kernels, *params, finals, reporter, cfg.steps - cfg.first_step);
   label_roles_and_stages(plan, replicas);
   std::map<std::string, Placement> trained_at;
   for (const FinalWeight& f : finals) trained_at[f.name] = f.where;

@@ -76,6 +76,27 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
 
 }  // namespace
 
+RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
+                          const GradientInputs& grad_sum, std::int64_t r, const TrainConfig& cfg) {
+  const std::vector<Value>& bucket = reps.buckets[bi].weights;
+  const auto& local = grad_sum[static_cast<std::size_t>(r)];
+  if (bucket.size() == 1) return local.at(bucket[0].id());
+  const std::string name = fmt::format("grad.bucket{}", bi);
+  std::int64_t total = 0;
+  for (const Value& v : bucket) total += numel(v.shape());
+  const DType dt = bucket[0].dtype();
+  RegisterIndex flat = b.add_register(name, {total}, dt, 1);
+  std::vector<InputPort> ins;
+  for (const Value& v : bucket) ins.push_back({local.at(v.id())});
+  b.plan.add_actor({.name = b.named(name + ".pack"),
+                    .op = "allreduce.concat",
+                    .dtype = dt,
+                    .where = b.at(backward_stream(cfg), reps.buckets[bi].place),
+                    .inputs = std::move(ins),
+                    .outputs = {flat}});
+  return flat;
+}
+
 GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, const Replicas& reps,
                                         const GradientInputs& grad_sum, const TrainConfig& cfg) {
   const auto n_dp = static_cast<std::int64_t>(replicas.size());
@@ -108,16 +129,7 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
     const DType dt = bucket[0].dtype();
     std::vector<RegisterIndex> flat;
     for (std::int64_t r = 0; r < n_dp; ++r) {
-      auto& b = replicas[static_cast<std::size_t>(r)];
-      flat.push_back(b.add_register(name, {total}, dt, 1));
-      std::vector<InputPort> ins;
-      for (const Value& v : bucket) ins.push_back({local(r, v)});
-      b.plan.add_actor({.name = b.named(name + ".pack"),
-                        .op = "allreduce.concat",
-                        .dtype = dt,
-                        .where = b.at(backward_stream(cfg), place),
-                        .inputs = std::move(ins),
-                        .outputs = {flat.back()}});
+      flat.push_back(pack_bucket(replicas[static_cast<std::size_t>(r)], reps, bi, grad_sum, r, cfg));
     }
     auto reduced = allreduce_bucket(replicas, reps, bi, name, flat, {total}, dt, cfg);
     for (std::int64_t r = 0; r < n_dp; ++r) {

@@ -8,6 +8,7 @@
 #include "../device_variables.h"
 #include "baton/kernels/optim.h"
 #include "lowering.h"
+#include "variable_kernel.h"
 
 namespace baton::passes::detail {
 
@@ -15,103 +16,44 @@ namespace {
 
 using baton::detail::SnapshotHook;
 
-/// A weight with its optimizer. Act 0 emits the initial value; act k >= 1 applies step k-1's
-/// summed gradient (input 0, read with delay 1), scaled by the clipping factor (input 1, if
-/// any), then emits the new value. The master copy is the ParameterStore's tensor itself. A
-/// resumed job's actor starts at piece first_step (its acts count steps), from saved slots.
+
+/// The saved slots (optimizer_slots_of) as VariableKernel takes them; none: empty.
 template <class T>
-class VariableKernel final : public Kernel {
- public:
-  VariableKernel(Tensor master, OptimizerConfig cfg, std::int64_t total_steps,
-                 const std::map<std::string, Tensor>* slots, SnapshotHook snapshots)
-      : master_(std::move(master)),
-        cfg_(cfg),
-        total_steps_(total_steps),
-        snapshots_(std::move(snapshots)) {
-    auto n = static_cast<std::size_t>(master_.numel());
-    if (cfg_.kind == OptimizerConfig::Kind::sgd) {
-      if (cfg_.momentum != 0.0) m_.assign(n, T(0));
-    } else {
-      m_.assign(n, T(0));
-      v_.assign(n, T(0));
-    }
-    if (slots != nullptr) {  // compile_training checked their names, shapes and dtypes
-      const auto names = optimizer_slot_names(cfg_);
-      for (std::size_t i = 0; i < names.size(); ++i) {
-        auto from = slots->at(names[i]).template data<T>();
-        std::copy(from.begin(), from.end(), (i == 0 ? m_ : v_).begin());
-      }
-    }
-  }
-  void compute(KernelContext& ctx) override {
-    if (!ctx.inputs.empty() && ctx.inputs[0] != nullptr) update(ctx);
-    copy_tensor(master_, *ctx.outputs[0]);
-  }
+std::vector<std::vector<T>> saved_slots(const OptimizerConfig& oc,
+                                        const std::map<std::string, Tensor>* slots) {
+  std::vector<std::vector<T>> out;
+  if (slots == nullptr) return out;
+  for (const std::string& name : optimizer_slot_names(oc)) out.push_back(elements_of<T>(slots->at(name)));
+  return out;
+}
 
- private:
-  void update(KernelContext& ctx) {
-    const std::int64_t step = ctx.piece;  // 1-based: act k applies the k-th update
-    auto g = ctx.inputs[0]->data<T>();
-    std::span<const T> grad = g;
-    if (ctx.inputs.size() > 1 && ctx.inputs[1] != nullptr) {
-      double factor = static_cast<double>(ctx.inputs[1]->data<T>()[0]);
-      if (factor != 1.0) {
-        scaled_.resize(g.size());
-        for (std::size_t i = 0; i < g.size(); ++i) scaled_[i] = static_cast<T>(g[i] * factor);
-        grad = scaled_;
-      }
-    }
-    const double lr = learning_rate(cfg_, step, total_steps_);
-    auto w = master_.data<T>();
-    if (cfg_.kind == OptimizerConfig::Kind::sgd) {
-      SgdConfig c{cfg_.lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov};
-      sgd_step(w, grad, std::span<T>(m_), c, step, lr);
-    } else {
-      AdamConfig c{cfg_.lr,  cfg_.beta1,        cfg_.beta2,
-                   cfg_.eps, cfg_.weight_decay, cfg_.kind == OptimizerConfig::Kind::adamw};
-      adam_step(w, grad, std::span<T>(m_), std::span<T>(v_), c, step, lr);
-    }
-    if (snapshots_.hand_over && snapshots_.every > 0 &&
-        (step % snapshots_.every == 0 || step == total_steps_)) {
-      hand_over(step);
-    }
+/// The kernel of a trained variable's actor: on its device, with the optimizer's state.
+void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on_cuda,
+                         Tensor master, DType dt, const TrainConfig& cfg,
+                         const std::map<std::string, Tensor>* slots, SnapshotHook snap) {
+  OptimizerConfig oc = cfg.optimizer;
+  const std::int64_t steps = cfg.steps;
+  if (on_cuda) {
+    // The slots point into cfg.optimizer_state, which the factory keeps alive.
+    KernelFactory make = baton::detail::cuda_variable(master, oc, steps, slots, snap);
+    kernels.add(op, DeviceType::cuda, dt,
+                [make, state = cfg.optimizer_state](const KernelConfig& kc) { return make(kc); });
+    return;
   }
+  // The factory keeps the state alive (`state`) for the slots it points into.
+  kernels.add(op, DeviceType::cpu, dt,
+              [master, oc, steps, dt, slots, snap,
+               state = cfg.optimizer_state](const KernelConfig&) -> std::unique_ptr<Kernel> {
+                if (dt == DType::f64) {
+                  return std::make_unique<VariableKernel<double>>(
+                      master, oc, steps, saved_slots<double>(oc, slots), snap);
+                }
+                return std::make_unique<VariableKernel<float>>(master, oc, steps,
+                                                               saved_slots<float>(oc, slots), snap);
+              });
+}
 
-  void hand_over(std::int64_t step) {
-    auto copy_of = [&](std::span<const T> from) {
-      Tensor t = Tensor::empty(master_.shape(), master_.dtype());
-      std::copy(from.begin(), from.end(), t.data<T>().begin());
-      return t;
-    };
-    VariableSnapshot s{.name = snapshots_.name, .step = step, .weight = copy_of(master_.data<T>())};
-    const auto names = optimizer_slot_names(cfg_);
-    for (std::size_t i = 0; i < names.size(); ++i) s.slots[names[i]] = copy_of(i == 0 ? m_ : v_);
-    snapshots_.hand_over(std::move(s));
-  }
-
-  Tensor master_;
-  OptimizerConfig cfg_;
-  std::int64_t total_steps_;
-  SnapshotHook snapshots_;
-  std::vector<T> m_, v_, scaled_;
-};
-
-/// Global-norm clipping: reads every summed gradient of a step, writes the factor.
-template <class T>
-class ClipKernel final : public Kernel {
- public:
-  explicit ClipKernel(double max_norm) : max_norm_(max_norm) {}
-  void compute(KernelContext& ctx) override {
-    double sq = 0;
-    for (const Tensor* g : ctx.inputs) {
-      for (T x : g->data<T>()) sq += static_cast<double>(x) * static_cast<double>(x);
-    }
-    ctx.outputs[0]->data<T>()[0] = static_cast<T>(clip_factor(std::sqrt(sq), max_norm_));
-  }
-
- private:
-  double max_norm_;
-};
+}  // namespace
 
 /// The saved optimizer slots of trained variable `n` in a resumed job (null: start at zero),
 /// checked against the variable and the optimizer.
@@ -138,32 +80,6 @@ const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, 
   }
   return &it->second;
 }
-
-/// The kernel of a trained variable's actor: on its device, with the optimizer's state.
-void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on_cuda,
-                         Tensor master, DType dt, const TrainConfig& cfg,
-                         const std::map<std::string, Tensor>* slots, SnapshotHook snap) {
-  OptimizerConfig oc = cfg.optimizer;
-  const std::int64_t steps = cfg.steps;
-  if (on_cuda) {
-    // The slots point into cfg.optimizer_state, which the factory keeps alive.
-    KernelFactory make = baton::detail::cuda_variable(master, oc, steps, slots, snap);
-    kernels.add(op, DeviceType::cuda, dt,
-                [make, state = cfg.optimizer_state](const KernelConfig& kc) { return make(kc); });
-    return;
-  }
-  // The factory keeps the state alive (`state`) for the slots it points into.
-  kernels.add(op, DeviceType::cpu, dt,
-              [master, oc, steps, dt, slots, snap,
-               state = cfg.optimizer_state](const KernelConfig&) -> std::unique_ptr<Kernel> {
-                if (dt == DType::f64) {
-                  return std::make_unique<VariableKernel<double>>(master, oc, steps, slots, snap);
-                }
-                return std::make_unique<VariableKernel<float>>(master, oc, steps, slots, snap);
-              });
-}
-
-}  // namespace
 
 RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const RegisterIndex* grad,
                              const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
@@ -217,6 +133,15 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Regis
                    b.at(stream, b.place(id)));
   }
   b.plan.actors.back().kept = std::move(kept);
+  add_weight_repeat(b, id, w, st, cfg);
+  return w;
+}
+
+void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st,
+                       const TrainConfig& cfg) {
+  const Node& n = b.g.node(id);
+  const std::uint8_t stream = backward_stream(cfg);
+  const DType dt = n.dtype;
   // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
   // weight at once: the repeat needs the activations' depth, or it caps the schedule.
   RegisterIndex rep = b.node_register(
@@ -228,14 +153,20 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Regis
                     .inputs = {{w}},
                     .outputs = {rep},
                     .group = static_cast<std::int32_t>(cfg.microbatches)});
-  return w;
 }
 
 void add_clip_kernel(KernelRegistry& kernels, DType dt, double max_norm) {
-  kernels.add("optim.clip", DeviceType::cpu, dt,
-              [max_norm, dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
-                if (dt == DType::f64) return std::make_unique<ClipKernel<double>>(max_norm);
-                return std::make_unique<ClipKernel<float>>(max_norm);
+  for (bool of_squares : {false, true}) {
+    kernels.add(of_squares ? "optim.clip_of_squares" : "optim.clip", DeviceType::cpu, dt,
+                [max_norm, dt, of_squares](const KernelConfig&) -> std::unique_ptr<Kernel> {
+                  if (dt == DType::f64) return std::make_unique<ClipKernel<double>>(max_norm, of_squares);
+                  return std::make_unique<ClipKernel<float>>(max_norm, of_squares);
+                });
+  }
+  kernels.add("optim.sum_of_squares", DeviceType::cpu, dt,
+              [dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
+                if (dt == DType::f64) return std::make_unique<SumOfSquaresKernel<double>>();
+                return std::make_unique<SumOfSquaresKernel<float>>();
               });
 }
 

@@ -5,6 +5,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,9 @@ struct FinalWeight {
   Placement where;
   DType dtype;
   Shape shape;
+  /// The ParameterStore's tensor is the master copy (replica 0's whole weight on the reporting
+  /// rank): nothing to copy back. False under ZeRO, whose masters are shards.
+  bool in_store = true;
 };
 
 /// The registers each replica's variable actors read their summed gradients from, by variable
@@ -125,7 +129,34 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Regis
                              const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
                              ParameterStore& params);
 
-/// Registers the global-norm clipping kernel "optim.clip" for `dt` (TrainConfig's clip_norm).
+/// The saved optimizer slots of trained variable `n` in a resumed job (null: start at zero),
+/// checked against the variable and the optimizer (GraphError naming what does not fit).
+const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, const Node& n);
+
+/// Adds the repeat that lets the step's M micro-batches read weight `id` from `w`, the register
+/// written once per step (by its variable actor, or by the ZeRO gather).
+void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st,
+                       const TrainConfig& cfg);
+
+/// Replica r's gradient bucket `bi` as one register: the weight's summed gradient itself for a
+/// bucket of one, else a flat register its pack actor fills (lower_allreduce.cpp).
+RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
+                          const GradientInputs& grad_sum, std::int64_t r, const TrainConfig& cfg);
+
+/// ZeRO (TrainConfig::zero, lower_zero.cpp): for each bucket, the gradients all-reduced (1) or
+/// reduce-scattered (2), each replica's optimizer actor updating its 1/dp shard of the
+/// bucket's weights and optimizer state, and each replica's gather writing every weight of the
+/// bucket into its `.step` register (`steps[r]`, by variable node id) from all the shards.
+/// With clipping, also the actors that write each replica's factor into `clip[r]`. Replica 0's
+/// gathers on `reporter_rank` copy the trained weights into `params` after the last step.
+void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
+                const GradientInputs& grad_sum, const GradientInputs& steps,
+                const std::vector<std::optional<RegisterIndex>>& clip, const TrainConfig& cfg,
+                ParameterStore& params, std::uint16_t reporter_rank);
+
+/// Registers the global-norm clipping kernels for `dt` (TrainConfig's clip_norm): "optim.clip"
+/// (gradients -> factor), "optim.sum_of_squares" (gradients -> f64 scalar) and
+/// "optim.clip_of_squares" (every replica's scalar -> factor).
 void add_clip_kernel(KernelRegistry& kernels, DType dt, double max_norm);
 
 /// The process that reports (loss.report's rank) evaluates the trained weights, but a weight

@@ -46,6 +46,23 @@ void check_config(const TrainConfig& cfg) {
   if (cfg.grad_compression != "none" && cfg.grad_compression != "bf16") {
     throw GraphError(fmt::format("grad compression '{}': none or bf16", cfg.grad_compression));
   }
+  if (cfg.zero == 3) {
+    throw GraphError(
+        "zero 3 (weights split over the replicas and gathered just before use) is not built yet; "
+        "zero 1 splits the optimizer state, zero 2 the gradients too");
+  }
+  if (cfg.zero < 0 || cfg.zero > 3) throw GraphError(fmt::format("zero {}: 0, 1 or 2", cfg.zero));
+  if (cfg.zero > 0 && cfg.snapshot_every > 0) {
+    throw GraphError(
+        "checkpoints under zero are not written yet (each replica holds a shard of the optimizer "
+        "state); resume a zero job from a checkpoint of plain dp, or train without --zero");
+  }
+  if (cfg.zero == 2 && cfg.grad_compression != "none") {
+    throw GraphError(fmt::format(
+        "grad compression '{}' with zero 2: the reduce-scattered shards would be in bf16; use "
+        "zero 1 (which all-reduces in bf16) or no compression",
+        cfg.grad_compression));
+  }
   if (cfg.balance != "flops" && cfg.balance != "profile") {
     throw GraphError(fmt::format("balance '{}': flops or profile", cfg.balance));
   }

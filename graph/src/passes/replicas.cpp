@@ -37,7 +37,7 @@ std::string Replicas::suffix(std::int64_t r) const {
 
 Replicas replicate(const Differentiated& d, const Shards& shards, const Stages& st,
                    const TrainConfig& cfg) {
-  Replicas out{.dp = cfg.dp, .pp = cfg.pp, .tp = cfg.tp};
+  Replicas out{.dp = cfg.dp, .pp = cfg.pp, .tp = cfg.tp, .zero = cfg.dp > 1 ? cfg.zero : 0};
   for (int r = 0; r < cfg.dp; ++r) {
     std::vector<Placement> places;
     for (int s = 0; s < cfg.pp * cfg.tp; ++s) {
@@ -71,7 +71,10 @@ Replicas replicate(const Differentiated& d, const Shards& shards, const Stages& 
 }
 
 std::string Replicas::to_text() const {
-  std::string out = fmt::format("dp {} x pp {} x tp {}\n", dp, pp, tp);
+  std::string out = fmt::format("dp {} x pp {} x tp {}{}\n", dp, pp, tp,
+                                zero == 1   ? ", zero 1: optimizer state split over dp"
+                                : zero == 2 ? ", zero 2: optimizer state and gradients split over dp"
+                                            : "");
   for (std::size_t r = 0; r < places.size(); ++r) {
     out += fmt::format("replica {}:", r);
     for (const Placement& p : places[r]) out += fmt::format(" r{}/{}", p.rank, p.device.str());

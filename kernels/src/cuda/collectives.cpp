@@ -108,11 +108,12 @@ class AllreduceAdd final : public Kernel {
   Scratch scratch_a_, scratch_b_;
 };
 
-/// out = in_0 + in_1 + ... left to right, in T (the two-hop all-reduce's owner sum).
+/// out = in_0 + in_1 + ... left to right, in T, over elements [offset, offset + out's) of each
+/// input (the two-hop all-reduce's owner sum, the direct all-reduce's and reduce-scatter's).
 template <class T>
 class AllreduceSum final : public Kernel {
  public:
-  explicit AllreduceSum(std::string_view actor) : actor_(actor) {}
+  AllreduceSum(std::string_view actor, std::int64_t offset) : actor_(actor), offset_(offset) {}
   void compute(KernelContext& ctx) override {
     const char* name = "allreduce.sum";
     Tensor& out = need_output(ctx, 0, name);
@@ -121,22 +122,24 @@ class AllreduceSum final : public Kernel {
     for (std::size_t j = 0; j < ctx.inputs.size(); ++j) {
       const Tensor& in = need_input(ctx, j, name);
       check_dtype_is<T>(in, actor_);
-      if (in.numel() != out.numel()) {
-        throw std::invalid_argument(fmt::format("{}: input {} {} and output {} differ in size", actor_, j, in.describe(), out.describe()));
+      if (offset_ < 0 || offset_ + out.numel() > in.numel()) {
+        throw std::invalid_argument(fmt::format("{}: elements [{}, {}) lie outside input {} {}", actor_, offset_,
+                                                offset_ + out.numel(), j, in.describe()));
       }
     }
     cudaStream_t s = stream_of(ctx, name);
     if (out.nbytes() == 0) return;
     auto* o = static_cast<T*>(out.raw());
-    launched(cudaMemcpyAsync(o, ctx.inputs[0]->raw(), out.nbytes(), cudaMemcpyDefault, s), name, ctx);
+    launched(cudaMemcpyAsync(o, at_elem(*ctx.inputs[0], offset_), out.nbytes(), cudaMemcpyDefault, s), name, ctx);
     for (std::size_t j = 1; j < ctx.inputs.size(); ++j) {
-      const auto* in = static_cast<const T*>(readable(*ctx.inputs[j], 0, out.nbytes(), scratch_, ctx));
+      const auto* in = static_cast<const T*>(readable(*ctx.inputs[j], offset_, out.nbytes(), scratch_, ctx));
       launched(launch::add(o, in, o, out.numel(), s), name, ctx);
     }
   }
 
  private:
   std::string actor_;
+  std::int64_t offset_;
   Scratch scratch_;
 };
 
@@ -193,7 +196,9 @@ void add_collectives_for(KernelRegistry& reg) {
     return std::make_unique<AllreduceAdd<T>>(cfg.actor, cfg.attrs.get_int("offset", 0), cfg.attrs.get_int("from", -1));
   });
   reg.add("allreduce.sum", cuda, dt,
-          [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> { return std::make_unique<AllreduceSum<T>>(cfg.actor); });
+          [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+            return std::make_unique<AllreduceSum<T>>(cfg.actor, cfg.attrs.get_int("offset", 0));
+          });
   reg.add_fn("allreduce.split", cuda, dt, allreduce_split);
   reg.add_fn("allreduce.concat", cuda, dt, allreduce_concat);
 }

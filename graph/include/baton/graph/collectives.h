@@ -98,6 +98,23 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
                                          const Shape& shape, DType dtype, std::int32_t result_slots = 2,
                                          const AllReduceSettings& settings = {});
 
+/// What add_reduce_scatter leaves on each member: its chunk of the sum.
+struct ReduceScattered {
+  /// Where member c's chunk starts in the tensor (members + 1 offsets: chunk_offsets()).
+  std::vector<std::int64_t> offsets;
+  /// parts[c]: registers on member c whose concatenation, in order, is elements [offsets[c],
+  /// offsets[c + 1]) of the sum (one per segment of the ring; one with direct and two_hop),
+  /// in the wire dtype (AllReduceSettings::wire) when the sums are compressed.
+  std::vector<std::vector<RegisterIndex>> parts;
+};
+
+/// The first half of add_allreduce: member c ends with chunk c of the sum and nothing else (no
+/// gather), as ZeRO's sharded optimizers want it. The same chains, so the same bits as the
+/// all-reduce's result at those elements, by the same algorithm; direct here means member c
+/// sums chunk c of every member's input, in member order. Registers have `settings.slots`.
+ReduceScattered add_reduce_scatter(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
+                                   const Shape& shape, DType dtype, const AllReduceSettings& settings = {});
+
 /// The collectives add_nccl_collective can add (kernels "nccl.allreduce", "nccl.reduce_scatter",
 /// "nccl.all_gather"; baton/kernels/nccl.h).
 enum class NcclCollective : std::uint8_t { all_reduce, reduce_scatter, all_gather };

@@ -147,6 +147,17 @@ struct TrainConfig {
   /// is refused). "fp16" is refused: baton has no float16 dtype (bf16 keeps f32's range, so
   /// it needs no loss scaling).
   std::string grad_compression = "none";
+  /// ZeRO (Rajbhandari et al. 2020) for dp > 1, in SBP's terms: 0, every replica holds every
+  /// weight, its optimizer state and the all-reduced (broadcast) gradient; 1, each gradient
+  /// bucket's optimizer state and master weights are split S(0) over the replicas (replica r
+  /// updates elements [r n/dp, (r+1) n/dp) of the bucket: chunk_offsets), the gradients still
+  /// all-reduced; 2, the gradients too: reduce-scattered (partial-sum -> S(0)) instead of
+  /// all-reduced, so each replica receives only its chunk. After each update every replica
+  /// gathers the shards (S(0) -> broadcast) into its weights' step registers. The same sums and
+  /// the same elementwise updates as 0, so the same bits. CPU replicas, the ring of actors;
+  /// checkpoints are not written under ZeRO yet (resuming from a checkpoint is). 3 (weights
+  /// split too, gathered just before use) is not built yet.
+  int zero = 0;
   /// Pipeline parallelism: the forward ops cut into `pp` stages of about equal estimated cost
   /// (multiply-adds), each backward op on the stage of the forward op it differentiates (so a
   /// weight's gradient is made where the weight lives), each stage on its own device. The M

@@ -113,6 +113,8 @@ Recomputed recompute(Graph& g, const Differentiated& d, const Shards& shards, co
 /// until the next would pass TrainConfig::bucket_bytes.
 struct Replicas {
   int dp = 1, pp = 1, tp = 1;
+  /// TrainConfig::zero where dp > 1 (else 0): how the buckets are reduced and updated.
+  int zero = 0;
   /// [replica][stage * tp + shard]
   std::vector<std::vector<Placement>> places;
   struct Bucket {

@@ -1,0 +1,296 @@
+// Lowering ZeRO (lowering.h, TrainConfig::zero). Per gradient bucket of each place, over the dp
+// replicas:
+//
+//   grad.bucket@dp0 ──┐                     ┌─> optim.bucket@dp0 ─> shard@dp0 ──┐ (every shard to
+//   grad.bucket@dp1 ──┼─ all-reduce (1) or ─┼─> optim.bucket@dp1 ─> shard@dp1 ──┤  every replica)
+//        ...          │  reduce-scatter (2) │         ...                        ├─> gather@dp r
+//                                                                                 ─> w.step@dp r
+//
+// Replica c's optimizer actor owns elements [off_c, off_c+1) of the bucket's concatenated
+// weights (chunk_offsets, as the all-reduce's chunks): their optimizer slots, so each replica
+// keeps 1/dp of them, and its output register, where it updates those elements (read from the
+// weights its replica's gather wrote the step before: no master copy beside them). It reads the same sums the plain
+// all-reduce would have given it (zero 1: its window of them; zero 2: only its chunk, which is
+// all the reduce-scatter sends it) and applies the same elementwise update, so weights and
+// losses equal plain data parallelism bit for bit. The gather then writes every weight of the
+// bucket into the replica's step register, which the repeat hands to the micro-batches.
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "baton/graph/collectives.h"
+#include "lowering.h"
+#include "variable_kernel.h"
+
+namespace baton::passes::detail {
+
+namespace {
+
+/// Elements [begin, end) of the concatenation of `tensors` (each flattened), as T.
+template <class T>
+std::vector<T> window_of(const std::vector<const Tensor*>& tensors, std::int64_t begin,
+                         std::int64_t end) {
+  std::vector<T> out;
+  out.reserve(static_cast<std::size_t>(end - begin));
+  std::int64_t at = 0;
+  for (const Tensor* t : tensors) {
+    auto d = t->data<T>();
+    const auto n = static_cast<std::int64_t>(d.size());
+    for (std::int64_t i = std::max(begin, at); i < std::min(end, at + n); ++i) {
+      out.push_back(d[static_cast<std::size_t>(i - at)]);
+    }
+    at += n;
+  }
+  return out;
+}
+
+/// "zero.gather": the concatenation of the inputs (every replica's shard, in replica order)
+/// into the concatenation of the outputs (the bucket's weights, in bucket order).
+template <class T>
+void gather_shards(KernelContext& ctx) {
+  std::size_t out = 0, at = 0;  // the output being filled, and how far
+  auto skip_full = [&] {
+    while (out < ctx.outputs.size() &&
+           at == static_cast<std::size_t>(ctx.outputs[out]->numel())) {
+      ++out;
+      at = 0;
+    }
+  };
+  for (const Tensor* in : ctx.inputs) {
+    auto src = in->data<T>();
+    for (std::size_t taken = 0; taken < src.size();) {
+      skip_full();
+      if (out == ctx.outputs.size())
+        throw std::invalid_argument("zero.gather: the shards hold more elements than the weights");
+      auto dst = ctx.outputs[out]->data<T>();
+      const std::size_t n = std::min(src.size() - taken, dst.size() - at);
+      std::copy_n(src.begin() + static_cast<std::ptrdiff_t>(taken), n,
+                  dst.begin() + static_cast<std::ptrdiff_t>(at));
+      taken += n;
+      at += n;
+    }
+  }
+  skip_full();
+  if (out != ctx.outputs.size())
+    throw std::invalid_argument("zero.gather: the shards hold fewer elements than the weights");
+}
+
+/// Replica 0's gather on the reporting rank: also copies its last act's weights (the trained
+/// ones) into the ParameterStore, which without ZeRO is the master copy itself.
+template <class T>
+class GatherIntoStore final : public Kernel {
+ public:
+  GatherIntoStore(std::vector<Tensor> store, std::int64_t last_piece)
+      : store_(std::move(store)), last_piece_(last_piece) {}
+  void compute(KernelContext& ctx) override {
+    gather_shards<T>(ctx);
+    if (ctx.piece != last_piece_) return;
+    for (std::size_t i = 0; i < store_.size(); ++i) {
+      auto from = ctx.outputs[i]->data<T>();
+      std::copy(from.begin(), from.end(), store_[i].data<T>().begin());
+    }
+  }
+
+ private:
+  std::vector<Tensor> store_;
+  std::int64_t last_piece_;
+};
+
+/// Replica c's optimizer kernel for elements [begin, end) of bucket `bucket`'s weights.
+template <class T>
+KernelFactory shard_kernel(const std::vector<Value>& bucket, std::int64_t begin, std::int64_t end,
+                           GradientWindow window, WeightWindow weight_window, const TrainConfig& cfg,
+                           const ParameterStore& params, const Graph& g) {
+  std::vector<const Tensor*> weights;
+  for (const Value& v : bucket) weights.push_back(&params.at(v.name()));
+  Tensor master = Tensor::empty({end - begin}, bucket[0].dtype());
+  auto values = window_of<T>(weights, begin, end);
+  std::copy(values.begin(), values.end(), master.data<T>().begin());
+  std::vector<std::vector<T>> slots;
+  if (cfg.optimizer_state) {
+    // A resumed job: the saved (whole) slots, this shard's window of them.
+    std::vector<const std::map<std::string, Tensor>*> saved;
+    for (const Value& v : bucket) saved.push_back(optimizer_slots_of(cfg, g.node(v.id())));
+    for (const std::string& name : optimizer_slot_names(cfg.optimizer)) {
+      std::vector<const Tensor*> of;
+      for (const auto* s : saved) of.push_back(&s->at(name));
+      slots.push_back(window_of<T>(of, begin, end));
+    }
+  }
+  return [master, slots, window, weight_window, oc = cfg.optimizer,
+          steps = cfg.steps](const KernelConfig&) -> std::unique_ptr<Kernel> {
+    return std::make_unique<VariableKernel<T>>(master, oc, steps, slots,
+                                               baton::detail::SnapshotHook{}, window, weight_window);
+  };
+}
+
+/// Every replica's clipping factor: zero 1 from its all-reduced buckets (as without ZeRO);
+/// zero 2, where each replica has only its chunks, from the sum of every replica's sum of
+/// squares (a scalar each way instead of the gradients).
+void lower_zero_clip(std::vector<PlanBuilder>& replicas, DType dt,
+                     const std::vector<std::vector<InputPort>>& reduced,
+                     const std::vector<std::optional<RegisterIndex>>& clip,
+                     const TrainConfig& cfg) {
+  const std::uint8_t stream = backward_stream(cfg);
+  add_clip_kernel(replicas[0].kernels, dt, cfg.optimizer.clip_norm);
+  if (cfg.zero == 1) {
+    for (std::size_t r = 0; r < replicas.size(); ++r) {
+      PlanBuilder& b = replicas[r];
+      b.plan.add_actor({.name = b.named("optim.clip"),
+                        .op = "optim.clip",
+                        .dtype = dt,
+                        .where = b.host(stream),
+                        .inputs = reduced[r],
+                        .outputs = {*clip[r]},
+                        .role = ActorRole::update});
+    }
+    return;
+  }
+  std::vector<InputPort> squares;
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    PlanBuilder& b = replicas[r];
+    squares.push_back({b.add_register("clip.squares", {1}, DType::f64, 1)});
+    b.plan.add_actor({.name = b.named("optim.sum_of_squares"),
+                      .op = "optim.sum_of_squares",
+                      .dtype = dt,
+                      .where = b.host(stream),
+                      .inputs = reduced[r],
+                      .outputs = {squares.back().reg},
+                      .role = ActorRole::update});
+  }
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    PlanBuilder& b = replicas[r];
+    b.plan.add_actor({.name = b.named("optim.clip"),
+                      .op = "optim.clip_of_squares",
+                      .dtype = dt,
+                      .where = b.host(stream),
+                      .inputs = squares,
+                      .outputs = {*clip[r]},
+                      .role = ActorRole::update});
+  }
+}
+
+}  // namespace
+
+void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
+                const GradientInputs& grad_sum, const GradientInputs& steps,
+                const std::vector<std::optional<RegisterIndex>>& clip, const TrainConfig& cfg,
+                ParameterStore& params, std::uint16_t reporter_rank) {
+  const auto n_dp = static_cast<std::int64_t>(replicas.size());
+  const std::uint8_t stream = backward_stream(cfg);
+  Plan& plan = replicas[0].plan;
+  KernelRegistry& kernels = replicas[0].kernels;
+  kernels.add_fn("zero.gather", DeviceType::cpu, DType::f32, gather_shards<float>);
+  kernels.add_fn("zero.gather", DeviceType::cpu, DType::f64, gather_shards<double>);
+  // What each replica's clipping reads: its all-reduced buckets (1) or its chunks (2).
+  std::vector<std::vector<InputPort>> reduced(static_cast<std::size_t>(n_dp));
+  for (std::size_t bi = 0; bi < reps.buckets.size(); ++bi) {
+    const Replicas::Bucket& bucket = reps.buckets[bi];
+    const DType dt = bucket.weights[0].dtype();
+    std::int64_t total = 0;
+    for (const Value& v : bucket.weights) total += numel(v.shape());
+    std::vector<AllReduceMember> members;
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
+      const Placement where = b.at(stream, bucket.place);
+      if (where.device.type != DeviceType::cpu || (dt != DType::f32 && dt != DType::f64)) {
+        throw GraphError(fmt::format(
+            "zero {}: the sharded optimizer has CPU kernels for f32 and f64 only so far; '{}' is "
+            "{} on {} (train it without --zero)",
+            cfg.zero, bucket.weights[0].name(), baton::name(dt), where.device.str()));
+      }
+      members.push_back({where, pack_bucket(b, reps, bi, grad_sum, r, cfg), b.suffix});
+    }
+    const std::string name = bucket.weights.size() == 1 ? "grad." + bucket.weights[0].name()
+                                                        : fmt::format("grad.bucket{}", bi);
+    // The plain all-reduce's choices (lower_allreduce.cpp), so the sums are the same bits.
+    AllReduceSettings settings;
+    settings.direct_below_bytes = gradient_direct_below_bytes;
+    if (cfg.grad_compression == "bf16") settings.wire = DType::bf16;
+    const auto offsets = chunk_offsets(total, n_dp);
+    std::vector<std::vector<InputPort>> grads(static_cast<std::size_t>(n_dp));
+    std::vector<GradientWindow> windows(static_cast<std::size_t>(n_dp));
+    try {
+      if (cfg.zero == 1) {
+        auto sums = add_allreduce(plan, name, members, {total}, dt, 1, settings);
+        for (std::size_t c = 0; c < sums.size(); ++c) {
+          grads[c] = {{sums[c], 1}};
+          windows[c] = {.parts = 1, .offset = offsets[c]};
+          reduced[c].push_back({sums[c]});
+        }
+      } else {
+        const ReduceScattered rs = add_reduce_scatter(plan, name, members, {total}, dt, settings);
+        for (std::size_t c = 0; c < rs.parts.size(); ++c) {
+          for (RegisterIndex part : rs.parts[c]) {
+            grads[c].push_back({part, 1});
+            reduced[c].push_back({part});
+          }
+          windows[c] = {.parts = rs.parts[c].size(), .offset = 0};
+        }
+      }
+    } catch (const std::invalid_argument& e) {
+      throw GraphError(e.what());
+    }
+    // Each replica's optimizer for its shard, then every replica's gather of all the shards.
+    std::vector<InputPort> shards;
+    for (std::int64_t c = 0; c < n_dp; ++c) {
+      const auto ci = static_cast<std::size_t>(c);
+      PlanBuilder& b = replicas[ci];
+      const std::int64_t begin = offsets[ci], end = offsets[ci + 1];
+      shards.push_back({b.add_register(fmt::format("zero.bucket{}.shard", bi), {end - begin}, dt, 1)});
+      const std::string op = b.named(fmt::format("optim.bucket{}", bi));
+      // It reads its elements' current values from the weights its replica's gather wrote (the
+      // step before's, delay 1), so it keeps no master copy of its own.
+      std::vector<InputPort> ins = grads[ci];
+      for (const Value& v : bucket.weights) ins.push_back({steps[ci].at(v.id()), 1});
+      if (clip[ci]) ins.push_back({*clip[ci], 1});
+      const WeightWindow weights{.parts = bucket.weights.size(), .offset = begin};
+      kernels.add(op, DeviceType::cpu, dt,
+                  dt == DType::f64
+                      ? shard_kernel<double>(bucket.weights, begin, end, windows[ci], weights, cfg, params, b.g)
+                      : shard_kernel<float>(bucket.weights, begin, end, windows[ci], weights, cfg, params, b.g));
+      const std::int64_t bytes = (end - begin) * static_cast<std::int64_t>(size_of(dt));
+      const auto slots = static_cast<std::int64_t>(optimizer_slot_names(cfg.optimizer).size());
+      std::vector<KeptBytes> kept;
+      if (slots > 0) kept.push_back({MemoryCategory::optimizer_state, slots * bytes});
+      if (windows[ci].parts > 1 || clip[ci]) kept.push_back({MemoryCategory::gradients, bytes});
+      b.plan.add_actor({.name = op,
+                        .op = op,
+                        .dtype = dt,
+                        .where = b.at(stream, bucket.place),
+                        .inputs = std::move(ins),
+                        .outputs = {shards.back().reg},
+                        .first_piece = cfg.first_step,
+                        .stops_when_unread = false,
+                        .role = ActorRole::update,
+                        .kept = std::move(kept)});
+    }
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
+      std::vector<RegisterIndex> outs;
+      for (const Value& v : bucket.weights) outs.push_back(steps[static_cast<std::size_t>(r)].at(v.id()));
+      std::string op = "zero.gather";
+      if (r == 0 && b.at(stream, bucket.place).rank == reporter_rank) {
+        op = fmt::format("zero.bucket{}.gather", bi);
+        std::vector<Tensor> store;
+        for (const Value& v : bucket.weights) store.push_back(params.at(v.name()));
+        const std::int64_t last = cfg.steps - cfg.first_step;  // its acts: the first weights, then a step each
+        kernels.add(op, DeviceType::cpu, dt, [store, last, dt](const KernelConfig&) -> std::unique_ptr<Kernel> {
+          if (dt == DType::f64) return std::make_unique<GatherIntoStore<double>>(store, last);
+          return std::make_unique<GatherIntoStore<float>>(store, last);
+        });
+      }
+      b.plan.add_actor({.name = b.named(fmt::format("zero.bucket{}.gather", bi)),
+                        .op = op,
+                        .dtype = dt,
+                        .where = b.at(stream, bucket.place),
+                        .inputs = shards,
+                        .outputs = std::move(outs),
+                        .stops_when_unread = false,  // the last weights are the result
+                        .role = ActorRole::update});
+    }
+  }
+  if (clip[0]) lower_zero_clip(replicas, d.trained[0].first.dtype(), reduced, clip, cfg);
+}
+
+}  // namespace baton::passes::detail

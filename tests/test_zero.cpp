@@ -1,0 +1,274 @@
+// ZeRO (TrainConfig::zero, graph/src/passes/lower_zero.cpp): the optimizer state (1) and the
+// gradients (2) split over the data-parallel replicas. Each replica's optimizer gets the same
+// sums plain data parallelism gives it and applies the same elementwise update to its shard,
+// so losses and weights must equal plain dp bit for bit, whatever the OpenBLAS kernels (both
+// runs use the same ones); and each replica must keep 1/dp of the split state.
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+
+#include "baton/actors.h"
+#include "baton/actors/plan_memory.h"
+#include "baton/graph.h"
+#include "baton/kernels.h"
+#include "baton/kernels/data.h"
+#include "equivalence.h"
+#include "loopback_run.h"
+
+using namespace baton;
+
+namespace {
+
+struct Setup {
+  int dp = 2;
+  int zero = 0;
+  int pp = 1;
+  std::int64_t microbatches = 2;  // per replica
+  int threads = 1;
+  std::int64_t steps = 6;
+  std::int64_t first_step = 0;
+  OptimizerConfig opt = optim::adam(0.01);
+  std::int64_t bucket_bytes = 25 << 20;
+  DType dtype = DType::f32;
+  bool ranks = false;  // replica r on rank r, run as runtimes joined by a LoopbackHub
+  std::int64_t snapshot_every = 0;
+  std::function<void(VariableSnapshot)> on_snapshot;
+  std::shared_ptr<ParameterStore> params;                 // null: initialised from the seed
+  std::shared_ptr<const OptimizerState> optimizer_state;  // a resumed job's
+};
+
+struct Job {
+  TrainingJob job;
+  Graph graph{11};
+};
+
+/// An MLP 48 -> 64 -> 64 -> 5 on synthetic data, global batch 32: its first two weights are
+/// 12 and 16 KiB in f32, above the 8 KiB below which a bucket is summed directly, so both the
+/// ring (segments, chains of adds) and the direct sums are exercised.
+std::unique_ptr<Job> compile(const Setup& s) {
+  constexpr std::int64_t batch = 32, width = 48, hidden = 64, classes = 5;
+  auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, width, classes, 5));
+  auto out = std::make_unique<Job>();
+  Graph& g = out->graph;
+  const std::int64_t pieces = s.dp * s.microbatches;
+  auto x = g.input("x", {batch / pieces, width}, s.dtype);
+  auto y = g.input("label", {batch / pieces}, i32);
+  auto w1 = g.variable("w1", {width, hidden}, init::kaiming(), s.dtype);
+  auto b1 = g.variable("b1", {hidden}, init::zeros(), s.dtype);
+  auto w2 = g.variable("w2", {hidden, hidden}, init::kaiming(), s.dtype);
+  auto b2 = g.variable("b2", {hidden}, init::zeros(), s.dtype);
+  auto w3 = g.variable("w3", {hidden, classes}, init::kaiming(), s.dtype);
+  auto b3 = g.variable("b3", {classes}, init::zeros(), s.dtype);
+  auto h = relu(matmul(relu(matmul(x, w1) + b1), w2) + b2);
+  auto loss = softmax_cross_entropy(matmul(h, w3) + b3, y);
+  TrainConfig cfg;
+  cfg.steps = s.steps;
+  cfg.first_step = s.first_step;
+  cfg.microbatches = s.microbatches;
+  cfg.dp = s.dp;
+  cfg.zero = s.zero;
+  cfg.pp = s.pp;
+  cfg.threads = s.threads;
+  cfg.bucket_bytes = s.bucket_bytes;
+  cfg.optimizer = s.opt;
+  cfg.snapshot_every = s.snapshot_every;
+  cfg.on_snapshot = s.on_snapshot;
+  cfg.optimizer_state = s.optimizer_state;
+  if (s.ranks) {
+    for (int r = 0; r < s.dp * s.pp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r / s.pp)});
+  }
+  cfg.data = {{"synthetic", data::batch_source(dataset, batch, pieces, 3), {"x", "label"}}};
+  out->job = compile_training(g, loss, cfg, s.params);
+  return out;
+}
+
+test::TrainedRun train(const Setup& s) {
+  auto j = compile(s);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  if (!s.ranks) {
+    Runtime rt(j->job.plan, j->job.kernels, rs);
+    rt.run();
+  } else {
+    for (const auto& r : test::run_on_loopback(insert_transfers(j->job.plan), j->job.kernels, rs)) {
+      REQUIRE_MESSAGE(r.error.empty(), r.error);
+    }
+  }
+  return test::trained(j->job);
+}
+
+void check_identical(const test::TrainedRun& a, const test::TrainedRun& b) {
+  REQUIRE(a.losses.size() == b.losses.size());
+  for (std::size_t i = 0; i < a.losses.size(); ++i) {
+    CAPTURE(i);
+    CHECK(a.losses[i] == b.losses[i]);
+  }
+  REQUIRE(a.weights.size() == b.weights.size());
+  for (const auto& [name, w] : a.weights) {
+    CAPTURE(name);
+    REQUIRE(b.weights.count(name) == 1);
+    CHECK(w == b.weights.at(name));
+  }
+}
+
+/// The plan's peak bytes of `category` on each device, summed over the devices.
+std::int64_t bytes_of(const Plan& plan, MemoryCategory category) {
+  std::int64_t sum = 0;
+  for (const DeviceMemory& m : memory_report(plan)) sum += m.bytes[static_cast<std::size_t>(category)];
+  return sum;
+}
+
+}  // namespace
+
+TEST_CASE("Zero.EqualsPlainDataParallelBitForBit" * doctest::timeout(180)) {
+  for (DType dtype : {DType::f32, DType::f64}) {
+    for (int dp : {2, 4}) {
+      for (const OptimizerConfig& opt : {optim::adam(0.01), optim::sgd(0.02, 0.9), optim::adamw(0.01)}) {
+        // One bucket of everything, and a bucket per weight (ring for the big ones, direct sums
+        // for the small ones, and chunks of a few elements: b3 has 5 over 4 replicas).
+        for (std::int64_t bucket_bytes : {std::int64_t{25} << 20, std::int64_t{0}}) {
+          CAPTURE(dtype);
+          CAPTURE(dp);
+          CAPTURE(name(opt.kind));
+          CAPTURE(bucket_bytes);
+          const Setup plain{.dp = dp, .opt = opt, .bucket_bytes = bucket_bytes, .dtype = dtype};
+          const test::TrainedRun want = train(plain);
+          // It learns (SGD with momentum at this rate wanders for its first steps on this data).
+          if (opt.kind != OptimizerConfig::Kind::sgd) CHECK(want.losses.back() < want.losses.front());
+          for (int zero : {1, 2}) {
+            CAPTURE(zero);
+            Setup z = plain;
+            z.zero = zero;
+            check_identical(want, train(z));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Zero.WithClippingTwoThreadsPipelineAndRanks" * doctest::timeout(180)) {
+  auto clipped = optim::adamw(0.02);
+  clipped.clip_norm = 0.5;
+  SUBCASE("clipping, two threads per replica") {
+    // Zero 2 makes the global norm from every replica's sum of squares of its chunks (in double,
+    // chunk by chunk) where plain dp sums the squares weight by weight: the factor may differ
+    // in its last bit, so this compares within the reordering tolerance as well as exactly where
+    // the factor's order is the same (zero 1).
+    for (int zero : {1, 2}) {
+      CAPTURE(zero);
+      const Setup plain{.dp = 2, .threads = 2, .opt = clipped};
+      Setup z = plain;
+      z.zero = zero;
+      const auto want = train(plain);
+      const auto got = train(z);
+      if (zero == 1) check_identical(want, got);
+      test::check_same_training(want, got,
+                                test::tolerance({.dtype = DType::f32, .steps = 6, .longest_sum = 32, .lr = 0.02}));
+    }
+  }
+  SUBCASE("pipeline of two stages: a bucket per stage") {
+    const Setup plain{.dp = 2, .pp = 2, .microbatches = 4};
+    Setup z = plain;
+    z.zero = 2;
+    check_identical(train(plain), train(z));
+  }
+  SUBCASE("replica r on rank r: the shards cross ranks") {
+    for (int zero : {1, 2}) {
+      CAPTURE(zero);
+      const Setup plain{.dp = 2, .ranks = true};
+      Setup z = plain;
+      z.zero = zero;
+      check_identical(train(plain), train(z));
+    }
+  }
+}
+
+TEST_CASE("Zero.EachReplicaKeepsItsShareOfTheState") {
+  for (int dp : {2, 4}) {
+    CAPTURE(dp);
+    const Plan plain = compile({.dp = dp})->job.plan;
+    const Plan z1 = compile({.dp = dp, .zero = 1})->job.plan;
+    const Plan z2 = compile({.dp = dp, .zero = 2})->job.plan;
+    // Adam's two slots of every weight: 4 bytes x 2 x the model's elements on each replica
+    // without ZeRO; split over the replicas with it (chunks differ by at most one element).
+    const std::int64_t elements = 48 * 64 + 64 + 64 * 64 + 64 + 64 * 5 + 5;
+    CHECK(bytes_of(plain, MemoryCategory::optimizer_state) == dp * 8 * elements);
+    CHECK(bytes_of(z1, MemoryCategory::optimizer_state) == 8 * elements);
+    CHECK(bytes_of(z2, MemoryCategory::optimizer_state) == 8 * elements);
+    // The gradients: zero 2 receives a chunk where the all-reduce gives every replica the whole
+    // bucket; zero 1 all-reduces as plain dp does.
+    CHECK(bytes_of(z2, MemoryCategory::gradients) < bytes_of(z1, MemoryCategory::gradients));
+    CHECK(bytes_of(z1, MemoryCategory::gradients) <= bytes_of(plain, MemoryCategory::gradients));
+    // The weights: plain dp keeps a master copy in each variable actor and the step register
+    // the micro-batches read; ZeRO keeps each replica's whole step register (zero 3 would split
+    // it) and its shard's output register, where the update is made.
+    CHECK(bytes_of(plain, MemoryCategory::weights) == dp * 2 * 4 * elements);
+    CHECK(bytes_of(z1, MemoryCategory::weights) == (dp + 1) * 4 * elements);
+    CHECK(bytes_of(z2, MemoryCategory::weights) == (dp + 1) * 4 * elements);
+  }
+}
+
+TEST_CASE("Zero.ResumesFromACheckpointOfPlainDataParallel" * doctest::timeout(120)) {
+  // The saved state is whole tensors; a zero job takes each shard's window of them: the resumed
+  // run goes on as the uninterrupted plain one, bit for bit.
+  const Setup plain{.dp = 2, .steps = 8};
+  const auto want = train(plain);
+  std::map<std::string, VariableSnapshot> at3;
+  Setup first = plain;
+  first.snapshot_every = 3;
+  first.on_snapshot = [&at3](VariableSnapshot s) {
+    if (s.step == 3) at3[s.name] = std::move(s);
+  };
+  auto j = compile(first);
+  {
+    Runtime rt(j->job.plan, j->job.kernels);
+    rt.run();
+  }
+  REQUIRE(at3.size() == 6);
+  auto copy = [](const Tensor& t) {
+    Tensor out = Tensor::empty(t.shape(), t.dtype());
+    std::copy(t.data<float>().begin(), t.data<float>().end(), out.data<float>().begin());
+    return out;
+  };
+  for (int zero : {1, 2}) {
+    CAPTURE(zero);
+    auto params = ParameterStore::initialize(j->graph);  // the resumed run writes its weights here
+    auto state = std::make_shared<OptimizerState>();
+    for (const auto& [name, s] : at3) {
+      params->at(name) = copy(s.weight);
+      for (const auto& [slot, t] : s.slots) (*state)[name][slot] = copy(t);
+    }
+    Setup resumed = plain;
+    resumed.zero = zero;
+    resumed.first_step = 3;
+    resumed.params = params;
+    resumed.optimizer_state = state;
+    const auto got = train(resumed);
+    REQUIRE(got.losses.size() == 5);
+    for (std::size_t i = 0; i < 5; ++i) CHECK(got.losses[i] == want.losses[i + 3]);
+    for (const auto& [name, w] : want.weights) {
+      CAPTURE(name);
+      CHECK(got.weights.at(name) == w);
+    }
+  }
+}
+
+TEST_CASE("Zero.WhatItCannotDoIsRefusedBeforeRunning") {
+  auto refused = [](const Setup& s, const std::string& words) {
+    CAPTURE(words);
+    try {
+      compile(s);
+      FAIL("compiled");
+    } catch (const GraphError& e) {
+      CHECK(std::string(e.what()).find(words) != std::string::npos);
+    }
+  };
+  refused({.zero = 3}, "zero 3");
+  refused({.zero = 5}, "zero 5");
+  refused({.zero = 1, .snapshot_every = 2, .on_snapshot = [](VariableSnapshot) {}}, "checkpoints under zero");
+  // dp 1: nothing to split, plain training.
+  CHECK_NOTHROW(compile({.dp = 1, .zero = 2}));
+}
