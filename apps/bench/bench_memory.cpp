@@ -56,8 +56,9 @@ ModelState model_state(const std::shared_ptr<const data::TextCorpus>& text, int 
   const DeviceMemory m = memory_report(job.plan).at(0);  // replica 0's device
   s.weights = m.bytes[static_cast<std::size_t>(MemoryCategory::weights)];
   s.optimizer_state = m.bytes[static_cast<std::size_t>(MemoryCategory::optimizer_state)];
-  for (const RegisterDesc& r : job.plan.registers) {
-    const RegisterMemory rm = register_memory(job.plan, static_cast<RegisterIndex>(&r - job.plan.registers.data()));
+  for (RegisterIndex i = 0; i < job.plan.registers.size(); ++i) {
+    const RegisterDesc& r = job.plan.registers[i];
+    const RegisterMemory rm = register_memory(job.plan, i);
     if (!rm.allocated || rm.rank != m.rank || rm.device != m.device || !r.name.starts_with("grad.")) continue;
     s.gradients += slot_bytes(r) * r.slots;
   }

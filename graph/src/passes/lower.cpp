@@ -168,9 +168,11 @@ void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
                       .inputs = {{b.reg_of.at(grad.id())}},
                       .outputs = {grad_sum[static_cast<std::size_t>(r)].at(v.id())},
                       .group = static_cast<std::int32_t>(cfg.microbatches)});
-    if (cfg.zero == 0 || cfg.dp == 1) clip_inputs.push_back({grad_in[static_cast<std::size_t>(r)].at(v.id())});
+    // Under ZeRO no variable reads a whole summed gradient (grad_in is empty): lower_zero clips.
+    const auto& in = grad_in[static_cast<std::size_t>(r)];
+    if (auto it = in.find(v.id()); it != in.end()) clip_inputs.push_back({it->second});
   }
-  if (!clip || clip_inputs.empty()) return;  // under ZeRO, lower_zero clips
+  if (!clip || clip_inputs.empty()) return;
   const DType dt = d.trained[0].first.dtype();
   if (r == 0) add_clip_kernel(b.kernels, dt, cfg.optimizer.clip_norm);
   b.plan.add_actor({.name = b.named("optim.clip"),

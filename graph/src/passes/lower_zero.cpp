@@ -30,17 +30,10 @@ namespace {
 template <class T>
 std::vector<T> window_of(const std::vector<const Tensor*>& tensors, std::int64_t begin,
                          std::int64_t end) {
-  std::vector<T> out;
-  out.reserve(static_cast<std::size_t>(end - begin));
-  std::int64_t at = 0;
-  for (const Tensor* t : tensors) {
-    auto d = t->data<T>();
-    const auto n = static_cast<std::int64_t>(d.size());
-    for (std::int64_t i = std::max(begin, at); i < std::min(end, at + n); ++i) {
-      out.push_back(d[static_cast<std::size_t>(i - at)]);
-    }
-    at += n;
-  }
+  std::vector<std::span<const T>> parts;
+  for (const Tensor* t : tensors) parts.push_back(t->data<T>());
+  std::vector<T> out(static_cast<std::size_t>(end - begin));
+  copy_window<T>(parts, begin, std::span<T>(out));
   return out;
 }
 

@@ -20,6 +20,25 @@
 
 namespace baton::passes::detail {
 
+/// Copies elements [offset, offset + to.size()) of the concatenation of `parts` into `to`;
+/// returns how many of them the parts hold.
+template <class T>
+std::size_t copy_window(const std::vector<std::span<const T>>& parts, std::int64_t offset, std::span<T> to) {
+  const std::int64_t end = offset + static_cast<std::int64_t>(to.size());
+  std::int64_t at = 0;  // where the current part starts in the concatenation
+  std::size_t filled = 0;
+  for (std::span<const T> in : parts) {
+    const std::int64_t lo = std::max(offset, at);
+    const std::int64_t hi = std::min(end, at + static_cast<std::int64_t>(in.size()));
+    if (lo < hi) {
+      std::copy(in.begin() + (lo - at), in.begin() + (hi - at), to.begin() + (lo - offset));
+      filled += static_cast<std::size_t>(hi - lo);
+    }
+    at += static_cast<std::int64_t>(in.size());
+  }
+  return filled;
+}
+
 /// Where an optimizer actor finds its gradient: the concatenation of its first `parts` inputs,
 /// from element `offset` on (as many elements as the master has). A whole weight reads its
 /// summed gradient (one part, offset 0); a ZeRO-1 shard reads its window of the all-reduced
@@ -104,19 +123,9 @@ class VariableKernel final : public Kernel {
   /// Elements [offset, offset + to.size()) of the concatenation of inputs [first, first + parts).
   static void gather(KernelContext& ctx, std::size_t first, std::size_t parts, std::int64_t offset,
                      std::span<T> to, const char* what) {
-    std::int64_t at = 0;  // where the current input starts in the concatenation
-    std::size_t filled = 0;
-    for (std::size_t p = first; p < first + parts; ++p) {
-      auto in = ctx.inputs[p]->data<T>();
-      const auto n = static_cast<std::int64_t>(in.size());
-      const std::int64_t lo = std::max(offset, at);
-      const std::int64_t hi = std::min(offset + static_cast<std::int64_t>(to.size()), at + n);
-      if (lo < hi) {
-        std::copy(in.begin() + (lo - at), in.begin() + (hi - at), to.begin() + (lo - offset));
-        filled += static_cast<std::size_t>(hi - lo);
-      }
-      at += n;
-    }
+    std::vector<std::span<const T>> in;
+    for (std::size_t p = first; p < first + parts; ++p) in.push_back(ctx.inputs[p]->data<T>());
+    const std::size_t filled = copy_window<T>(in, offset, to);
     if (filled != to.size()) {
       throw std::invalid_argument(fmt::format("the {} hold {} of the shard's {} elements [{}, {})", what,
                                               filled, to.size(), offset,
