@@ -397,21 +397,7 @@ class Reference {
       missing_ = fmt::format("no python3 that imports torch ({})", fmt::join(tried, "; "));
       return;
     }
-    std::vector<std::string> scripts;
-    if (const char* env = std::getenv("BATON_GPT_TORCH"); env != nullptr && *env != '\0')
-      scripts.emplace_back(env);
-    scripts.push_back(bench::executable_dir() + "/gpt_torch.py");  // the GPU bundle
-#ifdef BATON_SOURCE_DIR
-    scripts.emplace_back(std::string(BATON_SOURCE_DIR) + "/apps/bench/gpt_torch.py");
-#endif
-    scripts.push_back(bench::executable_dir() + "/../../apps/bench/gpt_torch.py");
-    for (const auto& s : scripts) {
-      if (std::filesystem::exists(s)) {
-        script_ = s;
-        return;
-      }
-    }
-    missing_ = fmt::format("gpt_torch.py not found (looked in: {})", fmt::join(scripts, ", "));
+    script_ = bench::find_reference_script("BATON_GPT_TORCH", "gpt_torch.py", missing_);
   }
 
   const std::string& missing() const {

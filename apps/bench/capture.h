@@ -15,8 +15,10 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace baton::bench {
 
@@ -56,6 +58,25 @@ inline std::string executable_dir() {
   std::error_code ec;
   auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
   return ec ? std::string(".") : p.parent_path().string();
+}
+
+/// A benchmark's reference script `name` (e.g. "gpt_torch.py"): the path in $`env_var` if set,
+/// else the first that exists of the program's own folder (a GPU bundle ships the scripts beside
+/// the binaries), the source tree (BATON_SOURCE_DIR, where the target defines it) and the tree
+/// two folders above the program (build/bin). "" if none exists, and `missing` says where it looked.
+inline std::string find_reference_script(const char* env_var, std::string_view name, std::string& missing) {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv(env_var); env != nullptr && *env != '\0') candidates.emplace_back(env);
+  candidates.push_back(fmt::format("{}/{}", executable_dir(), name));
+#ifdef BATON_SOURCE_DIR
+  candidates.push_back(fmt::format("{}/apps/bench/{}", BATON_SOURCE_DIR, name));
+#endif
+  candidates.push_back(fmt::format("{}/../../apps/bench/{}", executable_dir(), name));
+  for (const auto& c : candidates) {
+    if (std::filesystem::exists(c)) return c;
+  }
+  missing = fmt::format("{} not found (looked in: {})", name, fmt::join(candidates, ", "));
+  return {};
 }
 
 /// The last line of `out` that starts with '{' (a reference's result line), or "".

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -64,8 +65,9 @@ inline Child spawn(const std::vector<std::string>& argv, const Env& env, bool ca
 }
 
 /// Reads the child's stdout until EOF and waits for it; kills it at the deadline.
-/// Returns {exit status (-1 if killed), output}.
-inline std::pair<int, std::string> finish(Child c, Clock::time_point deadline) {
+/// Returns {exit status (-1 if killed), output}. With `usage`, the child's resource use as the
+/// kernel accounted it (wait4: ru_maxrss is its peak resident memory in KiB).
+inline std::pair<int, std::string> finish(Child c, Clock::time_point deadline, rusage* usage = nullptr) {
   std::string text;
   if (c.out >= 0) {
     char buf[4096];
@@ -81,12 +83,14 @@ inline std::pair<int, std::string> finish(Child c, Clock::time_point deadline) {
     close(c.out);
   }
   int status = 0;
+  rusage ignored{};
+  rusage* ru = usage != nullptr ? usage : &ignored;
   while (true) {
-    pid_t r = waitpid(c.pid, &status, WNOHANG);
+    pid_t r = wait4(c.pid, &status, WNOHANG, ru);
     if (r == c.pid) break;
     if (Clock::now() > deadline) {
       kill(c.pid, SIGKILL);
-      waitpid(c.pid, &status, 0);
+      wait4(c.pid, &status, 0, ru);
       return {-1, text};
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -80,6 +80,7 @@ struct Options {
   bool print_sbp = false;
   bool print_memory = false;
   bool measure_memory = false;
+  bool eval = true;  // the held-out loss after training
   int blas_threads = 0;  // 0: baton's default (1, or BATON_BLAS_THREADS)
   bool memory_plan = true;
   std::string recompute = "none";
@@ -702,7 +703,7 @@ int run(const Options& given) {
     }
     return 0;
   }
-  auto [accuracy, eval_loss] = evaluate_heldout(o, d, *job.params);
+  auto [accuracy, eval_loss] = o.eval ? evaluate_heldout(o, d, *job.params) : std::pair<double, double>{NAN, NAN};
   std::optional<sample::TextSampler::Result> drawn;
   if (sampler) drawn = sampler->run([&](Graph& eval) { return build(eval, o, d, 1).logits; }, o.seq, *job.params);
   const double samples_per_s = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
@@ -716,8 +717,9 @@ int run(const Options& given) {
                d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "",
                drawn ? fmt::format(", \"sample\": {}", sample::TextSampler::json_string(drawn->text)) : "");
   } else {
-    fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {:.4f}", tty ? "\n" : "",
-               o.steps - first, report.wall_s, samples_per_s, losses.back(), eval_loss);
+    fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {}", tty ? "\n" : "",
+               o.steps - first, report.wall_s, samples_per_s, losses.back(),
+               o.eval ? fmt::format("{:.4f}", eval_loss) : std::string("not evaluated (--no-eval)"));
     if (!std::isnan(accuracy)) fmt::print(", accuracy {:.2f}%", 100 * accuracy);
     if (d.text) fmt::print(" (unigram entropy {:.4f})", d.text->unigram_entropy_nats());
     fmt::print("\n\n");
@@ -867,6 +869,9 @@ int main(int argc, char** argv) {
   app.add_flag("--measure-memory", o.measure_memory,
                "measure each device's register memory in use over the run and print its high-water mark beside "
                "the plan's account of the same bytes (stderr)");
+  app.add_flag("--no-eval{false}", o.eval,
+               "skip the held-out evaluation after training (its memory then does not enter the process's peak: "
+               "baton-bench-memory measures training alone)");
   app.add_flag("--print-memory", o.print_memory,
                "print what the plan needs on each device (peak bytes of weights, optimizer state, activations, "
                "gradients, arena slack, the largest consumers), from the plan alone, and exit (--json: one object)");
