@@ -213,21 +213,32 @@ TEST_CASE("MemoryPlan.AViewsReadersKeepItsInputAliveAndTheViewAllocatesNothing" 
   }
 }
 
+namespace {
+
+/// A 2-layer GPT (d 16, T 8) over a 16-character corpus, 4 rows a micro-batch, compiled with
+/// `cfg` (its dp and micro-batches; the data source is set here).
+TrainingJob tiny_gpt(TrainConfig cfg) {
+  Graph g(3);
+  auto corpus = std::make_shared<data::TextCorpus>();
+  for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+  for (int i = 0; i < 300; ++i) corpus->ids.push_back((i * 5 + i / 7) % 16);
+  Value loss = models::gpt_with_loss(g, 4, {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2}).loss;
+  const std::int64_t pieces = cfg.dp * cfg.microbatches;
+  cfg.data = {{"text", data::text_source(corpus, 4 * pieces, pieces, 8, 5), {"tokens", "targets"}}};
+  return compile_training(g, loss, cfg);
+}
+
+}  // namespace
+
 // The compiler lowers a reshape whose input is on its own device to a view, and a reshape
 // across devices (a pipeline cut) to a copy that the transfer passes then move.
 TEST_CASE("MemoryPlan.AReshapeOnItsInputsDeviceLowersToAView") {
   for (int pp : {1, 2}) {
     CAPTURE(pp);
-    Graph g(3);
-    auto corpus = std::make_shared<data::TextCorpus>();
-    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
-    for (int i = 0; i < 300; ++i) corpus->ids.push_back((i * 5 + i / 7) % 16);
-    Value loss = models::gpt_with_loss(g, 4, {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2}).loss;
     TrainConfig cfg;
     cfg.pp = pp;
     cfg.microbatches = 2;
-    cfg.data = {{"text", data::text_source(corpus, 8, 2, 8, 5), {"tokens", "targets"}}};
-    const TrainingJob job = compile_training(g, loss, cfg);
+    const TrainingJob job = tiny_gpt(cfg);
     std::size_t views = 0, reshape_copies = 0;
     for (const ActorDesc& a : job.plan.actors) {
       if (a.op == "reshape") ++reshape_copies;
@@ -241,6 +252,41 @@ TEST_CASE("MemoryPlan.AReshapeOnItsInputsDeviceLowersToAView") {
     CHECK(views > 0);
     if (pp == 1) CHECK(reshape_copies == 0);
     CHECK_NOTHROW(validate(job.plan, job.kernels));
+  }
+}
+
+TEST_CASE("MemoryPlan.WithOneMicroBatchAWeightsGradientIsAViewOfDwInOneSlot") {
+  for (std::int64_t m : {1, 2}) {
+    for (int dp : {1, 2}) {
+      CAPTURE(m);
+      CAPTURE(dp);
+      TrainConfig cfg;
+      cfg.dp = dp;
+      cfg.microbatches = m;
+      const TrainingJob job = tiny_gpt(cfg);
+      std::size_t views = 0, sums = 0;
+      for (const ActorDesc& a : job.plan.actors) {
+        if (!a.name.starts_with("grad.")) continue;
+        if (a.kind == ActorKind::accumulate) {
+          ++sums;
+          CHECK(register_memory(job.plan, a.outputs[0]).allocated);
+        }
+        if (a.kind != ActorKind::repeat) continue;
+        ++views;
+        // dW, as the backward pass writes it, is the only copy of the weight's gradient on its
+        // device before the all-reduce: the summed gradient has no bytes, dW one slot.
+        CHECK(is_view(a));
+        CHECK_FALSE(register_memory(job.plan, a.outputs[0]).allocated);
+        CHECK(job.plan.registers[a.inputs[0].reg].slots == 1);
+      }
+      // Every trained weight of every replica: a view with one micro-batch, a sum with two.
+      std::size_t trained = 0;
+      for (const ActorDesc& a : job.plan.actors) trained += a.op.starts_with("variable.");
+      CHECK(trained == static_cast<std::size_t>(dp) * job.params->values().size());
+      CHECK(views == (m == 1 ? trained : 0u));
+      CHECK(sums == (m == 1 ? 0u : trained));
+      CHECK_NOTHROW(validate(job.plan, job.kernels));
+    }
   }
 }
 
@@ -343,6 +389,8 @@ TEST_CASE("MemoryPlan.PoisonedArenasTrainBitForBitAsSlotsOfTheirOwn" * doctest::
   const std::vector<Mode> modes{
       {.name = "one device"},
       {.name = "one device, 3 micro-batches, adam", .m = 3, .opt = optim::adam(0.01)},
+      {.name = "dp 2, one micro-batch (gradients are views of dW)", .dp = 2},
+      {.name = "gpt pp 2, one micro-batch", .pp = 2, .gpt = true, .opt = optim::adam(0.01)},
       {.name = "two threads", .m = 2, .threads = 2},
       {.name = "dp 2", .dp = 2, .m = 2},
       {.name = "pp 2 gpipe", .pp = 2, .schedule = "gpipe", .m = 4},

@@ -9,9 +9,11 @@
 // --print-memory):
 //   weights          the step registers the micro-batches read, and, without ZeRO, each
 //                    variable actor's master copy (with ZeRO each shard's output register)
-//   gradients        the weights' gradient buffers: the accumulated gradient of each weight
-//                    ("grad.W"), the bucket it is packed into, and the all-reduce's or
-//                    reduce-scatter's registers (every register named "grad.*"), and kernel scratch
+//   gradients        the weights' gradient buffers: each weight's gradient as the backward
+//                    pass writes it (dW) and, with several micro-batches, their sum ("grad.W";
+//                    with one, a view of dW), the bucket it is packed into, and the all-reduce's
+//                    or reduce-scatter's registers (every register named "grad.*"), and kernel
+//                    scratch
 //   optimizer_state  Adam's two slots
 // against the ZeRO paper's formula for f32 training with Adam (Rajbhandari et al. 2020, section
 // 5, with K = 8: exp_avg and exp_avg_sq; the f32 weights are the master): psi x (4 + 4 + 8) for
@@ -58,6 +60,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -113,10 +116,20 @@ ModelState model_state(const std::shared_ptr<const data::TextCorpus>& text, int 
   const DeviceMemory m = memory_report(job.plan).at(0);  // replica 0's device
   s.weights = m.bytes[static_cast<std::size_t>(MemoryCategory::weights)];
   s.optimizer_state = m.bytes[static_cast<std::size_t>(MemoryCategory::optimizer_state)];
+  // The registers of the weights' gradients: every "grad.*" one, and what each weight's
+  // accumulation (or, with one micro-batch, its view) reads: the backward op's output, dW itself.
+  std::set<RegisterIndex> grads;
   for (RegisterIndex i = 0; i < job.plan.registers.size(); ++i) {
+    if (job.plan.registers[i].name.starts_with("grad.")) grads.insert(i);
+  }
+  for (const ActorDesc& a : job.plan.actors) {
+    if (a.name.starts_with("grad.") && (a.kind == ActorKind::accumulate || a.kind == ActorKind::repeat))
+      grads.insert(a.inputs.at(0).reg);
+  }
+  for (RegisterIndex i : grads) {
     const RegisterDesc& r = job.plan.registers[i];
     const RegisterMemory rm = register_memory(job.plan, i);
-    if (!rm.allocated || rm.rank != m.rank || rm.device != m.device || !r.name.starts_with("grad.")) continue;
+    if (!rm.allocated || rm.rank != m.rank || rm.device != m.device) continue;
     s.gradients += slot_bytes(r) * r.slots;
   }
   for (const ActorDesc& a : job.plan.actors) {

@@ -119,6 +119,13 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
   const auto stream_of = [&](int id) {
     return id <= loss_id ? forward_stream : backward_stream(cfg);
   };
+  // A trained weight's gradient, with one micro-batch a step, needs one slot: its next write is
+  // in the next step's backward pass, which needs this step's update, which needs this gradient
+  // read (summed, all-reduced) first; a second slot would never be in use.
+  std::set<int> one_slot;
+  if (cfg.microbatches == 1) {
+    for (const auto& [v, grad] : d.trained) one_slot.insert(grad.id());
+  }
   for (int id = 0; id < b.g.size(); ++id) {
     if (!d.need[static_cast<std::size_t>(id)]) continue;
     const Node& n = b.g.node(id);
@@ -148,26 +155,39 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
                      b.at(stream_of(id), b.place(id)), n.attrs);
     } else {
       b.op_actor(id, stream_of(id),
-                 id <= loss_id ? st.forward_slots[static_cast<std::size_t>(b.stage(id))]
-                               : st.backward_slots);
+                 id <= loss_id       ? st.forward_slots[static_cast<std::size_t>(b.stage(id))]
+                 : one_slot.count(id) ? 1
+                                     : st.backward_slots);
     }
   }
 }
 
 /// Replica `r`'s gradient accumulation (each trained weight's M micro-batch gradients summed
 /// into `grad_sum`) and, with clipping, the actor that computes the step's clipping factor.
+/// With one micro-batch a step there is nothing to sum: where the gradient is made on the
+/// weight's own device, `grad_sum` is a view of it (a repeat of group 1, no bytes of its own)
+/// instead of a copy, so each weight's gradient exists once less.
 void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
                         const TrainConfig& cfg, const GradientInputs& grad_sum,
                         const GradientInputs& grad_in, const std::optional<RegisterIndex>& clip) {
   std::vector<InputPort> clip_inputs;
   for (const auto& [v, grad] : d.trained) {
-    b.plan.add_actor({.name = b.named("grad." + v.name() + ".accumulate"),
-                      .kind = ActorKind::accumulate,
+    const RegisterIndex gi = b.reg_of.at(grad.id());
+    const Placement where = b.at(backward_stream(cfg), b.place(v.id()));
+    const RegisterDesc& g = b.plan.registers[gi];
+    const bool view = cfg.microbatches == 1 && g.producer < b.plan.actors.size() &&
+                      b.plan.actors[g.producer].where.rank == where.rank &&
+                      b.plan.actors[g.producer].where.device == where.device && g.dtype == v.dtype() &&
+                      numel(g.shape) == numel(v.shape());
+    b.plan.add_actor({.name = b.named("grad." + v.name() + (view ? ".view" : ".accumulate")),
+                      .kind = view ? ActorKind::repeat : ActorKind::accumulate,
+                      .op = view ? "view" : "",
                       .dtype = v.dtype(),
-                      .where = b.at(backward_stream(cfg), b.place(v.id())),
-                      .inputs = {{b.reg_of.at(grad.id())}},
+                      .where = where,
+                      .inputs = {{gi}},
                       .outputs = {grad_sum[static_cast<std::size_t>(r)].at(v.id())},
-                      .group = static_cast<std::int32_t>(cfg.microbatches)});
+                      .group = view ? 1 : static_cast<std::int32_t>(cfg.microbatches),
+                      .role = ActorRole::backward});
     // Under ZeRO no variable reads a whole summed gradient (grad_in is empty): lower_zero clips.
     const auto& in = grad_in[static_cast<std::size_t>(r)];
     if (auto it = in.find(v.id()); it != in.end()) clip_inputs.push_back({it->second});
