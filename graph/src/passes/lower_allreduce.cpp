@@ -1,5 +1,7 @@
 // Lowering data parallelism (lowering.h): each bucket of summed gradients all-reduced over the
 // replicas, by a ring of actors (collectives.h) or by NCCL.
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "baton/graph/collectives.h"
@@ -38,14 +40,7 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
         name, baton::name(dt), bucket.nccl ? " and all-reduced by NCCL" : ""));
   }
   if (!bucket.nccl) {
-    AllReduceSettings settings;
-    // A small bucket (a bias's gradient, a layer norm's) goes by the direct all-reduce: one hop
-    // where the ring takes 2(N-1). Measured with baton-bench-allreduce on the 2-core machine,
-    // 2 and 4 ranks, two runs (README, "Numbers"): direct was 1.5-9x faster at 1 and 4 KiB and
-    // 1.3-4x slower at 16 KiB, where UCX leaves its eager protocol for rendezvous and the ring's
-    // chunks still travel eagerly; 8 KiB (not measured) is taken as the crossover's safe side.
-    settings.direct_below_bytes = gradient_direct_below_bytes;
-    if (compress) settings.wire = DType::bf16;
+    const AllReduceSettings settings = gradient_allreduce_settings(cfg);
     try {
       return add_replica_allreduce(replicas, name, inputs, shape, dt, backward_stream(cfg), 1,
                                    bucket.place, settings);
@@ -76,6 +71,21 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
 
 }  // namespace
 
+AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg) {
+  AllReduceSettings settings;
+  // A small bucket (a bias's gradient, a layer norm's) goes by the direct all-reduce: one hop
+  // where the ring takes 2(N-1). Measured with baton-bench-allreduce on the 2-core machine,
+  // 2 and 4 ranks, two runs (README, "Numbers"): direct was 1.5-9x faster at 1 and 4 KiB and
+  // 1.3-4x slower at 16 KiB, where UCX leaves its eager protocol for rendezvous and the ring's
+  // chunks still travel eagerly; 8 KiB (not measured) is taken as the crossover's safe side.
+  settings.direct_below_bytes = gradient_direct_below_bytes;
+  if (cfg.grad_compression == "bf16") settings.wire = DType::bf16;
+  // A bucket is all-reduced once a step, and its next step's sums need this step's update,
+  // which needs these sums read: a second slot on a hop would never be in use.
+  settings.slots = 1;
+  return settings;
+}
+
 RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
                           const GradientInputs& grad_sum, std::int64_t r, const TrainConfig& cfg) {
   const std::vector<Value>& bucket = reps.buckets[bi].weights;
@@ -98,7 +108,8 @@ RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
 }
 
 GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, const Replicas& reps,
-                                        const GradientInputs& grad_sum, const TrainConfig& cfg) {
+                                        const GradientInputs& grad_sum, const TrainConfig& cfg,
+                                        GradientOffsets& offsets) {
   const auto n_dp = static_cast<std::int64_t>(replicas.size());
   GradientInputs grad_in(grad_sum.size());
   auto local = [&](std::int64_t r, const Value& v) {
@@ -132,7 +143,21 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
       flat.push_back(pack_bucket(replicas[static_cast<std::size_t>(r)], reps, bi, grad_sum, r, cfg));
     }
     auto reduced = allreduce_bucket(replicas, reps, bi, name, flat, {total}, dt, cfg);
-    for (std::int64_t r = 0; r < n_dp; ++r) {
+    // On a CPU device, with every weight of the bucket there, each variable reads its window of
+    // the all-reduced bucket itself: no second copy of the gradients.
+    const bool in_place = std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
+      return b.at(backward_stream(cfg), place).device.type == DeviceType::cpu &&
+             std::all_of(bucket.begin(), bucket.end(), [&](const Value& v) { return b.place(v.id()) == place; });
+    });
+    for (std::int64_t r = 0; in_place && r < n_dp; ++r) {
+      std::int64_t at = 0;
+      for (const Value& v : bucket) {
+        grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
+        offsets[static_cast<std::size_t>(r)][v.id()] = at;
+        at += numel(v.shape());
+      }
+    }
+    for (std::int64_t r = 0; !in_place && r < n_dp; ++r) {
       auto& b = replicas[static_cast<std::size_t>(r)];
       std::vector<RegisterIndex> outs;
       for (const Value& v : bucket) {

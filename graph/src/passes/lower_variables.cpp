@@ -30,10 +30,14 @@ std::vector<std::vector<T>> saved_slots(const OptimizerConfig& oc,
 /// The kernel of a trained variable's actor: on its device, with the optimizer's state.
 void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on_cuda,
                          Tensor master, DType dt, const TrainConfig& cfg,
-                         const std::map<std::string, Tensor>* slots, SnapshotHook snap) {
+                         const std::map<std::string, Tensor>* slots, SnapshotHook snap,
+                         std::int64_t grad_offset) {
   OptimizerConfig oc = cfg.optimizer;
   const std::int64_t steps = cfg.steps;
   if (on_cuda) {
+    if (grad_offset != 0) {
+      throw GraphError(fmt::format("'{}': a CUDA variable reads its whole gradient register (no window)", op));
+    }
     // The slots point into cfg.optimizer_state, which the factory keeps alive.
     KernelFactory make = baton::detail::cuda_variable(master, oc, steps, slots, snap);
     kernels.add(op, DeviceType::cuda, dt,
@@ -42,14 +46,14 @@ void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on
   }
   // The factory keeps the state alive (`state`) for the slots it points into.
   kernels.add(op, DeviceType::cpu, dt,
-              [master, oc, steps, dt, slots, snap,
+              [master, oc, steps, dt, slots, snap, window = GradientWindow{1, grad_offset},
                state = cfg.optimizer_state](const KernelConfig&) -> std::unique_ptr<Kernel> {
                 if (dt == DType::f64) {
                   return std::make_unique<VariableKernel<double>>(
-                      master, oc, steps, saved_slots<double>(oc, slots), snap);
+                      master, oc, steps, saved_slots<double>(oc, slots), snap, window);
                 }
-                return std::make_unique<VariableKernel<float>>(master, oc, steps,
-                                                               saved_slots<float>(oc, slots), snap);
+                return std::make_unique<VariableKernel<float>>(
+                    master, oc, steps, saved_slots<float>(oc, slots), snap, window);
               });
 }
 
@@ -82,8 +86,8 @@ const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, 
 }
 
 RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const RegisterIndex* grad,
-                             const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
-                             ParameterStore& params) {
+                             std::int64_t grad_offset, const RegisterIndex* clip, const Stages& st,
+                             const TrainConfig& cfg, ParameterStore& params) {
   const Node& n = b.g.node(id);
   const std::uint8_t stream = backward_stream(cfg);
   // The weight, once per step, then read by the step's M micro-batches through a repeat.
@@ -110,7 +114,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Regis
   if (grad != nullptr) {
     SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
     add_variable_kernel(b.kernels, op, on_cuda, master, dt, cfg, optimizer_slots_of(cfg, n),
-                        std::move(snap));
+                        std::move(snap), grad_offset);
     std::vector<InputPort> ins{{*grad, 1}};
     if (clip != nullptr) ins.push_back({*clip, 1});
     b.plan.add_actor({.name = op,

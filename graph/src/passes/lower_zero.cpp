@@ -197,9 +197,7 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
     const std::string name = bucket.weights.size() == 1 ? "grad." + bucket.weights[0].name()
                                                         : fmt::format("grad.bucket{}", bi);
     // The plain all-reduce's choices (lower_allreduce.cpp), so the sums are the same bits.
-    AllReduceSettings settings;
-    settings.direct_below_bytes = gradient_direct_below_bytes;
-    if (cfg.grad_compression == "bf16") settings.wire = DType::bf16;
+    const AllReduceSettings settings = gradient_allreduce_settings(cfg);
     const auto offsets = chunk_offsets(total, n_dp);
     std::vector<std::vector<InputPort>> grads(static_cast<std::size_t>(n_dp));
     std::vector<GradientWindow> windows(static_cast<std::size_t>(n_dp));
