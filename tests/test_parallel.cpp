@@ -152,33 +152,37 @@ TEST_CASE("Parallel.DataParallelPlanHasTheAllReduceInBuckets") {
     for (const auto& a : r.plan.actors) n += a.op == op;
     return n;
   };
-  // One all-reduce per weight (bucket_bytes 0): 4 weights and the loss, 2 replicas. A tensor of
-  // gradient_direct_below_bytes or more goes by the ring (collectives.h) with one segment per
-  // chunk: an add per chunk, a gather (concat) per replica, no slice (the replicas are devices
-  // of one rank); a smaller one by the direct all-reduce: one sum actor per replica.
+  // One reduction per weight (bucket_bytes 0): 4 weights and the loss, 2 replicas. A gradient
+  // under gradient_direct_below_bytes (all four here) is reduce-scattered directly: one sum
+  // actor per replica, its chunk; a bigger one by the ring's chains (collectives.h), with no
+  // gather, since the variables read the sums where they lie. The loss's all-reduce takes the
+  // default settings, the ring with one segment per chunk: an add per chunk, a gather (concat)
+  // per replica, no slice (the replicas are devices of one rank).
   Run per_weight = train({.dp = 2, .microbatches = 1, .steps = 1, .bucket_bytes = 0});
-  int direct = 0;  // all-reduces by the direct algorithm: replica 0's sum actors
+  int direct = 0;  // reductions by the direct algorithm: replica 0's sum actors
   for (const auto& a : per_weight.plan.actors) direct += a.op == "allreduce.sum" && !a.name.ends_with("@dp1");
   const int ring = 5 - direct;
-  CHECK(direct >= 1);  // the loss (one element) at least
-  CHECK(ring >= 1);    // the largest weight
+  CHECK(direct == 4);  // the weights
+  CHECK(ring == 1);    // the loss
   CHECK(count(per_weight, "allreduce.split") == 0);
   CHECK(count(per_weight, "allreduce.slice") == 0);
   CHECK(count(per_weight, "allreduce.sum") == 2 * direct);
   CHECK(count(per_weight, "allreduce.add") == 2 * ring);
   CHECK(count(per_weight, "allreduce.concat") == 2 * ring);
-  // DDP's 25 MB: the 4 weights share one bucket, packed (concat) before one all-reduce (a ring:
-  // the bucket holds the largest weight, so it is over the crossover), the loss has its own,
-  // direct. On CPU devices nothing unpacks the bucket: each variable reads its window of it.
+  // DDP's 25 MB: the 4 weights share one bucket, packed (concat) and reduce-scattered (the
+  // bucket is under gradient_direct_below_bytes: direct, a sum actor per replica, each its
+  // chunk); the loss (not a gradient) goes by the ring: an add per chunk and a gather per
+  // replica. On CPU devices nothing gathers or unpacks the bucket's sums: each variable reads
+  // its window of them where they lie (chunk 0 on replica 0, chunk 1 on replica 1).
   Run bucketed = train({.dp = 2, .microbatches = 1, .steps = 1});
   CHECK(count(bucketed, "allreduce.add") == 2);
   CHECK(count(bucketed, "allreduce.split") == 0);
-  CHECK(count(bucketed, "allreduce.concat") == 4);
+  CHECK(count(bucketed, "allreduce.concat") == 2 + 2);  // the packs, the loss's gathers
   CHECK(count(bucketed, "allreduce.sum") == 2);
   for (const auto& a : bucketed.plan.actors) {
     if (!a.op.starts_with("variable.")) continue;
     CAPTURE(a.name);
-    CHECK(bucketed.plan.registers[a.inputs.at(0).reg].name.starts_with("grad.bucket0.allreduced"));
+    for (const InputPort& in : a.inputs) CHECK(bucketed.plan.registers[in.reg].name.starts_with("grad.bucket0.sum"));
   }
   // Replica r's actors run on in-process device cpu:r.
   for (const auto& a : bucketed.plan.actors) {

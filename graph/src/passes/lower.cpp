@@ -113,7 +113,7 @@ std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const
 /// Replica `r`'s actors for the needed nodes, in topological order: variables, fills and ops.
 void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const Stages& st,
                  const TrainConfig& cfg, const std::set<int>& fed, const GradientInputs& grad_in,
-                 const GradientOffsets& grad_offsets, const GradientInputs& zero_steps, const std::optional<RegisterIndex>& clip,
+                 const GradientWindows& grad_windows, const GradientInputs& zero_steps, const std::optional<RegisterIndex>& clip,
                  ParameterStore& params, std::vector<FinalWeight>& finals) {
   const int loss_id = d.loss.id();
   const auto stream_of = [&](int id) {
@@ -145,11 +145,13 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
       }
       auto it = grad_in[static_cast<std::size_t>(r)].find(id);
       const bool trained = it != grad_in[static_cast<std::size_t>(r)].end();
-      const auto& offsets = grad_offsets[static_cast<std::size_t>(r)];
-      const auto at = offsets.find(id);
-      const RegisterIndex w = lower_variable(b, r, id, trained ? &it->second : nullptr,
-                                             at == offsets.end() ? 0 : at->second,
-                                             clip ? &*clip : nullptr, st, cfg, params);
+      const auto& windows = grad_windows[static_cast<std::size_t>(r)];
+      const auto window = windows.find(id);
+      const GradientAt grad = window != windows.end() ? window->second
+                              : trained              ? GradientAt{{it->second}, 0}
+                                                     : GradientAt{};
+      const RegisterIndex w = lower_variable(b, r, id, trained ? &grad : nullptr, clip ? &*clip : nullptr, st,
+                                             cfg, params);
       if (r == 0 && trained) finals.push_back({n.name, w, where, n.dtype, n.shape});
     } else if (n.op == "fill" && n.inputs.empty()) {
       RegisterIndex reg = b.node_register(id, 2);
@@ -172,7 +174,8 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
 /// instead of a copy, so each weight's gradient exists once less.
 void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
                         const TrainConfig& cfg, const GradientInputs& grad_sum,
-                        const GradientInputs& grad_in, const std::optional<RegisterIndex>& clip) {
+                        const GradientInputs& grad_in, const GradientWindows& grad_windows,
+                        const std::optional<RegisterIndex>& clip) {
   std::vector<InputPort> clip_inputs;
   for (const auto& [v, grad] : d.trained) {
     const RegisterIndex gi = b.reg_of.at(grad.id());
@@ -192,11 +195,19 @@ void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
                       .group = view ? 1 : static_cast<std::int32_t>(cfg.microbatches),
                       .role = ActorRole::backward});
     // Under ZeRO no variable reads a whole summed gradient (grad_in is empty): lower_zero clips.
-    // A bucket that its weights read in place is read once (each of its elements counts once).
+    // Each register once: a weight's window may share its parts with its bucket's other weights.
     const auto& in = grad_in[static_cast<std::size_t>(r)];
-    if (auto it = in.find(v.id()); it != in.end() &&
-        std::none_of(clip_inputs.begin(), clip_inputs.end(), [&](const InputPort& p) { return p.reg == it->second; }))
-      clip_inputs.push_back({it->second});
+    const auto& windows = grad_windows[static_cast<std::size_t>(r)];
+    std::vector<RegisterIndex> parts;
+    if (auto w = windows.find(v.id()); w != windows.end()) {
+      parts = w->second.parts;
+    } else if (auto it = in.find(v.id()); it != in.end()) {
+      parts = {it->second};
+    }
+    for (RegisterIndex p : parts) {
+      if (std::none_of(clip_inputs.begin(), clip_inputs.end(), [&](const InputPort& q) { return q.reg == p; }))
+        clip_inputs.push_back({p});
+    }
   }
   if (!clip || clip_inputs.empty()) return;
   const DType dt = d.trained[0].first.dtype();
@@ -310,7 +321,7 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   // trained weight's step register is written by its bucket's gather.
   const bool zero = cfg.zero > 0 && cfg.dp > 1;
   GradientInputs grad_in(static_cast<std::size_t>(cfg.dp)), zero_steps(grad_in.size());
-  GradientOffsets grad_offsets(grad_in.size());
+  GradientWindows grad_windows(grad_in.size());
   if (zero) {
     for (const auto& [v, grad] : d.trained) {
       for (std::int64_t r = 0; r < cfg.dp; ++r) {
@@ -320,7 +331,7 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
       }
     }
   } else {
-    grad_in = lower_gradient_allreduce(replicas, reps, grad_sum, cfg, grad_offsets);
+    grad_in = lower_gradient_allreduce(replicas, reps, grad_sum, cfg, grad_windows);
   }
   std::vector<std::optional<RegisterIndex>> clip(static_cast<std::size_t>(cfg.dp));
   if (cfg.optimizer.clip_norm > 0 && !d.trained.empty()) {
@@ -335,9 +346,9 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   for (std::int64_t r = 0; r < cfg.dp; ++r) {
     PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
     const std::set<int> fed = lower_data(b, r, st, cfg);
-    lower_nodes(b, r, d, st, cfg, fed, grad_in, grad_offsets, zero_steps, clip[static_cast<std::size_t>(r)],
+    lower_nodes(b, r, d, st, cfg, fed, grad_in, grad_windows, zero_steps, clip[static_cast<std::size_t>(r)],
                 *params, finals);
-    lower_accumulation(b, r, d, cfg, grad_sum, grad_in, clip[static_cast<std::size_t>(r)]);
+    lower_accumulation(b, r, d, cfg, grad_sum, grad_in, grad_windows, clip[static_cast<std::size_t>(r)]);
     loss_regs.push_back(b.reg_of.at(d.loss.id()));
   }
   const Placement reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));

@@ -107,9 +107,47 @@ RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
   return flat;
 }
 
+namespace {
+
+/// Replica r's variables' windows of the reduce-scattered sums `rs` of a bucket (its weights
+/// concatenated): each weight reads the parts that hold its elements, wherever they lie.
+void read_in_place(const Plan& plan, const std::vector<Value>& bucket, const ReduceScattered& rs,
+                   std::int64_t n_dp, GradientInputs& grad_in, GradientWindows& windows) {
+  struct Part {
+    RegisterIndex reg;
+    std::int64_t begin, end;  // its elements in the bucket
+  };
+  std::vector<Part> parts;
+  std::int64_t at = 0;
+  for (const auto& chunk : rs.parts) {
+    for (RegisterIndex reg : chunk) {
+      const std::int64_t n = numel(plan.registers[reg].shape);
+      if (n > 0) parts.push_back({reg, at, at + n});
+      at += n;
+    }
+  }
+  at = 0;
+  for (const Value& v : bucket) {
+    const std::int64_t end = at + numel(v.shape());
+    GradientAt window;
+    for (const Part& p : parts) {
+      if (p.end <= at || p.begin >= end) continue;
+      if (window.parts.empty()) window.offset = at - p.begin;
+      window.parts.push_back(p.reg);
+    }
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      grad_in[static_cast<std::size_t>(r)][v.id()] = window.parts.front();
+      windows[static_cast<std::size_t>(r)][v.id()] = window;
+    }
+    at = end;
+  }
+}
+
+}  // namespace
+
 GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, const Replicas& reps,
                                         const GradientInputs& grad_sum, const TrainConfig& cfg,
-                                        GradientOffsets& offsets) {
+                                        GradientWindows& windows) {
   const auto n_dp = static_cast<std::int64_t>(replicas.size());
   GradientInputs grad_in(grad_sum.size());
   auto local = [&](std::int64_t r, const Value& v) {
@@ -121,43 +159,49 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
       for (const Value& v : bucket) grad_in[0][v.id()] = local(0, v);
       continue;
     }
-    if (bucket.size() == 1) {
-      // A bucket of one is all-reduced as it is.
-      const Value& v = bucket[0];
-      std::vector<RegisterIndex> inputs;
-      for (std::int64_t r = 0; r < n_dp; ++r) inputs.push_back(local(r, v));
-      auto reduced = allreduce_bucket(replicas, reps, bi, "grad." + v.name(), inputs, v.shape(),
-                                      v.dtype(), cfg);
-      for (std::int64_t r = 0; r < n_dp; ++r)
-        grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
-      continue;
-    }
-    // A bigger one is packed into one flat register, all-reduced once, and unpacked.
     const int place = reps.buckets[bi].place;
-    const std::string name = fmt::format("grad.bucket{}", bi);
+    // A bucket of one is all-reduced as it is; a bigger one is packed into one flat register.
+    const std::string name = bucket.size() == 1 ? "grad." + bucket[0].name() : fmt::format("grad.bucket{}", bi);
     std::int64_t total = 0;
     for (const Value& v : bucket) total += numel(v.shape());
     const DType dt = bucket[0].dtype();
     std::vector<RegisterIndex> flat;
     for (std::int64_t r = 0; r < n_dp; ++r) {
-      flat.push_back(pack_bucket(replicas[static_cast<std::size_t>(r)], reps, bi, grad_sum, r, cfg));
+      flat.push_back(bucket.size() == 1 ? local(r, bucket[0])
+                                        : pack_bucket(replicas[static_cast<std::size_t>(r)], reps, bi, grad_sum, r, cfg));
+    }
+    // On CPU devices, with every weight of the bucket there and the sums in the weights' dtype,
+    // the bucket is reduce-scattered and each variable reads its window of the members' sums
+    // where they lie (other devices' directly, other ranks' through one transfer each): the
+    // same sums, bit for bit, as the all-reduce's, without its gather into a whole copy.
+    const bool in_place =
+        !reps.buckets[bi].nccl && cfg.grad_compression != "bf16" &&
+        std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
+          return b.at(backward_stream(cfg), place).device.type == DeviceType::cpu &&
+                 std::all_of(bucket.begin(), bucket.end(), [&](const Value& v) { return b.place(v.id()) == place; });
+        });
+    if (in_place) {
+      std::vector<AllReduceMember> members;
+      for (std::int64_t r = 0; r < n_dp; ++r) {
+        const PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
+        members.push_back({b.at(backward_stream(cfg), place), flat[static_cast<std::size_t>(r)], b.suffix});
+      }
+      try {
+        const ReduceScattered rs = add_reduce_scatter(replicas[0].plan, name, members, {total}, dt,
+                                                      gradient_allreduce_settings(cfg));
+        read_in_place(replicas[0].plan, bucket, rs, n_dp, grad_in, windows);
+      } catch (const std::invalid_argument& e) {
+        throw GraphError(e.what());
+      }
+      continue;
     }
     auto reduced = allreduce_bucket(replicas, reps, bi, name, flat, {total}, dt, cfg);
-    // On a CPU device, with every weight of the bucket there, each variable reads its window of
-    // the all-reduced bucket itself: no second copy of the gradients.
-    const bool in_place = std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
-      return b.at(backward_stream(cfg), place).device.type == DeviceType::cpu &&
-             std::all_of(bucket.begin(), bucket.end(), [&](const Value& v) { return b.place(v.id()) == place; });
-    });
-    for (std::int64_t r = 0; in_place && r < n_dp; ++r) {
-      std::int64_t at = 0;
-      for (const Value& v : bucket) {
-        grad_in[static_cast<std::size_t>(r)][v.id()] = reduced[static_cast<std::size_t>(r)];
-        offsets[static_cast<std::size_t>(r)][v.id()] = at;
-        at += numel(v.shape());
-      }
+    if (bucket.size() == 1) {
+      for (std::int64_t r = 0; r < n_dp; ++r)
+        grad_in[static_cast<std::size_t>(r)][bucket[0].id()] = reduced[static_cast<std::size_t>(r)];
+      continue;
     }
-    for (std::int64_t r = 0; !in_place && r < n_dp; ++r) {
+    for (std::int64_t r = 0; r < n_dp; ++r) {
       auto& b = replicas[static_cast<std::size_t>(r)];
       std::vector<RegisterIndex> outs;
       for (const Value& v : bucket) {

@@ -31,12 +31,12 @@ std::vector<std::vector<T>> saved_slots(const OptimizerConfig& oc,
 void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on_cuda,
                          Tensor master, DType dt, const TrainConfig& cfg,
                          const std::map<std::string, Tensor>* slots, SnapshotHook snap,
-                         std::int64_t grad_offset) {
+                         GradientWindow window) {
   OptimizerConfig oc = cfg.optimizer;
   const std::int64_t steps = cfg.steps;
   if (on_cuda) {
-    if (grad_offset != 0) {
-      throw GraphError(fmt::format("'{}': a CUDA variable reads its whole gradient register (no window)", op));
+    if (window.parts != 1 || window.offset != 0) {
+      throw GraphError(fmt::format("'{}': a CUDA variable reads one whole gradient register (no window)", op));
     }
     // The slots point into cfg.optimizer_state, which the factory keeps alive.
     KernelFactory make = baton::detail::cuda_variable(master, oc, steps, slots, snap);
@@ -46,7 +46,7 @@ void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on
   }
   // The factory keeps the state alive (`state`) for the slots it points into.
   kernels.add(op, DeviceType::cpu, dt,
-              [master, oc, steps, dt, slots, snap, window = GradientWindow{1, grad_offset},
+              [master, oc, steps, dt, slots, snap, window,
                state = cfg.optimizer_state](const KernelConfig&) -> std::unique_ptr<Kernel> {
                 if (dt == DType::f64) {
                   return std::make_unique<VariableKernel<double>>(
@@ -85,9 +85,9 @@ const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, 
   return &it->second;
 }
 
-RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const RegisterIndex* grad,
-                             std::int64_t grad_offset, const RegisterIndex* clip, const Stages& st,
-                             const TrainConfig& cfg, ParameterStore& params) {
+RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const GradientAt* grad,
+                             const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
+                             ParameterStore& params) {
   const Node& n = b.g.node(id);
   const std::uint8_t stream = backward_stream(cfg);
   // The weight, once per step, then read by the step's M micro-batches through a repeat.
@@ -114,8 +114,9 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Regis
   if (grad != nullptr) {
     SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
     add_variable_kernel(b.kernels, op, on_cuda, master, dt, cfg, optimizer_slots_of(cfg, n),
-                        std::move(snap), grad_offset);
-    std::vector<InputPort> ins{{*grad, 1}};
+                        std::move(snap), GradientWindow{grad->parts.size(), grad->offset});
+    std::vector<InputPort> ins;
+    for (RegisterIndex part : grad->parts) ins.push_back({part, 1});
     if (clip != nullptr) ins.push_back({*clip, 1});
     b.plan.add_actor({.name = op,
                       .op = op,

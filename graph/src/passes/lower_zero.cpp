@@ -244,7 +244,8 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
       const auto slots = static_cast<std::int64_t>(optimizer_slot_names(cfg.optimizer).size());
       std::vector<KeptBytes> kept;
       if (slots > 0) kept.push_back({MemoryCategory::optimizer_state, slots * bytes});
-      if (windows[ci].parts > 1 || clip[ci]) kept.push_back({MemoryCategory::gradients, bytes});
+      // A clipped gradient is scaled into a copy; an unclipped one is read where it lies.
+      if (clip[ci]) kept.push_back({MemoryCategory::gradients, bytes});
       b.plan.add_actor({.name = op,
                         .op = op,
                         .dtype = dt,

@@ -106,17 +106,24 @@ struct FinalWeight {
 /// The registers each replica's variable actors read their summed gradients from, by variable
 /// node id: the accumulated gradient with one replica, the all-reduced one with several.
 using GradientInputs = std::vector<std::map<int, RegisterIndex>>;
-/// Where in its GradientInputs register a variable's gradient starts (absent: 0): a weight of a
-/// bucket reads its window of the all-reduced bucket.
-using GradientOffsets = std::vector<std::map<int, std::int64_t>>;
+/// Where a variable reads its summed gradient: elements [offset, offset + its size) of the
+/// concatenation of `parts` (a whole register: {{reg}, 0}).
+struct GradientAt {
+  std::vector<RegisterIndex> parts;
+  std::int64_t offset = 0;
+};
+/// Per replica, by variable node id: where a gradient is not one whole GradientInputs register.
+using GradientWindows = std::vector<std::map<int, GradientAt>>;
 
 /// Adds the all-reduce of every bucket of `reps` (lower_allreduce.cpp): from each replica's
-/// summed gradients `grad_sum` to the registers the variables read, which it returns. A bucket
-/// of several weights on a CPU device is read where it is (each weight's window, `offsets`);
-/// elsewhere it is unpacked into a register per weight.
+/// summed gradients `grad_sum` to the registers the variables read, which it returns (for a
+/// window, its first part). On CPU devices a bucket is reduce-scattered and every replica's
+/// variables read their windows of the members' sums where they lie (`windows`): no gather into
+/// a whole copy. Elsewhere (NCCL, CUDA, compressed sums) it is all-reduced and unpacked into a
+/// register per weight.
 GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, const Replicas& reps,
                                         const GradientInputs& grad_sum, const TrainConfig& cfg,
-                                        GradientOffsets& offsets);
+                                        GradientWindows& windows);
 
 /// How the ring of actors sums a gradient bucket (lower_allreduce.cpp): the direct form below
 /// gradient_direct_below_bytes, bf16 on the wire with --grad-compression bf16, one slot a hop.
@@ -133,12 +140,12 @@ std::vector<RegisterIndex> add_replica_allreduce(std::vector<PlanBuilder>& repli
                                                  int place, const AllReduceSettings& settings = {});
 
 /// Adds replica `r`'s variable actor for variable node `id` (lower_variables.cpp): its optimizer
-/// (reading `grad` from element `grad_offset` on, with `clip` if given) or, for a weight that
-/// is not trained, a constant source; then the repeat that lets the step's M micro-batches read
-/// it. Returns the register it writes once per step.
-RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const RegisterIndex* grad,
-                             std::int64_t grad_offset, const RegisterIndex* clip, const Stages& st,
-                             const TrainConfig& cfg, ParameterStore& params);
+/// (reading `grad`, with `clip` if given) or, for a weight that is not trained (no `grad`), a
+/// constant source; then the repeat that lets the step's M micro-batches read it. Returns the
+/// register it writes once per step.
+RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const GradientAt* grad,
+                             const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
+                             ParameterStore& params);
 
 /// The saved optimizer slots of trained variable `n` in a resumed job (null: start at zero),
 /// checked against the variable and the optimizer (GraphError naming what does not fit).

@@ -151,28 +151,53 @@ class VariableKernel final : public Kernel {
 
   void update(KernelContext& ctx, std::span<T> w) {
     const std::int64_t step = ctx.piece;  // 1-based: act k applies the k-th update
-    std::span<const T> grad = gradient(ctx);
     const std::size_t clip_at = window_.parts + weights_.parts;
+    double factor = 1.0;
     if (ctx.inputs.size() > clip_at && ctx.inputs[clip_at] != nullptr) {
-      double factor = static_cast<double>(ctx.inputs[clip_at]->data<T>()[0]);
+      factor = static_cast<double>(ctx.inputs[clip_at]->data<T>()[0]);
+    }
+    if (window_.parts > 1 && factor == 1.0) {
+      // A gradient in several parts (a weight's window of its bucket's reduce-scattered sums, a
+      // ZeRO-2 shard's segments): each part's share is updated where it lies, with no copy of
+      // the gradient. The optimizers are elementwise, so this is the one update, bit for bit.
+      std::int64_t at = 0;  // where the current part starts in the concatenation
+      for (std::size_t p = 0; p < window_.parts; ++p) {
+        auto part = ctx.inputs[p]->data<T>();
+        const std::int64_t lo = std::max(window_.offset, at);
+        const std::int64_t hi =
+            std::min(window_.offset + static_cast<std::int64_t>(n_), at + static_cast<std::int64_t>(part.size()));
+        if (lo < hi) {
+          const auto i = static_cast<std::size_t>(lo - window_.offset), len = static_cast<std::size_t>(hi - lo);
+          step_on(w.subspan(i, len), part.subspan(static_cast<std::size_t>(lo - at), len), i, step);
+        }
+        at += static_cast<std::int64_t>(part.size());
+      }
+    } else {
+      std::span<const T> grad = gradient(ctx);
       if (factor != 1.0) {
         scaled_.resize(grad.size());  // in place when grad is scaled_ already
         for (std::size_t i = 0; i < grad.size(); ++i) scaled_[i] = static_cast<T>(grad[i] * factor);
         grad = scaled_;
       }
-    }
-    const double lr = learning_rate(cfg_, step, total_steps_);
-    if (cfg_.kind == OptimizerConfig::Kind::sgd) {
-      SgdConfig c{cfg_.lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov};
-      sgd_step(w, grad, std::span<T>(m_), c, step, lr);
-    } else {
-      AdamConfig c{cfg_.lr,  cfg_.beta1,        cfg_.beta2,
-                   cfg_.eps, cfg_.weight_decay, cfg_.kind == OptimizerConfig::Kind::adamw};
-      adam_step(w, grad, std::span<T>(m_), std::span<T>(v_), c, step, lr);
+      step_on(w, grad, 0, step);
     }
     if (snapshots_.hand_over && snapshots_.every > 0 &&
         (step % snapshots_.every == 0 || step == total_steps_)) {
       hand_over(step, w);
+    }
+  }
+
+  /// The optimizer's step on elements [at, at + w.size()) of the master and of its slots.
+  void step_on(std::span<T> w, std::span<const T> grad, std::size_t at, std::int64_t step) {
+    const double lr = learning_rate(cfg_, step, total_steps_);
+    auto slot = [&](std::vector<T>& s) { return s.empty() ? std::span<T>() : std::span<T>(s).subspan(at, w.size()); };
+    if (cfg_.kind == OptimizerConfig::Kind::sgd) {
+      SgdConfig c{cfg_.lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov};
+      sgd_step(w, grad, slot(m_), c, step, lr);
+    } else {
+      AdamConfig c{cfg_.lr,  cfg_.beta1,        cfg_.beta2,
+                   cfg_.eps, cfg_.weight_decay, cfg_.kind == OptimizerConfig::Kind::adamw};
+      adam_step(w, grad, slot(m_), slot(v_), c, step, lr);
     }
   }
 
