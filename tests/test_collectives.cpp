@@ -30,26 +30,28 @@ KernelRegistry registry(std::int64_t members) {
   KernelRegistry k = KernelRegistry::with_builtin_kernels();
   add_collective_kernels(k);
   k.add("test.fill", DeviceType::cpu, DType::f32, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+    // Elements from "at" on of the member's tensor (a part of it starts there).
     struct Fill final : Kernel {
-      std::int64_t member;
-      explicit Fill(std::int64_t m) : member(m) {}
+      std::int64_t member, at;
+      Fill(std::int64_t m, std::int64_t a) : member(m), at(a) {}
       void compute(KernelContext& ctx) override {
         auto out = ctx.outputs[0]->data<float>();
-        for (std::size_t i = 0; i < out.size(); ++i) out[i] = value(member, ctx.piece, static_cast<std::int64_t>(i));
+        for (std::size_t i = 0; i < out.size(); ++i) out[i] = value(member, ctx.piece, at + static_cast<std::int64_t>(i));
       }
     };
-    return std::make_unique<Fill>(cfg.attrs.get_int("member", -1));
+    return std::make_unique<Fill>(cfg.attrs.get_int("member", -1), cfg.attrs.get_int("at", 0));
   });
   k.add("test.check", DeviceType::cpu, DType::f32, [members](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+    // The sums of elements from "at" on (a reduce-scatter's part starts there).
     struct Check final : Kernel {
-      std::int64_t members;
+      std::int64_t members, at;
       std::string who;
-      Check(std::int64_t n, std::string w) : members(n), who(std::move(w)) {}
+      Check(std::int64_t n, std::int64_t a, std::string w) : members(n), at(a), who(std::move(w)) {}
       void compute(KernelContext& ctx) override {
         auto in = ctx.inputs[0]->data<float>();
         for (std::size_t i = 0; i < in.size(); ++i) {
           float want = 0;
-          for (std::int64_t j = 0; j < members; ++j) want += value(j, ctx.piece, static_cast<std::int64_t>(i));
+          for (std::int64_t j = 0; j < members; ++j) want += value(j, ctx.piece, at + static_cast<std::int64_t>(i));
           if (in[i] != want) {
             throw std::runtime_error(
                 fmt::format("{}: piece {} element {} is {}, the sum is {}", who, ctx.piece, i, in[i], want));
@@ -57,7 +59,7 @@ KernelRegistry registry(std::int64_t members) {
         }
       }
     };
-    return std::make_unique<Check>(members, std::string(cfg.actor));
+    return std::make_unique<Check>(members, cfg.attrs.get_int("at", 0), std::string(cfg.actor));
   });
   return k;
 }
@@ -139,6 +141,87 @@ TEST_CASE("Collectives.AllReducePipelinesSegmentsUnderBackPressure" * doctest::t
     Runtime rt(allreduce_plan(places, elements, 7, fine), registry(3));
     CHECK(rt.run().metrics.actors.size() == static_cast<std::size_t>(3 * 3 + 3 * 2 * 12));
   }
+}
+
+namespace {
+
+/// N members whose input is in parts of the sizes given (a gradient bucket's weights' gradients,
+/// never packed), each part a source; the reduce-scatter, and a check of every part of every
+/// member's chunk of the sum.
+Plan reduce_scatter_in_parts(const std::vector<Placement>& places, const std::vector<std::int64_t>& sizes,
+                             std::int64_t pieces, const AllReduceSettings& settings) {
+  Plan p;
+  std::vector<AllReduceMember> members;
+  std::int64_t total = 0;
+  for (std::int64_t s : sizes) total += s;
+  for (std::size_t j = 0; j < places.size(); ++j) {
+    const std::string suffix = fmt::format("@m{}", j);
+    std::vector<RegisterIndex> parts;
+    std::int64_t at = 0;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      parts.push_back(p.add_register({.name = fmt::format("grad{}{}", k, suffix), .shape = {sizes[k]}, .dtype = DType::f32}));
+      p.add_actor({.name = fmt::format("fill{}{}", k, suffix), .kind = ActorKind::source, .op = "test.fill",
+                   .where = places[j], .outputs = {parts.back()}, .pieces = pieces,
+                   .attrs = {{"member", static_cast<std::int64_t>(j)}, {"at", at}}});
+      at += sizes[k];
+    }
+    members.push_back({places[j], parts.front(), suffix, parts});
+  }
+  const ReduceScattered rs = add_reduce_scatter(p, "rs", members, {total}, DType::f32, settings);
+  for (std::size_t c = 0; c < places.size(); ++c) {
+    std::int64_t at = rs.offsets[c];
+    for (RegisterIndex part : rs.parts[c]) {
+      p.add_actor({.name = fmt::format("check{}.{}", c, part), .op = "test.check", .where = places[c],
+                   .inputs = {{part}}, .attrs = {{"at", at}}});
+      at += numel(p.registers[part].shape);
+    }
+    CHECK(at == rs.offsets[c + 1]);
+  }
+  return p;
+}
+
+}  // namespace
+
+// A member's input may be several registers (AllReduceMember::parts): each actor of the chains
+// reads the parts its segment is in, wherever they lie, and the sums are exact. Parts of uneven
+// sizes, so segments start and end inside parts and span several; the ring with many segments
+// (one slot a hop) and the direct form; on ranks and on in-process devices.
+TEST_CASE("Collectives.ReduceScatterReadsAnInputInPartsWhereTheyLie" * doctest::timeout(120)) {
+  const std::vector<std::int64_t> sizes{5, 3000, 1, 17, 4099, 700};  // 7822 elements
+  const AllReduceSettings ring{.segment_bytes = 1024, .max_segments = 12, .slots = 1};
+  const AllReduceSettings direct{.algorithm = AllReduceAlgorithm::direct};
+  for (const auto* settings : {&ring, &direct}) {
+    CAPTURE(settings == &ring);
+    for (std::int64_t n : {2, 3}) {
+      CAPTURE(n);
+      std::vector<Placement> ranks, devices;
+      for (std::int64_t j = 0; j < n; ++j) {
+        ranks.push_back({.rank = static_cast<std::uint16_t>(j)});
+        devices.push_back({.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(j)}});
+      }
+      for (const auto& r :
+           test::run_on_loopback(insert_transfers(reduce_scatter_in_parts(ranks, sizes, 3, *settings)), registry(n))) {
+        REQUIRE_MESSAGE(r.error.empty(), r.error);
+      }
+      const Plan plan = reduce_scatter_in_parts(devices, sizes, 3, *settings);
+      // No chain reads a part that holds none of its segment's elements (so a chain starts as
+      // its weights' gradients are done, not when the whole bucket is): a ring segment (at most
+      // 326 elements here) spans at most 4 of the parts, twice when a hop reads the previous
+      // member's parts in place beside its own.
+      for (const ActorDesc& a : plan.actors) {
+        if (settings == &ring && (a.op == "allreduce.add" || a.op == "allreduce.slice")) CHECK(a.inputs.size() <= 8u);
+      }
+      Runtime rt(plan, registry(n));
+      for (const auto& a : rt.run().metrics.actors) CHECK(a.acts == 3u);
+    }
+  }
+  // Only the ring's own kernels read parts: two_hop and an all-reduce are refused.
+  Plan p;
+  const RegisterIndex a = p.add_register({.name = "a", .shape = {4}}), b = p.add_register({.name = "b", .shape = {4}});
+  const std::vector<AllReduceMember> members{{Placement{}, a, "@0", {a, b}}, {Placement{.rank = 1}, a, "@1", {a, b}}};
+  CHECK_THROWS_AS(add_reduce_scatter(p, "x", members, {8}, DType::f32, {.algorithm = AllReduceAlgorithm::two_hop}),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(add_allreduce(p, "y", members, {8}, DType::f32), std::invalid_argument);
 }
 
 TEST_CASE("Collectives.TwoHopAllReduceSumsToo" * doctest::timeout(60)) {

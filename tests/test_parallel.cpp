@@ -169,15 +169,16 @@ TEST_CASE("Parallel.DataParallelPlanHasTheAllReduceInBuckets") {
   CHECK(count(per_weight, "allreduce.sum") == 2 * direct);
   CHECK(count(per_weight, "allreduce.add") == 2 * ring);
   CHECK(count(per_weight, "allreduce.concat") == 2 * ring);
-  // DDP's 25 MB: the 4 weights share one bucket, packed (concat) and reduce-scattered (the
-  // bucket is under gradient_direct_below_bytes: direct, a sum actor per replica, each its
-  // chunk); the loss (not a gradient) goes by the ring: an add per chunk and a gather per
-  // replica. On CPU devices nothing gathers or unpacks the bucket's sums: each variable reads
-  // its window of them where they lie (chunk 0 on replica 0, chunk 1 on replica 1).
+  // DDP's 25 MB: the 4 weights share one bucket, reduce-scattered (it is under
+  // gradient_direct_below_bytes: direct, a sum actor per replica, each its chunk, read from the
+  // weights' gradients where they lie: no pack); the loss (not a gradient) goes by the ring: an
+  // add per chunk and a gather per replica. On CPU devices nothing gathers or unpacks the
+  // bucket's sums: each variable reads its window of them where they lie (chunk 0 on replica
+  // 0, chunk 1 on replica 1).
   Run bucketed = train({.dp = 2, .microbatches = 1, .steps = 1});
   CHECK(count(bucketed, "allreduce.add") == 2);
   CHECK(count(bucketed, "allreduce.split") == 0);
-  CHECK(count(bucketed, "allreduce.concat") == 2 + 2);  // the packs, the loss's gathers
+  CHECK(count(bucketed, "allreduce.concat") == 2);  // the loss's gathers
   CHECK(count(bucketed, "allreduce.sum") == 2);
   for (const auto& a : bucketed.plan.actors) {
     if (!a.op.starts_with("variable.")) continue;

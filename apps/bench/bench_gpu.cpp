@@ -530,7 +530,8 @@ struct BatonResult {
   std::map<std::string, double> device_s_by_op;  // BATON_DEVICE_TIME=1
 };
 
-/// The shortest timed window that polling the loss log measures to within a few percent.
+/// The shortest timed window worth a figure (the clock reads and a thread wake-up are a few
+/// microseconds of it).
 constexpr double min_timed_s = 0.01;
 
 /// The timed steps passed too quickly to be timed (a search grows the steps and tries again).
@@ -553,6 +554,7 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   std::exception_ptr failure;
   RunReport report;
   std::atomic<bool> finished{false};
+  const auto started = Clock::now();
   std::thread runner([&] {
     try {
       report = rt.run();
@@ -561,37 +563,34 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
     }
     finished.store(true, std::memory_order_release);
   });
-  // Poll the loss log: a step's loss arrives once per step, so 100 us of polling granularity is
-  // far below a step, and sleeping between polls leaves the cores to the job.
+  // The steps are timed by when the loss log recorded them (LossLog::when_done, on the loss
+  // actor's thread); this loop only watches the deadline, sleeping between looks.
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-  std::optional<Clock::time_point> t_warm, t_end;
   bool timed_out = false;
   while (!finished.load(std::memory_order_acquire)) {
     const auto now = Clock::now();
     const std::int64_t done = c.job.losses->steps_done();
-    if (!t_warm && done >= warmup) t_warm = now;
-    if (!t_end && done >= warmup + steps) t_end = now;
     if (now > deadline && !timed_out) {
       timed_out = true;
       rt.abort(fmt::format("{}: past the --timeout of {:.0f} s at step {} of {}", prog, timeout_s,
                            done, warmup + steps));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   runner.join();
   if (failure) std::rethrow_exception(failure);
+  // Step `warmup` done (at once when there is no warm-up: the job's start), then the rest.
+  const std::optional<Clock::time_point> t_warm = warmup > 0 ? c.job.losses->when_done(warmup) : started;
+  const std::optional<Clock::time_point> t_end = c.job.losses->when_done(warmup + steps);
   if (!t_warm || !t_end) {
-    // The job ended between two polls: the last steps' reports are not told apart.
-    throw std::runtime_error(
-        fmt::format("the job ended before its step times were seen ({} of {} steps reported)",
-                    c.job.losses->steps_done(), warmup + steps));
+    throw std::runtime_error(fmt::format("the job ended with {} of {} steps reported",
+                                         c.job.losses->steps_done(), warmup + steps));
   }
   BatonResult r;
   r.timed_s = std::chrono::duration<double>(*t_end - *t_warm).count();
   if (r.timed_s < min_timed_s) {
     throw TooShort(
-        fmt::format("the {} timed steps took {:.2f} ms, too short to time by polling the loss "
-                    "log (every ~0.1 ms): raise --steps",
+        fmt::format("the {} timed steps took {:.2f} ms, too short to time reliably: raise --steps",
                     steps, r.timed_s * 1e3));
   }
   r.job_s = report.wall_s;

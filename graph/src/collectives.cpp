@@ -71,7 +71,52 @@ std::span<const T> window(const Tensor& t, std::int64_t offset, std::size_t coun
   return all.subspan(static_cast<std::size_t>(offset), count);
 }
 
+/// Elements [offset, offset + count) of the concatenation of inputs [first, first + ports), as
+/// the runs of each input that hold them (one span when ports is 1: a member's input is one
+/// register, or, AllReduceMember::parts, the weights' gradients a bucket would concatenate).
+template <class T>
+std::vector<std::span<const T>> window_runs(const KernelContext& ctx, std::size_t first, std::size_t ports,
+                                            std::int64_t offset, std::size_t count, std::string_view actor) {
+  if (ports == 1) return {window<T>(*ctx.inputs[first], offset, count, actor)};
+  std::vector<std::span<const T>> runs;
+  const auto end = offset + static_cast<std::int64_t>(count);
+  std::int64_t at = 0;
+  for (std::size_t p = first; p < first + ports && at < end; ++p) {
+    auto in = ctx.inputs[p]->data<T>();
+    const std::int64_t lo = std::max(offset, at), hi = std::min(end, at + static_cast<std::int64_t>(in.size()));
+    if (lo < hi) runs.push_back(in.subspan(static_cast<std::size_t>(lo - at), static_cast<std::size_t>(hi - lo)));
+    at += static_cast<std::int64_t>(in.size());
+  }
+  std::size_t held = 0;
+  for (const auto& r : runs) held += r.size();
+  if (held != count) {
+    throw std::runtime_error(fmt::format("{}: elements [{}, {}) lie outside its {} input parts ({} elements)", actor,
+                                         offset, end, ports, at));
+  }
+  return runs;
+}
+
+/// o[i] = a[i] + b[i] over runs of a and b that cover out, each loop over a stretch where both
+/// are contiguous (the same additions, element by element, as over whole spans).
+template <class T>
+void add_runs(std::span<T> out, const std::vector<std::span<const T>>& a, const std::vector<std::span<const T>>& b) {
+  std::size_t ia = 0, ib = 0, oa = 0, ob = 0, done = 0;
+  while (done < out.size()) {
+    const std::size_t len = std::min(a[ia].size() - oa, b[ib].size() - ob);
+    T* __restrict o = out.data() + done;
+    const T* __restrict x = a[ia].data() + oa;
+    const T* __restrict y = b[ib].data() + ob;
+    for (std::size_t i = 0; i < len; ++i) o[i] = x[i] + y[i];
+    done += len;
+    oa += len;
+    ob += len;
+    if (oa == a[ia].size()) ++ia, oa = 0;
+    if (ob == b[ib].size()) ++ib, ob = 0;
+  }
+}
+
 /// out = input[offset, offset + out.size()): the first partial of a chain, sent to the next rank.
+/// The input is the concatenation of all the actor's inputs (one, or a member's parts).
 template <class T>
 struct Slice final : Kernel {
   std::string actor;
@@ -85,33 +130,45 @@ struct Slice final : Kernel {
       return;
     }
     auto out = ctx.outputs[0]->data<T>();
-    auto in = window<T>(*ctx.inputs[0], offset, out.size(), actor);
-    std::copy(in.begin(), in.end(), out.begin());
+    std::size_t at = 0;
+    for (auto run : window_runs<T>(ctx, 0, ctx.inputs.size(), offset, out.size(), actor)) {
+      std::copy(run.begin(), run.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
+      at += run.size();
+    }
   }
 };
 
 /// out = partial + own[offset, ...): one hop of a reduce-scatter chain. The partial is either
 /// the previous hop's register (from = -1) or the previous member's whole input read in place
-/// at `from` (same rank: no slice copy).
+/// at `from` (same rank: no slice copy). A member's input may be several registers (attr
+/// "parts": the inputs after the partial's; the partial read in place has as many).
 template <class T>
 struct Add final : Kernel {
   std::string actor;
-  std::int64_t offset, from;
-  Add(std::string_view a, std::int64_t off, std::int64_t f) : actor(a), offset(off), from(f) {}
+  std::int64_t offset, from, parts;
+  Add(std::string_view a, std::int64_t off, std::int64_t f, std::int64_t p) : actor(a), offset(off), from(f), parts(p) {}
   void compute(KernelContext& ctx) override {
     if (is_wire<T>(*ctx.inputs[0]) || is_wire<T>(*ctx.outputs[0])) return compute_wire(ctx);
     auto out = ctx.outputs[0]->data<T>();
-    auto a = window<T>(*ctx.inputs[0], from < 0 ? 0 : from, out.size(), actor);
-    auto b = window<T>(*ctx.inputs[1], offset, out.size(), actor);
-    T* __restrict o = out.data();
-    const T* __restrict x = a.data();
-    const T* __restrict y = b.data();
-    for (std::size_t i = 0; i < out.size(); ++i) o[i] = x[i] + y[i];
+    const auto own = static_cast<std::size_t>(parts);
+    const std::size_t partial = ctx.inputs.size() - own;
+    if (own == 1 && partial == 1) {
+      auto a = window<T>(*ctx.inputs[0], from < 0 ? 0 : from, out.size(), actor);
+      auto b = window<T>(*ctx.inputs[1], offset, out.size(), actor);
+      T* __restrict o = out.data();
+      const T* __restrict x = a.data();
+      const T* __restrict y = b.data();
+      for (std::size_t i = 0; i < out.size(); ++i) o[i] = x[i] + y[i];
+      return;
+    }
+    add_runs<T>(out, window_runs<T>(ctx, 0, partial, from < 0 ? 0 : from, out.size(), actor),
+                window_runs<T>(ctx, partial, own, offset, out.size(), actor));
   }
   /// A compressed hop: the partial (bf16, or the first member's f32 input read in place) plus
   /// this member's f32 segment, added in f32 and rounded once to bf16 (or, never in a plan
   /// add_allreduce makes, kept in f32).
   void compute_wire(KernelContext& ctx) {
+    if (ctx.inputs.size() != 2) throw std::runtime_error(fmt::format("{}: compressed sums read one register each", actor));
     const Tensor& partial = *ctx.inputs[0];
     Tensor& out_t = *ctx.outputs[0];
     const auto count = static_cast<std::size_t>(out_t.numel());
@@ -135,7 +192,8 @@ void add_kernels(KernelRegistry& k, DType dt) {
     return std::make_unique<Slice<T>>(cfg.actor, cfg.attrs.get_int("offset", 0));
   });
   k.add("allreduce.add", DeviceType::cpu, dt, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
-    return std::make_unique<Add<T>>(cfg.actor, cfg.attrs.get_int("offset", 0), cfg.attrs.get_int("from", -1));
+    return std::make_unique<Add<T>>(cfg.actor, cfg.attrs.get_int("offset", 0), cfg.attrs.get_int("from", -1),
+                                    cfg.attrs.get_int("parts", 1));
   });
   // Also what the compiler packs (concat) and unpacks (split) a gradient bucket with.
   k.add_fn("allreduce.split", DeviceType::cpu, dt, [](KernelContext& ctx) {
@@ -149,23 +207,40 @@ void add_kernels(KernelRegistry& k, DType dt) {
     }
   });
   // out = in_0 + in_1 + ... left to right over elements [offset, offset + out.size()) of each
-  // input (the whole input for an all-reduce, one member's chunk for a reduce-scatter).
+  // member's input (the whole input for an all-reduce, one member's chunk for a reduce-scatter);
+  // a member's input is "parts" consecutive inputs (1: one register).
   k.add("allreduce.sum", DeviceType::cpu, dt, [](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
     struct Sum final : Kernel {
       std::string actor;
-      std::int64_t offset;
-      Sum(std::string_view a, std::int64_t off) : actor(a), offset(off) {}
+      std::int64_t offset, parts;
+      Sum(std::string_view a, std::int64_t off, std::int64_t p) : actor(a), offset(off), parts(p) {}
       void compute(KernelContext& ctx) override {
         auto out = ctx.outputs[0]->data<T>();
-        auto first = window<T>(*ctx.inputs[0], offset, out.size(), actor);
-        std::copy(first.begin(), first.end(), out.begin());
-        for (std::size_t j = 1; j < ctx.inputs.size(); ++j) {
-          auto in = window<T>(*ctx.inputs[j], offset, out.size(), actor);
-          for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
+        const auto k = static_cast<std::size_t>(parts);
+        if (k == 0 || ctx.inputs.size() % k != 0) {
+          throw std::runtime_error(fmt::format("{}: {} inputs are not members of {} parts", actor, ctx.inputs.size(), k));
+        }
+        std::size_t at = 0;
+        for (auto run : window_runs<T>(ctx, 0, k, offset, out.size(), actor)) {
+          std::copy(run.begin(), run.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
+          at += run.size();
+        }
+        for (std::size_t j = k; j < ctx.inputs.size(); j += k) {
+          if (k == 1) {
+            auto in = window<T>(*ctx.inputs[j], offset, out.size(), actor);
+            for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
+            continue;
+          }
+          std::size_t done = 0;
+          for (auto run : window_runs<T>(ctx, j, k, offset, out.size(), actor)) {
+            T* o = out.data() + done;
+            for (std::size_t i = 0; i < run.size(); ++i) o[i] += run[i];
+            done += run.size();
+          }
         }
       }
     };
-    return std::make_unique<Sum>(cfg.actor, cfg.attrs.get_int("offset", 0));
+    return std::make_unique<Sum>(cfg.actor, cfg.attrs.get_int("offset", 0), cfg.attrs.get_int("parts", 1));
   });
   k.add_fn("allreduce.concat", DeviceType::cpu, dt, [](KernelContext& ctx) {
     auto out = ctx.outputs[0]->data<T>();
@@ -272,6 +347,26 @@ bool direct_for(const std::string& name, const std::vector<AllReduceMember>& mem
   return false;
 }
 
+/// The inputs that hold elements [offset, offset + count) of member m's input (its register,
+/// or the parts of it those elements are in), and where the window starts in their
+/// concatenation.
+std::pair<std::vector<InputPort>, std::int64_t> input_window(const Plan& plan, const AllReduceMember& m,
+                                                             std::int64_t offset, std::int64_t count) {
+  if (m.parts.empty()) return {{{m.input}}, offset};
+  std::vector<InputPort> ports;
+  std::int64_t at = 0, from = 0;
+  for (RegisterIndex p : m.parts) {
+    const std::int64_t n = numel(plan.registers.at(p).shape);
+    if (n > 0 && at < offset + count && at + n > offset) {
+      if (ports.empty()) from = offset - at;
+      ports.push_back({p});
+    }
+    at += n;
+  }
+  if (ports.empty()) return {{{m.parts.front()}}, 0};  // an empty chunk reads nothing
+  return {ports, from};
+}
+
 /// The reduce-scatter of a ring or two_hop all-reduce (direct_for() said no).
 ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
                                         const Shape& shape, DType dtype, const AllReduceSettings& settings) {
@@ -279,6 +374,11 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
   ReduceScattered out{.offsets = chunk_offsets(numel(shape), n), .parts = {}};
   const auto& chunks = out.offsets;
   out.parts.resize(static_cast<std::size_t>(n));
+  const bool in_parts = !members.front().parts.empty();
+  if (in_parts && (settings.wire || settings.algorithm != AllReduceAlgorithm::ring)) {
+    throw std::invalid_argument(fmt::format(
+        "reduce-scatter '{}': inputs in parts are read by the ring's own kernels only (no two_hop, no compression)", name));
+  }
   if (settings.algorithm != AllReduceAlgorithm::ring) {
     auto sums = add_two_hop_sums(plan, name, members, dtype, chunks, settings.slots);
     for (std::int64_t c = 0; c < n; ++c) out.parts[static_cast<std::size_t>(c)] = {sums[static_cast<std::size_t>(c)]};
@@ -297,16 +397,16 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
       const std::string piece = segments == 1 ? fmt::format("{}", c) : fmt::format("{}.{}", c, s);
       // The chain runs over members c+1, c+2, ..., c+n (= c, which keeps the sum).
       const AllReduceMember& first = member(c + 1);
-      InputPort partial{first.input};
-      std::int64_t from = offset;  // partial is `first`'s whole input, read in place
+      // partial is `first`'s whole input (or the parts of it that hold the segment), read in place
+      auto [partial, from] = input_window(plan, first, offset, count);
       if (n == 1 || first.where.rank != member(c + 2).where.rank) {
         // Only the segment should travel: copy it out of the input first.
         RegisterIndex r = plan.add_register({.name = fmt::format("{}.part{}{}", name, piece, first.suffix),
                                              .shape = {count}, .dtype = wire, .slots = settings.slots});
         plan.add_actor({.name = fmt::format("{}.slice{}{}", name, piece, first.suffix), .op = "allreduce.slice",
-                        .dtype = dtype, .where = first.where, .inputs = {{first.input}}, .outputs = {r},
-                        .attrs = {{"offset", offset}, {"allreduce", name}}, .role = ActorRole::collective});
-        partial = {r};
+                        .dtype = dtype, .where = first.where, .inputs = partial, .outputs = {r},
+                        .attrs = {{"offset", from}, {"allreduce", name}}, .role = ActorRole::collective});
+        partial = {{r}};
         from = -1;
       }
       for (std::int64_t k = 2; k <= n; ++k) {
@@ -315,13 +415,18 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
                                             : fmt::format("{}.part{}{}", name, piece, m.suffix);
         RegisterIndex r =
             plan.add_register({.name = out_name, .shape = {count}, .dtype = wire, .slots = settings.slots});
+        auto [own, own_from] = input_window(plan, m, offset, count);
+        std::vector<InputPort> ins = partial;
+        ins.insert(ins.end(), own.begin(), own.end());
+        Attrs attrs{{"from", from}, {"offset", own_from}, {"allreduce", name}};
+        if (own.size() > 1 || partial.size() > 1) attrs.set("parts", static_cast<std::int64_t>(own.size()));
         plan.add_actor({.name = fmt::format("{}.add{}{}", name, piece, m.suffix), .op = "allreduce.add",
-                        .dtype = dtype, .where = m.where, .inputs = {partial, {m.input}}, .outputs = {r},
-                        .attrs = {{"from", from}, {"offset", offset}, {"allreduce", name}}, .role = ActorRole::collective});
-        partial = {r};
+                        .dtype = dtype, .where = m.where, .inputs = std::move(ins), .outputs = {r},
+                        .attrs = std::move(attrs), .role = ActorRole::collective});
+        partial = {{r}};
         from = -1;
       }
-      out.parts[c_at].push_back(partial.reg);
+      out.parts[c_at].push_back(partial.front().reg);
     }
   }
   return out;
@@ -338,16 +443,25 @@ ReduceScattered add_reduce_scatter(Plan& plan, const std::string& name, const st
   // for bit, as the direct all-reduce makes of those elements).
   const auto n = static_cast<std::int64_t>(members.size());
   ReduceScattered out{.offsets = chunk_offsets(numel(shape), n), .parts = {}};
-  std::vector<InputPort> all;
-  for (const AllReduceMember& m : members) all.push_back({m.input});
   for (std::int64_t c = 0; c < n; ++c) {
     const AllReduceMember& m = members[static_cast<std::size_t>(c)];
     const std::int64_t begin = out.offsets[static_cast<std::size_t>(c)];
     const std::int64_t count = out.offsets[static_cast<std::size_t>(c) + 1] - begin;
+    // Every member's input (or the parts of it that hold the chunk), in member order.
+    std::vector<InputPort> all;
+    std::int64_t from = begin, parts = 1;
+    for (const AllReduceMember& each : members) {
+      auto [ports, at] = input_window(plan, each, begin, count);
+      from = at;
+      parts = static_cast<std::int64_t>(ports.size());
+      all.insert(all.end(), ports.begin(), ports.end());
+    }
     const std::string sum_name = fmt::format("{}.sum{}{}", name, c, m.suffix);
     RegisterIndex r = plan.add_register({.name = sum_name, .shape = {count}, .dtype = dtype, .slots = settings.slots});
-    plan.add_actor({.name = sum_name, .op = "allreduce.sum", .dtype = dtype, .where = m.where, .inputs = all,
-                    .outputs = {r}, .attrs = {{"offset", begin}, {"allreduce", name}}, .role = ActorRole::collective});
+    Attrs attrs{{"offset", from}, {"allreduce", name}};
+    if (parts > 1) attrs.set("parts", parts);
+    plan.add_actor({.name = sum_name, .op = "allreduce.sum", .dtype = dtype, .where = m.where, .inputs = std::move(all),
+                    .outputs = {r}, .attrs = std::move(attrs), .role = ActorRole::collective});
     out.parts.push_back({r});
   }
   return out;
@@ -356,6 +470,11 @@ ReduceScattered add_reduce_scatter(Plan& plan, const std::string& name, const st
 std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
                                          const Shape& shape, DType dtype, std::int32_t result_slots,
                                          const AllReduceSettings& settings) {
+  for (const AllReduceMember& m : members) {
+    if (!m.parts.empty()) {
+      throw std::invalid_argument(fmt::format("all-reduce '{}': inputs in parts are for add_reduce_scatter only", name));
+    }
+  }
   if (direct_for(name, members, shape, dtype, settings)) {
     return add_direct_allreduce(plan, name, members, shape, dtype, result_slots);
   }

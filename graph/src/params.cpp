@@ -142,8 +142,15 @@ void LossLog::record(std::int64_t piece, double value) {
   sums_[step] += value;
   if (++counts_[step] == microbatches_) {
     // Steps complete in order: one loss actor reports pieces in order.
+    done_at_.resize(step + 1, std::chrono::steady_clock::now());
     steps_done_.store(static_cast<std::int64_t>(step) + 1, std::memory_order_release);
   }
+}
+
+std::optional<std::chrono::steady_clock::time_point> LossLog::when_done(std::int64_t steps) const {
+  std::lock_guard lock(mutex_);
+  if (steps <= 0 || static_cast<std::size_t>(steps) > done_at_.size()) return std::nullopt;
+  return done_at_[static_cast<std::size_t>(steps) - 1];
 }
 
 std::vector<double> LossLog::per_step() const {

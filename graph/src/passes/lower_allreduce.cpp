@@ -165,15 +165,12 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
     std::int64_t total = 0;
     for (const Value& v : bucket) total += numel(v.shape());
     const DType dt = bucket[0].dtype();
-    std::vector<RegisterIndex> flat;
-    for (std::int64_t r = 0; r < n_dp; ++r) {
-      flat.push_back(bucket.size() == 1 ? local(r, bucket[0])
-                                        : pack_bucket(replicas[static_cast<std::size_t>(r)], reps, bi, grad_sum, r, cfg));
-    }
     // On CPU devices, with every weight of the bucket there and the sums in the weights' dtype,
-    // the bucket is reduce-scattered and each variable reads its window of the members' sums
-    // where they lie (other devices' directly, other ranks' through one transfer each): the
-    // same sums, bit for bit, as the all-reduce's, without its gather into a whole copy.
+    // the bucket is reduce-scattered from its weights' gradients where they lie (no packed
+    // copy: each chain reads the gradients its segment is in) and each variable reads its
+    // window of the members' sums where they lie (other devices' directly, other ranks' through
+    // one transfer each): the same sums, bit for bit, as the all-reduce's of the packed bucket,
+    // without the pack, the gather into a whole copy or the unpack.
     const bool in_place =
         !reps.buckets[bi].nccl && cfg.grad_compression != "bf16" &&
         std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
@@ -184,7 +181,10 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
       std::vector<AllReduceMember> members;
       for (std::int64_t r = 0; r < n_dp; ++r) {
         const PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
-        members.push_back({b.at(backward_stream(cfg), place), flat[static_cast<std::size_t>(r)], b.suffix});
+        std::vector<RegisterIndex> parts;
+        for (const Value& v : bucket) parts.push_back(local(r, v));
+        members.push_back({b.at(backward_stream(cfg), place), parts.front(), b.suffix});
+        if (bucket.size() > 1) members.back().parts = std::move(parts);
       }
       try {
         const ReduceScattered rs = add_reduce_scatter(replicas[0].plan, name, members, {total}, dt,
@@ -194,6 +194,11 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
         throw GraphError(e.what());
       }
       continue;
+    }
+    std::vector<RegisterIndex> flat;
+    for (std::int64_t r = 0; r < n_dp; ++r) {
+      flat.push_back(bucket.size() == 1 ? local(r, bucket[0])
+                                        : pack_bucket(replicas[static_cast<std::size_t>(r)], reps, bi, grad_sum, r, cfg));
     }
     auto reduced = allreduce_bucket(replicas, reps, bi, name, flat, {total}, dt, cfg);
     if (bucket.size() == 1) {

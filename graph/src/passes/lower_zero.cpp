@@ -1,19 +1,25 @@
 // Lowering ZeRO (lowering.h, TrainConfig::zero). Per gradient bucket of each place, over the dp
 // replicas:
 //
-//   grad.bucket@dp0 ──┐                     ┌─> optim.bucket@dp0 ─> shard@dp0 ──┐ (every shard to
-//   grad.bucket@dp1 ──┼─ all-reduce (1) or ─┼─> optim.bucket@dp1 ─> shard@dp1 ──┤  every replica)
-//        ...          │  reduce-scatter (2) │         ...                        ├─> gather@dp r
-//                                                                                 ─> w.step@dp r
+//   grads of the bucket@dp0 ──┐                  ┌─> optim.bucket@dp0 ─> shard@dp0 ──┐ (every shard to
+//   grads of the bucket@dp1 ──┼─ reduce-scatter ─┼─> optim.bucket@dp1 ─> shard@dp1 ──┤  every replica)
+//        ...                  │                  │         ...                        ├─> gather@dp r
+//                                                                                        ─> w.step@dp r
+//
+// Both stages reduce-scatter the weights' gradients where they lie (as plain dp does on CPU
+// devices, lower_allreduce.cpp: no replica ever holds the whole summed bucket), so they differ
+// only in clipping: stage 1 reads every chunk's sums (plain dp's norm, bit for bit), stage 2
+// sums each replica's squares and shares the scalars. With --grad-compression bf16 (stage 1
+// only) the packed bucket is all-reduced and each shard reads its window of it.
 //
 // Replica c's optimizer actor owns elements [off_c, off_c+1) of the bucket's concatenated
 // weights (chunk_offsets, as the all-reduce's chunks): their optimizer slots, so each replica
 // keeps 1/dp of them, and its output register, where it updates those elements (read from the
-// weights its replica's gather wrote the step before: no master copy beside them). It reads the same sums the plain
-// all-reduce would have given it (zero 1: its window of them; zero 2: only its chunk, which is
-// all the reduce-scatter sends it) and applies the same elementwise update, so weights and
-// losses equal plain data parallelism bit for bit. The gather then writes every weight of the
-// bucket into the replica's step register, which the repeat hands to the micro-batches.
+// weights its replica's gather wrote the step before: no master copy beside them). It reads
+// the same sums the plain all-reduce would have given it (its chunk, which is all the
+// reduce-scatter leaves it) and applies the same elementwise update, so weights and losses
+// equal plain data parallelism bit for bit. The gather then writes every weight of the bucket
+// into the replica's step register, which the repeat hands to the micro-batches.
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -117,7 +123,8 @@ KernelFactory shard_kernel(const std::vector<Value>& bucket, std::int64_t begin,
   };
 }
 
-/// Every replica's clipping factor: zero 1 from its all-reduced buckets (as without ZeRO);
+/// Every replica's clipping factor: zero 1 from every bucket's sums, where they lie (as
+/// without ZeRO);
 /// zero 2, where each replica has only its chunks, from the sum of every replica's sum of
 /// squares (a scalar each way instead of the gradients).
 void lower_zero_clip(std::vector<PlanBuilder>& replicas, DType dt,
@@ -175,7 +182,7 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
   KernelRegistry& kernels = replicas[0].kernels;
   kernels.add_fn("zero.gather", DeviceType::cpu, DType::f32, gather_shards<float>);
   kernels.add_fn("zero.gather", DeviceType::cpu, DType::f64, gather_shards<double>);
-  // What each replica's clipping reads: its all-reduced buckets (1) or its chunks (2).
+  // What each replica's clipping reads: every bucket's sums (1) or its chunks (2).
   std::vector<std::vector<InputPort>> reduced(static_cast<std::size_t>(n_dp));
   for (std::size_t bi = 0; bi < reps.buckets.size(); ++bi) {
     const Replicas::Bucket& bucket = reps.buckets[bi];
@@ -192,7 +199,18 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
             "{} on {} (train it without --zero)",
             cfg.zero, bucket.weights[0].name(), baton::name(dt), where.device.str()));
       }
-      members.push_back({where, pack_bucket(b, reps, bi, grad_sum, r, cfg), b.suffix});
+      // The weights' gradients are reduce-scattered where they lie (no packed copy), as plain dp
+      // does (lower_allreduce.cpp); compressed sums go by the packed bucket's all-reduce.
+      const bool in_parts =
+          cfg.grad_compression != "bf16" && bucket.weights.size() > 1 &&
+          std::all_of(bucket.weights.begin(), bucket.weights.end(), [&](const Value& v) { return b.place(v.id()) == bucket.place; });
+      if (in_parts) {
+        std::vector<RegisterIndex> parts;
+        for (const Value& v : bucket.weights) parts.push_back(grad_sum[static_cast<std::size_t>(r)].at(v.id()));
+        members.push_back({where, parts.front(), b.suffix, std::move(parts)});
+      } else {
+        members.push_back({where, pack_bucket(b, reps, bi, grad_sum, r, cfg), b.suffix});
+      }
     }
     const std::string name = bucket.weights.size() == 1 ? "grad." + bucket.weights[0].name()
                                                         : fmt::format("grad.bucket{}", bi);
@@ -202,7 +220,7 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
     std::vector<std::vector<InputPort>> grads(static_cast<std::size_t>(n_dp));
     std::vector<GradientWindow> windows(static_cast<std::size_t>(n_dp));
     try {
-      if (cfg.zero == 1) {
+      if (cfg.grad_compression == "bf16") {  // stage 1 only (check_config refuses it with 2)
         auto sums = add_allreduce(plan, name, members, {total}, dt, 1, settings);
         for (std::size_t c = 0; c < sums.size(); ++c) {
           grads[c] = {{sums[c], 1}};
@@ -210,11 +228,15 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
           reduced[c].push_back({sums[c]});
         }
       } else {
+        // Both stages: replica c's shard is chunk c, which the reduce-scatter leaves on c. What
+        // clipping reads: stage 2 each replica's own chunk (its sum of squares), stage 1 every
+        // chunk, where it lies, as plain dp's clipping does (so the same norm, bit for bit).
         const ReduceScattered rs = add_reduce_scatter(plan, name, members, {total}, dt, settings);
         for (std::size_t c = 0; c < rs.parts.size(); ++c) {
           for (RegisterIndex part : rs.parts[c]) {
             grads[c].push_back({part, 1});
-            reduced[c].push_back({part});
+            if (cfg.zero == 2) reduced[c].push_back({part});
+            for (std::size_t r = 0; cfg.zero == 1 && r < reduced.size(); ++r) reduced[r].push_back({part});
           }
           windows[c] = {.parts = rs.parts[c].size(), .offset = 0};
         }

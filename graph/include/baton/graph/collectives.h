@@ -44,6 +44,11 @@ struct AllReduceMember {
   Placement where;       // where its slice, add and gather actors run
   RegisterIndex input;   // its register to sum (one piece per act)
   std::string suffix;    // appended to the names of its actors and registers (e.g. "@dp1")
+  /// For add_reduce_scatter only, on CPU members, without compression: the input is instead
+  /// the concatenation of these registers (a gradient bucket's weights' gradients, where they
+  /// lie: no packed copy). Each actor reads only the parts its elements are in. Every member's
+  /// parts have the same sizes.
+  std::vector<RegisterIndex> parts = {};
 };
 
 /// How the sums are made and travel.

@@ -4,11 +4,13 @@
 /// micro-batches of a step read one weight; accumulate actors so their M gradients sum into one; the register slot
 /// counts chosen here. A step of M micro-batches is exactly synchronous SGD over the whole batch.
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -95,12 +97,17 @@ class LossLog {
   std::int64_t steps_done() const { return steps_done_.load(std::memory_order_acquire); }
   /// Mean loss of each finished step (the mean over its micro-batches).
   std::vector<double> per_step() const;
+  /// When the first `steps` steps had all reported (steady clock, taken as the last loss of
+  /// step `steps` - 1 was recorded), if they have; steps <= 0: nothing. A benchmark times steps
+  /// by these, not by polling steps_done().
+  std::optional<std::chrono::steady_clock::time_point> when_done(std::int64_t steps) const;
 
  private:
   std::int64_t microbatches_;
   mutable std::mutex mutex_;
   std::vector<double> sums_;
   std::vector<std::int64_t> counts_;
+  std::vector<std::chrono::steady_clock::time_point> done_at_;  // by step
   std::atomic<std::int64_t> steps_done_{0};
 };
 
