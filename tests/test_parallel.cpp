@@ -196,6 +196,13 @@ TEST_CASE("Parallel.DataParallelPlanHasTheAllReduceInBuckets") {
   CHECK(a.losses == b.losses);
   CHECK(a.weights == b.weights);
   CHECK(a.weights == c.weights);
+  // More replicas than a weight has elements (b2's 4 over 8): its reduce-scatter has empty
+  // chunks (sums of nothing, which no variable reads), and the job runs to its end, the same.
+  Run d = train({.dp = 8, .microbatches = 1, .opt = optim::adam(0.01), .bucket_bytes = 0});
+  Run e = train({.dp = 8, .microbatches = 1, .opt = optim::adam(0.01)});
+  REQUIRE(d.losses.size() == e.losses.size());
+  CHECK(d.losses == e.losses);
+  CHECK(d.weights == e.weights);
 }
 
 TEST_CASE("Parallel.BadDataParallelConfigsFailBeforeRunning") {
