@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <ranges>
 #include <stdexcept>
 #include <type_traits>
 
@@ -9,7 +10,25 @@
 
 #include "baton/kernels/cuda.h"
 
+#include "runs.h"
+
 namespace baton {
+
+std::pair<std::vector<RegisterIndex>, std::int64_t> window_of_parts(const Plan& plan,
+                                                                   const std::vector<RegisterIndex>& parts,
+                                                                   std::int64_t offset, std::int64_t count) {
+  std::vector<RegisterIndex> held;
+  std::int64_t at = 0, from = 0;
+  for (RegisterIndex p : parts) {
+    const std::int64_t n = numel(plan.registers.at(p).shape);
+    if (n > 0 && at < offset + count && at + n > offset) {
+      if (held.empty()) from = offset - at;
+      held.push_back(p);
+    }
+    at += n;
+  }
+  return {held, from};
+}
 
 std::vector<std::int64_t> chunk_offsets(std::int64_t n, std::int64_t parts) {
   std::vector<std::int64_t> off{0};
@@ -72,28 +91,21 @@ std::span<const T> window(const Tensor& t, std::int64_t offset, std::size_t coun
 }
 
 /// Elements [offset, offset + count) of the concatenation of inputs [first, first + ports), as
-/// the runs of each input that hold them (one span when ports is 1: a member's input is one
-/// register, or, AllReduceMember::parts, the weights' gradients a bucket would concatenate).
+/// the runs of each input that hold them, into `runs` (a kernel's own, reused act after act):
+/// one run when ports is 1 (a member's input is one register), more where it is in parts
+/// (AllReduceMember::parts, the weights' gradients a bucket would concatenate).
 template <class T>
-std::vector<std::span<const T>> window_runs(const KernelContext& ctx, std::size_t first, std::size_t ports,
-                                            std::int64_t offset, std::size_t count, std::string_view actor) {
-  if (ports == 1) return {window<T>(*ctx.inputs[first], offset, count, actor)};
-  std::vector<std::span<const T>> runs;
-  const auto end = offset + static_cast<std::int64_t>(count);
-  std::int64_t at = 0;
-  for (std::size_t p = first; p < first + ports && at < end; ++p) {
-    auto in = ctx.inputs[p]->data<T>();
-    const std::int64_t lo = std::max(offset, at), hi = std::min(end, at + static_cast<std::int64_t>(in.size()));
-    if (lo < hi) runs.push_back(in.subspan(static_cast<std::size_t>(lo - at), static_cast<std::size_t>(hi - lo)));
-    at += static_cast<std::int64_t>(in.size());
+void window_runs(const KernelContext& ctx, std::size_t first, std::size_t ports, std::int64_t offset,
+                 std::size_t count, std::string_view actor, std::vector<std::span<const T>>& runs) {
+  runs.clear();
+  auto parts = ctx.inputs.subspan(first, ports) |
+               std::views::transform([](const Tensor* t) { return std::span<const T>(t->data<T>()); });
+  const std::size_t held = baton::detail::for_each_run<T>(
+      parts, offset, count, [&](std::span<const T> run, std::size_t) { runs.push_back(run); });
+  if (offset < 0 || held != count) {
+    throw std::runtime_error(fmt::format("{}: elements [{}, {}) lie outside its input ({} part{})", actor, offset,
+                                         offset + static_cast<std::int64_t>(count), ports, ports == 1 ? "" : "s"));
   }
-  std::size_t held = 0;
-  for (const auto& r : runs) held += r.size();
-  if (held != count) {
-    throw std::runtime_error(fmt::format("{}: elements [{}, {}) lie outside its {} input parts ({} elements)", actor,
-                                         offset, end, ports, at));
-  }
-  return runs;
 }
 
 /// o[i] = a[i] + b[i] over runs of a and b that cover out, each loop over a stretch where both
@@ -130,12 +142,14 @@ struct Slice final : Kernel {
       return;
     }
     auto out = ctx.outputs[0]->data<T>();
+    window_runs<T>(ctx, 0, ctx.inputs.size(), offset, out.size(), actor, runs);
     std::size_t at = 0;
-    for (auto run : window_runs<T>(ctx, 0, ctx.inputs.size(), offset, out.size(), actor)) {
+    for (auto run : runs) {
       std::copy(run.begin(), run.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
       at += run.size();
     }
   }
+  std::vector<std::span<const T>> runs;
 };
 
 /// out = partial + own[offset, ...): one hop of a reduce-scatter chain. The partial is either
@@ -152,18 +166,11 @@ struct Add final : Kernel {
     auto out = ctx.outputs[0]->data<T>();
     const auto own = static_cast<std::size_t>(parts);
     const std::size_t partial = ctx.inputs.size() - own;
-    if (own == 1 && partial == 1) {
-      auto a = window<T>(*ctx.inputs[0], from < 0 ? 0 : from, out.size(), actor);
-      auto b = window<T>(*ctx.inputs[1], offset, out.size(), actor);
-      T* __restrict o = out.data();
-      const T* __restrict x = a.data();
-      const T* __restrict y = b.data();
-      for (std::size_t i = 0; i < out.size(); ++i) o[i] = x[i] + y[i];
-      return;
-    }
-    add_runs<T>(out, window_runs<T>(ctx, 0, partial, from < 0 ? 0 : from, out.size(), actor),
-                window_runs<T>(ctx, partial, own, offset, out.size(), actor));
+    window_runs<T>(ctx, 0, partial, from < 0 ? 0 : from, out.size(), actor, a_runs);
+    window_runs<T>(ctx, partial, own, offset, out.size(), actor, b_runs);
+    add_runs<T>(out, a_runs, b_runs);
   }
+  std::vector<std::span<const T>> a_runs, b_runs;
   /// A compressed hop: the partial (bf16, or the first member's f32 input read in place) plus
   /// this member's f32 segment, added in f32 and rounded once to bf16 (or, never in a plan
   /// add_allreduce makes, kept in f32).
@@ -220,25 +227,19 @@ void add_kernels(KernelRegistry& k, DType dt) {
         if (k == 0 || ctx.inputs.size() % k != 0) {
           throw std::runtime_error(fmt::format("{}: {} inputs are not members of {} parts", actor, ctx.inputs.size(), k));
         }
-        std::size_t at = 0;
-        for (auto run : window_runs<T>(ctx, 0, k, offset, out.size(), actor)) {
-          std::copy(run.begin(), run.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
-          at += run.size();
-        }
-        for (std::size_t j = k; j < ctx.inputs.size(); j += k) {
-          if (k == 1) {
-            auto in = window<T>(*ctx.inputs[j], offset, out.size(), actor);
-            for (std::size_t i = 0; i < out.size(); ++i) out[i] += in[i];
-            continue;
-          }
-          std::size_t done = 0;
-          for (auto run : window_runs<T>(ctx, j, k, offset, out.size(), actor)) {
-            T* o = out.data() + done;
-            for (std::size_t i = 0; i < run.size(); ++i) o[i] += run[i];
-            done += run.size();
+        for (std::size_t j = 0; j < ctx.inputs.size(); j += k) {
+          window_runs<T>(ctx, j, k, offset, out.size(), actor, runs);
+          std::size_t at = 0;
+          for (auto run : runs) {
+            T* o = out.data() + at;
+            if (j == 0) std::copy(run.begin(), run.end(), o);
+            else
+              for (std::size_t i = 0; i < run.size(); ++i) o[i] += run[i];
+            at += run.size();
           }
         }
       }
+      std::vector<std::span<const T>> runs;
     };
     return std::make_unique<Sum>(cfg.actor, cfg.attrs.get_int("offset", 0), cfg.attrs.get_int("parts", 1));
   });
@@ -353,17 +354,10 @@ bool direct_for(const std::string& name, const std::vector<AllReduceMember>& mem
 std::pair<std::vector<InputPort>, std::int64_t> input_window(const Plan& plan, const AllReduceMember& m,
                                                              std::int64_t offset, std::int64_t count) {
   if (m.parts.empty()) return {{{m.input}}, offset};
+  auto [regs, from] = window_of_parts(plan, m.parts, offset, count);
+  if (regs.empty()) return {{{m.parts.front()}}, 0};  // an empty chunk reads nothing
   std::vector<InputPort> ports;
-  std::int64_t at = 0, from = 0;
-  for (RegisterIndex p : m.parts) {
-    const std::int64_t n = numel(plan.registers.at(p).shape);
-    if (n > 0 && at < offset + count && at + n > offset) {
-      if (ports.empty()) from = offset - at;
-      ports.push_back({p});
-    }
-    at += n;
-  }
-  if (ports.empty()) return {{{m.parts.front()}}, 0};  // an empty chunk reads nothing
+  for (RegisterIndex r : regs) ports.push_back({r});
   return {ports, from};
 }
 

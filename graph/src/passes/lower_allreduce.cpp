@@ -86,6 +86,10 @@ AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg) {
   return settings;
 }
 
+namespace {
+
+/// Replica r's gradient bucket `bi` as one register: the weight's summed gradient itself for a
+/// bucket of one, else a flat register its pack actor fills.
 RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
                           const GradientInputs& grad_sum, std::int64_t r, const TrainConfig& cfg) {
   const std::vector<Value>& bucket = reps.buckets[bi].weights;
@@ -107,39 +111,56 @@ RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
   return flat;
 }
 
+}  // namespace
+
+bool sums_in_place(const std::vector<PlanBuilder>& replicas, const Replicas& reps, std::size_t bi,
+                   const TrainConfig& cfg) {
+  const Replicas::Bucket& bucket = reps.buckets[bi];
+  return !bucket.nccl && cfg.grad_compression != "bf16" &&
+         std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
+           return b.at(backward_stream(cfg), bucket.place).device.type == DeviceType::cpu &&
+                  std::all_of(bucket.weights.begin(), bucket.weights.end(),
+                              [&](const Value& v) { return b.place(v.id()) == bucket.place; });
+         });
+}
+
+std::vector<AllReduceMember> gradient_members(std::vector<PlanBuilder>& replicas, const Replicas& reps,
+                                              std::size_t bi, const GradientInputs& grad_sum,
+                                              const TrainConfig& cfg, bool in_place) {
+  const std::vector<Value>& bucket = reps.buckets[bi].weights;
+  std::vector<AllReduceMember> members;
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    PlanBuilder& b = replicas[r];
+    const Placement where = b.at(backward_stream(cfg), reps.buckets[bi].place);
+    if (!in_place || bucket.size() == 1) {
+      members.push_back({where, pack_bucket(b, reps, bi, grad_sum, static_cast<std::int64_t>(r), cfg), b.suffix});
+      continue;
+    }
+    std::vector<RegisterIndex> parts;
+    for (const Value& v : bucket) parts.push_back(grad_sum[r].at(v.id()));
+    members.push_back({where, parts.front(), b.suffix, std::move(parts)});
+  }
+  return members;
+}
+
 namespace {
 
 /// Replica r's variables' windows of the reduce-scattered sums `rs` of a bucket (its weights
 /// concatenated): each weight reads the parts that hold its elements, wherever they lie.
 void read_in_place(const Plan& plan, const std::vector<Value>& bucket, const ReduceScattered& rs,
                    std::int64_t n_dp, GradientInputs& grad_in, GradientWindows& windows) {
-  struct Part {
-    RegisterIndex reg;
-    std::int64_t begin, end;  // its elements in the bucket
-  };
-  std::vector<Part> parts;
+  std::vector<RegisterIndex> sums;
+  for (const auto& chunk : rs.parts) sums.insert(sums.end(), chunk.begin(), chunk.end());
   std::int64_t at = 0;
-  for (const auto& chunk : rs.parts) {
-    for (RegisterIndex reg : chunk) {
-      const std::int64_t n = numel(plan.registers[reg].shape);
-      if (n > 0) parts.push_back({reg, at, at + n});
-      at += n;
-    }
-  }
-  at = 0;
   for (const Value& v : bucket) {
-    const std::int64_t end = at + numel(v.shape());
-    GradientAt window;
-    for (const Part& p : parts) {
-      if (p.end <= at || p.begin >= end) continue;
-      if (window.parts.empty()) window.offset = at - p.begin;
-      window.parts.push_back(p.reg);
-    }
+    const std::int64_t n = numel(v.shape());
+    auto [parts, offset] = window_of_parts(plan, sums, at, n);
+    const GradientAt window{std::move(parts), offset};
     for (std::int64_t r = 0; r < n_dp; ++r) {
       grad_in[static_cast<std::size_t>(r)][v.id()] = window.parts.front();
       windows[static_cast<std::size_t>(r)][v.id()] = window;
     }
-    at = end;
+    at += n;
   }
 }
 
@@ -150,13 +171,10 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
                                         GradientWindows& windows) {
   const auto n_dp = static_cast<std::int64_t>(replicas.size());
   GradientInputs grad_in(grad_sum.size());
-  auto local = [&](std::int64_t r, const Value& v) {
-    return grad_sum[static_cast<std::size_t>(r)].at(v.id());
-  };
   for (std::size_t bi = 0; bi < reps.buckets.size(); ++bi) {
     const std::vector<Value>& bucket = reps.buckets[bi].weights;
     if (n_dp == 1) {
-      for (const Value& v : bucket) grad_in[0][v.id()] = local(0, v);
+      for (const Value& v : bucket) grad_in[0][v.id()] = grad_sum[0].at(v.id());
       continue;
     }
     const int place = reps.buckets[bi].place;
@@ -171,21 +189,9 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
     // window of the members' sums where they lie (other devices' directly, other ranks' through
     // one transfer each): the same sums, bit for bit, as the all-reduce's of the packed bucket,
     // without the pack, the gather into a whole copy or the unpack.
-    const bool in_place =
-        !reps.buckets[bi].nccl && cfg.grad_compression != "bf16" &&
-        std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
-          return b.at(backward_stream(cfg), place).device.type == DeviceType::cpu &&
-                 std::all_of(bucket.begin(), bucket.end(), [&](const Value& v) { return b.place(v.id()) == place; });
-        });
+    const bool in_place = sums_in_place(replicas, reps, bi, cfg);
+    const std::vector<AllReduceMember> members = gradient_members(replicas, reps, bi, grad_sum, cfg, in_place);
     if (in_place) {
-      std::vector<AllReduceMember> members;
-      for (std::int64_t r = 0; r < n_dp; ++r) {
-        const PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
-        std::vector<RegisterIndex> parts;
-        for (const Value& v : bucket) parts.push_back(local(r, v));
-        members.push_back({b.at(backward_stream(cfg), place), parts.front(), b.suffix});
-        if (bucket.size() > 1) members.back().parts = std::move(parts);
-      }
       try {
         const ReduceScattered rs = add_reduce_scatter(replicas[0].plan, name, members, {total}, dt,
                                                       gradient_allreduce_settings(cfg));
@@ -196,10 +202,7 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
       continue;
     }
     std::vector<RegisterIndex> flat;
-    for (std::int64_t r = 0; r < n_dp; ++r) {
-      flat.push_back(bucket.size() == 1 ? local(r, bucket[0])
-                                        : pack_bucket(replicas[static_cast<std::size_t>(r)], reps, bi, grad_sum, r, cfg));
-    }
+    for (const AllReduceMember& m : members) flat.push_back(m.input);
     auto reduced = allreduce_bucket(replicas, reps, bi, name, flat, {total}, dt, cfg);
     if (bucket.size() == 1) {
       for (std::int64_t r = 0; r < n_dp; ++r)

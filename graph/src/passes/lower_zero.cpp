@@ -133,17 +133,18 @@ void lower_zero_clip(std::vector<PlanBuilder>& replicas, DType dt,
                      const TrainConfig& cfg) {
   const std::uint8_t stream = backward_stream(cfg);
   add_clip_kernel(replicas[0].kernels, dt, cfg.optimizer.clip_norm);
+  auto add_clip = [&](std::size_t r, const std::string& op, const std::vector<InputPort>& inputs) {
+    PlanBuilder& b = replicas[r];
+    b.plan.add_actor({.name = b.named("optim.clip"),
+                      .op = op,
+                      .dtype = dt,
+                      .where = b.host(stream),
+                      .inputs = inputs,
+                      .outputs = {*clip[r]},
+                      .role = ActorRole::update});
+  };
   if (cfg.zero == 1) {
-    for (std::size_t r = 0; r < replicas.size(); ++r) {
-      PlanBuilder& b = replicas[r];
-      b.plan.add_actor({.name = b.named("optim.clip"),
-                        .op = "optim.clip",
-                        .dtype = dt,
-                        .where = b.host(stream),
-                        .inputs = reduced[r],
-                        .outputs = {*clip[r]},
-                        .role = ActorRole::update});
-    }
+    for (std::size_t r = 0; r < replicas.size(); ++r) add_clip(r, "optim.clip", reduced[r]);
     return;
   }
   std::vector<InputPort> squares;
@@ -158,16 +159,7 @@ void lower_zero_clip(std::vector<PlanBuilder>& replicas, DType dt,
                       .outputs = {squares.back().reg},
                       .role = ActorRole::update});
   }
-  for (std::size_t r = 0; r < replicas.size(); ++r) {
-    PlanBuilder& b = replicas[r];
-    b.plan.add_actor({.name = b.named("optim.clip"),
-                      .op = "optim.clip_of_squares",
-                      .dtype = dt,
-                      .where = b.host(stream),
-                      .inputs = squares,
-                      .outputs = {*clip[r]},
-                      .role = ActorRole::update});
-  }
+  for (std::size_t r = 0; r < replicas.size(); ++r) add_clip(r, "optim.clip_of_squares", squares);
 }
 
 }  // namespace
@@ -189,9 +181,7 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
     const DType dt = bucket.weights[0].dtype();
     std::int64_t total = 0;
     for (const Value& v : bucket.weights) total += numel(v.shape());
-    std::vector<AllReduceMember> members;
-    for (std::int64_t r = 0; r < n_dp; ++r) {
-      PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
+    for (const PlanBuilder& b : replicas) {
       const Placement where = b.at(stream, bucket.place);
       if (where.device.type != DeviceType::cpu || (dt != DType::f32 && dt != DType::f64)) {
         throw GraphError(fmt::format(
@@ -199,19 +189,11 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
             "{} on {} (train it without --zero)",
             cfg.zero, bucket.weights[0].name(), baton::name(dt), where.device.str()));
       }
-      // The weights' gradients are reduce-scattered where they lie (no packed copy), as plain dp
-      // does (lower_allreduce.cpp); compressed sums go by the packed bucket's all-reduce.
-      const bool in_parts =
-          cfg.grad_compression != "bf16" && bucket.weights.size() > 1 &&
-          std::all_of(bucket.weights.begin(), bucket.weights.end(), [&](const Value& v) { return b.place(v.id()) == bucket.place; });
-      if (in_parts) {
-        std::vector<RegisterIndex> parts;
-        for (const Value& v : bucket.weights) parts.push_back(grad_sum[static_cast<std::size_t>(r)].at(v.id()));
-        members.push_back({where, parts.front(), b.suffix, std::move(parts)});
-      } else {
-        members.push_back({where, pack_bucket(b, reps, bi, grad_sum, r, cfg), b.suffix});
-      }
     }
+    // The weights' gradients are reduce-scattered where they lie (no packed copy), as plain dp
+    // does (lower_allreduce.cpp); compressed sums go by the packed bucket's all-reduce.
+    const std::vector<AllReduceMember> members =
+        gradient_members(replicas, reps, bi, grad_sum, cfg, sums_in_place(replicas, reps, bi, cfg));
     const std::string name = bucket.weights.size() == 1 ? "grad." + bucket.weights[0].name()
                                                         : fmt::format("grad.bucket{}", bi);
     // The plain all-reduce's choices (lower_allreduce.cpp), so the sums are the same bits.

@@ -125,6 +125,20 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
                                         const GradientInputs& grad_sum, const TrainConfig& cfg,
                                         GradientWindows& windows);
 
+/// Whether bucket `bi` is reduce-scattered from its weights' gradients where they lie and its
+/// sums read where they lie (lower_allreduce.cpp): every replica's place is a CPU device holding
+/// every weight of the bucket, the ring of actors sums it (not NCCL), in the weights' dtype (no
+/// compression).
+bool sums_in_place(const std::vector<PlanBuilder>& replicas, const Replicas& reps, std::size_t bi,
+                   const TrainConfig& cfg);
+
+/// Each replica's member of bucket `bi`'s reduction, at the bucket's place on the backward
+/// stream: with `in_place`, the weights' gradients as its parts; else the bucket packed into one
+/// register (pack_bucket; a bucket of one: its gradient as it is).
+std::vector<AllReduceMember> gradient_members(std::vector<PlanBuilder>& replicas, const Replicas& reps,
+                                              std::size_t bi, const GradientInputs& grad_sum,
+                                              const TrainConfig& cfg, bool in_place);
+
 /// How the ring of actors sums a gradient bucket (lower_allreduce.cpp): the direct form below
 /// gradient_direct_below_bytes, bf16 on the wire with --grad-compression bf16, one slot a hop.
 /// ZeRO's reduce-scatter takes the same, so its sums are the same bits.
@@ -156,13 +170,8 @@ const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, 
 void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st,
                        const TrainConfig& cfg);
 
-/// Replica r's gradient bucket `bi` as one register: the weight's summed gradient itself for a
-/// bucket of one, else a flat register its pack actor fills (lower_allreduce.cpp).
-RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
-                          const GradientInputs& grad_sum, std::int64_t r, const TrainConfig& cfg);
-
-/// ZeRO (TrainConfig::zero, lower_zero.cpp): for each bucket, the gradients all-reduced (1) or
-/// reduce-scattered (2), each replica's optimizer actor updating its 1/dp shard of the
+/// ZeRO (TrainConfig::zero, lower_zero.cpp): for each bucket, the gradients reduce-scattered
+/// (all-reduced, for stage 1 with compression), each replica's optimizer actor updating its 1/dp shard of the
 /// bucket's weights and optimizer state, and each replica's gather writing every weight of the
 /// bucket into its `.step` register (`steps[r]`, by variable node id) from all the shards.
 /// With clipping, also the actors that write each replica's factor into `clip[r]`. Replica 0's

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "../device_variables.h"
+#include "../runs.h"
 #include "baton/graph/compile.h"
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/optim.h"
@@ -24,19 +25,9 @@ namespace baton::passes::detail {
 /// returns how many of them the parts hold.
 template <class T>
 std::size_t copy_window(const std::vector<std::span<const T>>& parts, std::int64_t offset, std::span<T> to) {
-  const std::int64_t end = offset + static_cast<std::int64_t>(to.size());
-  std::int64_t at = 0;  // where the current part starts in the concatenation
-  std::size_t filled = 0;
-  for (std::span<const T> in : parts) {
-    const std::int64_t lo = std::max(offset, at);
-    const std::int64_t hi = std::min(end, at + static_cast<std::int64_t>(in.size()));
-    if (lo < hi) {
-      std::copy(in.begin() + (lo - at), in.begin() + (hi - at), to.begin() + (lo - offset));
-      filled += static_cast<std::size_t>(hi - lo);
-    }
-    at += static_cast<std::int64_t>(in.size());
-  }
-  return filled;
+  return baton::detail::for_each_run<T>(parts, offset, to.size(), [&](std::span<const T> run, std::size_t at) {
+    std::copy(run.begin(), run.end(), to.begin() + static_cast<std::ptrdiff_t>(at));
+  });
 }
 
 /// Where an optimizer actor finds its gradient: the concatenation of its first `parts` inputs,
@@ -120,12 +111,17 @@ class VariableKernel final : public Kernel {
     std::copy(from.begin(), from.end(), to.begin());
   }
 
+  /// Inputs [first, first + parts) as spans.
+  static std::vector<std::span<const T>> parts_of(const KernelContext& ctx, std::size_t first, std::size_t parts) {
+    std::vector<std::span<const T>> in;
+    for (std::size_t p = first; p < first + parts; ++p) in.push_back(ctx.inputs[p]->data<T>());
+    return in;
+  }
+
   /// Elements [offset, offset + to.size()) of the concatenation of inputs [first, first + parts).
   static void gather(KernelContext& ctx, std::size_t first, std::size_t parts, std::int64_t offset,
                      std::span<T> to, const char* what) {
-    std::vector<std::span<const T>> in;
-    for (std::size_t p = first; p < first + parts; ++p) in.push_back(ctx.inputs[p]->data<T>());
-    const std::size_t filled = copy_window<T>(in, offset, to);
+    const std::size_t filled = copy_window<T>(parts_of(ctx, first, parts), offset, to);
     if (filled != to.size()) {
       throw std::invalid_argument(fmt::format("the {} hold {} of the shard's {} elements [{}, {})", what,
                                               filled, to.size(), offset,
@@ -160,18 +156,10 @@ class VariableKernel final : public Kernel {
       // A gradient in several parts (a weight's window of its bucket's reduce-scattered sums, a
       // ZeRO-2 shard's segments): each part's share is updated where it lies, with no copy of
       // the gradient. The optimizers are elementwise, so this is the one update, bit for bit.
-      std::int64_t at = 0;  // where the current part starts in the concatenation
-      for (std::size_t p = 0; p < window_.parts; ++p) {
-        auto part = ctx.inputs[p]->data<T>();
-        const std::int64_t lo = std::max(window_.offset, at);
-        const std::int64_t hi =
-            std::min(window_.offset + static_cast<std::int64_t>(n_), at + static_cast<std::int64_t>(part.size()));
-        if (lo < hi) {
-          const auto i = static_cast<std::size_t>(lo - window_.offset), len = static_cast<std::size_t>(hi - lo);
-          step_on(w.subspan(i, len), part.subspan(static_cast<std::size_t>(lo - at), len), i, step);
-        }
-        at += static_cast<std::int64_t>(part.size());
-      }
+      baton::detail::for_each_run<T>(parts_of(ctx, 0, window_.parts), window_.offset, n_,
+                                     [&](std::span<const T> run, std::size_t at) {
+                                       step_on(w.subspan(at, run.size()), run, at, step);
+                                     });
     } else {
       std::span<const T> grad = gradient(ctx);
       if (factor != 1.0) {

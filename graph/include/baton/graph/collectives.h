@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "baton/actors/plan.h"
@@ -50,6 +51,13 @@ struct AllReduceMember {
   /// parts have the same sizes.
   std::vector<RegisterIndex> parts = {};
 };
+
+/// The registers of `parts` (a tensor in parts, concatenated in order) that hold elements
+/// [offset, offset + count) of it, and where that window starts in their concatenation. Empty
+/// parts hold nothing and are left out.
+std::pair<std::vector<RegisterIndex>, std::int64_t> window_of_parts(const Plan& plan,
+                                                                   const std::vector<RegisterIndex>& parts,
+                                                                   std::int64_t offset, std::int64_t count);
 
 /// How the sums are made and travel.
 enum class AllReduceAlgorithm : std::uint8_t {
