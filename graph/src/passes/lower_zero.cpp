@@ -164,13 +164,70 @@ void lower_zero_clip(std::vector<PlanBuilder>& replicas, DType dt,
 
 }  // namespace
 
+namespace {
+
+/// What each replica's shard of a bucket reads of the summed gradients: its ports (delay 1) and
+/// where its elements start in their concatenation.
+struct ShardGradients {
+  std::vector<std::vector<InputPort>> grads;
+  std::vector<GradientWindow> windows;
+};
+
+/// Sums bucket `bi` over the replicas for their shards (chunk c for replica c, `offsets`), and
+/// adds what each replica's clipping reads to `reduced`.
+ShardGradients sum_bucket(std::vector<PlanBuilder>& replicas, const Replicas& reps, std::size_t bi,
+                          const GradientInputs& grad_sum, const TrainConfig& cfg,
+                          const std::vector<std::int64_t>& offsets, std::vector<std::vector<InputPort>>& reduced) {
+  const Replicas::Bucket& bucket = reps.buckets[bi];
+  const DType dt = bucket.weights[0].dtype();
+  const std::int64_t total = offsets.back();
+  Plan& plan = replicas[0].plan;
+  // The weights' gradients are reduce-scattered where they lie (no packed copy), as plain dp
+  // does (lower_allreduce.cpp); compressed sums go by the packed bucket's all-reduce.
+  const std::vector<AllReduceMember> members =
+      gradient_members(replicas, reps, bi, grad_sum, cfg, sums_in_place(replicas, reps, bi, cfg));
+  const std::string name = bucket.weights.size() == 1 ? "grad." + bucket.weights[0].name()
+                                                      : fmt::format("grad.bucket{}", bi);
+  // The plain all-reduce's choices (lower_allreduce.cpp), so the sums are the same bits.
+  const AllReduceSettings settings = gradient_allreduce_settings(cfg);
+  ShardGradients out{.grads = std::vector<std::vector<InputPort>>(replicas.size()),
+                     .windows = std::vector<GradientWindow>(replicas.size())};
+  try {
+    if (cfg.grad_compression == "bf16") {  // stage 1 only (check_config refuses it with 2)
+      auto sums = add_allreduce(plan, name, members, {total}, dt, 1, settings);
+      for (std::size_t c = 0; c < sums.size(); ++c) {
+        out.grads[c] = {{sums[c], 1}};
+        out.windows[c] = {.parts = 1, .offset = offsets[c]};
+        reduced[c].push_back({sums[c]});
+      }
+      return out;
+    }
+    // Both stages: replica c's shard is chunk c, which the reduce-scatter leaves on c. What
+    // clipping reads: stage 2 each replica's own chunk (its sum of squares), stage 1 every
+    // chunk, where it lies, as plain dp's clipping does (so the same norm, bit for bit).
+    const ReduceScattered rs = add_reduce_scatter(plan, name, members, {total}, dt, settings);
+    for (std::size_t c = 0; c < rs.parts.size(); ++c) {
+      for (RegisterIndex part : rs.parts[c]) {
+        out.grads[c].push_back({part, 1});
+        if (cfg.zero == 2) reduced[c].push_back({part});
+        for (std::size_t r = 0; cfg.zero == 1 && r < reduced.size(); ++r) reduced[r].push_back({part});
+      }
+      out.windows[c] = {.parts = rs.parts[c].size(), .offset = 0};
+    }
+  } catch (const std::invalid_argument& e) {
+    throw GraphError(e.what());
+  }
+  return out;
+}
+
+}  // namespace
+
 void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
                 const GradientInputs& grad_sum, const GradientInputs& steps,
                 const std::vector<std::optional<RegisterIndex>>& clip, const TrainConfig& cfg,
                 ParameterStore& params, std::uint16_t reporter_rank) {
   const auto n_dp = static_cast<std::int64_t>(replicas.size());
   const std::uint8_t stream = backward_stream(cfg);
-  Plan& plan = replicas[0].plan;
   KernelRegistry& kernels = replicas[0].kernels;
   kernels.add_fn("zero.gather", DeviceType::cpu, DType::f32, gather_shards<float>);
   kernels.add_fn("zero.gather", DeviceType::cpu, DType::f64, gather_shards<double>);
@@ -190,42 +247,10 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
             cfg.zero, bucket.weights[0].name(), baton::name(dt), where.device.str()));
       }
     }
-    // The weights' gradients are reduce-scattered where they lie (no packed copy), as plain dp
-    // does (lower_allreduce.cpp); compressed sums go by the packed bucket's all-reduce.
-    const std::vector<AllReduceMember> members =
-        gradient_members(replicas, reps, bi, grad_sum, cfg, sums_in_place(replicas, reps, bi, cfg));
-    const std::string name = bucket.weights.size() == 1 ? "grad." + bucket.weights[0].name()
-                                                        : fmt::format("grad.bucket{}", bi);
-    // The plain all-reduce's choices (lower_allreduce.cpp), so the sums are the same bits.
-    const AllReduceSettings settings = gradient_allreduce_settings(cfg);
     const auto offsets = chunk_offsets(total, n_dp);
-    std::vector<std::vector<InputPort>> grads(static_cast<std::size_t>(n_dp));
-    std::vector<GradientWindow> windows(static_cast<std::size_t>(n_dp));
-    try {
-      if (cfg.grad_compression == "bf16") {  // stage 1 only (check_config refuses it with 2)
-        auto sums = add_allreduce(plan, name, members, {total}, dt, 1, settings);
-        for (std::size_t c = 0; c < sums.size(); ++c) {
-          grads[c] = {{sums[c], 1}};
-          windows[c] = {.parts = 1, .offset = offsets[c]};
-          reduced[c].push_back({sums[c]});
-        }
-      } else {
-        // Both stages: replica c's shard is chunk c, which the reduce-scatter leaves on c. What
-        // clipping reads: stage 2 each replica's own chunk (its sum of squares), stage 1 every
-        // chunk, where it lies, as plain dp's clipping does (so the same norm, bit for bit).
-        const ReduceScattered rs = add_reduce_scatter(plan, name, members, {total}, dt, settings);
-        for (std::size_t c = 0; c < rs.parts.size(); ++c) {
-          for (RegisterIndex part : rs.parts[c]) {
-            grads[c].push_back({part, 1});
-            if (cfg.zero == 2) reduced[c].push_back({part});
-            for (std::size_t r = 0; cfg.zero == 1 && r < reduced.size(); ++r) reduced[r].push_back({part});
-          }
-          windows[c] = {.parts = rs.parts[c].size(), .offset = 0};
-        }
-      }
-    } catch (const std::invalid_argument& e) {
-      throw GraphError(e.what());
-    }
+    const ShardGradients g = sum_bucket(replicas, reps, bi, grad_sum, cfg, offsets, reduced);
+    const auto& grads = g.grads;
+    const auto& windows = g.windows;
     // Each replica's optimizer for its shard, then every replica's gather of all the shards.
     std::vector<InputPort> shards;
     for (std::int64_t c = 0; c < n_dp; ++c) {
