@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <ranges>
 #include <stdexcept>
 #include <type_traits>
 
@@ -98,10 +97,9 @@ template <class T>
 void window_runs(const KernelContext& ctx, std::size_t first, std::size_t ports, std::int64_t offset,
                  std::size_t count, std::string_view actor, std::vector<std::span<const T>>& runs) {
   runs.clear();
-  auto parts = ctx.inputs.subspan(first, ports) |
-               std::views::transform([](const Tensor* t) { return std::span<const T>(t->data<T>()); });
   const std::size_t held = baton::detail::for_each_run<T>(
-      parts, offset, count, [&](std::span<const T> run, std::size_t) { runs.push_back(run); });
+      ctx.inputs.subspan(first, ports), offset, count, [&](std::span<const T> run, std::size_t) { runs.push_back(run); },
+      [](const Tensor* t) { return std::span<const T>(t->data<T>()); });
   if (offset < 0 || held != count) {
     throw std::runtime_error(fmt::format("{}: elements [{}, {}) lie outside its input ({} part{})", actor, offset,
                                          offset + static_cast<std::int64_t>(count), ports, ports == 1 ? "" : "s"));
