@@ -7,8 +7,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
+#include <boost/json.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -66,6 +68,7 @@ struct Setup {
   fs::path resume;  // a checkpoint directory to resume from
   double dropout = 0.2;
   DType dtype = DType::f32;  // of the input and the weights
+  int zero = 0;              // ZeRO stage (with dp > 1)
 };
 
 struct Run {
@@ -89,6 +92,7 @@ Run train(const Setup& s) {
   cfg.steps = s.steps;
   cfg.microbatches = s.microbatches;
   cfg.dp = s.dp;
+  cfg.zero = s.zero;
   cfg.pp = s.pp;
   cfg.tp = s.tp;
   cfg.optimizer = s.opt;
@@ -107,7 +111,8 @@ Run train(const Setup& s) {
   int ranks = 1;
   for (const Placement& p : s.places) ranks = std::max(ranks, p.rank + 1);
   std::vector<std::shared_ptr<checkpoint::Writer>> writers;
-  auto trained = std::make_shared<std::map<std::string, Placement>>();
+  // Each snapshot's rank, by its weight and where its piece begins (ZeRO's shards: pieces).
+  auto rank_of = std::make_shared<std::map<std::pair<std::string, std::int64_t>, std::uint32_t>>();
   if (!s.dir.empty()) {
     for (int r = 0; r < ranks; ++r) {
       checkpoint::Settings cs{.dir = s.dir, .keep = s.keep, .rank = static_cast<std::uint32_t>(r),
@@ -116,14 +121,14 @@ Run train(const Setup& s) {
       writers.push_back(std::make_shared<checkpoint::Writer>(cs));
     }
     cfg.snapshot_every = s.every;
-    cfg.on_snapshot = [writers, trained](VariableSnapshot snap) {
-      writers[trained->at(snap.name).rank]->take(std::move(snap));
+    cfg.on_snapshot = [writers, rank_of](VariableSnapshot snap) {
+      writers[rank_of->at({snap.name, snap.begin})]->take(std::move(snap));
     };
   }
   TrainingJob job = compile_training(g, loss, cfg, params);
   if (resumed) checkpoint::check_covers(*resumed, job.trained);
-  *trained = job.trained;
-  for (auto& w : writers) w->expect(job.trained);
+  for (const SnapshotPart& p : job.snapshots) (*rank_of)[{p.name, p.begin}] = p.rank;
+  for (auto& w : writers) w->expect(job.snapshots);
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
   if (s.places.empty()) {
@@ -161,6 +166,27 @@ void check_continues(const Run& straight, const Run& resumed) {
     const bool same_bytes = bytes == resumed.weights.at(name);
     CHECK(same_bytes);
   }
+}
+
+/// `r`'s weights, as doubles, and `losses`: for test::check_same_training.
+test::TrainedRun as_trained(const Run& r, std::vector<double> losses, DType dtype) {
+  test::TrainedRun out;
+  out.losses = std::move(losses);
+  for (const auto& [name, bytes] : r.weights) {
+    std::vector<double>& w = out.weights[name];
+    for (std::size_t at = 0; at < bytes.size(); at += size_of(dtype)) {
+      double v;
+      if (dtype == DType::f64) {
+        std::memcpy(&v, bytes.data() + at, sizeof v);
+      } else {
+        float f;
+        std::memcpy(&f, bytes.data() + at, sizeof f);
+        v = f;
+      }
+      w.push_back(v);
+    }
+  }
+  return out;
 }
 
 std::string error_of(const std::function<void()>& fn) {
@@ -366,30 +392,106 @@ TEST_CASE("Checkpoint.ResumeWithAnotherLayoutContinuesTheCurve" * doctest::timeo
     const Run resumed = train({.dp = 2, .pp = 2, .microbatches = 2, .opt = optim::adam(0.01), .resume = a.path,
                                .dropout = 0, .dtype = dtype});
     REQUIRE(resumed.losses.size() == 10);
-    auto as_run = [&](const Run& r, std::vector<double> losses) {
-      test::TrainedRun out;
-      out.losses = std::move(losses);
-      for (const auto& [name, bytes] : r.weights) {
-        std::vector<double>& w = out.weights[name];
-        for (std::size_t at = 0; at < bytes.size(); at += size_of(dtype)) {
-          double v;
-          if (dtype == DType::f64) {
-            std::memcpy(&v, bytes.data() + at, sizeof v);
-          } else {
-            float f;
-            std::memcpy(&f, bytes.data() + at, sizeof f);
-            v = f;
-          }
-          w.push_back(v);
-        }
-      }
-      return out;
-    };
-    const test::TrainedRun straight_end = as_run(all, {all.losses.begin() + 10, all.losses.end()});
-    const test::TrainedRun resumed_end = as_run(resumed, resumed.losses);
+    const test::TrainedRun straight_end = as_trained(all, {all.losses.begin() + 10, all.losses.end()}, dtype);
+    const test::TrainedRun resumed_end = as_trained(resumed, resumed.losses, dtype);
     test::check_same_training(straight_end, resumed_end,
                               test::tolerance({.dtype = dtype, .steps = 10, .longest_sum = 32, .lr = 0.01}));
   }
+}
+
+TEST_CASE("Checkpoint.ZeroSavesEachReplicasWindowAndResumesUnderAnyLayout" * doctest::timeout(240)) {
+  // ZeRO dp 2 on two ranks: each replica's optimizer holds a window of the bucket, so each rank
+  // writes its window, and the weight that straddles the windows' edge is saved in two pieces,
+  // one in each rank's file. load() puts them together: the same job resumed, and plain dp on
+  // one rank, continue the curve bit for bit (ZeRO's sums and updates are plain dp's); one device
+  // (one micro-batch sum of 4 instead of dp's 2 x 2) within float tolerance.
+  const std::vector<Placement> places{{.rank = 0}, {.rank = 1}};
+  for (int zero : {1, 2}) {
+    CAPTURE(zero);
+    TempDir a("zero-straight"), b("zero-resumed");
+    const Setup base{.dp = 2, .opt = optim::adam(0.01), .places = places, .dropout = 0, .zero = zero};
+    Setup straight = base;
+    straight.dir = a.path;
+    const Run all = train(straight);
+    REQUIRE(all.losses.size() == 20);
+    const fs::path step10 = checkpoint::step_dir(a.path, 10);
+    // The index lists a weight in pieces in both ranks' files.
+    const boost::json::object files = boost::json::parse(read_bytes(step10 / "index.json")).at("files").as_object();
+    std::map<std::string, std::set<std::string>> files_of_piece;
+    for (const auto& [file, entry] : files) {
+      if (const auto* pieces = entry.as_object().if_contains("pieces")) {
+        for (const auto& p : pieces->as_array()) {
+          files_of_piece[std::string(p.at("variable").as_string())].insert(std::string(file));
+        }
+      }
+    }
+    REQUIRE(files_of_piece.size() == 1);
+    CHECK(files_of_piece.begin()->second == std::set<std::string>{"rank0.safetensors", "rank1.safetensors"});
+    // Assembled, each weight has its shape, and the optimizer state of every weight is there.
+    const checkpoint::Checkpoint c = checkpoint::load(step10);
+    CHECK(c.weights.size() == all.weights.size());
+    for (const auto& [name, w] : c.weights) {
+      CAPTURE(name);
+      CHECK(c.slots.at(name).size() == 2);
+      CHECK(c.slots.at(name).at("exp_avg").shape() == w.shape());
+    }
+    // The first 10 steps in a job of their own, then the rest resumed as the same job.
+    Setup first = base;
+    first.steps = 10;
+    first.dir = b.path;
+    train(first);
+    Setup same = base;
+    same.resume = b.path;
+    check_continues(all, train(same));
+    // Plain data parallelism, in one process.
+    check_continues(all, train({.dp = 2, .opt = optim::adam(0.01), .resume = b.path, .dropout = 0}));
+    // One device.
+    const Run one = train({.microbatches = 4, .opt = optim::adam(0.01), .resume = b.path, .dropout = 0});
+    REQUIRE(one.losses.size() == 10);
+    // As Checkpoint.ResumeWithAnotherLayoutContinuesTheCurve: the gradients of 10 steps summed in
+    // another order, sums over the batch of 32 (test::Reordering's tolerance).
+    test::check_same_training(as_trained(all, {all.losses.begin() + 10, all.losses.end()}, DType::f32),
+                              as_trained(one, one.losses, DType::f32),
+                              test::tolerance({.dtype = DType::f32, .steps = 10, .longest_sum = 32, .lr = 0.01}));
+  }
+}
+
+TEST_CASE("Checkpoint.PiecesThatDoNotCoverTheirWeightAreRefused" * doctest::timeout(120)) {
+  // A ZeRO checkpoint whose index loses a piece, or lists one twice: load() names the weight.
+  TempDir a("zero-pieces");
+  train({.dp = 2, .steps = 10, .opt = optim::adam(0.01), .dir = a.path, .every = 10, .dropout = 0, .zero = 2});
+  const fs::path step10 = checkpoint::step_dir(a.path, 10);
+  const std::string index = read_bytes(step10 / "index.json");
+  boost::json::value v = boost::json::parse(index);
+  boost::json::object* with_pieces = nullptr;
+  for (auto& [file, entry] : v.at("files").as_object()) {
+    if (entry.as_object().contains("pieces")) with_pieces = &entry.as_object();
+  }
+  REQUIRE(with_pieces != nullptr);
+  boost::json::array& pieces = with_pieces->at("pieces").as_array();
+  REQUIRE(pieces.size() >= 2);
+  const std::string name(pieces[0].at("variable").as_string());
+  const boost::json::value first = pieces[0];
+  // Dropped: its elements are left out (and its tensors are not listed any more).
+  pieces.erase(pieces.begin());
+  write_bytes(step10 / "index.json", boost::json::serialize(v));
+  std::string e = error_of([&] { checkpoint::load(step10); });
+  CHECK_MESSAGE(test::contains(e, "is not listed in the index"), e);
+  // Listed twice: the same piece is read into place twice, so its elements overlap.
+  pieces.insert(pieces.begin(), first);
+  pieces.insert(pieces.begin(), first);
+  write_bytes(step10 / "index.json", boost::json::serialize(v));
+  e = error_of([&] { checkpoint::load(step10); });
+  CHECK_MESSAGE(test::contains(e, "tensor '" + name), e);
+  // A piece outside its weight.
+  pieces.erase(pieces.begin());
+  pieces[0].as_object()["end"] = 1'000'000;
+  write_bytes(step10 / "index.json", boost::json::serialize(v));
+  e = error_of([&] { checkpoint::load(step10); });
+  CHECK_MESSAGE(test::contains(e, "lies outside its"), e);
+  // As written, it loads.
+  write_bytes(step10 / "index.json", index);
+  CHECK_NOTHROW(checkpoint::load(step10));
 }
 
 TEST_CASE("Checkpoint.KeepsTheNewestAndIgnoresWhatACrashLeft" * doctest::timeout(120)) {
@@ -530,7 +632,7 @@ TEST_CASE("Checkpoint.AWriteThatFailsFailsTheJobNamingThePath" * doctest::timeou
   const fs::path dir = a.path / "ckpt";
   auto writer = std::make_shared<checkpoint::Writer>(
       checkpoint::Settings{.dir = dir, .optimizer = optim::sgd(0.1), .config = {{"run", "t"}}});
-  writer->expect({{"w", Placement{}}});
+  writer->expect({SnapshotPart{.name = "w", .shape = {3}}});
   // A variable this rank does not train is a bug in the caller: refused by name.
   CHECK(test::contains(error_of([&] { writer->take(VariableSnapshot{.name = "v", .step = 1}); }), "variable 'v'"));
   fs::remove_all(dir);

@@ -270,7 +270,6 @@ TEST_CASE("Zero.WhatItCannotDoIsRefusedBeforeRunning") {
   };
   refused({.zero = 3}, "zero 3");
   refused({.zero = 5}, "zero 5");
-  refused({.zero = 1, .snapshot_every = 2, .on_snapshot = [](VariableSnapshot) {}}, "checkpoints under zero");
   // dp 1: nothing to split, plain training.
   CHECK_NOTHROW(compile({.dp = 1, .zero = 2}));
 }

@@ -550,7 +550,7 @@ int run(const Options& given) {
   if (env.rank != 0) cfg.print_ir = [](std::string_view, const std::string&) {};
   TrainingJob job = compile_training(g, loss, cfg, params);
   if (resumed) checkpoint::check_covers(*resumed, job.trained);
-  if (writer) writer->expect(job.trained);
+  if (writer) writer->expect(job.snapshots);
   const std::int64_t first = cfg.first_step;  // steps done before this job
   // The rank that reports for the job: where the losses arrive (loss.report) and where the
   // compiled plan brings the trained weights for the held-out evaluation.

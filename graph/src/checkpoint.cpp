@@ -28,7 +28,13 @@ namespace {
 constexpr const char* format_name = "baton.checkpoint";
 constexpr int format_version = 1;
 constexpr const char* index_name = "index.json";
-constexpr char slot_separator = '#';  // "fc0.w#exp_avg": no DSL name uses it
+constexpr char slot_separator = '#';   // "fc0.w#exp_avg": no DSL name uses it
+constexpr char piece_separator = '@';  // "fc0.w@0:96": elements [0, 96) of fc0.w (ZeRO's shards)
+
+/// The tensor name of a snapshot part in a file: the variable's, or its piece's.
+std::string key_of(const std::string& name, std::int64_t begin, std::int64_t end) {
+  return end < 0 ? name : fmt::format("{}{}{}:{}", name, piece_separator, begin, end);
+}
 
 [[noreturn]] void fail(const fs::path& path, const std::string& what) {
   throw std::runtime_error(fmt::format("{}: {}", path.string(), what));
@@ -107,6 +113,14 @@ boost::json::value parse_file(const fs::path& path) {
   return v;
 }
 
+/// Elements [begin, end) of a variable (of `shape` whole), held by `file` as a 1-D tensor.
+struct Piece {
+  std::string variable;
+  std::int64_t begin = 0, end = 0;
+  Shape shape;
+  std::string file;
+};
+
 struct Index {
   std::int64_t step = 0;
   Layout layout;
@@ -115,7 +129,8 @@ struct Index {
   std::string run;
   std::map<std::string, std::string> config;
   std::map<std::string, std::uint32_t> files;  // file -> rank
-  std::map<std::string, std::string> file_of;   // variable -> file
+  std::map<std::string, std::string> file_of;   // variable -> file (those saved whole)
+  std::vector<Piece> pieces;                    // the variables saved in pieces
 };
 
 /// Reads index.json of a step directory, checking its shape (not yet the files it lists).
@@ -189,6 +204,36 @@ Index read_index(const fs::path& dir) {
         fail(path, fmt::format("variable '{}' is listed in {} and in {}", name, ix.file_of[name], file));
       }
     }
+    if (!fo.contains("pieces")) continue;
+    if (!fo.at("pieces").is_array()) fail(path, fmt::format("\"files\".\"{}\".\"pieces\" is not a list", file));
+    for (const auto& entry : fo.at("pieces").as_array()) {
+      const boost::json::object* piece = entry.if_object();
+      if (piece == nullptr || !piece->contains("variable") || !piece->contains("begin") || !piece->contains("end") ||
+          !piece->contains("shape") || !piece->at("shape").is_array()) {
+        fail(path, fmt::format("a piece in \"files\".\"{}\" needs \"variable\", \"begin\", \"end\" and a \"shape\" list", file));
+      }
+      const auto& po = *piece;
+      Piece p{.variable = string(po.at("variable"), "variable"),
+              .begin = integer(po.at("begin"), "begin"),
+              .end = integer(po.at("end"), "end"),
+              .file = file};
+      for (const auto& d : po.at("shape").as_array()) {
+        const std::int64_t n = integer(d, "shape");
+        if (n < 0) fail(path, fmt::format("piece of '{}': a negative dimension", p.variable));
+        p.shape.push_back(n);
+      }
+      if (p.begin < 0 || p.begin >= p.end || p.end > numel(p.shape)) {
+        fail(path, fmt::format("piece [{}, {}) of '{}' lies outside its {} elements", p.begin, p.end, p.variable,
+                               numel(p.shape)));
+      }
+      ix.pieces.push_back(std::move(p));
+    }
+  }
+  for (const Piece& p : ix.pieces) {
+    if (ix.file_of.count(p.variable)) {
+      fail(path, fmt::format("variable '{}' is listed whole in {} and in pieces in {}", p.variable,
+                             ix.file_of.at(p.variable), p.file));
+    }
   }
   return ix;
 }
@@ -257,17 +302,23 @@ void Writer::finish() {
   if (error_) std::rethrow_exception(error_);
 }
 
-void Writer::expect(const std::map<std::string, Placement>& trained) {
+void Writer::expect(const std::vector<SnapshotPart>& parts) {
   std::lock_guard lock(mutex_);
-  trained_ = trained;
+  parts_ = parts;
+  rank_of_.clear();
   mine_ = 0;
   std::uint32_t lowest = std::numeric_limits<std::uint32_t>::max();
-  for (const auto& [name, where] : trained_) {
-    if (name.find(slot_separator) != std::string::npos) {
-      throw std::invalid_argument(fmt::format("variable '{}': checkpoints cannot save a name with '{}'", name, slot_separator));
+  for (const SnapshotPart& p : parts_) {
+    for (char c : {slot_separator, piece_separator}) {
+      if (p.name.find(c) != std::string::npos) {
+        throw std::invalid_argument(fmt::format("variable '{}': checkpoints cannot save a name with '{}'", p.name, c));
+      }
     }
-    if (where.rank == settings_.rank) ++mine_;
-    lowest = std::min<std::uint32_t>(lowest, where.rank);
+    if (!rank_of_.emplace(key_of(p.name, p.begin, p.end), p.rank).second) {
+      throw std::invalid_argument(fmt::format("checkpoint: '{}' is expected twice", key_of(p.name, p.begin, p.end)));
+    }
+    if (p.rank == settings_.rank) ++mine_;
+    lowest = std::min<std::uint32_t>(lowest, p.rank);
   }
   // The lowest rank that trains weights writes the index (and prunes): it is on every job.
   index_writer_ = lowest == settings_.rank;
@@ -281,10 +332,10 @@ void Writer::take(VariableSnapshot snapshot) {
   const std::int64_t step = snapshot.step;
   std::unique_lock lock(mutex_);
   if (error_) std::rethrow_exception(error_);  // an earlier checkpoint failed: so does the job
-  auto it = trained_.find(snapshot.name);
-  if (it == trained_.end() || it->second.rank != settings_.rank) {
-    throw std::logic_error(fmt::format("checkpoint of step {}: variable '{}' is not one this rank trains", step,
-                                       snapshot.name));
+  const std::string key = key_of(snapshot.name, snapshot.begin, snapshot.end);
+  auto it = rank_of_.find(key);
+  if (it == rank_of_.end() || it->second != settings_.rank) {
+    throw std::logic_error(fmt::format("checkpoint of step {}: variable '{}' is not one this rank trains", step, key));
   }
   auto& got = pending_[step];
   got.push_back(std::move(snapshot));
@@ -309,12 +360,14 @@ std::vector<fs::path> Writer::written() const {
 }
 
 void Writer::write_step(std::int64_t step, std::vector<VariableSnapshot> snapshots) {
-  std::sort(snapshots.begin(), snapshots.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  std::sort(snapshots.begin(), snapshots.end(),
+            [](const auto& a, const auto& b) { return std::tie(a.name, a.begin) < std::tie(b.name, b.begin); });
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (VariableSnapshot& s : snapshots) {
-    tensors.emplace_back(s.name, s.weight);
+    const std::string key = key_of(s.name, s.begin, s.end);
+    tensors.emplace_back(key, s.weight);
     for (const std::string& slot : optimizer_slot_names(settings_.optimizer)) {
-      tensors.emplace_back(s.name + slot_separator + slot, s.slots.at(slot));
+      tensors.emplace_back(key + slot_separator + slot, s.slots.at(slot));
     }
   }
   const std::string run = settings_.config.count("run") ? settings_.config.at("run") : std::string();
@@ -346,13 +399,23 @@ void Writer::write_step(std::int64_t step, std::vector<VariableSnapshot> snapsho
   index["rng"] = {{"seed", settings_.seed},
                   {"how", "data order, text windows and dropout are functions of (seed, step, piece); a resumed run "
                           "draws from step + 1 on"}};
-  std::map<std::uint32_t, std::vector<std::string>> by_rank;
-  for (const auto& [var, where] : trained_) by_rank[where.rank].push_back(var);
+  std::map<std::uint32_t, std::vector<const SnapshotPart*>> by_rank;
+  for (const SnapshotPart& p : parts_) by_rank[p.rank].push_back(&p);
   boost::json::object files;
-  for (const auto& [rank, vars] : by_rank) {
-    boost::json::array names;
-    for (const auto& v : vars) names.push_back(boost::json::string(v));
-    files[file_of_rank(rank)] = {{"rank", rank}, {"variables", std::move(names)}};
+  for (const auto& [rank, parts] : by_rank) {
+    boost::json::array names, pieces;
+    for (const SnapshotPart* p : parts) {
+      if (p->whole()) {
+        names.push_back(boost::json::string(p->name));
+        continue;
+      }
+      boost::json::array shape;
+      for (std::int64_t d : p->shape) shape.push_back(d);
+      pieces.push_back({{"variable", p->name}, {"begin", p->begin}, {"end", p->end}, {"shape", std::move(shape)}});
+    }
+    boost::json::object file{{"rank", rank}, {"variables", std::move(names)}};
+    if (!pieces.empty()) file["pieces"] = std::move(pieces);  // ZeRO's shards (absent otherwise)
+    files[file_of_rank(rank)] = std::move(file);
   }
   index["files"] = std::move(files);
   const std::string index_text = boost::json::serialize(index) + "\n";
@@ -449,6 +512,59 @@ Found find(const fs::path& dir) {
                                   : fmt::format("holds no complete checkpoint ({})", fmt::join(found.skipped, "; ")));
 }
 
+namespace {
+
+/// Copies piece `p` (and its optimizer slots) from `in_file` into its place in the whole
+/// variables of `c`, made at the first piece; erases what it took from `in_file`.
+void take_piece(const Piece& p, const fs::path& path, const std::vector<std::string>& slots,
+                std::map<std::string, Tensor>& in_file, Checkpoint& c) {
+  const std::string key = key_of(p.variable, p.begin, p.end);
+  auto place = [&](const std::string& name, Tensor& whole) {
+    auto t = in_file.find(name);
+    if (t == in_file.end()) fail(path, fmt::format("tensor '{}' is missing (the index lists it here)", name));
+    const Tensor& piece = t->second;
+    if (piece.shape() != Shape{p.end - p.begin}) {
+      fail(path, fmt::format("tensor '{}' is {}, not the {} elements [{}, {})", name, piece.describe(), p.end - p.begin,
+                             p.begin, p.end));
+    }
+    if (!whole.defined()) whole = Tensor::zeros(p.shape, piece.dtype());
+    if (whole.dtype() != piece.dtype()) {
+      fail(path, fmt::format("tensor '{}' is {} but another piece of '{}' is {}", name, baton::name(piece.dtype()),
+                             p.variable, baton::name(whole.dtype())));
+    }
+    const std::size_t bytes = size_of(piece.dtype());
+    std::memcpy(static_cast<char*>(whole.raw()) + static_cast<std::size_t>(p.begin) * bytes, piece.raw(), piece.nbytes());
+    in_file.erase(t);
+  };
+  place(key, c.weights[p.variable]);
+  for (const std::string& slot : slots) place(key + slot_separator + slot, c.slots[p.variable][slot]);
+}
+
+/// Each variable saved in pieces is covered by them exactly once.
+void check_pieces_cover(const Index& ix, const fs::path& index) {
+  std::map<std::string, std::vector<std::pair<std::int64_t, std::int64_t>>> ranges;
+  std::map<std::string, std::int64_t> sizes;
+  for (const Piece& p : ix.pieces) {
+    ranges[p.variable].emplace_back(p.begin, p.end);
+    auto [it, first] = sizes.emplace(p.variable, numel(p.shape));
+    if (!first && it->second != numel(p.shape)) fail(index, fmt::format("the pieces of '{}' disagree on its shape", p.variable));
+  }
+  for (auto& [var, rs] : ranges) {
+    std::sort(rs.begin(), rs.end());
+    std::int64_t at = 0;
+    for (const auto& [b, e] : rs) {
+      if (b != at) {
+        fail(index, fmt::format("the pieces of '{}' {} elements [{}, {})", var, b > at ? "leave out" : "overlap at",
+                                std::min(at, b), std::max(at, b)));
+      }
+      at = e;
+    }
+    if (at != sizes.at(var)) fail(index, fmt::format("the pieces of '{}' end at element {} of {}", var, at, sizes.at(var)));
+  }
+}
+
+}  // namespace
+
 Checkpoint load(const fs::path& dir) {
   if (!fs::is_directory(dir)) fail(dir, "no such checkpoint directory");
   const Index ix = read_index(dir);
@@ -501,8 +617,12 @@ Checkpoint load(const fs::path& dir) {
         in_file.erase(t);
       }
     }
+    for (const Piece& p : ix.pieces) {
+      if (p.file == file) take_piece(p, path, ix.slots, in_file, c);
+    }
     if (!in_file.empty()) fail(path, fmt::format("tensor '{}' is not listed in the index", in_file.begin()->first));
   }
+  check_pieces_cover(ix, dir / index_name);
   return c;
 }
 

@@ -352,8 +352,9 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
     loss_regs.push_back(b.reg_of.at(d.loss.id()));
   }
   const Placement reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
+  std::vector<SnapshotPart> snapshots;
   if (zero) {
-    lower_zero(replicas, reps, d, grad_sum, zero_steps, clip, cfg, *params, reporter.rank);
+    snapshots = lower_zero(replicas, reps, d, grad_sum, zero_steps, clip, cfg, *params, reporter.rank);
     // Replica 0's gathers on the reporting rank write the store themselves (lower_zero).
     for (FinalWeight& f : finals) f.in_store = f.in_store || f.where.rank == reporter.rank;
   }
@@ -361,9 +362,12 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   gather_final_weights(plan, kernels, *params, finals, reporter, cfg.steps - cfg.first_step);
   label_roles_and_stages(plan, replicas);
   std::map<std::string, Placement> trained_at;
-  for (const FinalWeight& f : finals) trained_at[f.name] = f.where;
+  for (const FinalWeight& f : finals) {
+    trained_at[f.name] = f.where;
+    if (!zero) snapshots.push_back({.name = f.name, .shape = f.shape, .dtype = f.dtype, .rank = f.where.rank});
+  }
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses),
-                     std::move(trained_at)};
+                     std::move(trained_at), std::move(snapshots)};
 }
 
 }  // namespace baton::passes

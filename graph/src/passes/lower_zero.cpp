@@ -21,6 +21,7 @@
 // equal plain data parallelism bit for bit. The gather then writes every weight of the bucket
 // into the replica's step register, which the repeat hands to the micro-batches.
 #include <algorithm>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -95,11 +96,71 @@ class GatherIntoStore final : public Kernel {
   std::int64_t last_piece_;
 };
 
+/// The weights of `bucket` that elements [begin, end) of its concatenation hold: whole, or the
+/// piece of a weight that straddles the window's edge (SnapshotPart, on `rank`).
+std::vector<SnapshotPart> parts_in_window(const std::vector<Value>& bucket, std::int64_t begin,
+                                          std::int64_t end, std::uint32_t rank) {
+  std::vector<SnapshotPart> parts;
+  std::int64_t at = 0;  // where the weight starts in the concatenation
+  for (const Value& v : bucket) {
+    const std::int64_t n = numel(v.shape());
+    const std::int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
+    if (lo < hi) {
+      const bool whole = lo == at && hi == at + n;
+      parts.push_back({.name = v.name(),
+                       .begin = whole ? 0 : lo - at,
+                       .end = whole ? -1 : hi - at,
+                       .shape = v.shape(),
+                       .dtype = v.dtype(),
+                       .rank = rank});
+    }
+    at += n;
+  }
+  return parts;
+}
+
+/// A shard's checkpoint hook: its snapshot (the window's elements, 1-D) handed on as one
+/// snapshot per weight of `parts` (parts_in_window, whose windows start at `begin`).
+baton::detail::SnapshotHook shard_snapshots(std::vector<SnapshotPart> parts, std::int64_t begin,
+                                            const TrainConfig& cfg) {
+  if (cfg.snapshot_every <= 0 || !cfg.on_snapshot) return {};
+  // Where each part starts in the shard's window.
+  std::vector<std::int64_t> offsets;
+  std::int64_t at = begin;  // the concatenation's element the window's first part starts at
+  for (const SnapshotPart& p : parts) {
+    offsets.push_back(at - begin);
+    at += p.whole() ? numel(p.shape) : p.end - p.begin;
+  }
+  auto split = [parts = std::move(parts), offsets, hand_on = cfg.on_snapshot](VariableSnapshot s) {
+    auto piece = [](const Tensor& t, std::int64_t from, std::int64_t n, const Shape& shape) {
+      Tensor out = Tensor::empty(shape, t.dtype());
+      const std::size_t bytes = size_of(t.dtype());
+      std::memcpy(out.raw(), static_cast<const char*>(t.raw()) + static_cast<std::size_t>(from) * bytes,
+                  static_cast<std::size_t>(n) * bytes);
+      return out;
+    };
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const SnapshotPart& p = parts[i];
+      const std::int64_t n = p.whole() ? numel(p.shape) : p.end - p.begin;
+      const Shape shape = p.whole() ? p.shape : Shape{n};
+      VariableSnapshot one{.name = p.name,
+                           .step = s.step,
+                           .weight = piece(s.weight, offsets[i], n, shape),
+                           .begin = p.begin,
+                           .end = p.end};
+      for (const auto& [slot, t] : s.slots) one.slots[slot] = piece(t, offsets[i], n, shape);
+      hand_on(std::move(one));
+    }
+  };
+  return {.name = "", .every = cfg.snapshot_every, .hand_over = std::move(split)};
+}
+
 /// Replica c's optimizer kernel for elements [begin, end) of bucket `bucket`'s weights.
 template <class T>
 KernelFactory shard_kernel(const std::vector<Value>& bucket, std::int64_t begin, std::int64_t end,
                            GradientWindow window, WeightWindow weight_window, const TrainConfig& cfg,
-                           const ParameterStore& params, const Graph& g) {
+                           const ParameterStore& params, const Graph& g,
+                           baton::detail::SnapshotHook snapshots) {
   std::vector<const Tensor*> weights;
   for (const Value& v : bucket) weights.push_back(&params.at(v.name()));
   Tensor master = Tensor::empty({end - begin}, bucket[0].dtype());
@@ -116,10 +177,9 @@ KernelFactory shard_kernel(const std::vector<Value>& bucket, std::int64_t begin,
       slots.push_back(window_of<T>(of, begin, end));
     }
   }
-  return [master, slots, window, weight_window, oc = cfg.optimizer,
-          steps = cfg.steps](const KernelConfig&) -> std::unique_ptr<Kernel> {
-    return std::make_unique<VariableKernel<T>>(master, oc, steps, slots,
-                                               baton::detail::SnapshotHook{}, window, weight_window);
+  return [master, slots, window, weight_window, oc = cfg.optimizer, steps = cfg.steps,
+          snapshots](const KernelConfig&) -> std::unique_ptr<Kernel> {
+    return std::make_unique<VariableKernel<T>>(master, oc, steps, slots, snapshots, window, weight_window);
   };
 }
 
@@ -222,7 +282,7 @@ ShardGradients sum_bucket(std::vector<PlanBuilder>& replicas, const Replicas& re
 
 }  // namespace
 
-void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
+std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
                 const GradientInputs& grad_sum, const GradientInputs& steps,
                 const std::vector<std::optional<RegisterIndex>>& clip, const TrainConfig& cfg,
                 ParameterStore& params, std::uint16_t reporter_rank) {
@@ -233,6 +293,7 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
   kernels.add_fn("zero.gather", DeviceType::cpu, DType::f64, gather_shards<double>);
   // What each replica's clipping reads: every bucket's sums (1) or its chunks (2).
   std::vector<std::vector<InputPort>> reduced(static_cast<std::size_t>(n_dp));
+  std::vector<SnapshotPart> snapshots;
   for (std::size_t bi = 0; bi < reps.buckets.size(); ++bi) {
     const Replicas::Bucket& bucket = reps.buckets[bi];
     const DType dt = bucket.weights[0].dtype();
@@ -265,10 +326,14 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
       for (const Value& v : bucket.weights) ins.push_back({steps[ci].at(v.id()), 1});
       if (clip[ci]) ins.push_back({*clip[ci], 1});
       const WeightWindow weights{.parts = bucket.weights.size(), .offset = begin};
+      // Every replica snapshots its shard: the weights (or pieces) its window holds.
+      auto parts = parts_in_window(bucket.weights, begin, end, b.at(stream, bucket.place).rank);
+      snapshots.insert(snapshots.end(), parts.begin(), parts.end());
+      auto hook = shard_snapshots(std::move(parts), begin, cfg);
       kernels.add(op, DeviceType::cpu, dt,
                   dt == DType::f64
-                      ? shard_kernel<double>(bucket.weights, begin, end, windows[ci], weights, cfg, params, b.g)
-                      : shard_kernel<float>(bucket.weights, begin, end, windows[ci], weights, cfg, params, b.g));
+                      ? shard_kernel<double>(bucket.weights, begin, end, windows[ci], weights, cfg, params, b.g, hook)
+                      : shard_kernel<float>(bucket.weights, begin, end, windows[ci], weights, cfg, params, b.g, hook));
       const std::int64_t bytes = (end - begin) * static_cast<std::int64_t>(size_of(dt));
       const auto slots = static_cast<std::int64_t>(optimizer_slot_names(cfg.optimizer).size());
       std::vector<KeptBytes> kept;
@@ -312,6 +377,7 @@ void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const 
     }
   }
   if (clip[0]) lower_zero_clip(replicas, d.trained[0].first.dtype(), reduced, clip, cfg);
+  return snapshots;
 }
 
 }  // namespace baton::passes::detail

@@ -176,7 +176,8 @@ void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st
 /// bucket into its `.step` register (`steps[r]`, by variable node id) from all the shards.
 /// With clipping, also the actors that write each replica's factor into `clip[r]`. Replica 0's
 /// gathers on `reporter_rank` copy the trained weights into `params` after the last step.
-void lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
+/// Returns what the shards' checkpoint snapshots are (TrainingJob::snapshots).
+std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
                 const GradientInputs& grad_sum, const GradientInputs& steps,
                 const std::vector<std::optional<RegisterIndex>>& clip, const TrainConfig& cfg,
                 ParameterStore& params, std::uint16_t reporter_rank);

@@ -52,11 +52,6 @@ void check_config(const TrainConfig& cfg) {
         "zero 1 splits the optimizer state, zero 2 the gradients too");
   }
   if (cfg.zero < 0 || cfg.zero > 3) throw GraphError(fmt::format("zero {}: 0, 1 or 2", cfg.zero));
-  if (cfg.zero > 0 && cfg.snapshot_every > 0) {
-    throw GraphError(
-        "checkpoints under zero are not written yet (each replica holds a shard of the optimizer "
-        "state); resume a zero job from a checkpoint of plain dp, or train without --zero");
-  }
   if (cfg.zero == 2 && cfg.grad_compression != "none") {
     throw GraphError(fmt::format(
         "grad compression '{}' with zero 2: the reduce-scattered shards would be in bf16; use "

@@ -67,7 +67,9 @@ class VariableKernel final : public Kernel {
         snapshots_(std::move(snapshots)),
         window_(window),
         weights_(weights),
-        n_(static_cast<std::size_t>(master_.numel())) {
+        n_(static_cast<std::size_t>(master_.numel())),
+        shape_(master_.shape()),
+        dtype_(master_.dtype()) {
     const std::size_t n = n_;
     if (cfg_.kind == OptimizerConfig::Kind::sgd) {
       if (cfg_.momentum != 0.0) m_.assign(n, T(0));
@@ -191,7 +193,7 @@ class VariableKernel final : public Kernel {
 
   void hand_over(std::int64_t step, std::span<const T> w) {
     auto copy_of = [&](std::span<const T> from) {
-      Tensor t = Tensor::empty(master_.shape(), master_.dtype());
+      Tensor t = Tensor::empty(shape_, dtype_);  // master_ is gone when the weights are read
       std::copy(from.begin(), from.end(), t.data<T>().begin());
       return t;
     };
@@ -208,6 +210,8 @@ class VariableKernel final : public Kernel {
   GradientWindow window_;
   WeightWindow weights_;
   std::size_t n_;  // the elements it updates
+  Shape shape_;    // the master's
+  DType dtype_;
   std::vector<T> m_, v_, scaled_;
 };
 

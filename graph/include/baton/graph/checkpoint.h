@@ -9,6 +9,12 @@
 ///                                         optimizer slots ("fc0.w#exp_avg", torch.optim's names)
 ///   D/step-00000010/rank1.safetensors     ... one file per rank that trains weights
 ///
+/// Under ZeRO each replica's optimizer holds a window of its bucket's weights and their slots,
+/// so each rank saves its windows: the weights they hold whole, and the weights that straddle
+/// a window's edge as pieces ("fc0.w@0:96", elements [0, 96) of the flattened weight, 1-D, and
+/// "fc0.w@0:96#exp_avg"), listed under "pieces" in the index. load() puts the pieces back
+/// together, so a checkpoint resumes under any dp, pp, number of ranks or ZeRO stage.
+///
 /// How a consistent snapshot is taken without stopping the stream: each of replica 0's variable
 /// actors copies its weight and slots right after it applies a checkpoint step's update
 /// (TrainConfig::on_snapshot). That state is exactly what the next step starts from, whatever
@@ -31,7 +37,7 @@
 ///   cfg.snapshot_every = 100;
 ///   cfg.on_snapshot = writer->hook();
 ///   TrainingJob job = compile_training(g, loss, cfg);
-///   writer->expect(job.trained);
+///   writer->expect(job.snapshots);
 ///   ... run the job ...
 ///   writer->finish();   // the last checkpoint is on disk (or its error thrown)
 ///
@@ -91,9 +97,9 @@ class Writer : public std::enable_shared_from_this<Writer> {
   ~Writer();
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
-  /// After compile_training: replica 0's trained variables and where each runs
-  /// (TrainingJob::trained). This rank writes those placed on it; the index lists them all.
-  void expect(const std::map<std::string, Placement>& trained);
+  /// After compile_training: what each checkpoint step's snapshots are and where each is taken
+  /// (TrainingJob::snapshots). This rank writes those taken on it; the index lists them all.
+  void expect(const std::vector<SnapshotPart>& parts);
   /// For TrainConfig::on_snapshot (holds this writer alive).
   std::function<void(VariableSnapshot)> hook();
   /// One variable's state after a step. Throws (failing the job, on that actor) if an earlier
@@ -111,8 +117,9 @@ class Writer : public std::enable_shared_from_this<Writer> {
   void writer_loop();
 
   Settings settings_;
-  std::map<std::string, Placement> trained_;
-  std::size_t mine_ = 0;  // variables this rank snapshots
+  std::vector<SnapshotPart> parts_;
+  std::map<std::string, std::uint32_t> rank_of_;  // a part's tensor name -> its rank
+  std::size_t mine_ = 0;                          // parts this rank snapshots
   bool index_writer_ = false;
   mutable std::mutex mutex_;
   std::map<std::int64_t, std::vector<VariableSnapshot>> pending_;

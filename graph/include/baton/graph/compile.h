@@ -59,12 +59,26 @@ using OptimizerState = std::map<std::string, std::map<std::string, Tensor>>;
 
 /// A trained weight as its variable actor hands it over after a checkpoint step's update
 /// (TrainConfig::on_snapshot): copies of the weight and its optimizer slots, so the job runs on
-/// while they are written.
+/// while they are written. Under ZeRO an optimizer holds a window of its bucket's weights, so
+/// a weight that straddles two replicas' windows comes as two pieces: elements [begin, end) of
+/// the flattened weight, as 1-D tensors (end -1: the whole weight, in its own shape).
 struct VariableSnapshot {
   std::string name;
   std::int64_t step = 0;
   Tensor weight;
   std::map<std::string, Tensor> slots;
+  std::int64_t begin = 0, end = -1;
+};
+
+/// What one snapshot holds (TrainingJob::snapshots): a whole weight (end -1) or elements
+/// [begin, end) of it, and the rank whose actor takes it (and whose checkpoint file holds it).
+struct SnapshotPart {
+  std::string name;
+  std::int64_t begin = 0, end = -1;
+  Shape shape;  // the whole weight's
+  DType dtype = DType::f32;
+  std::uint32_t rank = 0;
+  bool whole() const { return end < 0; }
 };
 
 /// The learning rate of optimizer step `step` (1-based) of `total_steps`: the warm-up and the
@@ -201,8 +215,9 @@ struct TrainConfig {
   std::int64_t first_step = 0;
   std::shared_ptr<const OptimizerState> optimizer_state;
   /// Checkpoints: after the update of each step s with s % snapshot_every == 0, and of the last
-  /// step, each of replica 0's trained variable actors hands `on_snapshot` a copy of its weight
-  /// and slots, on its own worker thread. The snapshot is taken in the stream, without a pause
+  /// step, each of replica 0's trained variable actors (under ZeRO: every replica's sharded
+  /// optimizer, a snapshot per weight its window holds, TrainingJob::snapshots) hands
+  /// `on_snapshot` a copy of its weight and slots, on its own worker thread. The snapshot is taken in the stream, without a pause
   /// or a barrier: a variable actor's state after step s's update is exactly what step s + 1
   /// starts from, whatever the other actors are doing, so the copies of one step form a
   /// consistent state even though they are taken at different moments. 0: no snapshots.
@@ -234,9 +249,11 @@ struct TrainingJob {
   KernelRegistry kernels;
   std::shared_ptr<ParameterStore> params;
   std::shared_ptr<LossLog> losses;
-  /// Replica 0's trained variables and where each is trained: the rank whose snapshots (and
-  /// checkpoint file) hold it.
+  /// Replica 0's trained variables and where each is trained.
   std::map<std::string, Placement> trained;
+  /// What the snapshots of a checkpoint step are, and on which rank each is taken: each trained
+  /// weight whole, or under ZeRO the pieces the replicas' windows cut it into.
+  std::vector<SnapshotPart> snapshots;
 };
 
 /// Compiles the training of `loss` (a scalar) over every trainable variable it depends on.
