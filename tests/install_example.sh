@@ -61,5 +61,9 @@ last=$(awk '$1 == "step" && $2 == 299 { print $4 }' "$out")
 # Three balanced classes start near ln 3 = 1.10; after 300 Adam steps on separable synthetic
 # data it is far below. Half the first loss leaves room for any BLAS kernel's rounding.
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < 0.5 * a) }' || fail "hello_mlp did not train: loss $first -> $last"
-echo "install.example: built against $prefix, trained: loss $first -> $last"
+# custom_op registers an op of its own (op_registry.h) and trains through it; it exits 1 if its
+# loss did not halve.
+"$work/build/custom_op" >"$work/custom_op.out" 2>&1 || { cat "$work/custom_op.out" >&2; fail "custom_op did not train"; }
+cat "$work/custom_op.out"
+echo "install.example: built against $prefix, trained: loss $first -> $last; an op of its own registered and trained"
 rm -rf "$prefix"

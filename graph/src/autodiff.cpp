@@ -5,7 +5,9 @@
 
 #include <fmt/format.h>
 
+#include "baton/graph/op_registry.h"
 #include "baton/graph/ops.h"
+#include "builtin_gradients.h"
 
 namespace baton {
 
@@ -31,132 +33,161 @@ Value shared_grad_op(const char* op, std::vector<Value> inputs, const Attrs& att
   return g.add(op, std::move(inputs), attrs, std::move(shape), dtype);
 }
 
-[[noreturn]] void no_gradient(const Node& n, std::size_t input, const Graph& g) {
-  throw GraphError(fmt::format("op '{}' ('{}') has no gradient with respect to its input {} ('{}'), which the loss "
-                               "needs to differentiate",
-                               n.op, n.name, input, g.node(n.inputs[input]).name));
-}
+}  // namespace
 
-// The gradient of node `y` = op(inputs) with respect to input `i`, given dy.
-Value input_gradient(Value y, std::size_t i, Value dy) {
-  Graph& g = y.graph();
-  const Node n = y.node();  // a copy: the ops below add nodes, which may move the node vector
-  const std::string& op = n.op;
-  auto in = [&](std::size_t k) { return g.value(n.inputs[k]); };
-  Value x = in(i);
+namespace detail {
 
-  if (op == "cast") return cast(dy, x.dtype());
-  if (op == "add") return sum_to(dy, x.shape());
-  if (op == "sub") return sum_to(i == 0 ? dy : -dy, x.shape());
-  if (op == "mul") return sum_to(dy * in(1 - i), x.shape());
-  if (op == "div") {
-    if (i == 0) return sum_to(dy / in(1), x.shape());
-    return sum_to(-(dy * y / in(1)), x.shape());
-  }
-  if (op == "scale") return scale(dy, n.attrs.get_double("value", 1.0));
-  if (op == "matmul") {
-    const bool ta = n.attrs.get_int("trans_a", 0) != 0;
-    const bool tb = n.attrs.get_int("trans_b", 0) != 0;
-    Value a = in(0), b = in(1);
-    const bool shared_b = b.rank() == 2 && a.rank() > 2;
-    if (i == 0) {
+// The built-in ops' gradient rules, for the op table (op_registry.cpp): each gives
+// dL/d(inputs[input]) of y = op(inputs) from dL/dy.
+std::vector<std::pair<std::string, GradientRule>> builtin_gradient_rules() {
+  std::vector<std::pair<std::string, GradientRule>> rules;
+  auto rule = [&](std::initializer_list<const char*> ops, GradientRule f) {
+    for (const char* op : ops) rules.emplace_back(op, f);
+  };
+  // y = f(x) whose gradient is one op on (x or y, dy), with the forward node's attributes.
+  auto unary = [&](const char* op, const char* grad_op, bool of_y, bool with_attrs) {
+    rule({op}, [=](const GradientArgs& a) {
+      return add_grad_op(grad_op, {of_y ? a.y : a.x(), a.dy}, with_attrs ? a.attrs : Attrs{}, a.x());
+    });
+  };
+  rule({"cast"}, [](const GradientArgs& a) { return cast(a.dy, a.x().dtype()); });
+  rule({"add"}, [](const GradientArgs& a) { return sum_to(a.dy, a.x().shape()); });
+  rule({"sub"}, [](const GradientArgs& a) { return sum_to(a.input == 0 ? a.dy : -a.dy, a.x().shape()); });
+  rule({"mul"}, [](const GradientArgs& a) { return sum_to(a.dy * a.inputs[1 - a.input], a.x().shape()); });
+  rule({"div"}, [](const GradientArgs& a) {
+    if (a.input == 0) return sum_to(a.dy / a.inputs[1], a.x().shape());
+    return sum_to(-(a.dy * a.y / a.inputs[1]), a.x().shape());
+  });
+  rule({"scale"}, [](const GradientArgs& a) { return scale(a.dy, a.attrs.get_double("value", 1.0)); });
+  rule({"matmul"}, [](const GradientArgs& a) {
+    const bool ta = a.attrs.get_int("trans_a", 0) != 0;
+    const bool tb = a.attrs.get_int("trans_b", 0) != 0;
+    const Value& x = a.inputs[0];
+    const Value& b = a.inputs[1];
+    const Value& dy = a.dy;
+    const bool shared_b = b.rank() == 2 && x.rank() > 2;
+    if (a.input == 0) {
       if (!ta) return matmul(dy, b, false, !tb);
-      if (shared_b) no_gradient(n, i, g);
+      if (shared_b) a.none();
       return matmul(b, dy, tb, true);
     }
     if (shared_b) {
-      if (ta) no_gradient(n, i, g);
+      if (ta) a.none();
       // dB sums over every batch row: fold the batch into the rows first.
-      Value a2 = reshape(a, {-1, a.dim(-1)});
+      Value a2 = reshape(x, {-1, x.dim(-1)});
       Value dy2 = reshape(dy, {-1, dy.dim(-1)});
       return tb ? matmul(dy2, a2, true, false) : matmul(a2, dy2, true, false);
     }
-    return tb ? matmul(dy, a, true, ta) : matmul(a, dy, !ta, false);
-  }
-  if (op == "relu" || op == "gelu") return add_grad_op(op == "relu" ? "relu_grad" : "gelu_grad", {x, dy}, {}, x);
-  if (op == "bias_gelu") {
+    return tb ? matmul(dy, x, true, ta) : matmul(x, dy, !ta, false);
+  });
+  unary("relu", "relu_grad", false, false);
+  unary("gelu", "gelu_grad", false, false);
+  rule({"bias_gelu"}, [](const GradientArgs& a) {
     // One node for both inputs: d/dx, and its column sums for the bias.
-    Value dx = shared_grad_op("bias_gelu_grad", {in(0), in(1), dy}, {}, in(0).shape(), in(0).dtype(), y);
-    return i == 0 ? dx : sum_to(dx, x.shape());
-  }
-  if (op == "attention") {
+    const Value& x = a.inputs[0];
+    Value dx = shared_grad_op("bias_gelu_grad", {x, a.inputs[1], a.dy}, {}, x.shape(), x.dtype(), a.y);
+    return a.input == 0 ? dx : sum_to(dx, a.x().shape());
+  });
+  rule({"attention"}, [](const GradientArgs& a) {
     // One node gives dq, dk and dv side by side along the last axis; input i's is its slice.
-    const std::int64_t d = x.dim(-1);
-    Shape packed = x.shape();
+    const std::int64_t d = a.x().dim(-1);
+    Shape packed = a.x().shape();
     packed.back() *= 3;
-    Value grads = shared_grad_op("attention_grad", {in(0), in(1), in(2), y, dy}, n.attrs, packed, x.dtype(), y);
-    const auto k = static_cast<std::int64_t>(i);
+    Value grads = shared_grad_op("attention_grad", {a.inputs[0], a.inputs[1], a.inputs[2], a.y, a.dy}, a.attrs,
+                                 packed, a.x().dtype(), a.y);
+    const auto k = static_cast<std::int64_t>(a.input);
     return slice(grads, -1, k * d, (k + 1) * d);
-  }
-  if (op == "tanh" || op == "sigmoid") return add_grad_op(op == "tanh" ? "tanh_grad" : "sigmoid_grad", {y, dy}, {}, x);
-  if (op == "exp") return dy * y;
-  if (op == "log") return dy / x;  // NaN where x < 0, as the forward
-  if (op == "sqrt" || op == "rsqrt") return add_grad_op(op == "sqrt" ? "sqrt_grad" : "rsqrt_grad", {y, dy}, {}, x);
-  if (op == "silu") return add_grad_op("silu_grad", {x, dy}, {}, x);
-  if (op == "pow") return add_grad_op("pow_grad", {x, dy}, n.attrs, x);
-  if (op == "rms_norm") {
-    if (i == 0) return add_grad_op("rms_norm_grad", {in(0), in(1), dy}, n.attrs, x);
-    return add_grad_op("rms_norm_grad_weight", {in(0), dy}, n.attrs, x);
-  }
-  if (op == "rope") return add_grad_op("rope_grad", {dy}, n.attrs, x);
-  if (op == "softmax" || op == "log_softmax") {
-    return add_grad_op(op == "softmax" ? "softmax_grad" : "log_softmax_grad", {y, dy}, {}, x);
-  }
-  if (op == "softmax_cross_entropy") {
-    if (i == 1) no_gradient(n, i, g);
-    return add_grad_op("softmax_cross_entropy_grad", {in(0), in(1), dy}, {}, x);
-  }
-  if (op == "mse") {
-    Value d = add_grad_op("mse_grad", {in(0), in(1), dy}, {}, in(0));
-    return i == 0 ? d : -d;
-  }
-  if (op == "reshape") return reshape(dy, x.shape());
-  if (op == "transpose") {
-    auto perm = std::get<std::vector<std::int64_t>>(n.attrs.values().at("perm"));
+  });
+  unary("tanh", "tanh_grad", true, false);
+  unary("sigmoid", "sigmoid_grad", true, false);
+  rule({"exp"}, [](const GradientArgs& a) { return a.dy * a.y; });
+  rule({"log"}, [](const GradientArgs& a) { return a.dy / a.x(); });  // NaN where x < 0, as the forward
+  unary("sqrt", "sqrt_grad", true, false);
+  unary("rsqrt", "rsqrt_grad", true, false);
+  unary("silu", "silu_grad", false, false);
+  unary("pow", "pow_grad", false, true);
+  rule({"rms_norm"}, [](const GradientArgs& a) {
+    if (a.input == 0) return add_grad_op("rms_norm_grad", {a.inputs[0], a.inputs[1], a.dy}, a.attrs, a.x());
+    return add_grad_op("rms_norm_grad_weight", {a.inputs[0], a.dy}, a.attrs, a.x());
+  });
+  rule({"rope"}, [](const GradientArgs& a) { return add_grad_op("rope_grad", {a.dy}, a.attrs, a.x()); });
+  unary("softmax", "softmax_grad", true, false);
+  unary("log_softmax", "log_softmax_grad", true, false);
+  rule({"softmax_cross_entropy"}, [](const GradientArgs& a) {
+    if (a.input == 1) a.none();
+    return add_grad_op("softmax_cross_entropy_grad", {a.inputs[0], a.inputs[1], a.dy}, {}, a.x());
+  });
+  rule({"mse"}, [](const GradientArgs& a) {
+    Value d = add_grad_op("mse_grad", {a.inputs[0], a.inputs[1], a.dy}, {}, a.inputs[0]);
+    return a.input == 0 ? d : -d;
+  });
+  rule({"reshape"}, [](const GradientArgs& a) { return reshape(a.dy, a.x().shape()); });
+  rule({"transpose"}, [](const GradientArgs& a) {
+    auto perm = std::get<std::vector<std::int64_t>>(a.attrs.values().at("perm"));
     std::vector<std::int64_t> inverse(perm.size());
     for (std::size_t k = 0; k < perm.size(); ++k) inverse[static_cast<std::size_t>(perm[k])] = static_cast<std::int64_t>(k);
-    return transpose(dy, inverse);
-  }
-  if (op == "sum" || op == "mean") {
-    auto axes = std::get<std::vector<std::int64_t>>(n.attrs.values().at("axes"));
-    Shape kept = x.shape();
+    return transpose(a.dy, inverse);
+  });
+  rule({"sum", "mean"}, [](const GradientArgs& a) {
+    auto axes = std::get<std::vector<std::int64_t>>(a.attrs.values().at("axes"));
+    Shape kept = a.x().shape();
     std::int64_t count = 1;
-    for (auto a : axes) {
-      count *= kept[static_cast<std::size_t>(a)];
-      kept[static_cast<std::size_t>(a)] = 1;
+    for (auto ax : axes) {
+      count *= kept[static_cast<std::size_t>(ax)];
+      kept[static_cast<std::size_t>(ax)] = 1;
     }
-    Value d = broadcast_to(dy.shape() == kept ? dy : reshape(dy, kept), x.shape());
-    return op == "mean" ? scale(d, 1.0 / static_cast<double>(count)) : d;
-  }
-  if (op == "layer_norm") return add_grad_op("layer_norm_grad", {x, dy}, Attrs{{"eps", n.attrs.get_double("eps", 1e-5)}}, x);
-  if (op == "embedding") {
-    if (i == 1) no_gradient(n, i, g);
-    return add_grad_op("embedding_grad", {in(1), dy}, n.attrs, x);  // a vocabulary shard's rows
-  }
+    Value d = broadcast_to(a.dy.shape() == kept ? a.dy : reshape(a.dy, kept), a.x().shape());
+    return a.y.node().op == "mean" ? scale(d, 1.0 / static_cast<double>(count)) : d;
+  });
+  rule({"layer_norm"}, [](const GradientArgs& a) {
+    return add_grad_op("layer_norm_grad", {a.x(), a.dy}, Attrs{{"eps", a.attrs.get_double("eps", 1e-5)}}, a.x());
+  });
+  rule({"embedding"}, [](const GradientArgs& a) {
+    if (a.input == 1) a.none();
+    return add_grad_op("embedding_grad", {a.inputs[1], a.dy}, a.attrs, a.x());  // a vocabulary shard's rows
+  });
   // The row maximum (input 2 of the stats, 1 of the loss) only shifts the exponents; the loss
   // does not depend on it, and vocab_parallel_cross_entropy passes it through stop_gradient.
-  if (op == "vocab_parallel_ce_stats") {
-    if (i != 0) no_gradient(n, i, g);
-    return add_grad_op("vocab_parallel_ce_stats_grad", {in(0), in(1), in(2), dy}, n.attrs, x);
-  }
-  if (op == "vocab_parallel_ce_loss") {
-    if (i != 0) no_gradient(n, i, g);
-    return add_grad_op("vocab_parallel_ce_loss_grad", {in(0), dy}, {}, x);
-  }
-  if (op == "causal_mask") return add_grad_op("causal_mask", {dy}, Attrs{{"value", 0.0}}, x);
-  if (op == "dropout") return add_grad_op("dropout", {dy}, n.attrs, x);
-  if (op == "slice") {
-    return add_grad_op("slice_grad", {dy}, Attrs{{"axis", n.attrs.get_int("axis", 0)}, {"start", n.attrs.get_int("start", 0)}}, x);
-  }
-  if (op == "concat") {
-    const auto axis = n.attrs.get_int("axis", 0);
+  rule({"vocab_parallel_ce_stats"}, [](const GradientArgs& a) {
+    if (a.input != 0) a.none();
+    return add_grad_op("vocab_parallel_ce_stats_grad", {a.inputs[0], a.inputs[1], a.inputs[2], a.dy}, a.attrs, a.x());
+  });
+  rule({"vocab_parallel_ce_loss"}, [](const GradientArgs& a) {
+    if (a.input != 0) a.none();
+    return add_grad_op("vocab_parallel_ce_loss_grad", {a.inputs[0], a.dy}, {}, a.x());
+  });
+  rule({"causal_mask"}, [](const GradientArgs& a) { return add_grad_op("causal_mask", {a.dy}, Attrs{{"value", 0.0}}, a.x()); });
+  rule({"dropout"}, [](const GradientArgs& a) { return add_grad_op("dropout", {a.dy}, a.attrs, a.x()); });
+  rule({"slice"}, [](const GradientArgs& a) {
+    return add_grad_op("slice_grad", {a.dy},
+                       Attrs{{"axis", a.attrs.get_int("axis", 0)}, {"start", a.attrs.get_int("start", 0)}}, a.x());
+  });
+  rule({"concat"}, [](const GradientArgs& a) {
+    const auto axis = a.attrs.get_int("axis", 0);
     std::int64_t offset = 0;
-    for (std::size_t k = 0; k < i; ++k) offset += g.node(n.inputs[k]).shape[static_cast<std::size_t>(axis)];
-    return slice(dy, axis, offset, offset + x.shape()[static_cast<std::size_t>(axis)]);
-  }
-  if (op == "sum_to") return broadcast_to(dy, x.shape());
-  if (op == "broadcast_to") return sum_to(dy, x.shape());
-  no_gradient(n, i, g);
+    for (std::size_t k = 0; k < a.input; ++k) offset += a.inputs[k].shape()[static_cast<std::size_t>(axis)];
+    return slice(a.dy, axis, offset, offset + a.x().shape()[static_cast<std::size_t>(axis)]);
+  });
+  rule({"sum_to"}, [](const GradientArgs& a) { return broadcast_to(a.dy, a.x().shape()); });
+  rule({"broadcast_to"}, [](const GradientArgs& a) { return sum_to(a.dy, a.x().shape()); });
+  return rules;
+}
+
+}  // namespace detail
+
+namespace {
+
+// The gradient of node `y` = op(inputs) with respect to input `i`, given dy: the op's rule in
+// the op table (op_registry.h), built-in or registered.
+Value input_gradient(Value y, std::size_t i, Value dy) {
+  Graph& g = y.graph();
+  const Node n = y.node();  // a copy: the rule adds nodes, which may move the node vector
+  std::vector<Value> inputs;
+  for (int id : n.inputs) inputs.push_back(g.value(id));
+  const GradientArgs a{.y = y, .inputs = inputs, .attrs = n.attrs, .input = i, .dy = dy};
+  const OpDef* def = find_op(n.op);
+  if (def == nullptr || !def->gradient) a.none();
+  return def->gradient(a);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // already are. It does not look ahead (an op whose P output a later op must all-reduce is not
 // charged for that).
 #include "baton/graph/sharding.h"
+#include "baton/graph/op_registry.h"
 
 #include <algorithm>
 #include <cstring>
@@ -180,6 +181,8 @@ Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given,
     matmul_rules(c, n);
   } else if (one_of(op, {"add", "sub", "mul", "div", "maximum"})) {
     elementwise_rules(c, n, given);
+  } else if (const OpDef* def = find_op(op); def != nullptr && def->elementwise) {
+    elementwise_rules(c, n, given);  // a registered op that says it is elementwise (op_registry.h)
   } else if (one_of(op, {"relu", "gelu", "tanh", "sigmoid", "scale", "stop_gradient", "cast", "exp", "log", "sqrt",
                          "rsqrt", "pow", "silu"})) {
     if (x.is_split()) c.add1(x, x);

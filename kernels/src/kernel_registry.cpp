@@ -1,3 +1,4 @@
+#include <mutex>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -26,10 +27,13 @@ void KernelRegistry::add(std::string op, DeviceType device, DType dtype, KernelF
   factories_[Key{std::move(op), device, dtype}] = std::move(factory);
 }
 
+KernelFactory kernel_of(std::function<void(KernelContext&)> fn) {
+  return [fn = std::move(fn)](const KernelConfig&) { return std::make_unique<FunctionKernel>(fn); };
+}
+
 void KernelRegistry::add_fn(std::string op, DeviceType device, DType dtype,
                             std::function<void(KernelContext&)> fn) {
-  add(std::move(op), device, dtype,
-      [fn = std::move(fn)](const KernelConfig&) { return std::make_unique<FunctionKernel>(fn); });
+  add(std::move(op), device, dtype, kernel_of(std::move(fn)));
 }
 
 bool KernelRegistry::contains(std::string_view op, DeviceType device, DType dtype) const {
@@ -92,8 +96,35 @@ std::string KernelRegistry::describe() const {
   return out;
 }
 
+bool KernelRegistry::contains_op(std::string_view op) const {
+  auto it = factories_.lower_bound(std::make_tuple(std::string(op), DeviceType{}, DType{}));
+  return it != factories_.end() && std::get<0>(it->first) == op;
+}
+
+namespace {
+struct ProcessWide {
+  std::mutex mutex;
+  std::vector<std::tuple<std::string, DeviceType, DType, KernelFactory>> kernels;
+};
+ProcessWide& process_wide() {
+  static ProcessWide p;
+  return p;
+}
+}  // namespace
+
+void KernelRegistry::add_process_wide(std::string op, DeviceType device, DType dtype, KernelFactory factory) {
+  ProcessWide& p = process_wide();
+  std::lock_guard lock(p.mutex);
+  p.kernels.emplace_back(std::move(op), device, dtype, std::move(factory));
+}
+
 KernelRegistry KernelRegistry::with_builtin_kernels() {
   KernelRegistry reg;
+  {
+    ProcessWide& p = process_wide();
+    std::lock_guard lock(p.mutex);
+    for (const auto& [op, device, dtype, factory] : p.kernels) reg.add(op, device, dtype, factory);
+  }
   add_cpu_kernels(reg);
   add_cpu_tensor_ops(reg);
   add_cpu_nn_ops(reg);

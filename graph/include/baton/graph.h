@@ -5,6 +5,7 @@
 #include "baton/graph/collectives.h"
 #include "baton/graph/compile.h"
 #include "baton/graph/graph.h"
+#include "baton/graph/op_registry.h"
 #include "baton/graph/ops.h"
 #include "baton/graph/passes.h"
 #include "baton/graph/profile.h"

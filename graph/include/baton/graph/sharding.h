@@ -55,7 +55,8 @@ struct Signature {
 ///   matmul       B x B -> B; S(m) x B -> S; B x S(n) -> S(last); S(k) x S(k) -> P;
 ///                S(batch) x B (or x S(batch)) -> S(batch); P x B -> P; B x P -> P
 ///   elementwise  (add, sub, mul, div, maximum; unary relu, gelu, tanh, sigmoid, scale,
-///                stop_gradient) S(a) stays S(a); an input that broadcasts over a is B;
+///                stop_gradient; registered ops that say so, op_registry.h) S(a) stays S(a);
+///                an input that broadcasts over a is B;
 ///                P + P -> P, P - P -> P, P * B, B * P, P / B, scale(P) -> P; P + B boxes P to B
 ///   softmax, log_softmax, layer_norm   S on any axis but the last
 ///   causal_mask  S on any axis but the last two

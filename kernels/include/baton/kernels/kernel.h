@@ -77,6 +77,9 @@ struct KernelConfig {
 
 using KernelFactory = std::function<std::unique_ptr<Kernel>(const KernelConfig&)>;
 
+/// The factory of a stateless kernel: each actor's kernel calls `fn`.
+KernelFactory kernel_of(std::function<void(KernelContext&)> fn);
+
 /// Kernels by (op, device type, dtype). A registry is a plain object: build one with the
 /// built-in kernels and add your own (tests add checking kernels this way).
 ///
@@ -90,14 +93,20 @@ class KernelRegistry {
               std::function<void(KernelContext&)> fn);
 
   bool contains(std::string_view op, DeviceType device, DType dtype) const;
+  /// Whether any variant of `op` is registered.
+  bool contains_op(std::string_view op) const;
   /// Makes the kernel for an actor; throws std::invalid_argument naming the op, device and
   /// dtype, and the variants that do exist, if there is none.
   std::unique_ptr<Kernel> create(std::string_view op, const KernelConfig& cfg) const;
   /// "add: cpu/f32 cpu/f64 ..." one line per op.
   std::string describe() const;
 
-  /// A registry holding every built-in kernel (builtin_kernels.cpp lists them).
+  /// A registry holding every built-in kernel (builtin_kernels.cpp lists them), and the
+  /// kernels added process-wide (add_process_wide).
   static KernelRegistry with_builtin_kernels();
+  /// Adds a kernel to every registry with_builtin_kernels() makes from now on (the kernels of
+  /// an op a user registers, baton/graph/op_registry.h). Thread-safe.
+  static void add_process_wide(std::string op, DeviceType device, DType dtype, KernelFactory factory);
 
  private:
   using Key = std::tuple<std::string, DeviceType, DType>;
