@@ -334,6 +334,7 @@ case "$cmd" in
     bench_packages=()
     [ "$name" = train ] && bench_packages+=(python3-torch libtorch-dev)
     [ "$name" = memory ] && bench_packages+=(python3-torch)
+    [ "$name" = data ] && bench_packages+=(python3-torch python3-numpy)
     if [ "$name" = gpu ] && ! python3 -c "import torch" >/dev/null 2>&1; then bench_packages+=(python3-torch); fi
     if [ ${#bench_packages[@]} -gt 0 ]; then
       had="$(dpkg-query -W -f='${Status}\n' "${bench_packages[@]}" 2>/dev/null | grep -c "install ok installed" || true)"

@@ -190,8 +190,7 @@ struct Run {
 class Processes {
  public:
   Processes(std::string baton_train, int repeats) : baton_train_(std::move(baton_train)), repeats_(repeats) {
-    std::string python = "/usr/bin/python3";  // Debian's, where python3-torch lives (not a pyenv one)
-    if (const char* env = std::getenv("BATON_PYTHON"); env != nullptr && *env != '\0') python = env;
+    const std::string python = bench::reference_python();
     auto [status, out] = bench::run_capture(
         fmt::format("timeout 120 {} -c 'import torch; print(torch.__version__)' 2>&1", bench::shell_quote(python)));
     if (status != 0) {

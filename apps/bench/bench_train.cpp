@@ -288,14 +288,7 @@ class Reference {
   static Reference pytorch() {
     Reference r;
     r.name_ = "pytorch";
-    std::string python;
-    if (const char* env = std::getenv("BATON_PYTHON"); env != nullptr && *env != '\0') {
-      python = env;
-    } else if (::access("/usr/bin/python3", X_OK) == 0) {
-      python = "/usr/bin/python3";  // Debian's, where python3-torch lives (not a pyenv one)
-    } else {
-      python = "python3";
-    }
+    const std::string python = bench::reference_python();
     std::vector<std::string> candidates;
     if (const char* env = std::getenv("BATON_TORCH_REFERENCE"); env != nullptr && *env != '\0') {
       candidates.emplace_back(env);

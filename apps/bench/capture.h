@@ -60,6 +60,15 @@ inline std::string executable_dir() {
   return ec ? std::string(".") : p.parent_path().string();
 }
 
+/// The Python that runs the benchmarks' PyTorch and numpy peers: $BATON_PYTHON if set, else
+/// Debian's /usr/bin/python3 (where python3-torch and python3-numpy live, not a pyenv one on
+/// PATH), else python3.
+inline std::string reference_python() {
+  if (const char* env = std::getenv("BATON_PYTHON"); env != nullptr && *env != '\0') return env;
+  if (std::filesystem::exists("/usr/bin/python3")) return "/usr/bin/python3";
+  return "python3";
+}
+
 /// A benchmark's reference script `name` (e.g. "gpt_torch.py"): the path in $`env_var` if set,
 /// else the first that exists of the program's own folder (a GPU bundle ships the scripts beside
 /// the binaries), the source tree (BATON_SOURCE_DIR, where the target defines it) and the tree
