@@ -142,7 +142,7 @@ build() {
 # sanitizers' reports name file, line and function from them, and full -g costs compile and
 # link time for nothing the reports print.
 sanitizer_debug_flags="-O2 -g1 -DNDEBUG"
-asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-sample-tests baton-skip-selftest hello_mlp)
+asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-sample-tests baton-skip-selftest hello_mlp custom_op)
 
 sanitize() {
   install_missing python3  # the checkpoint test's independent reader (a failure under CI without it)

@@ -401,19 +401,337 @@ void print_memory(const Plan& plan, bool json) {
   fmt::print("{{\"memory\": [{}]}}\n", fmt::join(devices, ", "));
 }
 
+/// --init-from's file, read once into `init`: the options with --positions taken from it where a
+/// GPT-2's position table says how many it has.
+Options read_init_from(const Options& given, std::optional<safetensors::Contents>& init) {
+  Options o = given;
+  if (o.init_from.empty()) return o;
+  if (!o.resume.empty()) {
+    throw std::invalid_argument("--init-from and --resume: a resumed run has its checkpoint's weights; give one");
+  }
+  init = safetensors::read(o.init_from);
+  const Tensor* wpe = init->find("wpe.weight") != nullptr ? init->find("wpe.weight") : init->find("transformer.wpe.weight");
+  if (o.model == "gpt2" && o.positions == 0 && wpe != nullptr && wpe->shape().size() == 2) o.positions = wpe->dim(0);
+  return o;
+}
+
+/// A stage is at least one layer: a finer cut would split a layer's ops over devices, which
+/// only adds transfers. Refused here, where the model's layers are known.
+void check_stages(const Options& o) {
+  const std::int64_t model_layers = o.model == "mlp" ? o.layers + 1 : o.layers + 2;
+  if (o.pp > model_layers) {
+    throw std::invalid_argument(fmt::format(
+        "--pp {} is more stages than the {} has layers: {} ({}); use --pp {} or fewer, or more --layers", o.pp, o.model,
+        model_layers,
+        o.model == "mlp" ? fmt::format("{} hidden and the output layer", o.layers)
+                         : fmt::format("the embedding, {} blocks and the head", o.layers),
+        model_layers));
+  }
+}
+
+/// Where the replicas run (replica_places), with the CUDA devices this rank uses checked before
+/// anything is built.
+std::vector<Placement> checked_places(const Options& o, const JobEnvironment& env) {
+  std::vector<Placement> places = replica_places(o, env);  // also checks --devices
+  if (env.distributed() && o.devices.starts_with("cuda:") && o.devices.find(',') == std::string::npos &&
+      std::getenv("CUDA_VISIBLE_DEVICES") == nullptr) {
+    // cuda:K on each of several ranks: every rank's plan says cuda:0 .. cuda:K-1 (the plan is
+    // the same on every rank), and each process on a host sees its own K GPUs as those, as
+    // torchrun users pin cuda:LOCAL_RANK. Set before the first CUDA call reads it.
+    const int k = std::stoi(o.devices.substr(5));
+    std::string visible;
+    for (int i = 0; i < k; ++i) visible += fmt::format("{}{}", i == 0 ? "" : ",", static_cast<int>(env.local_rank) * k + i);
+    ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
+  }
+  for (const Placement& p : places) {
+    if (p.device.type != DeviceType::cuda || p.rank != env.rank || !o.print_plan.empty() || o.print_memory) continue;
+    // Said before anything is built, rather than by the first allocation on the device (a
+    // plan can be printed anywhere).
+    const cuda::Availability& a = cuda::availability();
+    if (!a.ok) throw std::invalid_argument(fmt::format("--devices {}: {} cannot be used here: {}", o.devices, p.device.str(), a.reason));
+    if (p.device.index >= a.devices) {
+      throw std::invalid_argument(fmt::format("--devices {}: {} does not exist; this machine has {} CUDA device{}",
+                                              o.devices, p.device.str(), a.devices, a.devices == 1 ? "" : "s"));
+    }
+  }
+  return places;
+}
+
+/// The training settings the options give (checkpoints and resuming apart).
+TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data& d) {
+  const std::int64_t pieces = o.dp * o.microbatches;  // micro-batches of a step, over all replicas
+  TrainConfig cfg;
+  cfg.steps = o.steps;
+  cfg.microbatches = o.microbatches;
+  cfg.optimizer = optimizer(o);
+  cfg.threads = o.threads;
+  if (o.blas_threads > 0) set_blas_threads(o.blas_threads);
+  cfg.recompute = o.recompute;
+  cfg.dp = o.dp;
+  cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
+  cfg.collectives = o.collectives;
+  cfg.grad_compression = o.grad_compression;
+  cfg.zero = o.zero;
+  check_stages(o);
+  cfg.pp = o.pp;
+  cfg.tp = static_cast<int>(o.tp);
+  cfg.schedule = o.schedule;
+  cfg.balance = o.balance;
+  if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed() || !o.devices.empty()) cfg.replica_places = checked_places(o, env);
+  if (o.model != "mlp" && d.tokens) {
+    cfg.data = {{"tokens", data::token_source(d.tokens, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
+  } else if (o.model != "mlp") {
+    cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
+  } else {
+    cfg.data = {{o.data, data::batch_source(d.train, o.batch, pieces, o.seed), {"x", "label"}}};
+  }
+  cfg.memory_plan = o.memory_plan;
+  cfg.memory_budget = parse_bytes("--memory-budget", o.memory_budget);
+  // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
+  cfg.print_after = o.print_after;
+  if (env.rank != 0) cfg.print_ir = [](std::string_view, const std::string&) {};
+  return cfg;
+}
+
+/// --resume: the weights and optimizer state after the checkpoint's step, which this job
+/// continues from (checkpoint.h), into `params` and `cfg`. None without --resume.
+std::optional<checkpoint::Checkpoint> resume(const Options& o, const JobEnvironment& env, ParameterStore& params,
+                                             TrainConfig& cfg) {
+  if (o.resume.empty()) return std::nullopt;
+  const checkpoint::Found found = checkpoint::find(o.resume);
+  for (const std::string& why : found.skipped) {
+    if (env.rank == 0) fmt::print(stderr, "baton-train: passed over {}\n", why);
+  }
+  checkpoint::Checkpoint resumed = checkpoint::load(found.dir);
+  if (auto diffs = checkpoint::mismatches(resumed, run_config(o), must_match(o)); !diffs.empty()) {
+    throw std::invalid_argument(fmt::format("{}: written by another job ({}); resume with its settings",
+                                            (found.dir / "index.json").string(), fmt::join(diffs, "; ")));
+  }
+  if (resumed.step >= o.steps) {
+    throw std::invalid_argument(fmt::format("--resume {}: the checkpoint is at step {} and --steps is {}: nothing "
+                                            "left to train (raise --steps)",
+                                            found.dir.string(), resumed.step, o.steps));
+  }
+  checkpoint::restore(resumed, params, cfg.optimizer);
+  cfg.first_step = resumed.step;
+  cfg.optimizer_state = std::make_shared<OptimizerState>(resumed.slots);
+  return resumed;
+}
+
+/// --checkpoint-dir: the writer this rank's snapshots go to, hooked into `cfg`; null without it.
+std::shared_ptr<checkpoint::Writer> checkpoint_writer(const Options& o, const JobEnvironment& env, TrainConfig& cfg) {
+  if (o.checkpoint_dir.empty()) return nullptr;
+  auto config = run_config(o);
+  // Files of one job carry its id, so that a file left by an earlier job is not mixed in.
+  config["run"] = fmt::format("{:016x}", std::hash<std::string>{}(env.distributed() ? env.token + env.master
+                                                                                     : fmt::format("{}.{}", ::getpid(), std::chrono::system_clock::now().time_since_epoch().count())));
+  auto writer = std::make_shared<checkpoint::Writer>(checkpoint::Settings{
+      .dir = o.checkpoint_dir, .keep = o.checkpoint_keep, .rank = env.rank,
+      .layout = {o.dp, o.pp, static_cast<int>(o.tp), static_cast<int>(env.world_size)}, .optimizer = cfg.optimizer,
+      .config = std::move(config), .batch = o.batch, .seed = o.seed});
+  cfg.snapshot_every = o.checkpoint_every > 0 ? o.checkpoint_every : o.steps;
+  cfg.on_snapshot = writer->hook();
+  return writer;
+}
+
+/// --print-memory and --print-plan: what the reporting rank prints instead of training; true
+/// when the job ends there.
+bool printed_instead(const Options& o, const TrainingJob& job, bool leader) {
+  if (o.print_memory) {
+    if (leader) print_memory(job.plan, o.json);
+    return true;
+  }
+  if (o.print_plan.empty()) return false;
+  if (!leader) return true;
+  if (o.print_plan == "dot") {
+    fmt::print("{}", job.plan.to_dot());
+  } else {
+    // The plan, then what it needs on each device (comments, so the text is still the plan).
+    std::string memory = "memory by device (peak from the plan):\n" + to_text(memory_report(job.plan));
+    boost::replace_all(memory, "\n", "\n# ");
+    fmt::print("{}# {}\n", job.plan.to_text(), memory.substr(0, memory.size() - 3));
+  }
+  return true;
+}
+
+/// The line that says what is about to train.
+void print_header(const Options& o, const TrainingJob& job, const JobEnvironment& env,
+                  const std::optional<checkpoint::Checkpoint>& resumed, std::int64_t first) {
+  std::size_t weights = 0;
+  for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
+  fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}\n",
+             o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
+             o.dp > 1 || o.pp > 1 || o.tp > 1 ? fmt::format("dp {} x pp {} ({}) x tp {} x ", o.dp, o.pp, o.schedule, o.tp) : "",
+             o.microbatches, o.batch / (o.dp * o.microbatches), o.optimizer, o.lr,
+             env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
+  if (resumed) fmt::print("baton-train: resuming from {} at step {} of {}\n", resumed->dir.string(), first + 1, o.steps);
+}
+
+/// Traces: under baton-launch --trace (BATON_TRACE=FILE) the ranks of a job stream their records
+/// to the launcher, which writes FILE; a job of one rank writes it itself; --trace FILE without
+/// the launcher's writes one file per rank (FILE.rank<R>.json).
+struct Tracing {
+  std::string file;  // where this process writes the trace ("" when it streams it, or none)
+  std::unique_ptr<observe::TraceObserver> tracer;
+  std::unique_ptr<JobObservers> observers;
+};
+
+/// Wires the trace's observer into `js`, beside the dashboard's where there is one.
+Tracing start_tracing(const Options& o, const JobEnvironment& env, JobSettings& js, observe::Watch& watch) {
+  const char* launch_trace = std::getenv(observe::trace_env);
+  const bool stream_trace = launch_trace != nullptr && *launch_trace != '\0' && env.distributed();
+  Tracing t;
+  t.file = stream_trace                              ? std::string()
+           : launch_trace != nullptr && *launch_trace ? std::string(launch_trace)
+           : env.distributed() && !o.trace.empty()    ? fmt::format("{}.rank{}.json", o.trace, env.rank)
+                                                      : o.trace;
+  if (const auto dir = std::filesystem::path(t.file).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir)) {
+    throw std::invalid_argument(fmt::format("--trace {}: there is no directory '{}'", t.file, dir.string()));
+  }
+  if (!stream_trace && t.file.empty()) return t;
+  // With a dashboard too, its collector drains the activity rings (a ring has one reader) and
+  // hands each batch to the trace.
+  observe::TraceOptions topt;
+  topt.drain = js.observer == nullptr;
+  t.tracer = std::make_unique<observe::TraceObserver>(topt, /*keep=*/!stream_trace);
+  js.runtime.activity_log = true;
+  if (js.observer != nullptr) {
+    watch.add_activity_sink([tracer = t.tracer.get()](const std::vector<ActRecord>& records, const Runtime& rt) {
+      tracer->consume(records, rt);
+    });
+    t.observers = std::make_unique<JobObservers>(std::vector<JobObserver*>{js.observer, t.tracer.get()});
+    js.observer = t.observers.get();
+  } else {
+    js.observer = t.tracer.get();
+  }
+  return t;
+}
+
+/// Runs the job on a thread of its own while this one prints its progress (the reporting rank,
+/// without --json). The run's failure, if any, is left in `failure`.
+RunReport run_with_progress(const Options& o, const TrainingJob& job, const JobEnvironment& env, const JobSettings& js,
+                            bool leader, std::int64_t first, bool tty, std::exception_ptr& failure) {
+  RunReport report;
+  std::atomic<bool> finished{false};
+  std::thread runner([&] {
+    try {
+      report = run_job(job.plan, job.kernels, env, js);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    finished.store(true);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  std::int64_t printed = 0;
+  while (!finished.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (o.json || !leader) continue;
+    std::int64_t done = job.losses->steps_done();
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    bool line_due = tty || done >= printed + std::max<std::int64_t>(1, (o.steps - first) / 10);
+    if (done == 0 || !line_due) continue;
+    printed = done;
+    auto losses = job.losses->per_step();
+    double rate = static_cast<double>(done * o.batch) / secs;
+    double eta = static_cast<double>(o.steps - first - done) * secs / static_cast<double>(done);
+    fmt::print("{}step {:>6}/{}  loss {:.4f}  {:>9.0f} samples/s  ETA {:.1f} s{}", tty ? "\r" : "", first + done, o.steps,
+               losses.empty() ? NAN : losses.back(), rate, eta, tty ? "   " : "\n");
+    std::fflush(stdout);
+  }
+  runner.join();
+  return report;
+}
+
+/// After the run: the last checkpoint on disk and the trace written (a failed run's too: it
+/// shows what led up to it), then the run's failure, if any, rethrown.
+void finish_run(checkpoint::Writer* writer, observe::Watch& watch, const Tracing& tracing, std::exception_ptr failure) {
+  if (writer != nullptr) {  // the last checkpoint is written while the job ends: wait for it
+    try {
+      writer->finish();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  watch.finish();
+  if (tracing.tracer && !tracing.file.empty()) {
+    try {
+      tracing.tracer->recorder().write_file(tracing.file);
+      fmt::print(stderr, "baton-train: trace of {} acts written to {} (open it in ui.perfetto.dev or chrome://tracing)\n",
+                 tracing.tracer->recorder().acts(), tracing.file);
+    } catch (const std::exception& e) {
+      if (!failure) throw;
+      fmt::print(stderr, "baton-train: {}\n", e.what());  // the run's own failure comes next
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+/// Where the time went: the busiest actors (kernel share in busy%; the rest is handshakes).
+void print_busiest(const RunReport& report) {
+  MetricsSnapshot top = report.metrics;
+  top.registers.clear();
+  std::sort(top.actors.begin(), top.actors.end(), [](const auto& a, const auto& b) { return a.busy_s > b.busy_s; });
+  const std::size_t all = top.actors.size();
+  if (all > 10) top.actors.resize(10);
+  double kernel = 0, busy = 0;
+  for (const auto& a : report.metrics.actors) {
+    kernel += a.kernel_s;
+    busy += a.busy_s;
+  }
+  fmt::print("busiest actors ({} of {}); all actors: {:.3f} s in kernels, {:.3f} s in handshakes\n{}", top.actors.size(),
+             all, kernel, busy - kernel, top.table());
+}
+
+/// The reporting rank's result: the final loss, the held-out evaluation, a sample, the busiest
+/// actors (or, with --json, one JSON line).
+void print_result(const Options& o, const Data& d, const TrainingJob& job, const RunReport& report,
+                  const JobEnvironment& env, const std::optional<sample::TextSampler>& sampler, std::int64_t first,
+                  bool tty) {
+  auto losses = job.losses->per_step();
+  const double samples_per_s = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
+  if (losses.empty()) {
+    // Pipeline stages on several ranks: the loss, and the last stages' weights, live on another
+    // rank, so this one can neither report the loss nor evaluate.
+    if (o.json) {
+      fmt::print("{{\"model\": \"{}\", \"steps\": {}, \"final_loss\": null, \"samples_per_s\": {:.6g}, \"wall_s\": {:.6g}, "
+                 "\"note\": \"the loss is computed on another rank\"}}\n",
+                 o.model, o.steps, samples_per_s, report.wall_s);
+    } else {
+      fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | the loss is computed on another rank\n", tty ? "\n" : "",
+                 o.steps - first, report.wall_s, samples_per_s);
+    }
+    return;
+  }
+  auto [accuracy, eval_loss] = o.eval ? evaluate_heldout(o, d, *job.params) : std::pair<double, double>{NAN, NAN};
+  std::optional<sample::TextSampler::Result> drawn;
+  if (sampler) drawn = sampler->run([&](Graph& eval) { return build(eval, o, d, 1).logits; }, o.seq, *job.params);
+  if (o.json) {
+    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"tp\": {}, \"ranks\": {}, \"microbatches\": {}, "
+               "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
+               "\"wall_s\": {:.6g}, \"first_step\": {}{}{}}}\n",
+               o.model, o.data, o.steps, o.batch, o.dp, o.pp, o.tp, env.world_size, o.microbatches, losses.back(),
+               std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
+               std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s, first,
+               d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "",
+               drawn ? fmt::format(", \"sample\": {}", sample::TextSampler::json_string(drawn->text)) : "");
+    return;
+  }
+  fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {}", tty ? "\n" : "",
+             o.steps - first, report.wall_s, samples_per_s, losses.back(),
+             o.eval ? fmt::format("{:.4f}", eval_loss) : std::string("not evaluated (--no-eval)"));
+  if (!std::isnan(accuracy)) fmt::print(", accuracy {:.2f}%", 100 * accuracy);
+  if (d.text) fmt::print(" (unigram entropy {:.4f})", d.text->unigram_entropy_nats());
+  fmt::print("\n\n");
+  print_busiest(report);
+  if (drawn) {
+    fmt::print("\nsample ({} tokens after the prompt, temperature {}):\n{}\n", drawn->tokens, o.temperature, drawn->text);
+  }
+}
+
 int run(const Options& given) {
   const JobEnvironment env = JobEnvironment::from_env();
-  // --init-from's file, read once: a GPT-2's position table says how many positions it has.
   std::optional<safetensors::Contents> init;
-  Options o = given;
-  if (!o.init_from.empty()) {
-    if (!o.resume.empty()) {
-      throw std::invalid_argument("--init-from and --resume: a resumed run has its checkpoint's weights; give one");
-    }
-    init = safetensors::read(o.init_from);
-    const Tensor* wpe = init->find("wpe.weight") != nullptr ? init->find("wpe.weight") : init->find("transformer.wpe.weight");
-    if (o.model == "gpt2" && o.positions == 0 && wpe != nullptr && wpe->shape().size() == 2) o.positions = wpe->dim(0);
-  }
+  const Options o = read_init_from(given, init);
   const Data d = load(o);
   // Checked before training: a prompt the data cannot encode is refused now, not after it.
   std::optional<sample::TextSampler> sampler;
@@ -447,107 +765,11 @@ int run(const Options& given) {
     auto mixed = g.autocast(o.precision == "bf16" ? DType::bf16 : DType::f32);
     loss = build(g, o, d, mb).loss.named("loss");
   }
-  const bool text = o.model != "mlp";
-  TrainConfig cfg;
-  cfg.steps = o.steps;
-  cfg.microbatches = o.microbatches;
-  cfg.optimizer = optimizer(o);
-  cfg.threads = o.threads;
-  if (o.blas_threads > 0) set_blas_threads(o.blas_threads);
-  cfg.recompute = o.recompute;
-  cfg.dp = o.dp;
-  cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
-  cfg.collectives = o.collectives;
-  cfg.grad_compression = o.grad_compression;
-  cfg.zero = o.zero;
-  // A stage is at least one layer: a finer cut would split a layer's ops over devices, which
-  // only adds transfers. Refused here, where the model's layers are known.
-  const std::int64_t model_layers = o.model == "mlp" ? o.layers + 1 : o.layers + 2;
-  if (o.pp > model_layers) {
-    throw std::invalid_argument(fmt::format(
-        "--pp {} is more stages than the {} has layers: {} ({}); use --pp {} or fewer, or more --layers", o.pp, o.model,
-        model_layers,
-        o.model == "mlp" ? fmt::format("{} hidden and the output layer", o.layers)
-                         : fmt::format("the embedding, {} blocks and the head", o.layers),
-        model_layers));
-  }
-  cfg.pp = o.pp;
-  cfg.tp = static_cast<int>(o.tp);
-  cfg.schedule = o.schedule;
-  cfg.balance = o.balance;
-  if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed() || !o.devices.empty()) {
-    cfg.replica_places = replica_places(o, env);  // also checks --devices
-    if (env.distributed() && o.devices.starts_with("cuda:") && o.devices.find(',') == std::string::npos &&
-        std::getenv("CUDA_VISIBLE_DEVICES") == nullptr) {
-      // cuda:K on each of several ranks: every rank's plan says cuda:0 .. cuda:K-1 (the plan is
-      // the same on every rank), and each process on a host sees its own K GPUs as those, as
-      // torchrun users pin cuda:LOCAL_RANK. Set before the first CUDA call reads it.
-      const int k = std::stoi(o.devices.substr(5));
-      std::string visible;
-      for (int i = 0; i < k; ++i) visible += fmt::format("{}{}", i == 0 ? "" : ",", static_cast<int>(env.local_rank) * k + i);
-      ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
-    }
-    for (const Placement& p : cfg.replica_places) {
-      if (p.device.type != DeviceType::cuda || p.rank != env.rank || !o.print_plan.empty() || o.print_memory) continue;
-      // Said before anything is built, rather than by the first allocation on the device (a
-      // plan can be printed anywhere).
-      const cuda::Availability& a = cuda::availability();
-      if (!a.ok) throw std::invalid_argument(fmt::format("--devices {}: {} cannot be used here: {}", o.devices, p.device.str(), a.reason));
-      if (p.device.index >= a.devices) {
-        throw std::invalid_argument(fmt::format("--devices {}: {} does not exist; this machine has {} CUDA device{}",
-                                                o.devices, p.device.str(), a.devices, a.devices == 1 ? "" : "s"));
-      }
-    }
-  }
-  if (text && d.tokens) {
-    cfg.data = {{"tokens", data::token_source(d.tokens, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
-  } else if (text) {
-    cfg.data = {{"text", data::text_source(d.text, o.batch, pieces, o.seq, o.seed), {"tokens", "targets"}}};
-  } else {
-    cfg.data = {{o.data, data::batch_source(d.train, o.batch, pieces, o.seed), {"x", "label"}}};
-  }
-  // Resuming: the weights and optimizer state after the checkpoint's step, which this job
-  // continues from (checkpoint.h).
+  TrainConfig cfg = train_config(o, env, d);
   auto params = ParameterStore::initialize(g);
   if (init) models::init_from(*init, o.init_from, o.model, *params);
-  std::optional<checkpoint::Checkpoint> resumed;
-  if (!o.resume.empty()) {
-    const checkpoint::Found found = checkpoint::find(o.resume);
-    for (const std::string& why : found.skipped) {
-      if (env.rank == 0) fmt::print(stderr, "baton-train: passed over {}\n", why);
-    }
-    resumed = checkpoint::load(found.dir);
-    if (auto diffs = checkpoint::mismatches(*resumed, run_config(o), must_match(o)); !diffs.empty()) {
-      throw std::invalid_argument(fmt::format("{}: written by another job ({}); resume with its settings",
-                                              (found.dir / "index.json").string(), fmt::join(diffs, "; ")));
-    }
-    if (resumed->step >= o.steps) {
-      throw std::invalid_argument(fmt::format("--resume {}: the checkpoint is at step {} and --steps is {}: nothing "
-                                              "left to train (raise --steps)",
-                                              found.dir.string(), resumed->step, o.steps));
-    }
-    checkpoint::restore(*resumed, *params, cfg.optimizer);
-    cfg.first_step = resumed->step;
-    cfg.optimizer_state = std::make_shared<OptimizerState>(resumed->slots);
-  }
-  std::shared_ptr<checkpoint::Writer> writer;
-  if (!o.checkpoint_dir.empty()) {
-    auto config = run_config(o);
-    // Files of one job carry its id, so that a file left by an earlier job is not mixed in.
-    config["run"] = fmt::format("{:016x}", std::hash<std::string>{}(env.distributed() ? env.token + env.master
-                                                                                       : fmt::format("{}.{}", ::getpid(), std::chrono::system_clock::now().time_since_epoch().count())));
-    writer = std::make_shared<checkpoint::Writer>(checkpoint::Settings{
-        .dir = o.checkpoint_dir, .keep = o.checkpoint_keep, .rank = env.rank,
-        .layout = {o.dp, o.pp, static_cast<int>(o.tp), static_cast<int>(env.world_size)}, .optimizer = cfg.optimizer,
-        .config = std::move(config), .batch = o.batch, .seed = o.seed});
-    cfg.snapshot_every = o.checkpoint_every > 0 ? o.checkpoint_every : o.steps;
-    cfg.on_snapshot = writer->hook();
-  }
-  cfg.memory_plan = o.memory_plan;
-  cfg.memory_budget = parse_bytes("--memory-budget", o.memory_budget);
-  // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
-  cfg.print_after = o.print_after;
-  if (env.rank != 0) cfg.print_ir = [](std::string_view, const std::string&) {};
+  const std::optional<checkpoint::Checkpoint> resumed = resume(o, env, *params, cfg);
+  const std::shared_ptr<checkpoint::Writer> writer = checkpoint_writer(o, env, cfg);
   TrainingJob job = compile_training(g, loss, cfg, params);
   if (resumed) checkpoint::check_covers(*resumed, job.trained);
   if (writer) writer->expect(job.snapshots);
@@ -557,41 +779,15 @@ int run(const Options& given) {
   const auto reporter = std::find_if(job.plan.actors.begin(), job.plan.actors.end(),
                                      [](const ActorDesc& a) { return a.name == "loss.report"; });
   const bool leader = env.rank == (reporter == job.plan.actors.end() ? 0u : reporter->where.rank);
-  if (o.print_memory) {
-    if (!leader) return 0;
-    print_memory(job.plan, o.json);
-    return 0;
-  }
-  if (!o.print_plan.empty()) {
-    if (!leader) return 0;
-    if (o.print_plan == "dot") {
-      fmt::print("{}", job.plan.to_dot());
-    } else {
-      // The plan, then what it needs on each device (comments, so the text is still the plan).
-      std::string memory = "memory by device (peak from the plan):\n" + to_text(memory_report(job.plan));
-      boost::replace_all(memory, "\n", "\n# ");
-      fmt::print("{}# {}\n", job.plan.to_text(), memory.substr(0, memory.size() - 3));
-    }
-    return 0;
-  }
-  if (!o.json && leader) {
-    std::size_t weights = 0;
-    for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
-    fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}\n",
-               o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
-               o.dp > 1 || o.pp > 1 || o.tp > 1 ? fmt::format("dp {} x pp {} ({}) x tp {} x ", o.dp, o.pp, o.schedule, o.tp) : "",
-               o.microbatches,
-               mb, o.optimizer, o.lr,
-               env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
-    if (resumed) fmt::print("baton-train: resuming from {} at step {} of {}\n", resumed->dir.string(), first + 1, o.steps);
-  }
+  if (printed_instead(o, job, leader)) return 0;
+  if (!o.json && leader) print_header(o, job, env, resumed, first);
   // The dashboard: served here (--dashboard) and/or by the launcher (baton-launch --dashboard).
   observe::Watch watch({.listen = o.dashboard, .title = fmt::format("{} on {}", o.model, o.data)});
   if (watch.serving()) fmt::print(stderr, "baton-train: dashboard at {}\n", watch.url());
   JobSettings js;
   watch.attach(js);
   std::int64_t reported = 0;  // steps handed to the dashboard (by the collector's thread)
-  auto report_steps = [&] {
+  watch.before_sample([&] {
     if (job.losses->steps_done() <= reported) return;
     auto losses = job.losses->per_step();
     for (; reported < static_cast<std::int64_t>(losses.size()); ++reported) {
@@ -599,148 +795,20 @@ int run(const Options& given) {
       watch.record_step({.step = step, .loss = losses[static_cast<std::size_t>(reported)],
                          .lr = learning_rate(cfg.optimizer, step, o.steps), .samples = step * o.batch});
     }
-  };
-  watch.before_sample(report_steps);
-  // Traces: under baton-launch --trace (BATON_TRACE=FILE) the ranks of a job stream their records
-  // to the launcher, which writes FILE; a job of one rank writes it itself; --trace FILE without
-  // the launcher's writes one file per rank (FILE.rank<R>.json).
-  const char* launch_trace = std::getenv(observe::trace_env);
-  const bool stream_trace = launch_trace != nullptr && *launch_trace != '\0' && env.distributed();
-  const std::string trace_file = stream_trace                              ? std::string()
-                                 : launch_trace != nullptr && *launch_trace ? std::string(launch_trace)
-                                 : env.distributed() && !o.trace.empty()    ? fmt::format("{}.rank{}.json", o.trace, env.rank)
-                                                                            : o.trace;
-  if (const auto dir = std::filesystem::path(trace_file).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir)) {
-    throw std::invalid_argument(fmt::format("--trace {}: there is no directory '{}'", trace_file, dir.string()));
-  }
-  std::unique_ptr<observe::TraceObserver> tracer;
-  std::unique_ptr<JobObservers> observers;
-  if (stream_trace || !trace_file.empty()) {
-    // With a dashboard too, its collector drains the activity rings (a ring has one reader) and
-    // hands each batch to the trace.
-    observe::TraceOptions topt;
-    topt.drain = js.observer == nullptr;
-    tracer = std::make_unique<observe::TraceObserver>(topt, /*keep=*/!stream_trace);
-    js.runtime.activity_log = true;
-    if (js.observer != nullptr) {
-      watch.add_activity_sink([t = tracer.get()](const std::vector<ActRecord>& records, const Runtime& rt) {
-        t->consume(records, rt);
-      });
-      observers = std::make_unique<JobObservers>(std::vector<JobObserver*>{js.observer, tracer.get()});
-      js.observer = observers.get();
-    } else {
-      js.observer = tracer.get();
-    }
-  }
-  js.runtime.measure_memory = o.measure_memory;
-  RunReport report;
-  std::exception_ptr failure;
-  std::atomic<bool> finished{false};
-  std::thread runner([&] {
-    try {
-      report = run_job(job.plan, job.kernels, env, js);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    finished.store(true);
   });
-  const auto t0 = std::chrono::steady_clock::now();
+  const Tracing tracing = start_tracing(o, env, js, watch);
+  js.runtime.measure_memory = o.measure_memory;
   const bool tty = isatty(fileno(stdout)) != 0;
-  std::int64_t printed = 0;
-  while (!finished.load()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    if (o.json || !leader) continue;
-    std::int64_t done = job.losses->steps_done();
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    bool line_due = tty || done >= printed + std::max<std::int64_t>(1, (o.steps - first) / 10);
-    if (done == 0 || !line_due) continue;
-    printed = done;
-    auto losses = job.losses->per_step();
-    double rate = static_cast<double>(done * o.batch) / secs;
-    double eta = static_cast<double>(o.steps - first - done) * secs / static_cast<double>(done);
-    fmt::print("{}step {:>6}/{}  loss {:.4f}  {:>9.0f} samples/s  ETA {:.1f} s{}", tty ? "\r" : "", first + done, o.steps,
-               losses.empty() ? NAN : losses.back(), rate, eta, tty ? "   " : "\n");
-    std::fflush(stdout);
-  }
-  runner.join();
-  if (writer) {  // the last checkpoint is written while the job ends: wait for it
-    try {
-      writer->finish();
-    } catch (...) {
-      if (!failure) failure = std::current_exception();
-    }
-  }
-  watch.finish();
-  if (tracer && !trace_file.empty()) {  // a failed run's trace too: it shows what led up to it
-    try {
-      tracer->recorder().write_file(trace_file);
-      fmt::print(stderr, "baton-train: trace of {} acts written to {} (open it in ui.perfetto.dev or chrome://tracing)\n",
-                 tracer->recorder().acts(), trace_file);
-    } catch (const std::exception& e) {
-      if (!failure) throw;
-      fmt::print(stderr, "baton-train: {}\n", e.what());  // the run's own failure comes next
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
+  std::exception_ptr failure;
+  const RunReport report = run_with_progress(o, job, env, js, leader, first, tty, failure);
+  finish_run(writer.get(), watch, tracing, failure);
   if (o.measure_memory) print_measured_memory(job.plan, report, env.rank);
   if (writer && !o.json && !writer->written().empty()) {
     fmt::print(stderr, "baton-train: rank {} wrote {} checkpoint{}, the last {}\n", env.rank, writer->written().size(),
                writer->written().size() == 1 ? "" : "s", writer->written().back().string());
   }
   if (!leader) return 0;  // the reporting rank speaks for the job
-  auto losses = job.losses->per_step();
-  if (losses.empty()) {
-    // Pipeline stages on several ranks: the loss, and the last stages' weights, live on another
-    // rank, so this one can neither report the loss nor evaluate.
-    const double rate = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
-    if (o.json) {
-      fmt::print("{{\"model\": \"{}\", \"steps\": {}, \"final_loss\": null, \"samples_per_s\": {:.6g}, \"wall_s\": {:.6g}, "
-                 "\"note\": \"the loss is computed on another rank\"}}\n",
-                 o.model, o.steps, rate, report.wall_s);
-    } else {
-      fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | the loss is computed on another rank\n", tty ? "\n" : "",
-                 o.steps - first, report.wall_s, rate);
-    }
-    return 0;
-  }
-  auto [accuracy, eval_loss] = o.eval ? evaluate_heldout(o, d, *job.params) : std::pair<double, double>{NAN, NAN};
-  std::optional<sample::TextSampler::Result> drawn;
-  if (sampler) drawn = sampler->run([&](Graph& eval) { return build(eval, o, d, 1).logits; }, o.seq, *job.params);
-  const double samples_per_s = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
-  if (o.json) {
-    fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"tp\": {}, \"ranks\": {}, \"microbatches\": {}, "
-               "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
-               "\"wall_s\": {:.6g}, \"first_step\": {}{}{}}}\n",
-               o.model, o.data, o.steps, o.batch, o.dp, o.pp, o.tp, env.world_size, o.microbatches, losses.back(),
-               std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
-               std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s, first,
-               d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "",
-               drawn ? fmt::format(", \"sample\": {}", sample::TextSampler::json_string(drawn->text)) : "");
-  } else {
-    fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {}", tty ? "\n" : "",
-               o.steps - first, report.wall_s, samples_per_s, losses.back(),
-               o.eval ? fmt::format("{:.4f}", eval_loss) : std::string("not evaluated (--no-eval)"));
-    if (!std::isnan(accuracy)) fmt::print(", accuracy {:.2f}%", 100 * accuracy);
-    if (d.text) fmt::print(" (unigram entropy {:.4f})", d.text->unigram_entropy_nats());
-    fmt::print("\n\n");
-    // Where the time went: the busiest actors (kernel share in busy%; the rest is handshakes).
-    MetricsSnapshot top = report.metrics;
-    top.registers.clear();
-    std::sort(top.actors.begin(), top.actors.end(), [](const auto& a, const auto& b) { return a.busy_s > b.busy_s; });
-    const std::size_t all = top.actors.size();
-    if (all > 10) top.actors.resize(10);
-    double kernel = 0, busy = 0;
-    for (const auto& a : report.metrics.actors) {
-      kernel += a.kernel_s;
-      busy += a.busy_s;
-    }
-    fmt::print("busiest actors ({} of {}); all actors: {:.3f} s in kernels, {:.3f} s in handshakes\n{}", top.actors.size(),
-               all, kernel, busy - kernel, top.table());
-    if (drawn) {
-      fmt::print("\nsample ({} tokens after the prompt, temperature {}):\n{}\n", drawn->tokens, o.temperature,
-                 drawn->text);
-    }
-  }
+  print_result(o, d, job, report, env, sampler, first, tty);
   if (watch.serving() && o.dashboard_linger > 0) {
     std::fflush(stdout);
     fmt::print(stderr, "baton-train: the dashboard stays up at {} for {:.0f} s (Ctrl-C ends it)\n", watch.url(),
@@ -770,9 +838,8 @@ const CLI::Validator non_negative(
     },
     ">= 0");
 
-int main(int argc, char** argv) {
-  Options o;
-  CLI::App app{"baton-train: train a model on real data as a stream of actors"};
+/// baton-train's flags, each into its field of `o`.
+void add_options(CLI::App& app, Options& o) {
   // A flag given twice takes its last value, so that scripts/run.sh demo ARGS can override the demo's own.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", o.model, "mlp, gpt, llama or gpt2 (GPT-2's layout: tied head, learned positions, tanh GELU)")
@@ -896,6 +963,12 @@ int main(int argc, char** argv) {
   app.add_option("--sample-prompt", o.sample_prompt, "--sample: the text to continue (default: the data's first token)");
   app.add_option("--temperature", o.temperature, "--sample: softmax temperature (0: greedy)")->check(non_negative);
   app.add_option("--sample-seed", o.sample_seed, "--sample: the draws' seed (default: --seed)");
+}
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"baton-train: train a model on real data as a stream of actors"};
+  add_options(app, o);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
