@@ -838,10 +838,8 @@ const CLI::Validator non_negative(
     },
     ">= 0");
 
-/// baton-train's flags, each into its field of `o`.
-void add_options(CLI::App& app, Options& o) {
-  // A flag given twice takes its last value, so that scripts/run.sh demo ARGS can override the demo's own.
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+/// The flags of what trains: the model, its data and the optimizer.
+void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--model", o.model, "mlp, gpt, llama or gpt2 (GPT-2's layout: tied head, learned positions, tanh GELU)")
       ->check(CLI::IsMember({"mlp", "gpt", "llama", "gpt2"}));
   app.add_option("--data", o.data, "digits, synthetic, text:PATH (characters) or tokens:DIR (baton-prepare-data's shards)");
@@ -881,6 +879,10 @@ void add_options(CLI::App& app, Options& o) {
                  "threads of every CPU matrix product (default 1, one per actor; more pays where the plan leaves cores "
                  "idle: one device, one micro-batch)")
       ->check(CLI::Range(1, 256));
+}
+
+/// The flags of where and how it runs: parallelism, devices, memory, checkpoints, output.
+void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));
   app.add_option("--bucket-mb", o.bucket_mb, "data parallelism: gradients all-reduced in buckets of this many MiB "
@@ -968,7 +970,10 @@ void add_options(CLI::App& app, Options& o) {
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"baton-train: train a model on real data as a stream of actors"};
-  add_options(app, o);
+  // A flag given twice takes its last value, so that scripts/run.sh demo ARGS can override the demo's own.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  add_model_options(app, o);
+  add_run_options(app, o);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -39,17 +39,25 @@ namespace detail {
 
 // The built-in ops' gradient rules, for the op table (op_registry.cpp): each gives
 // dL/d(inputs[input]) of y = op(inputs) from dL/dy.
-std::vector<std::pair<std::string, GradientRule>> builtin_gradient_rules() {
-  std::vector<std::pair<std::string, GradientRule>> rules;
-  auto rule = [&](std::initializer_list<const char*> ops, GradientRule f) {
-    for (const char* op : ops) rules.emplace_back(op, f);
-  };
-  // y = f(x) whose gradient is one op on (x or y, dy), with the forward node's attributes.
-  auto unary = [&](const char* op, const char* grad_op, bool of_y, bool with_attrs) {
+namespace {
+
+/// The table being filled: rule() for any op, unary() for y = f(x) whose gradient is one op on
+/// (x or y, dy), with the forward node's attributes or none.
+struct Rules {
+  std::vector<std::pair<std::string, GradientRule>> list;
+  void rule(std::initializer_list<const char*> ops, const GradientRule& f) {
+    for (const char* op : ops) list.emplace_back(op, f);
+  }
+  void unary(const char* op, const char* grad_op, bool of_y, bool with_attrs) {
     rule({op}, [=](const GradientArgs& a) {
       return add_grad_op(grad_op, {of_y ? a.y : a.x(), a.dy}, with_attrs ? a.attrs : Attrs{}, a.x());
     });
-  };
+  }
+};
+
+// Arithmetic and matrix products.
+void arithmetic_rules(Rules& r) {
+  auto rule = [&](std::initializer_list<const char*> ops, const GradientRule& f) { r.rule(ops, f); };
   rule({"cast"}, [](const GradientArgs& a) { return cast(a.dy, a.x().dtype()); });
   rule({"add"}, [](const GradientArgs& a) { return sum_to(a.dy, a.x().shape()); });
   rule({"sub"}, [](const GradientArgs& a) { return sum_to(a.input == 0 ? a.dy : -a.dy, a.x().shape()); });
@@ -80,6 +88,14 @@ std::vector<std::pair<std::string, GradientRule>> builtin_gradient_rules() {
     }
     return tb ? matmul(dy, x, true, ta) : matmul(x, dy, !ta, false);
   });
+}
+
+// Activations, normalisation, attention and losses.
+void nn_rules(Rules& r) {
+  auto rule = [&](std::initializer_list<const char*> ops, const GradientRule& f) { r.rule(ops, f); };
+  auto unary = [&](const char* op, const char* grad_op, bool of_y, bool with_attrs) {
+    r.unary(op, grad_op, of_y, with_attrs);
+  };
   unary("relu", "relu_grad", false, false);
   unary("gelu", "gelu_grad", false, false);
   rule({"bias_gelu"}, [](const GradientArgs& a) {
@@ -121,6 +137,12 @@ std::vector<std::pair<std::string, GradientRule>> builtin_gradient_rules() {
     Value d = add_grad_op("mse_grad", {a.inputs[0], a.inputs[1], a.dy}, {}, a.inputs[0]);
     return a.input == 0 ? d : -d;
   });
+}
+
+// Shapes and reductions, and the rest: layer norm, embeddings, the vocabulary-parallel loss,
+// masks, dropout, slices and concatenation.
+void shape_rules(Rules& r) {
+  auto rule = [&](std::initializer_list<const char*> ops, const GradientRule& f) { r.rule(ops, f); };
   rule({"reshape"}, [](const GradientArgs& a) { return reshape(a.dy, a.x().shape()); });
   rule({"transpose"}, [](const GradientArgs& a) {
     auto perm = std::get<std::vector<std::int64_t>>(a.attrs.values().at("perm"));
@@ -170,7 +192,16 @@ std::vector<std::pair<std::string, GradientRule>> builtin_gradient_rules() {
   });
   rule({"sum_to"}, [](const GradientArgs& a) { return broadcast_to(a.dy, a.x().shape()); });
   rule({"broadcast_to"}, [](const GradientArgs& a) { return sum_to(a.dy, a.x().shape()); });
-  return rules;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, GradientRule>> builtin_gradient_rules() {
+  Rules r;
+  arithmetic_rules(r);
+  nn_rules(r);
+  shape_rules(r);
+  return std::move(r.list);
 }
 
 }  // namespace detail

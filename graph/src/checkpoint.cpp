@@ -251,6 +251,56 @@ std::vector<std::string> missing_files(const fs::path& dir, const Index& ix) {
 
 fs::path step_dir(const fs::path& dir, std::int64_t step) { return dir / fmt::format("step-{:08}", step); }
 
+namespace {
+
+/// index.json of step `step`: the layout, optimizer, settings, data position and RNG, and which
+/// file holds which variables (and pieces).
+std::string index_json(const Settings& settings, const std::vector<SnapshotPart>& all, const std::string& run,
+                       std::int64_t step) {
+  boost::json::object index;
+  index["format"] = format_name;
+  index["version"] = format_version;
+  index["step"] = step;
+  const Layout& l = settings.layout;
+  index["layout"] = {{"dp", l.dp}, {"pp", l.pp}, {"tp", l.tp}, {"ranks", l.ranks}};
+  boost::json::array slot_names;
+  for (const std::string& s : optimizer_slot_names(settings.optimizer)) slot_names.push_back(boost::json::string(s));
+  index["optimizer"] = {{"kind", name(settings.optimizer.kind)}, {"slots", std::move(slot_names)}};
+  index["run"] = run;
+  boost::json::object config;
+  for (const auto& [k, v] : settings.config) config[k] = v;
+  index["config"] = std::move(config);
+  index["data_position"] = {{"steps_done", step},
+                            {"next_step", step + 1},
+                            {"samples_seen", step * settings.batch},
+                            {"how", "step s reads the rows of the data's stream that every run reads at step s"}};
+  index["rng"] = {{"seed", settings.seed},
+                  {"how", "data order, text windows and dropout are functions of (seed, step, piece); a resumed run "
+                          "draws from step + 1 on"}};
+  std::map<std::uint32_t, std::vector<const SnapshotPart*>> by_rank;
+  for (const SnapshotPart& p : all) by_rank[p.rank].push_back(&p);
+  boost::json::object files;
+  for (const auto& [rank, parts] : by_rank) {
+    boost::json::array names, pieces;
+    for (const SnapshotPart* p : parts) {
+      if (p->whole()) {
+        names.push_back(boost::json::string(p->name));
+        continue;
+      }
+      boost::json::array shape;
+      for (std::int64_t d : p->shape) shape.push_back(d);
+      pieces.push_back({{"variable", p->name}, {"begin", p->begin}, {"end", p->end}, {"shape", std::move(shape)}});
+    }
+    boost::json::object file{{"rank", rank}, {"variables", std::move(names)}};
+    if (!pieces.empty()) file["pieces"] = std::move(pieces);  // ZeRO's shards (absent otherwise)
+    files[file_of_rank(rank)] = std::move(file);
+  }
+  index["files"] = std::move(files);
+  return boost::json::serialize(index) + "\n";
+}
+
+}  // namespace
+
 Writer::Writer(Settings settings) : settings_(std::move(settings)) {
   if (settings_.dir.empty()) throw std::invalid_argument("checkpoint::Writer: no directory");
   if (settings_.keep < 1) throw std::invalid_argument(fmt::format("checkpoints to keep: {} (at least 1)", settings_.keep));
@@ -379,46 +429,7 @@ void Writer::write_step(std::int64_t step, std::vector<VariableSnapshot> snapsho
                                                 {"optimizer", std::string(name(settings_.optimizer.kind))},
                                                 {"crc32", fmt::format("{:08x}", crc_of(tensors))}};
   // The index: the same text on every rank that would write it.
-  boost::json::object index;
-  index["format"] = format_name;
-  index["version"] = format_version;
-  index["step"] = step;
-  const Layout& l = settings_.layout;
-  index["layout"] = {{"dp", l.dp}, {"pp", l.pp}, {"tp", l.tp}, {"ranks", l.ranks}};
-  boost::json::array slot_names;
-  for (const std::string& s : optimizer_slot_names(settings_.optimizer)) slot_names.push_back(boost::json::string(s));
-  index["optimizer"] = {{"kind", name(settings_.optimizer.kind)}, {"slots", std::move(slot_names)}};
-  index["run"] = run;
-  boost::json::object config;
-  for (const auto& [k, v] : settings_.config) config[k] = v;
-  index["config"] = std::move(config);
-  index["data_position"] = {{"steps_done", step},
-                            {"next_step", step + 1},
-                            {"samples_seen", step * settings_.batch},
-                            {"how", "step s reads the rows of the data's stream that every run reads at step s"}};
-  index["rng"] = {{"seed", settings_.seed},
-                  {"how", "data order, text windows and dropout are functions of (seed, step, piece); a resumed run "
-                          "draws from step + 1 on"}};
-  std::map<std::uint32_t, std::vector<const SnapshotPart*>> by_rank;
-  for (const SnapshotPart& p : parts_) by_rank[p.rank].push_back(&p);
-  boost::json::object files;
-  for (const auto& [rank, parts] : by_rank) {
-    boost::json::array names, pieces;
-    for (const SnapshotPart* p : parts) {
-      if (p->whole()) {
-        names.push_back(boost::json::string(p->name));
-        continue;
-      }
-      boost::json::array shape;
-      for (std::int64_t d : p->shape) shape.push_back(d);
-      pieces.push_back({{"variable", p->name}, {"begin", p->begin}, {"end", p->end}, {"shape", std::move(shape)}});
-    }
-    boost::json::object file{{"rank", rank}, {"variables", std::move(names)}};
-    if (!pieces.empty()) file["pieces"] = std::move(pieces);  // ZeRO's shards (absent otherwise)
-    files[file_of_rank(rank)] = std::move(file);
-  }
-  index["files"] = std::move(files);
-  const std::string index_text = boost::json::serialize(index) + "\n";
+  const std::string index_text = index_json(settings_, parts_, run, step);
 
   const fs::path final_dir = step_dir(settings_.dir, step);
   const std::string mine = file_of_rank(settings_.rank);
