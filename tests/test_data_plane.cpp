@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -283,7 +284,9 @@ TEST_CASE("data plane: payloads from 0 B to 64 MiB arrive intact, received befor
           doctest::timeout(60)) {
   const std::string transports = transport_variant();
   Pair pair(transports);
-  const std::size_t sizes[] = {0, 1, 4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
+  // Eager below DataPlaneSettings::rendezvous_from (1 MiB), by rendezvous from there: both
+  // sides of the threshold, each posted before and after the offer.
+  const std::size_t sizes[] = {0, 1, 4096, 64 << 10, (1 << 20) - 1, 1 << 20, 16 << 20, 64 << 20};
   std::uint64_t cookie = 100;
   std::uint64_t tag = 1;
   std::uint64_t offers[2] = {0, 0};
@@ -315,6 +318,44 @@ TEST_CASE("data plane: payloads from 0 B to 64 MiB arrive intact, received befor
   }
   const auto& s = pair.planes[0]->stats();
   CHECK(s.payloads_received + pair.planes[1]->stats().payloads_received == std::size(sizes) * 2);
+}
+
+TEST_CASE("data plane: says what it sets in UCX's configuration, and the environment wins" * doctest::timeout(60)) {
+  using Config = std::vector<std::pair<std::string, std::string>>;
+  struct Saved {
+    std::string name;
+    std::optional<std::string> value;
+    explicit Saved(std::string n) : name(std::move(n)) {
+      if (const char* v = std::getenv(name.c_str())) value = v;
+      unsetenv(name.c_str());
+    }
+    ~Saved() {
+      if (value) setenv(name.c_str(), value->c_str(), 1);
+    }
+  };
+  Saved tls("UCX_TLS");
+  Saved threshold("UCX_RNDV_THRESH");
+  CHECK(baton::transport::ucx_configuration({}) == Config{{"TLS", "^cma"}, {"RNDV_THRESH", "1048576"}});
+  CHECK(baton::transport::ucx_configuration({.transports = "tcp", .rendezvous_from = 0}) == Config{{"TLS", "tcp"}});
+  setenv("UCX_RNDV_THRESH", "64kb", 1);
+  setenv("UCX_TLS", "posix,self", 1);
+  CHECK(baton::transport::ucx_configuration({}).empty());
+  CHECK(baton::transport::ucx_configuration({.transports = "tcp"}) == Config{{"TLS", "tcp"}});
+  // A data plane made under them carries a payload on either side of the environment's threshold.
+  for (std::size_t size : {std::size_t{60} << 10, std::size_t{200} << 10}) {
+    CAPTURE(size);
+    Pair pair(std::string{});
+    auto source = pattern(size, 7);
+    std::vector<unsigned char> dest(size, 0);
+    pair.planes[0]->send_payload(1, 3, source.data(), size);
+    pair.planes[1]->receive_payload(0, 3, dest.data(), size, 77);
+    REQUIRE(pair.handlers[1].wait([](Recorder& h) { return has_cookie(h, 77) || !h.errors_.empty(); }));
+    CHECK(pair.handlers[1].error_text() == "");
+    CHECK(dest == source);
+    CHECK(wait_payloads_sent(*pair.planes[0], 1));
+  }
+  unsetenv("UCX_TLS");
+  unsetenv("UCX_RNDV_THRESH");
 }
 
 TEST_CASE("data plane: 64 payloads in flight at once, both ways" * doctest::timeout(60)) {

@@ -1,7 +1,9 @@
 // baton-bench-transport: what crossing ranks costs. Two ranks (processes on this host) run
 // small cross-rank plans over the UCX data plane, once with UCX's own choice of transports
 // (shared memory between processes of one host) and once with UCX_TLS=tcp (loopback); each
-// case is compared with ucx_perftest measured in the same run under the same UCX_TLS.
+// case is compared with ucx_perftest measured in the same run under the UCX configuration the
+// data plane gives itself (transports and rendezvous threshold: ucx_configuration), and the
+// bandwidth cases also with ucx_perftest under UCX's defaults (`ceiling`: CMA between processes).
 //
 //   baton-bench-transport                  every case
 //   baton-bench-transport --quick          ~10x less data (the CTest smoke run)
@@ -11,6 +13,7 @@
 // Cases (one JSON line each, keys as in every baton benchmark):
 //   transfer_bw_{64KiB,1MiB,16MiB}_{shm,tcp}  a source on rank 0 streams registers to a sink on
 //       rank 1 (8 slots): GB/s moved into rank 1's registers; reference ucx_perftest tag_bw
+//       (--sizes 4K,16K,... for other sizes)
 //   msg_latency_{shm,tcp}  an actor on each rank in a cycle of empty registers (each waits for
 //       the other): one-way latency of one hop; reference ucx_perftest tag_lat (32 bytes)
 //   cross_rank_stream_{shm,tcp}  empty source on rank 0 -> empty sink on rank 1: pieces/s;
@@ -39,6 +42,7 @@
 #include "spawn.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
+#include "baton/transport/data_plane.h"
 
 namespace {
 
@@ -53,6 +57,7 @@ struct Options {
   bool quick = false;
   bool reference = true;
   std::string only;
+  std::vector<std::int64_t> sizes{std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20};
   // --worker mode
   bool worker = false;
   std::string mode;  // bw | lat | stream
@@ -63,11 +68,36 @@ struct Options {
 
 [[noreturn]] void usage(int code) {
   fmt::print(code == 0 ? stdout : stderr,
-             "usage: baton-bench-transport [--quick] [--no-reference] [--case NAME] [--allow-load] [--help]\n"
+             "usage: baton-bench-transport [--quick] [--no-reference] [--case NAME] [--sizes 64K,1M,16M] [--allow-load]\n"
+             "       [--help]\n"
              "  Two ranks on this host, shared memory and TCP; one JSON line per case on stdout.\n"
              "{}",
              baton::bench::allow_load_usage);
   std::exit(code);
+}
+
+/// "64K,1M,16M" (K and M are 2^10 and 2^20).
+std::vector<std::int64_t> parse_sizes(const std::string& list) {
+  std::vector<std::int64_t> sizes;
+  std::istringstream in(list);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    std::size_t used = 0;
+    std::int64_t n = 0;
+    try {
+      n = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    const std::string unit = item.substr(used);
+    const int shift = unit == "K" ? 10 : unit == "M" ? 20 : unit.empty() ? 0 : -1;
+    if (used == 0 || shift < 0 || n <= 0) {
+      fmt::print(stderr, "baton-bench-transport: --sizes: '{}' is not a size (like 64K or 1M)\n", item);
+      usage(2);
+    }
+    sizes.push_back(n << shift);
+  }
+  return sizes;
 }
 
 Options parse(int argc, char** argv) {
@@ -85,6 +115,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--quick") o.quick = true;
     else if (a == "--no-reference") o.reference = false;
     else if (a == "--case") o.only = value(i);
+    else if (a == "--sizes") o.sizes = parse_sizes(value(i));
     else if (a == "--worker") o.worker = true;
     else if (a == "--mode") o.mode = value(i);
     else if (a == "--bytes") o.bytes = std::stoll(value(i));
@@ -188,8 +219,9 @@ std::optional<double> run_ranks(const std::string& self, const Options& o, const
 }
 
 std::string size_name(std::int64_t b) {
-  if (b >= (1 << 20)) return fmt::format("{}MiB", b >> 20);
-  return fmt::format("{}KiB", b >> 10);
+  if (b >= (1 << 20) && b % (1 << 20) == 0) return fmt::format("{}MiB", b >> 20);
+  if (b >= (1 << 10) && b % (1 << 10) == 0) return fmt::format("{}KiB", b >> 10);
+  return fmt::format("{}B", b);
 }
 
 }  // namespace
@@ -206,11 +238,22 @@ int main(int argc, char** argv) {
   int failures = 0;
 
   for (const std::string tls : {"shm", "tcp"}) {
-    // "shm": UCX's own choice between two processes of one host (shared memory + cma).
+    // "shm": the data plane's own choice of transports between two processes of one host;
+    // "tcp": TCP over loopback only.
     Env env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}};
+    // The reference runs under the UCX configuration the data plane gives itself (the same
+    // transports and rendezvous threshold), so the ratio is what baton's runtime costs over
+    // its transport; the ceiling is ucx_perftest under UCX's own defaults (with CMA between
+    // processes of one host), which baton does not use by default (data_plane.cpp says why).
+    if (tls == "shm") unsetenv("UCX_TLS");
+    Env reference_env = env;
+    baton::transport::DataPlaneSettings as_baton;
+    if (tls == "tcp") as_baton.transports = "tcp";
+    for (const auto& [name, value] : baton::transport::ucx_configuration(as_baton)) reference_env["UCX_" + name] = value;
+    Env ceiling_env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}, {"UCX_RNDV_THRESH", ""}};
     auto wanted = [&](const std::string& c) { return o.only.empty() || c.rfind(o.only, 0) == 0; };
 
-    for (std::int64_t bytes : {std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20}) {
+    for (std::int64_t bytes : o.sizes) {
       const std::string name = fmt::format("transfer_bw_{}_{}", size_name(bytes), tls);
       if (!wanted(name)) continue;
       const double total = (tls == "tcp" ? 2e9 : 4e9) * scale;
@@ -228,9 +271,14 @@ int main(int argc, char** argv) {
       baton::bench::JsonLine line("transport", name);
       line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8);
       if (o.reference) {
-        if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, env)) {
+        if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, reference_env)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("reference", ref_gbps).add("reference_name", "ucx_perftest tag_bw").add("ratio", gbps / ref_gbps);
+        }
+        if (auto top = ucx_perftest("tag_bw", bytes, w.pieces, ceiling_env)) {
+          const double top_gbps = top->bandwidth_MBps * 1048576.0 / 1e9;
+          line.add("ceiling", top_gbps).add("ceiling_name", "ucx_perftest tag_bw, UCX defaults")
+              .add("ratio_to_ceiling", gbps / top_gbps);
         }
       }
       line.print();
@@ -247,7 +295,7 @@ int main(int argc, char** argv) {
         baton::bench::JsonLine line("transport", lat_name);
         line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces);
         if (o.reference) {
-          if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, env)) {
+          if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, reference_env)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
                 .add("ratio", us / ref->latency_us);
           }
@@ -270,7 +318,7 @@ int main(int argc, char** argv) {
         baton::bench::JsonLine line("transport", stream_name);
         line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8);
         if (o.reference) {
-          if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, env)) {
+          if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, reference_env)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")
                 .add("ratio", rate / ref->msg_rate);
           }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -223,13 +224,34 @@ struct DataPlane::Impl {
   std::thread thread;
 };
 
+std::vector<std::pair<std::string, std::string>> ucx_configuration(const DataPlaneSettings& settings) {
+  std::vector<std::pair<std::string, std::string>> config;
+  // Unless told otherwise, every transport but CMA (process_vm_readv between processes of one
+  // host). With CMA, a rank whose peer dies mid-copy is aborted by UCX (SIGABRT and a backtrace:
+  // ERR_HANDLING_MODE_NONE makes a failed endpoint fatal), so the job ended blaming the survivor
+  // (found by tests/mp/test_faults.cpp). Without it a lost peer is an error baton reports.
+  // UCP_ERR_HANDLING_MODE_PEER, the other way out, cost 4-20x. The price: UCX's rendezvous
+  // between processes of one host then runs over TCP loopback (the shared-memory transports
+  // have no zero-copy get), which is why payloads below `rendezvous_from` go eagerly through
+  // the shared-memory FIFO instead. UCX_TLS=all (or `transports`) brings CMA back.
+  if (!settings.transports.empty()) {
+    config.emplace_back("TLS", settings.transports);
+  } else if (std::getenv("UCX_TLS") == nullptr) {
+    config.emplace_back("TLS", "^cma");
+  }
+  if (settings.rendezvous_from > 0 && std::getenv("UCX_RNDV_THRESH") == nullptr) {
+    config.emplace_back("RNDV_THRESH", std::to_string(settings.rendezvous_from));
+  }
+  return config;
+}
+
 DataPlane::Impl::Impl(std::uint32_t my_rank, std::uint32_t ranks, DataPlaneSettings options)
     : rank(my_rank), world_size(ranks), settings(std::move(options)), who(fmt::format("rank {}", my_rank)) {
   if (world_size == 0 || world_size > max_world_size || rank >= world_size) {
     throw TransportError(fmt::format("data plane: rank {} in a world of {} (at most {} ranks)", rank, world_size,
                                      max_world_size));
   }
-  context = ucx::Context(UCP_FEATURE_AM | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP, settings.transports, who);
+  context = ucx::Context(UCP_FEATURE_AM | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP, ucx_configuration(settings), who);
   worker = ucx::Worker(context, who);
   address = worker.address(who);
   max_am_header = worker.max_am_header(who);

@@ -31,32 +31,26 @@ void FileDescriptor::reset() noexcept {
   if (fd_ >= 0) ::close(std::exchange(fd_, -1));
 }
 
-Context::Context(std::uint64_t features, const std::string& transports, std::string_view who) {
+Context::Context(std::uint64_t features, const std::vector<std::pair<std::string, std::string>>& config,
+                 std::string_view who) {
   ucp_config_t* raw_config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &raw_config); s != UCS_OK) {
     fail("ucp_config_read", s, who);
   }
-  std::unique_ptr<ucp_config_t, decltype(&ucp_config_release)> config(raw_config, &ucp_config_release);
-  // Unless told otherwise, every transport but CMA (process_vm_readv between processes of one
-  // host). With CMA, a rank whose peer dies mid-copy is aborted by UCX (SIGABRT and a backtrace:
-  // ERR_HANDLING_MODE_NONE makes a failed endpoint fatal), so the job ended blaming the survivor
-  // (found by tests/mp/test_faults.cpp). Without it a lost peer is an error baton reports. The
-  // shared-memory transports (posix, sysv) carry the same bandwidth here (baton-bench-transport:
-  // 64 KiB-16 MiB within noise); UCP_ERR_HANDLING_MODE_PEER, the other way out, cost 4-20x.
-  std::string tls = transports;
-  if (tls.empty() && std::getenv("UCX_TLS") == nullptr) tls = "^cma";
-  if (!tls.empty()) {
-    if (ucs_status_t s = ucp_config_modify(config.get(), "TLS", tls.c_str()); s != UCS_OK) {
-      fail(fmt::format("ucp_config_modify(TLS={})", tls), s, who);
+  std::unique_ptr<ucp_config_t, decltype(&ucp_config_release)> owned(raw_config, &ucp_config_release);
+  std::string applied;
+  for (const auto& [name, value] : config) {
+    if (ucs_status_t s = ucp_config_modify(owned.get(), name.c_str(), value.c_str()); s != UCS_OK) {
+      fail(fmt::format("ucp_config_modify({}={})", name, value), s, who);
     }
+    applied += fmt::format("{}{}={}", applied.empty() ? "" : ", ", name, value);
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = features;
-  if (ucs_status_t s = ucp_init(&params, config.get(), &handle_); s != UCS_OK) {
+  if (ucs_status_t s = ucp_init(&params, owned.get(), &handle_); s != UCS_OK) {
     handle_ = nullptr;
-    fail(tls.empty() ? std::string("ucp_init") : fmt::format("ucp_init(TLS={})", tls), s,
-         who);
+    fail(applied.empty() ? std::string("ucp_init") : fmt::format("ucp_init({})", applied), s, who);
   }
 }
 

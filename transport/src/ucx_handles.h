@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <ucp/api/ucp.h>
 
@@ -39,8 +40,10 @@ class FileDescriptor {
 class Context {
  public:
   Context() = default;
-  /// `transports` overrides UCX_TLS unless empty. `who` goes into error messages ("rank 2").
-  Context(std::uint64_t features, const std::string& transports, std::string_view who);
+  /// `config`: UCX settings (name without UCX_, value) over those of the environment. `who` goes
+  /// into error messages ("rank 2").
+  Context(std::uint64_t features, const std::vector<std::pair<std::string, std::string>>& config,
+          std::string_view who);
   ~Context() { reset(); }
   Context(Context&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
   Context& operator=(Context&& other) noexcept;

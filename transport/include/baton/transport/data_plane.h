@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "baton/transport/link.h"
@@ -27,6 +28,15 @@ struct DataPlaneSettings {
   /// variable, or else every transport but CMA (a peer that dies mid-copy makes UCX abort the
   /// survivor under CMA; see ucx_handles.cpp).
   std::string transports;
+  /// Payloads of at least this many bytes go by UCX's rendezvous; smaller ones eagerly (UCX's
+  /// RNDV_THRESH; 0: UCX's own choice, "auto"). The UCX_RNDV_THRESH environment variable wins.
+  /// Measured (baton-bench-transport --sizes 4K,...,16M under thresholds from auto to inf, shared
+  /// memory and TCP, 2026-11-25): UCX's own choice sends from about 8 KiB by rendezvous, which
+  /// without CMA runs over TCP loopback even between processes of one host (0.5 GB/s at 16 KiB,
+  /// 2 GB/s at 64 KiB); eager copies through the shared-memory FIFO moved 4-8 GB/s from 16 KiB
+  /// to 256 KiB. Over TCP eager also won up to 256 KiB (1.6-2x); from 1 MiB the rendezvous won
+  /// over TCP and drew level over shared memory, and eager at 16 MiB lost on both.
+  std::size_t rendezvous_from = std::size_t{1} << 20;
   /// Polls of an idle worker before the progress thread sleeps on the worker's event fd (and
   /// an eventfd that a caller rings when it could not post its operation itself). Short: the
   /// actor threads poll while they have nothing to do, and on a 2-core machine a spinning
@@ -41,6 +51,11 @@ struct DataPlaneSettings {
   /// needs comes as an event; this bound is a safety net (and how soon stop() is seen at worst).
   std::chrono::milliseconds max_sleep{100};
 };
+
+/// What the data plane sets in UCX's configuration (name without the UCX_ prefix, value), in
+/// order: the transports (unless UCX_TLS is set) and the rendezvous threshold (unless
+/// UCX_RNDV_THRESH is). A peer measured beside baton (ucx_perftest) runs under the same.
+std::vector<std::pair<std::string, std::string>> ucx_configuration(const DataPlaneSettings& settings);
 
 /// Counters, read from any thread.
 struct DataPlaneStats {
