@@ -190,3 +190,47 @@ TEST_CASE("cross rank: empty registers cross ranks as bare requests" * doctest::
     for (const auto& a : results[r].report->metrics.actors) CHECK(a.acts == 500);
   }
 }
+
+TEST_CASE("cross rank: idle workers busy-poll only where the busy threads leave a core, and say which" *
+          doctest::timeout(60)) {
+  const CrossRankShape s{.topology = "chain", .world = 2, .pieces = 300, .elements = 64, .slots = 2};
+  const Plan plan = insert_transfers(test::cross_rank_plan(s));
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  struct Case {
+    IdlePolling policy;
+    std::uint32_t ranks_on_host;
+    std::string says;
+  };
+  for (const Case& c : {Case{IdlePolling::automatic, 0, "parking: 1 worker, ranks on this host not known"},
+                        Case{IdlePolling::automatic, 10'000,
+                             fmt::format("parking: 1 worker x 10000 ranks on this host >= {} cores", cores)},
+                        Case{IdlePolling::automatic, 1,
+                             cores > 1 ? fmt::format("busy-polling: 1 worker x 1 rank on this host < {} cores", cores)
+                                       : "parking: 1 worker x 1 rank on this host >= 1 cores"},
+                        Case{IdlePolling::busy_poll, 0, "busy-polling (asked for): 1 worker, ranks on this host not known"},
+                        Case{IdlePolling::park, 1, "parking (asked for)"}}) {
+    CAPTURE(c.says);
+    RuntimeSettings settings;
+    settings.stall_timeout = std::chrono::milliseconds(20'000);
+    settings.idle_polling = c.policy;
+    settings.ranks_on_host = c.ranks_on_host;
+    auto results = test::run_on_loopback(plan, test::checking_registry(), settings);
+    for (std::uint16_t r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      REQUIRE_MESSAGE(results[r].error.empty(), results[r].error);
+      const RunReport& rep = *results[r].report;
+      CHECK(test::contains(rep.idle_polling, c.says));
+      for (const auto& a : rep.metrics.actors) CHECK(a.acts == static_cast<std::uint64_t>(s.pieces));
+      // A busy-polling worker never sleeps on its mailbox.
+      if (test::contains(c.says, "busy-polling")) CHECK(rep.parks == 0);
+    }
+  }
+  // A rank that talks to nobody has nothing to poll for.
+  Plan alone = test::cross_rank_plan(CrossRankShape{.topology = "chain", .world = 2, .pieces = 10});
+  for (auto& a : alone.actors) a.where.rank = 0;
+  RuntimeSettings settings;
+  settings.ranks_on_host = 1;
+  const KernelRegistry kernels = test::checking_registry();
+  Runtime rt(alone, kernels, settings);
+  CHECK(test::contains(rt.run().idle_polling, "parking: no other rank to poll for"));
+}

@@ -377,6 +377,9 @@ struct Core : transport::LinkHandler {
   const KernelRegistry* kernels;  // null in a dry run
   RuntimeSettings settings;
   bool dry_run;
+  /// Idle workers keep polling instead of parking (RuntimeSettings::idle_polling), and why.
+  bool busy_poll = false;
+  std::string idle_polling;
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
   /// RuntimeSettings::measure_memory: register bytes in use per device of this rank (made while
   /// wiring, before any worker runs; outlives the actors that point here).

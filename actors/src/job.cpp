@@ -127,6 +127,11 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     js.runtime.rank = static_cast<std::uint16_t>(env.rank);
     js.runtime.link = &data;
     js.runtime.store = &store;
+    if (js.runtime.ranks_on_host == 0) {
+      const std::string& here = table.at(env.rank).host;
+      js.runtime.ranks_on_host = static_cast<std::uint32_t>(
+          std::count_if(table.begin(), table.end(), [&](const transport::RankInfo& r) { return r.host == here; }));
+    }
     auto rt = std::make_unique<Runtime>(plan, kernels, js.runtime);
     std::lock_guard lock(mutex);
     runtime = std::move(rt);

@@ -64,6 +64,7 @@ void Worker::core_send_remote(const Message& m) { core_.send_remote(m); }
 void Worker::run() {
   const int spin_polls = core_.settings.spin_polls;
   const int yield_every = core_.settings.spin_yield_every;
+  const bool busy_poll = core_.busy_poll;
   transport::Link* link = core_.settings.link;
   int idle = 0;
   while (!mailbox_.closed()) {
@@ -77,8 +78,9 @@ void Worker::run() {
       // An idle worker progresses the data plane itself: what arrives for its actors lands in
       // its own mailbox with no hand-off.
       idle = 0;
-    } else if (++idle < spin_polls) {
-      if (yield_every > 0 && idle % yield_every == 0) {
+    } else if (++idle < spin_polls || busy_poll) {
+      if (idle >= spin_polls) idle = 0;
+      if (!busy_poll && yield_every > 0 && idle % yield_every == 0) {
         sched_yield();
       } else {
 #if defined(__x86_64__) || defined(__i386__)
@@ -721,6 +723,38 @@ struct Runtime::Impl : detail::Core {
   using detail::Core::Core;
 };
 
+namespace {
+
+/// RuntimeSettings::idle_polling: busy-poll only where the busy threads of this host leave a core.
+void choose_idle_polling(detail::Core& core, bool talks_to_other_ranks) {
+  const RuntimeSettings& s = core.settings;
+  const auto workers = core.workers.size();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::string count =
+      s.ranks_on_host == 0
+          ? fmt::format("{} worker{}, ranks on this host not known", workers, workers == 1 ? "" : "s")
+          : fmt::format("{} worker{} x {} rank{} on this host {} {} cores", workers, workers == 1 ? "" : "s",
+                        s.ranks_on_host, s.ranks_on_host == 1 ? "" : "s",
+                        workers * s.ranks_on_host < cores ? "<" : ">=", cores);
+  if (s.mode == ExecutionMode::deterministic) {
+    core.idle_polling = "one thread (deterministic mode)";
+  } else if (s.idle_polling == IdlePolling::busy_poll) {
+    core.busy_poll = true;
+    core.idle_polling = fmt::format("busy-polling (asked for): {}", count);
+  } else if (s.idle_polling == IdlePolling::park) {
+    core.idle_polling = fmt::format("parking (asked for): {}", count);
+  } else if (!talks_to_other_ranks) {
+    core.idle_polling = fmt::format("parking: no other rank to poll for ({})", count);
+  } else if (s.ranks_on_host == 0 || workers * s.ranks_on_host >= cores) {
+    core.idle_polling = fmt::format("parking: {}", count);
+  } else {
+    core.busy_poll = true;
+    core.idle_polling = fmt::format("busy-polling: {}", count);
+  }
+}
+
+}  // namespace
+
 Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings settings) {
   if (settings.record_handshakes && settings.mode != ExecutionMode::deterministic) {
     throw std::invalid_argument("record_handshakes needs ExecutionMode::deterministic");
@@ -755,6 +789,7 @@ Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings setti
   }
   impl_ = std::make_unique<Impl>(std::move(plan), &kernels, settings, /*dry_run=*/false);
   impl_->instantiate();
+  choose_idle_polling(*impl_, !peers.empty());
   if (!peers.empty()) settings.link->set_handler(impl_.get());
 }
 
@@ -846,6 +881,7 @@ RunReport Runtime::run() {
   if (core.failed()) throw JobError(core.error);
   RunReport report;
   report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.idle_polling = core.idle_polling;
   report.metrics = core.snapshot();
   report.metrics.elapsed_s = report.wall_s;
   for (const auto& [device, use] : core.in_use) {

@@ -19,7 +19,8 @@
 //   cross_rank_stream_{shm,tcp}  empty source on rank 0 -> empty sink on rank 1: pieces/s;
 //       reference ucx_perftest ucp_am_bw message rate (32 bytes)
 // Knobs for experiments (environment): BATON_BENCH_RT_SPIN / _RT_YIELD (the workers'
-// spin_polls / spin_yield_every), BATON_BENCH_DP_SPIN (the data plane's spin_polls).
+// spin_polls / spin_yield_every), BATON_BENCH_DP_SPIN (the data plane's spin_polls),
+// BATON_BENCH_IDLE=park|busy_poll|automatic (RuntimeSettings::idle_polling).
 // The driver hosts the rendezvous server and starts the two ranks as child processes of
 // itself (--worker); rank 1 reports its run time on stdout.
 #include <unistd.h>
@@ -197,14 +198,23 @@ int worker_main(const Options& o) {
     if (const char* s = std::getenv("BATON_BENCH_RT_SPIN")) js.runtime.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_DP_SPIN")) js.data.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_RT_YIELD")) js.runtime.spin_yield_every = std::atoi(s);
+    if (const char* s = std::getenv("BATON_BENCH_IDLE")) {
+      const std::string idle = s;
+      js.runtime.idle_polling = idle == "park"        ? baton::IdlePolling::park
+                                : idle == "busy_poll" ? baton::IdlePolling::busy_poll
+                                                      : baton::IdlePolling::automatic;
+    }
     auto report = baton::run_job(bench_plan(o), kernels, env, js);
-    if (env.rank == 1) fmt::print("RESULT {:.9f}\n", report.wall_s);
+    if (env.rank == 1) fmt::print("IDLE {}\nRESULT {:.9f}\n", report.idle_polling, report.wall_s);
     return 0;
   } catch (const std::exception& e) {
     fmt::print(stderr, "baton-bench-transport worker: {}\n", e.what());
     return 1;
   }
 }
+
+/// What rank 1's idle workers did (RunReport::idle_polling), from the last run_ranks.
+std::string last_idle_polling;
 
 /// Runs the two ranks; returns rank 1's run time in seconds.
 std::optional<double> run_ranks(const std::string& self, const Options& o, const Env& tls_env) {
@@ -213,6 +223,9 @@ std::optional<double> run_ranks(const std::string& self, const Options& o, const
                                 std::to_string(o.pieces), "--slots", std::to_string(o.slots)},
                                2, 1, tls_env);
   if (!out) return std::nullopt;
+  if (auto idle = out->find("IDLE "); idle != std::string::npos) {
+    last_idle_polling = out->substr(idle + 5, out->find('\n', idle) - idle - 5);
+  }
   auto pos = out->find("RESULT ");
   if (pos == std::string::npos) return std::nullopt;
   return std::stod(out->substr(pos + 7));
@@ -269,7 +282,8 @@ int main(int argc, char** argv) {
       }
       const double gbps = static_cast<double>(bytes) * static_cast<double>(w.pieces) / *secs / 1e9;
       baton::bench::JsonLine line("transport", name);
-      line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8);
+      line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8)
+          .add("idle_polling", last_idle_polling);
       if (o.reference) {
         if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, reference_env)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
@@ -293,7 +307,7 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double us = *secs / static_cast<double>(2 * w.pieces) * 1e6;
         baton::bench::JsonLine line("transport", lat_name);
-        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces);
+        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces).add("idle_polling", last_idle_polling);
         if (o.reference) {
           if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, reference_env)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
@@ -316,7 +330,8 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double rate = static_cast<double>(w.pieces) / *secs;
         baton::bench::JsonLine line("transport", stream_name);
-        line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8);
+        line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8)
+            .add("idle_polling", last_idle_polling);
         if (o.reference) {
           if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, reference_env)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")

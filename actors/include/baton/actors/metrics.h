@@ -83,6 +83,9 @@ struct RunReport {
   /// Messages delivered, and how often a worker went to sleep for want of one.
   std::uint64_t messages = 0;
   std::uint64_t parks = 0;
+  /// What idle workers did (RuntimeSettings::idle_polling) and why: "busy-polling: 2 workers x 2
+  /// ranks on this host < 16 cores", "parking: ...".
+  std::string idle_polling;
 };
 
 }  // namespace baton

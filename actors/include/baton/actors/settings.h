@@ -18,6 +18,22 @@ enum class ExecutionMode : std::uint8_t {
   deterministic,
 };
 
+/// What an idle worker does once its spin_polls are spent.
+enum class IdlePolling : std::uint8_t {
+  /// busy_poll in a job of several ranks with fewer busy threads on this host than cores
+  /// (workers of this rank x ranks_on_host < hardware threads), otherwise park: as MPI and
+  /// ucx_perftest poll when each process has a core of its own, and must not when the cores
+  /// are shared with compute. Fewer, not as many: the data plane's and control plane's threads
+  /// need a core now and then, and a poller that holds it until the scheduler's tick costs more
+  /// than a wake-up (measured, 2 ranks x 1 worker on 2 cores, baton-bench-transport with
+  /// BATON_BENCH_IDLE: one hop over shared memory 1.8-5.1 us busy-polling, 1.83-1.93 parking).
+  automatic,
+  /// Keep polling the mailbox and the data plane (a CPU pause between polls, no yield).
+  busy_poll,
+  /// Sleep on the mailbox; the data plane's progress thread takes the watch.
+  park,
+};
+
 struct RuntimeSettings {
   ExecutionMode mode = ExecutionMode::threaded;
   /// The rank this runtime plays; it instantiates the plan's actors on that rank.
@@ -32,6 +48,12 @@ struct RuntimeSettings {
   /// thread, another rank) needs: with more threads than cores this halved cross-rank latency.
   /// Zero: never yield.
   int spin_yield_every = 10;
+  /// After spin_polls: busy-poll or park (see IdlePolling). RunReport::idle_polling says which
+  /// was chosen and why.
+  IdlePolling idle_polling = IdlePolling::automatic;
+  /// Ranks of the job on this host, this one included (run_job counts them from the control
+  /// plane's table); 0: not known, and `automatic` parks.
+  std::uint32_t ranks_on_host = 0;
   /// Actors on streams (CUDA, sim) hand their registers on in stream order (EdgeSync, plan.h):
   /// the host waits for a stream only where it must see the data. False: every act on a
   /// stream waits for its stream to run it before its requests and acks go out (a host round
