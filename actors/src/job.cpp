@@ -61,11 +61,28 @@ JobEnvironment JobEnvironment::from_env() {
     throw std::invalid_argument(fmt::format("BATON_RANK={} but BATON_WORLD_SIZE={}", env.rank, env.world_size));
   }
   if (const char* local = std::getenv("BATON_LOCAL_RANK")) env.local_rank = parse_number("BATON_LOCAL_RANK", local);
+  if (const char* local = std::getenv("BATON_LOCAL_WORLD_SIZE")) {
+    env.local_world_size = parse_number("BATON_LOCAL_WORLD_SIZE", local);
+    if (env.local_world_size > env.world_size) {
+      throw std::invalid_argument(fmt::format("BATON_LOCAL_WORLD_SIZE={} but BATON_WORLD_SIZE={}",
+                                              env.local_world_size, env.world_size));
+    }
+  }
   if (env.world_size > 1) {
     env.master = need("BATON_MASTER");
     env.token = need("BATON_JOB_TOKEN");
   }
   return env;
+}
+
+transport::DataPlaneSettings data_plane_for_job(const JobEnvironment& env, transport::DataPlaneSettings base,
+                                                std::string* why) {
+  if (base.transports.empty() && std::getenv("UCX_TLS") == nullptr && env.world_size > 1 &&
+      env.local_world_size == env.world_size) {
+    base.transports = "^cma,tcp";
+    if (why != nullptr) *why = " (every rank on this host)";
+  }
+  return base;
 }
 
 RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobEnvironment& env, JobSettings js) {
@@ -119,6 +136,13 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   // Kernels publish while the runtime is built (an NCCL group's unique id), before the start
   // barrier, and fetch once running; the runtime uses it no more once run() returns.
   ControlStore store(control);
+  std::string why_transports;
+  js.data = data_plane_for_job(env, js.data, &why_transports);
+  std::string data_plane_config;
+  for (const auto& [name, value] : transport::ucx_configuration(js.data)) {
+    data_plane_config += fmt::format("{}{}={}", data_plane_config.empty() ? "" : ", ", name, value);
+  }
+  if (data_plane_config.empty()) data_plane_config = "as the UCX_ environment variables say";
   transport::DataPlane data(env.rank, env.world_size, js.data);
   // An empty host: join() names this machine.
   const auto table = control.join(transport::RankInfo{env.rank, {}, data.address(), plan.hash()});
@@ -160,6 +184,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     data.stop();
     throw;
   }
+  report.data_plane = data_plane_config + why_transports;
   if (js.observer != nullptr) js.observer->on_finish(*runtime, {});
   // The others may still need our acks: the data plane keeps going until every rank is done.
   control.finish(js.finish_timeout);

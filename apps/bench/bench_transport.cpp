@@ -20,7 +20,8 @@
 //       reference ucx_perftest ucp_am_bw message rate (32 bytes)
 // Knobs for experiments (environment): BATON_BENCH_RT_SPIN / _RT_YIELD (the workers'
 // spin_polls / spin_yield_every), BATON_BENCH_DP_SPIN (the data plane's spin_polls),
-// BATON_BENCH_IDLE=park|busy_poll|automatic (RuntimeSettings::idle_polling).
+// BATON_BENCH_IDLE=park|busy_poll|automatic (RuntimeSettings::idle_polling),
+// BATON_BENCH_SHM_TLS (UCX_TLS of the _shm cases, for baton and the reference alike).
 // The driver hosts the rendezvous server and starts the two ranks as child processes of
 // itself (--worker); rank 1 reports its run time on stdout.
 #include <unistd.h>
@@ -251,17 +252,22 @@ int main(int argc, char** argv) {
   int failures = 0;
 
   for (const std::string tls : {"shm", "tcp"}) {
-    // "shm": the data plane's own choice of transports between two processes of one host;
+    // "shm": the data plane's own choice of transports for a job on one host (shared memory);
     // "tcp": TCP over loopback only.
     Env env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}};
+    if (const char* t = std::getenv("BATON_BENCH_SHM_TLS"); t != nullptr && tls == "shm") env["UCX_TLS"] = t;
     // The reference runs under the UCX configuration the data plane gives itself (the same
     // transports and rendezvous threshold), so the ratio is what baton's runtime costs over
     // its transport; the ceiling is ucx_perftest under UCX's own defaults (with CMA between
     // processes of one host), which baton does not use by default (data_plane.cpp says why).
     if (tls == "shm") unsetenv("UCX_TLS");
     Env reference_env = env;
+    // The ranks run as run_job runs a job whose ranks share a host (data_plane_for_job).
     baton::transport::DataPlaneSettings as_baton;
     if (tls == "tcp") as_baton.transports = "tcp";
+    if (env["UCX_TLS"] != "") as_baton.transports = env["UCX_TLS"];
+    baton::JobEnvironment one_host{.world_size = 2, .local_world_size = 2};
+    as_baton = baton::data_plane_for_job(one_host, as_baton);
     for (const auto& [name, value] : baton::transport::ucx_configuration(as_baton)) reference_env["UCX_" + name] = value;
     Env ceiling_env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}, {"UCX_RNDV_THRESH", ""}};
     auto wanted = [&](const std::string& c) { return o.only.empty() || c.rfind(o.only, 0) == 0; };

@@ -130,6 +130,7 @@ inline std::optional<std::map<int, std::string>> run_job_outputs(const std::stri
     env["BATON_RANK"] = std::to_string(r);
     env["BATON_WORLD_SIZE"] = std::to_string(world);
     env["BATON_LOCAL_RANK"] = std::to_string(r);
+    env["BATON_LOCAL_WORLD_SIZE"] = std::to_string(world);  // every rank on this host, as baton-launch says
     env["BATON_MASTER"] = fmt::format("127.0.0.1:{}", server.port());
     env["BATON_JOB_TOKEN"] = ss.token;
     std::vector<std::string> argv{self};

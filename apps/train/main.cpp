@@ -688,7 +688,10 @@ void print_result(const Options& o, const Data& d, const TrainingJob& job, const
                   const JobEnvironment& env, const std::optional<sample::TextSampler>& sampler, std::int64_t first,
                   bool tty) {
   // Whether idle workers polled the data plane or slept (RuntimeSettings::idle_polling).
-  if (env.world_size > 1) fmt::print(stderr, "baton-train: r{}: idle workers: {}\n", env.rank, report.idle_polling);
+  if (env.world_size > 1) {
+    fmt::print(stderr, "baton-train: r{}: data plane: {}; idle workers: {}\n", env.rank, report.data_plane,
+               report.idle_polling);
+  }
   auto losses = job.losses->per_step();
   const double samples_per_s = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
   if (losses.empty()) {

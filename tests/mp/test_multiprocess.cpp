@@ -154,6 +154,15 @@ TEST_CASE("multi-process: a rank with the wrong job token is refused" * doctest:
   CHECK(contains(p.err(), "wrong job token"));
 }
 
+TEST_CASE("multi-process: more local ranks than ranks is refused, naming both" * doctest::timeout(60)) {
+  auto env = rank_env(0, 2, 1, "0123456789abcdef0123456789abcdef");
+  env["BATON_LOCAL_WORLD_SIZE"] = "3";
+  Proc p({xrank, "--topology", "chain"}, env);
+  CHECK(p.wait(30s) != 0);
+  INFO(p.all());
+  CHECK(contains(p.err(), "BATON_LOCAL_WORLD_SIZE=3 but BATON_WORLD_SIZE=2"));
+}
+
 TEST_CASE("multi-process: a rank that never arrives times out with its number in the message" * doctest::timeout(60)) {
   baton::transport::ServerSettings ss;
   ss.bind_host = "127.0.0.1";
@@ -204,6 +213,8 @@ TEST_CASE("multi-process: baton-train --dp 2 over 2 ranks equals 2 in-process re
   CHECK(std::abs(a - b) <= 1e-5 * std::max(1.0, std::abs(a)));
   CHECK(std::abs(a - c) <= 1e-5 * std::max(1.0, std::abs(a)));
   CHECK(json_number(ranks.out(), "ranks") == 2);
+  // Both ranks on this host: the data plane leaves TCP out, and says so.
+  CHECK(contains(ranks.err(), "data plane: TLS=^cma,tcp, RNDV_THRESH=1048576 (every rank on this host)"));
 }
 
 // Under pp and tp a rank holds only some of the weights, and under pp the losses arrive on the

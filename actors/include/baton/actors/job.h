@@ -77,9 +77,12 @@ struct JobEnvironment {
   std::uint32_t local_rank = 0;
   std::string master;  // host:port of the rendezvous server
   std::string token;
+  /// Ranks of the job on this host (BATON_LOCAL_WORLD_SIZE); 0: not known. Where it equals
+  /// world_size, run_job leaves TCP out of the data plane (see run_job).
+  std::uint32_t local_world_size = 0;
 
-  /// BATON_RANK, BATON_WORLD_SIZE, BATON_LOCAL_RANK, BATON_MASTER, BATON_JOB_TOKEN. Without
-  /// BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
+  /// BATON_RANK, BATON_WORLD_SIZE, BATON_LOCAL_RANK, BATON_LOCAL_WORLD_SIZE, BATON_MASTER,
+  /// BATON_JOB_TOKEN. Without BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
   /// its value if one is malformed or missing for a job of several ranks.
   static JobEnvironment from_env();
   bool distributed() const { return world_size > 1; }
@@ -105,7 +108,17 @@ struct JobSettings {
 /// on ranks the job does not have), JobError (this run failed, or another rank did: the
 /// message names it), transport::TransportError (the job could not be joined: refused,
 /// timed out).
+/// The data plane's settings run_job uses (data_plane_for_job). RunReport::data_plane says which.
 RunReport run_job(const Plan& plan, const KernelRegistry& kernels, const JobEnvironment& env,
                   JobSettings settings = {});
+
+/// The data plane's transports for a job: `base.transports`, else UCX_TLS, else, when every
+/// rank is on this host (env.local_world_size == world_size), every transport but CMA and TCP:
+/// UCX would otherwise run its rendezvous between processes of the host over TCP loopback
+/// (measured, baton-bench-transport with BATON_BENCH_SHM_TLS=^cma,tcp on 2 cores: 1 MiB 11.5
+/// GB/s against about 4 with TCP); else every transport but CMA (ucx_configuration). `why`,
+/// if given, gets " (every rank on this host)" when the last rule chose.
+transport::DataPlaneSettings data_plane_for_job(const JobEnvironment& env, transport::DataPlaneSettings base,
+                                                std::string* why = nullptr);
 
 }  // namespace baton

@@ -86,6 +86,9 @@ struct RunReport {
   /// What idle workers did (RuntimeSettings::idle_polling) and why: "busy-polling: 2 workers x 2
   /// ranks on this host < 16 cores", "parking: ...".
   std::string idle_polling;
+  /// run_job: what the data plane set in UCX's configuration and why ("TLS=^cma,tcp,
+  /// RNDV_THRESH=1048576 (every rank on this host)"); empty for a job of one rank.
+  std::string data_plane;
 };
 
 }  // namespace baton
