@@ -56,6 +56,30 @@ TEST_CASE("multi-process: chains, fan-out, fan-in and rings on 2 and 4 local ran
   }
 }
 
+// Registers on either side of the data plane's rendezvous threshold (1 MiB: 131072 int64s),
+// with one slot each so that producers wait for every ack: eager payloads arrive before the
+// consumer's receive is posted and must be matched to the right piece; each piece is checked
+// by the pattern kernels. Over the data plane's choice for one host (shared memory only) and
+// over TCP.
+TEST_CASE("multi-process: registers just below and at the rendezvous threshold cross intact under back-pressure" *
+          doctest::timeout(240)) {
+  for (const char* tls : {"", "tcp"}) {
+    for (const char* elements : {"131071", "131072"}) {
+      for (const char* topology : {"fanout", "ring"}) {
+        CAPTURE(tls);
+        CAPTURE(elements);
+        CAPTURE(topology);
+        Proc p(launch_args(3, {"--topology", topology, "--pieces", "40", "--elements", elements, "--slots", "1"}),
+               {{"UCX_TLS", tls}});
+        const int code = p.wait(60s);
+        INFO(p.all());
+        REQUIRE(code == 0);
+        for (int r = 0; r < 3; ++r) CHECK(contains(p.out(), fmt::format("[{}] rank {} ok:", r, r)));
+      }
+    }
+  }
+}
+
 // The soak: 10^6 pieces (BATON_SOAK_PIECES overrides; the sanitizer stage uses fewer) through a
 // 16-actor chain that crosses between 2 ranks three times. Every piece is checked by the pattern
 // kernels; each rank samples its resident memory every 100 ms and fails if, after the first
