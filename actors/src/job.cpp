@@ -1,9 +1,13 @@
 // run_job: control plane + data plane + runtime for one rank of a job.
 #include "baton/actors/job.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 
@@ -61,6 +65,13 @@ JobEnvironment JobEnvironment::from_env() {
     throw std::invalid_argument(fmt::format("BATON_RANK={} but BATON_WORLD_SIZE={}", env.rank, env.world_size));
   }
   if (const char* local = std::getenv("BATON_LOCAL_RANK")) env.local_rank = parse_number("BATON_LOCAL_RANK", local);
+  if (const char* bind = std::getenv("BATON_BIND_TO"); bind != nullptr && *bind != '\0') {
+    const std::string b = bind;
+    if (b != "core" && b != "none") {
+      throw std::invalid_argument(fmt::format("BATON_BIND_TO='{}': 'core' or 'none'", b));
+    }
+    env.bind_to_core = b == "core";
+  }
   if (const char* local = std::getenv("BATON_LOCAL_WORLD_SIZE")) {
     env.local_world_size = parse_number("BATON_LOCAL_WORLD_SIZE", local);
     if (env.local_world_size > env.world_size) {
@@ -73,6 +84,64 @@ JobEnvironment JobEnvironment::from_env() {
     env.token = need("BATON_JOB_TOKEN");
   }
   return env;
+}
+
+namespace {
+
+/// "0-3,6": a sorted list of cpu numbers, in ranges.
+std::string cpu_list(const std::vector<int>& cpus) {
+  std::string out;
+  for (std::size_t i = 0; i < cpus.size();) {
+    std::size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    out += fmt::format("{}{}", out.empty() ? "" : ",", i == j ? fmt::format("{}", cpus[i])
+                                                              : fmt::format("{}-{}", cpus[i], cpus[j]));
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string bind_to_cores(const JobEnvironment& env) {
+  if (!env.bind_to_core) return {};
+  if (env.local_world_size == 0) return "not bound: BATON_LOCAL_WORLD_SIZE is not set";
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) {
+    return fmt::format("not bound: sched_getaffinity: {}", std::strerror(errno));
+  }
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  const std::size_t n = env.local_world_size;
+  const std::size_t local = env.local_rank % n;
+  std::vector<int> mine;
+  if (cpus.size() >= n) {  // an even share; the first cpus.size() % n ranks get one more
+    const std::size_t share = cpus.size() / n, extra = cpus.size() % n;
+    const std::size_t begin = local * share + std::min(local, extra);
+    mine.assign(cpus.begin() + static_cast<std::ptrdiff_t>(begin),
+                cpus.begin() + static_cast<std::ptrdiff_t>(begin + share + (local < extra ? 1 : 0)));
+  } else {  // more ranks than cores: they share, round robin
+    mine.push_back(cpus[local % cpus.size()]);
+  }
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : mine) CPU_SET(c, &set);
+  // Every thread the process has now (a BLAS pool, the control client's), and through the
+  // calling thread those it starts later.
+  std::size_t threads = 0;
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", ec)) {
+    const pid_t tid = static_cast<pid_t>(std::strtol(task.path().filename().c_str(), nullptr, 10));
+    if (tid > 0 && sched_setaffinity(tid, sizeof set, &set) == 0) ++threads;
+  }
+  if (sched_setaffinity(0, sizeof set, &set) != 0) {
+    return fmt::format("not bound: sched_setaffinity: {}", std::strerror(errno));
+  }
+  return fmt::format("cores {} of {}, local rank {} of {}{} ({} threads)", cpu_list(mine), cpu_list(cpus),
+                     env.local_rank, n, cpus.size() < n ? ", more ranks than cores" : "", std::max<std::size_t>(threads, 1));
 }
 
 transport::DataPlaneSettings data_plane_for_job(const JobEnvironment& env, transport::DataPlaneSettings base,
@@ -136,6 +205,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   // Kernels publish while the runtime is built (an NCCL group's unique id), before the start
   // barrier, and fetch once running; the runtime uses it no more once run() returns.
   ControlStore store(control);
+  const std::string binding = bind_to_cores(env);
   std::string why_transports;
   js.data = data_plane_for_job(env, js.data, &why_transports);
   std::string data_plane_config;
@@ -185,6 +255,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     throw;
   }
   report.data_plane = data_plane_config + why_transports;
+  report.binding = binding;
   if (js.observer != nullptr) js.observer->on_finish(*runtime, {});
   // The others may still need our acks: the data plane keeps going until every rank is done.
   control.finish(js.finish_timeout);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -41,6 +42,7 @@ Several nodes:
                                                 to $BATON_MASTER, else the first node:29500
 
 Environment:
+  BATON_BIND_TO    core or none, when --bind-to is not given
   BATON_JOB_TOKEN  the job token when --token is not given (default: a fresh one)
   BATON_MASTER     the master when --master is not given (several nodes)
   BATON_SSH        the ssh command for --hosts (default "ssh"), e.g. "ssh -p 2222")";
@@ -88,6 +90,11 @@ int main(int argc, char** argv) {
   app.add_option("--bind", cli.bind,
                  "ADDR: the interface node 0's rendezvous server listens on (default: loopback for one "
                  "node, every interface for several)");
+  std::string bind_to;
+  app.add_option("--bind-to", bind_to,
+                 "core: each rank's threads on a block of this host's cores of its own (as mpirun --bind-to "
+                 "core); none: where the scheduler puts them (default; sets BATON_BIND_TO for the ranks)")
+      ->check(CLI::IsMember({"core", "none"}));
   app.add_option("--token", cli.token,
                  "the job token (default $BATON_JOB_TOKEN, else a fresh one)");
   app.add_option(
@@ -115,6 +122,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "baton-launch: --trace {}: there is no directory '{}'\n", cli.trace, dir.string());
     return 2;
   }
+  // The ranks (and, through the environment ssh forwards, other nodes' launchers) read it.
+  if (!bind_to.empty()) setenv("BATON_BIND_TO", bind_to.c_str(), 1);
   dashboard.linger = std::chrono::milliseconds(static_cast<std::int64_t>(dashboard_linger_s * 1000));
   if (app.count("--nproc-per-node")) cli.nproc_per_node = nproc_per_node;
   if (app.count("--nnodes")) cli.nnodes = nnodes;

@@ -687,11 +687,6 @@ void print_busiest(const RunReport& report) {
 void print_result(const Options& o, const Data& d, const TrainingJob& job, const RunReport& report,
                   const JobEnvironment& env, const std::optional<sample::TextSampler>& sampler, std::int64_t first,
                   bool tty) {
-  // Whether idle workers polled the data plane or slept (RuntimeSettings::idle_polling).
-  if (env.world_size > 1) {
-    fmt::print(stderr, "baton-train: r{}: data plane: {}; idle workers: {}\n", env.rank, report.data_plane,
-               report.idle_polling);
-  }
   auto losses = job.losses->per_step();
   const double samples_per_s = static_cast<double>((o.steps - first) * o.batch) / report.wall_s;
   if (losses.empty()) {
@@ -811,6 +806,12 @@ int run(const Options& given) {
   if (writer && !o.json && !writer->written().empty()) {
     fmt::print(stderr, "baton-train: rank {} wrote {} checkpoint{}, the last {}\n", env.rank, writer->written().size(),
                writer->written().size() == 1 ? "" : "s", writer->written().back().string());
+  }
+  // Each rank's own choices: UCX's configuration, whether idle workers polled the data plane
+  // or slept (RuntimeSettings::idle_polling), the cores it was bound to.
+  if (env.world_size > 1) {
+    fmt::print(stderr, "baton-train: r{}: data plane: {}; idle workers: {}{}\n", env.rank, report.data_plane,
+               report.idle_polling, report.binding.empty() ? "" : "; bound to " + report.binding);
   }
   if (!leader) return 0;  // the reporting rank speaks for the job
   print_result(o, d, job, report, env, sampler, first, tty);

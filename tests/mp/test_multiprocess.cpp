@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <regex>
 #include <set>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -176,6 +177,31 @@ TEST_CASE("multi-process: a rank with the wrong job token is refused" * doctest:
   INFO(p.all());
   CHECK(code == 1);
   CHECK(contains(p.err(), "wrong job token"));
+}
+
+TEST_CASE("multi-process: --bind-to core gives each rank cores of its own, and each says which" *
+          doctest::timeout(120)) {
+  Proc p({launch, "--nproc-per-node", "2", "--bind-to", "core", "--", bin + "/baton-train", "--model", "mlp",
+          "--data", "synthetic", "--dp", "2", "--steps", "5", "--json"});
+  const int code = p.wait(60s);
+  INFO(p.all());
+  REQUIRE(code == 0);
+  static const std::regex bound(R"(\[(\d)\] baton-train: r\d: .*; bound to cores ([0-9,-]+) of ([0-9,-]+), local rank (\d) of 2)");
+  std::map<int, std::string> cores;
+  const std::string err = p.err();
+  for (std::sregex_iterator it(err.begin(), err.end(), bound), end; it != end; ++it) {
+    CHECK((*it)[1].str() == (*it)[4].str());  // rank r is local rank r here
+    cores[std::stoi((*it)[1])] = (*it)[2];
+  }
+  REQUIRE(cores.size() == 2);
+  // Two ranks on one core only where the process may use a single core.
+  if (std::thread::hardware_concurrency() > 1) CHECK(cores[0] != cores[1]);
+  // A value the ranks do not know is refused before anything runs.
+  auto env = rank_env(0, 2, 1, "0123456789abcdef0123456789abcdef");
+  env["BATON_BIND_TO"] = "socket";
+  Proc bad({xrank, "--topology", "chain"}, env);
+  CHECK(bad.wait(30s) != 0);
+  CHECK(contains(bad.err(), "BATON_BIND_TO='socket': 'core' or 'none'"));
 }
 
 TEST_CASE("multi-process: more local ranks than ranks is refused, naming both" * doctest::timeout(60)) {

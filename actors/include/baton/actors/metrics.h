@@ -89,6 +89,8 @@ struct RunReport {
   /// run_job: what the data plane set in UCX's configuration and why ("TLS=^cma,tcp,
   /// RNDV_THRESH=1048576 (every rank on this host)"); empty for a job of one rank.
   std::string data_plane;
+  /// run_job under BATON_BIND_TO=core: the cores this rank's threads were put on (bind_to_cores).
+  std::string binding;
 };
 
 }  // namespace baton
