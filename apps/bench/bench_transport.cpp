@@ -21,13 +21,12 @@
 // Knobs for experiments (environment): BATON_BENCH_RT_SPIN / _RT_YIELD (the workers'
 // spin_polls / spin_yield_every), BATON_BENCH_DP_SPIN (the data plane's spin_polls),
 // BATON_BENCH_IDLE=park|busy_poll|automatic (RuntimeSettings::idle_polling),
-// BATON_BENCH_SHM_TLS (UCX_TLS of the _shm cases, for baton and the reference alike),
-// BATON_BENCH_PIN (each rank's threads on core `rank`: one hop over shared memory is bimodal
-// here, 0.6-0.8 or 2.4-2.9 us, as the scheduler puts the two ranks on two cores or one; pinned,
-// 0.62-0.87 in three runs).
+// BATON_BENCH_SHM_TLS (UCX_TLS of the _shm cases, for baton and the reference alike). The
+// ranks inherit the environment, so BATON_BIND_TO=core binds them as baton-launch --bind-to
+// core does (one hop over shared memory is bimodal here unbound, 0.6-0.8 or 2.4-2.9 us, as the
+// scheduler puts the two ranks on two cores or on one).
 // The driver hosts the rendezvous server and starts the two ranks as child processes of
 // itself (--worker); rank 1 reports its run time on stdout.
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -197,12 +196,6 @@ baton::Plan bench_plan(const Options& o) {
 int worker_main(const Options& o) {
   try {
     auto env = baton::JobEnvironment::from_env();
-    if (std::getenv("BATON_BENCH_PIN") != nullptr) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      CPU_SET(env.rank % std::max(1u, std::thread::hardware_concurrency()), &set);
-      sched_setaffinity(0, sizeof set, &set);
-    }
     auto kernels = baton::KernelRegistry::with_builtin_kernels();
     baton::JobSettings js;
     js.runtime.time_accounting = false;
