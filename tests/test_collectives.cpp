@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -467,4 +468,161 @@ TEST_CASE("Collectives.DirectAllReduceSumsOnEveryMember" * doctest::timeout(120)
   };
   CHECK(sums(small) == 3);
   CHECK(sums(large) == 0);
+}
+
+// Hierarchical all-reduce (AllReduceSettings::rank_hosts): within each host, across hosts per
+// local index, within again. Exact sums on every member, the layouts a job takes (two or three
+// hosts of two or three ranks; in-process devices on two hosts' ranks), sizes on both sides of
+// the direct form's threshold, odd sizes, many segments with one slot a hop; and fewer elements
+// cross hosts than by the flat ring, exactly the 2(H-1)/H of n/L per member it is built for.
+namespace {
+
+/// The elements that cross hosts in `plan` (before insert_transfers): each register once for
+/// every rank on another host that reads it (insert_transfers moves it there once).
+std::int64_t elements_across_hosts(const Plan& plan, const std::vector<std::uint32_t>& hosts) {
+  std::map<RegisterIndex, std::uint16_t> producer;
+  for (const ActorDesc& a : plan.actors) {
+    for (RegisterIndex r : a.outputs) producer[r] = a.where.rank;
+  }
+  std::set<std::pair<RegisterIndex, std::uint16_t>> moved;
+  for (const ActorDesc& a : plan.actors) {
+    for (const InputPort& in : a.inputs) {
+      if (hosts.at(producer.at(in.reg)) != hosts.at(a.where.rank)) moved.insert({in.reg, a.where.rank});
+    }
+  }
+  std::int64_t n = 0;
+  for (const auto& [r, rank] : moved) n += numel(plan.registers.at(r).shape);
+  return n;
+}
+
+struct HostLayout {
+  std::vector<Placement> places;
+  std::vector<std::uint32_t> rank_hosts;
+  std::int64_t hosts, per_host;
+};
+
+/// `hosts` hosts of `per_host` ranks (rank r on host r / per_host), one member on each rank.
+HostLayout ranks_on_hosts(std::int64_t hosts, std::int64_t per_host) {
+  HostLayout l{.places = {}, .rank_hosts = {}, .hosts = hosts, .per_host = per_host};
+  for (std::int64_t r = 0; r < hosts * per_host; ++r) {
+    l.places.push_back({.rank = static_cast<std::uint16_t>(r)});
+    l.rank_hosts.push_back(static_cast<std::uint32_t>(r / per_host));
+  }
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("Collectives.HierarchicalAllReduceSumsOnEveryMemberAndCrossesHostsLess" * doctest::timeout(240)) {
+  HostLayout devices{.places = {}, .rank_hosts = {0, 1}, .hosts = 2, .per_host = 2};  // 2 ranks x 2 devices
+  for (std::uint16_t r = 0; r < 2; ++r) {
+    for (std::uint8_t d = 0; d < 2; ++d) devices.places.push_back({.rank = r, .device = Device{DeviceType::cpu, d}});
+  }
+  for (const HostLayout& l : {ranks_on_hosts(2, 2), ranks_on_hosts(3, 2), ranks_on_hosts(2, 3), devices}) {
+    const auto n = static_cast<std::int64_t>(l.places.size());
+    CAPTURE(l.hosts);
+    CAPTURE(l.per_host);
+    for (std::int64_t elements : {std::int64_t{7}, std::int64_t{2048}, std::int64_t{2049}, std::int64_t{65537},
+                                  std::int64_t{3} << 18}) {
+      CAPTURE(elements);
+      const AllReduceSettings hier{.direct_below_bytes = gradient_direct_below_bytes, .rank_hosts = l.rank_hosts};
+      std::vector<AllReduceMember> members;
+      for (const Placement& p : l.places) members.push_back({p, 0, "@m"});
+      // From 8 KiB (2048 f32) the ring, so the hierarchy; below, one direct hop.
+      CHECK(hosts_of_members(members, {elements}, DType::f32, hier).size() ==
+            (elements >= 2048 ? static_cast<std::size_t>(l.hosts) : 0u));
+      const std::int64_t pieces = elements > 100'000 ? 2 : 4;
+      const Plan plan = allreduce_plan(l.places, elements, pieces, hier);
+      for (const auto& r : test::run_on_loopback(insert_transfers(plan), registry(n))) {
+        REQUIRE_MESSAGE(r.error.empty(), r.error);
+        for (const auto& a : r.report->metrics.actors) CHECK(a.acts == static_cast<std::uint64_t>(pieces));
+      }
+      if (elements == (std::int64_t{3} << 18)) {  // divides evenly by every layout's hosts x ranks
+        const std::int64_t across = elements_across_hosts(plan, l.rank_hosts);
+        CHECK(across == n * 2 * (l.hosts - 1) * elements / (l.hosts * l.per_host));
+        const Plan flat = allreduce_plan(l.places, elements, pieces, {.direct_below_bytes = gradient_direct_below_bytes});
+        CHECK(across < elements_across_hosts(flat, l.rank_hosts));
+      }
+    }
+  }
+  SUBCASE("many segments, one slot a hop") {
+    const HostLayout l = ranks_on_hosts(2, 2);
+    const AllReduceSettings fine{.segment_bytes = 4096, .max_segments = 12, .slots = 1, .rank_hosts = l.rank_hosts};
+    for (const auto& r : test::run_on_loopback(insert_transfers(allreduce_plan(l.places, 65537, 7, fine)), registry(4))) {
+      REQUIRE_MESSAGE(r.error.empty(), r.error);
+    }
+  }
+}
+
+// A bucket's gradients in parts (AllReduceMember::parts) go through the hierarchy too: each
+// member's host sums, checked part by part at their offsets in the tensor.
+TEST_CASE("Collectives.HostSumsReadInputsInPartsAndCoverTheTensor" * doctest::timeout(120)) {
+  const std::vector<std::int64_t> sizes{5, 3000, 1, 17, 4099, 700};  // 7822 elements
+  const HostLayout l = ranks_on_hosts(2, 2);
+  const AllReduceSettings settings{.segment_bytes = 2048, .max_segments = 6, .slots = 1, .rank_hosts = l.rank_hosts};
+  Plan p;
+  std::vector<AllReduceMember> members;
+  for (std::size_t j = 0; j < l.places.size(); ++j) {
+    const std::string suffix = fmt::format("@m{}", j);
+    std::vector<RegisterIndex> parts;
+    std::int64_t at = 0;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      parts.push_back(p.add_register({.name = fmt::format("grad{}{}", k, suffix), .shape = {sizes[k]}, .dtype = DType::f32}));
+      p.add_actor({.name = fmt::format("fill{}{}", k, suffix), .kind = ActorKind::source, .op = "test.fill",
+                   .where = l.places[j], .outputs = {parts.back()}, .pieces = 3,
+                   .attrs = {{"member", static_cast<std::int64_t>(j)}, {"at", at}}});
+      at += sizes[k];
+    }
+    members.push_back({l.places[j], parts.front(), suffix, parts});
+  }
+  const auto sums = add_host_sums(p, "hs", members, {7822}, DType::f32, settings);
+  REQUIRE(sums.size() == members.size());
+  std::map<RegisterIndex, std::uint16_t> producer;
+  for (const ActorDesc& a : p.actors) {
+    for (RegisterIndex r : a.outputs) producer[r] = a.where.rank;
+  }
+  for (std::size_t m = 0; m < sums.size(); ++m) {
+    std::int64_t at = 0;
+    for (RegisterIndex part : sums[m]) {
+      CHECK(l.rank_hosts.at(producer.at(part)) == l.rank_hosts[l.places[m].rank]);  // made on the member's host
+      p.add_actor({.name = fmt::format("check{}.{}", m, part), .op = "test.check", .where = l.places[m],
+                   .inputs = {{part}}, .attrs = {{"at", at}}});
+      at += numel(p.registers[part].shape);
+    }
+    CHECK(at == 7822);
+    CHECK(sums[m] == sums[m ^ 1]);  // the two members of a host read the same registers
+    CHECK(sums[m] != sums[m ^ 2]);  // each host its own
+  }
+  for (const auto& r : test::run_on_loopback(insert_transfers(p), registry(4))) REQUIRE_MESSAGE(r.error.empty(), r.error);
+}
+
+TEST_CASE("Collectives.HierarchyOnlyWhereEveryHostHasTheSameMembers") {
+  auto members_on = [](std::vector<std::uint16_t> ranks) {
+    std::vector<AllReduceMember> m;
+    for (std::uint16_t r : ranks) m.push_back({Placement{.rank = r}, 0, fmt::format("@r{}", r)});
+    return m;
+  };
+  const Shape big{1 << 20};
+  const AllReduceSettings two_by_two{.rank_hosts = {0, 0, 1, 1}};
+  CHECK(hosts_of_members(members_on({0, 1, 2, 3}), big, DType::f32, two_by_two) ==
+        std::vector<std::vector<std::size_t>>{{0, 1}, {2, 3}});
+  // Members in any order: grouped by host in the order their hosts first appear.
+  CHECK(hosts_of_members(members_on({2, 0, 3, 1}), big, DType::f32, two_by_two) ==
+        std::vector<std::vector<std::size_t>>{{0, 2}, {1, 3}});
+  CHECK(hosts_of_members(members_on({0, 1, 2, 3}), big, DType::f32, {}).empty());  // hosts not known
+  CHECK(hosts_of_members(members_on({0, 1, 2, 3}), big, DType::f32, {.rank_hosts = {0, 0, 0, 0}}).empty());
+  CHECK(hosts_of_members(members_on({0, 1, 2, 3}), big, DType::f32, {.rank_hosts = {0, 0, 0, 1}}).empty());  // uneven
+  CHECK(hosts_of_members(members_on({0, 2}), big, DType::f32, two_by_two).empty());  // one member a host: the ring is it
+  CHECK(hosts_of_members(members_on({0, 1, 2, 3}), big, DType::f32,
+                         {.algorithm = AllReduceAlgorithm::two_hop, .rank_hosts = {0, 0, 1, 1}})
+            .empty());
+  CHECK(hosts_of_members(members_on({0, 1, 2, 3}), big, DType::f32, {.wire = DType::bf16, .rank_hosts = {0, 0, 1, 1}})
+            .empty());  // compressed: the flat ring
+  CHECK(hosts_of_members(members_on({0, 1, 2, 3}), {100}, DType::f32,
+                         {.direct_below_bytes = gradient_direct_below_bytes, .rank_hosts = {0, 0, 1, 1}})
+            .empty());  // direct: one hop
+  CHECK_THROWS_WITH_AS(hosts_of_members(members_on({0, 1, 2, 4}), big, DType::f32, two_by_two),
+                       doctest::Contains("rank 4, but rank_hosts names the hosts of 4 ranks"), std::invalid_argument);
+  Plan p;
+  CHECK_THROWS_AS(add_host_sums(p, "x", members_on({0, 1, 2, 3}), big, DType::f32, {}), std::invalid_argument);
 }

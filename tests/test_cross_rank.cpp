@@ -234,3 +234,15 @@ TEST_CASE("cross rank: idle workers busy-poll only where the busy threads leave 
   Runtime rt(alone, kernels, settings);
   CHECK(test::contains(rt.run().idle_polling, "parking: no other rank to poll for"));
 }
+
+// baton-launch numbers ranks node by node (BATON_RANK = node_rank x nproc_per_node + local
+// rank), so the host of rank r is r / local_world_size; unknown without the local world size or
+// where it does not divide the world (TrainConfig::rank_hosts then stays empty: the flat ring).
+TEST_CASE("cross rank: the job environment says which host each rank is on") {
+  CHECK(JobEnvironment{.world_size = 4, .local_world_size = 2}.rank_hosts() == std::vector<std::uint32_t>{0, 0, 1, 1});
+  CHECK(JobEnvironment{.world_size = 6, .local_world_size = 3}.rank_hosts() ==
+        std::vector<std::uint32_t>{0, 0, 0, 1, 1, 1});
+  CHECK(JobEnvironment{.world_size = 2, .local_world_size = 2}.rank_hosts() == std::vector<std::uint32_t>{0, 0});
+  CHECK(JobEnvironment{.world_size = 4}.rank_hosts().empty());
+  CHECK(JobEnvironment{.world_size = 5, .local_world_size = 2}.rank_hosts().empty());
+}

@@ -36,6 +36,8 @@ struct Setup {
   std::vector<Placement> places;  // empty: in-process devices
   bool loopback_ranks = false;    // places are ranks: run them as runtimes joined by a LoopbackHub
   DType dtype = DType::f32;       // of the input and the weights
+  std::int64_t hidden = 16;       // the MLP's hidden width
+  std::vector<std::uint32_t> rank_hosts;  // TrainConfig::rank_hosts
 };
 
 /// The losses, the weights (replica 0's) and the plan of a finished job.
@@ -57,9 +59,9 @@ Run train(const Setup& s) {
   const std::int64_t mb = batch / pieces;
   auto x = g.input("x", {mb, width}, s.dtype);
   auto y = g.input("label", {mb}, i32);
-  auto w1 = g.variable("w1", {width, 16}, init::kaiming(), s.dtype);
-  auto b1 = g.variable("b1", {16}, init::zeros(), s.dtype);
-  auto w2 = g.variable("w2", {16, classes}, init::kaiming(), s.dtype);
+  auto w1 = g.variable("w1", {width, s.hidden}, init::kaiming(), s.dtype);
+  auto b1 = g.variable("b1", {s.hidden}, init::zeros(), s.dtype);
+  auto w2 = g.variable("w2", {s.hidden, classes}, init::kaiming(), s.dtype);
   auto b2 = g.variable("b2", {classes}, init::zeros(), s.dtype);
   auto loss = softmax_cross_entropy(matmul(relu(matmul(x, w1) + b1), w2) + b2, y);
   TrainConfig cfg;
@@ -72,6 +74,7 @@ Run train(const Setup& s) {
   cfg.replica_places = s.places;
   cfg.optimizer = s.opt;
   cfg.threads = s.threads;
+  cfg.rank_hosts = s.rank_hosts;
   cfg.data = {{"synthetic", baton::data::batch_source(dataset, batch, pieces, 7), {"x", "label"}}};
   TrainingJob job = compile_training(g, loss, cfg);
   RuntimeSettings rs;
@@ -143,6 +146,37 @@ TEST_CASE("Parallel.DataParallelAcrossRanksEqualsOneDevice" * doctest::timeout(1
     int transfers = 0;
     for (const auto& a : insert_transfers(ranks.plan).actors) transfers += a.kind == ActorKind::transfer;
     CHECK(transfers > 0);
+  }
+}
+
+TEST_CASE("Parallel.DataParallelOverTwoHostsAllReducesHierarchicallyAndEqualsOneDevice" * doctest::timeout(120)) {
+  // Four replicas on two hosts (TrainConfig::rank_hosts): one replica per rank, or two ranks
+  // with two in-process devices each. Hidden width 128: the one bucket (2052 elements) is above
+  // the direct form's 8 KiB, so it goes by the ring, hence by the hierarchy.
+  std::vector<Placement> ranks, devices;
+  for (std::uint16_t r = 0; r < 4; ++r) ranks.push_back({.rank = r});
+  for (std::uint16_t r = 0; r < 2; ++r) {
+    for (std::uint8_t d = 0; d < 2; ++d) devices.push_back({.rank = r, .device = Device{DeviceType::cpu, d}});
+  }
+  for (DType dtype : both_dtypes) {
+    for (const auto& [places, hosts] : {std::pair{ranks, std::vector<std::uint32_t>{0, 0, 1, 1}},
+                                        std::pair{devices, std::vector<std::uint32_t>{0, 1}}}) {
+      CAPTURE(dtype);
+      CAPTURE(hosts.size());
+      Run one = train({.dp = 1, .microbatches = 8, .dtype = dtype, .hidden = 128});
+      const Setup hier{.dp = 4, .microbatches = 2, .places = places, .loopback_ranks = true, .dtype = dtype,
+                       .hidden = 128, .rank_hosts = hosts};
+      Run many = train(hier);
+      check_same(one, many, hier);
+      // Across hosts, per local index j, an all-reduce of the hosts' chunk j ("<bucket>.x<j>";
+      // by the ring or, for f32's 4 KiB chunks here, direct), and none over all four replicas.
+      std::set<std::string> across;
+      for (const ActorDesc& a : many.plan.actors) {
+        const std::string group = a.attrs.get_string("allreduce", "");
+        if (group.find(".x") != std::string::npos) across.insert(group);
+      }
+      CHECK(across.size() == 2);
+    }
   }
 }
 

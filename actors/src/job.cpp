@@ -103,6 +103,13 @@ std::string cpu_list(const std::vector<int>& cpus) {
 
 }  // namespace
 
+std::vector<std::uint32_t> JobEnvironment::rank_hosts() const {
+  if (local_world_size == 0 || world_size % local_world_size != 0) return {};
+  std::vector<std::uint32_t> hosts;
+  for (std::uint32_t r = 0; r < world_size; ++r) hosts.push_back(r / local_world_size);
+  return hosts;
+}
+
 std::string bind_to_cores(const JobEnvironment& env) {
   if (!env.bind_to_core) return {};
   if (env.local_world_size == 0) return "not bound: BATON_LOCAL_WORLD_SIZE is not set";

@@ -73,6 +73,7 @@ struct Options {
   std::string precision = "f32";
   std::string collectives = "auto";
   std::string grad_compression = "none";
+  std::string allreduce = "auto";
   int zero = 0;
   bool json = false;
   std::string print_plan;
@@ -471,6 +472,8 @@ TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data
   cfg.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * 1024 * 1024);
   cfg.collectives = o.collectives;
   cfg.grad_compression = o.grad_compression;
+  cfg.rank_hosts = env.rank_hosts();
+  cfg.hierarchical_allreduce = o.allreduce == "auto";
   cfg.zero = o.zero;
   check_stages(o);
   cfg.pp = o.pp;
@@ -554,16 +557,33 @@ bool printed_instead(const Options& o, const TrainingJob& job, bool leader) {
   return true;
 }
 
+/// How --dp's gradient buckets cross hosts, for the header and the ranks' log lines:
+/// "hierarchical, H hosts x L replicas" where the replicas' first stages span hosts evenly
+/// (TrainConfig::rank_hosts; each stage's buckets are grouped the same way), else "".
+std::string hierarchy_note(const TrainConfig& cfg) {
+  if (cfg.dp < 2 || cfg.collectives == "nccl" || cfg.grad_compression != "none" || !cfg.hierarchical_allreduce) return "";
+  std::vector<AllReduceMember> members;
+  const auto per_replica = static_cast<std::size_t>(cfg.pp) * static_cast<std::size_t>(cfg.tp);
+  for (std::size_t r = 0; r < static_cast<std::size_t>(cfg.dp) && r * per_replica < cfg.replica_places.size(); ++r) {
+    members.push_back({cfg.replica_places[r * per_replica], 0, fmt::format("@dp{}", r)});
+  }
+  // A bucket big enough for the ring (smaller ones go direct, one hop, flat).
+  const auto hosts = hosts_of_members(members, {std::int64_t{1} << 20}, DType::f32, {.rank_hosts = cfg.rank_hosts});
+  if (hosts.empty()) return "";
+  return fmt::format("hierarchical, {} hosts x {} replicas", hosts.size(), hosts.front().size());
+}
+
 /// The line that says what is about to train.
-void print_header(const Options& o, const TrainingJob& job, const JobEnvironment& env,
+void print_header(const Options& o, const TrainingJob& job, const JobEnvironment& env, const TrainConfig& cfg,
                   const std::optional<checkpoint::Checkpoint>& resumed, std::int64_t first) {
   std::size_t weights = 0;
   for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
-  fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}\n",
+  fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}{}\n",
              o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
              o.dp > 1 || o.pp > 1 || o.tp > 1 ? fmt::format("dp {} x pp {} ({}) x tp {} x ", o.dp, o.pp, o.schedule, o.tp) : "",
              o.microbatches, o.batch / (o.dp * o.microbatches), o.optimizer, o.lr,
-             env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "");
+             env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "",
+             hierarchy_note(cfg).empty() ? "" : " | all-reduce: " + hierarchy_note(cfg));
   if (resumed) fmt::print("baton-train: resuming from {} at step {} of {}\n", resumed->dir.string(), first + 1, o.steps);
 }
 
@@ -780,7 +800,7 @@ int run(const Options& given) {
                                      [](const ActorDesc& a) { return a.name == "loss.report"; });
   const bool leader = env.rank == (reporter == job.plan.actors.end() ? 0u : reporter->where.rank);
   if (printed_instead(o, job, leader)) return 0;
-  if (!o.json && leader) print_header(o, job, env, resumed, first);
+  if (!o.json && leader) print_header(o, job, env, cfg, resumed, first);
   // The dashboard: served here (--dashboard) and/or by the launcher (baton-launch --dashboard).
   observe::Watch watch({.listen = o.dashboard, .title = fmt::format("{} on {}", o.model, o.data)});
   if (watch.serving()) fmt::print(stderr, "baton-train: dashboard at {}\n", watch.url());
@@ -808,10 +828,12 @@ int run(const Options& given) {
                writer->written().size() == 1 ? "" : "s", writer->written().back().string());
   }
   // Each rank's own choices: UCX's configuration, whether idle workers polled the data plane
-  // or slept (RuntimeSettings::idle_polling), the cores it was bound to.
+  // or slept (RuntimeSettings::idle_polling), the cores it was bound to, the all-reduce's form.
   if (env.world_size > 1) {
-    fmt::print(stderr, "baton-train: r{}: data plane: {}; idle workers: {}{}\n", env.rank, report.data_plane,
-               report.idle_polling, report.binding.empty() ? "" : "; bound to " + report.binding);
+    const std::string hierarchy = hierarchy_note(cfg);
+    fmt::print(stderr, "baton-train: r{}: data plane: {}; idle workers: {}{}{}\n", env.rank, report.data_plane,
+               report.idle_polling, report.binding.empty() ? "" : "; bound to " + report.binding,
+               hierarchy.empty() ? "" : "; all-reduce: " + hierarchy);
   }
   if (!leader) return 0;  // the reporting rank speaks for the job
   print_result(o, d, job, report, env, sampler, first, tty);
@@ -904,6 +926,10 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--zero", o.zero, "with --dp: ZeRO stage: 1 splits the optimizer state (and master weights) over the "
                  "replicas, 2 the gradients too (reduce-scatter instead of all-reduce); 0 none. Same results as plain dp")
       ->check(CLI::Range(0, 3));
+  app.add_option("--allreduce", o.allreduce, "with --dp over ranks on several hosts (baton-launch --nnodes): auto "
+                 "(hierarchical where the replicas span hosts evenly: within each host, across hosts, within) or flat "
+                 "(one ring over every replica)")
+      ->check(CLI::IsMember({"auto", "flat"}));
   app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients: auto (NCCL when every replica is on a "
                  "CUDA device, else actors), nccl, or actors (a ring of add actors; any devices)")
       ->check(CLI::IsMember({"auto", "nccl", "actors"}));

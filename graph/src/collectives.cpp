@@ -426,6 +426,79 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
 
 }  // namespace
 
+std::vector<std::vector<std::size_t>> hosts_of_members(const std::vector<AllReduceMember>& members, const Shape& shape,
+                                                       DType dtype, const AllReduceSettings& settings) {
+  if (settings.rank_hosts.empty()) return {};
+  std::vector<std::vector<std::size_t>> groups;
+  std::vector<std::uint32_t> hosts;  // hosts[g]: the host of groups[g]
+  for (std::size_t m = 0; m < members.size(); ++m) {
+    const std::uint16_t rank = members[m].where.rank;
+    if (rank >= settings.rank_hosts.size()) {
+      throw std::invalid_argument(fmt::format("all-reduce: member '{}' is on rank {}, but rank_hosts names the hosts of "
+                                              "{} rank{}",
+                                              members[m].suffix, rank, settings.rank_hosts.size(),
+                                              settings.rank_hosts.size() == 1 ? "" : "s"));
+    }
+    const auto g = std::find(hosts.begin(), hosts.end(), settings.rank_hosts[rank]);
+    if (g == hosts.end()) {
+      hosts.push_back(settings.rank_hosts[rank]);
+      groups.push_back({m});
+    } else {
+      groups[static_cast<std::size_t>(g - hosts.begin())].push_back(m);
+    }
+  }
+  const bool even = std::all_of(groups.begin(), groups.end(),
+                                [&](const auto& g) { return g.size() == groups.front().size(); });
+  if (groups.size() < 2 || groups.front().size() < 2 || !even || settings.algorithm != AllReduceAlgorithm::ring ||
+      (settings.wire && *settings.wire != dtype) || direct_for("all-reduce", members, shape, dtype, settings)) {
+    return {};
+  }
+  return groups;
+}
+
+std::vector<std::vector<RegisterIndex>> add_host_sums(Plan& plan, const std::string& name,
+                                                      const std::vector<AllReduceMember>& members, const Shape& shape,
+                                                      DType dtype, const AllReduceSettings& settings) {
+  const auto groups = hosts_of_members(members, shape, dtype, settings);
+  if (groups.empty()) {
+    throw std::invalid_argument(fmt::format("all-reduce '{}': its members are not on two hosts or more with two or "
+                                            "more each, evenly (or it is compressed, or small enough for direct)",
+                                            name));
+  }
+  AllReduceSettings flat = settings;
+  flat.rank_hosts.clear();
+  const std::size_t local = groups.front().size();
+  // 1. Within each host: local member j ends with chunk j of the host's sum (in segments).
+  std::vector<ReduceScattered> within;
+  for (const auto& g : groups) {
+    std::vector<AllReduceMember> here;
+    for (std::size_t m : g) here.push_back(members[m]);
+    within.push_back(ring_or_two_hop_scatter(plan, name, here, shape, dtype, flat));
+  }
+  // 2. Across hosts, per local index j and segment s: member j of every host all-reduces its
+  //    segment (the flat ring, or direct for a small one); every host's member j gets the sum.
+  // 3. Each member's sums: its host's results in tensor order (chunk j, then segment s).
+  std::vector<std::vector<RegisterIndex>> sums(members.size());
+  for (std::size_t j = 0; j < local; ++j) {
+    const std::vector<RegisterIndex>& segments = within.front().parts[j];
+    for (std::size_t s = 0; s < segments.size(); ++s) {
+      std::vector<AllReduceMember> across;
+      for (std::size_t h = 0; h < groups.size(); ++h) {
+        const AllReduceMember& m = members[groups[h][j]];
+        across.push_back({m.where, within[h].parts[j][s], m.suffix});
+      }
+      const std::int64_t count = numel(plan.registers.at(segments[s]).shape);
+      const std::string piece = segments.size() == 1 ? fmt::format("{}", j) : fmt::format("{}.{}", j, s);
+      const auto results =
+          add_allreduce(plan, fmt::format("{}.x{}", name, piece), across, {count}, dtype, settings.slots, flat);
+      for (std::size_t h = 0; h < groups.size(); ++h) {
+        for (std::size_t m : groups[h]) sums[m].push_back(results[h]);
+      }
+    }
+  }
+  return sums;
+}
+
 ReduceScattered add_reduce_scatter(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
                                    const Shape& shape, DType dtype, const AllReduceSettings& settings) {
   if (!direct_for(name, members, shape, dtype, settings)) {
@@ -470,18 +543,26 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
   if (direct_for(name, members, shape, dtype, settings)) {
     return add_direct_allreduce(plan, name, members, shape, dtype, result_slots);
   }
-  // The reduce-scatter, then every member gathers every member's sums in tensor order.
-  const ReduceScattered scattered = ring_or_two_hop_scatter(plan, name, members, shape, dtype, settings);
-  std::vector<InputPort> sums;
-  for (const auto& parts : scattered.parts) {
-    for (RegisterIndex r : parts) sums.push_back({r});
+  // The reduce-scatter, then every member gathers every member's sums in tensor order
+  // (hierarchical: its host's, each the sum over every host).
+  std::vector<std::vector<RegisterIndex>> sums;
+  if (!hosts_of_members(members, shape, dtype, settings).empty()) {
+    sums = add_host_sums(plan, name, members, shape, dtype, settings);
+  } else {
+    const ReduceScattered scattered = ring_or_two_hop_scatter(plan, name, members, shape, dtype, settings);
+    std::vector<RegisterIndex> all;
+    for (const auto& parts : scattered.parts) all.insert(all.end(), parts.begin(), parts.end());
+    sums.assign(members.size(), all);
   }
   std::vector<RegisterIndex> results;
-  for (const AllReduceMember& m : members) {
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    const AllReduceMember& m = members[i];
+    std::vector<InputPort> ins;
+    for (RegisterIndex r : sums[i]) ins.push_back({r});
     results.push_back(
         plan.add_register({.name = name + ".allreduced" + m.suffix, .shape = shape, .dtype = dtype, .slots = result_slots}));
     plan.add_actor({.name = name + ".gather" + m.suffix, .op = "allreduce.concat", .dtype = dtype, .where = m.where,
-                    .inputs = sums, .outputs = {results.back()}, .attrs = {{"allreduce", name}},
+                    .inputs = std::move(ins), .outputs = {results.back()}, .attrs = {{"allreduce", name}},
                     .role = ActorRole::collective});
   }
   return results;

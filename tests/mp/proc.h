@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -141,6 +142,13 @@ inline bool process_alive(pid_t pid) {
   std::string stat(buf, n);
   auto close_paren = stat.rfind(')');
   return close_paren != std::string::npos && close_paren + 2 < stat.size() && stat[close_paren + 2] != 'Z';
+}
+
+/// The number after the last `"key": ` in `text` (a JSON line a program printed); NaN if none.
+inline double json_number(const std::string& text, const std::string& key) {
+  const auto pos = text.rfind("\"" + key + "\": ");
+  if (pos == std::string::npos) return std::nan("");
+  return std::stod(text.substr(pos + key.size() + 4));
 }
 
 }  // namespace baton::test

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +22,7 @@
 
 using namespace std::chrono_literals;
 using baton::test::Proc;
+using baton::test::json_number;
 
 namespace {
 
@@ -227,4 +229,60 @@ TEST_CASE("multi-host: --hosts starts the other host's launcher over ssh" * doct
   for (int r = 0; r < 4; ++r) CHECK(contains(job.out(), fmt::format("rank {} ok:", r)));
   sshd.kill_group(SIGTERM);
   sshd.wait(5s);
+}
+
+// Data parallelism over two hosts of two ranks each: the gradient buckets are all-reduced
+// within each host, across the hosts, and within again (AllReduceSettings::rank_hosts, from
+// baton-launch's BATON_LOCAL_WORLD_SIZE), every rank says so, and the training equals the flat
+// ring's and one process's (the same sums in another order: the 1e-5 of the one-host dp test).
+TEST_CASE("multi-host: baton-train --dp 4 over two hosts of two ranks all-reduces hierarchically" *
+          doctest::timeout(240)) {
+  TwoHosts hosts;
+  if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);
+  const std::vector<std::string> train{bin + "/baton-train", "--model", "mlp", "--data", "synthetic", "--steps", "30",
+                                       "--batch", "64", "--optimizer", "sgd", "--lr", "0.05", "--json", "--dp", "4"};
+  struct Result {
+    std::string out, err;
+    double loss;
+  };
+  auto run = [&](const std::string& allreduce, int port_offset) {
+    const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port() + port_offset);
+    auto launcher = [&](const std::string& ns, int node) {
+      std::vector<std::string> argv{bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node),
+                                    "--master", master, "--nproc-per-node", "2", "--token", "netns-dp-token", "--"};
+      argv.insert(argv.end(), train.begin(), train.end());
+      argv.insert(argv.end(), {"--allreduce", allreduce});
+      return hosts.in(ns, argv);
+    };
+    Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
+    Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
+    const int c1 = node1.wait(120s);
+    const int c0 = node0.wait(30s);
+    INFO("node 0:\n" << node0.all() << "\nnode 1:\n" << node1.all());
+    REQUIRE(c0 == 0);
+    REQUIRE(c1 == 0);
+    return Result{node0.out() + node1.out(), node0.err() + node1.err(), json_number(node0.out(), "final_loss")};
+  };
+  const Result hier = run("auto", 10);
+  const Result flat = run("flat", 11);
+  std::vector<std::string> one_argv = train;
+  one_argv.at(one_argv.size() - 1) = "1";
+  one_argv.insert(one_argv.end(), {"--microbatches", "4"});
+  Proc one(one_argv);
+  REQUIRE(one.wait(60s) == 0);
+  const double o = json_number(one.out(), "final_loss");
+  INFO(o << " " << hier.loss << " " << flat.loss << "\n" << hier.err);
+  CHECK(std::abs(o - hier.loss) <= 1e-5 * std::max(1.0, std::abs(o)));
+  CHECK(std::abs(o - flat.loss) <= 1e-5 * std::max(1.0, std::abs(o)));
+  for (int r = 0; r < 4; ++r) {
+    CHECK(contains(hier.err, fmt::format("baton-train: r{}: ", r)));
+    CHECK(contains(flat.err, fmt::format("baton-train: r{}: ", r)));
+  }
+  std::size_t said = 0;
+  for (auto at = hier.err.find("; all-reduce: hierarchical, 2 hosts x 2 replicas"); at != std::string::npos;
+       at = hier.err.find("; all-reduce: hierarchical, 2 hosts x 2 replicas", at + 1)) {
+    ++said;
+  }
+  CHECK(said == 4);
+  CHECK_FALSE(contains(flat.err, "hierarchical"));
 }

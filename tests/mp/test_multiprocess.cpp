@@ -16,6 +16,7 @@
 
 using namespace std::chrono_literals;
 using baton::test::Proc;
+using baton::test::json_number;
 
 namespace {
 
@@ -230,14 +231,6 @@ TEST_CASE("multi-process: a rank that never arrives times out with its number in
   REQUIRE(outcome.has_value());
   CHECK_FALSE(outcome->ok);
 }
-
-namespace {
-double json_number(const std::string& text, const std::string& key) {
-  auto pos = text.rfind("\"" + key + "\": ");
-  if (pos == std::string::npos) return std::nan("");
-  return std::stod(text.substr(pos + key.size() + 4));
-}
-}  // namespace
 
 TEST_CASE("multi-process: baton-train --dp 2 over 2 ranks equals 2 in-process replicas and one device" *
           doctest::timeout(120)) {

@@ -80,6 +80,7 @@ AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg) {
   // chunks still travel eagerly; 8 KiB (not measured) is taken as the crossover's safe side.
   settings.direct_below_bytes = gradient_direct_below_bytes;
   if (cfg.grad_compression == "bf16") settings.wire = DType::bf16;
+  if (cfg.hierarchical_allreduce) settings.rank_hosts = cfg.rank_hosts;
   // A bucket is all-reduced once a step, and its next step's sums need this step's update,
   // which needs these sums read: a second slot on a hop would never be in use.
   settings.slots = 1;
@@ -145,20 +146,21 @@ std::vector<AllReduceMember> gradient_members(std::vector<PlanBuilder>& replicas
 
 namespace {
 
-/// Replica r's variables' windows of the reduce-scattered sums `rs` of a bucket (its weights
-/// concatenated): each weight reads the parts that hold its elements, wherever they lie.
-void read_in_place(const Plan& plan, const std::vector<Value>& bucket, const ReduceScattered& rs,
-                   std::int64_t n_dp, GradientInputs& grad_in, GradientWindows& windows) {
-  std::vector<RegisterIndex> sums;
-  for (const auto& chunk : rs.parts) sums.insert(sums.end(), chunk.begin(), chunk.end());
+/// Each replica's variables' windows of a bucket's sums (its weights concatenated): sums[r] are
+/// the registers replica r reads, in order (every replica the same ones after a flat
+/// reduce-scatter, its host's after a hierarchical one); each weight reads the parts that hold
+/// its elements, wherever they lie.
+void read_in_place(const Plan& plan, const std::vector<Value>& bucket,
+                   const std::vector<std::vector<RegisterIndex>>& sums, GradientInputs& grad_in,
+                   GradientWindows& windows) {
   std::int64_t at = 0;
   for (const Value& v : bucket) {
     const std::int64_t n = numel(v.shape());
-    auto [parts, offset] = window_of_parts(plan, sums, at, n);
-    const GradientAt window{std::move(parts), offset};
-    for (std::int64_t r = 0; r < n_dp; ++r) {
-      grad_in[static_cast<std::size_t>(r)][v.id()] = window.parts.front();
-      windows[static_cast<std::size_t>(r)][v.id()] = window;
+    for (std::size_t r = 0; r < sums.size(); ++r) {
+      auto [parts, offset] = window_of_parts(plan, sums[r], at, n);
+      const GradientAt window{std::move(parts), offset};
+      grad_in[r][v.id()] = window.parts.front();
+      windows[r][v.id()] = window;
     }
     at += n;
   }
@@ -193,9 +195,19 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
     const std::vector<AllReduceMember> members = gradient_members(replicas, reps, bi, grad_sum, cfg, in_place);
     if (in_place) {
       try {
-        const ReduceScattered rs = add_reduce_scatter(replicas[0].plan, name, members, {total}, dt,
-                                                      gradient_allreduce_settings(cfg));
-        read_in_place(replicas[0].plan, bucket, rs, n_dp, grad_in, windows);
+        const AllReduceSettings settings = gradient_allreduce_settings(cfg);
+        Plan& plan = replicas[0].plan;
+        std::vector<std::vector<RegisterIndex>> sums;
+        if (!hosts_of_members(members, {total}, dt, settings).empty()) {
+          sums = add_host_sums(plan, name, members, {total}, dt, settings);
+        } else {
+          std::vector<RegisterIndex> all;
+          for (const auto& chunk : add_reduce_scatter(plan, name, members, {total}, dt, settings).parts) {
+            all.insert(all.end(), chunk.begin(), chunk.end());
+          }
+          sums.assign(replicas.size(), all);
+        }
+        read_in_place(plan, bucket, sums, grad_in, windows);
       } catch (const std::invalid_argument& e) {
         throw GraphError(e.what());
       }

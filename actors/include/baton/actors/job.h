@@ -92,6 +92,10 @@ struct JobEnvironment {
   /// its value if one is malformed or missing for a job of several ranks.
   static JobEnvironment from_env();
   bool distributed() const { return world_size > 1; }
+  /// The host of each rank (index: rank; hosts numbered from 0) as baton-launch numbers ranks:
+  /// node by node, local_world_size on each, so rank r is on host r / local_world_size. Empty
+  /// where local_world_size is not known or does not divide world_size (TrainConfig::rank_hosts).
+  std::vector<std::uint32_t> rank_hosts() const;
 };
 
 struct JobSettings {

@@ -103,6 +103,20 @@ struct AllReduceSettings {
   /// rounded when it is sliced out), and each member's gather widens the bf16 sums back to f32.
   /// Half the bytes on every hop; every member still ends with the same bits.
   std::optional<DType> wire;
+  /// Where the job's ranks are: rank_hosts[r] is the host of rank r (any numbering; empty: not
+  /// known, as if all on one host). Where the members span two hosts or more, with the same
+  /// number of members (two or more) on each, add_allreduce is hierarchical (Horovod's, in the
+  /// 2D form NCCL's trees and Horovod's hierarchical all-reduce share): each host's members
+  /// reduce-scatter among themselves (the ring above, over shared memory), member j of every
+  /// host all-reduces its host's chunk j with member j of the other hosts (a ring across hosts,
+  /// one per local index, so every member's link is busy and each carries 1/L of the tensor),
+  /// and each member gathers its host's chunks. Across hosts each member sends 2(H-1)/H of
+  /// n/L elements instead of the flat ring's 2(N-1)/N of n, in H-1 hops instead of N-1.
+  /// Not with `wire` (compressed sums stay on the flat ring: the hop across hosts would add
+  /// bf16 partials, which no kernel does), nor below direct_below_bytes (one hop already);
+  /// add_reduce_scatter (ZeRO's) stays flat. baton-launch numbers ranks host by host
+  /// (JobEnvironment::rank_hosts).
+  std::vector<std::uint32_t> rank_hosts = {};
 };
 
 /// Adds the all-reduce of the members' inputs (each of `shape` and `dtype`) under `name`;
@@ -110,6 +124,22 @@ struct AllReduceSettings {
 std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
                                          const Shape& shape, DType dtype, std::int32_t result_slots = 2,
                                          const AllReduceSettings& settings = {});
+
+/// The members of a hierarchical all-reduce grouped by host (member indices; each host's in
+/// member order, the hosts in the order of their first member), or empty where add_allreduce
+/// stays flat for these members, tensor and settings (AllReduceSettings::rank_hosts). Throws
+/// std::invalid_argument if a member's rank has no host in rank_hosts.
+std::vector<std::vector<std::size_t>> hosts_of_members(const std::vector<AllReduceMember>& members, const Shape& shape,
+                                                       DType dtype, const AllReduceSettings& settings);
+
+/// A hierarchical all-reduce without its gathers (hosts_of_members() must not be empty):
+/// sums[m] are registers on member m's host (on member m's own rank for its own chunk, on its
+/// host's other members' for theirs) whose concatenation, in order, is the whole sum; every
+/// member's are the same bits. Inputs may be in parts (AllReduceMember::parts), as for
+/// add_reduce_scatter. Registers have `settings.slots`.
+std::vector<std::vector<RegisterIndex>> add_host_sums(Plan& plan, const std::string& name,
+                                                      const std::vector<AllReduceMember>& members, const Shape& shape,
+                                                      DType dtype, const AllReduceSettings& settings);
 
 /// What add_reduce_scatter leaves on each member: its chunk of the sum.
 struct ReduceScattered {
@@ -123,7 +153,7 @@ struct ReduceScattered {
 
 /// The first half of add_allreduce: member c ends with chunk c of the sum and nothing else (no
 /// gather), as ZeRO's sharded optimizers want it. The same chains, so the same bits as the
-/// all-reduce's result at those elements, by the same algorithm; direct here means member c
+/// flat all-reduce's result at those elements, by the same algorithm (rank_hosts is not read); direct here means member c
 /// sums chunk c of every member's input, in member order. Registers have `settings.slots`.
 ReduceScattered add_reduce_scatter(Plan& plan, const std::string& name, const std::vector<AllReduceMember>& members,
                                    const Shape& shape, DType dtype, const AllReduceSettings& settings = {});

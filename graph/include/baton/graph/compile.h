@@ -168,6 +168,15 @@ struct TrainConfig {
   /// is refused). "fp16" is refused: baton has no float16 dtype (bf16 keeps f32's range, so
   /// it needs no loss scaling).
   std::string grad_compression = "none";
+  /// Where the job's ranks are: rank_hosts[r] is the host of rank r (baton-train takes it from
+  /// baton-launch's environment: JobEnvironment::rank_hosts); empty: not known, as if on one
+  /// host. With dp > 1 and the ring of actors, where the replicas span two hosts or more with
+  /// the same number (two or more) on each, each gradient bucket is all-reduced hierarchically
+  /// (AllReduceSettings::rank_hosts: within each host, then across hosts, then within) unless
+  /// `hierarchical_allreduce` is false. The sums then come in another order than the flat
+  /// ring's (each host's first), the same bits on every replica.
+  std::vector<std::uint32_t> rank_hosts;
+  bool hierarchical_allreduce = true;
   /// ZeRO (Rajbhandari et al. 2020) for dp > 1, in SBP's terms: 0, every replica holds every
   /// weight, its optimizer state and the all-reduced (broadcast) gradient; 1, each gradient
   /// bucket's optimizer state and master weights are split S(0) over the replicas (replica r
