@@ -147,14 +147,10 @@ TEST_CASE("Collectives.AllReducePipelinesSegmentsUnderBackPressure" * doctest::t
 namespace {
 
 /// N members whose input is in parts of the sizes given (a gradient bucket's weights' gradients,
-/// never packed), each part a source; the reduce-scatter, and a check of every part of every
-/// member's chunk of the sum.
-Plan reduce_scatter_in_parts(const std::vector<Placement>& places, const std::vector<std::int64_t>& sizes,
-                             std::int64_t pieces, const AllReduceSettings& settings) {
-  Plan p;
+/// never packed), each part a source filling its elements.
+std::vector<AllReduceMember> members_in_parts(Plan& p, const std::vector<Placement>& places,
+                                              const std::vector<std::int64_t>& sizes, std::int64_t pieces) {
   std::vector<AllReduceMember> members;
-  std::int64_t total = 0;
-  for (std::int64_t s : sizes) total += s;
   for (std::size_t j = 0; j < places.size(); ++j) {
     const std::string suffix = fmt::format("@m{}", j);
     std::vector<RegisterIndex> parts;
@@ -168,6 +164,17 @@ Plan reduce_scatter_in_parts(const std::vector<Placement>& places, const std::ve
     }
     members.push_back({places[j], parts.front(), suffix, parts});
   }
+  return members;
+}
+
+/// members_in_parts(); the reduce-scatter, and a check of every part of every member's chunk of
+/// the sum.
+Plan reduce_scatter_in_parts(const std::vector<Placement>& places, const std::vector<std::int64_t>& sizes,
+                             std::int64_t pieces, const AllReduceSettings& settings) {
+  Plan p;
+  std::int64_t total = 0;
+  for (std::int64_t s : sizes) total += s;
+  const std::vector<AllReduceMember> members = members_in_parts(p, places, sizes, pieces);
   const ReduceScattered rs = add_reduce_scatter(p, "rs", members, {total}, DType::f32, settings);
   for (std::size_t c = 0; c < places.size(); ++c) {
     std::int64_t at = rs.offsets[c];
@@ -561,20 +568,7 @@ TEST_CASE("Collectives.HostSumsReadInputsInPartsAndCoverTheTensor" * doctest::ti
   const HostLayout l = ranks_on_hosts(2, 2);
   const AllReduceSettings settings{.segment_bytes = 2048, .max_segments = 6, .slots = 1, .rank_hosts = l.rank_hosts};
   Plan p;
-  std::vector<AllReduceMember> members;
-  for (std::size_t j = 0; j < l.places.size(); ++j) {
-    const std::string suffix = fmt::format("@m{}", j);
-    std::vector<RegisterIndex> parts;
-    std::int64_t at = 0;
-    for (std::size_t k = 0; k < sizes.size(); ++k) {
-      parts.push_back(p.add_register({.name = fmt::format("grad{}{}", k, suffix), .shape = {sizes[k]}, .dtype = DType::f32}));
-      p.add_actor({.name = fmt::format("fill{}{}", k, suffix), .kind = ActorKind::source, .op = "test.fill",
-                   .where = l.places[j], .outputs = {parts.back()}, .pieces = 3,
-                   .attrs = {{"member", static_cast<std::int64_t>(j)}, {"at", at}}});
-      at += sizes[k];
-    }
-    members.push_back({l.places[j], parts.front(), suffix, parts});
-  }
+  const std::vector<AllReduceMember> members = members_in_parts(p, l.places, sizes, 3);
   const auto sums = add_host_sums(p, "hs", members, {7822}, DType::f32, settings);
   REQUIRE(sums.size() == members.size());
   std::map<RegisterIndex, std::uint16_t> producer;

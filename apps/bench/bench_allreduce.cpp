@@ -16,14 +16,21 @@
 //                                    other AllReduceSettings, rank counts and sizes (sweeps)
 //   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
 //   baton-bench-allreduce --algorithm direct     every member sums every input (one hop; small tensors)
+//   baton-bench-allreduce --hosts 2  two network namespaces of two ranks, over TCP (root): the
+//                                    hierarchical all-reduce against the flat ring and MPI there;
+//                                    --link-gbit G limits the link between them (tc tbf)
 // BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -32,6 +39,7 @@
 #include <fmt/ranges.h>
 
 #include "json_line.h"
+#include "netns.h"
 #include "spawn.h"
 #include "baton/actors.h"
 #include "baton/graph/collectives.h"
@@ -70,9 +78,10 @@ Plan allreduce_plan(std::uint16_t n, std::int64_t elements, std::int64_t iters, 
   return p;
 }
 
-int worker(std::int64_t bytes, std::int64_t iters, const AllReduceSettings& settings) {
+int worker(std::int64_t bytes, std::int64_t iters, AllReduceSettings settings, bool hierarchical) {
   try {
     auto env = JobEnvironment::from_env();
+    if (hierarchical) settings.rank_hosts = env.rank_hosts();
     auto kernels = KernelRegistry::with_builtin_kernels();
     add_collective_kernels(kernels);
     // When each act of this rank's producer began: act k starts once all-reduce k-1 is back,
@@ -103,6 +112,19 @@ std::vector<std::string> mpirun_options(int n) {
   return out;
 }
 
+/// Runs one mpirun of baton-mpi-allreduce-ref (`argv`) and puts its seconds per op in out[bytes].
+void run_reference(const std::vector<std::string>& argv, std::int64_t bytes, std::map<std::int64_t, double>& out) {
+  auto [code, text] = bench::finish(bench::spawn(argv, {}, true), bench::Clock::now() + std::chrono::seconds(300));
+  std::istringstream lines(text);
+  std::int64_t b = 0;
+  double secs = 0;
+  if (code == 0 && (lines >> b >> secs)) {
+    out[b] = secs;
+  } else {
+    fmt::print(stderr, "baton-bench-allreduce: {} exited {} for {} bytes:\n{}\n", fmt::join(argv, " "), code, bytes, text);
+  }
+}
+
 /// MPI_Allreduce seconds per op by size (the slowest rank's average), from one mpirun per size;
 /// empty if MPI is not there.
 std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, const std::vector<std::int64_t>& sizes,
@@ -119,18 +141,62 @@ std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, cons
                    std::to_string(bytes)}) {
       argv.push_back(std::move(a));
     }
-    auto child = bench::spawn(argv, {}, true);
-    auto [code, text] = bench::finish(child, bench::Clock::now() + std::chrono::seconds(300));
-    std::istringstream lines(text);
-    std::int64_t b = 0;
-    double secs = 0;
-    if (code == 0 && (lines >> b >> secs)) {
-      out[b] = secs;
-    } else {
-      fmt::print(stderr, "baton-bench-allreduce: mpirun exited {} for {} bytes:\n{}\n", code, bytes, text);
-    }
+    run_reference(argv, bytes, out);
   }
   return out;
+}
+
+/// MPI_Allreduce over two hosts (network namespaces) of `per_host` ranks each, over TCP as
+/// baton's side is: mpirun in the first namespace, its daemon on the second started through
+/// `ip netns exec` (OpenMPI's plm_rsh_agent), btl self,tcp on the veth subnet. Seconds per op by
+/// size; empty where mpirun fails.
+std::map<std::int64_t, double> mpi_across_hosts(const std::string& ref, const bench::NamespacePair& hosts, int per_host,
+                                                const std::vector<std::int64_t>& sizes, bool quick) {
+  std::map<std::int64_t, double> out;
+  if (access(ref.c_str(), X_OK) != 0) return out;
+  char dir_template[] = "/tmp/baton-bench-mpi-XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  if (dir == nullptr) return out;
+  const std::string agent = std::string(dir) + "/agent.sh", hostfile = std::string(dir) + "/hosts";
+  {
+    std::ofstream a(agent);
+    a << "#!/bin/sh\nhost=$1; shift\ncase $host in " << hosts.address(1) << ") ns=" << hosts.names()[1]
+      << ";; *) ns=" << hosts.names()[0] << ";; esac\nexec ip netns exec $ns sh -c \"$*\"\n";
+    std::ofstream h(hostfile);
+    h << hosts.address(0) << " slots=" << per_host << "\n" << hosts.address(1) << " slots=" << per_host << "\n";
+  }
+  chmod(agent.c_str(), 0755);
+  const int n = 2 * per_host;
+  for (std::int64_t bytes : sizes) {
+    std::vector<std::string> argv{"ip", "netns", "exec", hosts.names()[0], "mpirun", "--allow-run-as-root",
+                                  "--hostfile", hostfile, "-np", std::to_string(n), "--mca", "plm_rsh_agent", agent,
+                                  "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", hosts.subnet(),
+                                  "--mca", "oob_tcp_if_include", hosts.subnet()};
+    // As --oversubscribe does on one host: ranks that outnumber the cores yield when idle.
+    if (n > bench::usable_cores()) argv.insert(argv.end(), {"--mca", "mpi_yield_when_idle", "1"});
+    argv.insert(argv.end(), {ref, std::to_string(iterations_for(bytes, quick)), std::to_string(bytes)});
+    run_reference(argv, bytes, out);
+  }
+  std::filesystem::remove_all(dir);
+  return out;
+}
+
+/// One baton all-reduce job of `n` ranks: the slowest rank's seconds per all-reduce, or nullopt.
+std::optional<double> baton_seconds(const std::string& self, const std::vector<std::string>& args, int n,
+                                    const bench::JobLayout& layout, const bench::Env& env, double* fastest) {
+  std::vector<int> every_rank(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) every_rank[static_cast<std::size_t>(r)] = r;
+  const auto outs = bench::run_job_outputs(self, args, n, every_rank, env, std::chrono::seconds(300), layout);
+  std::vector<double> per_rank;
+  for (const auto& [r, out] : outs ? *outs : std::map<int, std::string>{}) {
+    if (auto pos = out.find("RESULT "); pos != std::string::npos) per_rank.push_back(std::stod(out.substr(pos + 7)));
+  }
+  if (static_cast<int>(per_rank.size()) != n) {
+    fmt::print(stderr, "baton-bench-allreduce: {} of {} ranks reported a time\n", per_rank.size(), n);
+    return std::nullopt;
+  }
+  if (fastest != nullptr) *fastest = *std::min_element(per_rank.begin(), per_rank.end());
+  return *std::max_element(per_rank.begin(), per_rank.end());
 }
 
 std::string size_name(std::int64_t b) {
@@ -138,11 +204,73 @@ std::string size_name(std::int64_t b) {
   return fmt::format("{}KiB", b >> 10);
 }
 
+/// --hosts 2: two hosts (network namespaces joined by a veth pair) of two ranks each, everything
+/// over TCP (UCX_TLS=tcp: UCX would otherwise pick shared memory between namespaces of one
+/// machine), baton's hierarchical all-reduce against its flat ring and against MPI_Allreduce
+/// across the same namespaces. One line per size: allreduce_hier_{size}_2x2.
+int across_two_hosts(const std::string& self, const std::string& ref, const std::vector<std::string>& knobs, bool quick,
+                     bool reference, std::int64_t min_bytes, std::int64_t max_bytes, double link_gbit) {
+  bench::NamespacePair hosts;
+  if (!hosts.ok()) {
+    fmt::print(stderr, "baton-bench-allreduce --hosts 2: {}\n", hosts.why_not());
+    return 77;
+  }
+  if (link_gbit > 0) {
+    if (const std::string why = hosts.limit_link(link_gbit); !why.empty()) {
+      fmt::print(stderr, "baton-bench-allreduce --link-gbit: {}\n", why);
+      return 1;
+    }
+  }
+  constexpr int per_host = 2, n = 2 * per_host;
+  std::vector<std::int64_t> sizes;
+  for (std::int64_t b = std::max<std::int64_t>(min_bytes, 64 << 10); b <= std::min<std::int64_t>(max_bytes, std::int64_t{64} << 20);
+       b *= 4) {
+    sizes.push_back(b);
+  }
+  if (quick) sizes = {std::int64_t{1} << 20};
+  bench::load().set_own_threads(n);
+  const auto mpi = reference ? mpi_across_hosts(ref, hosts, per_host, sizes, quick) : std::map<std::int64_t, double>{};
+  const bench::JobLayout layout{.hosts = hosts.names(), .ranks_per_host = per_host, .server_address = hosts.address(0)};
+  const bench::Env tcp{{"UCX_TLS", "tcp"}};
+  const double factor = 2.0 * (n - 1) / n;
+  int failures = 0;
+  for (std::int64_t bytes : sizes) {
+    const std::int64_t iters = iterations_for(bytes, quick);
+    std::vector<std::string> args = knobs;
+    args.insert(args.end(), {"--worker", std::to_string(bytes), std::to_string(iters)});
+    const auto flat = baton_seconds(self, args, n, layout, tcp, nullptr);
+    args.push_back("--hierarchical");
+    const auto hier = baton_seconds(self, args, n, layout, tcp, nullptr);
+    if (!flat || !hier) {
+      ++failures;
+      continue;
+    }
+    auto busbw = [&](double secs) { return static_cast<double>(bytes) / secs * factor / 1e9; };
+    bench::JsonLine line("allreduce", fmt::format("allreduce_hier_{}_2x2{}", size_name(bytes),
+                                                  link_gbit > 0 ? fmt::format("_{}gbit", link_gbit) : ""));
+    line.add("value", busbw(*hier)).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("hosts", 2)
+        .add("iterations", iters).add("transport", "tcp (UCX_TLS=tcp; MPI btl self,tcp)")
+        .add("stat", "the slowest rank's time per all-reduce, averaged over the iterations (every side)")
+        .add("us_per_op", *hier * 1e6).add("flat_ring", busbw(*flat)).add("flat_ring_us_per_op", *flat * 1e6)
+        .add("hierarchical_over_flat", *flat / *hier).add("oversubscribed", n > bench::usable_cores())
+        .add("link", link_gbit > 0 ? fmt::format("veth limited to {} Gbit/s each way (tc tbf)", link_gbit)
+                                   : std::string("veth, not limited"));
+    if (auto it = mpi.find(bytes); it != mpi.end()) {
+      line.add("reference", busbw(it->second)).add("reference_name", "OpenMPI MPI_Allreduce across the namespaces (tcp)")
+          .add("ratio", it->second / *hier).add("flat_ratio", it->second / *flat)
+          .add("reference_us_per_op", it->second * 1e6);
+    }
+    line.print();
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bench::load().start(argc, argv, 2);
-  bool quick = false, reference = true;
+  bool quick = false, reference = true, hierarchical = false, across_hosts = false;
+  double link_gbit = 0;
   std::int64_t worker_bytes = -1, worker_iters = 0;
   AllReduceSettings settings;
   std::vector<int> ranks;
@@ -172,6 +300,16 @@ int main(int argc, char** argv) {
       min_bytes = std::stoll(argv[++i]) << 10;
     } else if (a == "--max-mib" && i + 1 < argc) {
       max_bytes = std::stoll(argv[++i]) << 20;
+    } else if (a == "--link-gbit" && i + 1 < argc) {
+      link_gbit = std::stod(argv[++i]);
+    } else if (a == "--hierarchical") {
+      hierarchical = true;
+    } else if (a == "--hosts" && i + 1 < argc) {
+      across_hosts = std::stoi(argv[++i]) == 2;
+      if (!across_hosts) {
+        fmt::print(stderr, "baton-bench-allreduce: --hosts {}: 2 (two network namespaces) is what it makes\n", argv[i]);
+        return 2;
+      }
     } else if (a == "--worker" && i + 2 < argc) {
       worker_bytes = std::stoll(argv[++i]);
       worker_iters = std::stoll(argv[++i]);
@@ -179,12 +317,12 @@ int main(int argc, char** argv) {
       fmt::print(stderr,
                  "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop|direct]\n"
                  "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
-                 "                             [--max-mib B] [--allow-load]\n{}",
+                 "                             [--max-mib B] [--hosts 2 [--link-gbit G]] [--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
-  if (worker_bytes >= 0) return worker(worker_bytes, worker_iters, settings);
+  if (worker_bytes >= 0) return worker(worker_bytes, worker_iters, settings, hierarchical);
 
   char self_buf[4096] = {};
   ssize_t len = readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
@@ -202,30 +340,24 @@ int main(int argc, char** argv) {
   const std::vector<std::string> knobs{"--algorithm", algorithm, "--segment-kib",
                                        std::to_string(settings.segment_bytes >> 10), "--max-segments",
                                        std::to_string(settings.max_segments)};
+  if (across_hosts) return across_two_hosts(self, ref, knobs, quick, reference, min_bytes, max_bytes, link_gbit);
   int failures = 0;
   for (int n : ranks) {
     bench::load().set_own_threads(n);  // every rank keeps a worker busy
     const auto mpi = reference ? mpi_reference(ref, n, sizes, quick) : std::map<std::int64_t, double>{};
-    std::vector<int> every_rank(static_cast<std::size_t>(n));
-    for (int r = 0; r < n; ++r) every_rank[static_cast<std::size_t>(r)] = r;
     for (std::int64_t bytes : sizes) {
       const std::int64_t iters = iterations_for(bytes, quick);
       std::vector<std::string> args = knobs;
       args.insert(args.end(), {"--worker", std::to_string(bytes), std::to_string(iters)});
-      const auto outs = bench::run_job_outputs(self, args, n, every_rank, {});
       // Each rank's time per all-reduce; the slowest rank's is the figure.
-      std::vector<double> per_rank;
-      for (const auto& [r, out] : outs ? *outs : std::map<int, std::string>{}) {
-        if (auto pos = out.find("RESULT "); pos != std::string::npos) per_rank.push_back(std::stod(out.substr(pos + 7)));
-      }
-      if (static_cast<int>(per_rank.size()) != n) {
-        fmt::print(stderr, "baton-bench-allreduce: {} of {} ranks reported a time for {} bytes\n", per_rank.size(), n,
-                   bytes);
+      double fastest = 0;
+      const auto timed = baton_seconds(self, args, n, {}, {}, &fastest);
+      if (!timed) {
+        fmt::print(stderr, "baton-bench-allreduce: no time for {} bytes over {} ranks\n", bytes, n);
         ++failures;
         continue;
       }
-      const double secs = *std::max_element(per_rank.begin(), per_rank.end());
-      const double fastest = *std::min_element(per_rank.begin(), per_rank.end());
+      const double secs = *timed;
       const double factor = 2.0 * (n - 1) / n;
       const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
       bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));

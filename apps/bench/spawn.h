@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -16,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -111,29 +113,68 @@ inline std::uint16_t free_port() {
   return ntohs(a.sin_port);
 }
 
+/// Where a benchmark job's ranks run. By default all on this host; with `hosts`, rank r runs in
+/// network namespace hosts[r / ranks_per_host] (NamespacePair: "hosts" joined by a veth pair)
+/// and the rendezvous server listens at server_address inside hosts[0].
+struct JobLayout {
+  std::vector<std::string> hosts;  // namespaces; empty: this host
+  int ranks_per_host = 0;          // with hosts
+  std::string server_address = "127.0.0.1";
+};
+
+/// Calls `make` with this thread in network namespace `ns` (ip netns's), then returns it to
+/// its own: a socket keeps the namespace it was made in.
+template <class F>
+auto in_namespace(const std::string& ns, F&& make) {
+  const int own = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+  const int there = open(("/run/netns/" + ns).c_str(), O_RDONLY | O_CLOEXEC);
+  if (own < 0 || there < 0 || setns(there, CLONE_NEWNET) != 0) {
+    if (own >= 0) close(own);
+    if (there >= 0) close(there);
+    throw std::runtime_error(fmt::format("cannot enter network namespace {}: {}", ns, std::strerror(errno)));
+  }
+  close(there);
+  struct Back {
+    int fd;
+    ~Back() {
+      setns(fd, CLONE_NEWNET);
+      close(fd);
+    }
+  } back{own};
+  return make();
+}
+
 /// Runs `world` ranks of `self args` as one job (this process hosts its rendezvous server) and
 /// returns the stdout of each rank whose index is in `capture` (the others' is discarded), by
 /// rank; nullopt if a rank failed or ran past `limit`.
 inline std::optional<std::map<int, std::string>> run_job_outputs(const std::string& self,
                                                                  const std::vector<std::string>& args, int world,
                                                                  const std::vector<int>& capture, const Env& env_in,
-                                                                 std::chrono::seconds limit = std::chrono::seconds(300)) {
+                                                                 std::chrono::seconds limit = std::chrono::seconds(300),
+                                                                 const JobLayout& layout = {}) {
   transport::ServerSettings ss;
-  ss.bind_host = "127.0.0.1";
+  ss.bind_host = layout.server_address;
   ss.token = transport::random_token();
   ss.world_size = static_cast<std::uint32_t>(world);
-  transport::RendezvousServer server(ss);
+  auto server = layout.hosts.empty()
+                    ? std::make_unique<transport::RendezvousServer>(ss)
+                    : in_namespace(layout.hosts.front(), [&] { return std::make_unique<transport::RendezvousServer>(ss); });
   auto captured = [&](int r) { return std::find(capture.begin(), capture.end(), r) != capture.end(); };
+  const int local_world = layout.hosts.empty() ? world : layout.ranks_per_host;
   std::vector<Child> kids;
   for (int r = 0; r < world; ++r) {
     Env env = env_in;
     env["BATON_RANK"] = std::to_string(r);
     env["BATON_WORLD_SIZE"] = std::to_string(world);
-    env["BATON_LOCAL_RANK"] = std::to_string(r);
-    env["BATON_LOCAL_WORLD_SIZE"] = std::to_string(world);  // every rank on this host, as baton-launch says
-    env["BATON_MASTER"] = fmt::format("127.0.0.1:{}", server.port());
+    env["BATON_LOCAL_RANK"] = std::to_string(r % local_world);
+    env["BATON_LOCAL_WORLD_SIZE"] = std::to_string(local_world);  // as baton-launch says
+    env["BATON_MASTER"] = fmt::format("{}:{}", layout.server_address, server->port());
     env["BATON_JOB_TOKEN"] = ss.token;
-    std::vector<std::string> argv{self};
+    std::vector<std::string> argv;
+    if (!layout.hosts.empty()) {
+      argv = {"ip", "netns", "exec", layout.hosts.at(static_cast<std::size_t>(r / local_world))};
+    }
+    argv.push_back(self);
     argv.insert(argv.end(), args.begin(), args.end());
     kids.push_back(spawn(argv, env, captured(r)));
   }
