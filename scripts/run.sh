@@ -343,10 +343,19 @@ case "$cmd" in
       [ "$had" = "${#bench_packages[@]}" ] || rm -f "$build_dir/.run-sh-config"
     fi
     build
-    # bench parallel: the pipeline bubble, then the all-reduce against MPI_Allreduce.
+    # bench parallel: the pipeline bubble and training, then the all-reduce against
+    # MPI_Allreduce; as root also across two hosts (network namespaces): dp training, and the
+    # hierarchical all-reduce over the veth as it is and over a link limited to 2 Gbit/s.
     if [ "$name" = parallel ]; then
-      "$build_dir/bin/baton-bench-parallel" "$@"
-      exec "$build_dir/bin/baton-bench-allreduce" "$@"
+      rc=0
+      "$build_dir/bin/baton-bench-parallel" "$@" || rc=$?
+      "$build_dir/bin/baton-bench-allreduce" "$@" || rc=$?
+      if [ "$(id -u)" = 0 ]; then
+        "$build_dir/bin/baton-bench-parallel" --only hosts "$@" || rc=$?
+        "$build_dir/bin/baton-bench-allreduce" --hosts 2 "$@" || rc=$?
+        "$build_dir/bin/baton-bench-allreduce" --hosts 2 --link-gbit 2 "$@" || rc=$?
+      fi
+      exit "$rc"
     fi
     prog="$build_dir/bin/baton-bench-$name"
     if [ ! -x "$prog" ]; then

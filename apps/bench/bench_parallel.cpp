@@ -19,6 +19,8 @@
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
 //   baton-bench-parallel --only bubble|train|balance
+//   baton-bench-parallel --only hosts   baton-train --dp 2 and 4 over two network namespaces
+//                                       (root), hierarchical and flat, against one process
 // Last, stage balancing: the GPT's stages cut by estimated multiply-adds against profiled
 // kernel times (TrainConfig::balance).
 // BATON_BENCH_STAGES=1 in the environment: each run's per-stage idle fraction and actor table
@@ -42,6 +44,8 @@
 #include <thread>
 
 #include "json_line.h"
+#include "netns.h"
+#include "spawn.h"
 #include "models.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -298,6 +302,104 @@ void training_scaling(bool quick) {
   }
 }
 
+/// The samples/s in baton-train's --json line of `out`; 0 if none.
+double train_rate(const std::string& out) {
+  const auto at = out.rfind("\"samples_per_s\": ");
+  return at == std::string::npos ? 0.0 : std::strtod(out.c_str() + at + 17, nullptr);
+}
+
+/// --only hosts: baton-train --dp N over two hosts (network namespaces joined by a veth pair, one
+/// baton-launch in each, N/2 ranks a host, everything over TCP: UCX_TLS=tcp), against the same
+/// job in one process on one device with the same micro-batching. dp 4 runs with the
+/// hierarchical all-reduce (the default) and with --allreduce flat; dp 2 (a rank a host) is
+/// flat either way; `_bf16` compresses (flat). samples/s is baton-train's (the runtime's wall
+/// time, compile and start-up excluded); the best of three runs each.
+/// Returns false where it could not make the namespaces (no root).
+bool across_hosts(const std::string& bin, bool quick) {
+  bench::NamespacePair hosts;
+  if (!hosts.ok()) {
+    fmt::print(stderr, "baton-bench-parallel --only hosts: {}\n", hosts.why_not());
+    return false;
+  }
+  const bool have_text = std::filesystem::exists("/usr/share/common-licenses/GPL-3");
+  int job = 0;
+  for (const std::string model : {"mlp", "gpt"}) {
+    if (model == "gpt" && !have_text) continue;
+    const std::vector<std::string> base =
+        model == "mlp"
+            ? std::vector<std::string>{"--model", "mlp", "--data", "synthetic", "--hidden", "256", "--layers", "2",
+                                       "--batch", "256", "--steps", quick ? "20" : "200"}
+            : std::vector<std::string>{"--model", "gpt", "--data", "text:/usr/share/common-licenses/GPL-3",
+                                       "--d-model", "64", "--heads", "4", "--layers", "2", "--seq", "32", "--batch",
+                                       "16", "--steps", quick ? "4" : "40"};
+    auto args = [&](std::vector<std::string> extra) {
+      std::vector<std::string> a{bin + "/baton-train"};
+      a.insert(a.end(), base.begin(), base.end());
+      a.insert(a.end(), {"--optimizer", "adam", "--lr", "0.001", "--json", "--no-eval"});
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    auto best = [&](auto&& once) {
+      double r = 0;
+      for (int i = 0; i < (quick ? 1 : 3); ++i) r = std::max(r, once());
+      return r;
+    };
+    struct Case {
+      int dp;
+      std::string allreduce, compression;
+    };
+    for (const Case& c : {Case{2, "auto", "none"}, Case{4, "auto", "none"}, Case{4, "flat", "none"},
+                          Case{4, "auto", "bf16"}}) {
+      const int per_host = c.dp / 2;
+      const double one = best([&] {
+        auto [code, out] = bench::finish(
+            bench::spawn(args({"--microbatches", std::to_string(c.dp)}), {}, true),
+            bench::Clock::now() + std::chrono::seconds(300));
+        return code == 0 ? train_rate(out) : 0.0;
+      });
+      bench::load().set_own_threads(c.dp);
+      const double many = best([&] {
+        const std::string master = fmt::format("{}:{}", hosts.address(0), 21000 + getpid() % 20000 + job++);
+        std::vector<bench::Child> nodes;
+        for (int node = 0; node < 2; ++node) {
+          std::vector<std::string> argv{"ip", "netns", "exec", hosts.names()[static_cast<std::size_t>(node)],
+                                        bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node),
+                                        "--master", master, "--nproc-per-node", std::to_string(per_host), "--token",
+                                        "bench-parallel-hosts", "--"};
+          for (auto& a : args({"--dp", std::to_string(c.dp), "--allreduce", c.allreduce, "--grad-compression",
+                               c.compression})) {
+            argv.push_back(std::move(a));
+          }
+          nodes.push_back(bench::spawn(argv, {{"UCX_TLS", "tcp"}}, node == 0));
+        }
+        const auto deadline = bench::Clock::now() + std::chrono::seconds(300);
+        auto [code0, out0] = bench::finish(nodes[0], deadline);
+        auto [code1, out1] = bench::finish(nodes[1], deadline);
+        if (code0 != 0 || code1 != 0) {
+          fmt::print(stderr, "baton-bench-parallel: dp {} across hosts: launchers exited {} and {}\n", c.dp, code0, code1);
+          return 0.0;
+        }
+        return train_rate(out0);
+      });
+      if (one <= 0 || many <= 0) continue;
+      const int cores = bench::usable_cores();
+      bench::JsonLine line("parallel", fmt::format("train_{}_dp{}_2hosts{}{}", model, c.dp,
+                                                   c.allreduce == "flat" ? "_flat" : "",
+                                                   c.compression == "none" ? "" : "_" + c.compression));
+      line.add("value", many).add("unit", "samples/s").add("reference", one)
+          .add("reference_name", "one process, one device, the same micro-batching").add("ratio", many / one)
+          .add("efficiency", many / one / std::min(c.dp, cores)).add("ranks", c.dp).add("hosts", 2)
+          .add("allreduce", c.dp == 2 || c.compression != "none" ? "flat (one rank a host, or compressed)"
+                            : c.allreduce == "auto"             ? "hierarchical, 2 hosts x 2"
+                                                                : "flat ring")
+          .add("transport", "tcp (UCX_TLS=tcp) over a veth pair").add("cores", static_cast<std::int64_t>(cores));
+      line.print();  // judged with the job's ranks as the benchmark's own busy threads
+      bench::load().set_own_threads(1);
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -309,12 +411,13 @@ int main(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "--quick") {
       quick = true;
-    } else if (a == "--only" && i + 1 < argc && std::string_view("bubble train balance").find(argv[i + 1]) != std::string_view::npos) {
+    } else if (a == "--only" && i + 1 < argc &&
+               std::string_view("bubble train balance hosts").find(argv[i + 1]) != std::string_view::npos) {
       only = argv[++i];
     } else if (a == "--no-reference") {
       // its reference is a formula; accepted so that scripts/run.sh bench parallel can pass it on
     } else {
-      fmt::print(stderr, "usage: baton-bench-parallel [--quick] [--only bubble|train|balance] [--allow-load]\n{}",
+      fmt::print(stderr, "usage: baton-bench-parallel [--quick] [--only bubble|train|balance|hosts] [--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
@@ -343,5 +446,9 @@ int main(int argc, char** argv) {
   }
   if (only.empty() || only == "train") training_scaling(quick);
   if (only.empty() || only == "balance") stage_balance(quick);
+  if (only == "hosts") {  // root only (network namespaces); not part of the default run
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
+    if (!across_hosts(self.parent_path().string(), quick)) return 77;  // CTest's skip
+  }
   return 0;
 }
