@@ -484,145 +484,142 @@ MetricsSnapshot Core::snapshot() const {
 
 namespace {
 
-void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank,
-                   std::vector<std::string>& problems) {
-  auto problem = [&]<class... A>(fmt::format_string<A...> f, A&&... args) {
-    problems.push_back(fmt::format(f, std::forward<A>(args)...));
-  };
+/// What the checks below found wrong, one line each.
+struct Problems {
+  std::vector<std::string>& lines;
+  template <class... A>
+  void operator()(fmt::format_string<A...> f, A&&... args) {
+    lines.push_back(fmt::format(f, std::forward<A>(args)...));
+  }
+};
+
+/// Actor i's inputs: registers that exist, delays, a producer on its rank (or a transfer
+/// across), and i among each register's consumers.
+void check_inputs(const Plan& plan, ActorIndex i, Problems& problem) {
+  const ActorDesc& a = plan.actors[i];
   const auto n_actors = plan.actors.size();
-  std::set<std::string> names;
-  for (std::size_t i = 0; i < n_actors; ++i) {
-    const ActorDesc& a = plan.actors[i];
-    if (a.name.empty()) problem("actor #{} has no name", i);
-    if (!names.insert(a.name).second) problem("two actors are named '{}'", a.name);
+  std::map<RegisterIndex, std::int32_t> delays;
+  for (const InputPort& in : a.inputs) {
+    if (in.reg >= plan.registers.size()) {
+      problem("actor '{}' reads register #{}, which does not exist", a.name, in.reg);
+      continue;
+    }
+    const RegisterDesc& reg = plan.registers[in.reg];
+    if (in.delay < 0) problem("actor '{}' reads '{}' with a negative delay {}", a.name, reg.name, in.delay);
+    auto [it, fresh] = delays.emplace(in.reg, in.delay);
+    if (!fresh && it->second != in.delay) {
+      problem("actor '{}' reads '{}' twice with different delays ({} and {})", a.name, reg.name, it->second, in.delay);
+    }
+    if (reg.producer == no_actor || reg.producer >= n_actors) {
+      problem("actor '{}' reads register '{}', which no actor produces", a.name, reg.name);
+    } else if (plan.actors[reg.producer].where.rank != a.where.rank && a.kind != ActorKind::transfer) {
+      problem("register '{}' crosses from rank {} ('{}') to rank {} ('{}') without a transfer actor "
+              "(run the plan through insert_transfers())",
+              reg.name, plan.actors[reg.producer].where.rank, plan.actors[reg.producer].name, a.where.rank, a.name);
+    } else if (plan.actors[reg.producer].where.rank == a.where.rank && a.kind == ActorKind::transfer) {
+      problem("transfer actor '{}' reads '{}' from its own rank {}; a transfer crosses ranks", a.name, reg.name,
+              a.where.rank);
+    }
+    if (std::find(reg.consumers.begin(), reg.consumers.end(), i) == reg.consumers.end()) {
+      problem("actor '{}' reads register '{}' but is not among its consumers", a.name, reg.name);
+    }
   }
-  std::vector<ActorIndex> producer_seen(plan.registers.size(), no_actor);
-  std::map<std::int32_t, ActorIndex> lane_place;  // lane -> its first actor
-  for (ActorIndex i = 0; i < n_actors; ++i) {
-    const ActorDesc& a = plan.actors[i];
-    for (RegisterIndex r : a.outputs) {
-      if (r >= plan.registers.size()) {
-        problem("actor '{}' writes register #{}, which does not exist", a.name, r);
-        continue;
-      }
-      if (producer_seen[r] != no_actor) {
-        problem("register '{}' is written by both '{}' and '{}'", plan.registers[r].name,
-                plan.actors[producer_seen[r]].name, a.name);
-      }
-      producer_seen[r] = i;
-    }
-    std::map<RegisterIndex, std::int32_t> delays;
-    for (const InputPort& in : a.inputs) {
-      if (in.reg >= plan.registers.size()) {
-        problem("actor '{}' reads register #{}, which does not exist", a.name, in.reg);
-        continue;
-      }
-      const RegisterDesc& reg = plan.registers[in.reg];
-      if (in.delay < 0) problem("actor '{}' reads '{}' with a negative delay {}", a.name, reg.name, in.delay);
-      auto [it, fresh] = delays.emplace(in.reg, in.delay);
-      if (!fresh && it->second != in.delay) {
-        problem("actor '{}' reads '{}' twice with different delays ({} and {})", a.name, reg.name,
-                it->second, in.delay);
-      }
-      if (reg.producer == no_actor || reg.producer >= n_actors) {
-        problem("actor '{}' reads register '{}', which no actor produces", a.name, reg.name);
-      } else if (plan.actors[reg.producer].where.rank != a.where.rank && a.kind != ActorKind::transfer) {
-        problem("register '{}' crosses from rank {} ('{}') to rank {} ('{}') without a transfer actor "
-                "(run the plan through insert_transfers())",
-                reg.name, plan.actors[reg.producer].where.rank, plan.actors[reg.producer].name,
-                a.where.rank, a.name);
-      } else if (plan.actors[reg.producer].where.rank == a.where.rank && a.kind == ActorKind::transfer) {
-        problem("transfer actor '{}' reads '{}' from its own rank {}; a transfer crosses ranks", a.name,
-                reg.name, a.where.rank);
-      }
-      if (std::find(reg.consumers.begin(), reg.consumers.end(), i) == reg.consumers.end()) {
-        problem("actor '{}' reads register '{}' but is not among its consumers", a.name, reg.name);
-      }
-    }
-    switch (a.kind) {
-      case ActorKind::source:
-        if (!a.inputs.empty()) problem("source '{}' has inputs; a source has none", a.name);
-        if (a.outputs.empty()) problem("source '{}' has no outputs", a.name);
-        if (a.pieces < 0) problem("source '{}' has a negative piece count {}", a.name, a.pieces);
-        break;
-      case ActorKind::compute:
-        if (a.inputs.empty()) problem("compute actor '{}' has no inputs (make it a source)", a.name);
-        break;
-      case ActorKind::repeat:
-      case ActorKind::accumulate:
-      case ActorKind::transfer:
-        if (a.inputs.size() != 1 || a.outputs.size() != 1) {
-          problem("{} actor '{}' needs exactly one input and one output, has {} and {}", name(a.kind),
-                  a.name, a.inputs.size(), a.outputs.size());
-        } else if (a.inputs[0].reg < plan.registers.size() && a.outputs[0] < plan.registers.size()) {
-          const auto& in = plan.registers[a.inputs[0].reg];
-          const auto& out = plan.registers[a.outputs[0]];
-          // A view (a repeat of group 1) may see the input's elements as another shape.
-          const bool view = a.kind == ActorKind::repeat && a.group == 1;
-          auto elements = [](const Shape& shape) -> std::int64_t {
-            try {
-              return numel(shape);
-            } catch (const std::exception&) {
-              return -1;  // reported with the register below
-            }
-          };
-          const bool same_bytes = in.dtype == out.dtype && elements(in.shape) == elements(out.shape);
-          if (view ? !same_bytes : (in.shape != out.shape || in.dtype != out.dtype)) {
-            problem("{} actor '{}' reads {}{} but writes {}{}", name(a.kind), a.name, name(in.dtype),
-                    to_string(in.shape), name(out.dtype), to_string(out.shape));
+}
+
+/// What an actor of its kind must have: a source no inputs, a repeat, accumulate or transfer
+/// one input and one output of the same shape and dtype (a view the same bytes), no delay.
+void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
+  switch (a.kind) {
+    case ActorKind::source:
+      if (!a.inputs.empty()) problem("source '{}' has inputs; a source has none", a.name);
+      if (a.outputs.empty()) problem("source '{}' has no outputs", a.name);
+      if (a.pieces < 0) problem("source '{}' has a negative piece count {}", a.name, a.pieces);
+      break;
+    case ActorKind::compute:
+      if (a.inputs.empty()) problem("compute actor '{}' has no inputs (make it a source)", a.name);
+      break;
+    case ActorKind::repeat:
+    case ActorKind::accumulate:
+    case ActorKind::transfer:
+      if (a.inputs.size() != 1 || a.outputs.size() != 1) {
+        problem("{} actor '{}' needs exactly one input and one output, has {} and {}", name(a.kind), a.name,
+                a.inputs.size(), a.outputs.size());
+      } else if (a.inputs[0].reg < plan.registers.size() && a.outputs[0] < plan.registers.size()) {
+        const auto& in = plan.registers[a.inputs[0].reg];
+        const auto& out = plan.registers[a.outputs[0]];
+        // A view (a repeat of group 1) may see the input's elements as another shape.
+        const bool view = a.kind == ActorKind::repeat && a.group == 1;
+        auto elements = [](const Shape& shape) -> std::int64_t {
+          try {
+            return numel(shape);
+          } catch (const std::exception&) {
+            return -1;  // reported with the register (check_registers)
           }
-          if (a.inputs[0].delay != 0) problem("{} actor '{}' cannot read with a delay", name(a.kind), a.name);
+        };
+        const bool same_bytes = in.dtype == out.dtype && elements(in.shape) == elements(out.shape);
+        if (view ? !same_bytes : (in.shape != out.shape || in.dtype != out.dtype)) {
+          problem("{} actor '{}' reads {}{} but writes {}{}", name(a.kind), a.name, name(in.dtype), to_string(in.shape),
+                  name(out.dtype), to_string(out.shape));
         }
-        if (a.group < 1) problem("{} actor '{}' has group {}; it must be >= 1", name(a.kind), a.name, a.group);
-        if (a.kind == ActorKind::transfer && a.group != 1) {
-          problem("transfer actor '{}' has group {}; a transfer moves one piece per piece", a.name, a.group);
-        }
-        break;
-    }
-    if (a.order.lane >= 0) {
-      const ActOrder& o = a.order;
-      if (a.kind == ActorKind::transfer) problem("transfer actor '{}' is in lane {}; transfers cannot be ordered", a.name, o.lane);
-      if (o.units.empty() || o.period < 1) {
-        problem("actor '{}' is in lane {} with {} units and period {}; it needs at least one unit and a period >= 1",
-                a.name, o.lane, o.units.size(), o.period);
+        if (a.inputs[0].delay != 0) problem("{} actor '{}' cannot read with a delay", name(a.kind), a.name);
       }
-      for (std::size_t u = 0; u < o.units.size(); ++u) {
-        if (o.units[u] < 0 || o.units[u] >= o.period || (u > 0 && o.units[u] <= o.units[u - 1])) {
-          problem("actor '{}' in lane {}: units must increase strictly and stay in [0, {}); unit {} is {}", a.name,
-                  o.lane, o.period, u, o.units[u]);
-          break;
-        }
+      if (a.group < 1) problem("{} actor '{}' has group {}; it must be >= 1", name(a.kind), a.name, a.group);
+      if (a.kind == ActorKind::transfer && a.group != 1) {
+        problem("transfer actor '{}' has group {}; a transfer moves one piece per piece", a.name, a.group);
       }
-      auto [it, fresh] = lane_place.emplace(o.lane, i);
-      const ActorDesc& first = plan.actors[it->second];
-      if (!fresh && !(first.where == a.where)) {
-        problem("lane {} has actors on two workers: '{}' at r{}/{}/s{} and '{}' at r{}/{}/s{}", o.lane, first.name,
-                first.where.rank, first.where.device.str(), first.where.stream, a.name, a.where.rank,
-                a.where.device.str(), a.where.stream);
-      }
-      if (!fresh && first.order.period != o.period) {
-        problem("lane {} has actors with different periods: '{}' {} and '{}' {}", o.lane, first.name,
-                first.order.period, a.name, o.period);
-      }
-    }
-    if (a.where.device.index > Device::max_index) {
-      problem("actor '{}' is placed on {} (device index above {})", a.name, a.where.device.str(),
-              Device::max_index);
-    }
-    if (a.where.rank == rank) {
-      auto need = [&](std::string_view op) {
-        if (!kernels.contains(op, a.where.device.type, a.dtype)) {
-          problem("actor '{}' needs kernel '{}' for {}/{}, which is not registered", a.name, op,
-                  name(a.where.device.type), name(a.dtype));
-        }
-      };
-      if (a.kind == ActorKind::source || a.kind == ActorKind::compute) need(a.op);
-      if (a.kind == ActorKind::accumulate) {
-        need("copy");
-        need("add");
-      }
+      break;
+  }
+}
+
+/// Actor i's lane (ActOrder), if it has one: units in [0, period), strictly increasing, and one
+/// worker and one period per lane (lane_place: each lane's first actor).
+void check_lane(const Plan& plan, ActorIndex i, std::map<std::int32_t, ActorIndex>& lane_place, Problems& problem) {
+  const ActorDesc& a = plan.actors[i];
+  if (a.order.lane < 0) return;
+  const ActOrder& o = a.order;
+  if (a.kind == ActorKind::transfer) problem("transfer actor '{}' is in lane {}; transfers cannot be ordered", a.name, o.lane);
+  if (o.units.empty() || o.period < 1) {
+    problem("actor '{}' is in lane {} with {} units and period {}; it needs at least one unit and a period >= 1", a.name,
+            o.lane, o.units.size(), o.period);
+  }
+  for (std::size_t u = 0; u < o.units.size(); ++u) {
+    if (o.units[u] < 0 || o.units[u] >= o.period || (u > 0 && o.units[u] <= o.units[u - 1])) {
+      problem("actor '{}' in lane {}: units must increase strictly and stay in [0, {}); unit {} is {}", a.name, o.lane,
+              o.period, u, o.units[u]);
+      break;
     }
   }
+  auto [it, fresh] = lane_place.emplace(o.lane, i);
+  const ActorDesc& first = plan.actors[it->second];
+  if (!fresh && !(first.where == a.where)) {
+    problem("lane {} has actors on two workers: '{}' at r{}/{}/s{} and '{}' at r{}/{}/s{}", o.lane, first.name,
+            first.where.rank, first.where.device.str(), first.where.stream, a.name, a.where.rank, a.where.device.str(),
+            a.where.stream);
+  }
+  if (!fresh && first.order.period != o.period) {
+    problem("lane {} has actors with different periods: '{}' {} and '{}' {}", o.lane, first.name, first.order.period,
+            a.name, o.period);
+  }
+}
+
+/// The kernels an actor of this rank will make.
+void check_kernels(const KernelRegistry& kernels, const ActorDesc& a, Problems& problem) {
+  auto need = [&](std::string_view op) {
+    if (!kernels.contains(op, a.where.device.type, a.dtype)) {
+      problem("actor '{}' needs kernel '{}' for {}/{}, which is not registered", a.name, op, name(a.where.device.type),
+              name(a.dtype));
+    }
+  };
+  if (a.kind == ActorKind::source || a.kind == ActorKind::compute) need(a.op);
+  if (a.kind == ActorKind::accumulate) {
+    need("copy");
+    need("add");
+  }
+}
+
+/// Each register: slots and consumers within the runtime's bounds, its producer the actor that
+/// writes it (producer_seen), its consumers the actors that read it, a valid shape.
+void check_registers(const Plan& plan, const std::vector<ActorIndex>& producer_seen, Problems& problem) {
   bool crosses_ranks = false;
   for (const auto& a : plan.actors) crosses_ranks = crosses_ranks || a.kind == ActorKind::transfer;
   if (crosses_ranks && plan.registers.size() >= detail::max_registers_across_ranks) {
@@ -648,8 +645,9 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
       }
     }
     for (ActorIndex c : reg.consumers) {
-      bool reads = c < n_actors && std::any_of(plan.actors[c].inputs.begin(), plan.actors[c].inputs.end(),
-                                               [&](const InputPort& in) { return in.reg == r; });
+      const bool reads = c < plan.actors.size() &&
+                         std::any_of(plan.actors[c].inputs.begin(), plan.actors[c].inputs.end(),
+                                     [&](const InputPort& in) { return in.reg == r; });
       if (!reads) problem("register '{}' lists consumer #{}, which does not read it", reg.name, c);
     }
     try {
@@ -658,6 +656,42 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
       problem("register '{}': {}", reg.name, e.what());
     }
   }
+}
+
+/// The plan's structure, as this rank will run it: every problem found, one line each.
+void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank,
+                   std::vector<std::string>& problems) {
+  Problems problem{problems};
+  std::set<std::string> names;
+  for (std::size_t i = 0; i < plan.actors.size(); ++i) {
+    const ActorDesc& a = plan.actors[i];
+    if (a.name.empty()) problem("actor #{} has no name", i);
+    if (!names.insert(a.name).second) problem("two actors are named '{}'", a.name);
+  }
+  std::vector<ActorIndex> producer_seen(plan.registers.size(), no_actor);
+  std::map<std::int32_t, ActorIndex> lane_place;  // lane -> its first actor
+  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+    const ActorDesc& a = plan.actors[i];
+    for (RegisterIndex r : a.outputs) {
+      if (r >= plan.registers.size()) {
+        problem("actor '{}' writes register #{}, which does not exist", a.name, r);
+        continue;
+      }
+      if (producer_seen[r] != no_actor) {
+        problem("register '{}' is written by both '{}' and '{}'", plan.registers[r].name,
+                plan.actors[producer_seen[r]].name, a.name);
+      }
+      producer_seen[r] = i;
+    }
+    check_inputs(plan, i, problem);
+    check_kind(plan, a, problem);
+    check_lane(plan, i, lane_place, problem);
+    if (a.where.device.index > Device::max_index) {
+      problem("actor '{}' is placed on {} (device index above {})", a.name, a.where.device.str(), Device::max_index);
+    }
+    if (a.where.rank == rank) check_kernels(kernels, a, problem);
+  }
+  check_registers(plan, producer_seen, problem);
 }
 
 // The handshakes of the whole plan, run without kernels or memory on one thread with
