@@ -431,20 +431,32 @@ TEST_CASE("Collectives.OverlapWithTheBackwardPassIsMeasuredFromTheActivityLog") 
                                       .pieces = 2, .role = ActorRole::backward});
   const ActorIndex add = p.add_actor({.name = "grad.add", .op = "copy", .inputs = {{g}}, .outputs = {s},
                                       .attrs = {{"allreduce", std::string("grad")}}, .role = ActorRole::collective});
+  auto s2 = p.add_register({.name = "s2", .shape = {4}});
+  const ActorIndex add2 = p.add_actor({.name = "grad2.add", .op = "copy", .inputs = {{g}}, .outputs = {s2},
+                                       .attrs = {{"allreduce", std::string("grad2")}}, .role = ActorRole::collective});
   const ActorIndex loss = p.add_actor({.name = "loss.add", .kind = ActorKind::source, .op = "fill_piece",
                                        .outputs = {l}, .pieces = 2, .attrs = {{"allreduce", std::string("loss")}},
                                        .role = ActorRole::collective});
   // Piece 0: the all-reduce runs over [100, 300) (two acts), backward over [0, 200): 100 of 200
   // overlap. Piece 1: [400, 500), backward [450, 460): 10 of 100. The loss's all-reduce counts not.
+  // A second bucket, grad2, piece 0 over [150, 250): inside grad's span (the union is the same),
+  // 50 of its 100 beside the backward pass.
   const std::vector<ActRecord> acts{
       {bwd, 0, 0, 200, 0},  {add, 0, 100, 150, 1}, {add, 0, 250, 300, 1}, {bwd, 1, 450, 460, 0},
-      {add, 1, 400, 500, 1}, {loss, 0, 0, 1000, 1},
+      {add, 1, 400, 500, 1}, {loss, 0, 0, 1000, 1}, {add2, 0, 150, 250, 1},
   };
   const CollectiveOverlap o = collective_overlap(p, acts);
-  CHECK(o.spans == 2);
+  CHECK(o.spans == 3);
   CHECK(o.collective_s == doctest::Approx(300e-9));
   CHECK(o.overlapped_s == doctest::Approx(110e-9));
   CHECK(o.fraction() == doctest::Approx(110.0 / 300.0));
+  REQUIRE(o.by_allreduce.size() == 2);
+  CHECK(o.by_allreduce[0].name == "grad");
+  CHECK(o.by_allreduce[0].collective_s == doctest::Approx(300e-9));
+  CHECK(o.by_allreduce[0].fraction() == doctest::Approx(110.0 / 300.0));
+  CHECK(o.by_allreduce[1].name == "grad2");
+  CHECK(o.by_allreduce[1].collective_s == doctest::Approx(100e-9));
+  CHECK(o.by_allreduce[1].fraction() == doctest::Approx(0.5));
   CHECK(collective_overlap(p, {}).fraction() == 0.0);
 }
 

@@ -828,3 +828,45 @@ TEST_CASE("Dashboard.RecordTraceGivesAChromeTraceOfTheNextSeconds" * doctest::ti
   DashboardServer plain(model, {.listen = "127.0.0.1:0"});
   CHECK(http_get(plain.port(), "/api/trace?seconds=1").status == 404);
 }
+
+// With data parallelism the timeline has a third row: each step's gradient all-reduce on each
+// replica's device (phase 2, "AR"), from its first act to its last, so that how much of it sits
+// under the backward pass is visible; the loss's all-reduce is not drawn.
+TEST_CASE("Dashboard.TimelineShowsTheGradientAllReduceOfEachStep" * doctest::timeout(60)) {
+  auto dataset = std::make_shared<const data::Dataset>(data::synthetic(2048, 32, 10, 3));
+  Graph g(11);
+  constexpr std::int64_t batch = 64, steps = 6;
+  Value logits = models::mlp(g, batch / 4, {.inputs = 32, .hidden = 96, .layers = 2, .classes = 10});
+  Value loss = softmax_cross_entropy(logits, g.find("label"));
+  TrainConfig cfg;
+  cfg.steps = steps;
+  cfg.microbatches = 2;
+  cfg.dp = 2;
+  cfg.optimizer = optim::adam(1e-3);
+  cfg.data = {{"synthetic", data::batch_source(dataset, batch, 4, 5), {"x", "label"}}};
+  TrainingJob job = compile_training(g, loss, cfg);
+  JobModel model;
+  Collector collector({.interval = 50ms});
+  collector.feed([&](const std::string& kind, const std::string& body) { CHECK(model.ingest(0, kind, body)); });
+  RuntimeSettings rs;
+  rs.activity_log = true;
+  Runtime rt(job.plan, job.kernels, rs);
+  collector.on_start(rt, nullptr);
+  rt.run();
+  collector.on_finish(rt, {});
+  const auto timeline = parse_object(model.timeline_json());
+  std::map<std::string, std::set<std::int64_t>> steps_by_device;  // phase-2 pieces per lane
+  for (const auto& lane : timeline.at("lanes").as_array()) {
+    for (const auto& b : lane.at("boxes").as_array()) {
+      if (b.at(0).to_number<std::int64_t>() != 2) continue;
+      CHECK(num(b.at(3)) >= num(b.at(2)));
+      steps_by_device[std::string(lane.at("device").as_string())].insert(b.at(1).to_number<std::int64_t>());
+    }
+  }
+  // Each replica's device, every step (the all-reduce acts once a step: its pieces are steps).
+  REQUIRE(steps_by_device.size() == 2);
+  for (const auto& [device, pieces] : steps_by_device) {
+    INFO(device);
+    CHECK(pieces == std::set<std::int64_t>{0, 1, 2, 3, 4, 5});
+  }
+}

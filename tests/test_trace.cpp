@@ -299,11 +299,11 @@ void check_counters(const Plan& plan, const ParsedTrace& t) {
 // A small MLP trained as a pipeline (as in test_parallel.cpp)
 
 TrainingJob mlp_job(int pp, const std::string& schedule, std::int64_t microbatches, std::int64_t steps,
-                    std::vector<Placement> places = {}) {
+                    std::vector<Placement> places = {}, int dp = 1, std::int64_t bucket_bytes = 25 << 20) {
   constexpr std::int64_t batch = 32, width = 12, classes = 4;
   auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, width, classes, 99));
   Graph g(5);
-  const std::int64_t mb = batch / microbatches;
+  const std::int64_t mb = batch / (microbatches * dp);
   auto x = g.input("x", {mb, width});
   auto y = g.input("label", {mb}, i32);
   auto w1 = g.variable("w1", {width, 16}, init::kaiming());
@@ -315,10 +315,12 @@ TrainingJob mlp_job(int pp, const std::string& schedule, std::int64_t microbatch
   cfg.steps = steps;
   cfg.microbatches = microbatches;
   cfg.pp = pp;
+  cfg.dp = dp;
+  cfg.bucket_bytes = bucket_bytes;
   cfg.schedule = schedule;
   cfg.replica_places = std::move(places);
   cfg.optimizer = optim::sgd(0.1, 0.9);
-  cfg.data = {{"synthetic", data::batch_source(dataset, batch, microbatches, 7), {"x", "label"}}};
+  cfg.data = {{"synthetic", data::batch_source(dataset, batch, microbatches * dp, 7), {"x", "label"}}};
   return compile_training(g, loss, cfg);
 }
 
@@ -354,6 +356,7 @@ TEST_CASE("Trace.PipelineTraceFollowsTheSchedule" * doctest::timeout(120)) {
     std::filesystem::remove(path);
 
     CHECK(t.other.at("truncated") == false);
+    CHECK_FALSE(t.other.contains("allreduce_overlap"));  // no gradient all-reduce without dp
     REQUIRE(t.other.at("ranks").as_array().size() == 1);
     CHECK(t.other.at("ranks").at(0).at("dropped") == 0);
     CHECK(t.other.at("ranks").at(0).at("finished") == true);
@@ -693,4 +696,29 @@ TEST_CASE("Trace.TheServerAsksForAWindowAndGetsItOverTheControlPlane" * doctest:
   CHECK(rank.at("finished") == true);
   CHECK(rank.at("error") == "");
   CHECK(rank.at("clock_uncertainty_ns") == 0);  // the server's host: its clock
+}
+
+// With data parallelism the trace says how much of the gradients' all-reduces ran beside the
+// backward pass (collective_overlap over the acts it holds), in all and per all-reduce: here one
+// per weight (bucket_bytes 0), so four.
+TEST_CASE("Trace.DataParallelTraceSaysHowMuchOfEachAllReduceOverlapsTheBackwardPass" * doctest::timeout(60)) {
+  TrainingJob job = mlp_job(1, "1f1b", 2, 8, {}, /*dp=*/2, /*bucket_bytes=*/0);
+  observe::TraceObserver tracer;
+  JobSettings js;
+  js.runtime.activity_log = true;
+  js.observer = &tracer;
+  run_job(job.plan, job.kernels, JobEnvironment{}, js);
+  const ParsedTrace t = parse_trace(tracer.recorder().json());
+  REQUIRE(t.other.contains("allreduce_overlap"));
+  const auto& o = t.other.at("allreduce_overlap").as_object();
+  CHECK(o.at("fraction").to_number<double>() >= 0.0);
+  CHECK(o.at("fraction").to_number<double>() <= 1.0);
+  CHECK(o.at("allreduce_s").to_number<double>() > 0.0);
+  std::set<std::string> names;
+  for (const auto& [name, f] : o.at("by_allreduce").as_object()) {
+    names.insert(std::string(name));
+    CHECK(f.to_number<double>() >= 0.0);
+    CHECK(f.to_number<double>() <= 1.0);
+  }
+  CHECK(names == std::set<std::string>{"grad.b1", "grad.b2", "grad.w1", "grad.w2"});
 }

@@ -83,12 +83,21 @@ CollectiveOverlap collective_overlap(const Plan& plan, const std::vector<ActReco
     }
   }
   std::vector<Span> collective;
-  for (const auto& [key, span] : spans) collective.push_back(span);
+  std::map<std::string, std::vector<Span>> each;
+  for (const auto& [key, span] : spans) {
+    collective.push_back(span);
+    each[key.first].push_back(span);
+  }
   const std::vector<Span> c = merged(std::move(collective)), b = merged(std::move(backward));
   CollectiveOverlap out;
   out.spans = spans.size();
   out.collective_s = static_cast<double>(measure(c)) * 1e-9;
   out.overlapped_s = static_cast<double>(intersection(c, b)) * 1e-9;
+  for (auto& [name, list] : each) {
+    const std::vector<Span> g = merged(std::move(list));
+    out.by_allreduce.push_back({name, static_cast<double>(measure(g)) * 1e-9,
+                                static_cast<double>(intersection(g, b)) * 1e-9});
+  }
   return out;
 }
 

@@ -294,8 +294,10 @@ void training_scaling(bool quick) {
         // A run of its own with the activity log on (the log costs a little time per act).
         CollectiveOverlap o;
         samples_per_s(t, std::min<std::int64_t>(steps, 20), batch, false, &o);
+        std::vector<std::pair<std::string, double>> buckets;
+        for (const auto& b : o.by_allreduce) buckets.emplace_back(b.name, b.fraction());
         line.add("allreduce_overlap", o.fraction()).add("allreduce_s", o.collective_s)
-            .add("allreduce_overlapped_s", o.overlapped_s);
+            .add("allreduce_overlapped_s", o.overlapped_s).add("allreduce_overlap_by_bucket", buckets);
       }
       line.print();
     }

@@ -68,6 +68,15 @@ class JsonLine {
   JsonLine& add(std::string_view key, std::int64_t v) { return raw(key, fmt::format("{}", v)); }
   JsonLine& add(std::string_view key, int v) { return add(key, std::int64_t{v}); }
   JsonLine& add(std::string_view key, std::uint64_t v) { return raw(key, fmt::format("{}", v)); }
+  /// An object of numbers: {"name": value, ...}.
+  JsonLine& add(std::string_view key, const std::vector<std::pair<std::string, double>>& numbers) {
+    std::string body;
+    for (const auto& [name, v] : numbers) {
+      body += fmt::format("{}\"{}\": {}", body.empty() ? "" : ", ", json_escape(name),
+                          std::isfinite(v) ? fmt::format("{:.6g}", v) : std::string("null"));
+    }
+    return raw(key, "{" + body + "}");
+  }
 
   /// The line as print() writes it, the load keys included (and the ratios left out where the
   /// load forbids them).

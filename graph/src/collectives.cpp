@@ -489,8 +489,11 @@ std::vector<std::vector<RegisterIndex>> add_host_sums(Plan& plan, const std::str
       }
       const std::int64_t count = numel(plan.registers.at(segments[s]).shape);
       const std::string piece = segments.size() == 1 ? fmt::format("{}", j) : fmt::format("{}.{}", j, s);
+      const std::size_t before = plan.actors.size();
       const auto results =
           add_allreduce(plan, fmt::format("{}.x{}", name, piece), across, {count}, dtype, settings.slots, flat);
+      // Its actors count with the whole all-reduce's (collective_overlap, the dashboard).
+      for (std::size_t a = before; a < plan.actors.size(); ++a) plan.actors[a].attrs.set("allreduce", name);
       for (std::size_t h = 0; h < groups.size(); ++h) {
         for (std::size_t m : groups[h]) sums[m].push_back(results[h]);
       }

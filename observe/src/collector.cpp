@@ -64,9 +64,15 @@ std::vector<std::string> split_bodies(const std::string& header, const std::stri
   return bodies;
 }
 
-int phase_of(ActorRole role) {
-  if (role == ActorRole::forward) return 0;
-  if (role == ActorRole::backward) return 1;
+/// The timeline's row for an actor's acts: 0 forward, 1 backward, 2 a gradient all-reduce's
+/// (collectives.h: attribute "allreduce", the loss's left out); -1 none.
+int phase_of(const ActorDesc& a) {
+  if (a.role == ActorRole::forward) return 0;
+  if (a.role == ActorRole::backward) return 1;
+  if (a.role == ActorRole::collective) {
+    const std::string group = a.attrs.get_string("allreduce", "");
+    return group.empty() || group == "loss" ? -1 : 2;
+  }
   return -1;
 }
 
@@ -93,6 +99,7 @@ struct Collector::Impl {
   std::vector<ActRecord> records;
   using BoxKey = std::tuple<std::int32_t, std::uint8_t, int, std::int64_t>;  // stage, device, phase, piece
   std::map<BoxKey, std::pair<std::uint64_t, std::uint64_t>> boxes;           // folded since the last sample
+  std::vector<std::int8_t> phases;  // phase_of each actor of the plan, made at the first drain
 
   std::mutex stop_mutex;
   std::condition_variable stop_cv;
@@ -230,8 +237,9 @@ struct Collector::Impl {
   }
 
   /// Drains the activity log, hands the records to the sinks, and folds them into the pipeline
-  /// timeline's boxes: one per (stage, device, forward or backward, micro-batch), spanning its
-  /// first act to its last. Runs more often than a sample, so that the workers' rings (64 Ki
+  /// timeline's boxes: one per (stage, device, forward or backward, micro-batch), and with data
+  /// parallelism one per (stage, device, step) for the gradients' all-reduces (phase 2), each
+  /// spanning its first act to its last. Runs more often than a sample, so that the workers' rings (64 Ki
   /// records) do not fill up between two: a full ring drops the newest records.
   void drain() {
     records.clear();
@@ -246,10 +254,14 @@ struct Collector::Impl {
     }
     if (!settings.timeline) return;
     const Plan& plan = runtime->plan();
+    if (phases.size() != plan.actors.size()) {
+      phases.clear();
+      for (const ActorDesc& a : plan.actors) phases.push_back(static_cast<std::int8_t>(phase_of(a)));
+    }
     for (const ActRecord& r : records) {
       if (r.actor >= plan.actors.size()) continue;
       const ActorDesc& a = plan.actors[r.actor];
-      const int phase = phase_of(a.role);
+      const int phase = phases[r.actor];
       if (phase < 0) continue;
       auto [it, fresh] =
           boxes.try_emplace(BoxKey{std::max(a.stage, 0), a.where.device.code(), phase, r.piece}, r.start_ns, r.end_ns);

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "baton/observe/trace.h"
+#include "baton/actors/activity.h"
 
 namespace baton::observe {
 
@@ -406,9 +407,37 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
     append_escaped(out, info.error);
     put("}");
   }
+  put("]");
+  // With data parallelism: how much of the gradients' all-reduces ran beside the backward pass,
+  // over every rank's acts on the common clock, and for each all-reduce (bucket) alone.
+  {
+    Plan described;
+    described.actors = actors;
+    described.registers = registers;
+    std::vector<ActRecord> common;
+    common.reserve(acts.size());
+    for (const Act& a : acts) {
+      ActRecord r = a.r;
+      r.start_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(r.start_ns) + offset(a.rank));
+      r.end_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(r.end_ns) + offset(a.rank));
+      common.push_back(r);
+    }
+    const CollectiveOverlap o = collective_overlap(described, common);
+    if (o.spans > 0) {
+      fmt::format_to(std::back_inserter(out), R"(, "allreduce_overlap": {{"fraction": {:.4f}, "allreduce_s": {:.6g}, )"
+                                              R"("by_allreduce": {{)",
+                     o.fraction(), o.collective_s);
+      for (std::size_t i = 0; i < o.by_allreduce.size(); ++i) {
+        if (i > 0) put(", ");
+        append_escaped(out, o.by_allreduce[i].name);
+        fmt::format_to(std::back_inserter(out), ": {:.4f}", o.by_allreduce[i].fraction());
+      }
+      put("}}");
+    }
+  }
   const bool truncated = acts_left_out + samples_left_out + flows_left_out > 0;
   fmt::format_to(std::back_inserter(out),
-                 R"(], "events": {{"acts": {}, "counters": {}, "flows": {}}}, "max_events": {}, "truncated": {}, )"
+                 R"(, "events": {{"acts": {}, "counters": {}, "flows": {}}}, "max_events": {}, "truncated": {}, )"
                  R"("left_out": {{"acts": {}, "counters": {}, "flows": {}}}, "notes": [)",
                  acts.size(), samples.size(), flows, limits.max_events, truncated, acts_left_out, samples_left_out,
                  flows_left_out);

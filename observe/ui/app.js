@@ -9,6 +9,7 @@ const ROLES = ['data', 'update', 'forward', 'backward', 'collective', 'transfer'
 const COLORS = {
   busy: '#2f9e55', starved: '#8fa8c8', backpressured: '#e58a2b', transferring: '#8b5cc9',
   retired: '#cfd3d8', unknown: '#e6e9ee', forward: '#3b7dd8', backward: '#e0a030',
+  collective: '#17a2b8',
 };
 const SERIES = ['#3b7dd8', '#e0a030', '#2f9e55', '#d62828', '#8b5cc9', '#17a2b8', '#7a5230', '#e377c2',
                 '#6c757d', '#bcbd22', '#1f4e79', '#ff7f0e', '#2ca02c', '#9467bd', '#8c564b', '#17becf'];
@@ -417,10 +418,15 @@ function drawTimeline() {
   if (!tl) return;
   const span = Number(document.getElementById('timeline-span').value);
   const lanes = tl.lanes.filter((l) => l.boxes.length);
-  const laneH = 36, top = 8, labelW = 170, bottom = 26;
+  // A row per phase a lane has: forward, backward, and with --dp the gradients' all-reduce (2).
+  const rowH = 16, top = 8, labelW = 170, bottom = 26;
+  const rowsOf = (l) => (l.boxes.some((b) => b[0] === 2) ? 3 : 2);
+  const laneTop = [];
+  let lanesH = 0;
+  for (const l of lanes) { laneTop.push(top + lanesH); lanesH += 4 + rowsOf(l) * rowH; }
   const dpr = window.devicePixelRatio || 1;
   const w = canvas.clientWidth || 800;
-  const h = Math.max(60, top + lanes.length * laneH + bottom);
+  const h = Math.max(60, top + lanesH + bottom);
   canvas.style.height = h + 'px';
   canvas.width = Math.round(w * dpr);
   canvas.height = Math.round(h * dpr);
@@ -447,15 +453,16 @@ function drawTimeline() {
   const pw = w - labelW - 12;
   const X = (t) => labelW + (t - start) / (end - start) * pw;
   let drawn = 0;
+  const PHASE = [['F', COLORS.forward], ['B', COLORS.backward], ['AR', COLORS.collective]];
   lanes.forEach((l, k) => {
-    const y = top + k * laneH;
+    const y = laneTop[k], laneH = 4 + rowsOf(l) * rowH;
     ctx.fillStyle = k % 2 ? '#f7f9fb' : '#ffffff';
     ctx.fillRect(0, y, w, laneH);
     ctx.fillStyle = '#1d2430';
     ctx.textAlign = 'left';
     ctx.fillText(l.label, 6, y + 14);
-    // Idle share in the window: what the boxes do not cover.
-    const spans = l.boxes.filter((b) => b[3] > start).map((b) => [Math.max(b[2], start), b[3]]).sort((a, b) => a[0] - b[0]);
+    // Idle share in the window: what the forward and backward boxes do not cover.
+    const spans = l.boxes.filter((b) => b[0] < 2 && b[3] > start).map((b) => [Math.max(b[2], start), b[3]]).sort((a, b) => a[0] - b[0]);
     let covered = 0, cur = null;
     for (const s of spans) {
       if (!cur || s[0] > cur[1]) { if (cur) covered += cur[1] - cur[0]; cur = s.slice(); } else cur[1] = Math.max(cur[1], s[1]);
@@ -467,11 +474,11 @@ function drawTimeline() {
       if (b[3] < start) continue;
       const phase = b[0];
       const x0 = X(Math.max(b[2], start)), x1 = Math.max(X(b[3]), x0 + 1);
-      const by = y + 3 + phase * (laneH / 2 - 2), bh = laneH / 2 - 4;
-      ctx.fillStyle = phase === 0 ? COLORS.forward : COLORS.backward;
+      const by = y + 3 + phase * rowH, bh = rowH - 2;
+      ctx.fillStyle = (PHASE[phase] || PHASE[1])[1];
       ctx.fillRect(x0, by, x1 - x0, bh);
       drawn++;
-      const label = (phase === 0 ? 'F' : 'B') + b[1];
+      const label = (PHASE[phase] || PHASE[1])[0] + b[1];
       if (x1 - x0 > 14 && ctx.measureText(label).width + 5 < x1 - x0) {
         ctx.fillStyle = '#fff';
         ctx.fillText(label, x0 + 3, by + bh - 3);
@@ -479,7 +486,7 @@ function drawTimeline() {
     }
   });
   // Time axis: milliseconds before the newest box.
-  const axisY = top + lanes.length * laneH + 14;
+  const axisY = top + lanesH + 14;
   ctx.fillStyle = '#6b7380';
   ctx.textAlign = 'center';
   for (let k = 0; k <= 5; k++) {

@@ -39,10 +39,18 @@ std::uint64_t steady_ns();
 /// of the union of those spans, `overlapped_s` the part of it during which some backward act
 /// (ActorRole::backward) ran. The loss's all-reduce ("loss") is not a gradient's and is left out.
 /// Records of one process (one clock); those of actors the plan does not have are ignored.
+/// `by_allreduce`: the same for each all-reduce (a gradient bucket) on its own, by name.
 struct CollectiveOverlap {
+  struct Group {
+    std::string name;
+    double collective_s = 0;
+    double overlapped_s = 0;
+    double fraction() const { return collective_s > 0 ? overlapped_s / collective_s : 0.0; }
+  };
   double collective_s = 0;
   double overlapped_s = 0;
   std::size_t spans = 0;  // (all-reduce, piece) pairs seen
+  std::vector<Group> by_allreduce;  // in name order
   double fraction() const { return collective_s > 0 ? overlapped_s / collective_s : 0.0; }
 };
 CollectiveOverlap collective_overlap(const Plan& plan, const std::vector<ActRecord>& acts);

@@ -106,6 +106,10 @@ class TraceRecorder {
 
   /// The trace as Chrome trace-event JSON: {"traceEvents": [...], "displayTimeUnit": "ns",
   /// "otherData": {...}}. Times in microseconds from the earliest event, on the common clock.
+  /// With gradient all-reduces among the acts (data parallelism), otherData has
+  /// "allreduce_overlap": {"fraction", "allreduce_s", "by_allreduce": {name: fraction}}: the
+  /// share of their time the backward pass ran beside them (collective_overlap, on the common
+  /// clock), in all and for each all-reduce (a gradient bucket).
   void write(std::FILE* out) const;
   /// Writes `path` (via a temporary file beside it, so a reader never sees half a trace).
   /// Throws std::runtime_error naming the path and the reason.
