@@ -5,6 +5,9 @@
     build/bin/baton-bench-allreduce > /tmp/allreduce.jsonl
     scripts/plot_bench.py bubble    /tmp/parallel.jsonl  docs/bubble.svg
     scripts/plot_bench.py allreduce /tmp/allreduce.jsonl docs/allreduce.svg [/tmp/transport.jsonl]
+    build/bin/baton-bench-allreduce --hosts 2 > /tmp/hier.jsonl
+    build/bin/baton-bench-allreduce --hosts 2 --link-gbit 2 >> /tmp/hier.jsonl
+    scripts/plot_bench.py hier      /tmp/hier.jsonl      docs/allreduce_hier.svg
 
 With baton-bench-transport's lines as a fourth argument, the all-reduce plot also draws
 ucx_perftest's tag_bw over shared memory (the transport's ceiling) at the sizes it measured.
@@ -93,6 +96,7 @@ def allreduce(rows, transport=()):
             ceiling.append((int(size[:-3]) * scale, top))
     if ceiling:
         series.append(("ucx_perftest tag_bw (shm, UCX defaults)", sorted(ceiling), True))
+    rows = [r for r in rows if r.get("case", "").startswith("allreduce_busbw_")]
     for n in (2, 4):
         mine = [(r["bytes"], r["value"]) for r in rows if r.get("ranks") == n]
         ref = [(r["bytes"], r["reference"]) for r in rows if r.get("ranks") == n and "reference" in r]
@@ -105,12 +109,36 @@ def allreduce(rows, transport=()):
     return svg("All-reduce bus bandwidth", "bytes", "busbw GB/s (log)", series, xlog=True, ylog=True, xticks=ticks)
 
 
+def hier(rows):
+    """baton-bench-allreduce --hosts 2: hierarchical, flat ring and MPI, per link (the veth as it
+    is, and limited); where a size was measured twice, the mean."""
+    series = []
+    for link, suffix in (("veth", ""), ("2 Gbit/s", "_2gbit")):
+        picked = [r for r in rows if r.get("case", "").startswith("allreduce_hier_")
+                  and r["case"].endswith("_2x2" + suffix)]
+        for name, key, dashed in (("hierarchical", "value", False), ("flat ring", "flat_ring", False),
+                                  ("MPI", "reference", True)):
+            by_size = {}
+            for r in picked:
+                if key in r:
+                    by_size.setdefault(r["bytes"], []).append(r[key])
+            pts = [(b, sum(v) / len(v)) for b, v in by_size.items()]
+            if pts:
+                series.append((f"{name}, {link}", pts, dashed))
+    sizes = sorted({r["bytes"] for r in rows if r.get("case", "").startswith("allreduce_hier_")})
+    ticks = [(b, f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K") for b in sizes]
+    return svg("All-reduce across 2 hosts x 2 ranks (TCP)", "bytes", "busbw GB/s (log)", series, xlog=True, ylog=True,
+               xticks=ticks)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) not in (4, 5) or sys.argv[1] not in ("bubble", "allreduce"):
+    if len(sys.argv) not in (4, 5) or sys.argv[1] not in ("bubble", "allreduce", "hier"):
         sys.exit(__doc__)
     rows = lines(sys.argv[2])
     if sys.argv[1] == "bubble":
         text = bubble(rows)
+    elif sys.argv[1] == "hier":
+        text = hier(rows)
     else:
         text = allreduce(rows, lines(sys.argv[4]) if len(sys.argv) == 5 else ())
     with open(sys.argv[3], "w") as f:
