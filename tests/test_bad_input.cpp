@@ -101,7 +101,7 @@ TEST_CASE("BadInput.TrainFlagsAndValues" * doctest::timeout(300)) {
       {{"--lr", "abc"}, "--lr: must be a number, not 'abc'"},
       {{"--model", "resnet"}, "--model: resnet not in {mlp,gpt,llama,gpt2}"},
       {{"--grad-compression", "gzip"}, "--grad-compression: gzip not in"},
-      {{"--dp", "2", "--grad-compression", "fp16"}, "grad compression 'fp16': baton has no float16 dtype"},
+      {{"--dp", "2", "--zero", "2", "--grad-compression", "fp16"}, "grad compression 'fp16' with zero 2"},
       {{"--optimizer", "lbfgs"}, "--optimizer: lbfgs not in"},
       {{"--schedule", "zigzag"}, "--schedule: zigzag not in"},
       {{"--balance", "random"}, "--balance: random not in"},

@@ -280,9 +280,9 @@ TEST_CASE("Collectives.ChunksCoverTheTensor") {
 
 namespace {
 
-// Compressed all-reduce (AllReduceSettings::wire = bf16): member j's element i of piece p.
-// `exact`: small integers (each below 16, so sums of 4 stay below 256: exact in bf16's 8 bits);
-// else fractions with 24 significant bits, which bf16 must round.
+// Compressed all-reduce (AllReduceSettings::wire = bf16 or f16): member j's element i of piece p.
+// `exact`: small integers (each below 16, so sums of 4 stay below 256: exact in bf16's 8 bits and
+// f16's 11); else fractions with 24 significant bits, which bf16 and f16 must round.
 float wire_value(bool exact, std::int64_t member, std::int64_t piece, std::int64_t i) {
   if (exact) return static_cast<float>((i * 7 + member * 3 + piece) % 16);
   return static_cast<float>(1.0 + 0.37 * static_cast<double>(member) + 1e-3 * static_cast<double>(i % 1013) +
@@ -290,12 +290,14 @@ float wire_value(bool exact, std::int64_t member, std::int64_t piece, std::int64
 }
 
 /// Members' sources and checks for a compressed all-reduce: the check of member j keeps what it
-/// got (`seen[j]`), and fails the job where a sum is off by more than bf16 allows.
+/// got (`seen[j]`), and fails the job where a sum is off by more than the wire dtype allows.
 struct WirePlan {
   Plan plan;
   KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
   std::shared_ptr<std::vector<std::vector<float>>> seen;
-  WirePlan(const std::vector<Placement>& places, std::int64_t elements, std::int64_t pieces, bool exact) {
+  WirePlan(const std::vector<Placement>& places, std::int64_t elements, std::int64_t pieces, bool exact, DType wire) {
+    // Bits of significand each wire dtype keeps (the implicit one included): bf16 8, f16 11.
+    const int precision = wire == DType::bf16 ? 8 : 11;
     const auto n = static_cast<std::int64_t>(places.size());
     seen = std::make_shared<std::vector<std::vector<float>>>(places.size());
     add_collective_kernels(kernels);
@@ -313,9 +315,10 @@ struct WirePlan {
       return std::make_unique<Fill>(exact, cfg.attrs.get_int("member", -1));
     });
     kernels.add("test.wire_check", DeviceType::cpu, DType::f32,
-                [exact, n, seen = seen](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+                [exact, n, precision, seen = seen](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
                   struct Check final : Kernel {
                     bool exact;
+                    int precision;
                     std::int64_t n, member;
                     std::shared_ptr<std::vector<std::vector<float>>> seen;
                     void compute(KernelContext& ctx) override {
@@ -328,10 +331,12 @@ struct WirePlan {
                           magnitude += std::abs(v);
                         }
                         // Exact sums must come back exactly. Else each of the chain's n roundings
-                        // to bf16 (to nearest: relative error <= 2^-9) errs by at most 2^-9 of a
-                        // partial, and no partial exceeds the sum of magnitudes: n x 2^-9 x that,
-                        // doubled for margin.
-                        const double bound = exact ? 0.0 : static_cast<double>(n) * std::ldexp(magnitude, -8);
+                        // to p bits (to nearest: relative error <= 2^-p; bf16 p = 8, f16 11) errs
+                        // by at most 2^-p of a partial, and no partial exceeds the sum of
+                        // magnitudes (f16's subnormals are far below these values): n x 2^-p x
+                        // that, doubled for margin.
+                        const double bound =
+                            exact ? 0.0 : static_cast<double>(n) * std::ldexp(magnitude, 1 - precision);
                         if (std::abs(static_cast<double>(in[i]) - want) > bound) {
                           throw std::runtime_error(fmt::format("member {}: piece {} element {} is {}, the sum is {}",
                                                                member, ctx.piece, i, in[i], want));
@@ -343,6 +348,7 @@ struct WirePlan {
                   };
                   auto k = std::make_unique<Check>();
                   k->exact = exact;
+                  k->precision = precision;
                   k->n = n;
                   k->member = cfg.attrs.get_int("member", -1);
                   k->seen = seen;
@@ -357,7 +363,7 @@ struct WirePlan {
       members.push_back({places[j], r, suffix});
     }
     AllReduceSettings settings{.segment_bytes = 4096};
-    settings.wire = DType::bf16;
+    settings.wire = wire;
     auto results = add_allreduce(plan, "ar", members, {elements}, DType::f32, 2, settings);
     for (std::size_t j = 0; j < places.size(); ++j) {
       plan.add_actor({.name = fmt::format("check@m{}", j), .op = "test.wire_check", .where = places[j],
@@ -368,23 +374,25 @@ struct WirePlan {
 
 }  // namespace
 
-TEST_CASE("Collectives.CompressedAllReduceSendsBf16AndEveryMemberGetsTheSameBits" * doctest::timeout(120)) {
+TEST_CASE("Collectives.CompressedAllReduceSends16BitsAndEveryMemberGetsTheSameBits" * doctest::timeout(120)) {
   const std::int64_t elements = 10'007, pieces = 3;
-  for (bool exact : {true, false}) {
+  for (auto [exact, wire] : {std::pair{true, DType::bf16}, std::pair{false, DType::bf16}, std::pair{true, DType::f16},
+                             std::pair{false, DType::f16}}) {
     CAPTURE(exact);
+    CAPTURE(name(wire));
     SUBCASE("ranks") {
       for (std::int64_t n : {2, 3}) {
         CAPTURE(n);
         std::vector<Placement> places;
         for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
-        WirePlan w(places, elements, pieces, exact);
+        WirePlan w(places, elements, pieces, exact, wire);
         const Plan plan = insert_transfers(w.plan);
-        // What crosses ranks is the bf16 partials and sums: half the bytes of the f32 gradient.
+        // What crosses ranks is the 16-bit partials and sums: half the bytes of the f32 gradient.
         std::size_t transfers = 0;
         for (const ActorDesc& a : plan.actors) {
           if (a.kind != ActorKind::transfer) continue;
           ++transfers;
-          CHECK(plan.registers[a.outputs[0]].dtype == DType::bf16);
+          CHECK(plan.registers[a.outputs[0]].dtype == wire);
         }
         CHECK(transfers > 0);
         for (const auto& r : test::run_on_loopback(plan, w.kernels)) REQUIRE_MESSAGE(r.error.empty(), r.error);
@@ -397,7 +405,7 @@ TEST_CASE("Collectives.CompressedAllReduceSendsBf16AndEveryMemberGetsTheSameBits
     SUBCASE("devices") {
       std::vector<Placement> places;
       for (std::uint8_t j = 0; j < 4; ++j) places.push_back({.device = Device{DeviceType::cpu, j}});
-      WirePlan w(places, elements, pieces, exact);
+      WirePlan w(places, elements, pieces, exact, wire);
       Runtime(w.plan, w.kernels).run();
       for (std::size_t j = 0; j < 4; ++j) CHECK((*w.seen)[j] == (*w.seen)[0]);
     }
@@ -414,10 +422,63 @@ TEST_CASE("Collectives.CompressionIsRefusedWhereItHasNoKernels") {
   AllReduceSettings s;
   s.wire = DType::bf16;
   CHECK_THROWS_WITH_AS(add_allreduce(p, "ar", members, {8}, DType::f64, 2, s),
-                       doctest::Contains("only bf16 for f32, by the ring"), std::invalid_argument);
+                       doctest::Contains("only bf16 or f16 for f32, by the ring"), std::invalid_argument);
   s.algorithm = AllReduceAlgorithm::two_hop;
   CHECK_THROWS_WITH_AS(add_allreduce(p, "ar", members, {8}, DType::f32, 2, s), doctest::Contains("by two_hop"),
                        std::invalid_argument);
+}
+
+// f16 ends at 65504. A chain's partial that rounds beyond it (two members' 40000s: on devices of
+// one rank, where the chain's first partial is read in place in f32) or a member's own value
+// beyond it (70000 across ranks: the first partial, rounded as it is sliced out to be sent)
+// fails the act that rounds it, naming the actor and the sum, instead of sending infinities on
+// to every replica.
+TEST_CASE("Collectives.Fp16OnTheWireFailsNamingTheActorWhoseSumLeavesItsRange" * doctest::timeout(60)) {
+  for (bool ranks : {false, true}) {
+    CAPTURE(ranks);
+    const float value = ranks ? 70000.0f : 40000.0f;
+    KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+    add_collective_kernels(kernels);
+    kernels.add_fn("test.const_fill", DeviceType::cpu, DType::f32, [value](KernelContext& ctx) {
+      auto out = ctx.outputs[0]->data<float>();
+      std::fill(out.begin(), out.end(), 0.5f);
+      out[3] = value;
+    });
+    Plan plan;
+    std::vector<AllReduceMember> members;
+    for (std::uint8_t j = 0; j < 2; ++j) {
+      const std::string suffix = fmt::format("@m{}", j);
+      auto r = plan.add_register({.name = "grad" + suffix, .shape = {64}, .dtype = DType::f32});
+      const Placement at = ranks ? Placement{.rank = j} : Placement{.device = Device{DeviceType::cpu, j}};
+      plan.add_actor({.name = "fill" + suffix, .kind = ActorKind::source, .op = "test.const_fill", .where = at,
+                      .outputs = {r}, .pieces = 2});
+      members.push_back({at, r, suffix});
+    }
+    AllReduceSettings settings;
+    settings.wire = DType::f16;
+    settings.direct_below_bytes = 0;
+    for (RegisterIndex r : add_allreduce(plan, "ar", members, {64}, DType::f32, 1, settings)) {
+      plan.add_actor({.name = fmt::format("sink{}", r), .op = "noop", .dtype = DType::f32,
+                      .where = plan.actors[plan.registers[r].producer].where, .inputs = {{r}}});
+    }
+    std::string error;
+    if (ranks) {
+      for (const auto& r : test::run_on_loopback(insert_transfers(plan), kernels)) {
+        if (r.error.find("beyond fp16") != std::string::npos) error = r.error;
+      }
+    } else {
+      try {
+        Runtime(plan, kernels).run();
+      } catch (const JobError& e) {
+        error = e.what();
+      }
+    }
+    MESSAGE(error);
+    CHECK(error.find("beyond fp16's range (65504)") != std::string::npos);
+    CHECK(error.find("element 3") != std::string::npos);
+    CHECK(error.find(ranks ? "sums to 70000" : "sums to 80000") != std::string::npos);
+    CHECK(error.find(ranks ? "actor 'ar.slice" : "actor 'ar.add") != std::string::npos);
+  }
 }
 
 // The overlap of gradient all-reduces with the backward pass (activity.h), on hand-made

@@ -90,7 +90,7 @@ TEST_CASE("DType.NameAndParseRoundTrip") {
 }
 
 TEST_CASE("DType.UnknownNameParsesToNullopt") {
-  CHECK_FALSE(baton::parse_dtype("f16").has_value());
+  CHECK_FALSE(baton::parse_dtype("fp16").has_value());
   CHECK_FALSE(baton::parse_dtype("").has_value());
   CHECK_FALSE(baton::parse_dtype("F32").has_value());
   CHECK_FALSE(baton::parse_dtype("f32 ").has_value());

@@ -13,8 +13,8 @@
 // small GPT on dp / pp / tp / hybrid against one device with the same micro-batching; the
 // efficiency divides the speed-up by min(devices, cores); with dp, allreduce_overlap is the
 // share of the time the gradients' all-reduces were under way that the backward pass ran
-// beside them (from the activity log of a separate run). The `_bf16` cases send the gradient
-// sums in bf16 (--grad-compression bf16).
+// beside them (from the activity log of a separate run). The `_bf16` and `_fp16` cases send the gradient
+// sums in 16 bits (--grad-compression bf16 or fp16).
 //
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
@@ -276,9 +276,10 @@ void training_scaling(bool quick) {
       return r;
     };
     const std::vector<Training> configs = {
-        {model, 2, 1, 1, 1},          {model, 2, 1, 1, 1, "flops", "bf16"}, {model, 4, 1, 1, 1},
-        {model, 4, 1, 1, 1, "flops", "bf16"}, {model, 1, 2, 1, 4},          {model, 1, 1, 2, 1},
-        {model, 2, 2, 1, 2},          {model, 2, 1, 2, 1}};
+        {model, 2, 1, 1, 1},          {model, 2, 1, 1, 1, "flops", "bf16"}, {model, 2, 1, 1, 1, "flops", "fp16"},
+        {model, 4, 1, 1, 1},          {model, 4, 1, 1, 1, "flops", "bf16"}, {model, 4, 1, 1, 1, "flops", "fp16"},
+        {model, 1, 2, 1, 4},          {model, 1, 1, 2, 1},                  {model, 2, 2, 1, 2},
+        {model, 2, 1, 2, 1}};
     for (const Training& t : configs) {
       // The one-device run with the same micro-batching (the same split of the global batch).
       const double one = best({model, 1, 1, 1, t.dp * t.microbatches});
@@ -314,7 +315,7 @@ double train_rate(const std::string& out) {
 /// baton-launch in each, N/2 ranks a host, everything over TCP: UCX_TLS=tcp), against the same
 /// job in one process on one device with the same micro-batching. dp 4 runs with the
 /// hierarchical all-reduce (the default) and with --allreduce flat; dp 2 (a rank a host) is
-/// flat either way; `_bf16` compresses (flat). samples/s is baton-train's (the runtime's wall
+/// flat either way; `_bf16` and `_fp16` compress (flat). samples/s is baton-train's (the runtime's wall
 /// time, compile and start-up excluded); the best of three runs each.
 /// Returns false where it could not make the namespaces (no root).
 bool across_hosts(const std::string& bin, bool quick) {
@@ -351,7 +352,7 @@ bool across_hosts(const std::string& bin, bool quick) {
       std::string allreduce, compression;
     };
     for (const Case& c : {Case{2, "auto", "none"}, Case{4, "auto", "none"}, Case{4, "flat", "none"},
-                          Case{4, "auto", "bf16"}}) {
+                          Case{4, "auto", "bf16"}, Case{4, "auto", "fp16"}}) {
       const int per_host = c.dp / 2;
       const double one = best([&] {
         auto [code, out] = bench::finish(

@@ -920,8 +920,8 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--tp", o.tp, "tensor-parallel shards (Megatron: MLP layer pairs; GPT and Llama attention heads, MLP and vocabulary)")
       ->check(CLI::Range(1, 64));
   app.add_option("--grad-compression", o.grad_compression,
-                 "with --dp: gradients travel between replicas in bf16 and are summed in f32 (half the bytes; CPU, "
-                 "the actors' ring), or none")
+                 "with --dp: gradients travel between replicas in bf16 or fp16 (IEEE half: 3 more mantissa bits, "
+                 "range ends at 65504) and are summed in f32 (half the bytes; CPU, the actors' ring), or none")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_option("--zero", o.zero, "with --dp: ZeRO stage: 1 splits the optimizer state (and master weights) over the "
                  "replicas, 2 the gradients too (reduce-scatter instead of all-reduce); 0 none. Same results as plain dp")

@@ -1,6 +1,7 @@
 #include "baton/graph/collectives.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <stdexcept>
 #include <type_traits>
@@ -58,17 +59,36 @@ std::int64_t allreduce_segments(std::int64_t elements, DType dtype, std::int64_t
 
 namespace {
 
-/// Where a compressed all-reduce keeps its sums in bf16 (AllReduceSettings::wire), the f32
-/// kernels read and write them through these: widen on load (exact), round once on store.
+/// Where a compressed all-reduce keeps its sums in bf16 or f16 (AllReduceSettings::wire), the
+/// f32 kernels read and write them through these: widen on load (exact), round once on store.
 template <class T>
 bool is_wire(const Tensor& t) {
-  return std::is_same_v<T, float> && t.dtype() == DType::bf16;
+  return std::is_same_v<T, float> && (t.dtype() == DType::bf16 || t.dtype() == DType::f16);
 }
 
 template <class T>
 T load(const Tensor& t, std::size_t i) {
-  if (is_wire<T>(t)) return static_cast<T>(to_float(t.data<bfloat16>()[i]));
+  if (is_wire<T>(t)) {
+    return static_cast<T>(t.dtype() == DType::bf16 ? to_float(t.data<bfloat16>()[i]) : to_float(t.data<float16>()[i]));
+  }
   return t.data<T>()[i];
+}
+
+/// out[i] = sum, rounded once to the wire dtype. binary16 ends at 65504: a finite sum that rounds
+/// to infinity fails the act, naming it, rather than sending an infinity on that every replica's
+/// update would turn into NaN weights (bf16 has f32's range and cannot overflow so).
+void store_wire(Tensor& out, std::size_t i, float sum, std::string_view actor) {
+  if (out.dtype() == DType::bf16) {
+    out.data<bfloat16>()[i] = to_bf16(sum);
+    return;
+  }
+  const float16 h = to_f16(sum);
+  if ((h.bits & 0x7fffu) == 0x7c00u && std::isfinite(sum)) {
+    throw std::runtime_error(fmt::format("{}: element {} sums to {}, beyond fp16's range (65504) on the wire; "
+                                         "use --grad-compression bf16 (f32's range) or none",
+                                         actor, i, sum));
+  }
+  out.data<float16>()[i] = h;
 }
 
 template <class T>
@@ -134,9 +154,10 @@ struct Slice final : Kernel {
   Slice(std::string_view a, std::int64_t off) : actor(a), offset(off) {}
   void compute(KernelContext& ctx) override {
     if (is_wire<T>(*ctx.outputs[0])) {
-      auto out = ctx.outputs[0]->data<bfloat16>();
-      auto in = window<T>(*ctx.inputs[0], offset, out.size(), actor);
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = to_bf16(in[i]);
+      Tensor& out = *ctx.outputs[0];
+      const auto count = static_cast<std::size_t>(out.numel());
+      auto in = window<T>(*ctx.inputs[0], offset, count, actor);
+      for (std::size_t i = 0; i < count; ++i) store_wire(out, i, static_cast<float>(in[i]), actor);
       return;
     }
     auto out = ctx.outputs[0]->data<T>();
@@ -169,9 +190,9 @@ struct Add final : Kernel {
     add_runs<T>(out, a_runs, b_runs);
   }
   std::vector<std::span<const T>> a_runs, b_runs;
-  /// A compressed hop: the partial (bf16, or the first member's f32 input read in place) plus
-  /// this member's f32 segment, added in f32 and rounded once to bf16 (or, never in a plan
-  /// add_allreduce makes, kept in f32).
+  /// A compressed hop: the partial (bf16 / f16, or the first member's f32 input read in place)
+  /// plus this member's f32 segment, added in f32 and rounded once to the wire dtype (or, never
+  /// in a plan add_allreduce makes, kept in f32).
   void compute_wire(KernelContext& ctx) {
     if (ctx.inputs.size() != 2) throw std::runtime_error(fmt::format("{}: compressed sums read one register each", actor));
     const Tensor& partial = *ctx.inputs[0];
@@ -183,7 +204,7 @@ struct Add final : Kernel {
     for (std::size_t i = 0; i < count; ++i) {
       const T sum = load<T>(partial, static_cast<std::size_t>(at) + i) + own[i];
       if (is_wire<T>(out_t)) {
-        out_t.data<bfloat16>()[i] = to_bf16(static_cast<float>(sum));
+        store_wire(out_t, i, static_cast<float>(sum), actor);
       } else {
         out_t.data<T>()[i] = sum;
       }
@@ -246,9 +267,9 @@ void add_kernels(KernelRegistry& k, DType dt) {
     std::size_t at = 0;
     for (const Tensor* in : ctx.inputs) {
       if (is_wire<T>(*in)) {  // a compressed sum, widened (exactly)
-        auto i = in->data<bfloat16>();
-        for (std::size_t e = 0; e < i.size(); ++e) out[at + e] = static_cast<T>(to_float(i[e]));
-        at += i.size();
+        const auto count = static_cast<std::size_t>(in->numel());
+        for (std::size_t e = 0; e < count; ++e) out[at + e] = load<T>(*in, e);
+        at += count;
         continue;
       }
       auto i = in->data<T>();
@@ -327,20 +348,20 @@ bool direct_for(const std::string& name, const std::vector<AllReduceMember>& mem
                       (settings.algorithm == AllReduceAlgorithm::ring && bytes < settings.direct_below_bytes && !compressed);
   if (direct && compressed) {
     throw std::invalid_argument(fmt::format("all-reduce '{}': sums on the wire in {} for {} members by direct: only "
-                                            "bf16 for f32, by the ring",
+                                            "bf16 or f16 for f32, by the ring",
                                             name, baton::name(*settings.wire), baton::name(dtype)));
   }
   if (!compressed) return direct;
   const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
-  if (*settings.wire != DType::bf16 || dtype != DType::f32 || !ring) {
-    throw std::invalid_argument(fmt::format("all-reduce '{}': sums on the wire in {} for {} members{}: only bf16 for f32, by the ring",
+  if ((*settings.wire != DType::bf16 && *settings.wire != DType::f16) || dtype != DType::f32 || !ring) {
+    throw std::invalid_argument(fmt::format("all-reduce '{}': sums on the wire in {} for {} members{}: only bf16 or f16 for f32, by the ring",
                                             name, baton::name(*settings.wire), baton::name(dtype), ring ? "" : " by two_hop"));
   }
   for (const AllReduceMember& m : members) {
     if (m.where.device.type != DeviceType::cpu) {
       throw std::invalid_argument(fmt::format(
-          "all-reduce '{}': member '{}' is on {}; compressed sums (bf16 on the wire) have CPU kernels only", name,
-          m.suffix, m.where.device.str()));
+          "all-reduce '{}': member '{}' is on {}; compressed sums ({} on the wire) have CPU kernels only", name,
+          m.suffix, m.where.device.str(), baton::name(*settings.wire)));
     }
   }
   return false;

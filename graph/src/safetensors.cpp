@@ -30,11 +30,11 @@ struct Name {
   DType dtype;
   const char* text;
 };
-constexpr Name names[] = {{DType::f32, "F32"}, {DType::f64, "F64"}, {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::u8, "U8"}, {DType::bf16, "BF16"}};
+constexpr Name names[] = {{DType::f32, "F32"}, {DType::f64, "F64"}, {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::u8, "U8"}, {DType::bf16, "BF16"}, {DType::f16, "F16"}};
 constexpr const char* read_names = "F32, F64, F16, BF16, I32, I64, U8";
 
-/// A dtype as the file stores it: baton's own, or F16, which baton has no tensors of and reads
-/// as f32 (every half is a float exactly).
+/// A dtype as the file stores it: baton's own, or F16, which baton reads as f32 (every half is a
+/// float exactly; baton's f16 tensors are storage for the wire, and are written as F16).
 struct Stored {
   DType dtype;            // the tensor read() returns
   std::uint64_t bytes;    // per element in the file
@@ -95,19 +95,7 @@ struct Entry {
 
 }  // namespace
 
-float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  if (exponent == 0) {
-    // Zero or subnormal: mantissa x 2^-24, exact in a float (whose normal range covers it).
-    const float f = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign != 0 ? -f : f;
-  }
-  // Normal: the exponent rebiased from 15 to 127; infinity and NaN keep all ones (and the
-  // NaN its payload, so a NaN stays a NaN).
-  const std::uint32_t e = exponent == 0x1f ? 0xffu : exponent + (127 - 15);
-  return std::bit_cast<float>(sign | (e << 23) | (mantissa << 13));
-}
+float half_to_float(std::uint16_t h) { return to_float(float16{h}); }
 
 const Tensor* Contents::find(const std::string& name) const {
   for (const auto& [n, t] : tensors) {

@@ -17,12 +17,13 @@ std::string_view name(DType t) {
     case DType::i64: return "i64";
     case DType::u8: return "u8";
     case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
   }
   return "?";
 }
 
 std::optional<DType> parse_dtype(std::string_view s) {
-  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
+  for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16, DType::f16}) {
     if (name(t) == s) return t;
   }
   return std::nullopt;

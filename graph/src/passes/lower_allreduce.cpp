@@ -32,12 +32,12 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
                                             const std::vector<RegisterIndex>& inputs,
                                             const Shape& shape, DType dt, const TrainConfig& cfg) {
   const Replicas::Bucket& bucket = reps.buckets[bi];
-  const bool compress = cfg.grad_compression == "bf16";
+  const bool compress = gradient_wire(cfg).has_value();
   if (compress && (bucket.nccl || dt != DType::f32)) {
     throw GraphError(fmt::format(
-        "grad compression 'bf16' compresses f32 gradients summed by the ring of actors on the CPU; "
+        "grad compression '{}' compresses f32 gradients summed by the ring of actors on the CPU; "
         "'{}' is {}{} (use --collectives actors with replicas on the CPU, or no compression)",
-        name, baton::name(dt), bucket.nccl ? " and all-reduced by NCCL" : ""));
+        cfg.grad_compression, name, baton::name(dt), bucket.nccl ? " and all-reduced by NCCL" : ""));
   }
   if (!bucket.nccl) {
     const AllReduceSettings settings = gradient_allreduce_settings(cfg);
@@ -71,6 +71,12 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
 
 }  // namespace
 
+std::optional<DType> gradient_wire(const TrainConfig& cfg) {
+  if (cfg.grad_compression == "bf16") return DType::bf16;
+  if (cfg.grad_compression == "fp16") return DType::f16;
+  return std::nullopt;  // "none" (check_config refuses anything else)
+}
+
 AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg) {
   AllReduceSettings settings;
   // A small bucket (a bias's gradient, a layer norm's) goes by the direct all-reduce: one hop
@@ -79,7 +85,7 @@ AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg) {
   // 1.3-4x slower at 16 KiB, where UCX leaves its eager protocol for rendezvous and the ring's
   // chunks still travel eagerly; 8 KiB (not measured) is taken as the crossover's safe side.
   settings.direct_below_bytes = gradient_direct_below_bytes;
-  if (cfg.grad_compression == "bf16") settings.wire = DType::bf16;
+  settings.wire = gradient_wire(cfg);
   if (cfg.hierarchical_allreduce) settings.rank_hosts = cfg.rank_hosts;
   // A bucket is all-reduced once a step, and its next step's sums need this step's update,
   // which needs these sums read: a second slot on a hop would never be in use.
@@ -117,7 +123,7 @@ RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
 bool sums_in_place(const std::vector<PlanBuilder>& replicas, const Replicas& reps, std::size_t bi,
                    const TrainConfig& cfg) {
   const Replicas::Bucket& bucket = reps.buckets[bi];
-  return !bucket.nccl && cfg.grad_compression != "bf16" &&
+  return !bucket.nccl && !gradient_wire(cfg) &&
          std::all_of(replicas.begin(), replicas.end(), [&](const PlanBuilder& b) {
            return b.at(backward_stream(cfg), bucket.place).device.type == DeviceType::cpu &&
                   std::all_of(bucket.weights.begin(), bucket.weights.end(),

@@ -253,7 +253,7 @@ ShardGradients sum_bucket(std::vector<PlanBuilder>& replicas, const Replicas& re
   ShardGradients out{.grads = std::vector<std::vector<InputPort>>(replicas.size()),
                      .windows = std::vector<GradientWindow>(replicas.size())};
   try {
-    if (cfg.grad_compression == "bf16") {  // stage 1 only (check_config refuses it with 2)
+    if (settings.wire) {  // stage 1 only (check_config refuses compression with 2)
       auto sums = add_allreduce(plan, name, members, {total}, dt, 1, settings);
       for (std::size_t c = 0; c < sums.size(); ++c) {
         out.grads[c] = {{sums[c], 1}};

@@ -139,8 +139,12 @@ std::vector<AllReduceMember> gradient_members(std::vector<PlanBuilder>& replicas
                                               std::size_t bi, const GradientInputs& grad_sum,
                                               const TrainConfig& cfg, bool in_place);
 
+/// The dtype gradient sums travel in under cfg.grad_compression: bf16 for "bf16", f16 for
+/// "fp16", none (the gradients' own) for "none".
+std::optional<DType> gradient_wire(const TrainConfig& cfg);
+
 /// How the ring of actors sums a gradient bucket (lower_allreduce.cpp): the direct form below
-/// gradient_direct_below_bytes, bf16 on the wire with --grad-compression bf16, one slot a hop.
+/// gradient_direct_below_bytes, bf16 or f16 on the wire with --grad-compression, one slot a hop.
 /// ZeRO's reduce-scatter takes the same, so its sums are the same bits.
 AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg);
 

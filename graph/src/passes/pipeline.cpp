@@ -40,11 +40,8 @@ void check_config(const TrainConfig& cfg) {
   if (cfg.collectives != "auto" && cfg.collectives != "actors" && cfg.collectives != "nccl") {
     throw GraphError(fmt::format("collectives '{}': auto, actors or nccl", cfg.collectives));
   }
-  if (cfg.grad_compression == "fp16") {
-    throw GraphError("grad compression 'fp16': baton has no float16 dtype; use bf16 (f32's range, no loss scaling)");
-  }
-  if (cfg.grad_compression != "none" && cfg.grad_compression != "bf16") {
-    throw GraphError(fmt::format("grad compression '{}': none or bf16", cfg.grad_compression));
+  if (cfg.grad_compression != "none" && cfg.grad_compression != "bf16" && cfg.grad_compression != "fp16") {
+    throw GraphError(fmt::format("grad compression '{}': none, bf16 or fp16", cfg.grad_compression));
   }
   if (cfg.zero == 3) {
     throw GraphError(
@@ -54,8 +51,8 @@ void check_config(const TrainConfig& cfg) {
   if (cfg.zero < 0 || cfg.zero > 3) throw GraphError(fmt::format("zero {}: 0, 1 or 2", cfg.zero));
   if (cfg.zero == 2 && cfg.grad_compression != "none") {
     throw GraphError(fmt::format(
-        "grad compression '{}' with zero 2: the reduce-scattered shards would be in bf16; use "
-        "zero 1 (which all-reduces in bf16) or no compression",
+        "grad compression '{0}' with zero 2: the reduce-scattered shards would be in {0}; use "
+        "zero 1 (which all-reduces in {0}) or no compression",
         cfg.grad_compression));
   }
   if (cfg.balance != "flops" && cfg.balance != "profile") {

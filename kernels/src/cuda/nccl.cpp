@@ -59,6 +59,7 @@ ncclDataType_t nccl_type(DType t) {
     case DType::i64: return ncclInt64;
     case DType::u8: return ncclUint8;
     case DType::bf16: return ncclBfloat16;
+    case DType::f16: return ncclFloat16;
   }
   throw std::invalid_argument(fmt::format("NCCL has no type for {}", name(t)));
 }

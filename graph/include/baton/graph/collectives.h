@@ -96,12 +96,13 @@ struct AllReduceSettings {
   std::int64_t max_segments = 16;
   /// Slots of every partial and sum register: how many segments may be in flight on one hop.
   std::int32_t slots = 2;
-  /// Gradient compression on the wire (Horovod's fp16 compression, in bf16): the dtype the
-  /// partial and finished sums are stored in and travel in; unset, the tensor's. Only bf16 for
-  /// f32 members on the CPU, ring only: each hop adds its member's f32 segment to the received
-  /// partial in f32 and rounds once to bf16 to send it on (the chain's first partial is
-  /// rounded when it is sliced out), and each member's gather widens the bf16 sums back to f32.
-  /// Half the bytes on every hop; every member still ends with the same bits.
+  /// Gradient compression on the wire (Horovod's fp16 compression, in f16 or bf16): the dtype
+  /// the partial and finished sums are stored in and travel in; unset, the tensor's. Only bf16
+  /// or f16 for f32 members on the CPU, ring only: each hop adds its member's f32 segment to the
+  /// received partial in f32 and rounds once to the wire dtype to send it on (the chain's first
+  /// partial is rounded when it is sliced out), and each member's gather widens the sums back to
+  /// f32. Half the bytes on every hop; every member still ends with the same bits. A finite sum
+  /// beyond f16's range (65504) fails the act that rounds it, naming it.
   std::optional<DType> wire;
   /// Where the job's ranks are: rank_hosts[r] is the host of rank r (any numbering; empty: not
   /// known, as if all on one host). Where the members span two hosts or more, with the same

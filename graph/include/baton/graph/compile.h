@@ -162,11 +162,12 @@ struct TrainConfig {
   /// NCCL where every member is on a CUDA device and baton has NCCL, else actors. The loss's
   /// all-reduce (a scalar per micro-batch) is always made of actors.
   std::string collectives = "auto";
-  /// dp > 1: "none", or "bf16": the gradient sums travel (and are kept between hops) in bf16 and
-  /// are added in f32 (AllReduceSettings::wire; Horovod's compression), half the bytes on the
-  /// wire. f32 gradients, the ring of actors on the CPU only (a NCCL bucket or a CUDA replica
-  /// is refused). "fp16" is refused: baton has no float16 dtype (bf16 keeps f32's range, so
-  /// it needs no loss scaling).
+  /// dp > 1: "none", "bf16" or "fp16": the gradient sums travel (and are kept between hops) in
+  /// bf16 or IEEE half (DType::f16) and are added in f32 (AllReduceSettings::wire; Horovod's
+  /// compression), half the bytes on the wire. f32 gradients, the ring of actors on the CPU only
+  /// (a NCCL bucket or a CUDA replica is refused). bf16 keeps f32's range; fp16 keeps 3 more
+  /// mantissa bits but ends at 65504: a partial sum beyond it fails the job naming the actor
+  /// (no loss scaling: Horovod's fp16 compression has none either).
   std::string grad_compression = "none";
   /// Where the job's ranks are: rank_hosts[r] is the host of rank r (baton-train takes it from
   /// baton-launch's environment: JobEnvironment::rank_hosts); empty: not known, as if on one
