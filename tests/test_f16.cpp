@@ -165,3 +165,43 @@ TEST_CASE("F16.RoundsAsTheCompilersFloat16Does") {
   CHECK_MESSAGE(m.count == 0, m.count << " floats round unlike _Float16:" << m.first);
 }
 #endif
+
+// The bulk conversions the wire kernels use (kernels/src/half.cpp: x86's F16C instructions 8 at a
+// time where the CPU has them, the scalar functions for the tail and elsewhere) give the scalar
+// functions' results element for element: over the sweep and every boundary, at lengths that
+// leave tails of every size.
+TEST_CASE("F16.BulkConversionsEqualTheScalarOnes") {
+  std::vector<float> in;
+  for (std::uint64_t u = 0; u <= 0xffffffffu; u += 4099) in.push_back(from_bits(static_cast<std::uint32_t>(u)));
+  const auto& v = ladder();
+  for (std::size_t k = 0; k + 1 < v.size(); ++k) {
+    const auto mid = static_cast<float>((v[k] + v[k + 1]) / 2);
+    for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY)}) in.insert(in.end(), {x, -x});
+  }
+  for (std::size_t tail = 0; tail < 8; ++tail) {
+    CAPTURE(tail);
+    const std::size_t n = in.size() - tail;
+    std::vector<float16> half(n);
+    std::vector<bfloat16> brain(n);
+    to_f16(std::span<const float>(in.data(), n), half);
+    to_bf16(std::span<const float>(in.data(), n), brain);
+    std::vector<float> back(n), back_bf(n);
+    to_float(half, back);
+    to_float(brain, back_bf);
+    Mismatches m;
+    std::size_t wrong_widen = 0, wrong_bf16 = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      m.check(in[i], half[i].bits, to_f16(in[i]).bits);
+      const float want = to_float(half[i]);
+      wrong_widen += !(std::bit_cast<std::uint32_t>(back[i]) == std::bit_cast<std::uint32_t>(want) ||
+                       (std::isnan(back[i]) && std::isnan(want)));
+      wrong_bf16 += brain[i].bits != to_bf16(in[i]).bits ||
+                    std::bit_cast<std::uint32_t>(back_bf[i]) != std::bit_cast<std::uint32_t>(to_float(brain[i]));
+    }
+    CHECK_MESSAGE(m.count == 0, m.count << " floats round unlike to_f16:" << m.first);
+    CHECK(wrong_widen == 0);
+    CHECK(wrong_bf16 == 0);
+  }
+  std::vector<float16> two(2);
+  CHECK_THROWS_AS(to_f16(std::span<const float>(in.data(), 3), two), std::invalid_argument);
+}

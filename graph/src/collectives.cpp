@@ -66,30 +66,38 @@ bool is_wire(const Tensor& t) {
   return std::is_same_v<T, float> && (t.dtype() == DType::bf16 || t.dtype() == DType::f16);
 }
 
-template <class T>
-T load(const Tensor& t, std::size_t i) {
-  if (is_wire<T>(t)) {
-    return static_cast<T>(t.dtype() == DType::bf16 ? to_float(t.data<bfloat16>()[i]) : to_float(t.data<float16>()[i]));
+/// Elements [from, from + n) of `t` (f32, or a 16-bit wire dtype widened: exact) into out.
+void widen(const Tensor& t, std::size_t from, std::size_t n, float* out) {
+  switch (t.dtype()) {
+    case DType::bf16: return to_float(t.data<bfloat16>().subspan(from, n), std::span<float>(out, n));
+    case DType::f16: return to_float(t.data<float16>().subspan(from, n), std::span<float>(out, n));
+    default: std::copy_n(t.data<float>().data() + from, n, out);
   }
-  return t.data<T>()[i];
 }
 
-/// out[i] = sum, rounded once to the wire dtype. binary16 ends at 65504: a finite sum that rounds
-/// to infinity fails the act, naming it, rather than sending an infinity on that every replica's
-/// update would turn into NaN weights (bf16 has f32's range and cannot overflow so).
-void store_wire(Tensor& out, std::size_t i, float sum, std::string_view actor) {
-  if (out.dtype() == DType::bf16) {
-    out.data<bfloat16>()[i] = to_bf16(sum);
-    return;
+/// out[from, from + n) = in, rounded once to out's wire dtype (bf16 or f16). binary16 ends at
+/// 65504: a finite sum that rounds to infinity (65520 and up) fails the act, naming it, rather
+/// than sending an infinity on that every replica's update would turn into NaN weights (bf16
+/// has f32's range and cannot overflow so). The message names element `from + i` of out.
+void narrow(const float* in, std::size_t n, Tensor& out, std::size_t from, std::string_view actor) {
+  if (out.dtype() == DType::bf16) return to_bf16(std::span<const float>(in, n), out.data<bfloat16>().subspan(from, n));
+  float largest = 0;  // NaNs drop out of the max (and stay NaNs); an infinity is no overflow
+  for (std::size_t i = 0; i < n; ++i) largest = std::max(largest, std::abs(in[i]));
+  if (!(largest < 65520.0f)) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (std::isfinite(in[i]) && std::abs(in[i]) >= 65520.0f) {
+        throw std::runtime_error(fmt::format("{}: element {} sums to {}, beyond fp16's range (65504) on the wire; "
+                                             "use --grad-compression bf16 (f32's range) or none",
+                                             actor, from + i, in[i]));
+      }
+    }
   }
-  const float16 h = to_f16(sum);
-  if ((h.bits & 0x7fffu) == 0x7c00u && std::isfinite(sum)) {
-    throw std::runtime_error(fmt::format("{}: element {} sums to {}, beyond fp16's range (65504) on the wire; "
-                                         "use --grad-compression bf16 (f32's range) or none",
-                                         actor, i, sum));
-  }
-  out.data<float16>()[i] = h;
+  to_f16(std::span<const float>(in, n), out.data<float16>().subspan(from, n));
 }
+
+/// The compressed kernels add and round a block at a time through a buffer of this many floats
+/// on the stack (2 KiB: in L1 beside the block's inputs).
+constexpr std::size_t wire_block = 512;
 
 template <class T>
 void check_window(const Tensor& t, std::int64_t offset, std::size_t count, std::string_view actor) {
@@ -153,12 +161,13 @@ struct Slice final : Kernel {
   std::int64_t offset;
   Slice(std::string_view a, std::int64_t off) : actor(a), offset(off) {}
   void compute(KernelContext& ctx) override {
-    if (is_wire<T>(*ctx.outputs[0])) {
-      Tensor& out = *ctx.outputs[0];
-      const auto count = static_cast<std::size_t>(out.numel());
-      auto in = window<T>(*ctx.inputs[0], offset, count, actor);
-      for (std::size_t i = 0; i < count; ++i) store_wire(out, i, static_cast<float>(in[i]), actor);
-      return;
+    if constexpr (std::is_same_v<T, float>) {
+      if (is_wire<T>(*ctx.outputs[0])) {
+        Tensor& out = *ctx.outputs[0];
+        const auto count = static_cast<std::size_t>(out.numel());
+        narrow(window<T>(*ctx.inputs[0], offset, count, actor).data(), count, out, 0, actor);
+        return;
+      }
     }
     auto out = ctx.outputs[0]->data<T>();
     window_runs<T>(ctx, 0, ctx.inputs.size(), offset, out.size(), actor, runs);
@@ -194,19 +203,24 @@ struct Add final : Kernel {
   /// plus this member's f32 segment, added in f32 and rounded once to the wire dtype (or, never
   /// in a plan add_allreduce makes, kept in f32).
   void compute_wire(KernelContext& ctx) {
-    if (ctx.inputs.size() != 2) throw std::runtime_error(fmt::format("{}: compressed sums read one register each", actor));
-    const Tensor& partial = *ctx.inputs[0];
-    Tensor& out_t = *ctx.outputs[0];
-    const auto count = static_cast<std::size_t>(out_t.numel());
-    const std::int64_t at = from < 0 ? 0 : from;
-    check_window<T>(partial, at, count, actor);
-    auto own = window<T>(*ctx.inputs[1], offset, count, actor);
-    for (std::size_t i = 0; i < count; ++i) {
-      const T sum = load<T>(partial, static_cast<std::size_t>(at) + i) + own[i];
-      if (is_wire<T>(out_t)) {
-        store_wire(out_t, i, static_cast<float>(sum), actor);
-      } else {
-        out_t.data<T>()[i] = sum;
+    if constexpr (std::is_same_v<T, float>) {
+      if (ctx.inputs.size() != 2) throw std::runtime_error(fmt::format("{}: compressed sums read one register each", actor));
+      const Tensor& partial = *ctx.inputs[0];
+      Tensor& out_t = *ctx.outputs[0];
+      const auto count = static_cast<std::size_t>(out_t.numel());
+      const auto at = static_cast<std::size_t>(from < 0 ? 0 : from);
+      check_window<T>(partial, static_cast<std::int64_t>(at), count, actor);
+      auto own = window<T>(*ctx.inputs[1], offset, count, actor);
+      float sum[wire_block];
+      for (std::size_t b = 0; b < count; b += wire_block) {
+        const std::size_t n = std::min(wire_block, count - b);
+        widen(partial, at + b, n, sum);
+        for (std::size_t i = 0; i < n; ++i) sum[i] += own[b + i];
+        if (is_wire<T>(out_t)) {
+          narrow(sum, n, out_t, b, actor);
+        } else {
+          std::copy_n(sum, n, out_t.data<T>().data() + b);
+        }
       }
     }
   }
@@ -266,11 +280,13 @@ void add_kernels(KernelRegistry& k, DType dt) {
     auto out = ctx.outputs[0]->data<T>();
     std::size_t at = 0;
     for (const Tensor* in : ctx.inputs) {
-      if (is_wire<T>(*in)) {  // a compressed sum, widened (exactly)
-        const auto count = static_cast<std::size_t>(in->numel());
-        for (std::size_t e = 0; e < count; ++e) out[at + e] = load<T>(*in, e);
-        at += count;
-        continue;
+      if constexpr (std::is_same_v<T, float>) {
+        if (is_wire<T>(*in)) {  // a compressed sum, widened (exactly)
+          const auto count = static_cast<std::size_t>(in->numel());
+          widen(*in, 0, count, out.data() + at);
+          at += count;
+          continue;
+        }
       }
       auto i = in->data<T>();
       std::copy(i.begin(), i.end(), out.begin() + static_cast<std::ptrdiff_t>(at));

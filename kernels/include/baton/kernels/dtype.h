@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string_view>
 
 namespace baton {
@@ -112,6 +113,14 @@ inline float16 to_f16(float f) {
   if (rest > half || (rest == half && (h & 1u) != 0)) ++h;  // a carry moves into the exponent, rightly
   return float16{static_cast<std::uint16_t>(sign | h)};
 }
+
+/// Bulk forms of to_f16, to_bf16 and the widenings (kernels/src/half.cpp): the same results
+/// element for element, several at a time (x86's F16C instructions for f16 where the CPU has
+/// them). `in` and `out` have the same size (std::invalid_argument otherwise).
+void to_f16(std::span<const float> in, std::span<float16> out);
+void to_float(std::span<const float16> in, std::span<float> out);
+void to_bf16(std::span<const float> in, std::span<bfloat16> out);
+void to_float(std::span<const bfloat16> in, std::span<float> out);
 
 /// "f32", "i64", ...
 std::string_view name(DType t);
