@@ -385,6 +385,63 @@ TEST_CASE("Sim.Runtime.AConsumerOnTheSameStreamEnqueuesBeforeTheProducerRan" *
   CHECK(producer_waited_out.load() == 0);
 }
 
+// Copies onto a device from two others go on two streams (peer_copy_stream), so that a copy
+// whose stream waits for one device's kernel does not hold up a copy from the other. Here the
+// kernel on sim:0 blocks until the consumer of sim:2's register on sim:1 has run; sim:2's act
+// comes 200 ms after sim:0's, so on one shared copy stream sim:2's copy would queue behind the
+// wait for sim:0's kernel, which waits for it: the kernel would give up after 5 s (a deadlock
+// in all but name; in a 1F1B pipeline, a gradient's copy behind the next activation's).
+TEST_CASE("Sim.Runtime.ACopyWaitingForOneDeviceHoldsUpNoCopyFromAnother" * doctest::timeout(60)) {
+  const Device sim2 = Device::parse("sim:2");
+  Plan p;
+  auto reg = [&](std::string name) { return p.add_register({.name = std::move(name), .shape = {16}, .dtype = f32}); };
+  const RegisterIndex a0 = reg("a0"), x0 = reg("x0"), a2 = reg("a2"), late = reg("late"), x2 = reg("x2");
+  p.add_actor({.name = "src0", .kind = ActorKind::source, .op = "fill_piece", .outputs = {a0}, .pieces = 1});
+  p.add_actor({.name = "gate", .op = "test.gate", .where = {.device = sim0}, .inputs = {{a0}}, .outputs = {x0}});
+  p.add_actor({.name = "from0", .op = "noop", .where = {.device = sim1}, .inputs = {{x0}}});
+  p.add_actor({.name = "src2", .kind = ActorKind::source, .op = "fill_piece", .outputs = {a2}, .pieces = 1});
+  p.add_actor({.name = "later", .op = "test.host_sleep", .inputs = {{a2}}, .outputs = {late}});
+  p.add_actor({.name = "fast", .op = "relu", .where = {.device = sim2}, .inputs = {{late}}, .outputs = {x2}});
+  // On a stream of its own: sim:1's stream 0 waits for the gate too (from0 reads its copy).
+  p.add_actor({.name = "signal", .op = "test.signal", .where = {.device = sim1, .stream = 1}, .inputs = {{x2}}});
+  const Plan plan = insert_device_copies(p);
+  const ActorDesc& copy0 = actor_named(plan, "x0@sim:1");
+  const ActorDesc& copy2 = actor_named(plan, "x2@sim:1");
+  CHECK(copy0.where.stream == peer_copy_stream(sim0));
+  CHECK(copy2.where.stream == peer_copy_stream(sim2));
+  CHECK(copy0.where.stream != copy2.where.stream);
+  CHECK(actor_named(plan, "a0@sim:0").where.stream == device_copy_stream);  // host -> device
+
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  std::atomic<bool> signalled{false};
+  std::atomic<int> gave_up{0};
+  kernels.add_fn("test.host_sleep", DeviceType::cpu, f32, [](KernelContext& ctx) {
+    std::this_thread::sleep_for(200ms);
+    std::memcpy(ctx.outputs[0]->raw(), ctx.inputs[0]->raw(), ctx.inputs[0]->nbytes());
+  });
+  kernels.add_fn("test.gate", DeviceType::sim, f32, [&](KernelContext& ctx) {
+    auto* s = dynamic_cast<sim::Stream*>(ctx.async_stream);
+    if (s == nullptr) throw std::logic_error("no sim stream");
+    const Tensor* in = ctx.inputs[0];
+    Tensor* out = ctx.outputs[0];
+    s->enqueue([=, &signalled, &gave_up] {
+      if (!eventually([&] { return signalled.load(); }, 5'000ms)) ++gave_up;
+      std::memcpy(out->raw(), in->raw(), in->nbytes());
+    });
+  });
+  kernels.add_fn("test.signal", DeviceType::sim, f32, [&](KernelContext& ctx) {
+    auto* s = dynamic_cast<sim::Stream*>(ctx.async_stream);
+    if (s == nullptr) throw std::logic_error("no sim stream");
+    s->enqueue([&signalled] { signalled.store(true); });
+  });
+  RuntimeSettings settings;
+  settings.stall_timeout = 30'000ms;
+  Runtime rt(plan, kernels, settings);
+  rt.run();
+  CHECK(signalled.load());
+  CHECK(gave_up.load() == 0);
+}
+
 // The twin of Cuda.Runtime.DeviceFaultFailsTheJob: a kernel that fails on the stream at its last
 // act fails the job, naming the failure and the actors on that stream, with the stall watchdog
 // off (nothing else would end the wait: the failed stream runs no more callbacks).

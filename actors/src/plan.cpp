@@ -389,7 +389,9 @@ Plan device_copies(const Plan& plan) {
       const bool to_host = !is_async(device.type);
       ActorDesc t;
       t.op = to_host ? "to_host" : "to_device";
-      t.where = Placement{home.rank, to_host ? home.device : device, device_copy_stream};
+      const bool peer = !to_host && is_async(home.device.type);  // device -> device
+      t.where = Placement{home.rank, to_host ? home.device : device,
+                          peer ? peer_copy_stream(home.device) : device_copy_stream};
       reroute(out, r, consumers, device.str(), std::move(t));
     }
   }
