@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -457,6 +458,115 @@ TEST_CASE("Validate.SelfLoopNeedsTwoSlots") {
   CHECK(contains(msg, "cannot make progress"));
   CHECK(contains(msg, "'A' after 1 acts: back-pressured"));
   CHECK(refusal(self_loop(2)).empty());
+}
+
+namespace {
+
+// A random plan for the progress check: a source and up to eight actors at rate 1 or 2 (a
+// repeat of group 2 doubles a stream's rate, an accumulate of group 2 halves it), each compute
+// actor reading one or two earlier actors of its rate and perhaps a later one, or itself, with a
+// delay of 0 to 3; 1 to 3 slots per register; and perhaps a lane over two or three actors.
+Plan random_progress_plan(std::mt19937& rng) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  struct Spec {
+    ActorKind kind;
+    int rate;
+    std::vector<InputPort> inputs;
+  };
+  std::vector<Spec> specs{{ActorKind::source, 1, {}}};
+  const int n = pick(3, 14);
+  while (static_cast<int>(specs.size()) < n) {
+    const int i = pick(0, static_cast<int>(specs.size()) - 1);  // the actor it reads first
+    const int roll = pick(0, 99);
+    if (roll < 12 && specs[i].rate == 1) {
+      specs.push_back({ActorKind::repeat, 2, {{static_cast<RegisterIndex>(i)}}});
+    } else if (roll < 24 && specs[i].rate == 2) {
+      specs.push_back({ActorKind::accumulate, 1, {{static_cast<RegisterIndex>(i)}}});
+    } else {
+      Spec c{ActorKind::compute, specs[i].rate, {{static_cast<RegisterIndex>(i)}}};
+      const int j = pick(0, static_cast<int>(specs.size()) - 1);
+      if (j != i && specs[j].rate == c.rate && pick(0, 1) == 0) c.inputs.push_back({static_cast<RegisterIndex>(j)});
+      specs.push_back(std::move(c));
+    }
+  }
+  // Back edges: a compute actor reads one of its rate at or after itself, with a delay.
+  for (std::size_t a = 1; a < specs.size(); ++a) {
+    if (specs[a].kind != ActorKind::compute || pick(0, 99) >= 45) continue;
+    const int b = pick(static_cast<int>(a), n - 1);
+    if (specs[static_cast<std::size_t>(b)].rate != specs[a].rate) continue;
+    specs[a].inputs.push_back({static_cast<RegisterIndex>(b), pick(0, 3)});
+  }
+  Plan plan;
+  for (int a = 0; a < n; ++a) {
+    plan.add_register({.name = "r" + std::to_string(a), .shape = {4}, .slots = pick(1, 3)});
+  }
+  // A lane: two or three compute actors of one rate in a fixed order of their acts.
+  std::vector<int> lane;
+  if (pick(0, 99) < 35) {
+    const int rate = pick(1, 2);
+    for (int a = 0; a < n; ++a) {
+      if (specs[static_cast<std::size_t>(a)].kind == ActorKind::compute && specs[static_cast<std::size_t>(a)].rate == rate) {
+        lane.push_back(a);
+      }
+    }
+    std::shuffle(lane.begin(), lane.end(), rng);
+    lane.resize(std::min<std::size_t>(lane.size(), static_cast<std::size_t>(pick(2, 3))));
+    if (lane.size() < 2) lane.clear();
+  }
+  for (int a = 0; a < n; ++a) {
+    const Spec& sp = specs[static_cast<std::size_t>(a)];
+    baton::ActorDesc d{.name = "a" + std::to_string(a), .kind = sp.kind, .inputs = sp.inputs,
+                       .outputs = {static_cast<RegisterIndex>(a)}};
+    if (sp.kind == ActorKind::source) {
+      d.op = "fill_piece";
+      d.pieces = 10;
+    } else if (sp.kind == ActorKind::compute) {
+      d.op = "noop";
+    } else {
+      d.group = 2;
+    }
+    auto at = std::find(lane.begin(), lane.end(), a);
+    if (at != lane.end()) {
+      d.order = {.lane = 0, .units = {static_cast<std::int32_t>(at - lane.begin())},
+                 .period = static_cast<std::int32_t>(lane.size())};
+    }
+    plan.add_actor(std::move(d));
+  }
+  return plan;
+}
+
+}  // namespace
+
+TEST_CASE("Validate.TheShortProgressCheckAgreesWithTheLongOneOnRandomPlans" * doctest::timeout(120)) {
+  // validate() plays a few iterations of the plan (ProgressCheck::iterations); the long check
+  // plays until every actor has acted more often than the plan has slots and delays, which no
+  // deadlocking part of a plan can do. Both must accept and refuse the same plans: cycles with
+  // and without delays, delays longer than the slots, rates changed by repeat and accumulate,
+  // and lanes that force an order.
+  std::mt19937 rng(20261126);
+  int live = 0, deadlocked = 0;
+  for (int t = 0; t < 3000; ++t) {
+    const Plan plan = random_progress_plan(rng);
+    CAPTURE(t);
+    auto verdict = [&](baton::ProgressCheck how) {
+      try {
+        baton::validate(plan, builtin(), 0, how);
+      } catch (const PlanError& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    const std::string short_check = verdict(baton::ProgressCheck::iterations);
+    const std::string long_check = verdict(baton::ProgressCheck::tokens);
+    INFO(plan.to_text());
+    CHECK(short_check.empty() == long_check.empty());
+    if (!long_check.empty()) REQUIRE(contains(long_check, "cannot make progress"));
+    (long_check.empty() ? live : deadlocked) += 1;
+  }
+  MESSAGE(live << " live plans, " << deadlocked << " that deadlock");
+  // Both kinds, in numbers.
+  CHECK(live > 500);
+  CHECK(deadlocked > 500);
 }
 
 // Regression: the dry run once stopped as soon as its act budget was spent, which a healthy,

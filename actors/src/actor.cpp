@@ -186,6 +186,7 @@ Actor::Block Actor::next_block_of_stream() const {
   if (desc_.kind == ActorKind::source) {
     if (core_.dry_run ? outputs_read_ == 0 : acts_ >= desc_.pieces) return Block::finish;
   }
+  if (core_.dry_run && core_.dry_enough(index_, acts_)) return Block::enough;
   bool starved = false;
   for (const Input& in : inputs_) {
     std::int64_t q = needed_piece(in);
@@ -345,7 +346,7 @@ void Actor::act() {
     if (core_.settings.time_accounting) bump(counters_.kernel_ticks, ticks() - kernel_start);
   }
   acts_ = k + 1;
-  if (core_.dry_run) core_.count_dry_act(acts_);
+  if (core_.dry_run) core_.count_dry_act(index_, acts_);
   bump(counters_.acts, std::uint64_t{1});
   bump(counters_.bytes_in, bytes_in_per_act_);
   if (stream_ordered_) {

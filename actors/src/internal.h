@@ -165,6 +165,7 @@ class Actor {
   void begin(std::uint64_t start_ticks);
 
   ActorId id() const { return id_; }
+  ActorIndex plan_index() const { return index_; }
   const std::string& name() const { return desc_.name; }
   Worker* worker() const { return worker_; }
   void set_worker(Worker* w) { worker_ = w; }
@@ -184,7 +185,7 @@ class Actor {
   std::int64_t needed_piece(const Input& in) const;
 
  private:
-  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread, transferring, turn };
+  enum class Block : std::uint8_t { none, starved, backpressured, finish, unread, transferring, turn, enough };
   Block next_block() const;
   Block next_block_of_stream() const;
   void act_transfer();
@@ -367,10 +368,13 @@ struct Core : transport::LinkHandler {
   MetricsSnapshot snapshot() const;
   std::string describe_stuck() const;
   void record(const Message& m);
-  // Dry run (validation): stop once every actor has acted dry_target times (the plan keeps
-  // going) or the act budget is spent.
+  // Dry run (validation): stop once every actor has acted its target number of times (the plan
+  // keeps going) or the act budget is spent.
   bool dry_budget_spent() const { return dry_spent; }
-  void count_dry_act(std::int64_t acts_so_far);
+  std::int64_t dry_target_of(ActorIndex actor) const { return dry_targets.empty() ? dry_target : dry_targets[actor]; }
+  /// Acts past which a dry run's actor stops (it has proven what it can): none in the long check.
+  bool dry_enough(ActorIndex actor, std::int64_t acts) const { return !dry_limits.empty() && acts >= dry_limits[actor]; }
+  void count_dry_act(ActorIndex actor, std::int64_t acts_so_far);
   void count_dry_reached();
 
   Plan plan;
@@ -424,7 +428,10 @@ struct Core : transport::LinkHandler {
   bool done = false;
   bool ran = false;
   static constexpr std::int64_t max_dry_budget = 20'000'000;
-  std::int64_t dry_target = 0;
+  bool dry_by_tokens = false;             // ProgressCheck::tokens: the long check
+  std::vector<std::int64_t> dry_targets;  // by plan index: D + 2 iterations' acts (or empty)
+  std::vector<std::int64_t> dry_limits;   // by plan index: 2 D + 3 iterations' acts (or empty)
+  std::int64_t dry_target = 0;            // every actor's, where the rates do not balance
   bool dry_budget_capped = false;
   std::int64_t dry_budget = 0;
   std::int64_t dry_acts = 0;

@@ -2,6 +2,8 @@
 #include <chrono>
 #include <sched.h>
 #include <cstring>
+#include <map>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -124,6 +126,92 @@ void Worker::join() {
 // ---------------------------------------------------------------------------------------------
 // Core
 
+namespace {
+
+/// Acts of each actor in one iteration of the plan read as synchronous dataflow (Lee and
+/// Messerschmitt's repetition vector): along each register, the producer's acts divided by its
+/// acts per output piece (accumulate: its group) equal each consumer's acts divided by its acts
+/// per input piece (repeat: its group); within a lane, each actor's acts divided by its units
+/// per period are equal. The smallest positive integer solution per connected part of the plan.
+/// Empty where the equations have none (a plan whose rates disagree; the long check decides)
+/// or its numbers pass 10^9.
+std::vector<std::int64_t> acts_per_iteration(const Plan& plan) {
+  const std::size_t n = plan.actors.size();
+  struct Edge {
+    std::size_t to;
+    std::int64_t num, den;  // acts[to] = acts[from] * num / den
+  };
+  std::vector<std::vector<Edge>> edges(n);
+  auto link = [&](std::size_t from, std::size_t to, std::int64_t num, std::int64_t den) {
+    edges[from].push_back({to, num, den});
+    edges[to].push_back({from, den, num});
+  };
+  for (std::size_t c = 0; c < n; ++c) {
+    const ActorDesc& a = plan.actors[c];
+    if (a.group < 1) return {};
+    const std::int64_t in_ratio = a.kind == ActorKind::repeat ? a.group : 1;
+    for (const InputPort& in : a.inputs) {
+      if (in.reg >= plan.registers.size()) return {};
+      const ActorIndex p = plan.registers[in.reg].producer;
+      if (p >= n) return {};
+      const std::int64_t out_group = plan.actors[p].kind == ActorKind::accumulate ? plan.actors[p].group : 1;
+      link(p, c, in_ratio, out_group);
+    }
+  }
+  std::map<std::int32_t, std::size_t> lane_first;
+  for (std::size_t i = 0; i < n; ++i) {
+    const ActOrder& o = plan.actors[i].order;
+    if (o.lane < 0) continue;
+    if (o.units.empty()) return {};
+    auto [it, first] = lane_first.emplace(o.lane, i);
+    if (!first) {
+      link(it->second, i, static_cast<std::int64_t>(o.units.size()),
+           static_cast<std::int64_t>(plan.actors[it->second].order.units.size()));
+    }
+  }
+  constexpr std::int64_t limit = 1'000'000'000;
+  std::vector<std::int64_t> num(n, 0), den(n, 1), out(n, 0);
+  std::vector<std::size_t> part;
+  for (std::size_t root = 0; root < n; ++root) {
+    if (num[root] != 0) continue;
+    num[root] = 1;
+    part.assign(1, root);
+    for (std::size_t k = 0; k < part.size(); ++k) {
+      const std::size_t i = part[k];
+      for (const Edge& e : edges[i]) {
+        // acts[to] = num[i] * e.num / (den[i] * e.den), reduced
+        std::int64_t a = num[i] * e.num, b = den[i] * e.den;
+        const std::int64_t g = std::gcd(a, b);
+        a /= g;
+        b /= g;
+        if (a > limit || b > limit) return {};
+        if (num[e.to] == 0) {
+          num[e.to] = a;
+          den[e.to] = b;
+          part.push_back(e.to);
+        } else if (num[e.to] != a || den[e.to] != b) {
+          return {};
+        }
+      }
+    }
+    std::int64_t lcm = 1;
+    for (std::size_t i : part) {
+      lcm = std::lcm(lcm, den[i]);
+      if (lcm > limit) return {};
+    }
+    std::int64_t g = 0;
+    for (std::size_t i : part) {
+      out[i] = num[i] * (lcm / den[i]);
+      if (out[i] > limit) return {};
+      g = std::gcd(g, out[i]);
+    }
+    for (std::size_t i : part) out[i] /= g;
+  }
+  return out;
+}
+
+}  // namespace
+
 Core::Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry)
     : plan(std::move(p)), kernels(k), settings(s), dry_run(dry) {
   if (dry_run) settings.activity_log = false;
@@ -229,8 +317,7 @@ void Core::instantiate() {
   for (auto& [id, lane] : lanes) lane.start();
   if (dry_run) {
     // Every act that a deadlocking part of a plan can make before it stops is paid for by a
-    // token: a free slot or a delayed (initial) piece. An actor that acts more often than
-    // there are tokens is not stuck. Micro-batch groups scale the count.
+    // token: a free slot or a delayed (initial) piece.
     std::int64_t tokens = 0;
     std::int64_t max_group = 1;
     for (const auto& r : plan.registers) tokens += std::int64_t{r.slots} * static_cast<std::int64_t>(r.consumers.size());
@@ -238,14 +325,48 @@ void Core::instantiate() {
       for (const auto& in : a.inputs) tokens += in.delay;
       max_group = std::max<std::int64_t>(max_group, a.group);
     }
-    dry_target = (tokens + 2) * max_group;
-    // Actors behind repeat / accumulate act at other rates: give the slowest room to reach its
-    // target too. Past the cap the check turns lenient (see progress_check).
-    double spread = 1;
-    for (const auto& a : plan.actors) {
-      if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) spread = std::min(spread * a.group, 1e9);
+    // The handshakes make the plan a marked graph once each actor is unrolled into its acts of
+    // one iteration (acts_per_iteration): act k of a consumer reading with delay d needs act
+    // k - d of the producer (d tokens on that edge), act k of a producer needs the slot of
+    // piece k - slots freed by each consumer's act k - slots + d (slots - d tokens on the edge
+    // back, fewer than none where a delay outgrows the slots), a lane is a circuit through its
+    // acts with one token, and no act, once ready, is made unready by another's (a persistent
+    // system). The tokens on a circuit never change, and a plan whose every circuit has one
+    // keeps going (Commoner et al., 1971). Where no edge is below zero, an act on a circuit
+    // without tokens never happens: once every actor has made its acts of one iteration, the
+    // plan keeps going. Edges below zero let an actor on such a circuit act a few times first,
+    // at most the sum D of the delays' iterations (renumber each actor's acts by its shortest
+    // distance from the edges below zero and the edges are all at least zero): so the target is
+    // D + 2 iterations, one for margin. An actor that reached it stops at 2 D + 3 (reaching its
+    // target may take its neighbours' acts up to D iterations past theirs), so that the acts of
+    // the whole check are linear in the plan's size: early actors cannot run on while a piece
+    // travels down a long chain.
+    if (!dry_by_tokens) dry_targets = acts_per_iteration(plan);
+    double want = 0;
+    if (!dry_targets.empty()) {
+      std::int64_t delays = 0;
+      for (const auto& a : plan.actors) {
+        for (const auto& in : a.inputs) delays += in.delay;
+      }
+      dry_limits.resize(dry_targets.size());
+      for (std::size_t i = 0; i < dry_targets.size(); ++i) {
+        dry_limits[i] = dry_targets[i] * (2 * delays + 3);
+        dry_targets[i] *= delays + 2;
+        want += static_cast<double>(dry_limits[i]);
+      }
+      want += 1;
+    } else {
+      // Rates that do not balance (or asked for): the long check. An actor that acts more often than there
+      // are tokens is not stuck; micro-batch groups scale the count, and actors behind repeat /
+      // accumulate act at other rates: the slowest gets room to reach the target too. Past the
+      // cap the check turns lenient (see progress_check).
+      dry_target = (tokens + 2) * max_group;
+      double spread = 1;
+      for (const auto& a : plan.actors) {
+        if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) spread = std::min(spread * a.group, 1e9);
+      }
+      want = static_cast<double>(dry_target) * static_cast<double>(local_actors) * 4 * spread;
     }
-    double want = static_cast<double>(dry_target) * static_cast<double>(local_actors) * 4 * spread;
     dry_budget_capped = want > static_cast<double>(max_dry_budget);
     dry_budget = dry_budget_capped ? max_dry_budget : static_cast<std::int64_t>(want);
   }
@@ -394,8 +515,8 @@ void Core::on_retired() {
   }
 }
 
-void Core::count_dry_act(std::int64_t acts_so_far) {
-  if (acts_so_far == dry_target) count_dry_reached();
+void Core::count_dry_act(ActorIndex actor, std::int64_t acts_so_far) {
+  if (acts_so_far == dry_target_of(actor)) count_dry_reached();
   if (++dry_acts >= dry_budget) dry_spent = true;
 }
 
@@ -697,12 +818,13 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
 // The handshakes of the whole plan, run without kernels or memory on one thread with
 // unbounded sources. A plan whose every cycle has enough delay and slots keeps going until
 // the budget is spent; one that deadlocks stops early with the actors named.
-void progress_check(const Plan& plan, std::uint16_t rank, std::vector<std::string>& problems) {
+void progress_check(const Plan& plan, std::uint16_t rank, ProgressCheck how, std::vector<std::string>& problems) {
   RuntimeSettings s;
   s.mode = ExecutionMode::deterministic;
   s.rank = rank;
   s.time_accounting = false;
   detail::Core core(plan, nullptr, s, /*dry_run=*/true);
+  core.dry_by_tokens = how == ProgressCheck::tokens;
   core.instantiate();
   if (core.workers.empty()) return;
   for (auto& a : core.actors) {
@@ -710,17 +832,22 @@ void progress_check(const Plan& plan, std::uint16_t rank, std::vector<std::strin
   }
   core.workers[0]->drain();
   // Every actor reached the target: the plan keeps going. The queue ran dry first: nothing
-  // can ever move again, and whoever is blocked says on what. The budget ran out first: those
-  // short of the target are stuck (while a healthy part of the plan went on), unless the
-  // budget was capped, when only an actor that never acted is surely stuck.
+  // can ever move again: in the short check those short of their target are stuck (the others
+  // stopped at their limits), in the long one whoever is blocked; each says on what. The budget
+  // ran out first (the long check): those short of the target are stuck (while a healthy part
+  // of the plan went on), unless the budget was capped, when only an actor that never acted is
+  // surely stuck.
   const bool all_reached = core.dry_reached == core.local_actors;
   const bool quiesced = !core.dry_spent;
+  const bool short_check = !core.dry_targets.empty();
   std::string stuck;
   for (auto& a : core.actors) {
     if (!a || a->retired() || all_reached) continue;
-    bool blocked = quiesced                  ? !a->ready()
+    const bool short_of_target = static_cast<std::int64_t>(a->acts()) < core.dry_target_of(a->plan_index());
+    bool blocked = short_check               ? short_of_target
+                   : quiesced                ? !a->ready()
                    : core.dry_budget_capped ? a->acts() == 0
-                                            : static_cast<std::int64_t>(a->acts()) < core.dry_target;
+                                            : short_of_target;
     if (blocked) stuck += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), a->describe_wait());
   }
   if (!stuck.empty()) {
@@ -733,10 +860,10 @@ void progress_check(const Plan& plan, std::uint16_t rank, std::vector<std::strin
 
 }  // namespace
 
-void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank) {
+void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank, ProgressCheck progress) {
   std::vector<std::string> problems;
   static_checks(plan, kernels, rank, problems);
-  if (problems.empty()) progress_check(plan, rank, problems);
+  if (problems.empty()) progress_check(plan, rank, progress, problems);
   // Arenas: no two slots that may be live at once share bytes (lives follow the lanes, so an
   // order that deadlocks is reported as that first).
   if (problems.empty()) check_memory(plan, problems);

@@ -33,7 +33,16 @@ class JobError : public std::runtime_error {
 /// of the handshakes makes progress (a cycle needs delays and slots enough to turn), and no two
 /// register slots that may be live at once share bytes of an arena (plan_memory.h). Throws
 /// PlanError.
-void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank = 0);
+///
+/// How the dry run decides that the plan keeps going (DESIGN.md section 3): `iterations` plays
+/// each actor's acts of a few iterations of the plan (its rates' repetition vector, times the
+/// delays plus two), milliseconds for a training plan; `tokens` plays until each actor has
+/// acted more often than the plan has slots and delays, quadratic in the plan's size (seconds
+/// for a small GPT): the fallback where the rates do not balance, and the reference the tests
+/// hold the short check to.
+enum class ProgressCheck : std::uint8_t { iterations, tokens };
+void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank = 0,
+              ProgressCheck progress = ProgressCheck::iterations);
 
 /// One message as sent, in deterministic mode (RuntimeSettings::record_handshakes).
 struct HandshakeEvent {
