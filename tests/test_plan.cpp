@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "test_util.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
@@ -498,7 +500,7 @@ Plan random_progress_plan(std::mt19937& rng) {
   }
   Plan plan;
   for (int a = 0; a < n; ++a) {
-    plan.add_register({.name = "r" + std::to_string(a), .shape = {4}, .slots = pick(1, 3)});
+    plan.add_register({.name = fmt::format("r{}", a), .shape = {4}, .slots = pick(1, 3)});
   }
   // A lane: two or three compute actors of one rate in a fixed order of their acts.
   std::vector<int> lane;
@@ -515,7 +517,7 @@ Plan random_progress_plan(std::mt19937& rng) {
   }
   for (int a = 0; a < n; ++a) {
     const Spec& sp = specs[static_cast<std::size_t>(a)];
-    baton::ActorDesc d{.name = "a" + std::to_string(a), .kind = sp.kind, .inputs = sp.inputs,
+    baton::ActorDesc d{.name = fmt::format("a{}", a), .kind = sp.kind, .inputs = sp.inputs,
                        .outputs = {static_cast<RegisterIndex>(a)}};
     if (sp.kind == ActorKind::source) {
       d.op = "fill_piece";
