@@ -32,9 +32,6 @@ log() { printf '[run.sh] %s\n' "$*" >&2; }
 # ccache keys on the compiler's arguments, which name the checkout's absolute path: relative to
 # it, a second clone (CI's, in another folder) finds what the first compiled.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$here}"
-# The test program's precompiled header (tests/CMakeLists.txt): ccache caches what uses one only
-# with these.
-export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros}"
 
 # Debian packages the build, the tests and the benchmarks need (libtbb-dev and libcaf-dev: the
 # peers baton-bench-actors measures in the same run).
