@@ -165,6 +165,110 @@ TEST_CASE("MemoryPlan.ValidateRefusesSharedBytesThatMayBeLiveAtOnce" * doctest::
   }
 }
 
+namespace {
+
+/// The chain with b's and c's copies made an elementwise "plus_one" that may write its output in
+/// place of its input (b.out over a.out, c.out over b.out).
+Chain in_place_chain(std::int64_t pieces = 40) {
+  Chain c(1, pieces);
+  c.kernels.add_fn("plus_one", DeviceType::cpu, DType::f32, [](KernelContext& ctx) {
+    auto in = ctx.inputs[0]->data<float>();
+    auto out = ctx.outputs[0]->data<float>();
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = in[i] + 1.0F;
+  });
+  for (std::size_t i : {2, 3}) {
+    c.plan.actors[i].op = "plus_one";
+    c.plan.actors[i].in_place = {{.output = 0, .input = 0}};
+  }
+  return c;
+}
+
+/// Whether register `out`'s slot 0 has the very bytes of `in`'s slot 0.
+bool same_bytes(const Plan& p, RegisterIndex in, RegisterIndex out) {
+  const RegisterDesc &a = p.registers[in], &b = p.registers[out];
+  return a.arena >= 0 && a.arena == b.arena && a.offsets.at(0) == b.offsets.at(0);
+}
+
+}  // namespace
+
+// An elementwise op that reads its input's piece last may write its output into the same bytes
+// (ActorDesc::in_place): the memory pass places it there, validate() accepts exactly that (the
+// same offset and size, the two lives touching only at the act), and the report counts the bytes
+// once.
+TEST_CASE("MemoryPlan.AnElementwiseOpWritesInPlaceOfTheInputItReadsLast" * doctest::timeout(60)) {
+  TrainConfig on, off;
+  off.in_place = false;
+  for (const ExecutionMode mode : {ExecutionMode::deterministic, ExecutionMode::threaded}) {
+    CAPTURE(static_cast<int>(mode));
+    Chain c = in_place_chain();
+    const Plan placed = passes::memory(c.plan, on);
+    // a.out -> b -> b.out -> c -> c.out: one set of bytes, written over twice an act.
+    CHECK(same_bytes(placed, 1, 2));
+    CHECK(same_bytes(placed, 2, 3));
+    CHECK(problems_of(placed, c.kernels).empty());
+    RuntimeSettings s;
+    s.mode = mode;
+    s.measure_memory = true;
+    const RunReport report = Runtime(placed, c.kernels, s).run();
+    REQUIRE(c.seen->size() == 40 * 64);
+    for (std::size_t i = 0; i < c.seen->size(); ++i) REQUIRE((*c.seen)[i] == static_cast<float>(i / 64 + 2));
+    // The run had the shared bytes in use once at a time, as the plan counts them.
+    const auto planned = memory_report(placed);
+    REQUIRE(planned.size() == 1);
+    REQUIRE(report.memory.size() == 1);
+    CHECK(report.memory[0].peak_bytes <= planned[0].registers_at_peak());
+    // Without the permission (or with in_place off) every output has bytes of its own.
+    const Plan own = passes::memory(c.plan, off);
+    CHECK_FALSE(same_bytes(own, 1, 2));
+    CHECK(own.actors[2].in_place.empty());
+    // src.out and d.out (read outside the lane) 512 bytes, and in the lane a.out, b.out and
+    // c.out: 256 bytes at any moment in place, else an act's input and output.
+    CHECK(planned[0].registers_at_peak() == 768);
+    CHECK(memory_report(own)[0].registers_at_peak() == 1024);
+    CHECK(placed.arenas.at(0).bytes == 768);
+    CHECK(own.arenas.at(0).bytes == 1024);
+  }
+  {
+    // The same bytes without the permission: refused, both named.
+    Chain c = in_place_chain();
+    Plan p = passes::memory(c.plan, on);
+    REQUIRE(same_bytes(p, 1, 2));
+    p.actors[2].in_place.clear();
+    CHECK(test::contains(problems_of(p, c.kernels), "registers 'a.out' (slot 0) and 'b.out' (slot 0) share bytes"));
+  }
+  {
+    // Bytes that overlap but are not the same (an offset of half a slot): refused even with it.
+    Chain c = in_place_chain();
+    for (RegisterIndex r = 0; r < c.plan.registers.size(); ++r) c.plan.registers[r].shape = {128};
+    c.place({{1, {0}}, {2, {256}}}, 1024);
+    CHECK(test::contains(problems_of(c.plan, c.kernels), "registers 'a.out' (slot 0) and 'b.out' (slot 0) share bytes [256, 512)"));
+  }
+  {
+    // a.out read again after b (by d, later in the lane): b is not its last reader, so the pass
+    // gives b.out bytes of its own, and the same bytes are refused.
+    Chain c = in_place_chain();
+    c.plan.actors[4].inputs.push_back({1});
+    c.plan.registers[1].consumers.push_back(4);
+    c.kernels.add_fn("copy_first", DeviceType::cpu, DType::f32, [](KernelContext& ctx) {
+      std::memcpy(ctx.outputs[0]->raw(), ctx.inputs[0]->raw(), ctx.outputs[0]->nbytes());
+    });
+    c.plan.actors[4].op = "copy_first";
+    CHECK_FALSE(same_bytes(passes::memory(c.plan, on), 1, 2));
+    c.place({{1, {0}}, {2, {0}}}, 256);
+    CHECK(test::contains(problems_of(c.plan, c.kernels), "registers 'a.out' (slot 0) and 'b.out' (slot 0) share bytes"));
+  }
+  {
+    // A permission validate() refuses: out of range, another shape.
+    Chain c = in_place_chain();
+    c.plan.actors[1].in_place = {{.output = 1, .input = 0}};
+    c.plan.actors[3].in_place = {{.output = 0, .input = 0}};
+    c.plan.registers[3].shape = {32};
+    const std::string why = problems_of(c.plan, c.kernels);
+    CHECK(test::contains(why, "actor 'a' computes output 1 in place of input 0, but has 1 outputs and 1 inputs"));
+    CHECK(test::contains(why, "actor 'c' computes 'c.out' (f32[32]) in place of 'b.out' (f32[64])"));
+  }
+}
+
 // A view (plan.h: a repeat of group 1, what a reshape lowers to) copies nothing: its readers read
 // the input's slot, so the input lives until they are done, and the view has no bytes to place.
 TEST_CASE("MemoryPlan.AViewsReadersKeepItsInputAliveAndTheViewAllocatesNothing" * doctest::timeout(30)) {
@@ -229,6 +333,30 @@ TrainingJob tiny_gpt(TrainConfig cfg) {
 }
 
 }  // namespace
+
+// The compiler gives the built-in elementwise ops on the CPU the permission, and the memory pass
+// uses it in a GPT's backward pass (what the poisoned arenas below then train bit for bit).
+TEST_CASE("MemoryPlan.TheGptsElementwiseOpsComputeInPlace") {
+  TrainConfig cfg;
+  cfg.microbatches = 2;
+  const TrainingJob job = tiny_gpt(cfg);
+  std::size_t allowed = 0, used = 0;
+  for (const ActorDesc& a : job.plan.actors) {
+    for (const InPlace& p : a.in_place) {
+      ++allowed;
+      CHECK((a.op == "add" || a.op == "mul" || a.op == "scale" || a.op.ends_with("gelu_grad") || a.op == "bias_gelu" ||
+             a.op == "sub" || a.op == "div" || a.op.ends_with("_grad") || a.op == "gelu" || a.op == "relu"));
+      used += same_bytes(job.plan, a.inputs[p.input].reg, a.outputs[p.output]) ? 1 : 0;
+    }
+  }
+  MESSAGE(allowed << " permissions, " << used << " used");
+  CHECK(allowed > 0);
+  CHECK(used > 0);
+  CHECK_NOTHROW(validate(job.plan, job.kernels));
+  cfg.in_place = false;
+  const TrainingJob own = tiny_gpt(cfg);
+  for (const ActorDesc& a : own.plan.actors) CHECK(a.in_place.empty());
+}
 
 // The compiler lowers a reshape whose input is on its own device to a view, and a reshape
 // across devices (a pipeline cut) to a copy that the transfer passes then move.

@@ -419,6 +419,7 @@ void Actor::after_act(std::int64_t k, Handoff h) {
   const bool closes_group = k % out_group_ == out_group_ - 1;
   if (closes_group) {
     if (h != Handoff::reached) bump(counters_.bytes_out, bytes_out_per_act_);
+    if (h != Handoff::reached && !desc_.in_place.empty()) count_in_place_reads(k);
     for (auto& out : outputs_) publish(*out, k / out_group_, h);
   }
   // Acks after requests: a consumer hears of new data before the producer hears of space.
@@ -429,6 +430,26 @@ void Actor::after_act(std::int64_t k, Handoff h) {
       const bool waited = h != Handoff::all && defers_ack(in);
       if (h == Handoff::all || (h == Handoff::reached) == waited) release(in, q);
     }
+  }
+}
+
+// RuntimeSettings::measure_memory: an output written in the very bytes of an input (the memory
+// plan's in-place slots) takes them over; the input's read is counted down before the output is
+// counted, so the bytes are in use once, as the plan counts them.
+void Actor::count_in_place_reads(std::int64_t k) {
+  for (const InPlace& p : desc_.in_place) {
+    if (p.input >= port_to_input_.size() || p.output >= outputs_.size()) continue;
+    Input& in = inputs_[port_to_input_[p.input]];  // a register read on two ports is one input
+    const Output& out = *outputs_[p.output];
+    const std::int64_t q = k / in_ratio_ - in.delay;
+    if (q < 0 || in.source == nullptr || in.source->in_use == nullptr || out.in_use == nullptr) continue;
+    const auto in_slot = static_cast<std::size_t>(q % in.slots);
+    const auto out_slot = static_cast<std::size_t>((k / out_group_) % out.slots);
+    if (in.counted_early == q || in_slot >= in.source->buffers.size() || out_slot >= out.buffers.size() ||
+        in.source->buffers[in_slot].raw() != out.buffers[out_slot].raw())
+      continue;
+    in.source->reader_done(in_slot);
+    in.counted_early = q;
   }
 }
 
@@ -548,7 +569,7 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
 
 void Actor::release(Input& in, std::int64_t piece) {
   const auto slot = static_cast<std::size_t>(piece % in.slots);
-  if (in.source != nullptr && in.source->in_use != nullptr) in.source->reader_done(slot);
+  if (in.source != nullptr && in.source->in_use != nullptr && in.counted_early != piece) in.source->reader_done(slot);
   if (in.source != nullptr) {
     std::vector<const StreamEvent*>& left = in.source->done[in.consumer_index][slot];
     if (stream_ordered_ && in.sync == EdgeSync::event) {

@@ -115,6 +115,9 @@ struct Input {
   EdgeSync sync = EdgeSync::host;   // with the data's writer (plan.h)
   // EdgeSync::event: per slot, recorded on this actor's stream after its last read of the slot.
   std::vector<std::unique_ptr<StreamEvent>> done_events;
+  // RuntimeSettings::measure_memory: a piece whose read this actor counted down before writing
+  // its output into the same bytes (ActorDesc::in_place), so its release does not count again.
+  std::int64_t counted_early = -1;
 };
 
 /// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it
@@ -196,6 +199,7 @@ class Actor {
   /// cover); `reached` once the stream has run it (what the host had to wait for).
   enum class Handoff : std::uint8_t { all, enqueued, reached };
   void after_act(std::int64_t k, Handoff h = Handoff::all);
+  void count_in_place_reads(std::int64_t k);
   void wait_for_readers(Output& out, std::size_t slot);
   void wire_streams();
   void advance();

@@ -239,6 +239,11 @@ std::string Plan::to_text() const {
       for (const KeptBytes& k : a.kept) kept += fmt::format("{}{}:{}", kept.empty() ? "" : ",", name(k.category), k.bytes);
       out += fmt::format(" kept=[{}]", kept);
     }
+    if (!a.in_place.empty()) {
+      std::string pairs;
+      for (const InPlace& p : a.in_place) pairs += fmt::format("{}{}<-{}", pairs.empty() ? "" : ",", p.output, p.input);
+      out += fmt::format(" in_place=[{}]", pairs);
+    }
     if (!a.attrs.values().empty()) {
       out += ' ';
       out += a.attrs.str();

@@ -221,15 +221,18 @@ LifeTable::LifeTable(const std::vector<std::vector<SlotLife>>& lives) {
   }
 }
 
-bool LifeTable::may_overlap(RegisterIndex a, std::size_t slot_a, RegisterIndex b,
-                            std::size_t slot_b) const {
+bool LifeTable::meet(RegisterIndex a, std::size_t slot_a, RegisterIndex b, std::size_t slot_b,
+                     bool b_starts_after_a_ends) const {
   const Entry& x = entries_[a][slot_a];
   const Entry& y = entries_[b][slot_b];
   if (x.lane < 0 || y.lane < 0 || x.lane != y.lane) return true;
   std::size_t i = x.first, j = y.first;
   const std::size_t i_end = x.first + x.count, j_end = y.first + y.count;
   while (i < i_end && j < j_end) {
-    if (spans_[i].second < spans_[j].first) {
+    // In place, b's piece is written by the act that last reads a's: a span of a that ends
+    // where one of b begins has ended (the act reads before it writes, element by element).
+    if (spans_[i].second < spans_[j].first ||
+        (b_starts_after_a_ends && spans_[i].second == spans_[j].first)) {
       ++i;
     } else if (spans_[j].second < spans_[i].first) {
       ++j;
@@ -238,6 +241,36 @@ bool LifeTable::may_overlap(RegisterIndex a, std::size_t slot_a, RegisterIndex b
     }
   }
   return false;
+}
+
+bool LifeTable::may_overlap(RegisterIndex a, std::size_t slot_a, RegisterIndex b,
+                            std::size_t slot_b) const {
+  return meet(a, slot_a, b, slot_b, false);
+}
+
+bool LifeTable::may_overlap_in_place(RegisterIndex in, std::size_t slot_in, RegisterIndex out,
+                                     std::size_t slot_out) const {
+  return meet(in, slot_in, out, slot_out, true);
+}
+
+std::vector<InPlacePair> in_place_pairs(const Plan& plan) {
+  std::vector<InPlacePair> out;
+  for (const ActorDesc& a : plan.actors) {
+    if (a.kind != ActorKind::compute) continue;
+    for (const InPlace& p : a.in_place) {
+      if (p.output >= a.outputs.size() || p.input >= a.inputs.size() || a.inputs[p.input].delay != 0) continue;
+      const RegisterIndex in = a.inputs[p.input].reg, o = a.outputs[p.output];
+      if (in >= plan.registers.size() || o >= plan.registers.size() || in == o) continue;
+      const RegisterMemory mi = register_memory(plan, in), mo = register_memory(plan, o);
+      if (!mi.allocated || !mo.allocated || mi.pinned || mo.pinned || mi.rank != mo.rank ||
+          mi.device != mo.device || slot_bytes(plan.registers[in]) != slot_bytes(plan.registers[o]) ||
+          slot_bytes(plan.registers[o]) == 0)
+        continue;
+      const InPlacePair pair{in, o};
+      if (std::find(out.begin(), out.end(), pair) == out.end()) out.push_back(pair);
+    }
+  }
+  return out;
 }
 
 RegisterMemory register_memory(const Plan& plan, RegisterIndex r) {
@@ -348,6 +381,19 @@ void check_memory(const Plan& plan, std::vector<std::string>& problems) {
     for (std::size_t s = 0; s < reg.offsets.size(); ++s)
       arenas[reg.arena].push_back({reg.offsets[s], reg.offsets[s] + bytes, r, s});
   }
+  const auto pairs = in_place_pairs(plan);
+  // Two blocks at the same bytes that an act computes in place (one its input, the other its
+  // output) may touch at that act.
+  auto in_place = [&](const Block& a, const Block& b) {
+    if (a.begin != b.begin || a.end != b.end) return false;
+    for (const InPlacePair& p : pairs) {
+      if (p.input == a.reg && p.output == b.reg && !lives.may_overlap_in_place(a.reg, a.slot, b.reg, b.slot))
+        return true;
+      if (p.input == b.reg && p.output == a.reg && !lives.may_overlap_in_place(b.reg, b.slot, a.reg, a.slot))
+        return true;
+    }
+    return false;
+  };
   int reported = 0;
   for (auto& [arena, blocks] : arenas) {
     std::sort(blocks.begin(), blocks.end(),
@@ -355,7 +401,7 @@ void check_memory(const Plan& plan, std::vector<std::string>& problems) {
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       for (std::size_t k = i + 1; k < blocks.size() && blocks[k].begin < blocks[i].end; ++k) {
         const Block &a = blocks[i], &b = blocks[k];
-        if (!lives.may_overlap(a.reg, a.slot, b.reg, b.slot)) continue;
+        if (!lives.may_overlap(a.reg, a.slot, b.reg, b.slot) || in_place(a, b)) continue;
         if (++reported > 8) return;
         problem(
             "registers '{}' (slot {}) and '{}' (slot {}) share bytes [{}, {}) of arena {} but may "
@@ -375,15 +421,19 @@ std::int64_t DeviceMemory::total() const {
 
 namespace {
 
-/// A planned slot whose life a lane knows.
+/// A planned slot whose life a lane knows; `in_place_of`: the life of the input slot whose very
+/// bytes it was given (InPlacePair), if any.
 struct LaneSlot {
   RegisterIndex reg;
   const SlotLife* life;
   std::int64_t bytes;
+  const SlotLife* in_place_of = nullptr;
 };
 
 /// The moment of `slots` (one lane's, on one device) when the most bytes are live: the bytes
-/// then, charged to the registers live then (added to `charged`).
+/// then, charged to the registers live then (added to `charged`). Moments are half acts: an act
+/// at position p reads at 2p; an output it writes in place of an input it read last is live
+/// from 2p + 1 (the same bytes: counted once), any other output from 2p.
 std::int64_t lane_peak(const std::vector<LaneSlot>& slots, std::vector<std::int64_t>& charged) {
   if (slots.empty()) return 0;
   std::int64_t periods = 1;
@@ -391,11 +441,16 @@ std::int64_t lane_peak(const std::vector<LaneSlot>& slots, std::vector<std::int6
   if (periods > max_unrolled_periods) periods = 0;  // folded: an upper bound of each moment
   const std::int64_t n = slots[0].life->lane_acts;
   std::vector<std::int64_t> delta(
-      static_cast<std::size_t>(n * std::max<std::int64_t>(periods, 1) + 1), 0);
+      static_cast<std::size_t>(2 * n * std::max<std::int64_t>(periods, 1) + 2), 0);
   std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> spans;
   for (const LaneSlot& s : slots) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> ends;  // the input's, where in place
+    if (s.in_place_of != nullptr) ends = unrolled(*s.in_place_of, periods);
     spans.push_back(unrolled(*s.life, periods));
-    for (const auto& [a, b] : spans.back()) {
+    for (auto& [a, b] : spans.back()) {
+      const bool late = std::any_of(ends.begin(), ends.end(), [a = a](const auto& e) { return e.second == a; });
+      a = 2 * a + (late ? 1 : 0);
+      b = 2 * b;
       delta[static_cast<std::size_t>(a)] += s.bytes;
       delta[static_cast<std::size_t>(b + 1)] -= s.bytes;
     }
@@ -435,6 +490,17 @@ std::vector<DeviceMemory> memory_report(const Plan& plan, std::size_t consumers)
   const auto lives = slot_lives(plan);
   std::vector<std::int64_t> charged(plan.registers.size(), 0);
   std::map<std::pair<Key, std::int32_t>, std::vector<LaneSlot>> lanes;
+  // Output slots given their input slot's very bytes (InPlacePair): [register][slot].
+  std::map<std::pair<RegisterIndex, std::size_t>, const SlotLife*> in_place_of;
+  for (const InPlacePair& p : in_place_pairs(plan)) {
+    const RegisterDesc &in = plan.registers[p.input], &out = plan.registers[p.output];
+    if (in.arena < 0 || in.arena != out.arena) continue;
+    for (std::size_t so = 0; so < out.offsets.size() && so < lives[p.output].size(); ++so) {
+      for (std::size_t si = 0; si < in.offsets.size() && si < lives[p.input].size(); ++si) {
+        if (in.offsets[si] == out.offsets[so]) in_place_of[{p.output, so}] = &lives[p.input][si];
+      }
+    }
+  }
   for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
     const RegisterDesc& reg = plan.registers[r];
     const RegisterMemory mem = register_memory(plan, r);
@@ -451,7 +517,9 @@ std::vector<DeviceMemory> memory_report(const Plan& plan, std::size_t consumers)
         charged[r] += bytes;
         placed_live[{mem.rank, mem.device}] += bytes;
       } else {
-        lanes[{{mem.rank, mem.device}, lives[r][s].lane}].push_back({r, &lives[r][s], bytes});
+        auto partner = in_place_of.find({r, s});
+        lanes[{{mem.rank, mem.device}, lives[r][s].lane}].push_back(
+            {r, &lives[r][s], bytes, partner == in_place_of.end() ? nullptr : partner->second});
       }
     }
   }

@@ -650,6 +650,24 @@ void check_inputs(const Plan& plan, ActorIndex i, Problems& problem) {
 /// What an actor of its kind must have: a source no inputs, a repeat, accumulate or transfer
 /// one input and one output of the same shape and dtype (a view the same bytes), no delay.
 void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
+  if (!a.in_place.empty() && a.kind != ActorKind::compute) {
+    problem("{} actor '{}' lists outputs in place of inputs; only a compute actor's kernel may", name(a.kind), a.name);
+  }
+  for (const InPlace& p : a.in_place) {
+    if (p.output >= a.outputs.size() || p.input >= a.inputs.size()) {
+      problem("actor '{}' computes output {} in place of input {}, but has {} outputs and {} inputs", a.name, p.output,
+              p.input, a.outputs.size(), a.inputs.size());
+    } else if (a.outputs[p.output] < plan.registers.size() && a.inputs[p.input].reg < plan.registers.size()) {
+      const RegisterDesc& out = plan.registers[a.outputs[p.output]];
+      const RegisterDesc& in = plan.registers[a.inputs[p.input].reg];
+      if (out.dtype != in.dtype || out.shape != in.shape || a.inputs[p.input].delay != 0) {
+        problem("actor '{}' computes '{}' ({}{}) in place of '{}' ({}{}{}); in place needs the same shape and dtype, "
+                "read without delay",
+                a.name, out.name, name(out.dtype), to_string(out.shape), in.name, name(in.dtype), to_string(in.shape),
+                a.inputs[p.input].delay != 0 ? fmt::format(", delay {}", a.inputs[p.input].delay) : "");
+      }
+    }
+  }
   switch (a.kind) {
     case ActorKind::source:
       if (!a.inputs.empty()) problem("source '{}' has inputs; a source has none", a.name);

@@ -84,6 +84,7 @@ struct Options {
   bool eval = true;  // the held-out loss after training
   int blas_threads = 0;  // 0: baton's default (1, or BATON_BLAS_THREADS)
   bool memory_plan = true;
+  bool in_place = true;
   std::string recompute = "none";
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
@@ -489,6 +490,7 @@ TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data
     cfg.data = {{o.data, data::batch_source(d.train, o.batch, pieces, o.seed), {"x", "label"}}};
   }
   cfg.memory_plan = o.memory_plan;
+  cfg.in_place = o.in_place;
   cfg.memory_budget = parse_bytes("--memory-budget", o.memory_budget);
   // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
   cfg.print_after = o.print_after;
@@ -960,6 +962,9 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_flag("!--no-memory-plan", o.memory_plan,
                "give every register slot memory of its own instead of packing slots whose lives never meet into "
                "one arena per device");
+  app.add_flag("!--no-in-place", o.in_place,
+               "give every elementwise op's output bytes of its own, instead of letting the memory plan put it in "
+               "the bytes of an input it reads last");
   app.add_option("--recompute", o.recompute,
                  "activation recomputation: none, selective (the attention scores computed again in the backward pass "
                  "instead of kept) or full (only each block's input kept, the block computed again in its backward)")

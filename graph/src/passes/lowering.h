@@ -31,6 +31,10 @@ void check_loss(const Graph& g, const Value& loss);
 /// Nodes that the targets depend on (ids are topological, so one backward sweep finds them).
 std::vector<bool> needed_nodes(const Graph& g, const std::vector<Value>& targets);
 
+/// The inputs whose bytes node `n`'s actor at `where` may compute its output in (ActorDesc::
+/// in_place): built-in elementwise ops on the CPU, inputs of the output's shape and dtype.
+std::vector<InPlace> in_place_inputs(const Graph& g, const Node& n, const Placement& where);
+
 /// A source that writes a fixed tensor (a weight that is not trained, a feed).
 class ConstantSource final : public Kernel {
  public:

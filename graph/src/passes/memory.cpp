@@ -2,7 +2,10 @@
 // arena per (rank, device), and slots whose lives never meet share bytes. The lives come from
 // the plan (plan_memory.h: known inside a lane, the whole job elsewhere); the placement is
 // greedy by decreasing size, first fit (XLA's GlobalDecreasingSizeBestFitHeap, TVM's storage
-// rewrite and OneFlow's mem_block offsets do the same kind of packing).
+// rewrite and OneFlow's mem_block offsets do the same kind of packing). An output that its act
+// may compute in place of an input (ActorDesc::in_place) is put on that input slot's bytes first,
+// where their lives only touch at the act (TVM's inplace storage rewrite, PyTorch's in-place
+// elementwise ops where autograd allows them).
 #include <algorithm>
 #include <map>
 #include <tuple>
@@ -40,10 +43,22 @@ std::int64_t first_fit(std::vector<std::pair<std::int64_t, std::int64_t>>& taken
   return at;
 }
 
+/// Whether slot `s` may take the bytes of the placed slot `t` in place (an InPlacePair of theirs,
+/// either way round, whose lives only touch at the act that computes one from the other).
+bool in_place_over(const Slot& s, const Slot& t, const std::vector<InPlacePair>& pairs, const LifeTable& lives) {
+  if (s.bytes != t.bytes || t.always || s.always) return false;
+  for (const InPlacePair& p : pairs) {
+    if (p.input == t.reg && p.output == s.reg && !lives.may_overlap_in_place(t.reg, t.slot, s.reg, s.slot)) return true;
+    if (p.input == s.reg && p.output == t.reg && !lives.may_overlap_in_place(s.reg, s.slot, t.reg, t.slot)) return true;
+  }
+  return false;
+}
+
 /// Places one arena's slots; returns its size. Slots live the whole job go first, one after
-/// the other; the rest, largest first, at the lowest offset clear of every placed slot that
-/// may be live with them.
-std::int64_t place(std::vector<Slot>& slots, const LifeTable& lives) {
+/// the other; the rest, largest first: on the bytes of a placed slot they may be computed in
+/// place of (or that may be computed in place of them), where nothing else live with them is
+/// there, else at the lowest offset clear of every placed slot that may be live with them.
+std::int64_t place(std::vector<Slot>& slots, const LifeTable& lives, const std::vector<InPlacePair>& pairs) {
   std::stable_sort(slots.begin(), slots.end(), [](const Slot& a, const Slot& b) {
     return std::tuple(!a.always, -a.bytes) < std::tuple(!b.always, -b.bytes);
   });
@@ -55,6 +70,13 @@ std::int64_t place(std::vector<Slot>& slots, const LifeTable& lives) {
   }
   std::int64_t end = base;
   std::vector<std::pair<std::int64_t, std::int64_t>> taken;
+  std::map<RegisterIndex, std::vector<RegisterIndex>> partners;  // both ways round
+  for (const InPlacePair& p : pairs) {
+    partners[p.input].push_back(p.output);
+    partners[p.output].push_back(p.input);
+  }
+  std::map<RegisterIndex, std::vector<std::size_t>> positions;  // of each register's slots
+  for (std::size_t i = 0; i < slots.size() && !partners.empty(); ++i) positions[slots[i].reg].push_back(i);
   for (std::size_t i = 0; i < slots.size(); ++i) {
     Slot& s = slots[i];
     if (s.always) continue;
@@ -64,7 +86,31 @@ std::int64_t place(std::vector<Slot>& slots, const LifeTable& lives) {
       if (!o.always && lives.may_overlap(s.reg, s.slot, o.reg, o.slot))
         taken.emplace_back(o.offset, o.offset + o.bytes);
     }
-    s.offset = first_fit(taken, base, s.bytes);
+    s.offset = -1;
+    std::vector<std::size_t> candidates;  // placed slots of registers paired with s's
+    if (auto p = partners.find(s.reg); p != partners.end()) {
+      for (RegisterIndex r : p->second) {
+        for (std::size_t k : positions[r]) {
+          if (k < i) candidates.push_back(k);
+        }
+      }
+      std::sort(candidates.begin(), candidates.end());
+    }
+    for (std::size_t k : candidates) {
+      if (s.offset >= 0) break;
+      const Slot& t = slots[k];
+      if (!in_place_over(s, t, pairs, lives)) continue;
+      // t's bytes, unless a slot live with s (t itself aside) is there too.
+      bool clear = true;
+      for (std::size_t j = 0; j < i && clear; ++j) {
+        const Slot& o = slots[j];
+        if (o.always || o.offset + o.bytes <= t.offset || t.offset + t.bytes <= o.offset) continue;
+        const bool same_bytes = o.offset == t.offset && o.bytes == t.bytes;
+        clear = !lives.may_overlap(s.reg, s.slot, o.reg, o.slot) || (same_bytes && in_place_over(s, o, pairs, lives));
+      }
+      if (clear) s.offset = t.offset;
+    }
+    if (s.offset < 0) s.offset = first_fit(taken, base, s.bytes);
     end = std::max(end, s.offset + s.bytes);
   }
   return end;
@@ -95,9 +141,13 @@ void check_budget(const Plan& plan, std::int64_t budget) {
 
 Plan memory(const Plan& plan, const TrainConfig& cfg) {
   Plan out = plan;
+  if (!cfg.memory_plan || !cfg.in_place) {
+    for (ActorDesc& a : out.actors) a.in_place.clear();
+  }
   if (cfg.memory_plan) {
     const auto lives = slot_lives(out);
     const LifeTable table(lives);
+    const auto pairs = in_place_pairs(out);
     std::map<std::pair<std::uint16_t, Device>, std::vector<Slot>> arenas;
     for (RegisterIndex r = 0; r < out.registers.size(); ++r) {
       RegisterDesc& reg = out.registers[r];
@@ -112,7 +162,7 @@ Plan memory(const Plan& plan, const TrainConfig& cfg) {
     }
     out.arenas.clear();
     for (auto& [where, slots] : arenas) {
-      const std::int64_t bytes = place(slots, table);
+      const std::int64_t bytes = place(slots, table, pairs);
       const auto index = static_cast<std::int32_t>(out.arenas.size());
       out.arenas.push_back({.rank = where.first, .device = where.second, .bytes = bytes});
       for (const Slot& s : slots) {

@@ -1,5 +1,6 @@
 // What the lowering pass and evaluate() share (lowering.h).
 #include <cstring>
+#include <set>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -31,6 +32,28 @@ std::vector<bool> needed_nodes(const Graph& g, const std::vector<Value>& targets
     for (int in : g.node(id).inputs) need[static_cast<std::size_t>(in)] = true;
   }
   return need;
+}
+
+std::vector<InPlace> in_place_inputs(const Graph& g, const Node& n, const Placement& where) {
+  // The CPU kernels of these ops compute element i of the output from element i of each
+  // same-shaped input alone, in one pass (a broadcast operand such as a bias is read, never
+  // written over), so the output may share an input's bytes exactly; checked for each op,
+  // float and double only (kernels/src/ops_tensor.cpp, ops_nn.cpp, broadcast.h). Not yet:
+  // CUDA kernels (not run with aliased operands on a GPU so far) and registered ops (their
+  // kernels may not allow it).
+  static const std::set<std::string, std::less<>> ops{
+      "add",       "sub",          "mul",       "div",       "maximum",      "scale",
+      "relu",      "gelu",         "tanh",      "sigmoid",   "relu_grad",    "gelu_grad",
+      "tanh_grad", "sigmoid_grad", "bias_gelu", "bias_gelu_grad"};
+  std::vector<InPlace> out;
+  if (where.device.type != DeviceType::cpu || (n.dtype != DType::f32 && n.dtype != DType::f64) ||
+      !ops.contains(n.op))
+    return out;
+  for (std::size_t i = 0; i < n.inputs.size(); ++i) {
+    const Node& in = g.node(n.inputs[i]);
+    if (in.shape == n.shape && in.dtype == n.dtype) out.push_back({.output = 0, .input = static_cast<std::uint32_t>(i)});
+  }
+  return out;
 }
 
 Placement PlanBuilder::at(std::uint8_t stream, int place) const {
@@ -85,16 +108,18 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
   std::vector<InputPort> inputs;
   for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
   RegisterIndex out = node_register(id, slots);
+  const Placement where = at(stream, place(id));
   plan.add_actor({.name = named(n.name),
                   .kind = ActorKind::compute,
                   .op = n.op,
                   .dtype = kernel_dtype(g, n),
-                  .where = at(stream, place(id)),
+                  .where = where,
                   .inputs = std::move(inputs),
                   .outputs = {out},
                   .first_piece = first_piece,
                   .attrs = n.attrs,
-                  .role = role});
+                  .role = role,
+                  .in_place = in_place_inputs(g, n, where)});
 }
 
 void PlanBuilder::source_actor(const std::string& name, const std::string& op, DType dtype,

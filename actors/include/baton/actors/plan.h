@@ -81,6 +81,17 @@ struct KeptBytes {
   friend bool operator==(const KeptBytes&, const KeptBytes&) = default;
 };
 
+/// An output a kernel may write into the bytes of one of its inputs (an elementwise op whose
+/// element i of the output depends only on element i of that input, of the same size and dtype):
+/// the memory pass may then give the output's slot the input slot's very bytes where this act is
+/// the last to read the input's piece (plan_memory.h). A permission for the memory pass, not a
+/// request: without the memory plan, or where the input lives on, the output has bytes of its own.
+struct InPlace {
+  std::uint32_t output = 0;  // index into ActorDesc::outputs
+  std::uint32_t input = 0;   // index into ActorDesc::inputs
+  friend bool operator==(const InPlace&, const InPlace&) = default;
+};
+
 /// Where an actor runs: which rank, which device, which stream (worker thread) on it.
 struct Placement {
   std::uint16_t rank = 0;
@@ -154,6 +165,8 @@ struct ActorDesc {
   ActOrder order{};
   /// Memory its kernel keeps beyond its registers, by category (KeptBytes).
   std::vector<KeptBytes> kept;
+  /// Outputs its kernel may compute in place of an input (InPlace; compute actors only).
+  std::vector<InPlace> in_place;
   friend bool operator==(const ActorDesc&, const ActorDesc&) = default;
 };
 

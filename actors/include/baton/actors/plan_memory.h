@@ -44,6 +44,18 @@ std::vector<std::vector<SlotLife>> slot_lives(const Plan& plan);
 /// False only where the two lives are provably never at once.
 bool may_overlap(const SlotLife& a, const SlotLife& b);
 
+/// An in-place permission (ActorDesc::in_place) the memory pass may use: the register the
+/// actor reads and the one it writes, both allocated by the runtime in the same memory (no view,
+/// nothing page-locked), with slots of equal bytes, read without delay. Where a slot of `output`
+/// has the very bytes of a slot of `input`, the two may touch: the act that last reads the
+/// input's piece writes the output's there (LifeTable::may_overlap_in_place).
+struct InPlacePair {
+  RegisterIndex input = 0;
+  RegisterIndex output = 0;
+  friend bool operator==(const InPlacePair&, const InPlacePair&) = default;
+};
+std::vector<InPlacePair> in_place_pairs(const Plan& plan);
+
 /// Slot lives prepared for many comparisons (placing slots, checking an arena): each unrolled
 /// once over a period common to its lane (folded into one period where that would be long,
 /// which is coarser, never wrong). Agrees with may_overlap() wherever that says false.
@@ -51,12 +63,17 @@ class LifeTable {
  public:
   explicit LifeTable(const std::vector<std::vector<SlotLife>>& lives);
   bool may_overlap(RegisterIndex a, std::size_t slot_a, RegisterIndex b, std::size_t slot_b) const;
+  /// As may_overlap(), for slot `slot_out` of register `out` given the very bytes of slot
+  /// `slot_in` of `in` (an InPlacePair): false also where the output's lives begin exactly when
+  /// the input's end, at the act that reads one and writes the other, and never meet otherwise.
+  bool may_overlap_in_place(RegisterIndex in, std::size_t slot_in, RegisterIndex out, std::size_t slot_out) const;
 
  private:
   struct Entry {
     std::int32_t lane = -1;
     std::size_t first = 0, count = 0;  // into spans_
   };
+  bool meet(RegisterIndex a, std::size_t slot_a, RegisterIndex b, std::size_t slot_b, bool b_starts_after_a_ends) const;
   std::vector<std::vector<Entry>> entries_;
   std::vector<std::pair<std::int64_t, std::int64_t>> spans_;
 };
@@ -84,7 +101,8 @@ MemoryCategory register_category(const Plan& plan, RegisterIndex r);
 /// Appends the plan's memory problems, one string each: an arena index or offset out of range,
 /// a slot outside its arena or misaligned, a placed register the runtime may not place (a
 /// repeat's, a page-locked one) or placed on another device than its producer's, and two slots
-/// that share bytes but may be live at once. Assumes the plan's registers and producers are
+/// that share bytes but may be live at once (in-place slots, InPlacePair, only at the very same
+/// offset and size). Assumes the plan's registers and producers are
 /// consistent (validate() checks that first).
 void check_memory(const Plan& plan, std::vector<std::string>& problems);
 

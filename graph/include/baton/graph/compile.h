@@ -240,6 +240,10 @@ struct TrainConfig {
   /// The memory pass (passes.h): register slots in one arena per device, slots whose lives
   /// never meet sharing bytes (plan_memory.h). False: every slot has memory of its own.
   bool memory_plan = true;
+  /// With the memory plan: an elementwise op may write its output into the bytes of an input it
+  /// reads last (ActorDesc::in_place; the built-in elementwise ops' CPU kernels). False: every
+  /// output has bytes of its own (to rule out a kernel that mishandles aliasing, or to compare).
+  bool in_place = true;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
   /// backward pass instead of kept; "full": only what crosses each transformer block's boundary

@@ -153,7 +153,10 @@ Plan lanes(const Plan& plan, const TrainConfig& cfg);
 /// memory: with TrainConfig::memory_plan, every register slot the runtime allocates (not a
 /// repeat's, which aliases its input, nor page-locked ones between host and device) gets an
 /// offset in one arena per (rank, device), and slots whose lives never meet share bytes
-/// (plan_memory.h says when a life is known: inside a lane). Then, with a memory_budget,
+/// (plan_memory.h says when a life is known: inside a lane); with TrainConfig::in_place, an
+/// output an act may compute in place of an input it reads last (ActorDesc::in_place) takes that
+/// input slot's bytes where nothing else live is there (without it, the permissions are
+/// dropped from the plan). Then, with a memory_budget,
 /// refuses (GraphError) a plan that needs more than that on some device, naming its needs by
 /// category and the largest consumers.
 Plan memory(const Plan& plan, const TrainConfig& cfg);
