@@ -487,3 +487,33 @@ TEST_CASE("Runtime.MeasuredMemory.ASlotIsInUseFromItsWriteToItsLastRelease" * do
   CHECK(peak["cpu:1"] >= 8);
   CHECK(peak["cpu:1"] <= 16);
 }
+
+// A view (a repeat of group 1) reads nothing and copies nothing: its readers read its input's
+// slot, so that slot is in use until they have released it, and no longer, whenever the view's
+// own worker gets round to acking its input (the plan's lives say the same: plan_memory.h).
+TEST_CASE("Runtime.MeasuredMemory.AViewsInputIsInUseUntilTheViewsReadersAreDone" * doctest::timeout(60)) {
+  auto reg = KernelRegistry::with_builtin_kernels();
+  for (const bool threads : {false, true}) {
+    CAPTURE(threads);
+    // A -> a -> V (view) -> v -> B -> b -> C -> c -> D, one slot each, 8 bytes a slot.
+    Plan p;
+    RegisterIndex r[4];
+    const char* names[] = {"a", "v", "b", "c"};
+    for (int i = 0; i < 4; ++i) r[i] = p.add_register({.name = names[i], .shape = {1}, .dtype = i64, .slots = 1});
+    p.add_actor({.name = "A", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64, .outputs = {r[0]}, .pieces = 400});
+    p.add_actor({.name = "V", .kind = ActorKind::repeat, .op = "view", .dtype = i64, .inputs = {{r[0]}}, .outputs = {r[1]}, .group = 1});
+    p.add_actor({.name = "B", .op = "copy", .dtype = i64, .inputs = {{r[1]}}, .outputs = {r[2]}});
+    p.add_actor({.name = "C", .op = "copy", .dtype = i64, .inputs = {{r[2]}}, .outputs = {r[3]}});
+    p.add_actor({.name = "D", .op = "noop", .dtype = i64, .inputs = {{r[3]}}});
+    RuntimeSettings s = threads ? threaded() : deterministic();
+    s.measure_memory = true;
+    const RunReport report = Runtime(p, reg, s).run();
+    REQUIRE(report.memory.size() == 1);
+    // Every writer's slot and its reader's: a and b at B's act, b and c at C's; with the view's
+    // input counted until the view's worker acked it, a, b and c could all be counted at C's.
+    // With three workers on one device (threads), A may write a again while C reads b and
+    // D reads c: at most a, b and c.
+    CHECK(report.memory[0].peak_bytes >= 16);
+    CHECK(report.memory[0].peak_bytes <= (threads ? 24 : 16));
+  }
+}

@@ -104,6 +104,13 @@ void Actor::wire_inputs() {
   }
   in_view_.assign(desc_.inputs.size(), nullptr);
   if (desc_.kind == ActorKind::repeat) bytes_in_per_act_ = 0;  // it reads nothing: an alias
+  if (desc_.kind == ActorKind::repeat && desc_.group == 1 && inputs_.size() == 1 && outputs_.size() == 1 &&
+      inputs_[0].source != nullptr && inputs_[0].source->counted()) {
+    Output& out = *outputs_[0];
+    out.counts_for = inputs_[0].source;
+    out.counts_slot.assign(static_cast<std::size_t>(out.slots), 0);
+    out.unread = std::make_unique<std::atomic<std::int32_t>[]>(static_cast<std::size_t>(out.slots));
+  }
   wire_streams();
   if (core_.dry_run) return;
   const DType dtype = desc_.dtype;
@@ -306,6 +313,7 @@ void Actor::act() {
           Output& out = *outputs_[0];
           out.ready[out_slot(out)] =
               in.source == nullptr ? nullptr : in.source->ready[static_cast<std::size_t>(needed_piece(in) % in.slots)];
+          if (out.counts_for != nullptr) out.counts_slot[out_slot(out)] = static_cast<std::size_t>(needed_piece(in) % in.slots);
           break;
         }
         case ActorKind::accumulate:
@@ -442,7 +450,7 @@ void Actor::count_in_place_reads(std::int64_t k) {
     Input& in = inputs_[port_to_input_[p.input]];  // a register read on two ports is one input
     const Output& out = *outputs_[p.output];
     const std::int64_t q = k / in_ratio_ - in.delay;
-    if (q < 0 || in.source == nullptr || in.source->in_use == nullptr || out.in_use == nullptr) continue;
+    if (q < 0 || in.source == nullptr || !in.source->counted() || out.in_use == nullptr) continue;
     const auto in_slot = static_cast<std::size_t>(q % in.slots);
     const auto out_slot = static_cast<std::size_t>((k / out_group_) % out.slots);
     if (in.counted_early == q || in_slot >= in.source->buffers.size() || out_slot >= out.buffers.size() ||
@@ -531,6 +539,9 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
       out.unread[slot].store(out.live, std::memory_order_relaxed);
       out.in_use->add(out.slot_bytes);
       if (out.live == 0) out.in_use->sub(out.slot_bytes);
+    } else if (out.counts_for != nullptr) {  // a view: its readers count its input down
+      out.unread[slot].store(out.live, std::memory_order_relaxed);
+      if (out.live == 0) out.counts_for->reader_done(out.counts_slot[slot]);
     }
     out.written = piece + 1;
     auto outstanding = static_cast<std::int32_t>(out.written - out.freed);
@@ -569,7 +580,11 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
 
 void Actor::release(Input& in, std::int64_t piece) {
   const auto slot = static_cast<std::size_t>(piece % in.slots);
-  if (in.source != nullptr && in.source->in_use != nullptr && in.counted_early != piece) in.source->reader_done(slot);
+  // A view whose readers count its input down (Output::counts_for) does not count it again.
+  const bool counted_by_readers = desc_.kind == ActorKind::repeat && outputs_.size() == 1 &&
+                                  outputs_[0]->counts_for != nullptr && piece < outputs_[0]->written;
+  if (in.source != nullptr && in.source->counted() && in.counted_early != piece && !counted_by_readers)
+    in.source->reader_done(slot);
   if (in.source != nullptr) {
     std::vector<const StreamEvent*>& left = in.source->done[in.consumer_index][slot];
     if (stream_ordered_ && in.sync == EdgeSync::event) {
@@ -646,7 +661,7 @@ void Actor::on_ack(const Message& m) {
   if (m.piece < c.detached_from) {
     --out->pending[static_cast<std::size_t>(m.piece % out->slots)];
     // A reader on another rank: its release happened there.
-    if (out->in_use != nullptr && c.worker == nullptr) out->reader_done(static_cast<std::size_t>(m.piece % out->slots));
+    if (out->counted() && c.worker == nullptr) out->reader_done(static_cast<std::size_t>(m.piece % out->slots));
     advance_freed(*out);
   }
 }
@@ -669,7 +684,7 @@ void Actor::on_detach(const Message& m) {
   c.detached_from = m.piece;
   for (std::int64_t p = std::max(c.acked, m.piece); p < out->written; ++p) {
     --out->pending[static_cast<std::size_t>(p % out->slots)];
-    if (out->in_use != nullptr) out->reader_done(static_cast<std::size_t>(p % out->slots));
+    if (out->counted()) out->reader_done(static_cast<std::size_t>(p % out->slots));
   }
   if (--out->live == 0) ++outputs_dead_;
   advance_freed(*out);

@@ -90,8 +90,20 @@ struct Output {
   InUse* in_use = nullptr;
   std::int64_t slot_bytes = 0;
   std::unique_ptr<std::atomic<std::int32_t>[]> unread;
+  // A view's output (a repeat of group 1) over a counted input: once its readers are done with
+  // a piece, the input's slot is counted down for the view (`counts_slot`: the input slot each
+  // of its slots aliases), when the plan's lives end, not when the view's own release gets to
+  // run on its worker.
+  Output* counts_for = nullptr;
+  std::vector<std::size_t> counts_slot;
+  bool counted() const { return in_use != nullptr || counts_for != nullptr; }
   void reader_done(std::size_t slot) {
-    if (unread[slot].fetch_sub(1, std::memory_order_acq_rel) == 1) in_use->sub(slot_bytes);
+    if (unread[slot].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    if (in_use != nullptr) {
+      in_use->sub(slot_bytes);
+    } else {
+      counts_for->reader_done(counts_slot[slot]);
+    }
   }
   // Mirrors for the metrics reader (relaxed, written by the owner only).
   std::atomic<std::int64_t> written_seen{0};
