@@ -25,18 +25,24 @@ inline void poison(Tensor& t) {
   }
 }
 
-/// Runs another kernel after poisoning its outputs (those that are not also its inputs).
+/// Runs another kernel after poisoning its outputs (those that are not also its inputs, nor the
+/// kernel's own memory).
 class Poisoning final : public Kernel {
  public:
   explicit Poisoning(std::unique_ptr<Kernel> inner) : inner_(std::move(inner)) {}
   void compute(KernelContext& ctx) override {
-    for (Tensor* out : ctx.outputs) {
+    for (std::size_t o = 0; o < ctx.outputs.size(); ++o) {
+      Tensor* out = ctx.outputs[o];
       bool is_input = false;
       for (const Tensor* in : ctx.inputs) is_input = is_input || (in != nullptr && in->raw() == out->raw());
-      if (!is_input) poison(*out);
+      // A kernel's own memory (a weight its optimizer updates in place) is its state, not a
+      // fresh output.
+      const bool owned = inner_->owned_output(o).raw() == out->raw();
+      if (!is_input && !owned) poison(*out);
     }
     inner_->compute(ctx);
   }
+  Tensor owned_output(std::size_t output) override { return inner_->owned_output(output); }
 
  private:
   std::unique_ptr<Kernel> inner_;

@@ -358,6 +358,39 @@ TEST_CASE("MemoryPlan.TheGptsElementwiseOpsComputeInPlace") {
   for (const ActorDesc& a : own.plan.actors) CHECK(a.in_place.empty());
 }
 
+// A trained weight on a CPU device is held once: its optimizer's master is the register its
+// readers read (RegisterDesc::kernel_memory), so the plan counts the weights' bytes once, and
+// the runtime allocates nothing for them.
+TEST_CASE("MemoryPlan.ATrainedWeightIsHeldOnceByItsOptimizer") {
+  for (int dp : {1, 2}) {
+    CAPTURE(dp);
+    TrainConfig cfg;
+    cfg.dp = dp;
+    cfg.optimizer = optim::adam(0.01);
+    const TrainingJob job = tiny_gpt(cfg);
+    std::int64_t params = 0;
+    for (const auto& [name, t] : job.params->values()) params += static_cast<std::int64_t>(t.nbytes());
+    std::size_t steps = 0;
+    for (RegisterIndex r = 0; r < job.plan.registers.size(); ++r) {
+      const RegisterDesc& reg = job.plan.registers[r];
+      if (reg.name.find(".step") == std::string::npos) continue;  // "wte.step", "dp1.wte.step", ...
+      ++steps;
+      CHECK(reg.kernel_memory);
+      CHECK_FALSE(register_memory(job.plan, r).allocated);
+      CHECK(reg.arena < 0);
+    }
+    CHECK(steps == static_cast<std::size_t>(dp) * job.params->values().size());
+    std::int64_t weights = 0, adam = 0;
+    for (const DeviceMemory& m : memory_report(job.plan)) {
+      weights += m.bytes[static_cast<std::size_t>(MemoryCategory::weights)];
+      adam += m.bytes[static_cast<std::size_t>(MemoryCategory::optimizer_state)];
+    }
+    CHECK(weights == dp * params);  // was 2 dp params: the master and the step's copy
+    CHECK(adam == 2 * dp * params);
+    CHECK_NOTHROW(validate(job.plan, job.kernels));
+  }
+}
+
 // The compiler lowers a reshape whose input is on its own device to a view, and a reshape
 // across devices (a pipeline cut) to a copy that the transfer passes then move.
 TEST_CASE("MemoryPlan.AReshapeOnItsInputsDeviceLowersToAView") {
@@ -605,8 +638,9 @@ TEST_CASE("MemoryPlan.ThePlanReportsItsBytesByCategoryAndABudgetRefusesWhatDoesN
   std::int64_t params = 0;
   for (const auto& [name, t] : job.params->values()) params += t.numel() * 4;
   auto bytes = [&](MemoryCategory c) { return m.bytes[static_cast<std::size_t>(c)]; };
-  // Weights: the master copies and each weight's once-a-step register; Adam's two slots each.
-  CHECK(bytes(MemoryCategory::weights) == 2 * params);
+  // Weights: the master copies, which are each weight's once-a-step register too
+  // (RegisterDesc::kernel_memory); Adam's two slots each.
+  CHECK(bytes(MemoryCategory::weights) == params);
   CHECK(bytes(MemoryCategory::optimizer_state) == 2 * params);
   CHECK(bytes(MemoryCategory::activations) > 0);
   CHECK(bytes(MemoryCategory::gradients) > 0);

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -516,4 +517,70 @@ TEST_CASE("Runtime.MeasuredMemory.AViewsInputIsInUseUntilTheViewsReadersAreDone"
     CHECK(report.memory[0].peak_bytes >= 16);
     CHECK(report.memory[0].peak_bytes <= (threads ? 24 : 16));
   }
+}
+
+namespace {
+
+/// A counter that keeps its value in its own memory and offers it as its output
+/// (Kernel::owned_output): act k adds 1 to it in place. `offer`: a tensor of this shape (or none).
+class OwnCounter final : public Kernel {
+ public:
+  explicit OwnCounter(Shape offer) : value_(Tensor::zeros({1}, i64)), offer_(std::move(offer)) {
+    if (!offer_.empty() && offer_ != Shape{1}) value_ = Tensor::zeros(offer_, i64);
+  }
+  void compute(KernelContext& ctx) override {
+    value_.data<std::int64_t>()[0] += 1;
+    if (ctx.outputs[0]->raw() != value_.raw()) std::memcpy(ctx.outputs[0]->raw(), value_.raw(), 8);
+  }
+  Tensor owned_output(std::size_t) override { return offer_.empty() ? Tensor() : value_; }
+
+ private:
+  Tensor value_;
+  Shape offer_;
+};
+
+}  // namespace
+
+// A register whose one slot is its producer's kernel's memory (RegisterDesc::kernel_memory: a
+// weight its optimizer updates in place): the reader reads the kernel's tensor itself, and the
+// kernel writes it again only once the reader has acked the last value.
+TEST_CASE("Runtime.KernelMemory.AReaderReadsTheKernelsOwnTensorBetweenItsWrites" * doctest::timeout(60)) {
+  for (const bool threads : {false, true}) {
+    CAPTURE(threads);
+    for (const Shape& offer : {Shape{1}, Shape{}, Shape{2}}) {
+      CAPTURE(offer.size());
+      Plan p;
+      auto tick = p.add_register({.name = "tick", .shape = {1}, .dtype = i64, .slots = 2});
+      auto count = p.add_register({.name = "count", .shape = {1}, .dtype = i64, .slots = 1, .kernel_memory = true});
+      p.add_actor({.name = "T", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64, .outputs = {tick}, .pieces = 300});
+      p.add_actor({.name = "K", .op = "own_counter", .dtype = i64, .inputs = {{tick}}, .outputs = {count}});
+      p.add_actor({.name = "R", .op = "record", .dtype = i64, .inputs = {{count}}});
+      auto reg = KernelRegistry::with_builtin_kernels();
+      reg.add("own_counter", DeviceType::cpu, i64, [offer](const KernelConfig&) { return std::make_unique<OwnCounter>(offer); });
+      auto seen = std::make_shared<std::vector<std::int64_t>>();
+      auto where = std::make_shared<std::set<const void*>>();
+      reg.add_fn("record", DeviceType::cpu, i64, [seen, where](KernelContext& ctx) {
+        seen->push_back(ctx.inputs[0]->data<std::int64_t>()[0]);
+        where->insert(ctx.inputs[0]->raw());
+      });
+      if (offer == Shape{2}) {
+        // A tensor of another shape than the register's: refused, naming both.
+        CHECK_THROWS_WITH_AS(Runtime(p, reg, threads ? threaded() : deterministic()).run(),
+                             doctest::Contains("actor 'K' offers a i64[2]"), PlanError);
+        continue;
+      }
+      Runtime(p, reg, threads ? threaded() : deterministic()).run();
+      REQUIRE(seen->size() == 300);
+      for (std::size_t i = 0; i < seen->size(); ++i) CHECK((*seen)[i] == static_cast<std::int64_t>(i + 1));
+      CHECK(where->size() == 1);  // one slot: the kernel's tensor, or one the runtime allocated
+    }
+  }
+  // One slot, no arena, a compute actor: else refused.
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {1}, .dtype = i64, .slots = 2, .kernel_memory = true});
+  p.add_actor({.name = "A", .kind = ActorKind::source, .op = "fill_piece", .dtype = i64, .outputs = {a}, .pieces = 3});
+  p.add_actor({.name = "B", .op = "noop", .dtype = i64, .inputs = {{a}}});
+  CHECK_THROWS_WITH_AS(validate(p, KernelRegistry::with_builtin_kernels()),
+                       doctest::Contains("register 'a' is its producer's kernel's memory, which needs one slot (2)"),
+                       PlanError);
 }

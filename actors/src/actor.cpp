@@ -36,7 +36,10 @@ void Actor::wire_outputs() {
     out->pending.assign(static_cast<std::size_t>(reg.slots), 0);
     out->buffers.resize(static_cast<std::size_t>(reg.slots));
     if (!core_.dry_run && desc_.kind != ActorKind::repeat) {
-      for (std::size_t s = 0; s < out->buffers.size(); ++s) out->buffers[s] = core_.register_slot(desc_, r, s);
+      // A kernel's own memory comes with its kernel (adopt_kernel_memory).
+      const bool kernels = reg.kernel_memory && !register_memory(plan, r).allocated;
+      for (std::size_t s = 0; s < out->buffers.size() && !kernels; ++s)
+        out->buffers[s] = core_.register_slot(desc_, r, s);
       const RegisterMemory mem = register_memory(plan, r);
       if (core_.settings.measure_memory && mem.allocated) {
         out->in_use = &core_.in_use[mem.device];
@@ -126,6 +129,28 @@ void Actor::wire_inputs() {
       if (desc_.op != "last") kernel_ = core_.kernels->create("add", cfg);
       break;
     default: kernel_ = core_.kernels->create(desc_.op, cfg);
+  }
+  adopt_kernel_memory();
+}
+
+// An output that is its kernel's own memory (RegisterDesc::kernel_memory) gets that memory as its
+// one slot; one the kernel offers none for gets a slot of its own, as any other.
+void Actor::adopt_kernel_memory() {
+  const Plan& plan = core_.plan;
+  for (std::size_t o = 0; o < outputs_.size(); ++o) {
+    Output& out = *outputs_[o];
+    const RegisterDesc& reg = plan.registers[out.reg];
+    if (!reg.kernel_memory || desc_.kind == ActorKind::repeat || register_memory(plan, out.reg).allocated) continue;
+    Tensor own = kernel_ ? kernel_->owned_output(o) : Tensor();
+    if (own.nbytes() == 0) {
+      for (std::size_t s = 0; s < out.buffers.size(); ++s) out.buffers[s] = core_.register_slot(desc_, out.reg, s);
+      continue;
+    }
+    if (own.shape() != reg.shape || own.dtype() != reg.dtype || out.buffers.size() != 1) {
+      throw PlanError(fmt::format("actor '{}' offers a {} as register '{}' ({}{}, {} slots)", desc_.name, own.describe(),
+                                  reg.name, baton::name(reg.dtype), to_string(reg.shape), out.buffers.size()));
+    }
+    out.buffers[0] = own;
   }
 }
 

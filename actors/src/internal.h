@@ -212,6 +212,7 @@ class Actor {
   enum class Handoff : std::uint8_t { all, enqueued, reached };
   void after_act(std::int64_t k, Handoff h = Handoff::all);
   void count_in_place_reads(std::int64_t k);
+  void adopt_kernel_memory();
   void wait_for_readers(Output& out, std::size_t slot);
   void wire_streams();
   void advance();

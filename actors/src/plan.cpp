@@ -201,6 +201,7 @@ std::string Plan::to_text() const {
                        r.producer == no_actor ? std::string("none") : std::to_string(r.producer),
                        consumers);
     if (r.arena >= 0 || !r.offsets.empty()) out += fmt::format(" arena={}@[{}]", r.arena, fmt::join(r.offsets, ","));
+    if (r.kernel_memory) out += " kernel_memory";
     std::string syncs;
     bool crosses_a_stream = false;
     for (auto c : r.consumers) {

@@ -289,6 +289,8 @@ RegisterMemory register_memory(const Plan& plan, RegisterIndex r) {
   if ((p.op == "to_host" && p.where.device.type == DeviceType::cuda) || copied_to_cuda(plan, r)) {
     out.pinned = true;
     out.device = Device{DeviceType::cpu, p.where.device.index};
+  } else if (reg.kernel_memory) {
+    out.allocated = false;  // the kernel's (page-locked memory above stays the runtime's)
   }
   return out;
 }
@@ -337,8 +339,7 @@ void check_memory(const Plan& plan, std::vector<std::string>& problems) {
     if (!mem.allocated) {
       problem(
           "register '{}' is placed in arena {}, but the runtime allocates no slots for it (a "
-          "repeat's output "
-          "aliases its input)",
+          "repeat's output aliases its input; a kernel's memory is the kernel's)",
           reg.name, reg.arena);
     } else if (mem.pinned) {
       problem(

@@ -773,6 +773,14 @@ void check_registers(const Plan& plan, const std::vector<ActorIndex>& producer_s
       problem("register '{}' has {} slots; at most 65535", reg.name, reg.slots);
     }
     if (reg.consumers.size() > 255) problem("register '{}' has {} consumers; at most 255", reg.name, reg.consumers.size());
+    if (reg.kernel_memory) {
+      const bool computed = producer_seen[r] != no_actor && plan.actors[producer_seen[r]].kind == ActorKind::compute;
+      if (reg.slots != 1 || reg.arena >= 0 || !computed) {
+        problem("register '{}' is its producer's kernel's memory, which needs one slot ({}), no arena{} and a compute "
+                "actor writing it",
+                reg.name, reg.slots, reg.arena >= 0 ? fmt::format(" (it is in arena {})", reg.arena) : "");
+      }
+    }
     if (reg.producer != producer_seen[r]) {
       if (producer_seen[r] == no_actor) {
         if (!reg.consumers.empty() && reg.producer != no_actor) {

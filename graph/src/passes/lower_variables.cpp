@@ -90,7 +90,10 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
                              ParameterStore& params) {
   const Node& n = b.g.node(id);
   const std::uint8_t stream = backward_stream(cfg);
-  // The weight, once per step, then read by the step's M micro-batches through a repeat.
+  // The weight, once per step, then read by the step's M micro-batches through a repeat. A
+  // trained weight on a CPU device is its optimizer's master itself (kernel_memory: the
+  // optimizer updates it in place once every reader of the last step has acked it), so it is
+  // held once, not once more for its readers; CUDA variables still copy theirs out.
   RegisterIndex w = b.add_register(n.name + ".step", n.shape, n.dtype, 1);
   std::string op = b.named("variable." + n.name);
   const DType dt = n.dtype;
@@ -112,6 +115,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
     if (clip != nullptr) kept.push_back({MemoryCategory::gradients, weight_bytes});
   }
   if (grad != nullptr) {
+    b.plan.registers[w].kernel_memory = !on_cuda && b.at(stream, b.place(id)).device.type == DeviceType::cpu;
     SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
     add_variable_kernel(b.kernels, op, on_cuda, master, dt, cfg, optimizer_slots_of(cfg, n),
                         std::move(snap), GradientWindow{grad->parts.size(), grad->offset});

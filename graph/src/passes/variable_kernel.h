@@ -86,6 +86,11 @@ class VariableKernel final : public Kernel {
       to = std::move(slots[i]);
     }
   }
+  /// A whole weight's master is its output register's slot (RegisterDesc::kernel_memory): the
+  /// readers read it where the optimizer updates it, with no copy.
+  Tensor owned_output(std::size_t output) override {
+    return output == 0 && weights_.parts == 0 ? master_ : Tensor();
+  }
   void compute(KernelContext& ctx) override {
     const bool first = ctx.inputs.empty() || ctx.inputs[0] == nullptr;
     if (weights_.parts == 0) {
@@ -106,6 +111,7 @@ class VariableKernel final : public Kernel {
  private:
   void copy_out(std::span<const T> from, Tensor& out) const {
     auto to = out.data<T>();
+    if (to.data() == from.data() && to.size() == from.size()) return;  // the master is the slot
     if (from.size() != to.size()) {
       throw std::invalid_argument(
           fmt::format("a weight of {} elements into a register of {}", from.size(), to.size()));

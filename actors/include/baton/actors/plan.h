@@ -183,6 +183,10 @@ struct RegisterDesc {
   /// byte offset there. -1 (and no offsets): the runtime allocates each slot on its own.
   std::int32_t arena = -1;
   std::vector<std::int64_t> offsets;
+  /// Its one slot is memory the producer's kernel keeps (Kernel::owned_output: a weight its
+  /// optimizer updates in place), which the kernel's ActorDesc::kept counts; the runtime
+  /// allocates nothing for it (unless the kernel offers none). One slot, no arena.
+  bool kernel_memory = false;
   friend bool operator==(const RegisterDesc&, const RegisterDesc&) = default;
 };
 

@@ -83,7 +83,7 @@ std::int64_t slot_bytes(const RegisterDesc& reg);
 
 /// Whether the runtime allocates this register's slots, and where (the rank and device whose
 /// memory holds them). False for a repeat's output (it aliases its input's slot) and for a
-/// register with no producer. `pinned`: page-locked host memory (a register copied between host
+/// register with no producer, and for a kernel's own memory (RegisterDesc::kernel_memory). `pinned`: page-locked host memory (a register copied between host
 /// and a CUDA device), which the runtime allocates apart from any arena.
 struct RegisterMemory {
   bool allocated = false;

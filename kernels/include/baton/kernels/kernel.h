@@ -50,6 +50,12 @@ class Kernel {
   virtual ~Kernel() = default;
   /// Throws to fail the job: the runtime reports the actor's name, the piece and what().
   virtual void compute(KernelContext& ctx) = 0;
+  /// Memory the kernel keeps that its output `output` may be (RegisterDesc::kernel_memory: the
+  /// register's one slot is then this tensor, not bytes the runtime allocates): a weight that
+  /// its optimizer updates in place, read where it lies. The handshakes keep the kernel's next
+  /// write and the readers of its last one apart, as for any slot. Empty: none (the runtime
+  /// allocates the slot as usual).
+  virtual Tensor owned_output(std::size_t /*output*/) { return {}; }
 };
 
 /// What the runtime of one run offers its kernels beyond their actor's registers: the job's
