@@ -36,11 +36,10 @@ void Actor::wire_outputs() {
     out->pending.assign(static_cast<std::size_t>(reg.slots), 0);
     out->buffers.resize(static_cast<std::size_t>(reg.slots));
     if (!core_.dry_run && desc_.kind != ActorKind::repeat) {
-      // A kernel's own memory comes with its kernel (adopt_kernel_memory).
-      const bool kernels = reg.kernel_memory && !register_memory(plan, r).allocated;
-      for (std::size_t s = 0; s < out->buffers.size() && !kernels; ++s)
-        out->buffers[s] = core_.register_slot(desc_, r, s);
       const RegisterMemory mem = register_memory(plan, r);
+      // A kernel's own memory comes with its kernel (adopt_kernel_memory).
+      for (std::size_t s = 0; s < out->buffers.size() && !(reg.kernel_memory && !mem.allocated); ++s)
+        out->buffers[s] = core_.register_slot(desc_, r, s);
       if (core_.settings.measure_memory && mem.allocated) {
         out->in_use = &core_.in_use[mem.device];
         out->slot_bytes = slot_bytes(reg);
@@ -292,11 +291,7 @@ void Actor::act() {
   }
   const bool opens_group = k % out_group_ == 0;
   const bool closes_group = k % out_group_ == out_group_ - 1;
-  // The slot of the piece this act writes: k / out_group_, not out.written, which counts only
-  // published pieces and lags behind while acts are in flight on a stream (a second act
-  // enqueued before the first was reached would otherwise write the first one's slot).
-  const std::int64_t out_piece = k / out_group_;
-  const auto out_slot = [&](const Output& out) { return static_cast<std::size_t>(out_piece % out.slots); };
+  const auto out_slot = [&](const Output& out) { return slot_written(out, k); };
   for (std::size_t o = 0; o < outputs_.size(); ++o) {
     Output& out = *outputs_[o];
     out_view_[o] = &out.buffers[out_slot(out)];
@@ -327,34 +322,7 @@ void Actor::act() {
         }
         stream_->record(*timed.start);
       }
-      KernelContext ctx{in_view_, out_view_, desc_.first_piece + k, cuda_stream_, stream_};
-      switch (desc_.kind) {
-        case ActorKind::repeat: {
-          // An alias: the consumers read the input slot itself (a view sees it in its own shape).
-          const Shape& shape = core_.plan.registers[outputs_[0]->reg].shape;
-          *out_view_[0] = in_view_[0]->shape() == shape ? *in_view_[0] : in_view_[0]->view(shape);
-          // ... and wait for what the input's writer's stream waits for (EdgeSync::alias).
-          const Input& in = inputs_[0];
-          Output& out = *outputs_[0];
-          out.ready[out_slot(out)] =
-              in.source == nullptr ? nullptr : in.source->ready[static_cast<std::size_t>(needed_piece(in) % in.slots)];
-          if (out.counts_for != nullptr) out.counts_slot[out_slot(out)] = static_cast<std::size_t>(needed_piece(in) % in.slots);
-          break;
-        }
-        case ActorKind::accumulate:
-          if (!kernel_) {  // op "last": only the group's last piece counts
-            if (closes_group) copy_kernel_->compute(ctx);
-          } else if (opens_group) {
-            copy_kernel_->compute(ctx);
-          } else {
-            const Tensor* sum_in[2] = {out_view_[0], in_view_[0]};
-            KernelContext add{sum_in, out_view_, k, cuda_stream_, stream_};
-            kernel_->compute(add);
-          }
-          break;
-        default:
-          kernel_->compute(ctx);
-      }
+      run_kernel(k, opens_group, closes_group);
       if (timed.start) {
         stream_->record(*timed.end);
         timings_.push_back(std::move(timed));
@@ -388,36 +356,75 @@ void Actor::act() {
     // host writer) waits for a callback from the stream, which posts to this worker (waking
     // it if parked: polling an event would keep the worker spinning).
     after_act(k, Handoff::enqueued);
-    if (core_.failed()) return;
-    bool waits = false;
-    if (closes_group) {
-      for (const auto& out : outputs_) waits = waits || out->any_deferred;
-    }
-    for (const Input& in : inputs_) waits = waits || (defers_ack(in) && k / in_ratio_ - in.delay >= 0);
-    if (waits) {
-      on_stream_.push_back(
-          std::make_unique<Reached>(Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}}));
-      try {
-        stream_->when_reached([](void* p) {
-          // A copy first: once posted, the actor may free what p points to.
-          const auto& r = *static_cast<const Reached*>(p);
-          Worker* w = r.worker;
-          const Message m = r.m;
-          w->post(m);
-        }, on_stream_.back().get());
-      } catch (const std::exception& e) {
-        on_stream_.pop_back();
-        core_.fail(fmt::format("actor '{}' ({} on {}) failed at piece {}: {}", desc_.name, desc_.op, id_.str(), k, e.what()));
-        return;
-      }
-      ++inflight_;
-    }
+    if (core_.failed() || !wait_for_stream(k, closes_group)) return;
     if (logging) worker_->log(ActRecord{index_, k, log_start, steady_ns(), worker_->index()});
     return;
   }
   const std::uint64_t log_end = logging ? steady_ns() : 0;
   after_act(k);
   if (logging) worker_->log(ActRecord{index_, k, log_start, log_end, worker_->index()});
+}
+
+// The act's work by the actor's kind: a repeat's alias, an accumulate's copy or add, a kernel.
+void Actor::run_kernel(std::int64_t k, bool opens_group, bool closes_group) {
+  const auto out_slot = [&](const Output& out) { return slot_written(out, k); };
+  KernelContext ctx{in_view_, out_view_, desc_.first_piece + k, cuda_stream_, stream_};
+  switch (desc_.kind) {
+    case ActorKind::repeat: {
+      // An alias: the consumers read the input slot itself (a view sees it in its own shape).
+      const Shape& shape = core_.plan.registers[outputs_[0]->reg].shape;
+      *out_view_[0] = in_view_[0]->shape() == shape ? *in_view_[0] : in_view_[0]->view(shape);
+      // ... and wait for what the input's writer's stream waits for (EdgeSync::alias).
+      const Input& in = inputs_[0];
+      Output& out = *outputs_[0];
+      out.ready[out_slot(out)] =
+          in.source == nullptr ? nullptr : in.source->ready[static_cast<std::size_t>(needed_piece(in) % in.slots)];
+      if (out.counts_for != nullptr) out.counts_slot[out_slot(out)] = static_cast<std::size_t>(needed_piece(in) % in.slots);
+      break;
+    }
+    case ActorKind::accumulate:
+      if (!kernel_) {  // op "last": only the group's last piece counts
+        if (closes_group) copy_kernel_->compute(ctx);
+      } else if (opens_group) {
+        copy_kernel_->compute(ctx);
+      } else {
+        const Tensor* sum_in[2] = {out_view_[0], in_view_[0]};
+        KernelContext add{sum_in, out_view_, k, cuda_stream_, stream_};
+        kernel_->compute(add);
+      }
+      break;
+    default:
+      kernel_->compute(ctx);
+  }
+}
+
+// After a stream-ordered act has handed on what stream order covers: what the host must not see
+// before the stream ran act k waits for a callback from the stream. False if the job failed.
+bool Actor::wait_for_stream(std::int64_t k, bool closes_group) {
+  bool waits = false;
+  if (closes_group) {
+    for (const auto& out : outputs_) waits = waits || out->any_deferred;
+  }
+  for (const Input& in : inputs_) waits = waits || (defers_ack(in) && k / in_ratio_ - in.delay >= 0);
+  if (waits) {
+    on_stream_.push_back(
+        std::make_unique<Reached>(Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}}));
+    try {
+      stream_->when_reached([](void* p) {
+        // A copy first: once posted, the actor may free what p points to.
+        const auto& r = *static_cast<const Reached*>(p);
+        Worker* w = r.worker;
+        const Message m = r.m;
+        w->post(m);
+      }, on_stream_.back().get());
+    } catch (const std::exception& e) {
+      on_stream_.pop_back();
+      core_.fail(fmt::format("actor '{}' ({} on {}) failed at piece {}: {}", desc_.name, desc_.op, id_.str(), k, e.what()));
+      return false;
+    }
+    ++inflight_;
+  }
+  return true;
 }
 
 void Actor::collect_device_time(bool all) {
@@ -452,7 +459,7 @@ void Actor::after_act(std::int64_t k, Handoff h) {
   const bool closes_group = k % out_group_ == out_group_ - 1;
   if (closes_group) {
     if (h != Handoff::reached) bump(counters_.bytes_out, bytes_out_per_act_);
-    if (h != Handoff::reached && !desc_.in_place.empty()) count_in_place_reads(k);
+    if (h != Handoff::reached && core_.settings.measure_memory && !desc_.in_place.empty()) count_in_place_reads(k);
     for (auto& out : outputs_) publish(*out, k / out_group_, h);
   }
   // Acks after requests: a consumer hears of new data before the producer hears of space.
@@ -470,16 +477,13 @@ void Actor::after_act(std::int64_t k, Handoff h) {
 // plan's in-place slots) takes them over; the input's read is counted down before the output is
 // counted, so the bytes are in use once, as the plan counts them.
 void Actor::count_in_place_reads(std::int64_t k) {
-  for (const InPlace& p : desc_.in_place) {
-    if (p.input >= port_to_input_.size() || p.output >= outputs_.size()) continue;
+  for (const InPlace& p : desc_.in_place) {  // validate() checked the ports
     Input& in = inputs_[port_to_input_[p.input]];  // a register read on two ports is one input
     const Output& out = *outputs_[p.output];
     const std::int64_t q = k / in_ratio_ - in.delay;
     if (q < 0 || in.source == nullptr || !in.source->counted() || out.in_use == nullptr) continue;
     const auto in_slot = static_cast<std::size_t>(q % in.slots);
-    const auto out_slot = static_cast<std::size_t>((k / out_group_) % out.slots);
-    if (in.counted_early == q || in_slot >= in.source->buffers.size() || out_slot >= out.buffers.size() ||
-        in.source->buffers[in_slot].raw() != out.buffers[out_slot].raw())
+    if (in.counted_early == q || in.source->buffers[in_slot].raw() != out.buffers[slot_written(out, k)].raw())
       continue;
     in.source->reader_done(in_slot);
     in.counted_early = q;
@@ -605,10 +609,10 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
 
 void Actor::release(Input& in, std::int64_t piece) {
   const auto slot = static_cast<std::size_t>(piece % in.slots);
-  // A view whose readers count its input down (Output::counts_for) does not count it again.
-  const bool counted_by_readers = desc_.kind == ActorKind::repeat && outputs_.size() == 1 &&
-                                  outputs_[0]->counts_for != nullptr && piece < outputs_[0]->written;
-  if (in.source != nullptr && in.source->counted() && in.counted_early != piece && !counted_by_readers)
+  // Not again where this act counted it already (in place), nor for a view whose readers
+  // counted its input down (Output::counts_for).
+  if (in.source != nullptr && in.source->counted() && in.counted_early != piece &&
+      !(outputs_.size() == 1 && outputs_[0]->counts_for != nullptr && piece < outputs_[0]->written))
     in.source->reader_done(slot);
   if (in.source != nullptr) {
     std::vector<const StreamEvent*>& left = in.source->done[in.consumer_index][slot];

@@ -217,6 +217,14 @@ class Actor {
   void wire_streams();
   void advance();
   void act();
+  void run_kernel(std::int64_t k, bool opens_group, bool closes_group);
+  // The slot of the piece act k writes: k / out_group_, not out.written, which counts only
+  // published pieces and lags behind while acts are in flight on a stream (a second act
+  // enqueued before the first was reached would otherwise write the first one's slot).
+  std::size_t slot_written(const Output& out, std::int64_t k) const {
+    return static_cast<std::size_t>((k / out_group_) % out.slots);
+  }
+  bool wait_for_stream(std::int64_t k, bool closes_group);
   /// Piece `piece` of `out` is written: with Handoff::all or ::enqueued it is the next one
   /// (out.written), booked here; with ::reached only the requests that waited go out.
   void publish(Output& out, std::int64_t piece, Handoff h = Handoff::all);

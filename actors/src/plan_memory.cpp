@@ -253,6 +253,15 @@ bool LifeTable::may_overlap_in_place(RegisterIndex in, std::size_t slot_in, Regi
   return meet(in, slot_in, out, slot_out, true);
 }
 
+bool in_place_of_each_other(const std::vector<InPlacePair>& pairs, const LifeTable& lives, RegisterIndex a,
+                            std::size_t slot_a, RegisterIndex b, std::size_t slot_b) {
+  for (const InPlacePair& p : pairs) {
+    if (p.input == a && p.output == b && !lives.may_overlap_in_place(a, slot_a, b, slot_b)) return true;
+    if (p.input == b && p.output == a && !lives.may_overlap_in_place(b, slot_b, a, slot_a)) return true;
+  }
+  return false;
+}
+
 std::vector<InPlacePair> in_place_pairs(const Plan& plan) {
   std::vector<InPlacePair> out;
   for (const ActorDesc& a : plan.actors) {
@@ -386,14 +395,7 @@ void check_memory(const Plan& plan, std::vector<std::string>& problems) {
   // Two blocks at the same bytes that an act computes in place (one its input, the other its
   // output) may touch at that act.
   auto in_place = [&](const Block& a, const Block& b) {
-    if (a.begin != b.begin || a.end != b.end) return false;
-    for (const InPlacePair& p : pairs) {
-      if (p.input == a.reg && p.output == b.reg && !lives.may_overlap_in_place(a.reg, a.slot, b.reg, b.slot))
-        return true;
-      if (p.input == b.reg && p.output == a.reg && !lives.may_overlap_in_place(b.reg, b.slot, a.reg, a.slot))
-        return true;
-    }
-    return false;
+    return a.begin == b.begin && a.end == b.end && in_place_of_each_other(pairs, lives, a.reg, a.slot, b.reg, b.slot);
   };
   int reported = 0;
   for (auto& [arena, blocks] : arenas) {

@@ -46,12 +46,27 @@ std::int64_t first_fit(std::vector<std::pair<std::int64_t, std::int64_t>>& taken
 /// Whether slot `s` may take the bytes of the placed slot `t` in place (an InPlacePair of theirs,
 /// either way round, whose lives only touch at the act that computes one from the other).
 bool in_place_over(const Slot& s, const Slot& t, const std::vector<InPlacePair>& pairs, const LifeTable& lives) {
-  if (s.bytes != t.bytes || t.always || s.always) return false;
-  for (const InPlacePair& p : pairs) {
-    if (p.input == t.reg && p.output == s.reg && !lives.may_overlap_in_place(t.reg, t.slot, s.reg, s.slot)) return true;
-    if (p.input == s.reg && p.output == t.reg && !lives.may_overlap_in_place(s.reg, s.slot, t.reg, t.slot)) return true;
+  return s.bytes == t.bytes && !t.always && !s.always && in_place_of_each_other(pairs, lives, s.reg, s.slot, t.reg, t.slot);
+}
+
+/// The offset of a placed slot among `candidates` (indices below i) whose bytes slots[i] may
+/// take in place, where no other slot live with it is; -1: none.
+std::int64_t in_place_offset(const std::vector<Slot>& slots, std::size_t i, const std::vector<std::size_t>& candidates,
+                             const std::vector<InPlacePair>& pairs, const LifeTable& lives) {
+  const Slot& s = slots[i];
+  for (std::size_t k : candidates) {
+    const Slot& t = slots[k];
+    if (!in_place_over(s, t, pairs, lives)) continue;
+    bool clear = true;  // t itself passes: the same bytes, in place
+    for (std::size_t j = 0; j < i && clear; ++j) {
+      const Slot& o = slots[j];
+      if (o.always || o.offset + o.bytes <= t.offset || t.offset + t.bytes <= o.offset) continue;
+      const bool same_bytes = o.offset == t.offset && o.bytes == t.bytes;
+      clear = !lives.may_overlap(s.reg, s.slot, o.reg, o.slot) || (same_bytes && in_place_over(s, o, pairs, lives));
+    }
+    if (clear) return t.offset;
   }
-  return false;
+  return -1;
 }
 
 /// Places one arena's slots; returns its size. Slots live the whole job go first, one after
@@ -86,7 +101,6 @@ std::int64_t place(std::vector<Slot>& slots, const LifeTable& lives, const std::
       if (!o.always && lives.may_overlap(s.reg, s.slot, o.reg, o.slot))
         taken.emplace_back(o.offset, o.offset + o.bytes);
     }
-    s.offset = -1;
     std::vector<std::size_t> candidates;  // placed slots of registers paired with s's
     if (auto p = partners.find(s.reg); p != partners.end()) {
       for (RegisterIndex r : p->second) {
@@ -96,20 +110,7 @@ std::int64_t place(std::vector<Slot>& slots, const LifeTable& lives, const std::
       }
       std::sort(candidates.begin(), candidates.end());
     }
-    for (std::size_t k : candidates) {
-      if (s.offset >= 0) break;
-      const Slot& t = slots[k];
-      if (!in_place_over(s, t, pairs, lives)) continue;
-      // t's bytes, unless a slot live with s (t itself aside) is there too.
-      bool clear = true;
-      for (std::size_t j = 0; j < i && clear; ++j) {
-        const Slot& o = slots[j];
-        if (o.always || o.offset + o.bytes <= t.offset || t.offset + t.bytes <= o.offset) continue;
-        const bool same_bytes = o.offset == t.offset && o.bytes == t.bytes;
-        clear = !lives.may_overlap(s.reg, s.slot, o.reg, o.slot) || (same_bytes && in_place_over(s, o, pairs, lives));
-      }
-      if (clear) s.offset = t.offset;
-    }
+    s.offset = in_place_offset(slots, i, candidates, pairs, lives);
     if (s.offset < 0) s.offset = first_fit(taken, base, s.bytes);
     end = std::max(end, s.offset + s.bytes);
   }

@@ -78,6 +78,12 @@ class LifeTable {
   std::vector<std::pair<std::int64_t, std::int64_t>> spans_;
 };
 
+/// Whether slot `slot_a` of `a` and slot `slot_b` of `b` may have the very same bytes because an
+/// act computes one in place of the other (an InPlacePair of `pairs`, either way round, whose
+/// lives only touch at that act).
+bool in_place_of_each_other(const std::vector<InPlacePair>& pairs, const LifeTable& lives, RegisterIndex a,
+                            std::size_t slot_a, RegisterIndex b, std::size_t slot_b);
+
 /// Bytes of one slot of `reg`.
 std::int64_t slot_bytes(const RegisterDesc& reg);
 
