@@ -732,6 +732,81 @@ TEST_CASE("CudaKernels.BiasGelu.MatchCpu" * doctest::timeout(60)) {
   }
 }
 
+// The packed kernels (kernels/src/cuda/vec.cuh: a thread per 16 bytes where the pointers and
+// sizes allow) give the one-element kernels' bits: the same inputs with one element more take
+// the one-element path, and the elements both have must be the same bytes. The transposes and
+// broadcasts that move whole rows of packs (the attention heads' permute) against the CPU,
+// exactly, with shapes whose rows are and are not whole packs.
+TEST_CASE("CudaKernels.Packed.GiveTheOneElementKernelsBits" * doctest::timeout(60)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  const std::int64_t n = 4096;  // whole packs: 4 float32 or 8 bf16 elements each
+  auto prefix = [](const Tensor& t, std::int64_t count) {
+    Tensor r = Tensor::empty({count}, t.dtype());
+    std::memcpy(r.raw(), t.raw(), r.nbytes());
+    return r;
+  };
+  auto same_bits = [&](const Tensor& packed, const Tensor& single) {
+    REQUIRE(packed.numel() == n);
+    const auto a = values(packed), b = values(single);
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+    CHECK(differ == 0);
+  };
+  for (DType dt : {f32, bf16}) {
+    CAPTURE(name(dt));
+    const Tensor x1 = random_tensor(dt, {n + 1}, -4, 4), y1 = random_tensor(dt, {n + 1}, 0.5, 2);
+    const Tensor p1 = random_tensor(dt, {n + 1}, 0.05, 0.95);  // tanh and sigmoid outputs
+    const Tensor x = prefix(x1, n), y = prefix(y1, n), p = prefix(p1, n);
+    for (const char* op : {"add", "sub", "mul", "div", "maximum"}) {
+      CAPTURE(op);
+      same_bits(gpu.run1(op, dt, {}, {x, y}, {n}), gpu.run1(op, dt, {}, {x1, y1}, {n + 1}));
+    }
+    for (const char* op : {"relu", "gelu", "tanh", "sigmoid"}) {
+      CAPTURE(op);
+      same_bits(gpu.run1(op, dt, {}, {x}, {n}), gpu.run1(op, dt, {}, {x1}, {n + 1}));
+    }
+    same_bits(gpu.run1("scale", dt, Attrs{{"value", 0.37}}, {x}, {n}),
+              gpu.run1("scale", dt, Attrs{{"value", 0.37}}, {x1}, {n + 1}));
+    for (const char* op : {"relu_grad", "gelu_grad"}) {
+      CAPTURE(op);
+      same_bits(gpu.run1(op, dt, {}, {x, y}, {n}), gpu.run1(op, dt, {}, {x1, y1}, {n + 1}));
+    }
+    for (const char* op : {"tanh_grad", "sigmoid_grad"}) {
+      CAPTURE(op);
+      same_bits(gpu.run1(op, dt, {}, {p, y}, {n}), gpu.run1(op, dt, {}, {p1, y1}, {n + 1}));
+    }
+    // A bias of 64 columns (whole packs) against one of 63 (not): each against the CPU, and the
+    // packed bias_gelu against the packed gelu(add) bit for bit (float32: the same arithmetic).
+    const double tolerance = dt == f32 ? 1e-5 : 1e-2;
+    for (std::int64_t cols : {64, 63}) {
+      CAPTURE(cols);
+      const Shape s{32, cols};
+      const Tensor a = random_tensor(dt, s, -4, 4), b = random_tensor(dt, {cols}), g = random_tensor(dt, s);
+      check_against_cpu(gpu, "add", dt, {}, {a, b}, {s}, tolerance);
+      check_against_cpu(gpu, "mul", dt, {}, {b, a}, {s}, tolerance);
+      check_against_cpu(gpu, "bias_gelu", dt, {}, {a, b}, {s}, tolerance);
+      check_against_cpu(gpu, "bias_gelu_grad", dt, {}, {a, b, g}, {s}, tolerance);
+      if (dt == f32) {
+        const Tensor sum = gpu.run1("add", dt, {}, {a, b}, s);
+        CHECK_CLOSE(gpu.run1("bias_gelu", dt, {}, {a, b}, s), gpu.run1("gelu", dt, {}, {sum}, s), 0.0);
+        CHECK_CLOSE(gpu.run1("bias_gelu_grad", dt, {}, {a, b, g}, s), gpu.run1("gelu_grad", dt, {}, {sum, g}, s), 0.0);
+      }
+    }
+    const Attrs heads{{"perm", std::vector<std::int64_t>{0, 2, 1, 3}}};
+    auto r = [&](const Shape& s) { return random_tensor(dt, s); };
+    check_against_cpu(gpu, "transpose", dt, heads, {r({2, 16, 4, 64})}, {{2, 4, 16, 64}}, 0.0);  // rows of packs
+    check_against_cpu(gpu, "transpose", dt, heads, {r({2, 5, 3, 12})}, {{2, 3, 5, 12}}, 0.0);  // f32 packs, bf16 not
+    check_against_cpu(gpu, "transpose", dt, Attrs{{"perm", std::vector<std::int64_t>{1, 0, 2}}}, {r({3, 5, 16})},
+                      {{5, 3, 16}}, 0.0);
+    check_against_cpu(gpu, "transpose", dt, Attrs{{"perm", std::vector<std::int64_t>{1, 0}}}, {r({24, 40})},
+                      {{40, 24}}, 0.0);  // the last axis moves: one element a thread
+    check_against_cpu(gpu, "broadcast_to", dt, {}, {r({1, 64})}, {{8, 64}}, 0.0);
+    check_against_cpu(gpu, "broadcast_to", dt, {}, {r({8, 1, 32})}, {{8, 3, 32}}, 0.0);
+    check_against_cpu(gpu, "broadcast_to", dt, {}, {r({64})}, {{8, 64}}, 0.0);
+  }
+}
+
 // The fused attention on the GPU against the CPU kernel on the same inputs (bf16: the CPU's
 // float32 kernel on the exact float32 values of the bf16 inputs, rounded once at the end).
 //  - f32: float32 FMAs, sums over D and over T in another order than the CPU's double sums, and

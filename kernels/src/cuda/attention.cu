@@ -173,6 +173,16 @@ __device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int row0
   }
 }
 
+// The first query row of this block, the last row blocks first: under the causal mask a block's
+// work grows with its rows (it reads every key up to them), and the blocks run roughly in the
+// order of blockIdx (x, the head, fastest), so the heaviest start first and the lightest fill
+// the tail, as FlashAttention-2 orders them. (The dk/dv kernel's heaviest blocks, the first
+// keys, come first already.)
+template <int ROWS>
+__device__ __forceinline__ int heaviest_first_rows() {
+  return static_cast<int>(gridDim.y - 1 - blockIdx.y) * ROWS;
+}
+
 // ---- forward ----------------------------------------------------------------------------------
 
 template <class T, int D>
@@ -191,7 +201,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
 
   const long long head = blockIdx.x;
   const long long base = head * t * d;
-  const int i0 = static_cast<int>(blockIdx.y) * C::rows;
+  const int i0 = heaviest_first_rows<C::rows>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 1, h = lane & 1;  // this lane's row of its warp's 16, and its column parity
   const int qi = i0 + warp * 16 + r;
@@ -276,7 +286,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
 
   const long long head = blockIdx.x;
   const long long base = head * t * d;
-  const int i0 = static_cast<int>(blockIdx.y) * C::rows;
+  const int i0 = heaviest_first_rows<C::rows>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 1, h = lane & 1;
   const int qi = i0 + warp * 16 + r;

@@ -3,9 +3,12 @@
 // optimizer steps: one launch over many weights, each element's arithmetic that of the
 // one-tensor kernels (adam(), sgd()).
 #include <cmath>
+#include <initializer_list>
 
 #include "elem.cuh"
 #include "launch_fused.h"
+#include "gelu.cuh"
+#include "vec.cuh"
 
 namespace baton::cuda::launch {
 namespace {
@@ -20,36 +23,80 @@ unsigned blocks_for(long long n) {
   return static_cast<unsigned>(b > 262140 ? 262140 : b);
 }
 
-// The gelu kernel's formula (elementwise.cu), so that the fused op gives its bits.
-__device__ float gelu(float x) { return static_cast<float>(0.5 * x * (1.0 + erf(x * 0.70710678118654752440))); }
+
+__device__ __forceinline__ float bias_gelu_value(float x, float b) {
+  return act::gelu(x + b);  // the sum rounded to float, as the add's output
+}
+
+// gelu_grad's formula at z = x + b.
+__device__ __forceinline__ float bias_gelu_grad_value(float x, float b, float g) { return act::gelu_grad(x + b, g); }
 
 template <class T>
 __global__ void bias_gelu_kernel(const T* x, const T* b, T* y, long long n, long long cols) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const float z = load(x + i) + load(b + i % cols);  // rounded to float, as the add's output
-    elem::store(y + i, gelu(z));
+    elem::store(y + i, bias_gelu_value(load(x + i), load(b + i % cols)));
   }
 }
 
-// gelu_grad's formula (elementwise.cu) at z = x + b.
 template <class T>
 __global__ void bias_gelu_grad_kernel(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const float z = load(x + i) + load(b + i % cols);
-    const double v = z, g = load(dy + i);
-    const double cdf = 0.5 * (1.0 + erf(v * 0.70710678118654752440));
-    const double pdf = 0.39894228040143267794 * exp(-0.5 * v * v);
-    elem::store_d(dx + i, g * (cdf + v * pdf));
+    elem::store(dx + i, bias_gelu_grad_value(load(x + i), load(b + i % cols), load(dy + i)));
   }
+}
+
+// 16-byte packs (vec.cuh), for cols a multiple of the pack: a pack's bias is one contiguous pack.
+template <class T>
+__global__ void bias_gelu_packed_kernel(const T* x, const T* b, T* y, long long packs, long long cols) {
+  constexpr int W = vec::width<T>;
+  for (long long p = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; p < packs;
+       p += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long i = p * W;
+    const auto xv = vec::load_pack(x + i), bv = vec::load_pack(b + i % cols);
+    vec::Pack<T> r;
+#pragma unroll
+    for (int k = 0; k < W; ++k) elem::store(r.e() + k, bias_gelu_value(load(xv.e() + k), load(bv.e() + k)));
+    vec::store_pack(y + i, r);
+  }
+}
+
+template <class T>
+__global__ void bias_gelu_grad_packed_kernel(const T* x, const T* b, const T* dy, T* dx, long long packs, long long cols) {
+  constexpr int W = vec::width<T>;
+  for (long long p = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; p < packs;
+       p += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long i = p * W;
+    const auto xv = vec::load_pack(x + i), bv = vec::load_pack(b + i % cols), gv = vec::load_pack(dy + i);
+    vec::Pack<T> r;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      elem::store(r.e() + k, bias_gelu_grad_value(load(xv.e() + k), load(bv.e() + k), load(gv.e() + k)));
+    }
+    vec::store_pack(dx + i, r);
+  }
+}
+
+template <class T>
+bool packed(long long n, long long cols, std::initializer_list<const void*> pointers) {
+  if (cols % vec::width<T> != 0 || n % cols != 0) return false;
+  for (const void* p : pointers) {
+    if (!vec::aligned16(p)) return false;
+  }
+  return true;
 }
 
 template <class T>
 cudaError_t bias_gelu_t(const T* x, const T* b, T* y, long long n, long long cols, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   if (cols <= 0) return cudaErrorInvalidValue;
-  bias_gelu_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n, cols);
+  constexpr int w = vec::width<T>;
+  if (packed<T>(n, cols, {x, b, y})) {
+    bias_gelu_packed_kernel<<<blocks_for(n / w), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n / w, cols);
+  } else {
+    bias_gelu_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n, cols);
+  }
   return cudaGetLastError();
 }
 
@@ -57,8 +104,14 @@ template <class T>
 cudaError_t bias_gelu_grad_t(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   if (cols <= 0) return cudaErrorInvalidValue;
-  bias_gelu_grad_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy), elem::dev(dx), n,
-                                                          cols);
+  constexpr int w = vec::width<T>;
+  if (packed<T>(n, cols, {x, b, dy, dx})) {
+    bias_gelu_grad_packed_kernel<<<blocks_for(n / w), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy),
+                                                                       elem::dev(dx), n / w, cols);
+  } else {
+    bias_gelu_grad_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy), elem::dev(dx), n,
+                                                            cols);
+  }
   return cudaGetLastError();
 }
 
