@@ -8,6 +8,8 @@
 #   scripts/gpu_checks.sh bench   baton-bench-gpu: f32, bf16, bf16 against PyTorch's sdpa
 #   scripts/gpu_checks.sh torch   PyTorch alone (bf16, sdpa) at TORCH_BATCHES, for its best batch
 #   scripts/gpu_checks.sh all     the three in turn
+#   scripts/gpu_checks.sh session the GPU tests, digits and the LLMs on cuda:1, one bf16 benchmark
+#                                 (what fits one lent session of 15 minutes with the start)
 #
 # Carry build-gpu/gpu-carry (the packed bundle; it is unpacked here) or build-gpu/gpu-bundle.
 # Environment: BUNDLE (default build-gpu/gpu-bundle), OUT (the folder for logs; the device tool
@@ -81,6 +83,22 @@ bench() {
   check bench-f32 280 "$B/baton-bench-gpu" --device cuda:0 ${BENCH_ARGS:-}
 }
 
+# A lent session's share: every test that needs the GPU (not the CPU ones), the trainings, and
+# the bf16 benchmark against PyTorch's sdpa at BENCH_BATCH (32: the batch of the README's figure).
+session() {
+  check gpu-tests 300 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
+  check train-f32 60 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
+  check train-bf16 60 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
+    --precision bf16
+  check train-llama-bf16 60 "$B/baton-train" --model llama --data text:README.md --devices cuda:1 --steps 100 \
+    --batch 8 --precision bf16
+  check train-gpt-bf16 60 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
+    --batch 8 --precision bf16 --attention fused
+  # shellcheck disable=SC2086
+  check bench-bf16-sdpa 240 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
+    --batch "${BENCH_BATCH:-32}" ${BENCH_ARGS:-}
+}
+
 # PyTorch alone at several batches (bf16 autocast, fused attention: as a user would run it), to
 # find its best batch; one JSON line each.
 torch_sweep() {
@@ -98,5 +116,6 @@ case "$what" in
   bench) bench ;;
   torch) torch_sweep ;;
   all) tests; train; bench ;;
-  *) echo "usage: $0 tests|train|bench|torch|all" >&2; exit 2 ;;
+  session) session ;;
+  *) echo "usage: $0 tests|train|bench|torch|all|session" >&2; exit 2 ;;
 esac
