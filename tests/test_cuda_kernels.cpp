@@ -660,7 +660,8 @@ TEST_CASE("CudaKernels.Bf16.MatchCpu" * doctest::timeout(120)) {
     check_against_cpu(gpu, "fill", bf16, Attrs{{"value", -1.5}}, {}, {{3, 3}}, exact);
   }
   SUBCASE("layer norm, softmax and log-softmax, forward and backward") {
-    for (std::int64_t cols : {7, 300, 1000}) {
+    // Rows of 1, 2, 4 and 8 elements a thread held in registers (layer norm), and longer.
+    for (std::int64_t cols : {7, 300, 1000, 2048, 2049}) {
       const Shape s{17, cols};
       check_against_cpu(gpu, "softmax", bf16, {}, {r(s, -5, 5)}, {s}, rounding);
       check_against_cpu(gpu, "log_softmax", bf16, {}, {r(s, -5, 5)}, {s}, rounding);

@@ -3,6 +3,7 @@
 // kernels do), the scalar losses (mse, the vocabulary-parallel loss) and the embedding gather,
 // whole or one vocabulary shard (its gradient: embedding_grad.cu).
 #include <cmath>
+#include <type_traits>
 
 #include "block.cuh"
 #include "elem.cuh"
@@ -213,6 +214,86 @@ __global__ void layer_norm_grad_kernel(const T* x, const T* dy, T* dx, long long
   }
 }
 
+// The same two kernels for rows of at most PER * blockDim.x elements, each thread holding its
+// elements (j = thread, thread + blockDim.x, ...) in registers: the row is read from memory once
+// instead of three or four times. The partial sums run over the same elements in the same
+// order, so these give the kernels above their bits.
+template <class T, int PER>
+__global__ void layer_norm_held_kernel(const T* x, T* y, long long cols, double eps) {
+  __shared__ double scratch[threads];
+  const long long off = blockIdx.x * cols;
+  double v[PER];
+  double s = 0;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const long long j = threadIdx.x + static_cast<long long>(k) * blockDim.x;
+    v[k] = j < cols ? static_cast<double>(load(x + off + j)) : 0.0;
+    if (j < cols) s += v[k];
+  }
+  const double mean = block_sum(s, scratch) / static_cast<double>(cols);
+  double q = 0;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const double d = v[k] - mean;
+    if (threadIdx.x + static_cast<long long>(k) * blockDim.x < cols) q += d * d;
+  }
+  const double rstd = 1.0 / sqrt(block_sum(q, scratch) / static_cast<double>(cols) + eps);
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const long long j = threadIdx.x + static_cast<long long>(k) * blockDim.x;
+    if (j < cols) elem::store_d(y + off + j, (v[k] - mean) * rstd);
+  }
+}
+
+template <class T, int PER>
+__global__ void layer_norm_grad_held_kernel(const T* x, const T* dy, T* dx, long long cols, double eps) {
+  __shared__ double scratch[threads];
+  const long long off = blockIdx.x * cols;
+  double v[PER], g[PER];
+  double s = 0;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const long long j = threadIdx.x + static_cast<long long>(k) * blockDim.x;
+    v[k] = j < cols ? static_cast<double>(load(x + off + j)) : 0.0;
+    g[k] = j < cols ? static_cast<double>(load(dy + off + j)) : 0.0;
+    if (j < cols) s += v[k];
+  }
+  const double mean = block_sum(s, scratch) / static_cast<double>(cols);
+  double q = 0;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const double d = v[k] - mean;
+    if (threadIdx.x + static_cast<long long>(k) * blockDim.x < cols) q += d * d;
+  }
+  const double rstd = 1.0 / sqrt(block_sum(q, scratch) / static_cast<double>(cols) + eps);
+  double s_dy = 0, s_dy_xhat = 0;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    if (threadIdx.x + static_cast<long long>(k) * blockDim.x < cols) {
+      s_dy += g[k];
+      s_dy_xhat += g[k] * ((v[k] - mean) * rstd);
+    }
+  }
+  const double mean_dy = block_sum(s_dy, scratch) / static_cast<double>(cols);
+  const double mean_dy_xhat = block_sum(s_dy_xhat, scratch) / static_cast<double>(cols);
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const long long j = threadIdx.x + static_cast<long long>(k) * blockDim.x;
+    if (j < cols) elem::store_d(dx + off + j, rstd * (g[k] - mean_dy - (v[k] - mean) * rstd * mean_dy_xhat));
+  }
+}
+
+// Calls fn with the elements per thread that hold a row of `cols` (1, 2, 4 or 8 of `threads`),
+// or returns false for longer rows.
+template <class Fn>
+bool by_row_length(long long cols, Fn fn) {
+  if (cols <= threads) return fn(std::integral_constant<int, 1>{}), true;
+  if (cols <= 2 * threads) return fn(std::integral_constant<int, 2>{}), true;
+  if (cols <= 4 * threads) return fn(std::integral_constant<int, 4>{}), true;
+  if (cols <= 8 * threads) return fn(std::integral_constant<int, 8>{}), true;
+  return false;
+}
+
 // The row of the shard that `id` names, or -1 for another shard's id (or one outside the
 // vocabulary, which the CPU rejects).
 __device__ long long shard_row(long long id, long long rows, long long start, long long vocab) {
@@ -367,15 +448,27 @@ cudaError_t softmax_grad_t(const T* y, const T* dy, T* dx, long long rows, long 
 template <class T>
 cudaError_t layer_norm_t(const T* x, T* y, long long rows, long long cols, double eps, cudaStream_t s) {
   if (rows == 0 || cols == 0) return cudaSuccess;
-  layer_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(y), cols, eps);
+  using D = std::remove_const_t<std::remove_pointer_t<decltype(elem::dev(x))>>;
+  const bool held = by_row_length(cols, [&](auto per) {
+    layer_norm_held_kernel<D, decltype(per)::value>
+        <<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(y), cols, eps);
+  });
+  if (!held) layer_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(y), cols, eps);
   return cudaGetLastError();
 }
 template <class T>
 cudaError_t layer_norm_grad_t(const T* x, const T* dy, T* dx, long long rows, long long cols, double eps,
                               cudaStream_t s) {
   if (rows == 0 || cols == 0) return cudaSuccess;
-  layer_norm_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(dy), elem::dev(dx),
-                                                                         cols, eps);
+  using D = std::remove_const_t<std::remove_pointer_t<decltype(elem::dev(x))>>;
+  const bool held = by_row_length(cols, [&](auto per) {
+    layer_norm_grad_held_kernel<D, decltype(per)::value>
+        <<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(dy), elem::dev(dx), cols, eps);
+  });
+  if (!held) {
+    layer_norm_grad_kernel<<<static_cast<unsigned>(rows), threads, 0, s>>>(elem::dev(x), elem::dev(dy), elem::dev(dx),
+                                                                           cols, eps);
+  }
   return cudaGetLastError();
 }
 template <class T>
