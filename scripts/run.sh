@@ -33,13 +33,14 @@ log() { printf '[run.sh] %s\n' "$*" >&2; }
 # it, a second clone (CI's, in another folder) finds what the first compiled.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$here}"
 
-# Debian packages the build, the tests and the benchmarks need (libtbb-dev and libcaf-dev: the
-# peers baton-bench-actors measures in the same run).
+# Debian packages the build, the tests and the benchmarks need (libsleef-dev: the vectorised
+# GELU, kernels/src/vmath.cpp; libtbb-dev and libcaf-dev: the peers baton-bench-actors measures
+# in the same run).
 packages=(
   g++ cmake ninja-build ccache pkg-config
   libboost1.81-dev libfmt-dev doctest-dev libucx-dev ucx-utils libopenblas-dev libcli11-dev zlib1g-dev
   iproute2 openssh-client openssh-server openmpi-bin libopenmpi-dev
-  libtbb-dev libcaf-dev libsentencepiece-dev
+  libtbb-dev libcaf-dev libsentencepiece-dev libsleef-dev
 )
 
 # Only the tests need these: the dashboard's browser test drives headless Chromium, the
