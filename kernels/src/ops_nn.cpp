@@ -10,6 +10,7 @@
 #include <memory>
 #include <stdexcept>
 #include <type_traits>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -271,15 +272,23 @@ void rowwise_grad_kernel(KernelContext& ctx, const char* op, Row&& row) {
   for (std::size_t r = 0; r < rows; ++r) row(yp + r * cols, dyp + r * cols, dxp + r * cols, cols);
 }
 
+// y[j] = exp(x[j] - shift): float32 a vector at a time (baton/kernels/vmath.h). y may be x.
+template <class T>
+void exp_shifted(const T* x, T shift, T* y, std::size_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    vmath::exp_shifted(x, shift, y, n);
+  } else {
+    for (std::size_t j = 0; j < n; ++j) y[j] = std::exp(x[j] - shift);
+  }
+}
+
 template <class T>
 void softmax_kernel(KernelContext& ctx) {
   rowwise_kernel<T>(ctx, "softmax", [](const T* xr, T* yr, std::size_t cols) {
     const T mx = row_max(xr, cols);
+    exp_shifted(xr, mx, yr, cols);
     double sum = 0;
-    for (std::size_t j = 0; j < cols; ++j) {
-      yr[j] = std::exp(xr[j] - mx);
-      sum += yr[j];
-    }
+    for (std::size_t j = 0; j < cols; ++j) sum += yr[j];
     const T inv = static_cast<T>(1.0 / sum);
     for (std::size_t j = 0; j < cols; ++j) yr[j] *= inv;
   });
@@ -289,8 +298,9 @@ template <class T>
 void log_softmax_kernel(KernelContext& ctx) {
   rowwise_kernel<T>(ctx, "log_softmax", [](const T* xr, T* yr, std::size_t cols) {
     const T mx = row_max(xr, cols);
+    exp_shifted(xr, mx, yr, cols);  // yr as scratch: overwritten below
     double sum = 0;
-    for (std::size_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mx);
+    for (std::size_t j = 0; j < cols; ++j) sum += yr[j];
     const double lse = static_cast<double>(mx) + std::log(sum);
     for (std::size_t j = 0; j < cols; ++j) yr[j] = static_cast<T>(static_cast<double>(xr[j]) - lse);
   });
@@ -314,7 +324,8 @@ void log_softmax_grad_kernel(KernelContext& ctx) {
     double sum = 0;
     for (std::size_t j = 0; j < cols; ++j) sum += dyr[j];
     const T s = static_cast<T>(sum);
-    for (std::size_t j = 0; j < cols; ++j) dxr[j] = dyr[j] - std::exp(yr[j]) * s;
+    exp_shifted(yr, T(0), dxr, cols);
+    for (std::size_t j = 0; j < cols; ++j) dxr[j] = dyr[j] - dxr[j] * s;
   });
 }
 
@@ -360,12 +371,14 @@ void cross_entropy_kernel(KernelContext& ctx) {
   const std::size_t rows = to_size(logits.dim(0));
   const std::size_t cols = to_size(logits.dim(1));
   double total = 0;
+  std::vector<T> row(cols);  // a row's exp(x - max)
   for (std::size_t r = 0; r < rows; ++r) {
     const std::size_t label = checked_label(op, lp, r, cols);
     const T* xr = xp + r * cols;
     const T mx = row_max(xr, cols);
+    exp_shifted(xr, mx, row.data(), cols);
     double sum = 0;
-    for (std::size_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mx);
+    for (std::size_t j = 0; j < cols; ++j) sum += row[j];
     total += static_cast<double>(mx) + std::log(sum) - static_cast<double>(xr[label]);
   }
   // An empty batch gives NaN (0 / 0), as torch's mean reduction does.
@@ -394,11 +407,9 @@ void cross_entropy_grad_kernel(KernelContext& ctx) {
     const T* xr = xp + r * cols;
     T* dxr = dxp + r * cols;
     const T mx = row_max(xr, cols);
+    exp_shifted(xr, mx, dxr, cols);
     double sum = 0;
-    for (std::size_t j = 0; j < cols; ++j) {
-      dxr[j] = std::exp(xr[j] - mx);
-      sum += dxr[j];
-    }
+    for (std::size_t j = 0; j < cols; ++j) sum += dxr[j];
     const T scale = static_cast<T>(g / sum);
     for (std::size_t j = 0; j < cols; ++j) dxr[j] *= scale;
     dxr[label] -= static_cast<T>(g);
@@ -720,11 +731,13 @@ class VocabCeStatsKernel final : public Kernel {
     T* sp = out_data<T>(stats, op, "stats");
     const std::size_t rows = to_size(logits.dim(0));
     const std::size_t cols = to_size(logits.dim(1));
+    std::vector<T> row(cols);  // a row's exp(x - max)
     for (std::size_t r = 0; r < rows; ++r) {
       const std::size_t col = checked_label(op, lp, r, vocab) - to_size(range_.start);
       const T* xr = xp + r * cols;
+      exp_shifted(xr, mp[r], row.data(), cols);
       double sum = 0;
-      for (std::size_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mp[r]);
+      for (std::size_t j = 0; j < cols; ++j) sum += row[j];
       sp[2 * r] = static_cast<T>(sum);
       sp[2 * r + 1] = col < cols ? xr[col] : T(0);
     }
@@ -762,7 +775,8 @@ class VocabCeStatsGradKernel final : public Kernel {
       const T* xr = xp + r * cols;
       T* dxr = dxp + r * cols;
       const T d_sum = gp[2 * r];
-      for (std::size_t j = 0; j < cols; ++j) dxr[j] = std::exp(xr[j] - mp[r]) * d_sum;
+      exp_shifted(xr, mp[r], dxr, cols);
+      for (std::size_t j = 0; j < cols; ++j) dxr[j] *= d_sum;
       if (col < cols) dxr[col] += gp[2 * r + 1];
     }
   }

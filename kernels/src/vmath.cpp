@@ -1,4 +1,4 @@
-// Vectorised float32 GELU (baton/kernels/vmath.h). One template walks the elements a vector
+// Vectorised float32 GELU and exp (baton/kernels/vmath.h). One template walks the elements a vector
 // at a time, staging each vector through a small array (the bias's columns wrap anywhere, and
 // the last vector may be partial: its missing lanes are zeros, computed and dropped), so that
 // every element goes through the same vector function whatever its position. The AVX
@@ -45,6 +45,10 @@ void scalar(const float* x, const float* b, std::size_t cols, const float* dy, f
       out[i] = dy[i] * (cdf + z * pdf);
     }
   }
+}
+
+void exp_scalar(const float* x, float shift, float* y, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) y[i] = std::exp(x[i] - shift);
 }
 
 #ifdef BATON_VMATH_X86
@@ -138,9 +142,50 @@ void sse2(const float* x, const float* b, std::size_t cols, const float* dy, flo
   run<Sse2>(x, b, cols, dy, out, n);
 }
 
+// y[i] = exp(x[i] - shift), a vector at a time (the last one staged through an array).
+template <class Isa>
+[[gnu::always_inline]] inline void run_exp(const float* x, float shift, float* y, std::size_t n) {
+  using V = typename Isa::V;
+  constexpr std::size_t w = sizeof(V) / sizeof(float);
+  for (std::size_t i = 0; i < n; i += w) {
+    const std::size_t m = n - i < w ? n - i : w;
+    float z[w] = {};
+    V v;
+    if (m == w) {
+      std::memcpy(&v, x + i, sizeof v);
+    } else {
+      for (std::size_t k = 0; k < m; ++k) z[k] = x[i + k];
+      std::memcpy(&v, z, sizeof v);
+    }
+    const V r = Isa::exp(v - shift);
+    if (m == w) {
+      std::memcpy(y + i, &r, sizeof r);
+    } else {
+      std::memcpy(z, &r, sizeof r);
+      for (std::size_t k = 0; k < m; ++k) y[i + k] = z[k];
+    }
+  }
+}
+
+[[gnu::target("avx")]] void exp_avx(const float* x, float shift, float* y, std::size_t n) {
+  run_exp<Avx>(x, shift, y, n);
+}
+
+void exp_sse2(const float* x, float shift, float* y, std::size_t n) { run_exp<Sse2>(x, shift, y, n); }
+
 #endif
 
 using Fn = void (*)(const float*, const float*, std::size_t, const float*, float*, std::size_t);
+using ExpFn = void (*)(const float*, float, float*, std::size_t);
+
+/// exp's function on the path that GELU's runs on (by_name's function).
+ExpFn exp_of(Fn gelu) {
+#ifdef BATON_VMATH_X86
+  if (gelu == avx) return exp_avx;
+  if (gelu == sse2) return exp_sse2;
+#endif
+  return gelu == scalar ? exp_scalar : nullptr;
+}
 
 /// The function for a path's name, or null where there is none here.
 Fn by_name(std::string_view path) {
@@ -176,6 +221,17 @@ Fn best() {
 }
 
 }  // namespace
+
+void exp_shifted(const float* x, float shift, float* y, std::size_t n) {
+  static const ExpFn fn = exp_of(best());
+  fn(x, shift, y, n);
+}
+
+bool exp_shifted_on(const char* path, const float* x, float shift, float* y, std::size_t n) {
+  const ExpFn fn = exp_of(by_name(path));
+  if (fn != nullptr) fn(x, shift, y, n);
+  return fn != nullptr;
+}
 
 void gelu(const float* x, const float* b, std::size_t cols, float* y, std::size_t n) {
   best()(x, b, cols, nullptr, y, n);
