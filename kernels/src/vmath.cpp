@@ -1,14 +1,13 @@
-// Vectorised float32 GELU and exp (baton/kernels/vmath.h). One template walks the elements a vector
-// at a time, staging each vector through a small array (the bias's columns wrap anywhere, and
-// the last vector may be partial: its missing lanes are zeros, computed and dropped), so that
-// every element goes through the same vector function whatever its position. The AVX
-// instantiation is compiled for AVX alone (a target attribute, not a flag for the whole file,
-// so nothing else here needs AVX) and chosen at run time.
+// Vectorised float32 GELU and exp (baton/kernels/vmath.h): the paths and the choice among them.
+// The loops are vmath_impl.h's templates, one per instruction set: SSE2 here (every x86-64 has
+// it), AVX in vmath_avx.cpp (compiled with -mavx, called only where the CPU has AVX). Each walks
+// the elements a vector at a time, staging a vector through a small array where the bias's
+// columns wrap or the last vector is partial (its missing lanes are zeros, computed and dropped),
+// so every element goes through the same vector function whatever its position.
 #include "baton/kernels/vmath.h"
 
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -16,20 +15,27 @@
 #if defined(__x86_64__) && defined(BATON_HAS_SLEEF)
 #include <immintrin.h>
 #include <sleef.h>
-// sleef.h declares its __m256 functions only where the whole file is compiled for AVX.
-extern "C" __m256 Sleef_cinz_expf8_u10avx(__m256);
+
+#include "vmath_impl.h"
 #define BATON_VMATH_X86 1
-// GCC notes that an __m256 passed by value changes the ABI where AVX is not enabled: the
-// functions that take one are only ever called from the AVX function (target "avx").
-#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace baton::vmath::detail {
+void gelu_avx(const float* x, const float* b, std::size_t cols, const float* dy, float* out, std::size_t n);
+void exp_avx(const float* x, float shift, float* y, std::size_t n);
+}  // namespace baton::vmath::detail
 #endif
 
 namespace baton::vmath {
 
 namespace {
 
+#ifdef BATON_VMATH_X86
+using detail::inv_sqrt2;
+using detail::inv_sqrt_2pi;
+#else
 constexpr float inv_sqrt2 = static_cast<float>(0.70710678118654752440);
 constexpr float inv_sqrt_2pi = static_cast<float>(0.39894228040143267794);
+#endif
 
 /// The scalar formula (ops_nn.cpp's Gelu and GeluGrad for float), for builds without SLEEF.
 void scalar(const float* x, const float* b, std::size_t cols, const float* dy, float* out, std::size_t n) {
@@ -53,125 +59,19 @@ void exp_scalar(const float* x, float shift, float* y, std::size_t n) {
 
 #ifdef BATON_VMATH_X86
 
-// The vector functions by instruction set: V a GCC vector type (__m128, __m256), so the
-// arithmetic in run() is the element type's, lane by lane, in the scalar formula's order (no
-// contraction into FMAs under -std=c++20).
-struct Avx {
-  using V = __m256;
-  [[gnu::target("avx")]] static V exp(V a) { return Sleef_cinz_expf8_u10avx(a); }
-};
 struct Sse2 {
   using V = __m128;
-  [[gnu::always_inline]] static inline V exp(V a) { return Sleef_cinz_expf4_u10sse2(a); }
+  static V exp(V a) { return Sleef_cinz_expf4_u10sse2(a); }
 };
 
-// erfc(z) lane by lane: t exp(-z^2 + P(t)), t = 1 / (1 + |z| / 2), P a Chebyshev fit of degree
-// 9 whose fractional error is below 1.2e-7 for every z >= 0 (Numerical Recipes' erfcc; the
-// error is relative, so the negative tail of GELU, where erfc is tiny, keeps its digits), and
-// erfc(z) = 2 - erfc(-z) below 0. One SLEEF exp per lane: SLEEF's own erfc took 16 ns an
-// element here, this about 2.
-template <class Isa>
-[[gnu::always_inline]] inline typename Isa::V erfc(typename Isa::V z) {
-  using V = typename Isa::V;
-  const V a = z < 0 ? -z : z;
-  const V t = 1.0f / (1.0f + 0.5f * a);
-  // Estrin's scheme (pairs, then pairs of pairs): a quarter of Horner's dependent chain, which
-  // left the vector unit waiting on each multiply-add in turn.
-  const V t2 = t * t, t4 = t2 * t2, t8 = t4 * t4;
-  const V c01 = -1.26551223f + t * 1.00002368f, c23 = 0.37409196f + t * 0.09678418f;
-  const V c45 = -0.18628806f + t * 0.27886807f, c67 = -1.13520398f + t * 1.48851587f;
-  const V c89 = -0.82215223f + t * 0.17087277f;
-  const V p = (c01 + t2 * c23) + t4 * (c45 + t2 * c67) + t8 * c89;
-  const V r = t * Isa::exp(-a * a + p);
-  return z < 0 ? 2.0f - r : r;
-}
-
-// dy == nullptr: GELU, else its gradient times dy.
-template <class Isa>
-[[gnu::always_inline]] inline void run(const float* x, const float* b, std::size_t cols, const float* dy, float* out,
-                                       std::size_t n) {
-  using V = typename Isa::V;
-  constexpr std::size_t w = sizeof(V) / sizeof(float);
-  std::size_t j = 0;  // the bias column of element i
-  for (std::size_t i = 0; i < n; i += w) {
-    const std::size_t m = n - i < w ? n - i : w;
-    V v, d{};
-    if (m == w && (b == nullptr || j + w <= cols)) {  // a whole vector, its bias not wrapping
-      std::memcpy(&v, x + i, sizeof v);
-      if (b != nullptr) {
-        V bv;
-        std::memcpy(&bv, b + j, sizeof bv);
-        v = v + bv;
-        j = j + w == cols ? 0 : j + w;
-      }
-      if (dy != nullptr) std::memcpy(&d, dy + i, sizeof d);
-    } else {  // staged through arrays: the bias wraps, or the last, partial vector (zeros)
-      float z[w] = {}, g[w] = {};
-      for (std::size_t k = 0; k < m; ++k) {
-        z[k] = b != nullptr ? x[i + k] + b[j] : x[i + k];
-        if (b != nullptr && ++j == cols) j = 0;
-        if (dy != nullptr) g[k] = dy[i + k];
-      }
-      std::memcpy(&v, z, sizeof v);
-      std::memcpy(&d, g, sizeof d);
-    }
-    V r;
-    if (dy == nullptr) {
-      r = 0.5f * v * erfc<Isa>(-v * inv_sqrt2);
-    } else {
-      const V cdf = 0.5f * erfc<Isa>(-v * inv_sqrt2);
-      const V pdf = inv_sqrt_2pi * Isa::exp(-0.5f * v * v);
-      r = d * (cdf + v * pdf);
-    }
-    if (m == w) {
-      std::memcpy(out + i, &r, sizeof r);
-    } else {
-      float o[w];
-      std::memcpy(o, &r, sizeof r);
-      for (std::size_t k = 0; k < m; ++k) out[i + k] = o[k];
-    }
-  }
-}
-
-[[gnu::target("avx")]] void avx(const float* x, const float* b, std::size_t cols, const float* dy, float* out,
-                                std::size_t n) {
-  run<Avx>(x, b, cols, dy, out, n);
-}
-
 void sse2(const float* x, const float* b, std::size_t cols, const float* dy, float* out, std::size_t n) {
-  run<Sse2>(x, b, cols, dy, out, n);
+  detail::run<Sse2>(x, b, cols, dy, out, n);
 }
 
-// y[i] = exp(x[i] - shift), a vector at a time (the last one staged through an array).
-template <class Isa>
-[[gnu::always_inline]] inline void run_exp(const float* x, float shift, float* y, std::size_t n) {
-  using V = typename Isa::V;
-  constexpr std::size_t w = sizeof(V) / sizeof(float);
-  for (std::size_t i = 0; i < n; i += w) {
-    const std::size_t m = n - i < w ? n - i : w;
-    float z[w] = {};
-    V v;
-    if (m == w) {
-      std::memcpy(&v, x + i, sizeof v);
-    } else {
-      for (std::size_t k = 0; k < m; ++k) z[k] = x[i + k];
-      std::memcpy(&v, z, sizeof v);
-    }
-    const V r = Isa::exp(v - shift);
-    if (m == w) {
-      std::memcpy(y + i, &r, sizeof r);
-    } else {
-      std::memcpy(z, &r, sizeof r);
-      for (std::size_t k = 0; k < m; ++k) y[i + k] = z[k];
-    }
-  }
-}
+void exp_sse2(const float* x, float shift, float* y, std::size_t n) { detail::run_exp<Sse2>(x, shift, y, n); }
 
-[[gnu::target("avx")]] void exp_avx(const float* x, float shift, float* y, std::size_t n) {
-  run_exp<Avx>(x, shift, y, n);
-}
-
-void exp_sse2(const float* x, float shift, float* y, std::size_t n) { run_exp<Sse2>(x, shift, y, n); }
+using detail::exp_avx;
+constexpr auto avx = detail::gelu_avx;
 
 #endif
 
