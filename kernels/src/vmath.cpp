@@ -105,11 +105,17 @@ const char* best_path() {
 #endif
 }
 
-/// The machine's best path, or BATON_VMATH's choice (to compare paths in a benchmark); a path
-/// this machine or build lacks is an error naming it.
-Fn choose() {
+/// BATON_VMATH's choice (to compare paths in a benchmark), or null where it is unset.
+const char* forced_path() {
   const char* forced = std::getenv("BATON_VMATH");
-  if (forced == nullptr || *forced == 0) return by_name(best_path());
+  return forced != nullptr && *forced != 0 ? forced : nullptr;
+}
+
+/// The machine's best path, or BATON_VMATH's; a path this machine or build lacks is an error
+/// naming it.
+Fn choose() {
+  const char* forced = forced_path();
+  if (forced == nullptr) return by_name(best_path());
   if (Fn fn = by_name(forced); fn != nullptr) return fn;
   throw std::invalid_argument(std::string("BATON_VMATH=") + forced +
                               ": not a path of this machine and build (avx, sse2 or scalar; see vmath.h)");
@@ -142,8 +148,8 @@ void gelu_grad(const float* x, const float* b, std::size_t cols, const float* dy
 }
 
 const char* path() {
-  const char* forced = std::getenv("BATON_VMATH");
-  return forced != nullptr && *forced != 0 && by_name(forced) != nullptr ? forced : best_path();
+  const char* forced = forced_path();
+  return forced != nullptr && by_name(forced) != nullptr ? forced : best_path();
 }
 
 bool gelu_on(const char* path, const float* x, const float* b, std::size_t cols, float* y, std::size_t n) {

@@ -218,26 +218,43 @@ __global__ void layer_norm_grad_kernel(const T* x, const T* dy, T* dx, long long
 // elements (j = thread, thread + blockDim.x, ...) in registers: the row is read from memory once
 // instead of three or four times. The partial sums run over the same elements in the same
 // order, so these give the kernels above their bits.
+// This thread's elements of a row (j = thread, thread + blockDim.x, ...), zeros past its end.
 template <class T, int PER>
-__global__ void layer_norm_held_kernel(const T* x, T* y, long long cols, double eps) {
-  __shared__ double scratch[threads];
-  const long long off = blockIdx.x * cols;
-  double v[PER];
-  double s = 0;
+__device__ void hold_row(const T* xr, long long cols, double (&v)[PER]) {
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const long long j = threadIdx.x + static_cast<long long>(k) * blockDim.x;
-    v[k] = j < cols ? static_cast<double>(load(x + off + j)) : 0.0;
-    if (j < cols) s += v[k];
+    v[k] = j < cols ? static_cast<double>(load(xr + j)) : 0.0;
   }
-  const double mean = block_sum(s, scratch) / static_cast<double>(cols);
+}
+
+// The mean and 1 / sqrt(var + eps) of a row the block holds (hold_row), summed as moments()
+// sums them.
+template <int PER>
+__device__ void held_moments(const double (&v)[PER], long long cols, double eps, double* scratch, double& mean,
+                             double& rstd) {
+  double s = 0;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    if (threadIdx.x + static_cast<long long>(k) * blockDim.x < cols) s += v[k];
+  }
+  mean = block_sum(s, scratch) / static_cast<double>(cols);
   double q = 0;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const double d = v[k] - mean;
     if (threadIdx.x + static_cast<long long>(k) * blockDim.x < cols) q += d * d;
   }
-  const double rstd = 1.0 / sqrt(block_sum(q, scratch) / static_cast<double>(cols) + eps);
+  rstd = 1.0 / sqrt(block_sum(q, scratch) / static_cast<double>(cols) + eps);
+}
+
+template <class T, int PER>
+__global__ void layer_norm_held_kernel(const T* x, T* y, long long cols, double eps) {
+  __shared__ double scratch[threads];
+  const long long off = blockIdx.x * cols;
+  double v[PER], mean, rstd;
+  hold_row(x + off, cols, v);
+  held_moments(v, cols, eps, scratch, mean, rstd);
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const long long j = threadIdx.x + static_cast<long long>(k) * blockDim.x;
@@ -249,23 +266,10 @@ template <class T, int PER>
 __global__ void layer_norm_grad_held_kernel(const T* x, const T* dy, T* dx, long long cols, double eps) {
   __shared__ double scratch[threads];
   const long long off = blockIdx.x * cols;
-  double v[PER], g[PER];
-  double s = 0;
-#pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const long long j = threadIdx.x + static_cast<long long>(k) * blockDim.x;
-    v[k] = j < cols ? static_cast<double>(load(x + off + j)) : 0.0;
-    g[k] = j < cols ? static_cast<double>(load(dy + off + j)) : 0.0;
-    if (j < cols) s += v[k];
-  }
-  const double mean = block_sum(s, scratch) / static_cast<double>(cols);
-  double q = 0;
-#pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const double d = v[k] - mean;
-    if (threadIdx.x + static_cast<long long>(k) * blockDim.x < cols) q += d * d;
-  }
-  const double rstd = 1.0 / sqrt(block_sum(q, scratch) / static_cast<double>(cols) + eps);
+  double v[PER], g[PER], mean, rstd;
+  hold_row(x + off, cols, v);
+  hold_row(dy + off, cols, g);
+  held_moments(v, cols, eps, scratch, mean, rstd);
   double s_dy = 0, s_dy_xhat = 0;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
