@@ -406,7 +406,7 @@ TEST_CASE("Checkpoint.ZeroSavesEachReplicasWindowAndResumesUnderAnyLayout" * doc
   // one rank, continue the curve bit for bit (ZeRO's sums and updates are plain dp's); one device
   // (one micro-batch sum of 4 instead of dp's 2 x 2) within float tolerance.
   const std::vector<Placement> places{{.rank = 0}, {.rank = 1}};
-  for (int zero : {1, 2}) {
+  for (int zero : {1, 2, 3}) {
     CAPTURE(zero);
     TempDir a("zero-straight"), b("zero-resumed");
     const Setup base{.dp = 2, .opt = optim::adam(0.01), .places = places, .dropout = 0, .zero = zero};

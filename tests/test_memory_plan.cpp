@@ -462,6 +462,7 @@ struct Mode {
   bool gpt = false;
   OptimizerConfig opt = optim::sgd(0.1, 0.9);
   bool ranks = false;  // each place a rank of its own, joined by a loopback data plane
+  int zero = 0;
 };
 
 struct Trained {
@@ -503,6 +504,7 @@ Trained train(const Mode& mode, bool planned) {
   cfg.pp = mode.pp;
   cfg.tp = mode.tp;
   cfg.schedule = mode.schedule;
+  cfg.zero = mode.zero;
   cfg.threads = mode.threads;
   cfg.optimizer = mode.opt;
   cfg.bucket_bytes = 256;  // several buckets
@@ -563,6 +565,11 @@ TEST_CASE("MemoryPlan.PoisonedArenasTrainBitForBitAsSlotsOfTheirOwn" * doctest::
       {.name = "gpt tp 2 x pp 2", .pp = 2, .tp = 2, .m = 2, .gpt = true, .opt = optim::adam(0.01)},
       {.name = "pp 2 over two ranks", .pp = 2, .m = 3, .ranks = true},
       {.name = "dp 2 over two ranks", .dp = 2, .m = 2, .ranks = true},
+      // ZeRO 3's gathered weights share bytes with activations between their gathers.
+      {.name = "dp 2 zero 3", .dp = 2, .m = 2, .opt = optim::adam(0.01), .zero = 3},
+      {.name = "gpt dp 2 zero 3, two threads", .dp = 2, .m = 2, .threads = 2, .gpt = true, .opt = optim::adam(0.01), .zero = 3},
+      {.name = "dp 2 x pp 2 zero 3", .dp = 2, .pp = 2, .m = 2, .zero = 3},
+      {.name = "dp 2 zero 3 over two ranks", .dp = 2, .m = 2, .ranks = true, .zero = 3},
   };
   for (const Mode& mode : modes) {
     CAPTURE(mode.name);

@@ -1,5 +1,5 @@
-// ZeRO (TrainConfig::zero, graph/src/passes/lower_zero.cpp): the optimizer state (1) and the
-// gradients (2) split over the data-parallel replicas. Each replica's optimizer gets the same
+// ZeRO (TrainConfig::zero, graph/src/passes/lower_zero.cpp): the optimizer state (1), the
+// gradients (2) and the weights (3) split over the data-parallel replicas. Each replica's optimizer gets the same
 // sums plain data parallelism gives it and applies the same elementwise update to its shard,
 // so losses and weights must equal plain dp bit for bit, whatever the OpenBLAS kernels (both
 // runs use the same ones); and each replica must keep 1/dp of the split state.
@@ -140,7 +140,7 @@ TEST_CASE("Zero.EqualsPlainDataParallelBitForBit" * doctest::timeout(180)) {
           const test::TrainedRun want = train(plain);
           // It learns (SGD with momentum at this rate wanders for its first steps on this data).
           if (opt.kind != OptimizerConfig::Kind::sgd) CHECK(want.losses.back() < want.losses.front());
-          for (int zero : {1, 2}) {
+          for (int zero : {1, 2, 3}) {
             CAPTURE(zero);
             Setup z = plain;
             z.zero = zero;
@@ -159,8 +159,8 @@ TEST_CASE("Zero.WithClippingTwoThreadsPipelineAndRanks" * doctest::timeout(180))
     // Zero 2 makes the global norm from every replica's sum of squares of its chunks (in double,
     // chunk by chunk) where plain dp sums the squares weight by weight: the factor may differ
     // in its last bit, so this compares within the reordering tolerance as well as exactly where
-    // the factor's order is the same (zero 1).
-    for (int zero : {1, 2}) {
+    // the factor's order is the same (zero 1). Zero 3 clips as zero 2 does.
+    for (int zero : {1, 2, 3}) {
       CAPTURE(zero);
       const Setup plain{.dp = 2, .threads = 2, .opt = clipped};
       Setup z = plain;
@@ -174,12 +174,16 @@ TEST_CASE("Zero.WithClippingTwoThreadsPipelineAndRanks" * doctest::timeout(180))
   }
   SUBCASE("pipeline of two stages: a bucket per stage") {
     const Setup plain{.dp = 2, .pp = 2, .microbatches = 4};
-    Setup z = plain;
-    z.zero = 2;
-    check_identical(train(plain), train(z));
+    const auto want = train(plain);
+    for (int zero : {2, 3}) {
+      CAPTURE(zero);
+      Setup z = plain;
+      z.zero = zero;
+      check_identical(want, train(z));
+    }
   }
   SUBCASE("replica r on rank r: the shards cross ranks") {
-    for (int zero : {1, 2}) {
+    for (int zero : {1, 2, 3}) {
       CAPTURE(zero);
       const Setup plain{.dp = 2, .ranks = true};
       Setup z = plain;
@@ -241,6 +245,37 @@ TEST_CASE("Zero.EachReplicaKeepsItsShareOfTheState") {
     CHECK(bytes_of(plain, MemoryCategory::weights) == dp * 4 * elements);
     CHECK(bytes_of(z1, MemoryCategory::weights) == (dp + 1) * 4 * elements);
     CHECK(bytes_of(z2, MemoryCategory::weights) == (dp + 1) * 4 * elements);
+    // Zero 3 keeps each weight once over all the replicas, as the shards' masters, and holds a
+    // whole weight only from its gather to its last reader in the pass that gathered it: the
+    // memory pass knows those lives (the gathers act in their pass's lane) and shares their
+    // bytes. So a replica's weights at its peak are its shard and at most the weights then
+    // gathered, here the largest (w2, 64 x 64): below plain dp's whole copy at dp 4 (at dp 2
+    // this MLP's w2 is half the model).
+    const Plan z3 = compile({.dp = dp, .zero = 3})->job.plan;
+    CHECK(bytes_of(z3, MemoryCategory::optimizer_state) == 8 * elements);
+    for (const DeviceMemory& m : memory_report(z3)) {
+      CAPTURE(m.device.str());
+      const std::int64_t shard = 4 * ((elements + dp - 1) / dp);
+      CHECK(m.bytes[static_cast<std::size_t>(MemoryCategory::weights)] <= shard + 4 * 64 * 64);
+    }
+    std::int64_t masters = 0;
+    for (const ActorDesc& a : z3.actors) {
+      for (const KeptBytes& k : a.kept) masters += k.category == MemoryCategory::weights ? k.bytes : 0;
+    }
+    CHECK(masters == 4 * elements);
+    if (dp == 4) CHECK(bytes_of(z3, MemoryCategory::weights) < bytes_of(plain, MemoryCategory::weights));
+    const auto lives = slot_lives(z3);
+    std::size_t gathered = 0;
+    for (RegisterIndex r = 0; r < z3.registers.size(); ++r) {
+      if (z3.registers[r].name.find(".gathered") == std::string::npos) continue;
+      ++gathered;
+      CAPTURE(z3.registers[r].name);
+      for (const SlotLife& life : lives[r]) CHECK_FALSE(life.always());
+      CHECK(z3.registers[r].arena >= 0);
+    }
+    // Every weight of every replica for the forward pass, and those the backward pass reads for
+    // the gradients of activations (w2 and w3; not the biases, nor w1, whose input is data).
+    CHECK(gathered == static_cast<std::size_t>(dp) * (6 + 2));
   }
 }
 
@@ -266,7 +301,7 @@ TEST_CASE("Zero.ResumesFromACheckpointOfPlainDataParallel" * doctest::timeout(12
     std::copy(t.data<float>().begin(), t.data<float>().end(), out.data<float>().begin());
     return out;
   };
-  for (int zero : {1, 2}) {
+  for (int zero : {1, 2, 3}) {
     CAPTURE(zero);
     auto params = ParameterStore::initialize(j->graph);  // the resumed run writes its weights here
     auto state = std::make_shared<OptimizerState>();
@@ -299,8 +334,8 @@ TEST_CASE("Zero.WhatItCannotDoIsRefusedBeforeRunning") {
       CHECK(std::string(e.what()).find(words) != std::string::npos);
     }
   };
-  refused({.zero = 3}, "zero 3");
   refused({.zero = 5}, "zero 5");
+  refused({.zero = 3, .grad_compression = "bf16"}, "with zero 3");
   // dp 1: nothing to split, plain training.
   CHECK_NOTHROW(compile({.dp = 1, .zero = 2}));
 }

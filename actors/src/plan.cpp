@@ -314,6 +314,8 @@ void reroute(Plan& out, RegisterIndex r, const std::vector<ActorIndex>& consumer
   // work out (it runs after the movers); left in place they could overlap.
   copy.arena = -1;
   copy.offsets.clear();
+  // The mover writes slots of its own, whatever memory the producer's kernel keeps for r.
+  copy.kernel_memory = false;
   out.registers[r].arena = -1;
   out.registers[r].offsets.clear();
   const RegisterIndex local = out.add_register(copy);

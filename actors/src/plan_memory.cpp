@@ -314,6 +314,8 @@ MemoryCategory register_category(const Plan& plan, RegisterIndex r) {
       r = p.inputs[0].reg;
       continue;
     }
+    // A ZeRO-3 weight gathered for its pass is a weight, though its gather acts in the pass.
+    if (p.op.starts_with("zero3.gather.")) return MemoryCategory::weights;
     switch (p.role) {
       case ActorRole::update:
         return MemoryCategory::weights;

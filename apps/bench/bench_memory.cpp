@@ -144,13 +144,14 @@ double formula(std::int64_t params, int dp, int zero) {
   const double n = dp;
   if (zero == 0) return psi * (4 + 4 + 8);
   if (zero == 1) return psi * (4 + 4 + 8 / n);
-  return psi * (4 + (4 + 8) / n);
+  if (zero == 2) return psi * (4 + (4 + 8) / n);
+  return psi * (4 + 4 + 8) / n;
 }
 
 void print_model_state(const std::shared_ptr<const data::TextCorpus>& text) {
   for (int dp : {2, 4}) {
     const ModelState plain = model_state(text, dp, 0);
-    for (int zero : {0, 1, 2}) {
+    for (int zero : {0, 1, 2, 3}) {
       const ModelState s = zero == 0 ? plain : model_state(text, dp, zero);
       const double f = formula(s.params, dp, zero);
       bench::JsonLine line("memory", fmt::format("model_state_zero{}_dp{}", zero, dp));

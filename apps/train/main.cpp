@@ -926,7 +926,8 @@ void add_run_options(CLI::App& app, Options& o) {
                  "range ends at 65504) and are summed in f32 (half the bytes; CPU, the actors' ring), or none")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
   app.add_option("--zero", o.zero, "with --dp: ZeRO stage: 1 splits the optimizer state (and master weights) over the "
-                 "replicas, 2 the gradients too (reduce-scatter instead of all-reduce); 0 none. Same results as plain dp")
+                 "replicas, 2 the gradients too (reduce-scatter instead of all-reduce), 3 the weights too (each gathered "
+                 "just before its readers in each pass, FSDP); 0 none. Same results as plain dp")
       ->check(CLI::Range(0, 3));
   app.add_option("--allreduce", o.allreduce, "with --dp over ranks on several hosts (baton-launch --nnodes): auto "
                  "(hierarchical where the replicas span hosts evenly: within each host, across hosts, within) or flat "

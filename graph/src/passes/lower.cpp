@@ -113,7 +113,8 @@ std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const
 /// Replica `r`'s actors for the needed nodes, in topological order: variables, fills and ops.
 void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const Stages& st,
                  const TrainConfig& cfg, const std::set<int>& fed, const GradientInputs& grad_in,
-                 const GradientWindows& grad_windows, const GradientInputs& zero_steps, const std::optional<RegisterIndex>& clip,
+                 const GradientWindows& grad_windows, const GradientInputs& zero_steps,
+                 const std::map<int, Zero3Layout::Weight>* zero3, const std::optional<RegisterIndex>& clip,
                  ParameterStore& params, std::vector<FinalWeight>& finals) {
   const int loss_id = d.loss.id();
   const auto stream_of = [&](int id) {
@@ -135,6 +136,8 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
                                      name(n.dtype), to_string(n.shape)));
       }
     } else if (n.op == "variable") {
+      // Under ZeRO 3 its shards are its bucket's optimizers' (lower_zero); its readers gather it.
+      if (zero3 != nullptr && zero3->contains(id)) continue;
       const Placement where = b.at(backward_stream(cfg), b.place(id));
       if (auto z = zero_steps[static_cast<std::size_t>(r)].find(id);
           z != zero_steps[static_cast<std::size_t>(r)].end()) {
@@ -159,6 +162,13 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
                      (cfg.steps - cfg.first_step) * cfg.microbatches,
                      b.at(stream_of(id), b.place(id)), n.attrs);
     } else {
+      // A ZeRO-3 weight is gathered just before its first reader in each pass.
+      for (int in : zero3 != nullptr ? n.inputs : std::vector<int>{}) {
+        const auto w = zero3->find(in);
+        const bool backward = id > loss_id;
+        if (w != zero3->end() && !(backward ? b.backward_reg_of : b.reg_of).contains(in))
+          add_zero3_gather(b, in, w->second, backward, st, cfg);
+      }
       b.op_actor(id, stream_of(id),
                  id <= loss_id       ? st.forward_slots[static_cast<std::size_t>(b.stage(id))]
                  : one_slot.count(id) ? 1
@@ -322,7 +332,11 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   const bool zero = cfg.zero > 0 && cfg.dp > 1;
   GradientInputs grad_in(static_cast<std::size_t>(cfg.dp)), zero_steps(grad_in.size());
   GradientWindows grad_windows(grad_in.size());
-  if (zero) {
+  // Stage 3 keeps no step register: the weights are gathered from the shards where read.
+  std::optional<Zero3Layout> zero3;
+  if (zero && cfg.zero == 3) {
+    zero3 = zero3_layout(replicas, reps, st, cfg);
+  } else if (zero) {
     for (const auto& [v, grad] : d.trained) {
       for (std::int64_t r = 0; r < cfg.dp; ++r) {
         zero_steps[static_cast<std::size_t>(r)][v.id()] =
@@ -346,7 +360,8 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   for (std::int64_t r = 0; r < cfg.dp; ++r) {
     PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
     const std::set<int> fed = lower_data(b, r, st, cfg);
-    lower_nodes(b, r, d, st, cfg, fed, grad_in, grad_windows, zero_steps, clip[static_cast<std::size_t>(r)],
+    lower_nodes(b, r, d, st, cfg, fed, grad_in, grad_windows, zero_steps,
+                zero3 ? &zero3->weights[static_cast<std::size_t>(r)] : nullptr, clip[static_cast<std::size_t>(r)],
                 *params, finals);
     lower_accumulation(b, r, d, cfg, grad_sum, grad_in, grad_windows, clip[static_cast<std::size_t>(r)]);
     loss_regs.push_back(b.reg_of.at(d.loss.id()));
@@ -354,7 +369,8 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   const Placement reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
   std::vector<SnapshotPart> snapshots;
   if (zero) {
-    snapshots = lower_zero(replicas, reps, d, grad_sum, zero_steps, clip, cfg, *params, reporter.rank);
+    snapshots = lower_zero(replicas, reps, d, grad_sum, zero_steps, clip, cfg, *params, reporter,
+                           zero3 ? &*zero3 : nullptr);
     // Replica 0's gathers on the reporting rank write the store themselves (lower_zero).
     for (FinalWeight& f : finals) f.in_store = f.in_store || f.where.rank == reporter.rank;
   }
@@ -362,6 +378,10 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   gather_final_weights(plan, kernels, *params, finals, reporter, cfg.steps - cfg.first_step);
   label_roles_and_stages(plan, replicas);
   std::map<std::string, Placement> trained_at;
+  for (const auto& [v, grad] : d.trained) {  // ZeRO 3's weights: no FinalWeight (lower_zero stores them)
+    if (zero3 && zero3->weights[0].contains(v.id()))
+      trained_at[v.name()] = replicas[0].at(backward_stream(cfg), replicas[0].place(v.id()));
+  }
   for (const FinalWeight& f : finals) {
     trained_at[f.name] = f.where;
     if (!zero) snapshots.push_back({.name = f.name, .shape = f.shape, .dtype = f.dtype, .rank = f.where.rank});

@@ -20,6 +20,18 @@
 // reduce-scatter leaves it) and applies the same elementwise update, so weights and losses
 // equal plain data parallelism bit for bit. The gather then writes every weight of the bucket
 // into the replica's step register, which the repeat hands to the micro-batches.
+//
+// Stage 3 (FSDP's full sharding) keeps no step register: replica c's optimizer keeps its window
+// as its master (its output register, updated in place, as a plain variable's), and every
+// replica reads every shard through a repeat for its micro-batches:
+//
+//   shard@dp c ─> repeat@dp r ─┬─> w.gather@dp r     (just before w's first forward reader)
+//                              └─> w.gather.bwd@dp r (just before its first backward reader)
+//
+// Each gather acts once per micro-batch in its pass's lane (lanes.cpp), so the memory pass
+// (plan_memory.h) sees a whole weight live only from its gather to its last reader in that pass
+// and gives those bytes to other registers the rest of the time. The same values reach the same
+// readers and the same update is applied to the same elements: bit for bit plain dp again.
 #include <algorithm>
 #include <cstring>
 
@@ -73,6 +85,52 @@ void gather_shards(KernelContext& ctx) {
   skip_full();
   if (out != ctx.outputs.size())
     throw std::invalid_argument("zero.gather: the shards hold fewer elements than the weights");
+}
+
+/// "zero3.gather.<weight>": the weight is elements [begin, begin + its size) of the
+/// concatenation of the inputs (the shards that hold it).
+template <class T>
+void gather_window(KernelContext& ctx, std::int64_t begin) {
+  std::vector<std::span<const T>> parts;
+  for (const Tensor* in : ctx.inputs) parts.push_back(in->data<T>());
+  auto out = ctx.outputs[0]->data<T>();
+  const std::size_t filled = copy_window<T>(parts, begin, out);
+  if (filled != out.size()) {
+    throw std::invalid_argument(fmt::format("zero 3: the shards hold {} of the weight's {} elements", filled, out.size()));
+  }
+}
+
+/// Copies `from`, elements [begin, begin + its size) of the concatenation of `to`, into `to`.
+template <class T>
+void scatter_window(std::span<const T> from, std::int64_t begin, std::vector<Tensor>& to) {
+  std::int64_t at = 0;  // where to[i] starts in the concatenation
+  const std::int64_t end = begin + static_cast<std::int64_t>(from.size());
+  for (Tensor& t : to) {
+    auto dst = t.data<T>();
+    const auto n = static_cast<std::int64_t>(dst.size());
+    const std::int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
+    if (lo < hi) std::copy(from.begin() + (lo - begin), from.begin() + (hi - begin), dst.begin() + (lo - at));
+    at += n;
+  }
+}
+
+/// Refuses a bucket the sharded optimizer cannot train (CPU kernels, f32 and f64 only).
+void check_zero_place(const std::vector<PlanBuilder>& replicas, const Replicas::Bucket& bucket, const TrainConfig& cfg) {
+  const DType dt = bucket.weights[0].dtype();
+  for (const PlanBuilder& b : replicas) {
+    const Placement where = b.at(backward_stream(cfg), bucket.place);
+    if (where.device.type != DeviceType::cpu || (dt != DType::f32 && dt != DType::f64)) {
+      throw GraphError(fmt::format(
+          "zero {}: the sharded optimizer has CPU kernels for f32 and f64 only so far; '{}' is "
+          "{} on {} (train it without --zero)",
+          cfg.zero, bucket.weights[0].name(), baton::name(dt), where.device.str()));
+    }
+  }
+}
+
+/// How many micro-batches of a stage may read a weight at once (add_weight_repeat's depth).
+std::int32_t weight_slots(const Stages& st, int stage) {
+  return st.pp > 1 ? std::max(2, st.forward_slots[static_cast<std::size_t>(stage)] + 1) : 2;
 }
 
 /// Replica 0's gather on the reporting rank: also copies its last act's weights (the trained
@@ -269,7 +327,7 @@ ShardGradients sum_bucket(std::vector<PlanBuilder>& replicas, const Replicas& re
     for (std::size_t c = 0; c < rs.parts.size(); ++c) {
       for (RegisterIndex part : rs.parts[c]) {
         out.grads[c].push_back({part, 1});
-        if (cfg.zero == 2) reduced[c].push_back({part});
+        if (cfg.zero >= 2) reduced[c].push_back({part});
         for (std::size_t r = 0; cfg.zero == 1 && r < reduced.size(); ++r) reduced[r].push_back({part});
       }
       out.windows[c] = {.parts = rs.parts[c].size(), .offset = 0};
@@ -280,12 +338,155 @@ ShardGradients sum_bucket(std::vector<PlanBuilder>& replicas, const Replicas& re
   return out;
 }
 
+/// Stage 3: replica r's repeat of every shard of bucket `bi`, for its micro-batches' gathers.
+void add_zero3_reads(std::vector<PlanBuilder>& replicas, const Replicas::Bucket& bucket, std::size_t bi,
+                     const Zero3Layout& z, const TrainConfig& cfg) {
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    PlanBuilder& b = replicas[r];
+    for (std::size_t c = 0; c < replicas.size(); ++c) {
+      b.plan.add_actor({.name = b.named(fmt::format("zero.bucket{}.shard{}.repeat", bi, c)),
+                        .kind = ActorKind::repeat,
+                        .dtype = bucket.weights[0].dtype(),
+                        .where = b.at(backward_stream(cfg), bucket.place),
+                        .inputs = {{z.shards[bi][c]}},
+                        .outputs = {z.reads[bi][r][c]},
+                        .group = static_cast<std::int32_t>(cfg.microbatches)});
+    }
+  }
+}
+
+/// Stage 3: the trained weights into `params` on the reporting rank, shard by shard: a sink there
+/// reads a shard on that rank each step and copies its last; a shard on another rank is first
+/// kept to its last step beside it (an accumulate "last", as gather_final_weights does), so one
+/// piece crosses, once.
+void add_zero3_store(std::vector<PlanBuilder>& replicas, const Replicas::Bucket& bucket, std::size_t bi,
+                     const Zero3Layout& z, const TrainConfig& cfg, ParameterStore& params, const Placement& reporter) {
+  const DType dt = bucket.weights[0].dtype();
+  const std::int64_t acts = cfg.steps - cfg.first_step + 1;  // the first weights, then a step each
+  Plan& plan = replicas[0].plan;
+  for (std::size_t c = 0; c < replicas.size(); ++c) {
+    const Placement where = replicas[c].at(backward_stream(cfg), bucket.place);
+    RegisterIndex from = z.shards[bi][c];
+    std::int64_t copy_at = acts - 1;
+    const std::string name = fmt::format("zero.bucket{}.shard{}.store", bi, c);
+    if (where.rank != reporter.rank) {
+      const RegisterDesc& shard = plan.registers[from];
+      const RegisterIndex last = plan.add_register({.name = name + ".last", .shape = shard.shape, .dtype = dt, .slots = 1});
+      plan.add_actor({.name = name + ".last",
+                      .kind = ActorKind::accumulate,
+                      .op = "last",
+                      .dtype = dt,
+                      .where = where,
+                      .inputs = {{from}},
+                      .outputs = {last},
+                      .group = static_cast<std::int32_t>(acts),
+                      .role = ActorRole::update});
+      from = last;
+      copy_at = 0;
+    }
+    std::vector<Tensor> store;
+    for (const Value& v : bucket.weights) store.push_back(params.at(v.name()));
+    const std::int64_t begin = z.offsets[bi][c];
+    replicas[0].kernels.add_fn(name, DeviceType::cpu, dt, [store, begin, copy_at, dt](KernelContext& ctx) mutable {
+      if (ctx.piece != copy_at) return;
+      if (dt == DType::f64) {
+        scatter_window<double>(ctx.inputs[0]->data<double>(), begin, store);
+      } else {
+        scatter_window<float>(ctx.inputs[0]->data<float>(), begin, store);
+      }
+    });
+    plan.add_actor({.name = name,
+                    .op = name,
+                    .dtype = dt,
+                    .where = where.rank == reporter.rank ? where : reporter,
+                    .inputs = {{from}},
+                    .role = ActorRole::update});
+  }
+}
+
 }  // namespace
+
+Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Stages& st,
+                         const TrainConfig& cfg) {
+  const auto n_dp = static_cast<std::int64_t>(replicas.size());
+  KernelRegistry& kernels = replicas[0].kernels;
+  Zero3Layout z;
+  z.weights.resize(replicas.size());
+  for (std::size_t bi = 0; bi < reps.buckets.size(); ++bi) {
+    const Replicas::Bucket& bucket = reps.buckets[bi];
+    check_zero_place(replicas, bucket, cfg);
+    const DType dt = bucket.weights[0].dtype();
+    std::int64_t total = 0;
+    for (const Value& v : bucket.weights) total += numel(v.shape());
+    const auto offsets = chunk_offsets(total, n_dp);
+    z.offsets.push_back(offsets);
+    auto& shards = z.shards.emplace_back();
+    for (std::int64_t c = 0; c < n_dp; ++c) {
+      const auto ci = static_cast<std::size_t>(c);
+      const RegisterIndex s = replicas[ci].add_register(fmt::format("zero.bucket{}.shard", bi),
+                                                        {offsets[ci + 1] - offsets[ci]}, dt, 1);
+      // The optimizer's master itself (VariableKernel::owned_output), as a plain variable's.
+      replicas[ci].plan.registers[s].kernel_memory = true;
+      shards.push_back(s);
+    }
+    auto& reads = z.reads.emplace_back();
+    const int stage = bucket.place / std::max(1, replicas[0].tp);
+    for (PlanBuilder& b : replicas) {
+      auto& of = reads.emplace_back();
+      for (std::int64_t c = 0; c < n_dp; ++c) {
+        const auto ci = static_cast<std::size_t>(c);
+        of.push_back(b.add_register(fmt::format("zero.bucket{}.shard{}", bi, c), {offsets[ci + 1] - offsets[ci]}, dt,
+                                    weight_slots(st, stage)));
+      }
+    }
+    std::int64_t at = 0;  // where the weight starts in the bucket's concatenation
+    for (const Value& v : bucket.weights) {
+      const std::int64_t n = numel(v.shape());
+      // The shards holding its first and last elements (an empty chunk is never the one).
+      auto holder = [&](std::int64_t e) {
+        return static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), e) - offsets.begin() - 1);
+      };
+      const std::size_t lo = holder(at), hi = holder(at + std::max<std::int64_t>(n, 1) - 1);
+      const std::string op = "zero3.gather." + v.name();
+      const std::int64_t begin = at - offsets[lo];
+      if (dt == DType::f64) {
+        kernels.add_fn(op, DeviceType::cpu, dt, [begin](KernelContext& ctx) { gather_window<double>(ctx, begin); });
+      } else {
+        kernels.add_fn(op, DeviceType::cpu, dt, [begin](KernelContext& ctx) { gather_window<float>(ctx, begin); });
+      }
+      for (std::size_t r = 0; r < replicas.size(); ++r) {
+        Zero3Layout::Weight w{.begin = begin, .op = op};
+        for (std::size_t c = lo; c <= hi; ++c) w.shards.push_back(reads[r][c]);
+        z.weights[r][v.id()] = std::move(w);
+      }
+      at += n;
+    }
+  }
+  return z;
+}
+
+void add_zero3_gather(PlanBuilder& b, int id, const Zero3Layout::Weight& w, bool backward,
+                      const Stages& st, const TrainConfig& cfg) {
+  const Node& n = b.g.node(id);
+  const RegisterIndex reg =
+      b.add_register(n.name + (backward ? ".gathered.bwd" : ".gathered"), n.shape, n.dtype, weight_slots(st, b.stage(id)));
+  (backward ? b.backward_reg_of : b.reg_of)[id] = reg;
+  std::vector<InputPort> ins;
+  for (RegisterIndex s : w.shards) ins.push_back({s});
+  b.plan.add_actor({.name = b.named(n.name + (backward ? ".gather.bwd" : ".gather")),
+                    .op = w.op,
+                    .dtype = n.dtype,
+                    .where = b.at(backward ? backward_stream(cfg) : forward_stream, b.place(id)),
+                    .inputs = std::move(ins),
+                    .outputs = {reg},
+                    .role = backward ? ActorRole::backward : ActorRole::forward});
+}
 
 std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
                 const GradientInputs& grad_sum, const GradientInputs& steps,
                 const std::vector<std::optional<RegisterIndex>>& clip, const TrainConfig& cfg,
-                ParameterStore& params, std::uint16_t reporter_rank) {
+                ParameterStore& params, const Placement& reporter, const Zero3Layout* zero3) {
+  const std::uint16_t reporter_rank = reporter.rank;
   const auto n_dp = static_cast<std::int64_t>(replicas.size());
   const std::uint8_t stream = backward_stream(cfg);
   KernelRegistry& kernels = replicas[0].kernels;
@@ -299,15 +500,7 @@ std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const R
     const DType dt = bucket.weights[0].dtype();
     std::int64_t total = 0;
     for (const Value& v : bucket.weights) total += numel(v.shape());
-    for (const PlanBuilder& b : replicas) {
-      const Placement where = b.at(stream, bucket.place);
-      if (where.device.type != DeviceType::cpu || (dt != DType::f32 && dt != DType::f64)) {
-        throw GraphError(fmt::format(
-            "zero {}: the sharded optimizer has CPU kernels for f32 and f64 only so far; '{}' is "
-            "{} on {} (train it without --zero)",
-            cfg.zero, bucket.weights[0].name(), baton::name(dt), where.device.str()));
-      }
-    }
+    check_zero_place(replicas, bucket, cfg);
     const auto offsets = chunk_offsets(total, n_dp);
     const ShardGradients g = sum_bucket(replicas, reps, bi, grad_sum, cfg, offsets, reduced);
     const auto& grads = g.grads;
@@ -318,14 +511,18 @@ std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const R
       const auto ci = static_cast<std::size_t>(c);
       PlanBuilder& b = replicas[ci];
       const std::int64_t begin = offsets[ci], end = offsets[ci + 1];
-      shards.push_back({b.add_register(fmt::format("zero.bucket{}.shard", bi), {end - begin}, dt, 1)});
+      shards.push_back({zero3 != nullptr ? zero3->shards[bi][ci]
+                                          : b.add_register(fmt::format("zero.bucket{}.shard", bi), {end - begin}, dt, 1)});
       const std::string op = b.named(fmt::format("optim.bucket{}", bi));
-      // It reads its elements' current values from the weights its replica's gather wrote (the
-      // step before's, delay 1), so it keeps no master copy of its own.
+      // Stages 1 and 2: it reads its elements' current values from the weights its replica's
+      // gather wrote (the step before's, delay 1), so it keeps no master copy of its own. Stage
+      // 3: its output is its master (no weights are gathered between steps).
       std::vector<InputPort> ins = grads[ci];
-      for (const Value& v : bucket.weights) ins.push_back({steps[ci].at(v.id()), 1});
+      for (const Value& v : bucket.weights) {
+        if (zero3 == nullptr) ins.push_back({steps[ci].at(v.id()), 1});
+      }
       if (clip[ci]) ins.push_back({*clip[ci], 1});
-      const WeightWindow weights{.parts = bucket.weights.size(), .offset = begin};
+      const WeightWindow weights = zero3 != nullptr ? WeightWindow{} : WeightWindow{.parts = bucket.weights.size(), .offset = begin};
       // Every replica snapshots its shard: the weights (or pieces) its window holds.
       auto parts = parts_in_window(bucket.weights, begin, end, b.at(stream, bucket.place).rank);
       snapshots.insert(snapshots.end(), parts.begin(), parts.end());
@@ -337,6 +534,7 @@ std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const R
       const std::int64_t bytes = (end - begin) * static_cast<std::int64_t>(size_of(dt));
       const auto slots = static_cast<std::int64_t>(optimizer_slot_names(cfg.optimizer).size());
       std::vector<KeptBytes> kept;
+      if (zero3 != nullptr) kept.push_back({MemoryCategory::weights, bytes});  // the master, its output
       if (slots > 0) kept.push_back({MemoryCategory::optimizer_state, slots * bytes});
       // A clipped gradient is scaled into a copy; an unclipped one is read where it lies.
       if (clip[ci]) kept.push_back({MemoryCategory::gradients, bytes});
@@ -350,6 +548,11 @@ std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const R
                         .stops_when_unread = false,
                         .role = ActorRole::update,
                         .kept = std::move(kept)});
+    }
+    if (zero3 != nullptr) {
+      add_zero3_reads(replicas, bucket, bi, *zero3, cfg);
+      add_zero3_store(replicas, bucket, bi, *zero3, cfg, params, reporter);
+      continue;
     }
     for (std::int64_t r = 0; r < n_dp; ++r) {
       PlanBuilder& b = replicas[static_cast<std::size_t>(r)];

@@ -71,10 +71,15 @@ struct PlanBuilder {
   const Shards* shards = nullptr;       // null: all on shard 0
   std::string suffix;                   // "" for one replica, "@dp<r>" otherwise
   std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
+  /// node -> the register the backward pass reads it from, where that is not reg_of's: a ZeRO-3
+  /// weight, gathered once for the forward pass and again for the backward (lower_zero.cpp).
+  std::map<int, RegisterIndex> backward_reg_of;
   int loss_id = std::numeric_limits<int>::max();  // nodes up to it are the forward pass
   std::int64_t first_piece = 0;  // a resumed job's first micro-batch (ActorDesc::first_piece)
 
   std::string named(const std::string& n) const { return n + suffix; }
+  /// The register node `id`'s actor reads its input node `in` from.
+  RegisterIndex input_reg(int id, int in) const;
   int stage(int id) const { return stages == nullptr ? 0 : stages->at(id); }
   int shard(int id) const { return shards == nullptr ? 0 : shards->at(id); }
   /// The node's index into `places`.
@@ -178,17 +183,47 @@ const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, 
 void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st,
                        const TrainConfig& cfg);
 
+/// ZeRO 3 (lower_zero.cpp): each bucket's weights live only as shards, replica c's optimizer
+/// keeping elements [offsets[c], offsets[c+1]) of the bucket's concatenation as its master (its
+/// output register, updated in place); every replica reads every shard through a repeat for its
+/// micro-batches, and gathers each weight from them just before its first reader of the forward
+/// pass and again before its first reader of the backward pass (add_zero3_gather), so a whole
+/// weight is held only between its gather and its last reader of that pass.
+struct Zero3Layout {
+  struct Weight {
+    std::vector<RegisterIndex> shards;  // replica r's reads of the shards holding some of it
+    std::int64_t begin = 0;             // where it starts in their concatenation
+    std::string op;                     // its gather kernel
+  };
+  std::vector<std::vector<std::int64_t>> offsets;             // [bucket]: chunk_offsets
+  std::vector<std::vector<RegisterIndex>> shards;             // [bucket][c]: on replica c
+  std::vector<std::vector<std::vector<RegisterIndex>>> reads;  // [bucket][r][c]: on replica r
+  std::vector<std::map<int, Weight>> weights;                 // [r], by variable node id
+};
+
+/// The registers of zero3 (made before the actors, which lower_nodes and lower_zero add) and the
+/// gather kernels.
+Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Stages& st,
+                         const TrainConfig& cfg);
+
+/// Replica b's gather of ZeRO-3 weight `id` for the forward pass (into reg_of) or the backward
+/// pass (into backward_reg_of), acting once per micro-batch in that pass's lane.
+void add_zero3_gather(PlanBuilder& b, int id, const Zero3Layout::Weight& w, bool backward,
+                      const Stages& st, const TrainConfig& cfg);
+
 /// ZeRO (TrainConfig::zero, lower_zero.cpp): for each bucket, the gradients reduce-scattered
 /// (all-reduced, for stage 1 with compression), each replica's optimizer actor updating its 1/dp shard of the
 /// bucket's weights and optimizer state, and each replica's gather writing every weight of the
 /// bucket into its `.step` register (`steps[r]`, by variable node id) from all the shards.
 /// With clipping, also the actors that write each replica's factor into `clip[r]`. Replica 0's
-/// gathers on `reporter_rank` copy the trained weights into `params` after the last step.
+/// gathers on the reporter's rank copy the trained weights into `params` after the last step.
 /// Returns what the shards' checkpoint snapshots are (TrainingJob::snapshots).
+/// With stage 3 (`zero3`), the optimizers write the shards of `zero3` (no `.step` registers:
+/// `steps` is empty) and replica 0's reporting-rank sinks copy the last step's shards into `params`.
 std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
                 const GradientInputs& grad_sum, const GradientInputs& steps,
                 const std::vector<std::optional<RegisterIndex>>& clip, const TrainConfig& cfg,
-                ParameterStore& params, std::uint16_t reporter_rank);
+                ParameterStore& params, const Placement& reporter, const Zero3Layout* zero3 = nullptr);
 
 /// Registers the global-norm clipping kernels for `dt` (TrainConfig's clip_norm): "optim.clip"
 /// (gradients -> factor), "optim.sum_of_squares" (gradients -> f64 scalar) and

@@ -43,17 +43,12 @@ void check_config(const TrainConfig& cfg) {
   if (cfg.grad_compression != "none" && cfg.grad_compression != "bf16" && cfg.grad_compression != "fp16") {
     throw GraphError(fmt::format("grad compression '{}': none, bf16 or fp16", cfg.grad_compression));
   }
-  if (cfg.zero == 3) {
-    throw GraphError(
-        "zero 3 (weights split over the replicas and gathered just before use) is not built yet; "
-        "zero 1 splits the optimizer state, zero 2 the gradients too");
-  }
-  if (cfg.zero < 0 || cfg.zero > 3) throw GraphError(fmt::format("zero {}: 0, 1 or 2", cfg.zero));
-  if (cfg.zero == 2 && cfg.grad_compression != "none") {
+  if (cfg.zero < 0 || cfg.zero > 3) throw GraphError(fmt::format("zero {}: 0, 1, 2 or 3", cfg.zero));
+  if (cfg.zero >= 2 && cfg.grad_compression != "none") {
     throw GraphError(fmt::format(
-        "grad compression '{0}' with zero 2: the reduce-scattered shards would be in {0}; use "
+        "grad compression '{0}' with zero {1}: the reduce-scattered shards would be in {0}; use "
         "zero 1 (which all-reduces in {0}) or no compression",
-        cfg.grad_compression));
+        cfg.grad_compression, cfg.zero));
   }
   if (cfg.balance != "flops" && cfg.balance != "profile") {
     throw GraphError(fmt::format("balance '{}': flops or profile", cfg.balance));

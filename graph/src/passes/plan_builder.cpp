@@ -80,6 +80,13 @@ RegisterIndex PlanBuilder::node_register(int id, std::int32_t slots) {
   return r;
 }
 
+RegisterIndex PlanBuilder::input_reg(int id, int in) const {
+  if (id > loss_id) {
+    if (auto it = backward_reg_of.find(in); it != backward_reg_of.end()) return it->second;
+  }
+  return reg_of.at(in);
+}
+
 void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
   const Node& n = g.node(id);
   const ActorRole role = id <= loss_id ? ActorRole::forward : ActorRole::backward;
@@ -87,7 +94,7 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
     // A reshape of a register on the same device is a view of it (plan.h): no copy, no bytes
     // of its own. Across devices or ranks it stays a copy, which the copy and transfer passes
     // then move.
-    const RegisterIndex in = reg_of.at(n.inputs[0]);
+    const RegisterIndex in = input_reg(id, n.inputs[0]);
     const ActorIndex producer = plan.registers[in].producer;
     const Placement here = at(stream, place(id));
     if (producer < plan.actors.size() && plan.actors[producer].where.rank == here.rank &&
@@ -106,7 +113,7 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
     }
   }
   std::vector<InputPort> inputs;
-  for (int in : n.inputs) inputs.push_back({reg_of.at(in)});
+  for (int in : n.inputs) inputs.push_back({input_reg(id, in)});
   RegisterIndex out = node_register(id, slots);
   const Placement where = at(stream, place(id));
   plan.add_actor({.name = named(n.name),

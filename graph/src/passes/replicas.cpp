@@ -74,6 +74,7 @@ std::string Replicas::to_text() const {
   std::string out = fmt::format("dp {} x pp {} x tp {}{}\n", dp, pp, tp,
                                 zero == 1   ? ", zero 1: optimizer state split over dp"
                                 : zero == 2 ? ", zero 2: optimizer state and gradients split over dp"
+                                : zero == 3 ? ", zero 3: optimizer state, gradients and weights split over dp"
                                             : "");
   for (std::size_t r = 0; r < places.size(); ++r) {
     out += fmt::format("replica {}:", r);
