@@ -678,6 +678,7 @@ TEST_CASE("MemoryPlan.TheMeasuredHighWaterMarkAgreesWithThePlan" * doctest::time
       {.name = "tp 2", .tp = 2, .m = 2},
       {.name = "gpt", .m = 2, .gpt = true, .opt = optim::adam(0.01)},
       {.name = "gpt tp 2 x pp 2", .pp = 2, .tp = 2, .m = 2, .gpt = true, .opt = optim::adam(0.01)},
+      {.name = "gpt dp 2 zero 3", .dp = 2, .m = 2, .gpt = true, .opt = optim::adam(0.01), .zero = 3},
   };
   for (const Mode& mode : modes) {
     CAPTURE(mode.name);

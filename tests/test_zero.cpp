@@ -279,6 +279,51 @@ TEST_CASE("Zero.EachReplicaKeepsItsShareOfTheState") {
   }
 }
 
+TEST_CASE("Zero.ThreeOverRanksPullsEachShardInTheLaneJustBeforeItsGather" * doctest::timeout(120)) {
+  // Replica r on rank r: a shard of another rank is pulled once per micro-batch and pass by a
+  // transfer in the pass's lane, just before the first gather that needs it, so the memory plan
+  // knows its life as it knows the gathered weights'; no register of any rank holds weights for
+  // the whole job but the shards' masters (the optimizers' own memory), the trained shards reach
+  // the reporting rank through replica 0's forward pulls, and training is plain dp's bit for bit.
+  for (int dp : {2, 4}) {
+    CAPTURE(dp);
+    const Plan plain = insert_transfers(compile({.dp = dp, .ranks = true})->job.plan);
+    const Plan z3 = insert_transfers(compile({.dp = dp, .zero = 3, .ranks = true})->job.plan);
+    const auto lives = slot_lives(z3);
+    std::size_t pulls = 0;
+    for (const ActorDesc& a : z3.actors) {
+      if (a.kind != ActorKind::transfer || a.name.find(".pull") == std::string::npos) continue;
+      ++pulls;
+      CAPTURE(a.name);
+      CHECK(a.order.lane >= 0);
+      for (const SlotLife& life : lives[a.outputs[0]]) CHECK_FALSE(life.always());
+      CHECK(z3.registers[a.outputs[0]].arena >= 0);
+    }
+    // Each replica pulls every other rank's shard for its forward pass, and for its backward
+    // pass where the backward reads weights it holds (w2 and w3 lie in every shard here but the
+    // last at dp 4).
+    CHECK(pulls >= static_cast<std::size_t>(dp * (dp - 1)));
+    for (RegisterIndex r = 0; r < z3.registers.size(); ++r) {
+      const RegisterMemory m = register_memory(z3, r);
+      if (!m.allocated || register_category(z3, r) != MemoryCategory::weights) continue;
+      CAPTURE(z3.registers[r].name);
+      for (const SlotLife& life : lives[r]) CHECK_FALSE(life.always());
+    }
+    // Less memory on every rank than plain dp (the optimizer state divides by dp; the weights
+    // held at the peak are the shard and what is gathered then: this MLP's w2 is half the model).
+    const auto plain_report = memory_report(plain), z3_report = memory_report(z3);
+    REQUIRE(plain_report.size() == z3_report.size());
+    for (std::size_t i = 0; i < z3_report.size(); ++i) {
+      CAPTURE(z3_report[i].rank);
+      CHECK(z3_report[i].total() < plain_report[i].total());
+    }
+    const Setup plain_run{.dp = dp, .ranks = true};
+    Setup z = plain_run;
+    z.zero = 3;
+    check_identical(train(plain_run), train(z));
+  }
+}
+
 TEST_CASE("Zero.ResumesFromACheckpointOfPlainDataParallel" * doctest::timeout(120)) {
   // The saved state is whole tensors; a zero job takes each shard's window of them: the resumed
   // run goes on as the uninterrupted plain one, bit for bit.

@@ -88,7 +88,9 @@ bool piece_spans(const Plan& plan, RegisterIndex r, const LanePositions& lanes,
   const RegisterDesc& reg = plan.registers[r];
   if (reg.producer >= plan.actors.size()) return false;
   const ActorDesc& p = plan.actors[reg.producer];
-  if (p.kind != ActorKind::compute || p.order.lane < 0 || p.order.units.empty()) return false;
+  // A transfer in a lane starts writing its slot (the pull) at its act, as a kernel would.
+  if ((p.kind != ActorKind::compute && p.kind != ActorKind::transfer) || p.order.lane < 0 || p.order.units.empty())
+    return false;
   const auto& wpos = lanes.position[reg.producer];
   write.assign(wpos.begin(), wpos.end());
   last_read = write;

@@ -716,7 +716,8 @@ void check_lane(const Plan& plan, ActorIndex i, std::map<std::int32_t, ActorInde
   const ActorDesc& a = plan.actors[i];
   if (a.order.lane < 0) return;
   const ActOrder& o = a.order;
-  if (a.kind == ActorKind::transfer) problem("transfer actor '{}' is in lane {}; transfers cannot be ordered", a.name, o.lane);
+  // (A transfer in a lane starts its pull at its turn and passes the turn on; the pull lands
+  // later, and its readers wait for it as for any input.)
   if (o.units.empty() || o.period < 1) {
     problem("actor '{}' is in lane {} with {} units and period {}; it needs at least one unit and a period >= 1", a.name,
             o.lane, o.units.size(), o.period);

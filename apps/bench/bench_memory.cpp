@@ -104,13 +104,17 @@ struct ModelState {
   std::int64_t total() const { return weights + gradients + optimizer_state; }
 };
 
-ModelState model_state(const std::shared_ptr<const data::TextCorpus>& text, int dp, int zero) {
+/// Replica 0's device: the replicas are devices of one process, or with `ranks` each on a rank of
+/// its own (the plan as rank 0 runs it, its transfers in).
+ModelState model_state(const std::shared_ptr<const data::TextCorpus>& text, int dp, int zero, bool ranks) {
   const std::int64_t batch = 4;  // per replica; model state does not depend on it
   Graph g(1);
   auto out = models::gpt_with_loss(g, batch, gpt_shape(*text, 256));
   TrainConfig cfg = text_config(text, batch, dp);
   cfg.zero = zero;
+  for (int r = 0; ranks && r < dp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
   TrainingJob job = compile_training(g, out.loss, cfg);
+  if (ranks) job.plan = insert_transfers(job.plan);
   ModelState s;
   for (const auto& [name, t] : job.params->values()) s.params += t.numel();
   const DeviceMemory m = memory_report(job.plan).at(0);  // replica 0's device
@@ -149,12 +153,13 @@ double formula(std::int64_t params, int dp, int zero) {
 }
 
 void print_model_state(const std::shared_ptr<const data::TextCorpus>& text) {
+  for (bool ranks : {false, true}) {
   for (int dp : {2, 4}) {
-    const ModelState plain = model_state(text, dp, 0);
+    const ModelState plain = model_state(text, dp, 0, ranks);
     for (int zero : {0, 1, 2, 3}) {
-      const ModelState s = zero == 0 ? plain : model_state(text, dp, zero);
+      const ModelState s = zero == 0 ? plain : model_state(text, dp, zero, ranks);
       const double f = formula(s.params, dp, zero);
-      bench::JsonLine line("memory", fmt::format("model_state_zero{}_dp{}", zero, dp));
+      bench::JsonLine line("memory", fmt::format("model_state_zero{}_dp{}{}", zero, dp, ranks ? "_ranks" : ""));
       line.add("value", s.total())
           .add("unit", "bytes per rank (plan)")
           .add("params", s.params)
@@ -166,6 +171,7 @@ void print_model_state(const std::shared_ptr<const data::TextCorpus>& text) {
           .add("of_plain_dp", static_cast<double>(s.total()) / static_cast<double>(plain.total()))
           .print();
     }
+  }
   }
 }
 

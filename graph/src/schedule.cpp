@@ -51,7 +51,10 @@ void order_pipeline(Plan& plan, PipelineSchedule s, int stages, std::int64_t m) 
   std::map<std::tuple<int, std::uint16_t, Device, std::uint8_t>, std::int32_t> lanes;
   std::map<std::int32_t, std::int32_t> ranks;  // lane -> actors in it so far
   for (ActorDesc& a : plan.actors) {
-    if (a.kind != ActorKind::compute || a.outputs.empty() || a.stage < 0) continue;
+    // Transfers too where the lowering gave them a pass (ZeRO 3's pulls of remote shards), and
+    // of the sinks, ZeRO 3's store of those pulls (lower_zero.cpp), whose place is beside them.
+    if (a.kind != ActorKind::compute && a.kind != ActorKind::transfer) continue;
+    if ((a.outputs.empty() && !a.op.starts_with("zero3.store.")) || a.stage < 0) continue;
     if (a.role != ActorRole::forward && a.role != ActorRole::backward) continue;
     if (a.stage >= stages) {
       throw GraphError(fmt::format("order_pipeline: actor '{}' is on stage {} of a {}-stage pipeline", a.name,

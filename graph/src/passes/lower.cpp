@@ -114,7 +114,7 @@ std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const
 void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const Stages& st,
                  const TrainConfig& cfg, const std::set<int>& fed, const GradientInputs& grad_in,
                  const GradientWindows& grad_windows, const GradientInputs& zero_steps,
-                 const std::map<int, Zero3Layout::Weight>* zero3, const std::optional<RegisterIndex>& clip,
+                 Zero3Layout* zero3, const std::optional<RegisterIndex>& clip,
                  ParameterStore& params, std::vector<FinalWeight>& finals) {
   const int loss_id = d.loss.id();
   const auto stream_of = [&](int id) {
@@ -137,7 +137,7 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
       }
     } else if (n.op == "variable") {
       // Under ZeRO 3 its shards are its bucket's optimizers' (lower_zero); its readers gather it.
-      if (zero3 != nullptr && zero3->contains(id)) continue;
+      if (zero3 != nullptr && zero3->weights[static_cast<std::size_t>(r)].contains(id)) continue;
       const Placement where = b.at(backward_stream(cfg), b.place(id));
       if (auto z = zero_steps[static_cast<std::size_t>(r)].find(id);
           z != zero_steps[static_cast<std::size_t>(r)].end()) {
@@ -164,10 +164,10 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
     } else {
       // A ZeRO-3 weight is gathered just before its first reader in each pass.
       for (int in : zero3 != nullptr ? n.inputs : std::vector<int>{}) {
-        const auto w = zero3->find(in);
         const bool backward = id > loss_id;
-        if (w != zero3->end() && !(backward ? b.backward_reg_of : b.reg_of).contains(in))
-          add_zero3_gather(b, in, w->second, backward, st, cfg);
+        if (zero3->weights[static_cast<std::size_t>(r)].contains(in) &&
+            !(backward ? b.backward_reg_of : b.reg_of).contains(in))
+          add_zero3_gather(b, static_cast<std::size_t>(r), in, *zero3, backward, st, cfg);
       }
       b.op_actor(id, stream_of(id),
                  id <= loss_id       ? st.forward_slots[static_cast<std::size_t>(b.stage(id))]
@@ -336,6 +336,7 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   std::optional<Zero3Layout> zero3;
   if (zero && cfg.zero == 3) {
     zero3 = zero3_layout(replicas, reps, st, cfg);
+    zero3->reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
   } else if (zero) {
     for (const auto& [v, grad] : d.trained) {
       for (std::int64_t r = 0; r < cfg.dp; ++r) {
@@ -361,7 +362,7 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
     PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
     const std::set<int> fed = lower_data(b, r, st, cfg);
     lower_nodes(b, r, d, st, cfg, fed, grad_in, grad_windows, zero_steps,
-                zero3 ? &zero3->weights[static_cast<std::size_t>(r)] : nullptr, clip[static_cast<std::size_t>(r)],
+                zero3 ? &*zero3 : nullptr, clip[static_cast<std::size_t>(r)],
                 *params, finals);
     lower_accumulation(b, r, d, cfg, grad_sum, grad_in, grad_windows, clip[static_cast<std::size_t>(r)]);
     loss_regs.push_back(b.reg_of.at(d.loss.id()));

@@ -338,38 +338,74 @@ ShardGradients sum_bucket(std::vector<PlanBuilder>& replicas, const Replicas& re
   return out;
 }
 
-/// Stage 3: replica r's repeat of every shard of bucket `bi`, for its micro-batches' gathers.
-void add_zero3_reads(std::vector<PlanBuilder>& replicas, const Replicas::Bucket& bucket, std::size_t bi,
-                     const Zero3Layout& z, const TrainConfig& cfg) {
+/// Stage 3: the repeats through which the gathers (add_zero3_gather) read the shards of bucket
+/// `bi`, one per micro-batch: on the reader's replica for a shard of its rank, on the shard's
+/// for a transfer to pull.
+void add_zero3_reads(std::vector<PlanBuilder>& replicas, std::size_t bi, const Zero3Layout& z, const TrainConfig& cfg) {
+  const Zero3Layout::Bucket& zb = z.buckets[bi];
+  auto repeat = [&](std::size_t at, const std::string& name, std::size_t c, RegisterIndex out) {
+    PlanBuilder& b = replicas[at];
+    b.plan.add_actor({.name = b.named(name),
+                      .kind = ActorKind::repeat,
+                      .dtype = b.plan.registers[out].dtype,
+                      .where = z.at(bi, at),
+                      .inputs = {{zb.shards[c]}},
+                      .outputs = {out},
+                      .group = static_cast<std::int32_t>(cfg.microbatches)});
+  };
   for (std::size_t r = 0; r < replicas.size(); ++r) {
-    PlanBuilder& b = replicas[r];
     for (std::size_t c = 0; c < replicas.size(); ++c) {
-      b.plan.add_actor({.name = b.named(fmt::format("zero.bucket{}.shard{}.repeat", bi, c)),
-                        .kind = ActorKind::repeat,
-                        .dtype = bucket.weights[0].dtype(),
-                        .where = b.at(backward_stream(cfg), bucket.place),
-                        .inputs = {{z.shards[bi][c]}},
-                        .outputs = {z.reads[bi][r][c]},
-                        .group = static_cast<std::int32_t>(cfg.microbatches)});
+      const auto& read = zb.reads[r][c];
+      const auto& pulled = zb.pulled[r][c];
+      if (pulled[0].made || pulled[1].made) {
+        for (std::size_t pass = 0; pass < 2; ++pass) {
+          if (pulled[pass].made)
+            repeat(c, fmt::format("zero.bucket{}.shard{}.repeat{}.for{}", bi, c, pass == 1 ? ".bwd" : "", z.suffixes[r]), c,
+                   pulled[pass].reg);
+        }
+      } else if (read[0].made || read[1].made) {
+        repeat(r, fmt::format("zero.bucket{}.shard{}.repeat", bi, c), c, read[read[0].made ? 0 : 1].reg);
+      }
     }
   }
 }
 
-/// Stage 3: the trained weights into `params` on the reporting rank, shard by shard: a sink there
-/// reads a shard on that rank each step and copies its last; a shard on another rank is first
-/// kept to its last step beside it (an accumulate "last", as gather_final_weights does), so one
-/// piece crosses, once.
+/// Stage 3: the trained weights into `params` on the reporting rank, shard by shard. A sink there
+/// reads a shard of that rank each step and copies its last; replica 0's forward pulls bring the
+/// other ranks' shards to a sink in the lane (add_zero3_gather), which copies the pieces of the
+/// step after the last. Where replica 0 is not on the reporting rank (a pipeline stage on
+/// another rank), each shard is kept to its last step beside it (an accumulate "last", as
+/// gather_final_weights does), and one piece crosses, once.
 void add_zero3_store(std::vector<PlanBuilder>& replicas, const Replicas::Bucket& bucket, std::size_t bi,
-                     const Zero3Layout& z, const TrainConfig& cfg, ParameterStore& params, const Placement& reporter) {
+                     const Zero3Layout& z, const TrainConfig& cfg, ParameterStore& params) {
   const DType dt = bucket.weights[0].dtype();
   const std::int64_t acts = cfg.steps - cfg.first_step + 1;  // the first weights, then a step each
   Plan& plan = replicas[0].plan;
+  const Zero3Layout::Bucket& zb = z.buckets[bi];
   for (std::size_t c = 0; c < replicas.size(); ++c) {
-    const Placement where = replicas[c].at(backward_stream(cfg), bucket.place);
-    RegisterIndex from = z.shards[bi][c];
+    const Placement where = z.at(bi, c);
+    std::vector<Tensor> store;
+    for (const Value& v : bucket.weights) store.push_back(params.at(v.name()));
+    const std::int64_t begin = zb.offsets[c];
+    auto add_kernel = [&](const std::string& op, std::int64_t copy_at) {
+      replicas[0].kernels.add_fn(op, DeviceType::cpu, dt, [store, begin, copy_at, dt](KernelContext& ctx) mutable {
+        if (ctx.piece != copy_at) return;
+        if (dt == DType::f64) {
+          scatter_window<double>(ctx.inputs[0]->data<double>(), begin, store);
+        } else {
+          scatter_window<float>(ctx.inputs[0]->data<float>(), begin, store);
+        }
+      });
+    };
+    if (zb.stored_from_pull[c]) {
+      add_kernel(fmt::format("zero3.store.bucket{}.shard{}", bi, c), acts * cfg.microbatches - 1);
+      continue;
+    }
+    if (zb.offsets[c] == zb.offsets[c + 1]) continue;  // an empty shard
+    RegisterIndex from = zb.shards[c];
     std::int64_t copy_at = acts - 1;
     const std::string name = fmt::format("zero.bucket{}.shard{}.store", bi, c);
-    if (where.rank != reporter.rank) {
+    if (where.rank != z.reporter.rank) {
       const RegisterDesc& shard = plan.registers[from];
       const RegisterIndex last = plan.add_register({.name = name + ".last", .shape = shard.shape, .dtype = dt, .slots = 1});
       plan.add_actor({.name = name + ".last",
@@ -384,21 +420,11 @@ void add_zero3_store(std::vector<PlanBuilder>& replicas, const Replicas::Bucket&
       from = last;
       copy_at = 0;
     }
-    std::vector<Tensor> store;
-    for (const Value& v : bucket.weights) store.push_back(params.at(v.name()));
-    const std::int64_t begin = z.offsets[bi][c];
-    replicas[0].kernels.add_fn(name, DeviceType::cpu, dt, [store, begin, copy_at, dt](KernelContext& ctx) mutable {
-      if (ctx.piece != copy_at) return;
-      if (dt == DType::f64) {
-        scatter_window<double>(ctx.inputs[0]->data<double>(), begin, store);
-      } else {
-        scatter_window<float>(ctx.inputs[0]->data<float>(), begin, store);
-      }
-    });
+    add_kernel(name, copy_at);
     plan.add_actor({.name = name,
                     .op = name,
                     .dtype = dt,
-                    .where = where.rank == reporter.rank ? where : reporter,
+                    .where = where.rank == z.reporter.rank ? where : z.reporter,
                     .inputs = {{from}},
                     .role = ActorRole::update});
   }
@@ -406,80 +432,121 @@ void add_zero3_store(std::vector<PlanBuilder>& replicas, const Replicas::Bucket&
 
 }  // namespace
 
-Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Stages& st,
+Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Stages&,
                          const TrainConfig& cfg) {
-  const auto n_dp = static_cast<std::int64_t>(replicas.size());
+  const std::size_t n_dp = replicas.size();
   KernelRegistry& kernels = replicas[0].kernels;
   Zero3Layout z;
-  z.weights.resize(replicas.size());
+  z.weights.resize(n_dp);
+  for (const PlanBuilder& b : replicas) z.suffixes.push_back(b.suffix);
   for (std::size_t bi = 0; bi < reps.buckets.size(); ++bi) {
     const Replicas::Bucket& bucket = reps.buckets[bi];
     check_zero_place(replicas, bucket, cfg);
     const DType dt = bucket.weights[0].dtype();
     std::int64_t total = 0;
     for (const Value& v : bucket.weights) total += numel(v.shape());
-    const auto offsets = chunk_offsets(total, n_dp);
-    z.offsets.push_back(offsets);
-    auto& shards = z.shards.emplace_back();
-    for (std::int64_t c = 0; c < n_dp; ++c) {
-      const auto ci = static_cast<std::size_t>(c);
-      const RegisterIndex s = replicas[ci].add_register(fmt::format("zero.bucket{}.shard", bi),
-                                                        {offsets[ci + 1] - offsets[ci]}, dt, 1);
+    Zero3Layout::Bucket& zb = z.buckets.emplace_back();
+    zb.offsets = chunk_offsets(total, static_cast<std::int64_t>(n_dp));
+    for (std::size_t c = 0; c < n_dp; ++c) {
+      z.places.push_back(replicas[c].at(backward_stream(cfg), bucket.place));
+      const RegisterIndex s = replicas[c].add_register(fmt::format("zero.bucket{}.shard", bi),
+                                                        {zb.offsets[c + 1] - zb.offsets[c]}, dt, 1);
       // The optimizer's master itself (VariableKernel::owned_output), as a plain variable's.
-      replicas[ci].plan.registers[s].kernel_memory = true;
-      shards.push_back(s);
+      replicas[c].plan.registers[s].kernel_memory = true;
+      zb.shards.push_back(s);
     }
-    auto& reads = z.reads.emplace_back();
-    const int stage = bucket.place / std::max(1, replicas[0].tp);
-    for (PlanBuilder& b : replicas) {
-      auto& of = reads.emplace_back();
-      for (std::int64_t c = 0; c < n_dp; ++c) {
-        const auto ci = static_cast<std::size_t>(c);
-        of.push_back(b.add_register(fmt::format("zero.bucket{}.shard{}", bi, c), {offsets[ci + 1] - offsets[ci]}, dt,
-                                    weight_slots(st, stage)));
-      }
-    }
+    zb.reads.assign(n_dp, std::vector<std::array<Zero3Layout::Read, 2>>(n_dp));
+    zb.pulled = zb.reads;
+    zb.stored_from_pull.assign(n_dp, false);
     std::int64_t at = 0;  // where the weight starts in the bucket's concatenation
     for (const Value& v : bucket.weights) {
       const std::int64_t n = numel(v.shape());
       // The shards holding its first and last elements (an empty chunk is never the one).
       auto holder = [&](std::int64_t e) {
-        return static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), e) - offsets.begin() - 1);
+        return static_cast<std::size_t>(std::upper_bound(zb.offsets.begin(), zb.offsets.end(), e) - zb.offsets.begin() - 1);
       };
-      const std::size_t lo = holder(at), hi = holder(at + std::max<std::int64_t>(n, 1) - 1);
-      const std::string op = "zero3.gather." + v.name();
-      const std::int64_t begin = at - offsets[lo];
+      Zero3Layout::Weight w{.bucket = bi,
+                            .first = holder(at),
+                            .last = holder(at + std::max<std::int64_t>(n, 1) - 1),
+                            .begin = 0,
+                            .op = "zero3.gather." + v.name()};
+      w.begin = at - zb.offsets[w.first];
+      const std::int64_t begin = w.begin;
       if (dt == DType::f64) {
-        kernels.add_fn(op, DeviceType::cpu, dt, [begin](KernelContext& ctx) { gather_window<double>(ctx, begin); });
+        kernels.add_fn(w.op, DeviceType::cpu, dt, [begin](KernelContext& ctx) { gather_window<double>(ctx, begin); });
       } else {
-        kernels.add_fn(op, DeviceType::cpu, dt, [begin](KernelContext& ctx) { gather_window<float>(ctx, begin); });
+        kernels.add_fn(w.op, DeviceType::cpu, dt, [begin](KernelContext& ctx) { gather_window<float>(ctx, begin); });
       }
-      for (std::size_t r = 0; r < replicas.size(); ++r) {
-        Zero3Layout::Weight w{.begin = begin, .op = op};
-        for (std::size_t c = lo; c <= hi; ++c) w.shards.push_back(reads[r][c]);
-        z.weights[r][v.id()] = std::move(w);
-      }
+      for (std::size_t r = 0; r < n_dp; ++r) z.weights[r][v.id()] = w;
       at += n;
     }
   }
   return z;
 }
 
-void add_zero3_gather(PlanBuilder& b, int id, const Zero3Layout::Weight& w, bool backward,
-                      const Stages& st, const TrainConfig& cfg) {
+void add_zero3_gather(PlanBuilder& b, std::size_t r, int id, Zero3Layout& z, bool backward, const Stages& st,
+                      const TrainConfig& cfg) {
+  const Zero3Layout::Weight& w = z.weights[r].at(id);
+  Zero3Layout::Bucket& zb = z.buckets[w.bucket];
+  const std::size_t pass = backward ? 1 : 0;
   const Node& n = b.g.node(id);
-  const RegisterIndex reg =
-      b.add_register(n.name + (backward ? ".gathered.bwd" : ".gathered"), n.shape, n.dtype, weight_slots(st, b.stage(id)));
-  (backward ? b.backward_reg_of : b.reg_of)[id] = reg;
+  const Placement where = b.at(backward ? backward_stream(cfg) : forward_stream, b.place(id));
+  const ActorRole role = backward ? ActorRole::backward : ActorRole::forward;
+  const std::int32_t slots = weight_slots(st, b.stage(id));
   std::vector<InputPort> ins;
-  for (RegisterIndex s : w.shards) ins.push_back({s});
+  for (std::size_t c = w.first; c <= w.last; ++c) {
+    auto& read = zb.reads[r][c][pass];
+    if (!read.made) {
+      const RegisterDesc shard = b.plan.registers[zb.shards[c]];
+      if (z.at(w.bucket, c).rank == where.rank) {
+        // Read where it lies through a repeat (no bytes of its own), one for both passes.
+        auto& other = zb.reads[r][c][1 - pass];
+        if (!other.made) other = {b.add_register(fmt::format("zero.bucket{}.shard{}", w.bucket, c), shard.shape, shard.dtype, slots), true};
+        read = other;
+      } else {
+        // Pulled in this pass's lane, right before the first gather that needs it, from a
+        // repeat of the shard on its rank (lower_zero adds the repeat).
+        const std::string to = fmt::format("zero.bucket{}.shard{}{}", w.bucket, c, backward ? ".bwd" : "");
+        auto& pulled = zb.pulled[r][c][pass];
+        pulled = {b.plan.add_register({.name = fmt::format("{}.to{}{}", to, b.suffix, z.suffixes[c]),
+                                       .shape = shard.shape,
+                                       .dtype = shard.dtype,
+                                       .slots = slots}),
+                  true};
+        read = {b.add_register(to, shard.shape, shard.dtype, slots), true};
+        b.plan.add_actor({.name = b.named(to + ".pull"),
+                          .kind = ActorKind::transfer,
+                          .op = "transfer",
+                          .dtype = shard.dtype,
+                          .where = where,
+                          .inputs = {{pulled.reg}},
+                          .outputs = {read.reg},
+                          .role = role});
+        if (r == 0 && !backward && where.rank == z.reporter.rank) {
+          // The reporting rank's store takes the trained shard from these pulls: one more step's
+          // worth after the last forward pass. Right behind the pull in the lane, so the pulled
+          // register lives no longer for it (lower_zero gives it its kernel).
+          zb.stored_from_pull[c] = true;
+          b.plan.add_actor({.name = fmt::format("zero.bucket{}.shard{}.store", w.bucket, c),
+                            .op = fmt::format("zero3.store.bucket{}.shard{}", w.bucket, c),
+                            .dtype = shard.dtype,
+                            .where = where,
+                            .inputs = {{read.reg}},
+                            .role = role});
+        }
+      }
+    }
+    ins.push_back({read.reg});
+  }
+  const RegisterIndex reg = b.add_register(n.name + (backward ? ".gathered.bwd" : ".gathered"), n.shape, n.dtype, slots);
+  (backward ? b.backward_reg_of : b.reg_of)[id] = reg;
   b.plan.add_actor({.name = b.named(n.name + (backward ? ".gather.bwd" : ".gather")),
                     .op = w.op,
                     .dtype = n.dtype,
-                    .where = b.at(backward ? backward_stream(cfg) : forward_stream, b.place(id)),
+                    .where = where,
                     .inputs = std::move(ins),
                     .outputs = {reg},
-                    .role = backward ? ActorRole::backward : ActorRole::forward});
+                    .role = role});
 }
 
 std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
@@ -511,7 +578,7 @@ std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const R
       const auto ci = static_cast<std::size_t>(c);
       PlanBuilder& b = replicas[ci];
       const std::int64_t begin = offsets[ci], end = offsets[ci + 1];
-      shards.push_back({zero3 != nullptr ? zero3->shards[bi][ci]
+      shards.push_back({zero3 != nullptr ? zero3->buckets[bi].shards[ci]
                                           : b.add_register(fmt::format("zero.bucket{}.shard", bi), {end - begin}, dt, 1)});
       const std::string op = b.named(fmt::format("optim.bucket{}", bi));
       // Stages 1 and 2: it reads its elements' current values from the weights its replica's
@@ -550,8 +617,8 @@ std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const R
                         .kept = std::move(kept)});
     }
     if (zero3 != nullptr) {
-      add_zero3_reads(replicas, bucket, bi, *zero3, cfg);
-      add_zero3_store(replicas, bucket, bi, *zero3, cfg, params, reporter);
+      add_zero3_reads(replicas, bi, *zero3, cfg);
+      add_zero3_store(replicas, bucket, bi, *zero3, cfg, params);
       continue;
     }
     for (std::int64_t r = 0; r < n_dp; ++r) {

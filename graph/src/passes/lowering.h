@@ -1,6 +1,7 @@
 #pragma once
 // Private to graph/src/passes: what the lowering pass (lower*.cpp) and evaluate() share: the
 // builder of one replica's actors and registers, and the kernels the compiler makes itself.
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -185,31 +186,53 @@ void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st
 
 /// ZeRO 3 (lower_zero.cpp): each bucket's weights live only as shards, replica c's optimizer
 /// keeping elements [offsets[c], offsets[c+1]) of the bucket's concatenation as its master (its
-/// output register, updated in place); every replica reads every shard through a repeat for its
-/// micro-batches, and gathers each weight from them just before its first reader of the forward
-/// pass and again before its first reader of the backward pass (add_zero3_gather), so a whole
-/// weight is held only between its gather and its last reader of that pass.
+/// output register, updated in place). Each replica gathers each weight from the shards just
+/// before its first reader of the forward pass and again before its first reader of the
+/// backward pass (add_zero3_gather), so a whole weight is held only between its gather and its
+/// last reader of that pass. A shard on the replica's own rank is read where it lies, through a
+/// repeat for the micro-batches; one on another rank is pulled, per micro-batch and pass, by a
+/// transfer in the pass's lane just before the bucket's first gather that needs it.
 struct Zero3Layout {
   struct Weight {
-    std::vector<RegisterIndex> shards;  // replica r's reads of the shards holding some of it
-    std::int64_t begin = 0;             // where it starts in their concatenation
-    std::string op;                     // its gather kernel
+    std::size_t bucket = 0;
+    std::size_t first = 0, last = 0;  // the shards holding its first and last elements
+    std::int64_t begin = 0;           // where it starts in the concatenation of those shards
+    std::string op;                   // its gather kernel
   };
-  std::vector<std::vector<std::int64_t>> offsets;             // [bucket]: chunk_offsets
-  std::vector<std::vector<RegisterIndex>> shards;             // [bucket][c]: on replica c
-  std::vector<std::vector<std::vector<RegisterIndex>>> reads;  // [bucket][r][c]: on replica r
-  std::vector<std::map<int, Weight>> weights;                 // [r], by variable node id
+  /// What replica r reads shard c of a bucket from in a pass: the shard's repeat on r (same
+  /// rank), or a transfer's register, made at the first gather that needs it.
+  struct Read {
+    RegisterIndex reg = 0;
+    bool made = false;
+  };
+  struct Bucket {
+    std::vector<std::int64_t> offsets;  // chunk_offsets
+    std::vector<RegisterIndex> shards;  // [c]: on replica c
+    /// [r][c][pass]: the register replica r reads shard c from (pass 0 forward, 1 backward);
+    /// for a remote shard, `pulled` is the repeat on c that r's transfer pulls from.
+    std::vector<std::vector<std::array<Read, 2>>> reads, pulled;
+    /// [c]: replica 0's sink of shard c's forward pulls, which copies the last step's shard into
+    /// the store (add_zero3_gather adds it beside the pull; lower_zero gives it its kernel).
+    std::vector<bool> stored_from_pull;
+  };
+  std::vector<Bucket> buckets;
+  std::vector<std::map<int, Weight>> weights;  // [r], by variable node id
+  std::vector<Placement> places;              // [bucket * dp + c]: where replica c holds it
+  std::vector<std::string> suffixes;          // [r]: PlanBuilder::suffix
+  Placement reporter;                         // where the trained weights are wanted (loss.report)
+  Placement at(std::size_t bucket, std::size_t r) const { return places[bucket * suffixes.size() + r]; }
 };
 
-/// The registers of zero3 (made before the actors, which lower_nodes and lower_zero add) and the
-/// gather kernels.
+/// The registers of zero3 that exist before the actors (lower_nodes and lower_zero add them),
+/// and the gather kernels.
 Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Stages& st,
                          const TrainConfig& cfg);
 
-/// Replica b's gather of ZeRO-3 weight `id` for the forward pass (into reg_of) or the backward
-/// pass (into backward_reg_of), acting once per micro-batch in that pass's lane.
-void add_zero3_gather(PlanBuilder& b, int id, const Zero3Layout::Weight& w, bool backward,
-                      const Stages& st, const TrainConfig& cfg);
+/// Replica r's (b's) gather of ZeRO-3 weight `id` for the forward pass (into reg_of) or the
+/// backward pass (into backward_reg_of), acting once per micro-batch in that pass's lane, with
+/// the transfers of remote shards it is the first to need.
+void add_zero3_gather(PlanBuilder& b, std::size_t r, int id, Zero3Layout& z, bool backward, const Stages& st,
+                      const TrainConfig& cfg);
 
 /// ZeRO (TrainConfig::zero, lower_zero.cpp): for each bucket, the gradients reduce-scattered
 /// (all-reduced, for stage 1 with compression), each replica's optimizer actor updating its 1/dp shard of the

@@ -43,7 +43,9 @@ enum class ActorKind : std::uint8_t {
   accumulate,
   /// One input on another rank, one output here of the same shape and dtype: pulls each piece
   /// from the remote producer's slot into its own (the data plane), then acks the producer and
-  /// requests its local consumers. Placed by insert_transfers(), one per (register, rank).
+  /// requests its local consumers. Placed by insert_transfers(), one per (register, rank), or
+  /// by a lowering that wants one in a lane (ZeRO 3's pulls), where it starts each pull at its
+  /// turn.
   transfer,
 };
 

@@ -14,9 +14,10 @@
 /// such intervals. Two slots of one lane whose sets never meet are never live at once: the
 /// later act starts after the earlier one ended (on one worker; on one CUDA stream in stream
 /// order). The readers of a view of R (plan.h: a repeat of group 1, which copies nothing) read
-/// R's bytes and count as R's readers. Anything else (a reader on another worker, rank or
-/// stream, a repeat of a weight, an accumulate, a transfer, a delay) is live for the whole job:
-/// conservative, never wrong.
+/// R's bytes and count as R's readers. A transfer in a lane writes its slot from its act (the
+/// pull it starts there), as a compute actor does. Anything else (a reader on another worker,
+/// rank or stream, a repeat of a weight, an accumulate, a transfer outside a lane, a delay) is
+/// live for the whole job: conservative, never wrong.
 #include <array>
 #include <cstdint>
 #include <string>
