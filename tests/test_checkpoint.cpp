@@ -102,6 +102,7 @@ Run train(const Setup& s) {
   std::optional<checkpoint::Checkpoint> resumed;
   if (!s.resume.empty()) {
     resumed = checkpoint::load(checkpoint::find(s.resume).dir);
+    checkpoint::reshard(*resumed, *params);  // as baton-train does: a checkpoint of another tp
     checkpoint::restore(*resumed, *params, s.opt);
     cfg.first_step = resumed->step;
     cfg.optimizer_state = std::make_shared<OptimizerState>(resumed->slots);
@@ -399,6 +400,73 @@ TEST_CASE("Checkpoint.ResumeWithAnotherLayoutContinuesTheCurve" * doctest::timeo
   }
 }
 
+TEST_CASE("Checkpoint.ATensorParallelCheckpointResumesUnderAnotherTp" * doctest::timeout(240)) {
+  // Written under tp 2 (the MLP's fc0 split by columns, fc1 by rows: "fc0.w.tp0", ...) and resumed
+  // under tp 1, tp 4 and tp 2 x dp 2: each split weight and its Adam moments are joined along
+  // their axis and cut again (checkpoint::reshard), so the curve goes on, within the tolerance
+  // of sums in another order (10 steps, sums over the batch of 32); under tp 2 itself, bit for bit.
+  TempDir a("tp");
+  const Setup tp2{.tp = 2, .opt = optim::adam(0.01), .dropout = 0};
+  const Run all = train(tp2);
+  Setup first = tp2;
+  first.steps = 10;
+  first.dir = a.path;
+  train(first);
+  const auto tolerance = test::tolerance({.dtype = DType::f32, .steps = 10, .longest_sum = 32, .lr = 0.01});
+  for (const Setup& other : {Setup{.tp = 1}, Setup{.tp = 4}, Setup{.dp = 2, .tp = 2}}) {
+    CAPTURE(other.tp);
+    CAPTURE(other.dp);
+    Setup s = other;
+    s.opt = optim::adam(0.01);
+    s.dropout = 0;
+    s.resume = a.path;
+    const Run resumed = train(s);
+    REQUIRE(resumed.losses.size() == 10);
+    if (other.tp == 2 && other.dp == 1) check_continues(all, resumed);
+    test::TrainedRun want, got;
+    want.losses.assign(all.losses.begin() + 10, all.losses.end());
+    got.losses = resumed.losses;
+    test::check_same_training(want, got, tolerance);
+  }
+}
+
+TEST_CASE("Checkpoint.ReshardingMovesEveryValueExactly" * doctest::timeout(120)) {
+  // tp 2 -> tp 4 -> tp 1 gives the bytes tp 2 -> tp 1 gives, which are the tp 2 parts joined
+  // (join_parts, the sharding's own inverse), weights and Adam moments alike.
+  TempDir a("reshard");
+  train({.tp = 2, .steps = 10, .opt = optim::adam(0.01), .dir = a.path, .dropout = 0});
+  const fs::path step10 = checkpoint::step_dir(a.path, 10);
+  auto store_of = [](std::int64_t tp, Graph& g) {
+    models::mlp(g, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = tp});
+    return ParameterStore::initialize(g);
+  };
+  Graph g1(5), g2(5), g4(5);
+  const auto one = store_of(1, g1), two = store_of(2, g2), four = store_of(4, g4);
+  const checkpoint::Checkpoint saved = checkpoint::load(step10);
+  checkpoint::Checkpoint direct = checkpoint::load(step10), twice = checkpoint::load(step10), same = checkpoint::load(step10);
+  CHECK(checkpoint::reshard(same, *two).empty());  // its own layout: nothing to do
+  const auto moved = checkpoint::reshard(direct, *one);
+  CHECK(moved.size() == 3);  // fc0.w, fc0.b by columns, fc1.w by rows
+  CHECK_FALSE(checkpoint::reshard(twice, *four).empty());
+  CHECK(twice.weights.at("fc0.w.tp3").shape() == Shape{12, 4});
+  checkpoint::reshard(twice, *one);
+  auto bytes = [](const Tensor& t) { return std::string(static_cast<const char*>(t.raw()), t.nbytes()); };
+  const auto joined = join_parts(g2, saved.weights);
+  REQUIRE(direct.weights.size() == joined.size());
+  for (const auto& [name, t] : joined) {
+    CAPTURE(name);
+    CHECK(bytes(direct.weights.at(name)) == bytes(t));
+    CHECK(bytes(twice.weights.at(name)) == bytes(t));
+    for (const char* slot : {"exp_avg", "exp_avg_sq"}) {
+      CAPTURE(slot);
+      CHECK(bytes(twice.slots.at(name).at(slot)) == bytes(direct.slots.at(name).at(slot)));
+    }
+  }
+  std::map<std::string, Tensor> moments;
+  for (const auto& [name, s] : saved.slots) moments[name] = s.at("exp_avg");
+  for (const auto& [name, t] : join_parts(g2, moments)) CHECK(bytes(direct.slots.at(name).at("exp_avg")) == bytes(t));
+}
+
 TEST_CASE("Checkpoint.ZeroSavesEachReplicasWindowAndResumesUnderAnyLayout" * doctest::timeout(240)) {
   // ZeRO dp 2 on two ranks: each replica's optimizer holds a window of the bucket, so each rank
   // writes its window, and the weight that straddles the windows' edge is saved in two pieces,
@@ -587,9 +655,17 @@ TEST_CASE("Checkpoint.CorruptOrMismatchedCheckpointsFailNamingTheFile" * doctest
     const std::string e = error_of([&] { checkpoint::restore(c, *params, optim::sgd(0.1, 0.9)); });
     CHECK_MESSAGE(test::contains(e, index.string() + ": written with optimizer adam, but this run uses sgd"), e);
   }
-  SUBCASE("another layout: tensor parallel shards the model has not") {
-    const std::string e = error_of([&] { train({.tp = 2, .opt = optim::adam(0.01), .resume = dir}); });
-    CHECK_MESSAGE(test::contains(e, index.string() + ": holds weight 'fc0.b', which the model does not have"), e);
+  SUBCASE("a weight of the model that the checkpoint's parts cannot make") {
+    checkpoint::Checkpoint c = checkpoint::load(dir);
+    Graph g(5);
+    models::mlp(g, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = 2});
+    auto params = ParameterStore::initialize(g);
+    // fc0.w is f32[12, 16] whole; as if it had been saved as f32[12, 6]: no cut of 2 parts.
+    c.weights["fc0.w"] = Tensor::empty({12, 6}, DType::f32);
+    const std::string e = error_of([&] { checkpoint::reshard(c, *params); });
+    CHECK_MESSAGE(test::contains(e, index.string() + ": weight 'fc0.w' is 1 part of f32[12, 6] in the checkpoint, "
+                                                     "which 2 parts of f32[12, 8] cannot make"),
+                  e);
   }
   SUBCASE("a model with a weight the checkpoint lacks") {
     checkpoint::Checkpoint c = checkpoint::load(dir);

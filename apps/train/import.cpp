@@ -14,22 +14,11 @@
 #include <fmt/ranges.h>
 
 #include "baton/graph/safetensors.h"
+#include "baton/graph/sharding.h"
 
 namespace baton::models {
 
 namespace {
-
-/// "NAME.tp<k>" -> {NAME, k}; any other name -> {name, -1}.
-std::pair<std::string, std::int64_t> shard_of(const std::string& name) {
-  const auto at = name.rfind(".tp");
-  if (at == std::string::npos || at + 3 == name.size()) return {name, -1};
-  std::int64_t k = 0;
-  for (std::size_t i = at + 3; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return {name, -1};
-    k = 10 * k + (name[i] - '0');
-  }
-  return {name.substr(0, at), k};
-}
 
 /// Whether the file stores `name` as a torch Linear weight, [out, in], transposed from baton's.
 bool stored_transposed(std::string_view layout, const std::string& name) {
@@ -134,7 +123,7 @@ void init_from(const safetensors::Contents& contents, const std::filesystem::pat
   };
   std::map<std::string, Group> groups;  // by the file's name
   for (const auto& [name, t] : params.values()) {
-    auto [base, k] = shard_of(name);
+    auto [base, k] = tp_part_name(name);
     groups[base].shards.emplace_back(k, name);
   }
   std::map<std::string, bool> used;

@@ -267,7 +267,8 @@ std::pair<double, double> evaluate_heldout(const Options& o, const Data& d, cons
 }
 
 /// What makes a run the run it is, as a checkpoint records it; a resumed run must agree on the
-/// keys of must_match() (the rest, dp, pp, micro-batches, threads, may change).
+/// keys of must_match() (the rest, dp, pp, tp, micro-batches, threads, may change: a checkpoint
+/// of another tp is resharded, checkpoint::reshard).
 std::map<std::string, std::string> run_config(const Options& o) {
   std::map<std::string, std::string> config{{"model", o.model},          {"data", o.data},
           {"steps", std::to_string(o.steps)}, {"batch", std::to_string(o.batch)},
@@ -292,7 +293,7 @@ std::map<std::string, std::string> run_config(const Options& o) {
 
 std::vector<std::string> must_match(const Options& o) {
   std::vector<std::string> keys{"model", "data", "batch", "optimizer", "lr", "momentum", "weight_decay", "warmup",
-                                "cosine", "clip", "seed", "layers", "hidden", "d_model", "heads", "seq", "tp"};
+                                "cosine", "clip", "seed", "layers", "hidden", "d_model", "heads", "seq"};
   if (o.cosine) keys.push_back("steps");  // the decay spans the whole run
   if (o.model == "llama") keys.insert(keys.end(), {"kv_heads", "ffn_hidden", "rope_base", "tie_embeddings"});
   if (o.model == "gpt2") keys.push_back("positions");
@@ -516,6 +517,11 @@ std::optional<checkpoint::Checkpoint> resume(const Options& o, const JobEnvironm
     throw std::invalid_argument(fmt::format("--resume {}: the checkpoint is at step {} and --steps is {}: nothing "
                                             "left to train (raise --steps)",
                                             found.dir.string(), resumed.step, o.steps));
+  }
+  // Written under another tensor-parallel layout: its split weights cut again as this one splits them.
+  if (const auto moved = checkpoint::reshard(resumed, params); !moved.empty() && env.rank == 0) {
+    fmt::print(stderr, "baton-train: resharded {} weights of the tp {} checkpoint for tp {} ({}{})\n", moved.size(),
+               resumed.layout.tp, o.tp, moved.front(), moved.size() > 1 ? ", ..." : "");
   }
   checkpoint::restore(resumed, params, cfg.optimizer);
   cfg.first_step = resumed.step;

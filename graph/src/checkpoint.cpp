@@ -9,6 +9,7 @@
 #include <charconv>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <sstream>
 
@@ -18,6 +19,7 @@
 #include <zlib.h>
 
 #include "baton/graph/safetensors.h"
+#include "baton/graph/sharding.h"
 
 namespace baton::checkpoint {
 
@@ -635,6 +637,100 @@ Checkpoint load(const fs::path& dir) {
   }
   check_pieces_cover(ix, dir / index_name);
   return c;
+}
+
+std::vector<std::string> reshard(Checkpoint& c, const ParameterStore& params) {
+  const fs::path index = c.dir / index_name;
+  // Parts by whole name: k -> the name of part k (-1: whole).
+  using Family = std::map<std::int64_t, std::string>;
+  std::map<std::string, Family> saved, wanted;
+  for (const auto& [name, t] : c.weights) {
+    auto [whole, k] = tp_part_name(name);
+    saved[whole][k] = name;
+  }
+  for (const auto& [name, t] : params.values()) {
+    auto [whole, k] = tp_part_name(name);
+    wanted[whole][k] = name;
+  }
+  // A family is whole ({-1}) or parts 0 .. n-1.
+  auto count = [&](const std::string& whole, const Family& f, const char* where) -> std::int64_t {
+    if (f.size() == 1 && f.begin()->first == -1) return 1;
+    std::int64_t k = 0;
+    for (const auto& [i, name] : f) {
+      if (i != k++) {
+        std::vector<std::int64_t> ks;
+        for (const auto& part : f) ks.push_back(part.first);
+        fail(index, fmt::format("weight '{}' is split in {} into parts {}: not parts 0 to {}", whole, where,
+                                fmt::join(ks, ", "), f.size() - 1));
+      }
+    }
+    return k;
+  };
+  std::vector<std::string> changed;
+  for (const auto& family : wanted) {
+    const std::string& whole = family.first;
+    const Family& want = family.second;
+    const auto it = saved.find(whole);
+    if (it == saved.end()) continue;  // restore() and check_covers() name what is missing
+    const Family& have = it->second;
+    auto same_parts = [](const Family& a, const Family& b) {
+      return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
+               return x.first == y.first;
+             });
+    };
+    if (same_parts(have, want)) continue;
+    const std::int64_t n_have = count(whole, have, "the checkpoint"), n_want = count(whole, want, "the model");
+    const Tensor& one_saved = c.weights.at(have.begin()->second);
+    const Tensor& one_wanted = params.at(want.begin()->second);
+    const Shape &ps = one_saved.shape(), &pw = one_wanted.shape();
+    // The axis the parts were cut on: the one where they differ, n_have parts of one as long as
+    // n_want of the other.
+    std::optional<std::int32_t> axis;
+    bool fits = ps.size() == pw.size() && one_saved.dtype() == one_wanted.dtype();
+    for (std::size_t a = 0; fits && a < ps.size(); ++a) {
+      if (ps[a] == pw[a]) continue;
+      if (axis || ps[a] * n_have != pw[a] * n_want) fits = false;
+      axis = static_cast<std::int32_t>(a);
+    }
+    if (!fits || !axis) {
+      fail(index, fmt::format("weight '{}' is {} part{} of {}{} in the checkpoint, which {} part{} of {}{} cannot "
+                              "make: another model",
+                              whole, n_have, n_have == 1 ? "" : "s", baton::name(one_saved.dtype()), to_string(ps),
+                              n_want, n_want == 1 ? "" : "s", baton::name(one_wanted.dtype()), to_string(pw)));
+    }
+    // The weight and each of its slots: joined as saved, cut as wanted.
+    auto recut = [&](auto&& tensor_of_saved, auto&& put) {
+      std::vector<const Tensor*> parts;
+      for (const auto& [k, name] : have) parts.push_back(&tensor_of_saved(name));
+      const Tensor joined = concat_along(parts, *axis);
+      for (const auto& [k, name] : want)
+        put(name, n_want == 1 ? joined : part_along(joined, *axis, static_cast<std::int32_t>(k), static_cast<std::int32_t>(n_want)));
+    };
+    std::map<std::string, Tensor> weights;
+    recut([&](const std::string& n) -> const Tensor& { return c.weights.at(n); },
+          [&](const std::string& n, Tensor t) { weights[n] = std::move(t); });
+    std::map<std::string, std::map<std::string, Tensor>> slots;
+    if (c.slots.count(have.begin()->second)) {
+      for (const auto& slot_tensor : c.slots.at(have.begin()->second)) {
+        const std::string& slot = slot_tensor.first;
+        for (const auto& [k, name] : have) {
+          if (!c.slots.count(name) || !c.slots.at(name).count(slot))
+            fail(index, fmt::format("has no optimizer slot '{}' for '{}'", slot, name));
+        }
+        recut([&](const std::string& n) -> const Tensor& { return c.slots.at(n).at(slot); },
+              [&](const std::string& n, Tensor part) { slots[n][slot] = std::move(part); });
+      }
+    }
+    for (const auto& [k, name] : have) {
+      c.weights.erase(name);
+      c.slots.erase(name);
+    }
+    for (auto& [name, t] : weights) c.weights[name] = std::move(t);
+    for (auto& [name, s] : slots) c.slots[name] = std::move(s);
+    changed.push_back(fmt::format("{}: {} -> {} along axis {}", whole, n_have == 1 ? "whole" : fmt::format("{} parts", n_have),
+                                  n_want == 1 ? "whole" : fmt::format("{} parts", n_want), *axis));
+  }
+  return changed;
 }
 
 void restore(const Checkpoint& c, ParameterStore& params, const OptimizerConfig& optimizer) {

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "baton/graph/compile.h"
+#include "baton/graph/sharding.h"
 #include "baton/kernels/optim.h"
 
 namespace baton {
@@ -70,29 +71,6 @@ void fill_initial(Tensor& t, const Node& n, std::uint64_t seed) {
       break;
     }
   }
-}
-
-// Part `index` of `parts` equal pieces of `whole` along `axis`.
-Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, std::int32_t parts) {
-  const Shape& s = whole.shape();
-  const auto a = static_cast<std::size_t>(axis);
-  std::int64_t outer = 1, inner = 1;
-  for (std::size_t i = 0; i < a; ++i) outer *= s[i];
-  for (std::size_t i = a + 1; i < s.size(); ++i) inner *= s[i];
-  const std::int64_t piece = s[a] / parts;
-  Shape ps = s;
-  ps[a] = piece;
-  Tensor out = Tensor::empty(ps, whole.dtype());
-  const std::size_t es = size_of(whole.dtype());
-  const auto* src = static_cast<const std::byte*>(whole.raw());
-  auto* dst = static_cast<std::byte*>(out.raw());
-  const auto run = static_cast<std::size_t>(piece * inner) * es;
-  if (run == 0) return out;
-  for (std::int64_t o = 0; o < outer; ++o) {
-    std::memcpy(dst + static_cast<std::size_t>(o) * run,
-                src + (static_cast<std::size_t>(o * s[a] + index * piece) * static_cast<std::size_t>(inner)) * es, run);
-  }
-  return out;
 }
 
 }  // namespace

@@ -538,6 +538,72 @@ std::string ShardedGraph::to_text() const {
   return out;
 }
 
+Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, std::int32_t parts) {
+  const Shape& s = whole.shape();
+  const auto a = static_cast<std::size_t>(axis);
+  std::int64_t outer = 1, inner = 1;
+  for (std::size_t i = 0; i < a; ++i) outer *= s[i];
+  for (std::size_t i = a + 1; i < s.size(); ++i) inner *= s[i];
+  const std::int64_t piece = s[a] / parts;
+  Shape ps = s;
+  ps[a] = piece;
+  Tensor out = Tensor::empty(ps, whole.dtype());
+  const std::size_t es = size_of(whole.dtype());
+  const auto* src = static_cast<const std::byte*>(whole.raw());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  const auto run = static_cast<std::size_t>(piece * inner) * es;
+  if (run == 0) return out;
+  for (std::int64_t o = 0; o < outer; ++o) {
+    std::memcpy(dst + static_cast<std::size_t>(o) * run,
+                src + (static_cast<std::size_t>(o * s[a] + index * piece) * static_cast<std::size_t>(inner)) * es, run);
+  }
+  return out;
+}
+
+Tensor concat_along(const std::vector<const Tensor*>& parts, std::int32_t axis) {
+  if (parts.empty()) throw std::invalid_argument("concat_along: no parts");
+  const Shape& piece_shape = parts[0]->shape();
+  const auto a = static_cast<std::size_t>(axis);
+  if (a >= piece_shape.size()) {
+    throw std::invalid_argument(fmt::format("concat_along: axis {} of {}", axis, to_string(piece_shape)));
+  }
+  for (const Tensor* p : parts) {
+    if (p->shape() != piece_shape || p->dtype() != parts[0]->dtype()) {
+      throw std::invalid_argument(
+          fmt::format("concat_along: part {} beside part {}", p->describe(), parts[0]->describe()));
+    }
+  }
+  Shape s = piece_shape;
+  s[a] *= static_cast<std::int64_t>(parts.size());
+  std::int64_t outer = 1, inner = 1;
+  for (std::size_t i = 0; i < a; ++i) outer *= s[i];
+  for (std::size_t i = a + 1; i < s.size(); ++i) inner *= s[i];
+  const std::int64_t piece = piece_shape[a];
+  Tensor t = Tensor::empty(s, parts[0]->dtype());
+  const std::size_t es = size_of(t.dtype());
+  const auto run = static_cast<std::size_t>(piece * inner) * es;
+  auto* dst = static_cast<std::byte*>(t.raw());
+  for (std::int64_t o = 0; o < outer && run > 0; ++o) {
+    for (std::size_t k = 0; k < parts.size(); ++k) {
+      std::memcpy(dst + (static_cast<std::size_t>(o * s[a]) + k * static_cast<std::size_t>(piece)) *
+                            static_cast<std::size_t>(inner) * es,
+                  static_cast<const std::byte*>(parts[k]->raw()) + static_cast<std::size_t>(o) * run, run);
+    }
+  }
+  return t;
+}
+
+std::pair<std::string, std::int64_t> tp_part_name(const std::string& name) {
+  const auto at = name.rfind(".tp");
+  if (at == std::string::npos || at + 3 == name.size()) return {name, -1};
+  std::int64_t k = 0;
+  for (std::size_t i = at + 3; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return {name, -1};
+    k = 10 * k + (name[i] - '0');
+  }
+  return {name.substr(0, at), k};
+}
+
 std::map<std::string, Tensor> join_parts(const Graph& physical,
                                          const std::map<std::string, Tensor>& values) {
   std::map<std::string, std::vector<const Node*>> families;
@@ -559,27 +625,14 @@ std::map<std::string, Tensor> join_parts(const Graph& physical,
       continue;  // not all here
     const Shape& s = first.shape;
     const auto a = static_cast<std::size_t>(first.axis);
-    std::int64_t outer = 1, inner = 1;
-    for (std::size_t i = 0; i < a; ++i) outer *= s[i];
-    for (std::size_t i = a + 1; i < s.size(); ++i) inner *= s[i];
-    const std::int64_t piece = s[a] / first.parts;
-    Tensor t = Tensor::empty(s, parts[0]->dtype());
-    const std::size_t es = size_of(t.dtype());
-    const auto run = static_cast<std::size_t>(piece * inner) * es;
-    auto* dst = static_cast<std::byte*>(t.raw());
-    for (std::int64_t o = 0; o < outer && run > 0; ++o) {
-      for (std::size_t k = 0; k < parts.size(); ++k) {
-        const Tensor& p = *parts[k];
-        if (p.shape()[a] != piece || p.dtype() != t.dtype()) {
-          throw GraphError(fmt::format("join_parts: '{}' part {} is {}, not a piece of {}{}", whole,
-                                       k, p.describe(), name(t.dtype()), to_string(s)));
-        }
-        std::memcpy(
-            dst + (static_cast<std::size_t>(o * s[a]) + k * static_cast<std::size_t>(piece)) *
-                      static_cast<std::size_t>(inner) * es,
-            static_cast<const std::byte*>(p.raw()) + static_cast<std::size_t>(o) * run, run);
+    for (std::size_t k = 0; k < parts.size(); ++k) {
+      const Tensor& p = *parts[k];
+      if (p.shape().size() != s.size() || p.shape()[a] * first.parts != s[a] || p.dtype() != parts[0]->dtype()) {
+        throw GraphError(fmt::format("join_parts: '{}' part {} is {}, not a piece of {}{}", whole, k, p.describe(),
+                                     name(parts[0]->dtype()), to_string(s)));
       }
     }
+    Tensor t = concat_along(parts, first.axis);
     out[whole] = std::move(t);
     for (const Node* m : members) joined.push_back(m->name);
   }

@@ -161,6 +161,15 @@ struct Checkpoint {
 /// optimizer slots present. Throws std::runtime_error "<file>: <what is wrong>".
 Checkpoint load(const std::filesystem::path& step_dir);
 
+/// Before restore(), where the checkpoint was written under another tensor-parallel layout: each
+/// split weight saved as parts "NAME.tp<k>" (or whole as "NAME") is joined along the axis its
+/// parts were cut on and cut again as `params` holds it, and so are its optimizer slots; weights
+/// whose names `params` has as they are stay as they are. The values are only moved, never
+/// computed. Returns one line per weight so resharded ("h0.attn.q: 2 parts -> 4"). Throws
+/// std::runtime_error naming the index and the weight where the parts do not make one tensor
+/// that the model's parts divide.
+std::vector<std::string> reshard(Checkpoint& c, const ParameterStore& params);
+
 /// Before compile_training: puts a checkpoint's weights into `params` (the model's store),
 /// checking that the model has each of them with the same shape and dtype and that it was
 /// written with the same optimizer. Throws std::runtime_error naming the checkpoint's index.

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "baton/graph/graph.h"
@@ -143,6 +144,16 @@ class ShardedGraph {
 /// all) and ignores annotations. Throws GraphError where an annotated split does not divide (naming
 /// the tensor, the axis, its size and tp), for a partial-sum annotation on a leaf or a move to P.
 ShardedGraph shard_graph(const Graph& logical, Graph& physical, int tp);
+
+/// Part `index` of `parts` equal pieces of `whole` along `axis`.
+Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, std::int32_t parts);
+
+/// The parts (equal shapes and dtypes, else std::invalid_argument) one after another along `axis`.
+Tensor concat_along(const std::vector<const Tensor*>& parts, std::int32_t axis);
+
+/// "NAME.tp<k>" (a split weight's part k, as shard_graph and the models name them) -> {NAME, k};
+/// any other name -> {name, -1}.
+std::pair<std::string, std::int64_t> tp_part_name(const std::string& name);
 
 /// Whole weights from parts: each variable of `physical` that is part of a split weight
 /// (Node::part_of) joined with its sibling parts from `values` under the whole weight's name; every
