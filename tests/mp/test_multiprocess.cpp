@@ -260,6 +260,27 @@ TEST_CASE("multi-process: baton-train --dp 2 over 2 ranks equals 2 in-process re
   CHECK(contains(ranks.err(), "data plane: TLS=^cma,tcp, RNDV_THRESH=1048576 (every rank on this host)"));
 }
 
+// ZeRO 3 over ranks pulls another rank's shard in the pass's lane just before its gather, over
+// the real data plane here; its sums and updates are plain dp's, so the figures are the same.
+TEST_CASE("multi-process: baton-train --dp 2 --zero 3 over 2 ranks reports what plain dp does" * doctest::timeout(180)) {
+  const std::vector<std::string> args{"--model", "mlp", "--data", "digits", "--steps", "40", "--dp", "2",
+                                      "--microbatches", "2", "--optimizer", "adam", "--lr", "0.01", "--json"};
+  std::vector<std::string> plain{launch, "--nproc-per-node", "2", "--", bin + "/baton-train"};
+  plain.insert(plain.end(), args.begin(), args.end());
+  std::vector<std::string> zero = plain;
+  zero.insert(zero.end(), {"--zero", "3"});
+  Proc a(plain);
+  REQUIRE(a.wait(90s) == 0);
+  Proc b(zero);
+  const int code = b.wait(90s);
+  INFO(b.all());
+  REQUIRE(code == 0);
+  for (const char* key : {"final_loss", "eval_loss", "eval_accuracy"}) {
+    CAPTURE(key);
+    CHECK(json_number(a.out(), key) == json_number(b.out(), key));
+  }
+}
+
 // Under pp and tp a rank holds only some of the weights, and under pp the losses arrive on the
 // last stage's rank: the compiled plan brings the trained weights to the reporting rank, so the
 // held-out figures over ranks are those of one process.
