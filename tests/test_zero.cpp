@@ -39,6 +39,7 @@ struct Setup {
   std::function<void(VariableSnapshot)> on_snapshot;
   std::shared_ptr<ParameterStore> params;                 // null: initialised from the seed
   std::shared_ptr<const OptimizerState> optimizer_state;  // a resumed job's
+  std::int64_t memory_budget = 0;                         // TrainConfig::memory_budget
 };
 
 struct Job {
@@ -79,6 +80,7 @@ std::unique_ptr<Job> compile(const Setup& s) {
   cfg.snapshot_every = s.snapshot_every;
   cfg.on_snapshot = s.on_snapshot;
   cfg.optimizer_state = s.optimizer_state;
+  cfg.memory_budget = s.memory_budget;
   if (s.ranks) {
     for (int r = 0; r < s.dp * s.pp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r / s.pp)});
   }
@@ -321,6 +323,25 @@ TEST_CASE("Zero.ThreeOverRanksPullsEachShardInTheLaneJustBeforeItsGather" * doct
     Setup z = plain_run;
     z.zero = 3;
     check_identical(train(plain_run), train(z));
+  }
+}
+
+TEST_CASE("Zero.ThreeFitsADeviceBudgetThatPlainDataParallelDoesNot") {
+  // --device-memory is checked against the plan before anything runs: the budget of zero 3's
+  // busiest rank refuses plain dp (naming the budget) and admits zero 3.
+  auto peak = [](const Plan& plan) {
+    std::int64_t most = 0;
+    for (const DeviceMemory& m : memory_report(plan)) most = std::max(most, m.total());
+    return most;
+  };
+  const std::int64_t budget = peak(insert_transfers(compile({.dp = 4, .zero = 3, .ranks = true})->job.plan));
+  CHECK(budget < peak(insert_transfers(compile({.dp = 4, .ranks = true})->job.plan)));
+  CHECK_NOTHROW(compile({.dp = 4, .zero = 3, .ranks = true, .memory_budget = budget}));
+  try {
+    compile({.dp = 4, .ranks = true, .memory_budget = budget});
+    FAIL("plain dp compiled within zero 3's budget");
+  } catch (const GraphError& e) {
+    CHECK(std::string(e.what()).find("but the memory budget is") != std::string::npos);
   }
 }
 
