@@ -34,6 +34,7 @@ struct Setup {
   std::int64_t bucket_bytes = 25 << 20;
   DType dtype = DType::f32;
   bool ranks = false;  // replica r on rank r, run as runtimes joined by a LoopbackHub
+  bool place_per_rank = false;  // with ranks: each stage of each replica on a rank of its own
   std::string grad_compression = "none";
   std::int64_t snapshot_every = 0;
   std::function<void(VariableSnapshot)> on_snapshot;
@@ -82,7 +83,8 @@ std::unique_ptr<Job> compile(const Setup& s) {
   cfg.optimizer_state = s.optimizer_state;
   cfg.memory_budget = s.memory_budget;
   if (s.ranks) {
-    for (int r = 0; r < s.dp * s.pp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r / s.pp)});
+    for (int r = 0; r < s.dp * s.pp; ++r)
+      cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(s.place_per_rank ? r : r / s.pp)});
   }
   cfg.data = {{"synthetic", data::batch_source(dataset, batch, pieces, 3), {"x", "label"}}};
   out->job = compile_training(g, loss, cfg, s.params);
@@ -182,6 +184,22 @@ TEST_CASE("Zero.WithClippingTwoThreadsPipelineAndRanks" * doctest::timeout(180))
       Setup z = plain;
       z.zero = zero;
       check_identical(want, train(z));
+    }
+  }
+  SUBCASE("dp 2 x pp 2, each place a rank: replica 0's first stage is not on the reporting rank") {
+    // Zero 3's trained shards of stage 0 then reach the store each kept to its last step.
+    const Setup plain{.dp = 2, .pp = 2, .microbatches = 2, .ranks = true, .place_per_rank = true};
+    const auto want = train(plain);
+    for (int zero : {1, 3}) {
+      CAPTURE(zero);
+      Setup z = plain;
+      z.zero = zero;
+      check_identical(want, train(z));
+      if (zero == 3) {
+        const Plan p = compile(z)->job.plan;
+        CHECK(std::any_of(p.actors.begin(), p.actors.end(),
+                          [](const ActorDesc& a) { return a.name.ends_with(".store.last"); }));
+      }
     }
   }
   SUBCASE("replica r on rank r: the shards cross ranks") {
