@@ -299,9 +299,10 @@ TEST_CASE("Zero.EachReplicaKeepsItsShareOfTheState") {
   }
 }
 
-TEST_CASE("Zero.ThreeOverRanksPullsEachShardInTheLaneJustBeforeItsGather" * doctest::timeout(120)) {
+TEST_CASE("Zero.ThreeOverRanksPullsEachShardInTheLaneAheadOfItsGather" * doctest::timeout(120)) {
   // Replica r on rank r: a shard of another rank is pulled once per micro-batch and pass by a
-  // transfer in the pass's lane, just before the first gather that needs it, so the memory plan
+  // transfer in the pass's lane, behind the gather before the first that needs it (prefetch:
+  // it crosses while that gather's weight computes), so the memory plan
   // knows its life as it knows the gathered weights'; no register of any rank holds weights for
   // the whole job but the shards' masters (the optimizers' own memory), the trained shards reach
   // the reporting rank through replica 0's forward pulls, and training is plain dp's bit for bit.
@@ -319,6 +320,24 @@ TEST_CASE("Zero.ThreeOverRanksPullsEachShardInTheLaneJustBeforeItsGather" * doct
       for (const SlotLife& life : lives[a.outputs[0]]) CHECK_FALSE(life.always());
       CHECK(z3.registers[a.outputs[0]].arena >= 0);
     }
+    // Prefetched: where a gather comes before the first that needs a pull, the pull stands in
+    // the lane behind it, so acts of the weight it gathered (its readers) come between.
+    std::size_t prefetched = 0;
+    for (const ActorDesc& t : z3.actors) {
+      if (t.kind != ActorKind::transfer || t.name.find(".pull") == std::string::npos) continue;
+      const ActorDesc* reader = nullptr;  // the first gather reading it (the store's sink comes first)
+      for (ActorIndex c : z3.registers[t.outputs[0]].consumers) {
+        if (z3.actors[c].op.starts_with("zero3.gather.") && (reader == nullptr || z3.actors[c].order.rank < reader->order.rank))
+          reader = &z3.actors[c];
+      }
+      REQUIRE(reader != nullptr);
+      CHECK(t.order.rank < reader->order.rank);
+      prefetched += std::count_if(z3.actors.begin(), z3.actors.end(), [&](const ActorDesc& a) {
+        return a.order.lane == t.order.lane && a.order.units == t.order.units && t.order.rank < a.order.rank &&
+               a.order.rank < reader->order.rank && !a.op.starts_with("zero3.") && a.kind == ActorKind::compute;
+      }) > 0;
+    }
+    CHECK(prefetched > 0);
     // Each replica pulls every other rank's shard for its forward pass, and for its backward
     // pass where the backward reads weights it holds (w2 and w3 lie in every shard here but the
     // last at dp 4).

@@ -337,6 +337,7 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   if (zero && cfg.zero == 3) {
     zero3 = zero3_layout(replicas, reps, st, cfg);
     zero3->reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
+    zero3_sequence(*zero3, g, d.need, d.loss.id());
   } else if (zero) {
     for (const auto& [v, grad] : d.trained) {
       for (std::int64_t r = 0; r < cfg.dp; ++r) {

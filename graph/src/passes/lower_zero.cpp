@@ -34,6 +34,7 @@
 // readers and the same update is applied to the same elements: bit for bit plain dp again.
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -484,60 +485,89 @@ Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& rep
   return z;
 }
 
+namespace {
+
+/// What replica r (b) reads shard c of bucket `bucket` from in a pass, made at the first need: a
+/// repeat of it where it lies (its rank), or the register a transfer pulls it into, the transfer
+/// placed in the pass's lane here (its repeat on the shard's rank is lower_zero's).
+Zero3Layout::Read& zero3_read(PlanBuilder& b, std::size_t r, Zero3Layout& z, std::size_t bucket, std::size_t c,
+                              bool backward, const Placement& where, std::int32_t slots) {
+  Zero3Layout::Bucket& zb = z.buckets[bucket];
+  const std::size_t pass = backward ? 1 : 0;
+  auto& read = zb.reads[r][c][pass];
+  if (read.made) return read;
+  const RegisterDesc shard = b.plan.registers[zb.shards[c]];
+  if (z.at(bucket, c).rank == where.rank) {
+    // Read where it lies through a repeat (no bytes of its own), one for both passes.
+    auto& other = zb.reads[r][c][1 - pass];
+    if (!other.made) other = {b.add_register(fmt::format("zero.bucket{}.shard{}", bucket, c), shard.shape, shard.dtype, slots), true};
+    read = other;
+    return read;
+  }
+  const ActorRole role = backward ? ActorRole::backward : ActorRole::forward;
+  const std::string to = fmt::format("zero.bucket{}.shard{}{}", bucket, c, backward ? ".bwd" : "");
+  auto& pulled = zb.pulled[r][c][pass];
+  pulled = {b.plan.add_register({.name = fmt::format("{}.to{}{}", to, b.suffix, z.suffixes[c]),
+                                 .shape = shard.shape,
+                                 .dtype = shard.dtype,
+                                 .slots = slots}),
+            true};
+  read = {b.add_register(to, shard.shape, shard.dtype, slots), true};
+  b.plan.add_actor({.name = b.named(to + ".pull"),
+                    .kind = ActorKind::transfer,
+                    .op = "transfer",
+                    .dtype = shard.dtype,
+                    .where = where,
+                    .inputs = {{pulled.reg}},
+                    .outputs = {read.reg},
+                    .role = role});
+  if (r == 0 && !backward && where.rank == z.reporter.rank) {
+    // The reporting rank's store takes the trained shard from these pulls: one more step's
+    // worth after the last forward pass. Right behind the pull in the lane, so the pulled
+    // register lives no longer for it (lower_zero gives it its kernel).
+    zb.stored_from_pull[c] = true;
+    b.plan.add_actor({.name = fmt::format("zero.bucket{}.shard{}.store", bucket, c),
+                      .op = fmt::format("zero3.store.bucket{}.shard{}", bucket, c),
+                      .dtype = shard.dtype,
+                      .where = where,
+                      .inputs = {{read.reg}},
+                      .role = role});
+  }
+  return read;
+}
+
+/// Where replica b gathers weight `id` in a pass, and with how many slots.
+std::pair<Placement, std::int32_t> zero3_place(const PlanBuilder& b, int id, bool backward, const Stages& st,
+                                               const TrainConfig& cfg) {
+  return {b.at(backward ? backward_stream(cfg) : forward_stream, b.place(id)), weight_slots(st, b.stage(id))};
+}
+
+}  // namespace
+
+void zero3_sequence(Zero3Layout& z, const Graph& g, const std::vector<bool>& needed, int loss_id) {
+  // As lower_nodes goes: the op nodes in id order, each gathering the weights it reads first.
+  std::vector<std::pair<int, bool>> order;
+  std::set<std::pair<int, bool>> seen;
+  for (int id = 0; id < g.size(); ++id) {
+    const Node& n = g.node(id);
+    if (!needed[static_cast<std::size_t>(id)] || n.op == "input" || n.op == "variable" ||
+        (n.op == "fill" && n.inputs.empty()))
+      continue;
+    for (int in : n.inputs) {
+      const std::pair<int, bool> gather{in, id > loss_id};
+      if (z.weights[0].contains(in) && seen.insert(gather).second) order.push_back(gather);
+    }
+  }
+  for (std::size_t i = 0; i + 1 < order.size(); ++i) z.next[order[i]] = order[i + 1];
+}
+
 void add_zero3_gather(PlanBuilder& b, std::size_t r, int id, Zero3Layout& z, bool backward, const Stages& st,
                       const TrainConfig& cfg) {
   const Zero3Layout::Weight& w = z.weights[r].at(id);
-  Zero3Layout::Bucket& zb = z.buckets[w.bucket];
-  const std::size_t pass = backward ? 1 : 0;
   const Node& n = b.g.node(id);
-  const Placement where = b.at(backward ? backward_stream(cfg) : forward_stream, b.place(id));
-  const ActorRole role = backward ? ActorRole::backward : ActorRole::forward;
-  const std::int32_t slots = weight_slots(st, b.stage(id));
+  const auto [where, slots] = zero3_place(b, id, backward, st, cfg);
   std::vector<InputPort> ins;
-  for (std::size_t c = w.first; c <= w.last; ++c) {
-    auto& read = zb.reads[r][c][pass];
-    if (!read.made) {
-      const RegisterDesc shard = b.plan.registers[zb.shards[c]];
-      if (z.at(w.bucket, c).rank == where.rank) {
-        // Read where it lies through a repeat (no bytes of its own), one for both passes.
-        auto& other = zb.reads[r][c][1 - pass];
-        if (!other.made) other = {b.add_register(fmt::format("zero.bucket{}.shard{}", w.bucket, c), shard.shape, shard.dtype, slots), true};
-        read = other;
-      } else {
-        // Pulled in this pass's lane, right before the first gather that needs it, from a
-        // repeat of the shard on its rank (lower_zero adds the repeat).
-        const std::string to = fmt::format("zero.bucket{}.shard{}{}", w.bucket, c, backward ? ".bwd" : "");
-        auto& pulled = zb.pulled[r][c][pass];
-        pulled = {b.plan.add_register({.name = fmt::format("{}.to{}{}", to, b.suffix, z.suffixes[c]),
-                                       .shape = shard.shape,
-                                       .dtype = shard.dtype,
-                                       .slots = slots}),
-                  true};
-        read = {b.add_register(to, shard.shape, shard.dtype, slots), true};
-        b.plan.add_actor({.name = b.named(to + ".pull"),
-                          .kind = ActorKind::transfer,
-                          .op = "transfer",
-                          .dtype = shard.dtype,
-                          .where = where,
-                          .inputs = {{pulled.reg}},
-                          .outputs = {read.reg},
-                          .role = role});
-        if (r == 0 && !backward && where.rank == z.reporter.rank) {
-          // The reporting rank's store takes the trained shard from these pulls: one more step's
-          // worth after the last forward pass. Right behind the pull in the lane, so the pulled
-          // register lives no longer for it (lower_zero gives it its kernel).
-          zb.stored_from_pull[c] = true;
-          b.plan.add_actor({.name = fmt::format("zero.bucket{}.shard{}.store", w.bucket, c),
-                            .op = fmt::format("zero3.store.bucket{}.shard{}", w.bucket, c),
-                            .dtype = shard.dtype,
-                            .where = where,
-                            .inputs = {{read.reg}},
-                            .role = role});
-        }
-      }
-    }
-    ins.push_back({read.reg});
-  }
+  for (std::size_t c = w.first; c <= w.last; ++c) ins.push_back({zero3_read(b, r, z, w.bucket, c, backward, where, slots).reg});
   const RegisterIndex reg = b.add_register(n.name + (backward ? ".gathered.bwd" : ".gathered"), n.shape, n.dtype, slots);
   (backward ? b.backward_reg_of : b.reg_of)[id] = reg;
   b.plan.add_actor({.name = b.named(n.name + (backward ? ".gather.bwd" : ".gather")),
@@ -546,7 +576,15 @@ void add_zero3_gather(PlanBuilder& b, std::size_t r, int id, Zero3Layout& z, boo
                     .where = where,
                     .inputs = std::move(ins),
                     .outputs = {reg},
-                    .role = role});
+                    .role = backward ? ActorRole::backward : ActorRole::forward});
+  // FSDP's prefetch: the next gather's pulls go into the lane here, behind this gather and
+  // ahead of this weight's readers, so that they cross while those compute.
+  if (auto next = z.next.find({id, backward}); next != z.next.end()) {
+    const auto [next_id, next_backward] = next->second;
+    const Zero3Layout::Weight& nw = z.weights[r].at(next_id);
+    const auto [next_where, next_slots] = zero3_place(b, next_id, next_backward, st, cfg);
+    for (std::size_t c = nw.first; c <= nw.last; ++c) zero3_read(b, r, z, nw.bucket, c, next_backward, next_where, next_slots);
+  }
 }
 
 std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,

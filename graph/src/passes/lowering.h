@@ -191,7 +191,8 @@ void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st
 /// backward pass (add_zero3_gather), so a whole weight is held only between its gather and its
 /// last reader of that pass. A shard on the replica's own rank is read where it lies, through a
 /// repeat for the micro-batches; one on another rank is pulled, per micro-batch and pass, by a
-/// transfer in the pass's lane just before the bucket's first gather that needs it.
+/// transfer in the pass's lane just before the bucket's first gather that needs it, or behind the
+/// gather before that (the prefetch of FSDP).
 struct Zero3Layout {
   struct Weight {
     std::size_t bucket = 0;
@@ -217,11 +218,18 @@ struct Zero3Layout {
   };
   std::vector<Bucket> buckets;
   std::vector<std::map<int, Weight>> weights;  // [r], by variable node id
+  /// (weight, backward) -> the gather after it in lane order (every replica's), whose pulls it
+  /// starts (prefetch): zero3_sequence.
+  std::map<std::pair<int, bool>, std::pair<int, bool>> next;
   std::vector<Placement> places;              // [bucket * dp + c]: where replica c holds it
   std::vector<std::string> suffixes;          // [r]: PlanBuilder::suffix
   Placement reporter;                         // where the trained weights are wanted (loss.report)
   Placement at(std::size_t bucket, std::size_t r) const { return places[bucket * suffixes.size() + r]; }
 };
+
+/// The order in which lower_nodes reaches the gathers (a weight's first reader in each pass, by
+/// node id) into z.next: `needed` and the loss's id as lower_nodes has them.
+void zero3_sequence(Zero3Layout& z, const Graph& g, const std::vector<bool>& needed, int loss_id);
 
 /// The registers of zero3 that exist before the actors (lower_nodes and lower_zero add them),
 /// and the gather kernels.
