@@ -120,6 +120,19 @@ void check_identical(const test::TrainedRun& a, const test::TrainedRun& b) {
   }
 }
 
+/// Each of `stages` trains as `plain` (plain dp) does, bit for bit; `also` looks at each job.
+void check_stages_equal_plain(const Setup& plain, std::initializer_list<int> stages,
+                              const std::function<void(const Setup&)>& also = {}) {
+  const test::TrainedRun want = train(plain);
+  for (int zero : stages) {
+    CAPTURE(zero);
+    Setup z = plain;
+    z.zero = zero;
+    check_identical(want, train(z));
+    if (also) also(z);
+  }
+}
+
 /// The plan's peak bytes of `category` on each device, summed over the devices.
 std::int64_t bytes_of(const Plan& plan, MemoryCategory category) {
   std::int64_t sum = 0;
@@ -177,39 +190,20 @@ TEST_CASE("Zero.WithClippingTwoThreadsPipelineAndRanks" * doctest::timeout(180))
     }
   }
   SUBCASE("pipeline of two stages: a bucket per stage") {
-    const Setup plain{.dp = 2, .pp = 2, .microbatches = 4};
-    const auto want = train(plain);
-    for (int zero : {2, 3}) {
-      CAPTURE(zero);
-      Setup z = plain;
-      z.zero = zero;
-      check_identical(want, train(z));
-    }
+    check_stages_equal_plain({.dp = 2, .pp = 2, .microbatches = 4}, {2, 3});
   }
   SUBCASE("dp 2 x pp 2, each place a rank: replica 0's first stage is not on the reporting rank") {
     // Zero 3's trained shards of stage 0 then reach the store each kept to its last step.
-    const Setup plain{.dp = 2, .pp = 2, .microbatches = 2, .ranks = true, .place_per_rank = true};
-    const auto want = train(plain);
-    for (int zero : {1, 3}) {
-      CAPTURE(zero);
-      Setup z = plain;
-      z.zero = zero;
-      check_identical(want, train(z));
-      if (zero == 3) {
-        const Plan p = compile(z)->job.plan;
-        CHECK(std::any_of(p.actors.begin(), p.actors.end(),
-                          [](const ActorDesc& a) { return a.name.ends_with(".store.last"); }));
-      }
-    }
+    check_stages_equal_plain({.dp = 2, .pp = 2, .microbatches = 2, .ranks = true, .place_per_rank = true}, {1, 3},
+                             [](const Setup& z) {
+                               if (z.zero != 3) return;
+                               const Plan p = compile(z)->job.plan;
+                               CHECK(std::any_of(p.actors.begin(), p.actors.end(),
+                                                 [](const ActorDesc& a) { return a.name.ends_with(".store.last"); }));
+                             });
   }
   SUBCASE("replica r on rank r: the shards cross ranks") {
-    for (int zero : {1, 2, 3}) {
-      CAPTURE(zero);
-      const Setup plain{.dp = 2, .ranks = true};
-      Setup z = plain;
-      z.zero = zero;
-      check_identical(train(plain), train(z));
-    }
+    check_stages_equal_plain({.dp = 2, .ranks = true}, {1, 2, 3});
   }
 }
 

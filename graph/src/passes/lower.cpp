@@ -163,9 +163,9 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
                      b.at(stream_of(id), b.place(id)), n.attrs);
     } else {
       // A ZeRO-3 weight is gathered just before its first reader in each pass.
-      for (int in : zero3 != nullptr ? n.inputs : std::vector<int>{}) {
-        const bool backward = id > loss_id;
-        if (zero3->weights[static_cast<std::size_t>(r)].contains(in) &&
+      const bool backward = id > loss_id;
+      for (int in : n.inputs) {
+        if (zero3 != nullptr && zero3->weights[static_cast<std::size_t>(r)].contains(in) &&
             !(backward ? b.backward_reg_of : b.reg_of).contains(in))
           add_zero3_gather(b, static_cast<std::size_t>(r), in, *zero3, backward, st, cfg);
       }
@@ -335,7 +335,7 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   // Stage 3 keeps no step register: the weights are gathered from the shards where read.
   std::optional<Zero3Layout> zero3;
   if (zero && cfg.zero == 3) {
-    zero3 = zero3_layout(replicas, reps, st, cfg);
+    zero3 = zero3_layout(replicas, reps, cfg);
     zero3->reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
     zero3_sequence(*zero3, g, d.need, d.loss.id());
   } else if (zero) {

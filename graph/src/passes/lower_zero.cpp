@@ -433,8 +433,7 @@ void add_zero3_store(std::vector<PlanBuilder>& replicas, const Replicas::Bucket&
 
 }  // namespace
 
-Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Stages&,
-                         const TrainConfig& cfg) {
+Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const TrainConfig& cfg) {
   const std::size_t n_dp = replicas.size();
   KernelRegistry& kernels = replicas[0].kernels;
   Zero3Layout z;
@@ -623,8 +622,8 @@ std::vector<SnapshotPart> lower_zero(std::vector<PlanBuilder>& replicas, const R
       // gather wrote (the step before's, delay 1), so it keeps no master copy of its own. Stage
       // 3: its output is its master (no weights are gathered between steps).
       std::vector<InputPort> ins = grads[ci];
-      for (const Value& v : bucket.weights) {
-        if (zero3 == nullptr) ins.push_back({steps[ci].at(v.id()), 1});
+      if (zero3 == nullptr) {
+        for (const Value& v : bucket.weights) ins.push_back({steps[ci].at(v.id()), 1});
       }
       if (clip[ci]) ins.push_back({*clip[ci], 1});
       const WeightWindow weights = zero3 != nullptr ? WeightWindow{} : WeightWindow{.parts = bucket.weights.size(), .offset = begin};

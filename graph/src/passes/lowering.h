@@ -233,8 +233,7 @@ void zero3_sequence(Zero3Layout& z, const Graph& g, const std::vector<bool>& nee
 
 /// The registers of zero3 that exist before the actors (lower_nodes and lower_zero add them),
 /// and the gather kernels.
-Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Stages& st,
-                         const TrainConfig& cfg);
+Zero3Layout zero3_layout(std::vector<PlanBuilder>& replicas, const Replicas& reps, const TrainConfig& cfg);
 
 /// Replica r's (b's) gather of ZeRO-3 weight `id` for the forward pass (into reg_of) or the
 /// backward pass (into backward_reg_of), acting once per micro-batch in that pass's lane, with
