@@ -258,17 +258,34 @@ TEST_CASE("Collectives.SegmentsAndActorsForASize") {
   // A member's input has members x segments readers, of the 255 a register may have.
   CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 4, {.max_segments = 1000}) == 60);
   CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 300, {.max_segments = 1000}) == 1);
-  // Across ranks, per (chunk, segment): a slice on member c+1 and n-1 adds; per member a gather.
+  // Across ranks, per (chunk, segment): member c+2 pulls the segment's window of member c+1's
+  // input (no slice copied out of it) and n-1 adds follow; per member a gather. Compressed,
+  // member c+1 slices the segment into the wire's dtype first.
   for (std::int64_t n : {2, 4}) {
+    CAPTURE(n);
     std::vector<Placement> places;
     for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
-    const Plan p = allreduce_plan(places, std::int64_t{1} << 20, 1);
     const std::int64_t s = allreduce_segments(std::int64_t{1} << 20, DType::f32, n);
-    std::map<std::string, std::int64_t> ops;
-    for (const auto& a : p.actors) ++ops[a.op];
-    CHECK(ops["allreduce.slice"] == n * s);
-    CHECK(ops["allreduce.add"] == n * (n - 1) * s);
-    CHECK(ops["allreduce.concat"] == n);
+    for (const bool compressed : {false, true}) {
+      CAPTURE(compressed);
+      AllReduceSettings settings;
+      if (compressed) settings.wire = DType::bf16;
+      const Plan p = allreduce_plan(places, std::int64_t{1} << 20, 1, settings);
+      std::map<std::string, std::int64_t> ops;
+      std::int64_t windows = 0;
+      for (const auto& a : p.actors) {
+        ++ops[a.op];
+        if (a.window < 0) continue;
+        ++windows;
+        const RegisterDesc& from = p.registers[a.inputs.at(0).reg];
+        CHECK(from.consumers.size() == static_cast<std::size_t>(n * s));  // the member's input
+        CHECK(a.where.rank != p.actors[from.producer].where.rank);
+      }
+      CHECK(ops["allreduce.slice"] == (compressed ? n * s : 0));
+      CHECK(windows == (compressed ? 0 : n * s));
+      CHECK(ops["allreduce.add"] == n * (n - 1) * s);
+      CHECK(ops["allreduce.concat"] == n);
+    }
   }
 }
 
@@ -565,12 +582,17 @@ std::int64_t elements_across_hosts(const Plan& plan, const std::vector<std::uint
     for (RegisterIndex r : a.outputs) producer[r] = a.where.rank;
   }
   std::set<std::pair<RegisterIndex, std::uint16_t>> moved;
+  std::int64_t n = 0;
   for (const ActorDesc& a : plan.actors) {
     for (const InputPort& in : a.inputs) {
-      if (hosts.at(producer.at(in.reg)) != hosts.at(a.where.rank)) moved.insert({in.reg, a.where.rank});
+      if (hosts.at(producer.at(in.reg)) == hosts.at(a.where.rank)) continue;
+      if (a.window >= 0) {
+        n += numel(plan.registers.at(a.outputs.at(0)).shape);  // a window of the register crosses
+      } else {
+        moved.insert({in.reg, a.where.rank});  // the whole register, once per rank
+      }
     }
   }
-  std::int64_t n = 0;
   for (const auto& [r, rank] : moved) n += numel(plan.registers.at(r).shape);
   return n;
 }

@@ -149,6 +149,120 @@ TEST_CASE("cross rank: transfer actors move the bytes and account their time" * 
   CHECK(find_actor(*results[0].report, "src") != nullptr);
 }
 
+namespace {
+
+/// "window_check": input i must hold elements [offsets[i], offsets[i] + its size) of register
+/// `reg`'s pattern at this piece; every `linger_every`-th act it sleeps 200 us and checks
+/// again, so that a slot overwritten while still read (or a window pulled from the wrong place)
+/// fails the run.
+class WindowCheck final : public Kernel {
+ public:
+  explicit WindowCheck(const KernelConfig& cfg)
+      : reg_(cfg.attrs.get_int("reg", 0)),
+        offsets_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("offsets"))),
+        linger_every_(cfg.attrs.get_int("linger_every", 0)) {}
+  void compute(KernelContext& ctx) override {
+    check(ctx, "before reading");
+    if (linger_every_ > 0 && ctx.piece % linger_every_ == 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      check(ctx, "after lingering");
+    }
+  }
+
+ private:
+  void check(const KernelContext& ctx, const char* when) const {
+    for (std::size_t i = 0; i < ctx.inputs.size(); ++i) {
+      auto d = ctx.inputs[i]->data<std::int64_t>();
+      for (std::size_t j = 0; j < d.size(); ++j) {
+        const std::int64_t want = test::pattern_value(reg_, ctx.piece, offsets_.at(i) + static_cast<std::int64_t>(j));
+        if (d[j] != want) {
+          throw std::runtime_error(fmt::format("{}: input {} element {} holds {}, not {} (piece {})", when, i, j, d[j],
+                                               want, ctx.piece));
+        }
+      }
+    }
+  }
+  std::int64_t reg_;
+  std::vector<std::int64_t> offsets_;
+  std::int64_t linger_every_;
+};
+
+}  // namespace
+
+TEST_CASE("cross rank: transfers of windows pull sub-ranges of one slot, beside a whole pull, under back-pressure" *
+          doctest::timeout(120)) {
+  // One source on rank 0 (16 elements a piece, 2 slots); on rank 1 four transfers pull windows
+  // of its slots (overlapping, one at the very end, one empty) into registers of one slot, and a
+  // pattern sink reads the whole register through the transfer insert_transfers adds. The
+  // checker lingers every 3rd act, so the windows' slots and the source's stay full
+  // (back-pressure) while their bytes must stay what was pulled.
+  Plan p;
+  CrossRankShape s{.pieces = 300, .linger_every = 5};
+  auto src = p.add_register({.name = "src.out", .shape = {test::pattern_elements}, .dtype = DType::i64, .slots = 2});
+  p.add_actor(test::detail_xrank::pattern_actor("src", 0, {}, {src}, s));
+  const std::vector<std::pair<std::int64_t, std::int64_t>> windows{{0, 4}, {2, 10}, {12, 4}, {16, 0}};
+  std::vector<InputPort> pulled;
+  std::vector<std::int64_t> offsets;
+  for (const auto& [offset, count] : windows) {
+    auto r = p.add_register({.name = fmt::format("window{}", offset), .shape = {count}, .dtype = DType::i64, .slots = 1});
+    p.add_actor({.name = fmt::format("pull{}", offset), .kind = ActorKind::transfer, .op = "transfer",
+                 .dtype = DType::i64, .where = {.rank = 1}, .inputs = {{src}}, .outputs = {r}, .window = offset});
+    pulled.push_back({r});
+    offsets.push_back(offset);
+  }
+  p.add_actor({.name = "check", .op = "window_check", .dtype = DType::i64, .where = {.rank = 1}, .inputs = pulled,
+               .attrs = Attrs{}.set("reg", static_cast<std::int64_t>(src)).set("offsets", offsets).set("linger_every", 3)});
+  p.add_actor(test::detail_xrank::pattern_actor("whole", 1, {src}, {}, s));
+  auto kernels = test::checking_registry();
+  kernels.add("window_check", DeviceType::cpu, DType::i64,
+              [](const KernelConfig& cfg) { return std::make_unique<WindowCheck>(cfg); });
+  const Plan plan = insert_transfers(p);
+  CHECK(plan.to_text().find("window=12") != std::string::npos);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  const auto results = test::run_on_loopback(plan, kernels, rs);
+  for (const auto& r : results) REQUIRE_MESSAGE(r.error.empty(), r.error);
+  for (const auto& [offset, count] : windows) {
+    const auto* t = find_actor(*results[1].report, fmt::format("pull{}", offset));
+    REQUIRE(t != nullptr);
+    CHECK(t->acts == 300);
+    CHECK(t->bytes_in == static_cast<std::uint64_t>(300 * count * 8));  // the window, not the slot
+    CHECK(t->bytes_out == t->bytes_in);
+  }
+  CHECK(find_actor(*results[1].report, "check")->acts == 300);
+  CHECK(find_actor(*results[1].report, "whole")->acts == 300);
+}
+
+TEST_CASE("cross rank: a window that leaves its register, changes the dtype or is not a transfer's is refused") {
+  Plan p;
+  auto src = p.add_register({.name = "src.out", .shape = {4, 4}, .dtype = DType::i64});
+  auto ok = p.add_register({.name = "ok", .shape = {8}, .dtype = DType::i64});
+  auto past = p.add_register({.name = "past", .shape = {6}, .dtype = DType::i64});
+  auto other = p.add_register({.name = "other", .shape = {2}, .dtype = DType::f32});
+  auto copied = p.add_register({.name = "copied", .shape = {4, 4}, .dtype = DType::i64});
+  CrossRankShape s;
+  p.add_actor(test::detail_xrank::pattern_actor("src", 0, {}, {src}, s));
+  auto pull = [&](std::string name, RegisterIndex out, std::int64_t window) {
+    p.add_actor({.name = std::move(name), .kind = ActorKind::transfer, .op = "transfer", .dtype = DType::i64,
+                 .where = {.rank = 1}, .inputs = {{src}}, .outputs = {out}, .window = window});
+  };
+  pull("ok", ok, 8);
+  pull("past", past, 12);
+  pull("other", other, 0);
+  p.add_actor({.name = "copy", .op = "copy", .dtype = DType::i64, .inputs = {{src}}, .outputs = {copied}, .window = 2});
+  auto kernels = test::checking_registry();
+  try {
+    validate(p, kernels, 0);
+    FAIL("validate accepted bad windows");
+  } catch (const PlanError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("'ok'") == std::string::npos);
+    CHECK(test::contains(what, "transfer actor 'past' moves elements [12, 18) of 'src.out' (i64[4, 4]) into 'past'"));
+    CHECK(test::contains(what, "transfer actor 'other' moves elements [0, 2) of 'src.out' (i64[4, 4]) into 'other' (f32"));
+    CHECK(test::contains(what, "compute actor 'copy' has window 2; only a transfer moves a window"));
+  }
+}
+
 TEST_CASE("cross rank: a kernel failing on one rank fails that rank with the actor and piece" *
           doctest::timeout(60)) {
   CrossRankShape s{.topology = "chain", .world = 3, .pieces = 500, .fail_rank = 1, .fail_at = 42};

@@ -54,7 +54,7 @@ std::uint64_t intersection(const std::vector<Span>& a, const std::vector<Span>& 
 /// the actor whose register it moves. Empty if none (or the loss's).
 std::string allreduce_of(const Plan& plan, ActorIndex a) {
   const ActorDesc* d = &plan.actors[a];
-  if (d->kind == ActorKind::transfer && !d->inputs.empty() && d->inputs[0].reg < plan.registers.size()) {
+  if (d->kind == ActorKind::transfer && !d->attrs.has("allreduce") && !d->inputs.empty() && d->inputs[0].reg < plan.registers.size()) {
     const ActorIndex w = data_writer(plan, d->inputs[0].reg);
     if (w >= plan.actors.size()) return {};
     d = &plan.actors[w];

@@ -51,8 +51,13 @@ void Actor::wire_outputs() {
       if (consumer != nullptr) {
         out->consumers.push_back(Consumer{consumer->id(), consumer->worker()});
       } else {  // on another rank: its transfer actor, reached through the data plane
-        const Placement& at = plan.actors[c].where;
-        out->consumers.push_back(Consumer{ActorId::make(at.rank, at.device, at.stream, c), nullptr});
+        const ActorDesc& t = plan.actors[c];
+        Consumer remote{ActorId::make(t.where.rank, t.where.device, t.where.stream, c), nullptr};
+        if (t.window >= 0) {  // validate() checked that the window lies inside the slot
+          remote.offset = static_cast<std::size_t>(t.window) * size_of(reg.dtype);
+          remote.bytes = static_cast<std::size_t>(slot_bytes(plan.registers[t.outputs[0]]));
+        }
+        out->consumers.push_back(remote);
       }
     }
     out->live = static_cast<std::int32_t>(out->consumers.size());
@@ -106,6 +111,7 @@ void Actor::wire_inputs() {
   }
   in_view_.assign(desc_.inputs.size(), nullptr);
   if (desc_.kind == ActorKind::repeat) bytes_in_per_act_ = 0;  // it reads nothing: an alias
+  if (desc_.window >= 0) bytes_in_per_act_ = bytes_out_per_act_;  // a window moves what it writes
   if (desc_.kind == ActorKind::repeat && desc_.group == 1 && inputs_.size() == 1 && outputs_.size() == 1 &&
       inputs_[0].source != nullptr && inputs_[0].source->counted()) {
     Output& out = *outputs_[0];
@@ -518,7 +524,7 @@ void Actor::act_transfer() {
     return;
   }
   try {
-    core_.settings.link->receive_payload(in.producer.rank(), payload_tag(in.reg, k), dest.raw(), dest.nbytes(),
+    core_.settings.link->receive_payload(in.producer.rank(), payload_tag(index_, k), dest.raw(), dest.nbytes(),
                                          (std::uint64_t{index_} << 16) | slot);
   } catch (const std::exception& e) {
     core_.fail(fmt::format("transfer actor '{}' could not pull piece {} from rank {}: {}", desc_.name, k,
@@ -592,12 +598,13 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
 void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
   const Consumer& consumer = out.consumers[c];
   const auto slot = static_cast<std::uint16_t>(piece % out.slots);
-  if (consumer.worker == nullptr && !core_.dry_run && out.buffers[slot].nbytes() > 0) {
-    // A consumer on another rank pulls the payload from this slot, which stays ours until
-    // it acks (the slot's credit keeps it unchanged meanwhile).
-    Tensor& data = out.buffers[slot];
+  const std::size_t bytes = consumer.bytes == Consumer::whole ? out.buffers[slot].nbytes() : consumer.bytes;
+  if (consumer.worker == nullptr && !core_.dry_run && bytes > 0) {
+    // A consumer on another rank pulls the payload (or its window of it) from this slot, which
+    // stays ours until it acks (the slot's credit keeps it unchanged meanwhile).
+    auto* data = static_cast<std::byte*>(out.buffers[slot].raw()) + consumer.offset;
     try {
-      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(out.reg, piece), data.raw(), data.nbytes());
+      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), piece), data, bytes);
     } catch (const std::exception& e) {
       core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
                              core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));

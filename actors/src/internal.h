@@ -45,6 +45,11 @@ struct Consumer {
   Worker* worker = nullptr;            // null: on another rank (through the data plane)
   std::int64_t acked = 0;              // pieces acked so far (acks come in piece order)
   std::int64_t detached_from = never;  // pieces >= this will not be read
+  /// What a consumer on another rank pulls of each slot: bytes [offset, offset + bytes) (a
+  /// transfer of a window, ActorDesc::window); bytes == whole: all of it.
+  std::size_t offset = 0;
+  std::size_t bytes = whole;
+  static constexpr std::size_t whole = static_cast<std::size_t>(-1);
 };
 
 /// A device's register bytes in use, with the most ever (RuntimeSettings::measure_memory).
@@ -367,11 +372,13 @@ class Worker {
   std::atomic<std::uint64_t> log_dropped_{0};
 };
 
-/// Link tags for payloads: the register and the piece (modulo 2^28: at most 65535 pieces of a
-/// register are in flight, so a tag is unique while it is in use). Fits the data plane's 48 bits.
-inline constexpr std::uint32_t max_registers_across_ranks = 1u << 20;
-inline std::uint64_t payload_tag(RegisterIndex reg, std::int64_t piece) {
-  return (std::uint64_t{reg} << 28) | (static_cast<std::uint64_t>(piece) & ((1u << 28) - 1));
+/// Link tags for payloads: the transfer actor that pulls and the piece (modulo 2^28: at most
+/// 65535 pieces of a register are in flight, so a tag is unique while it is in use). The
+/// transfer, not the register: several transfers on one rank may pull windows of one register
+/// (ActorDesc::window). Fits the data plane's 48 bits.
+inline constexpr std::uint32_t max_actors_across_ranks = 1u << 20;
+inline std::uint64_t payload_tag(ActorIndex transfer, std::int64_t piece) {
+  return (std::uint64_t{transfer} << 28) | (static_cast<std::uint64_t>(piece) & ((1u << 28) - 1));
 }
 
 /// The state one Runtime owns (Runtime::Impl). It is also the data plane's handler: messages

@@ -228,6 +228,7 @@ std::string Plan::to_text() const {
     if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) {
       out += fmt::format(" group={}", a.group);
     }
+    if (a.window >= 0) out += fmt::format(" window={}", a.window);
     if (!a.stops_when_unread) out += " drains";
     if (a.role != ActorRole::other) out += fmt::format(" role={}", name(a.role));
     if (a.stage >= 0) out += fmt::format(" stage={}", a.stage);

@@ -668,6 +668,10 @@ void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
       }
     }
   }
+  if (a.window < -1 || (a.window >= 0 && a.kind != ActorKind::transfer)) {
+    problem("{} actor '{}' has window {}; only a transfer moves a window (>= 0), -1 is the whole slot", name(a.kind),
+            a.name, a.window);
+  }
   switch (a.kind) {
     case ActorKind::source:
       if (!a.inputs.empty()) problem("source '{}' has inputs; a source has none", a.name);
@@ -696,7 +700,16 @@ void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
           }
         };
         const bool same_bytes = in.dtype == out.dtype && elements(in.shape) == elements(out.shape);
-        if (view ? !same_bytes : (in.shape != out.shape || in.dtype != out.dtype)) {
+        if (a.window >= 0) {
+          // A window of the input: the same dtype, inside its elements (a transfer only, below).
+          if (in.dtype != out.dtype || a.window + elements(out.shape) > elements(in.shape) ||
+              elements(out.shape) < 0) {
+            problem("{} actor '{}' moves elements [{}, {}) of '{}' ({}{}) into '{}' ({}{}); a window keeps the dtype "
+                    "and lies inside the register",
+                    name(a.kind), a.name, a.window, a.window + std::max<std::int64_t>(elements(out.shape), 0), in.name,
+                    name(in.dtype), to_string(in.shape), out.name, name(out.dtype), to_string(out.shape));
+          }
+        } else if (view ? !same_bytes : (in.shape != out.shape || in.dtype != out.dtype)) {
           problem("{} actor '{}' reads {}{} but writes {}{}", name(a.kind), a.name, name(in.dtype), to_string(in.shape),
                   name(out.dtype), to_string(out.shape));
         }
@@ -762,9 +775,9 @@ void check_kernels(const KernelRegistry& kernels, const ActorDesc& a, Problems& 
 void check_registers(const Plan& plan, const std::vector<ActorIndex>& producer_seen, Problems& problem) {
   bool crosses_ranks = false;
   for (const auto& a : plan.actors) crosses_ranks = crosses_ranks || a.kind == ActorKind::transfer;
-  if (crosses_ranks && plan.registers.size() >= detail::max_registers_across_ranks) {
-    problem("the plan has {} registers; a plan that spans ranks may have at most {}", plan.registers.size(),
-            detail::max_registers_across_ranks - 1);
+  if (crosses_ranks && plan.actors.size() >= detail::max_actors_across_ranks) {
+    problem("the plan has {} actors; a plan that spans ranks may have at most {}", plan.actors.size(),
+            detail::max_actors_across_ranks - 1);
   }
   for (std::size_t r = 0; r < plan.registers.size(); ++r) {
     const RegisterDesc& reg = plan.registers[r];

@@ -15,6 +15,8 @@
 //   baton-bench-allreduce --segment-kib K --max-segments S --ranks N --min-kib A --max-mib B
 //                                    other AllReduceSettings, rank counts and sizes (sweeps)
 //   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
+//   baton-bench-allreduce --slice    each chain's first hop copies the segment out and pulls
+//                                    the copy (before 2026-11-27), against pulling its window
 //   baton-bench-allreduce --algorithm direct     every member sums every input (one hop; small tensors)
 //   baton-bench-allreduce --hosts 2  two network namespaces of two ranks, over TCP (root): the
 //                                    hierarchical all-reduce against the flat ring and MPI there;
@@ -290,6 +292,8 @@ int main(int argc, char** argv) {
       settings.algorithm = alg == "ring"      ? AllReduceAlgorithm::ring
                            : alg == "direct" ? AllReduceAlgorithm::direct
                                              : AllReduceAlgorithm::two_hop;
+    } else if (a == "--slice") {
+      settings.pull_windows = false;
     } else if (a == "--segment-kib" && i + 1 < argc) {
       settings.segment_bytes = std::stoll(argv[++i]) << 10;
     } else if (a == "--max-segments" && i + 1 < argc) {
@@ -316,7 +320,7 @@ int main(int argc, char** argv) {
     } else {
       fmt::print(stderr,
                  "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop|direct]\n"
-                 "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
+                 "                             [--slice] [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
                  "                             [--max-mib B] [--hosts 2 [--link-gbit G]] [--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -337,9 +341,10 @@ int main(int argc, char** argv) {
   if (ranks.empty()) ranks = quick ? std::vector<int>{2} : std::vector<int>{2, 4};
   const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
   const char* algorithm = ring ? "ring" : settings.algorithm == AllReduceAlgorithm::direct ? "direct" : "two_hop";
-  const std::vector<std::string> knobs{"--algorithm", algorithm, "--segment-kib",
-                                       std::to_string(settings.segment_bytes >> 10), "--max-segments",
-                                       std::to_string(settings.max_segments)};
+  std::vector<std::string> knobs{"--algorithm", algorithm, "--segment-kib",
+                                 std::to_string(settings.segment_bytes >> 10), "--max-segments",
+                                 std::to_string(settings.max_segments)};
+  if (!settings.pull_windows) knobs.push_back("--slice");
   if (across_hosts) return across_two_hosts(self, ref, knobs, quick, reference, min_bytes, max_bytes, link_gbit);
   int failures = 0;
   for (int n : ranks) {
@@ -366,7 +371,8 @@ int main(int argc, char** argv) {
           .add("us_per_op", secs * 1e6).add("fastest_rank_us_per_op", fastest * 1e6)
           .add("oversubscribed", n > bench::usable_cores()).add("algorithm", algorithm)
           .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
-          .add("segment_kib", settings.segment_bytes >> 10);
+          .add("segment_kib", settings.segment_bytes >> 10)
+          .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled");
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")

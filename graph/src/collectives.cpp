@@ -428,8 +428,20 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
       const AllReduceMember& first = member(c + 1);
       // partial is `first`'s whole input (or the parts of it that hold the segment), read in place
       auto [partial, from] = input_window(plan, first, offset, count);
-      if (n == 1 || first.where.rank != member(c + 2).where.rank) {
-        // Only the segment should travel: copy it out of the input first.
+      const AllReduceMember& next = member(c + 2);
+      if (settings.pull_windows && n > 1 && first.where.rank != next.where.rank && wire == dtype && partial.size() == 1) {
+        // Only the segment travels: the next member pulls its window straight from the input's
+        // slot (no slice copied out first).
+        const std::string segment = fmt::format("{}.segment{}{}", name, piece, next.suffix);
+        RegisterIndex r = plan.add_register({.name = segment, .shape = {count}, .dtype = dtype, .slots = settings.slots});
+        plan.add_actor({.name = segment, .kind = ActorKind::transfer,
+                        .op = "transfer", .dtype = dtype, .where = next.where, .inputs = partial, .outputs = {r},
+                        .window = from, .attrs = {{"allreduce", name}}, .role = ActorRole::collective});
+        partial = {{r}};
+        from = -1;
+      } else if (n == 1 || first.where.rank != next.where.rank) {
+        // Only the segment should travel: copy it out of the input first (into the wire's dtype
+        // where the sums travel compressed).
         RegisterIndex r = plan.add_register({.name = fmt::format("{}.part{}{}", name, piece, first.suffix),
                                              .shape = {count}, .dtype = wire, .slots = settings.slots});
         plan.add_actor({.name = fmt::format("{}.slice{}{}", name, piece, first.suffix), .op = "allreduce.slice",

@@ -155,6 +155,10 @@ struct ActorDesc {
   std::int64_t first_piece = 0;
   /// Repeat: output pieces per input piece; accumulate: input pieces per output piece.
   std::int32_t group = 1;
+  /// Transfers only: -1 moves the producer's whole slot; w >= 0 moves a window of it, elements
+  /// [w, w + numel(output)) of the input register (same dtype), which the producer offers
+  /// straight from its slot: a collective's segment crosses without a slice copied out first.
+  std::int64_t window = -1;
   Attrs attrs;
   /// Stop (and detach from the inputs) once every consumer of every output has detached. False
   /// for an actor whose acts matter beyond its outputs: a variable must still apply its last

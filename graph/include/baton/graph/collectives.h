@@ -96,6 +96,12 @@ struct AllReduceSettings {
   std::int64_t max_segments = 16;
   /// Slots of every partial and sum register: how many segments may be in flight on one hop.
   std::int32_t slots = 2;
+  /// Where a chain's first hop crosses ranks, the next member pulls the segment's window of the
+  /// first member's input straight from its slot (a transfer of a window, ActorDesc::window).
+  /// False: the first member slices the segment out of its input and the slice crosses (the
+  /// form before 2026-11-27, kept to measure the difference: baton-bench-allreduce --slice).
+  /// Compressed sums and inputs in parts whose segment spans two registers always slice.
+  bool pull_windows = true;
   /// Gradient compression on the wire (Horovod's fp16 compression, in f16 or bf16): the dtype
   /// the partial and finished sums are stored in and travel in; unset, the tensor's. Only bf16
   /// or f16 for f32 members on the CPU, ring only: each hop adds its member's f32 segment to the
