@@ -53,10 +53,9 @@ void Actor::wire_outputs() {
       } else {  // on another rank: its transfer actor, reached through the data plane
         const ActorDesc& t = plan.actors[c];
         Consumer remote{ActorId::make(t.where.rank, t.where.device, t.where.stream, c), nullptr};
-        if (t.window >= 0) {  // validate() checked that the window lies inside the slot
-          remote.offset = static_cast<std::size_t>(t.window) * size_of(reg.dtype);
-          remote.bytes = static_cast<std::size_t>(slot_bytes(plan.registers[t.outputs[0]]));
-        }
+        // The whole slot, or the window (validate() checked that it lies inside the slot).
+        remote.bytes = static_cast<std::size_t>(slot_bytes(t.window >= 0 ? plan.registers[t.outputs[0]] : reg));
+        if (t.window >= 0) remote.offset = static_cast<std::size_t>(t.window) * size_of(reg.dtype);
         out->consumers.push_back(remote);
       }
     }
@@ -598,13 +597,12 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
 void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
   const Consumer& consumer = out.consumers[c];
   const auto slot = static_cast<std::uint16_t>(piece % out.slots);
-  const std::size_t bytes = consumer.bytes == Consumer::whole ? out.buffers[slot].nbytes() : consumer.bytes;
-  if (consumer.worker == nullptr && !core_.dry_run && bytes > 0) {
+  if (consumer.worker == nullptr && !core_.dry_run && consumer.bytes > 0) {
     // A consumer on another rank pulls the payload (or its window of it) from this slot, which
     // stays ours until it acks (the slot's credit keeps it unchanged meanwhile).
     auto* data = static_cast<std::byte*>(out.buffers[slot].raw()) + consumer.offset;
     try {
-      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), piece), data, bytes);
+      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), piece), data, consumer.bytes);
     } catch (const std::exception& e) {
       core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
                              core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));

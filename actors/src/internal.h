@@ -45,11 +45,10 @@ struct Consumer {
   Worker* worker = nullptr;            // null: on another rank (through the data plane)
   std::int64_t acked = 0;              // pieces acked so far (acks come in piece order)
   std::int64_t detached_from = never;  // pieces >= this will not be read
-  /// What a consumer on another rank pulls of each slot: bytes [offset, offset + bytes) (a
-  /// transfer of a window, ActorDesc::window); bytes == whole: all of it.
+  /// What a consumer on another rank pulls of each slot: bytes [offset, offset + bytes), the
+  /// whole slot or a transfer's window (ActorDesc::window).
   std::size_t offset = 0;
-  std::size_t bytes = whole;
-  static constexpr std::size_t whole = static_cast<std::size_t>(-1);
+  std::size_t bytes = 0;
 };
 
 /// A device's register bytes in use, with the most ever (RuntimeSettings::measure_memory).

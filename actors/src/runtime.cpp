@@ -773,12 +773,6 @@ void check_kernels(const KernelRegistry& kernels, const ActorDesc& a, Problems& 
 /// Each register: slots and consumers within the runtime's bounds, its producer the actor that
 /// writes it (producer_seen), its consumers the actors that read it, a valid shape.
 void check_registers(const Plan& plan, const std::vector<ActorIndex>& producer_seen, Problems& problem) {
-  bool crosses_ranks = false;
-  for (const auto& a : plan.actors) crosses_ranks = crosses_ranks || a.kind == ActorKind::transfer;
-  if (crosses_ranks && plan.actors.size() >= detail::max_actors_across_ranks) {
-    problem("the plan has {} actors; a plan that spans ranks may have at most {}", plan.actors.size(),
-            detail::max_actors_across_ranks - 1);
-  }
   for (std::size_t r = 0; r < plan.registers.size(); ++r) {
     const RegisterDesc& reg = plan.registers[r];
     if (reg.slots < 1) {
@@ -851,6 +845,13 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
       problem("actor '{}' is placed on {} (device index above {})", a.name, a.where.device.str(), Device::max_index);
     }
     if (a.where.rank == rank) check_kernels(kernels, a, problem);
+  }
+  // Payload tags carry a transfer's index in 20 bits (payload_tag).
+  const bool crosses_ranks = std::any_of(plan.actors.begin(), plan.actors.end(),
+                                         [](const ActorDesc& a) { return a.kind == ActorKind::transfer; });
+  if (crosses_ranks && plan.actors.size() >= detail::max_actors_across_ranks) {
+    problem("the plan has {} actors; a plan that spans ranks may have at most {}", plan.actors.size(),
+            detail::max_actors_across_ranks - 1);
   }
   check_registers(plan, producer_seen, problem);
 }
