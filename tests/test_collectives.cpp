@@ -284,7 +284,17 @@ TEST_CASE("Collectives.SegmentsAndActorsForASize") {
       CHECK(ops["allreduce.slice"] == (compressed ? n * s : 0));
       CHECK(windows == (compressed ? 0 : n * s));
       CHECK(ops["allreduce.add"] == n * (n - 1) * s);
-      CHECK(ops["allreduce.concat"] == n);
+      // Each member's result gathers the sums where they land (a gathering transfer), unless
+      // they travel compressed (the concat widens them).
+      CHECK(ops["allreduce.concat"] == (compressed ? n : 0));
+      std::int64_t gathers = 0;
+      for (const auto& a : p.actors) {
+        if (a.kind != ActorKind::transfer || a.inputs.size() < 2) continue;
+        ++gathers;
+        CHECK(a.inputs.size() == static_cast<std::size_t>(n * s));
+        CHECK(p.registers[a.outputs.at(0)].name.find(".allreduced") != std::string::npos);
+      }
+      CHECK(gathers == (compressed ? 0 : n));
     }
   }
 }

@@ -187,6 +187,42 @@ class WindowCheck final : public Kernel {
   std::int64_t linger_every_;
 };
 
+/// Reads a gathering transfer's register: part i (counts[i] elements, one after another) must
+/// hold register regs[i]'s pattern of the piece, before and (every linger_every-th act) after
+/// lingering, so that a part landed in the wrong place or overwritten while read fails the run.
+class GatherCheck final : public Kernel {
+ public:
+  explicit GatherCheck(const KernelConfig& cfg)
+      : regs_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("regs"))),
+        counts_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("counts"))),
+        linger_every_(cfg.attrs.get_int("linger_every", 0)) {}
+  void compute(KernelContext& ctx) override {
+    check(ctx, "before reading");
+    if (linger_every_ > 0 && ctx.piece % linger_every_ == 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      check(ctx, "after lingering");
+    }
+  }
+
+ private:
+  void check(const KernelContext& ctx, const char* when) const {
+    auto d = ctx.inputs[0]->data<std::int64_t>();
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < regs_.size(); ++i) {
+      for (std::int64_t j = 0; j < counts_[i]; ++j, ++at) {
+        const std::int64_t want = test::pattern_value(regs_[i], ctx.piece, j);
+        if (at >= d.size() || d[at] != want) {
+          throw std::runtime_error(fmt::format("{}: part {} element {} holds {}, not {} (piece {})", when, i, j,
+                                               at < d.size() ? d[at] : -1, want, ctx.piece));
+        }
+      }
+    }
+    if (at != d.size()) throw std::runtime_error(fmt::format("{}: {} elements, the parts fill {}", when, d.size(), at));
+  }
+  std::vector<std::int64_t> regs_, counts_;
+  std::int64_t linger_every_;
+};
+
 }  // namespace
 
 TEST_CASE("cross rank: transfers of windows pull sub-ranges of one slot, beside a whole pull, under back-pressure" *
@@ -260,6 +296,105 @@ TEST_CASE("cross rank: a window that leaves its register, changes the dtype or i
     CHECK(test::contains(what, "transfer actor 'past' moves elements [12, 18) of 'src.out' (i64[4, 4]) into 'past'"));
     CHECK(test::contains(what, "transfer actor 'other' moves elements [0, 2) of 'src.out' (i64[4, 4]) into 'other' (f32"));
     CHECK(test::contains(what, "compute actor 'copy' has window 2; only a transfer moves a window"));
+  }
+}
+
+TEST_CASE("cross rank: a gathering transfer lands each input in its part of one slot, under back-pressure" *
+          doctest::timeout(120)) {
+  // On rank 1 one transfer gathers, in this order: a register of rank 0, one of its own rank
+  // (copied), an empty one of rank 0, one of rank 2, and a second of rank 0 (two pulls from one
+  // rank for one piece: the tags must tell them apart). A whole pull of the first register by
+  // another reader on rank 1 runs beside it. The checker lingers, so the gather's two slots and
+  // its sources' stay full while the parts must stay what landed.
+  Plan p;
+  CrossRankShape s{.pieces = 300, .linger_every = 5};
+  auto reg = [&](std::string name, std::int64_t elements) {
+    return p.add_register({.name = std::move(name), .shape = {elements}, .dtype = DType::i64, .slots = 2});
+  };
+  const RegisterIndex a = reg("a.out", 16), local = reg("local.out", 16), empty = reg("empty.out", 0),
+                      b = reg("b.out", 16), a2 = reg("a2.out", 8);
+  p.add_actor(test::detail_xrank::pattern_actor("a", 0, {}, {a, empty}, s));
+  p.add_actor(test::detail_xrank::pattern_actor("local", 1, {}, {local}, s));
+  p.add_actor(test::detail_xrank::pattern_actor("b", 2, {}, {b}, s));
+  p.add_actor(test::detail_xrank::pattern_actor("a2", 0, {}, {a2}, s));
+  const std::vector<RegisterIndex> parts{a, local, empty, b, a2};
+  const std::vector<std::int64_t> counts{16, 16, 0, 16, 8};
+  const RegisterIndex gathered = reg("gathered", 56);
+  std::vector<InputPort> ins;
+  for (RegisterIndex r : parts) ins.push_back({r});
+  p.add_actor({.name = "gather", .kind = ActorKind::transfer, .op = "transfer", .dtype = DType::i64,
+               .where = {.rank = 1}, .inputs = ins, .outputs = {gathered}});
+  p.add_actor({.name = "check", .op = "gather_check", .dtype = DType::i64, .where = {.rank = 1}, .inputs = {{gathered}},
+               .attrs = Attrs{}
+                            .set("regs", std::vector<std::int64_t>(parts.begin(), parts.end()))
+                            .set("counts", counts)
+                            .set("linger_every", 3)});
+  p.add_actor(test::detail_xrank::pattern_actor("whole", 1, {a}, {}, s));
+  auto kernels = test::checking_registry();
+  kernels.add("gather_check", DeviceType::cpu, DType::i64,
+              [](const KernelConfig& cfg) { return std::make_unique<GatherCheck>(cfg); });
+  const Plan plan = insert_transfers(p);
+  // The gather is a transfer already: insert_transfers adds one for `whole` only.
+  CHECK(std::count_if(plan.actors.begin(), plan.actors.end(),
+                      [](const ActorDesc& d) { return d.kind == ActorKind::transfer; }) == 2);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  const auto results = test::run_on_loopback(plan, kernels, rs);
+  for (const auto& r : results) REQUIRE_MESSAGE(r.error.empty(), r.error);
+  const auto* g = find_actor(*results[1].report, "gather");
+  REQUIRE(g != nullptr);
+  CHECK(g->acts == 300);
+  CHECK(g->bytes_in == static_cast<std::uint64_t>(300 * 56 * 8));
+  CHECK(g->bytes_out == g->bytes_in);
+  CHECK(find_actor(*results[1].report, "check")->acts == 300);
+  CHECK(find_actor(*results[1].report, "whole")->acts == 300);
+  for (const char* source : {"a", "a2"}) CHECK(find_actor(*results[0].report, source)->acts == 300);
+  CHECK(find_actor(*results[2].report, "b")->acts == 300);
+}
+
+TEST_CASE("cross rank: a gather that does not fill its register, mixes dtypes or crosses no rank is refused") {
+  Plan p;
+  CrossRankShape s;
+  auto reg = [&](std::string name, std::int64_t elements, DType dt = DType::i64) {
+    return p.add_register({.name = std::move(name), .shape = {elements}, .dtype = dt});
+  };
+  const RegisterIndex a = reg("a.out", 16), mine = reg("mine.out", 16), mine2 = reg("mine2.out", 4),
+                      real = reg("real.out", 16, DType::f32), dev = reg("dev.out", 16);
+  p.add_actor(test::detail_xrank::pattern_actor("a", 0, {}, {a, real}, s));
+  p.add_actor(test::detail_xrank::pattern_actor("mine", 1, {}, {mine, mine2}, s));
+  auto on_sim = test::detail_xrank::pattern_actor("dev", 1, {}, {dev}, s);
+  on_sim.where.device = Device{DeviceType::sim, 0};
+  p.add_actor(on_sim);
+  auto gather = [&](std::string name, std::vector<RegisterIndex> from, std::int64_t elements, std::int64_t window = -1) {
+    std::vector<InputPort> ins;
+    for (RegisterIndex r : from) ins.push_back({r});
+    const RegisterIndex out = reg(name, elements);
+    p.add_actor({.name = std::move(name), .kind = ActorKind::transfer, .op = "transfer", .dtype = DType::i64,
+                 .where = {.rank = 1}, .inputs = std::move(ins), .outputs = {out}, .window = window});
+  };
+  gather("ok", {a, mine, mine2}, 36);
+  gather("short", {a, mine}, 40);
+  gather("twice", {a, a}, 32);
+  gather("mixed", {a, real}, 32);
+  gather("at_home", {mine, mine2}, 20);
+  gather("windowed", {a, mine}, 32, 0);
+  gather("from_device", {a, dev}, 32);
+  try {
+    validate(p, test::checking_registry(), 0);
+    FAIL("validate accepted bad gathers");
+  } catch (const PlanError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("'ok'") == std::string::npos);
+    CHECK(test::contains(what, "transfer actor 'short' gathers 32 elements from 2 inputs into 'short' (i64[40], 40 "
+                               "elements); they must fill it"));
+    CHECK(test::contains(what, "transfer actor 'twice' gathers 'a.out' twice"));
+    CHECK(test::contains(what, "transfer actor 'mixed' gathers 'real.out' (f32) into 'mixed' (i64); a transfer keeps "
+                               "the dtype"));
+    CHECK(test::contains(what, "transfer actor 'at_home' gathers 2 inputs, all from its own rank 1; a transfer crosses "
+                               "ranks"));
+    CHECK(test::contains(what, "transfer actor 'windowed' gathers 2 inputs and has window 0; a window is of one input"));
+    CHECK(test::contains(what, "transfer actor 'from_device' gathers 'dev.out' from sim:0 of its own rank 1 onto cpu:0; "
+                               "it copies host memory only"));
   }
 }
 

@@ -2,6 +2,7 @@
 // credit (slots per register) fixed by the plan, end-of-stream downstream and detach
 // upstream so that every actor retires, and failure turned into a job abort.
 #include <algorithm>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -56,6 +57,10 @@ void Actor::wire_outputs() {
         // The whole slot, or the window (validate() checked that it lies inside the slot).
         remote.bytes = static_cast<std::size_t>(slot_bytes(t.window >= 0 ? plan.registers[t.outputs[0]] : reg));
         if (t.window >= 0) remote.offset = static_cast<std::size_t>(t.window) * size_of(reg.dtype);
+        // The transfer's port of this register (validate(): a transfer reads each register once).
+        for (std::size_t p = 0; p < t.inputs.size(); ++p) {
+          if (t.inputs[p].reg == r) remote.port = p;
+        }
         out->consumers.push_back(remote);
       }
     }
@@ -126,7 +131,15 @@ void Actor::wire_inputs() {
     case ActorKind::repeat: break;
     case ActorKind::transfer:
       pulled_.assign(static_cast<std::size_t>(outputs_[0]->slots), false);
+      pulls_left_.assign(pulled_.size(), 0);
       pull_started_.assign(pulled_.size(), 0);
+      // Several inputs land one after another in the slot, in port order (validate() checked
+      // that they fill it); one input fills it whole.
+      for (const InputPort& port : desc_.inputs) {
+        const RegisterDesc& reg = plan.registers[port.reg];
+        port_bytes_.push_back(desc_.inputs.size() == 1 ? outputs_[0]->buffers.front().nbytes()
+                                                       : static_cast<std::size_t>(slot_bytes(reg)));
+      }
       break;
     case ActorKind::accumulate:
       copy_kernel_ = core_.kernels->create("copy", cfg);
@@ -504,43 +517,59 @@ void Actor::on_stream_reached(const Message& m) {
   after_act(m.piece, Handoff::reached);
 }
 
-// Pull piece k of the remote register into our next slot. It is published (and acked to the
-// remote producer) when the data plane says it has landed: on_pulled. Several pulls may be in
+// Pull piece k of each remote input into its part of our next slot (one input: the whole
+// slot), and copy the part of each input on this rank (a transfer with several inputs gathers
+// them; validate() keeps those in host memory). The piece is published (and the remote inputs
+// acked) when the data plane says every pull has landed: on_pulled. Several pieces may be in
 // flight, one per free slot.
 void Actor::act_transfer() {
-  Input& in = inputs_[0];
   Output& out = *outputs_[0];
   const std::int64_t k = acts_;
   const auto slot = static_cast<std::uint16_t>(k % out.slots);
   Tensor& dest = out.buffers[slot];
   // The activity log records a pull from here to its landing (on_pulled); 0: not logged.
   pull_started_[slot] = core_.activity_log.load(std::memory_order_relaxed) ? steady_ns() : 0;
-  if (dest.nbytes() == 0) {  // nothing to move: the request was all there was
-    acts_ = k + 1;
-    ++inflight_;
-    bump(counters_.acts, std::uint64_t{1});
-    worker_->send(worker_, Message{id_, id_, k, in.reg, slot, MsgKind::pulled, 0});
-    return;
-  }
-  try {
-    core_.settings.link->receive_payload(in.producer.rank(), payload_tag(index_, k), dest.raw(), dest.nbytes(),
-                                         (std::uint64_t{index_} << 16) | slot);
-  } catch (const std::exception& e) {
-    core_.fail(fmt::format("transfer actor '{}' could not pull piece {} from rank {}: {}", desc_.name, k,
-                           in.producer.rank(), e.what()));
-    return;
+  std::uint16_t pulls = 0;
+  auto* at = static_cast<std::byte*>(dest.raw());
+  for (std::size_t p = 0; p < port_to_input_.size(); ++p) {
+    Input& in = inputs_[port_to_input_[p]];
+    const std::size_t bytes = port_bytes_[p];
+    if (bytes > 0 && in.source != nullptr) {
+      std::memcpy(at, in.source->buffers[static_cast<std::size_t>(k % in.slots)].raw(), bytes);
+    } else if (bytes > 0) {
+      try {
+        core_.settings.link->receive_payload(in.producer.rank(), payload_tag(index_, p, k), at, bytes,
+                                             (std::uint64_t{index_} << 16) | slot);
+      } catch (const std::exception& e) {
+        core_.fail(fmt::format("transfer actor '{}' could not pull piece {} of '{}' from rank {}: {}", desc_.name, k,
+                               core_.plan.registers[in.reg].name, in.producer.rank(), e.what()));
+        return;
+      }
+      ++pulls;
+    }
+    at += bytes;
   }
   acts_ = k + 1;
   ++inflight_;
   bump(counters_.acts, std::uint64_t{1});
+  // What it copied here it has read: those inputs go back now.
+  for (Input& in : inputs_) {
+    if (in.source != nullptr) release(in, k);
+  }
+  pulls_left_[slot] = pulls;
+  if (pulls == 0) {  // nothing to pull: the requests (and the copies) were all there was
+    pulls_left_[slot] = 1;
+    worker_->send(worker_, Message{id_, id_, k, 0, slot, MsgKind::pulled, 0});
+  }
 }
 
 void Actor::on_pulled(const Message& m) {
   if (stream_ != nullptr) return on_stream_reached(m);
   Output& out = *outputs_[0];
-  if (desc_.kind != ActorKind::transfer || m.slot >= pulled_.size() || inflight_ == 0) {
+  if (desc_.kind != ActorKind::transfer || m.slot >= pulled_.size() || inflight_ == 0 || pulls_left_[m.slot] == 0) {
     return protocol_error(m, "a pull landed that this actor did not start");
   }
+  if (--pulls_left_[m.slot] > 0) return;
   pulled_[m.slot] = true;
   // Pulls may land out of order; pieces are published in order.
   while (inflight_ > 0 && pulled_[static_cast<std::size_t>(out.written % out.slots)]) {
@@ -552,7 +581,9 @@ void Actor::on_pulled(const Message& m) {
     bump(counters_.bytes_in, bytes_in_per_act_);
     bump(counters_.bytes_out, bytes_out_per_act_);
     publish(out, piece);
-    release(inputs_[0], piece);
+    for (Input& in : inputs_) {
+      if (in.source == nullptr) release(in, piece);
+    }
   }
 }
 
@@ -602,7 +633,7 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
     // stays ours until it acks (the slot's credit keeps it unchanged meanwhile).
     auto* data = static_cast<std::byte*>(out.buffers[slot].raw()) + consumer.offset;
     try {
-      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), piece), data, consumer.bytes);
+      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), consumer.port, piece), data, consumer.bytes);
     } catch (const std::exception& e) {
       core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
                              core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));

@@ -49,6 +49,7 @@ struct Consumer {
   /// whole slot or a transfer's window (ActorDesc::window).
   std::size_t offset = 0;
   std::size_t bytes = 0;
+  std::size_t port = 0;  // the consumer's input port of this register (payload_tag)
 };
 
 /// A device's register bytes in use, with the most ever (RuntimeSettings::measure_memory).
@@ -269,9 +270,12 @@ class Actor {
   std::int32_t outputs_dead_ = 0;  // of those, how many lost every consumer to detach
   std::uint64_t bytes_in_per_act_ = 0;
   std::uint64_t bytes_out_per_act_ = 0;
-  // Transfer actors: pulls issued but not yet published, and which slots have landed.
+  // Transfer actors: pulls issued but not yet published, and which slots have landed (every
+  // input's part of them: pulls_left_ counts down the receives of each slot's act).
   std::int64_t inflight_ = 0;
   std::vector<bool> pulled_;
+  std::vector<std::uint16_t> pulls_left_;
+  std::vector<std::size_t> port_bytes_;  // per input port: where its piece lands in the slot
   std::vector<std::uint64_t> pull_started_;  // per slot, for the activity log
   // Actors on a CUDA or sim device: the stream their kernels enqueue on (and the same as a CUDA
   // stream, for CUDA kernels), whether handshakes follow stream order (not in deterministic
@@ -371,13 +375,15 @@ class Worker {
   std::atomic<std::uint64_t> log_dropped_{0};
 };
 
-/// Link tags for payloads: the transfer actor that pulls and the piece (modulo 2^28: at most
-/// 65535 pieces of a register are in flight, so a tag is unique while it is in use). The
-/// transfer, not the register: several transfers on one rank may pull windows of one register
-/// (ActorDesc::window). Fits the data plane's 48 bits.
+/// Link tags for payloads: the transfer actor that pulls, the input port it lands through (a
+/// transfer with several inputs gathers them, each into its own part of the slot) and the piece
+/// (modulo 2^20: at most 65535 pieces of a register are in flight, so a tag is unique while it
+/// is in use). The transfer, not the register: several transfers on one rank may pull windows
+/// of one register (ActorDesc::window). Fits the data plane's 48 bits.
 inline constexpr std::uint32_t max_actors_across_ranks = 1u << 20;
-inline std::uint64_t payload_tag(ActorIndex transfer, std::int64_t piece) {
-  return (std::uint64_t{transfer} << 28) | (static_cast<std::uint64_t>(piece) & ((1u << 28) - 1));
+inline std::uint64_t payload_tag(ActorIndex transfer, std::size_t port, std::int64_t piece) {
+  return (std::uint64_t{transfer} << 28) | (std::uint64_t{port} << 20) |
+         (static_cast<std::uint64_t>(piece) & ((1u << 20) - 1));
 }
 
 /// The state one Runtime owns (Runtime::Impl). It is also the data plane's handler: messages

@@ -638,12 +638,74 @@ void check_inputs(const Plan& plan, ActorIndex i, Problems& problem) {
               "(run the plan through insert_transfers())",
               reg.name, plan.actors[reg.producer].where.rank, plan.actors[reg.producer].name, a.where.rank, a.name);
     } else if (plan.actors[reg.producer].where.rank == a.where.rank && a.kind == ActorKind::transfer) {
-      problem("transfer actor '{}' reads '{}' from its own rank {}; a transfer crosses ranks", a.name, reg.name,
-              a.where.rank);
+      // A transfer that gathers several inputs copies those of its own rank (host memory only);
+      // one input must come from another rank.
+      const Device on = plan.actors[reg.producer].where.device;
+      if (a.inputs.size() == 1) {
+        problem("transfer actor '{}' reads '{}' from its own rank {}; a transfer crosses ranks", a.name, reg.name,
+                a.where.rank);
+      } else if (is_async(on.type) || is_async(a.where.device.type)) {
+        problem("transfer actor '{}' gathers '{}' from {} of its own rank {} onto {}; it copies host memory only",
+                a.name, reg.name, on.str(), a.where.rank, a.where.device.str());
+      }
     }
     if (std::find(reg.consumers.begin(), reg.consumers.end(), i) == reg.consumers.end()) {
       problem("actor '{}' reads register '{}' but is not among its consumers", a.name, reg.name);
     }
+  }
+}
+
+/// A shape's elements, or -1 where it has none that count (reported with the register,
+/// check_registers).
+std::int64_t elements_of(const Shape& shape) {
+  try {
+    return numel(shape);
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+/// A transfer with several inputs gathers them into its one output, in port order: each read
+/// once, without delay, in the output's dtype, their elements adding up to the output's; at
+/// least one from another rank (check_inputs: the rest in host memory of its own), no window.
+void check_gather(const Plan& plan, const ActorDesc& a, Problems& problem) {
+  if (a.outputs.size() != 1) {
+    problem("transfer actor '{}' gathers {} inputs into {} outputs; it needs exactly one", a.name, a.inputs.size(),
+            a.outputs.size());
+    return;
+  }
+  if (a.inputs.size() > max_transfer_inputs) {
+    problem("transfer actor '{}' gathers {} inputs; at most {}", a.name, a.inputs.size(), max_transfer_inputs);
+  }
+  if (a.window >= 0) problem("transfer actor '{}' gathers {} inputs and has window {}; a window is of one input",
+                             a.name, a.inputs.size(), a.window);
+  if (a.group != 1) problem("transfer actor '{}' has group {}; a transfer moves one piece per piece", a.name, a.group);
+  if (a.outputs[0] >= plan.registers.size()) return;  // reported with the outputs
+  const RegisterDesc& out = plan.registers[a.outputs[0]];
+  std::int64_t elements = 0;
+  bool remote = false;
+  std::set<RegisterIndex> seen;
+  for (const InputPort& port : a.inputs) {
+    if (port.reg >= plan.registers.size()) return;  // check_inputs reported it
+    const RegisterDesc& in = plan.registers[port.reg];
+    if (!seen.insert(port.reg).second) problem("transfer actor '{}' gathers '{}' twice", a.name, in.name);
+    if (port.delay != 0) problem("transfer actor '{}' cannot read '{}' with a delay", a.name, in.name);
+    if (in.dtype != out.dtype) {
+      problem("transfer actor '{}' gathers '{}' ({}) into '{}' ({}); a transfer keeps the dtype", a.name, in.name,
+              name(in.dtype), out.name, name(out.dtype));
+    }
+    const std::int64_t n = elements_of(in.shape);
+    elements = n < 0 || elements < 0 ? -1 : elements + n;
+    if (in.producer < plan.actors.size() && plan.actors[in.producer].where.rank != a.where.rank) remote = true;
+  }
+  const std::int64_t filled = elements_of(out.shape);
+  if (elements >= 0 && filled >= 0 && elements != filled) {
+    problem("transfer actor '{}' gathers {} elements from {} inputs into '{}' ({}{}, {} elements); they must fill it",
+            a.name, elements, a.inputs.size(), out.name, name(out.dtype), to_string(out.shape), filled);
+  }
+  if (!remote) {
+    problem("transfer actor '{}' gathers {} inputs, all from its own rank {}; a transfer crosses ranks", a.name,
+            a.inputs.size(), a.where.rank);
   }
 }
 
@@ -681,9 +743,14 @@ void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
     case ActorKind::compute:
       if (a.inputs.empty()) problem("compute actor '{}' has no inputs (make it a source)", a.name);
       break;
+    case ActorKind::transfer:
+      if (a.inputs.size() > 1) {
+        check_gather(plan, a, problem);
+        break;
+      }
+      [[fallthrough]];
     case ActorKind::repeat:
     case ActorKind::accumulate:
-    case ActorKind::transfer:
       if (a.inputs.size() != 1 || a.outputs.size() != 1) {
         problem("{} actor '{}' needs exactly one input and one output, has {} and {}", name(a.kind), a.name,
                 a.inputs.size(), a.outputs.size());
@@ -692,21 +759,14 @@ void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
         const auto& out = plan.registers[a.outputs[0]];
         // A view (a repeat of group 1) may see the input's elements as another shape.
         const bool view = a.kind == ActorKind::repeat && a.group == 1;
-        auto elements = [](const Shape& shape) -> std::int64_t {
-          try {
-            return numel(shape);
-          } catch (const std::exception&) {
-            return -1;  // reported with the register (check_registers)
-          }
-        };
-        const bool same_bytes = in.dtype == out.dtype && elements(in.shape) == elements(out.shape);
+        const bool same_bytes = in.dtype == out.dtype && elements_of(in.shape) == elements_of(out.shape);
         if (a.window >= 0) {
           // A window of the input: the same dtype, inside its elements (a transfer only, below).
-          if (in.dtype != out.dtype || a.window + elements(out.shape) > elements(in.shape) ||
-              elements(out.shape) < 0) {
+          if (in.dtype != out.dtype || a.window + elements_of(out.shape) > elements_of(in.shape) ||
+              elements_of(out.shape) < 0) {
             problem("{} actor '{}' moves elements [{}, {}) of '{}' ({}{}) into '{}' ({}{}); a window keeps the dtype "
                     "and lies inside the register",
-                    name(a.kind), a.name, a.window, a.window + std::max<std::int64_t>(elements(out.shape), 0), in.name,
+                    name(a.kind), a.name, a.window, a.window + std::max<std::int64_t>(elements_of(out.shape), 0), in.name,
                     name(in.dtype), to_string(in.shape), out.name, name(out.dtype), to_string(out.shape));
           }
         } else if (view ? !same_bytes : (in.shape != out.shape || in.dtype != out.dtype)) {

@@ -17,6 +17,9 @@
 //   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
 //   baton-bench-allreduce --slice    each chain's first hop copies the segment out and pulls
 //                                    the copy (before 2026-11-27), against pulling its window
+//   baton-bench-allreduce --concat   each member's result: a transfer per remote sum, then a
+//                                    concat copies every sum (before 2026-11-28), against one
+//                                    transfer pulling each sum into its place in the result
 //   baton-bench-allreduce --algorithm direct     every member sums every input (one hop; small tensors)
 //   baton-bench-allreduce --hosts 2  two network namespaces of two ranks, over TCP (root): the
 //                                    hierarchical all-reduce against the flat ring and MPI there;
@@ -294,6 +297,8 @@ int main(int argc, char** argv) {
                                              : AllReduceAlgorithm::two_hop;
     } else if (a == "--slice") {
       settings.pull_windows = false;
+    } else if (a == "--concat") {
+      settings.gather_in_place = false;
     } else if (a == "--segment-kib" && i + 1 < argc) {
       settings.segment_bytes = std::stoll(argv[++i]) << 10;
     } else if (a == "--max-segments" && i + 1 < argc) {
@@ -320,7 +325,7 @@ int main(int argc, char** argv) {
     } else {
       fmt::print(stderr,
                  "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop|direct]\n"
-                 "                             [--slice] [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
+                 "                             [--slice] [--concat] [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
                  "                             [--max-mib B] [--hosts 2 [--link-gbit G]] [--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -345,6 +350,7 @@ int main(int argc, char** argv) {
                                  std::to_string(settings.segment_bytes >> 10), "--max-segments",
                                  std::to_string(settings.max_segments)};
   if (!settings.pull_windows) knobs.push_back("--slice");
+  if (!settings.gather_in_place) knobs.push_back("--concat");
   if (across_hosts) return across_two_hosts(self, ref, knobs, quick, reference, min_bytes, max_bytes, link_gbit);
   int failures = 0;
   for (int n : ranks) {
@@ -372,7 +378,8 @@ int main(int argc, char** argv) {
           .add("oversubscribed", n > bench::usable_cores()).add("algorithm", algorithm)
           .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
           .add("segment_kib", settings.segment_bytes >> 10)
-          .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled");
+          .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled")
+          .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated");
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")

@@ -613,7 +613,18 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
     for (RegisterIndex r : sums[i]) ins.push_back({r});
     results.push_back(
         plan.add_register({.name = name + ".allreduced" + m.suffix, .shape = shape, .dtype = dtype, .slots = result_slots}));
-    plan.add_actor({.name = name + ".gather" + m.suffix, .op = "allreduce.concat", .dtype = dtype, .where = m.where,
+    // The sums from other ranks land in their places in the result (a gathering transfer),
+    // where they can: in host memory, in the result's dtype.
+    const bool remote = std::any_of(sums[i].begin(), sums[i].end(), [&](RegisterIndex r) {
+      return plan.actors.at(plan.registers.at(r).producer).where.rank != m.where.rank;
+    });
+    const bool host = std::all_of(sums[i].begin(), sums[i].end(), [&](RegisterIndex r) {
+      return !is_async(plan.actors.at(plan.registers.at(r).producer).where.device.type);
+    });
+    const bool in_place = settings.gather_in_place && remote && host && !is_async(m.where.device.type) &&
+                          settings.wire.value_or(dtype) == dtype && ins.size() <= max_transfer_inputs;
+    plan.add_actor({.name = name + ".gather" + m.suffix, .kind = in_place ? ActorKind::transfer : ActorKind::compute,
+                    .op = in_place ? "transfer" : "allreduce.concat", .dtype = dtype, .where = m.where,
                     .inputs = std::move(ins), .outputs = {results.back()}, .attrs = {{"allreduce", name}},
                     .role = ActorRole::collective});
   }

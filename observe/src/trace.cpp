@@ -292,9 +292,14 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
         put(", \"op\": ");
         append_escaped(out, d->op);
       }
-      if (d->kind == ActorKind::transfer && !d->inputs.empty() && d->inputs[0].reg < registers.size()) {
-        const ActorDesc* from = actor(registers[d->inputs[0].reg].producer);
-        if (from != nullptr) fmt::format_to(std::back_inserter(out), R"(, "from rank": {})", from->where.rank);
+      if (d->kind == ActorKind::transfer) {
+        // The rank it pulls from (a gathering transfer: the first of its inputs' other ranks).
+        for (const InputPort& in : d->inputs) {
+          const ActorDesc* from = in.reg < registers.size() ? actor(registers[in.reg].producer) : nullptr;
+          if (from == nullptr || from->where.rank == d->where.rank) continue;
+          fmt::format_to(std::back_inserter(out), R"(, "from rank": {})", from->where.rank);
+          break;
+        }
       }
     }
     put("}}");

@@ -45,9 +45,17 @@ enum class ActorKind : std::uint8_t {
   /// from the remote producer's slot into its own (the data plane), then acks the producer and
   /// requests its local consumers. Placed by insert_transfers(), one per (register, rank), or
   /// by a lowering that wants one in a lane (ZeRO 3's pulls), where it starts each pull at its
-  /// turn.
+  /// turn. With several inputs (at most max_transfer_inputs, each register once, no delay, one
+  /// dtype, at least one on another rank) it *gathers*: each input's piece lands in its own part
+  /// of the output slot, one after another in port order, filling it; those on other ranks are
+  /// pulled straight there and those of its own rank (host memory) copied there. An all-reduce's
+  /// result is gathered so, with no register and no copy per remote sum.
   transfer,
 };
+
+/// The most inputs one gathering transfer reads (ActorKind::transfer): the data plane's payload
+/// tag names the input port in 8 bits.
+inline constexpr std::size_t max_transfer_inputs = 256;
 
 std::string_view name(ActorKind k);
 

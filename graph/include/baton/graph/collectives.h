@@ -102,6 +102,14 @@ struct AllReduceSettings {
   /// form before 2026-11-27, kept to measure the difference: baton-bench-allreduce --slice).
   /// Compressed sums and inputs in parts whose segment spans two registers always slice.
   bool pull_windows = true;
+  /// Each member's result gathers the sums from the ranks that hold them by one transfer that
+  /// pulls each sum straight into its place in the result (a gathering transfer,
+  /// ActorKind::transfer) and copies those of its own rank there: no register and no copy per
+  /// remote sum. False: a transfer per remote sum, then a concat actor copies every sum into the
+  /// result (the form before 2026-11-28, kept to measure: baton-bench-allreduce --concat).
+  /// Members on a CUDA device, compressed sums (widened to f32 there) and results of sums all
+  /// on the member's own rank always concat.
+  bool gather_in_place = true;
   /// Gradient compression on the wire (Horovod's fp16 compression, in f16 or bf16): the dtype
   /// the partial and finished sums are stored in and travel in; unset, the tensor's. Only bf16
   /// or f16 for f32 members on the CPU, ring only: each hop adds its member's f32 segment to the
