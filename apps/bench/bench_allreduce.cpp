@@ -18,7 +18,7 @@
 //   baton-bench-allreduce --slice    each chain's first hop copies the segment out and pulls
 //                                    the copy (before 2026-11-27), against pulling its window
 //   baton-bench-allreduce --concat   each member's result: a transfer per remote sum, then a
-//                                    concat copies every sum (before 2026-11-28), against one
+//                                    concat copies every sum (the earlier form), against one
 //                                    transfer pulling each sum into its place in the result
 //   baton-bench-allreduce --algorithm direct     every member sums every input (one hop; small tensors)
 //   baton-bench-allreduce --hosts 2  two network namespaces of two ranks, over TCP (root): the

@@ -106,7 +106,7 @@ struct AllReduceSettings {
   /// pulls each sum straight into its place in the result (a gathering transfer,
   /// ActorKind::transfer) and copies those of its own rank there: no register and no copy per
   /// remote sum. False: a transfer per remote sum, then a concat actor copies every sum into the
-  /// result (the form before 2026-11-28, kept to measure: baton-bench-allreduce --concat).
+  /// result (the earlier form, kept to measure: baton-bench-allreduce --concat).
   /// Members on a CUDA device, compressed sums (widened to f32 there) and results of sums all
   /// on the member's own rank always concat.
   bool gather_in_place = true;
