@@ -30,6 +30,16 @@ std::vector<RankResult> run_loopback(const Plan& logical, std::uint16_t world) {
   return results;
 }
 
+/// Runs `plan` on loopback ranks with pieces up to `inline_bytes` inline with their requests.
+std::vector<RankResult> run_inline(const Plan& plan, const KernelRegistry& kernels, std::size_t inline_bytes) {
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  rs.inline_payload_bytes = inline_bytes;
+  auto results = test::run_on_loopback(plan, kernels, rs);
+  for (const auto& r : results) REQUIRE_MESSAGE(r.error.empty(), r.error);
+  return results;
+}
+
 const ActorMetrics* find_actor(const RunReport& rep, const std::string& name) {
   for (const auto& a : rep.metrics.actors) {
     if (a.name == name) return &a;
@@ -254,19 +264,20 @@ TEST_CASE("cross rank: transfers of windows pull sub-ranges of one slot, beside 
               [](const KernelConfig& cfg) { return std::make_unique<WindowCheck>(cfg); });
   const Plan plan = insert_transfers(p);
   CHECK(plan.to_text().find("window=12") != std::string::npos);
-  RuntimeSettings rs;
-  rs.stall_timeout = std::chrono::milliseconds(20'000);
-  const auto results = test::run_on_loopback(plan, kernels, rs);
-  for (const auto& r : results) REQUIRE_MESSAGE(r.error.empty(), r.error);
-  for (const auto& [offset, count] : windows) {
-    const auto* t = find_actor(*results[1].report, fmt::format("pull{}", offset));
-    REQUIRE(t != nullptr);
-    CHECK(t->acts == 300);
-    CHECK(t->bytes_in == static_cast<std::uint64_t>(300 * count * 8));  // the window, not the slot
-    CHECK(t->bytes_out == t->bytes_in);
+  // Pulled, and inline with the requests (the windows are 0-80 bytes).
+  for (const std::size_t inline_bytes : {std::size_t{0}, RuntimeSettings{}.inline_payload_bytes}) {
+    CAPTURE(inline_bytes);
+    const auto results = run_inline(plan, kernels, inline_bytes);
+    for (const auto& [offset, count] : windows) {
+      const auto* t = find_actor(*results[1].report, fmt::format("pull{}", offset));
+      REQUIRE(t != nullptr);
+      CHECK(t->acts == 300);
+      CHECK(t->bytes_in == static_cast<std::uint64_t>(300 * count * 8));  // the window, not the slot
+      CHECK(t->bytes_out == t->bytes_in);
+    }
+    CHECK(find_actor(*results[1].report, "check")->acts == 300);
+    CHECK(find_actor(*results[1].report, "whole")->acts == 300);
   }
-  CHECK(find_actor(*results[1].report, "check")->acts == 300);
-  CHECK(find_actor(*results[1].report, "whole")->acts == 300);
 }
 
 TEST_CASE("cross rank: a window that leaves its register, changes the dtype or is not a transfer's is refused") {
@@ -337,19 +348,20 @@ TEST_CASE("cross rank: a gathering transfer lands each input in its part of one 
   // The gather is a transfer already: insert_transfers adds one for `whole` only.
   CHECK(std::count_if(plan.actors.begin(), plan.actors.end(),
                       [](const ActorDesc& d) { return d.kind == ActorKind::transfer; }) == 2);
-  RuntimeSettings rs;
-  rs.stall_timeout = std::chrono::milliseconds(20'000);
-  const auto results = test::run_on_loopback(plan, kernels, rs);
-  for (const auto& r : results) REQUIRE_MESSAGE(r.error.empty(), r.error);
-  const auto* g = find_actor(*results[1].report, "gather");
-  REQUIRE(g != nullptr);
-  CHECK(g->acts == 300);
-  CHECK(g->bytes_in == static_cast<std::uint64_t>(300 * 56 * 8));
-  CHECK(g->bytes_out == g->bytes_in);
-  CHECK(find_actor(*results[1].report, "check")->acts == 300);
-  CHECK(find_actor(*results[1].report, "whole")->acts == 300);
-  for (const char* source : {"a", "a2"}) CHECK(find_actor(*results[0].report, source)->acts == 300);
-  CHECK(find_actor(*results[2].report, "b")->acts == 300);
+  // Pulled; inline with the requests; a.out (128 bytes) pulled while a2.out (64) comes inline.
+  for (const std::size_t inline_bytes : {std::size_t{0}, RuntimeSettings{}.inline_payload_bytes, std::size_t{64}}) {
+    CAPTURE(inline_bytes);
+    const auto results = run_inline(plan, kernels, inline_bytes);
+    const auto* g = find_actor(*results[1].report, "gather");
+    REQUIRE(g != nullptr);
+    CHECK(g->acts == 300);
+    CHECK(g->bytes_in == static_cast<std::uint64_t>(300 * 56 * 8));
+    CHECK(g->bytes_out == g->bytes_in);
+    CHECK(find_actor(*results[1].report, "check")->acts == 300);
+    CHECK(find_actor(*results[1].report, "whole")->acts == 300);
+    for (const char* source : {"a", "a2"}) CHECK(find_actor(*results[0].report, source)->acts == 300);
+    CHECK(find_actor(*results[2].report, "b")->acts == 300);
+  }
 }
 
 TEST_CASE("cross rank: a gather that does not fill its register, mixes dtypes or crosses no rank is refused") {

@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "baton/transport/data_plane.h"
 #include "test_util.h"
 
@@ -152,6 +154,24 @@ struct Pair {
   std::unique_ptr<DataPlane> planes[2];
 };
 
+/// Rank 0 sends to rank 1, whose handler is the test's own.
+struct OneWay {
+  OneWay(const std::string& transports, LinkHandler& handler)
+      : receiver(1, 2, DataPlaneSettings{.transports = transports}),
+        sender(0, 2, DataPlaneSettings{.transports = transports}) {
+    std::vector<std::string> addresses{sender.address(), receiver.address()};
+    receiver.set_handler(&handler);
+    sender.set_handler(&unused);
+    receiver.connect(addresses);
+    sender.connect(addresses);
+    receiver.start();
+    sender.start();
+  }
+  Recorder unused;  // the sender's handler: declared first, destroyed after the planes
+  DataPlane receiver;
+  DataPlane sender;
+};
+
 /// Bytes that differ at every position and between payloads.
 std::vector<unsigned char> pattern(std::size_t size, unsigned seed) {
   std::vector<unsigned char> bytes(size);
@@ -198,6 +218,11 @@ TEST_CASE("data plane: connects and names the transports UCX chose" * doctest::t
     MESSAGE("rank ", r, " uses ", chosen);
     CHECK_FALSE(chosen.empty());
     if (transports == "tcp") CHECK(contains(chosen, "tcp/"));
+    // Inline payloads: up to 4 KiB over shared memory, up to the most over TCP (measured).
+    const bool shared_memory = contains(chosen, "sysv") || contains(chosen, "posix") || contains(chosen, "xpmem");
+    CHECK(pair.planes[r]->inline_limit(1 - r) == (shared_memory ? std::size_t{4096} : Link::max_inline_payload));
+    if (transports == "tcp") CHECK(pair.planes[r]->inline_limit(1 - r) == Link::max_inline_payload);
+    CHECK(pair.planes[r]->inline_limit(7) == 0);
   }
 }
 
@@ -250,16 +275,8 @@ TEST_CASE("data plane: empty and short messages keep their order with the rest" 
     std::vector<std::size_t> sizes;
     std::vector<unsigned char> firsts;
   } check;
-  DataPlane receiver(1, 2, DataPlaneSettings{.transports = transports});
-  DataPlane sender(0, 2, DataPlaneSettings{.transports = transports});
-  Recorder unused;
-  std::vector<std::string> addresses{sender.address(), receiver.address()};
-  receiver.set_handler(&check);
-  sender.set_handler(&unused);
-  receiver.connect(addresses);
-  sender.connect(addresses);
-  receiver.start();
-  sender.start();
+  OneWay link(transports, check);
+  DataPlane& sender = link.sender;
   std::vector<std::size_t> sent_sizes;
   for (std::size_t i = 0; i < 200; ++i) {
     std::size_t size = i % 3 == 0 ? 0 : (i % 3 == 1 ? 1 : Link::max_message);
@@ -281,6 +298,75 @@ TEST_CASE("data plane: empty and short messages keep their order with the rest" 
   for (std::size_t i = 0; i < 200; ++i)
     if (i % 3 != 0) expected_firsts.push_back(static_cast<unsigned char>(i));
   CHECK(check.firsts == expected_firsts);
+}
+
+TEST_CASE("data plane: inline payloads arrive with their messages, in order with plain ones" * doctest::timeout(60)) {
+  const std::string transports = transport_variant();
+  struct Seen {
+    std::size_t size;
+    unsigned char first;
+    std::vector<unsigned char> payload;
+  };
+  struct Check final : LinkHandler {
+    void on_message(std::uint32_t from, const void* data, std::size_t size) override {
+      on_message_with_payload(from, data, size, nullptr, 0);
+    }
+    void on_message_with_payload(std::uint32_t, const void* data, std::size_t size, const void* payload,
+                                 std::size_t payload_size) override {
+      std::lock_guard lock(mutex);
+      const auto* p = static_cast<const unsigned char*>(payload);
+      seen.push_back({size, size > 0 ? *static_cast<const unsigned char*>(data) : std::uint8_t{0},
+                      std::vector<unsigned char>(p, p + payload_size)});
+    }
+    void on_payload(std::uint64_t) override {}
+    void on_link_error(const std::string& reason) override {
+      std::lock_guard lock(mutex);
+      errors.push_back(reason);
+    }
+    std::mutex mutex;
+    std::vector<Seen> seen;
+    std::vector<std::string> errors;
+  } check;
+  OneWay link(transports, check);
+  DataPlane& sender = link.sender;
+  // Plain messages, and messages of 0, 32 and 64 bytes with payloads of 1 B to the most; the
+  // payloads stay where they are until they have arrived (as a producer's slot does).
+  const std::vector<std::size_t> payload_sizes{1, 100, 4096, Link::max_inline_payload};
+  std::vector<std::vector<unsigned char>> payloads;
+  std::vector<Seen> sent;
+  for (std::size_t i = 0; i < 300; ++i) {
+    const std::size_t size = i % 3 == 0 ? 0 : (i % 3 == 1 ? 32 : Link::max_message);
+    std::vector<unsigned char> bytes(size, static_cast<unsigned char>(i));
+    std::vector<unsigned char> payload;
+    if (i % 4 != 0) {
+      payload.resize(payload_sizes[i % payload_sizes.size()]);
+      for (std::size_t b = 0; b < payload.size(); ++b) payload[b] = static_cast<unsigned char>(i * 13 + b);
+    }
+    payloads.push_back(payload);
+    if (payload.empty()) {
+      sender.send(1, bytes.data(), size);
+    } else {
+      sender.send_inline(1, bytes.data(), size, payloads.back().data(), payloads.back().size());
+    }
+    sent.push_back({size, size > 0 ? static_cast<unsigned char>(i) : std::uint8_t{0}, payload});
+  }
+  auto deadline = Clock::now() + 20s;
+  while (Clock::now() < deadline) {
+    {
+      std::lock_guard lock(check.mutex);
+      if (check.seen.size() >= sent.size() || !check.errors.empty()) break;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  std::lock_guard lock(check.mutex);
+  REQUIRE_MESSAGE(check.errors.empty(), check.errors.front());
+  REQUIRE(check.seen.size() == sent.size());
+  for (std::size_t i = 0; i < sent.size(); ++i) {
+    CAPTURE(i);
+    CHECK(check.seen[i].size == sent[i].size);
+    CHECK(check.seen[i].first == sent[i].first);
+    CHECK(check.seen[i].payload == sent[i].payload);
+  }
 }
 
 TEST_CASE("data plane: payloads from 0 B to 64 MiB arrive intact, received before or after the offer" *
@@ -476,6 +562,9 @@ TEST_CASE("data plane: refuses what it cannot carry with a TransportError" * doc
   DataPlane& dp = *pair.planes[0];
   std::vector<unsigned char> big(Link::max_message + 1);
   CHECK(contains(thrown_message<TransportError>([&] { dp.send(1, big.data(), big.size()); }), "65 bytes"));
+  std::vector<unsigned char> too_much(Link::max_inline_payload + 1);
+  CHECK(contains(thrown_message<TransportError>([&] { dp.send_inline(1, big.data(), 1, too_much.data(), too_much.size()); }),
+                 fmt::format("inline payload of {} bytes to rank 1: at most {}", too_much.size(), Link::max_inline_payload)));
   CHECK(contains(thrown_message<TransportError>([&] { dp.send(2, big.data(), 1); }), "rank 2"));
   CHECK(contains(thrown_message<TransportError>([&] { dp.send(0, big.data(), 1); }), "itself"));
   CHECK(contains(thrown_message<TransportError>([&] { dp.send_payload(5, 1, big.data(), 1); }), "rank 5"));

@@ -135,10 +135,17 @@ void Actor::wire_inputs() {
       pull_started_.assign(pulled_.size(), 0);
       // Several inputs land one after another in the slot, in port order (validate() checked
       // that they fill it); one input fills it whole.
-      for (const InputPort& port : desc_.inputs) {
-        const RegisterDesc& reg = plan.registers[port.reg];
+      for (std::size_t p = 0; p < desc_.inputs.size(); ++p) {
+        const RegisterDesc& reg = plan.registers[desc_.inputs[p].reg];
         port_bytes_.push_back(desc_.inputs.size() == 1 ? outputs_[0]->buffers.front().nbytes()
                                                        : static_cast<std::size_t>(slot_bytes(reg)));
+        // A remote producer may send its pieces inline (RuntimeSettings::inline_payload_bytes):
+        // staged per producer slot, allocated at the first (stage()).
+        Input& in = inputs_[port_to_input_[p]];
+        if (in.source == nullptr && port_bytes_[p] > 0 && port_bytes_[p] <= transport::Link::max_inline_payload) {
+          in.staged_bytes = port_bytes_[p];
+          in.staged.assign(static_cast<std::size_t>(in.slots), false);
+        }
       }
       break;
     case ActorKind::accumulate:
@@ -262,7 +269,8 @@ Actor::Block Actor::next_block_of_stream() const {
 void Actor::on_message(const Message& m) {
   if (retired_) return;
   switch (m.kind) {
-    case MsgKind::request: on_request(m); break;
+    case MsgKind::request:
+    case MsgKind::request_inline: on_request(m); break;
     case MsgKind::ack: on_ack(m); break;
     case MsgKind::end_of_stream: on_eos(m); break;
     case MsgKind::detach: on_detach(m); break;
@@ -518,10 +526,11 @@ void Actor::on_stream_reached(const Message& m) {
 }
 
 // Pull piece k of each remote input into its part of our next slot (one input: the whole
-// slot), and copy the part of each input on this rank (a transfer with several inputs gathers
-// them; validate() keeps those in host memory). The piece is published (and the remote inputs
-// acked) when the data plane says every pull has landed: on_pulled. Several pieces may be in
-// flight, one per free slot.
+// slot), and copy there the part of each input on this rank (a transfer with several inputs
+// gathers them; validate() keeps those in host memory) and of each whose piece came inline
+// with its request (staged). The piece is published (and the pulled inputs acked) when the
+// data plane says every pull has landed (on_pulled); at once if nothing was pulled. Several
+// pieces may be in flight, one per free slot.
 void Actor::act_transfer() {
   Output& out = *outputs_[0];
   const std::int64_t k = acts_;
@@ -531,12 +540,22 @@ void Actor::act_transfer() {
   pull_started_[slot] = core_.activity_log.load(std::memory_order_relaxed) ? steady_ns() : 0;
   std::uint16_t pulls = 0;
   auto* at = static_cast<std::byte*>(dest.raw());
+  acts_ = k + 1;
+  ++inflight_;
+  bump(counters_.acts, std::uint64_t{1});
   for (std::size_t p = 0; p < port_to_input_.size(); ++p) {
     Input& in = inputs_[port_to_input_[p]];
     const std::size_t bytes = port_bytes_[p];
-    if (bytes > 0 && in.source != nullptr) {
-      std::memcpy(at, in.source->buffers[static_cast<std::size_t>(k % in.slots)].raw(), bytes);
-    } else if (bytes > 0) {
+    const auto from = static_cast<std::size_t>(k % in.slots);
+    if (bytes == 0) {
+      if (in.source != nullptr) release(in, k);  // a remote one acks when the piece is published
+    } else if (in.source != nullptr || (!in.staged.empty() && in.staged[from])) {
+      // Here already: copied, and handed back at once.
+      const void* src = in.source != nullptr ? in.source->buffers[from].raw() : in.staging.get() + from * bytes;
+      std::memcpy(at, src, bytes);
+      if (in.source == nullptr) in.staged[from] = false;
+      release(in, k);
+    } else {
       try {
         core_.settings.link->receive_payload(in.producer.rank(), payload_tag(index_, p, k), at, bytes,
                                              (std::uint64_t{index_} << 16) | slot);
@@ -549,29 +568,23 @@ void Actor::act_transfer() {
     }
     at += bytes;
   }
-  acts_ = k + 1;
-  ++inflight_;
-  bump(counters_.acts, std::uint64_t{1});
-  // What it copied here it has read: those inputs go back now.
-  for (Input& in : inputs_) {
-    if (in.source != nullptr) release(in, k);
-  }
   pulls_left_[slot] = pulls;
-  if (pulls == 0) {  // nothing to pull: the requests (and the copies) were all there was
-    pulls_left_[slot] = 1;
-    worker_->send(worker_, Message{id_, id_, k, 0, slot, MsgKind::pulled, 0});
-  }
+  if (pulls == 0) landed(slot);  // nothing to wait for
 }
 
 void Actor::on_pulled(const Message& m) {
   if (stream_ != nullptr) return on_stream_reached(m);
-  Output& out = *outputs_[0];
   if (desc_.kind != ActorKind::transfer || m.slot >= pulled_.size() || inflight_ == 0 || pulls_left_[m.slot] == 0) {
     return protocol_error(m, "a pull landed that this actor did not start");
   }
-  if (--pulls_left_[m.slot] > 0) return;
-  pulled_[m.slot] = true;
-  // Pulls may land out of order; pieces are published in order.
+  if (--pulls_left_[m.slot] == 0) landed(m.slot);
+}
+
+// Every part of the piece in `slot` is there. Pulls may land out of order; pieces are published
+// in order, and the inputs not handed back at the act are acked then.
+void Actor::landed(std::uint16_t slot) {
+  Output& out = *outputs_[0];
+  pulled_[slot] = true;
   while (inflight_ > 0 && pulled_[static_cast<std::size_t>(out.written % out.slots)]) {
     pulled_[static_cast<std::size_t>(out.written % out.slots)] = false;
     --inflight_;
@@ -582,9 +595,25 @@ void Actor::on_pulled(const Message& m) {
     bump(counters_.bytes_out, bytes_out_per_act_);
     publish(out, piece);
     for (Input& in : inputs_) {
-      if (in.source == nullptr) release(in, piece);
+      if (in.released == piece) release(in, piece);
     }
+    if (core_.failed()) return;
   }
+}
+
+// On the data plane's thread (Core::on_message_with_payload), before the request is posted:
+// the worker reads the staged bytes only after it has the request, and the producer sends the
+// piece for a staging slot only after this actor acked the one before in it (at its act).
+std::string Actor::stage(const Message& m, const void* payload, std::size_t size) {
+  Input* in = desc_.kind == ActorKind::transfer ? input_for(m.reg) : nullptr;
+  if (in == nullptr || in->source != nullptr) return "it is not a transfer that pulls it from there";
+  if (in->staged_bytes != size) {
+    return fmt::format("{} bytes, where it takes {} inline (at most {})", size, in->staged_bytes,
+                       transport::Link::max_inline_payload);
+  }
+  if (in->staging == nullptr) in->staging = std::make_unique<std::byte[]>(static_cast<std::size_t>(in->slots) * size);
+  std::memcpy(in->staging.get() + static_cast<std::size_t>(m.piece % in->slots) * size, payload, size);
+  return {};
 }
 
 // The piece in the next slot is written (Handoff::all, ::enqueued: the bookkeeping happens
@@ -626,21 +655,35 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
 }
 
 void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
-  const Consumer& consumer = out.consumers[c];
+  Consumer& consumer = out.consumers[c];
   const auto slot = static_cast<std::uint16_t>(piece % out.slots);
+  Message m{id_, consumer.id, piece, out.reg, slot, MsgKind::request, static_cast<std::uint8_t>(c)};
   if (consumer.worker == nullptr && !core_.dry_run && consumer.bytes > 0) {
     // A consumer on another rank pulls the payload (or its window of it) from this slot, which
-    // stays ours until it acks (the slot's credit keeps it unchanged meanwhile).
+    // stays ours until it acks (the slot's credit keeps it unchanged meanwhile); a small one
+    // goes with the request, read from the slot as it is sent.
     auto* data = static_cast<std::byte*>(out.buffers[slot].raw()) + consumer.offset;
+    if (consumer.inline_payload == Consumer::Inline::undecided) {
+      const std::size_t most = std::min({core_.settings.inline_payload_bytes, transport::Link::max_inline_payload,
+                                         core_.settings.link->inline_limit(consumer.id.rank())});
+      consumer.inline_payload = consumer.bytes <= most ? Consumer::Inline::yes : Consumer::Inline::no;
+    }
+    if (consumer.inline_payload == Consumer::Inline::yes) {
+      m.kind = MsgKind::request_inline;
+      if (core_.settings.record_handshakes) core_.record(m);
+      core_.send_remote(m, data, consumer.bytes);
+      return;
+    }
     try {
-      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), consumer.port, piece), data, consumer.bytes);
+      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), consumer.port, piece), data,
+                                        consumer.bytes);
     } catch (const std::exception& e) {
       core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
                              core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));
       return;
     }
   }
-  send(consumer.worker, Message{id_, consumer.id, piece, out.reg, slot, MsgKind::request, static_cast<std::uint8_t>(c)});
+  send(consumer.worker, m);
 }
 
 void Actor::release(Input& in, std::int64_t piece) {
@@ -703,6 +746,10 @@ void Actor::on_request(const Message& m) {
   if (in == nullptr) return protocol_error(m, "request for a register this actor does not read");
   if (in->detached) return;
   if (m.piece != in->received) return protocol_error(m, "request out of order");
+  if (m.kind == MsgKind::request_inline) {
+    if (in->staging == nullptr) return protocol_error(m, "inline request with nothing staged");
+    in->staged[static_cast<std::size_t>(m.piece % in->slots)] = true;
+  }
   in->received = m.piece + 1;
 }
 

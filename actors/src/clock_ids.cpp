@@ -35,6 +35,7 @@ std::string_view name(MsgKind k) {
     case MsgKind::detach: return "detach";
     case MsgKind::start: return "start";
     case MsgKind::pulled: return "pulled";
+    case MsgKind::request_inline: return "request_inline";
   }
   return "?";
 }

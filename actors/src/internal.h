@@ -50,6 +50,10 @@ struct Consumer {
   std::size_t offset = 0;
   std::size_t bytes = 0;
   std::size_t port = 0;  // the consumer's input port of this register (payload_tag)
+  /// Whether its pieces go inline with the requests (RuntimeSettings::inline_payload_bytes),
+  /// decided at the first request, once the data plane knows its transport to the peer, and
+  /// kept: a transfer acks its inputs in piece order, so one input never mixes the two ways.
+  enum class Inline : std::uint8_t { undecided, yes, no } inline_payload = Inline::undecided;
 };
 
 /// A device's register bytes in use, with the most ever (RuntimeSettings::measure_memory).
@@ -135,6 +139,12 @@ struct Input {
   // RuntimeSettings::measure_memory: a piece whose read this actor counted down before writing
   // its output into the same bytes (ActorDesc::in_place), so its release does not count again.
   std::int64_t counted_early = -1;
+  // A transfer's input from another rank whose pieces may come inline with their requests
+  // (MsgKind::request_inline): per producer slot, `staged_bytes` the runtime copied there from
+  // the data plane's thread before it posted the request, and whether the piece in it is staged.
+  std::unique_ptr<std::byte[]> staging;
+  std::size_t staged_bytes = 0;
+  std::vector<bool> staged;
 };
 
 /// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it
@@ -181,6 +191,9 @@ class Actor {
   void wire_outputs();
   void wire_inputs();
   void on_message(const Message& m);
+  /// On the data plane's thread, before the request_inline `m` is posted to this (transfer)
+  /// actor: copies its payload into the input's staging. Empty, or what is wrong.
+  std::string stage(const Message& m, const void* payload, std::size_t size);
   /// Before the run starts (before any worker thread): its lifetime begins now.
   void begin(std::uint64_t start_ticks);
 
@@ -210,6 +223,7 @@ class Actor {
   Block next_block_of_stream() const;
   void act_transfer();
   void on_pulled(const Message& m);
+  void landed(std::uint16_t slot);
   void on_stream_reached(const Message& m);
   /// What act k hands on: `all` for an act that is over (host actors, deterministic mode);
   /// `enqueued` right after an act on a stream was enqueued (what stream order or events
@@ -393,9 +407,12 @@ struct Core : transport::LinkHandler {
   ~Core() override;
 
   void on_message(std::uint32_t from_rank, const void* data, std::size_t size) override;
+  void on_message_with_payload(std::uint32_t from_rank, const void* data, std::size_t size, const void* payload,
+                               std::size_t payload_size) override;
   void on_payload(std::uint64_t cookie) override;
   void on_link_error(const std::string& reason) override;
-  void send_remote(const Message& m);
+  void send_remote(const Message& m, const void* payload = nullptr, std::size_t payload_size = 0);
+  Actor* receiver(std::uint32_t from_rank, const Message& m);
 
   void instantiate();
   void fail(std::string reason);

@@ -234,30 +234,58 @@ Core::~Core() {
 // ---------------------------------------------------------------------------------------------
 // The data plane's side (called on its progress thread)
 
-void Core::send_remote(const Message& m) {
+void Core::send_remote(const Message& m, const void* payload, std::size_t payload_size) {
   if (settings.link == nullptr) {
     fail(fmt::format("a message for {} on rank {} but this runtime has no data plane", m.dst.str(), m.dst.rank()));
     return;
   }
   try {
-    settings.link->send(m.dst.rank(), &m, sizeof m);
+    if (payload_size > 0) {
+      settings.link->send_inline(m.dst.rank(), &m, sizeof m, payload, payload_size);
+    } else {
+      settings.link->send(m.dst.rank(), &m, sizeof m);
+    }
   } catch (const std::exception& e) {
     fail(fmt::format("could not send a {} to {} on rank {}: {}", name(m.kind), m.dst.str(), m.dst.rank(), e.what()));
   }
 }
 
+Actor* Core::receiver(std::uint32_t from_rank, const Message& m) {
+  Actor* a = m.dst.index() < actors.size() ? actors[m.dst.index()].get() : nullptr;
+  if (m.dst.rank() != settings.rank || a == nullptr || m.src.rank() != from_rank) {
+    fail(fmt::format("rank {} sent a {} for {}, which is not an actor of rank {} (do both ranks run the same plan?)",
+                     from_rank, name(m.kind), m.dst.str(), settings.rank));
+    return nullptr;
+  }
+  return a;
+}
+
 void Core::on_message(std::uint32_t from_rank, const void* data, std::size_t size) {
+  on_message_with_payload(from_rank, data, size, nullptr, 0);
+}
+
+void Core::on_message_with_payload(std::uint32_t from_rank, const void* data, std::size_t size, const void* payload,
+                                   std::size_t payload_size) {
   Message m;
   if (size != sizeof m) {
     fail(fmt::format("rank {} sent a message of {} bytes; actor messages have {}", from_rank, size, sizeof m));
     return;
   }
   std::memcpy(&m, data, sizeof m);
-  Actor* a = m.dst.index() < actors.size() ? actors[m.dst.index()].get() : nullptr;
-  if (m.dst.rank() != settings.rank || a == nullptr || m.src.rank() != from_rank) {
-    fail(fmt::format("rank {} sent a {} for {}, which is not an actor of rank {} (do both ranks run the same plan?)",
-                     from_rank, name(m.kind), m.dst.str(), settings.rank));
+  Actor* a = receiver(from_rank, m);
+  if (a == nullptr) return;
+  if ((payload_size > 0) != (m.kind == MsgKind::request_inline)) {
+    fail(fmt::format("rank {} sent a {} for {} with {} bytes inline", from_rank, name(m.kind), m.dst.str(),
+                     payload_size));
     return;
+  }
+  if (payload_size > 0) {
+    // Staged before the request is posted: the transfer finds the bytes when it acts.
+    if (std::string wrong = a->stage(m, payload, payload_size); !wrong.empty()) {
+      fail(fmt::format("rank {} sent piece {} of '{}' inline to {}: {}", from_rank, m.piece,
+                       m.reg < plan.registers.size() ? plan.registers[m.reg].name : "?", m.dst.str(), wrong));
+      return;
+    }
   }
   a->worker()->post(m);
 }

@@ -24,7 +24,8 @@
 //   baton-bench-allreduce --hosts 2  two network namespaces of two ranks, over TCP (root): the
 //                                    hierarchical all-reduce against the flat ring and MPI there;
 //                                    --link-gbit G limits the link between them (tc tbf)
-// BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr.
+// BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr;
+// BATON_BENCH_INLINE=B: RuntimeSettings::inline_payload_bytes (0: no piece goes inline).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -44,6 +45,7 @@
 #include <fmt/ranges.h>
 
 #include "json_line.h"
+#include "knobs.h"
 #include "netns.h"
 #include "spawn.h"
 #include "baton/actors.h"
@@ -97,6 +99,7 @@ int worker(std::int64_t bytes, std::int64_t iters, AllReduceSettings settings, b
     kernels.add_fn("bench.produce", DeviceType::cpu, DType::f32,
                    [starts](KernelContext&) { starts->push_back(bench::Clock::now()); });
     JobSettings js;
+    js.runtime.inline_payload_bytes = bench::inline_payload_bytes();
     auto rep = run_job(allreduce_plan(static_cast<std::uint16_t>(env.world_size), bytes / 4, warm + iters + 1, settings), kernels, env, js);
     const auto timed = std::chrono::duration<double>(starts->at(static_cast<std::size_t>(warm + iters)) -
                                                      starts->at(static_cast<std::size_t>(warm)));
@@ -379,7 +382,8 @@ int main(int argc, char** argv) {
           .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
           .add("segment_kib", settings.segment_bytes >> 10)
           .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled")
-          .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated");
+          .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated")
+          .add("inline_payload_bytes", static_cast<std::int64_t>(bench::inline_payload_bytes()));
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")

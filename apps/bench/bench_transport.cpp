@@ -21,7 +21,9 @@
 // Knobs for experiments (environment): BATON_BENCH_RT_SPIN / _RT_YIELD (the workers'
 // spin_polls / spin_yield_every), BATON_BENCH_DP_SPIN (the data plane's spin_polls),
 // BATON_BENCH_IDLE=park|busy_poll|automatic (RuntimeSettings::idle_polling),
-// BATON_BENCH_SHM_TLS (UCX_TLS of the _shm cases, for baton and the reference alike). The
+// BATON_BENCH_SHM_TLS (UCX_TLS of the _shm cases, for baton and the reference alike),
+// BATON_BENCH_INLINE=B (RuntimeSettings::inline_payload_bytes: pieces up to B bytes go with
+// their requests; 0: every piece is offered and pulled). The
 // ranks inherit the environment, so BATON_BIND_TO=core binds them as baton-launch --bind-to
 // core does (one hop over shared memory is bimodal here unbound, 0.6-0.8 or 2.4-2.9 us, as the
 // scheduler puts the two ranks on two cores or on one).
@@ -44,6 +46,7 @@
 #include <fmt/format.h>
 
 #include "json_line.h"
+#include "knobs.h"
 #include "spawn.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
@@ -202,6 +205,7 @@ int worker_main(const Options& o) {
     if (const char* s = std::getenv("BATON_BENCH_RT_SPIN")) js.runtime.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_DP_SPIN")) js.data.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_RT_YIELD")) js.runtime.spin_yield_every = std::atoi(s);
+    js.runtime.inline_payload_bytes = baton::bench::inline_payload_bytes();
     if (const char* s = std::getenv("BATON_BENCH_IDLE")) {
       const std::string idle = s;
       js.runtime.idle_polling = idle == "park"        ? baton::IdlePolling::park
@@ -292,7 +296,8 @@ int main(int argc, char** argv) {
       const double gbps = static_cast<double>(bytes) * static_cast<double>(w.pieces) / *secs / 1e9;
       baton::bench::JsonLine line("transport", name);
       line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8)
-          .add("idle_polling", last_idle_polling);
+          .add("idle_polling", last_idle_polling)
+          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()));
       if (o.reference) {
         if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, reference_env)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
@@ -316,7 +321,8 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double us = *secs / static_cast<double>(2 * w.pieces) * 1e6;
         baton::bench::JsonLine line("transport", lat_name);
-        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces).add("idle_polling", last_idle_polling);
+        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces).add("idle_polling", last_idle_polling)
+            .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()));
         if (o.reference) {
           if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, reference_env)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
@@ -340,7 +346,8 @@ int main(int argc, char** argv) {
         const double rate = static_cast<double>(w.pieces) / *secs;
         baton::bench::JsonLine line("transport", stream_name);
         line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8)
-            .add("idle_polling", last_idle_polling);
+            .add("idle_polling", last_idle_polling)
+          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()));
         if (o.reference) {
           if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, reference_env)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")

@@ -62,7 +62,9 @@ thread_local const void* progressing = nullptr;
 struct MessageHeader {
   std::uint64_t sequence;
   std::uint32_t from;
-  std::uint32_t size;
+  std::uint32_t size;     // the message's bytes
+  std::uint32_t payload;  // an inline payload's bytes (send_inline), after the message
+  std::uint32_t unused;
 };
 
 /// What a calling thread asks of the progress thread. Trivially copyable: it lives in the
@@ -74,7 +76,8 @@ struct Command {
   std::uint64_t tag;      // offer / receive
   std::uint64_t size;     // bytes of the message or payload
   std::uint64_t cookie;   // receive
-  const void* source;     // offer
+  const void* source;     // offer; send: the inline payload (send_inline)
+  std::uint64_t payload;  // send: the inline payload's bytes
   void* dest;             // receive
   std::array<std::byte, Link::max_message> message;  // send
 };
@@ -109,11 +112,14 @@ struct DataPlane::Impl {
     Op* next = nullptr;
     /// A message's header and bytes: UCX reads them until the send completes.
     alignas(8) std::array<std::byte, sizeof(MessageHeader) + Link::max_message> wire{};
+    /// An inline payload sent apart from the header: the message's bytes, then the payload.
+    std::array<ucp_dt_iov_t, 2> iov{};
   };
 
   struct HeldMessage {
     std::uint32_t size = 0;
     std::array<std::byte, Link::max_message> bytes{};
+    std::vector<std::byte> payload;
   };
 
   Impl(std::uint32_t my_rank, std::uint32_t ranks, DataPlaneSettings options);
@@ -152,7 +158,7 @@ struct DataPlane::Impl {
   void on_completion(Op* op, void* request, ucs_status_t status, std::size_t length);
   void on_message(const void* header, std::size_t header_length, const void* data, std::size_t length,
                   const ucp_am_recv_param_t* param);
-  void deliver(std::uint32_t from, const void* data, std::size_t size);
+  void deliver(std::uint32_t from, const void* data, std::size_t size, const void* payload, std::size_t payload_size);
   void report(std::string reason);
 
   static void sent(void* request, ucs_status_t status, void* user_data);
@@ -553,7 +559,8 @@ void DataPlane::Impl::execute(const Command& command) {
 
 void DataPlane::Impl::post_message(const Command& command) {
   Op* op = acquire(command);
-  MessageHeader header{next_send_sequence[command.peer]++, rank, static_cast<std::uint32_t>(command.size)};
+  MessageHeader header{next_send_sequence[command.peer]++, rank, static_cast<std::uint32_t>(command.size),
+                       static_cast<std::uint32_t>(command.payload), 0};
   std::memcpy(op->wire.data(), &header, sizeof header);
   std::memcpy(op->wire.data() + sizeof header, command.message.data(), command.size);
 
@@ -561,16 +568,27 @@ void DataPlane::Impl::post_message(const Command& command) {
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.cb.send = &Impl::sent;
   param.user_data = op;
+  // Eager whatever the size: an inline payload is small (Link::max_inline_payload), and the
+  // receiver takes it inside the handler (UCP_AM_FLAG_WHOLE_MSG), never by a rendezvous.
   param.flags = UCP_AM_SEND_FLAG_EAGER;
   op->posting = true;
   ucs_status_ptr_t posted;
-  if (sizeof header + command.size <= max_am_header) {
-    // All in the header: UCX's advice for small latency-bound messages.
+  const bool in_header = sizeof header + command.size <= max_am_header;
+  if (in_header) {
+    // The message in the header (UCX's advice for small latency-bound messages); the inline
+    // payload, if any, is the data, read where it lies.
     posted = ucp_am_send_nbx(endpoints[command.peer].get(), message_am_id, op->wire.data(),
-                             sizeof header + command.size, nullptr, 0, &param);
-  } else {
+                             sizeof header + command.size, command.source, command.payload, &param);
+  } else if (command.payload == 0) {
     posted = ucp_am_send_nbx(endpoints[command.peer].get(), message_am_id, op->wire.data(), sizeof header,
                              op->wire.data() + sizeof header, command.size, &param);
+  } else {  // the message, then the payload
+    op->iov[0] = {op->wire.data() + sizeof header, command.size};
+    op->iov[1] = {const_cast<void*>(command.source), command.payload};
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = ucp_dt_make_iov();
+    posted = ucp_am_send_nbx(endpoints[command.peer].get(), message_am_id, op->wire.data(), sizeof header,
+                             op->iov.data(), op->iov.size(), &param);
   }
   op->posting = false;
   finish_post(op, posted);
@@ -746,14 +764,24 @@ void DataPlane::Impl::on_message(const void* header, std::size_t header_length, 
   }
   MessageHeader h;
   std::memcpy(&h, header, sizeof h);
-  const void* bytes = data;
+  // The message rides in the header (and the data is the inline payload, if any), or the data
+  // is the message followed by the payload.
+  const auto* bytes = static_cast<const std::byte*>(data);
   std::size_t size = length;
-  if (header_length > sizeof h) {  // the message rode in the header
+  const std::byte* payload = nullptr;
+  if (header_length > sizeof h) {
     bytes = static_cast<const std::byte*>(header) + sizeof h;
     size = header_length - sizeof h;
+    payload = static_cast<const std::byte*>(data);
+    if (length != h.payload) size = ~std::size_t{0};  // malformed, below
+  } else if (length >= h.size) {
+    size = h.size;
+    payload = bytes + size;
+    if (length - size != h.payload) size = ~std::size_t{0};
   }
-  if (h.from >= world_size || size != h.size || size > Link::max_message) {
-    report(fmt::format("{}: malformed message (from rank {}, {} bytes, {} announced)", who, h.from, size, h.size));
+  if (h.from >= world_size || size != h.size || size > Link::max_message || h.payload > Link::max_inline_payload) {
+    report(fmt::format("{}: malformed message (from rank {}, {} + {} bytes, {} + {} announced)", who, h.from,
+                       header_length, length, h.size, h.payload));
     return;
   }
   std::uint64_t& expected = next_receive_sequence[h.from];
@@ -762,24 +790,30 @@ void DataPlane::Impl::on_message(const void* header, std::size_t header_length, 
       HeldMessage& held = early[h.from][h.sequence];
       held.size = h.size;
       std::memcpy(held.bytes.data(), bytes, size);
+      held.payload.assign(payload, payload + h.payload);
     }
     return;
   }
-  deliver(h.from, bytes, size);
+  deliver(h.from, bytes, size, payload, h.payload);
   ++expected;
   auto& held = early[h.from];
   for (auto it = held.begin(); it != held.end() && it->first == expected; it = held.erase(it)) {
-    deliver(h.from, it->second.bytes.data(), it->second.size);
+    deliver(h.from, it->second.bytes.data(), it->second.size, it->second.payload.data(), it->second.payload.size());
     ++expected;
   }
 }
 
-void DataPlane::Impl::deliver(std::uint32_t from, const void* data, std::size_t size) {
+void DataPlane::Impl::deliver(std::uint32_t from, const void* data, std::size_t size, const void* payload,
+                              std::size_t payload_size) {
   messages_received.fetch_add(1, std::memory_order_relaxed);
   if (handler == nullptr || quiet) return;
   static constexpr std::byte nothing{};
   try {
-    handler->on_message(from, size == 0 ? &nothing : data, size);
+    if (payload_size > 0) {
+      handler->on_message_with_payload(from, size == 0 ? &nothing : data, size, payload, payload_size);
+    } else {
+      handler->on_message(from, size == 0 ? &nothing : data, size);
+    }
   } catch (const std::exception& e) {
     report(fmt::format("{}: on_message threw: {}", who, e.what()));
   } catch (...) {
@@ -845,6 +879,15 @@ bool DataPlane::poll() { return impl_->try_progress() > 0; }
 
 void DataPlane::idle() { impl_->went_idle(); }
 
+std::size_t DataPlane::inline_limit(std::uint32_t peer) const {
+  const Impl& d = *impl_;
+  if (peer >= d.world_size || !d.connected.load(std::memory_order_acquire)) return 0;
+  const std::string& t = d.transports[peer];
+  const bool shared_memory = t.find("sysv") != std::string::npos || t.find("posix") != std::string::npos ||
+                             t.find("xpmem") != std::string::npos;
+  return shared_memory ? std::size_t{4} << 10 : max_inline_payload;
+}
+
 std::string DataPlane::transports_to(std::uint32_t peer) const {
   const Impl& d = *impl_;
   if (peer >= d.world_size || peer == d.rank || !d.connected.load(std::memory_order_acquire)) {
@@ -872,16 +915,25 @@ std::uint32_t DataPlane::world_size() const { return impl_->world_size; }
 
 void DataPlane::set_handler(LinkHandler* handler) { impl_->handler = handler; }
 
-void DataPlane::send(std::uint32_t to, const void* data, std::size_t size) {
+void DataPlane::send(std::uint32_t to, const void* data, std::size_t size) { send_inline(to, data, size, nullptr, 0); }
+
+void DataPlane::send_inline(std::uint32_t to, const void* data, std::size_t size, const void* payload,
+                            std::size_t payload_size) {
   Impl& d = *impl_;
   if (size > max_message) {
     throw TransportError(fmt::format("{}: message of {} bytes to rank {}: at most {}", d.who, size, to, max_message));
+  }
+  if (payload_size > max_inline_payload) {
+    throw TransportError(fmt::format("{}: inline payload of {} bytes to rank {}: at most {}", d.who, payload_size, to,
+                                     max_inline_payload));
   }
   d.check_peer(to, "message");
   Command command{};
   command.kind = Command::Kind::send;
   command.peer = to;
   command.size = size;
+  command.source = payload;
+  command.payload = payload_size;
   if (size > 0) std::memcpy(command.message.data(), data, size);
   d.push(command);
 }

@@ -32,6 +32,7 @@ struct Op {
   std::uint32_t to = 0;    // message / offer: the receiver; receive: the receiving rank
   std::uint64_t tag = 0;
   std::vector<std::byte> bytes;
+  std::vector<std::byte> payload;  // message: an inline payload (send_inline)
   Offer o;
   Receive r;
 };
@@ -45,12 +46,21 @@ struct LoopbackHub::Impl {
     std::uint32_t rank() const override { return rank_; }
     std::uint32_t world_size() const override { return static_cast<std::uint32_t>(hub_.ends.size()); }
     void set_handler(LinkHandler* h) override { handler = h; }
-    void send(std::uint32_t to, const void* data, std::size_t size) override {
+    void send(std::uint32_t to, const void* data, std::size_t size) override { send_inline(to, data, size, nullptr, 0); }
+    void send_inline(std::uint32_t to, const void* data, std::size_t size, const void* payload,
+                     std::size_t payload_size) override {
       if (size > max_message) throw TransportError(fmt::format("message of {} bytes; at most {}", size, max_message));
+      if (payload_size > max_inline_payload) {
+        throw TransportError(fmt::format("inline payload of {} bytes; at most {}", payload_size, max_inline_payload));
+      }
       check(to);
       Op op{Op::message, rank_, to};
       op.bytes.resize(size);
       std::memcpy(op.bytes.data(), data, size);
+      // Copied here (the hub delivers later, from its own thread): as the data plane's eager
+      // path, which copies it before the sender's slot is free again.
+      const auto* p = static_cast<const std::byte*>(payload);
+      if (payload_size > 0) op.payload.assign(p, p + payload_size);
       hub_.push(std::move(op));
     }
     void send_payload(std::uint32_t to, std::uint64_t tag, const void* data, std::size_t size) override {
@@ -106,7 +116,14 @@ struct LoopbackHub::Impl {
   void deliver(Op& op) {
     const auto key = std::tuple{op.from, op.to, op.tag};
     switch (op.kind) {
-      case Op::message: ends[op.to]->handler->on_message(op.from, op.bytes.data(), op.bytes.size()); break;
+      case Op::message:
+        if (op.payload.empty()) {
+          ends[op.to]->handler->on_message(op.from, op.bytes.data(), op.bytes.size());
+        } else {
+          ends[op.to]->handler->on_message_with_payload(op.from, op.bytes.data(), op.bytes.size(), op.payload.data(),
+                                                        op.payload.size());
+        }
+        break;
       case Op::offer: {
         auto it = receives.find(key);
         if (it == receives.end()) {

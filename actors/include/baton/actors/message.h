@@ -21,6 +21,9 @@ enum class MsgKind : std::uint8_t {
   start,
   /// data plane -> transfer actor: the pull into slot `slot` has landed.
   pulled,
+  /// producer -> transfer actor on another rank: as `request`, and the piece's bytes came with
+  /// it (Link::send_inline: RuntimeSettings::inline_payload_bytes); the runtime staged them.
+  request_inline,
 };
 
 std::string_view name(MsgKind k);

@@ -1,6 +1,7 @@
 #pragma once
 /// The runtime's knobs: named, with documented defaults.
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 
 namespace baton::transport {
@@ -48,6 +49,14 @@ struct RuntimeSettings {
   /// thread, another rank) needs: with more threads than cores this halved cross-rank latency.
   /// Zero: never yield.
   int spin_yield_every = 10;
+  /// A piece that crosses ranks travels with its request, in one active message
+  /// (Link::send_inline), instead of an offer that the transfer actor's receive pulls, where it
+  /// has at most this many bytes and at most what the link advises for the peer
+  /// (Link::inline_limit, measured: 4 KiB over shared memory, 16 KiB over TCP): no tag
+  /// matching, no receive to post, no wake-up of the transfer when it lands; the receiving
+  /// runtime stages it until the transfer acts and copies it in. 0: never. Each rank decides
+  /// for what it sends; a receiver takes either.
+  std::size_t inline_payload_bytes = std::size_t{16} << 10;  // Link::max_inline_payload: the link decides
   /// After spin_polls: busy-poll or park (see IdlePolling). RunReport::idle_polling says which
   /// was chosen and why.
   IdlePolling idle_polling = IdlePolling::automatic;

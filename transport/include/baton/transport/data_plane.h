@@ -105,6 +105,12 @@ class DataPlane final : public Link {
   std::uint32_t world_size() const override;
   void set_handler(LinkHandler* handler) override;
   void send(std::uint32_t to, const void* data, std::size_t size) override;
+  /// Measured (baton-bench-transport, BATON_BENCH_INLINE, README): over shared memory an inline
+  /// payload gains below 4 KiB and loses from 8 KiB (UCX cuts it into FIFO fragments and
+  /// assembles them, one copy more than a tagged receive); over TCP it gains up to the most.
+  std::size_t inline_limit(std::uint32_t peer) const override;
+  void send_inline(std::uint32_t to, const void* data, std::size_t size, const void* payload,
+                   std::size_t payload_size) override;
   void send_payload(std::uint32_t to, std::uint64_t tag, const void* data, std::size_t size) override;
   void receive_payload(std::uint32_t from, std::uint64_t tag, void* dest, std::size_t size,
                        std::uint64_t cookie) override;

@@ -1,0 +1,18 @@
+#pragma once
+// Knobs the benchmarks take from the environment, for experiments: the driver and the ranks it
+// spawns (which inherit the environment) read them alike, so the JSON lines say what ran.
+#include <cstdint>
+#include <cstdlib>
+
+#include "baton/actors/settings.h"
+
+namespace baton::bench {
+
+/// RuntimeSettings::inline_payload_bytes: BATON_BENCH_INLINE=B (pieces up to B bytes go with
+/// their requests; 0: every piece is offered and pulled), or the default.
+inline std::size_t inline_payload_bytes() {
+  const char* s = std::getenv("BATON_BENCH_INLINE");
+  return s != nullptr ? static_cast<std::size_t>(std::atoll(s)) : RuntimeSettings{}.inline_payload_bytes;
+}
+
+}  // namespace baton::bench
