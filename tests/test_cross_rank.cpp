@@ -161,17 +161,12 @@ TEST_CASE("cross rank: transfer actors move the bytes and account their time" * 
 
 namespace {
 
-/// "window_check": input i must hold elements [offsets[i], offsets[i] + its size) of register
-/// `reg`'s pattern at this piece; every `linger_every`-th act it sleeps 200 us and checks
-/// again, so that a slot overwritten while still read (or a window pulled from the wrong place)
-/// fails the run.
-class WindowCheck final : public Kernel {
+/// A checker of what landed: it checks before reading and, every `linger_every`-th act, sleeps
+/// 200 us and checks again, so that a slot overwritten while still read fails the run.
+class LingeringCheck : public Kernel {
  public:
-  explicit WindowCheck(const KernelConfig& cfg)
-      : reg_(cfg.attrs.get_int("reg", 0)),
-        offsets_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("offsets"))),
-        linger_every_(cfg.attrs.get_int("linger_every", 0)) {}
-  void compute(KernelContext& ctx) override {
+  explicit LingeringCheck(const KernelConfig& cfg) : linger_every_(cfg.attrs.get_int("linger_every", 0)) {}
+  void compute(KernelContext& ctx) final {
     check(ctx, "before reading");
     if (linger_every_ > 0 && ctx.piece % linger_every_ == 0) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -179,8 +174,24 @@ class WindowCheck final : public Kernel {
     }
   }
 
+ protected:
+  virtual void check(const KernelContext& ctx, const char* when) const = 0;
+
  private:
-  void check(const KernelContext& ctx, const char* when) const {
+  std::int64_t linger_every_;
+};
+
+/// "window_check": input i must hold elements [offsets[i], offsets[i] + its size) of register
+/// `reg`'s pattern at this piece (a window pulled from the wrong place fails the run).
+class WindowCheck final : public LingeringCheck {
+ public:
+  explicit WindowCheck(const KernelConfig& cfg)
+      : LingeringCheck(cfg),
+        reg_(cfg.attrs.get_int("reg", 0)),
+        offsets_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("offsets"))) {}
+
+ private:
+  void check(const KernelContext& ctx, const char* when) const override {
     for (std::size_t i = 0; i < ctx.inputs.size(); ++i) {
       auto d = ctx.inputs[i]->data<std::int64_t>();
       for (std::size_t j = 0; j < d.size(); ++j) {
@@ -194,28 +205,20 @@ class WindowCheck final : public Kernel {
   }
   std::int64_t reg_;
   std::vector<std::int64_t> offsets_;
-  std::int64_t linger_every_;
 };
 
-/// Reads a gathering transfer's register: part i (counts[i] elements, one after another) must
-/// hold register regs[i]'s pattern of the piece, before and (every linger_every-th act) after
-/// lingering, so that a part landed in the wrong place or overwritten while read fails the run.
-class GatherCheck final : public Kernel {
+/// "gather_check": reads a gathering transfer's register; part i (counts[i] elements, one after
+/// another) must hold register regs[i]'s pattern of the piece (a part landed in the wrong place
+/// fails the run).
+class GatherCheck final : public LingeringCheck {
  public:
   explicit GatherCheck(const KernelConfig& cfg)
-      : regs_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("regs"))),
-        counts_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("counts"))),
-        linger_every_(cfg.attrs.get_int("linger_every", 0)) {}
-  void compute(KernelContext& ctx) override {
-    check(ctx, "before reading");
-    if (linger_every_ > 0 && ctx.piece % linger_every_ == 0) {
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-      check(ctx, "after lingering");
-    }
-  }
+      : LingeringCheck(cfg),
+        regs_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("regs"))),
+        counts_(std::get<std::vector<std::int64_t>>(cfg.attrs.values().at("counts"))) {}
 
  private:
-  void check(const KernelContext& ctx, const char* when) const {
+  void check(const KernelContext& ctx, const char* when) const override {
     auto d = ctx.inputs[0]->data<std::int64_t>();
     std::size_t at = 0;
     for (std::size_t i = 0; i < regs_.size(); ++i) {
@@ -230,7 +233,6 @@ class GatherCheck final : public Kernel {
     if (at != d.size()) throw std::runtime_error(fmt::format("{}: {} elements, the parts fill {}", when, d.size(), at));
   }
   std::vector<std::int64_t> regs_, counts_;
-  std::int64_t linger_every_;
 };
 
 }  // namespace

@@ -101,6 +101,8 @@ struct TraceRecorder::Impl {
     return index < actors.size() && !actors[index].name.empty() ? &actors[index] : nullptr;
   }
   void write(const std::function<void(std::string_view)>& sink) const;
+  void append_act_args(fmt::memory_buffer& out, const ActorDesc& d, std::int64_t piece,
+                       std::int64_t microbatches) const;
 };
 
 TraceRecorder::TraceRecorder(TraceLimits limits) : impl_(std::make_unique<Impl>()) { impl_->limits = limits; }
@@ -141,6 +143,30 @@ void TraceRecorder::add_occupancy(std::uint32_t rank, std::span<const OccupancyS
 std::size_t TraceRecorder::acts() const { return impl_->acts.size(); }
 
 void TraceRecorder::add_note(std::string note) { impl_->notes.push_back(std::move(note)); }
+
+/// What an act of `d` says about itself beyond its piece: its step and micro-batch (for the
+/// passes and the data), stage, op, and for a transfer the rank it pulls from (a gathering
+/// transfer: the first of its inputs' other ranks).
+void TraceRecorder::Impl::append_act_args(fmt::memory_buffer& out, const ActorDesc& d, std::int64_t piece,
+                                          std::int64_t microbatches) const {
+  const bool per_microbatch = d.role == ActorRole::forward || d.role == ActorRole::backward || d.role == ActorRole::data;
+  if (microbatches > 0 && per_microbatch) {
+    fmt::format_to(std::back_inserter(out), R"(, "step": {}, "micro-batch": {})", piece / microbatches,
+                   piece % microbatches);
+  }
+  if (d.stage >= 0) fmt::format_to(std::back_inserter(out), R"(, "stage": {})", d.stage);
+  if (!d.op.empty()) {
+    out.append(std::string_view(", \"op\": "));
+    append_escaped(out, d.op);
+  }
+  if (d.kind != ActorKind::transfer) return;
+  for (const InputPort& in : d.inputs) {
+    const ActorDesc* from = in.reg < registers.size() ? actor(registers[in.reg].producer) : nullptr;
+    if (from == nullptr || from->where.rank == d.where.rank) continue;
+    fmt::format_to(std::back_inserter(out), R"(, "from rank": {})", from->where.rank);
+    return;
+  }
+}
 
 void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sink) const {
   fmt::memory_buffer out;
@@ -280,28 +306,7 @@ void TraceRecorder::Impl::write(const std::function<void(std::string_view)>& sin
     put(", \"cat\": ");
     append_escaped(out, d == nullptr ? "unknown" : d->role != ActorRole::other ? name(d->role) : name(d->kind));
     fmt::format_to(std::back_inserter(out), R"(, "args": {{"piece": {})", a.r.piece);
-    if (d != nullptr) {
-      const bool per_microbatch =
-          d->role == ActorRole::forward || d->role == ActorRole::backward || d->role == ActorRole::data;
-      if (microbatches > 0 && per_microbatch) {
-        fmt::format_to(std::back_inserter(out), R"(, "step": {}, "micro-batch": {})", a.r.piece / microbatches,
-                       a.r.piece % microbatches);
-      }
-      if (d->stage >= 0) fmt::format_to(std::back_inserter(out), R"(, "stage": {})", d->stage);
-      if (!d->op.empty()) {
-        put(", \"op\": ");
-        append_escaped(out, d->op);
-      }
-      if (d->kind == ActorKind::transfer) {
-        // The rank it pulls from (a gathering transfer: the first of its inputs' other ranks).
-        for (const InputPort& in : d->inputs) {
-          const ActorDesc* from = in.reg < registers.size() ? actor(registers[in.reg].producer) : nullptr;
-          if (from == nullptr || from->where.rank == d->where.rank) continue;
-          fmt::format_to(std::back_inserter(out), R"(, "from rank": {})", from->where.rank);
-          break;
-        }
-      }
-    }
+    if (d != nullptr) append_act_args(out, *d, a.r.piece, microbatches);
     put("}}");
     flush_if_big();
   }

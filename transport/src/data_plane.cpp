@@ -766,20 +766,13 @@ void DataPlane::Impl::on_message(const void* header, std::size_t header_length, 
   std::memcpy(&h, header, sizeof h);
   // The message rides in the header (and the data is the inline payload, if any), or the data
   // is the message followed by the payload.
-  const auto* bytes = static_cast<const std::byte*>(data);
-  std::size_t size = length;
-  const std::byte* payload = nullptr;
-  if (header_length > sizeof h) {
-    bytes = static_cast<const std::byte*>(header) + sizeof h;
-    size = header_length - sizeof h;
-    payload = static_cast<const std::byte*>(data);
-    if (length != h.payload) size = ~std::size_t{0};  // malformed, below
-  } else if (length >= h.size) {
-    size = h.size;
-    payload = bytes + size;
-    if (length - size != h.payload) size = ~std::size_t{0};
-  }
-  if (h.from >= world_size || size != h.size || size > Link::max_message || h.payload > Link::max_inline_payload) {
+  const bool in_header = header_length > sizeof h;
+  const auto* bytes = in_header ? static_cast<const std::byte*>(header) + sizeof h : static_cast<const std::byte*>(data);
+  const std::size_t size = in_header ? header_length - sizeof h : std::min<std::size_t>(length, h.size);
+  const std::byte* payload = in_header ? static_cast<const std::byte*>(data) : bytes + size;
+  const std::size_t payload_length = in_header ? length : length - size;
+  if (h.from >= world_size || size != h.size || size > Link::max_message || payload_length != h.payload ||
+      h.payload > Link::max_inline_payload) {
     report(fmt::format("{}: malformed message (from rank {}, {} + {} bytes, {} + {} announced)", who, h.from,
                        header_length, length, h.size, h.payload));
     return;
