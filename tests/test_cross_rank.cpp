@@ -5,6 +5,9 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstring>
 #include <exception>
 #include <optional>
 #include <thread>
@@ -30,11 +33,26 @@ std::vector<RankResult> run_loopback(const Plan& logical, std::uint16_t world) {
   return results;
 }
 
-/// Runs `plan` on loopback ranks with pieces up to `inline_bytes` inline with their requests.
-std::vector<RankResult> run_inline(const Plan& plan, const KernelRegistry& kernels, std::size_t inline_bytes) {
+/// How the pieces cross: read in place from the producer's slot (the loopback ranks share a
+/// process, so a host; RuntimeSettings::shared_registers), or, with that off, inline with their
+/// requests where they have at most `inline_bytes` and pulled otherwise.
+struct Crossing {
+  bool in_place = false;
+  std::size_t inline_bytes = 0;
+  std::string str() const { return in_place ? "read in place" : fmt::format("inline up to {} B, else pulled", inline_bytes); }
+};
+const std::vector<Crossing>& every_crossing() {
+  static const std::vector<Crossing> ways{
+      {.in_place = true}, {.inline_bytes = 0}, {.inline_bytes = RuntimeSettings{}.inline_payload_bytes}};
+  return ways;
+}
+
+/// Runs `plan` on loopback ranks, its pieces crossing as `how` says.
+std::vector<RankResult> run_crossing(const Plan& plan, const KernelRegistry& kernels, const Crossing& how) {
   RuntimeSettings rs;
   rs.stall_timeout = std::chrono::milliseconds(20'000);
-  rs.inline_payload_bytes = inline_bytes;
+  rs.shared_registers = how.in_place;
+  rs.inline_payload_bytes = how.inline_bytes;
   auto results = test::run_on_loopback(plan, kernels, rs);
   for (const auto& r : results) REQUIRE_MESSAGE(r.error.empty(), r.error);
   return results;
@@ -266,10 +284,19 @@ TEST_CASE("cross rank: transfers of windows pull sub-ranges of one slot, beside 
               [](const KernelConfig& cfg) { return std::make_unique<WindowCheck>(cfg); });
   const Plan plan = insert_transfers(p);
   CHECK(plan.to_text().find("window=12") != std::string::npos);
-  // Pulled, and inline with the requests (the windows are 0-80 bytes).
-  for (const std::size_t inline_bytes : {std::size_t{0}, RuntimeSettings{}.inline_payload_bytes}) {
-    CAPTURE(inline_bytes);
-    const auto results = run_inline(plan, kernels, inline_bytes);
+  // Read in place, pulled, and inline with the requests (the windows are 0-80 bytes).
+  for (const Crossing& how : every_crossing()) {
+    CAPTURE(how.str());
+    const auto results = run_crossing(plan, kernels, how);
+    // Each non-empty window, and the whole register for `whole`, 300 pieces each, all one way.
+    const RunReport& r0 = *results[0].report;
+    const std::uint64_t crossed = 300 * (1 + std::count_if(windows.begin(), windows.end(), [](const auto& w) {
+                                           return w.second > 0;
+                                         }));
+    CHECK(r0.pieces_read_in_place + r0.pieces_inline + r0.pieces_pulled == crossed);
+    CHECK((how.in_place ? r0.pieces_read_in_place : how.inline_bytes > 0 ? r0.pieces_inline : r0.pieces_pulled) ==
+          crossed);
+    CHECK((r0.shared_register_bytes > 0) == how.in_place);
     for (const auto& [offset, count] : windows) {
       const auto* t = find_actor(*results[1].report, fmt::format("pull{}", offset));
       REQUIRE(t != nullptr);
@@ -350,10 +377,25 @@ TEST_CASE("cross rank: a gathering transfer lands each input in its part of one 
   // The gather is a transfer already: insert_transfers adds one for `whole` only.
   CHECK(std::count_if(plan.actors.begin(), plan.actors.end(),
                       [](const ActorDesc& d) { return d.kind == ActorKind::transfer; }) == 2);
-  // Pulled; inline with the requests; a.out (128 bytes) pulled while a2.out (64) comes inline.
-  for (const std::size_t inline_bytes : {std::size_t{0}, RuntimeSettings{}.inline_payload_bytes, std::size_t{64}}) {
-    CAPTURE(inline_bytes);
-    const auto results = run_inline(plan, kernels, inline_bytes);
+  // Read in place; pulled; inline with the requests; a.out (128 bytes) pulled while a2.out (64)
+  // comes inline.
+  std::vector<Crossing> ways = every_crossing();
+  ways.push_back({.inline_bytes = 64});
+  for (const Crossing& how : ways) {
+    CAPTURE(how.str());
+    const auto results = run_crossing(plan, kernels, how);
+    // Rank 0 hands a.out to the gather and to whole's transfer, a2.out to the gather.
+    const RunReport& r0 = *results[0].report;
+    if (how.in_place) {
+      CHECK(r0.pieces_read_in_place == 900);
+      CHECK(results[2].report->pieces_read_in_place == 300);
+      // a.out, a2.out and their pattern actor's other register, 2 slots each, 64-byte aligned.
+      CHECK(r0.shared_register_bytes >= 2 * (128 + 64));
+    } else {
+      CHECK(r0.pieces_inline == (how.inline_bytes >= 128 ? 900 : how.inline_bytes >= 64 ? 300 : 0));
+      CHECK(r0.pieces_pulled == 900 - r0.pieces_inline);
+      CHECK(r0.shared_register_bytes == 0);
+    }
     const auto* g = find_actor(*results[1].report, "gather");
     REQUIRE(g != nullptr);
     CHECK(g->acts == 300);
@@ -508,4 +550,80 @@ TEST_CASE("cross rank: the job environment says which host each rank is on") {
   CHECK(JobEnvironment{.world_size = 2, .local_world_size = 2}.rank_hosts() == std::vector<std::uint32_t>{0, 0});
   CHECK(JobEnvironment{.world_size = 4}.rank_hosts().empty());
   CHECK(JobEnvironment{.world_size = 5, .local_world_size = 2}.rank_hosts().empty());
+}
+
+namespace {
+
+/// Rank 0's end of a loopback hub that garbles where its request_mapped messages say a piece
+/// lies (the nonce of the segment, the last 8 bytes of the 56: baton's MappedRequest).
+class GarblingLink final : public transport::Link {
+ public:
+  explicit GarblingLink(transport::Link& inner) : inner_(inner) {}
+  std::uint32_t rank() const override { return inner_.rank(); }
+  std::uint32_t world_size() const override { return inner_.world_size(); }
+  void set_handler(transport::LinkHandler* h) override { inner_.set_handler(h); }
+  void send(std::uint32_t to, const void* data, std::size_t size) override {
+    std::array<unsigned char, max_message> bytes{};
+    std::memcpy(bytes.data(), data, size);
+    if (size == 56) bytes[48] ^= 0x5a;
+    garbled_ += size == 56;
+    inner_.send(to, bytes.data(), size);
+  }
+  void send_inline(std::uint32_t to, const void* data, std::size_t size, const void* payload,
+                   std::size_t payload_size) override {
+    inner_.send_inline(to, data, size, payload, payload_size);
+  }
+  void send_payload(std::uint32_t to, std::uint64_t tag, const void* data, std::size_t size) override {
+    inner_.send_payload(to, tag, data, size);
+  }
+  void receive_payload(std::uint32_t from, std::uint64_t tag, void* dest, std::size_t size,
+                       std::uint64_t cookie) override {
+    inner_.receive_payload(from, tag, dest, size, cookie);
+  }
+  bool shares_memory_with(std::uint32_t peer) const override { return inner_.shares_memory_with(peer); }
+  int garbled() const { return garbled_.load(); }
+
+ private:
+  transport::Link& inner_;
+  std::atomic<int> garbled_{0};
+};
+
+}  // namespace
+
+TEST_CASE("cross rank: a piece said to lie where it does not fails the reader, naming the piece and why" *
+          doctest::timeout(60)) {
+  CrossRankShape s{.topology = "chain", .world = 2, .pieces = 50};
+  const Plan plan = insert_transfers(test::cross_rank_plan(s));
+  const auto kernels = test::checking_registry();
+  transport::LoopbackHub hub(2);
+  GarblingLink garbling(hub.link(0));
+  std::vector<std::unique_ptr<Runtime>> runtimes;
+  for (std::uint16_t r = 0; r < 2; ++r) {
+    RuntimeSettings rs;
+    rs.rank = r;
+    rs.link = r == 0 ? static_cast<transport::Link*>(&garbling) : &hub.link(r);
+    rs.stall_timeout = std::chrono::milliseconds(20'000);
+    runtimes.push_back(std::make_unique<Runtime>(plan, kernels, rs));
+  }
+  hub.start();
+  std::array<std::string, 2> errors;
+  std::vector<std::thread> threads;
+  for (std::uint16_t r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        runtimes[r]->run();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        runtimes[1 - r]->abort(fmt::format("rank {} failed: {}", r, e.what()));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  hub.stop();
+  CHECK(garbling.garbled() > 0);
+  INFO(errors[1]);
+  CHECK(test::contains(errors[1], "rank 0 told "));
+  CHECK(test::contains(errors[1], "where piece 0 of 'src.out' lies: cannot map the register memory of process"));
+  CHECK(test::contains(errors[1], "not the register segment it named"));
+  CHECK_FALSE(errors[0].empty());  // ended by rank 1's failure, not left waiting
 }

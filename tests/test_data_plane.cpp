@@ -2,7 +2,10 @@
 // worker and progress thread, exchange addresses directly. Every scenario runs twice: with
 // UCX's own choice of transports (shared memory here) and with TCP over loopback only.
 #include <doctest/doctest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -21,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "baton/transport/data_plane.h"
+#include "baton/transport/shared_memory.h"
 #include "test_util.h"
 
 namespace {
@@ -223,6 +227,10 @@ TEST_CASE("data plane: connects and names the transports UCX chose" * doctest::t
     CHECK(pair.planes[r]->inline_limit(1 - r) == (shared_memory ? std::size_t{4096} : Link::max_inline_payload));
     if (transports == "tcp") CHECK(pair.planes[r]->inline_limit(1 - r) == Link::max_inline_payload);
     CHECK(pair.planes[r]->inline_limit(7) == 0);
+    // Reading a peer's memory in place (shared_memory.h) only where UCX found the host shared.
+    CHECK(pair.planes[r]->shares_memory_with(1 - r) == shared_memory);
+    CHECK_FALSE(pair.planes[r]->shares_memory_with(r));
+    CHECK_FALSE(pair.planes[r]->shares_memory_with(7));
   }
 }
 
@@ -758,4 +766,118 @@ TEST_CASE("data plane: a handler's stop() on a polling thread only asks, and the
     on_poller += stopper.on_poller ? 1 : 0;
   }
   MESSAGE("the polling thread handled the message in " << on_poller << " of 10 rounds");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared register memory (transport/shared_memory.h): what a transfer on another rank of the
+// host reads in place.
+
+TEST_CASE("shared memory: a segment's bytes read through a peer's mapping, and what is refused" *
+          doctest::timeout(60)) {
+  using baton::transport::PeerSegments;
+  using baton::transport::SharedLocation;
+  using baton::transport::SharedSegments;
+  SharedSegments segments("rank 0", 4096);  // small segments: the third allocation needs a second
+  auto* a = static_cast<std::uint32_t*>(segments.allocate(2000));
+  auto* b = static_cast<std::uint32_t*>(segments.allocate(2000));
+  auto* c = static_cast<std::uint32_t*>(segments.allocate(10000));  // larger than a segment
+  for (auto* p : {a, b, c}) CHECK(reinterpret_cast<std::uintptr_t>(p) % SharedSegments::alignment == 0);
+  CHECK(segments.bytes_allocated() == 2048 + 2048 + 10048);
+  CHECK(segments.bytes_reserved() >= 4096 + 10048);
+  for (std::uint32_t i = 0; i < 500; ++i) a[i] = i, b[i] = 1000 + i;
+  for (std::uint32_t i = 0; i < 2500; ++i) c[i] = 7 * i;
+  const auto at_a = segments.locate(a, 2000);
+  const auto at_b = segments.locate(b + 10, 400);
+  const auto at_c = segments.locate(c, 10000);
+  REQUIRE(at_a);
+  REQUIRE(at_b);
+  REQUIRE(at_c);
+  CHECK(at_a->fd == at_b->fd);
+  CHECK(at_c->fd != at_a->fd);
+  CHECK(at_b->offset == at_a->offset + 2048 + 40);
+  CHECK_FALSE(segments.locate(&segments, 4));  // not in a segment
+  CHECK_FALSE(segments.locate(a, 1u << 20));   // runs past its segment
+
+  PeerSegments peers;  // this process plays the peer (the mp tests read across processes)
+  const auto* pa = reinterpret_cast<const std::uint32_t*>(peers.map(*at_a, 2000));
+  const auto* pb = reinterpret_cast<const std::uint32_t*>(peers.map(*at_b, 400));
+  const auto* pc = reinterpret_cast<const std::uint32_t*>(peers.map(*at_c, 10000));
+  CHECK(static_cast<const void*>(pa) != static_cast<const void*>(a));  // a mapping of its own
+  CHECK(std::memcmp(pa, a, 2000) == 0);
+  CHECK(pb[0] == 1010);
+  CHECK(pc[2499] == 7 * 2499);
+  a[3] = 42;  // the same memory, not a copy
+  CHECK(pa[3] == 42);
+
+  auto refused = [&](SharedLocation at, std::size_t bytes) -> std::string {
+    try {
+      peers.map(at, bytes);
+    } catch (const TransportError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  SharedLocation wrong = *at_a;
+  wrong.nonce ^= 1;
+  wrong.fd = at_c->fd;  // mapped, but under another nonce: looked up again, and the name differs
+  CHECK(contains(refused(wrong, 4), "not the register segment it named"));
+  SharedLocation past = *at_b;
+  past.offset = 4000;
+  CHECK(contains(refused(past, 200), "named bytes [4000, 4200) of its register segment"));
+  SharedLocation closed = *at_a;
+  closed.fd = 100000;
+  CHECK(contains(refused(closed, 4), fmt::format("cannot map the register memory of process {} (/proc/{}/fd/100000): "
+                                                 "readlink",
+                                                 at_a->pid, at_a->pid)));
+  CHECK(contains(refused(closed, 4), "RuntimeSettings::shared_registers = false"));
+}
+
+TEST_CASE("shared memory: another process's segment stays readable after that process died" *
+          doctest::timeout(60)) {
+  using baton::transport::PeerSegments;
+  using baton::transport::SharedLocation;
+  using baton::transport::SharedSegments;
+  // The child allocates, fills, says where, and waits to be killed; the parent maps while it
+  // lives, kills it, and reads on: a writer that dies leaves its readers' mappings valid (no
+  // SIGBUS), which is why a lost rank is reported by deadlines and not by a crash.
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    SharedSegments segments("child");
+    auto* p = static_cast<std::uint64_t*>(segments.allocate(1 << 20));
+    for (std::uint64_t i = 0; i < (1 << 17); ++i) p[i] = i * 3 + 1;
+    const auto at = segments.locate(p, 1 << 20);
+    const SharedLocation where = at.value_or(SharedLocation{});
+    if (::write(ready[1], &where, sizeof where) != sizeof where) ::_exit(1);
+    ::pause();  // until killed (the parent's timeout bounds this)
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  SharedLocation at;
+  const ssize_t got = ::read(ready[0], &at, sizeof at);
+  ::close(ready[0]);
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      if (pid <= 0) return;
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
+  REQUIRE(got == static_cast<ssize_t>(sizeof at));
+  REQUIRE(at.pid == static_cast<std::uint32_t>(child));
+  PeerSegments peers;
+  const auto* p = reinterpret_cast<const std::uint64_t*>(peers.map(at, 1 << 20));
+  CHECK(p[0] == 1);
+  CHECK(p[(1 << 17) - 1] == ((1 << 17) - 1) * 3 + 1);
+  ::kill(child, SIGKILL);
+  REQUIRE(::waitpid(child, nullptr, 0) == child);
+  reap.pid = -1;
+  std::uint64_t sum = 0;
+  for (std::uint64_t i = 0; i < (1 << 17); ++i) sum += p[i];
+  const std::uint64_t n = 1 << 17;
+  CHECK(sum == 3 * (n * (n - 1) / 2) + n);
 }

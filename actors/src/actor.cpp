@@ -3,6 +3,7 @@
 // upstream so that every actor retires, and failure turned into a job abort.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -139,12 +140,12 @@ void Actor::wire_inputs() {
         const RegisterDesc& reg = plan.registers[desc_.inputs[p].reg];
         port_bytes_.push_back(desc_.inputs.size() == 1 ? outputs_[0]->buffers.front().nbytes()
                                                        : static_cast<std::size_t>(slot_bytes(reg)));
-        // A remote producer may send its pieces inline (RuntimeSettings::inline_payload_bytes):
-        // staged per producer slot, allocated at the first (stage()).
+        // A remote producer may send its pieces inline (stage()) or tell where they lie
+        // (map_piece()) instead of offering them to be pulled.
         Input& in = inputs_[port_to_input_[p]];
-        if (in.source == nullptr && port_bytes_[p] > 0 && port_bytes_[p] <= transport::Link::max_inline_payload) {
-          in.staged_bytes = port_bytes_[p];
-          in.staged.assign(static_cast<std::size_t>(in.slots), false);
+        if (in.source == nullptr && port_bytes_[p] > 0) {
+          in.piece_bytes = port_bytes_[p];
+          in.arrived.assign(static_cast<std::size_t>(in.slots), nullptr);
         }
       }
       break;
@@ -270,7 +271,8 @@ void Actor::on_message(const Message& m) {
   if (retired_) return;
   switch (m.kind) {
     case MsgKind::request:
-    case MsgKind::request_inline: on_request(m); break;
+    case MsgKind::request_inline:
+    case MsgKind::request_mapped: on_request(m); break;
     case MsgKind::ack: on_ack(m); break;
     case MsgKind::end_of_stream: on_eos(m); break;
     case MsgKind::detach: on_detach(m); break;
@@ -527,8 +529,9 @@ void Actor::on_stream_reached(const Message& m) {
 
 // Pull piece k of each remote input into its part of our next slot (one input: the whole
 // slot), and copy there the part of each input on this rank (a transfer with several inputs
-// gathers them; validate() keeps those in host memory) and of each whose piece came inline
-// with its request (staged). The piece is published (and the pulled inputs acked) when the
+// gathers them; validate() keeps those in host memory), of each whose piece came inline with
+// its request (staged) and of each whose piece can be read in its producer's slot (mapped:
+// the one copy between ranks of a host). The piece is published (and the pulled inputs acked) when the
 // data plane says every pull has landed (on_pulled); at once if nothing was pulled. Several
 // pieces may be in flight, one per free slot.
 void Actor::act_transfer() {
@@ -549,11 +552,11 @@ void Actor::act_transfer() {
     const auto from = static_cast<std::size_t>(k % in.slots);
     if (bytes == 0) {
       if (in.source != nullptr) release(in, k);  // a remote one acks when the piece is published
-    } else if (in.source != nullptr || (!in.staged.empty() && in.staged[from])) {
+    } else if (in.source != nullptr || (!in.arrived.empty() && in.arrived[from] != nullptr)) {
       // Here already: copied, and handed back at once.
-      const void* src = in.source != nullptr ? in.source->buffers[from].raw() : in.staging.get() + from * bytes;
+      const void* src = in.source != nullptr ? in.source->buffers[from].raw() : in.arrived[from];
       std::memcpy(at, src, bytes);
-      if (in.source == nullptr) in.staged[from] = false;
+      if (in.source == nullptr) in.arrived[from] = nullptr;
       release(in, k);
     } else {
       try {
@@ -607,12 +610,28 @@ void Actor::landed(std::uint16_t slot) {
 std::string Actor::stage(const Message& m, const void* payload, std::size_t size) {
   Input* in = desc_.kind == ActorKind::transfer ? input_for(m.reg) : nullptr;
   if (in == nullptr || in->source != nullptr) return "it is not a transfer that pulls it from there";
-  if (in->staged_bytes != size) {
-    return fmt::format("{} bytes, where it takes {} inline (at most {})", size, in->staged_bytes,
+  if (in->piece_bytes != size || size > transport::Link::max_inline_payload) {
+    return fmt::format("{} bytes, where it takes {} (at most {} inline)", size, in->piece_bytes,
                        transport::Link::max_inline_payload);
   }
   if (in->staging == nullptr) in->staging = std::make_unique<std::byte[]>(static_cast<std::size_t>(in->slots) * size);
-  std::memcpy(in->staging.get() + static_cast<std::size_t>(m.piece % in->slots) * size, payload, size);
+  const auto slot = static_cast<std::size_t>(m.piece % in->slots);
+  std::memcpy(in->staging.get() + slot * size, payload, size);
+  in->arrived[slot] = in->staging.get() + slot * size;
+  return {};
+}
+
+// As stage(): the producer keeps the slot until this actor acks the piece (at its act), so the
+// bytes stay as they are while the act copies them.
+std::string Actor::map_piece(const Message& m, const transport::SharedLocation& at) {
+  Input* in = desc_.kind == ActorKind::transfer ? input_for(m.reg) : nullptr;
+  if (in == nullptr || in->source != nullptr) return "it is not a transfer that pulls it from there";
+  if (in->piece_bytes == 0) return "its input is empty";
+  try {
+    in->arrived[static_cast<std::size_t>(m.piece % in->slots)] = core_.peer_segments.map(at, in->piece_bytes);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
   return {};
 }
 
@@ -663,12 +682,32 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
     // stays ours until it acks (the slot's credit keeps it unchanged meanwhile); a small one
     // goes with the request, read from the slot as it is sent.
     auto* data = static_cast<std::byte*>(out.buffers[slot].raw()) + consumer.offset;
-    if (consumer.inline_payload == Consumer::Inline::undecided) {
+    std::optional<transport::SharedLocation> in_shared;
+    if (consumer.way == Consumer::Way::undecided || consumer.way == Consumer::Way::mapped) {
+      in_shared = core_.locate_shared(consumer.id.rank(), data, consumer.bytes);
+    }
+    if (consumer.way == Consumer::Way::undecided) {
       const std::size_t most = std::min({core_.settings.inline_payload_bytes, transport::Link::max_inline_payload,
                                          core_.settings.link->inline_limit(consumer.id.rank())});
-      consumer.inline_payload = consumer.bytes <= most ? Consumer::Inline::yes : Consumer::Inline::no;
+      consumer.way = in_shared     ? Consumer::Way::mapped
+                     : consumer.bytes <= most ? Consumer::Way::inline_payload
+                                              : Consumer::Way::pulled;
     }
-    if (consumer.inline_payload == Consumer::Inline::yes) {
+    ++consumer.sent;
+    if (consumer.way == Consumer::Way::mapped) {
+      if (!in_shared) {
+        core_.fail(fmt::format("actor '{}': piece {} of '{}' is not in shared memory, where the ones before were read "
+                               "from by {} on rank {}",
+                               desc_.name, piece, core_.plan.registers[out.reg].name, consumer.id.str(),
+                               consumer.id.rank()));
+        return;
+      }
+      m.kind = MsgKind::request_mapped;
+      if (core_.settings.record_handshakes) core_.record(m);
+      core_.send_remote_mapped(m, *in_shared);
+      return;
+    }
+    if (consumer.way == Consumer::Way::inline_payload) {
       m.kind = MsgKind::request_inline;
       if (core_.settings.record_handshakes) core_.record(m);
       core_.send_remote(m, data, consumer.bytes);
@@ -684,6 +723,19 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
     }
   }
   send(consumer.worker, m);
+}
+
+void Actor::count_crossings(RunReport& report) const {
+  for (const auto& out : outputs_) {
+    for (const Consumer& c : out->consumers) {
+      switch (c.way) {
+        case Consumer::Way::mapped: report.pieces_read_in_place += c.sent; break;
+        case Consumer::Way::inline_payload: report.pieces_inline += c.sent; break;
+        case Consumer::Way::pulled: report.pieces_pulled += c.sent; break;
+        case Consumer::Way::undecided: break;
+      }
+    }
+  }
 }
 
 void Actor::release(Input& in, std::int64_t piece) {
@@ -746,9 +798,9 @@ void Actor::on_request(const Message& m) {
   if (in == nullptr) return protocol_error(m, "request for a register this actor does not read");
   if (in->detached) return;
   if (m.piece != in->received) return protocol_error(m, "request out of order");
-  if (m.kind == MsgKind::request_inline) {
-    if (in->staging == nullptr) return protocol_error(m, "inline request with nothing staged");
-    in->staged[static_cast<std::size_t>(m.piece % in->slots)] = true;
+  if ((m.kind == MsgKind::request_inline || m.kind == MsgKind::request_mapped) &&
+      (in->arrived.empty() || in->arrived[static_cast<std::size_t>(m.piece % in->slots)] == nullptr)) {
+    return protocol_error(m, "a request whose piece came with it, but nothing arrived");
   }
   in->received = m.piece + 1;
 }

@@ -36,6 +36,7 @@ std::string_view name(MsgKind k) {
     case MsgKind::start: return "start";
     case MsgKind::pulled: return "pulled";
     case MsgKind::request_inline: return "request_inline";
+    case MsgKind::request_mapped: return "request_mapped";
   }
   return "?";
 }

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,6 +31,7 @@
 #include "baton/kernels/nccl.h"
 #include "baton/kernels/stream.h"
 #include "baton/transport/link.h"
+#include "baton/transport/shared_memory.h"
 
 namespace baton::detail {
 
@@ -50,10 +52,14 @@ struct Consumer {
   std::size_t offset = 0;
   std::size_t bytes = 0;
   std::size_t port = 0;  // the consumer's input port of this register (payload_tag)
-  /// Whether its pieces go inline with the requests (RuntimeSettings::inline_payload_bytes),
-  /// decided at the first request, once the data plane knows its transport to the peer, and
-  /// kept: a transfer acks its inputs in piece order, so one input never mixes the two ways.
-  enum class Inline : std::uint8_t { undecided, yes, no } inline_payload = Inline::undecided;
+  /// How its pieces reach it: offered for its receive to pull, inline with the requests
+  /// (RuntimeSettings::inline_payload_bytes), or read where they lie (mapped:
+  /// RuntimeSettings::shared_registers). Decided at the first request, once the data plane
+  /// knows its transport to the peer, and kept: a pulled piece is acked when it lands and the
+  /// others at the act, and a transfer acks its inputs in piece order, so one input never
+  /// mixes pulled pieces with the others.
+  enum class Way : std::uint8_t { undecided, pulled, inline_payload, mapped } way = Way::undecided;
+  std::uint64_t sent = 0;  // pieces requested of it, the way above (RunReport::pieces_*)
 };
 
 /// A device's register bytes in use, with the most ever (RuntimeSettings::measure_memory).
@@ -139,12 +145,14 @@ struct Input {
   // RuntimeSettings::measure_memory: a piece whose read this actor counted down before writing
   // its output into the same bytes (ActorDesc::in_place), so its release does not count again.
   std::int64_t counted_early = -1;
-  // A transfer's input from another rank whose pieces may come inline with their requests
-  // (MsgKind::request_inline): per producer slot, `staged_bytes` the runtime copied there from
-  // the data plane's thread before it posted the request, and whether the piece in it is staged.
+  // A transfer's input from another rank: the bytes it reads of each piece; and per producer
+  // slot, where the piece in it may be read already (null: it is pulled). Set on the data
+  // plane's thread before the request is posted: into `staging` (a producer's slots' worth,
+  // allocated at the first) for a piece that came inline (MsgKind::request_inline), or the
+  // producer's slot itself, mapped (MsgKind::request_mapped); cleared by the act that copies it.
+  std::size_t piece_bytes = 0;
   std::unique_ptr<std::byte[]> staging;
-  std::size_t staged_bytes = 0;
-  std::vector<bool> staged;
+  std::vector<const std::byte*> arrived;
 };
 
 /// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it
@@ -194,6 +202,8 @@ class Actor {
   /// On the data plane's thread, before the request_inline `m` is posted to this (transfer)
   /// actor: copies its payload into the input's staging. Empty, or what is wrong.
   std::string stage(const Message& m, const void* payload, std::size_t size);
+  /// The same for a request_mapped: maps where its piece lies in the producer's memory.
+  std::string map_piece(const Message& m, const transport::SharedLocation& at);
   /// Before the run starts (before any worker thread): its lifetime begins now.
   void begin(std::uint64_t start_ticks);
 
@@ -212,6 +222,8 @@ class Actor {
   bool ready() const { return !finished_ && next_block() == Block::none; }
   const ActorCounters& counters() const { return counters_; }
   const ActorDesc& desc() const { return desc_; }
+  /// After the run (threads joined): adds how its pieces crossed to other ranks.
+  void count_crossings(RunReport& report) const;
   /// After the run (threads joined): what this actor was waiting for, in words.
   std::string describe_wait() const;
   /// The next piece each input needs; -1 if none.
@@ -400,6 +412,15 @@ inline std::uint64_t payload_tag(ActorIndex transfer, std::size_t port, std::int
          (static_cast<std::uint64_t>(piece) & ((1u << 20) - 1));
 }
 
+/// What a request_mapped carries: the request, and where its piece lies in the producer's
+/// memory (Link::max_message bytes at most).
+struct MappedRequest {
+  Message m;
+  transport::SharedLocation at;
+};
+static_assert(std::is_trivially_copyable_v<MappedRequest>);
+static_assert(sizeof(MappedRequest) <= transport::Link::max_message);
+
 /// The state one Runtime owns (Runtime::Impl). It is also the data plane's handler: messages
 /// from other ranks go to their actor's mailbox, finished pulls to their transfer actor.
 struct Core : transport::LinkHandler {
@@ -412,6 +433,12 @@ struct Core : transport::LinkHandler {
   void on_payload(std::uint64_t cookie) override;
   void on_link_error(const std::string& reason) override;
   void send_remote(const Message& m, const void* payload = nullptr, std::size_t payload_size = 0);
+  /// A request_mapped: `m` and where its piece lies.
+  void send_remote_mapped(const Message& m, const transport::SharedLocation& at);
+  /// Where [data, data + bytes) lies in this rank's shared memory, if a reader on `rank` can
+  /// read it there (RuntimeSettings::shared_registers, the link's word that `rank` shares the
+  /// host, and the bytes in a segment).
+  std::optional<transport::SharedLocation> locate_shared(std::uint32_t rank, const void* data, std::size_t bytes) const;
   Actor* receiver(std::uint32_t from_rank, const Message& m);
 
   void instantiate();
@@ -445,6 +472,15 @@ struct Core : transport::LinkHandler {
   /// CUDA devices' memory, and page-locked host memory for registers copied to or from them.
   std::map<Device, std::unique_ptr<Allocator>> device_allocators;
   std::unique_ptr<Allocator> pinned;
+  /// RuntimeSettings::shared_registers: the host memory of registers read on other ranks (made
+  /// at the first; null if none), and the producers' memory this rank's transfers read.
+  std::unique_ptr<transport::SharedSegments> shared_segments;
+  std::unique_ptr<Allocator> shared_allocator;
+  std::vector<std::int8_t> arena_shared;  // per arena: -1 not known yet, 0 no, 1 yes
+  transport::PeerSegments peer_segments;
+  /// Whether the slots of host register `reg` go in shared memory.
+  bool read_on_other_ranks(RegisterIndex reg);
+  CpuAllocator& allocator_for_host(Device d);
   /// Where the slots of `reg`, written by `producer`, live.
   Allocator& allocator_for(const ActorDesc& producer, RegisterIndex reg);
   /// The plan's arenas on this rank (Plan::arenas; allocated on first use, null elsewhere) and

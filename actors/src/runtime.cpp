@@ -250,6 +250,23 @@ void Core::send_remote(const Message& m, const void* payload, std::size_t payloa
   }
 }
 
+void Core::send_remote_mapped(const Message& m, const transport::SharedLocation& at) {
+  const MappedRequest r{m, at};
+  try {
+    settings.link->send(m.dst.rank(), &r, sizeof r);
+  } catch (const std::exception& e) {
+    fail(fmt::format("could not send a {} to {} on rank {}: {}", name(m.kind), m.dst.str(), m.dst.rank(), e.what()));
+  }
+}
+
+std::optional<transport::SharedLocation> Core::locate_shared(std::uint32_t rank, const void* data,
+                                                             std::size_t bytes) const {
+  if (!settings.shared_registers || shared_segments == nullptr || !settings.link->shares_memory_with(rank)) {
+    return std::nullopt;
+  }
+  return shared_segments->locate(data, bytes);
+}
+
 Actor* Core::receiver(std::uint32_t from_rank, const Message& m) {
   Actor* a = m.dst.index() < actors.size() ? actors[m.dst.index()].get() : nullptr;
   if (m.dst.rank() != settings.rank || a == nullptr || m.src.rank() != from_rank) {
@@ -267,13 +284,28 @@ void Core::on_message(std::uint32_t from_rank, const void* data, std::size_t siz
 void Core::on_message_with_payload(std::uint32_t from_rank, const void* data, std::size_t size, const void* payload,
                                    std::size_t payload_size) {
   Message m;
-  if (size != sizeof m) {
+  if (size < sizeof m) {
     fail(fmt::format("rank {} sent a message of {} bytes; actor messages have {}", from_rank, size, sizeof m));
     return;
   }
   std::memcpy(&m, data, sizeof m);
+  const std::size_t expected = m.kind == MsgKind::request_mapped ? sizeof(MappedRequest) : sizeof m;
+  if (size != expected) {
+    fail(fmt::format("rank {} sent a {} of {} bytes; it has {}", from_rank, name(m.kind), size, expected));
+    return;
+  }
   Actor* a = receiver(from_rank, m);
   if (a == nullptr) return;
+  if (m.kind == MsgKind::request_mapped) {
+    // Mapped before the request is posted, as a staged piece: the transfer reads it when it acts.
+    MappedRequest r;
+    std::memcpy(&r, data, sizeof r);
+    if (std::string wrong = a->map_piece(m, r.at); !wrong.empty()) {
+      fail(fmt::format("rank {} told {} where piece {} of '{}' lies: {}", from_rank, m.dst.str(), m.piece,
+                       m.reg < plan.registers.size() ? plan.registers[m.reg].name : "?", wrong));
+      return;
+    }
+  }
   if ((payload_size > 0) != (m.kind == MsgKind::request_inline)) {
     fail(fmt::format("rank {} sent a {} for {} with {} bytes inline", from_rank, name(m.kind), m.dst.str(),
                      payload_size));
@@ -400,6 +432,63 @@ void Core::instantiate() {
   }
 }
 
+namespace {
+
+/// Host memory that the ranks of this host may read (RuntimeSettings::shared_registers): from
+/// shared segments, or, where the system gives none (no memfd), from the plain allocator, whose
+/// slots then go through the data plane as before.
+class SharedAllocator final : public Allocator {
+ public:
+  SharedAllocator(transport::SharedSegments& segments, CpuAllocator& fallback, Device d)
+      : segments_(segments), fallback_(fallback), device_(d) {}
+  void* allocate(std::size_t bytes) override {
+    if (!failed_) {
+      try {
+        return segments_.allocate(bytes);
+      } catch (const transport::TransportError&) {
+        failed_ = true;  // the slots stay readable through the data plane
+      }
+    }
+    return fallback_.allocate(bytes);
+  }
+  // Segments are freed with the runtime; only what came from the fallback goes back now.
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    if (!segments_.locate(p, 0)) fallback_.deallocate(p, bytes);
+  }
+  Device device() const override { return device_; }
+
+ private:
+  transport::SharedSegments& segments_;
+  CpuAllocator& fallback_;
+  Device device_;
+  std::atomic<bool> failed_{false};
+};
+
+bool has_reader_on_other_rank(const Plan& plan, const RegisterDesc& reg) {
+  if (reg.producer == no_actor) return false;
+  const auto rank = plan.actors[reg.producer].where.rank;
+  return std::any_of(reg.consumers.begin(), reg.consumers.end(),
+                     [&](ActorIndex c) { return plan.actors[c].where.rank != rank; });
+}
+
+}  // namespace
+
+// A register's slots, or its arena if it has one (any register placed there read on another
+// rank puts the whole arena in shared memory).
+bool Core::read_on_other_ranks(RegisterIndex reg) {
+  if (!settings.shared_registers || settings.link == nullptr || settings.link->world_size() < 2) return false;
+  const RegisterDesc& r = plan.registers[reg];
+  if (r.arena < 0) return has_reader_on_other_rank(plan, r);
+  if (arena_shared.size() < plan.arenas.size()) arena_shared.assign(plan.arenas.size(), -1);
+  std::int8_t& known = arena_shared[static_cast<std::size_t>(r.arena)];
+  if (known < 0) {
+    known = std::any_of(plan.registers.begin(), plan.registers.end(), [&](const RegisterDesc& other) {
+      return other.arena == r.arena && has_reader_on_other_rank(plan, other);
+    });
+  }
+  return known == 1;
+}
+
 Allocator& Core::allocator_for(const ActorDesc& producer, RegisterIndex reg) {
   const Device d = producer.where.device;
   if (d.type == DeviceType::cuda && producer.op != "to_host") {
@@ -415,6 +504,17 @@ Allocator& Core::allocator_for(const ActorDesc& producer, RegisterIndex reg) {
     if (!pinned) pinned = cuda::make_pinned_allocator(Device{});
     return *pinned;
   }
+  if (d.type == DeviceType::cpu && read_on_other_ranks(reg)) {
+    if (!shared_allocator) {
+      shared_segments = std::make_unique<transport::SharedSegments>(fmt::format("rank {}", settings.rank));
+      shared_allocator = std::make_unique<SharedAllocator>(*shared_segments, allocator_for_host(d), d);
+    }
+    return *shared_allocator;
+  }
+  return allocator_for_host(d);
+}
+
+CpuAllocator& Core::allocator_for_host(Device d) {
   auto& alloc = allocators[d];
   if (!alloc) alloc = std::make_unique<CpuAllocator>(d);
   return *alloc;
@@ -1181,6 +1281,10 @@ RunReport Runtime::run() {
     report.messages += w->messages();
     report.parks += w->parks();
   }
+  for (const auto& a : core.actors) {
+    if (a) a->count_crossings(report);
+  }
+  if (core.shared_segments) report.shared_register_bytes = core.shared_segments->bytes_allocated();
   return report;
 }
 

@@ -25,7 +25,8 @@
 //                                    hierarchical all-reduce against the flat ring and MPI there;
 //                                    --link-gbit G limits the link between them (tc tbf)
 // BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr;
-// BATON_BENCH_INLINE=B: RuntimeSettings::inline_payload_bytes (0: no piece goes inline).
+// BATON_BENCH_INLINE=B: RuntimeSettings::inline_payload_bytes (0: no piece goes inline);
+// BATON_BENCH_SHARED=0: RuntimeSettings::shared_registers off (no piece read in place).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -99,7 +100,7 @@ int worker(std::int64_t bytes, std::int64_t iters, AllReduceSettings settings, b
     kernels.add_fn("bench.produce", DeviceType::cpu, DType::f32,
                    [starts](KernelContext&) { starts->push_back(bench::Clock::now()); });
     JobSettings js;
-    js.runtime.inline_payload_bytes = bench::inline_payload_bytes();
+    bench::apply_knobs(js.runtime);
     auto rep = run_job(allreduce_plan(static_cast<std::uint16_t>(env.world_size), bytes / 4, warm + iters + 1, settings), kernels, env, js);
     const auto timed = std::chrono::duration<double>(starts->at(static_cast<std::size_t>(warm + iters)) -
                                                      starts->at(static_cast<std::size_t>(warm)));
@@ -383,7 +384,8 @@ int main(int argc, char** argv) {
           .add("segment_kib", settings.segment_bytes >> 10)
           .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled")
           .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated")
-          .add("inline_payload_bytes", static_cast<std::int64_t>(bench::inline_payload_bytes()));
+          .add("inline_payload_bytes", static_cast<std::int64_t>(bench::inline_payload_bytes()))
+          .add("shared_registers", bench::shared_registers());
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")

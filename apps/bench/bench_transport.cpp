@@ -23,7 +23,8 @@
 // BATON_BENCH_IDLE=park|busy_poll|automatic (RuntimeSettings::idle_polling),
 // BATON_BENCH_SHM_TLS (UCX_TLS of the _shm cases, for baton and the reference alike),
 // BATON_BENCH_INLINE=B (RuntimeSettings::inline_payload_bytes: pieces up to B bytes go with
-// their requests; 0: every piece is offered and pulled). The
+// their requests; 0: every piece is offered and pulled), BATON_BENCH_SHARED=0
+// (RuntimeSettings::shared_registers off: no piece is read in place in the producer's slot). The
 // ranks inherit the environment, so BATON_BIND_TO=core binds them as baton-launch --bind-to
 // core does (one hop over shared memory is bimodal here unbound, 0.6-0.8 or 2.4-2.9 us, as the
 // scheduler puts the two ranks on two cores or on one).
@@ -205,7 +206,7 @@ int worker_main(const Options& o) {
     if (const char* s = std::getenv("BATON_BENCH_RT_SPIN")) js.runtime.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_DP_SPIN")) js.data.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_RT_YIELD")) js.runtime.spin_yield_every = std::atoi(s);
-    js.runtime.inline_payload_bytes = baton::bench::inline_payload_bytes();
+    baton::bench::apply_knobs(js.runtime);
     if (const char* s = std::getenv("BATON_BENCH_IDLE")) {
       const std::string idle = s;
       js.runtime.idle_polling = idle == "park"        ? baton::IdlePolling::park
@@ -297,7 +298,8 @@ int main(int argc, char** argv) {
       baton::bench::JsonLine line("transport", name);
       line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8)
           .add("idle_polling", last_idle_polling)
-          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()));
+          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
+          .add("shared_registers", baton::bench::shared_registers());
       if (o.reference) {
         if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, reference_env)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
@@ -322,7 +324,8 @@ int main(int argc, char** argv) {
         const double us = *secs / static_cast<double>(2 * w.pieces) * 1e6;
         baton::bench::JsonLine line("transport", lat_name);
         line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces).add("idle_polling", last_idle_polling)
-            .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()));
+            .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
+          .add("shared_registers", baton::bench::shared_registers());
         if (o.reference) {
           if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, reference_env)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
@@ -347,7 +350,8 @@ int main(int argc, char** argv) {
         baton::bench::JsonLine line("transport", stream_name);
         line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8)
             .add("idle_polling", last_idle_polling)
-          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()));
+          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
+          .add("shared_registers", baton::bench::shared_registers());
         if (o.reference) {
           if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, reference_env)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")

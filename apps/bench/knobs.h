@@ -15,4 +15,17 @@ inline std::size_t inline_payload_bytes() {
   return s != nullptr ? static_cast<std::size_t>(std::atoll(s)) : RuntimeSettings{}.inline_payload_bytes;
 }
 
+/// RuntimeSettings::shared_registers: BATON_BENCH_SHARED=0 (every piece through the data plane,
+/// none read in place), or the default.
+inline bool shared_registers() {
+  const char* s = std::getenv("BATON_BENCH_SHARED");
+  return s != nullptr ? std::atoi(s) != 0 : RuntimeSettings{}.shared_registers;
+}
+
+/// Both, for a benchmark's settings.
+inline void apply_knobs(RuntimeSettings& s) {
+  s.inline_payload_bytes = inline_payload_bytes();
+  s.shared_registers = shared_registers();
+}
+
 }  // namespace baton::bench

@@ -872,13 +872,26 @@ bool DataPlane::poll() { return impl_->try_progress() > 0; }
 
 void DataPlane::idle() { impl_->went_idle(); }
 
+namespace {
+
+// UCX reaches a peer through one of its shared-memory transports only on the same host.
+bool over_shared_memory(const std::string& transports) {
+  return transports.find("sysv") != std::string::npos || transports.find("posix") != std::string::npos ||
+         transports.find("xpmem") != std::string::npos;
+}
+
+}  // namespace
+
 std::size_t DataPlane::inline_limit(std::uint32_t peer) const {
   const Impl& d = *impl_;
   if (peer >= d.world_size || !d.connected.load(std::memory_order_acquire)) return 0;
-  const std::string& t = d.transports[peer];
-  const bool shared_memory = t.find("sysv") != std::string::npos || t.find("posix") != std::string::npos ||
-                             t.find("xpmem") != std::string::npos;
-  return shared_memory ? std::size_t{4} << 10 : max_inline_payload;
+  return over_shared_memory(d.transports[peer]) ? std::size_t{4} << 10 : max_inline_payload;
+}
+
+bool DataPlane::shares_memory_with(std::uint32_t peer) const {
+  const Impl& d = *impl_;
+  if (peer >= d.world_size || peer == d.rank || !d.connected.load(std::memory_order_acquire)) return false;
+  return over_shared_memory(d.transports[peer]);
 }
 
 std::string DataPlane::transports_to(std::uint32_t peer) const {

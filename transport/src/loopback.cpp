@@ -46,6 +46,8 @@ struct LoopbackHub::Impl {
     std::uint32_t rank() const override { return rank_; }
     std::uint32_t world_size() const override { return static_cast<std::uint32_t>(hub_.ends.size()); }
     void set_handler(LinkHandler* h) override { handler = h; }
+    // The ranks share this process.
+    bool shares_memory_with(std::uint32_t peer) const override { return peer != rank_ && peer < world_size(); }
     void send(std::uint32_t to, const void* data, std::size_t size) override { send_inline(to, data, size, nullptr, 0); }
     void send_inline(std::uint32_t to, const void* data, std::size_t size, const void* payload,
                      std::size_t payload_size) override {

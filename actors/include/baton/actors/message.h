@@ -24,6 +24,10 @@ enum class MsgKind : std::uint8_t {
   /// producer -> transfer actor on another rank: as `request`, and the piece's bytes came with
   /// it (Link::send_inline: RuntimeSettings::inline_payload_bytes); the runtime staged them.
   request_inline,
+  /// producer -> transfer actor on another rank of the same host: as `request`, and the piece
+  /// may be read where it lies, in the producer's slot in memory the ranks of a host share
+  /// (RuntimeSettings::shared_registers); the message carries where (MappedRequest).
+  request_mapped,
 };
 
 std::string_view name(MsgKind k);

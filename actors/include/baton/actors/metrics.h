@@ -91,6 +91,15 @@ struct RunReport {
   std::string data_plane;
   /// run_job under BATON_BIND_TO=core: the cores this rank's threads were put on (bind_to_cores).
   std::string binding;
+  /// Pieces of this rank's registers that readers on other ranks took (one per piece and
+  /// reader), by how they crossed: read where they lay, in memory the ranks of a host share
+  /// (RuntimeSettings::shared_registers); inline with the request (inline_payload_bytes);
+  /// offered and pulled through the data plane. And the bytes of the register slots this rank
+  /// placed in shared memory for them.
+  std::uint64_t pieces_read_in_place = 0;
+  std::uint64_t pieces_inline = 0;
+  std::uint64_t pieces_pulled = 0;
+  std::uint64_t shared_register_bytes = 0;
 };
 
 }  // namespace baton

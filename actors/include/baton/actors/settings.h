@@ -57,6 +57,14 @@ struct RuntimeSettings {
   /// runtime stages it until the transfer acts and copies it in. 0: never. Each rank decides
   /// for what it sends; a receiver takes either.
   std::size_t inline_payload_bytes = std::size_t{16} << 10;  // Link::max_inline_payload: the link decides
+  /// A transfer whose producer is on another rank of this host reads each piece straight out of
+  /// the producer's slot (one copy), instead of receiving it through the data plane (without
+  /// CMA, UCX's shared-memory transports copy a payload twice: into their FIFO and out). The
+  /// slots of host registers that a rank other than their producer's reads live in memory the
+  /// ranks of a host can map (transport/shared_memory.h); the link says which peers share the
+  /// host (Link::shares_memory_with). Each rank decides for what it sends; a receiver takes
+  /// either. Before inline payloads: a piece that can be read in place is not sent at all.
+  bool shared_registers = true;
   /// After spin_polls: busy-poll or park (see IdlePolling). RunReport::idle_polling says which
   /// was chosen and why.
   IdlePolling idle_polling = IdlePolling::automatic;

@@ -109,6 +109,8 @@ class DataPlane final : public Link {
   /// payload gains below 4 KiB and loses from 8 KiB (UCX cuts it into FIFO fragments and
   /// assembles them, one copy more than a tagged receive); over TCP it gains up to the most.
   std::size_t inline_limit(std::uint32_t peer) const override;
+  /// True where UCX reaches `peer` over shared memory (sysv, posix, xpmem: the same host).
+  bool shares_memory_with(std::uint32_t peer) const override;
   void send_inline(std::uint32_t to, const void* data, std::size_t size, const void* payload,
                    std::size_t payload_size) override;
   void send_payload(std::uint32_t to, std::uint64_t tag, const void* data, std::size_t size) override;

@@ -76,6 +76,13 @@ class Link {
     (void)peer;
     return max_inline_payload;
   }
+  /// Whether `peer` runs on this host and can read this process's shared memory
+  /// (shared_memory.h): then a payload may be read straight from where it lies instead of
+  /// travelling through the link.
+  virtual bool shares_memory_with(std::uint32_t peer) const {
+    (void)peer;
+    return false;
+  }
   /// An idle thread may lend itself: progress the link here if no other thread is doing so
   /// (handlers then run on this thread). True if anything happened. Never blocks.
   virtual bool poll() { return false; }
