@@ -72,6 +72,11 @@ JobEnvironment JobEnvironment::from_env() {
     }
     env.bind_to_core = b == "core";
   }
+  if (const char* shared = std::getenv("BATON_SHARED_REGISTERS"); shared != nullptr && *shared != '\0') {
+    const std::string s = shared;
+    if (s != "0" && s != "1") throw std::invalid_argument(fmt::format("BATON_SHARED_REGISTERS='{}': 0 or 1", s));
+    env.shared_registers = s == "1";
+  }
   if (const char* local = std::getenv("BATON_LOCAL_WORLD_SIZE")) {
     env.local_world_size = parse_number("BATON_LOCAL_WORLD_SIZE", local);
     if (env.local_world_size > env.world_size) {
@@ -228,6 +233,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     js.runtime.rank = static_cast<std::uint16_t>(env.rank);
     js.runtime.link = &data;
     js.runtime.store = &store;
+    if (!env.shared_registers) js.runtime.shared_registers = false;
     if (js.runtime.ranks_on_host == 0) {
       const std::string& here = table.at(env.rank).host;
       js.runtime.ranks_on_host = static_cast<std::uint32_t>(

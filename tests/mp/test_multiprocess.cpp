@@ -2,9 +2,11 @@
 // over the UCX data plane and meet at the rendezvous server; faults end the whole job.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <regex>
 #include <set>
 #include <thread>
@@ -258,6 +260,41 @@ TEST_CASE("multi-process: baton-train --dp 2 over 2 ranks equals 2 in-process re
   CHECK(json_number(ranks.out(), "ranks") == 2);
   // Both ranks on this host: the data plane leaves TCP out, and says so.
   CHECK(contains(ranks.err(), "data plane: TLS=^cma,tcp, RNDV_THRESH=1048576 (every rank on this host)"));
+  // The gradients' pieces were read in place in the other rank's shared register memory; with
+  // BATON_SHARED_REGISTERS=0 they go through the data plane, and the sums are the same adds.
+  static const std::regex crossed(R"(r(\d): .*pieces to other ranks: (\d+) read in place \(([0-9.]+) MiB of registers in shared memory\), (\d+) inline, (\d+) pulled)");
+  auto crossings = [](const std::string& err) {
+    std::map<int, std::array<double, 4>> by_rank;
+    for (std::sregex_iterator it(err.begin(), err.end(), crossed), end; it != end; ++it) {
+      by_rank[std::stoi((*it)[1])] = {std::stod((*it)[2]), std::stod((*it)[3]), std::stod((*it)[4]), std::stod((*it)[5])};
+    }
+    return by_rank;
+  };
+  const auto shared = crossings(ranks.err());
+  REQUIRE(shared.size() == 2);
+  for (const auto& [rank, n] : shared) {
+    CAPTURE(rank);
+    CHECK(n[0] > 0);   // read in place
+    CHECK(n[1] > 0);   // MiB shared
+    CHECK(n[3] == 0);  // nothing pulled
+  }
+  Proc apart(with({launch, "--nproc-per-node", "2", "--", bin + "/baton-train"}, {"--dp", "2"}),
+             {{"BATON_SHARED_REGISTERS", "0"}});
+  code = apart.wait(60s);
+  INFO(apart.all());
+  REQUIRE(code == 0);
+  CHECK(json_number(apart.out(), "final_loss") == c);
+  const auto through = crossings(apart.err());
+  REQUIRE(through.size() == 2);
+  for (const auto& [rank, n] : through) {
+    CAPTURE(rank);
+    CHECK(n[0] == 0);
+    CHECK(n[1] == 0);
+    CHECK(n[2] + n[3] == shared.at(rank)[0]);  // the same pieces, inline or pulled
+  }
+  Proc bad({xrank, "--topology", "chain"}, {{"BATON_WORLD_SIZE", "2"}, {"BATON_RANK", "0"}, {"BATON_SHARED_REGISTERS", "yes"}});
+  CHECK(bad.wait(30s) != 0);
+  CHECK(contains(bad.err(), "BATON_SHARED_REGISTERS='yes': 0 or 1"));
 }
 
 // ZeRO 3 over ranks pulls another rank's shard in the pass's lane just before its gather, over

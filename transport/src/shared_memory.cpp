@@ -116,8 +116,8 @@ const std::byte* PeerSegments::map(const SharedLocation& at, std::size_t bytes) 
     auto refuse = [&](const std::string& why) {
       return TransportError(fmt::format("cannot map the register memory of process {} ({}): {} (a transfer between "
                                         "ranks of one host reads its producer's slot there; "
-                                        "RuntimeSettings::shared_registers = false sends pieces through the data "
-                                        "plane instead)",
+                                        "BATON_SHARED_REGISTERS=0, or RuntimeSettings::shared_registers = false, "
+                                        "sends pieces through the data plane instead)",
                                         at.pid, path, why));
     };
     char target[256] = {};

@@ -86,9 +86,13 @@ struct JobEnvironment {
   /// scheduler may put two ranks on one core and leave another idle: one hop between two ranks
   /// on 2 cores measured 0.6-0.8 us or 2.4-2.9 us depending on where they landed.
   bool bind_to_core = false;
+  /// BATON_SHARED_REGISTERS=0: no piece is read in place in another rank's memory
+  /// (RuntimeSettings::shared_registers off for run_job), for hosts where ranks cannot open
+  /// one another's /proc/<pid>/fd (other PID namespaces, /proc mounted with hidepid).
+  bool shared_registers = true;
 
   /// BATON_RANK, BATON_WORLD_SIZE, BATON_LOCAL_RANK, BATON_LOCAL_WORLD_SIZE, BATON_MASTER,
-  /// BATON_JOB_TOKEN, BATON_BIND_TO. Without BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
+  /// BATON_JOB_TOKEN, BATON_BIND_TO, BATON_SHARED_REGISTERS. Without BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
   /// its value if one is malformed or missing for a job of several ranks.
   static JobEnvironment from_env();
   bool distributed() const { return world_size > 1; }
