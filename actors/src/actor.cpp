@@ -627,10 +627,18 @@ std::string Actor::map_piece(const Message& m, const transport::SharedLocation& 
   Input* in = desc_.kind == ActorKind::transfer ? input_for(m.reg) : nullptr;
   if (in == nullptr || in->source != nullptr) return "it is not a transfer that pulls it from there";
   if (in->piece_bytes == 0) return "its input is empty";
+  const auto slot = static_cast<std::size_t>(m.piece % in->slots);
   try {
-    in->arrived[static_cast<std::size_t>(m.piece % in->slots)] = core_.peer_segments.map(at, in->piece_bytes);
+    in->arrived[slot] = core_.peer_segments.map(at, in->piece_bytes);
   } catch (const std::exception& e) {
     return e.what();
+  }
+  // A producer's slot is the same bytes piece after piece: its page tables are made once, in
+  // one call, not by a fault per page in the first copies (costly in a virtual machine).
+  if (in->prefaulted.empty()) in->prefaulted.assign(static_cast<std::size_t>(in->slots), nullptr);
+  if (in->prefaulted[slot] != in->arrived[slot]) {
+    transport::PeerSegments::prefault(in->arrived[slot], in->piece_bytes);
+    in->prefaulted[slot] = in->arrived[slot];
   }
   return {};
 }

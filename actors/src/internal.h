@@ -153,6 +153,7 @@ struct Input {
   std::size_t piece_bytes = 0;
   std::unique_ptr<std::byte[]> staging;
   std::vector<const std::byte*> arrived;
+  std::vector<const std::byte*> prefaulted;  // per slot: the producer's slot last prefaulted
 };
 
 /// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it

@@ -104,6 +104,18 @@ std::size_t SharedSegments::bytes_reserved() const {
   return n;
 }
 
+void PeerSegments::prefault(const std::byte* p, std::size_t bytes) {
+#ifdef MADV_POPULATE_READ
+  if (bytes == 0) return;
+  const auto page = page_size();
+  const auto begin = reinterpret_cast<std::uintptr_t>(p) / page * page;
+  const auto end = reinterpret_cast<std::uintptr_t>(p) + bytes;
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 PeerSegments::~PeerSegments() {
   for (const auto& [key, m] : mappings_) ::munmap(const_cast<std::byte*>(m.base), m.size);
 }

@@ -84,6 +84,10 @@ class PeerSegments {
   /// hidepid), it is not the segment named (SharedLocation::nonce), or the range runs past its
   /// end.
   const std::byte* map(const SharedLocation& at, std::size_t bytes);
+  /// Maps the page tables of [p, p + bytes) of a mapping now (MADV_POPULATE_READ), so that the
+  /// first copy out of it does not take a fault per page. Only a hint: where the kernel has
+  /// no such advice (before Linux 5.14) the pages fault in as they are read.
+  static void prefault(const std::byte* p, std::size_t bytes);
 
  private:
   struct Mapping {
