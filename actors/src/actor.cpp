@@ -686,9 +686,10 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
   const auto slot = static_cast<std::uint16_t>(piece % out.slots);
   Message m{id_, consumer.id, piece, out.reg, slot, MsgKind::request, static_cast<std::uint8_t>(c)};
   if (consumer.worker == nullptr && !core_.dry_run && consumer.bytes > 0) {
-    // A consumer on another rank pulls the payload (or its window of it) from this slot, which
-    // stays ours until it acks (the slot's credit keeps it unchanged meanwhile); a small one
-    // goes with the request, read from the slot as it is sent.
+    // A consumer on another rank takes the payload (or its window of it) from this slot, which
+    // stays ours until it acks (the slot's credit keeps it unchanged meanwhile): read in place
+    // where the slot is in memory its host shares with us, else a small one goes with the
+    // request (read from the slot as it is sent), else it is offered for its receive to pull.
     auto* data = static_cast<std::byte*>(out.buffers[slot].raw()) + consumer.offset;
     std::optional<transport::SharedLocation> in_shared;
     if (consumer.way == Consumer::Way::undecided || consumer.way == Consumer::Way::mapped) {
