@@ -629,7 +629,9 @@ std::string Actor::map_piece(const Message& m, const transport::SharedLocation& 
   if (in->piece_bytes == 0) return "its input is empty";
   const auto slot = static_cast<std::size_t>(m.piece % in->slots);
   try {
-    in->arrived[slot] = core_.peer_segments.map(at, in->piece_bytes);
+    // The producer's segment, mapped once: its pieces are found without a lock.
+    if (!in->segment.is(at)) in->segment = core_.peer_segments.segment(at);
+    in->arrived[slot] = in->segment.at(at, in->piece_bytes);
   } catch (const std::exception& e) {
     return e.what();
   }
@@ -692,10 +694,10 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
     // request (read from the slot as it is sent), else it is offered for its receive to pull.
     auto* data = static_cast<std::byte*>(out.buffers[slot].raw()) + consumer.offset;
     std::optional<transport::SharedLocation> in_shared;
-    if (consumer.way == Consumer::Way::undecided || consumer.way == Consumer::Way::mapped) {
+    if (consumer.way == Consumer::Way::mapped) {
+      in_shared = core_.shared_segments->locate(data, consumer.bytes);  // the link was asked at the first
+    } else if (consumer.way == Consumer::Way::undecided) {
       in_shared = core_.locate_shared(consumer.id.rank(), data, consumer.bytes);
-    }
-    if (consumer.way == Consumer::Way::undecided) {
       const std::size_t most = std::min({core_.settings.inline_payload_bytes, transport::Link::max_inline_payload,
                                          core_.settings.link->inline_limit(consumer.id.rank())});
       consumer.way = in_shared     ? Consumer::Way::mapped

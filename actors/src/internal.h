@@ -154,6 +154,7 @@ struct Input {
   std::unique_ptr<std::byte[]> staging;
   std::vector<const std::byte*> arrived;
   std::vector<const std::byte*> prefaulted;  // per slot: the producer's slot last prefaulted
+  transport::PeerSegment segment;            // the producer's segment its last piece lay in
 };
 
 /// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it

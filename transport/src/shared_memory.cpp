@@ -39,19 +39,24 @@ std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to *
 SharedSegments::SharedSegments(std::string who, std::size_t segment_bytes)
     : who_(std::move(who)), segment_bytes_(round_up(std::max<std::size_t>(segment_bytes, 1), page_size())),
       nonce_(random_nonce()),
-      pid_(static_cast<std::uint32_t>(::getpid())) {}
+      pid_(static_cast<std::uint32_t>(::getpid())),
+      segments_(std::make_unique<Segment[]>(max_segments)) {}
 
 SharedSegments::~SharedSegments() {
-  for (const Segment& s : segments_) {
-    ::munmap(s.base, s.size);
-    ::close(s.fd);
+  for (std::size_t i = 0; i < count_.load(std::memory_order_acquire); ++i) {
+    ::munmap(segments_[i].base, segments_[i].size);
+    ::close(segments_[i].fd);
   }
 }
 
 void* SharedSegments::allocate(std::size_t bytes) {
   const std::size_t need = round_up(std::max<std::size_t>(bytes, 1), alignment);
   std::lock_guard lock(mutex_);
-  if (segments_.empty() || segments_.back().size - segments_.back().used < need) {
+  std::size_t n = count_.load(std::memory_order_relaxed);
+  if (n == 0 || segments_[n - 1].size - segments_[n - 1].used < need) {
+    if (n == max_segments) {
+      throw TransportError(fmt::format("{}: shared register memory: {} segments in use, the most", who_, n));
+    }
     const std::size_t size = round_up(std::max(need, segment_bytes_), page_size());
     const int fd = ::memfd_create(segment_name(nonce_).c_str(), MFD_CLOEXEC);
     if (fd < 0) {
@@ -70,9 +75,10 @@ void* SharedSegments::allocate(std::size_t bytes) {
       throw TransportError(fmt::format("{}: shared register memory: mmap of {} bytes: {}", who_, size,
                                        std::strerror(e)));
     }
-    segments_.push_back(Segment{fd, static_cast<std::byte*>(base), size, 0});
+    segments_[n] = Segment{fd, static_cast<std::byte*>(base), size, 0};
+    count_.store(++n, std::memory_order_release);
   }
-  Segment& s = segments_.back();
+  Segment& s = segments_[n - 1];
   std::byte* p = s.base + s.used;
   s.used += need;
   return p;
@@ -80,8 +86,9 @@ void* SharedSegments::allocate(std::size_t bytes) {
 
 std::optional<SharedLocation> SharedSegments::locate(const void* p, std::size_t bytes) const {
   const auto* b = static_cast<const std::byte*>(p);
-  std::lock_guard lock(mutex_);
-  for (const Segment& s : segments_) {
+  const std::size_t n = count_.load(std::memory_order_acquire);
+  for (std::size_t i = 0; i < n; ++i) {
+    const Segment& s = segments_[i];
     if (b >= s.base && b < s.base + s.size && bytes <= static_cast<std::size_t>(s.base + s.size - b)) {
       return SharedLocation{pid_, s.fd, static_cast<std::uint64_t>(b - s.base),
                             nonce_};
@@ -92,16 +99,16 @@ std::optional<SharedLocation> SharedSegments::locate(const void* p, std::size_t 
 
 std::size_t SharedSegments::bytes_allocated() const {
   std::lock_guard lock(mutex_);
-  std::size_t n = 0;
-  for (const Segment& s : segments_) n += s.used;
-  return n;
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < count_.load(std::memory_order_relaxed); ++i) bytes += segments_[i].used;
+  return bytes;
 }
 
 std::size_t SharedSegments::bytes_reserved() const {
   std::lock_guard lock(mutex_);
-  std::size_t n = 0;
-  for (const Segment& s : segments_) n += s.size;
-  return n;
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < count_.load(std::memory_order_relaxed); ++i) bytes += segments_[i].size;
+  return bytes;
 }
 
 void PeerSegments::prefault(const std::byte* p, std::size_t bytes) {
@@ -120,7 +127,15 @@ PeerSegments::~PeerSegments() {
   for (const auto& [key, m] : mappings_) ::munmap(const_cast<std::byte*>(m.base), m.size);
 }
 
-const std::byte* PeerSegments::map(const SharedLocation& at, std::size_t bytes) {
+const std::byte* PeerSegment::at(const SharedLocation& where, std::size_t bytes) const {
+  if (where.offset > size || bytes > size - where.offset) {
+    throw TransportError(fmt::format("process {} named bytes [{}, {}) of its register segment (fd {}), which has {}",
+                                     where.pid, where.offset, where.offset + bytes, where.fd, size));
+  }
+  return base + where.offset;
+}
+
+PeerSegment PeerSegments::segment(const SharedLocation& at) {
   std::lock_guard lock(mutex_);
   auto it = mappings_.find({at.pid, at.fd, at.nonce});
   if (it == mappings_.end()) {
@@ -152,14 +167,12 @@ const std::byte* PeerSegments::map(const SharedLocation& at, std::size_t bytes) 
     const int e = errno;
     ::close(fd);  // the mapping keeps the segment
     if (base == MAP_FAILED) throw refuse(fmt::format("mmap of {} bytes: {}", size, std::strerror(e)));
-    it = mappings_.emplace(std::tuple{at.pid, at.fd, at.nonce}, Mapping{static_cast<const std::byte*>(base), size}).first;
+    it = mappings_
+             .emplace(std::tuple{at.pid, at.fd, at.nonce},
+                      PeerSegment{SharedLocation{at.pid, at.fd, 0, at.nonce}, static_cast<const std::byte*>(base), size})
+             .first;
   }
-  const Mapping& m = it->second;
-  if (at.offset > m.size || bytes > m.size - at.offset) {
-    throw TransportError(fmt::format("process {} named bytes [{}, {}) of its register segment (fd {}), which has {}",
-                                     at.pid, at.offset, at.offset + bytes, at.fd, m.size));
-  }
-  return m.base + at.offset;
+  return it->second;
 }
 
 }  // namespace baton::transport
