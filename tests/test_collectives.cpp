@@ -125,14 +125,46 @@ TEST_CASE("Collectives.AllReducePipelinesSegmentsUnderBackPressure" * doctest::t
   const std::int64_t elements = 100'003;  // chunks of 33335 / 33334 elements: segments of unequal size
   CHECK(allreduce_segments(elements, DType::f32, 3, fine) == 12);
   SUBCASE("ranks") {
-    for (std::int64_t n : {2, 3}) {
-      CAPTURE(n);
-      std::vector<Placement> places;
-      for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
-      auto results = test::run_on_loopback(insert_transfers(allreduce_plan(places, elements, 7, fine)), registry(n));
-      for (const auto& r : results) {
-        REQUIRE_MESSAGE(r.error.empty(), r.error);
-        for (const auto& a : r.report->metrics.actors) CHECK(a.acts == 7u);
+    // Each hop from another rank adds as it receives (a reducing transfer) or receives and then
+    // adds (unfused); its partial read in the previous member's slot, inline with the request,
+    // or pulled into the slot (the reducing transfer then adds its segment once it has landed,
+    // holding the segment's piece till then).
+    struct Way {
+      bool fused, in_place;
+      std::size_t inline_bytes;
+    };
+    for (const Way way : {Way{true, true, 0}, Way{true, false, 0}, Way{true, false, 16 << 10}, Way{false, true, 0},
+                          Way{false, false, 0}}) {
+      for (std::int64_t n : {2, 3}) {
+        CAPTURE(n);
+        CAPTURE(way.fused);
+        CAPTURE(way.in_place);
+        CAPTURE(way.inline_bytes);
+        std::vector<Placement> places;
+        for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
+        AllReduceSettings settings = fine;
+        settings.fuse_receive_add = way.fused;
+        RuntimeSettings rs;
+        rs.shared_registers = way.in_place;
+        rs.inline_payload_bytes = way.inline_bytes;
+        auto results =
+            test::run_on_loopback(insert_transfers(allreduce_plan(places, elements, 7, settings)), registry(n), rs);
+        std::uint64_t in_place = 0, inline_payload = 0, pulled = 0;
+        for (const auto& r : results) {
+          REQUIRE_MESSAGE(r.error.empty(), r.error);
+          for (const auto& a : r.report->metrics.actors) CHECK(a.acts == 7u);
+          in_place += r.report->pieces_read_in_place;
+          inline_payload += r.report->pieces_inline;
+          pulled += r.report->pieces_pulled;
+        }
+        // Every piece that crossed went the way asked for; inline only up to 16 KiB: with 3
+        // members the segments have 11 KiB, with 2 they have 16.7 KiB and are pulled.
+        const std::uint64_t crossed = in_place + inline_payload + pulled;
+        const bool inline_fits = way.inline_bytes > 0 && n == 3;
+        CHECK(crossed > 0);
+        CHECK(in_place == (way.in_place ? crossed : 0));
+        CHECK(inline_payload == (inline_fits ? crossed : 0));
+        CHECK(pulled == (!way.in_place && !inline_fits ? crossed : 0));
       }
     }
   }
@@ -258,17 +290,21 @@ TEST_CASE("Collectives.SegmentsAndActorsForASize") {
   // A member's input has members x segments readers, of the 255 a register may have.
   CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 4, {.max_segments = 1000}) == 60);
   CHECK(allreduce_segments(std::int64_t{1} << 30, DType::f32, 300, {.max_segments = 1000}) == 1);
-  // Across ranks, per (chunk, segment): member c+2 pulls the segment's window of member c+1's
-  // input (no slice copied out of it) and n-1 adds follow; per member a gather. Compressed,
-  // member c+1 slices the segment into the wire's dtype first.
+  // Across ranks, per (chunk, segment): member c+2 reads the segment's window of member c+1's
+  // input (no slice copied out of it) and n-1 hops follow, each one reducing transfer that
+  // adds its member's segment as it reads the partial (fused); unfused, the window is pulled
+  // into a register and each hop is an add (its partial's transfer comes with insert_transfers).
+  // Per member a gather. Compressed, member c+1 slices the segment into the wire's dtype first,
+  // and the hops are adds.
   for (std::int64_t n : {2, 4}) {
     CAPTURE(n);
     std::vector<Placement> places;
     for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
     const std::int64_t s = allreduce_segments(std::int64_t{1} << 20, DType::f32, n);
-    for (const bool compressed : {false, true}) {
+    for (const auto& [compressed, fused] : {std::pair{false, true}, {false, false}, {true, true}}) {
       CAPTURE(compressed);
-      AllReduceSettings settings;
+      CAPTURE(fused);
+      AllReduceSettings settings{.fuse_receive_add = fused};
       if (compressed) settings.wire = DType::bf16;
       const Plan p = allreduce_plan(places, std::int64_t{1} << 20, 1, settings);
       std::map<std::string, std::int64_t> ops;
@@ -277,19 +313,21 @@ TEST_CASE("Collectives.SegmentsAndActorsForASize") {
         ++ops[a.op];
         if (a.window < 0) continue;
         ++windows;
+        CHECK(reduces(a) == fused);
         const RegisterDesc& from = p.registers[a.inputs.at(0).reg];
         CHECK(from.consumers.size() == static_cast<std::size_t>(n * s));  // the member's input
         CHECK(a.where.rank != p.actors[from.producer].where.rank);
       }
       CHECK(ops["allreduce.slice"] == (compressed ? n * s : 0));
       CHECK(windows == (compressed ? 0 : n * s));
-      CHECK(ops["allreduce.add"] == n * (n - 1) * s);
+      CHECK(ops["allreduce.add"] == (fused && !compressed ? 0 : n * (n - 1) * s));
+      CHECK(ops["transfer.add"] == (fused && !compressed ? n * (n - 1) * s : 0));
       // Each member's result gathers the sums where they land (a gathering transfer), unless
       // they travel compressed (the concat widens them).
       CHECK(ops["allreduce.concat"] == (compressed ? n : 0));
       std::int64_t gathers = 0;
       for (const auto& a : p.actors) {
-        if (a.kind != ActorKind::transfer || a.inputs.size() < 2) continue;
+        if (a.kind != ActorKind::transfer || a.inputs.size() < 2 || reduces(a)) continue;
         ++gathers;
         CHECK(a.inputs.size() == static_cast<std::size_t>(n * s));
         CHECK(p.registers[a.outputs.at(0)].name.find(".allreduced") != std::string::npos);

@@ -454,6 +454,55 @@ TEST_CASE("cross rank: a gather that does not fill its register, mixes dtypes or
   }
 }
 
+TEST_CASE("cross rank: a reducing transfer must add a float piece from another rank to one of its own, inside both") {
+  Plan p;
+  CrossRankShape s;
+  auto reg = [&](std::string name, std::int64_t elements, DType dt = DType::f32) {
+    return p.add_register({.name = std::move(name), .shape = {elements}, .dtype = dt});
+  };
+  const RegisterIndex a = reg("a.out", 16), mine = reg("mine.out", 16), ints = reg("ints.out", 16, DType::i64),
+                      my_ints = reg("my_ints.out", 16, DType::i64);
+  p.add_actor(test::detail_xrank::pattern_actor("a", 0, {}, {a, ints}, s));
+  p.add_actor(test::detail_xrank::pattern_actor("mine", 1, {}, {mine, my_ints}, s));
+  auto add = [&](std::string name, std::vector<RegisterIndex> from, std::int64_t elements, std::int64_t offset = 0,
+                 std::int64_t window = -1, DType dt = DType::f32, Device on = {}) {
+    std::vector<InputPort> ins;
+    for (RegisterIndex r : from) ins.push_back({r});
+    const RegisterIndex out = reg(name, elements, dt);
+    p.add_actor({.name = std::move(name), .kind = ActorKind::transfer, .op = "transfer.add", .dtype = dt,
+                 .where = {.rank = 1, .device = on}, .inputs = std::move(ins), .outputs = {out}, .window = window,
+                 .attrs = {{"offset", offset}}});
+  };
+  add("ok", {a, mine}, 16);
+  add("ok_window", {a, mine}, 4, 12, 12);
+  add("past_own", {a, mine}, 16, 4);
+  add("past_window", {a, mine}, 16, 0, 8);
+  add("sizes", {a, mine}, 8);
+  add("ints", {ints, my_ints}, 16, 0, -1, DType::i64);
+  add("backwards", {mine, a}, 16);
+  add("three", {a, mine, ints}, 16);
+  add("on_device", {a, mine}, 16, 0, -1, DType::f32, Device{DeviceType::sim, 0});
+  try {
+    validate(p, test::checking_registry(), 0);
+    FAIL("validate accepted bad reducing transfers");
+  } catch (const PlanError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("'ok'") == std::string::npos);
+    CHECK(what.find("'ok_window'") == std::string::npos);
+    CHECK(test::contains(what, "transfer actor 'past_own' adds elements [4, 20) of 'mine.out', which has 16"));
+    CHECK(test::contains(what, "transfer actor 'past_window' adds elements [8, 24) of 'a.out', which has 16"));
+    CHECK(test::contains(what, "transfer actor 'sizes' adds 'a.out' (16 elements) into 'sizes' (8 elements); without a "
+                               "window they are the same size"));
+    CHECK(test::contains(what, "transfer actor 'ints' adds 'ints.out' (i64) and 'my_ints.out' (i64) into 'ints' (i64); "
+                               "a reducing transfer adds f32 or f64, one dtype"));
+    CHECK(test::contains(what, "transfer actor 'backwards' adds 'mine.out' (rank 1) to 'a.out' (rank 0) on rank 1; the "
+                               "first comes from another rank, the second from its own"));
+    CHECK(test::contains(what, "transfer actor 'three' adds 3 inputs into 1 outputs; a reducing transfer (transfer.add) "
+                               "adds a piece from another rank to one of its own: two inputs, one output"));
+    CHECK(test::contains(what, "transfer actor 'on_device' adds on sim:0; a reducing transfer adds on the CPU"));
+  }
+}
+
 TEST_CASE("cross rank: a kernel failing on one rank fails that rank with the actor and piece" *
           doctest::timeout(60)) {
   CrossRankShape s{.topology = "chain", .world = 3, .pieces = 500, .fail_rank = 1, .fail_at = 42};

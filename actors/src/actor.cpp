@@ -19,7 +19,28 @@ template <class T>
 void bump(std::atomic<T>& a, T by) {
   a.store(a.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
 }
+
+template <class T>
+void add_elements(void* out, const void* a, const void* b, std::size_t n) {
+  T* o = static_cast<T*>(out);  // may be `a` (a pulled piece gets its addend in place)
+  const T* x = static_cast<const T*>(a);
+  const T* __restrict y = static_cast<const T*>(b);
+  for (std::size_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+}
+
+/// out = a + b, element by element, over `bytes` of f32 or f64 (validate(): a reducing
+/// transfer's dtype): the partial sum first, as the ring's add kernel (allreduce.add) adds, so
+/// either makes the same bits.
+void add_elements(DType dtype, void* out, const void* a, const void* b, std::size_t bytes) {
+  if (dtype == DType::f64) return add_elements<double>(out, a, b, bytes / sizeof(double));
+  add_elements<float>(out, a, b, bytes / sizeof(float));
+}
 }  // namespace
+
+const void* Actor::addend(const Input& own, std::int64_t piece) const {
+  const Tensor& slot = own.source->buffers[static_cast<std::size_t>(piece % own.slots)];
+  return static_cast<const std::byte*>(slot.raw()) + own_offset_;
+}
 
 Actor::Actor(Core& core, const ActorDesc& desc, ActorIndex index, ActorId id)
     : core_(core), desc_(desc), index_(index), id_(id) {
@@ -117,6 +138,7 @@ void Actor::wire_inputs() {
   in_view_.assign(desc_.inputs.size(), nullptr);
   if (desc_.kind == ActorKind::repeat) bytes_in_per_act_ = 0;  // it reads nothing: an alias
   if (desc_.window >= 0) bytes_in_per_act_ = bytes_out_per_act_;  // a window moves what it writes
+  if (reduces(desc_)) bytes_in_per_act_ = 2 * bytes_out_per_act_;  // the piece and its addend
   if (desc_.kind == ActorKind::repeat && desc_.group == 1 && inputs_.size() == 1 && outputs_.size() == 1 &&
       inputs_[0].source != nullptr && inputs_[0].source->counted()) {
     Output& out = *outputs_[0];
@@ -135,11 +157,17 @@ void Actor::wire_inputs() {
       pulls_left_.assign(pulled_.size(), 0);
       pull_started_.assign(pulled_.size(), 0);
       // Several inputs land one after another in the slot, in port order (validate() checked
-      // that they fill it); one input fills it whole.
+      // that they fill it); one input fills it whole, and so does each of a reducing transfer's
+      // two (the remote piece, and the window of its own input it adds to it).
+      reduces_ = reduces(desc_);
+      if (reduces_) {
+        own_offset_ = static_cast<std::size_t>(desc_.attrs.get_int("offset", 0)) * size_of(dtype);
+        add_on_landing_.assign(pulled_.size(), false);
+      }
       for (std::size_t p = 0; p < desc_.inputs.size(); ++p) {
         const RegisterDesc& reg = plan.registers[desc_.inputs[p].reg];
-        port_bytes_.push_back(desc_.inputs.size() == 1 ? outputs_[0]->buffers.front().nbytes()
-                                                       : static_cast<std::size_t>(slot_bytes(reg)));
+        port_bytes_.push_back(desc_.inputs.size() == 1 || reduces_ ? outputs_[0]->buffers.front().nbytes()
+                                                                   : static_cast<std::size_t>(slot_bytes(reg)));
         // A remote producer may send its pieces inline (stage()) or tell where they lie
         // (map_piece()) instead of offering them to be pulled.
         Input& in = inputs_[port_to_input_[p]];
@@ -534,6 +562,11 @@ void Actor::on_stream_reached(const Message& m) {
 // the one copy between ranks of a host). The piece is published (and the pulled inputs acked) when the
 // data plane says every pull has landed (on_pulled); at once if nothing was pulled. Several
 // pieces may be in flight, one per free slot.
+//
+// A reducing transfer (reduces()) writes the remote piece plus its addend (the window of its
+// own input) instead: read where the piece lies (mapped, staged) it adds as it reads, the
+// fused receive-add; a pulled piece lands in the slot and gets its addend added in place when
+// it has landed, the addend's piece held until then.
 void Actor::act_transfer() {
   Output& out = *outputs_[0];
   const std::int64_t k = acts_;
@@ -546,18 +579,27 @@ void Actor::act_transfer() {
   acts_ = k + 1;
   ++inflight_;
   bump(counters_.acts, std::uint64_t{1});
-  for (std::size_t p = 0; p < port_to_input_.size(); ++p) {
+  // A reducing transfer's own input: it goes with the piece of port 0 (the loop stops there).
+  Input* own = reduces_ ? &inputs_[port_to_input_[1]] : nullptr;
+  const std::size_t ports = reduces_ ? 1 : port_to_input_.size();
+  for (std::size_t p = 0; p < ports; ++p) {
     Input& in = inputs_[port_to_input_[p]];
     const std::size_t bytes = port_bytes_[p];
     const auto from = static_cast<std::size_t>(k % in.slots);
     if (bytes == 0) {
       if (in.source != nullptr) release(in, k);  // a remote one acks when the piece is published
+      if (own != nullptr) release(*own, k);
     } else if (in.source != nullptr || (!in.arrived.empty() && in.arrived[from] != nullptr)) {
-      // Here already: copied, and handed back at once.
+      // Here already: copied (or summed with the addend), and handed back at once.
       const void* src = in.source != nullptr ? in.source->buffers[from].raw() : in.arrived[from];
-      std::memcpy(at, src, bytes);
+      if (own != nullptr) {
+        add_elements(desc_.dtype, at, src, addend(*own, k), bytes);
+      } else {
+        std::memcpy(at, src, bytes);
+      }
       if (in.source == nullptr) in.arrived[from] = nullptr;
       release(in, k);
+      if (own != nullptr) release(*own, k);
     } else {
       try {
         core_.settings.link->receive_payload(in.producer.rank(), payload_tag(index_, p, k), at, bytes,
@@ -568,6 +610,7 @@ void Actor::act_transfer() {
         return;
       }
       ++pulls;
+      if (own != nullptr) add_on_landing_[slot] = true;
     }
     at += bytes;
   }
@@ -592,7 +635,13 @@ void Actor::landed(std::uint16_t slot) {
     pulled_[static_cast<std::size_t>(out.written % out.slots)] = false;
     --inflight_;
     const std::int64_t piece = out.written;
-    const std::uint64_t started = pull_started_[static_cast<std::size_t>(piece % out.slots)];
+    const auto at = static_cast<std::size_t>(piece % out.slots);
+    if (reduces_ && add_on_landing_[at]) {  // a pulled piece: its addend (held since the act) now
+      add_on_landing_[at] = false;
+      Tensor& sum = out.buffers[at];
+      add_elements(desc_.dtype, sum.raw(), sum.raw(), addend(inputs_[port_to_input_[1]], piece), sum.nbytes());
+    }
+    const std::uint64_t started = pull_started_[at];
     if (started != 0) worker_->log(ActRecord{index_, piece, started, steady_ns(), worker_->index()});
     bump(counters_.bytes_in, bytes_in_per_act_);
     bump(counters_.bytes_out, bytes_out_per_act_);

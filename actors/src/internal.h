@@ -236,6 +236,8 @@ class Actor {
   Block next_block() const;
   Block next_block_of_stream() const;
   void act_transfer();
+  /// A reducing transfer's addend for `piece`: its window of the own input's slot.
+  const void* addend(const Input& own, std::int64_t piece) const;
   void on_pulled(const Message& m);
   void landed(std::uint16_t slot);
   void on_stream_reached(const Message& m);
@@ -305,6 +307,11 @@ class Actor {
   std::vector<std::uint16_t> pulls_left_;
   std::vector<std::size_t> port_bytes_;  // per input port: where its piece lands in the slot
   std::vector<std::uint64_t> pull_started_;  // per slot, for the activity log
+  // A reducing transfer (reduces()): where its addend starts in its own input's slot, and per
+  // slot whether the piece was pulled and still needs the addend when it has landed.
+  bool reduces_ = false;
+  std::size_t own_offset_ = 0;
+  std::vector<bool> add_on_landing_;
   // Actors on a CUDA or sim device: the stream their kernels enqueue on (and the same as a CUDA
   // stream, for CUDA kernels), whether handshakes follow stream order (not in deterministic
   // mode, which waits for the stream after every act), and the acts whose requests or acks

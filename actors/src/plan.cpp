@@ -36,6 +36,8 @@ RegisterIndex Plan::add_register(RegisterDesc r) {
   return static_cast<RegisterIndex>(registers.size() - 1);
 }
 
+bool reduces(const ActorDesc& a) { return a.kind == ActorKind::transfer && a.op == "transfer.add"; }
+
 std::string_view name(ActorRole r) {
   switch (r) {
     case ActorRole::other: return "other";

@@ -796,6 +796,55 @@ std::int64_t elements_of(const Shape& shape) {
 /// A transfer with several inputs gathers them into its one output, in port order: each read
 /// once, without delay, in the output's dtype, their elements adding up to the output's; at
 /// least one from another rank (check_inputs: the rest in host memory of its own), no window.
+/// A reducing transfer (reduces()): a remote piece (or its window) plus a window of a local one.
+void check_reducing_transfer(const Plan& plan, const ActorDesc& a, Problems& problem) {
+  if (a.inputs.size() != 2 || a.outputs.size() != 1) {
+    problem("transfer actor '{}' adds {} inputs into {} outputs; a reducing transfer (transfer.add) adds a piece "
+            "from another rank to one of its own: two inputs, one output",
+            a.name, a.inputs.size(), a.outputs.size());
+    return;
+  }
+  if (a.group != 1) problem("transfer actor '{}' has group {}; a transfer moves one piece per piece", a.name, a.group);
+  if (a.where.device.type != DeviceType::cpu) {
+    problem("transfer actor '{}' adds on {}; a reducing transfer adds on the CPU", a.name, a.where.device.str());
+  }
+  const auto bad = [&](RegisterIndex r) { return r >= plan.registers.size() || plan.registers[r].producer >= plan.actors.size(); };
+  if (bad(a.inputs[0].reg) || bad(a.inputs[1].reg) || a.outputs[0] >= plan.registers.size()) return;  // reported
+  const RegisterDesc& piece = plan.registers[a.inputs[0].reg];
+  const RegisterDesc& own = plan.registers[a.inputs[1].reg];
+  const RegisterDesc& out = plan.registers[a.outputs[0]];
+  if (plan.actors[piece.producer].where.rank == a.where.rank || plan.actors[own.producer].where.rank != a.where.rank) {
+    problem("transfer actor '{}' adds '{}' (rank {}) to '{}' (rank {}) on rank {}; the first comes from another rank, "
+            "the second from its own",
+            a.name, piece.name, plan.actors[piece.producer].where.rank, own.name,
+            plan.actors[own.producer].where.rank, a.where.rank);
+  }
+  for (const InputPort& port : a.inputs) {
+    if (port.delay != 0) problem("transfer actor '{}' cannot read '{}' with a delay", a.name, plan.registers[port.reg].name);
+  }
+  if (piece.dtype != out.dtype || own.dtype != out.dtype || (out.dtype != DType::f32 && out.dtype != DType::f64)) {
+    problem("transfer actor '{}' adds '{}' ({}) and '{}' ({}) into '{}' ({}); a reducing transfer adds f32 or f64, "
+            "one dtype",
+            a.name, piece.name, name(piece.dtype), own.name, name(own.dtype), out.name, name(out.dtype));
+  }
+  const std::int64_t n = elements_of(out.shape);
+  const std::int64_t offset = a.attrs.get_int("offset", 0);
+  if (n < 0) return;
+  if (a.window < 0 && elements_of(piece.shape) != n) {
+    problem("transfer actor '{}' adds '{}' ({} elements) into '{}' ({} elements); without a window they are the same "
+            "size",
+            a.name, piece.name, elements_of(piece.shape), out.name, n);
+  }
+  if (a.window >= 0 && a.window + n > elements_of(piece.shape)) {
+    problem("transfer actor '{}' adds elements [{}, {}) of '{}', which has {}", a.name, a.window, a.window + n,
+            piece.name, elements_of(piece.shape));
+  }
+  if (offset < 0 || offset + n > elements_of(own.shape)) {
+    problem("transfer actor '{}' adds elements [{}, {}) of '{}', which has {}", a.name, offset, offset + n, own.name,
+            elements_of(own.shape));
+  }
+}
+
 void check_gather(const Plan& plan, const ActorDesc& a, Problems& problem) {
   if (a.outputs.size() != 1) {
     problem("transfer actor '{}' gathers {} inputs into {} outputs; it needs exactly one", a.name, a.inputs.size(),
@@ -872,6 +921,10 @@ void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
       if (a.inputs.empty()) problem("compute actor '{}' has no inputs (make it a source)", a.name);
       break;
     case ActorKind::transfer:
+      if (reduces(a)) {
+        check_reducing_transfer(plan, a, problem);
+        break;
+      }
       if (a.inputs.size() > 1) {
         check_gather(plan, a, problem);
         break;

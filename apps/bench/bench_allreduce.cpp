@@ -20,6 +20,9 @@
 //   baton-bench-allreduce --concat   each member's result: a transfer per remote sum, then a
 //                                    concat copies every sum (the earlier form), against one
 //                                    transfer pulling each sum into its place in the result
+//   baton-bench-allreduce --unfused  each hop from another rank: a transfer copies the partial
+//                                    into a register, then an add reads it (before 2026-11-28),
+//                                    against one reducing transfer that adds as it reads
 //   baton-bench-allreduce --algorithm direct     every member sums every input (one hop; small tensors)
 //   baton-bench-allreduce --hosts 2  two network namespaces of two ranks, over TCP (root): the
 //                                    hierarchical all-reduce against the flat ring and MPI there;
@@ -303,6 +306,8 @@ int main(int argc, char** argv) {
       settings.pull_windows = false;
     } else if (a == "--concat") {
       settings.gather_in_place = false;
+    } else if (a == "--unfused") {
+      settings.fuse_receive_add = false;
     } else if (a == "--segment-kib" && i + 1 < argc) {
       settings.segment_bytes = std::stoll(argv[++i]) << 10;
     } else if (a == "--max-segments" && i + 1 < argc) {
@@ -329,7 +334,7 @@ int main(int argc, char** argv) {
     } else {
       fmt::print(stderr,
                  "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop|direct]\n"
-                 "                             [--slice] [--concat] [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
+                 "                             [--slice] [--concat] [--unfused] [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
                  "                             [--max-mib B] [--hosts 2 [--link-gbit G]] [--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -355,6 +360,7 @@ int main(int argc, char** argv) {
                                  std::to_string(settings.max_segments)};
   if (!settings.pull_windows) knobs.push_back("--slice");
   if (!settings.gather_in_place) knobs.push_back("--concat");
+  if (!settings.fuse_receive_add) knobs.push_back("--unfused");
   if (across_hosts) return across_two_hosts(self, ref, knobs, quick, reference, min_bytes, max_bytes, link_gbit);
   int failures = 0;
   for (int n : ranks) {
@@ -383,6 +389,7 @@ int main(int argc, char** argv) {
           .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
           .add("segment_kib", settings.segment_bytes >> 10)
           .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled")
+          .add("hop", settings.fuse_receive_add ? "added as received (transfer.add)" : "received, then added")
           .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated")
           .add("inline_payload_bytes", static_cast<std::int64_t>(bench::inline_payload_bytes()))
           .add("shared_registers", bench::shared_registers());

@@ -428,8 +428,20 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
       const AllReduceMember& first = member(c + 1);
       // partial is `first`'s whole input (or the parts of it that hold the segment), read in place
       auto [partial, from] = input_window(plan, first, offset, count);
+      std::uint16_t partial_rank = first.where.rank;  // where the partial lies
+      bool partial_on_cpu = first.where.device.type == DeviceType::cpu;
       const AllReduceMember& next = member(c + 2);
-      if (settings.pull_windows && n > 1 && first.where.rank != next.where.rank && wire == dtype && partial.size() == 1) {
+      // A hop from another rank whose member adds its own segment to the partial as it reads it
+      // (a reducing transfer, ActorDesc's "transfer.add"): no register of its own for the partial.
+      auto fused = [&](const AllReduceMember& m, const std::vector<InputPort>& own) {
+        // (The partial is on the CPU where its member is: its input or what its hop wrote.)
+        return settings.fuse_receive_add && wire == dtype && partial_rank != m.where.rank && partial.size() == 1 &&
+               own.size() == 1 && m.where.device.type == DeviceType::cpu && partial_on_cpu;
+      };
+      if (n > 1 && fused(next, input_window(plan, next, offset, count).first)) {
+        // The next member reads the segment's window of the input where it lies.
+      } else if (settings.pull_windows && n > 1 && first.where.rank != next.where.rank && wire == dtype &&
+                 partial.size() == 1) {
         // Only the segment travels: the next member pulls its window straight from the input's
         // slot (no slice copied out first).
         const std::string segment = fmt::format("{}.segment{}{}", name, piece, next.suffix);
@@ -439,6 +451,8 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
                         .window = from, .attrs = {{"allreduce", name}}, .role = ActorRole::collective});
         partial = {{r}};
         from = -1;
+        partial_rank = next.where.rank;
+        partial_on_cpu = next.where.device.type == DeviceType::cpu;
       } else if (n == 1 || first.where.rank != next.where.rank) {
         // Only the segment should travel: copy it out of the input first (into the wire's dtype
         // where the sums travel compressed).
@@ -457,6 +471,16 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
         RegisterIndex r =
             plan.add_register({.name = out_name, .shape = {count}, .dtype = wire, .slots = settings.slots});
         auto [own, own_from] = input_window(plan, m, offset, count);
+        if (fused(m, own)) {
+          plan.add_actor({.name = fmt::format("{}.add{}{}", name, piece, m.suffix), .kind = ActorKind::transfer,
+                          .op = "transfer.add", .dtype = dtype, .where = m.where, .inputs = {partial.front(), own.front()},
+                          .outputs = {r}, .window = from, .attrs = {{"offset", own_from}, {"allreduce", name}},
+                          .role = ActorRole::collective});
+          partial = {{r}};
+          from = -1;
+          partial_rank = m.where.rank;  // (on the CPU: fused() asked)
+          continue;
+        }
         std::vector<InputPort> ins = partial;
         ins.insert(ins.end(), own.begin(), own.end());
         Attrs attrs{{"from", from}, {"offset", own_from}, {"allreduce", name}};
@@ -466,6 +490,8 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
                         .attrs = std::move(attrs), .role = ActorRole::collective});
         partial = {{r}};
         from = -1;
+        partial_rank = m.where.rank;
+        partial_on_cpu = m.where.device.type == DeviceType::cpu;
       }
       out.parts[c_at].push_back(partial.front().reg);
     }

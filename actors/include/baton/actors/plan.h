@@ -50,8 +50,17 @@ enum class ActorKind : std::uint8_t {
   /// of the output slot, one after another in port order, filling it; those on other ranks are
   /// pulled straight there and those of its own rank (host memory) copied there. An all-reduce's
   /// result is gathered so, with no register and no copy per remote sum.
+  /// With op "transfer.add" it *reduces* (reduces()): two inputs, a piece from another rank
+  /// (its whole slot, or a window) and one of its own rank's host memory, f32 or f64; each
+  /// output piece is the remote piece plus elements [attr "offset", + its size) of the local
+  /// one. A piece read where it lies (in the producer's slot between ranks of one host, or
+  /// inline) is added as it is read: the ring all-reduce's receive and add in one pass.
   transfer,
 };
+
+struct ActorDesc;
+/// Whether `a` is a reducing transfer (ActorKind::transfer, op "transfer.add").
+bool reduces(const ActorDesc& a);
 
 /// The most inputs one gathering transfer reads (ActorKind::transfer): the data plane's payload
 /// tag names the input port in 8 bits.

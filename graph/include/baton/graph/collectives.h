@@ -8,7 +8,9 @@
 /// place out of the member's input register, to the partial sum it received from member
 /// c+k-1. The chain's first partial is a copy of member c+1's segment (a slice actor) when the
 /// next hop is on another rank, so that only the segment travels; on the same rank the first
-/// add reads it in place. The S segments of a chunk pipeline: segment s+1 is sliced and sent
+/// add reads it in place. A hop from another rank is one reducing transfer that adds as it
+/// receives (AllReduceSettings::fuse_receive_add), and its first reads the segment's window of
+/// member c+1's input where it lies, no slice. The S segments of a chunk pipeline: segment s+1 is sliced and sent
 /// while segment s is being added one hop further on.
 ///
 /// All-gather: member c's finished sum of each of its segments goes straight to every other
@@ -102,6 +104,17 @@ struct AllReduceSettings {
   /// form before 2026-11-27, kept to measure the difference: baton-bench-allreduce --slice).
   /// Compressed sums and inputs in parts whose segment spans two registers always slice.
   bool pull_windows = true;
+  /// A hop whose partial sum comes from another rank is one reducing transfer (ActorKind::
+  /// transfer, op "transfer.add"): the member adds its own segment to the partial as it reads
+  /// it, in the previous member's slot between ranks of one host (or as it arrives inline),
+  /// instead of a transfer copying the partial into a register of its own and an add reading
+  /// that copy: one pass over the partial instead of two, and one actor per hop (Horovod's and
+  /// NCCL's rings receive and reduce in one step too). The first hop reads the segment's window
+  /// of the first member's input, so no slice and no window transfer either. Members on the
+  /// CPU, uncompressed sums, inputs in one register; others keep the transfer and the add. The
+  /// same additions in the same order: the same bits. False: the transfer, then the add (the
+  /// form before 2026-11-28, kept to measure: baton-bench-allreduce --unfused).
+  bool fuse_receive_add = true;
   /// Each member's result gathers the sums from the ranks that hold them by one transfer that
   /// pulls each sum straight into its place in the result (a gathering transfer,
   /// ActorKind::transfer) and copies those of its own rank there: no register and no copy per
