@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <tuple>
 
@@ -186,6 +187,29 @@ TEST_CASE("Parallel.DataParallelOverTwoHostsAllReducesHierarchicallyAndEqualsOne
       }
       CHECK(across.size() == 2);
     }
+  }
+}
+
+TEST_CASE("Parallel.ABucketUnder128KiBGoesDirectOnOneHostAndByTheRingAcrossHosts" * doctest::timeout(120)) {
+  // Hidden width 128: one bucket of 2180 f32 (8.7 KiB), above the 8 KiB crossover measured
+  // through the data plane and below the 128 KiB of ranks that read one another's pieces in
+  // place (collectives.h). Two ranks on one host: direct (a sum per replica); on two hosts: the
+  // ring, a hop per chunk, from the other rank: one that adds as it receives (transfer.add)
+  // where the chunk lies in one weight's gradient, a transfer and an add where it spans two
+  // (the bucket is read in parts, where the gradients lie).
+  const std::vector<Placement> ranks{{.rank = 0}, {.rank = 1}};
+  for (const auto& [hosts, direct] : {std::pair{std::vector<std::uint32_t>{0, 0}, true},
+                                      std::pair{std::vector<std::uint32_t>{0, 1}, false}}) {
+    CAPTURE(direct);
+    const Run r = train({.dp = 2, .steps = 2, .places = ranks, .loopback_ranks = true, .hidden = 128,
+                         .rank_hosts = hosts});
+    std::map<std::string, int> ops;
+    for (const ActorDesc& a : r.plan.actors) {
+      if (a.attrs.get_string("allreduce", "").starts_with("grad.")) ++ops[a.op];
+    }
+    CHECK(ops["allreduce.sum"] == (direct ? 2 : 0));
+    CHECK(ops["transfer.add"] + ops["allreduce.add"] == (direct ? 0 : 2));
+    CHECK(ops["transfer.add"] == (direct ? 0 : 1));
   }
 }
 

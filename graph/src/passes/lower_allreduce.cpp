@@ -80,11 +80,15 @@ std::optional<DType> gradient_wire(const TrainConfig& cfg) {
 AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg) {
   AllReduceSettings settings;
   // A small bucket (a bias's gradient, a layer norm's) goes by the direct all-reduce: one hop
-  // where the ring takes 2(N-1). Measured with baton-bench-allreduce on the 2-core machine,
-  // 2 and 4 ranks, two runs (README, "Numbers"): direct was 1.5-9x faster at 1 and 4 KiB and
-  // 1.3-4x slower at 16 KiB, where UCX leaves its eager protocol for rendezvous and the ring's
-  // chunks still travel eagerly; 8 KiB (not measured) is taken as the crossover's safe side.
-  settings.direct_below_bytes = gradient_direct_below_bytes;
+  // where the ring takes 2(N-1). Measured with baton-bench-allreduce on the 2-core machines,
+  // 2 and 4 ranks, two runs (README, "Numbers"): through the data plane direct was 1.5-9x
+  // faster at 1 and 4 KiB and 1.3-4x slower at 16 KiB, where UCX leaves its eager protocol for
+  // rendezvous and the ring's chunks still travel eagerly (8 KiB, not measured, the safe side);
+  // with the ranks of one host reading pieces in place, direct won to 64 KiB and the ring from
+  // 256 KiB (collectives.h). Across hosts the pieces go through the data plane.
+  const bool one_host = std::all_of(cfg.rank_hosts.begin(), cfg.rank_hosts.end(),
+                                    [&](std::uint32_t h) { return h == cfg.rank_hosts.front(); });
+  settings.direct_below_bytes = one_host ? gradient_direct_below_bytes_one_host : gradient_direct_below_bytes;
   settings.wire = gradient_wire(cfg);
   if (cfg.hierarchical_allreduce) settings.rank_hosts = cfg.rank_hosts;
   // A bucket is all-reduced once a step, and its next step's sums need this step's update,

@@ -154,7 +154,7 @@ std::vector<AllReduceMember> gradient_members(std::vector<PlanBuilder>& replicas
 std::optional<DType> gradient_wire(const TrainConfig& cfg);
 
 /// How the ring of actors sums a gradient bucket (lower_allreduce.cpp): the direct form below
-/// gradient_direct_below_bytes, bf16 or f16 on the wire with --grad-compression, one slot a hop.
+/// gradient_direct_below_bytes (gradient_direct_below_bytes_one_host for a job on one host), bf16 or f16 on the wire with --grad-compression, one slot a hop.
 /// ZeRO's reduce-scatter takes the same, so its sums are the same bits.
 AllReduceSettings gradient_allreduce_settings(const TrainConfig& cfg);
 

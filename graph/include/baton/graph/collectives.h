@@ -78,9 +78,15 @@ enum class AllReduceAlgorithm : std::uint8_t {
   direct,
 };
 
-/// Below this many bytes a gradient bucket is all-reduced `direct`, above it by the ring: the
-/// crossover measured with baton-bench-allreduce (README, "Numbers").
+/// Below this many bytes a gradient bucket is all-reduced `direct`, above it by the ring, where
+/// the job's ranks span hosts: the crossover measured with baton-bench-allreduce through the
+/// data plane (README, "Numbers"; UCX's rendezvous from 16 KiB made direct lose there).
 inline constexpr std::int64_t gradient_direct_below_bytes = std::int64_t{8} << 10;
+/// The same where every rank is on one host (TrainConfig::rank_hosts), whose ranks read one
+/// another's pieces in place: measured with pieces read in place and the ring adding as it
+/// receives (README), direct won at every size to 64 KiB on 2 and 4 ranks but for 4 KiB on 2,
+/// the runs split at 128 KiB, and the ring won from 256 KiB on 4 ranks.
+inline constexpr std::int64_t gradient_direct_below_bytes_one_host = std::int64_t{128} << 10;
 
 /// How add_allreduce cuts the tensor. Defaults measured with baton-bench-allreduce (README).
 struct AllReduceSettings {
