@@ -427,7 +427,10 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
       // The chain runs over members c+1, c+2, ..., c+n (= c, which keeps the sum).
       const AllReduceMember& first = member(c + 1);
       // partial is `first`'s whole input (or the parts of it that hold the segment), read in place
-      auto [partial, from] = input_window(plan, first, offset, count);
+      // (Not a structured binding: the lambda below reads it, which clang 14 refuses.)
+      std::pair<std::vector<InputPort>, std::int64_t> first_window = input_window(plan, first, offset, count);
+      std::vector<InputPort>& partial = first_window.first;
+      std::int64_t& from = first_window.second;
       std::uint16_t partial_rank = first.where.rank;  // where the partial lies
       bool partial_on_cpu = first.where.device.type == DeviceType::cpu;
       const AllReduceMember& next = member(c + 2);
