@@ -21,7 +21,7 @@
 //                                    concat copies every sum (the earlier form), against one
 //                                    transfer pulling each sum into its place in the result
 //   baton-bench-allreduce --unfused  each hop from another rank: a transfer copies the partial
-//                                    into a register, then an add reads it (before 2026-11-28),
+//                                    into a register, then an add reads it (before late 2026-11-27),
 //                                    against one reducing transfer that adds as it reads
 //   baton-bench-allreduce --algorithm direct     every member sums every input (one hop; small tensors)
 //   baton-bench-allreduce --hosts 2  two network namespaces of two ranks, over TCP (root): the

@@ -427,19 +427,24 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
       // The chain runs over members c+1, c+2, ..., c+n (= c, which keeps the sum).
       const AllReduceMember& first = member(c + 1);
       // partial is `first`'s whole input (or the parts of it that hold the segment), read in place
-      // (Not a structured binding: the lambda below reads it, which clang 14 refuses.)
+      // (Not a structured binding: the lambdas below read it, which clang 14 refuses.)
       std::pair<std::vector<InputPort>, std::int64_t> first_window = input_window(plan, first, offset, count);
       std::vector<InputPort>& partial = first_window.first;
       std::int64_t& from = first_window.second;
-      std::uint16_t partial_rank = first.where.rank;  // where the partial lies
-      bool partial_on_cpu = first.where.device.type == DeviceType::cpu;
+      const AllReduceMember* holder = &first;  // the member whose rank and device hold the partial
+      // The partial is now register r, written on member m.
+      auto hand_on = [&](RegisterIndex r, const AllReduceMember& m) {
+        partial = {{r}};
+        from = -1;
+        holder = &m;
+      };
       const AllReduceMember& next = member(c + 2);
       // A hop from another rank whose member adds its own segment to the partial as it reads it
       // (a reducing transfer, ActorDesc's "transfer.add"): no register of its own for the partial.
       auto fused = [&](const AllReduceMember& m, const std::vector<InputPort>& own) {
-        // (The partial is on the CPU where its member is: its input or what its hop wrote.)
-        return settings.fuse_receive_add && wire == dtype && partial_rank != m.where.rank && partial.size() == 1 &&
-               own.size() == 1 && m.where.device.type == DeviceType::cpu && partial_on_cpu;
+        return settings.fuse_receive_add && wire == dtype && holder->where.rank != m.where.rank &&
+               partial.size() == 1 && own.size() == 1 && m.where.device.type == DeviceType::cpu &&
+               holder->where.device.type == DeviceType::cpu;
       };
       if (n > 1 && fused(next, input_window(plan, next, offset, count).first)) {
         // The next member reads the segment's window of the input where it lies.
@@ -452,10 +457,7 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
         plan.add_actor({.name = segment, .kind = ActorKind::transfer,
                         .op = "transfer", .dtype = dtype, .where = next.where, .inputs = partial, .outputs = {r},
                         .window = from, .attrs = {{"allreduce", name}}, .role = ActorRole::collective});
-        partial = {{r}};
-        from = -1;
-        partial_rank = next.where.rank;
-        partial_on_cpu = next.where.device.type == DeviceType::cpu;
+        hand_on(r, next);
       } else if (n == 1 || first.where.rank != next.where.rank) {
         // Only the segment should travel: copy it out of the input first (into the wire's dtype
         // where the sums travel compressed).
@@ -464,8 +466,7 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
         plan.add_actor({.name = fmt::format("{}.slice{}{}", name, piece, first.suffix), .op = "allreduce.slice",
                         .dtype = dtype, .where = first.where, .inputs = partial, .outputs = {r},
                         .attrs = {{"offset", from}, {"allreduce", name}}, .role = ActorRole::collective});
-        partial = {{r}};
-        from = -1;
+        hand_on(r, first);
       }
       for (std::int64_t k = 2; k <= n; ++k) {
         const AllReduceMember& m = member(c + k);
@@ -479,9 +480,7 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
                           .op = "transfer.add", .dtype = dtype, .where = m.where, .inputs = {partial.front(), own.front()},
                           .outputs = {r}, .window = from, .attrs = {{"offset", own_from}, {"allreduce", name}},
                           .role = ActorRole::collective});
-          partial = {{r}};
-          from = -1;
-          partial_rank = m.where.rank;  // (on the CPU: fused() asked)
+          hand_on(r, m);
           continue;
         }
         std::vector<InputPort> ins = partial;
@@ -491,10 +490,7 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
         plan.add_actor({.name = fmt::format("{}.add{}{}", name, piece, m.suffix), .op = "allreduce.add",
                         .dtype = dtype, .where = m.where, .inputs = std::move(ins), .outputs = {r},
                         .attrs = std::move(attrs), .role = ActorRole::collective});
-        partial = {{r}};
-        from = -1;
-        partial_rank = m.where.rank;
-        partial_on_cpu = m.where.device.type == DeviceType::cpu;
+        hand_on(r, m);
       }
       out.parts[c_at].push_back(partial.front().reg);
     }

@@ -119,7 +119,7 @@ struct AllReduceSettings {
   /// of the first member's input, so no slice and no window transfer either. Members on the
   /// CPU, uncompressed sums, inputs in one register; others keep the transfer and the add. The
   /// same additions in the same order: the same bits. False: the transfer, then the add (the
-  /// form before 2026-11-28, kept to measure: baton-bench-allreduce --unfused).
+  /// form before late 2026-11-27, kept to measure: baton-bench-allreduce --unfused).
   bool fuse_receive_add = true;
   /// Each member's result gathers the sums from the ranks that hold them by one transfer that
   /// pulls each sum straight into its place in the result (a gathering transfer,
