@@ -10,6 +10,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -591,6 +592,9 @@ TEST_CASE("Collectives.OverlapWithTheBackwardPassIsMeasuredFromTheActivityLog") 
 // it below AllReduceSettings::direct_below_bytes.
 TEST_CASE("Collectives.DirectAllReduceSumsOnEveryMember" * doctest::timeout(120)) {
   const AllReduceSettings direct{.algorithm = AllReduceAlgorithm::direct};
+  auto count = [](const Plan& p, std::string_view op) {
+    return std::count_if(p.actors.begin(), p.actors.end(), [&](const ActorDesc& a) { return a.op == op; });
+  };
   for (std::int64_t n : {2, 3, 4}) {
     for (std::int64_t elements : {std::int64_t{1}, std::int64_t{1000}, std::int64_t{65537}}) {
       CAPTURE(n);
@@ -598,7 +602,42 @@ TEST_CASE("Collectives.DirectAllReduceSumsOnEveryMember" * doctest::timeout(120)
       std::vector<Placement> places;
       for (std::int64_t j = 0; j < n; ++j) places.push_back({.rank = static_cast<std::uint16_t>(j)});
       const Plan plan = insert_transfers(allreduce_plan(places, elements, 4, direct));
+      // Two members: each sum is a reducing transfer reading the other's input; more: a sum
+      // actor per member reading transfers' copies.
+      CHECK(count(plan, "transfer.add") == (n == 2 ? 2 : 0));
+      CHECK(count(plan, "allreduce.sum") == (n == 2 ? 0 : n));
       for (const auto& r : test::run_on_loopback(plan, registry(n))) REQUIRE_MESSAGE(r.error.empty(), r.error);
+    }
+  }
+  // Two members, fused and not, the other's input read in its slot, inline, or pulled (the
+  // reducing transfer then adds once it has landed): every piece crosses the way asked for and
+  // every sum is exact.
+  for (const bool fused : {true, false}) {
+    for (const bool in_place : {true, false}) {
+      for (const std::size_t inline_bytes : {std::size_t{0}, std::size_t{16} << 10}) {
+        if (in_place && inline_bytes > 0) continue;
+        CAPTURE(fused);
+        CAPTURE(in_place);
+        CAPTURE(inline_bytes);
+        AllReduceSettings settings = direct;
+        settings.fuse_receive_add = fused;
+        RuntimeSettings rs;
+        rs.shared_registers = in_place;
+        rs.inline_payload_bytes = inline_bytes;
+        const Plan plan = insert_transfers(allreduce_plan({{.rank = 0}, {.rank = 1}}, 1000, 9, settings));
+        CHECK(count(plan, "transfer.add") == (fused ? 2 : 0));
+        std::uint64_t read_in_place = 0, inline_payload = 0, pulled = 0;
+        for (const auto& r : test::run_on_loopback(plan, registry(2), rs)) {
+          REQUIRE_MESSAGE(r.error.empty(), r.error);
+          for (const auto& a : r.report->metrics.actors) CHECK(a.acts == 9u);
+          read_in_place += r.report->pieces_read_in_place;
+          inline_payload += r.report->pieces_inline;
+          pulled += r.report->pieces_pulled;
+        }
+        CHECK(read_in_place == (in_place ? 18u : 0u));  // each member's 9 inputs, read by the other
+        CHECK(inline_payload == (inline_bytes > 0 ? 18u : 0u));
+        CHECK(pulled == (!in_place && inline_bytes == 0 ? 18u : 0u));
+      }
     }
   }
   std::vector<Placement> devices;
@@ -608,11 +647,8 @@ TEST_CASE("Collectives.DirectAllReduceSumsOnEveryMember" * doctest::timeout(120)
   // The ring's choice by size: 4 KiB below 8 KiB goes direct (one sum per member), above it not.
   const AllReduceSettings by_size{.direct_below_bytes = 8 << 10};
   const Plan small = allreduce_plan(devices, 1024, 1, by_size), large = allreduce_plan(devices, 4096, 1, by_size);
-  auto sums = [](const Plan& p) {
-    return std::count_if(p.actors.begin(), p.actors.end(), [](const ActorDesc& a) { return a.op == "allreduce.sum"; });
-  };
-  CHECK(sums(small) == 3);
-  CHECK(sums(large) == 0);
+  CHECK(count(small, "allreduce.sum") == 3);
+  CHECK(count(large, "allreduce.sum") == 0);
 }
 
 // Hierarchical all-reduce (AllReduceSettings::rank_hosts): within each host, across hosts per

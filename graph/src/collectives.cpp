@@ -327,16 +327,31 @@ std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
   return sums;
 }
 
-/// AllReduceAlgorithm::direct: each member sums every member's input, in member order.
+/// AllReduceAlgorithm::direct: each member sums every member's input, in member order. Two CPU
+/// members on two ranks (settings.fuse_receive_add): each one's sum is a reducing transfer that
+/// adds its own input to the other's as it reads it, with no register of its own for the
+/// other's input and no actor after it; a + b and b + a are the same float, so both members
+/// still hold the same bits.
 std::vector<RegisterIndex> add_direct_allreduce(Plan& plan, const std::string& name,
                                                 const std::vector<AllReduceMember>& members, const Shape& shape,
-                                                DType dtype, std::int32_t result_slots) {
+                                                DType dtype, std::int32_t result_slots, const AllReduceSettings& settings) {
   std::vector<InputPort> all;
   for (const AllReduceMember& m : members) all.push_back({m.input});
+  const bool fused = settings.fuse_receive_add && members.size() == 2 &&
+                     members[0].where.rank != members[1].where.rank && (dtype == DType::f32 || dtype == DType::f64) &&
+                     members[0].where.device.type == DeviceType::cpu && members[1].where.device.type == DeviceType::cpu;
   std::vector<RegisterIndex> results;
   for (const AllReduceMember& m : members) {
     results.push_back(
         plan.add_register({.name = name + ".allreduced" + m.suffix, .shape = shape, .dtype = dtype, .slots = result_slots}));
+    if (fused) {
+      const AllReduceMember& other = &m == &members[0] ? members[1] : members[0];
+      plan.add_actor({.name = name + ".sum" + m.suffix, .kind = ActorKind::transfer, .op = "transfer.add",
+                      .dtype = dtype, .where = m.where, .inputs = {{other.input}, {m.input}},
+                      .outputs = {results.back()}, .attrs = {{"offset", std::int64_t{0}}, {"allreduce", name}},
+                      .role = ActorRole::collective});
+      continue;
+    }
     plan.add_actor({.name = name + ".sum" + m.suffix, .op = "allreduce.sum", .dtype = dtype, .where = m.where,
                     .inputs = all, .outputs = {results.back()}, .attrs = {{"allreduce", name}},
                     .role = ActorRole::collective});
@@ -618,7 +633,7 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
     }
   }
   if (direct_for(name, members, shape, dtype, settings)) {
-    return add_direct_allreduce(plan, name, members, shape, dtype, result_slots);
+    return add_direct_allreduce(plan, name, members, shape, dtype, result_slots, settings);
   }
   // The reduce-scatter, then every member gathers every member's sums in tensor order
   // (hierarchical: its host's, each the sum over every host).

@@ -118,8 +118,11 @@ struct AllReduceSettings {
   /// NCCL's rings receive and reduce in one step too). The first hop reads the segment's window
   /// of the first member's input, so no slice and no window transfer either. Members on the
   /// CPU, uncompressed sums, inputs in one register; others keep the transfer and the add. The
-  /// same additions in the same order: the same bits. False: the transfer, then the add (the
-  /// form before late 2026-11-27, kept to measure: baton-bench-allreduce --unfused).
+  /// same additions in the same order: the same bits. The direct form between two CPU members
+  /// on two ranks (f32, f64) likewise: each member's sum is one reducing transfer reading the
+  /// other's input (since 2026-11-27; with more members the sum actor reads copies). False: the
+  /// transfer, then the add (the form before late 2026-11-27, kept to measure:
+  /// baton-bench-allreduce --unfused).
   bool fuse_receive_add = true;
   /// Each member's result gathers the sums from the ranks that hold them by one transfer that
   /// pulls each sum straight into its place in the result (a gathering transfer,
