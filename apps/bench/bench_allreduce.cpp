@@ -1,4 +1,4 @@
-// baton-bench-allreduce: the ring all-reduce made of actors (graph/collectives.h) between ranks on
+// baton-bench-allreduce: the all-reduce made of actors (graph/collectives.h) between ranks on
 // this host, against OpenMPI's MPI_Allreduce measured in the same run (baton-mpi-allreduce-ref
 // under mpirun, shared memory). Each rank's producer waits for its own previous result before
 // it emits the next tensor (delay 1), so the all-reduces run back to back as MPI's do, not
@@ -7,13 +7,19 @@
 // (baton: between its producer's acts; MPI: MPI_Wtime around the loop after a barrier, the
 // maximum over ranks by MPI_Reduce). Bus bandwidth as nccl-tests defines it:
 // busbw = 2(n-1)/n x bytes / time. mpirun gets --oversubscribe only where the ranks outnumber
-// the cores this process may use.
+// the cores this process may use. Both sides choose their algorithm by size (MPI's tuned module;
+// baton as training does: direct below gradient_direct_below_bytes_one_host, else the ring),
+// and both sides' ranks are bound alike: a core each where they fit the cores (mpirun's own
+// default for two ranks), else not bound.
 //
 //   baton-bench-allreduce            2 and 4 ranks, 1 KiB .. 256 MiB
 //   baton-bench-allreduce --quick    2 ranks, three sizes, few iterations (the CTest smoke run)
 //   baton-bench-allreduce --no-reference
 //   baton-bench-allreduce --segment-kib K --max-segments S --ranks N --min-kib A --max-mib B
 //                                    other AllReduceSettings, rank counts and sizes (sweeps)
+//   baton-bench-allreduce --algorithm ring       the ring at every size (auto: by size, the default)
+//   baton-bench-allreduce --direct-below-kib K   auto's crossover: direct below K KiB
+//   baton-bench-allreduce --bind core|none       both sides' ranks on a core each, or not bound
 //   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
 //   baton-bench-allreduce --slice    each chain's first hop copies the segment out and pulls
 //                                    the copy (before 2026-11-27), against pulling its window
@@ -116,10 +122,12 @@ int worker(std::int64_t bytes, std::int64_t iters, AllReduceSettings settings, b
   }
 }
 
-/// mpirun's options for n ranks on this machine: --oversubscribe only where n is above the cores.
-std::vector<std::string> mpirun_options(int n) {
+/// mpirun's options for n ranks on this machine: --oversubscribe only where n is above the cores;
+/// each rank on a core of its own or not bound (mpirun's own default binds two ranks to cores).
+std::vector<std::string> mpirun_options(int n, bool bind) {
   std::vector<std::string> out{"--allow-run-as-root"};
   if (n > bench::usable_cores()) out.emplace_back("--oversubscribe");
+  out.insert(out.end(), {"--bind-to", bind ? "core" : "none"});
   for (const char* o : {"--mca", "btl", "self,vader"}) out.emplace_back(o);
   return out;
 }
@@ -140,7 +148,7 @@ void run_reference(const std::vector<std::string>& argv, std::int64_t bytes, std
 /// MPI_Allreduce seconds per op by size (the slowest rank's average), from one mpirun per size;
 /// empty if MPI is not there.
 std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, const std::vector<std::int64_t>& sizes,
-                                             bool quick) {
+                                             bool quick, bool bind) {
   std::map<std::int64_t, double> out;
   if (access(ref.c_str(), X_OK) != 0) {
     fmt::print(stderr, "baton-bench-allreduce: no {} (built when OpenMPI's libopenmpi-dev is installed)\n", ref);
@@ -148,7 +156,7 @@ std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, cons
   }
   for (std::int64_t bytes : sizes) {
     std::vector<std::string> argv{"mpirun"};
-    for (auto& o : mpirun_options(n)) argv.push_back(std::move(o));
+    for (auto& o : mpirun_options(n, bind)) argv.push_back(std::move(o));
     for (auto a : {std::string("-np"), std::to_string(n), ref, std::to_string(iterations_for(bytes, quick)),
                    std::to_string(bytes)}) {
       argv.push_back(std::move(a));
@@ -277,102 +285,133 @@ int across_two_hosts(const std::string& self, const std::string& ref, const std:
   return failures == 0 ? 0 : 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  bench::load().start(argc, argv, 2);
+/// What the command line asked for.
+struct Options {
   bool quick = false, reference = true, hierarchical = false, across_hosts = false;
   double link_gbit = 0;
   std::int64_t worker_bytes = -1, worker_iters = 0;
   AllReduceSettings settings;
+  /// --algorithm auto (the default): the ring, and direct below the size training would use.
+  bool by_size = true;
+  std::optional<std::int64_t> direct_below;  // --direct-below-kib
+  std::optional<bool> bind;                  // --bind core|none; unset: core where the ranks fit the cores
   std::vector<int> ranks;
   std::int64_t min_bytes = std::int64_t{1} << 10, max_bytes = std::int64_t{256} << 20;
+};
+
+/// Parses argv into `o`; -1 to go on, else the exit code (usage printed).
+int parse(int argc, char** argv, Options& o) {
+  auto usage = [](int code) {
+    fmt::print(stderr,
+               "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm auto|ring|two_hop|direct]\n"
+               "                             [--direct-below-kib K] [--bind core|none] [--slice] [--concat] [--unfused]\n"
+               "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
+               "                             [--max-mib B] [--hosts 2 [--link-gbit G]] [--allow-load]\n{}",
+               bench::allow_load_usage);
+    return code;
+  };
   for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
     if (a == "--quick") {
-      quick = true;
+      o.quick = true;
     } else if (a == "--no-reference") {
-      reference = false;
-    } else if (a == "--algorithm" && i + 1 < argc) {
+      o.reference = false;
+    } else if (a == "--algorithm" && has_value) {
       const std::string alg = argv[++i];
-      if (alg != "ring" && alg != "two_hop" && alg != "direct") {
-        fmt::print(stderr, "baton-bench-allreduce: --algorithm {}: ring, two_hop or direct\n", alg);
+      if (alg != "auto" && alg != "ring" && alg != "two_hop" && alg != "direct") {
+        fmt::print(stderr, "baton-bench-allreduce: --algorithm {}: auto, ring, two_hop or direct\n", alg);
         return 2;
       }
-      settings.algorithm = alg == "ring"      ? AllReduceAlgorithm::ring
-                           : alg == "direct" ? AllReduceAlgorithm::direct
-                                             : AllReduceAlgorithm::two_hop;
+      o.by_size = alg == "auto";
+      o.settings.algorithm = alg == "direct" ? AllReduceAlgorithm::direct
+                             : alg == "two_hop" ? AllReduceAlgorithm::two_hop
+                                                : AllReduceAlgorithm::ring;
+    } else if (a == "--direct-below-kib" && has_value) {
+      o.direct_below = std::stoll(argv[++i]) << 10;
+    } else if (a == "--direct-below-bytes" && has_value) {  // how the driver tells its ranks
+      o.direct_below = std::stoll(argv[++i]);
+    } else if (a == "--bind" && has_value) {
+      const std::string b = argv[++i];
+      if (b != "core" && b != "none") {
+        fmt::print(stderr, "baton-bench-allreduce: --bind {}: core or none\n", b);
+        return 2;
+      }
+      o.bind = b == "core";
     } else if (a == "--slice") {
-      settings.pull_windows = false;
+      o.settings.pull_windows = false;
     } else if (a == "--concat") {
-      settings.gather_in_place = false;
+      o.settings.gather_in_place = false;
     } else if (a == "--unfused") {
-      settings.fuse_receive_add = false;
-    } else if (a == "--segment-kib" && i + 1 < argc) {
-      settings.segment_bytes = std::stoll(argv[++i]) << 10;
-    } else if (a == "--max-segments" && i + 1 < argc) {
-      settings.max_segments = std::stoll(argv[++i]);
-    } else if (a == "--ranks" && i + 1 < argc) {
-      ranks.push_back(std::stoi(argv[++i]));
-    } else if (a == "--min-kib" && i + 1 < argc) {
-      min_bytes = std::stoll(argv[++i]) << 10;
-    } else if (a == "--max-mib" && i + 1 < argc) {
-      max_bytes = std::stoll(argv[++i]) << 20;
-    } else if (a == "--link-gbit" && i + 1 < argc) {
-      link_gbit = std::stod(argv[++i]);
+      o.settings.fuse_receive_add = false;
+    } else if (a == "--segment-kib" && has_value) {
+      o.settings.segment_bytes = std::stoll(argv[++i]) << 10;
+    } else if (a == "--max-segments" && has_value) {
+      o.settings.max_segments = std::stoll(argv[++i]);
+    } else if (a == "--ranks" && has_value) {
+      o.ranks.push_back(std::stoi(argv[++i]));
+    } else if (a == "--min-kib" && has_value) {
+      o.min_bytes = std::stoll(argv[++i]) << 10;
+    } else if (a == "--max-mib" && has_value) {
+      o.max_bytes = std::stoll(argv[++i]) << 20;
+    } else if (a == "--link-gbit" && has_value) {
+      o.link_gbit = std::stod(argv[++i]);
     } else if (a == "--hierarchical") {
-      hierarchical = true;
-    } else if (a == "--hosts" && i + 1 < argc) {
-      across_hosts = std::stoi(argv[++i]) == 2;
-      if (!across_hosts) {
+      o.hierarchical = true;
+    } else if (a == "--hosts" && has_value) {
+      o.across_hosts = std::stoi(argv[++i]) == 2;
+      if (!o.across_hosts) {
         fmt::print(stderr, "baton-bench-allreduce: --hosts {}: 2 (two network namespaces) is what it makes\n", argv[i]);
         return 2;
       }
     } else if (a == "--worker" && i + 2 < argc) {
-      worker_bytes = std::stoll(argv[++i]);
-      worker_iters = std::stoll(argv[++i]);
+      o.worker_bytes = std::stoll(argv[++i]);
+      o.worker_iters = std::stoll(argv[++i]);
     } else {
-      fmt::print(stderr,
-                 "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm ring|two_hop|direct]\n"
-                 "                             [--slice] [--concat] [--unfused] [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
-                 "                             [--max-mib B] [--hosts 2 [--link-gbit G]] [--allow-load]\n{}",
-                 bench::allow_load_usage);
-      return a == "--help" || a == "-h" ? 0 : 2;
+      return usage(a == "--help" || a == "-h" ? 0 : 2);
     }
   }
-  if (worker_bytes >= 0) return worker(worker_bytes, worker_iters, settings, hierarchical);
+  // auto: as compile_training chooses for gradient buckets (the crossovers measured, collectives.h).
+  o.settings.direct_below_bytes = o.direct_below.value_or(
+      o.by_size ? (o.across_hosts ? gradient_direct_below_bytes : gradient_direct_below_bytes_one_host) : 0);
+  return -1;
+}
 
-  char self_buf[4096] = {};
-  ssize_t len = readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
-  const std::string self = len > 0 ? std::string(self_buf, static_cast<std::size_t>(len)) : argv[0];
-  const std::string ref = self.substr(0, self.rfind('/') + 1) + "baton-mpi-allreduce-ref";
+/// The algorithm `settings` use for a tensor of `bytes`.
+const char* algorithm_for(std::int64_t bytes, const AllReduceSettings& settings) {
+  switch (settings.algorithm) {
+    case AllReduceAlgorithm::ring: return bytes < settings.direct_below_bytes ? "direct" : "ring";
+    case AllReduceAlgorithm::direct: return "direct";
+    case AllReduceAlgorithm::two_hop: return "two_hop";
+  }
+  return "?";
+}
+
+/// Every rank on this host, `o.ranks` ranks at a time: one line per size and rank count.
+int on_one_host(const std::string& self, const std::string& ref, const std::vector<std::string>& knobs,
+                const Options& o) {
   std::vector<std::int64_t> sizes;
-  if (quick) {
+  if (o.quick) {
     sizes = {std::int64_t{1} << 10, std::int64_t{1} << 20, std::int64_t{4} << 20};
   } else {
-    for (std::int64_t b = min_bytes; b <= max_bytes; b *= 4) sizes.push_back(b);
+    for (std::int64_t b = o.min_bytes; b <= o.max_bytes; b *= 4) sizes.push_back(b);
   }
-  if (ranks.empty()) ranks = quick ? std::vector<int>{2} : std::vector<int>{2, 4};
-  const bool ring = settings.algorithm == AllReduceAlgorithm::ring;
-  const char* algorithm = ring ? "ring" : settings.algorithm == AllReduceAlgorithm::direct ? "direct" : "two_hop";
-  std::vector<std::string> knobs{"--algorithm", algorithm, "--segment-kib",
-                                 std::to_string(settings.segment_bytes >> 10), "--max-segments",
-                                 std::to_string(settings.max_segments)};
-  if (!settings.pull_windows) knobs.push_back("--slice");
-  if (!settings.gather_in_place) knobs.push_back("--concat");
-  if (!settings.fuse_receive_add) knobs.push_back("--unfused");
-  if (across_hosts) return across_two_hosts(self, ref, knobs, quick, reference, min_bytes, max_bytes, link_gbit);
+  const std::vector<int> ranks = !o.ranks.empty() ? o.ranks : o.quick ? std::vector<int>{2} : std::vector<int>{2, 4};
+  const AllReduceSettings& settings = o.settings;
   int failures = 0;
   for (int n : ranks) {
     bench::load().set_own_threads(n);  // every rank keeps a worker busy
-    const auto mpi = reference ? mpi_reference(ref, n, sizes, quick) : std::map<std::int64_t, double>{};
+    // As mpirun binds MPI's ranks (to a core each where they fit), so both sides alike.
+    const bool bind = o.bind.value_or(n <= bench::usable_cores());
+    const auto mpi = o.reference ? mpi_reference(ref, n, sizes, o.quick, bind) : std::map<std::int64_t, double>{};
+    const bench::Env env{{"BATON_BIND_TO", bind ? "core" : "none"}};
     for (std::int64_t bytes : sizes) {
-      const std::int64_t iters = iterations_for(bytes, quick);
+      const std::int64_t iters = iterations_for(bytes, o.quick);
       std::vector<std::string> args = knobs;
       args.insert(args.end(), {"--worker", std::to_string(bytes), std::to_string(iters)});
       // Each rank's time per all-reduce; the slowest rank's is the figure.
       double fastest = 0;
-      const auto timed = baton_seconds(self, args, n, {}, {}, &fastest);
+      const auto timed = baton_seconds(self, args, n, {}, env, &fastest);
       if (!timed) {
         fmt::print(stderr, "baton-bench-allreduce: no time for {} bytes over {} ranks\n", bytes, n);
         ++failures;
@@ -381,26 +420,60 @@ int main(int argc, char** argv) {
       const double secs = *timed;
       const double factor = 2.0 * (n - 1) / n;
       const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
+      const std::string algorithm = algorithm_for(bytes, settings);
       bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));
       line.add("value", busbw).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("iterations", iters)
           .add("stat", "the slowest rank's time per all-reduce, averaged over the iterations (both sides)")
           .add("us_per_op", secs * 1e6).add("fastest_rank_us_per_op", fastest * 1e6)
           .add("oversubscribed", n > bench::usable_cores()).add("algorithm", algorithm)
-          .add("segments", ring ? allreduce_segments(bytes / 4, DType::f32, n, settings) : std::int64_t{1})
-          .add("segment_kib", settings.segment_bytes >> 10)
-          .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled")
-          .add("hop", settings.fuse_receive_add ? "added as received (transfer.add)" : "received, then added")
-          .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated")
-          .add("inline_payload_bytes", static_cast<std::int64_t>(bench::inline_payload_bytes()))
+          .add("chosen_by", o.by_size ? fmt::format("size (direct below {} bytes)", settings.direct_below_bytes)
+                                      : std::string("--algorithm"))
+          .add("bound", bind ? "a core per rank, both sides" : "not bound, both sides")
+          .add("hop", settings.fuse_receive_add && (algorithm == "ring" || n == 2) ? "added as received (transfer.add)"
+                                                                                    : "received, then added");
+      if (algorithm == "ring") {
+        line.add("segments", allreduce_segments(bytes / 4, DType::f32, n, settings))
+            .add("segment_kib", settings.segment_bytes >> 10)
+            .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled")
+            .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated");
+      }
+      line.add("inline_payload_bytes", static_cast<std::int64_t>(bench::inline_payload_bytes()))
           .add("shared_registers", bench::shared_registers());
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")
             .add("ratio", busbw / ref_busbw).add("reference_us_per_op", it->second * 1e6)
-            .add("reference_mpirun", fmt::format("{}", fmt::join(mpirun_options(n), " ")));
+            .add("reference_mpirun", fmt::format("{}", fmt::join(mpirun_options(n, bind), " ")));
       }
       line.print();
     }
   }
   return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench::load().start(argc, argv, 2);
+  Options o;
+  if (const int code = parse(argc, argv, o); code >= 0) return code;
+  if (o.worker_bytes >= 0) return worker(o.worker_bytes, o.worker_iters, o.settings, o.hierarchical);
+
+  char self_buf[4096] = {};
+  ssize_t len = readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
+  const std::string self = len > 0 ? std::string(self_buf, static_cast<std::size_t>(len)) : argv[0];
+  const std::string ref = self.substr(0, self.rfind('/') + 1) + "baton-mpi-allreduce-ref";
+  const AllReduceSettings& settings = o.settings;
+  const char* algorithm = settings.algorithm == AllReduceAlgorithm::ring     ? "ring"
+                          : settings.algorithm == AllReduceAlgorithm::direct ? "direct"
+                                                                             : "two_hop";
+  std::vector<std::string> knobs{"--algorithm", algorithm, "--direct-below-bytes",
+                                 std::to_string(settings.direct_below_bytes), "--segment-kib",
+                                 std::to_string(settings.segment_bytes >> 10), "--max-segments",
+                                 std::to_string(settings.max_segments)};
+  if (!settings.pull_windows) knobs.push_back("--slice");
+  if (!settings.gather_in_place) knobs.push_back("--concat");
+  if (!settings.fuse_receive_add) knobs.push_back("--unfused");
+  if (o.across_hosts) return across_two_hosts(self, ref, knobs, o.quick, o.reference, o.min_bytes, o.max_bytes, o.link_gbit);
+  return on_one_host(self, ref, knobs, o);
 }
