@@ -23,11 +23,12 @@ struct RankResult {
 };
 
 /// `plan` after insert_transfers(); the world is the highest rank in it plus one.
+/// shares_memory false: the ranks play ranks on different hosts (LoopbackHub).
 inline std::vector<RankResult> run_on_loopback(const Plan& plan, const KernelRegistry& kernels,
-                                               RuntimeSettings base = {}) {
+                                               RuntimeSettings base = {}, bool shares_memory = true) {
   std::uint16_t world = 1;
   for (const auto& a : plan.actors) world = std::max<std::uint16_t>(world, static_cast<std::uint16_t>(a.where.rank + 1));
-  transport::LoopbackHub hub(world);
+  transport::LoopbackHub hub(world, shares_memory);
   std::vector<std::unique_ptr<Runtime>> runtimes;
   for (std::uint16_t r = 0; r < world; ++r) {
     RuntimeSettings s = base;

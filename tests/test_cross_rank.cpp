@@ -545,30 +545,45 @@ TEST_CASE("cross rank: empty registers cross ranks as bare requests" * doctest::
   }
 }
 
-TEST_CASE("cross rank: idle workers busy-poll only where the busy threads leave a core, and say which" *
+TEST_CASE("cross rank: idle workers busy-poll only where the busy threads leave a core or the rank has cores of its "
+          "own, and say which" *
           doctest::timeout(60)) {
   const CrossRankShape s{.topology = "chain", .world = 2, .pieces = 300, .elements = 64, .slots = 2};
   const Plan plan = insert_transfers(test::cross_rank_plan(s));
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   struct Case {
     IdlePolling policy;
-    std::uint32_t ranks_on_host;
+    std::uint32_t ranks_on_host, own_cores;
     std::string says;
+    bool shares_memory = true;
   };
-  for (const Case& c : {Case{IdlePolling::automatic, 0, "parking: 1 worker, ranks on this host not known"},
-                        Case{IdlePolling::automatic, 10'000,
-                             fmt::format("parking: 1 worker x 10000 ranks on this host >= {} cores", cores)},
-                        Case{IdlePolling::automatic, 1,
-                             cores > 1 ? fmt::format("busy-polling: 1 worker x 1 rank on this host < {} cores", cores)
-                                       : "parking: 1 worker x 1 rank on this host >= 1 cores"},
-                        Case{IdlePolling::busy_poll, 0, "busy-polling (asked for): 1 worker, ranks on this host not known"},
-                        Case{IdlePolling::park, 1, "parking (asked for)"}}) {
+  for (const Case& c :
+       {Case{IdlePolling::automatic, 0, 0, "parking: 1 worker, ranks on this host not known"},
+        Case{IdlePolling::automatic, 10'000, 0,
+             fmt::format("parking: 1 worker x 10000 ranks on this host >= {} cores", cores)},
+        Case{IdlePolling::automatic, 1, 0,
+             cores > 1 ? fmt::format("busy-polling: 1 worker x 1 rank on this host < {} cores", cores)
+                       : "parking: 1 worker x 1 rank on this host >= 1 cores"},
+        // Bound to a core of its own, a rank polls however many ranks share the host.
+        Case{IdlePolling::automatic, 10'000, 1,
+             fmt::format("busy-polling: 1 worker x 10000 ranks on this host >= {} cores, 1 <= 1 core of its own (bound)",
+                         cores)},
+        Case{IdlePolling::automatic, 0, 2, "busy-polling: 1 worker, ranks on this host not known, 1 <= 2 cores of its own"},
+        // Not where a peer is beyond shared memory (TCP: the kernel's network stack needs the core).
+        Case{IdlePolling::automatic, 10'000, 1,
+             fmt::format("parking: 1 worker x 10000 ranks on this host >= {} cores, 1 <= 1 core of its own (bound), a "
+                         "peer beyond shared memory",
+                         cores),
+             false},
+        Case{IdlePolling::busy_poll, 0, 0, "busy-polling (asked for): 1 worker, ranks on this host not known"},
+        Case{IdlePolling::park, 1, 1, "parking (asked for)"}}) {
     CAPTURE(c.says);
     RuntimeSettings settings;
     settings.stall_timeout = std::chrono::milliseconds(20'000);
     settings.idle_polling = c.policy;
     settings.ranks_on_host = c.ranks_on_host;
-    auto results = test::run_on_loopback(plan, test::checking_registry(), settings);
+    settings.own_cores = c.own_cores;
+    auto results = test::run_on_loopback(plan, test::checking_registry(), settings, c.shares_memory);
     for (std::uint16_t r = 0; r < 2; ++r) {
       CAPTURE(r);
       REQUIRE_MESSAGE(results[r].error.empty(), results[r].error);

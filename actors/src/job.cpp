@@ -115,7 +115,8 @@ std::vector<std::uint32_t> JobEnvironment::rank_hosts() const {
   return hosts;
 }
 
-std::string bind_to_cores(const JobEnvironment& env) {
+std::string bind_to_cores(const JobEnvironment& env, std::uint32_t* own_cores) {
+  if (own_cores != nullptr) *own_cores = 0;
   if (!env.bind_to_core) return {};
   if (env.local_world_size == 0) return "not bound: BATON_LOCAL_WORLD_SIZE is not set";
   cpu_set_t allowed;
@@ -152,6 +153,7 @@ std::string bind_to_cores(const JobEnvironment& env) {
   if (sched_setaffinity(0, sizeof set, &set) != 0) {
     return fmt::format("not bound: sched_setaffinity: {}", std::strerror(errno));
   }
+  if (own_cores != nullptr && cpus.size() >= n) *own_cores = static_cast<std::uint32_t>(mine.size());
   return fmt::format("cores {} of {}, local rank {} of {}{} ({} threads)", cpu_list(mine), cpu_list(cpus),
                      env.local_rank, n, cpus.size() < n ? ", more ranks than cores" : "", std::max<std::size_t>(threads, 1));
 }
@@ -217,7 +219,9 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   // Kernels publish while the runtime is built (an NCCL group's unique id), before the start
   // barrier, and fetch once running; the runtime uses it no more once run() returns.
   ControlStore store(control);
-  const std::string binding = bind_to_cores(env);
+  std::uint32_t own_cores = 0;
+  const std::string binding = bind_to_cores(env, &own_cores);
+  if (js.runtime.own_cores == 0) js.runtime.own_cores = own_cores;
   std::string why_transports;
   js.data = data_plane_for_job(env, js.data, &why_transports);
   std::string data_plane_config;

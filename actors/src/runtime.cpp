@@ -1168,17 +1168,30 @@ struct Runtime::Impl : detail::Core {
 
 namespace {
 
-/// RuntimeSettings::idle_polling: busy-poll only where the busy threads of this host leave a core.
-void choose_idle_polling(detail::Core& core, bool talks_to_other_ranks) {
+/// RuntimeSettings::idle_polling: busy-poll only where the busy threads of this host leave a
+/// core, or where this rank's own cores are enough for its workers and it talks to its peers
+/// over shared memory only.
+void choose_idle_polling(detail::Core& core, const std::set<std::uint16_t>& peers) {
   const RuntimeSettings& s = core.settings;
+  const bool talks_to_other_ranks = !peers.empty();
   const auto workers = core.workers.size();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const std::string count =
+  const bool shared_memory_only =
+      talks_to_other_ranks && std::all_of(peers.begin(), peers.end(), [&](std::uint16_t p) {
+        return s.link->shares_memory_with(p);
+      });
+  const bool own_enough = s.own_cores > 0 && workers <= s.own_cores && shared_memory_only;
+  std::string count =
       s.ranks_on_host == 0
           ? fmt::format("{} worker{}, ranks on this host not known", workers, workers == 1 ? "" : "s")
           : fmt::format("{} worker{} x {} rank{} on this host {} {} cores", workers, workers == 1 ? "" : "s",
                         s.ranks_on_host, s.ranks_on_host == 1 ? "" : "s",
                         workers * s.ranks_on_host < cores ? "<" : ">=", cores);
+  if (s.own_cores > 0) {
+    count += fmt::format(", {} {} {} core{} of its own (bound){}", workers, workers <= s.own_cores ? "<=" : ">",
+                         s.own_cores, s.own_cores == 1 ? "" : "s",
+                         !talks_to_other_ranks || shared_memory_only ? "" : ", a peer beyond shared memory");
+  }
   if (s.mode == ExecutionMode::deterministic) {
     core.idle_polling = "one thread (deterministic mode)";
   } else if (s.idle_polling == IdlePolling::busy_poll) {
@@ -1188,7 +1201,7 @@ void choose_idle_polling(detail::Core& core, bool talks_to_other_ranks) {
     core.idle_polling = fmt::format("parking (asked for): {}", count);
   } else if (!talks_to_other_ranks) {
     core.idle_polling = fmt::format("parking: no other rank to poll for ({})", count);
-  } else if (s.ranks_on_host == 0 || workers * s.ranks_on_host >= cores) {
+  } else if (!own_enough && (s.ranks_on_host == 0 || workers * s.ranks_on_host >= cores)) {
     core.idle_polling = fmt::format("parking: {}", count);
   } else {
     core.busy_poll = true;
@@ -1232,7 +1245,7 @@ Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings setti
   }
   impl_ = std::make_unique<Impl>(std::move(plan), &kernels, settings, /*dry_run=*/false);
   impl_->instantiate();
-  choose_idle_polling(*impl_, !peers.empty());
+  choose_idle_polling(*impl_, peers);
   if (!peers.empty()) settings.link->set_handler(impl_.get());
 }
 

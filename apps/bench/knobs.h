@@ -3,6 +3,7 @@
 // spawns (which inherit the environment) read them alike, so the JSON lines say what ran.
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
 
 #include "baton/actors/settings.h"
 
@@ -22,10 +23,19 @@ inline bool shared_registers() {
   return s != nullptr ? std::atoi(s) != 0 : RuntimeSettings{}.shared_registers;
 }
 
-/// Both, for a benchmark's settings.
+/// RuntimeSettings::idle_polling: BATON_BENCH_IDLE=park|busy_poll|automatic, or the default.
+inline IdlePolling idle_polling() {
+  const char* s = std::getenv("BATON_BENCH_IDLE");
+  if (s == nullptr) return RuntimeSettings{}.idle_polling;
+  const std::string_view idle = s;
+  return idle == "park" ? IdlePolling::park : idle == "busy_poll" ? IdlePolling::busy_poll : IdlePolling::automatic;
+}
+
+/// All three, for a benchmark's settings.
 inline void apply_knobs(RuntimeSettings& s) {
   s.inline_payload_bytes = inline_payload_bytes();
   s.shared_registers = shared_registers();
+  s.idle_polling = idle_polling();
 }
 
 }  // namespace baton::bench

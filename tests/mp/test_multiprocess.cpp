@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <set>
@@ -199,6 +200,11 @@ TEST_CASE("multi-process: --bind-to core gives each rank cores of its own, and e
   REQUIRE(cores.size() == 2);
   // Two ranks on one core only where the process may use a single core.
   if (std::thread::hardware_concurrency() > 1) CHECK(cores[0] != cores[1]);
+  // Each rank's idle workers count the cores it has to itself (RuntimeSettings::own_cores).
+  static const std::regex own(R"(idle workers: [^;]*, \d+ (<=|>) \d+ cores? of its own \(bound\))");
+  if (std::thread::hardware_concurrency() > 1) {
+    CHECK(std::distance(std::sregex_iterator(err.begin(), err.end(), own), std::sregex_iterator()) == 2);
+  }
   // A value the ranks do not know is refused before anything runs.
   auto env = rank_env(0, 2, 1, "0123456789abcdef0123456789abcdef");
   env["BATON_BIND_TO"] = "socket";

@@ -46,8 +46,10 @@ struct LoopbackHub::Impl {
     std::uint32_t rank() const override { return rank_; }
     std::uint32_t world_size() const override { return static_cast<std::uint32_t>(hub_.ends.size()); }
     void set_handler(LinkHandler* h) override { handler = h; }
-    // The ranks share this process.
-    bool shares_memory_with(std::uint32_t peer) const override { return peer != rank_ && peer < world_size(); }
+    // The ranks share this process (unless the hub plays ranks on different hosts).
+    bool shares_memory_with(std::uint32_t peer) const override {
+      return hub_.shares_memory && peer != rank_ && peer < world_size();
+    }
     void send(std::uint32_t to, const void* data, std::size_t size) override { send_inline(to, data, size, nullptr, 0); }
     void send_inline(std::uint32_t to, const void* data, std::size_t size, const void* payload,
                      std::size_t payload_size) override {
@@ -90,7 +92,7 @@ struct LoopbackHub::Impl {
     std::uint32_t rank_;
   };
 
-  explicit Impl(std::uint32_t world) {
+  Impl(std::uint32_t world, bool shares) : shares_memory(shares) {
     for (std::uint32_t r = 0; r < world; ++r) ends.push_back(std::make_unique<End>(*this, r));
   }
 
@@ -162,6 +164,7 @@ struct LoopbackHub::Impl {
   }
 
   std::vector<std::unique_ptr<End>> ends;
+  bool shares_memory = true;
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Op> queue;
@@ -172,7 +175,8 @@ struct LoopbackHub::Impl {
   std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint64_t>, Receive> receives;
 };
 
-LoopbackHub::LoopbackHub(std::uint32_t world_size) : impl_(std::make_unique<Impl>(world_size)) {}
+LoopbackHub::LoopbackHub(std::uint32_t world_size, bool shares_memory)
+    : impl_(std::make_unique<Impl>(world_size, shares_memory)) {}
 
 LoopbackHub::~LoopbackHub() { stop(); }
 

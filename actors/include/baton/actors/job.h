@@ -128,8 +128,9 @@ RunReport run_job(const Plan& plan, const KernelRegistry& kernels, const JobEnvi
 
 /// env.bind_to_core: puts every thread of this process (those to come too) on this local
 /// rank's block of the cores the process may use; returns what it did ("cores 2-3 of 0-7, local
-/// rank 1 of 4"), or why not. Not bound: "".
-std::string bind_to_cores(const JobEnvironment& env);
+/// rank 1 of 4"), or why not. Not bound: "". `own_cores` (if given): how many cores the rank got
+/// to itself (0: not bound, or more local ranks than cores, so they share).
+std::string bind_to_cores(const JobEnvironment& env, std::uint32_t* own_cores = nullptr);
 
 /// The data plane's transports for a job: `base.transports`, else UCX_TLS, else, when every
 /// rank is on this host (env.local_world_size == world_size), every transport but CMA and TCP:

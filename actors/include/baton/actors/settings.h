@@ -22,12 +22,19 @@ enum class ExecutionMode : std::uint8_t {
 /// What an idle worker does once its spin_polls are spent.
 enum class IdlePolling : std::uint8_t {
   /// busy_poll in a job of several ranks with fewer busy threads on this host than cores
-  /// (workers of this rank x ranks_on_host < hardware threads), otherwise park: as MPI and
+  /// (workers of this rank x ranks_on_host < hardware threads), or where this rank is bound to
+  /// cores of its own, at least one per worker (own_cores), and reaches every rank it talks to
+  /// over shared memory (Link::shares_memory_with), otherwise park: as MPI and
   /// ucx_perftest poll when each process has a core of its own, and must not when the cores
-  /// are shared with compute. Fewer, not as many: the data plane's and control plane's threads
-  /// need a core now and then, and a poller that holds it until the scheduler's tick costs more
-  /// than a wake-up (measured, 2 ranks x 1 worker on 2 cores, baton-bench-transport with
-  /// BATON_BENCH_IDLE: one hop over shared memory 1.8-5.1 us busy-polling, 1.83-1.93 parking).
+  /// are shared with compute. Unbound, fewer, not as many: the data plane's and control plane's
+  /// threads need a core now and then, and a poller that holds one another rank's thread wants
+  /// costs more than a wake-up (measured unbound, 2 ranks x 1 worker on 2 cores,
+  /// baton-bench-transport with BATON_BENCH_IDLE: one hop over shared memory 1.8-5.1 us
+  /// busy-polling, 1.83-1.93 parking). Bound, a poller holds only its own rank's cores, whose
+  /// other threads it stands in for (it progresses the data plane itself): one hop 1.40-1.41 us
+  /// busy-polling against 2.89-3.35 parking (2026-11-27, both sides bound, 2-vCPU AMD EPYC VM).
+  /// Over TCP it lost (one hop 35 against 25 us, 16 MiB 1.1 against 1.9 GB/s): the kernel's
+  /// network stack needs the cores it holds.
   automatic,
   /// Keep polling the mailbox and the data plane (a CPU pause between polls, no yield).
   busy_poll,
@@ -71,6 +78,10 @@ struct RuntimeSettings {
   /// Ranks of the job on this host, this one included (run_job counts them from the control
   /// plane's table); 0: not known, and `automatic` parks.
   std::uint32_t ranks_on_host = 0;
+  /// Cores this rank's threads have to themselves (run_job under BATON_BIND_TO=core: its share
+  /// of the host's cores, bind_to_cores); 0: not bound, or sharing its core with other ranks.
+  /// `automatic` busy-polls where they are at least its workers.
+  std::uint32_t own_cores = 0;
   /// Actors on streams (CUDA, sim) hand their registers on in stream order (EdgeSync, plan.h):
   /// the host waits for a stream only where it must see the data. False: every act on a
   /// stream waits for its stream to run it before its requests and acks go out (a host round

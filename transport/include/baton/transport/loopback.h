@@ -11,7 +11,9 @@ namespace baton::transport {
 
 class LoopbackHub {
  public:
-  explicit LoopbackHub(std::uint32_t world_size);
+  /// shares_memory false: the ends say they share no memory (Link::shares_memory_with), as
+  /// ranks on different hosts, so no piece is read in place.
+  explicit LoopbackHub(std::uint32_t world_size, bool shares_memory = true);
   ~LoopbackHub();  // stop()
   LoopbackHub(const LoopbackHub&) = delete;
   LoopbackHub& operator=(const LoopbackHub&) = delete;
