@@ -35,7 +35,8 @@
 //                                    --link-gbit G limits the link between them (tc tbf)
 // BATON_BENCH_TABLE=1 in the environment: every rank prints its actors' table to stderr;
 // BATON_BENCH_INLINE=B: RuntimeSettings::inline_payload_bytes (0: no piece goes inline);
-// BATON_BENCH_SHARED=0: RuntimeSettings::shared_registers off (no piece read in place).
+// BATON_BENCH_SHARED=0: RuntimeSettings::shared_registers off (no piece read in place);
+// BATON_BENCH_IDLE=park|busy_poll: RuntimeSettings::idle_polling (automatic by default).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -113,7 +114,7 @@ int worker(std::int64_t bytes, std::int64_t iters, AllReduceSettings settings, b
     auto rep = run_job(allreduce_plan(static_cast<std::uint16_t>(env.world_size), bytes / 4, warm + iters + 1, settings), kernels, env, js);
     const auto timed = std::chrono::duration<double>(starts->at(static_cast<std::size_t>(warm + iters)) -
                                                      starts->at(static_cast<std::size_t>(warm)));
-    fmt::print("RESULT {:.9f}\n", timed.count() / static_cast<double>(iters));
+    fmt::print("IDLE {}\nRESULT {:.9f}\n", rep.idle_polling, timed.count() / static_cast<double>(iters));
     if (std::getenv("BATON_BENCH_TABLE")) fmt::print(stderr, "rank {}:\n{}", env.rank, rep.metrics.table());
     return 0;
   } catch (const std::exception& e) {
@@ -201,6 +202,9 @@ std::map<std::int64_t, double> mpi_across_hosts(const std::string& ref, const be
   return out;
 }
 
+/// What rank 0's idle workers did in the last baton_seconds() (RunReport::idle_polling).
+std::string last_idle_polling;
+
 /// One baton all-reduce job of `n` ranks: the slowest rank's seconds per all-reduce, or nullopt.
 std::optional<double> baton_seconds(const std::string& self, const std::vector<std::string>& args, int n,
                                     const bench::JobLayout& layout, const bench::Env& env, double* fastest) {
@@ -210,6 +214,9 @@ std::optional<double> baton_seconds(const std::string& self, const std::vector<s
   std::vector<double> per_rank;
   for (const auto& [r, out] : outs ? *outs : std::map<int, std::string>{}) {
     if (auto pos = out.find("RESULT "); pos != std::string::npos) per_rank.push_back(std::stod(out.substr(pos + 7)));
+    if (auto idle = out.find("IDLE "); r == 0 && idle != std::string::npos) {
+      last_idle_polling = out.substr(idle + 5, out.find('\n', idle) - idle - 5);
+    }
   }
   if (static_cast<int>(per_rank.size()) != n) {
     fmt::print(stderr, "baton-bench-allreduce: {} of {} ranks reported a time\n", per_rank.size(), n);
@@ -429,6 +436,7 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
           .add("chosen_by", o.by_size ? fmt::format("size (direct below {} bytes)", settings.direct_below_bytes)
                                       : std::string("--algorithm"))
           .add("bound", bind ? "a core per rank, both sides" : "not bound, both sides")
+          .add("idle_polling", last_idle_polling)
           .add("hop", settings.fuse_receive_add && (algorithm == "ring" || n == 2) ? "added as received (transfer.add)"
                                                                                     : "received, then added");
       if (algorithm == "ring") {

@@ -24,12 +24,15 @@
 // BATON_BENCH_SHM_TLS (UCX_TLS of the _shm cases, for baton and the reference alike),
 // BATON_BENCH_INLINE=B (RuntimeSettings::inline_payload_bytes: pieces up to B bytes go with
 // their requests; 0: every piece is offered and pulled), BATON_BENCH_SHARED=0
-// (RuntimeSettings::shared_registers off: no piece is read in place in the producer's slot). The
-// ranks inherit the environment, so BATON_BIND_TO=core binds them as baton-launch --bind-to
-// core does (one hop over shared memory is bimodal here unbound, 0.6-0.8 or 2.4-2.9 us, as the
-// scheduler puts the two ranks on two cores or on one).
+// (RuntimeSettings::shared_registers off: no piece is read in place in the producer's slot).
+// Binding (--bind core|none): by default, where this process may use two cores or more, each
+// rank on a core of its own (BATON_BIND_TO=core, as baton-launch --bind-to core) and each
+// ucx_perftest process likewise (its -c), as mpirun binds two ranks; unbound, one hop over shared
+// memory was bimodal (0.6-0.8 or 2.4-2.9 us), as the scheduler put the two ranks on two cores
+// or on one.
 // The driver hosts the rendezvous server and starts the two ranks as child processes of
 // itself (--worker); rank 1 reports its run time on stdout.
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -73,12 +76,13 @@ struct Options {
   std::int64_t bytes = 0;
   std::int64_t pieces = 0;
   std::int32_t slots = 8;
+  std::optional<bool> bind;  // --bind core|none; unset: core where two cores may be used
 };
 
 [[noreturn]] void usage(int code) {
   fmt::print(code == 0 ? stdout : stderr,
-             "usage: baton-bench-transport [--quick] [--no-reference] [--case NAME] [--sizes 64K,1M,16M] [--allow-load]\n"
-             "       [--help]\n"
+             "usage: baton-bench-transport [--quick] [--no-reference] [--case NAME] [--sizes 64K,1M,16M]\n"
+             "       [--bind core|none] [--allow-load] [--help]\n"
              "  Two ranks on this host, shared memory and TCP; one JSON line per case on stdout.\n"
              "{}",
              baton::bench::allow_load_usage);
@@ -130,6 +134,14 @@ Options parse(int argc, char** argv) {
     else if (a == "--bytes") o.bytes = std::stoll(value(i));
     else if (a == "--pieces") o.pieces = std::stoll(value(i));
     else if (a == "--slots") o.slots = std::stoi(value(i));
+    else if (a == "--bind") {
+      const std::string b = value(i);
+      if (b != "core" && b != "none") {
+        fmt::print(stderr, "baton-bench-transport: --bind {}: core or none\n", b);
+        usage(2);
+      }
+      o.bind = b == "core";
+    }
     else {
       fmt::print(stderr, "baton-bench-transport: unknown argument '{}'\n", a);
       usage(2);
@@ -147,14 +159,33 @@ struct PerfResult {
   double msg_rate = 0;     // messages/s
 };
 
+/// The first two cores this process may use, for the two sides of a bound run (empty: fewer).
+std::vector<int> two_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cores;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return cores;
+  for (int c = 0; c < CPU_SETSIZE && cores.size() < 2; ++c) {
+    if (CPU_ISSET(c, &set)) cores.push_back(c);
+  }
+  if (cores.size() < 2) cores.clear();
+  return cores;
+}
+
+/// `cores`: empty, or the server's and the client's core (ucx_perftest -c).
 std::optional<PerfResult> ucx_perftest(const std::string& test, std::int64_t size, std::int64_t iters,
-                                       const Env& env) {
+                                       const Env& env, const std::vector<int>& cores) {
   const auto port = std::to_string(free_port());
-  Child server = spawn({"ucx_perftest", "-p", port}, env, false);
+  std::vector<std::string> server_argv{"ucx_perftest", "-p", port};
+  std::vector<std::string> client_argv{"ucx_perftest", "127.0.0.1", "-p", port, "-t", test, "-s", std::to_string(size),
+                                       "-n", std::to_string(iters)};
+  if (cores.size() == 2) {
+    server_argv.insert(server_argv.end(), {"-c", std::to_string(cores[0])});
+    client_argv.insert(client_argv.end(), {"-c", std::to_string(cores[1])});
+  }
+  Child server = spawn(server_argv, env, false);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  Child client = spawn({"ucx_perftest", "127.0.0.1", "-p", port, "-t", test, "-s", std::to_string(size), "-n",
-                        std::to_string(iters)},
-                       env, true);
+  Child client = spawn(client_argv, env, true);
   auto deadline = Clock::now() + std::chrono::seconds(120);
   auto [code, text] = finish(client, deadline);
   finish(server, Clock::now() + std::chrono::seconds(5));
@@ -206,13 +237,7 @@ int worker_main(const Options& o) {
     if (const char* s = std::getenv("BATON_BENCH_RT_SPIN")) js.runtime.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_DP_SPIN")) js.data.spin_polls = std::atoi(s);
     if (const char* s = std::getenv("BATON_BENCH_RT_YIELD")) js.runtime.spin_yield_every = std::atoi(s);
-    baton::bench::apply_knobs(js.runtime);
-    if (const char* s = std::getenv("BATON_BENCH_IDLE")) {
-      const std::string idle = s;
-      js.runtime.idle_polling = idle == "park"        ? baton::IdlePolling::park
-                                : idle == "busy_poll" ? baton::IdlePolling::busy_poll
-                                                      : baton::IdlePolling::automatic;
-    }
+    baton::bench::apply_knobs(js.runtime);  // BATON_BENCH_INLINE, _SHARED, _IDLE
     auto report = baton::run_job(bench_plan(o), kernels, env, js);
     if (env.rank == 1) fmt::print("IDLE {}\nRESULT {:.9f}\n", report.idle_polling, report.wall_s);
     return 0;
@@ -258,11 +283,15 @@ int main(int argc, char** argv) {
   const std::string self = n > 0 ? std::string(self_buf, static_cast<std::size_t>(n)) : argv[0];
   const double scale = o.quick ? 0.1 : 1.0;
   int failures = 0;
+  // Both sides bound alike: the ranks' threads a core per rank, each perftest process a core.
+  const std::vector<int> cores = o.bind.value_or(true) ? two_cores() : std::vector<int>{};
+  const std::string bound = cores.empty() ? "not bound, both sides"
+                                          : fmt::format("a core per rank (cores {} and {}), both sides", cores[0], cores[1]);
 
   for (const std::string tls : {"shm", "tcp"}) {
     // "shm": the data plane's own choice of transports for a job on one host (shared memory);
     // "tcp": TCP over loopback only.
-    Env env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}};
+    Env env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}, {"BATON_BIND_TO", cores.empty() ? "none" : "core"}};
     if (const char* t = std::getenv("BATON_BENCH_SHM_TLS"); t != nullptr && tls == "shm") env["UCX_TLS"] = t;
     // The reference runs under the UCX configuration the data plane gives itself (the same
     // transports and rendezvous threshold), so the ratio is what baton's runtime costs over
@@ -297,15 +326,15 @@ int main(int argc, char** argv) {
       const double gbps = static_cast<double>(bytes) * static_cast<double>(w.pieces) / *secs / 1e9;
       baton::bench::JsonLine line("transport", name);
       line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8)
-          .add("idle_polling", last_idle_polling)
+          .add("idle_polling", last_idle_polling).add("bound", bound)
           .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
           .add("shared_registers", baton::bench::shared_registers());
       if (o.reference) {
-        if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, reference_env)) {
+        if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, reference_env, cores)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("reference", ref_gbps).add("reference_name", "ucx_perftest tag_bw").add("ratio", gbps / ref_gbps);
         }
-        if (auto top = ucx_perftest("tag_bw", bytes, w.pieces, ceiling_env)) {
+        if (auto top = ucx_perftest("tag_bw", bytes, w.pieces, ceiling_env, cores)) {
           const double top_gbps = top->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("ceiling", top_gbps).add("ceiling_name", "ucx_perftest tag_bw, UCX defaults")
               .add("ratio_to_ceiling", gbps / top_gbps);
@@ -323,11 +352,11 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double us = *secs / static_cast<double>(2 * w.pieces) * 1e6;
         baton::bench::JsonLine line("transport", lat_name);
-        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces).add("idle_polling", last_idle_polling)
+        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces).add("idle_polling", last_idle_polling).add("bound", bound)
             .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
           .add("shared_registers", baton::bench::shared_registers());
         if (o.reference) {
-          if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, reference_env)) {
+          if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, reference_env, cores)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
                 .add("ratio", us / ref->latency_us);
           }
@@ -349,11 +378,11 @@ int main(int argc, char** argv) {
         const double rate = static_cast<double>(w.pieces) / *secs;
         baton::bench::JsonLine line("transport", stream_name);
         line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8)
-            .add("idle_polling", last_idle_polling)
+            .add("idle_polling", last_idle_polling).add("bound", bound)
           .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
           .add("shared_registers", baton::bench::shared_registers());
         if (o.reference) {
-          if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, reference_env)) {
+          if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, reference_env, cores)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")
                 .add("ratio", rate / ref->msg_rate);
           }
