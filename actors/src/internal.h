@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -474,6 +475,8 @@ struct Core : transport::LinkHandler {
   /// Idle workers keep polling instead of parking (RuntimeSettings::idle_polling), and why.
   bool busy_poll = false;
   std::string idle_polling;
+  /// The ranks this one exchanges registers with.
+  std::set<std::uint16_t> peers;
   std::map<Device, std::unique_ptr<CpuAllocator>> allocators;
   /// RuntimeSettings::measure_memory: register bytes in use per device of this rank (made while
   /// wiring, before any worker runs; outlives the actors that point here).

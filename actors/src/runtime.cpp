@@ -1170,9 +1170,10 @@ namespace {
 
 /// RuntimeSettings::idle_polling: busy-poll only where the busy threads of this host leave a
 /// core, or where this rank's own cores are enough for its workers and it talks to its peers
-/// over shared memory only.
-void choose_idle_polling(detail::Core& core, const std::set<std::uint16_t>& peers) {
+/// over shared memory only. When the run starts: the link knows its transports once connected.
+void choose_idle_polling(detail::Core& core) {
   const RuntimeSettings& s = core.settings;
+  const std::set<std::uint16_t>& peers = core.peers;
   const bool talks_to_other_ranks = !peers.empty();
   const auto workers = core.workers.size();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
@@ -1245,7 +1246,7 @@ Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings setti
   }
   impl_ = std::make_unique<Impl>(std::move(plan), &kernels, settings, /*dry_run=*/false);
   impl_->instantiate();
-  choose_idle_polling(*impl_, peers);
+  impl_->peers = peers;
   if (!peers.empty()) settings.link->set_handler(impl_.get());
 }
 
@@ -1257,6 +1258,7 @@ RunReport Runtime::run() {
   auto& core = *impl_;
   if (core.ran) throw std::logic_error("Runtime::run() called twice; make a new Runtime");
   core.ran = true;
+  choose_idle_polling(core);
   const auto t0 = std::chrono::steady_clock::now();
   const std::uint64_t start = ticks();
   for (auto& a : core.actors) {
