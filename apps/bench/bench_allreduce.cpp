@@ -384,14 +384,20 @@ int parse(int argc, char** argv, Options& o) {
   return -1;
 }
 
-/// The algorithm `settings` use for a tensor of `bytes`.
-const char* algorithm_for(std::int64_t bytes, const AllReduceSettings& settings) {
-  switch (settings.algorithm) {
-    case AllReduceAlgorithm::ring: return bytes < settings.direct_below_bytes ? "direct" : "ring";
+/// --algorithm's name for `a`.
+const char* algorithm_name(AllReduceAlgorithm a) {
+  switch (a) {
+    case AllReduceAlgorithm::ring: return "ring";
     case AllReduceAlgorithm::direct: return "direct";
     case AllReduceAlgorithm::two_hop: return "two_hop";
   }
   return "?";
+}
+
+/// The algorithm `settings` use for a tensor of `bytes`.
+const char* algorithm_for(std::int64_t bytes, const AllReduceSettings& settings) {
+  const bool by_size = settings.algorithm == AllReduceAlgorithm::ring && bytes < settings.direct_below_bytes;
+  return algorithm_name(by_size ? AllReduceAlgorithm::direct : settings.algorithm);
 }
 
 /// Every rank on this host, `o.ranks` ranks at a time: one line per size and rank count.
@@ -472,10 +478,7 @@ int main(int argc, char** argv) {
   const std::string self = len > 0 ? std::string(self_buf, static_cast<std::size_t>(len)) : argv[0];
   const std::string ref = self.substr(0, self.rfind('/') + 1) + "baton-mpi-allreduce-ref";
   const AllReduceSettings& settings = o.settings;
-  const char* algorithm = settings.algorithm == AllReduceAlgorithm::ring     ? "ring"
-                          : settings.algorithm == AllReduceAlgorithm::direct ? "direct"
-                                                                             : "two_hop";
-  std::vector<std::string> knobs{"--algorithm", algorithm, "--direct-below-bytes",
+  std::vector<std::string> knobs{"--algorithm", algorithm_name(settings.algorithm), "--direct-below-bytes",
                                  std::to_string(settings.direct_below_bytes), "--segment-kib",
                                  std::to_string(settings.segment_bytes >> 10), "--max-segments",
                                  std::to_string(settings.max_segments)};

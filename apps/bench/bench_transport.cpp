@@ -161,14 +161,8 @@ struct PerfResult {
 
 /// The first two cores this process may use, for the two sides of a bound run (empty: fewer).
 std::vector<int> two_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cores;
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return cores;
-  for (int c = 0; c < CPU_SETSIZE && cores.size() < 2; ++c) {
-    if (CPU_ISSET(c, &set)) cores.push_back(c);
-  }
-  if (cores.size() < 2) cores.clear();
+  std::vector<int> cores = baton::bench::allowed_cpus();
+  cores.resize(cores.size() < 2 ? 0 : 2);
   return cores;
 }
 
@@ -271,6 +265,46 @@ std::string size_name(std::int64_t b) {
   return fmt::format("{}B", b);
 }
 
+/// The environments one transport's cases run under.
+struct Transport {
+  std::string tls;    // "shm" or "tcp"
+  Env env;            // the ranks'
+  Env reference_env;  // ucx_perftest's, under the UCX configuration the data plane gives itself
+  Env ceiling_env;    // ucx_perftest's, under UCX's own defaults
+};
+
+/// "shm": the data plane's own choice of transports for a job on one host (shared memory);
+/// "tcp": TCP over loopback only. `bound`: the ranks on a core each (BATON_BIND_TO).
+Transport transport_for(const std::string& tls, bool bound) {
+  Transport t{.tls = tls, .env = {{"UCX_TLS", tls == "tcp" ? "tcp" : ""}, {"BATON_BIND_TO", bound ? "core" : "none"}},
+              .reference_env = {}, .ceiling_env = {{"UCX_TLS", tls == "tcp" ? "tcp" : ""}, {"UCX_RNDV_THRESH", ""}}};
+  if (const char* shm_tls = std::getenv("BATON_BENCH_SHM_TLS"); shm_tls != nullptr && tls == "shm") {
+    t.env["UCX_TLS"] = shm_tls;
+  }
+  // The reference runs under the UCX configuration the data plane gives itself (the same
+  // transports and rendezvous threshold), so the ratio is what baton's runtime costs over
+  // its transport; the ceiling is ucx_perftest under UCX's own defaults (with CMA between
+  // processes of one host), which baton does not use by default (data_plane.cpp says why).
+  if (tls == "shm") unsetenv("UCX_TLS");
+  t.reference_env = t.env;
+  // The ranks run as run_job runs a job whose ranks share a host (data_plane_for_job).
+  baton::transport::DataPlaneSettings as_baton;
+  if (tls == "tcp") as_baton.transports = "tcp";
+  if (t.env["UCX_TLS"] != "") as_baton.transports = t.env["UCX_TLS"];
+  baton::JobEnvironment one_host{.world_size = 2, .local_world_size = 2};
+  as_baton = baton::data_plane_for_job(one_host, as_baton);
+  for (const auto& [name, value] : baton::transport::ucx_configuration(as_baton)) t.reference_env["UCX_" + name] = value;
+  return t;
+}
+
+/// What every case's line says beside its value: how rank 1's idle workers waited, how both
+/// sides were bound, and the knobs the ranks ran under.
+void add_conditions(baton::bench::JsonLine& line, const std::string& bound) {
+  line.add("idle_polling", last_idle_polling).add("bound", bound)
+      .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
+      .add("shared_registers", baton::bench::shared_registers());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -289,24 +323,8 @@ int main(int argc, char** argv) {
                                           : fmt::format("a core per rank (cores {} and {}), both sides", cores[0], cores[1]);
 
   for (const std::string tls : {"shm", "tcp"}) {
-    // "shm": the data plane's own choice of transports for a job on one host (shared memory);
-    // "tcp": TCP over loopback only.
-    Env env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}, {"BATON_BIND_TO", cores.empty() ? "none" : "core"}};
-    if (const char* t = std::getenv("BATON_BENCH_SHM_TLS"); t != nullptr && tls == "shm") env["UCX_TLS"] = t;
-    // The reference runs under the UCX configuration the data plane gives itself (the same
-    // transports and rendezvous threshold), so the ratio is what baton's runtime costs over
-    // its transport; the ceiling is ucx_perftest under UCX's own defaults (with CMA between
-    // processes of one host), which baton does not use by default (data_plane.cpp says why).
-    if (tls == "shm") unsetenv("UCX_TLS");
-    Env reference_env = env;
-    // The ranks run as run_job runs a job whose ranks share a host (data_plane_for_job).
-    baton::transport::DataPlaneSettings as_baton;
-    if (tls == "tcp") as_baton.transports = "tcp";
-    if (env["UCX_TLS"] != "") as_baton.transports = env["UCX_TLS"];
-    baton::JobEnvironment one_host{.world_size = 2, .local_world_size = 2};
-    as_baton = baton::data_plane_for_job(one_host, as_baton);
-    for (const auto& [name, value] : baton::transport::ucx_configuration(as_baton)) reference_env["UCX_" + name] = value;
-    Env ceiling_env{{"UCX_TLS", tls == "tcp" ? "tcp" : ""}, {"UCX_RNDV_THRESH", ""}};
+    const Transport t = transport_for(tls, !cores.empty());
+    const Env& env = t.env;
     auto wanted = [&](const std::string& c) { return o.only.empty() || c.rfind(o.only, 0) == 0; };
 
     for (std::int64_t bytes : o.sizes) {
@@ -325,16 +343,14 @@ int main(int argc, char** argv) {
       }
       const double gbps = static_cast<double>(bytes) * static_cast<double>(w.pieces) / *secs / 1e9;
       baton::bench::JsonLine line("transport", name);
-      line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8)
-          .add("idle_polling", last_idle_polling).add("bound", bound)
-          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
-          .add("shared_registers", baton::bench::shared_registers());
+      line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8);
+      add_conditions(line, bound);
       if (o.reference) {
-        if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, reference_env, cores)) {
+        if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, t.reference_env, cores)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("reference", ref_gbps).add("reference_name", "ucx_perftest tag_bw").add("ratio", gbps / ref_gbps);
         }
-        if (auto top = ucx_perftest("tag_bw", bytes, w.pieces, ceiling_env, cores)) {
+        if (auto top = ucx_perftest("tag_bw", bytes, w.pieces, t.ceiling_env, cores)) {
           const double top_gbps = top->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("ceiling", top_gbps).add("ceiling_name", "ucx_perftest tag_bw, UCX defaults")
               .add("ratio_to_ceiling", gbps / top_gbps);
@@ -352,11 +368,10 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double us = *secs / static_cast<double>(2 * w.pieces) * 1e6;
         baton::bench::JsonLine line("transport", lat_name);
-        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces).add("idle_polling", last_idle_polling).add("bound", bound)
-            .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
-          .add("shared_registers", baton::bench::shared_registers());
+        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces);
+        add_conditions(line, bound);
         if (o.reference) {
-          if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, reference_env, cores)) {
+          if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, t.reference_env, cores)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
                 .add("ratio", us / ref->latency_us);
           }
@@ -377,12 +392,10 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double rate = static_cast<double>(w.pieces) / *secs;
         baton::bench::JsonLine line("transport", stream_name);
-        line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8)
-            .add("idle_polling", last_idle_polling).add("bound", bound)
-          .add("inline_payload_bytes", static_cast<std::int64_t>(baton::bench::inline_payload_bytes()))
-          .add("shared_registers", baton::bench::shared_registers());
+        line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8);
+        add_conditions(line, bound);
         if (o.reference) {
-          if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, reference_env, cores)) {
+          if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, t.reference_env, cores)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")
                 .add("ratio", rate / ref->msg_rate);
           }

@@ -24,6 +24,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -37,14 +38,21 @@ inline double read_loadavg(const char* path = "/proc/loadavg") {
   return one;
 }
 
-/// The cores this process may run on (its affinity mask), or hardware_concurrency().
-inline int usable_cores() {
+/// The cores this process may run on (its affinity mask), in order; empty if it cannot be read.
+inline std::vector<int> allowed_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0) {
-    const int n = CPU_COUNT(&set);
-    if (n > 0) return n;
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
   }
+  return cpus;
+}
+
+/// How many cores this process may run on (its affinity mask), or hardware_concurrency().
+inline int usable_cores() {
+  if (const auto n = allowed_cpus().size(); n > 0) return static_cast<int>(n);
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 

@@ -327,6 +327,13 @@ std::vector<RegisterIndex> add_two_hop_sums(Plan& plan, const std::string& name,
   return sums;
 }
 
+/// Whether member `to` may add its own to a piece that member `from` holds as it receives it (a
+/// reducing transfer, "transfer.add"): asked for, across ranks, both on the CPU.
+bool adds_as_received(const AllReduceSettings& settings, const AllReduceMember& from, const AllReduceMember& to) {
+  return settings.fuse_receive_add && from.where.rank != to.where.rank && from.where.device.type == DeviceType::cpu &&
+         to.where.device.type == DeviceType::cpu;
+}
+
 /// AllReduceAlgorithm::direct: each member sums every member's input, in member order. Two CPU
 /// members on two ranks (settings.fuse_receive_add): each one's sum is a reducing transfer that
 /// adds its own input to the other's as it reads it, with no register of its own for the
@@ -337,9 +344,8 @@ std::vector<RegisterIndex> add_direct_allreduce(Plan& plan, const std::string& n
                                                 DType dtype, std::int32_t result_slots, const AllReduceSettings& settings) {
   std::vector<InputPort> all;
   for (const AllReduceMember& m : members) all.push_back({m.input});
-  const bool fused = settings.fuse_receive_add && members.size() == 2 &&
-                     members[0].where.rank != members[1].where.rank && (dtype == DType::f32 || dtype == DType::f64) &&
-                     members[0].where.device.type == DeviceType::cpu && members[1].where.device.type == DeviceType::cpu;
+  const bool fused = members.size() == 2 && (dtype == DType::f32 || dtype == DType::f64) &&
+                     adds_as_received(settings, members[0], members[1]);
   std::vector<RegisterIndex> results;
   for (const AllReduceMember& m : members) {
     results.push_back(
@@ -457,9 +463,7 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
       // A hop from another rank whose member adds its own segment to the partial as it reads it
       // (a reducing transfer, ActorDesc's "transfer.add"): no register of its own for the partial.
       auto fused = [&](const AllReduceMember& m, const std::vector<InputPort>& own) {
-        return settings.fuse_receive_add && wire == dtype && holder->where.rank != m.where.rank &&
-               partial.size() == 1 && own.size() == 1 && m.where.device.type == DeviceType::cpu &&
-               holder->where.device.type == DeviceType::cpu;
+        return wire == dtype && partial.size() == 1 && own.size() == 1 && adds_as_received(settings, *holder, m);
       };
       if (n > 1 && fused(next, input_window(plan, next, offset, count).first)) {
         // The next member reads the segment's window of the input where it lies.
