@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -542,6 +543,133 @@ TEST_CASE("cross rank: empty registers cross ranks as bare requests" * doctest::
   for (std::uint16_t r = 0; r < 3; ++r) {
     REQUIRE_MESSAGE(results[r].error.empty(), results[r].error);
     for (const auto& a : results[r].report->metrics.actors) CHECK(a.acts == 500);
+  }
+}
+
+TEST_CASE("cross rank: the request and ack an act sends one rank share a link message where held, in order" *
+          doctest::timeout(120)) {
+  struct Way {
+    std::string name;
+    std::int64_t elements;
+    bool shared;
+  };
+  const Way ways[] = {{"bare requests", 0, true}, {"offered and pulled", 64, false}};
+  const std::uint32_t holds[] = {0, 1'000'000'000};  // none; 1 s: every act after the first is brief
+  auto settings = [](const Way& way, std::uint32_t hold_ns) {
+    RuntimeSettings rs;
+    rs.stall_timeout = std::chrono::milliseconds(20'000);
+    rs.shared_registers = way.shared;
+    rs.inline_payload_bytes = 0;  // what does not lie in shared memory is offered and pulled
+    rs.hold_messages_ns = hold_ns;
+    return rs;
+  };
+  SUBCASE("ping and pong in lockstep: each hop's ack and request go as one") {
+    // ping(r0) and pong(r1) each wait for the other's last piece (one slot everywhere): the
+    // request from the other rank starts a transfer's act (which acks the other rank) and then
+    // its reader's act (which requests from it), so the two go together once held.
+    for (const Way& way : ways) {
+      for (const std::uint32_t hold_ns : holds) {
+        CAPTURE(way.name);
+        CAPTURE(hold_ns);
+        constexpr std::int64_t pieces = 300;
+        Plan p;
+        auto reg = [&](std::string name) {
+          return p.add_register({.name = std::move(name), .shape = {way.elements}, .dtype = DType::f32, .slots = 1});
+        };
+        auto tick = reg("tick");
+        auto ping = reg("ping.out");
+        auto pong = reg("pong.out");
+        p.add_actor({.name = "ticks", .kind = ActorKind::source, .op = "noop", .outputs = {tick}, .pieces = pieces});
+        p.add_actor({.name = "ping", .op = "noop", .inputs = {{tick}, {pong, 1}}, .outputs = {ping}});
+        p.add_actor({.name = "pong", .op = "noop", .where = {.rank = 1}, .inputs = {{ping}}, .outputs = {pong}});
+        auto results = test::run_on_loopback(insert_transfers(p), KernelRegistry::with_builtin_kernels(),
+                                             settings(way, hold_ns));
+        for (std::uint16_t r = 0; r < 2; ++r) {
+          CAPTURE(r);
+          REQUIRE_MESSAGE(results[r].error.empty(), results[r].error);
+          const RunReport& rep = *results[r].report;
+          // Ping reads all of pong's pieces but the last, so pong may stop before its last act
+          // (the detach that says so can come first).
+          const auto* mine = find_actor(rep, r == 0 ? "ping" : "pong");
+          REQUIRE(mine != nullptr);
+          CHECK(mine->acts >= static_cast<std::uint64_t>(r == 0 ? pieces : pieces - 1));
+          // Each piece costs each rank an ack and a request to the other.
+          CHECK(rep.messages_to_other_ranks >= 2u * (pieces - 1));
+          if (hold_ns == 0) {
+            CHECK(rep.link_messages == rep.messages_to_other_ranks);
+          } else {
+            CHECK(rep.link_messages <= rep.messages_to_other_ranks * 2 / 3);  // most went in pairs
+          }
+        }
+      }
+    }
+  }
+  SUBCASE("a ring that checks every piece: held or not, nothing is lost or reordered") {
+    // src(r0) -> mid(r1) -> sink(r0), two slots: a transfer's ack and mid's request go
+    // together only where both come of one message (not in the steady state of a stream).
+    for (const Way& way : ways) {
+      for (const std::uint32_t hold_ns : holds) {
+        CAPTURE(way.name);
+        CAPTURE(hold_ns);
+        const CrossRankShape s{.topology = "ring", .world = 2, .pieces = 300, .elements = way.elements, .slots = 2};
+        auto results =
+            test::run_on_loopback(insert_transfers(test::cross_rank_plan(s)), test::checking_registry(), settings(way, hold_ns));
+        for (std::uint16_t r = 0; r < 2; ++r) {
+          CAPTURE(r);
+          REQUIRE_MESSAGE(results[r].error.empty(), results[r].error);
+          const RunReport& rep = *results[r].report;
+          for (const auto& a : rep.metrics.actors) CHECK(a.acts == 300u);
+          CHECK(rep.link_messages <= rep.messages_to_other_ranks);
+          if (hold_ns == 0) CHECK(rep.link_messages == rep.messages_to_other_ranks);
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+/// When each act of "stamp" (a source) began and each act of "slow" (which sleeps 30 ms) ended,
+/// by piece.
+struct Stamps {
+  static constexpr int pieces = 4;
+  std::array<std::atomic<std::int64_t>, pieces> src_began{};
+  std::array<std::atomic<std::int64_t>, pieces> slow_ended{};
+  static std::int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cross rank: a held message goes before an act that takes long, not after it" * doctest::timeout(60)) {
+  // src(r0, one slot) -> slow(r1). The transfer on rank 1 acks src's piece k as slow starts
+  // act k: held through that act, the ack would reach src only when it ended, and src's act
+  // k + 1 (which needs the slot back) would begin after slow's act k ended. A slow act is
+  // never brief, so what is held goes before it.
+  Stamps stamps;
+  KernelRegistry kernels;
+  kernels.add_fn("stamp", DeviceType::cpu, DType::f32, [&](KernelContext& ctx) {
+    stamps.src_began.at(static_cast<std::size_t>(ctx.piece)).store(Stamps::now_us());
+  });
+  kernels.add_fn("slow", DeviceType::cpu, DType::f32, [&](KernelContext& ctx) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    stamps.slow_ended.at(static_cast<std::size_t>(ctx.piece)).store(Stamps::now_us());
+  });
+  Plan p;
+  auto r = p.add_register({.name = "src.out", .shape = {16}, .dtype = DType::f32, .slots = 1});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "stamp", .outputs = {r}, .pieces = Stamps::pieces});
+  p.add_actor({.name = "slow", .op = "slow", .where = {.rank = 1}, .inputs = {{r}}});
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  rs.inline_payload_bytes = 0;
+  rs.shared_registers = false;  // offered and pulled: the request is a plain message too
+  auto results = test::run_on_loopback(insert_transfers(p), kernels, rs);
+  for (const auto& res : results) REQUIRE_MESSAGE(res.error.empty(), res.error);
+  for (std::size_t k = 1; k + 1 < Stamps::pieces; ++k) {
+    CAPTURE(k);
+    CHECK(stamps.src_began[k + 1].load() < stamps.slow_ended[k].load());
   }
 }
 

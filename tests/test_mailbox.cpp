@@ -1,5 +1,5 @@
-// actors/: the worker's local queue and its cross-thread mailbox (queue and park/wake state
-// machine). Every wait in here is bounded: a lost wake-up fails a test instead of hanging it.
+// actors/: the worker's local queue, its outbox for other ranks, and its cross-thread mailbox
+// (queue and park/wake state machine). Every wait in here is bounded: a lost wake-up fails a test instead of hanging it.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -11,10 +11,12 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "baton/actors/local_queue.h"
 #include "baton/actors/mailbox.h"
+#include "baton/actors/outbox.h"
 
 namespace {
 
@@ -22,6 +24,7 @@ using baton::ActorId;
 using baton::LocalQueue;
 using baton::Mailbox;
 using baton::Message;
+using baton::Outbox;
 using namespace std::chrono_literals;
 
 Message make_message(std::uint64_t src, std::int64_t piece) {
@@ -158,6 +161,133 @@ TEST_CASE("LocalQueue.MessageFieldsSurviveTheRing") {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Outbox
+
+namespace {
+
+/// A message for actor `index` on `rank`, told apart by `piece`.
+Message to_rank(std::uint16_t rank, std::int64_t piece) {
+  Message m;
+  m.dst = ActorId::make(rank, baton::Device{}, 0, 3);
+  m.piece = piece;
+  m.kind = baton::MsgKind::ack;
+  return m;
+}
+
+/// What an outbox handed on: one entry per link message, its rank and its messages' pieces.
+struct Sent {
+  std::vector<std::pair<std::uint32_t, std::vector<std::int64_t>>> messages;
+  auto sink() {
+    return [this](std::uint32_t rank, const Message* m, std::size_t n) {
+      std::vector<std::int64_t> pieces;
+      for (std::size_t i = 0; i < n; ++i) {
+        CHECK(m[i].dst.rank() == rank);
+        pieces.push_back(m[i].piece);
+      }
+      messages.emplace_back(rank, std::move(pieces));
+    };
+  }
+};
+
+using Pieces = std::vector<std::int64_t>;
+
+}  // namespace
+
+TEST_CASE("Outbox.TwoMessagesForOneRankGoAsOneLinkMessageAtOnceInOrder") {
+  static_assert(Outbox::per_link_message == 2, "Link::max_message holds two actor messages");
+  Outbox box(4);
+  Sent sent;
+  box.add(to_rank(1, 10), 100, sent.sink());
+  box.add(to_rank(2, 20), 200, sent.sink());
+  CHECK(sent.messages.empty());
+  CHECK_FALSE(box.empty());
+  CHECK(box.since() == 100);
+  box.add(to_rank(1, 11), 300, sent.sink());  // rank 1's pair is full: it goes now
+  REQUIRE(sent.messages.size() == 1);
+  CHECK(sent.messages[0].first == 1);
+  CHECK(sent.messages[0].second == Pieces{10, 11});
+  box.add(to_rank(1, 12), 400, sent.sink());
+  box.add(to_rank(2, 21), 500, sent.sink());
+  REQUIRE(sent.messages.size() == 2);
+  CHECK(sent.messages[1].first == 2);
+  CHECK(sent.messages[1].second == Pieces{20, 21});
+  // Rank 1's third message still waits; since() is no younger than the oldest held.
+  CHECK_FALSE(box.empty());
+  CHECK(box.since() <= 400);
+}
+
+TEST_CASE("Outbox.FlushHandsOnWhatIsHeldOneLinkMessagePerRankOldestFirst") {
+  Outbox box(8);
+  Sent sent;
+  box.add(to_rank(5, 1), 1, sent.sink());
+  box.add(to_rank(0, 2), 2, sent.sink());
+  box.add(to_rank(7, 3), 3, sent.sink());
+  box.flush(sent.sink());
+  CHECK(box.empty());
+  REQUIRE(sent.messages.size() == 3);
+  CHECK(sent.messages[0] == std::pair<std::uint32_t, Pieces>{5, {1}});
+  CHECK(sent.messages[1] == std::pair<std::uint32_t, Pieces>{0, {2}});
+  CHECK(sent.messages[2] == std::pair<std::uint32_t, Pieces>{7, {3}});
+  box.flush(sent.sink());  // nothing left: nothing sent
+  CHECK(sent.messages.size() == 3);
+  // Empty again, the next message starts the clock afresh.
+  box.add(to_rank(5, 4), 50, sent.sink());
+  CHECK(box.since() == 50);
+}
+
+TEST_CASE("Outbox.FlushToOneRankLeavesTheOthersWaiting") {
+  Outbox box(3);
+  Sent sent;
+  box.add(to_rank(1, 1), 1, sent.sink());
+  box.add(to_rank(2, 2), 2, sent.sink());
+  box.flush_to(2, sent.sink());
+  REQUIRE(sent.messages.size() == 1);
+  CHECK(sent.messages[0] == std::pair<std::uint32_t, Pieces>{2, {2}});
+  box.flush_to(2, sent.sink());  // nothing held for 2 now
+  box.flush_to(9, sent.sink());  // nor for a rank outside the job
+  CHECK(sent.messages.size() == 1);
+  CHECK_FALSE(box.empty());
+  box.add(to_rank(2, 3), 3, sent.sink());
+  box.add(to_rank(1, 4), 4, sent.sink());  // pairs with rank 1's first
+  REQUIRE(sent.messages.size() == 2);
+  CHECK(sent.messages[1] == std::pair<std::uint32_t, Pieces>{1, {1, 4}});
+  box.flush(sent.sink());
+  REQUIRE(sent.messages.size() == 3);
+  CHECK(sent.messages[2] == std::pair<std::uint32_t, Pieces>{2, {3}});
+  CHECK(box.empty());
+}
+
+TEST_CASE("Outbox.AMessageForARankOutsideTheJobGoesAloneAtOnce") {
+  // The link refuses it with its own error; the outbox neither holds it nor writes past its end.
+  Outbox box(2);
+  Sent sent;
+  box.add(to_rank(2, 7), 1, sent.sink());
+  REQUIRE(sent.messages.size() == 1);
+  CHECK(sent.messages[0] == std::pair<std::uint32_t, Pieces>{2, {7}});
+  CHECK(box.empty());
+}
+
+TEST_CASE("Outbox.KeepsEachRanksOrderOverManyMessages") {
+  Outbox box(4);
+  Sent sent;
+  std::mt19937 rng(7);
+  std::vector<std::int64_t> next(4, 0);
+  for (int i = 0; i < 1000; ++i) {
+    const auto r = static_cast<std::uint16_t>(rng() % 4);
+    box.add(to_rank(r, next[r]++), static_cast<std::uint64_t>(i), sent.sink());
+    if (rng() % 17 == 0) box.flush_to(static_cast<std::uint32_t>(rng() % 4), sent.sink());
+    if (rng() % 53 == 0) box.flush(sent.sink());
+  }
+  box.flush(sent.sink());
+  std::vector<std::int64_t> seen(4, 0);
+  for (const auto& [rank, pieces] : sent.messages) {
+    CHECK(pieces.size() <= Outbox::per_link_message);
+    for (std::int64_t p : pieces) CHECK(p == seen[rank]++);
+  }
+  CHECK(seen == next);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Mailbox: the queue
 
 namespace {
@@ -229,6 +359,15 @@ TEST_CASE("Mailbox.ManyProducersEachArriveOnceInOrderWhileOwnerParks" * doctest:
 
 // ---------------------------------------------------------------------------------------------
 // Mailbox: the state machine
+
+TEST_CASE("Mailbox.EmptyOnlyWithNothingQueued") {
+  Mailbox mb(4);
+  CHECK(mb.empty());
+  mb.push(make_message(1, 1));
+  CHECK_FALSE(mb.empty());
+  REQUIRE(mb.try_pop());
+  CHECK(mb.empty());
+}
 
 TEST_CASE("Mailbox.FreshMailboxIsRunning") {
   Mailbox mb;

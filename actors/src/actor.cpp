@@ -325,6 +325,9 @@ void Actor::advance() {
                                                              : ActorActivity::backpressured);
       return;
     }
+    // Messages held for other ranks wait through this act only if it is expected to be brief
+    // (RuntimeSettings::hold_messages_ns); its work is timed to tell for the next one.
+    worker_->before_act(brief_);
     act();
     if (lane_ != nullptr) pass_turn(true);
     // A dry run stops here once its budget is spent: a source whose registers nobody reads
@@ -353,7 +356,8 @@ void Actor::act() {
     out_view_[o] = &out.buffers[out_slot(out)];
   }
   if (!core_.dry_run) {
-    const std::uint64_t kernel_start = core_.settings.time_accounting ? ticks() : 0;
+    const bool clocked = core_.settings.time_accounting || worker_->holds_messages();
+    const std::uint64_t kernel_start = clocked ? ticks() : 0;
     try {
       if (stream_ordered_) {
         // Stream order covers what this stream wrote and read; what other streams did, events.
@@ -400,7 +404,11 @@ void Actor::act() {
                              baton::name(desc_.kind), desc_.op, id_.str(), k, e.what()));
       return;
     }
-    if (core_.settings.time_accounting) bump(counters_.kernel_ticks, ticks() - kernel_start);
+    if (clocked) {
+      const std::uint64_t took = ticks() - kernel_start;
+      if (core_.settings.time_accounting) bump(counters_.kernel_ticks, took);
+      brief_ = worker_->brief(took);
+    }
   }
   acts_ = k + 1;
   if (core_.dry_run) core_.count_dry_act(index_, acts_);
@@ -572,6 +580,7 @@ void Actor::act_transfer() {
   const std::int64_t k = acts_;
   const auto slot = static_cast<std::uint16_t>(k % out.slots);
   Tensor& dest = out.buffers[slot];
+  const std::uint64_t copy_start = worker_->holds_messages() ? ticks() : 0;  // brief_, below
   // The activity log records a pull from here to its landing (on_pulled); 0: not logged.
   pull_started_[slot] = core_.activity_log.load(std::memory_order_relaxed) ? steady_ns() : 0;
   std::uint16_t pulls = 0;
@@ -615,6 +624,7 @@ void Actor::act_transfer() {
     at += bytes;
   }
   pulls_left_[slot] = pulls;
+  if (worker_->holds_messages()) brief_ = worker_->brief(ticks() - copy_start);
   if (pulls == 0) landed(slot);  // nothing to wait for
 }
 
@@ -764,12 +774,16 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
       }
       m.kind = MsgKind::request_mapped;
       if (core_.settings.record_handshakes) core_.record(m);
+      worker_->flush_outbox_to(consumer.id.rank());
+      worker_->count_link_message();
       core_.send_remote_mapped(m, *in_shared);
       return;
     }
     if (consumer.way == Consumer::Way::inline_payload) {
       m.kind = MsgKind::request_inline;
       if (core_.settings.record_handshakes) core_.record(m);
+      worker_->flush_outbox_to(consumer.id.rank());
+      worker_->count_link_message();
       core_.send_remote(m, data, consumer.bytes);
       return;
     }

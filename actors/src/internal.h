@@ -23,6 +23,7 @@
 #include "baton/actors/mailbox.h"
 #include "baton/actors/message.h"
 #include "baton/actors/metrics.h"
+#include "baton/actors/outbox.h"
 #include "baton/actors/plan.h"
 #include "baton/actors/runtime.h"
 #include "baton/actors/settings.h"
@@ -348,6 +349,9 @@ class Actor {
   std::map<std::int64_t, std::vector<const StreamEvent*>> repeat_done_;
   bool finished_ = false;
   bool retired_ = false;
+  /// Its last act took less than RuntimeSettings::hold_messages_ns (timed only where messages
+  /// are held): its worker's held messages may wait through the next.
+  bool brief_ = false;
   ActorActivity activity_ = ActorActivity::starved;
   std::uint64_t since_ = 0;
   ActorCounters counters_;
@@ -364,7 +368,7 @@ class Worker {
   /// to another thread's through its mailbox.
   void send(Worker* to, const Message& m) {
     if (to == nullptr) {
-      core_send_remote(m);
+      send_remote(m);
     } else if (to == this) {
       local_.push(m);
     } else {
@@ -373,9 +377,37 @@ class Worker {
   }
   /// Any thread.
   void post(const Message& m) { mailbox_.push(m); }
+  /// The data plane's handlers, on whichever thread progresses the link: a message from another
+  /// rank. Straight into the local queue where that thread is this worker's own (it polled the
+  /// link while idle) and nothing from before waits in the mailbox, which it would overtake;
+  /// else into the mailbox.
+  void deliver(const Message& m);
   /// Deterministic mode, before drain(): queue a message behind the ones already queued.
   void enqueue_local(const Message& m) { local_.push(m); }
   void close() { mailbox_.close(); }
+  /// Owner thread, before an act: sends what the outbox holds unless the act is expected to be
+  /// brief (its actor's last act was) and nothing held has waited long
+  /// (RuntimeSettings::hold_messages_ns).
+  void before_act(bool brief) {
+    if (!outbox_.empty() && (!brief || ticks() - outbox_.since() >= hold_ticks_)) flush_outbox();
+  }
+  /// Owner thread: whether an act that took `act_ticks` counts as brief.
+  bool brief(std::uint64_t act_ticks) const { return act_ticks < hold_ticks_; }
+  /// Whether messages to other ranks may wait in the outbox (then acts are timed for brief()).
+  bool holds_messages() const { return hold_ticks_ > 0; }
+  /// Owner thread: sends everything the outbox holds.
+  void flush_outbox();
+  /// Owner thread: before a message goes to `rank` another way (with its payload, or saying
+  /// where it lies): what the outbox holds for that rank goes first, in order.
+  void flush_outbox_to(std::uint32_t rank);
+  /// Owner thread: a message to another rank went in a link message of its own, with what it
+  /// needs (its payload, where its piece lies).
+  void count_link_message() {
+    ++messages_to_other_ranks_;
+    ++link_messages_;
+  }
+  std::uint64_t messages_to_other_ranks() const { return messages_to_other_ranks_; }
+  std::uint64_t link_messages() const { return link_messages_; }
   /// Threaded mode: loops until closed.
   void run();
   /// Deterministic mode: processes messages until none is left (or the run failed).
@@ -396,13 +428,22 @@ class Worker {
 
  private:
   void dispatch(const Message& m);
-  void core_send_remote(const Message& m);
+  void send_remote(const Message& m);
+  void send_link_message(const Message* messages, std::size_t n);
+  /// After a dispatch: with no local work left, nothing held waits any longer.
+  void after_dispatch() {
+    if (local_.empty() && !outbox_.empty()) flush_outbox();
+  }
 
   Core& core_;
   Device device_;
   std::uint8_t stream_;
   Mailbox mailbox_;
   LocalQueue local_;
+  Outbox outbox_;
+  std::uint64_t hold_ticks_ = 0;  // RuntimeSettings::hold_messages_ns in ticks; 0: hold nothing
+  std::uint64_t messages_to_other_ranks_ = 0;  // owner thread; read once the threads are joined
+  std::uint64_t link_messages_ = 0;
   std::thread thread_;
   std::atomic<std::uint64_t> messages_{0};
   std::uint16_t index_;
@@ -441,8 +482,13 @@ struct Core : transport::LinkHandler {
   void on_message_with_payload(std::uint32_t from_rank, const void* data, std::size_t size, const void* payload,
                                std::size_t payload_size) override;
   void on_payload(std::uint64_t cookie) override;
+  /// Several plain messages in one link message (Worker's outbox).
+  void on_messages(std::uint32_t from_rank, const void* data, std::size_t size);
   void on_link_error(const std::string& reason) override;
   void send_remote(const Message& m, const void* payload = nullptr, std::size_t payload_size = 0);
+  /// `n` messages for actors of one other rank (Outbox::per_link_message at most) in one link
+  /// message, in order.
+  void send_remote_batch(const Message* m, std::size_t n);
   /// A request_mapped: `m` and where its piece lies.
   void send_remote_mapped(const Message& m, const transport::SharedLocation& at);
   /// Where [data, data + bytes) lies in this rank's shared memory, if a reader on `rank` can

@@ -33,6 +33,8 @@ std::optional<Message> Mailbox::try_pop() {
   return std::nullopt;
 }
 
+bool Mailbox::empty() const { return queue_->q.empty(); }
+
 std::optional<Message> Mailbox::park() {
   State expected = State::running;
   if (!state_.compare_exchange_strong(expected, State::parking, std::memory_order_acq_rel)) {

@@ -34,9 +34,20 @@ struct Worker::Ring {
   boost::lockfree::spsc_queue<ActRecord> q{activity_ring_capacity};
 };
 
+namespace {
+
+std::uint32_t world_of(const Core& core) {
+  return core.settings.link != nullptr && !core.dry_run ? core.settings.link->world_size() : 0;
+}
+
+}  // namespace
+
 Worker::Worker(Core& core, Device device, std::uint8_t stream, std::size_t mailbox_capacity, std::uint16_t index)
-    : core_(core), device_(device), stream_(stream), mailbox_(mailbox_capacity), index_(index) {
+    : core_(core), device_(device), stream_(stream), mailbox_(mailbox_capacity), outbox_(world_of(core)), index_(index) {
   if (core.settings.activity_log) ring_ = std::make_unique<Ring>();
+  if (world_of(core) > 1 && core.settings.hold_messages_ns > 0) {
+    hold_ticks_ = std::max<std::uint64_t>(1, static_cast<std::uint64_t>(core.settings.hold_messages_ns / ns_per_tick()));
+  }
 }
 
 Worker::~Worker() = default;
@@ -61,9 +72,43 @@ void Worker::dispatch(const Message& m) {
   core_.actor(m.dst)->on_message(m);
 }
 
-void Worker::core_send_remote(const Message& m) { core_.send_remote(m); }
+void Worker::send_link_message(const Message* messages, std::size_t n) {
+  messages_to_other_ranks_ += n;
+  ++link_messages_;
+  core_.send_remote_batch(messages, n);
+}
+
+void Worker::send_remote(const Message& m) {
+  auto send = [this](std::uint32_t, const Message* messages, std::size_t n) { send_link_message(messages, n); };
+  if (hold_ticks_ == 0) return send(m.dst.rank(), &m, 1);
+  outbox_.add(m, ticks(), send);
+}
+
+void Worker::flush_outbox() {
+  outbox_.flush([this](std::uint32_t, const Message* messages, std::size_t n) { send_link_message(messages, n); });
+}
+
+void Worker::flush_outbox_to(std::uint32_t rank) {
+  outbox_.flush_to(rank, [this](std::uint32_t, const Message* messages, std::size_t n) { send_link_message(messages, n); });
+}
+
+namespace {
+
+/// The worker whose run() this thread is in, if any.
+thread_local Worker* this_thread_worker = nullptr;
+
+}  // namespace
+
+void Worker::deliver(const Message& m) {
+  if (this_thread_worker == this && mailbox_.empty()) {
+    local_.push(m);
+  } else {
+    mailbox_.push(m);
+  }
+}
 
 void Worker::run() {
+  this_thread_worker = this;
   const int spin_polls = core_.settings.spin_polls;
   const int yield_every = core_.settings.spin_yield_every;
   const bool busy_poll = core_.busy_poll;
@@ -72,13 +117,15 @@ void Worker::run() {
   while (!mailbox_.closed()) {
     if (auto m = local_.pop()) {
       dispatch(*m);
+      after_dispatch();
       idle = 0;
     } else if (auto mm = mailbox_.try_pop()) {
       dispatch(*mm);
+      after_dispatch();
       idle = 0;
     } else if (link != nullptr && link->poll()) {
       // An idle worker progresses the data plane itself: what arrives for its actors lands in
-      // its own mailbox with no hand-off.
+      // its own local queue (deliver) with no hand-off.
       idle = 0;
     } else if (++idle < spin_polls || busy_poll) {
       if (idle >= spin_polls) idle = 0;
@@ -92,17 +139,23 @@ void Worker::run() {
     } else {
       idle = 0;
       if (link != nullptr) link->idle();  // the data plane's own thread takes the watch
-      if (auto parked = mailbox_.park()) dispatch(*parked);
+      if (auto parked = mailbox_.park()) {
+        dispatch(*parked);
+        after_dispatch();
+      }
     }
   }
+  this_thread_worker = nullptr;
 }
 
 void Worker::drain() {
   while (!core_.failed() && !core_.dry_budget_spent()) {
     if (auto m = local_.pop()) {
       dispatch(*m);
+      after_dispatch();
     } else if (auto mm = mailbox_.try_pop()) {
       dispatch(*mm);
+      after_dispatch();
     } else {
       return;
     }
@@ -250,6 +303,16 @@ void Core::send_remote(const Message& m, const void* payload, std::size_t payloa
   }
 }
 
+void Core::send_remote_batch(const Message* m, std::size_t n) {
+  if (n == 1) return send_remote(*m);
+  if (settings.link == nullptr) return send_remote(*m);  // which fails, saying why
+  try {
+    settings.link->send(m->dst.rank(), m, n * sizeof *m);
+  } catch (const std::exception& e) {
+    fail(fmt::format("could not send {} messages ({}, ...) to rank {}: {}", n, name(m->kind), m->dst.rank(), e.what()));
+  }
+}
+
 void Core::send_remote_mapped(const Message& m, const transport::SharedLocation& at) {
   const MappedRequest r{m, at};
   try {
@@ -289,6 +352,9 @@ void Core::on_message_with_payload(std::uint32_t from_rank, const void* data, st
     return;
   }
   std::memcpy(&m, data, sizeof m);
+  if (size > sizeof m && m.kind != MsgKind::request_mapped && payload_size == 0) {
+    return on_messages(from_rank, data, size);
+  }
   const std::size_t expected = m.kind == MsgKind::request_mapped ? sizeof(MappedRequest) : sizeof m;
   if (size != expected) {
     fail(fmt::format("rank {} sent a {} of {} bytes; it has {}", from_rank, name(m.kind), size, expected));
@@ -319,7 +385,28 @@ void Core::on_message_with_payload(std::uint32_t from_rank, const void* data, st
       return;
     }
   }
-  a->worker()->post(m);
+  a->worker()->deliver(m);
+}
+
+// Several messages in one (Worker's outbox): none of them with a payload or a location.
+void Core::on_messages(std::uint32_t from_rank, const void* data, std::size_t size) {
+  if (size % sizeof(Message) != 0 || size / sizeof(Message) > Outbox::per_link_message) {
+    fail(fmt::format("rank {} sent {} bytes: neither one actor message nor up to {} of {} bytes each", from_rank, size,
+                     Outbox::per_link_message, sizeof(Message)));
+    return;
+  }
+  for (std::size_t at = 0; at < size; at += sizeof(Message)) {
+    Message m;
+    std::memcpy(&m, static_cast<const std::byte*>(data) + at, sizeof m);
+    if (m.kind == MsgKind::request_inline || m.kind == MsgKind::request_mapped) {
+      fail(fmt::format("rank {} sent a {} for {} among other messages, without what it needs", from_rank, name(m.kind),
+                       m.dst.str()));
+      return;
+    }
+    Actor* a = receiver(from_rank, m);
+    if (a == nullptr) return;
+    a->worker()->deliver(m);
+  }
 }
 
 void Core::on_payload(std::uint64_t cookie) {
@@ -1348,6 +1435,8 @@ RunReport Runtime::run() {
   for (auto& w : core.workers) {
     report.messages += w->messages();
     report.parks += w->parks();
+    report.messages_to_other_ranks += w->messages_to_other_ranks();
+    report.link_messages += w->link_messages();
   }
   for (const auto& a : core.actors) {
     if (a) a->count_crossings(report);

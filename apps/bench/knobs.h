@@ -31,11 +31,19 @@ inline IdlePolling idle_polling() {
   return idle == "park" ? IdlePolling::park : idle == "busy_poll" ? IdlePolling::busy_poll : IdlePolling::automatic;
 }
 
-/// All three, for a benchmark's settings.
+/// RuntimeSettings::hold_messages_ns: BATON_BENCH_HOLD=NS (0: every message to another rank
+/// goes at once, alone), or the default.
+inline std::uint32_t hold_messages_ns() {
+  const char* s = std::getenv("BATON_BENCH_HOLD");
+  return s != nullptr ? static_cast<std::uint32_t>(std::atoll(s)) : RuntimeSettings{}.hold_messages_ns;
+}
+
+/// All four, for a benchmark's settings.
 inline void apply_knobs(RuntimeSettings& s) {
   s.inline_payload_bytes = inline_payload_bytes();
   s.shared_registers = shared_registers();
   s.idle_polling = idle_polling();
+  s.hold_messages_ns = hold_messages_ns();
 }
 
 }  // namespace baton::bench

@@ -35,6 +35,9 @@ class Mailbox {
   void push(const Message& m);
   /// Owner thread.
   std::optional<Message> try_pop();
+  /// Owner thread: nothing is queued that was pushed before what this thread has seen (a
+  /// push racing with the call may or may not count).
+  bool empty() const;
   /// Owner thread: sleeps until a push() or close(). Returns at once, with the message, if
   /// one was already queued; at once, with nothing, if the mailbox is closed.
   std::optional<Message> park();

@@ -83,6 +83,11 @@ struct RunReport {
   /// Messages delivered, and how often a worker went to sleep for want of one.
   std::uint64_t messages = 0;
   std::uint64_t parks = 0;
+  /// Messages this rank's actors sent to actors on other ranks (requests, acks, ends of stream),
+  /// and the link messages they went in: fewer where two for one rank went as one
+  /// (RuntimeSettings::hold_messages_ns).
+  std::uint64_t messages_to_other_ranks = 0;
+  std::uint64_t link_messages = 0;
   /// What idle workers did (RuntimeSettings::idle_polling) and why: "busy-polling: 2 workers x 2
   /// ranks on this host < 16 cores", "parking: ...".
   std::string idle_polling;

@@ -72,6 +72,16 @@ struct RuntimeSettings {
   /// host (Link::shares_memory_with). Each rank decides for what it sends; a receiver takes
   /// either. Before inline payloads: a piece that can be read in place is not sent at all.
   bool shared_registers = true;
+  /// A message for an actor on another rank may wait this long for a second one to the same
+  /// rank, so that both go as one link message (baton/actors/outbox.h): an act usually sends a
+  /// rank both the request for its output and the ack of its input, and sent apart they cost
+  /// the hop two sends and two receives. A held message goes before any act of its worker
+  /// whose actor's last act took longer than this (so it never waits behind a kernel that
+  /// takes long), once one held message has waited this long, and whenever the worker has no
+  /// local work left. 0: every message goes at once, alone. 1 µs: about twice what one send
+  /// over shared memory costs here (measured, 2026-11-27), so a message is at most a few
+  /// microseconds late where it would have been sent alone.
+  std::uint32_t hold_messages_ns = 1000;
   /// After spin_polls: busy-poll or park (see IdlePolling). RunReport::idle_polling says which
   /// was chosen and why.
   IdlePolling idle_polling = IdlePolling::automatic;
