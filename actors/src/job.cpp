@@ -77,6 +77,9 @@ JobEnvironment JobEnvironment::from_env() {
     if (s != "0" && s != "1") throw std::invalid_argument(fmt::format("BATON_SHARED_REGISTERS='{}': 0 or 1", s));
     env.shared_registers = s == "1";
   }
+  if (const char* hold = std::getenv("BATON_HOLD_MESSAGES_NS"); hold != nullptr && *hold != '\0') {
+    env.hold_messages_ns = parse_number("BATON_HOLD_MESSAGES_NS", hold);
+  }
   if (const char* local = std::getenv("BATON_LOCAL_WORLD_SIZE")) {
     env.local_world_size = parse_number("BATON_LOCAL_WORLD_SIZE", local);
     if (env.local_world_size > env.world_size) {
@@ -238,6 +241,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     js.runtime.link = &data;
     js.runtime.store = &store;
     if (!env.shared_registers) js.runtime.shared_registers = false;
+    if (env.hold_messages_ns) js.runtime.hold_messages_ns = *env.hold_messages_ns;
     if (js.runtime.ranks_on_host == 0) {
       const std::string& here = table.at(env.rank).host;
       js.runtime.ranks_on_host = static_cast<std::uint32_t>(

@@ -837,16 +837,18 @@ int run(const Options& given) {
   }
   // Each rank's own choices: UCX's configuration, whether idle workers polled the data plane
   // or slept (RuntimeSettings::idle_polling), the cores it was bound to, the all-reduce's form,
-  // how its pieces crossed to other ranks.
+  // how its pieces crossed to other ranks, and how many link messages its handshakes took
+  // (RuntimeSettings::hold_messages_ns).
   if (env.world_size > 1) {
     const std::string hierarchy = hierarchy_note(cfg);
     fmt::print(stderr, "baton-train: r{}: data plane: {}; idle workers: {}{}{}; pieces to other ranks: {} read in "
-                       "place ({:.1f} MiB of registers in shared memory), {} inline, {} pulled\n",
+                       "place ({:.1f} MiB of registers in shared memory), {} inline, {} pulled; messages to other "
+                       "ranks: {} in {} link messages\n",
                env.rank, report.data_plane, report.idle_polling,
                report.binding.empty() ? "" : "; bound to " + report.binding,
                hierarchy.empty() ? "" : "; all-reduce: " + hierarchy, report.pieces_read_in_place,
                static_cast<double>(report.shared_register_bytes) / (1 << 20), report.pieces_inline,
-               report.pieces_pulled);
+               report.pieces_pulled, report.messages_to_other_ranks, report.link_messages);
   }
   if (!leader) return 0;  // the reporting rank speaks for the job
   print_result(o, d, job, report, env, sampler, first, tty);

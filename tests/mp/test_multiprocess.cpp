@@ -303,6 +303,38 @@ TEST_CASE("multi-process: baton-train --dp 2 over 2 ranks equals 2 in-process re
   Proc bad({xrank, "--topology", "chain"}, {{"BATON_WORLD_SIZE", "2"}, {"BATON_RANK", "0"}, {"BATON_SHARED_REGISTERS", "yes"}});
   CHECK(bad.wait(30s) != 0);
   CHECK(contains(bad.err(), "BATON_SHARED_REGISTERS='yes': 0 or 1"));
+  // Each rank says how many link messages its handshakes took: with BATON_HOLD_MESSAGES_NS=0
+  // one each, and the same training.
+  static const std::regex messages(R"(r(\d): .*messages to other ranks: (\d+) in (\d+) link messages)");
+  auto counts = [](const std::string& err) {
+    std::map<int, std::pair<long, long>> by_rank;
+    for (std::sregex_iterator it(err.begin(), err.end(), messages), end; it != end; ++it) {
+      by_rank[std::stoi((*it)[1])] = {std::stol((*it)[2]), std::stol((*it)[3])};
+    }
+    return by_rank;
+  };
+  for (const auto& [rank, n] : counts(ranks.err())) {
+    CAPTURE(rank);
+    CHECK(n.first > 0);
+    CHECK(n.second <= n.first);
+  }
+  Proc alone(with({launch, "--nproc-per-node", "2", "--", bin + "/baton-train"}, {"--dp", "2"}),
+             {{"BATON_HOLD_MESSAGES_NS", "0"}});
+  code = alone.wait(60s);
+  INFO(alone.all());
+  REQUIRE(code == 0);
+  CHECK(json_number(alone.out(), "final_loss") == c);
+  const auto one_each = counts(alone.err());
+  REQUIRE(one_each.size() == 2);
+  for (const auto& [rank, n] : one_each) {
+    CAPTURE(rank);
+    CHECK(n.first > 0);
+    CHECK(n.second == n.first);
+  }
+  Proc nonsense({xrank, "--topology", "chain"},
+                {{"BATON_WORLD_SIZE", "2"}, {"BATON_RANK", "0"}, {"BATON_HOLD_MESSAGES_NS", "1us"}});
+  CHECK(nonsense.wait(30s) != 0);
+  CHECK(contains(nonsense.err(), "BATON_HOLD_MESSAGES_NS='1us' is not a number from 0 to 65535"));
 }
 
 // ZeRO 3 over ranks pulls another rank's shard in the pass's lane just before its gather, over

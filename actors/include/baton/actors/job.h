@@ -13,6 +13,7 @@
 /// with its reason: run_job() throws on all of them.
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,9 +91,12 @@ struct JobEnvironment {
   /// (RuntimeSettings::shared_registers off for run_job), for hosts where ranks cannot open
   /// one another's /proc/<pid>/fd (other PID namespaces, /proc mounted with hidepid).
   bool shared_registers = true;
+  /// BATON_HOLD_MESSAGES_NS=N (0-65535): RuntimeSettings::hold_messages_ns for run_job (0: every
+  /// message to another rank goes at once, alone); unset: the settings' own.
+  std::optional<std::uint32_t> hold_messages_ns;
 
   /// BATON_RANK, BATON_WORLD_SIZE, BATON_LOCAL_RANK, BATON_LOCAL_WORLD_SIZE, BATON_MASTER,
-  /// BATON_JOB_TOKEN, BATON_BIND_TO, BATON_SHARED_REGISTERS. Without BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
+  /// BATON_JOB_TOKEN, BATON_BIND_TO, BATON_SHARED_REGISTERS, BATON_HOLD_MESSAGES_NS. Without BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
   /// its value if one is malformed or missing for a job of several ranks.
   static JobEnvironment from_env();
   bool distributed() const { return world_size > 1; }
