@@ -145,6 +145,10 @@ void Worker::run() {
       }
     }
   }
+  // Closed (the rank's last actor retired, or the run failed) with work left in the local ring:
+  // what its last acts sent other ranks (an end of stream, a last ack) still goes, as it did
+  // when nothing was held; the runtime joins this thread before the data plane stops.
+  flush_outbox();
   this_thread_worker = nullptr;
 }
 
