@@ -430,6 +430,10 @@ class Worker {
   void dispatch(const Message& m);
   void send_remote(const Message& m);
   void send_link_message(const Message* messages, std::size_t n);
+  /// What the outbox hands a full or flushed link message to.
+  auto sender() {
+    return [this](std::uint32_t, const Message* messages, std::size_t n) { send_link_message(messages, n); };
+  }
   /// After a dispatch: with no local work left, nothing held waits any longer.
   void after_dispatch() {
     if (local_.empty() && !outbox_.empty()) flush_outbox();

@@ -79,18 +79,13 @@ void Worker::send_link_message(const Message* messages, std::size_t n) {
 }
 
 void Worker::send_remote(const Message& m) {
-  auto send = [this](std::uint32_t, const Message* messages, std::size_t n) { send_link_message(messages, n); };
-  if (hold_ticks_ == 0) return send(m.dst.rank(), &m, 1);
-  outbox_.add(m, ticks(), send);
+  if (hold_ticks_ == 0) return send_link_message(&m, 1);
+  outbox_.add(m, ticks(), sender());
 }
 
-void Worker::flush_outbox() {
-  outbox_.flush([this](std::uint32_t, const Message* messages, std::size_t n) { send_link_message(messages, n); });
-}
+void Worker::flush_outbox() { outbox_.flush(sender()); }
 
-void Worker::flush_outbox_to(std::uint32_t rank) {
-  outbox_.flush_to(rank, [this](std::uint32_t, const Message* messages, std::size_t n) { send_link_message(messages, n); });
-}
+void Worker::flush_outbox_to(std::uint32_t rank) { outbox_.flush_to(rank, sender()); }
 
 namespace {
 
@@ -308,8 +303,7 @@ void Core::send_remote(const Message& m, const void* payload, std::size_t payloa
 }
 
 void Core::send_remote_batch(const Message* m, std::size_t n) {
-  if (n == 1) return send_remote(*m);
-  if (settings.link == nullptr) return send_remote(*m);  // which fails, saying why
+  if (n == 1 || settings.link == nullptr) return send_remote(*m);  // without a link: fails, saying why
   try {
     settings.link->send(m->dst.rank(), m, n * sizeof *m);
   } catch (const std::exception& e) {

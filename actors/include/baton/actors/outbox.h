@@ -53,12 +53,8 @@ class Outbox {
   /// Hands every held message to `send`, a link message per rank.
   template <class Send>
   void flush(Send&& send) {
-    // Cleared first: `send` may fail the run, and what it was handed is gone either way.
-    std::vector<std::uint32_t> ranks;
-    ranks.swap(ranks_);
-    for (std::uint32_t r : ranks) take(r, send);
-    ranks.clear();
-    ranks_.swap(ranks);  // keep the capacity
+    for (std::uint32_t r : ranks_) take(r, send);
+    ranks_.clear();
   }
 
   /// Hands the messages held for `rank` to `send` (before something else goes to that rank
