@@ -45,9 +45,11 @@ packages=(
 
 # Only the tests need these: the dashboard's browser test drives headless Chromium, the
 # checkpoint test reads a file with python3, and bench.gpu.reference runs PyTorch (Debian's
-# python3-torch, for /usr/bin/python3). Without them those tests skip, and under CI=true a skip
-# of anything but a GPU fails (tests/skip.h), so CI must install them.
-test_packages=(chromium python3 python3-torch)
+# python3-torch, for /usr/bin/python3), and the Slurm tests start a one-node cluster of their own
+# (slurm-wlm's slurmctld and slurmd, munge; tests/slurm/cluster.sh). Without them those tests
+# skip, and under CI=true a skip of anything but a GPU fails (tests/skip.h), so CI must install
+# them.
+test_packages=(chromium python3 python3-torch libtorch-dev slurm-wlm munge)
 
 install_missing() {
   local missing=()
@@ -149,7 +151,7 @@ build() {
 # compiles in about 60% of -O2's time under ASan (tests/test_dashboard.cpp: 162 s against 280 s
 # on an Intel Xeon KVM), and the tests they run are short now that validation is.
 sanitizer_debug_flags="-O1 -g1 -DNDEBUG"
-asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-sample-tests baton-skip-selftest hello_mlp custom_op)
+asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-sample-tests baton-slurm-tests baton-skip-selftest hello_mlp custom_op)
 
 sanitize() {
   install_missing python3  # the checkpoint test's independent reader (a failure under CI without it)

@@ -27,6 +27,7 @@ enum class Missing {
   network_namespaces,  // `ip netns` refused, or iproute2 missing
   sshd,                // openssh-server / openssh-client
   mpirun,              // openmpi-bin
+  slurm,               // a one-node Slurm cluster (root, slurm-wlm and munge: tests/slurm/cluster.sh)
   python3,             // a python3 on PATH
   torch,               // python3 without PyTorch (Debian: python3-torch)
   chromium,            // the browser test's headless Chromium
@@ -39,7 +40,7 @@ enum class Missing {
 /// none, and the CPU build still compiles and checks the CUDA path's host side. IPv6 too: a
 /// container runtime may start CI with IPv6 switched off (Docker does without --ipv6), which
 /// nothing run inside it can change. Everything else CI has: it runs as root, with network
-/// namespaces, and scripts/run.sh installs openssh, openmpi, python3-torch and chromium and
+/// namespaces, and scripts/run.sh installs openssh, openmpi, slurm-wlm and munge, python3-torch and chromium and
 /// fetches the data.
 constexpr bool allowed_in_ci(Missing what) {
   switch (what) {

@@ -151,6 +151,14 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "baton-launch: {}\nRun with --help for more information.\n", e.what());
     return 2;
   }
+  // Under srun or mpirun, say once (task 0) what was adopted: a user whose job does not form
+  // sees at a glance whether the scheduler's layout was read as they meant.
+  if (!plan.scheduler.empty() && plan.node_rank == 0) {
+    fmt::print(stderr, "baton-launch: {}'s layout: {} task{} of {} rank{} each, {} rank{} in all; master {}\n",
+               plan.scheduler, plan.nnodes, plan.nnodes == 1 ? "" : "s", plan.nproc_per_node,
+               plan.nproc_per_node == 1 ? "" : "s", plan.world_size(), plan.world_size() == 1 ? "" : "s",
+               plan.master.empty() ? "(this process alone)" : plan.master);
+  }
   if (!dashboard.listen.empty() && plan.node_rank != 0) {
     fmt::print(stderr, "baton-launch: --dashboard: node {} leaves the dashboard to node 0\n", plan.node_rank);
     dashboard.listen.clear();

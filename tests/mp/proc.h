@@ -2,7 +2,9 @@
 // A child process for the multi-process tests: started with extra environment, its stdout and
 // stderr collected, every wait with a deadline (a hung child is killed, never waited for).
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -142,6 +145,21 @@ inline bool process_alive(pid_t pid) {
   std::string stat(buf, n);
   auto close_paren = stat.rfind(')');
   return close_paren != std::string::npos && close_paren + 2 < stat.size() && stat[close_paren + 2] != 'Z';
+}
+
+/// A TCP port nobody listens to on 127.0.0.1 (the kernel picks it), for BATON_MASTER: the
+/// schedulers' default, 29500, may be taken. 0 where no socket could be had.
+inline std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof address;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0;
+  ::close(fd);
+  return ok ? ntohs(address.sin_port) : 0;
 }
 
 /// The number after the last `"key": ` in `text` (a JSON line a program printed); NaN if none.
