@@ -21,11 +21,6 @@
 //   baton-bench-allreduce --direct-below-kib K   auto's crossover: direct below K KiB
 //   baton-bench-allreduce --bind core|none       both sides' ranks on a core each, or not bound
 //   baton-bench-allreduce --algorithm two_hop    the earlier split / owner-sums / concat form
-//   baton-bench-allreduce --slice    each chain's first hop copies the segment out and pulls
-//                                    the copy (before 2026-11-27), against pulling its window
-//   baton-bench-allreduce --concat   each member's result: a transfer per remote sum, then a
-//                                    concat copies every sum (the earlier form), against one
-//                                    transfer pulling each sum into its place in the result
 //   baton-bench-allreduce --unfused  each hop from another rank: a transfer copies the partial
 //                                    into a register, then an add reads it (before late 2026-11-27),
 //                                    against one reducing transfer that adds as it reads
@@ -311,7 +306,7 @@ int parse(int argc, char** argv, Options& o) {
   auto usage = [](int code) {
     fmt::print(stderr,
                "usage: baton-bench-allreduce [--quick] [--no-reference] [--algorithm auto|ring|two_hop|direct]\n"
-               "                             [--direct-below-kib K] [--bind core|none] [--slice] [--concat] [--unfused]\n"
+               "                             [--direct-below-kib K] [--bind core|none] [--unfused]\n"
                "                             [--segment-kib K] [--max-segments S] [--ranks N]... [--min-kib A]\n"
                "                             [--max-mib B] [--hosts 2 [--link-gbit G]] [--allow-load]\n{}",
                bench::allow_load_usage);
@@ -345,10 +340,6 @@ int parse(int argc, char** argv, Options& o) {
         return 2;
       }
       o.bind = b == "core";
-    } else if (a == "--slice") {
-      o.settings.pull_windows = false;
-    } else if (a == "--concat") {
-      o.settings.gather_in_place = false;
     } else if (a == "--unfused") {
       o.settings.fuse_receive_add = false;
     } else if (a == "--segment-kib" && has_value) {
@@ -447,9 +438,7 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
                                                                                     : "received, then added");
       if (algorithm == "ring") {
         line.add("segments", allreduce_segments(bytes / 4, DType::f32, n, settings))
-            .add("segment_kib", settings.segment_bytes >> 10)
-            .add("first_hop", settings.pull_windows ? "window pulled from the input" : "slice copied, then pulled")
-            .add("gather", settings.gather_in_place ? "pulled into the result" : "pulled, then concatenated");
+            .add("segment_kib", settings.segment_bytes >> 10);
       }
       line.add("inline_payload_bytes", static_cast<std::int64_t>(bench::inline_payload_bytes()))
           .add("shared_registers", bench::shared_registers());
@@ -482,8 +471,6 @@ int main(int argc, char** argv) {
                                  std::to_string(settings.direct_below_bytes), "--segment-kib",
                                  std::to_string(settings.segment_bytes >> 10), "--max-segments",
                                  std::to_string(settings.max_segments)};
-  if (!settings.pull_windows) knobs.push_back("--slice");
-  if (!settings.gather_in_place) knobs.push_back("--concat");
   if (!settings.fuse_receive_add) knobs.push_back("--unfused");
   if (o.across_hosts) return across_two_hosts(self, ref, knobs, o.quick, o.reference, o.min_bytes, o.max_bytes, o.link_gbit);
   return on_one_host(self, ref, knobs, o);

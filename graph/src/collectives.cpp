@@ -467,8 +467,7 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
       };
       if (n > 1 && fused(next, input_window(plan, next, offset, count).first)) {
         // The next member reads the segment's window of the input where it lies.
-      } else if (settings.pull_windows && n > 1 && first.where.rank != next.where.rank && wire == dtype &&
-                 partial.size() == 1) {
+      } else if (n > 1 && first.where.rank != next.where.rank && wire == dtype && partial.size() == 1) {
         // Only the segment travels: the next member pulls its window straight from the input's
         // slot (no slice copied out first).
         const std::string segment = fmt::format("{}.segment{}{}", name, piece, next.suffix);
@@ -665,8 +664,8 @@ std::vector<RegisterIndex> add_allreduce(Plan& plan, const std::string& name, co
     const bool host = std::all_of(sums[i].begin(), sums[i].end(), [&](RegisterIndex r) {
       return !is_async(plan.actors.at(plan.registers.at(r).producer).where.device.type);
     });
-    const bool in_place = settings.gather_in_place && remote && host && !is_async(m.where.device.type) &&
-                          settings.wire.value_or(dtype) == dtype && ins.size() <= max_transfer_inputs;
+    const bool in_place = remote && host && !is_async(m.where.device.type) && settings.wire.value_or(dtype) == dtype &&
+                          ins.size() <= max_transfer_inputs;
     plan.add_actor({.name = name + ".gather" + m.suffix, .kind = in_place ? ActorKind::transfer : ActorKind::compute,
                     .op = in_place ? "transfer" : "allreduce.concat", .dtype = dtype, .where = m.where,
                     .inputs = std::move(ins), .outputs = {results.back()}, .attrs = {{"allreduce", name}},

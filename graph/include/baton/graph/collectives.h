@@ -6,20 +6,25 @@
 /// (chunk, segment) the reduce-scatter is a chain of N-1 add actors hopping around the ring
 /// from member c+1 to member c: the actor on member c+k adds its member's own segment, read in
 /// place out of the member's input register, to the partial sum it received from member
-/// c+k-1. The chain's first partial is a copy of member c+1's segment (a slice actor) when the
-/// next hop is on another rank, so that only the segment travels; on the same rank the first
-/// add reads it in place. A hop from another rank is one reducing transfer that adds as it
-/// receives (AllReduceSettings::fuse_receive_add), and its first reads the segment's window of
-/// member c+1's input where it lies, no slice. The S segments of a chunk pipeline: segment s+1 is sliced and sent
-/// while segment s is being added one hop further on.
+/// c+k-1. Only the segment travels: where the chain's first hop crosses ranks, the next member
+/// pulls the segment's window of member c+1's input straight from its slot (a transfer of a
+/// window, ActorDesc::window); on the same rank the first add reads it in place. A hop from
+/// another rank is one reducing transfer that adds as it receives
+/// (AllReduceSettings::fuse_receive_add), and its first reads the segment's window of member
+/// c+1's input where it lies. Compressed sums, and inputs in parts whose segment spans two
+/// registers, copy the segment out first (a slice actor). The S segments of a chunk pipeline:
+/// segment s+1 is sent while segment s is being added one hop further on.
 ///
 /// All-gather: member c's finished sum of each of its segments goes straight to every other
 /// member (N-1 transfers that pull it concurrently), not around the ring. Each member sends
 /// and receives the same (N-1)/N of the tensor either way; the direct form has one hop of
 /// latency instead of N-1 and needs no relay actor (a relay on this transport is a second
 /// copy: a transfer writes only its own register). Chosen on that reasoning; a ring
-/// all-gather has not been built to measure against it. Each member's gather actor then
-/// copies the N*S sums into its result register.
+/// all-gather has not been built to measure against it. Each member's gather is one transfer
+/// that pulls each remote sum straight into its place in the result (a gathering transfer) and
+/// copies those of its own rank there; members on a CUDA device, compressed sums (widened to
+/// f32 there) and results of sums all on the member's own rank copy the N*S sums into the
+/// result with a concat actor instead.
 ///
 /// Every member ends with the same bits: each element's sum is made once, by one chain, in
 /// the chain's fixed order (member c+1, c+2, ..., c). Members on other ranks are reached
@@ -104,12 +109,6 @@ struct AllReduceSettings {
   std::int64_t max_segments = 16;
   /// Slots of every partial and sum register: how many segments may be in flight on one hop.
   std::int32_t slots = 2;
-  /// Where a chain's first hop crosses ranks, the next member pulls the segment's window of the
-  /// first member's input straight from its slot (a transfer of a window, ActorDesc::window).
-  /// False: the first member slices the segment out of its input and the slice crosses (the
-  /// form before 2026-11-27, kept to measure the difference: baton-bench-allreduce --slice).
-  /// Compressed sums and inputs in parts whose segment spans two registers always slice.
-  bool pull_windows = true;
   /// A hop whose partial sum comes from another rank is one reducing transfer (ActorKind::
   /// transfer, op "transfer.add"): the member adds its own segment to the partial as it reads
   /// it, in the previous member's slot between ranks of one host (or as it arrives inline),
@@ -124,14 +123,6 @@ struct AllReduceSettings {
   /// transfer, then the add (the form before late 2026-11-27, kept to measure:
   /// baton-bench-allreduce --unfused).
   bool fuse_receive_add = true;
-  /// Each member's result gathers the sums from the ranks that hold them by one transfer that
-  /// pulls each sum straight into its place in the result (a gathering transfer,
-  /// ActorKind::transfer) and copies those of its own rank there: no register and no copy per
-  /// remote sum. False: a transfer per remote sum, then a concat actor copies every sum into the
-  /// result (the earlier form, kept to measure: baton-bench-allreduce --concat).
-  /// Members on a CUDA device, compressed sums (widened to f32 there) and results of sums all
-  /// on the member's own rank always concat.
-  bool gather_in_place = true;
   /// Gradient compression on the wire (Horovod's fp16 compression, in f16 or bf16): the dtype
   /// the partial and finished sums are stored in and travel in; unset, the tensor's. Only bf16
   /// or f16 for f32 members on the CPU, ring only: each hop adds its member's f32 segment to the
