@@ -270,16 +270,17 @@ int across_two_hosts(const std::string& self, const std::string& ref, const std:
     auto busbw = [&](double secs) { return static_cast<double>(bytes) / secs * factor / 1e9; };
     bench::JsonLine line("allreduce", fmt::format("allreduce_hier_{}_2x2{}", size_name(bytes),
                                                   link_gbit > 0 ? fmt::format("_{}gbit", link_gbit) : ""));
-    line.add("value", busbw(*hier)).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("hosts", 2)
+    line.add("value", busbw(*hier)).add("unit", "GB/s busbw").better(bench::Better::higher).add("bytes", bytes)
+        .add("ranks", n).add("hosts", 2)
         .add("iterations", iters).add("transport", "tcp (UCX_TLS=tcp; MPI btl self,tcp)")
         .add("stat", "the slowest rank's time per all-reduce, averaged over the iterations (every side)")
         .add("us_per_op", *hier * 1e6).add("flat_ring", busbw(*flat)).add("flat_ring_us_per_op", *flat * 1e6)
-        .add("hierarchical_over_flat", *flat / *hier).add("oversubscribed", n > bench::usable_cores())
+        .compare("hierarchical_over_flat", busbw(*hier), busbw(*flat)).add("oversubscribed", n > bench::usable_cores())
         .add("link", link_gbit > 0 ? fmt::format("veth limited to {} Gbit/s each way (tc tbf)", link_gbit)
                                    : std::string("veth, not limited"));
     if (auto it = mpi.find(bytes); it != mpi.end()) {
       line.add("reference", busbw(it->second)).add("reference_name", "OpenMPI MPI_Allreduce across the namespaces (tcp)")
-          .add("ratio", it->second / *hier).add("flat_ratio", it->second / *flat)
+          .compare("ratio", busbw(*hier), busbw(it->second)).compare("flat_ratio", busbw(*flat), busbw(it->second))
           .add("reference_us_per_op", it->second * 1e6);
     }
     line.print();
@@ -426,7 +427,8 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
       const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
       const std::string algorithm = algorithm_for(bytes, settings);
       bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));
-      line.add("value", busbw).add("unit", "GB/s busbw").add("bytes", bytes).add("ranks", n).add("iterations", iters)
+      line.add("value", busbw).add("unit", "GB/s busbw").better(bench::Better::higher).add("bytes", bytes).add("ranks", n)
+          .add("iterations", iters)
           .add("stat", "the slowest rank's time per all-reduce, averaged over the iterations (both sides)")
           .add("us_per_op", secs * 1e6).add("fastest_rank_us_per_op", fastest * 1e6)
           .add("oversubscribed", n > bench::usable_cores()).add("algorithm", algorithm)
@@ -445,7 +447,7 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         const double ref_busbw = static_cast<double>(bytes) / it->second * factor / 1e9;
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")
-            .add("ratio", busbw / ref_busbw).add("reference_us_per_op", it->second * 1e6)
+            .compare("ratio", busbw, ref_busbw).add("reference_us_per_op", it->second * 1e6)
             .add("reference_mpirun", fmt::format("{}", fmt::join(mpirun_options(n, bind), " ")));
       }
       line.print();

@@ -7,8 +7,11 @@
 // The shards are written by the benchmark (random ids, uint16) and read from the page cache
 // (warm: just written); a cold read is disk speed, which neither loader changes. One thread each.
 //
-//   {"bench":"data","case":"tokens_b16_t128","tokens_per_s":...,"peer_tokens_per_s":...,
-//    "ratio":...,"train_tokens_per_s":...,"headroom_ratio":...}
+//   {"bench":"data","case":"tokens_b16_t128","value":...,"unit":"tokens/s","better":"higher",
+//    "reference":...,"reference_name":"...","ratio":...,"train_tokens_per_s":...,"headroom_ratio":...}
+//
+// "ratio" is baton's tokens/s over the peer's, "headroom_ratio" baton's over what training
+// consumes (above 1: the loader keeps up).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -120,7 +123,8 @@ int main(int argc, char** argv) {
     for (const Case c : {Case{16, 128}, Case{64, 1024}}) {
       const double mine = loader_tokens_per_s(shards, c.batch, c.seq, seconds, quick ? 1 : 3);
       bench::JsonLine line("data", fmt::format("tokens_b{}_t{}", c.batch, c.seq));
-      line.add("tokens_per_s", mine).add("corpus_tokens", static_cast<double>(n)).add("threads", 1.0);
+      line.add("value", mine).add("unit", "tokens/s").better(bench::Better::higher);
+      line.add("corpus_tokens", static_cast<double>(n)).add("threads", 1.0);
       if (!peer.empty()) {
         auto [rc, out] = bench::run_capture(fmt::format("{} {} --dir {} --batch {} --seq {} --seconds {} 2>&1",
                                                         bench::shell_quote(bench::reference_python()),
@@ -128,8 +132,8 @@ int main(int argc, char** argv) {
                                                         c.batch, c.seq, seconds * (quick ? 1 : 3)));
         const std::string json = bench::last_json_line(out);
         if (auto rate = bench::json_number(json, "tokens_per_s"); rc == 0 && rate) {
-          line.add("peer", bench::json_string(json, "loader").value_or("?")).add("peer_tokens_per_s", *rate);
-          line.add("ratio", mine / *rate);
+          line.add("reference", *rate).add("reference_name", bench::json_string(json, "loader").value_or("?"));
+          line.compare("ratio", mine, *rate);
         } else {
           fmt::print(stderr, "bench data: the peer failed ({}): {}\n", rc, out.substr(0, 400));
         }
@@ -138,7 +142,7 @@ int main(int argc, char** argv) {
       // one thread; at T 1024 a CPU step takes seconds, so that case has no training figure.
       if (c.seq <= 256) {
         if (const double need = train_tokens_per_s(dir.string(), c.batch, c.seq, quick ? 2 : 10); need > 0) {
-          line.add("train_tokens_per_s", need).add("headroom_ratio", mine / need);
+          line.add("train_tokens_per_s", need).compare("headroom_ratio", mine, need);
         }
       }
       line.print();

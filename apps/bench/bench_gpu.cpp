@@ -933,6 +933,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
   try {
     const bool with_ref = ref != nullptr && ref->missing().empty() && !given.plan_only;
     const Setup s = make_setup(device, given, ref, with_ref);
+    if (cuda) bench::provenance().set_gpu(s.dev.name);  // every line from here on names it
     const Options& o = s.o;
     if (o.plan_only) {
       print_plan(s);
@@ -983,9 +984,9 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
 
     auto mfu = [&](double r) { return r * s.flops_per_token / (*peak * 1e12); };
     if (b) line.add("value", b->tokens_per_s);
-    line.add("unit", "tokens/s");
+    line.add("unit", "tokens/s").better(bench::Better::higher);
     if (t) line.add("reference", t->tokens_per_s);
-    if (b && t) line.add("ratio", b->tokens_per_s / t->tokens_per_s);
+    if (b && t) line.compare("ratio", b->tokens_per_s, t->tokens_per_s);
     line.add("batch_mode", o.batch_mode);
     if (b) line.add("batch", b->batch);
     if (t) line.add("reference_batch", torch_batch);

@@ -27,8 +27,9 @@
 // thread: `baton-train --threads 1 --no-eval` (no held-out evaluation after training, so the
 // peak is training's) and PyTorch 1.13 eager on the same model (apps/bench/gpt_torch.py --device
 // cpu --threads 1: the same layers, the same parameter count, checked). "value" is baton's MiB
-// per sample, "reference" PyTorch's, "ratio" baton's over PyTorch's (step 9's goal: <= 1.0);
-// "full_recompute" baton's with --recompute full ("ratio_full_recompute": goal <= 0.35), from
+// per sample, "reference" PyTorch's, "ratio" PyTorch's over baton's: how many times less baton
+// keeps (above 1: baton keeps less; step 9's goal: >= 1.0); "full_recompute" baton's with
+// --recompute full ("ratio_full_recompute", likewise: goal >= 1 / 0.35, about 2.9), from
 // batch 16 to 64, one run each: with full recomputation the training needs so little that at
 // batch 4 and 16 the process's peak is set before training starts (the heap the set-up used,
 // freed and reused by the arena), and the slope from 4 to 16 would be about 0, flattering it.
@@ -44,7 +45,7 @@
 //
 // recompute_throughput_gpt_d256: samples/s of baton at batch 16 without recomputation,
 // selective and full (steps 2 to 6 of a 6-step run: the 6-step run's training time less the
-// 2-step run's), and the ratios: the throughput cost of recomputation.
+// 2-step run's), and the ratios: the throughput recomputation keeps (below 1: what it costs).
 //
 // Flags: --plan-only (the model-state lines only), --quick (D 128 only, one run each, no
 // max-batch or throughput lines: the ctest smoke), --sizes 128,256,384, --repeats N,
@@ -160,8 +161,11 @@ void print_model_state(const std::shared_ptr<const data::TextCorpus>& text) {
       const ModelState s = zero == 0 ? plain : model_state(text, dp, zero, ranks);
       const double f = formula(s.params, dp, zero);
       bench::JsonLine line("memory", fmt::format("model_state_zero{}_dp{}{}", zero, dp, ranks ? "_ranks" : ""));
+      // The plan's bytes, not a measurement: "of_formula" and "of_plain_dp" are fractions of
+      // those figures (lower is better, as for "value"), which no load changes.
       line.add("value", s.total())
           .add("unit", "bytes per rank (plan)")
+          .better(bench::Better::lower)
           .add("params", s.params)
           .add("weights", s.weights)
           .add("gradients", s.gradients)
@@ -311,6 +315,7 @@ Slopes act_mem_per_sample(const Processes& p, const std::shared_ptr<const data::
   bench::JsonLine line("memory", fmt::format("act_mem_per_sample_gpt_d{}", d));
   line.add("value", s.baton)
       .add("unit", "MiB per sample (peak resident memory, slope from batch 4 to 16)")
+      .better(bench::Better::lower)
       .add("params", params)
       .add("plan", slope(plan_small, plan_large))
       .add("full_recompute", s.full)
@@ -328,8 +333,8 @@ Slopes act_mem_per_sample(const Processes& p, const std::shared_ptr<const data::
     s.torch = slope(t4.peak_bytes, t16.peak_bytes);
     s.torch_fixed = fixed(t4, small_batch, s.torch);
     line.add("reference", s.torch)
-        .add("ratio", s.baton / s.torch)
-        .add("ratio_full_recompute", s.full / s.torch)
+        .compare("ratio", s.baton, s.torch)
+        .compare("ratio_full_recompute", s.full, s.torch)
         .add("pytorch_peak_b4", t4.peak_bytes)
         .add("pytorch_peak_b16", t16.peak_bytes)
         .add("torch", p.torch_version());
@@ -386,6 +391,7 @@ void max_batch(const Processes& p, const std::shared_ptr<const data::TextCorpus>
   bench::JsonLine line("memory", fmt::format("max_batch_gpt_d{}_{}MiB", d, budget_mib));
   line.add("value", baton)
       .add("unit", fmt::format("samples (largest batch with peak resident memory <= {} MiB)", budget_mib))
+      .better(bench::Better::higher)
       .add("full_recompute", full)
       .add("baton_runs", tries_baton + tries_full);
   if (p.has_torch()) {
@@ -395,8 +401,8 @@ void max_batch(const Processes& p, const std::shared_ptr<const data::TextCorpus>
         tries_torch);
     line.add("reference", torch).add("pytorch_runs", tries_torch);
     if (torch > 0) {
-      line.add("ratio", static_cast<double>(baton) / static_cast<double>(torch))
-          .add("ratio_full_recompute", static_cast<double>(full) / static_cast<double>(torch));
+      line.compare("ratio", static_cast<double>(baton), static_cast<double>(torch))
+          .compare("ratio_full_recompute", static_cast<double>(full), static_cast<double>(torch));
     }
   } else {
     line.add("reference_missing", p.torch_missing());
@@ -415,10 +421,11 @@ void recompute_throughput(const Processes& p) {
   bench::JsonLine("memory", fmt::format("recompute_throughput_gpt_d{}", d))
       .add("value", none)
       .add("unit", fmt::format("samples/s (batch {}, steps {} to {}, one thread)", batch, short_steps, long_steps))
+      .better(bench::Better::higher)
       .add("selective", selective)
       .add("full", full)
-      .add("ratio_selective", selective / none)
-      .add("ratio_full", full / none)
+      .compare("ratio_selective", selective, none)
+      .compare("ratio_full", full, none)
       .print();
 }
 

@@ -25,6 +25,9 @@
 // kernel times (TrainConfig::balance).
 // BATON_BENCH_STAGES=1 in the environment: each run's per-stage idle fraction and actor table
 // on stderr.
+//
+// Every ratio says how many times better the measured figure is than its reference (above 1:
+// better; json_line.h): for the bubble the formula's idle fraction over the measured one.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -55,6 +58,7 @@
 namespace {
 
 using namespace baton;
+using bench::Better;
 
 struct Result {
   double idle = 0;
@@ -238,13 +242,13 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, 
 // Stage balancing: the GPT cut by estimated multiply-adds and by profiled kernel times, on 2
 // and 4 stages (1F1B, 8 micro-batches). The figure that survives a noisy machine is the
 // imbalance: the busiest stage's kernel time over the mean stage's, forward and backward, from
-// a run on one thread (1: perfect; a pipeline runs at the pace of its busiest stage). Then
-// samples/s, threaded, against the flops cut measured in the same run.
+// a run on one thread (1: perfect; a pipeline runs at the pace of its busiest stage), against
+// the flops cut's; then samples/s, threaded, against the flops cut's measured in the same run.
 void stage_balance(bool quick) {
   if (!std::filesystem::exists("/usr/share/common-licenses/GPL-3")) return;
   const std::int64_t batch = 32, steps = quick ? 4 : 20;
   for (int pp : {2, 4}) {
-    double flops_rate = 0;
+    double flops_rate = 0, flops_imbalance = 0;
     for (const std::string balance : {"flops", "profile"}) {
       const Training t{"gpt", 1, pp, 1, 8, balance};
       samples_per_s(t, steps, batch, /*one_thread=*/true);
@@ -253,11 +257,16 @@ void stage_balance(bool quick) {
           *std::max_element(k.begin(), k.end()) / (std::accumulate(k.begin(), k.end(), 0.0) / static_cast<double>(k.size()));
       double rate = 0;
       for (int i = 0; i < (quick ? 1 : 3); ++i) rate = std::max(rate, samples_per_s(t, steps, batch));
-      if (balance == "flops") flops_rate = rate;
+      if (balance == "flops") {
+        flops_rate = rate;
+        flops_imbalance = imbalance;
+      }
       bench::JsonLine line("parallel", fmt::format("balance_gpt_pp{}_{}", pp, balance));
-      line.add("value", imbalance).add("unit", "busiest stage / mean stage kernel time").add("samples_per_s", rate)
-          .add("reference", flops_rate).add("reference_name", "samples/s with the flops cut")
-          .add("ratio", rate / flops_rate).add("microbatches", std::int64_t{8}).add("batch", batch);
+      line.add("value", imbalance).add("unit", "busiest stage / mean stage kernel time").better(Better::lower)
+          .add("reference", flops_imbalance).add("reference_name", "the same with the flops cut")
+          .compare("ratio", imbalance, flops_imbalance).add("samples_per_s", rate)
+          .add("reference_samples_per_s", flops_rate).compare("samples_per_s_ratio", rate, flops_rate, Better::higher)
+          .add("microbatches", std::int64_t{8}).add("batch", batch);
       line.print();
     }
   }
@@ -287,9 +296,11 @@ void training_scaling(bool quick) {
       const int devices = t.dp * t.pp * t.tp;
       bench::JsonLine line("parallel", fmt::format("train_{}_dp{}_pp{}_tp{}{}", model, t.dp, t.pp, t.tp,
                                                    t.grad_compression == "none" ? "" : "_" + t.grad_compression));
-      line.add("value", many).add("unit", "samples/s").add("reference", one).add("reference_name", "one device")
-          .add("ratio", many / one).add("devices", devices).add("cores", static_cast<std::int64_t>(cores))
-          .add("efficiency", many / one / std::min<double>(devices, cores)).add("batch", batch)
+      // efficiency: the speed-up over what min(devices, cores) devices could give at best.
+      line.add("value", many).add("unit", "samples/s").better(Better::higher).add("reference", one)
+          .add("reference_name", "one device").compare("ratio", many, one).add("devices", devices)
+          .add("cores", static_cast<std::int64_t>(cores))
+          .compare("efficiency", many, one * std::min<double>(devices, cores)).add("batch", batch)
           .add("microbatches", t.microbatches);
       if (t.dp > 1) {
         // A run of its own with the activity log on (the log costs a little time per act).
@@ -389,9 +400,9 @@ bool across_hosts(const std::string& bin, bool quick) {
       bench::JsonLine line("parallel", fmt::format("train_{}_dp{}_2hosts{}{}", model, c.dp,
                                                    c.allreduce == "flat" ? "_flat" : "",
                                                    c.compression == "none" ? "" : "_" + c.compression));
-      line.add("value", many).add("unit", "samples/s").add("reference", one)
-          .add("reference_name", "one process, one device, the same micro-batching").add("ratio", many / one)
-          .add("efficiency", many / one / std::min(c.dp, cores)).add("ranks", c.dp).add("hosts", 2)
+      line.add("value", many).add("unit", "samples/s").better(Better::higher).add("reference", one)
+          .add("reference_name", "one process, one device, the same micro-batching").compare("ratio", many, one)
+          .compare("efficiency", many, one * std::min(c.dp, cores)).add("ranks", c.dp).add("hosts", 2)
           .add("allreduce", c.dp == 2 || c.compression != "none" ? "flat (one rank a host, or compressed)"
                             : c.allreduce == "auto"             ? "hierarchical, 2 hosts x 2"
                                                                 : "flat ring")
@@ -437,8 +448,8 @@ int main(int argc, char** argv) {
         const double formula = static_cast<double>(k - 1) / static_cast<double>(m + k - 1);
         bench::JsonLine line("parallel", fmt::format("bubble_K{}_M{}_{}{}", k, m, schedule,
                                                      type == DeviceType::sim ? "_sim" : ""));
-        line.add("value", r.idle).add("unit", "idle fraction").add("reference", formula)
-            .add("reference_name", "(K-1)/(M+K-1)").add("ratio", formula > 0 ? r.idle / formula : 0.0)
+        line.add("value", r.idle).add("unit", "idle fraction").better(Better::lower).add("reference", formula)
+            .add("reference_name", "(K-1)/(M+K-1)").compare("ratio", r.idle, formula)
             .add("peak_activation_slots", r.peak_activations)
             .add("peak_activation_schedule", expected_peak(k, m, schedule)).add("steps", steps).add("wall_s", r.wall_s)
             .add("device", std::string(name(type)));

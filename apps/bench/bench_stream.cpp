@@ -160,9 +160,10 @@ int main(int argc, char** argv) {
     bench::JsonLine line("stream", c.name);
     line.add("value", kernels / c.best)
         .add("unit", "kernels/s")
+        .better(bench::Better::higher)
         .add("reference", kernels / loop_best)
         .add("reference_name", "the same kernels enqueued back to back on one sim stream by a loop")
-        .add("ratio", loop_best / c.best)
+        .compare("ratio", kernels / c.best, kernels / loop_best)
         .add("kernel_ns", o.kernel_ns)
         .add("pieces", o.pieces)
         .add("kernels_per_piece", std::int64_t{kernels_per_piece})

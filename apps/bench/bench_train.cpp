@@ -510,18 +510,18 @@ void bench_case(const Case& c, const Options& o, const Data& d, const std::vecto
   if (!weights.empty()) std::filesystem::remove(weights);
 
   JsonLine line(c.name);
-  line.add("value", rate).add("unit", "samples/s");
+  line.add("value", rate).add("unit", "samples/s").better(bench::Better::higher);
   const std::pair<const Reference*, Reference::Result>* best = nullptr;
   for (const auto& res : results) {
     if (best == nullptr || res.second.samples_per_s > best->second.samples_per_s) best = &res;
   }
   if (best != nullptr) {
-    line.add("reference", best->second.samples_per_s).add("ratio", rate / best->second.samples_per_s);
+    line.add("reference", best->second.samples_per_s).compare("ratio", rate, best->second.samples_per_s);
     line.add("reference_is", fmt::format("the faster of the references: {}", best->first->name()));
   }
   for (const auto& [ref, t] : results) {
     const std::string& n = ref->name();
-    line.add(n, t.samples_per_s).add("ratio_" + n, rate / t.samples_per_s).add(n + "_step_ms", t.step_ms);
+    line.add(n, t.samples_per_s).compare("ratio_" + n, rate, t.samples_per_s).add(n + "_step_ms", t.step_ms);
     line.add(n + "_loss", t.loss).add(n + "_weights", t.weights);
   }
   if (!missing.empty()) line.add("reference_missing", fmt::format("{}", fmt::join(missing, "; ")));

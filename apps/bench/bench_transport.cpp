@@ -297,6 +297,8 @@ Transport transport_for(const std::string& tls, bool bound) {
   return t;
 }
 
+using baton::bench::Better;
+
 /// What every case's line says beside its value: how rank 1's idle workers waited, how both
 /// sides were bound, and the knobs the ranks ran under.
 void add_conditions(baton::bench::JsonLine& line, const std::string& bound) {
@@ -343,17 +345,18 @@ int main(int argc, char** argv) {
       }
       const double gbps = static_cast<double>(bytes) * static_cast<double>(w.pieces) / *secs / 1e9;
       baton::bench::JsonLine line("transport", name);
-      line.add("value", gbps).add("unit", "GB/s").add("bytes", bytes).add("pieces", w.pieces).add("slots", 8);
+      line.add("value", gbps).add("unit", "GB/s").better(Better::higher).add("bytes", bytes).add("pieces", w.pieces)
+          .add("slots", 8);
       add_conditions(line, bound);
       if (o.reference) {
         if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, t.reference_env, cores)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
-          line.add("reference", ref_gbps).add("reference_name", "ucx_perftest tag_bw").add("ratio", gbps / ref_gbps);
+          line.add("reference", ref_gbps).add("reference_name", "ucx_perftest tag_bw").compare("ratio", gbps, ref_gbps);
         }
         if (auto top = ucx_perftest("tag_bw", bytes, w.pieces, t.ceiling_env, cores)) {
           const double top_gbps = top->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("ceiling", top_gbps).add("ceiling_name", "ucx_perftest tag_bw, UCX defaults")
-              .add("ratio_to_ceiling", gbps / top_gbps);
+              .compare("ratio_to_ceiling", gbps, top_gbps);
         }
       }
       line.print();
@@ -368,12 +371,12 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double us = *secs / static_cast<double>(2 * w.pieces) * 1e6;
         baton::bench::JsonLine line("transport", lat_name);
-        line.add("value", us).add("unit", "us one-way").add("pieces", w.pieces);
+        line.add("value", us).add("unit", "us one-way").better(Better::lower).add("pieces", w.pieces);
         add_conditions(line, bound);
         if (o.reference) {
           if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, t.reference_env, cores)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
-                .add("ratio", us / ref->latency_us);
+                .compare("ratio", us, ref->latency_us);
           }
         }
         line.print();
@@ -392,12 +395,12 @@ int main(int argc, char** argv) {
       if (auto secs = run_ranks(self, w, env)) {
         const double rate = static_cast<double>(w.pieces) / *secs;
         baton::bench::JsonLine line("transport", stream_name);
-        line.add("value", rate).add("unit", "pieces/s").add("pieces", w.pieces).add("slots", 8);
+        line.add("value", rate).add("unit", "pieces/s").better(Better::higher).add("pieces", w.pieces).add("slots", 8);
         add_conditions(line, bound);
         if (o.reference) {
           if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, t.reference_env, cores)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")
-                .add("ratio", rate / ref->msg_rate);
+                .compare("ratio", rate, ref->msg_rate);
           }
         }
         line.print();

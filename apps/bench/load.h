@@ -2,9 +2,9 @@
 // The machine's load, as every baton benchmark states it: the 1-minute load average from
 // /proc/loadavg when the benchmark starts and when each JSON line is printed, and the cores this
 // process may use. A ratio against a peer measured on a machine busy with other work says more
-// about the neighbours than about baton, so JsonLine::print() leaves the ratio keys out when the
-// load is above the core count, unless the benchmark was given --allow-load (then the ratios are
-// printed and the line says "loaded": true).
+// about the neighbours than about baton, so JsonLine::print() leaves the comparative keys (those
+// given with JsonLine::compare()) out when the load is above the core count, unless the
+// benchmark was given --allow-load (then they are printed and the line says "loaded": true).
 //
 //   int main(int argc, char** argv) {
 //     baton::bench::load().start(argc, argv, /*own_threads=*/2);  // takes --allow-load out of argv
@@ -24,9 +24,12 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
+
+#include "provenance.h"
 
 namespace baton::bench {
 
@@ -87,7 +90,11 @@ class LoadWatch {
   /// never sees it). Call first thing in main(). A benchmark's worker processes (started with
   /// --worker, or with BATON_BENCH_CHILD in the environment) print nothing about the load: their
   /// parent does.
-  void start(int& argc, char** argv, int own_threads) {
+  ///
+  /// `loadavg` is where the load is read from: /proc/loadavg, or a file of a test's own.
+  void start(int& argc, char** argv, int own_threads, std::string loadavg = "/proc/loadavg") {
+    provenance().record_command(argc, argv);
+    loadavg_ = std::move(loadavg);
     int out = 1;
     bool worker = false;
     for (int i = 1; i < argc; ++i) {
@@ -103,10 +110,15 @@ class LoadWatch {
     argv[argc] = nullptr;
     own_threads_ = own_threads;
     cores_ = usable_cores();
-    start_ = read_loadavg();
+    start_ = read_loadavg(loadavg_.c_str());
     started_ = true;
     // A child a benchmark starts for one measurement says so in its environment.
     worker = worker || std::getenv("BATON_BENCH_CHILD") != nullptr;
+    if (!worker) {
+      // Read now, before anything is measured: the commit runs git, the machine reads cpuinfo.
+      (void)provenance().commit();
+      (void)provenance().machine();
+    }
     if (start_ > cores_ && !worker) {
       fmt::print(stderr, "load average {:.2f} is above the {} cores: {}\n", start_, cores_,
                  allow_
@@ -122,10 +134,12 @@ class LoadWatch {
   int cores() const { return cores_; }
   int own_threads() const { return own_threads_; }
   double start_load() const { return start_; }
+  /// The load now (the end reading of a line printed now).
+  double load_now() const { return read_loadavg(loadavg_.c_str()); }
 
   /// Whether a ratio may be shown now (not started, not loaded, or --allow-load).
   bool ratios_shown() const {
-    return !started_ || allow_ || !judge_load(start_, read_loadavg(), cores_, own_threads_).loaded;
+    return !started_ || allow_ || !judge_load(start_, load_now(), cores_, own_threads_).loaded;
   }
 
  private:
@@ -134,6 +148,7 @@ class LoadWatch {
   int cores_ = 1;
   int own_threads_ = 1;
   double start_ = -1;
+  std::string loadavg_ = "/proc/loadavg";
 };
 
 inline LoadWatch& load() {
