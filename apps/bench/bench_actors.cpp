@@ -36,6 +36,7 @@
 
 #include "actor_peers.h"
 #include "json_line.h"
+#include "skip.h"
 #include "baton/actors.h"
 #include "baton/kernels.h"
 #include "baton/observe/trace.h"
@@ -934,10 +935,7 @@ int main(int argc, char** argv) {
   const Options opt = parse(argc, argv);
   if (opt.require_peers) {
     for (const auto& why : {baton::bench::tbb_missing(), baton::bench::caf_missing()}) {
-      if (!why.empty()) {
-        fmt::print(stderr, "baton-bench-actors: a peer is missing: {}\n", why);
-        return 77;  // CTest's SKIP_RETURN_CODE
-      }
+      if (!why.empty()) return baton::bench::skip("baton-bench-actors --require-peers", "a peer is missing: " + why);
     }
   }
   const auto t0 = Clock::now();

@@ -53,6 +53,7 @@
 #include "json_line.h"
 #include "knobs.h"
 #include "netns.h"
+#include "skip.h"
 #include "spawn.h"
 #include "baton/actors.h"
 #include "baton/graph/collectives.h"
@@ -141,13 +142,19 @@ void run_reference(const std::vector<std::string>& argv, std::int64_t bytes, std
   }
 }
 
+/// Why the MPI reference cannot run here ("": it can).
+std::string mpi_missing(const std::string& ref) {
+  if (access(ref.c_str(), X_OK) != 0) return fmt::format("no {} (built when OpenMPI's libopenmpi-dev is installed)", ref);
+  return {};
+}
+
 /// MPI_Allreduce seconds per op by size (the slowest rank's average), from one mpirun per size;
-/// empty if MPI is not there.
+/// empty if MPI is not there. A size missing from a non-empty result is an mpirun that failed.
 std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, const std::vector<std::int64_t>& sizes,
                                              bool quick, bool bind) {
   std::map<std::int64_t, double> out;
-  if (access(ref.c_str(), X_OK) != 0) {
-    fmt::print(stderr, "baton-bench-allreduce: no {} (built when OpenMPI's libopenmpi-dev is installed)\n", ref);
+  if (const std::string why = mpi_missing(ref); !why.empty()) {
+    fmt::print(stderr, "baton-bench-allreduce: {}\n", why);
     return out;
   }
   for (std::int64_t bytes : sizes) {
@@ -169,10 +176,13 @@ std::map<std::int64_t, double> mpi_reference(const std::string& ref, int n, cons
 std::map<std::int64_t, double> mpi_across_hosts(const std::string& ref, const bench::NamespacePair& hosts, int per_host,
                                                 const std::vector<std::int64_t>& sizes, bool quick) {
   std::map<std::int64_t, double> out;
-  if (access(ref.c_str(), X_OK) != 0) return out;
+  if (!mpi_missing(ref).empty()) return out;
   char dir_template[] = "/tmp/baton-bench-mpi-XXXXXX";
   const char* dir = mkdtemp(dir_template);
-  if (dir == nullptr) return out;
+  if (dir == nullptr) {
+    fmt::print(stderr, "baton-bench-allreduce: mkdtemp {} failed: no MPI reference across the hosts\n", dir_template);
+    return out;
+  }
   const std::string agent = std::string(dir) + "/agent.sh", hostfile = std::string(dir) + "/hosts";
   {
     std::ofstream a(agent);
@@ -233,10 +243,7 @@ std::string size_name(std::int64_t b) {
 int across_two_hosts(const std::string& self, const std::string& ref, const std::vector<std::string>& knobs, bool quick,
                      bool reference, std::int64_t min_bytes, std::int64_t max_bytes, double link_gbit) {
   bench::NamespacePair hosts;
-  if (!hosts.ok()) {
-    fmt::print(stderr, "baton-bench-allreduce --hosts 2: {}\n", hosts.why_not());
-    return 77;
-  }
+  if (!hosts.ok()) return bench::skip("baton-bench-allreduce --hosts 2", hosts.why_not());
   if (link_gbit > 0) {
     if (const std::string why = hosts.limit_link(link_gbit); !why.empty()) {
       fmt::print(stderr, "baton-bench-allreduce --link-gbit: {}\n", why);
@@ -252,6 +259,7 @@ int across_two_hosts(const std::string& self, const std::string& ref, const std:
   if (quick) sizes = {std::int64_t{1} << 20};
   bench::load().set_own_threads(n);
   const auto mpi = reference ? mpi_across_hosts(ref, hosts, per_host, sizes, quick) : std::map<std::int64_t, double>{};
+  const std::string missing = reference ? mpi_missing(ref) : std::string();
   const bench::JobLayout layout{.hosts = hosts.names(), .ranks_per_host = per_host, .server_address = hosts.address(0)};
   const bench::Env tcp{{"UCX_TLS", "tcp"}};
   const double factor = 2.0 * (n - 1) / n;
@@ -260,16 +268,19 @@ int across_two_hosts(const std::string& self, const std::string& ref, const std:
     const std::int64_t iters = iterations_for(bytes, quick);
     std::vector<std::string> args = knobs;
     args.insert(args.end(), {"--worker", std::to_string(bytes), std::to_string(iters)});
+    const std::string case_name = fmt::format("allreduce_hier_{}_2x2{}", size_name(bytes),
+                                              link_gbit > 0 ? fmt::format("_{}gbit", link_gbit) : "");
     const auto flat = baton_seconds(self, args, n, layout, tcp, nullptr);
     args.push_back("--hierarchical");
     const auto hier = baton_seconds(self, args, n, layout, tcp, nullptr);
     if (!flat || !hier) {
+      fmt::print(stderr, "baton-bench-allreduce: case {} failed: no time from the {} all-reduce\n", case_name,
+                 !flat ? "flat" : "hierarchical");
       ++failures;
       continue;
     }
     auto busbw = [&](double secs) { return static_cast<double>(bytes) / secs * factor / 1e9; };
-    bench::JsonLine line("allreduce", fmt::format("allreduce_hier_{}_2x2{}", size_name(bytes),
-                                                  link_gbit > 0 ? fmt::format("_{}gbit", link_gbit) : ""));
+    bench::JsonLine line("allreduce", case_name);
     line.add("value", busbw(*hier)).add("unit", "GB/s busbw").better(bench::Better::higher).add("bytes", bytes)
         .add("ranks", n).add("hosts", 2)
         .add("iterations", iters).add("transport", "tcp (UCX_TLS=tcp; MPI btl self,tcp)")
@@ -282,10 +293,17 @@ int across_two_hosts(const std::string& self, const std::string& ref, const std:
       line.add("reference", busbw(it->second)).add("reference_name", "OpenMPI MPI_Allreduce across the namespaces (tcp)")
           .compare("ratio", busbw(*hier), busbw(it->second)).compare("flat_ratio", busbw(*flat), busbw(it->second))
           .add("reference_us_per_op", it->second * 1e6);
+    } else if (reference && missing.empty()) {
+      fmt::print(stderr, "baton-bench-allreduce: case {}: the MPI reference failed\n", case_name);
+      line.add("reference_failed", "mpirun of baton-mpi-allreduce-ref across the namespaces failed (stderr)");
+      ++failures;
+    } else if (reference) {
+      line.add("reference_missing", missing);
     }
     line.print();
   }
-  return failures == 0 ? 0 : 1;
+  if (failures > 0) return 1;
+  return missing.empty() ? 0 : bench::skip("baton-bench-allreduce --hosts 2's MPI reference", missing);
 }
 
 /// What the command line asked for.
@@ -403,6 +421,7 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
   }
   const std::vector<int> ranks = !o.ranks.empty() ? o.ranks : o.quick ? std::vector<int>{2} : std::vector<int>{2, 4};
   const AllReduceSettings& settings = o.settings;
+  const std::string missing = o.reference ? mpi_missing(ref) : std::string();
   int failures = 0;
   for (int n : ranks) {
     bench::load().set_own_threads(n);  // every rank keeps a worker busy
@@ -416,9 +435,11 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
       args.insert(args.end(), {"--worker", std::to_string(bytes), std::to_string(iters)});
       // Each rank's time per all-reduce; the slowest rank's is the figure.
       double fastest = 0;
+      const std::string case_name = fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n);
       const auto timed = baton_seconds(self, args, n, {}, env, &fastest);
       if (!timed) {
-        fmt::print(stderr, "baton-bench-allreduce: no time for {} bytes over {} ranks\n", bytes, n);
+        fmt::print(stderr, "baton-bench-allreduce: case {} failed: no time for {} bytes over {} ranks\n", case_name,
+                   bytes, n);
         ++failures;
         continue;
       }
@@ -426,7 +447,7 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
       const double factor = 2.0 * (n - 1) / n;
       const double busbw = static_cast<double>(bytes) / secs * factor / 1e9;
       const std::string algorithm = algorithm_for(bytes, settings);
-      bench::JsonLine line("allreduce", fmt::format("allreduce_busbw_{}_{}ranks", size_name(bytes), n));
+      bench::JsonLine line("allreduce", case_name);
       line.add("value", busbw).add("unit", "GB/s busbw").better(bench::Better::higher).add("bytes", bytes).add("ranks", n)
           .add("iterations", iters)
           .add("stat", "the slowest rank's time per all-reduce, averaged over the iterations (both sides)")
@@ -449,11 +470,18 @@ int on_one_host(const std::string& self, const std::string& ref, const std::vect
         line.add("reference", ref_busbw).add("reference_name", "OpenMPI MPI_Allreduce (vader shm)")
             .compare("ratio", busbw, ref_busbw).add("reference_us_per_op", it->second * 1e6)
             .add("reference_mpirun", fmt::format("{}", fmt::join(mpirun_options(n, bind), " ")));
+      } else if (o.reference && missing.empty()) {
+        fmt::print(stderr, "baton-bench-allreduce: case {}: the MPI reference failed\n", case_name);
+        line.add("reference_failed", "mpirun of baton-mpi-allreduce-ref failed (stderr)");
+        ++failures;
+      } else if (o.reference) {
+        line.add("reference_missing", missing);
       }
       line.print();
     }
   }
-  return failures == 0 ? 0 : 1;
+  if (failures > 0) return 1;
+  return missing.empty() ? 0 : bench::skip("baton-bench-allreduce's MPI reference", missing);
 }
 
 }  // namespace

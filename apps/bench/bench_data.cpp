@@ -11,12 +11,17 @@
 //    "reference":...,"reference_name":"...","ratio":...,"train_tokens_per_s":...,"headroom_ratio":...}
 //
 // "ratio" is baton's tokens/s over the peer's, "headroom_ratio" baton's over what training
-// consumes (above 1: the loader keeps up).
+// consumes (above 1: the loader keeps up). A peer that fails, or a baton-train that fails, fails
+// the benchmark; a peer that cannot run here (no python3 with numpy, no script) is a skip
+// (exit 77; under CI=true a failure: skip.h) after baton's figures are printed.
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -26,6 +31,7 @@
 #include "capture.h"
 #include "json_line.h"
 #include "load.h"
+#include "skip.h"
 
 namespace {
 
@@ -59,13 +65,10 @@ double loader_tokens_per_s(const std::shared_ptr<const data::TokenShards>& shard
 
 /// baton-train's GPT on the shards: the tokens/s of its steady steps, from two runs of `steps`
 /// and 3 * `steps` steps ("done: N steps in T s"): the difference leaves out start-up and the
-/// first steps. 0, with why on stderr, where it cannot run.
+/// first steps. Throws where it cannot run or fails.
 double train_tokens_per_s(const std::string& dir, std::int64_t batch, std::int64_t seq, int steps) {
   const std::string exe = bench::executable_dir() + "/baton-train";
-  if (!std::filesystem::exists(exe)) {
-    fmt::print(stderr, "bench data: {} not found: no training figure\n", exe);
-    return 0;
-  }
+  if (!std::filesystem::exists(exe)) throw std::runtime_error(exe + " not found (build it: no training figure)");
   auto seconds_of = [&](int n) -> double {
     const std::string cmd =
         fmt::format("{} --model gpt --data tokens:{} --batch {} --seq {} --steps {} --threads 1 --no-eval 2>&1",
@@ -74,13 +77,16 @@ double train_tokens_per_s(const std::string& dir, std::int64_t batch, std::int64
     const auto done = out.rfind("done: ");
     const auto in = out.find(" steps in ", done);
     if (rc != 0 || done == std::string::npos || in == std::string::npos) {
-      fmt::print(stderr, "bench data: baton-train failed ({}): {}\n", rc, out.substr(0, 400));
-      return -1;
+      throw std::runtime_error(fmt::format("baton-train failed ({}): {}", rc, out.substr(0, 400)));
     }
     return std::stod(out.substr(in + 10));
   };
   const double short_run = seconds_of(steps), long_run = seconds_of(3 * steps);
-  if (short_run < 0 || long_run <= short_run) return 0;
+  if (long_run <= short_run) {
+    throw std::runtime_error(fmt::format("baton-train's {} steps took {} s, no longer than its {} steps' {} s: no "
+                                         "steady rate",
+                                         3 * steps, long_run, steps, short_run));
+  }
   return static_cast<double>(2 * steps * batch * seq) / (long_run - short_run);
 }
 
@@ -114,15 +120,29 @@ int main(int argc, char** argv) {
     data::write_token_shards(dir.string(), ids, val, vocab, "", n / 4);
     const auto shards = data::TokenShards::open(dir.string(), "train");
     std::string missing;
-    const std::string peer = bench::find_reference_script("BATON_TOKEN_LOADER_PEER", "token_loader_torch.py", missing);
+    std::string peer = bench::find_reference_script("BATON_TOKEN_LOADER_PEER", "token_loader_torch.py", missing);
+    if (!peer.empty()) {
+      // The peer needs numpy (torch where there is one: the script says which loader ran).
+      const std::string python = bench::reference_python();
+      auto [rc, out] = bench::run_capture(
+          fmt::format("{} -c 'import numpy' 2>&1", bench::shell_quote(python)));
+      if (rc != 0) {
+        missing = fmt::format("{} cannot import numpy: {} (apt-get install python3-numpy python3-torch, or set "
+                              "BATON_PYTHON)",
+                              python, bench::trim(out));
+        peer.clear();
+      }
+    }
     if (peer.empty()) fmt::print(stderr, "bench data: no peer: {}\n", missing);
+    int failures = 0;
     const double seconds = quick ? 0.2 : 2.0;
     struct Case {
       std::int64_t batch, seq;
     };
     for (const Case c : {Case{16, 128}, Case{64, 1024}}) {
       const double mine = loader_tokens_per_s(shards, c.batch, c.seq, seconds, quick ? 1 : 3);
-      bench::JsonLine line("data", fmt::format("tokens_b{}_t{}", c.batch, c.seq));
+      const std::string case_name = fmt::format("tokens_b{}_t{}", c.batch, c.seq);
+      bench::JsonLine line("data", case_name);
       line.add("value", mine).add("unit", "tokens/s").better(bench::Better::higher);
       line.add("corpus_tokens", static_cast<double>(n)).add("threads", 1.0);
       if (!peer.empty()) {
@@ -135,23 +155,28 @@ int main(int argc, char** argv) {
           line.add("reference", *rate).add("reference_name", bench::json_string(json, "loader").value_or("?"));
           line.compare("ratio", mine, *rate);
         } else {
-          fmt::print(stderr, "bench data: the peer failed ({}): {}\n", rc, out.substr(0, 400));
+          const int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+          fmt::print(stderr, "bench data: case {}: the peer failed (exit {}): {}\n", case_name, code, out.substr(0, 400));
+          line.add("reference_failed", fmt::format("token_loader_torch.py exited {} (stderr)", code));
+          ++failures;
         }
+      } else {
+        line.add("reference_missing", missing);
       }
       // What training consumes: baton-train's GPT (d 256, 4 layers) at this batch and context,
       // one thread; at T 1024 a CPU step takes seconds, so that case has no training figure.
       if (c.seq <= 256) {
-        if (const double need = train_tokens_per_s(dir.string(), c.batch, c.seq, quick ? 2 : 10); need > 0) {
-          line.add("train_tokens_per_s", need).compare("headroom_ratio", mine, need);
-        }
+        const double need = train_tokens_per_s(dir.string(), c.batch, c.seq, quick ? 2 : 10);
+        line.add("train_tokens_per_s", need).compare("headroom_ratio", mine, need);
       }
       line.print();
     }
+    std::filesystem::remove_all(dir);
+    if (failures > 0) return 1;
+    return peer.empty() ? bench::skip("baton-bench-data's peer (nanoGPT's get_batch)", missing) : 0;
   } catch (const std::exception& e) {
     fmt::print(stderr, "baton-bench-data: {}\n", e.what());
     std::filesystem::remove_all(dir);
     return 1;
   }
-  std::filesystem::remove_all(dir);
-  return 0;
 }

@@ -65,6 +65,7 @@
 #include "capture.h"
 #include "json_line.h"
 #include "models.h"
+#include "skip.h"
 
 namespace {
 
@@ -1094,7 +1095,7 @@ int main(int argc, char** argv) {
           "{}: the PyTorch reference is missing: {}\n  (BATON_PYTHON names a python3 with torch; "
           "scripts/run.sh bench gpu installs Debian's python3-torch); no reference keys\n",
           prog, ref->missing());
-      if (opt.require_reference) return 77;  // CTest's SKIP_RETURN_CODE
+      if (opt.require_reference) return bench::skip(fmt::format("{} --require-reference", prog), ref->missing());
     }
   }
   std::vector<Device> devices;

@@ -27,7 +27,8 @@
 // on stderr.
 //
 // Every ratio says how many times better the measured figure is than its reference (above 1:
-// better; json_line.h): for the bubble the formula's idle fraction over the measured one.
+// better; json_line.h): for the bubble the formula's idle fraction over the measured one. A case
+// that cannot run (a job that fails, the GPT's text missing) fails the benchmark, naming it.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -48,6 +49,7 @@
 
 #include "json_line.h"
 #include "netns.h"
+#include "skip.h"
 #include "spawn.h"
 #include "models.h"
 #include "baton/actors.h"
@@ -59,6 +61,17 @@ namespace {
 
 using namespace baton;
 using bench::Better;
+
+/// The text the GPT cases train on (Debian's base-files ships it).
+constexpr const char* gpt_text = "/usr/share/common-licenses/GPL-3";
+
+/// Whether the GPT's text is there; if not, says which cases cannot run (the caller fails them).
+bool have_gpt_text(std::string_view cases) {
+  if (std::filesystem::exists(gpt_text)) return true;
+  fmt::print(stderr, "baton-bench-parallel: {} is missing (Debian's base-files): the {} cases cannot run\n", gpt_text,
+             cases);
+  return false;
+}
 
 struct Result {
   double idle = 0;
@@ -196,8 +209,8 @@ std::vector<double> g_device_kernel_s;
 double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, bool one_thread = false,
                      CollectiveOverlap* overlap = nullptr) {
   static const auto synthetic = std::make_shared<const data::Dataset>(data::synthetic(4096, 64, 10, 1));
-  static const auto text = std::filesystem::exists("/usr/share/common-licenses/GPL-3")
-                               ? std::make_shared<const data::TextCorpus>(data::load_text("/usr/share/common-licenses/GPL-3"))
+  static const auto text = std::filesystem::exists(gpt_text)
+                               ? std::make_shared<const data::TextCorpus>(data::load_text(gpt_text))
                                : nullptr;
   const bool gpt = t.model == "gpt";
   const std::int64_t pieces = t.dp * t.microbatches;
@@ -244,8 +257,9 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, 
 // imbalance: the busiest stage's kernel time over the mean stage's, forward and backward, from
 // a run on one thread (1: perfect; a pipeline runs at the pace of its busiest stage), against
 // the flops cut's; then samples/s, threaded, against the flops cut's measured in the same run.
-void stage_balance(bool quick) {
-  if (!std::filesystem::exists("/usr/share/common-licenses/GPL-3")) return;
+/// Returns the cases that failed.
+int stage_balance(bool quick) {
+  if (!have_gpt_text("balance_gpt_*")) return 1;
   const std::int64_t batch = 32, steps = quick ? 4 : 20;
   for (int pp : {2, 4}) {
     double flops_rate = 0, flops_imbalance = 0;
@@ -270,13 +284,18 @@ void stage_balance(bool quick) {
       line.print();
     }
   }
+  return 0;
 }
 
-void training_scaling(bool quick) {
-  const bool have_text = std::filesystem::exists("/usr/share/common-licenses/GPL-3");
+/// Returns the cases that failed.
+int training_scaling(bool quick) {
+  int failed = 0;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   for (const std::string model : {"mlp", "gpt"}) {
-    if (model == "gpt" && !have_text) continue;
+    if (model == "gpt" && !have_gpt_text("train_gpt_*")) {
+      ++failed;
+      continue;
+    }
     const std::int64_t batch = model == "mlp" ? 256 : 16;
     const std::int64_t steps = (model == "mlp" ? 300 : 40) / (quick ? 10 : 1);
     auto best = [&](const Training& t) {
@@ -314,6 +333,7 @@ void training_scaling(bool quick) {
       line.print();
     }
   }
+  return failed;
 }
 
 /// The samples/s in baton-train's --json line of `out`; 0 if none.
@@ -327,23 +347,23 @@ double train_rate(const std::string& out) {
 /// job in one process on one device with the same micro-batching. dp 4 runs with the
 /// hierarchical all-reduce (the default) and with --allreduce flat; dp 2 (a rank a host) is
 /// flat either way; `_bf16` and `_fp16` compress (flat). samples/s is baton-train's (the runtime's wall
-/// time, compile and start-up excluded); the best of three runs each.
-/// Returns false where it could not make the namespaces (no root).
-bool across_hosts(const std::string& bin, bool quick) {
+/// time, compile and start-up excluded); the best of three runs each. A run that fails fails its
+/// case. Returns the exit status: 0, 1 where a case failed, or a skip where it could not make
+/// the namespaces (no root; skip.h).
+int across_hosts(const std::string& bin, bool quick) {
   bench::NamespacePair hosts;
-  if (!hosts.ok()) {
-    fmt::print(stderr, "baton-bench-parallel --only hosts: {}\n", hosts.why_not());
-    return false;
-  }
-  const bool have_text = std::filesystem::exists("/usr/share/common-licenses/GPL-3");
-  int job = 0;
+  if (!hosts.ok()) return bench::skip("baton-bench-parallel --only hosts", hosts.why_not());
+  int job = 0, failed = 0;
   for (const std::string model : {"mlp", "gpt"}) {
-    if (model == "gpt" && !have_text) continue;
+    if (model == "gpt" && !have_gpt_text("train_gpt_dp*_2hosts*")) {
+      ++failed;
+      continue;
+    }
     const std::vector<std::string> base =
         model == "mlp"
             ? std::vector<std::string>{"--model", "mlp", "--data", "synthetic", "--hidden", "256", "--layers", "2",
                                        "--batch", "256", "--steps", quick ? "20" : "200"}
-            : std::vector<std::string>{"--model", "gpt", "--data", "text:/usr/share/common-licenses/GPL-3",
+            : std::vector<std::string>{"--model", "gpt", "--data", fmt::format("text:{}", gpt_text),
                                        "--d-model", "64", "--heads", "4", "--layers", "2", "--seq", "32", "--batch",
                                        "16", "--steps", quick ? "4" : "40"};
     auto args = [&](std::vector<std::string> extra) {
@@ -353,9 +373,14 @@ bool across_hosts(const std::string& bin, bool quick) {
       a.insert(a.end(), extra.begin(), extra.end());
       return a;
     };
+    // The best of the runs; 0 if any run failed (it said why on stderr).
     auto best = [&](auto&& once) {
       double r = 0;
-      for (int i = 0; i < (quick ? 1 : 3); ++i) r = std::max(r, once());
+      for (int i = 0; i < (quick ? 1 : 3); ++i) {
+        const double once_r = once();
+        if (once_r <= 0) return 0.0;
+        r = std::max(r, once_r);
+      }
       return r;
     };
     struct Case {
@@ -365,11 +390,19 @@ bool across_hosts(const std::string& bin, bool quick) {
     for (const Case& c : {Case{2, "auto", "none"}, Case{4, "auto", "none"}, Case{4, "flat", "none"},
                           Case{4, "auto", "bf16"}, Case{4, "auto", "fp16"}}) {
       const int per_host = c.dp / 2;
+      const std::string case_name = fmt::format("train_{}_dp{}_2hosts{}{}", model, c.dp,
+                                                c.allreduce == "flat" ? "_flat" : "",
+                                                c.compression == "none" ? "" : "_" + c.compression);
       const double one = best([&] {
         auto [code, out] = bench::finish(
             bench::spawn(args({"--microbatches", std::to_string(c.dp)}), {}, true),
             bench::Clock::now() + std::chrono::seconds(300));
-        return code == 0 ? train_rate(out) : 0.0;
+        const double rate = code == 0 ? train_rate(out) : 0.0;
+        if (rate <= 0) {
+          fmt::print(stderr, "baton-bench-parallel: case {}: the one-process reference exited {}{}\n", case_name, code,
+                     code == 0 ? " without a samples_per_s" : "");
+        }
+        return rate;
       });
       bench::load().set_own_threads(c.dp);
       const double many = best([&] {
@@ -390,16 +423,21 @@ bool across_hosts(const std::string& bin, bool quick) {
         auto [code0, out0] = bench::finish(nodes[0], deadline);
         auto [code1, out1] = bench::finish(nodes[1], deadline);
         if (code0 != 0 || code1 != 0) {
-          fmt::print(stderr, "baton-bench-parallel: dp {} across hosts: launchers exited {} and {}\n", c.dp, code0, code1);
+          fmt::print(stderr, "baton-bench-parallel: case {}: the launchers exited {} and {}\n", case_name, code0, code1);
           return 0.0;
         }
-        return train_rate(out0);
+        const double rate = train_rate(out0);
+        if (rate <= 0) fmt::print(stderr, "baton-bench-parallel: case {}: rank 0 printed no samples_per_s\n", case_name);
+        return rate;
       });
-      if (one <= 0 || many <= 0) continue;
+      if (one <= 0 || many <= 0) {
+        fmt::print(stderr, "baton-bench-parallel: case {} failed\n", case_name);
+        ++failed;
+        bench::load().set_own_threads(1);
+        continue;
+      }
       const int cores = bench::usable_cores();
-      bench::JsonLine line("parallel", fmt::format("train_{}_dp{}_2hosts{}{}", model, c.dp,
-                                                   c.allreduce == "flat" ? "_flat" : "",
-                                                   c.compression == "none" ? "" : "_" + c.compression));
+      bench::JsonLine line("parallel", case_name);
       line.add("value", many).add("unit", "samples/s").better(Better::higher).add("reference", one)
           .add("reference_name", "one process, one device, the same micro-batching").compare("ratio", many, one)
           .compare("efficiency", many, one * std::min(c.dp, cores)).add("ranks", c.dp).add("hosts", 2)
@@ -411,7 +449,8 @@ bool across_hosts(const std::string& bin, bool quick) {
       bench::load().set_own_threads(1);
     }
   }
-  return true;
+  if (failed > 0) fmt::print(stderr, "baton-bench-parallel --only hosts: {} case(s) failed\n", failed);
+  return failed > 0 ? 1 : 0;
 }
 
 }  // namespace
@@ -426,7 +465,8 @@ int main(int argc, char** argv) {
     if (a == "--quick") {
       quick = true;
     } else if (a == "--only" && i + 1 < argc &&
-               std::string_view("bubble train balance hosts").find(argv[i + 1]) != std::string_view::npos) {
+               (std::string_view(argv[i + 1]) == "bubble" || std::string_view(argv[i + 1]) == "train" ||
+                std::string_view(argv[i + 1]) == "balance" || std::string_view(argv[i + 1]) == "hosts")) {
       only = argv[++i];
     } else if (a == "--no-reference") {
       // its reference is a formula; accepted so that scripts/run.sh bench parallel can pass it on
@@ -458,11 +498,12 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (only.empty() || only == "train") training_scaling(quick);
-  if (only.empty() || only == "balance") stage_balance(quick);
+  int failed = 0;
+  if (only.empty() || only == "train") failed += training_scaling(quick);
+  if (only.empty() || only == "balance") failed += stage_balance(quick);
   if (only == "hosts") {  // root only (network namespaces); not part of the default run
     const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
-    if (!across_hosts(self.parent_path().string(), quick)) return 77;  // CTest's skip
+    return across_hosts(self.parent_path().string(), quick);
   }
-  return 0;
+  return failed > 0 ? 1 : 0;
 }

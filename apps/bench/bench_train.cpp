@@ -51,6 +51,7 @@
 
 #include "capture.h"
 #include "json_line.h"
+#include "skip.h"
 #include "weights_file.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -579,7 +580,9 @@ int main(int argc, char** argv) {
   for (const Reference& r : refs) {
     if (r.runs()) continue;
     fmt::print(stderr, "{}: the {} reference is missing: {}\n", prog, r.name(), r.missing());
-    if (opt.require_reference) return 77;  // CTest's SKIP_RETURN_CODE
+    if (opt.require_reference) {
+      return bench::skip(fmt::format("{} --reference {} --require-reference", prog, r.name()), r.missing());
+    }
   }
   const std::vector<Case> cases = selected_cases(opt.only);
   const Data d = make_data(cases);

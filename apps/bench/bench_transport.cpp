@@ -299,6 +299,15 @@ Transport transport_for(const std::string& tls, bool bound) {
 
 using baton::bench::Better;
 
+/// A reference asked for that gave no result (ucx_perftest said why on stderr) fails the case:
+/// says so in its line and on stderr; returns 1, a failure to count.
+int reference_failed(baton::bench::JsonLine& line, const std::string& case_name) {
+  fmt::print(stderr, "baton-bench-transport: case {}: ucx_perftest gave no result (--no-reference measures baton "
+                     "alone)\n", case_name);
+  line.add("reference_failed", "ucx_perftest gave no result (stderr)");
+  return 1;
+}
+
 /// What every case's line says beside its value: how rank 1's idle workers waited, how both
 /// sides were bound, and the knobs the ranks ran under.
 void add_conditions(baton::bench::JsonLine& line, const std::string& bound) {
@@ -340,6 +349,7 @@ int main(int argc, char** argv) {
       w.slots = 8;
       auto secs = run_ranks(self, w, env);
       if (!secs) {
+        fmt::print(stderr, "baton-bench-transport: case {} failed: the ranks gave no time\n", name);
         ++failures;
         continue;
       }
@@ -352,11 +362,15 @@ int main(int argc, char** argv) {
         if (auto ref = ucx_perftest("tag_bw", bytes, w.pieces, t.reference_env, cores)) {
           const double ref_gbps = ref->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("reference", ref_gbps).add("reference_name", "ucx_perftest tag_bw").compare("ratio", gbps, ref_gbps);
+        } else {
+          failures += reference_failed(line, name);
         }
         if (auto top = ucx_perftest("tag_bw", bytes, w.pieces, t.ceiling_env, cores)) {
           const double top_gbps = top->bandwidth_MBps * 1048576.0 / 1e9;
           line.add("ceiling", top_gbps).add("ceiling_name", "ucx_perftest tag_bw, UCX defaults")
               .compare("ratio_to_ceiling", gbps, top_gbps);
+        } else {
+          failures += reference_failed(line, name + " (ceiling)");
         }
       }
       line.print();
@@ -377,10 +391,13 @@ int main(int argc, char** argv) {
           if (auto ref = ucx_perftest("tag_lat", 32, w.pieces, t.reference_env, cores)) {
             line.add("reference", ref->latency_us).add("reference_name", "ucx_perftest tag_lat 32 B")
                 .compare("ratio", us, ref->latency_us);
+          } else {
+            failures += reference_failed(line, lat_name);
           }
         }
         line.print();
       } else {
+        fmt::print(stderr, "baton-bench-transport: case {} failed: the ranks gave no time\n", lat_name);
         ++failures;
       }
     }
@@ -401,10 +418,13 @@ int main(int argc, char** argv) {
           if (auto ref = ucx_perftest("ucp_am_bw", 32, w.pieces, t.reference_env, cores)) {
             line.add("reference", ref->msg_rate).add("reference_name", "ucx_perftest ucp_am_bw 32 B msg/s")
                 .compare("ratio", rate, ref->msg_rate);
+          } else {
+            failures += reference_failed(line, stream_name);
           }
         }
         line.print();
       } else {
+        fmt::print(stderr, "baton-bench-transport: case {} failed: the ranks gave no time\n", stream_name);
         ++failures;
       }
     }
