@@ -176,8 +176,11 @@ sanitize() {
     log "building $build_dir: ThreadSanitizer ($jobs jobs)"
     cmake --build "$build_dir" -j "$jobs" --target baton-tests >&2
     log "running the runtime, transport and collective tests under ThreadSanitizer"
-    ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
-      -R '^(Runtime|Mailbox|Stress|LocalQueue|Plan|Validate|control|data plane|cross rank|Collectives|Schedule|Sim)[.:]'
+    # Every test of baton-tests, the one program this stage builds (made of the concurrency tests
+    # alone, tests/CMakeLists.txt), chosen by the program CTest runs, not by name: build-tsan also
+    # registers the other programs' tests, unbuilt.
+    tsan_tests="$(ctest --test-dir "$build_dir" --show-only=json-v1 | python3 -c 'import json, sys; print(",".join(str(i) for i, t in enumerate(json.load(sys.stdin)["tests"], 1) if any(a.endswith("/baton-tests") for a in t.get("command", []))) or sys.exit("no test of baton-tests is registered"))')"
+    ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" -I "0,0,0,$tsan_tests"
   )
 }
 
