@@ -71,9 +71,31 @@ stop_daemons() {
     done
     kill -KILL "$pid" 2>/dev/null && say "$name (pid $pid) did not stop within 5 s: killed"
   done
-  # Job steps a failed test left behind run under slurmstepd; their processes belong to this
-  # cluster alone (no other Slurm runs these tests' programs with this SLURM_CONF).
-  pkill -KILL -f "slurmstepd.*$dir" 2>/dev/null || true
+  # What a failed test left running: slurmstepd (daemonised, so no longer slurmd's child) and
+  # the tasks under it. They all carry this cluster's SLURM_CONF in their environment (slurmd
+  # hands it on, and srun passes the caller's on), and nothing else on the host does.
+  local proc self=$$ left=0
+  for proc in /proc/[0-9]*; do
+    pid="${proc#/proc/}"
+    [ "$pid" = "$self" ] && continue
+    if { tr '\0' '\n' <"$proc/environ"; } 2>/dev/null | grep -qx "SLURM_CONF=$dir/slurm.conf"; then
+      kill -KILL "$pid" 2>/dev/null && left=$((left + 1))
+    fi
+  done
+  [ "$left" -eq 0 ] || say "killed $left process(es) a job of this cluster left behind"
+}
+
+# Cancels every job of the cluster and waits (10 s at most) until none is left.
+cancel_jobs() {
+  local ids i
+  ids="$(SLURM_CONF="$dir/slurm.conf" squeue -h -o %i 2>/dev/null)"
+  [ -n "$ids" ] || return 0
+  say "cancelling jobs a test left: $(echo $ids)"
+  SLURM_CONF="$dir/slurm.conf" scancel $ids 2>/dev/null
+  for i in $(seq 1 100); do
+    [ -z "$(SLURM_CONF="$dir/slurm.conf" squeue -h -o %i 2>/dev/null)" ] && return 0
+    sleep 0.1
+  done
 }
 
 case "$action" in
@@ -177,6 +199,7 @@ EOF
     [ -f "$state_file" ] || exit 0
     dir="$(sed -n 's/^dir=//p' "$state_file")"
     if [ -n "$dir" ] && [ -d "$dir" ]; then
+      cancel_jobs
       stop_daemons
       rm -rf "$dir"
       say "stopped; removed $dir"
