@@ -18,11 +18,15 @@
 //
 //   baton-bench-parallel            K in {2, 4}, M in {1, 4, 8, 16}, both schedules
 //   baton-bench-parallel --quick    fewer steps (the CTest smoke run)
-//   baton-bench-parallel --only bubble|train|balance
+//   baton-bench-parallel --only bubble|train|balance|ddp
 //   baton-bench-parallel --only hosts   baton-train --dp 2 and 4 over two network namespaces
 //                                       (root), hierarchical and flat, against one process
-// Last, stage balancing: the GPT's stages cut by estimated multiply-adds against profiled
-// kernel times (TrainConfig::balance).
+//   baton-bench-parallel --no-reference leaves out the PyTorch DDP peer (the ddp case's)
+// Then stage balancing: the GPT's stages cut by estimated multiply-adds against profiled
+// kernel times (TrainConfig::balance). Last, data parallelism against the peer a user would
+// pick for it: baton-train --dp 2 over two ranks on this host (baton-launch) against PyTorch
+// DistributedDataParallel (gloo, two processes on 127.0.0.1; gpt_ddp_torch.py), on the same GPT
+// (d 256, 4 layers, T 128), global batch 16, one thread a rank and OPENBLAS_NUM_THREADS=1 on both.
 // BATON_BENCH_STAGES=1 in the environment: each run's per-stage idle fraction and actor table
 // on stderr.
 //
@@ -37,16 +41,19 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <vector>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
 #include <filesystem>
 #include <thread>
 
+#include "capture.h"
 #include "json_line.h"
 #include "netns.h"
 #include "skip.h"
@@ -455,10 +462,154 @@ int across_hosts(const std::string& bin, bool quick) {
 
 }  // namespace
 
+// --- data parallelism against PyTorch DDP ---
+
+/// The GPT of the ddp case, as baton-train --model gpt builds it on GPL-3's characters.
+struct DdpShape {
+  std::int64_t d_model = 256, heads = 4, layers = 4, seq = 128, batch = 16;
+  int ranks = 2;
+};
+
+/// A number after "key": in the last line of `out` that has it ([0] prefixes and all); nullopt if none.
+std::optional<double> last_number(const std::string& out, std::string_view key) {
+  const std::string needle = fmt::format("\"{}\": ", key);
+  const auto at = out.rfind(needle);
+  if (at == std::string::npos) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(out.c_str() + at + needle.size(), &end);
+  if (end == out.c_str() + at + needle.size()) return std::nullopt;
+  return v;
+}
+
+/// One baton-train --dp 2 job of `steps` steps over two ranks (baton-launch): the runtime's wall
+/// seconds on rank 0, or nullopt (why on stderr).
+std::optional<double> baton_ddp_wall(const std::string& bin, const DdpShape& g, int steps, const std::string& case_name) {
+  const std::vector<std::string> argv{
+      bin + "/baton-launch", "--nproc-per-node", std::to_string(g.ranks), "--", bin + "/baton-train", "--model", "gpt",
+      "--data", fmt::format("text:{}", gpt_text), "--d-model", std::to_string(g.d_model), "--heads",
+      std::to_string(g.heads), "--layers", std::to_string(g.layers), "--seq", std::to_string(g.seq), "--batch",
+      std::to_string(g.batch), "--dp", std::to_string(g.ranks), "--threads", "1", "--steps", std::to_string(steps),
+      "--optimizer", "adam", "--lr", "0.001", "--json", "--no-eval"};
+  auto [code, out] = bench::finish(bench::spawn(argv, {{"OPENBLAS_NUM_THREADS", "1"}}, true),
+                                   bench::Clock::now() + std::chrono::seconds(600));
+  const auto wall = code == 0 ? last_number(out, "wall_s") : std::nullopt;
+  if (!wall) fmt::print(stderr, "baton-bench-parallel: case {}: baton-launch exited {}: {}\n", case_name, code, out);
+  return wall;
+}
+
+/// --only ddp (and in the default run): baton's dp 2 over two ranks against PyTorch DDP, each
+/// side's steady samples/s (baton: the difference of a warm-up run and a longer one, which
+/// leaves out start-up and the first steps; DDP: timed between barriers after its warm-up), the
+/// best of 3 (--quick: 1). Returns the exit status: 0, 1 where a side failed or the models
+/// differ, a skip where the peer cannot run here (no python3 with torch; skip.h).
+int against_ddp(const std::string& bin, bool quick, bool reference) {
+  const std::string case_name = "train_gpt_d256_dp2_2ranks";
+  if (!have_gpt_text(case_name)) return 1;
+  const DdpShape g;
+  const auto text = std::make_shared<const data::TextCorpus>(data::load_text(gpt_text));
+  const std::int64_t vocab = text->vocab_size();
+  const int warmup = quick ? 1 : 5, steps = quick ? 2 : 20, repeats = quick ? 1 : 3;
+  // The peer: gpt_ddp_torch.py under a python3 with torch.distributed.
+  std::string missing;
+  std::vector<std::string> peer;
+  if (reference) {
+    const std::string python = bench::reference_python();
+    const std::string script = bench::find_reference_script("BATON_GPT_DDP_TORCH", "gpt_ddp_torch.py", missing);
+    auto [rc, out] = bench::run_capture(fmt::format(
+        "timeout 120 {} -c 'import torch.distributed as d; assert d.is_available() and d.is_gloo_available()' 2>&1",
+        bench::shell_quote(python)));
+    if (script.empty()) {
+      // `missing` says where it looked
+    } else if (rc != 0) {
+      missing = fmt::format("{} has no torch.distributed with gloo: {} (apt-get install python3-torch, or set "
+                            "BATON_PYTHON)",
+                            python, bench::trim(out));
+    } else {
+      peer = {python, script};
+    }
+  }
+  auto peer_argv = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = peer;
+    for (auto x : {"--ranks", "2", "--threads", "1"}) a.emplace_back(x);
+    a.insert(a.end(), {"--d-model", std::to_string(g.d_model), "--heads", std::to_string(g.heads), "--layers",
+                       std::to_string(g.layers), "--seq", std::to_string(g.seq), "--vocab", std::to_string(vocab),
+                       "--batch", std::to_string(g.batch)});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  if (!peer.empty()) {
+    // The same model: gpt_ddp_torch.py's parameter count against baton's.
+    Graph graph(1);
+    (void)models::gpt(graph, g.batch / g.ranks,
+                      {.vocab = vocab, .seq = g.seq, .d_model = g.d_model, .heads = g.heads, .layers = g.layers});
+    std::int64_t params = 0;
+    const auto store = ParameterStore::initialize(graph);
+    for (const auto& [name, t] : store->values()) params += t.numel();
+    auto [code, out] = bench::finish(bench::spawn(peer_argv({"--count-only"}), {}, true),
+                                     bench::Clock::now() + std::chrono::minutes(2));
+    const auto theirs = bench::json_number(bench::last_json_line(out), "params");
+    if (code != 0 || !theirs || static_cast<std::int64_t>(*theirs) != params) {
+      fmt::print(stderr, "baton-bench-parallel: case {}: gpt_ddp_torch.py's model is not baton's: {} parameters against "
+                         "baton's {} (exit {}: {})\n",
+                 case_name, theirs ? fmt::format("{}", *theirs) : std::string("no count"), params, code, out);
+      return 1;
+    }
+  }
+  bench::load().set_own_threads(g.ranks);  // a busy thread a rank, either side
+  double baton = 0, torch = 0;
+  std::string torch_version;
+  for (int r = 0; r < repeats; ++r) {  // interleaved, so that a slow moment hurts both sides alike
+    const auto short_run = baton_ddp_wall(bin, g, warmup, case_name);
+    const auto long_run = baton_ddp_wall(bin, g, warmup + steps, case_name);
+    if (!short_run || !long_run || *long_run <= *short_run) {
+      if (short_run && long_run) {
+        fmt::print(stderr, "baton-bench-parallel: case {}: {} steps took {} s, no longer than {} steps' {} s\n",
+                   case_name, warmup + steps, *long_run, warmup, *short_run);
+      }
+      return 1;
+    }
+    baton = std::max(baton, static_cast<double>(steps * g.batch) / (*long_run - *short_run));
+    if (peer.empty()) continue;
+    auto [code, out] = bench::finish(
+        bench::spawn(peer_argv({"--warmup", std::to_string(warmup), "--steps", std::to_string(steps)}),
+                     {{"OPENBLAS_NUM_THREADS", "1"}}, true),
+        bench::Clock::now() + std::chrono::seconds(600));
+    const std::string json = bench::last_json_line(out);
+    const auto rate = bench::json_number(json, "samples_per_s");
+    if (code != 0 || !rate) {
+      fmt::print(stderr, "baton-bench-parallel: case {}: the PyTorch DDP peer failed (exit {}): {}\n", case_name, code,
+                 out);
+      return 1;
+    }
+    torch = std::max(torch, *rate);
+    torch_version = bench::json_string(json, "torch").value_or("?");
+  }
+  bench::JsonLine line("parallel", case_name);
+  line.add("value", baton).add("unit", "samples/s").better(Better::higher);
+  if (!peer.empty()) {
+    line.add("reference", torch)
+        .add("reference_name", fmt::format("PyTorch {} DistributedDataParallel (gloo), 2 processes on 127.0.0.1",
+                                           torch_version))
+        .compare("ratio", baton, torch);
+  } else if (reference) {
+    line.add("reference_missing", missing);
+  }
+  line.add("ranks", g.ranks).add("d_model", g.d_model).add("heads", g.heads).add("layers", g.layers).add("seq", g.seq)
+      .add("vocab", vocab).add("batch", g.batch).add("threads_per_rank", 1).add("openblas_threads", 1)
+      .add("steps", steps).add("warmup", warmup).add("repeats", repeats)
+      .add("stat", "steady samples/s, best of the repeats (baton: steps warmup+1 to warmup+steps; DDP: the same, "
+                   "between barriers)")
+      .add("baton_launch", "baton-launch --nproc-per-node 2 -- baton-train --dp 2 --threads 1");
+  line.print();
+  bench::load().set_own_threads(1);
+  if (reference && peer.empty()) return bench::skip("baton-bench-parallel's PyTorch DDP peer", missing);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   // The training cases keep min(devices, cores) threads busy; the bubble's kernels sleep.
   bench::load().start(argc, argv, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  bool quick = false;
+  bool quick = false, reference = true;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -466,12 +617,15 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a == "--only" && i + 1 < argc &&
                (std::string_view(argv[i + 1]) == "bubble" || std::string_view(argv[i + 1]) == "train" ||
-                std::string_view(argv[i + 1]) == "balance" || std::string_view(argv[i + 1]) == "hosts")) {
+                std::string_view(argv[i + 1]) == "balance" || std::string_view(argv[i + 1]) == "ddp" ||
+                std::string_view(argv[i + 1]) == "hosts")) {
       only = argv[++i];
     } else if (a == "--no-reference") {
-      // its reference is a formula; accepted so that scripts/run.sh bench parallel can pass it on
+      reference = false;  // the ddp case without its PyTorch peer (the others' references are baton's own)
     } else {
-      fmt::print(stderr, "usage: baton-bench-parallel [--quick] [--only bubble|train|balance|hosts] [--allow-load]\n{}",
+      fmt::print(stderr,
+                 "usage: baton-bench-parallel [--quick] [--only bubble|train|balance|ddp|hosts] [--no-reference] "
+                 "[--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
@@ -501,9 +655,12 @@ int main(int argc, char** argv) {
   int failed = 0;
   if (only.empty() || only == "train") failed += training_scaling(quick);
   if (only.empty() || only == "balance") failed += stage_balance(quick);
-  if (only == "hosts") {  // root only (network namespaces); not part of the default run
-    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
-    return across_hosts(self.parent_path().string(), quick);
+  const std::string bin = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+  if (only == "hosts") return across_hosts(bin, quick);  // root only (network namespaces); not in the default run
+  if (only.empty() || only == "ddp") {
+    const int status = against_ddp(bin, quick, reference);
+    if (status != 0 && status != bench::skip_exit_code) ++failed;
+    if (failed == 0) return status;  // 0, or the peer's skip
   }
   return failed > 0 ? 1 : 0;
 }
