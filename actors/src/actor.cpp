@@ -38,7 +38,7 @@ void add_elements(DType dtype, void* out, const void* a, const void* b, std::siz
 }  // namespace
 
 const void* Actor::addend(const Input& own, std::int64_t piece) const {
-  const Tensor& slot = own.source->buffers[static_cast<std::size_t>(piece % own.slots)];
+  const Tensor& slot = own.source->buffers[slot_of(piece, own.slots)];
   return static_cast<const std::byte*>(slot.raw()) + own_offset_;
 }
 
@@ -255,7 +255,7 @@ bool Actor::defers_ack(const Input& in) const {
 }
 
 std::int64_t Actor::needed_piece(const Input& in) const {
-  return acts_ / in_ratio_ - in.delay;
+  return count_div(acts_, in_ratio_) - in.delay;
 }
 
 Actor::Block Actor::next_block() const {
@@ -283,10 +283,10 @@ Actor::Block Actor::next_block_of_stream() const {
   // (a variable still applies its last gradients to the weights it owns).
   if (outputs_read_ > 0 && outputs_dead_ == outputs_read_ && desc_.stops_when_unread) return Block::unread;
   if (starved) return Block::starved;
-  if (acts_ % out_group_ == 0) {
+  if (count_mod(acts_, out_group_) == 0) {
     // The piece the next act opens, counting acts still in flight on a stream or the wire (they
     // hold slots that they have not published yet).
-    const std::int64_t piece = acts_ / out_group_;
+    const std::int64_t piece = count_div(acts_, out_group_);
     for (const auto& out : outputs_) {
       if (piece - out->freed >= out->slots) return Block::backpressured;
     }
@@ -338,7 +338,10 @@ void Actor::advance() {
 }
 
 void Actor::act() {
-  set_activity(ActorActivity::busy);
+  // The clock read that starts the busy time also starts the kernel's (a few loads apart): a
+  // read of the TSC costs 10-25 ns, in a virtual machine more, and an act of a noop kernel
+  // read it four times (bench actors, same_thread_hop).
+  const std::uint64_t busy_from = set_activity(ActorActivity::busy);
   if (desc_.kind == ActorKind::transfer && !core_.dry_run) return act_transfer();
   const std::int64_t k = acts_;
   const bool logging = core_.activity_log.load(std::memory_order_relaxed);
@@ -346,10 +349,10 @@ void Actor::act() {
   for (std::size_t p = 0; p < port_to_input_.size(); ++p) {
     Input& in = inputs_[port_to_input_[p]];
     std::int64_t q = needed_piece(in);
-    in_view_[p] = q < 0 ? nullptr : &in.source->buffers[static_cast<std::size_t>(q % in.slots)];
+    in_view_[p] = q < 0 ? nullptr : &in.source->buffers[slot_of(q, in.slots)];
   }
-  const bool opens_group = k % out_group_ == 0;
-  const bool closes_group = k % out_group_ == out_group_ - 1;
+  const bool opens_group = count_mod(k, out_group_) == 0;
+  const bool closes_group = count_mod(k, out_group_) == out_group_ - 1;
   const auto out_slot = [&](const Output& out) { return slot_written(out, k); };
   for (std::size_t o = 0; o < outputs_.size(); ++o) {
     Output& out = *outputs_[o];
@@ -357,14 +360,14 @@ void Actor::act() {
   }
   if (!core_.dry_run) {
     const bool clocked = core_.settings.time_accounting || worker_->holds_messages();
-    const std::uint64_t kernel_start = clocked ? ticks() : 0;
+    const std::uint64_t kernel_start = !clocked ? 0 : busy_from != 0 ? busy_from : ticks();
     try {
       if (stream_ordered_) {
         // Stream order covers what this stream wrote and read; what other streams did, events.
         for (Input& in : inputs_) {
           const std::int64_t q = needed_piece(in);
           if (in.sync != EdgeSync::event || q < 0 || in.source == nullptr) continue;
-          if (const StreamEvent* written = in.source->ready[static_cast<std::size_t>(q % in.slots)]) {
+          if (const StreamEvent* written = in.source->ready[slot_of(q, in.slots)]) {
             stream_->wait(*written);
           }
         }
@@ -442,8 +445,8 @@ void Actor::run_kernel(std::int64_t k, bool opens_group, bool closes_group) {
       const Input& in = inputs_[0];
       Output& out = *outputs_[0];
       out.ready[out_slot(out)] =
-          in.source == nullptr ? nullptr : in.source->ready[static_cast<std::size_t>(needed_piece(in) % in.slots)];
-      if (out.counts_for != nullptr) out.counts_slot[out_slot(out)] = static_cast<std::size_t>(needed_piece(in) % in.slots);
+          in.source == nullptr ? nullptr : in.source->ready[slot_of(needed_piece(in), in.slots)];
+      if (out.counts_for != nullptr) out.counts_slot[out_slot(out)] = slot_of(needed_piece(in), in.slots);
       break;
     }
     case ActorKind::accumulate:
@@ -469,7 +472,7 @@ bool Actor::wait_for_stream(std::int64_t k, bool closes_group) {
   if (closes_group) {
     for (const auto& out : outputs_) waits = waits || out->any_deferred;
   }
-  for (const Input& in : inputs_) waits = waits || (defers_ack(in) && k / in_ratio_ - in.delay >= 0);
+  for (const Input& in : inputs_) waits = waits || (defers_ack(in) && count_div(k, in_ratio_) - in.delay >= 0);
   if (waits) {
     on_stream_.push_back(
         std::make_unique<Reached>(Reached{worker_, Message{id_, id_, k, 0, 0, MsgKind::pulled, 0}}));
@@ -520,16 +523,16 @@ void Actor::after_act(std::int64_t k, Handoff h) {
   // The act ends before its requests and acks go out, so no consumer's act (nor this act's
   // next, once its slot comes back) can appear to start before it ended: a trace's arrows
   // point forward in time.
-  const bool closes_group = k % out_group_ == out_group_ - 1;
+  const bool closes_group = count_mod(k, out_group_) == out_group_ - 1;
   if (closes_group) {
     if (h != Handoff::reached) bump(counters_.bytes_out, bytes_out_per_act_);
     if (h != Handoff::reached && core_.settings.measure_memory && !desc_.in_place.empty()) count_in_place_reads(k);
-    for (auto& out : outputs_) publish(*out, k / out_group_, h);
+    for (auto& out : outputs_) publish(*out, count_div(k, out_group_), h);
   }
   // Acks after requests: a consumer hears of new data before the producer hears of space.
   if (desc_.kind != ActorKind::repeat) {
     for (Input& in : inputs_) {
-      std::int64_t q = k / in_ratio_ - in.delay;
+      std::int64_t q = count_div(k, in_ratio_) - in.delay;
       if (q < 0) continue;
       const bool waited = h != Handoff::all && defers_ack(in);
       if (h == Handoff::all || (h == Handoff::reached) == waited) release(in, q);
@@ -544,9 +547,9 @@ void Actor::count_in_place_reads(std::int64_t k) {
   for (const InPlace& p : desc_.in_place) {  // validate() checked the ports
     Input& in = inputs_[port_to_input_[p.input]];  // a register read on two ports is one input
     const Output& out = *outputs_[p.output];
-    const std::int64_t q = k / in_ratio_ - in.delay;
+    const std::int64_t q = count_div(k, in_ratio_) - in.delay;
     if (q < 0 || in.source == nullptr || !in.source->counted() || out.in_use == nullptr) continue;
-    const auto in_slot = static_cast<std::size_t>(q % in.slots);
+    const auto in_slot = slot_of(q, in.slots);
     if (in.counted_early == q || in.source->buffers[in_slot].raw() != out.buffers[slot_written(out, k)].raw())
       continue;
     in.source->reader_done(in_slot);
@@ -578,7 +581,7 @@ void Actor::on_stream_reached(const Message& m) {
 void Actor::act_transfer() {
   Output& out = *outputs_[0];
   const std::int64_t k = acts_;
-  const auto slot = static_cast<std::uint16_t>(k % out.slots);
+  const auto slot = static_cast<std::uint16_t>(slot_of(k, out.slots));
   Tensor& dest = out.buffers[slot];
   const std::uint64_t copy_start = worker_->holds_messages() ? ticks() : 0;  // brief_, below
   // The activity log records a pull from here to its landing (on_pulled); 0: not logged.
@@ -594,7 +597,7 @@ void Actor::act_transfer() {
   for (std::size_t p = 0; p < ports; ++p) {
     Input& in = inputs_[port_to_input_[p]];
     const std::size_t bytes = port_bytes_[p];
-    const auto from = static_cast<std::size_t>(k % in.slots);
+    const auto from = slot_of(k, in.slots);
     if (bytes == 0) {
       if (in.source != nullptr) release(in, k);  // a remote one acks when the piece is published
       if (own != nullptr) release(*own, k);
@@ -641,11 +644,11 @@ void Actor::on_pulled(const Message& m) {
 void Actor::landed(std::uint16_t slot) {
   Output& out = *outputs_[0];
   pulled_[slot] = true;
-  while (inflight_ > 0 && pulled_[static_cast<std::size_t>(out.written % out.slots)]) {
-    pulled_[static_cast<std::size_t>(out.written % out.slots)] = false;
+  while (inflight_ > 0 && pulled_[slot_of(out.written, out.slots)]) {
+    pulled_[slot_of(out.written, out.slots)] = false;
     --inflight_;
     const std::int64_t piece = out.written;
-    const auto at = static_cast<std::size_t>(piece % out.slots);
+    const auto at = slot_of(piece, out.slots);
     if (reduces_ && add_on_landing_[at]) {  // a pulled piece: its addend (held since the act) now
       add_on_landing_[at] = false;
       Tensor& sum = out.buffers[at];
@@ -674,7 +677,7 @@ std::string Actor::stage(const Message& m, const void* payload, std::size_t size
                        transport::Link::max_inline_payload);
   }
   if (in->staging == nullptr) in->staging = std::make_unique<std::byte[]>(static_cast<std::size_t>(in->slots) * size);
-  const auto slot = static_cast<std::size_t>(m.piece % in->slots);
+  const auto slot = slot_of(m.piece, in->slots);
   std::memcpy(in->staging.get() + slot * size, payload, size);
   in->arrived[slot] = in->staging.get() + slot * size;
   return {};
@@ -686,7 +689,7 @@ std::string Actor::map_piece(const Message& m, const transport::SharedLocation& 
   Input* in = desc_.kind == ActorKind::transfer ? input_for(m.reg) : nullptr;
   if (in == nullptr || in->source != nullptr) return "it is not a transfer that pulls it from there";
   if (in->piece_bytes == 0) return "its input is empty";
-  const auto slot = static_cast<std::size_t>(m.piece % in->slots);
+  const auto slot = slot_of(m.piece, in->slots);
   try {
     // The producer's segment, mapped once: its pieces are found without a lock.
     if (!in->segment.is(at)) in->segment = core_.peer_segments.segment(at);
@@ -714,7 +717,7 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
                              core_.plan.registers[out.reg].name, out.written));
       return;
     }
-    const auto slot = static_cast<std::size_t>(piece % out.slots);
+    const auto slot = slot_of(piece, out.slots);
     out.pending[slot] = out.live;
     if (out.in_use != nullptr) {
       // Before the requests go out: a reader counts itself down only after it has one.
@@ -744,7 +747,7 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
 
 void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
   Consumer& consumer = out.consumers[c];
-  const auto slot = static_cast<std::uint16_t>(piece % out.slots);
+  const auto slot = static_cast<std::uint16_t>(slot_of(piece, out.slots));
   Message m{id_, consumer.id, piece, out.reg, slot, MsgKind::request, static_cast<std::uint8_t>(c)};
   if (consumer.worker == nullptr && !core_.dry_run && consumer.bytes > 0) {
     // A consumer on another rank takes the payload (or its window of it) from this slot, which
@@ -813,7 +816,7 @@ void Actor::count_crossings(RunReport& report) const {
 }
 
 void Actor::release(Input& in, std::int64_t piece) {
-  const auto slot = static_cast<std::size_t>(piece % in.slots);
+  const auto slot = slot_of(piece, in.slots);
   // Not again where this act counted it already (in place), nor for a view whose readers
   // counted its input down (Output::counts_for).
   if (in.source != nullptr && in.source->counted() && in.counted_early != piece &&
@@ -843,12 +846,12 @@ void Actor::release(Input& in, std::int64_t piece) {
   }
   in.released = piece + 1;
   send(in.producer_worker, Message{id_, in.producer, piece, in.reg,
-                                   static_cast<std::uint16_t>(piece % in.slots), MsgKind::ack,
+                                   static_cast<std::uint16_t>(slot_of(piece, in.slots)), MsgKind::ack,
                                    in.consumer_index});
 }
 
 void Actor::advance_freed(Output& out) {
-  while (out.freed < out.written && out.pending[static_cast<std::size_t>(out.freed % out.slots)] == 0) {
+  while (out.freed < out.written && out.pending[slot_of(out.freed, out.slots)] == 0) {
     ++out.freed;
   }
   out.freed_seen.store(out.freed, std::memory_order_relaxed);
@@ -873,7 +876,7 @@ void Actor::on_request(const Message& m) {
   if (in->detached) return;
   if (m.piece != in->received) return protocol_error(m, "request out of order");
   if ((m.kind == MsgKind::request_inline || m.kind == MsgKind::request_mapped) &&
-      (in->arrived.empty() || in->arrived[static_cast<std::size_t>(m.piece % in->slots)] == nullptr)) {
+      (in->arrived.empty() || in->arrived[slot_of(m.piece, in->slots)] == nullptr)) {
     return protocol_error(m, "a request whose piece came with it, but nothing arrived");
   }
   in->received = m.piece + 1;
@@ -889,7 +892,7 @@ void Actor::on_ack(const Message& m) {
   c.acked = m.piece + 1;
   if (desc_.kind == ActorKind::repeat && !out->done.empty()) {
     // The events this reader left go to the input piece its output piece aliases.
-    auto& left = out->done[m.consumer][static_cast<std::size_t>(m.piece % out->slots)];
+    auto& left = out->done[m.consumer][slot_of(m.piece, out->slots)];
     if (!left.empty()) {
       auto& to = repeat_done_[m.piece / desc_.group];
       to.insert(to.end(), left.begin(), left.end());
@@ -897,9 +900,9 @@ void Actor::on_ack(const Message& m) {
     }
   }
   if (m.piece < c.detached_from) {
-    --out->pending[static_cast<std::size_t>(m.piece % out->slots)];
+    --out->pending[slot_of(m.piece, out->slots)];
     // A reader on another rank: its release happened there.
-    if (out->counted() && c.worker == nullptr) out->reader_done(static_cast<std::size_t>(m.piece % out->slots));
+    if (out->counted() && c.worker == nullptr) out->reader_done(slot_of(m.piece, out->slots));
     advance_freed(*out);
   }
 }
@@ -921,8 +924,8 @@ void Actor::on_detach(const Message& m) {
   if (c.detached_from != never) return;
   c.detached_from = m.piece;
   for (std::int64_t p = std::max(c.acked, m.piece); p < out->written; ++p) {
-    --out->pending[static_cast<std::size_t>(p % out->slots)];
-    if (out->counted()) out->reader_done(static_cast<std::size_t>(p % out->slots));
+    --out->pending[slot_of(p, out->slots)];
+    if (out->counted()) out->reader_done(slot_of(p, out->slots));
   }
   if (--out->live == 0) ++outputs_dead_;
   advance_freed(*out);
@@ -933,11 +936,11 @@ void Actor::finish(bool unread) {
   if (core_.dry_run) core_.count_dry_reached();  // a source nobody reads: nothing to prove
   // A group cut short by its input's end is a plan error; one cut short because nobody reads
   // the sum any more is not.
-  if (desc_.kind == ActorKind::accumulate && acts_ % out_group_ != 0 && !unread) {
+  if (desc_.kind == ActorKind::accumulate && count_mod(acts_, out_group_) != 0 && !unread) {
     core_.fail(fmt::format(
         "accumulate actor '{}' ended inside a group: {} of {} pieces summed (its input ended "
         "after {} pieces, not a multiple of {})",
-        desc_.name, acts_ % out_group_, out_group_, acts_, out_group_));
+        desc_.name, count_mod(acts_, out_group_), out_group_, acts_, out_group_));
     return;
   }
   for (auto& out : outputs_) {
@@ -975,8 +978,9 @@ void Lane::start() {
 // others' order.
 void Lane::move_on(bool acted) {
   if (turn == nullptr) return;
-  if (acted) at = (at + 1) % period.size();
-  for (std::size_t skipped = 0; period[at].actor->finished(); at = (at + 1) % period.size()) {
+  const auto next = [&] { at = at + 1 == period.size() ? 0 : at + 1; };  // no division per act
+  if (acted) next();
+  for (std::size_t skipped = 0; period[at].actor->finished(); next()) {
     if (++skipped == period.size()) {
       turn = nullptr;
       return;
@@ -1014,16 +1018,18 @@ void Actor::begin(std::uint64_t start_ticks) {
   counters_.since.store(start_ticks, std::memory_order_relaxed);
 }
 
-void Actor::set_activity(ActorActivity a) {
-  if (a == activity_) return;
+std::uint64_t Actor::set_activity(ActorActivity a) {
+  if (a == activity_) return 0;
+  std::uint64_t now = 0;
   if (core_.settings.time_accounting) {
-    std::uint64_t now = ticks();
+    now = ticks();
     if (activity_ != ActorActivity::retired) bump(counters_.ticks[bucket(activity_)], now - since_);
     since_ = now;
     counters_.since.store(now, std::memory_order_relaxed);
   }
   activity_ = a;
   counters_.activity.store(a, std::memory_order_relaxed);
+  return now;
 }
 
 void Actor::send(Worker* to, const Message& m) {
@@ -1061,7 +1067,7 @@ std::string Actor::describe_wait() const {
                          core_.plan.actors[reg.producer].name);
     }
   }
-  if (acts_ % out_group_ == 0) {
+  if (count_mod(acts_, out_group_) == 0) {
     for (const auto& out : outputs_) {
       if (out->written - out->freed >= out->slots) {
         const auto& reg = core_.plan.registers[out->reg];

@@ -218,8 +218,27 @@ baton::Plan chain_plan(const std::vector<Stage>& stages, std::int64_t pieces, in
 }
 
 /// Runs the plan once on a fresh Runtime and checks that the sink saw every piece.
-Sample run_baton(const baton::Plan& plan, const baton::KernelRegistry& kernels) {
-  baton::Runtime rt(plan, kernels);
+/// What one read of baton::ticks() costs here, in ns (the best of 5 runs of 10^6 reads).
+double clock_read_ns() {
+  static const double ns = [] {
+    constexpr int reads = 1'000'000;
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+      std::uint64_t sum = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < reads; ++i) sum += baton::ticks();
+      const double took = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+      asm volatile("" : : "r"(sum) : "memory");  // the reads are used: the loop stays
+      best = std::min(best, took / reads);
+    }
+    return best;
+  }();
+  return ns;
+}
+
+Sample run_baton(const baton::Plan& plan, const baton::KernelRegistry& kernels,
+                 const baton::RuntimeSettings& settings = {}) {
+  baton::Runtime rt(plan, kernels, settings);
   baton::RunReport report = rt.run();
   const auto& sink = plan.actors.back();
   const std::int64_t expected = plan.actors.front().pieces;
@@ -470,7 +489,13 @@ struct Bench {
     stages.push_back({"sink", 0});
     auto baton_run = [&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels); };
     auto raw_run = [&](std::int64_t n) { return raw_same_thread_chain(k, n, slots); };
-    const auto m = measure({baton_run, raw_run}, 100, 100);
+    // The same chain without time accounting (RuntimeSettings::time_accounting): an act reads
+    // the clock three times for it (busy from, kernel end, busy until), and what a read costs
+    // depends on the machine (a virtual machine's TSC can be slow), so the line shows both.
+    baton::RuntimeSettings untimed;
+    untimed.time_accounting = false;
+    auto untimed_run = [&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels, untimed); };
+    const auto m = measure({baton_run, raw_run, untimed_run}, 100, 100);
     const Measured& stats = m[0];
     const Measured& ref = m[1];
     const std::int64_t pieces = stats.pieces;
@@ -478,6 +503,7 @@ struct Bench {
     const double hops = static_cast<double>(k - 1);
     const double ns = stats.best.wall_s * 1e9 / (static_cast<double>(pieces) * hops);
     const double ref_ns = ref.best.wall_s * 1e9 / (static_cast<double>(ref_pieces) * hops);
+    const double untimed_ns = m[2].best.wall_s * 1e9 / (static_cast<double>(m[2].pieces) * hops);
     JsonLine("same_thread_hop")
         .add("value", ns)
         .add("unit", "ns/hop")
@@ -497,9 +523,13 @@ struct Bench {
         .add("messages_per_piece", static_cast<double>(stats.best.messages) / static_cast<double>(pieces))
         .add("parks", stats.best.parks)
         .add("reference_pieces", ref_pieces)
+        .add("without_time_accounting", untimed_ns)
+        .add("clock_read_ns", clock_read_ns())
         .print();
-    fmt::print(stderr, "same_thread_hop: {:.1f} ns/hop over {} pieces (raw LocalQueue chain {:.1f} ns/hop)\n", ns,
-               pieces, ref_ns);
+    fmt::print(stderr,
+               "same_thread_hop: {:.1f} ns/hop over {} pieces (raw LocalQueue chain {:.1f} ns/hop); without time "
+               "accounting {:.1f} ns/hop; one read of baton::ticks() {:.1f} ns\n",
+               ns, pieces, ref_ns, untimed_ns, clock_read_ns());
   }
 
   void cross_thread_stream(int slots) const {
