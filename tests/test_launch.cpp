@@ -394,6 +394,22 @@ TEST_CASE("Launch.Scheduler.AdoptsOpenMpiAndSlurmLayouts" * doctest::timeout(60)
     CHECK(plan.master == "gpu07:29500");
     CHECK(plan.token == "slurm-job-777.0");
   }
+  SUBCASE("srun without --ntasks-per-node: the step's own tasks per node give the local size") {
+    vars = {{"SLURM_PROCID", "1"},
+            {"SLURM_NTASKS", "2"},
+            {"SLURM_LOCALID", "1"},
+            {"SLURM_STEP_ID", "0"},
+            {"SLURM_JOB_ID", "9"},
+            {"SLURM_STEP_TASKS_PER_NODE", "2"},
+            {"SLURM_STEP_NODELIST", "vm"}};
+    const Plan plan = resolve_plan(cli, env, machine);
+    CHECK(plan.local_rank_base == 1);
+    CHECK(plan.local_world_size == 2);  // both ranks on one host: shared memory, no TCP
+    vars["SLURM_STEP_TASKS_PER_NODE"] = "4(x3)";
+    CHECK(resolve_plan(cli, env, machine).local_world_size == 4);
+    vars["SLURM_STEP_TASKS_PER_NODE"] = "2,1";  // uneven: unknown, each task alone
+    CHECK(resolve_plan(cli, env, machine).local_world_size == 1);
+  }
   SUBCASE("a Slurm batch script (no step) is not one task of many") {
     vars = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_JOB_ID", "777"}};
     CHECK(resolve_plan(cli, env, machine).nnodes == 1);

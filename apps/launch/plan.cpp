@@ -192,10 +192,18 @@ std::optional<SchedulerLayout> detect_scheduler(const Environment& env) {
     layout.rank = *env_count(env, "SLURM_PROCID");
     layout.size = *env_count(env, "SLURM_NTASKS");
     layout.local_rank = env_count(env, "SLURM_LOCALID").value_or(0);
-    // SLURM_NTASKS_PER_NODE is only uniform when the user asked for it; "2(x3)" and the like
-    // are left alone.
-    if (auto per_node = env("SLURM_NTASKS_PER_NODE"))
+    // SLURM_NTASKS_PER_NODE is set only when the user asked for it; srun always sets the step's
+    // own count, SLURM_STEP_TASKS_PER_NODE: "2" (one node, or one count), "2(x3)" (three nodes
+    // of 2). A list of different counts ("2,1") leaves the local size unknown.
+    if (auto per_node = env("SLURM_NTASKS_PER_NODE")) {
       layout.local_size = parse_count(trim(*per_node));
+    } else if (auto step = env("SLURM_STEP_TASKS_PER_NODE")) {
+      std::string_view count = trim(*step);
+      if (const auto x = count.find("(x"); x != std::string_view::npos && count.ends_with(")")) {
+        count = count.substr(0, x);
+      }
+      layout.local_size = parse_count(count);
+    }
     if (auto job = env("SLURM_JOB_ID")) {
       const auto step = env("SLURM_STEP_ID") ? env("SLURM_STEP_ID") : env("SLURM_STEPID");
       layout.job_id = step ? fmt::format("{}.{}", *job, *step) : *job;

@@ -195,6 +195,9 @@ TEST_CASE("Slurm: srun -n 2 baton-launch -- baton-train --dp 2 gives the final l
   CHECK(json_number(job.out(), "ranks") == 2);
   // Each task's launcher adopted Slurm's layout: one rank a task, the job's rendezvous.
   CHECK(contains(job.err(), "baton-launch: Slurm's layout: 2 tasks of 1 rank each, 2 ranks in all; master 127.0.0.1:"));
+  // srun's step says both tasks are on this node: the ranks know they share a host, so the data
+  // plane leaves TCP out, as under baton-launch alone.
+  CHECK(contains(job.err(), "data plane: TLS=^cma,tcp, RNDV_THRESH=1048576 (every rank on this host)"));
   CHECK(marked_ranks(mark).empty());
 }
 
