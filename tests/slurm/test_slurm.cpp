@@ -171,6 +171,12 @@ double in_process_loss() {
   return loss;
 }
 
+/// srun of a 2-rank dp job named `name` that trains until something ends it (scancel, a kill).
+std::vector<std::string> endless_job(const std::string& name) {
+  return {"srun", "-n", "2", "-J", name, bin + "/baton-launch", "--", bin + "/baton-train", "--model", "mlp",
+          "--data", "synthetic", "--steps", "100000000", "--batch", "64", "--dp", "2"};
+}
+
 bool same_loss(double a, double b) { return std::abs(a - b) <= 1e-5 * std::max(1.0, std::abs(a)); }
 
 }  // namespace
@@ -240,9 +246,7 @@ TEST_CASE("Slurm: scancel of a running job step ends every rank within 10 s" * d
   const auto mark = fresh_mark();
   const std::string name = "baton-scancel-" + mark;
   const CancelOnExit cleanup(*c, name);
-  Proc job({"srun", "-n", "2", "-J", name, bin + "/baton-launch", "--", bin + "/baton-train", "--model", "mlp",
-            "--data", "synthetic", "--steps", "100000000", "--batch", "64", "--dp", "2"},
-           slurm_env(*c, mark));
+  Proc job(endless_job(name), slurm_env(*c, mark));
   const auto ranks = wait_for_ranks(mark, 2, 60s);
   INFO(job.all());
   REQUIRE(ranks.size() == 2);
@@ -277,9 +281,7 @@ TEST_CASE("Slurm: a rank killed under srun ends the step non-zero with the reaso
   if (!c) return;
   const auto mark = fresh_mark();
   const CancelOnExit cleanup(*c, "baton-kill-" + mark);
-  Proc job({"srun", "-n", "2", "-J", "baton-kill-" + mark, bin + "/baton-launch", "--", bin + "/baton-train",
-            "--model", "mlp", "--data", "synthetic", "--steps", "100000000", "--batch", "64", "--dp", "2"},
-           slurm_env(*c, mark));
+  Proc job(endless_job("baton-kill-" + mark), slurm_env(*c, mark));
   const auto ranks = wait_for_ranks(mark, 2, 60s);
   INFO(job.all());
   REQUIRE(ranks.size() == 2);
