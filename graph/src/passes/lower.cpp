@@ -5,6 +5,9 @@
 //                 ^    \──> backward ops ──> accumulate(M) ──┐
 //   variable ──> repeat(M)                                   │ (delay 1: step s's weights come
 //      ^──────────────────────────────────────────────────────┘  from step s-1's gradients)
+//
+// Under PipeDream-2BW (schedule "2bw", weight_delay) the gradient's delay is 2: step s's weights
+// are step s-1's with step s-2's gradient applied, and the weight's register holds two versions.
 #include <algorithm>
 #include <optional>
 #include <set>
@@ -264,11 +267,12 @@ std::shared_ptr<LossLog> lower_loss_report(std::vector<PlanBuilder>& replicas,
 
 }  // namespace
 
-/// An accumulate "last" beside the variable keeps the last of its steps + 1 pieces, so one piece
-/// crosses, once, at the end; a sink on the reporting rank copies it into the ParameterStore.
+/// An accumulate "last" beside the variable keeps the last of its `pieces` (steps + its weight
+/// delay), so one piece crosses, once, at the end; a sink on the reporting rank copies it into
+/// the ParameterStore.
 void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& params,
                           const std::vector<FinalWeight>& finals, const Placement& reporter,
-                          std::int64_t steps) {
+                          std::int64_t pieces) {
   for (const FinalWeight& f : finals) {
     if (f.in_store && f.where.rank == reporter.rank) continue;
     const std::string name = "final." + f.name;
@@ -281,7 +285,7 @@ void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& p
                     .where = f.where,
                     .inputs = {{f.reg}},
                     .outputs = {last},
-                    .group = static_cast<std::int32_t>(steps + 1),
+                    .group = static_cast<std::int32_t>(pieces),
                     .role = ActorRole::update});
     Tensor dest = params.at(f.name);
     kernels.add_fn(name, DeviceType::cpu, f.dtype,
@@ -301,6 +305,7 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
                   const Replicas& reps, const TrainConfig& cfg,
                   std::shared_ptr<ParameterStore> params) {
   using namespace detail;
+  check_weight_delay(cfg);
   Plan plan;
   KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
   if (cfg.dp > 1) add_collective_kernels(kernels);
@@ -377,7 +382,8 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
     for (FinalWeight& f : finals) f.in_store = f.in_store || f.where.rank == reporter.rank;
   }
   auto losses = lower_loss_report(replicas, d, loss_regs, cfg);
-  gather_final_weights(plan, kernels, *params, finals, reporter, cfg.steps - cfg.first_step);
+  gather_final_weights(plan, kernels, *params, finals, reporter,
+                       cfg.steps - cfg.first_step + weight_delay(cfg));
   label_roles_and_stages(plan, replicas);
   std::map<std::string, Placement> trained_at;
   for (const auto& [v, grad] : d.trained) {  // ZeRO 3's weights: no FinalWeight (lower_zero stores them)

@@ -34,7 +34,14 @@ void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on
                          GradientWindow window) {
   OptimizerConfig oc = cfg.optimizer;
   const std::int64_t steps = cfg.steps;
+  const std::int64_t late = weight_delay(cfg) - 1;
   if (on_cuda) {
+    if (late != 0) {
+      throw GraphError(fmt::format("'{}': --schedule {} with a weight on a CUDA device: the CUDA variable "
+                                   "applies each step's gradient at once (no delayed update); use --schedule "
+                                   "1f1b, or keep the weights on the CPU",
+                                   op, cfg.schedule));
+    }
     if (window.parts != 1 || window.offset != 0) {
       throw GraphError(fmt::format("'{}': a CUDA variable reads one whole gradient register (no window)", op));
     }
@@ -46,18 +53,35 @@ void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on
   }
   // The factory keeps the state alive (`state`) for the slots it points into.
   kernels.add(op, DeviceType::cpu, dt,
-              [master, oc, steps, dt, slots, snap, window,
+              [master, oc, steps, dt, slots, snap, window, late,
                state = cfg.optimizer_state](const KernelConfig&) -> std::unique_ptr<Kernel> {
                 if (dt == DType::f64) {
                   return std::make_unique<VariableKernel<double>>(
-                      master, oc, steps, saved_slots<double>(oc, slots), snap, window);
+                      master, oc, steps, saved_slots<double>(oc, slots), snap, window, WeightWindow{}, late);
                 }
                 return std::make_unique<VariableKernel<float>>(
-                    master, oc, steps, saved_slots<float>(oc, slots), snap, window);
+                    master, oc, steps, saved_slots<float>(oc, slots), snap, window, WeightWindow{}, late);
               });
 }
 
 }  // namespace
+
+std::int32_t weight_delay(const TrainConfig& cfg) { return cfg.schedule == "2bw" ? 2 : 1; }
+
+void check_weight_delay(const TrainConfig& cfg) {
+  if (weight_delay(cfg) == 1) return;
+  if (cfg.zero > 0 && cfg.dp > 1) {
+    throw GraphError(fmt::format("--schedule {} with --zero {}: ZeRO's sharded optimizers apply each step's "
+                                 "gradient at once, not a step late; use one or the other",
+                                 cfg.schedule, cfg.zero));
+  }
+  if (cfg.first_step > 0 || cfg.optimizer_state) {
+    throw GraphError(fmt::format("--schedule {} with a resumed job (first step {}): a checkpoint holds the "
+                                 "weights but not the gradient still to be applied a step late, so training "
+                                 "cannot go on from it as 2BW would",
+                                 cfg.schedule, cfg.first_step));
+  }
+}
 
 /// The saved optimizer slots of trained variable `n` in a resumed job (null: start at zero),
 /// checked against the variable and the optimizer.
@@ -94,7 +118,10 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
   // trained weight on a CPU device is its optimizer's master itself (kernel_memory: the
   // optimizer updates it in place once every reader of the last step has acked it), so it is
   // held once, not once more for its readers; CUDA variables still copy theirs out.
-  RegisterIndex w = b.add_register(n.name + ".step", n.shape, n.dtype, 1);
+  // Under 2BW (weight_delay 2) a trained weight's register holds two versions: the next step's
+  // weights are written while the step before's backward passes still read theirs.
+  const std::int32_t delay = weight_delay(cfg);
+  RegisterIndex w = b.add_register(n.name + ".step", n.shape, n.dtype, grad != nullptr ? delay : 1);
   std::string op = b.named("variable." + n.name);
   const DType dt = n.dtype;
   const bool on_cuda = b.at(stream, b.place(id)).device.type == DeviceType::cuda;
@@ -115,13 +142,15 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
     if (clip != nullptr) kept.push_back({MemoryCategory::gradients, weight_bytes});
   }
   if (grad != nullptr) {
-    b.plan.registers[w].kernel_memory = !on_cuda && b.at(stream, b.place(id)).device.type == DeviceType::cpu;
+    // Two versions are two slots, so not the master's one (the kernel copies each version out).
+    b.plan.registers[w].kernel_memory =
+        delay == 1 && !on_cuda && b.at(stream, b.place(id)).device.type == DeviceType::cpu;
     SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
     add_variable_kernel(b.kernels, op, on_cuda, master, dt, cfg, optimizer_slots_of(cfg, n),
                         std::move(snap), GradientWindow{grad->parts.size(), grad->offset});
     std::vector<InputPort> ins;
-    for (RegisterIndex part : grad->parts) ins.push_back({part, 1});
-    if (clip != nullptr) ins.push_back({*clip, 1});
+    for (RegisterIndex part : grad->parts) ins.push_back({part, delay});
+    if (clip != nullptr) ins.push_back({*clip, delay});
     b.plan.add_actor({.name = op,
                       .op = op,
                       .dtype = dt,

@@ -167,6 +167,18 @@ std::vector<RegisterIndex> add_replica_allreduce(std::vector<PlanBuilder>& repli
                                                  std::uint8_t stream, std::int32_t result_slots,
                                                  int place, const AllReduceSettings& settings = {});
 
+/// How many steps after its own a step's summed gradient is applied: 1 (synchronous: step s's
+/// weights have step s-1's gradient applied), or 2 under PipeDream-2BW (`schedule` "2bw": step
+/// s's weights are step s-1's with step s-2's gradient applied, so a stage holds two versions of
+/// a weight and never waits for the step before's last backward). The variable actor reads its
+/// gradient with this delay and writes steps + weight_delay pieces, the last with every step's
+/// gradient applied.
+std::int32_t weight_delay(const TrainConfig& cfg);
+
+/// Throws GraphError, naming both settings, for what PipeDream-2BW's delayed updates do not work
+/// with (lower_variables.cpp): ZeRO, a resumed job, CUDA variables.
+void check_weight_delay(const TrainConfig& cfg);
+
 /// Adds replica `r`'s variable actor for variable node `id` (lower_variables.cpp): its optimizer
 /// (reading `grad`, with `clip` if given) or, for a weight that is not trained (no `grad`), a
 /// constant source; then the repeat that lets the step's M micro-batches read it. Returns the
@@ -262,8 +274,9 @@ void add_clip_kernel(KernelRegistry& kernels, DType dt, double max_norm);
 
 /// The process that reports (loss.report's rank) evaluates the trained weights, but a weight
 /// placed on another rank is trained there: its final value comes over as part of the plan.
+/// `pieces`: how many each variable writes (steps + weight_delay), the last being the final one.
 void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& params,
                           const std::vector<FinalWeight>& finals, const Placement& reporter,
-                          std::int64_t steps);
+                          std::int64_t pieces);
 
 }  // namespace baton::passes::detail

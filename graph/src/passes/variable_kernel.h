@@ -55,18 +55,23 @@ struct WeightWindow {
 /// value. The master copy is `master` itself (for replica 0 of a whole weight, the
 /// ParameterStore's tensor). A resumed job's actor starts at piece first_step (its acts count
 /// steps), from the saved `slots` (optimizer_slot_names order; empty: zeros).
+///
+/// `late` steps more (PipeDream-2BW: 1, the gradient read with delay 2): acts 0 .. late emit the
+/// initial value, and act k > late applies step k-1-late's gradient as update number k - late,
+/// which is the step the learning-rate schedule, Adam's bias correction and the snapshots see.
 template <class T>
 class VariableKernel final : public Kernel {
  public:
   VariableKernel(Tensor master, OptimizerConfig cfg, std::int64_t total_steps,
                  std::vector<std::vector<T>> slots, baton::detail::SnapshotHook snapshots,
-                 GradientWindow window = {}, WeightWindow weights = {})
+                 GradientWindow window = {}, WeightWindow weights = {}, std::int64_t late = 0)
       : master_(std::move(master)),
         cfg_(cfg),
         total_steps_(total_steps),
         snapshots_(std::move(snapshots)),
         window_(window),
         weights_(weights),
+        late_(late),
         n_(static_cast<std::size_t>(master_.numel())),
         shape_(master_.shape()),
         dtype_(master_.dtype()) {
@@ -154,7 +159,7 @@ class VariableKernel final : public Kernel {
   }
 
   void update(KernelContext& ctx, std::span<T> w) {
-    const std::int64_t step = ctx.piece;  // 1-based: act k applies the k-th update
+    const std::int64_t step = ctx.piece - late_;  // 1-based: act k applies update k - late
     const std::size_t clip_at = window_.parts + weights_.parts;
     double factor = 1.0;
     if (ctx.inputs.size() > clip_at && ctx.inputs[clip_at] != nullptr) {
@@ -215,6 +220,7 @@ class VariableKernel final : public Kernel {
   baton::detail::SnapshotHook snapshots_;
   GradientWindow window_;
   WeightWindow weights_;
+  std::int64_t late_;  // steps between a gradient's step and its update, less one
   std::size_t n_;  // the elements it updates
   Shape shape_;    // the master's
   DType dtype_;

@@ -1,0 +1,310 @@
+// PipeDream-2BW (`schedule` "2bw"; Narayanan et al., ICML 2021): each stage keeps two versions
+// of its weights and applies each step's gradient one step late, with no flush between steps:
+//     W(s) = W(s-1) - lr(u) d(grad f(W(s-2))),   W(0) = W(1) = the initial weights,
+// where d is the optimizer's direction and u = s - 1 the number of updates applied so far, the
+// count the learning-rate schedule and Adam's bias correction see. The job ends with every
+// step's gradient applied: the final weights are W(steps + 1).
+//
+// The claim is checked against a reference written out here in plain loops (a 3-layer tanh MLP
+// with a mean-squared-error loss, f64, forward and backward by hand), which applies the same
+// delay step by step; the same reference with delay 1 must equal 1F1B, so it is not fitted to
+// what baton does.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "equivalence.h"
+
+using namespace baton;
+
+namespace {
+
+constexpr std::int64_t in_width = 4, hidden = 8, out_width = 2;
+constexpr std::int64_t global_batch = 8;  // rows a step, split over the micro-batches
+constexpr std::int64_t steps = 6;
+
+// Row `row` of the job's data (rows s * global_batch .. of step s): smooth, deterministic, and
+// the same double in the reference as in the source kernel.
+double feature(std::int64_t row, std::int64_t j) {
+  return std::sin(0.37 * static_cast<double>(row) + 1.3 * static_cast<double>(j) + 0.1);
+}
+double target(std::int64_t row, std::int64_t k) {
+  return std::cos(0.21 * static_cast<double>(row) * static_cast<double>(k + 1));
+}
+
+/// Micro-batch `piece` of the job: rows piece * rows .. + rows.
+class RowsSource final : public Kernel {
+ public:
+  explicit RowsSource(std::int64_t rows) : rows_(rows) {}
+  void compute(KernelContext& ctx) override {
+    auto x = ctx.outputs[0]->data<double>();
+    auto t = ctx.outputs[1]->data<double>();
+    for (std::int64_t r = 0; r < rows_; ++r) {
+      const std::int64_t row = ctx.piece * rows_ + r;
+      for (std::int64_t j = 0; j < in_width; ++j) x[static_cast<std::size_t>(r * in_width + j)] = feature(row, j);
+      for (std::int64_t k = 0; k < out_width; ++k) t[static_cast<std::size_t>(r * out_width + k)] = target(row, k);
+    }
+  }
+
+ private:
+  std::int64_t rows_;
+};
+
+struct Setup {
+  std::string schedule = "2bw";
+  int pp = 1;
+  int m = 2;
+  OptimizerConfig optimizer = optim::sgd(0.2);
+};
+
+/// The MLP: y = tanh(tanh(x w0 + b0) w1 + b1) w2 + b2, loss mse(y, t).
+TrainConfig config_of(const Setup& s) {
+  TrainConfig cfg;
+  cfg.steps = steps;
+  cfg.microbatches = s.m;
+  cfg.pp = s.pp;
+  cfg.schedule = s.schedule;
+  cfg.optimizer = s.optimizer;
+  const std::int64_t rows = global_batch / s.m;
+  cfg.data = {{"rows", [rows](const KernelConfig&) { return std::make_unique<RowsSource>(rows); }, {"x", "t"}}};
+  return cfg;
+}
+
+Value build(Graph& g, std::int64_t rows) {
+  Value h = g.input("x", {rows, in_width}, f64);
+  Value t = g.input("t", {rows, out_width}, f64);
+  std::int64_t width = in_width;
+  for (int l = 0; l < 2; ++l) {
+    auto w = g.variable("w" + std::to_string(l), {width, hidden}, init::xavier(), f64);
+    auto b = g.variable("b" + std::to_string(l), {hidden}, init::uniform(-0.1, 0.1), f64);
+    h = tanh(matmul(h, w) + b);
+    width = hidden;
+  }
+  auto w = g.variable("w2", {hidden, out_width}, init::xavier(), f64);
+  auto b = g.variable("b2", {out_width}, init::uniform(-0.1, 0.1), f64);
+  return mse(matmul(h, w) + b, t);
+}
+
+TrainingJob compile(const Setup& s) {
+  Graph g(11);
+  Value loss = build(g, global_batch / s.m);
+  return compile_training(g, loss, config_of(s));
+}
+
+test::TrainedRun run(const Setup& s) {
+  TrainingJob job = compile(s);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(30'000);
+  Runtime rt(job.plan, job.kernels, rs);
+  rt.run();
+  return test::trained(job);
+}
+
+// ---- The reference: plain loops, one step at a time, no baton ----
+
+using Weights = std::map<std::string, std::vector<double>>;
+
+/// y = a[r x n] * b[n x c]
+std::vector<double> matmul_of(const std::vector<double>& a, const std::vector<double>& b, std::int64_t r,
+                              std::int64_t n, std::int64_t c) {
+  std::vector<double> y(static_cast<std::size_t>(r * c), 0.0);
+  for (std::int64_t i = 0; i < r; ++i)
+    for (std::int64_t k = 0; k < n; ++k)
+      for (std::int64_t j = 0; j < c; ++j)
+        y[static_cast<std::size_t>(i * c + j)] += a[static_cast<std::size_t>(i * n + k)] * b[static_cast<std::size_t>(k * c + j)];
+  return y;
+}
+
+/// Step `step`'s loss (over its global batch) and gradient at `w`.
+std::pair<double, Weights> loss_and_gradient(const Weights& w, std::int64_t step) {
+  const std::int64_t n = global_batch;
+  std::vector<double> x(static_cast<std::size_t>(n * in_width)), t(static_cast<std::size_t>(n * out_width));
+  for (std::int64_t r = 0; r < n; ++r) {
+    const std::int64_t row = step * n + r;
+    for (std::int64_t j = 0; j < in_width; ++j) x[static_cast<std::size_t>(r * in_width + j)] = feature(row, j);
+    for (std::int64_t k = 0; k < out_width; ++k) t[static_cast<std::size_t>(r * out_width + k)] = target(row, k);
+  }
+  const std::int64_t widths[] = {in_width, hidden, hidden, out_width};
+  std::vector<std::vector<double>> acts{x};  // the input of each layer, then the output
+  for (int l = 0; l < 3; ++l) {
+    const std::string i = std::to_string(l);
+    std::vector<double> z = matmul_of(acts.back(), w.at("w" + i), n, widths[l], widths[l + 1]);
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t j = 0; j < widths[l + 1]; ++j) {
+        double& v = z[static_cast<std::size_t>(r * widths[l + 1] + j)];
+        v += w.at("b" + i)[static_cast<std::size_t>(j)];
+        if (l < 2) v = std::tanh(v);
+      }
+    acts.push_back(std::move(z));
+  }
+  const std::vector<double>& y = acts.back();
+  double loss = 0;
+  const double elements = static_cast<double>(n * out_width);
+  std::vector<double> dz(y.size());
+  for (std::size_t e = 0; e < y.size(); ++e) {
+    loss += (y[e] - t[e]) * (y[e] - t[e]) / elements;
+    dz[e] = 2.0 * (y[e] - t[e]) / elements;
+  }
+  Weights grad;
+  for (int l = 2; l >= 0; --l) {
+    const std::string i = std::to_string(l);
+    const std::int64_t a = widths[l], c = widths[l + 1];
+    const std::vector<double>& in = acts[static_cast<std::size_t>(l)];
+    std::vector<double> gw(static_cast<std::size_t>(a * c), 0.0), gb(static_cast<std::size_t>(c), 0.0);
+    std::vector<double> din(static_cast<std::size_t>(n * a), 0.0);
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t j = 0; j < c; ++j) {
+        const double d = dz[static_cast<std::size_t>(r * c + j)];
+        gb[static_cast<std::size_t>(j)] += d;
+        for (std::int64_t k = 0; k < a; ++k) {
+          gw[static_cast<std::size_t>(k * c + j)] += in[static_cast<std::size_t>(r * a + k)] * d;
+          din[static_cast<std::size_t>(r * a + k)] += w.at("w" + i)[static_cast<std::size_t>(k * c + j)] * d;
+        }
+      }
+    grad["w" + i] = std::move(gw);
+    grad["b" + i] = std::move(gb);
+    if (l > 0) {  // through the tanh that made `in`
+      for (std::size_t e = 0; e < din.size(); ++e) din[e] *= 1.0 - in[e] * in[e];
+    }
+    dz = std::move(din);
+  }
+  return {loss, grad};
+}
+
+/// Training by the rule W(s) = W(s-1) - lr(u) d(gradient of step s - delay), as the file's header
+/// says: delay 1 is synchronous training (1F1B, GPipe), delay 2 PipeDream-2BW.
+test::TrainedRun reference(const Weights& initial, const OptimizerConfig& oc, int delay) {
+  Weights w = initial;
+  Weights m, v;  // Adam's moments, or SGD's momentum in m
+  for (const auto& [name, x] : w) m[name] = v[name] = std::vector<double>(x.size(), 0.0);
+  std::vector<Weights> pending;  // gradients not yet applied, oldest first
+  std::int64_t updates = 0;
+  test::TrainedRun out;
+  auto apply = [&](const Weights& g) {
+    const std::int64_t u = ++updates;  // 1-based: the optimizer's step
+    const double lr = oc.warmup_steps > 0 && u < oc.warmup_steps
+                          ? oc.lr * static_cast<double>(u) / static_cast<double>(oc.warmup_steps)
+                          : oc.lr;
+    for (auto& [name, x] : w) {
+      const std::vector<double>& gi = g.at(name);
+      for (std::size_t e = 0; e < x.size(); ++e) {
+        if (oc.kind == OptimizerConfig::Kind::sgd) {
+          double d = gi[e];
+          if (oc.momentum != 0.0) d = m[name][e] = u == 1 ? d : oc.momentum * m[name][e] + d;
+          x[e] -= lr * d;
+        } else {  // Adam, no weight decay
+          double& me = m[name][e];
+          double& ve = v[name][e];
+          me = oc.beta1 * me + (1 - oc.beta1) * gi[e];
+          ve = oc.beta2 * ve + (1 - oc.beta2) * gi[e] * gi[e];
+          const double mhat = me / (1 - std::pow(oc.beta1, static_cast<double>(u)));
+          const double vhat = ve / (1 - std::pow(oc.beta2, static_cast<double>(u)));
+          x[e] -= lr * mhat / (std::sqrt(vhat) + oc.eps);
+        }
+      }
+    }
+  };
+  for (std::int64_t s = 0; s < steps; ++s) {
+    // W(s): the gradient of step s - delay applied to W(s-1).
+    if (static_cast<int>(pending.size()) == delay) {
+      apply(pending.front());
+      pending.erase(pending.begin());
+    }
+    auto [loss, grad] = loss_and_gradient(w, s);
+    out.losses.push_back(loss);
+    pending.push_back(std::move(grad));
+  }
+  for (const Weights& g : pending) apply(g);  // the job ends with every step's gradient applied
+  out.weights = w;
+  return out;
+}
+
+Weights initial_weights(const Setup& s) {
+  TrainingJob job = compile(s);  // compiling initialises the weights from the graph's seed
+  return test::trained(job).weights;
+}
+
+// Both are f64 with the same sums in another order (baton's matmul is BLAS, whose kernels sum
+// in an order of their own, per CPU: OPENBLAS_CORETYPE), so Reordering's derivation bounds them:
+// steps * lr * n * kappa_limit * u with n = 8 rows (the longest sum) and, for Adam, whose
+// direction is the gradient's sign-like ratio, its lr. 6 * 0.2 * 8 * 1000 * 2^-53 = 1.1e-12.
+double tolerance_of(const OptimizerConfig& oc) {
+  return test::tolerance({.dtype = DType::f64, .steps = steps, .longest_sum = global_batch, .lr = oc.lr});
+}
+
+}  // namespace
+
+TEST_CASE("Schedule2bw.MatchesAReferenceThatAppliesEachGradientAStepLate" * doctest::timeout(120)) {
+  OptimizerConfig adam = optim::adam(0.05);
+  adam.warmup_steps = 3;  // the schedule sees the number of updates applied, as Adam does
+  const std::map<std::string, OptimizerConfig> optimizers{
+      {"sgd", optim::sgd(0.2)}, {"sgd momentum", optim::sgd(0.2, 0.9)}, {"adam warm-up", adam}};
+  for (const auto& [what, oc] : optimizers) {
+    for (int pp : {1, 2}) {
+      for (int m : {2, 4}) {
+        CAPTURE(what);
+        CAPTURE(pp);
+        CAPTURE(m);
+        Setup s{.schedule = "2bw", .pp = pp, .m = m, .optimizer = oc};
+        const test::TrainedRun expected = reference(initial_weights(s), oc, 2);
+        const test::TrainedRun got = run(s);
+        REQUIRE(got.losses.size() == static_cast<std::size_t>(steps));
+        test::check_same_training(expected, got, tolerance_of(oc));
+      }
+    }
+  }
+}
+
+TEST_CASE("Schedule2bw.TheReferenceWithoutTheDelayIsOneFOneB" * doctest::timeout(60)) {
+  // The reference is baton's own synchronous training with delay 1: the loops above are the
+  // model baton trains, and only the delay tells 2BW apart.
+  for (int pp : {1, 2}) {
+    CAPTURE(pp);
+    Setup s{.schedule = "1f1b", .pp = pp, .m = 2, .optimizer = optim::sgd(0.2, 0.9)};
+    test::check_same_training(reference(initial_weights(s), s.optimizer, 1), run(s), tolerance_of(s.optimizer));
+  }
+}
+
+TEST_CASE("Schedule2bw.DiffersFromOneFOneBFromTheSecondStepOn" * doctest::timeout(60)) {
+  Setup s{.pp = 2, .m = 4, .optimizer = optim::sgd(0.2)};
+  const test::TrainedRun two_bw = run(s);
+  s.schedule = "1f1b";
+  const test::TrainedRun one_f_one_b = run(s);
+  REQUIRE(two_bw.losses.size() == one_f_one_b.losses.size());
+  // Step 0 runs on the initial weights in both; from step 1 on 1F1B has applied step 0's
+  // gradient and 2BW has not (step 1 still runs on the initial weights), and the runs part ways
+  // by far more than any reordering of sums (tolerance_of: about 1e-12).
+  CHECK(test::relative_difference(two_bw.losses[0], one_f_one_b.losses[0]) <= tolerance_of(s.optimizer));
+  for (std::size_t step = 1; step < two_bw.losses.size(); ++step) {
+    CAPTURE(step);
+    CHECK(test::relative_difference(two_bw.losses[step], one_f_one_b.losses[step]) > 1e-6);
+  }
+  CHECK(test::largest_difference(two_bw, one_f_one_b) > 1e-3);
+}
+
+TEST_CASE("Schedule2bw.RefusesWhatItDoesNotDelay" * doctest::timeout(30)) {
+  SUBCASE("ZeRO") {
+    Graph g(11);
+    Value loss = build(g, global_batch / 4);
+    TrainConfig cfg = config_of({.m = 2});
+    cfg.dp = 2;
+    cfg.zero = 1;
+    CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg),
+                         doctest::Contains("--schedule 2bw with --zero 1"), GraphError);
+  }
+  SUBCASE("a resumed job") {
+    Graph g(11);
+    Value loss = build(g, global_batch / 2);
+    TrainConfig cfg = config_of({.m = 2});
+    cfg.first_step = 2;
+    CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg),
+                         doctest::Contains("--schedule 2bw with a resumed job"), GraphError);
+  }
+}
