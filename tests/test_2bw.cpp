@@ -11,6 +11,7 @@
 // what baton does.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -62,6 +63,7 @@ struct Setup {
   int pp = 1;
   int m = 2;
   OptimizerConfig optimizer = optim::sgd(0.2);
+  int dp = 1;
 };
 
 /// The MLP: y = tanh(tanh(x w0 + b0) w1 + b1) w2 + b2, loss mse(y, t).
@@ -70,9 +72,10 @@ TrainConfig config_of(const Setup& s) {
   cfg.steps = steps;
   cfg.microbatches = s.m;
   cfg.pp = s.pp;
+  cfg.dp = s.dp;
   cfg.schedule = s.schedule;
   cfg.optimizer = s.optimizer;
-  const std::int64_t rows = global_batch / s.m;
+  const std::int64_t rows = global_batch / (s.m * s.dp);
   cfg.data = {{"rows", [rows](const KernelConfig&) { return std::make_unique<RowsSource>(rows); }, {"x", "t"}}};
   return cfg;
 }
@@ -94,7 +97,7 @@ Value build(Graph& g, std::int64_t rows) {
 
 TrainingJob compile(const Setup& s) {
   Graph g(11);
-  Value loss = build(g, global_batch / s.m);
+  Value loss = build(g, global_batch / (s.m * s.dp));
   return compile_training(g, loss, config_of(s));
 }
 
@@ -187,8 +190,15 @@ test::TrainedRun reference(const Weights& initial, const OptimizerConfig& oc, in
   std::vector<Weights> pending;  // gradients not yet applied, oldest first
   std::int64_t updates = 0;
   test::TrainedRun out;
-  auto apply = [&](const Weights& g) {
+  auto apply = [&](const Weights& g_in) {
     const std::int64_t u = ++updates;  // 1-based: the optimizer's step
+    Weights g = g_in;
+    if (oc.clip_norm > 0) {  // by the global norm of the gradient applied now
+      double sq = 0;
+      for (const auto& [name, x] : g) for (double e : x) sq += e * e;
+      const double factor = std::min(1.0, oc.clip_norm / (std::sqrt(sq) + 1e-6));
+      if (factor != 1.0) for (auto& [name, x] : g) for (double& e : x) e *= factor;
+    }
     const double lr = oc.warmup_steps > 0 && u < oc.warmup_steps
                           ? oc.lr * static_cast<double>(u) / static_cast<double>(oc.warmup_steps)
                           : oc.lr;
@@ -306,5 +316,23 @@ TEST_CASE("Schedule2bw.RefusesWhatItDoesNotDelay" * doctest::timeout(30)) {
     cfg.first_step = 2;
     CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg),
                          doctest::Contains("--schedule 2bw with a resumed job"), GraphError);
+  }
+}
+
+TEST_CASE("Schedule2bw.WithDataParallelismAndClipping" * doctest::timeout(60)) {
+  // The all-reduced gradient and the clipping factor of step s are both read two steps late,
+  // together: the factor is the one of the gradient it scales.
+  OptimizerConfig clipped = optim::sgd(0.2, 0.9);
+  clipped.clip_norm = 0.05;  // below this model's gradient norms, so it clips
+  for (int pp : {1, 2}) {
+    std::vector<test::TrainedRun> runs;
+    for (const OptimizerConfig& oc : {optim::sgd(0.2, 0.9), clipped}) {
+      CAPTURE(pp);
+      CAPTURE(oc.clip_norm);
+      Setup s{.schedule = "2bw", .pp = pp, .m = 2, .optimizer = oc, .dp = 2};
+      runs.push_back(run(s));
+      test::check_same_training(reference(initial_weights(s), oc, 2), runs.back(), tolerance_of(oc));
+    }
+    CHECK(test::largest_difference(runs[0], runs[1]) > 1e-3);  // the clipping did clip
   }
 }
