@@ -1,5 +1,7 @@
 // PipeDream-2BW (`schedule` "2bw"; Narayanan et al., ICML 2021): each stage keeps two versions
-// of its weights and applies each step's gradient one step late, with no flush between steps:
+// of its weights and applies each step's gradient one step late, so that no stage's next step
+// need wait for the step before's last backward (baton's lanes still run 1F1B's order step by
+// step: the flush goes once a lane can go on across steps; docs/schedules.md):
 //     W(s) = W(s-1) - lr(u) d(grad f(W(s-2))),   W(0) = W(1) = the initial weights,
 // where d is the optimizer's direction and u = s - 1 the number of updates applied so far, the
 // count the learning-rate schedule and Adam's bias correction see. The job ends with every

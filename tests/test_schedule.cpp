@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -90,13 +91,15 @@ struct Setup {
   int m = 4;
   std::int64_t steps = 2;
   int dp = 1;
+  int v = 1;
+  int layers = 3;
 };
 
 TrainingJob compile_mlp(const Setup& s) {
   constexpr std::int64_t batch = 32;
   static const auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, 12, 4, 3));
   Graph g(7);
-  Value logits = models::mlp(g, batch / (s.m * s.dp), {.inputs = 12, .hidden = 16, .layers = 3, .classes = 4});
+  Value logits = models::mlp(g, batch / (s.m * s.dp), {.inputs = 12, .hidden = 16, .layers = s.layers, .classes = 4});
   Value loss = softmax_cross_entropy(logits, g.find("label"));
   TrainConfig cfg;
   cfg.steps = s.steps;
@@ -104,6 +107,7 @@ TrainingJob compile_mlp(const Setup& s) {
   cfg.pp = s.pp;
   cfg.dp = s.dp;
   cfg.schedule = s.schedule;
+  cfg.virtual_stages = s.v;
   cfg.optimizer = optim::sgd(0.05);
   cfg.data = {{"synthetic", data::batch_source(dataset, batch, s.m * s.dp, 1), {"x", "label"}}};
   return compile_training(g, loss, cfg);
@@ -225,7 +229,7 @@ void check_schedule(const TrainingJob& job, const Setup& s) {
 TEST_CASE("Schedule.StageSequencesAreTheCanonicalOnes") {
   auto str = [](PipelineSchedule sch, int n, int s, int m) {
     std::vector<std::string> u;
-    for (const PipelineUnit& x : stage_sequence(sch, n, s, m)) u.push_back(fmt::format("{}{}", x.backward ? 'B' : 'F', x.microbatch));
+    for (const PipelineUnit& x : stage_sequence(sch, n, s, m)) u.push_back(x.str());
     return fmt::format("{}", fmt::join(u, " "));
   };
   // Narayanan et al. 2021, fig. 4 (top): 4 stages, 8 micro-batches.
@@ -243,7 +247,7 @@ TEST_CASE("Schedule.StageSequencesAreTheCanonicalOnes") {
       }
     }
   }
-  CHECK_THROWS_WITH_AS(parse_schedule("zb-h1"), doctest::Contains("gpipe or 1f1b"), GraphError);
+  CHECK_THROWS_WITH_AS(parse_schedule("zb-h2"), doctest::Contains("gpipe, 1f1b, interleaved, zb-h1 or 2bw"), GraphError);
 }
 
 TEST_CASE("Schedule.TrainingStagesRunTheExactOrder" * doctest::timeout(120)) {
@@ -500,5 +504,383 @@ TEST_CASE("Balance.BadBalanceConfigsFailBeforeRunning") {
   cfg.balance = "profile";
   cfg.replica_places = {Placement{.rank = 0}, Placement{.rank = 1}};
   CHECK_THROWS_WITH_AS(compile_training(g, loss, cfg), doctest::Contains("ranks would cut the stages differently"),
+                       GraphError);
+}
+
+// --- interleaved 1F1B and zero-bubble (ZB-H1): sequences as data, proven before running ---
+
+namespace {
+
+std::string joined(const std::vector<PipelineUnit>& seq, bool chunks) {
+  std::vector<std::string> u;
+  for (const PipelineUnit& x : seq) u.push_back(x.str(chunks));
+  return fmt::format("{}", fmt::join(u, " "));
+}
+
+/// Megatron-LM's interleaved schedule as its code keeps it (forward_backward_pipelining_with_
+/// interleaving): the k-th forward goes to chunk (k mod p v) / p, the k-th backward to the chunk
+/// counted from the other end; each chunk takes its micro-batches in turn (a counter per chunk,
+/// not a formula); warm-up (p - d - 1) 2 + (v - 1) p.
+std::string megatron_interleaved(int p, int d, int m, int v) {
+  const int total = m * v;
+  std::vector<int> next_f(static_cast<std::size_t>(v), 0), next_b(next_f);
+  auto chunk = [&](int k, bool forward) {
+    const int c = (k % (p * v)) / p;
+    return forward ? c : v - 1 - c;
+  };
+  std::vector<std::string> units;
+  auto f = [&](int k) {
+    const int c = chunk(k, true);
+    units.push_back(fmt::format("F{}.{}", next_f[static_cast<std::size_t>(c)]++, c));
+  };
+  auto b = [&](int k) {
+    const int c = chunk(k, false);
+    units.push_back(fmt::format("B{}.{}", next_b[static_cast<std::size_t>(c)]++, c));
+  };
+  const int warmup = std::min(total, (p - d - 1) * 2 + (v - 1) * p);
+  for (int k = 0; k < warmup; ++k) f(k);
+  for (int k = 0; k < total - warmup; ++k) {
+    f(warmup + k);
+    b(k);
+  }
+  for (int k = total - warmup; k < total; ++k) b(k);
+  return fmt::format("{}", fmt::join(units, " "));
+}
+
+}  // namespace
+
+TEST_CASE("Schedule.InterleavedAndZeroBubbleSequencesAreTheCanonicalOnes") {
+  // ZB-H1 as the paper draws it (Qi et al. 2024, fig. 3: 4 devices, 8 micro-batches, numbered
+  // from 0 here): the first device's 1F1B with each B followed by its W; the last device holds
+  // its first W's back until its warm-up is over, and ends with them.
+  auto zb = [](int p, int d, int m) { return joined(device_sequence(PipelineSchedule::zb_h1, p, d, m), false); };
+  CHECK(zb(4, 0, 8) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7");
+  CHECK(zb(4, 1, 8) == "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7");
+  CHECK(zb(4, 2, 8) == "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7");
+  CHECK(zb(4, 3, 8) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7");
+  CHECK(zb(2, 0, 4) == "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3");
+  CHECK(zb(2, 1, 4) == "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3");
+  // Interleaved, 2 devices of 2 stages, 4 micro-batches, worked out by hand from Megatron's rule.
+  auto il = [](int p, int d, int m, int v) {
+    return joined(device_sequence(PipelineSchedule::interleaved, p, d, m, v), true);
+  };
+  CHECK(il(2, 0, 4, 2) == "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0");
+  CHECK(il(2, 1, 4, 2) == "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0");
+  for (int p : {2, 4}) {
+    for (int m : {4, 8}) {
+      for (int v : {2, 3}) {
+        for (int d = 0; d < p; ++d) {
+          CAPTURE(p);
+          CAPTURE(m);
+          CAPTURE(v);
+          CAPTURE(d);
+          CHECK(il(p, d, m, v) == megatron_interleaved(p, d, m, v));
+        }
+      }
+    }
+  }
+  // Chunk c of device d is stage c p + d.
+  CHECK(stage_of(PipelineSchedule::interleaved, 4, 1, 1) == 5);
+  CHECK(device_of_stage(PipelineSchedule::interleaved, 4, 5) == 1);
+  // 2BW runs 1F1B's order (its weights change one step late, not its order).
+  CHECK(joined(device_sequence(PipelineSchedule::two_bw, 4, 1, 8), false) == canonical("1f1b", 4, 1, 8));
+}
+
+TEST_CASE("Schedule.AnalysisMeetsTheBubbleFormulas") {
+  // With every unit at its cost and nothing else waiting, the sequences' own timeline has the
+  // papers' bubbles exactly: GPipe and 1F1B (p - 1) / (m + p - 1), interleaved
+  // (p - 1) / (v m + p - 1) (Narayanan et al. 2021, eq. 2 over the step), ZB-H1 with
+  // F = B = W: (p - 1) / (3 m + p - 1), a third of 1F1B's idle time (Qi et al. 2024, table 2).
+  for (int p = 2; p <= 8; ++p) {
+    for (int m = p; m <= 4 * p; m += p) {
+      CAPTURE(p);
+      CAPTURE(m);
+      const double pm1 = p - 1;
+      CHECK(analyse_schedule(PipelineSchedule::gpipe, p, m).idle == doctest::Approx(pm1 / (m + pm1)));
+      CHECK(analyse_schedule(PipelineSchedule::one_f_one_b, p, m).idle == doctest::Approx(pm1 / (m + pm1)));
+      CHECK(analyse_schedule(PipelineSchedule::zb_h1, p, m).idle == doctest::Approx(pm1 / (3.0 * m + pm1)));
+      for (int v = 2; v <= 4; ++v) {
+        CAPTURE(v);
+        CHECK(analyse_schedule(PipelineSchedule::interleaved, p, m, v).idle == doctest::Approx(pm1 / (v * m + pm1)));
+      }
+      // Depths: GPipe m, 1F1B min(p - s, m), ZB-H1 min(p, m) on every stage (1F1B's first
+      // stage's: its W's hold the activations the B's are done with).
+      const ScheduleAnalysis g = analyse_schedule(PipelineSchedule::gpipe, p, m);
+      const ScheduleAnalysis f = analyse_schedule(PipelineSchedule::one_f_one_b, p, m);
+      const ScheduleAnalysis z = analyse_schedule(PipelineSchedule::zb_h1, p, m);
+      for (int s = 0; s < p; ++s) {
+        CHECK(g.stage_depth[static_cast<std::size_t>(s)] == m);
+        CHECK(f.stage_depth[static_cast<std::size_t>(s)] == std::min(p - s, m));
+        CHECK(z.stage_depth[static_cast<std::size_t>(s)] == std::min(p, m));
+      }
+    }
+  }
+  // The printer (--print-schedule, --print-after lanes) says the same.
+  const std::string text = schedule_text(PipelineSchedule::zb_h1, 2, 4);
+  CHECK(text.find("device 0 (stage 0): F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3") != std::string::npos);
+  CHECK(text.find("bubble 7.7% of the step") != std::string::npos);  // 1 / 13
+}
+
+TEST_CASE("Schedule.AnOrderThatCannotRunIsRefusedBeforeAnyPlan") {
+  auto seqs = [](PipelineSchedule s, int p, int m, int v = 1) {
+    std::vector<std::vector<PipelineUnit>> out;
+    for (int d = 0; d < p; ++d) out.push_back(device_sequence(s, p, d, m, v));
+    return out;
+  };
+  auto bad = seqs(PipelineSchedule::one_f_one_b, 2, 4);
+  std::swap(bad[1][0], bad[1][1]);  // the last stage's B0 before its F0
+  CHECK(analyse_sequences(PipelineSchedule::one_f_one_b, 2, 4, 1, bad).problem ==
+        "the order cannot run: device 0 waits at B0 of stage 0 (unit 2 of its order) for B0 of stage 1, which device 1 "
+        "has not reached; device 1 waits at B0 of stage 1 (unit 0 of its order) for F0 of stage 1, which device 1 has "
+        "not reached");
+  bad = seqs(PipelineSchedule::zb_h1, 2, 4);
+  std::swap(bad[0][2], bad[0][3]);  // W0 before B0
+  CHECK(analyse_sequences(PipelineSchedule::zb_h1, 2, 4, 1, bad).problem.find(
+            "device 0 waits at W0 of stage 0 (unit 2 of its order) for B0 of stage 0, which device 0 has not reached") !=
+        std::string::npos);
+  bad = seqs(PipelineSchedule::one_f_one_b, 2, 4);
+  std::swap(bad[0][0], bad[0][1]);  // F1 before F0
+  CHECK(analyse_sequences(PipelineSchedule::one_f_one_b, 2, 4, 1, bad).problem ==
+        "device 0 runs F1 where its stage 0 needs micro-batch 0 of that pass next (registers are FIFO)");
+  bad = seqs(PipelineSchedule::one_f_one_b, 2, 4);
+  bad[1].pop_back();
+  CHECK(analyse_sequences(PipelineSchedule::one_f_one_b, 2, 4, 1, bad).problem == "device 1 runs 3 of the 4 B units of stage 1");
+  // Shapes no schedule of that name has are refused with the reason.
+  CHECK(schedule_refusal(PipelineSchedule::interleaved, 4, 2, 6).find("6 micro-batches is not a multiple of 4") !=
+        std::string::npos);
+  CHECK(schedule_refusal(PipelineSchedule::interleaved, 4, 1, 8).find("at least 2 virtual stages") != std::string::npos);
+  CHECK(schedule_refusal(PipelineSchedule::zb_h1, 4, 2, 8).find("virtual stages 2 are for 'interleaved'") !=
+        std::string::npos);
+  CHECK_THROWS_WITH_AS(parse_schedule("zb-v"), doctest::Contains("not built yet"), GraphError);
+}
+
+TEST_CASE("Schedule.AnOrderItsSlotsCannotHoldIsRefusedNamingTheActor") {
+  // ZB-H1's order with 1F1B's depths: stage 1 of 2 holds 2 micro-batches until their W's, but
+  // its registers have room for 1. The dry run names the actor that would wait forever.
+  Plan plan = pipeline_skeleton(PipelineSchedule::zb_h1, 2, 4);
+  for (RegisterDesc& r : plan.registers) {
+    if (r.name == "act1") r.slots = 1;
+  }
+  CHECK_THROWS_WITH_AS(validate(plan, KernelRegistry::with_builtin_kernels()), doctest::Contains("'fwd1' after"),
+                       PlanError);
+}
+
+TEST_CASE("Schedule.RandomSchedulesAreProvenOrRefusedAndNeverHang" * doctest::timeout(280)) {
+  // Random (schedule, p 2-8, v 1-4, m p-4p): each is refused with a reason before anything runs,
+  // or its plan (pipeline_skeleton: weights, repeats, accumulations, F/B/W actors, the
+  // schedule's depths) passes validate()'s dry run; every 40th also runs for real, on one
+  // thread (deterministic mode), and each device's acts come in its sequence's order, step
+  // after step. BATON_SCHEDULE_CASES sets the count (10,000; the sanitizer stages run fewer).
+  const char* env = std::getenv("BATON_SCHEDULE_CASES");
+  const int cases = env ? std::atoi(env) : 10'000;
+  std::mt19937 rng(20261128);
+  const PipelineSchedule all[] = {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b, PipelineSchedule::interleaved,
+                                  PipelineSchedule::zb_h1, PipelineSchedule::two_bw};
+  const KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  int refused = 0, proven = 0, ran = 0;
+  for (int c = 0; c < cases; ++c) {
+    const PipelineSchedule s = all[rng() % 5];
+    const int p = 2 + static_cast<int>(rng() % 7);
+    // Virtual stages are interleaved's; one draw in ten gives another schedule some, to be refused.
+    const int v = s == PipelineSchedule::interleaved || rng() % 10 == 0 ? 1 + static_cast<int>(rng() % 4) : 1;
+    const int m = p + static_cast<int>(rng() % static_cast<unsigned>(3 * p + 1));
+    CAPTURE(name(s));
+    CAPTURE(p);
+    CAPTURE(v);
+    CAPTURE(m);
+    const std::string why = schedule_refusal(s, p, v, m);
+    if (!why.empty()) {
+      ++refused;
+      CHECK_THROWS_AS(pipeline_skeleton(s, p, m, v), GraphError);
+      continue;
+    }
+    const bool run = c % 40 == 0;
+    Plan plan = pipeline_skeleton(s, p, m, v, {.steps = run ? 2 : 1});
+    REQUIRE_NOTHROW(validate(plan, kernels));
+    ++proven;
+    if (!run) continue;
+    RuntimeSettings rs;
+    rs.mode = ExecutionMode::deterministic;
+    rs.activity_log = true;
+    Runtime rt(plan, kernels, rs);
+    rt.run();
+    std::vector<ActRecord> records;
+    rt.drain_activity(records);
+    REQUIRE(rt.activity_dropped() == 0);
+    std::vector<std::vector<std::string>> seen(static_cast<std::size_t>(p));
+    for (const ActRecord& r : records) {
+      const ActorDesc& a = rt.plan().actors[r.actor];
+      if (a.order.lane < 0) continue;
+      const PipelineUnit u{a.role == ActorRole::forward ? Pass::forward
+                           : a.weight_gradient           ? Pass::weight
+                                                         : Pass::backward,
+                           r.piece % m, chunk_of_stage(s, p, a.stage)};
+      seen[static_cast<std::size_t>(a.where.device.index)].push_back(u.str(true));
+    }
+    for (int d = 0; d < p; ++d) {
+      std::vector<std::string> want;
+      for (int step = 0; step < 2; ++step) {
+        for (const PipelineUnit& u : device_sequence(s, p, d, m, v)) want.push_back(u.str(true));
+      }
+      CAPTURE(d);
+      CHECK(fmt::format("{}", fmt::join(seen[static_cast<std::size_t>(d)], " ")) ==
+            fmt::format("{}", fmt::join(want, " ")));
+    }
+    ++ran;
+  }
+  MESSAGE(cases << " random schedules: " << refused << " refused with a reason, " << proven << " proven by the dry run, "
+                << ran << " of them run");
+  CHECK(refused + proven == cases);
+  if (cases >= 1000) {
+    CHECK(refused > 0);
+    CHECK(ran > 0);
+  }
+}
+
+namespace {
+
+/// Each device's units in the order its model ops ran ("F0.1 B0.1 W0 ..."), per (replica,
+/// device), one string per step: consecutive acts of one (pass, micro-batch, stage) are one unit.
+/// Expected: device_sequence() less the units whose stage has no op of that pass (a stage
+/// without weights has no W work).
+void check_device_orders(const TrainingJob& job, const Setup& s) {
+  const PipelineSchedule sch = parse_schedule(s.schedule);
+  const bool chunks = chunks_per_device(sch, s.v) > 1;
+  RuntimeSettings rs;
+  rs.activity_log = true;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  Runtime rt(job.plan, job.kernels, rs);
+  rt.run();
+  std::vector<ActRecord> records;
+  rt.drain_activity(records);
+  REQUIRE(rt.activity_dropped() == 0);
+  std::stable_sort(records.begin(), records.end(),
+                   [](const ActRecord& a, const ActRecord& b) { return a.start_ns < b.start_ns; });
+  const Plan& plan = rt.plan();
+  auto pass_of = [&](const ActorDesc& a) {
+    return a.role == ActorRole::forward                       ? Pass::forward
+           : a.weight_gradient && splits_backward(sch) ? Pass::weight
+                                                               : Pass::backward;
+  };
+  std::set<std::pair<int, Pass>> has;  // (stage, pass) with at least one op
+  for (const ActorDesc& a : plan.actors) {
+    if (is_model_op(a)) has.insert({a.stage, pass_of(a)});
+  }
+  struct Seen {
+    std::string unit;
+    std::int64_t piece;
+    int stage;
+  };
+  std::map<std::pair<std::string, int>, std::vector<Seen>> runs;
+  for (const ActRecord& r : records) {
+    const ActorDesc& a = plan.actors[r.actor];
+    if (!is_model_op(a)) continue;
+    const PipelineUnit u{pass_of(a), r.piece % s.m, chunk_of_stage(sch, s.pp, a.stage)};
+    auto& seq = runs[{replica_of(a.name), a.where.device.index % s.pp}];
+    if (seq.empty() || seq.back().unit != u.str(chunks) || seq.back().piece != r.piece) {
+      seq.push_back({u.str(chunks), r.piece, a.stage});
+    }
+  }
+  CHECK(runs.size() == static_cast<std::size_t>(s.pp * s.dp));
+  for (const auto& [key, seq] : runs) {
+    const int device = key.second;
+    CAPTURE(device);
+    std::vector<std::string> want;
+    for (const PipelineUnit& u : device_sequence(sch, s.pp, device, s.m, s.v)) {
+      if (has.contains({stage_of(sch, s.pp, device, u.chunk), u.pass})) want.push_back(u.str(chunks));
+    }
+    std::vector<std::string> got;
+    for (const Seen& x : seq) got.push_back(x.unit);
+    REQUIRE(got.size() == want.size() * static_cast<std::size_t>(s.steps));
+    for (std::int64_t step = 0; step < s.steps; ++step) {
+      CAPTURE(step);
+      const auto from = got.begin() + static_cast<std::ptrdiff_t>(step) * static_cast<std::ptrdiff_t>(want.size());
+      CHECK(fmt::format("{}", fmt::join(from, from + static_cast<std::ptrdiff_t>(want.size()), " ")) ==
+            fmt::format("{}", fmt::join(want, " ")));
+    }
+  }
+}
+
+std::vector<double> losses_of(const Setup& s) {
+  TrainingJob job = compile_mlp(s);
+  Runtime(job.plan, job.kernels).run();
+  return job.losses->per_step();
+}
+
+}  // namespace
+
+TEST_CASE("Schedule.InterleavedAndZeroBubbleStagesRunTheExactOrder" * doctest::timeout(200)) {
+  // The model's ops themselves (matmul's two gradients split into B and W by what they feed),
+  // with costs that would reorder a greedy device.
+  for (const char* schedule : {"interleaved", "zb-h1"}) {
+    for (int pp : {2, 4}) {
+      for (int m : {4, 8}) {
+        CAPTURE(schedule);
+        CAPTURE(pp);
+        CAPTURE(m);
+        const bool il = std::string(schedule) == "interleaved";
+        Setup s{.pp = pp, .schedule = schedule, .m = m, .v = il ? 2 : 1, .layers = 4};
+        TrainingJob job = compile_mlp(s);
+        add_costs(job, [](int stage, bool backward) -> std::int64_t { return (stage % 2 == 0 ? 40'000 : 10'000) * (backward ? 2 : 1); });
+        check_device_orders(job, s);
+      }
+    }
+  }
+}
+
+TEST_CASE("Schedule.WeightGradientWorkIsTheWeightsSideOfTheBackward") {
+  TrainingJob job = compile_mlp({.pp = 2, .schedule = "zb-h1", .m = 4});
+  int w = 0, b = 0;
+  for (const ActorDesc& a : job.plan.actors) {
+    if (!is_model_op(a) || a.role != ActorRole::backward) continue;
+    CAPTURE(a.name);
+    a.weight_gradient ? ++w : ++b;
+    // W work writes what only weight gradients read: never a register a B op or another stage reads.
+    if (!a.weight_gradient) continue;
+    for (RegisterIndex r : a.outputs) {
+      for (ActorIndex c : job.plan.registers[r].consumers) {
+        const ActorDesc& reader = job.plan.actors[c];
+        CHECK((reader.weight_gradient || reader.kind == ActorKind::accumulate || reader.kind == ActorKind::repeat));
+        CHECK(reader.stage == a.stage);
+      }
+    }
+  }
+  CHECK(w >= 8);  // each layer's weight and bias gradients (4 layers)
+  CHECK(b > 0);
+  // Without a split, no op is marked.
+  for (const ActorDesc& a : compile_mlp({.pp = 2, .m = 4}).plan.actors) CHECK_FALSE(a.weight_gradient);
+}
+
+TEST_CASE("Schedule.InterleavedAndZeroBubbleTrainAsOneDevice" * doctest::timeout(200)) {
+  // The schedule changes when ops run, not what they compute: each stage runs the same kernels
+  // on the same micro-batches, and each sum (the micro-batches' gradients, the step's losses)
+  // is made in piece order as on one device, so the losses are the same bits.
+  const std::vector<double> one = losses_of({.pp = 1, .m = 4, .steps = 4, .layers = 4});
+  for (const Setup& s : {Setup{.pp = 2, .schedule = "zb-h1", .m = 4, .steps = 4, .layers = 4},
+                         Setup{.pp = 4, .schedule = "zb-h1", .m = 4, .steps = 4, .layers = 4},
+                         Setup{.pp = 2, .schedule = "interleaved", .m = 4, .steps = 4, .v = 2, .layers = 4},
+                         Setup{.pp = 2, .schedule = "interleaved", .m = 4, .steps = 4, .v = 3, .layers = 4},
+                         Setup{.pp = 4, .schedule = "interleaved", .m = 4, .steps = 4, .v = 2, .layers = 4}}) {
+    CAPTURE(s.schedule);
+    CAPTURE(s.pp);
+    CAPTURE(s.v);
+    CHECK(losses_of(s) == one);
+  }
+}
+
+TEST_CASE("Schedule.ShapesAScheduleCannotTakeAreRefusedWithTheReason") {
+  auto compile = [](Setup s) { return compile_mlp(s); };
+  CHECK_THROWS_WITH_AS(compile({.pp = 4, .schedule = "interleaved", .m = 2, .v = 2}),
+                       doctest::Contains("pp 4: schedule 'interleaved' runs micro-batches in groups of the 4 devices: 2 "
+                                         "micro-batches is not a multiple of 4"),
+                       GraphError);
+  CHECK_THROWS_WITH_AS(compile({.pp = 2, .schedule = "interleaved", .m = 4, .v = 1}),
+                       doctest::Contains("at least 2 virtual stages"), GraphError);
+  CHECK_THROWS_WITH_AS(compile({.pp = 2, .schedule = "1f1b", .m = 4, .v = 2}),
+                       doctest::Contains("virtual stages 2 are for 'interleaved'"), GraphError);
+  // Too few cut points: 8 x 4 stages of an MLP with 1 hidden layer (5 forward ops).
+  CHECK_THROWS_WITH_AS(compile({.pp = 4, .schedule = "interleaved", .m = 4, .v = 4, .layers = 1}),
+                       doctest::Contains("schedule 'interleaved' cuts the model into pp 4 x 4 stages per device: a "
+                                         "16-stage pipeline needs at least 16 ops"),
                        GraphError);
 }

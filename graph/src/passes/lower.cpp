@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "baton/graph/collectives.h"
+#include "baton/graph/schedule.h"
 #include "lowering.h"
 
 namespace baton::passes {
@@ -57,8 +58,9 @@ void label_roles_and_stages(Plan& plan, const std::vector<PlanBuilder>& replicas
     }
   }
   for (ActorDesc& a : plan.actors) {
+    // Model ops carry their own stage (a device may hold several: interleaved schedules).
     if (auto it = stage_of_device.find({a.where.rank, a.where.device});
-        it != stage_of_device.end()) {
+        a.stage < 0 && it != stage_of_device.end()) {
       a.stage = it->second;
     }
     if (a.role != ActorRole::other) continue;
@@ -108,7 +110,7 @@ std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const
                     });
     }
     b.source_actor("data." + d.name, op, DType::f32, std::move(outs),
-                   (cfg.steps - cfg.first_step) * m, b.host(forward_stream, data_stage * b.tp));
+                   (cfg.steps - cfg.first_step) * m, b.host(forward_stream, st.device_of(data_stage) * b.tp));
   }
   return fed;
 }
@@ -175,7 +177,7 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
       b.op_actor(id, stream_of(id),
                  id <= loss_id       ? st.forward_slots[static_cast<std::size_t>(b.stage(id))]
                  : one_slot.count(id) ? 1
-                                     : st.backward_slots);
+                                     : st.backward_depth(b.stage(id)));
     }
   }
 }
@@ -310,11 +312,13 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
   if (cfg.dp > 1) add_collective_kernels(kernels);
   std::vector<PlanBuilder> replicas;
+  const std::vector<bool> weight_work = weight_gradient_nodes(g, d);
   for (std::int64_t r = 0; r < cfg.dp; ++r) {
     PlanBuilder b{g, plan, kernels};
     b.places = reps.places[static_cast<std::size_t>(r)];
     b.tp = cfg.tp;
     if (cfg.pp > 1) b.stages = &st;
+    if (cfg.pp > 1 && splits_backward(parse_schedule(cfg.schedule))) b.weight_work = &weight_work;
     if (cfg.tp > 1) b.shards = &shards;
     b.loss_id = d.loss.id();
     b.first_piece = cfg.first_step * cfg.microbatches;

@@ -65,10 +65,12 @@ struct PlanBuilder {
   Graph& g;
   Plan& plan;
   KernelRegistry& kernels;
-  /// Rank and device of each (pipeline stage, tensor shard) of this replica, at stage * tp + shard.
+  /// Rank and device of each (pipeline device, tensor shard) of this replica, at device * tp + shard.
   std::vector<Placement> places{Placement{}};
   int tp = 1;
   const Stages* stages = nullptr;       // null: all on stage 0
+  /// By node id, the backward nodes that are W work (weight_gradient_nodes; null: no split).
+  const std::vector<bool>* weight_work = nullptr;
   const Shards* shards = nullptr;       // null: all on shard 0
   std::string suffix;                   // "" for one replica, "@dp<r>" otherwise
   std::map<int, RegisterIndex> reg_of;  // node -> the register its per-micro-batch value is in
@@ -84,7 +86,7 @@ struct PlanBuilder {
   int stage(int id) const { return stages == nullptr ? 0 : stages->at(id); }
   int shard(int id) const { return shards == nullptr ? 0 : shards->at(id); }
   /// The node's index into `places`.
-  int place(int id) const { return stage(id) * tp + shard(id); }
+  int place(int id) const { return (stages == nullptr ? 0 : stages->device_of(stage(id))) * tp + shard(id); }
   Placement at(std::uint8_t stream, int place = 0) const;
   /// Where the host side of a place runs (data sources, loss reports, clipping: CPU closures):
   /// the place itself on a CPU device; beside a CUDA device, the CPU device of the same rank and

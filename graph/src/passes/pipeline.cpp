@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include "baton/graph/passes.h"
+#include "baton/graph/schedule.h"
 #include "lowering.h"
 
 namespace baton {
@@ -29,8 +30,23 @@ void check_config(const TrainConfig& cfg) {
     throw GraphError(fmt::format("microbatches must be >= 1, not {}", cfg.microbatches));
   if (cfg.dp < 1) throw GraphError(fmt::format("dp must be >= 1, not {}", cfg.dp));
   if (cfg.pp < 1) throw GraphError(fmt::format("pp must be >= 1, not {}", cfg.pp));
-  if (cfg.schedule != "gpipe" && cfg.schedule != "1f1b") {
-    throw GraphError(fmt::format("schedule '{}': gpipe or 1f1b", cfg.schedule));
+  const PipelineSchedule schedule = parse_schedule(cfg.schedule);  // throws naming the choices
+  if (cfg.virtual_stages < 1) {
+    throw GraphError(fmt::format("virtual stages must be >= 1, not {}", cfg.virtual_stages));
+  }
+  if (cfg.pp > 1) {
+    if (std::string why = schedule_refusal(schedule, cfg.pp, cfg.virtual_stages, cfg.microbatches); !why.empty()) {
+      throw GraphError(fmt::format("pp {}: {}", cfg.pp, why));
+    }
+  } else if (cfg.virtual_stages != 1) {
+    throw GraphError(fmt::format("virtual stages {} need a pipeline (pp > 1)", cfg.virtual_stages));
+  }
+  const bool new_schedule = schedule == PipelineSchedule::interleaved || schedule == PipelineSchedule::zb_h1;
+  if (cfg.pp > 1 && new_schedule && cfg.zero == 3) {
+    throw GraphError(fmt::format(
+        "schedule '{}' with zero 3: ZeRO 3's gathers are placed for one stage per device; use 1f1b or gpipe with "
+        "zero 3, or zero 0-2",
+        cfg.schedule));
   }
   if (cfg.recompute != "none" && cfg.recompute != "selective" && cfg.recompute != "full") {
     throw GraphError(fmt::format("recompute '{}': none, selective or full", cfg.recompute));
@@ -121,7 +137,11 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   job.plan = transfers(job.plan);
   print_after(cfg, "transfers", [&] { return job.plan.to_text(); });
   job.plan = lanes(job.plan, cfg);
-  print_after(cfg, "lanes", [&] { return job.plan.to_text(); });
+  print_after(cfg, "lanes", [&] {
+    return job.plan.to_text() +
+           (cfg.pp > 1 ? schedule_text(parse_schedule(cfg.schedule), cfg.pp, cfg.microbatches, cfg.virtual_stages)
+                       : std::string());
+  });
   job.plan = memory(job.plan, cfg);
   print_after(cfg, "memory", [&] { return job.plan.to_text() + memory_text(job.plan); });
   return job;

@@ -108,7 +108,8 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
                       .inputs = {{in}},
                       .outputs = {out},
                       .group = 1,
-                      .role = role});
+                      .role = role,
+                      .stage = stages == nullptr ? -1 : stage(id)});
       return;
     }
   }
@@ -126,6 +127,8 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
                   .first_piece = first_piece,
                   .attrs = n.attrs,
                   .role = role,
+                  .stage = stages == nullptr ? -1 : stage(id),
+                  .weight_gradient = weight_work != nullptr && (*weight_work)[static_cast<std::size_t>(id)],
                   .in_place = in_place_inputs(g, n, where)});
 }
 

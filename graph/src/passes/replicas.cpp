@@ -49,7 +49,7 @@ Replicas replicate(const Differentiated& d, const Shards& shards, const Stages& 
     }
     out.places.push_back(std::move(places));
   }
-  auto place = [&](const Value& v) { return st.at(v.id()) * cfg.tp + shards.at(v.id()); };
+  auto place = [&](const Value& v) { return st.device_of(st.at(v.id())) * cfg.tp + shards.at(v.id()); };
   std::int64_t bucket_size = 0;
   for (auto it = d.trained.rbegin(); it != d.trained.rend(); ++it) {
     const Value v = it->first;

@@ -6,6 +6,7 @@
 
 #include "baton/graph/passes.h"
 #include "baton/graph/profile.h"
+#include "baton/graph/schedule.h"
 
 namespace baton::passes {
 
@@ -116,25 +117,69 @@ std::vector<double> measured_costs(const Graph& g, const Differentiated& d,
 
 Stages stages(const Graph& g, const Differentiated& d, const TrainConfig& cfg,
               const ParameterStore& params) {
-  Stages out{.pp = cfg.pp, .backward_slots = cfg.activation_slots};
-  for (int s = 0; s < cfg.pp; ++s) {
-    // The schedule's depth: GPipe keeps every micro-batch's activations, 1F1B pp - s.
-    out.forward_slots.push_back(
-        cfg.pp == 1 ? cfg.activation_slots
-        : cfg.schedule == "gpipe"
-            ? static_cast<std::int32_t>(std::max<std::int64_t>(cfg.microbatches, 1))
-            : cfg.pp - s);
+  Stages out{.pp = cfg.pp, .devices = cfg.pp, .backward_slots = cfg.activation_slots};
+  const PipelineSchedule sch = parse_schedule(cfg.schedule);
+  if (cfg.pp <= 1) {
+    out.forward_slots.push_back(cfg.activation_slots);
+    return out;
   }
-  if (cfg.pp <= 1) return out;
+  // The schedule's depths (schedule.h, register_depths): GPipe M, 1F1B pp - s, the others what
+  // their sequences hold between a stage's forward and its last backward unit.
+  RegisterDepths depth = register_depths(sch, cfg.pp, cfg.microbatches, cfg.virtual_stages, cfg.activation_slots);
+  out.pp = static_cast<int>(depth.forward.size());
+  out.forward_slots = std::move(depth.forward);
+  if (out.pp != cfg.pp || sch == PipelineSchedule::zb_h1) {
+    for (int s = 0; s < out.pp; ++s) out.device.push_back(device_of_stage(sch, cfg.pp, s));
+    out.backward_slots_of = std::move(depth.backward);
+  }
   std::vector<double> measured;
   if (cfg.balance == "profile") measured = measured_costs(g, d, params);
-  out.of = assign_stages(g, d.need, d.loss.id(), cfg.pp, measured.empty() ? nullptr : &measured);
+  try {
+    out.of = assign_stages(g, d.need, d.loss.id(), out.pp, measured.empty() ? nullptr : &measured);
+  } catch (const GraphError& e) {
+    if (out.pp == cfg.pp) throw;
+    throw GraphError(fmt::format("schedule '{}' cuts the model into pp {} x {} stages per device: {}", cfg.schedule,
+                                 cfg.pp, out.pp / cfg.pp, e.what()));
+  }
   return out;
+}
+
+std::vector<bool> weight_gradient_nodes(const Graph& g, const Differentiated& d) {
+  // The gradients of activations: what a forward node's backward step (Node::grad_of) reads
+  // that another step made (the dy it was handed; the rules read forward values and dy). B
+  // work is every backward node that some such gradient depends on (the input-gradient chain
+  // down to the stage before); W work is the rest: what only the weights' gradients read.
+  const int loss = d.loss.id();
+  const auto n = static_cast<std::size_t>(g.size());
+  std::vector<bool> input_work(n, false), w(n, false);
+  for (int id = loss + 1; id < g.size(); ++id) {
+    const Node& node = g.node(id);
+    if (!d.need[static_cast<std::size_t>(id)] || node.grad_of < 0) continue;
+    for (int in : node.inputs) {
+      if (in > loss && g.node(in).grad_of != node.grad_of) input_work[static_cast<std::size_t>(in)] = true;
+    }
+  }
+  // Backwards over the ids (a topological order): what an input gradient reads is B work too.
+  for (int id = g.size() - 1; id > loss; --id) {
+    const auto i = static_cast<std::size_t>(id);
+    if (!d.need[i]) continue;
+    if (input_work[i]) {
+      for (int in : g.node(id).inputs) {
+        if (in > loss) input_work[static_cast<std::size_t>(in)] = true;
+      }
+    } else {
+      w[i] = true;
+    }
+  }
+  return w;
 }
 
 std::string Stages::to_text(const Graph& g, const Differentiated& d) const {
   std::string out = fmt::format("pp {}, activation slots by stage [{}], backward {}\n", pp,
-                                fmt::join(forward_slots, ", "), backward_slots);
+                                fmt::join(forward_slots, ", "),
+                                backward_slots_of.empty() ? fmt::format("{}", backward_slots)
+                                                          : fmt::format("[{}]", fmt::join(backward_slots_of, ", ")));
+  if (!device.empty()) out += fmt::format("{} devices, device by stage [{}]\n", devices, fmt::join(device, ", "));
   for (int id = 0; id < g.size(); ++id) {
     if (d.need[static_cast<std::size_t>(id)])
       out += fmt::format("{} stage={}\n", g.node(id).name, at(id));

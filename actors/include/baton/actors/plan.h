@@ -184,6 +184,10 @@ struct ActorDesc {
   /// For people and tools: what it does, and its pipeline stage (-1: none).
   ActorRole role = ActorRole::other;
   std::int32_t stage = -1;
+  /// A backward op whose outputs feed only weight gradients (zero-bubble's W work: the weight's
+  /// side of a matrix product's backward): a schedule that splits the backward may run it later
+  /// than the input gradients (B) the stage before waits for.
+  bool weight_gradient = false;
   /// Its place in its worker's fixed order of acts, if it has one (pipeline schedules).
   ActOrder order{};
   /// Memory its kernel keeps beyond its registers, by category (KeptBytes).

@@ -197,8 +197,16 @@ struct TrainConfig {
   /// of its activation registers: "gpipe" runs every forward, then every backward, with M slots;
   /// "1f1b" runs min(pp - s - 1, M) warm-up forwards, then one forward and one backward in turn,
   /// with pp - s slots on stage s. One weight version per step, as without stages.
+  /// "interleaved" (Megatron's interleaved 1F1B) gives each device `virtual_stages` non-adjacent
+  /// stages (the model cut into pp x virtual_stages, stage s on device s mod pp; M a multiple of
+  /// pp); "zb-h1" (Qi et al. 2024) splits each backward op into input-gradient (B) and
+  /// weight-gradient (W) work and fills 1F1B's bubble with the deferred W's; "2bw"
+  /// (PipeDream-2BW) runs 1F1B's order with each update applied one step late. The exact
+  /// sequences and each stage's depth: schedule.h. `pp` always counts devices.
   int pp = 1;
   std::string schedule = "1f1b";
+  /// Stages per device for "interleaved" (>= 2); 1 for the others.
+  int virtual_stages = 1;
   /// How the forward ops are cut into stages of equal cost: "flops" estimates each op (the
   /// multiply-adds of a matrix product, the output elements of the rest); "profile" times each
   /// op's kernel on its real shapes first, and those of its backward step (profile.h; tens of

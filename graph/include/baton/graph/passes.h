@@ -69,18 +69,34 @@ struct Shards {
 };
 Shards sbp(const Graph& g, const Differentiated& d, int tp);
 
-/// stages: the forward ops cut into pp stages of about equal cost (TrainConfig::balance), each
-/// backward op on the stage of the forward op it differentiates; and the slots of the
-/// activation registers on each stage: the schedule's depth (gpipe M, 1f1b pp - s; without
-/// stages, TrainConfig::activation_slots).
+/// stages: the forward ops cut into pp x chunks stages of about equal cost
+/// (TrainConfig::balance; chunks: the schedule's stages per device, schedule.h), each backward
+/// op on the stage of the forward op it differentiates; where each stage runs (its pipeline
+/// device); and the slots of the activation registers on each stage: the schedule's depth
+/// (gpipe M, 1f1b pp - s, the others their analyse_schedule() depth; without stages,
+/// TrainConfig::activation_slots).
 struct Stages {
-  int pp = 1;
+  int pp = 1;                               // stages (pipeline devices x chunks)
+  int devices = 1;                          // pipeline devices (TrainConfig::pp)
   std::vector<int> of;                      // by node id (empty: all 0)
+  std::vector<int> device;                  // by stage (empty: stage s on device s)
   std::vector<std::int32_t> forward_slots;  // by stage
   std::int32_t backward_slots = 2;
+  /// By stage, where the schedule needs more than backward_slots for the registers its backward
+  /// ops write (empty: backward_slots everywhere).
+  std::vector<std::int32_t> backward_slots_of;
   int at(int id) const { return of.empty() ? 0 : of[static_cast<std::size_t>(id)]; }
+  int device_of(int stage) const { return device.empty() ? stage : device[static_cast<std::size_t>(stage)]; }
+  std::int32_t backward_depth(int stage) const {
+    return backward_slots_of.empty() ? backward_slots : backward_slots_of[static_cast<std::size_t>(stage)];
+  }
   std::string to_text(const Graph& g, const Differentiated& d) const;
 };
+
+/// The backward nodes that are weight-gradient work (zero-bubble's W): those no gradient of an
+/// activation depends on (the dy a forward node's backward step reads), so that only the
+/// weights' gradients read them. By node id; the B/W split of schedule.h.
+std::vector<bool> weight_gradient_nodes(const Graph& g, const Differentiated& d);
 Stages stages(const Graph& g, const Differentiated& d, const TrainConfig& cfg,
               const ParameterStore& params);
 
