@@ -135,6 +135,16 @@ TEST_CASE("BadInput.TrainParallelConfigsAndDevices" * doctest::timeout(300)) {
       {{"--dp", "3", "--batch", "64"}, "--batch 64 is not a multiple of --dp 3"},
       // A micro-batch count that does not divide the batch.
       {{"--microbatches", "5", "--batch", "64"}, "--batch 64 is not a multiple of --dp 1 x --microbatches 5"},
+      // Schedules: a shape the schedule cannot take, and too few layers for pp x virtual stages.
+      {{"--pp", "4", "--layers", "8", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2"},
+       "schedule 'interleaved' runs micro-batches in groups of the 4 devices: 2 micro-batches is not a multiple of 4"},
+      {{"--pp", "2", "--schedule", "interleaved", "--virtual-stages", "1", "--microbatches", "4"},
+       "needs at least 2 virtual stages per device"},
+      {{"--pp", "2", "--schedule", "zb-h1", "--virtual-stages", "2", "--microbatches", "4"},
+       "virtual stages 2 are for 'interleaved'"},
+      {{"--pp", "2", "--layers", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"},
+       "--pp 2 x --virtual-stages 2 is 4 stages, more than the mlp has layers: 3"},
+      {{"--pp", "2", "--schedule", "zb-h1", "--zero", "3", "--dp", "2", "--microbatches", "2"}, "with zero 3"},
   };
   for (const auto& c : cases) expect_refused("baton-train", c);
 }

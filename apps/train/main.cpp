@@ -68,6 +68,8 @@ struct Options {
   int pp = 1;
   std::int64_t tp = 1;
   std::string schedule = "1f1b";
+  int virtual_stages = 1;
+  bool print_schedule = false;
   std::string balance = "flops";
   std::string devices;  // "cpu:K", "cuda:K" or RANK:TYPE:INDEX per place
   std::string precision = "f32";
@@ -422,6 +424,11 @@ Options read_init_from(const Options& given, std::optional<safetensors::Contents
 /// only adds transfers. Refused here, where the model's layers are known.
 void check_stages(const Options& o) {
   const std::int64_t model_layers = o.model == "mlp" ? o.layers + 1 : o.layers + 2;
+  if (o.schedule == "interleaved" && o.pp * o.virtual_stages > model_layers) {
+    throw std::invalid_argument(fmt::format(
+        "--pp {} x --virtual-stages {} is {} stages, more than the {} has layers: {}; use fewer, or more --layers",
+        o.pp, o.virtual_stages, o.pp * o.virtual_stages, o.model, model_layers));
+  }
   if (o.pp > model_layers) {
     throw std::invalid_argument(fmt::format(
         "--pp {} is more stages than the {} has layers: {} ({}); use --pp {} or fewer, or more --layers", o.pp, o.model,
@@ -481,6 +488,7 @@ TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data
   cfg.pp = o.pp;
   cfg.tp = static_cast<int>(o.tp);
   cfg.schedule = o.schedule;
+  cfg.virtual_stages = o.virtual_stages;
   cfg.balance = o.balance;
   if (o.dp > 1 || o.pp > 1 || o.tp > 1 || env.distributed() || !o.devices.empty()) cfg.replica_places = checked_places(o, env);
   if (o.model != "mlp" && d.tokens) {
@@ -548,6 +556,20 @@ std::shared_ptr<checkpoint::Writer> checkpoint_writer(const Options& o, const Jo
 /// --print-memory and --print-plan: what the reporting rank prints instead of training; true
 /// when the job ends there.
 bool printed_instead(const Options& o, const TrainingJob& job, bool leader) {
+  if (o.print_schedule) {
+    if (!leader) return true;
+    // The schedule as data, then the proof: the plan's dry run with its real slots (validate),
+    // and what it needs on each device.
+    if (o.pp > 1) {
+      fmt::print("{}", schedule_text(parse_schedule(o.schedule), o.pp, o.microbatches, o.virtual_stages));
+    } else {
+      fmt::print("one stage (--pp 1): no pipeline schedule\n");
+    }
+    validate(job.plan, job.kernels, job.plan.actors.empty() ? 0 : job.plan.actors.front().where.rank);
+    fmt::print("the plan's dry run keeps going with its registers' slots: no act waits forever\n");
+    fmt::print("memory by device (peak from the plan):\n{}", to_text(memory_report(job.plan)));
+    return true;
+  }
   if (o.print_memory) {
     if (leader) print_memory(job.plan, o.json);
     return true;
@@ -952,8 +974,18 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--precision", o.precision, "f32, or bf16: mixed precision as torch.autocast (matrix products in bf16, "
                  "softmax, losses and norms in f32; f32 master weights and optimizer)")
       ->check(CLI::IsMember({"f32", "bf16"}));
-  app.add_option("--schedule", o.schedule, "pipeline schedule: gpipe or 1f1b (each stage's order of passes and depth of activations)")
-      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--schedule", o.schedule,
+                 "pipeline schedule (each device's order of passes and depth of activations): gpipe, 1f1b, interleaved "
+                 "(--virtual-stages stages a device), zb-h1 (backward split into input and weight gradients, a third "
+                 "of 1f1b's bubble) or 2bw (PipeDream-2BW: 1f1b with each update applied one step late)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "2bw"}));
+  app.add_option("--virtual-stages", o.virtual_stages,
+                 "with --schedule interleaved: stages per device (the model cut into --pp x this; --microbatches a "
+                 "multiple of --pp)")
+      ->check(CLI::Range(1, 16));
+  app.add_flag("--print-schedule", o.print_schedule,
+               "print each device's order of passes (F0 F1 B0 W0 ...) with its peak activations and bubble, prove the "
+               "plan deadlock-free by its dry run, print its memory per device, and exit");
   app.add_option("--balance", o.balance, "pipeline stages of equal cost by: flops (estimated) or profile (each "
                  "op's kernel timed on its shapes; one rank only)")
       ->check(CLI::IsMember({"flops", "profile"}));
