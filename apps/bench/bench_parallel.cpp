@@ -86,87 +86,67 @@ struct Result {
   double wall_s = 0;
 };
 
-/// Per stage, the nanoseconds its kernels spent sleeping (on the worker for a CPU device, on the
-/// stream's thread for a sim device): what "busy" means for a stage of sleeping kernels.
+/// Per device, the nanoseconds its kernels spent sleeping (on the worker for a CPU device, on
+/// the stream's thread for a sim device): what "busy" means for a device of sleeping kernels.
 struct StageClock {
   std::vector<std::atomic<std::int64_t>> busy_ns;
   explicit StageClock(int k) : busy_ns(static_cast<std::size_t>(k)) {}
 };
 
-/// sleep_ns that also books the time it really slept to its stage (attribute "stage").
-void add_timed_sleep(KernelRegistry& reg, StageClock& clock) {
-  reg.add("bench.sleep", DeviceType::cpu, DType::f32, [&clock](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
-    struct Sleep final : Kernel {
-      std::int64_t ns;
-      std::atomic<std::int64_t>* busy;
-      void compute(KernelContext& ctx) override {
-        const auto t0 = std::chrono::steady_clock::now();
-        std::this_thread::sleep_for(std::chrono::nanoseconds(ns));
-        busy->fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
-                        std::memory_order_relaxed);
-        if (!ctx.outputs.empty() && !ctx.inputs.empty() && ctx.inputs[0] != nullptr) {
-          std::memcpy(ctx.outputs[0]->raw(), ctx.inputs[0]->raw(), ctx.outputs[0]->nbytes());
-        }
-      }
-    };
-    auto k = std::make_unique<Sleep>();
-    k->ns = cfg.attrs.get_int("ns", 0);
-    k->busy = &clock.busy_ns.at(static_cast<std::size_t>(cfg.attrs.get_int("stage", 0)));
-    return k;
-  });
+/// A pipeline's costs: each stage's forward, and its backward, split into B and W halves where
+/// the schedule splits it (zb-h1), divided over a device's stages (interleaved: each of v
+/// chunks costs 1/v of a one-stage device's).
+struct PassCosts {
+  std::int64_t forward_ns = 0, backward_ns = 0;
+  int chunks = 1;
+  bool split = false;
+  std::int64_t ns(std::int64_t pass) const {
+    const std::int64_t total = pass == 0 ? forward_ns : split ? backward_ns / 2 : backward_ns;
+    return total / chunks;
+  }
+};
+
+/// "bench.sleep": sleeps its pass's cost (attributes "stage", "pass": 0 F, 1 B, 2 W) and books
+/// the time it really slept to its stage's device; copies its first input to its output.
+void add_timed_sleep(KernelRegistry& reg, StageClock& clock, PassCosts costs, PipelineSchedule sch, int k) {
+  reg.add("bench.sleep", DeviceType::cpu, DType::f32,
+          [&clock, costs, sch, k](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+            struct Sleep final : Kernel {
+              std::int64_t ns;
+              std::atomic<std::int64_t>* busy;
+              void compute(KernelContext& ctx) override {
+                const auto t0 = std::chrono::steady_clock::now();
+                std::this_thread::sleep_for(std::chrono::nanoseconds(ns));
+                busy->fetch_add(
+                    std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+                    std::memory_order_relaxed);
+                if (!ctx.outputs.empty() && !ctx.inputs.empty() && ctx.inputs[0] != nullptr) {
+                  std::memcpy(ctx.outputs[0]->raw(), ctx.inputs[0]->raw(), ctx.outputs[0]->nbytes());
+                }
+              }
+            };
+            auto s = std::make_unique<Sleep>();
+            s->ns = costs.ns(cfg.attrs.get_int("pass", 0));
+            const int stage = static_cast<int>(cfg.attrs.get_int("stage", 0));
+            s->busy = &clock.busy_ns.at(static_cast<std::size_t>(device_of_stage(sch, k, stage)));
+            return s;
+          });
 }
 
-/// The pipeline on `type` devices: cpu (a worker per stage runs its kernels) or sim (each
-/// stage's kernels run on its device's stream, the worker only enqueues: an accelerator).
-Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fwd_ns, std::int64_t bwd_ns,
+/// The pipeline on `type` devices: cpu (a worker per device runs its kernels) or sim (each
+/// device's kernels run on its stream, the worker only enqueues: an accelerator). The plan is
+/// pipeline_skeleton's (schedule.h): built the way compile_training builds one, ordered by the
+/// schedule, its registers as deep as the schedule says.
+Result run(int k, int m, const std::string& schedule, int v, int steps, std::int64_t fwd_ns, std::int64_t bwd_ns,
            DeviceType type = DeviceType::cpu) {
-  Plan p;
-  auto reg = [&](std::string name, std::int32_t slots) {
-    return p.add_register({.name = std::move(name), .shape = {4}, .dtype = DType::f32, .slots = slots});
-  };
-  auto at = [type](int s) { return Placement{.device = Device{type, static_cast<std::uint8_t>(s)}}; };
-  const RegisterIndex data = reg("data", std::max(2, schedule == "gpipe" ? m : k));
-  p.add_actor({.name = "data", .kind = ActorKind::source, .op = "noop", .where = at(0), .outputs = {data},
-               .pieces = static_cast<std::int64_t>(steps) * m});
-  std::vector<RegisterIndex> act(static_cast<std::size_t>(k)), grad_sum(static_cast<std::size_t>(k)),
-      weight(static_cast<std::size_t>(k));
-  for (int s = 0; s < k; ++s) {
-    grad_sum[static_cast<std::size_t>(s)] = reg(fmt::format("grad{}.sum", s), 1);
-    const RegisterIndex w = reg(fmt::format("w{}.step", s), 1);
-    p.add_actor({.name = fmt::format("w{}", s), .op = "noop", .where = at(s),
-                 .inputs = {{grad_sum[static_cast<std::size_t>(s)], 1}}, .outputs = {w}, .stops_when_unread = false});
-    // The forward of micro-batch i and the backward of micro-batch i - depth read the same
-    // weight: its repeat needs as many slots as the activations, or it caps the schedule.
-    weight[static_cast<std::size_t>(s)] = reg(fmt::format("w{}", s), std::max(2, schedule == "gpipe" ? m : k - s) + 1);
-    p.add_actor({.name = fmt::format("w{}.repeat", s), .kind = ActorKind::repeat, .where = at(s), .inputs = {{w}},
-                 .outputs = {weight[static_cast<std::size_t>(s)]}, .group = m});
-  }
-  for (int s = 0; s < k; ++s) {
-    const std::int32_t slots = schedule == "gpipe" ? m : k - s;
-    act[static_cast<std::size_t>(s)] = reg(fmt::format("act{}", s), slots);
-    p.add_actor({.name = fmt::format("fwd{}", s), .op = "bench.sleep", .where = at(s),
-                 .inputs = {{s == 0 ? data : act[static_cast<std::size_t>(s - 1)]}, {weight[static_cast<std::size_t>(s)]}},
-                 .outputs = {act[static_cast<std::size_t>(s)]}, .attrs = {{"ns", fwd_ns}, {"stage", std::int64_t{s}}},
-                 .role = ActorRole::forward,
-                 .stage = s});
-  }
-  RegisterIndex upstream_grad = 0;
-  for (int s = k - 1; s >= 0; --s) {
-    const RegisterIndex g = reg(fmt::format("grad{}", s), 2);
-    std::vector<InputPort> ins{{act[static_cast<std::size_t>(s)]}, {weight[static_cast<std::size_t>(s)]}};
-    if (s < k - 1) ins.push_back({upstream_grad});
-    p.add_actor({.name = fmt::format("bwd{}", s), .op = "bench.sleep", .where = at(s), .inputs = std::move(ins),
-                 .outputs = {g}, .attrs = {{"ns", bwd_ns}, {"stage", std::int64_t{s}}}, .role = ActorRole::backward,
-                 .stage = s});
-    p.add_actor({.name = fmt::format("grad{}.accumulate", s), .kind = ActorKind::accumulate, .where = at(s),
-                 .inputs = {{g}}, .outputs = {grad_sum[static_cast<std::size_t>(s)]}, .group = m});
-    upstream_grad = g;
-  }
-  // Each stage runs the schedule's exact order, as compile_training's stages do.
-  order_pipeline(p, parse_schedule(schedule), k, m);
+  const PipelineSchedule sch = parse_schedule(schedule);
+  Plan p = pipeline_skeleton(sch, k, m, v, {.op = "bench.sleep", .device = type, .steps = steps});
   StageClock clock(k);
   KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
-  add_timed_sleep(kernels, clock);
+  add_timed_sleep(kernels, clock,
+                  {.forward_ns = fwd_ns, .backward_ns = bwd_ns, .chunks = chunks_per_device(sch, v),
+                   .split = splits_backward(sch)},
+                  sch, k);
   Runtime rt(insert_device_copies(p), kernels);
   RunReport report = rt.run();
   Result r;
@@ -175,7 +155,7 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
   for (int s = 0; s < k; ++s) {
     const double kernel = static_cast<double>(clock.busy_ns[static_cast<std::size_t>(s)].load()) * 1e-9;
     idle += 1.0 - kernel / report.wall_s;
-    if (std::getenv("BATON_BENCH_STAGES")) fmt::print(stderr, "  stage {} idle {:.3f}\n", s, 1.0 - kernel / report.wall_s);
+    if (std::getenv("BATON_BENCH_STAGES")) fmt::print(stderr, "  device {} idle {:.3f}\n", s, 1.0 - kernel / report.wall_s);
   }
   if (std::getenv("BATON_BENCH_STAGES")) fmt::print(stderr, "{}", report.metrics.table());
   r.idle = idle / k;
@@ -188,11 +168,15 @@ Result run(int k, int m, const std::string& schedule, int steps, std::int64_t fw
   return r;
 }
 
-// What the schedule keeps live at its peak, summed over the stages: M a stage for GPipe,
-// min(K - s, M) on stage s for 1F1B.
-std::int64_t expected_peak(int k, int m, const std::string& schedule) {
+// What the schedule keeps live at its peak, summed over the stages' activation registers, on
+// its own timeline (analyse_schedule's forward_held: until the last of its readers, the next
+// stage's W among them): M a stage for GPipe, min(K - s, M) on stage s for 1F1B. Interleaved's
+// chunks each hold 1/v of a stage's activations; its figure counts chunk activations, and the
+// _1f1b figure beside it stage activations.
+std::int64_t expected_peak(int k, int m, const std::string& schedule, int v) {
+  const ScheduleAnalysis a = analyse_schedule(parse_schedule(schedule), k, m, v);
   std::int64_t sum = 0;
-  for (int s = 0; s < k; ++s) sum += schedule == "gpipe" ? m : std::min(k - s, m);
+  for (std::int32_t d : a.forward_held) sum += d;
   return sum;
 }
 
@@ -632,23 +616,48 @@ int main(int argc, char** argv) {
   }
   const int steps = quick ? 2 : 6;
   const std::int64_t fwd_ns = 1'000'000, bwd_ns = 2'000'000;  // 1 ms forward, 2 ms backward per stage
+  // The schedules' bubbles against their formulas, with the backward (2 ms) split into B and W
+  // halves of 1 ms for zb-h1 (so F = B = W) and each of interleaved's v = 2 chunks costing half
+  // a one-stage device's F and B. 2bw runs 1f1b's order (its bubble is 1f1b's until its lanes
+  // go on across steps; docs/parallelism.md).
+  struct Case {
+    const char* schedule;
+    int v;
+    const char* label;
+  };
+  const Case schedules[] = {
+      {"gpipe", 1, "gpipe"}, {"1f1b", 1, "1f1b"}, {"zb-h1", 1, "zb-h1"}, {"interleaved", 2, "interleaved-v2"}};
   for (int k : {2, 4}) {
     for (int m : {1, 4, 8, 16}) {
       if (!only.empty() && only != "bubble") break;
       if (quick && m > 4) continue;
-      for (const std::string schedule : {"gpipe", "1f1b"}) {
-       for (DeviceType type : {DeviceType::cpu, DeviceType::sim}) {
-        Result r = run(k, m, schedule, steps, fwd_ns, bwd_ns, type);
-        const double formula = static_cast<double>(k - 1) / static_cast<double>(m + k - 1);
-        bench::JsonLine line("parallel", fmt::format("bubble_K{}_M{}_{}{}", k, m, schedule,
-                                                     type == DeviceType::sim ? "_sim" : ""));
-        line.add("value", r.idle).add("unit", "idle fraction").better(Better::lower).add("reference", formula)
-            .add("reference_name", "(K-1)/(M+K-1)").compare("ratio", r.idle, formula)
-            .add("peak_activation_slots", r.peak_activations)
-            .add("peak_activation_schedule", expected_peak(k, m, schedule)).add("steps", steps).add("wall_s", r.wall_s)
-            .add("device", std::string(name(type)));
-        line.print();
-       }
+      for (const Case& c : schedules) {
+        const std::string_view sc = c.schedule;
+        if (!schedule_refusal(parse_schedule(sc), k, c.v, m).empty()) continue;  // interleaved: M a multiple of K
+        for (DeviceType type : {DeviceType::cpu, DeviceType::sim}) {
+          if ((sc == "zb-h1" || sc == "interleaved") && type == DeviceType::sim) continue;  // CPU devices only
+          Result r = run(k, m, c.schedule, c.v, steps, fwd_ns, bwd_ns, type);
+          // ZB-H1's formula holds for M >= K; below, its order's own timeline is the reference.
+          const double km1 = k - 1;
+          const bool zb_short = sc == "zb-h1" && m < k;
+          const double formula = zb_short ? analyse_schedule(parse_schedule(sc), k, m).idle
+                                 : sc == "zb-h1"       ? km1 / (3.0 * m + km1)
+                                 : sc == "interleaved" ? km1 / (static_cast<double>(c.v) * m + km1)
+                                                       : km1 / (m + km1);
+          const char* formula_name = zb_short ? "the order's timeline with F = B = W = 1 ms (M < K)"
+                                     : sc == "zb-h1"       ? "(K-1)/(3M+K-1) (F = B = W = 1 ms)"
+                                     : sc == "interleaved" ? "(K-1)/(vM+K-1)"
+                                                           : "(K-1)/(M+K-1)";
+          bench::JsonLine line("parallel", fmt::format("bubble_K{}_M{}_{}{}", k, m, c.label,
+                                                       type == DeviceType::sim ? "_sim" : ""));
+          line.add("value", r.idle).add("unit", "idle fraction").better(Better::lower).add("reference", formula)
+              .add("reference_name", formula_name).compare("ratio", r.idle, formula)
+              .add("peak_activation_slots", r.peak_activations)
+              .add("peak_activation_schedule", expected_peak(k, m, c.schedule, c.v))
+              .add("peak_activation_1f1b", expected_peak(k, m, "1f1b", 1)).add("steps", steps)
+              .add("wall_s", r.wall_s).add("device", std::string(name(type)));
+          line.print();
+        }
       }
     }
   }
