@@ -362,6 +362,71 @@ TEST_CASE("Schedule.LaneOrdersTheActsOfOneWorker" * doctest::timeout(30)) {
   }
 }
 
+namespace {
+
+/// A (a lead of two acts, then unit 0 of 2) and B (unit 1 of 2) read one source of 6 pieces
+/// with `src_slots` slots: A0 A1 once, then A B round and round, then B alone once A is done.
+Plan led_plan(std::int32_t src_slots) {
+  Plan p;
+  auto src = p.add_register({.name = "src", .shape = {1}, .dtype = DType::i64, .slots = src_slots});
+  auto ra = p.add_register({.name = "a", .shape = {1}, .dtype = DType::i64, .slots = 4});
+  auto rb = p.add_register({.name = "b", .shape = {1}, .dtype = DType::i64, .slots = 4});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .dtype = DType::i64, .outputs = {src},
+               .pieces = 6});
+  p.add_actor({.name = "A", .op = "copy", .dtype = DType::i64, .inputs = {{src}}, .outputs = {ra},
+               .order = {.lane = 0, .units = {0}, .period = 2, .lead = {0, 1}}});
+  p.add_actor({.name = "B", .op = "copy", .dtype = DType::i64, .inputs = {{src}}, .outputs = {rb},
+               .order = {.lane = 0, .units = {1}, .period = 2}});
+  p.add_actor({.name = "sink", .op = "noop", .dtype = DType::i64, .inputs = {{ra}, {rb}}});
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("Schedule.ALanesPrefixRunsOnceBeforeItsPeriod" * doctest::timeout(30)) {
+  // A's lead puts two of its acts before the period; the period then alternates A and B (A two
+  // pieces ahead), and B's last two acts come alone once A has finished (a pipeline's
+  // warm-up and cool-down without a flush between its steps).
+  for (auto mode : {ExecutionMode::deterministic, ExecutionMode::threaded}) {
+    CAPTURE(static_cast<int>(mode));
+    const Plan p = led_plan(3);
+    CHECK(p.to_text().find("order=lane0:rank0:units[0]/2:lead[0,1]") != std::string::npos);
+    CHECK(p.to_text().find("order=lane0:rank0:units[1]/2") != std::string::npos);  // no lead: as before
+    CHECK(p.to_text().find("units[1]/2:lead") == std::string::npos);
+    RuntimeSettings rs;
+    rs.mode = mode;
+    rs.activity_log = true;
+    Runtime rt(p, KernelRegistry::with_builtin_kernels(), rs);
+    rt.run();
+    std::vector<ActRecord> records;
+    rt.drain_activity(records);
+    std::string order;
+    for (const ActRecord& r : records) {
+      const std::string& n = rt.plan().actors[r.actor].name;
+      if (n == "A" || n == "B") order += fmt::format("{}{} ", n, r.piece);
+    }
+    CHECK(order == "A0 A1 A2 B0 A3 B1 A4 B2 A5 B3 B4 B5 ");
+  }
+}
+
+TEST_CASE("Schedule.APrefixItsSlotsCannotHoldIsRefused") {
+  // With 2 source slots, A's third act (A2, first of the period) needs piece 0's slot, which B0
+  // frees only after A2 in the lane: the dry run finds the deadlock; with 3 it runs.
+  const auto reg = KernelRegistry::with_builtin_kernels();
+  CHECK_NOTHROW(validate(led_plan(3), reg));
+  CHECK_THROWS_WITH_AS(validate(led_plan(2), reg), doctest::Contains("waits for its turn in lane 0"), PlanError);
+  // The same through the long check (the rates' check is the default).
+  CHECK_NOTHROW(validate(led_plan(3), reg, 0, ProgressCheck::tokens));
+  CHECK_THROWS_WITH_AS(validate(led_plan(2), reg, 0, ProgressCheck::tokens), doctest::Contains("deadlock"), PlanError);
+  // Bad leads.
+  Plan p = led_plan(3);
+  p.actors[1].order.lead = {1, 0};
+  CHECK_THROWS_WITH_AS(validate(p, reg), doctest::Contains("actor 'A' in lane 0: lead units must increase strictly"),
+                       PlanError);
+  p.actors[1].order = {.lead = {0}};
+  CHECK_THROWS_WITH_AS(validate(p, reg), doctest::Contains("actor 'A' has a lead of 1 acts but no lane"), PlanError);
+}
+
 TEST_CASE("Schedule.BadLanesAreRefused") {
   auto plan = [](ActOrder a_order, ActOrder b_order, std::uint8_t b_device) {
     Plan p;

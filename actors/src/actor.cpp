@@ -965,28 +965,35 @@ void Actor::finish(bool unread) {
 }
 
 void Lane::start() {
-  std::sort(period.begin(), period.end(), [](const Act& a, const Act& b) {
+  const auto by_key = [](const Act& a, const Act& b) {
     return std::tie(a.unit, a.rank, a.index) < std::tie(b.unit, b.rank, b.index);
-  });
+  };
+  std::sort(prefix.begin(), prefix.end(), by_key);
+  std::sort(period.begin(), period.end(), by_key);
+  acts = prefix;
+  acts.insert(acts.end(), period.begin(), period.end());
+  loop = prefix.size();
   at = 0;
-  turn = period.empty() ? nullptr : period[0].actor;
+  turn = period.empty() ? nullptr : acts[0].actor;
   move_on(false);
 }
 
 // Every actor of a lane acts in key order and only at its turn, so the acts not yet done are
-// exactly those from `at` on, round the period: skipping a finished actor's acts keeps the
-// others' order.
+// exactly those from `at` on, through the rest of the prefix and then round the period:
+// skipping a finished actor's acts keeps the others' order. (A pipeline's cool-down is this:
+// once its forwards have finished, the backwards' turns follow one another.) Past the whole
+// list of skips, every act of the period was seen finished.
 void Lane::move_on(bool acted) {
   if (turn == nullptr) return;
-  const auto next = [&] { at = at + 1 == period.size() ? 0 : at + 1; };  // no division per act
+  const auto next = [&] { at = at + 1 == acts.size() ? loop : at + 1; };  // no division per act
   if (acted) next();
-  for (std::size_t skipped = 0; period[at].actor->finished(); next()) {
-    if (++skipped == period.size()) {
+  for (std::size_t skipped = 0; acts[at].actor->finished(); next()) {
+    if (++skipped == acts.size()) {
       turn = nullptr;
       return;
     }
   }
-  turn = period[at].actor;
+  turn = acts[at].actor;
 }
 
 // A lane's order is the schedule itself (ActOrder): whoever is next may be waiting for nothing

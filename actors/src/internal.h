@@ -180,7 +180,8 @@ struct Input {
 
 /// The acts of one lane (ActOrder) in one period, in the order of their keys, and whose turn it
 /// is. The keys of every period repeat the first one's (a lane's actors share a period), so
-/// the turn walks this list round and round. Only the lane's worker thread touches it.
+/// the turn walks this list round and round, after walking the lane's prefix (the actors'
+/// leads) once. Only the lane's worker thread touches it.
 struct Lane {
   struct Act {
     std::int32_t unit = 0;
@@ -189,10 +190,13 @@ struct Lane {
     Actor* actor = nullptr;
   };
   std::int32_t id = 0;
-  std::vector<Act> period;
-  std::size_t at = 0;     // the act whose turn it is
-  Actor* turn = nullptr;  // period[at]'s actor; null once every actor has finished
-  /// Sorts the period and gives the turn to its first act.
+  std::vector<Act> prefix;  // filled before start(): the leads' acts
+  std::vector<Act> period;  // filled before start(): one period's acts
+  std::vector<Act> acts;    // start(): the sorted prefix, then the sorted period
+  std::size_t loop = 0;     // where the period starts in `acts`
+  std::size_t at = 0;       // the act whose turn it is
+  Actor* turn = nullptr;    // acts[at]'s actor; null once every actor has finished
+  /// Sorts the prefix and the period and gives the turn to the first act.
   void start();
   /// The turn moves on: past the act just done (if `acted`), then past the acts of actors that
   /// have finished.

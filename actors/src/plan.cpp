@@ -238,6 +238,7 @@ std::string Plan::to_text() const {
     if (a.order.lane >= 0) {
       out += fmt::format(" order=lane{}:rank{}:units[{}]/{}", a.order.lane, a.order.rank,
                          fmt::join(a.order.units, ","), a.order.period);
+      if (!a.order.lead.empty()) out += fmt::format(":lead[{}]", fmt::join(a.order.lead, ","));
     }
     if (!a.kept.empty()) {
       std::string kept;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <set>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -22,6 +23,9 @@ constexpr std::int64_t max_unrolled_periods = 64;
 struct LanePositions {
   std::vector<std::vector<std::int32_t>> position;
   std::map<std::int32_t, std::int32_t> acts;
+  /// Lanes with a prefix (ActOrder::lead): their acts' positions are not one period's, so
+  /// the lives of their registers are not known (always live: conservative).
+  std::set<std::int32_t> led;
 };
 
 LanePositions lane_positions(const Plan& plan) {
@@ -33,6 +37,7 @@ LanePositions lane_positions(const Plan& plan) {
   for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
     const ActOrder& o = plan.actors[i].order;
     if (o.lane < 0) continue;
+    if (!o.lead.empty()) out.led.insert(o.lane);
     out.position[i].resize(o.units.size());
     for (std::size_t u = 0; u < o.units.size(); ++u)
       lanes[o.lane].emplace_back(o.units[u], o.rank, i, u);
@@ -91,6 +96,7 @@ bool piece_spans(const Plan& plan, RegisterIndex r, const LanePositions& lanes,
   // A transfer in a lane starts writing its slot (the pull) at its act, as a kernel would.
   if ((p.kind != ActorKind::compute && p.kind != ActorKind::transfer) || p.order.lane < 0 || p.order.units.empty())
     return false;
+  if (lanes.led.contains(p.order.lane)) return false;
   const auto& wpos = lanes.position[reg.producer];
   write.assign(wpos.begin(), wpos.end());
   last_read = write;

@@ -456,6 +456,7 @@ void Core::instantiate() {
     const ActOrder& o = plan.actors[i].order;
     Lane& lane = lanes[o.lane];
     lane.id = o.lane;
+    for (std::int32_t unit : o.lead) lane.prefix.push_back({unit, o.rank, i, actors[i].get()});
     for (std::int32_t unit : o.units) lane.period.push_back({unit, o.rank, i, actors[i].get()});
     actors[i]->set_lane(&lane);
   }
@@ -468,6 +469,7 @@ void Core::instantiate() {
     for (const auto& r : plan.registers) tokens += std::int64_t{r.slots} * static_cast<std::int64_t>(r.consumers.size());
     for (const auto& a : plan.actors) {
       for (const auto& in : a.inputs) tokens += in.delay;
+      tokens += static_cast<std::int64_t>(a.order.lead.size());  // a lane's prefix: acts paid for once
       max_group = std::max<std::int64_t>(max_group, a.group);
     }
     // The handshakes make the plan a marked graph once each actor is unrolled into its acts of
@@ -493,6 +495,17 @@ void Core::instantiate() {
       for (const auto& a : plan.actors) {
         for (const auto& in : a.inputs) delays += in.delay;
       }
+      // A lane's prefix shifts its actors' acts against each other as a delay would: by the
+      // longest lead of the lane, in its periods (rounded up), counted like the delays.
+      std::map<std::int32_t, std::int64_t> lead_periods;
+      for (const auto& a : plan.actors) {
+        const ActOrder& o = a.order;
+        if (o.lane < 0 || o.lead.empty() || o.units.empty()) continue;
+        const auto u = static_cast<std::int64_t>(o.units.size());
+        auto& most = lead_periods[o.lane];
+        most = std::max(most, (static_cast<std::int64_t>(o.lead.size()) + u - 1) / u);
+      }
+      for (const auto& [lane, n] : lead_periods) delays += n;
       dry_limits.resize(dry_targets.size());
       for (std::size_t i = 0; i < dry_targets.size(); ++i) {
         dry_limits[i] = dry_targets[i] * (2 * delays + 3);
@@ -1049,11 +1062,15 @@ void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
   }
 }
 
-/// Actor i's lane (ActOrder), if it has one: units in [0, period), strictly increasing, and one
-/// worker and one period per lane (lane_place: each lane's first actor).
+/// Actor i's lane (ActOrder), if it has one: units in [0, period), strictly increasing, its
+/// lead's units >= 0 and strictly increasing, and one worker and one period per lane
+/// (lane_place: each lane's first actor).
 void check_lane(const Plan& plan, ActorIndex i, std::map<std::int32_t, ActorIndex>& lane_place, Problems& problem) {
   const ActorDesc& a = plan.actors[i];
-  if (a.order.lane < 0) return;
+  if (a.order.lane < 0) {
+    if (!a.order.lead.empty()) problem("actor '{}' has a lead of {} acts but no lane", a.name, a.order.lead.size());
+    return;
+  }
   const ActOrder& o = a.order;
   // (A transfer in a lane starts its pull at its turn and passes the turn on; the pull lands
   // later, and its readers wait for it as for any input.)
@@ -1065,6 +1082,13 @@ void check_lane(const Plan& plan, ActorIndex i, std::map<std::int32_t, ActorInde
     if (o.units[u] < 0 || o.units[u] >= o.period || (u > 0 && o.units[u] <= o.units[u - 1])) {
       problem("actor '{}' in lane {}: units must increase strictly and stay in [0, {}); unit {} is {}", a.name, o.lane,
               o.period, u, o.units[u]);
+      break;
+    }
+  }
+  for (std::size_t u = 0; u < o.lead.size(); ++u) {
+    if (o.lead[u] < 0 || (u > 0 && o.lead[u] <= o.lead[u - 1])) {
+      problem("actor '{}' in lane {}: lead units must increase strictly from 0 up; lead unit {} is {}", a.name,
+              o.lane, u, o.lead[u]);
       break;
     }
   }

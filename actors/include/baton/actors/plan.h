@@ -142,7 +142,9 @@ struct InputPort {
 /// depths still bound what is in flight; the lane makes the order exact whatever the kernels
 /// cost (a priority among ready actors cannot: the act that should come next may still be
 /// waiting for its input). The order must be one the handshakes can follow: validate() refuses
-/// a plan whose lanes deadlock.
+/// a plan whose lanes deadlock. With a `lead` of L units, the actor's acts k < L come first
+/// with keys (lead[k], rank, actor index) in the lane's one-time prefix, and act k >= L has
+/// the key above of k - L.
 struct ActOrder {
   /// -1: no lane; the actor acts as soon as it is ready.
   std::int32_t lane = -1;
@@ -150,6 +152,11 @@ struct ActOrder {
   std::vector<std::int32_t> units;
   std::int32_t period = 0;
   std::int32_t rank = 0;
+  /// A one-time prefix (a pipeline's warm-up that is not repeated, PipeDream-2BW): the actor's
+  /// first lead.size() acts come before the lane's first period, in (lead unit, rank) order
+  /// with the other actors' leads; its later acts walk the period. Units >= 0, strictly
+  /// increasing, not bounded by `period`. Empty: the lane is its period alone.
+  std::vector<std::int32_t> lead;
   friend bool operator==(const ActOrder&, const ActOrder&) = default;
 };
 
