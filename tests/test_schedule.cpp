@@ -49,6 +49,21 @@ std::string canonical(const std::string& schedule, int stages, int stage, int m)
   return fmt::format("{}", fmt::join(units, " "));
 }
 
+/// PipeDream-2BW's order on one stage over a whole run of `steps` steps, micro-batches numbered
+/// across steps (Narayanan et al., ICML 2021, fig. 3): w = min(N - s - 1, M) warm-up forwards once,
+/// then F(w + j) B(j) for every j (the forwards of the next step go on without a flush), the
+/// cool-down once at the end.
+std::vector<std::string> two_bw_run(int stages, int stage, std::int64_t m, std::int64_t steps) {
+  const std::int64_t w = std::min<std::int64_t>(stages - stage - 1, m), n = m * steps;
+  std::vector<std::string> units;
+  for (std::int64_t i = 0; i < w; ++i) units.push_back(fmt::format("F{}", i));
+  for (std::int64_t j = 0; j < n; ++j) {
+    if (w + j < n) units.push_back(fmt::format("F{}", w + j));
+    units.push_back(fmt::format("B{}", j));
+  }
+  return units;
+}
+
 bool is_model_op(const ActorDesc& a) {
   return a.kind == ActorKind::compute && !a.outputs.empty() && a.stage >= 0 &&
          (a.role == ActorRole::forward || a.role == ActorRole::backward);
@@ -784,7 +799,12 @@ TEST_CASE("Schedule.RandomSchedulesAreProvenOrRefusedAndNeverHang" * doctest::ti
     }
     for (int d = 0; d < p; ++d) {
       std::vector<std::string> want;
-      for (int step = 0; step < 2; ++step) {
+      if (s == PipelineSchedule::two_bw) {
+        for (const std::string& u : two_bw_run(p, d, m, 2)) {
+          want.push_back(PipelineUnit{u[0] == 'F' ? Pass::forward : Pass::backward, std::stoll(u.substr(1)) % m, 0}.str(true));
+        }
+      }
+      for (int step = 0; step < 2 && s != PipelineSchedule::two_bw; ++step) {
         for (const PipelineUnit& u : device_sequence(s, p, d, m, v)) want.push_back(u.str(true));
       }
       CAPTURE(d);
@@ -873,6 +893,59 @@ std::vector<double> losses_of(const Setup& s) {
 }
 
 }  // namespace
+
+TEST_CASE("Schedule.TwoBWRunsWithoutAFlush" * doctest::timeout(120)) {
+  // 2bw's lanes go on across steps: each stage runs its warm-up forwards once, then F(w + j)
+  // B(j) with j counted across steps, whatever the kernels cost (stage 1 slower, so that a
+  // flush would show). On stage 0 of 2, step 1's first forward comes before step 0's last
+  // backward, which 1f1b's flush forbids.
+  for (int pp : {2, 3}) {
+    for (const char* schedule : {"2bw", "1f1b"}) {
+      CAPTURE(pp);
+      CAPTURE(schedule);
+      const Setup s{.pp = pp, .schedule = schedule, .m = 4, .steps = 3};
+      TrainingJob job = compile_mlp(s);
+      add_costs(job, [](int stage, bool backward) -> std::int64_t { return (stage == 1 ? 300'000 : 100'000) * (backward ? 2 : 1); });
+      RuntimeSettings rs;
+      rs.activity_log = true;
+      rs.stall_timeout = std::chrono::milliseconds(20'000);
+      Runtime rt(job.plan, job.kernels, rs);
+      rt.run();
+      std::vector<ActRecord> records;
+      rt.drain_activity(records);
+      REQUIRE(rt.activity_dropped() == 0);
+      std::stable_sort(records.begin(), records.end(),
+                       [](const ActRecord& a, const ActRecord& b) { return a.start_ns < b.start_ns; });
+      std::map<int, std::vector<std::string>> seen;  // stage -> units, micro-batches across steps
+      for (const ActRecord& r : records) {
+        const ActorDesc& a = rt.plan().actors[r.actor];
+        if (!is_model_op(a)) continue;
+        const std::string u = fmt::format("{}{}", a.role == ActorRole::backward ? 'B' : 'F', r.piece);
+        auto& seq = seen[a.stage];
+        if (seq.empty() || seq.back() != u) seq.push_back(u);
+      }
+      REQUIRE(seen.size() == static_cast<std::size_t>(pp));
+      for (const auto& [stage, got] : seen) {
+        CAPTURE(stage);
+        std::vector<std::string> want;
+        if (std::string_view(schedule) == "2bw") {
+          want = two_bw_run(pp, stage, s.m, s.steps);
+        } else {
+          for (std::int64_t st = 0; st < s.steps; ++st) {
+            for (const PipelineUnit& u : device_sequence(PipelineSchedule::one_f_one_b, pp, stage, s.m)) {
+              want.push_back(fmt::format("{}{}", u.pass == Pass::forward ? 'F' : 'B', u.microbatch + st * s.m));
+            }
+          }
+        }
+        CHECK(fmt::format("{}", fmt::join(got, " ")) == fmt::format("{}", fmt::join(want, " ")));
+      }
+      // Stage 0: step 1's first forward (F4) against step 0's last backward (B3).
+      const auto& st0 = seen.at(0);
+      const auto at = [&](const char* u) { return std::find(st0.begin(), st0.end(), u) - st0.begin(); };
+      CHECK((at("F4") < at("B3")) == (std::string_view(schedule) == "2bw"));
+    }
+  }
+}
 
 TEST_CASE("Schedule.InterleavedAndZeroBubbleStagesRunTheExactOrder" * doctest::timeout(200)) {
   // The model's ops themselves (matmul's two gradients split into B and W by what they feed),

@@ -410,8 +410,13 @@ Plan pipeline_skeleton(PipelineSchedule s, int p, std::int64_t m, int v, const S
   for (int st = 0; st < stages; ++st) {
     const auto i = static_cast<std::size_t>(st);
     grad_sum[i] = reg(fmt::format("grad{}.sum", st), 1);
-    const RegisterIndex w = reg(fmt::format("w{}.step", st), 1);
-    plan.add_actor({.name = fmt::format("w{}", st), .op = "noop", .where = at(st), .inputs = {{grad_sum[i], 1}},
+    // 2bw: two weight versions, the one the last backwards of a step read and the one the
+    // next step's forwards read, live at once (there is no flush between them).
+    const RegisterIndex w = reg(fmt::format("w{}.step", st), s == PipelineSchedule::two_bw ? 2 : 1);
+    // The step's weights read the gradient of the step before (2bw: of the one before that,
+    // which lets the next step's forwards start before this step's backwards are done).
+    const std::int32_t delay = s == PipelineSchedule::two_bw ? 2 : 1;
+    plan.add_actor({.name = fmt::format("w{}", st), .op = "noop", .where = at(st), .inputs = {{grad_sum[i], delay}},
                     .outputs = {w}, .stops_when_unread = false});
     // The forward of micro-batch i and the backward of micro-batch i - depth read the same
     // weight: its repeat needs as many slots as the activations, or it caps the schedule.
@@ -456,6 +461,11 @@ std::string schedule_text(PipelineSchedule s, int p, std::int64_t m, int v) {
       "schedule {}: {} devices, {} stage{} each, {} micro-batches; F forward, B backward{}{}\n", name(s), p, chunks,
       chunks > 1 ? "s" : "", m, splits_backward(s) ? " (input gradients), W weight gradients" : "",
       chunks > 1 ? ", .c the device's c-th stage" : "");
+  if (s == PipelineSchedule::two_bw) {
+    out += "2bw runs this order without a flush: each device's warm-up forwards once at the start of the job, then "
+           "F B in turn across step boundaries (the next step's forwards go on from this one's), the cool-down once "
+           "at the end; the figures below are one step's with a flush, an upper bound\n";
+  }
   for (int d = 0; d < p; ++d) {
     std::vector<int> stages;
     for (int c = 0; c < chunks; ++c) stages.push_back(stage_of(s, p, d, c));
@@ -517,6 +527,22 @@ void order_pipeline(Plan& plan, PipelineSchedule s, int devices, std::int64_t m,
                        .units = units[static_cast<std::size_t>(a.stage)][static_cast<std::size_t>(pass)],
                        .period = period[static_cast<std::size_t>(device)],
                        .rank = ranks[it->second]++};
+    if (s == PipelineSchedule::two_bw) {
+      // PipeDream-2BW runs without a flush: the w = min(p - d - 1, m) warm-up forwards once, as
+      // the lane's prefix, then the steady state F(w + j) B(j) round and round, its forwards
+      // counted across steps (a forward of the next step needs only the weights the gradient
+      // of the step before this one made); the cool-down is the backwards left once the
+      // forwards have finished.
+      const std::int64_t w = std::min<std::int64_t>(devices - device - 1, m);
+      a.order.period = static_cast<std::int32_t>(2 * m);
+      a.order.units.clear();
+      for (std::int64_t j = 0; j < m; ++j) {
+        a.order.units.push_back(static_cast<std::int32_t>(2 * j + (pass == Pass::forward ? 0 : 1)));
+      }
+      if (pass == Pass::forward) {
+        for (std::int64_t k = 0; k < w; ++k) a.order.lead.push_back(static_cast<std::int32_t>(k));
+      }
+    }
   }
 }
 
