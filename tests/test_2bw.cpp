@@ -66,6 +66,9 @@ struct Setup {
   int m = 2;
   OptimizerConfig optimizer = optim::sgd(0.2);
   int dp = 1;
+  std::string sync = "allreduce";
+  int servers = 1;
+  int staleness = 0;
 };
 
 /// The MLP: y = tanh(tanh(x w0 + b0) w1 + b1) w2 + b2, loss mse(y, t).
@@ -77,6 +80,9 @@ TrainConfig config_of(const Setup& s) {
   cfg.dp = s.dp;
   cfg.schedule = s.schedule;
   cfg.optimizer = s.optimizer;
+  cfg.sync = s.sync;
+  cfg.servers = s.servers;
+  cfg.staleness = s.staleness;
   const std::int64_t rows = global_batch / (s.m * s.dp);
   cfg.data = {{"rows", [rows](const KernelConfig&) { return std::make_unique<RowsSource>(rows); }, {"x", "t"}}};
   return cfg;
@@ -337,4 +343,107 @@ TEST_CASE("Schedule2bw.WithDataParallelismAndClipping" * doctest::timeout(60)) {
     }
     CHECK(test::largest_difference(runs[0], runs[1]) > 1e-3);  // the clipping did clip
   }
+}
+
+// ---- Parameter servers (TrainConfig::sync "ps"): the same rule with delay 1 + staleness ----
+
+TEST_CASE("ParameterServer.SynchronousTrainsAsAllReduce" * doctest::timeout(120)) {
+  // Staleness 0: every step's summed gradient applied at once, as the all-reduce does. The
+  // servers add the replicas' gradients in replica order, the ring in its own: the same sums in
+  // another order (tolerance_of's derivation; two replicas give the same bits, a + b = b + a).
+  for (int dp : {1, 2, 4}) {
+    for (int servers : {1, 2, 3}) {
+      CAPTURE(dp);
+      CAPTURE(servers);
+      const OptimizerConfig oc = optim::adam(0.05);
+      Setup ps{.schedule = "1f1b", .m = 2, .optimizer = oc, .dp = dp, .sync = "ps", .servers = servers};
+      Setup ring = ps;
+      ring.sync = "allreduce";
+      ring.servers = 1;
+      const test::TrainedRun got = run(ps);
+      test::check_same_training(run(ring), got, tolerance_of(oc));
+      test::check_same_training(reference(initial_weights(ps), oc, 1), got, tolerance_of(oc));
+    }
+  }
+}
+
+TEST_CASE("ParameterServer.StaleTrainsAsItsReferenceStepByStep" * doctest::timeout(180)) {
+  // Staleness S: W(s) = W(s-1) - lr d(gradient of step s - 1 - S), the first S + 1 steps on the
+  // initial weights, every gradient applied by the end; the optimizer counts updates applied.
+  OptimizerConfig adam = optim::adam(0.05);
+  adam.warmup_steps = 3;
+  const std::map<std::string, OptimizerConfig> optimizers{{"sgd momentum", optim::sgd(0.2, 0.9)}, {"adam warm-up", adam}};
+  for (const auto& [what, oc] : optimizers) {
+    for (int staleness : {1, 2, 4}) {
+      for (int dp : {1, 2}) {
+        CAPTURE(what);
+        CAPTURE(staleness);
+        CAPTURE(dp);
+        Setup s{.schedule = "1f1b", .m = 2, .optimizer = oc, .dp = dp, .sync = "ps", .servers = 2,
+                .staleness = staleness};
+        const test::TrainedRun got = run(s);
+        test::check_same_training(reference(initial_weights(s), oc, 1 + staleness), got, tolerance_of(oc));
+      }
+    }
+  }
+  // The staleness is real: S 1 differs from S 0 from the second step on.
+  Setup s0{.schedule = "1f1b", .m = 2, .dp = 2, .sync = "ps"};
+  Setup s1 = s0;
+  s1.staleness = 1;
+  const test::TrainedRun a = run(s0), b = run(s1);
+  CHECK(a.losses[0] == b.losses[0]);
+  CHECK(std::abs(a.losses[2] - b.losses[2]) > 1e-6);
+}
+
+TEST_CASE("ParameterServer.WeightsAreShardedOverTheServersByBytes") {
+  Setup s{.schedule = "1f1b", .m = 2, .dp = 2, .sync = "ps", .servers = 2};
+  const TrainingJob job = compile(s);
+  std::map<std::string, std::int64_t> bytes_on;  // server suffix -> weight bytes
+  int variables = 0;
+  for (const ActorDesc& a : job.plan.actors) {
+    if (!a.op.starts_with("variable.")) continue;
+    ++variables;
+    CAPTURE(a.name);
+    // On a server's own device (cpu:2, cpu:3 after the replicas' cpu:0, cpu:1), not a replica's.
+    REQUIRE(a.name.find("@ps") != std::string::npos);
+    CHECK(a.where.device.index >= 2);
+    const RegisterDesc& w = job.plan.registers[a.outputs[0]];
+    bytes_on[a.name.substr(a.name.find("@ps"))] += numel(w.shape) * static_cast<std::int64_t>(size_of(w.dtype));
+    // Read by both replicas' repeats: each pulls the weights once a step.
+    int repeats = 0;
+    for (ActorIndex c : w.consumers) repeats += job.plan.actors[c].kind == ActorKind::repeat;
+    CHECK(repeats == 2);
+  }
+  CHECK(variables == 6);  // one optimizer a weight, on the servers alone
+  REQUIRE(bytes_on.size() == 2);
+  // Largest first to the emptier server: w0 (4x8) and w1 (8x8) and w2 (8x2) and the biases.
+  const auto [lo, hi] = std::minmax(bytes_on.begin()->second, bytes_on.rbegin()->second);
+  CHECK(hi - lo <= 8 * 8 * 8);
+}
+
+TEST_CASE("ParameterServer.RefusesWhatItDoesNotServe") {
+  auto refused = [](Setup s, const std::string& why) {
+    CAPTURE(why);
+    CHECK_THROWS_WITH_AS(compile(s), doctest::Contains(why.c_str()), GraphError);
+  };
+  Setup ps{.schedule = "1f1b", .m = 2, .dp = 2, .sync = "ps"};
+  Setup s = ps;
+  s.sync = "gossip";
+  refused(s, "sync 'gossip': allreduce or ps");
+  s = ps;
+  s.pp = 2;
+  refused(s, "sync ps with pp 2: servers for pipeline stages are not built yet");
+  s = ps;
+  s.servers = 0;
+  refused(s, "sync ps needs at least 1 server, not 0");
+  s = ps;
+  s.sync = "allreduce";
+  s.staleness = 2;
+  refused(s, "staleness 2 is for parameter servers");
+  s = ps;
+  s.optimizer.clip_norm = 1.0;
+  refused(s, "sync ps with clip norm 1");
+  s = ps;
+  s.schedule = "2bw";
+  refused(s, "sync ps with schedule 2bw");
 }

@@ -77,6 +77,9 @@ struct Options {
   std::string grad_compression = "none";
   std::string allreduce = "auto";
   int zero = 0;
+  std::string sync = "allreduce";
+  int servers = 1;
+  int staleness = 0;
   bool json = false;
   std::string print_plan;
   std::vector<std::string> print_after;
@@ -306,8 +309,18 @@ std::vector<std::string> must_match(const Options& o) {
 /// in-process devices within a rank. `--devices` is either TYPE:K, K devices of that type per
 /// rank (cpu:0 .. cpu:K-1, or the first K GPUs), or one explicit RANK:TYPE:INDEX per place,
 /// comma-separated ("0:cuda:0,0:cuda:1" or, mixed, "0:cpu:0,0:cuda:0" for a CPU first stage).
+/// Ranks that run only parameter servers (--sync ps over several ranks): the last --servers.
+int server_ranks(const Options& o, const JobEnvironment& env) {
+  return o.sync == "ps" && env.distributed() ? o.servers : 0;
+}
+
 std::vector<Placement> replica_places(const Options& o, const JobEnvironment& env) {
-  const auto world = static_cast<int>(env.world_size);
+  const auto world = static_cast<int>(env.world_size) - server_ranks(o, env);
+  if (world < 1) {
+    throw std::invalid_argument(fmt::format("--sync ps with --servers {} over ranks runs the servers on the last {} "
+                                            "ranks and the replicas on the others; the job has {} rank{}",
+                                            o.servers, o.servers, env.world_size, env.world_size == 1 ? "" : "s"));
+  }
   const int places = o.dp * o.pp * o.tp;
   const std::string shape = fmt::format("--dp {} x --pp {} x --tp {} = {}", o.dp, o.pp, o.tp, places);
   std::vector<Placement> where;
@@ -484,6 +497,12 @@ TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data
   cfg.rank_hosts = env.rank_hosts();
   cfg.hierarchical_allreduce = o.allreduce == "auto";
   cfg.zero = o.zero;
+  cfg.sync = o.sync;
+  cfg.servers = o.servers;
+  cfg.staleness = o.staleness;
+  for (int k = 0; k < server_ranks(o, env); ++k) {
+    cfg.server_places.push_back(Placement{.rank = static_cast<std::uint16_t>(env.world_size - o.servers + k)});
+  }
   check_stages(o);
   cfg.pp = o.pp;
   cfg.tp = static_cast<int>(o.tp);
@@ -610,7 +629,11 @@ void print_header(const Options& o, const TrainingJob& job, const JobEnvironment
   for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
   fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}{}\n",
              o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
-             o.dp > 1 || o.pp > 1 || o.tp > 1 ? fmt::format("dp {} x pp {} ({}) x tp {} x ", o.dp, o.pp, o.schedule, o.tp) : "",
+             o.dp > 1 || o.pp > 1 || o.tp > 1 ? fmt::format("dp {}{} x pp {} ({}) x tp {} x ", o.dp,
+                                         o.sync == "ps" ? fmt::format(" (ps: {} server{}, staleness {})", o.servers,
+                                                                      o.servers == 1 ? "" : "s", o.staleness)
+                                                        : "",
+                                         o.pp, o.schedule, o.tp) : "",
              o.microbatches, o.batch / (o.dp * o.microbatches), o.optimizer, o.lr,
              env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "",
              hierarchy_note(cfg).empty() ? "" : " | all-reduce: " + hierarchy_note(cfg));
@@ -960,6 +983,17 @@ void add_run_options(CLI::App& app, Options& o) {
                  "with --dp: gradients travel between replicas in bf16 or fp16 (IEEE half: 3 more mantissa bits, "
                  "range ends at 65504) and are summed in f32 (half the bytes; CPU, the actors' ring), or none")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}));
+  app.add_option("--sync", o.sync,
+                 "how --dp replicas' gradients meet: allreduce (each replica updates its own weights from the "
+                 "all-reduced sum) or ps (parameter servers: weights and optimizer state sharded over --servers, "
+                 "which add the replicas' gradients and hand the weights back; over ranks the servers are the last "
+                 "--servers ranks)")
+      ->check(CLI::IsMember({"allreduce", "ps"}));
+  app.add_option("--servers", o.servers, "with --sync ps: how many parameter servers")->check(CLI::Range(1, 32));
+  app.add_option("--staleness", o.staleness,
+                 "with --sync ps: apply each step's gradient this many steps late (bounded staleness, exactly S; "
+                 "0: synchronous)")
+      ->check(CLI::Range(0, 1000));
   app.add_option("--zero", o.zero, "with --dp: ZeRO stage: 1 splits the optimizer state (and master weights) over the "
                  "replicas, 2 the gradients too (reduce-scatter instead of all-reduce), 3 the weights too (each gathered "
                  "just before its readers in each pass, FSDP); 0 none. Same results as plain dp")

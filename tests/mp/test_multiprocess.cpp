@@ -358,6 +358,39 @@ TEST_CASE("multi-process: baton-train --dp 2 --zero 3 over 2 ranks reports what 
   }
 }
 
+// Parameter servers over ranks: the 2 workers are ranks 0 and 1, the server rank 2 (the last
+// --servers ranks); the weights travel to and from it as registers. Synchronous (staleness 0)
+// with two replicas, the server's sum is the ring's (a + b = b + a): the same figures as plain
+// dp over 2 ranks, and as the same servers in one process.
+TEST_CASE("multi-process: baton-train --dp 2 --sync ps over 2 workers and 1 server rank reports what dp does" *
+          doctest::timeout(180)) {
+  const std::vector<std::string> args{"--model", "mlp", "--data", "digits", "--steps", "40", "--dp", "2",
+                                      "--microbatches", "2", "--optimizer", "adam", "--lr", "0.01", "--json"};
+  auto launched = [&](int nproc, std::vector<std::string> extra) {
+    std::vector<std::string> a{launch, "--nproc-per-node", std::to_string(nproc), "--", bin + "/baton-train"};
+    a.insert(a.end(), args.begin(), args.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  Proc ring(launched(2, {}));
+  REQUIRE(ring.wait(90s) == 0);
+  Proc ps(launched(3, {"--sync", "ps", "--servers", "1"}));
+  const int code = ps.wait(90s);
+  INFO(ps.all());
+  REQUIRE(code == 0);
+  CHECK(json_number(ps.out(), "ranks") == 3);
+  std::vector<std::string> one{bin + "/baton-train"};
+  one.insert(one.end(), args.begin(), args.end());
+  one.insert(one.end(), {"--sync", "ps", "--servers", "1"});
+  Proc local(one);
+  REQUIRE(local.wait(90s) == 0);
+  for (const char* key : {"final_loss", "eval_loss", "eval_accuracy"}) {
+    CAPTURE(key);
+    CHECK(json_number(ring.out(), key) == json_number(ps.out(), key));
+    CHECK(json_number(local.out(), key) == json_number(ps.out(), key));
+  }
+}
+
 // Under pp and tp a rank holds only some of the weights, and under pp the losses arrive on the
 // last stage's rank: the compiled plan brings the trained weights to the reporting rank, so the
 // held-out figures over ranks are those of one process.

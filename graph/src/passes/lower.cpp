@@ -355,6 +355,11 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
                                                                v.dtype(), 1);
       }
     }
+  } else if (cfg.sync == "ps") {
+    // Each replica repeats the weights its server writes (lower_ps.cpp), as ZeRO's gathers.
+    for (const auto& [id, w] : lower_parameter_servers(replicas, d, grad_sum, st, cfg, *params)) {
+      for (auto& steps : zero_steps) steps[id] = w;
+    }
   } else {
     grad_in = lower_gradient_allreduce(replicas, reps, grad_sum, cfg, grad_windows);
   }
@@ -395,8 +400,10 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
       trained_at[v.name()] = replicas[0].at(backward_stream(cfg), replicas[0].place(v.id()));
   }
   for (const FinalWeight& f : finals) {
-    trained_at[f.name] = f.where;
-    if (!zero) snapshots.push_back({.name = f.name, .shape = f.shape, .dtype = f.dtype, .rank = f.where.rank});
+    // A parameter server's weight is trained (and snapshotted) where its variable runs.
+    const Placement where = cfg.sync == "ps" ? plan.actors[plan.registers[f.reg].producer].where : f.where;
+    trained_at[f.name] = where;
+    if (!zero) snapshots.push_back({.name = f.name, .shape = f.shape, .dtype = f.dtype, .rank = where.rank});
   }
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses),
                      std::move(trained_at), std::move(snapshots)};

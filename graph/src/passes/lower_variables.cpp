@@ -66,20 +66,25 @@ void add_variable_kernel(KernelRegistry& kernels, const std::string& op, bool on
 
 }  // namespace
 
-std::int32_t weight_delay(const TrainConfig& cfg) { return cfg.schedule == "2bw" ? 2 : 1; }
+std::int32_t weight_delay(const TrainConfig& cfg) {
+  if (cfg.sync == "ps") return 1 + cfg.staleness;
+  return cfg.schedule == "2bw" ? 2 : 1;
+}
 
 void check_weight_delay(const TrainConfig& cfg) {
   if (weight_delay(cfg) == 1) return;
+  const std::string what = cfg.sync == "ps" ? fmt::format("--staleness {}", cfg.staleness)
+                                            : fmt::format("--schedule {}", cfg.schedule);
   if (cfg.zero > 0 && cfg.dp > 1) {
-    throw GraphError(fmt::format("--schedule {} with --zero {}: ZeRO's sharded optimizers apply each step's "
+    throw GraphError(fmt::format("{} with --zero {}: ZeRO's sharded optimizers apply each step's "
                                  "gradient at once, not a step late; use one or the other",
-                                 cfg.schedule, cfg.zero));
+                                 what, cfg.zero));
   }
   if (cfg.first_step > 0 || cfg.optimizer_state) {
-    throw GraphError(fmt::format("--schedule {} with a resumed job (first step {}): a checkpoint holds the "
-                                 "weights but not the gradient still to be applied a step late, so training "
-                                 "cannot go on from it as 2BW would",
-                                 cfg.schedule, cfg.first_step));
+    throw GraphError(fmt::format("{} with a resumed job (first step {}): a checkpoint holds the "
+                                 "weights but not the gradients still to be applied late, so training "
+                                 "cannot go on from it as the uninterrupted run would",
+                                 what, cfg.first_step));
   }
 }
 
@@ -111,7 +116,7 @@ const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, 
 
 RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const GradientAt* grad,
                              const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
-                             ParameterStore& params) {
+                             ParameterStore& params, bool with_repeat) {
   const Node& n = b.g.node(id);
   const std::uint8_t stream = backward_stream(cfg);
   // The weight, once per step, then read by the step's M micro-batches through a repeat. A
@@ -171,7 +176,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
                    b.at(stream, b.place(id)));
   }
   b.plan.actors.back().kept = std::move(kept);
-  add_weight_repeat(b, id, w, st, cfg);
+  if (with_repeat) add_weight_repeat(b, id, w, st, cfg);
   return w;
 }
 

@@ -174,20 +174,34 @@ std::vector<RegisterIndex> add_replica_allreduce(std::vector<PlanBuilder>& repli
 /// s's weights are step s-1's with step s-2's gradient applied, so a stage holds two versions of
 /// a weight and never waits for the step before's last backward). The variable actor reads its
 /// gradient with this delay and writes steps + weight_delay pieces, the last with every step's
-/// gradient applied.
+/// gradient applied. Parameter servers with staleness S (`sync` "ps"): S + 1.
 std::int32_t weight_delay(const TrainConfig& cfg);
 
 /// Throws GraphError, naming both settings, for what PipeDream-2BW's delayed updates do not work
 /// with (lower_variables.cpp): ZeRO, a resumed job, CUDA variables.
 void check_weight_delay(const TrainConfig& cfg);
 
+/// Parameter servers (TrainConfig::sync "ps", lower_ps.cpp): each trained weight's variable
+/// actor on its server (the weights sharded over the servers by bytes, largest first, each to
+/// the server with the fewest bytes so far), reading the sum of every replica's `grad_sum` of it
+/// (added on the server in replica order), its step register returned by weight id for every
+/// replica to repeat (as ZeRO's gathered weights are).
+std::map<int, RegisterIndex> lower_parameter_servers(std::vector<PlanBuilder>& replicas, const Differentiated& d,
+                                                     const GradientInputs& grad_sum, const Stages& st,
+                                                     const TrainConfig& cfg, ParameterStore& params);
+
+/// Throws GraphError, naming both settings, for a `sync` / `servers` / `staleness` that cannot
+/// be built (lower_ps.cpp; check_config calls it).
+void check_sync(const TrainConfig& cfg);
+
 /// Adds replica `r`'s variable actor for variable node `id` (lower_variables.cpp): its optimizer
 /// (reading `grad`, with `clip` if given) or, for a weight that is not trained (no `grad`), a
-/// constant source; then the repeat that lets the step's M micro-batches read it. Returns the
-/// register it writes once per step.
+/// constant source; then (`with_repeat`) the repeat that lets the step's M micro-batches read
+/// it. Returns the register it writes once per step. A parameter server's variable (lower_ps.cpp)
+/// has no repeat of its own: each replica repeats the weights it pulls.
 RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const GradientAt* grad,
                              const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
-                             ParameterStore& params);
+                             ParameterStore& params, bool with_repeat = true);
 
 /// The saved optimizer slots of trained variable `n` in a resumed job (null: start at zero),
 /// checked against the variable and the optimizer (GraphError naming what does not fit).

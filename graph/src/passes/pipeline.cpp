@@ -60,6 +60,7 @@ void check_config(const TrainConfig& cfg) {
     throw GraphError(fmt::format("grad compression '{}': none, bf16 or fp16", cfg.grad_compression));
   }
   if (cfg.zero < 0 || cfg.zero > 3) throw GraphError(fmt::format("zero {}: 0, 1, 2 or 3", cfg.zero));
+  detail::check_sync(cfg);
   if (cfg.zero >= 2 && cfg.grad_compression != "none") {
     throw GraphError(fmt::format(
         "grad compression '{0}' with zero {1}: the reduce-scattered shards would be in {0}; use "

@@ -189,6 +189,22 @@ struct TrainConfig {
   /// checkpoints are not written under ZeRO yet (resuming from a checkpoint is). 3 (weights
   /// split too, gathered just before use) is not built yet.
   int zero = 0;
+  /// How the dp replicas' gradients meet: "allreduce" (each replica updates its own copy of
+  /// the weights from the all-reduced sum) or "ps" (parameter servers, as ps-lite and BytePS:
+  /// the trained weights and their optimizer state sharded by bytes over `servers` server
+  /// actors; each replica pushes its summed gradient of each weight to the weight's server, which
+  /// adds the replicas' gradients in replica order, applies the optimizer and hands the new
+  /// weights back: each worker sends and receives a weight's bytes once a step). `staleness`
+  /// S > 0 (ps only): the gradient of step s is applied S steps late, W(s) = W(s-1) - lr
+  /// grad f(W(s-1-S)), so a replica runs up to S steps ahead of the slowest one's gradients;
+  /// deterministic (exactly S), so the same every run. Not combined (yet) with zero, pp, tp,
+  /// compressed gradients, clipping or a resumed job.
+  std::string sync = "allreduce";
+  int servers = 1;
+  int staleness = 0;
+  /// Where the servers run (rank, device), one each; empty: in-process devices after the
+  /// replicas' (cpu:dp, cpu:dp+1, ...).
+  std::vector<Placement> server_places;
   /// Pipeline parallelism: the forward ops cut into `pp` stages of about equal estimated cost
   /// (multiply-adds), each backward op on the stage of the forward op it differentiates (so a
   /// weight's gradient is made where the weight lives), each stage on its own device. The M
