@@ -145,6 +145,17 @@ TEST_CASE("BadInput.TrainParallelConfigsAndDevices" * doctest::timeout(300)) {
       {{"--pp", "2", "--layers", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"},
        "--pp 2 x --virtual-stages 2 is 4 stages, more than the mlp has layers: 3"},
       {{"--pp", "2", "--schedule", "zb-h1", "--zero", "3", "--dp", "2", "--microbatches", "2"}, "with zero 3"},
+      // Parameter servers: what they do not serve yet, and staleness without them.
+      {{"--dp", "2", "--sync", "ps", "--pp", "2"}, "sync ps with pp 2: servers for pipeline stages are not built yet"},
+      {{"--dp", "2", "--sync", "ps", "--zero", "1"}, "sync ps with zero 1"},
+      {{"--dp", "2", "--staleness", "2"}, "staleness 2 is for parameter servers (sync ps)"},
+      {{"--dp", "2", "--sync", "gossip"}, "--sync: gossip not in"},
+      {{"--pp", "2", "--layers", "2", "--schedule", "zb-v", "--microbatches", "4"},
+       "--schedule zb-v cuts the model into --pp 2 x 2 stages, more than the mlp has layers: 3"},
+      {{"--pp", "2", "--layers", "8", "--schedule", "zb-v", "--virtual-stages", "2", "--microbatches", "4"},
+       "schedule 'zb-v' places two stages per device, in a V"},
+      {{"--pp", "2", "--layers", "8", "--schedule", "zb-v", "--zero", "3", "--dp", "2", "--microbatches", "2"},
+       "with zero 3"},
   };
   for (const auto& c : cases) expect_refused("baton-train", c);
 }

@@ -262,7 +262,7 @@ TEST_CASE("Schedule.StageSequencesAreTheCanonicalOnes") {
       }
     }
   }
-  CHECK_THROWS_WITH_AS(parse_schedule("zb-h2"), doctest::Contains("gpipe, 1f1b, interleaved, zb-h1 or 2bw"), GraphError);
+  CHECK_THROWS_WITH_AS(parse_schedule("zb-h2"), doctest::Contains("gpipe, 1f1b, interleaved, zb-h1, zb-v or 2bw"), GraphError);
 }
 
 TEST_CASE("Schedule.TrainingStagesRunTheExactOrder" * doctest::timeout(120)) {
@@ -666,6 +666,55 @@ TEST_CASE("Schedule.InterleavedAndZeroBubbleSequencesAreTheCanonicalOnes") {
   CHECK(joined(device_sequence(PipelineSchedule::two_bw, 4, 1, 8), false) == canonical("1f1b", 4, 1, 8));
 }
 
+TEST_CASE("Schedule.ZeroBubbleVIsOurGreedyOrderWithinItsBounds") {
+  // ZB-V's V: device d holds stage d and stage 2p - 1 - d, so device 0 the first and the last.
+  CHECK(stage_of(PipelineSchedule::zb_v, 4, 0, 1) == 7);
+  CHECK(stage_of(PipelineSchedule::zb_v, 4, 3, 1) == 4);
+  CHECK(device_of_stage(PipelineSchedule::zb_v, 4, 7) == 0);
+  CHECK(device_of_stage(PipelineSchedule::zb_v, 4, 5) == 2);
+  CHECK(chunk_of_stage(PipelineSchedule::zb_v, 4, 5) == 1);
+  CHECK(chunk_of_stage(PipelineSchedule::zb_v, 4, 3) == 0);
+  // The order is our own greedy construction (schedule.cpp, zb_v), not the authors' zbv.py:
+  // pinned here for 2 devices and 4 micro-batches so that a change to it is seen.
+  auto zv = [](int p, int d, int m) { return joined(device_sequence(PipelineSchedule::zb_v, p, d, m), true); };
+  CHECK(zv(2, 0, 4) == "F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B0.0 B1.1 W1.1 F3.0 B1.0 W0.0 F2.1 B2.1 W2.1 W1.0 B2.0 W2.0 F3.1 "
+                        "B3.1 W3.1 B3.0 W3.0");
+  CHECK(zv(2, 1, 4) == "F0.0 F0.1 F1.0 F1.1 B0.1 B0.0 W0.1 F2.0 B1.1 B1.0 W1.1 F2.1 W0.0 F3.0 B2.1 B2.0 W2.1 F3.1 W1.0 W2.0 "
+                        "B3.1 B3.0 W3.1 W3.0");
+  // Its properties: every unit once and each pass of a stage in micro-batch order (the
+  // analysis refuses anything else), no device over 2p chunk activations (1F1B's stage-0 peak
+  // of one-chunk stages), and a makespan T on the unit timeline (F = B = W = 1) of at most
+  // L + p - 1, where L = max(6M + p - 1, 4p + 1) is a lower bound for any order: the last
+  // device cannot start before unit p - 1 and has 6M units to run, and one micro-batch's chain
+  // is 2p F, 2p B and a W. For p <= 4 and M >= p (the shapes below) T is L itself: the bubble
+  // is only the pipeline's fill, (p - 1) / (6M + p - 1).
+  for (int p = 1; p <= 10; ++p) {
+    for (int m = 1; m <= 40; ++m) {
+      CAPTURE(p);
+      CAPTURE(m);
+      const ScheduleAnalysis a = analyse_schedule(PipelineSchedule::zb_v, p, m);
+      REQUIRE(a.problem.empty());
+      for (std::int32_t peak : a.device_peak) CHECK(peak <= 2 * p);
+      const double makespan = 6.0 * m / (1.0 - a.idle);
+      const double lower = std::max(6.0 * m + p - 1, 4.0 * p + 1);
+      CHECK(makespan >= lower - 1e-9);
+      CHECK(makespan <= lower + p - 1 + 1e-9);
+      if (p <= 4 && m >= p) CHECK(a.idle == doctest::Approx((p - 1.0) / (6.0 * m + p - 1)));
+    }
+  }
+  for (int p : {2, 4}) {
+    for (int m : {4, 8}) {
+      CAPTURE(p);
+      CAPTURE(m);
+      const ScheduleAnalysis a = analyse_schedule(PipelineSchedule::zb_v, p, m);
+      CHECK(a.idle == doctest::Approx((p - 1.0) / (6.0 * m + p - 1)));
+      CHECK(*std::max_element(a.device_peak.begin(), a.device_peak.end()) <= 2 * p);
+    }
+  }
+  // The printer names the V.
+  CHECK(schedule_text(PipelineSchedule::zb_v, 4, 8).find("device 0 (stages 0, 7): F0.0") != std::string::npos);
+}
+
 TEST_CASE("Schedule.AnalysisMeetsTheBubbleFormulas") {
   // With every unit at its cost and nothing else waiting, the sequences' own timeline has the
   // papers' bubbles exactly: GPipe and 1F1B (p - 1) / (m + p - 1), interleaved
@@ -731,7 +780,8 @@ TEST_CASE("Schedule.AnOrderThatCannotRunIsRefusedBeforeAnyPlan") {
   CHECK(schedule_refusal(PipelineSchedule::interleaved, 4, 1, 8).find("at least 2 virtual stages") != std::string::npos);
   CHECK(schedule_refusal(PipelineSchedule::zb_h1, 4, 2, 8).find("virtual stages 2 are for 'interleaved'") !=
         std::string::npos);
-  CHECK_THROWS_WITH_AS(parse_schedule("zb-v"), doctest::Contains("not built yet"), GraphError);
+  CHECK(schedule_refusal(PipelineSchedule::zb_v, 4, 2, 8).find("two stages per device, in a V") != std::string::npos);
+  CHECK(parse_schedule("zb-v") == PipelineSchedule::zb_v);
 }
 
 TEST_CASE("Schedule.AnOrderItsSlotsCannotHoldIsRefusedNamingTheActor") {
@@ -755,11 +805,11 @@ TEST_CASE("Schedule.RandomSchedulesAreProvenOrRefusedAndNeverHang" * doctest::ti
   const int cases = env ? std::atoi(env) : 10'000;
   std::mt19937 rng(20261128);
   const PipelineSchedule all[] = {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b, PipelineSchedule::interleaved,
-                                  PipelineSchedule::zb_h1, PipelineSchedule::two_bw};
+                                  PipelineSchedule::zb_h1, PipelineSchedule::two_bw, PipelineSchedule::zb_v};
   const KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
   int refused = 0, proven = 0, ran = 0;
   for (int c = 0; c < cases; ++c) {
-    const PipelineSchedule s = all[rng() % 5];
+    const PipelineSchedule s = all[rng() % 6];
     const int p = 2 + static_cast<int>(rng() % 7);
     // Virtual stages are interleaved's; one draw in ten gives another schedule some, to be refused.
     const int v = s == PipelineSchedule::interleaved || rng() % 10 == 0 ? 1 + static_cast<int>(rng() % 4) : 1;
@@ -950,7 +1000,7 @@ TEST_CASE("Schedule.TwoBWRunsWithoutAFlush" * doctest::timeout(120)) {
 TEST_CASE("Schedule.InterleavedAndZeroBubbleStagesRunTheExactOrder" * doctest::timeout(200)) {
   // The model's ops themselves (matmul's two gradients split into B and W by what they feed),
   // with costs that would reorder a greedy device.
-  for (const char* schedule : {"interleaved", "zb-h1"}) {
+  for (const char* schedule : {"interleaved", "zb-h1", "zb-v"}) {
     for (int pp : {2, 4}) {
       for (int m : {4, 8}) {
         CAPTURE(schedule);
@@ -998,7 +1048,9 @@ TEST_CASE("Schedule.InterleavedAndZeroBubbleTrainAsOneDevice" * doctest::timeout
                          Setup{.pp = 4, .schedule = "zb-h1", .m = 4, .steps = 4, .layers = 4},
                          Setup{.pp = 2, .schedule = "interleaved", .m = 4, .steps = 4, .v = 2, .layers = 4},
                          Setup{.pp = 2, .schedule = "interleaved", .m = 4, .steps = 4, .v = 3, .layers = 4},
-                         Setup{.pp = 4, .schedule = "interleaved", .m = 4, .steps = 4, .v = 2, .layers = 4}}) {
+                         Setup{.pp = 4, .schedule = "interleaved", .m = 4, .steps = 4, .v = 2, .layers = 4},
+                         Setup{.pp = 2, .schedule = "zb-v", .m = 4, .steps = 4, .layers = 4},
+                         Setup{.pp = 4, .schedule = "zb-v", .m = 4, .steps = 4, .layers = 4}}) {
     CAPTURE(s.schedule);
     CAPTURE(s.pp);
     CAPTURE(s.v);
@@ -1016,6 +1068,8 @@ TEST_CASE("Schedule.ShapesAScheduleCannotTakeAreRefusedWithTheReason") {
                        doctest::Contains("at least 2 virtual stages"), GraphError);
   CHECK_THROWS_WITH_AS(compile({.pp = 2, .schedule = "1f1b", .m = 4, .v = 2}),
                        doctest::Contains("virtual stages 2 are for 'interleaved'"), GraphError);
+  CHECK_THROWS_WITH_AS(compile({.pp = 2, .schedule = "zb-v", .m = 4, .v = 2}),
+                       doctest::Contains("schedule 'zb-v' places two stages per device, in a V"), GraphError);
   // Too few cut points: 8 x 4 stages of an MLP with 1 hidden layer (5 forward ops).
   CHECK_THROWS_WITH_AS(compile({.pp = 4, .schedule = "interleaved", .m = 4, .v = 4, .layers = 1}),
                        doctest::Contains("schedule 'interleaved' cuts the model into pp 4 x 4 stages per device: a "

@@ -442,6 +442,12 @@ void check_stages(const Options& o) {
         "--pp {} x --virtual-stages {} is {} stages, more than the {} has layers: {}; use fewer, or more --layers",
         o.pp, o.virtual_stages, o.pp * o.virtual_stages, o.model, model_layers));
   }
+  if (o.schedule == "zb-v" && o.pp * 2 > model_layers) {
+    throw std::invalid_argument(fmt::format(
+        "--schedule zb-v cuts the model into --pp {} x 2 stages, more than the {} has layers: {}; use fewer, or more "
+        "--layers",
+        o.pp, o.model, model_layers));
+  }
   if (o.pp > model_layers) {
     throw std::invalid_argument(fmt::format(
         "--pp {} is more stages than the {} has layers: {} ({}); use --pp {} or fewer, or more --layers", o.pp, o.model,
@@ -1011,8 +1017,9 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--schedule", o.schedule,
                  "pipeline schedule (each device's order of passes and depth of activations): gpipe, 1f1b, interleaved "
                  "(--virtual-stages stages a device), zb-h1 (backward split into input and weight gradients, a third "
-                 "of 1f1b's bubble) or 2bw (PipeDream-2BW: 1f1b with each update applied one step late)")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "2bw"}));
+                 "of 1f1b's bubble), zb-v (two stages a device in a V, backward split; our greedy order, near no "
+                 "bubble) or 2bw (PipeDream-2BW: 1f1b with each update applied one step late)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "2bw"}));
   app.add_option("--virtual-stages", o.virtual_stages,
                  "with --schedule interleaved: stages per device (the model cut into --pp x this; --microbatches a "
                  "multiple of --pp)")

@@ -4,6 +4,7 @@
 #include <array>
 #include <limits>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -19,11 +20,11 @@ PipelineSchedule parse_schedule(std::string_view s) {
   if (s == "interleaved") return PipelineSchedule::interleaved;
   if (s == "zb-h1") return PipelineSchedule::zb_h1;
   if (s == "2bw") return PipelineSchedule::two_bw;
-  if (s == "zb-v") throw GraphError("schedule 'zb-v' is not built yet; zb-h1 and interleaved are");
+  if (s == "zb-v") return PipelineSchedule::zb_v;
   throw GraphError(fmt::format("schedule '{}': {}", s, schedule_names()));
 }
 
-std::string_view schedule_names() { return "gpipe, 1f1b, interleaved, zb-h1 or 2bw"; }
+std::string_view schedule_names() { return "gpipe, 1f1b, interleaved, zb-h1, zb-v or 2bw"; }
 
 std::string_view name(PipelineSchedule s) {
   switch (s) {
@@ -32,19 +33,31 @@ std::string_view name(PipelineSchedule s) {
     case PipelineSchedule::interleaved: return "interleaved";
     case PipelineSchedule::zb_h1: return "zb-h1";
     case PipelineSchedule::two_bw: return "2bw";
+    case PipelineSchedule::zb_v: return "zb-v";
   }
   return "?";
 }
 
 int chunks_per_device(PipelineSchedule s, int virtual_stages) {
+  if (s == PipelineSchedule::zb_v) return 2;
   return s == PipelineSchedule::interleaved ? virtual_stages : 1;
 }
 
-bool splits_backward(PipelineSchedule s) { return s == PipelineSchedule::zb_h1; }
+bool splits_backward(PipelineSchedule s) { return s == PipelineSchedule::zb_h1 || s == PipelineSchedule::zb_v; }
 
-int stage_of(PipelineSchedule, int devices, int device, int chunk) { return chunk * devices + device; }
-int device_of_stage(PipelineSchedule, int devices, int stage) { return stage % devices; }
-int chunk_of_stage(PipelineSchedule, int devices, int stage) { return stage / devices; }
+// ZB-V's V: device d holds stage d (chunk 0) and stage 2 devices - 1 - d (chunk 1).
+int stage_of(PipelineSchedule s, int devices, int device, int chunk) {
+  if (s == PipelineSchedule::zb_v) return chunk == 0 ? device : 2 * devices - 1 - device;
+  return chunk * devices + device;
+}
+int device_of_stage(PipelineSchedule s, int devices, int stage) {
+  if (s == PipelineSchedule::zb_v) return stage < devices ? stage : 2 * devices - 1 - stage;
+  return stage % devices;
+}
+int chunk_of_stage(PipelineSchedule s, int devices, int stage) {
+  if (s == PipelineSchedule::zb_v) return stage < devices ? 0 : 1;
+  return stage / devices;
+}
 
 std::string PipelineUnit::str(bool chunks) const {
   const char p = pass == Pass::forward ? 'F' : pass == Pass::backward ? 'B' : 'W';
@@ -64,6 +77,9 @@ std::string schedule_refusal(PipelineSchedule s, int devices, int v, std::int64_
           "of {}",
           devices, m, devices);
     }
+  } else if (v != 1 && s == PipelineSchedule::zb_v) {
+    return fmt::format("schedule 'zb-v' places two stages per device, in a V; virtual stages {} are for 'interleaved'",
+                       v);
   } else if (v != 1) {
     return fmt::format("schedule '{}' has one stage per device; virtual stages {} are for 'interleaved'", name(s), v);
   }
@@ -130,6 +146,67 @@ std::vector<PipelineUnit> zb_h1(int p, int d, std::int64_t m) {
   return seq;
 }
 
+/// ZB-V's order (Qi et al. 2024, section 5), our own construction, not the authors' (their
+/// zbv.py searches further): the step played unit by unit with F = B = W = 1; at each unit every
+/// device takes, of the units whose inputs are done, its oldest ready B (chunk 0's B of a
+/// micro-batch comes after chunk 1's: the critical path), else, while it holds fewer than
+/// 2 devices chunk activations (forward done, W not), a ready F, chunk 1's first (it ends a
+/// forward that backwards wait for), chunk 0's in the warm-up; else a W (filling what would be
+/// idle, and freeing memory at the cap). Each pass of a stage runs in micro-batch order.
+std::vector<std::vector<PipelineUnit>> zb_v(int p, std::int64_t m) {
+  const int stages = 2 * p;
+  const std::int64_t cap = 2 * static_cast<std::int64_t>(p);
+  // When each (stage, pass, micro-batch) ends, in units; -1 before it is placed.
+  std::vector<std::array<std::vector<std::int64_t>, 3>> ends(static_cast<std::size_t>(stages));
+  for (auto& e : ends) {
+    for (auto& pass : e) pass.assign(static_cast<std::size_t>(m), -1);
+  }
+  auto done = [&](int stage, Pass pass, std::int64_t k, std::int64_t t) {
+    const std::int64_t e = ends[static_cast<std::size_t>(stage)][static_cast<std::size_t>(pass)][static_cast<std::size_t>(k)];
+    return e >= 0 && e <= t;
+  };
+  // By device, chunk and pass: the next micro-batch.
+  std::vector<std::array<std::array<std::int64_t, 3>, 2>> next(static_cast<std::size_t>(p));
+  std::vector<std::vector<PipelineUnit>> seqs(static_cast<std::size_t>(p));
+  const std::int64_t units = 6 * m * p;
+  for (std::int64_t t = 0, placed = 0; placed < units; ++t) {
+    std::vector<PipelineUnit> picks;
+    for (int d = 0; d < p; ++d) {
+      auto& n = next[static_cast<std::size_t>(d)];
+      auto nx = [&](int c, Pass pass) { return n[static_cast<std::size_t>(c)][static_cast<std::size_t>(pass)]; };
+      const std::int64_t live = nx(0, Pass::forward) - nx(0, Pass::weight) + nx(1, Pass::forward) - nx(1, Pass::weight);
+      std::optional<PipelineUnit> pick;
+      for (int c : {0, 1}) {
+        const int st = stage_of(PipelineSchedule::zb_v, p, d, c);
+        const std::int64_t k = nx(c, Pass::backward);
+        if (!pick && k < nx(c, Pass::forward) && (st == stages - 1 || done(st + 1, Pass::backward, k, t))) {
+          pick = PipelineUnit{Pass::backward, k, c};
+        }
+      }
+      for (int c : {1, 0}) {
+        const int st = stage_of(PipelineSchedule::zb_v, p, d, c);
+        const std::int64_t k = nx(c, Pass::forward);
+        if (!pick && live < cap && k < m && (st == 0 || done(st - 1, Pass::forward, k, t))) {
+          pick = PipelineUnit{Pass::forward, k, c};
+        }
+      }
+      for (int c : {1, 0}) {
+        if (!pick && nx(c, Pass::weight) < nx(c, Pass::backward)) pick = PipelineUnit{Pass::weight, nx(c, Pass::weight), c};
+      }
+      if (!pick) continue;
+      picks.push_back(*pick);
+      const int st = stage_of(PipelineSchedule::zb_v, p, d, pick->chunk);
+      ends[static_cast<std::size_t>(st)][static_cast<std::size_t>(pick->pass)][static_cast<std::size_t>(pick->microbatch)] =
+          t + 1;
+      ++n[static_cast<std::size_t>(pick->chunk)][static_cast<std::size_t>(pick->pass)];
+      seqs[static_cast<std::size_t>(d)].push_back(*pick);
+    }
+    if (picks.empty()) throw GraphError(fmt::format("schedule 'zb-v': no device can move at unit {}", t));
+    placed += static_cast<std::int64_t>(picks.size());
+  }
+  return seqs;
+}
+
 }  // namespace
 
 std::vector<PipelineUnit> device_sequence(PipelineSchedule s, int devices, int device, std::int64_t m, int v) {
@@ -143,6 +220,7 @@ std::vector<PipelineUnit> device_sequence(PipelineSchedule s, int devices, int d
     case PipelineSchedule::two_bw: return one_f_one_b(m, std::min<std::int64_t>(devices - device - 1, m));
     case PipelineSchedule::interleaved: return interleaved(devices, device, m, v);
     case PipelineSchedule::zb_h1: return zb_h1(devices, device, m);
+    case PipelineSchedule::zb_v: return zb_v(devices, m)[static_cast<std::size_t>(device)];
   }
   return {};
 }

@@ -41,7 +41,8 @@ void check_config(const TrainConfig& cfg) {
   } else if (cfg.virtual_stages != 1) {
     throw GraphError(fmt::format("virtual stages {} need a pipeline (pp > 1)", cfg.virtual_stages));
   }
-  const bool new_schedule = schedule == PipelineSchedule::interleaved || schedule == PipelineSchedule::zb_h1;
+  const bool new_schedule = schedule == PipelineSchedule::interleaved || schedule == PipelineSchedule::zb_h1 ||
+                            schedule == PipelineSchedule::zb_v;
   if (cfg.pp > 1 && new_schedule && cfg.zero == 3) {
     throw GraphError(fmt::format(
         "schedule '{}' with zero 3: ZeRO 3's gathers are placed for one stage per device; use 1f1b or gpipe with "

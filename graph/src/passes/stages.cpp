@@ -128,7 +128,7 @@ Stages stages(const Graph& g, const Differentiated& d, const TrainConfig& cfg,
   RegisterDepths depth = register_depths(sch, cfg.pp, cfg.microbatches, cfg.virtual_stages, cfg.activation_slots);
   out.pp = static_cast<int>(depth.forward.size());
   out.forward_slots = std::move(depth.forward);
-  if (out.pp != cfg.pp || sch == PipelineSchedule::zb_h1) {
+  if (out.pp != cfg.pp || sch == PipelineSchedule::zb_h1 || sch == PipelineSchedule::zb_v) {
     for (int s = 0; s < out.pp; ++s) out.device.push_back(device_of_stage(sch, cfg.pp, s));
     out.backward_slots_of = std::move(depth.backward);
   }

@@ -18,6 +18,8 @@
 /// devices x chunks_per_device() stages. Where a stage lives (stage_of / device_of_stage):
 ///   gpipe, 1f1b, 2bw, zb-h1   stage d on device d (one chunk)
 ///   interleaved (v chunks)    chunk c of device d is stage c * devices + d (Megatron's)
+///   zb-v (2 chunks, a V)      device d holds stage d and stage 2 devices - 1 - d: device 0 the
+///                             first and the last (the loss and the labels' data on device 0)
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -48,18 +50,23 @@ enum class PipelineSchedule : std::uint8_t {
   /// PipeDream-2BW (Narayanan et al. 2021): 1F1B's order with each update applied one step
   /// late (two weight versions), so there is no flush between steps.
   two_bw,
+  /// ZB-V (Qi et al., ICLR 2024, section 5): two stages per device in a V (stage_of), backward
+  /// split into B and W as zb-h1, each device holding at most 2 devices chunk activations
+  /// (1F1B's stage-0 peak). The order is our own greedy construction with F = B = W = 1, not the
+  /// authors' (zb_v in schedule.cpp); its bubble on that timeline is (p - 1) / (6 M + p - 1),
+  /// the pipeline's fill, for p <= 4 and M >= p, and within p - 1 units of it otherwise.
+  zb_v,
 };
 
-/// "gpipe", "1f1b", "interleaved", "zb-h1" or "2bw"; throws GraphError otherwise. (ZB-V, two
-/// stages per device in a V, is not built yet.)
+/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v" or "2bw"; throws GraphError otherwise.
 PipelineSchedule parse_schedule(std::string_view name);
 std::string_view name(PipelineSchedule s);
 /// The names parse_schedule takes, for messages: "gpipe, 1f1b, ...".
 std::string_view schedule_names();
 
-/// Stages per device: v for interleaved, else 1.
+/// Stages per device: v for interleaved, 2 for zb-v, else 1.
 int chunks_per_device(PipelineSchedule s, int virtual_stages = 1);
-/// Whether backward work is split into B and W units (zb-h1).
+/// Whether backward work is split into B and W units (zb-h1, zb-v).
 bool splits_backward(PipelineSchedule s);
 /// The model stage of chunk `chunk` of device `device`, and the inverse.
 int stage_of(PipelineSchedule s, int devices, int device, int chunk);
