@@ -174,6 +174,12 @@ Result run(int k, int m, const std::string& schedule, int v, int steps, std::int
 // chunks each hold 1/v of a stage's activations; its figure counts chunk activations, and the
 // _1f1b figure beside it stage activations.
 std::int64_t expected_peak(int k, int m, const std::string& schedule, int v) {
+  // 2bw without a flush: stage s holds its w + 1 = min(K - s, M + 1) across step boundaries.
+  if (schedule == "2bw") {
+    std::int64_t sum = 0;
+    for (int s = 0; s < k; ++s) sum += std::min(k - s, m + 1);
+    return sum;
+  }
   const ScheduleAnalysis a = analyse_schedule(parse_schedule(schedule), k, m, v);
   std::int64_t sum = 0;
   for (std::int32_t d : a.forward_held) sum += d;
