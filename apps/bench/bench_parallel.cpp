@@ -40,6 +40,7 @@
 #include <cstring>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -63,6 +64,7 @@
 #include "baton/graph.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
+#include "../../tests/loopback_run.h"
 
 namespace {
 
@@ -194,6 +196,8 @@ struct Training {
   std::int64_t microbatches = 1;  // per replica
   std::string balance = "flops";
   std::string grad_compression = "none";
+  std::string sync = "allreduce";  // or "ps": parameter servers
+  int servers = 1, staleness = 0;
 };
 
 /// Kernel seconds of each device (a pipeline stage, without dp or tp) in the last run.
@@ -203,8 +207,10 @@ std::vector<double> g_device_kernel_s;
 /// kernel times are free of other threads' competition for the cores.
 /// `overlap`: with the activity log on, what share of the time the gradients' all-reduces were
 /// under way the backward pass ran beside them (collective_overlap, activity.h).
-double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, bool one_thread = false,
-                     CollectiveOverlap* overlap = nullptr) {
+/// The training case compiled: the MLP (or the GPT) of `batch` samples a step over its layout;
+/// `replica_places` / `server_places` put it on ranks (empty: in-process devices).
+TrainingJob compile_case(const Training& t, std::int64_t steps, std::int64_t batch,
+                         std::vector<Placement> replica_places = {}, std::vector<Placement> server_places = {}) {
   static const auto synthetic = std::make_shared<const data::Dataset>(data::synthetic(4096, 64, 10, 1));
   static const auto text = std::filesystem::exists(gpt_text)
                                ? std::make_shared<const data::TextCorpus>(data::load_text(gpt_text))
@@ -224,13 +230,23 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, 
   cfg.tp = t.tp;
   cfg.balance = t.balance;
   cfg.grad_compression = t.grad_compression;
+  cfg.sync = t.sync;
+  cfg.servers = t.servers;
+  cfg.staleness = t.staleness;
+  cfg.replica_places = std::move(replica_places);
+  cfg.server_places = std::move(server_places);
   cfg.optimizer = optim::adam(1e-3);
   if (gpt) {
     cfg.data = {{"text", data::text_source(text, batch, pieces, 32, 1), {"tokens", "targets"}}};
   } else {
     cfg.data = {{"synthetic", data::batch_source(synthetic, batch, pieces, 1), {"x", "label"}}};
   }
-  TrainingJob job = compile_training(g, loss, cfg);
+  return compile_training(g, loss, cfg);
+}
+
+double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, bool one_thread = false,
+                     CollectiveOverlap* overlap = nullptr) {
+  TrainingJob job = compile_case(t, steps, batch);
   RuntimeSettings rs;
   if (one_thread) rs.mode = ExecutionMode::deterministic;
   rs.activity_log = overlap != nullptr;
@@ -244,7 +260,7 @@ double samples_per_s(const Training& t, std::int64_t steps, std::int64_t batch, 
     }
     *overlap = collective_overlap(job.plan, acts);
   }
-  g_device_kernel_s.assign(static_cast<std::size_t>(t.dp * t.pp * t.tp), 0.0);
+  g_device_kernel_s.assign(static_cast<std::size_t>(t.dp * t.pp * t.tp + (t.sync == "ps" ? t.servers : 0)), 0.0);
   for (const auto& a : report.metrics.actors) g_device_kernel_s.at(a.where.device.index) += a.kernel_s;
   return static_cast<double>(steps * batch) / report.wall_s;
 }
@@ -596,6 +612,92 @@ int against_ddp(const std::string& bin, bool quick, bool reference) {
   return 0;
 }
 
+// --- parameter servers: the bytes a worker moves a step, and what staleness buys ---
+
+/// Bytes worker rank 0 sends and receives a step, measured: every rank of the job run as a
+/// Runtime in this process over a LoopbackHub that does not share memory (so every piece that
+/// crosses ranks is copied, as between hosts), the transfer actors' bytes summed by direction.
+std::pair<double, double> worker_bytes_per_step(const Training& t, std::int64_t steps, std::int64_t batch) {
+  std::vector<Placement> replicas, servers;
+  for (int r = 0; r < t.dp; ++r) replicas.push_back(Placement{.rank = static_cast<std::uint16_t>(r)});
+  if (t.sync == "ps") {
+    for (int k = 0; k < t.servers; ++k) servers.push_back(Placement{.rank = static_cast<std::uint16_t>(t.dp + k)});
+  }
+  TrainingJob job = compile_case(t, steps, batch, replicas, servers);
+  const auto results = test::run_on_loopback(job.plan, job.kernels, {}, /*shares_memory=*/false);
+  std::map<std::string, ActorIndex> index;
+  for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) index[job.plan.actors[i].name] = i;
+  double sent = 0, received = 0;
+  for (const auto& r : results) {
+    if (!r.report) throw std::runtime_error("a rank failed: " + r.error);
+    for (const ActorMetrics& a : r.report->metrics.actors) {
+      if (a.kind != ActorKind::transfer) continue;
+      const ActorDesc& d = job.plan.actors[index.at(a.name)];
+      const std::uint16_t from = job.plan.actors[job.plan.registers[d.inputs[0].reg].producer].where.rank;
+      if (d.where.rank == 0) received += static_cast<double>(a.bytes_in);
+      if (from == 0) sent += static_cast<double>(a.bytes_in);
+    }
+  }
+  return {sent / static_cast<double>(steps), received / static_cast<double>(steps)};
+}
+
+/// Returns the cases that failed.
+int parameter_servers(bool quick) {
+  int failed = 0;
+  const std::int64_t batch = 256, steps = quick ? 3 : 20;
+  // The main figure: bytes per worker per step, PS against the ring (BytePS's argument: a worker
+  // moves each gradient byte once each way to the servers, 2 (n - 1) / n in a ring).
+  for (int dp : {2, 4}) {
+    try {
+      const Training ring{.model = "mlp", .dp = dp};
+      Training ps = ring;
+      ps.sync = "ps";
+      ps.servers = dp / 2;
+      const auto [ring_sent, ring_received] = worker_bytes_per_step(ring, steps, batch);
+      const auto [ps_sent, ps_received] = worker_bytes_per_step(ps, steps, batch);
+      bench::JsonLine line("parallel", fmt::format("ps_bytes_per_worker_dp{}", dp));
+      line.add("value", ps_sent + ps_received).add("unit", "bytes/step").better(Better::lower)
+          .add("reference", ring_sent + ring_received).add("reference_name", "ring all-reduce, same model and dp")
+          .compare("ratio", ps_sent + ps_received, ring_sent + ring_received)
+          .add("ps_sent", ps_sent).add("ps_received", ps_received).add("ring_sent", ring_sent)
+          .add("ring_received", ring_received).add("servers", ps.servers).add("steps", steps)
+          .add("how", "every rank a Runtime in one process over a LoopbackHub without shared memory; the transfer "
+                      "actors' bytes of worker rank 0, sent and received");
+      line.print();
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "baton-bench-parallel: ps_bytes_per_worker_dp{}: {}\n", dp, e.what());
+      ++failed;
+    }
+  }
+  // Throughput in one process, dp 2: servers against the all-reduce, and staleness against
+  // synchronous servers.
+  auto best = [&](const Training& t) {
+    double r = 0;
+    for (int i = 0; i < (quick ? 1 : 3); ++i) r = std::max(r, samples_per_s(t, quick ? 20 : 200, batch));
+    return r;
+  };
+  const Training ring{.model = "mlp", .dp = 2};
+  Training sync = ring;
+  sync.sync = "ps";
+  const double ring_rate = best(ring), sync_rate = best(sync);
+  bench::JsonLine line("parallel", "ps_sync_vs_allreduce_dp2");
+  line.add("value", sync_rate).add("unit", "samples/s").better(Better::higher).add("reference", ring_rate)
+      .add("reference_name", "ring all-reduce, dp 2, one process").compare("ratio", sync_rate, ring_rate)
+      .add("servers", 1);
+  line.print();
+  for (int s : {1, 4}) {
+    Training stale = sync;
+    stale.staleness = s;
+    const double rate = best(stale);
+    bench::JsonLine l("parallel", fmt::format("ps_staleness_{}_dp2", s));
+    l.add("value", rate).add("unit", "samples/s").better(Better::higher).add("reference", sync_rate)
+        .add("reference_name", "synchronous servers (staleness 0), dp 2, one process").compare("ratio", rate, sync_rate)
+        .add("servers", 1).add("staleness", s);
+    l.print();
+  }
+  return failed;
+}
+
 int main(int argc, char** argv) {
   // The training cases keep min(devices, cores) threads busy; the bubble's kernels sleep.
   bench::load().start(argc, argv, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
@@ -608,13 +710,14 @@ int main(int argc, char** argv) {
     } else if (a == "--only" && i + 1 < argc &&
                (std::string_view(argv[i + 1]) == "bubble" || std::string_view(argv[i + 1]) == "train" ||
                 std::string_view(argv[i + 1]) == "balance" || std::string_view(argv[i + 1]) == "ddp" ||
+                std::string_view(argv[i + 1]) == "ps" ||
                 std::string_view(argv[i + 1]) == "hosts")) {
       only = argv[++i];
     } else if (a == "--no-reference") {
       reference = false;  // the ddp case without its PyTorch peer (the others' references are baton's own)
     } else {
       fmt::print(stderr,
-                 "usage: baton-bench-parallel [--quick] [--only bubble|train|balance|ddp|hosts] [--no-reference] "
+                 "usage: baton-bench-parallel [--quick] [--only bubble|train|balance|ps|ddp|hosts] [--no-reference] "
                  "[--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -679,6 +782,7 @@ int main(int argc, char** argv) {
   int failed = 0;
   if (only.empty() || only == "train") failed += training_scaling(quick);
   if (only.empty() || only == "balance") failed += stage_balance(quick);
+  if (only.empty() || only == "ps") failed += parameter_servers(quick);
   const std::string bin = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
   if (only == "hosts") return across_hosts(bin, quick);  // root only (network namespaces); not in the default run
   if (only.empty() || only == "ddp") {
