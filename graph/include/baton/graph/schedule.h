@@ -53,8 +53,9 @@ enum class PipelineSchedule : std::uint8_t {
   /// ZB-V (Qi et al., ICLR 2024, section 5): two stages per device in a V (stage_of), backward
   /// split into B and W as zb-h1, each device holding at most 2 devices chunk activations
   /// (1F1B's stage-0 peak). The order is our own greedy construction with F = B = W = 1, not the
-  /// authors' (zb_v in schedule.cpp); its bubble on that timeline is (p - 1) / (6 M + p - 1),
-  /// the pipeline's fill, for p <= 4 and M >= p, and within p - 1 units of it otherwise.
+  /// authors' (zb_v in schedule.cpp). On that timeline it takes at most p - 1 units more than
+  /// the lower bound max(6 M + p - 1, 4 p + 1), and the bound itself for p <= 4 and M >= p: a
+  /// bubble of (p - 1) / (6 M + p - 1), the pipeline's fill.
   zb_v,
 };
 
