@@ -842,7 +842,7 @@ struct Problems {
 
 /// Actor i's inputs: registers that exist, delays, a producer on its rank (or a transfer
 /// across), and i among each register's consumers.
-void check_inputs(const Plan& plan, ActorIndex i, Problems& problem) {
+void check_inputs(const Plan& plan, ActorIndex i, Problems& problem, bool transferred) {
   const ActorDesc& a = plan.actors[i];
   const auto n_actors = plan.actors.size();
   std::map<RegisterIndex, std::int32_t> delays;
@@ -859,7 +859,7 @@ void check_inputs(const Plan& plan, ActorIndex i, Problems& problem) {
     }
     if (reg.producer == no_actor || reg.producer >= n_actors) {
       problem("actor '{}' reads register '{}', which no actor produces", a.name, reg.name);
-    } else if (plan.actors[reg.producer].where.rank != a.where.rank && a.kind != ActorKind::transfer) {
+    } else if (transferred && plan.actors[reg.producer].where.rank != a.where.rank && a.kind != ActorKind::transfer) {
       problem("register '{}' crosses from rank {} ('{}') to rank {} ('{}') without a transfer actor "
               "(run the plan through insert_transfers())",
               reg.name, plan.actors[reg.producer].where.rank, plan.actors[reg.producer].name, a.where.rank, a.name);
@@ -1165,7 +1165,7 @@ void check_registers(const Plan& plan, const std::vector<ActorIndex>& producer_s
 
 /// The plan's structure, as this rank will run it: every problem found, one line each.
 void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank,
-                   std::vector<std::string>& problems) {
+                   std::vector<std::string>& problems, bool transferred = true) {
   Problems problem{problems};
   std::set<std::string> names;
   for (std::size_t i = 0; i < plan.actors.size(); ++i) {
@@ -1188,7 +1188,7 @@ void static_checks(const Plan& plan, const KernelRegistry& kernels, std::uint16_
       }
       producer_seen[r] = i;
     }
-    check_inputs(plan, i, problem);
+    check_inputs(plan, i, problem, transferred);
     check_kind(plan, a, problem);
     check_lane(plan, i, lane_place, problem);
     if (a.where.device.index > Device::max_index) {
@@ -1251,13 +1251,16 @@ void progress_check(const Plan& plan, std::uint16_t rank, ProgressCheck how, std
 
 }  // namespace
 
-void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank, ProgressCheck progress) {
+void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank, ProgressCheck progress,
+              PlanChecks checks) {
   std::vector<std::string> problems;
-  static_checks(plan, kernels, rank, problems);
-  if (problems.empty()) progress_check(plan, rank, progress, problems);
+  static_checks(plan, kernels, rank, problems, checks != PlanChecks::before_transfers);
+  if (problems.empty() && checks != PlanChecks::structure && checks != PlanChecks::before_transfers) {
+    progress_check(plan, rank, progress, problems);
+  }
   // Arenas: no two slots that may be live at once share bytes (lives follow the lanes, so an
   // order that deadlocks is reported as that first).
-  if (problems.empty()) check_memory(plan, problems);
+  if (problems.empty() && checks == PlanChecks::all) check_memory(plan, problems);
   if (problems.empty()) return;
   std::string msg = problems.size() == 1 ? "invalid plan: " : fmt::format("invalid plan ({} problems):", problems.size());
   for (std::size_t i = 0; i < problems.size(); ++i) msg += (problems.size() == 1 ? "" : "\n  - ") + problems[i];

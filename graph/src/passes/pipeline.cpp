@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "baton/actors/runtime.h"
 #include "baton/graph/passes.h"
 #include "baton/graph/schedule.h"
 #include "lowering.h"
@@ -115,6 +116,16 @@ void print_after(const TrainConfig& cfg, std::string_view pass,
   }
 }
 
+/// The plan verifier after plan pass `pass`: what that pass can have broken (PlanChecks), so a
+/// pass that breaks an invariant is named, not the runtime that trips on it later.
+void verify(const TrainingJob& job, std::string_view pass, PlanChecks checks) {
+  try {
+    validate(job.plan, job.kernels, /*rank=*/0, ProgressCheck::iterations, checks);
+  } catch (const PlanError& e) {
+    throw PlanError(fmt::format("the compiler's plan after the {} pass: {}", pass, e.what()));
+  }
+}
+
 }  // namespace
 
 TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
@@ -134,18 +145,23 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   print_after(cfg, "replicas", [&] { return reps.to_text(); });
   TrainingJob job = lower(g, rc.d, rc.shards, rc.stages, reps, cfg, std::move(params));
   print_after(cfg, "lower", [&] { return job.plan.to_text(); });
+  verify(job, "lower", PlanChecks::before_transfers);
   job.plan = device_copies(job.plan, job.kernels);
   print_after(cfg, "device_copies", [&] { return job.plan.to_text(); });
+  verify(job, "device_copies", PlanChecks::before_transfers);
   job.plan = transfers(job.plan);
   print_after(cfg, "transfers", [&] { return job.plan.to_text(); });
+  verify(job, "transfers", PlanChecks::structure);
   job.plan = lanes(job.plan, cfg);
   print_after(cfg, "lanes", [&] {
     return job.plan.to_text() +
            (cfg.pp > 1 ? schedule_text(parse_schedule(cfg.schedule), cfg.pp, cfg.microbatches, cfg.virtual_stages)
                        : std::string());
   });
+  verify(job, "lanes", PlanChecks::progress);
   job.plan = memory(job.plan, cfg);
   print_after(cfg, "memory", [&] { return job.plan.to_text() + memory_text(job.plan); });
+  verify(job, "memory", PlanChecks::all);
   return job;
 }
 

@@ -41,8 +41,14 @@ class JobError : public std::runtime_error {
 /// for a small GPT): the fallback where the rates do not balance, and the reference the tests
 /// hold the short check to.
 enum class ProgressCheck : std::uint8_t { iterations, tokens };
+/// How far validate() goes: the plan's structure alone, before_transfers allowing registers
+/// that cross ranks without a transfer actor yet (what the compiler's plan is until its
+/// transfers pass), also the dry run (once its lanes are fixed), or also its memory (once slots
+/// are placed in arenas: all). The compiler verifies its plan after every plan pass with what
+/// that pass can have broken (passes.h), as XLA's verifier runs between HLO passes.
+enum class PlanChecks : std::uint8_t { before_transfers, structure, progress, all };
 void validate(const Plan& plan, const KernelRegistry& kernels, std::uint16_t rank = 0,
-              ProgressCheck progress = ProgressCheck::iterations);
+              ProgressCheck progress = ProgressCheck::iterations, PlanChecks checks = PlanChecks::all);
 
 /// One message as sent, in deterministic mode (RuntimeSettings::record_handshakes).
 struct HandshakeEvent {

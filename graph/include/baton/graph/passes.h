@@ -19,7 +19,11 @@
 ///   memory         register slots placed in one arena per device (plan_memory.h)
 ///
 /// baton-train --print-after PASS (or all) prints a pass's value (TrainConfig::print_after). The
-/// runtime's Plan stays the contract: the last four passes are Plan -> Plan.
+/// runtime's Plan stays the contract: the last four passes are Plan -> Plan, and the plan
+/// verifier (validate(), runtime.h) runs after lower and after each of them with what the pass
+/// can have broken (the structure; from transfers on, every crossing has its transfer; after
+/// lanes, the dry run; after memory, the arenas), so a pass that breaks an invariant is named
+/// as the pass, in a PlanError, before anything runs.
 #include <cstdint>
 #include <functional>
 #include <map>
