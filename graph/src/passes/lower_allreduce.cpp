@@ -61,7 +61,9 @@ std::vector<RegisterIndex> allreduce_bucket(std::vector<PlanBuilder>& replicas,
   for (std::size_t a = before; a < plan.actors.size(); ++a) {
     ActorDesc& d = plan.actors[a];
     d.role = ActorRole::collective;
-    d.order = ActOrder{.lane = nccl_lane_base + d.where.device.code(),
+    // A lane is one worker's: one per (rank, device), so the ranks' lanes are told apart too
+    // (the plan verifier after lower found two ranks' NCCL actors in one lane).
+    d.order = ActOrder{.lane = nccl_lane_base + d.where.rank * 256 + d.where.device.code(),
                        .units = {0},
                        .period = 1,
                        .rank = static_cast<std::int32_t>(bi)};

@@ -56,7 +56,8 @@ inline std::uint8_t backward_stream(const TrainConfig& cfg) {
 /// The stream NCCL all-reduce actors run on: a worker and CUDA stream of their own, so that a
 /// collective waiting for its peers holds up neither compute nor copies.
 constexpr std::uint8_t nccl_stream = 14;
-/// Their lanes (ActOrder): one per (rank, device), above any pipeline stage's.
+/// Their lanes (ActOrder): one per (rank, device) (base + rank * 256 + device code), above any
+/// pipeline stage's.
 constexpr std::int32_t nccl_lane_base = 1 << 20;
 
 /// Builds the actors and registers for the nodes a plan needs: one model replica's worth, with
