@@ -198,6 +198,7 @@ struct Training {
   std::string grad_compression = "none";
   std::string sync = "allreduce";  // or "ps": parameter servers
   int servers = 1, staleness = 0;
+  std::string schedule = "1f1b";
 };
 
 /// Kernel seconds of each device (a pipeline stage, without dp or tp) in the last run.
@@ -229,6 +230,7 @@ TrainingJob compile_case(const Training& t, std::int64_t steps, std::int64_t bat
   cfg.pp = t.pp;
   cfg.tp = t.tp;
   cfg.balance = t.balance;
+  cfg.schedule = t.schedule;
   cfg.grad_compression = t.grad_compression;
   cfg.sync = t.sync;
   cfg.servers = t.servers;
@@ -698,6 +700,43 @@ int parameter_servers(bool quick) {
   return failed;
 }
 
+// --- PipeDream-2BW against 1F1B: throughput and the loss after the same steps ---
+
+/// Returns the cases that failed.
+int two_bw_vs_1f1b(bool quick) {
+  int failed = 0;
+  for (const std::string model : {"mlp", "gpt"}) {
+    if (model == "gpt" && !have_gpt_text("2bw_vs_1f1b_gpt_*")) {
+      ++failed;
+      continue;
+    }
+    const std::int64_t batch = model == "mlp" ? 256 : 16;
+    const std::int64_t steps = (model == "mlp" ? 200 : 40) / (quick ? 10 : 1);
+    struct Run {
+      double rate = 0, loss = 0;
+    };
+    auto train = [&](const std::string& schedule) {
+      Run best;
+      for (int i = 0; i < (quick ? 1 : 3); ++i) {
+        Training t{.model = model, .pp = 2, .microbatches = 4};
+        t.schedule = schedule;
+        TrainingJob job = compile_case(t, steps, batch);
+        RunReport report = Runtime(job.plan, job.kernels).run();
+        best.rate = std::max(best.rate, static_cast<double>(steps * batch) / report.wall_s);
+        best.loss = job.losses->per_step().back();  // the same every repeat: the runs are deterministic in value
+      }
+      return best;
+    };
+    const Run one = train("1f1b"), two = train("2bw");
+    bench::JsonLine line("parallel", fmt::format("2bw_vs_1f1b_{}_pp2_m4", model));
+    line.add("value", two.rate).add("unit", "samples/s").better(Better::higher).add("reference", one.rate)
+        .add("reference_name", "1f1b, same model, pp 2, 4 micro-batches").compare("ratio", two.rate, one.rate)
+        .add("final_loss_2bw", two.loss).add("final_loss_1f1b", one.loss).add("steps", steps).add("batch", batch);
+    line.print();
+  }
+  return failed;
+}
+
 int main(int argc, char** argv) {
   // The training cases keep min(devices, cores) threads busy; the bubble's kernels sleep.
   bench::load().start(argc, argv, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
@@ -710,14 +749,14 @@ int main(int argc, char** argv) {
     } else if (a == "--only" && i + 1 < argc &&
                (std::string_view(argv[i + 1]) == "bubble" || std::string_view(argv[i + 1]) == "train" ||
                 std::string_view(argv[i + 1]) == "balance" || std::string_view(argv[i + 1]) == "ddp" ||
-                std::string_view(argv[i + 1]) == "ps" ||
+                std::string_view(argv[i + 1]) == "ps" || std::string_view(argv[i + 1]) == "2bw" ||
                 std::string_view(argv[i + 1]) == "hosts")) {
       only = argv[++i];
     } else if (a == "--no-reference") {
       reference = false;  // the ddp case without its PyTorch peer (the others' references are baton's own)
     } else {
       fmt::print(stderr,
-                 "usage: baton-bench-parallel [--quick] [--only bubble|train|balance|ps|ddp|hosts] [--no-reference] "
+                 "usage: baton-bench-parallel [--quick] [--only bubble|train|balance|ps|2bw|ddp|hosts] [--no-reference] "
                  "[--allow-load]\n{}",
                  bench::allow_load_usage);
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -783,6 +822,7 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "train") failed += training_scaling(quick);
   if (only.empty() || only == "balance") failed += stage_balance(quick);
   if (only.empty() || only == "ps") failed += parameter_servers(quick);
+  if (only.empty() || only == "2bw") failed += two_bw_vs_1f1b(quick);
   const std::string bin = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
   if (only == "hosts") return across_hosts(bin, quick);  // root only (network namespaces); not in the default run
   if (only.empty() || only == "ddp") {
