@@ -345,6 +345,28 @@ TEST_CASE("Schedule.AnOrderTheSlotsCannotHoldIsRefused") {
   CHECK_THROWS_WITH_AS(Runtime(job.plan, job.kernels), doctest::Contains("waits for its turn in lane"), PlanError);
 }
 
+namespace {
+
+/// Runs `p` in `mode` and returns the acts of its actors "A" and "B" in the order they ran
+/// ("B0 B1 A0 ...").
+std::string ab_order(const Plan& p, ExecutionMode mode) {
+  RuntimeSettings rs;
+  rs.mode = mode;
+  rs.activity_log = true;
+  Runtime rt(p, KernelRegistry::with_builtin_kernels(), rs);
+  rt.run();
+  std::vector<ActRecord> records;
+  rt.drain_activity(records);
+  std::string order;
+  for (const ActRecord& r : records) {
+    const std::string& n = rt.plan().actors[r.actor].name;
+    if (n == "A" || n == "B") order += fmt::format("{}{} ", n, r.piece);
+  }
+  return order;
+}
+
+}  // namespace
+
 TEST_CASE("Schedule.LaneOrdersTheActsOfOneWorker" * doctest::timeout(30)) {
   // Two independent chains on one worker, A and B, each ready at once: the lane makes B's acts
   // come first in each period, then A's, whatever the messages' order.
@@ -361,19 +383,7 @@ TEST_CASE("Schedule.LaneOrdersTheActsOfOneWorker" * doctest::timeout(30)) {
     p.add_actor({.name = "B", .op = "copy", .dtype = DType::i64, .inputs = {{src}}, .outputs = {rb},
                  .order = {.lane = 0, .units = {0, 1}, .period = 4}});
     p.add_actor({.name = "sink", .op = "noop", .dtype = DType::i64, .inputs = {{ra}, {rb}}});
-    RuntimeSettings rs;
-    rs.mode = mode;
-    rs.activity_log = true;
-    Runtime rt(p, KernelRegistry::with_builtin_kernels(), rs);
-    rt.run();
-    std::vector<ActRecord> records;
-    rt.drain_activity(records);
-    std::string order;
-    for (const ActRecord& r : records) {
-      const std::string& n = rt.plan().actors[r.actor].name;
-      if (n == "A" || n == "B") order += fmt::format("{}{} ", n, r.piece);
-    }
-    CHECK(order == "B0 B1 A0 A1 B2 B3 A2 A3 B4 B5 A4 A5 ");
+    CHECK(ab_order(p, mode) == "B0 B1 A0 A1 B2 B3 A2 A3 B4 B5 A4 A5 ");
   }
 }
 
@@ -408,19 +418,7 @@ TEST_CASE("Schedule.ALanesPrefixRunsOnceBeforeItsPeriod" * doctest::timeout(30))
     CHECK(p.to_text().find("order=lane0:rank0:units[0]/2:lead[0,1]") != std::string::npos);
     CHECK(p.to_text().find("order=lane0:rank0:units[1]/2") != std::string::npos);  // no lead: as before
     CHECK(p.to_text().find("units[1]/2:lead") == std::string::npos);
-    RuntimeSettings rs;
-    rs.mode = mode;
-    rs.activity_log = true;
-    Runtime rt(p, KernelRegistry::with_builtin_kernels(), rs);
-    rt.run();
-    std::vector<ActRecord> records;
-    rt.drain_activity(records);
-    std::string order;
-    for (const ActRecord& r : records) {
-      const std::string& n = rt.plan().actors[r.actor].name;
-      if (n == "A" || n == "B") order += fmt::format("{}{} ", n, r.piece);
-    }
-    CHECK(order == "A0 A1 A2 B0 A3 B1 A4 B2 A5 B3 B4 B5 ");
+    CHECK(ab_order(p, mode) == "A0 A1 A2 B0 A3 B1 A4 B2 A5 B3 B4 B5 ");
   }
 }
 

@@ -312,13 +312,15 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
   if (cfg.dp > 1) add_collective_kernels(kernels);
   std::vector<PlanBuilder> replicas;
-  const std::vector<bool> weight_work = weight_gradient_nodes(g, d);
+  // The B/W split, only where the schedule runs W work on its own.
+  const bool split = cfg.pp > 1 && splits_backward(parse_schedule(cfg.schedule));
+  const std::vector<bool> weight_work = split ? weight_gradient_nodes(g, d) : std::vector<bool>{};
   for (std::int64_t r = 0; r < cfg.dp; ++r) {
     PlanBuilder b{g, plan, kernels};
     b.places = reps.places[static_cast<std::size_t>(r)];
     b.tp = cfg.tp;
     if (cfg.pp > 1) b.stages = &st;
-    if (cfg.pp > 1 && splits_backward(parse_schedule(cfg.schedule))) b.weight_work = &weight_work;
+    if (split) b.weight_work = &weight_work;
     if (cfg.tp > 1) b.shards = &shards;
     b.loss_id = d.loss.id();
     b.first_piece = cfg.first_step * cfg.microbatches;
