@@ -691,3 +691,93 @@ TEST_CASE("control: telemetry reaches the server in order, commands reach every 
   for (const auto& c : commands) CHECK(c[0] == "trace {\"seconds\": 2}");
   CHECK_FALSE(server.outcome().has_value());
 }
+
+// A rank that may leave (RankInfo::may_leave: a parameter-server worker under bounded
+// staleness) and leaves once the job has formed is an event, not a failure: the others are
+// told who and why, every barrier and the final bye count it out, and the job ends ok. The
+// last such rank leaving ends the job, as does a rank that may not leave, or one lost before
+// the job formed (its first barrier).
+TEST_CASE("control: a rank that may leave leaves; the others finish ok, told who and why" * doctest::timeout(30)) {
+  RendezvousServer server(server_settings(3));
+  World world(server, 3);
+  std::mutex mutex;
+  std::vector<std::pair<std::uint32_t, std::string>> told;  // (receiver, "rank: reason")
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    world.clients[r]->on_left([&, r](std::uint32_t rank, const std::string& reason) {
+      std::lock_guard lock(mutex);
+      told.emplace_back(r, std::to_string(rank) + ": " + reason);
+    });
+  }
+  std::vector<RankInfo> infos;
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    infos.push_back(info_of(r));
+    infos.back().may_leave = r < 2;  // ranks 0 and 1 work, rank 2 serves
+  }
+  const auto tables = join_all(world.clients, infos);
+  CHECK(tables[2][0].may_leave);
+  CHECK_FALSE(tables[2][2].may_leave);
+  SUBCASE("a rank gone without finishing, no launcher's word needed") {
+    std::vector<std::future<void>> start;
+    for (auto& c : world.clients) start.push_back(std::async(std::launch::async, [&] { c->barrier("start", 5000ms); }));
+    for (auto& f : start) f.get();
+    // Rank 1 is gone without finishing (its process ended): the server tells ranks 0 and 2.
+    world.clients[1].reset();
+    std::vector<std::future<void>> finish;
+    for (std::uint32_t r : {0u, 2u}) {
+      finish.push_back(std::async(std::launch::async, [&, r] { world.clients[r]->finish(5000ms); }));
+    }
+    for (auto& f : finish) f.get();
+    const auto outcome = server.wait_for(5000ms);
+    REQUIRE(outcome.has_value());
+    CHECK(outcome->ok);
+    const auto left = server.departed();
+    REQUIRE(left.size() == 1);
+    CHECK(left[0].first == 1);
+    // What the closing client said (ControlClient's destructor reports a rank ending without
+    // finish()), or the server's own word for a connection lost without one.
+    MESSAGE("rank 1 left: " << left[0].second);
+    CHECK_FALSE(left[0].second.empty());
+    std::lock_guard lock(mutex);
+    CHECK(told.size() == 2);
+    for (const auto& [who, what] : told) {
+      CHECK(who != 1);
+      CHECK(contains(what, "1: "));
+    }
+    for (std::uint32_t r : {0u, 2u}) CHECK_FALSE(world.watches[r]->reason.has_value());
+  }
+  SUBCASE("the launcher's word, a barrier waiting on it, then the last worker ends the job") {
+    std::vector<std::future<void>> start;
+    for (auto& c : world.clients) start.push_back(std::async(std::launch::async, [&] { c->barrier("start", 5000ms); }));
+    for (auto& f : start) f.get();
+    // Ranks 0 and 2 wait at a barrier; rank 1 never comes: it left, so the barrier opens.
+    std::vector<std::future<void>> step;
+    for (std::uint32_t r : {0u, 2u}) {
+      step.push_back(std::async(std::launch::async, [&, r] { world.clients[r]->barrier("step", 5000ms); }));
+    }
+    std::this_thread::sleep_for(50ms);
+    CHECK(server.rank_exited(1, "it was killed by signal 9 (SIGKILL)"));
+    for (auto& f : step) f.get();
+    CHECK_FALSE(server.rank_exited(2, "it was killed by signal 9 (SIGKILL)"));  // a server: not a departure
+    CHECK(server.rank_exited(0, "it exited with code 1"));  // the last worker: the job ends
+    const auto outcome = server.wait_for(5000ms);
+    REQUIRE(outcome.has_value());
+    CHECK_FALSE(outcome->ok);
+    CHECK(contains(outcome->reason, "rank 0"));
+    CHECK(contains(outcome->reason, "the last of the ranks that may leave"));
+    const auto reason = world.watches[2]->wait(5000ms);
+    REQUIRE(reason.has_value());
+    CHECK(contains(*reason, "the last of the ranks that may leave"));
+    std::lock_guard lock(mutex);
+    REQUIRE_FALSE(told.empty());
+    CHECK(contains(told.front().second, "1: it was killed by signal 9"));
+  }
+}
+
+TEST_CASE("control: a rank that may leave, lost before the job formed, ends the job" * doctest::timeout(30)) {
+  RendezvousServer server(server_settings(2));
+  World world(server, 2);
+  std::vector<RankInfo> infos{info_of(0), info_of(1)};
+  infos[0].may_leave = true;
+  join_all(world.clients, infos);
+  CHECK_FALSE(server.rank_exited(0, "it was killed by signal 9 (SIGKILL)"));  // no barrier passed yet
+}

@@ -23,6 +23,7 @@
 #include <charconv>
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <list>
 #include <map>
 #include <mutex>
@@ -247,6 +248,7 @@ json::object rank_info_json(const RankInfo& info) {
   r["host"] = js(info.host);
   r["data_address"] = json::string(base64_encode(info.data_address));
   r["plan_hash"] = json::string(hash_hex(info.plan_hash));
+  if (info.may_leave) r["may_leave"] = true;
   return r;
 }
 
@@ -706,6 +708,7 @@ struct RendezvousServer::Impl {
     info.host = get_string(m, "host");
     info.data_address = get_bytes(m, "data_address");
     info.plan_hash = get_hash(m, "plan_hash");
+    if (const auto* v = m.if_contains("may_leave"); v != nullptr && v->is_bool()) info.may_leave = v->get_bool();
 
     if (ended) return refuse(*p, fmt::format("the job has already ended: {}", ended_reason));
     if (!tokens_equal(token, settings.token)) return refuse(*p, "wrong job token");
@@ -811,7 +814,7 @@ struct RendezvousServer::Impl {
   }
 
   void on_barrier(const Peer& p, const std::string& name) {
-    if (p.role != Role::rank || ended) return;
+    if (p.role != Role::rank || ended || has_left(p.number)) return;
     auto [it, is_new] = barriers.try_emplace(name);
     Barrier& b = it->second;
     if (is_new) {
@@ -822,20 +825,84 @@ struct RendezvousServer::Impl {
       });
     }
     b.arrived.insert(p.number);
-    if (b.arrived.size() < settings.world_size) return;
-    b.timer->cancel();
-    barriers.erase(it);
-    auto done = message("barrier_done");
-    done["name"] = js(name);
-    for (const auto& peer : rank_peers) {
-      if (peer) peer->channel->send(done);
+    complete_barrier(it);
+  }
+
+  /// Completes barrier `it` if every rank has arrived or left.
+  void complete_barrier(std::map<std::string, Barrier>::iterator it) {
+    Barrier& b = it->second;
+    for (std::uint32_t r = 0; r < settings.world_size; ++r) {
+      if (b.arrived.count(r) == 0 && !has_left(r)) return;
     }
+    b.timer->cancel();
+    formed = true;
+    auto done = message("barrier_done");
+    done["name"] = js(it->first);
+    barriers.erase(it);
+    for (const auto& peer : rank_peers) {
+      if (peer && !has_left(peer->number)) peer->channel->send(done);
+    }
+  }
+
+  bool has_left(std::uint32_t rank) const {
+    return std::any_of(left.begin(), left.end(), [&](const auto& l) { return l.first == rank; });
+  }
+
+  /// Only once the job has formed (every rank passed its first barrier: run_job's "start",
+  /// after the data plane connected): a rank lost before then ends the job, as any other.
+  bool may_leave(std::uint32_t rank) const {
+    return formed && !ended && rank < settings.world_size && infos[rank] && infos[rank]->may_leave;
+  }
+
+  /// A rank that may leave has left (died, failed, went silent): the others are told and it is
+  /// counted out of every barrier and of the final bye. The first reason stays. If no rank that
+  /// may leave is left, the job fails: the others (the servers) cannot go on alone.
+  void rank_left(std::uint32_t rank, const std::string& reason) {
+    if (!may_leave(rank) || has_left(rank)) return;
+    if (rank_peers[rank] && rank_peers[rank]->said_bye) return;
+    const std::string host = infos[rank]->host;
+    left.emplace_back(rank, reason);
+    {
+      std::lock_guard lock(mutex);
+      left_copy = left;
+    }
+    bool any_stays = false;
+    for (std::uint32_t r = 0; r < settings.world_size; ++r) {
+      if (infos[r] && infos[r]->may_leave && !has_left(r)) any_stays = true;
+    }
+    if (!any_stays) {
+      return fail_job(fmt::format("rank {} (host {}) left ({}), the last of the ranks that may leave: the others "
+                                  "cannot go on without them",
+                                  rank, host, reason),
+                      rank, host);
+    }
+    auto m = message("left");
+    m["rank"] = rank;
+    m["host"] = js(host);
+    m["reason"] = js(reason);
+    for (const auto& peer : rank_peers) {
+      if (peer && peer->number != rank && !peer->said_bye && !has_left(peer->number)) peer->channel->send(m);
+    }
+    for (auto it = barriers.begin(); it != barriers.end();) {
+      auto next = std::next(it);
+      complete_barrier(it);
+      it = next;
+    }
+    check_all_done();
+  }
+
+  void check_all_done() {
+    if (ended || byes + left.size() < settings.world_size) return;
+    JobOutcome ok;
+    ok.ok = true;
+    set_outcome(ok);
+    for (const auto& [node, launcher] : launcher_peers) launcher->channel->send(message("done"));
   }
 
   std::vector<std::uint32_t> missing_at(const Barrier& b) const {
     std::vector<std::uint32_t> missing;
     for (std::uint32_t r = 0; r < settings.world_size; ++r) {
-      if (b.arrived.count(r) == 0) missing.push_back(r);
+      if (b.arrived.count(r) == 0 && !has_left(r)) missing.push_back(r);
     }
     return missing;
   }
@@ -875,12 +942,14 @@ struct RendezvousServer::Impl {
   void on_fail(const Peer& p, const json::object& m) {
     const std::string reason = get_string(m, "reason");
     if (p.role == Role::rank) {
+      if (may_leave(p.number)) return rank_left(p.number, reason);
       return fail_job(fmt::format("rank {} (host {}): {}", p.number, p.host, reason), p.number, p.host);
     }
     // A launcher reports one of its ranks, or (without "rank") itself.
     if (!m.if_contains("rank")) return fail_job(fmt::format("{}: {}", describe(p), reason), std::nullopt, p.host);
     const std::uint32_t rank = get_u32(m, "rank");
     const std::string host = rank < settings.world_size && infos[rank] ? infos[rank]->host : p.host;
+    if (may_leave(rank)) return rank_left(rank, reason);
     fail_job(fmt::format("rank {} (host {}): {}", rank, host, reason), rank, host);
   }
 
@@ -892,25 +961,26 @@ struct RendezvousServer::Impl {
       ++launchers_finished;
       cv.notify_all();
     }
-    if (p.role != Role::rank) return;
-    if (++byes < settings.world_size || ended) return;
-    JobOutcome ok;
-    ok.ok = true;
-    set_outcome(ok);
-    // Launchers of other nodes learn that the job is over, so the server closing later is not
-    // a failure to them.
-    for (const auto& [node, launcher] : launcher_peers) launcher->channel->send(message("done"));
+    if (p.role != Role::rank || has_left(p.number)) return;
+    ++byes;
+    // Launchers of other nodes learn that the job is over (check_all_done), so the server
+    // closing later is not a failure to them.
+    check_all_done();
   }
 
   void on_lost(const Peer& p, Loss loss, const std::string& why) {
     if (p.role == Role::unknown || p.said_bye || ended) return;
+    if (p.role == Role::rank && has_left(p.number)) return;
     if (loss == Loss::protocol) {
       return fail_job(fmt::format("{} broke the control protocol: it sent {}", describe(p), why), rank_of(p), p.host);
     }
     auto timer = std::make_shared<asio::steady_timer>(io, lost_connection_grace);
     timer->async_wait([this, timer, reason = fmt::format("{} lost its control connection (did the process die?)", describe(p)),
                        rank = rank_of(p), host = p.host](error_code ec) {
-      if (!ec) fail_job(reason, rank, host);
+      if (ec) return;
+      // The launcher's word on why (rank_exited) may have come within the grace.
+      if (rank && may_leave(*rank)) return rank_left(*rank, "it lost its control connection (did the process die?)");
+      fail_job(reason, rank, host);
     });
   }
 
@@ -932,6 +1002,11 @@ struct RendezvousServer::Impl {
         continue;
       }
       if (ended || p->said_bye) continue;
+      if (p->role == Role::rank && has_left(p->number)) continue;
+      if (silent && p->role == Role::rank && may_leave(p->number)) {
+        rank_left(p->number, fmt::format("it sent nothing for {}", format_duration(settings.heartbeat_timeout)));
+        continue;
+      }
       if (silent) {
         fail_job(fmt::format("{} sent nothing for {}", describe(*p), format_duration(settings.heartbeat_timeout)),
                  rank_of(*p), p->host);
@@ -1016,8 +1091,10 @@ struct RendezvousServer::Impl {
   std::uint64_t barrier_generation = 0;
   std::uint32_t joined_ranks = 0;
   std::uint32_t byes = 0;
+  std::vector<std::pair<std::uint32_t, std::string>> left;  // ranks that left (rank_left), in order
   bool join_timer_started = false;
   bool table_sent = false;
+  bool formed = false;  // a barrier completed (may_leave)
   bool ended = false;
   std::string ended_reason;
   bool stopping = false;
@@ -1027,6 +1104,7 @@ struct RendezvousServer::Impl {
   std::condition_variable cv;
   std::optional<JobOutcome> outcome;
   std::uint32_t launchers_finished = 0;  // under mutex
+  std::vector<std::pair<std::uint32_t, std::string>> left_copy;  // under mutex: `left`, for departed()
   std::size_t open_channels = 0;
   bool shutdown_started = false;
   std::uint64_t posted_aborts_done = 0;
@@ -1074,6 +1152,25 @@ void RendezvousServer::abort(const std::string& reason, std::optional<std::uint3
 void RendezvousServer::send_command(const std::string& kind, const std::string& body) {
   Impl* impl = impl_.get();
   asio::post(impl->io, [impl, kind, body] { impl->send_command(kind, body); });
+}
+
+bool RendezvousServer::rank_exited(std::uint32_t rank, const std::string& reason) {
+  Impl* impl = impl_.get();
+  auto answer = std::make_shared<std::promise<bool>>();
+  auto result = answer->get_future();
+  asio::post(impl->io, [impl, rank, reason, answer] {
+    const bool leaves = impl->may_leave(rank) || impl->has_left(rank);
+    if (leaves) impl->rank_left(rank, reason);
+    answer->set_value(leaves);
+  });
+  // The io thread answers at once; a server shutting down may never run it.
+  if (result.wait_for(close_grace) != std::future_status::ready) return false;
+  return result.get();
+}
+
+std::vector<std::pair<std::uint32_t, std::string>> RendezvousServer::departed() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->left_copy;
 }
 
 std::uint32_t RendezvousServer::finished_launchers() const {
@@ -1274,6 +1371,10 @@ class ClientCore {
     return aborted_;
   }
 
+  void set_on_left(std::function<void(std::uint32_t, const std::string&)> callback) {
+    std::lock_guard lock(mutex_);
+    on_left_ = std::move(callback);
+  }
   void set_on_command(std::function<void(const std::string&, const std::string&)> callback) {
     std::lock_guard lock(mutex_);
     on_command_ = std::move(callback);
@@ -1376,6 +1477,15 @@ class ClientCore {
       const std::string type = get_string(m, "type");
       if (type == "heartbeat") return;
       if (type == "abort") return abort_locally(get_string(m, "reason"));
+      if (type == "left") {
+        std::function<void(std::uint32_t, const std::string&)> callback;
+        {
+          std::lock_guard lock(mutex_);
+          callback = on_left_;
+        }
+        if (callback) callback(get_u32(m, "rank"), get_string(m, "reason"));
+        return;
+      }
       if (type == "command") {
         std::function<void(const std::string&, const std::string&)> callback;
         {
@@ -1535,6 +1645,7 @@ class ClientCore {
   std::map<std::string, std::string> values_;  // published keys (ControlClient::publish / fetch)
   std::function<void(const std::string&)> on_abort_;
   std::function<void(const std::string&, const std::string&)> on_command_;
+  std::function<void(std::uint32_t, const std::string&)> on_left_;
   std::int64_t clock_reply_t0_ = -1;
   std::int64_t clock_reply_ts_ = 0;
   std::int64_t clock_offset_ = 0;
@@ -1551,6 +1662,7 @@ RankInfo parse_rank_info(const json::value& v) {
   info.host = get_string(o, "host");
   info.data_address = get_bytes(o, "data_address");
   info.plan_hash = get_hash(o, "plan_hash");
+  if (const auto* ml = o.if_contains("may_leave"); ml != nullptr && ml->is_bool()) info.may_leave = ml->get_bool();
   return info;
 }
 
@@ -1591,6 +1703,7 @@ std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
   hello["host"] = json::string(me.host.empty() ? local_host_name() : me.host);
   hello["data_address"] = json::string(base64_encode(me.data_address));
   hello["plan_hash"] = json::string(hash_hex(me.plan_hash));
+  if (me.may_leave) hello["may_leave"] = true;
   const json::object table = impl_->core.join(std::move(hello), "table");
   try {
     const json::value& ranks = field(table, "ranks");
@@ -1612,6 +1725,10 @@ std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
 
 void ControlClient::on_abort(std::function<void(const std::string& reason)> callback) {
   impl_->core.set_on_abort(std::move(callback));
+}
+
+void ControlClient::on_left(std::function<void(std::uint32_t rank, const std::string& reason)> callback) {
+  impl_->core.set_on_left(std::move(callback));
 }
 
 void ControlClient::barrier(const std::string& name, std::chrono::milliseconds timeout) {

@@ -53,6 +53,11 @@ struct RankInfo {
   std::string host;          // the rank's host name, for messages
   std::string data_address;  // the data plane's address (opaque bytes; base64 on the wire)
   std::uint64_t plan_hash = 0;
+  /// This rank may leave the job once it has formed (every rank passed the first barrier) without ending it (a parameter-server
+  /// worker under bounded staleness, docs/parameter-servers.md): when it dies, fails or goes
+  /// silent, the server tells the others (ControlClient::on_left) and counts it out of every
+  /// barrier and of the final bye, instead of aborting the job. False: its loss ends the job.
+  bool may_leave = false;
 };
 
 /// "host:port" -> {host, port}; "[::1]:29500" for IPv6. Throws TransportError naming the text.
@@ -134,6 +139,13 @@ class RendezvousServer {
   /// Any thread: sends `command {kind, body}` to every rank that has joined (ControlClient::
   /// on_command). `body` is JSON text.
   void send_command(const std::string& kind, const std::string& body);
+  /// Any thread (the launcher, which saw rank `rank` exit): if the rank may leave
+  /// (RankInfo::may_leave) and the job has formed and not ended, it leaves with `reason` (the
+  /// others are told; a rank that left already keeps its first reason) and this returns true;
+  /// else false, and the caller ends the job as for any failure (abort()).
+  bool rank_exited(std::uint32_t rank, const std::string& reason);
+  /// The ranks that have left so far, with their reasons, in the order they left.
+  std::vector<std::pair<std::uint32_t, std::string>> departed() const;
 
  private:
   struct Impl;
@@ -172,6 +184,9 @@ class ControlClient {
   /// Set before join(). What it uses must outlive the client, and it must not destroy the
   /// client.
   void on_abort(std::function<void(const std::string& reason)> callback);
+  /// A rank that may leave (RankInfo::may_leave) left the job: it died, failed or went silent.
+  /// Called on the client's thread with the rank and the reason; the job goes on.
+  void on_left(std::function<void(std::uint32_t rank, const std::string& reason)> callback);
   /// Waits until every rank has reached the barrier `name`. Throws TransportError if the job
   /// was aborted meanwhile or `timeout` passed (naming the ranks that have not arrived, as far
   /// as the server knows).
