@@ -306,6 +306,7 @@ void Actor::on_message(const Message& m) {
     case MsgKind::detach: on_detach(m); break;
     case MsgKind::start: break;
     case MsgKind::pulled: on_pulled(m); break;
+    case MsgKind::rank_left: on_rank_left(static_cast<std::uint32_t>(m.piece)); break;
   }
   if (!core_.failed()) advance();
 }
@@ -601,6 +602,16 @@ void Actor::act_transfer() {
     if (bytes == 0) {
       if (in.source != nullptr) release(in, k);  // a remote one acks when the piece is published
       if (own != nullptr) release(*own, k);
+    } else if (in.orphaned) {
+      // Its rank left the job: zeros (plus the addend, for a reducing transfer).
+      if (own != nullptr) {
+        std::memcpy(at, addend(*own, k), bytes);
+      } else {
+        std::memset(at, 0, bytes);
+      }
+      if (!in.arrived.empty()) in.arrived[from] = nullptr;
+      release(in, k);
+      if (own != nullptr) release(*own, k);
     } else if (in.source != nullptr || (!in.arrived.empty() && in.arrived[from] != nullptr)) {
       // Here already: copied (or summed with the addend), and handed back at once.
       const void* src = in.source != nullptr ? in.source->buffers[from].raw() : in.arrived[from];
@@ -633,6 +644,8 @@ void Actor::act_transfer() {
 
 void Actor::on_pulled(const Message& m) {
   if (stream_ != nullptr) return on_stream_reached(m);
+  // A pull from a rank that left, landed after it was counted as zeros (on_rank_left).
+  if (orphaned_ && m.slot < pulls_left_.size() && pulls_left_[m.slot] == 0) return;
   if (desc_.kind != ActorKind::transfer || m.slot >= pulled_.size() || inflight_ == 0 || pulls_left_[m.slot] == 0) {
     return protocol_error(m, "a pull landed that this actor did not start");
   }
@@ -791,6 +804,7 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
       return;
     }
     try {
+      if (core_.departed(consumer.id.rank())) return;  // it left the job
       core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), consumer.port, piece), data,
                                         consumer.bytes);
     } catch (const std::exception& e) {
@@ -929,6 +943,55 @@ void Actor::on_detach(const Message& m) {
   }
   if (--out->live == 0) ++outputs_dead_;
   advance_freed(*out);
+}
+
+// Rank `rank` left the job (Core::rank_left). Its readers of our outputs are detached at what
+// they acked (their slots free again); our inputs from it (a transfer's: only transfers read
+// another rank) read zeros from the next act on, and a pull from it still in flight lands as
+// zeros now: a sum over replicas goes on with the others'.
+void Actor::on_rank_left(std::uint32_t rank) {
+  for (auto& out : outputs_) {
+    for (std::size_t c = 0; c < out->consumers.size(); ++c) {
+      const Consumer& consumer = out->consumers[c];
+      if (consumer.worker != nullptr || consumer.id.rank() != rank || consumer.detached_from != never) continue;
+      on_detach(Message{consumer.id, id_, consumer.acked, out->reg, 0, MsgKind::detach, static_cast<std::uint8_t>(c)});
+    }
+  }
+  bool lost = false;
+  for (Input& in : inputs_) {
+    if (in.producer_worker != nullptr || in.source != nullptr || in.producer.rank() != rank || in.orphaned) continue;
+    in.orphaned = true;
+    in.received = never;  // every piece readable from now on, as zeros
+    lost = true;
+  }
+  if (!lost) return;
+  for (const Input& in : inputs_) {
+    if (in.producer_worker == nullptr && in.source == nullptr && !in.orphaned && in.producer.rank() != rank) {
+      core_.fail(fmt::format("transfer actor '{}' gathers from rank {} and rank {}: it cannot go on without rank {}",
+                             desc_.name, rank, in.producer.rank(), rank));
+      return;
+    }
+  }
+  orphaned_ = true;
+  if (desc_.kind != ActorKind::transfer || inflight_ == 0) return;
+  // The pulls in flight were all from `rank` (every remote input is): their parts read zeros.
+  Output& out = *outputs_[0];
+  std::vector<std::uint16_t> zeroed;
+  for (std::size_t slot = 0; slot < pulls_left_.size(); ++slot) {
+    if (pulls_left_[slot] == 0) continue;
+    auto* at = static_cast<std::byte*>(out.buffers[slot].raw());
+    for (std::size_t p = 0; p < (reduces_ ? 1 : port_to_input_.size()); ++p) {
+      if (inputs_[port_to_input_[p]].orphaned) std::memset(at, 0, port_bytes_[p]);
+      at += port_bytes_[p];
+    }
+    pulls_left_[slot] = 0;
+    zeroed.push_back(static_cast<std::uint16_t>(slot));
+  }
+  // Published in piece order however they are marked (landed()).
+  for (std::uint16_t slot : zeroed) {
+    landed(slot);
+    if (core_.failed()) return;
+  }
 }
 
 void Actor::finish(bool unread) {

@@ -33,6 +33,7 @@ std::string_view name(MsgKind k) {
     case MsgKind::ack: return "ack";
     case MsgKind::end_of_stream: return "end_of_stream";
     case MsgKind::detach: return "detach";
+    case MsgKind::rank_left: return "rank_left";
     case MsgKind::start: return "start";
     case MsgKind::pulled: return "pulled";
     case MsgKind::request_inline: return "request_inline";

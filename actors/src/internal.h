@@ -160,6 +160,9 @@ struct Input {
   std::int64_t released = 0;        // pieces acked back to the producer
   std::int64_t end = -1;            // total pieces, once end-of-stream arrived
   bool detached = false;
+  /// Its producer's rank left the job (Runtime::rank_left): every piece from the next act on
+  /// reads as zeros, and nothing goes back.
+  bool orphaned = false;
   EdgeSync sync = EdgeSync::host;   // with the data's writer (plan.h)
   // EdgeSync::event: per slot, recorded on this actor's stream after its last read of the slot.
   std::vector<std::unique_ptr<StreamEvent>> done_events;
@@ -304,6 +307,7 @@ class Actor {
   void on_ack(const Message& m);
   void on_eos(const Message& m);
   void on_detach(const Message& m);
+  void on_rank_left(std::uint32_t rank);
   Input* input_for(RegisterIndex reg);
   void protocol_error(const Message& m, const char* what);
 
@@ -337,6 +341,7 @@ class Actor {
   // A reducing transfer (reduces()): where its addend starts in its own input's slot, and per
   // slot whether the piece was pulled and still needs the addend when it has landed.
   bool reduces_ = false;
+  bool orphaned_ = false;  // an input's rank left (Input::orphaned)
   std::size_t own_offset_ = 0;
   std::vector<bool> add_on_landing_;
   // Actors on a CUDA or sim device: the stream their kernels enqueue on (and the same as a CUDA
@@ -528,6 +533,15 @@ struct Core : transport::LinkHandler {
 
   void instantiate();
   void fail(std::string reason);
+  /// Runtime::rank_left.
+  void rank_left(std::uint32_t rank, const std::string& reason);
+  /// Whether rank `rank` has left (any thread): messages to it are dropped, from it ignored.
+  bool departed(std::uint32_t rank) const {
+    return rank < departed_ranks && departed_flags[rank].load(std::memory_order_acquire);
+  }
+  std::size_t departed_ranks = 0;
+  std::unique_ptr<std::atomic<bool>[]> departed_flags;
+  std::vector<std::string> departures;  // under `mutex`: "rank r: reason", in order
   bool failed() const { return failed_.load(std::memory_order_acquire); }
   void on_retired();
   Actor* actor(ActorId id) { return actors[id.index()].get(); }

@@ -201,6 +201,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   std::mutex mutex;
   std::unique_ptr<Runtime> runtime;
   std::string early_abort;
+  std::vector<std::pair<std::uint32_t, std::string>> early_left;  // before the runtime existed
   transport::ControlClient control(transport::ClientSettings{.master = env.master,
                                                              .token = env.token,
                                                              .rank = env.rank,
@@ -213,6 +214,17 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     } else {
       early_abort = reason;
     }
+  });
+  control.on_left([&, on_left = js.on_left](std::uint32_t rank, const std::string& reason) {
+    {
+      std::lock_guard lock(mutex);
+      if (runtime) {
+        runtime->rank_left(rank, reason);
+      } else {
+        early_left.emplace_back(rank, reason);
+      }
+    }
+    if (on_left) on_left(rank, reason);
   });
   if (js.observer != nullptr) {
     control.on_command([observer = js.observer](const std::string& kind, const std::string& body) {
@@ -234,7 +246,8 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   if (data_plane_config.empty()) data_plane_config = "as the UCX_ environment variables say";
   transport::DataPlane data(env.rank, env.world_size, js.data);
   // An empty host: join() names this machine.
-  const auto table = control.join(transport::RankInfo{env.rank, {}, data.address(), plan.hash()});
+  const auto table = control.join(
+      transport::RankInfo{.rank = env.rank, .data_address = data.address(), .plan_hash = plan.hash(), .may_leave = js.may_leave});
 
   try {
     js.runtime.rank = static_cast<std::uint16_t>(env.rank);
@@ -251,6 +264,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     std::lock_guard lock(mutex);
     runtime = std::move(rt);
     if (!early_abort.empty()) throw JobError("job aborted: " + early_abort);
+    for (const auto& [rank, reason] : early_left) runtime->rank_left(rank, reason);
   } catch (const std::exception& e) {
     control.fail(e.what());
     throw;

@@ -268,6 +268,8 @@ Core::Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry)
     : plan(std::move(p)), kernels(k), settings(s), dry_run(dry) {
   if (dry_run) settings.activity_log = false;
   activity_log.store(settings.activity_log, std::memory_order_relaxed);
+  for (const ActorDesc& a : plan.actors) departed_ranks = std::max<std::size_t>(departed_ranks, a.where.rank + 1u);
+  departed_flags = std::make_unique<std::atomic<bool>[]>(departed_ranks);
   if (!dry_run) {
     // NCCL gives up a little before the watchdog would, so that the error reported is its own
     // (which names the call and the rank), and at once when the run fails.
@@ -287,6 +289,7 @@ Core::~Core() {
 // The data plane's side (called on its progress thread)
 
 void Core::send_remote(const Message& m, const void* payload, std::size_t payload_size) {
+  if (departed(m.dst.rank())) return;  // it left the job: nobody reads it any more
   if (settings.link == nullptr) {
     fail(fmt::format("a message for {} on rank {} but this runtime has no data plane", m.dst.str(), m.dst.rank()));
     return;
@@ -304,6 +307,7 @@ void Core::send_remote(const Message& m, const void* payload, std::size_t payloa
 
 void Core::send_remote_batch(const Message* m, std::size_t n) {
   if (n == 1 || settings.link == nullptr) return send_remote(*m);  // without a link: fails, saying why
+  if (departed(m->dst.rank())) return;
   try {
     settings.link->send(m->dst.rank(), m, n * sizeof *m);
   } catch (const std::exception& e) {
@@ -312,6 +316,7 @@ void Core::send_remote_batch(const Message* m, std::size_t n) {
 }
 
 void Core::send_remote_mapped(const Message& m, const transport::SharedLocation& at) {
+  if (departed(m.dst.rank())) return;
   const MappedRequest r{m, at};
   try {
     settings.link->send(m.dst.rank(), &r, sizeof r);
@@ -329,6 +334,7 @@ std::optional<transport::SharedLocation> Core::locate_shared(std::uint32_t rank,
 }
 
 Actor* Core::receiver(std::uint32_t from_rank, const Message& m) {
+  if (departed(from_rank)) return nullptr;  // sent before it left: the actors have let it go
   Actor* a = m.dst.index() < actors.size() ? actors[m.dst.index()].get() : nullptr;
   if (m.dst.rank() != settings.rank || a == nullptr || m.src.rank() != from_rank) {
     fail(fmt::format("rank {} sent a {} for {}, which is not an actor of rank {} (do both ranks run the same plan?)",
@@ -726,6 +732,21 @@ void Core::fail(std::string reason) {
   }
   for (auto& w : workers) w->close();
   cv.notify_all();
+}
+
+void Core::rank_left(std::uint32_t rank, const std::string& reason) {
+  if (rank >= departed_ranks || rank == settings.rank) return;  // no actor of ours talks to it
+  if (departed_flags[rank].exchange(true, std::memory_order_acq_rel)) return;
+  {
+    std::lock_guard lock(mutex);
+    departures.push_back(fmt::format("rank {}: {}", rank, reason));
+  }
+  // Each actor lets go of it on its own thread, in order with its other messages.
+  for (auto& a : actors) {
+    if (a && a->worker() != nullptr) {
+      a->worker()->post(Message{a->id(), a->id(), static_cast<std::int64_t>(rank), 0, 0, MsgKind::rank_left, 0});
+    }
+  }
 }
 
 void Core::on_retired() {
@@ -1364,6 +1385,8 @@ Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings setti
 
 void Runtime::abort(const std::string& reason) { impl_->fail(reason); }
 
+void Runtime::rank_left(std::uint32_t rank, const std::string& reason) { impl_->rank_left(rank, reason); }
+
 Runtime::~Runtime() = default;
 
 RunReport Runtime::run() {
@@ -1467,6 +1490,10 @@ RunReport Runtime::run() {
     if (a) a->count_crossings(report);
   }
   if (core.shared_segments) report.shared_register_bytes = core.shared_segments->bytes_allocated();
+  {
+    std::lock_guard lock(core.mutex);
+    report.departed = core.departures;
+  }
   return report;
 }
 

@@ -13,6 +13,7 @@
 /// with its reason: run_job() throws on all of them.
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -118,6 +119,12 @@ struct JobSettings {
   std::chrono::milliseconds finish_timeout{600'000};
   /// Watches the run (not owned; must outlive run_job). Null: nobody.
   JobObserver* observer = nullptr;
+  /// This rank may leave the job once it has formed without ending it (transport::RankInfo::
+  /// may_leave: a parameter-server worker under bounded staleness). On the others, a rank that
+  /// may leave and leaves is Runtime::rank_left, not an abort.
+  bool may_leave = false;
+  /// Called (on the control client's thread) when another rank left the job; null: nobody.
+  std::function<void(std::uint32_t rank, const std::string& reason)> on_left;
 };
 
 /// Applies insert_transfers(), joins the job (checking every rank compiled the same plan),

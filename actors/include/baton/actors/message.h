@@ -28,6 +28,9 @@ enum class MsgKind : std::uint8_t {
   /// may be read where it lies, in the producer's slot in memory the ranks of a host share
   /// (RuntimeSettings::shared_registers); the message carries where (MappedRequest).
   request_mapped,
+  /// runtime -> actor: rank `piece` left the job (Runtime::rank_left): its consumers of this
+  /// actor's outputs detach at what they acked, and this actor's inputs from it read zeros.
+  rank_left,
 };
 
 std::string_view name(MsgKind k);

@@ -94,6 +94,8 @@ struct RunReport {
   /// run_job: what the data plane set in UCX's configuration and why ("TLS=^cma,tcp,
   /// RNDV_THRESH=1048576 (every rank on this host)"); empty for a job of one rank.
   std::string data_plane;
+  /// Ranks that left the job while this one ran (Runtime::rank_left): "rank 1: <reason>".
+  std::vector<std::string> departed;
   /// run_job under BATON_BIND_TO=core: the cores this rank's threads were put on (bind_to_cores).
   std::string binding;
   /// Pieces of this rank's registers that readers on other ranks took (one per piece and

@@ -81,6 +81,13 @@ class Runtime {
   /// Any thread: ends the run (run() throws JobError with this reason). For the job layer: the
   /// control plane reported that another rank failed.
   void abort(const std::string& reason);
+  /// Any thread: rank `rank` left the job and the run goes on without it (a parameter-server
+  /// worker under bounded staleness; the control plane decides who may leave). Messages to it
+  /// are dropped from now on; its consumers of this rank's registers detach at the pieces they
+  /// acked; this rank's transfers from it read zeros from their next piece on (a pull from it
+  /// still in flight lands as zeros), so a sum over replicas goes on with the others'. A
+  /// transfer that gathers from it and another rank cannot, and the run fails saying so.
+  void rank_left(std::uint32_t rank, const std::string& reason);
   /// Counters as of now; safe from any thread while run() is going.
   MetricsSnapshot snapshot() const;
   /// Starts or stops the activity log (needs RuntimeSettings::activity_log, which sets its
