@@ -472,6 +472,14 @@ class Job {
     const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
     if (clean || failure_) return;
     const std::string how = describe_wait_status(status);
+    // A rank that may leave (a parameter-server worker under bounded staleness) leaves: the
+    // rendezvous server tells the others, and the job goes on without it.
+    if (child.kind == Child::Kind::rank && server_ && server_->rank_exited(child.id, "it " + how)) {
+      stderr_.append(fmt::format("baton-launch: {} left the job: it {}; the job goes on without it\n", child.name(),
+                                 how));
+      if (model_) model_->rank_left(child.id, "it " + how);
+      return;
+    }
     if (child.kind == Child::Kind::rank) {
       fail(fmt::format("{} {}", child.name(), how), exit_code_for(status), child.id, how);
     } else {

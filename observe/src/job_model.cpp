@@ -591,10 +591,17 @@ std::string Model::state_json() const {
     x["elapsed_s"] = rounded(r.elapsed_s, 6);
     x["last_seen_s"] = rounded(now - r.last_seen_s);
     x["dropped"] = r.dropped;
-    x["status"] = !r.error.empty() ? "failed" : r.finished ? "finished" : "running";
+    x["status"] = !r.left.empty() ? "left" : !r.error.empty() ? "failed" : r.finished ? "finished" : "running";
     rs.push_back(std::move(x));
   }
   o["ranks"] = std::move(rs);
+  json::array left;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i].left.empty()) continue;
+    left.push_back(json::string(fmt::format("rank {} left at step {}: {}; the job goes on without it", i,
+                                            ranks[i].left_at_step, ranks[i].left)));
+  }
+  o["left"] = std::move(left);
   json::array as;
   for (std::size_t i = 0; i < actors.size(); ++i) {
     if (actors[i].seen) as.push_back(actor_json(i));
@@ -884,6 +891,17 @@ bool JobModel::ingest(std::uint32_t rank, std::string_view kind, std::string_vie
     m.last_error = fmt::format("{} from rank {}: {}", kind, rank, e.what());
     return false;
   }
+}
+
+void JobModel::rank_left(std::uint32_t rank, const std::string& reason) {
+  std::lock_guard lock(impl_->mutex);
+  const detail::RankState* lead = impl_->m.training_rank();
+  const std::int64_t step = lead != nullptr ? lead->step : 0;
+  detail::RankState& r = impl_->m.rank_state(rank);
+  if (!r.left.empty()) return;
+  r.left = reason.empty() ? "it left" : reason;
+  r.left_at_step = step;
+  ++impl_->m.version;
 }
 
 void JobModel::set_outcome(bool ok, const std::string& reason) {

@@ -105,6 +105,8 @@ struct RankState {
   double last_seen_s = 0;
   bool finished = false;
   std::string error;
+  std::string left;  // why it left the job (JobModel::rank_left); empty: it did not
+  std::int64_t left_at_step = 0;
   double elapsed_s = 0;
   std::uint64_t dropped = 0, samples_complete = 0, seq = 0;
   std::size_t actors = 0;

@@ -154,6 +154,9 @@ function render() {
   const error = document.getElementById('error');
   error.hidden = !s.error;
   error.textContent = s.error || '';
+  const left = document.getElementById('left');
+  left.hidden = !s.left || s.left.length === 0;
+  left.textContent = (s.left || []).join('\n');
   drawGraph();
   renderTables();
 }

@@ -52,6 +52,10 @@ class JobModel {
   bool ingest(std::uint32_t rank, std::string_view kind, std::string_view body);
   /// The launcher's verdict (it knows about ranks that died without a word).
   void set_outcome(bool ok, const std::string& reason);
+  /// Rank `rank` left the job and the job goes on without it (a parameter-server worker under
+  /// bounded staleness): its row says "left", and the page says who, when (the job's step as
+  /// the model knows it) and why.
+  void rank_left(std::uint32_t rank, const std::string& reason);
 
   /// Bumps with every complete sample of some rank's counters (the live updates' trigger).
   std::uint64_t version() const;
