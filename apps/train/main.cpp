@@ -877,6 +877,17 @@ int run(const Options& given) {
   });
   const Tracing tracing = start_tracing(o, env, js, watch);
   js.runtime.measure_memory = o.measure_memory;
+  // A parameter-server worker under bounded staleness may leave without ending the job
+  // (docs/parameter-servers.md): the servers go on with the others and say who left.
+  js.may_leave = o.sync == "ps" && o.staleness > 0 && env.distributed() &&
+                 static_cast<int>(env.rank) < static_cast<int>(env.world_size) - server_ranks(o, env);
+  if (leader) {
+    js.on_left = [&o, &job, first](std::uint32_t rank, const std::string& reason) {
+      fmt::print(stderr, "baton-train: rank {} (a worker) left the job at step {}: {}; the servers go on with the "
+                         "other workers (staleness {})\n",
+                 rank, first + job.losses->steps_done(), reason, o.staleness);
+    };
+  }
   const bool tty = isatty(fileno(stdout)) != 0;
   std::exception_ptr failure;
   const RunReport report = run_with_progress(o, job, env, js, leader, first, tty, failure);
@@ -902,6 +913,11 @@ int run(const Options& given) {
                report.pieces_pulled, report.messages_to_other_ranks, report.link_messages);
   }
   if (!leader) return 0;  // the reporting rank speaks for the job
+  if (!report.departed.empty()) {
+    fmt::print(stderr, "baton-train: {} worker{} left during the run and the job went on without {}: {}\n",
+               report.departed.size(), report.departed.size() == 1 ? "" : "s",
+               report.departed.size() == 1 ? "it" : "them", fmt::join(report.departed, "; "));
+  }
   print_result(o, d, job, report, env, sampler, first, tty);
   if (watch.serving() && o.dashboard_linger > 0) {
     std::fflush(stdout);

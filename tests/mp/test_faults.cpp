@@ -199,3 +199,48 @@ TEST_CASE("mp: faults, a rank killed at random moments ends the job within 10 s 
   std::error_code ec;
   fs::remove_all(root, ec);
 }
+
+// Parameter servers under bounded staleness (docs/parameter-servers.md): a worker killed while
+// the job trains leaves it, and the servers finish it with the other worker, reporting the final
+// loss and naming who left; a killed server ends the job, naming it, as any rank's death does.
+TEST_CASE("mp: faults, a parameter-server worker killed under --staleness 2 leaves a finished job; a killed server "
+          "ends it" *
+          doctest::timeout(300)) {
+  // 3,000 steps of a wider MLP: several seconds on 2 cores, so the kill lands mid-training.
+  const std::vector<std::string> argv{bin + "/baton-launch", "--nproc-per-node", "3", "--", bin + "/baton-train",
+                                      "--model", "mlp", "--data", "synthetic", "--dp", "2", "--sync", "ps",
+                                      "--servers", "1", "--staleness", "2", "--steps", "3000", "--batch", "256",
+                                      "--hidden", "256"};
+  for (const int victim : {0, 2}) {
+    CAPTURE(victim);
+    Proc job(argv);
+    // The reporting server prints progress every tenth of the run: the first line means training.
+    const bool training = job.read_until(
+        [](const std::string& out, const std::string&) { return contains(out, "step ") && contains(out, "/3000"); },
+        120s);
+    REQUIRE_MESSAGE(training, job.all());
+    pid_t pid = -1;
+    for (pid_t p : children_of(job.pid())) {
+      if (rank_of(p) == victim) pid = p;
+    }
+    REQUIRE(pid > 0);
+    REQUIRE(::kill(pid, SIGKILL) == 0);
+    const int code = job.wait(120s);
+    INFO(job.all());
+    const std::string err = job.err();
+    if (victim == 0) {
+      CHECK(code == 0);
+      CHECK(contains(err, "rank 0 (host"));
+      CHECK(contains(err, "left the job: it was killed by signal 9 (SIGKILL); the job goes on without it"));
+      CHECK(contains(err, "rank 0 (a worker) left the job at step"));
+      CHECK(contains(err, "1 worker left during the run and the job went on without it: rank 0"));
+      CHECK(contains(job.out(), "done: 3000 steps"));
+      CHECK(contains(job.out(), "final loss"));
+    } else {
+      CHECK(code != 0);
+      CHECK(contains(err, "rank 2 (host"));
+      CHECK(contains(err, "killed by signal 9"));
+      CHECK_FALSE(contains(err, "left the job"));
+    }
+  }
+}

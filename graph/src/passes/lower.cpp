@@ -148,7 +148,12 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
           z != zero_steps[static_cast<std::size_t>(r)].end()) {
         // Under ZeRO the bucket's gather writes the weight (lower_zero); the store is no master.
         add_weight_repeat(b, id, z->second, st, cfg);
-        if (r == 0) finals.push_back({n.name, z->second, where, n.dtype, n.shape, false});
+        // Kept where that register is written: a parameter server's own rank, so the final
+        // weights reach the reporting server without a worker (who may leave) in between.
+        // (ZeRO's gather is added later, by lower_zero: replica 0's place then.)
+        const ActorIndex producer = b.plan.registers[z->second].producer;
+        const Placement written = producer < b.plan.actors.size() ? b.plan.actors[producer].where : where;
+        if (r == 0) finals.push_back({n.name, z->second, written, n.dtype, n.shape, false});
         continue;
       }
       auto it = grad_in[static_cast<std::size_t>(r)].find(id);
@@ -245,6 +250,20 @@ std::shared_ptr<LossLog> lower_loss_report(std::vector<PlanBuilder>& replicas,
   const DType loss_dt = d.loss.dtype();
   RegisterIndex loss_in = loss_regs[0];
   const int loss_place = replicas[0].place(d.loss.id());
+  if (cfg.sync == "ps") {
+    // The servers report: the job's loss survives a worker that leaves (docs/parameter-servers.md).
+    const auto [summed, where] = lower_ps_loss(replicas, loss_regs, loss_dt, loss_place, cfg);
+    const DType pair_dt = loss_dt == DType::f64 ? DType::f64 : DType::f32;
+    replicas[0].kernels.add_fn("loss.report", DeviceType::cpu, pair_dt, [losses, pair_dt](KernelContext& ctx) {
+      const Tensor& t = *ctx.inputs[0];
+      const double sum = pair_dt == DType::f64 ? t.data<double>()[0] : static_cast<double>(t.data<float>()[0]);
+      const double count = pair_dt == DType::f64 ? t.data<double>()[1] : static_cast<double>(t.data<float>()[1]);
+      losses->record(ctx.piece, sum / count);
+    });
+    replicas[0].plan.add_actor(
+        {.name = "loss.report", .op = "loss.report", .dtype = pair_dt, .where = where, .inputs = {{summed}}});
+    return losses;
+  }
   if (cfg.dp > 1) {
     loss_in = add_replica_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2,
                                     loss_place)[0];
@@ -384,7 +403,12 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
     lower_accumulation(b, r, d, cfg, grad_sum, grad_in, grad_windows, clip[static_cast<std::size_t>(r)]);
     loss_regs.push_back(b.reg_of.at(d.loss.id()));
   }
-  const Placement reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
+  Placement reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
+  if (cfg.sync == "ps") {  // server 0 reports (lower_ps_loss) and gets the final weights
+    PlanBuilder s0{replicas[0].g, replicas[0].plan, replicas[0].kernels};
+    s0.places = {server_place(cfg, 0)};
+    reporter = s0.host(forward_stream, 0);
+  }
   std::vector<SnapshotPart> snapshots;
   if (zero) {
     snapshots = lower_zero(replicas, reps, d, grad_sum, zero_steps, clip, cfg, *params, reporter,

@@ -59,6 +59,58 @@ void check_sync(const TrainConfig& cfg) {
   }
 }
 
+Placement server_place(const TrainConfig& cfg, int k) {
+  if (!cfg.server_places.empty()) return cfg.server_places[static_cast<std::size_t>(k)];
+  return Placement{.device = Device{DeviceType::cpu, static_cast<std::uint8_t>(cfg.dp * cfg.pp * cfg.tp + k)}};
+}
+
+std::pair<RegisterIndex, Placement> lower_ps_loss(std::vector<PlanBuilder>& replicas,
+                                                  const std::vector<RegisterIndex>& loss_regs, DType loss_dt,
+                                                  int loss_place, const TrainConfig& cfg) {
+  PlanBuilder& first = replicas.front();
+  PlanBuilder s{first.g, first.plan, first.kernels};
+  s.places = {server_place(cfg, 0)};
+  s.suffix = "@ps0";
+  const DType pair_dt = loss_dt == DType::f64 ? DType::f64 : DType::f32;
+  first.kernels.add_fn("loss.count", DeviceType::cpu, loss_dt, [loss_dt, pair_dt](KernelContext& ctx) {
+    const Tensor& t = *ctx.inputs[0];
+    const double loss = loss_dt == DType::f64    ? static_cast<double>(t.data<double>()[0])
+                        : loss_dt == DType::bf16 ? static_cast<double>(to_float(t.data<bfloat16>()[0]))
+                                                 : static_cast<double>(t.data<float>()[0]);
+    if (pair_dt == DType::f64) {
+      ctx.outputs[0]->data<double>()[0] = loss;
+      ctx.outputs[0]->data<double>()[1] = 1.0;
+    } else {
+      ctx.outputs[0]->data<float>()[0] = static_cast<float>(loss);
+      ctx.outputs[0]->data<float>()[1] = 1.0f;
+    }
+  });
+  std::vector<RegisterIndex> pairs;
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    PlanBuilder& b = replicas[r];
+    const RegisterIndex pair = b.add_register("loss.count", Shape{2}, pair_dt, 2);
+    b.plan.add_actor({.name = b.named("loss.count"),
+                      .op = "loss.count",
+                      .dtype = loss_dt,
+                      .where = b.host(forward_stream, loss_place),
+                      .inputs = {{loss_regs[r]}},
+                      .outputs = {pair}});
+    pairs.push_back(pair);
+  }
+  RegisterIndex sum = pairs[0];
+  for (std::size_t r = 1; r < pairs.size(); ++r) {
+    const RegisterIndex out = s.add_register(fmt::format("loss.sum{}", r), Shape{2}, pair_dt, 2);
+    s.plan.add_actor({.name = s.named(fmt::format("loss.add{}", r)),
+                      .op = "add",
+                      .dtype = pair_dt,
+                      .where = s.host(forward_stream, 0),
+                      .inputs = {{sum}, {pairs[r]}},
+                      .outputs = {out}});
+    sum = out;
+  }
+  return {sum, s.host(forward_stream, 0)};
+}
+
 std::map<int, RegisterIndex> lower_parameter_servers(std::vector<PlanBuilder>& replicas, const Differentiated& d,
                                                      const GradientInputs& grad_sum, const Stages& st,
                                                      const TrainConfig& cfg, ParameterStore& params) {
@@ -67,10 +119,7 @@ std::map<int, RegisterIndex> lower_parameter_servers(std::vector<PlanBuilder>& r
   std::vector<PlanBuilder> servers;
   for (int k = 0; k < n; ++k) {
     PlanBuilder b{first.g, first.plan, first.kernels};
-    b.places = {cfg.server_places.empty()
-                    ? Placement{.device = Device{DeviceType::cpu,
-                                                 static_cast<std::uint8_t>(cfg.dp * cfg.pp * cfg.tp + k)}}
-                    : cfg.server_places[static_cast<std::size_t>(k)]};
+    b.places = {server_place(cfg, k)};
     b.loss_id = first.loss_id;
     b.first_piece = first.first_piece;
     b.suffix = fmt::format("@ps{}", k);

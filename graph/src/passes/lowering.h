@@ -191,6 +191,18 @@ std::map<int, RegisterIndex> lower_parameter_servers(std::vector<PlanBuilder>& r
                                                      const GradientInputs& grad_sum, const Stages& st,
                                                      const TrainConfig& cfg, ParameterStore& params);
 
+/// Where server `k` of TrainConfig::sync "ps" runs: its server place, else in-process device
+/// cpu:(replicas + k).
+Placement server_place(const TrainConfig& cfg, int k);
+
+/// Parameter servers' loss (lower_ps.cpp): each replica's loss of each micro-batch as a pair
+/// (loss, 1), added on server 0 in replica order; the register of the sums, and where it is.
+/// A replica whose rank left the job (Runtime::rank_left) adds (0, 0) from then on, so the
+/// reported mean, sum / count, is over the replicas still there.
+std::pair<RegisterIndex, Placement> lower_ps_loss(std::vector<PlanBuilder>& replicas,
+                                                  const std::vector<RegisterIndex>& loss_regs, DType loss_dt,
+                                                  int loss_place, const TrainConfig& cfg);
+
 /// Throws GraphError, naming both settings, for a `sync` / `servers` / `staleness` that cannot
 /// be built (lower_ps.cpp; check_config calls it).
 void check_sync(const TrainConfig& cfg);
