@@ -421,6 +421,36 @@ TEST_CASE("ParameterServer.WeightsAreShardedOverTheServersByBytes") {
   CHECK(hi - lo <= 8 * 8 * 8);
 }
 
+// The trained weights are gathered once, at the end, by an accumulate whose group is the whole
+// run (ActorDesc::at_end). The compiler's dry run proves a plan in a few of its iterations; it
+// once counted that group into the iteration, so a run of 60,000 steps was refused as a
+// deadlock (its act budget ran out). Found under parameter servers, where the weights live on
+// the servers; pipeline stages over ranks had it too.
+TEST_CASE("ParameterServer.ALongRunIsProvenAsQuicklyAsAShortOne" * doctest::timeout(60)) {
+  Setup s{.schedule = "1f1b", .m = 2, .dp = 2, .sync = "ps", .servers = 2, .staleness = 2};
+  Graph g(11);
+  Value loss = build(g, global_batch / (s.m * s.dp));
+  TrainConfig cfg = config_of(s);
+  cfg.steps = 1'000'000;
+  const TrainingJob job = compile_training(g, loss, cfg);  // verified after every pass
+  int at_end = 0;
+  for (const ActorDesc& a : job.plan.actors) {
+    if (!a.at_end) continue;
+    ++at_end;
+    CAPTURE(a.name);
+    CHECK(a.kind == ActorKind::accumulate);
+    CHECK(a.group == 1'000'000 + 1 + s.staleness);  // every step's weights, then the delayed ones
+    // Kept where its server writes it: the job's result does not pass through a worker.
+    CHECK(a.where.device.index >= 2);
+  }
+  CHECK(at_end == 6);
+  // The loss is reported by server 0, as the mean of (loss, 1) pairs.
+  const auto report = std::find_if(job.plan.actors.begin(), job.plan.actors.end(),
+                                   [](const ActorDesc& a) { return a.name == "loss.report"; });
+  REQUIRE(report != job.plan.actors.end());
+  CHECK(report->where.device.index == 2);
+}
+
 TEST_CASE("ParameterServer.RefusesWhatItDoesNotServe") {
   auto refused = [](Setup s, const std::string& why) {
     CAPTURE(why);

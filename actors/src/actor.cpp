@@ -996,7 +996,7 @@ void Actor::on_rank_left(std::uint32_t rank) {
 
 void Actor::finish(bool unread) {
   finished_ = true;
-  if (core_.dry_run) core_.count_dry_reached();  // a source nobody reads: nothing to prove
+  if (core_.dry_run && !core_.dry_after(index_)) core_.count_dry_reached();  // a source nobody reads: nothing to prove
   // A group cut short by its input's end is a plan error; one cut short because nobody reads
   // the sum any more is not.
   if (desc_.kind == ActorKind::accumulate && count_mod(acts_, out_group_) != 0 && !unread) {

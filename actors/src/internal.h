@@ -551,9 +551,13 @@ struct Core : transport::LinkHandler {
   // Dry run (validation): stop once every actor has acted its target number of times (the plan
   // keeps going) or the act budget is spent.
   bool dry_budget_spent() const { return dry_spent; }
-  std::int64_t dry_target_of(ActorIndex actor) const { return dry_targets.empty() ? dry_target : dry_targets[actor]; }
+  std::int64_t dry_target_of(ActorIndex actor) const {
+    if (!dry_after_end.empty() && dry_after_end[actor]) return 0;
+    return dry_targets.empty() ? dry_target : dry_targets[actor];
+  }
   /// Acts past which a dry run's actor stops (it has proven what it can): none in the long check.
   bool dry_enough(ActorIndex actor, std::int64_t acts) const { return !dry_limits.empty() && acts >= dry_limits[actor]; }
+  bool dry_after(ActorIndex actor) const { return !dry_after_end.empty() && dry_after_end[actor]; }
   void count_dry_act(ActorIndex actor, std::int64_t acts_so_far);
   void count_dry_reached();
 
@@ -622,6 +626,10 @@ struct Core : transport::LinkHandler {
   bool dry_by_tokens = false;             // ProgressCheck::tokens: the long check
   std::vector<std::int64_t> dry_targets;  // by plan index: D + 2 iterations' acts (or empty)
   std::vector<std::int64_t> dry_limits;   // by plan index: 2 D + 3 iterations' acts (or empty)
+  /// By plan index: reads what an ActorDesc::at_end accumulate publishes (or empty): acts only
+  /// after the run, so the dry run does not wait for it (target 0; counted as reached at the
+  /// start). In a short run it may act within the check, and does.
+  std::vector<bool> dry_after_end;
   std::int64_t dry_target = 0;            // every actor's, where the rates do not balance
   bool dry_budget_capped = false;
   std::int64_t dry_budget = 0;

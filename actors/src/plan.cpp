@@ -235,6 +235,7 @@ std::string Plan::to_text() const {
     if (a.role != ActorRole::other) out += fmt::format(" role={}", name(a.role));
     if (a.stage >= 0) out += fmt::format(" stage={}", a.stage);
     if (a.weight_gradient) out += " weight_gradient";
+    if (a.at_end) out += " at_end";
     if (a.order.lane >= 0) {
       out += fmt::format(" order=lane{}:rank{}:units[{}]/{}", a.order.lane, a.order.rank,
                          fmt::join(a.order.units, ","), a.order.period);

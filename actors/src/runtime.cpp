@@ -206,6 +206,8 @@ std::vector<std::int64_t> acts_per_iteration(const Plan& plan) {
       if (in.reg >= plan.registers.size()) return {};
       const ActorIndex p = plan.registers[in.reg].producer;
       if (p >= n) return {};
+      // What an at_end accumulate publishes comes once, after the run: outside the iteration.
+      if (plan.actors[p].at_end) continue;
       const std::int64_t out_group = plan.actors[p].kind == ActorKind::accumulate ? plan.actors[p].group : 1;
       link(p, c, in_ratio, out_group);
     }
@@ -476,7 +478,35 @@ void Core::instantiate() {
     for (const auto& a : plan.actors) {
       for (const auto& in : a.inputs) tokens += in.delay;
       tokens += static_cast<std::int64_t>(a.order.lead.size());  // a lane's prefix: acts paid for once
-      max_group = std::max<std::int64_t>(max_group, a.group);
+      if (!a.at_end) max_group = std::max<std::int64_t>(max_group, a.group);
+    }
+    // Everything downstream of an at_end accumulate acts only after the run: not waited for
+    // (its group, the whole run, would make the check as long as the run).
+    {
+      std::vector<bool> after(plan.actors.size(), false);
+      std::vector<ActorIndex> todo;
+      for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+        if (plan.actors[i].at_end) todo.push_back(i);
+      }
+      while (!todo.empty()) {
+        const ActorIndex i = todo.back();
+        todo.pop_back();
+        for (RegisterIndex r : plan.actors[i].outputs) {
+          if (r >= plan.registers.size()) continue;
+          for (ActorIndex c : plan.registers[r].consumers) {
+            if (c < after.size() && !after[c]) {
+              after[c] = true;
+              todo.push_back(c);
+            }
+          }
+        }
+      }
+      if (std::find(after.begin(), after.end(), true) != after.end()) {
+        dry_after_end = std::move(after);
+        for (ActorIndex i = 0; i < dry_after_end.size(); ++i) {
+          if (dry_after_end[i] && i < actors.size() && actors[i]) ++dry_reached;  // nothing to prove
+        }
+      }
     }
     // The handshakes make the plan a marked graph once each actor is unrolled into its acts of
     // one iteration (acts_per_iteration): act k of a consumer reading with delay d needs act
@@ -527,7 +557,9 @@ void Core::instantiate() {
       dry_target = (tokens + 2) * max_group;
       double spread = 1;
       for (const auto& a : plan.actors) {
-        if (a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) spread = std::min(spread * a.group, 1e9);
+        if ((a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) && !a.at_end) {
+          spread = std::min(spread * a.group, 1e9);
+        }
       }
       want = static_cast<double>(dry_target) * static_cast<double>(local_actors) * 4 * spread;
     }
@@ -1255,6 +1287,7 @@ void progress_check(const Plan& plan, std::uint16_t rank, ProgressCheck how, std
   std::string stuck;
   for (auto& a : core.actors) {
     if (!a || a->retired() || all_reached) continue;
+    if (!core.dry_after_end.empty() && core.dry_after_end[a->plan_index()]) continue;  // acts after the run
     const bool short_of_target = static_cast<std::int64_t>(a->acts()) < core.dry_target_of(a->plan_index());
     bool blocked = short_check               ? short_of_target
                    : quiesced                ? !a->ready()

@@ -307,7 +307,8 @@ void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& p
                     .inputs = {{f.reg}},
                     .outputs = {last},
                     .group = static_cast<std::int32_t>(pieces),
-                    .role = ActorRole::update});
+                    .role = ActorRole::update,
+                    .at_end = true});
     Tensor dest = params.at(f.name);
     kernels.add_fn(name, DeviceType::cpu, f.dtype,
                    [dest](KernelContext& ctx) mutable { copy_tensor(*ctx.inputs[0], dest); });

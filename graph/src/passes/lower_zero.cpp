@@ -417,7 +417,8 @@ void add_zero3_store(std::vector<PlanBuilder>& replicas, const Replicas::Bucket&
                       .inputs = {{from}},
                       .outputs = {last},
                       .group = static_cast<std::int32_t>(acts),
-                      .role = ActorRole::update});
+                      .role = ActorRole::update,
+                      .at_end = true});
       from = last;
       copy_at = 0;
     }

@@ -195,6 +195,11 @@ struct ActorDesc {
   /// side of a matrix product's backward): a schedule that splits the backward may run it later
   /// than the input gradients (B) the stage before waits for.
   bool weight_gradient = false;
+  /// An accumulate whose group is the whole run (it keeps the run's last piece: the trained
+  /// weights gathered once at the end). It publishes once, after the run, so the dry run
+  /// (validate()'s progress check), which proves the plan's steady state in a few of its
+  /// iterations, neither counts its group into an iteration nor waits for what reads it.
+  bool at_end = false;
   /// Its place in its worker's fixed order of acts, if it has one (pipeline schedules).
   ActOrder order{};
   /// Memory its kernel keeps beyond its registers, by category (KeptBytes).
