@@ -472,7 +472,7 @@ TEST_CASE("cross rank: a reducing transfer must add a float piece from another r
     const RegisterIndex out = reg(name, elements, dt);
     p.add_actor({.name = std::move(name), .kind = ActorKind::transfer, .op = "transfer.add", .dtype = dt,
                  .where = {.rank = 1, .device = on}, .inputs = std::move(ins), .outputs = {out}, .window = window,
-                 .attrs = {{"offset", offset}}});
+                 .attrs = {{"offset", offset}}, .adds = true});
   };
   add("ok", {a, mine}, 16);
   add("ok_window", {a, mine}, 4, 12, 12);

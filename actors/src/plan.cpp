@@ -36,7 +36,7 @@ RegisterIndex Plan::add_register(RegisterDesc r) {
   return static_cast<RegisterIndex>(registers.size() - 1);
 }
 
-bool reduces(const ActorDesc& a) { return a.kind == ActorKind::transfer && a.op == "transfer.add"; }
+bool reduces(const ActorDesc& a) { return a.kind == ActorKind::transfer && a.adds; }
 
 std::string_view name(ActorRole r) {
   switch (r) {
@@ -117,7 +117,7 @@ bool copied_to_cuda(const Plan& plan, RegisterIndex reg, std::size_t depth) {
   for (ActorIndex c : plan.registers[reg].consumers) {
     if (c >= plan.actors.size()) continue;
     const ActorDesc& a = plan.actors[c];
-    if (a.op == "to_device" && a.where.device.type == DeviceType::cuda) return true;
+    if (a.copy == CopyDirection::to_device && a.where.device.type == DeviceType::cuda) return true;
     if (is_view(a) && a.outputs.size() == 1 && copied_to_cuda(plan, a.outputs[0], depth + 1)) return true;
   }
   return false;
@@ -236,6 +236,10 @@ std::string Plan::to_text() const {
     if (a.stage >= 0) out += fmt::format(" stage={}", a.stage);
     if (a.weight_gradient) out += " weight_gradient";
     if (a.at_end) out += " at_end";
+    if (a.copy != CopyDirection::none) out += a.copy == CopyDirection::to_host ? " copy=to_host" : " copy=to_device";
+    if (a.adds) out += " adds";
+    if (a.memory) out += fmt::format(" memory={}", name(*a.memory));
+    if (a.reports_loss) out += " reports_loss";
     if (a.order.lane >= 0) {
       out += fmt::format(" order=lane{}:rank{}:units[{}]/{}", a.order.lane, a.order.rank,
                          fmt::join(a.order.units, ","), a.order.period);
@@ -383,12 +387,12 @@ Plan device_copies(const Plan& plan) {
     const ActorIndex producer = out.registers[r].producer;
     if (producer == no_actor || producer >= out.actors.size()) continue;  // validate() reports it
     const Placement home = out.actors[producer].where;
-    if (out.actors[producer].op == "to_host" || out.actors[producer].op == "to_device") continue;  // a copy already
+    if (out.actors[producer].copy != CopyDirection::none) continue;  // a copy already
     std::map<Device, std::vector<ActorIndex>> elsewhere;
     for (ActorIndex c : out.registers[r].consumers) {
       if (c >= out.actors.size()) continue;
       const ActorDesc& a = out.actors[c];
-      if (a.op == "to_device" || a.op == "to_host") continue;  // a copy already
+      if (a.copy != CopyDirection::none) continue;  // a copy already
       const bool remote = a.where.rank != home.rank || a.kind == ActorKind::transfer;
       if (remote) {
         // Staged through the producer's host side: UCX here moves host memory only.
@@ -403,6 +407,7 @@ Plan device_copies(const Plan& plan) {
       const bool to_host = !is_async(device.type);
       ActorDesc t;
       t.op = to_host ? "to_host" : "to_device";
+      t.copy = to_host ? CopyDirection::to_host : CopyDirection::to_device;
       const bool peer = !to_host && is_async(home.device.type);  // device -> device
       t.where = Placement{home.rank, to_host ? home.device : device,
                           peer ? peer_copy_stream(home.device) : device_copy_stream};

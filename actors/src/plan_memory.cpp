@@ -302,8 +302,8 @@ RegisterMemory register_memory(const Plan& plan, RegisterIndex r) {
   // As the runtime's Core::allocator_for: a CUDA producer's registers are device memory, unless
   // it copies to the host; what crosses between host and device is page-locked host memory.
   // (A sim device's memory is host memory: nothing of it is page-locked.)
-  if (p.where.device.type == DeviceType::cuda && p.op != "to_host") return out;
-  if ((p.op == "to_host" && p.where.device.type == DeviceType::cuda) || copied_to_cuda(plan, r)) {
+  if (p.where.device.type == DeviceType::cuda && p.copy != CopyDirection::to_host) return out;
+  if ((p.copy == CopyDirection::to_host && p.where.device.type == DeviceType::cuda) || copied_to_cuda(plan, r)) {
     out.pinned = true;
     out.device = Device{DeviceType::cpu, p.where.device.index};
   } else if (reg.kernel_memory) {
@@ -317,13 +317,14 @@ MemoryCategory register_category(const Plan& plan, RegisterIndex r) {
     const ActorIndex producer = plan.registers[r].producer;
     if (producer >= plan.actors.size()) return MemoryCategory::other;
     const ActorDesc& p = plan.actors[producer];
-    const bool mover = p.kind == ActorKind::transfer || p.op == "to_host" || p.op == "to_device";
+    const bool mover = p.kind == ActorKind::transfer || p.copy != CopyDirection::none;
     if (mover && !p.inputs.empty()) {
       r = p.inputs[0].reg;
       continue;
     }
-    // A ZeRO-3 weight gathered for its pass is a weight, though its gather acts in the pass.
-    if (p.op.starts_with("zero3.gather.")) return MemoryCategory::weights;
+    // Said by the actor (a ZeRO-3 weight gathered for its pass is a weight, though its gather
+    // acts in the pass).
+    if (p.memory) return *p.memory;
     switch (p.role) {
       case ActorRole::update:
         return MemoryCategory::weights;

@@ -627,14 +627,14 @@ bool Core::read_on_other_ranks(RegisterIndex reg) {
 
 Allocator& Core::allocator_for(const ActorDesc& producer, RegisterIndex reg) {
   const Device d = producer.where.device;
-  if (d.type == DeviceType::cuda && producer.op != "to_host") {
+  if (d.type == DeviceType::cuda && producer.copy != CopyDirection::to_host) {
     auto& alloc = device_allocators[d];
     if (!alloc) alloc = cuda::make_device_allocator(d);
     return *alloc;
   }
   // Registers that cross between host and a CUDA device are page-locked, so that their copies
   // run on the copy engines, asynchronously. (A sim device's memory is host memory.)
-  const bool crosses = (producer.op == "to_host" && d.type == DeviceType::cuda) ||
+  const bool crosses = (producer.copy == CopyDirection::to_host && d.type == DeviceType::cuda) ||
                        copied_to_cuda(plan, reg);
   if (crosses) {
     if (!pinned) pinned = cuda::make_pinned_allocator(Device{});

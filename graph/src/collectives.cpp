@@ -355,7 +355,8 @@ std::vector<RegisterIndex> add_direct_allreduce(Plan& plan, const std::string& n
       plan.add_actor({.name = name + ".sum" + m.suffix, .kind = ActorKind::transfer, .op = "transfer.add",
                       .dtype = dtype, .where = m.where, .inputs = {{other.input}, {m.input}},
                       .outputs = {results.back()}, .attrs = {{"offset", std::int64_t{0}}, {"allreduce", name}},
-                      .role = ActorRole::collective});
+                      .role = ActorRole::collective,
+                      .adds = true});
       continue;
     }
     plan.add_actor({.name = name + ".sum" + m.suffix, .op = "allreduce.sum", .dtype = dtype, .where = m.where,
@@ -497,7 +498,8 @@ ReduceScattered ring_or_two_hop_scatter(Plan& plan, const std::string& name, con
           plan.add_actor({.name = fmt::format("{}.add{}{}", name, piece, m.suffix), .kind = ActorKind::transfer,
                           .op = "transfer.add", .dtype = dtype, .where = m.where, .inputs = {partial.front(), own.front()},
                           .outputs = {r}, .window = from, .attrs = {{"offset", own_from}, {"allreduce", name}},
-                          .role = ActorRole::collective});
+                          .role = ActorRole::collective,
+                          .adds = true});
           hand_on(r, m);
           continue;
         }

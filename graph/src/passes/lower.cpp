@@ -73,8 +73,6 @@ void label_roles_and_stages(Plan& plan, const std::vector<PlanBuilder>& replicas
       a.role = ActorRole::update;
     } else if (a.kind == ActorKind::source && a.op.starts_with("data.")) {
       a.role = ActorRole::data;
-    } else if (a.op == "loss.report") {
-      a.role = ActorRole::forward;
     }
   }
 }
@@ -260,8 +258,13 @@ std::shared_ptr<LossLog> lower_loss_report(std::vector<PlanBuilder>& replicas,
       const double count = pair_dt == DType::f64 ? t.data<double>()[1] : static_cast<double>(t.data<float>()[1]);
       losses->record(ctx.piece, sum / count);
     });
-    replicas[0].plan.add_actor(
-        {.name = "loss.report", .op = "loss.report", .dtype = pair_dt, .where = where, .inputs = {{summed}}});
+    replicas[0].plan.add_actor({.name = "loss.report",
+                                .op = "loss.report",
+                                .dtype = pair_dt,
+                                .where = where,
+                                .inputs = {{summed}},
+                                .role = ActorRole::forward,
+                                .reports_loss = true});
     return losses;
   }
   if (cfg.dp > 1) {
@@ -282,7 +285,9 @@ std::shared_ptr<LossLog> lower_loss_report(std::vector<PlanBuilder>& replicas,
                               .op = "loss.report",
                               .dtype = loss_dt,
                               .where = replicas[0].host(forward_stream, loss_place),
-                              .inputs = {{loss_in}}});
+                              .inputs = {{loss_in}},
+                              .role = ActorRole::forward,
+                              .reports_loss = true});
   return losses;
 }
 

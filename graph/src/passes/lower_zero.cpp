@@ -576,7 +576,8 @@ void add_zero3_gather(PlanBuilder& b, std::size_t r, int id, Zero3Layout& z, boo
                     .where = where,
                     .inputs = std::move(ins),
                     .outputs = {reg},
-                    .role = backward ? ActorRole::backward : ActorRole::forward});
+                    .role = backward ? ActorRole::backward : ActorRole::forward,
+                    .memory = MemoryCategory::weights});  // gathered in the pass, but weights
   // FSDP's prefetch: the next gather's pulls go into the lane here, behind this gather and
   // ahead of this weight's readers, so that they cross while those compute.
   if (auto next = z.next.find({id, backward}); next != z.next.end()) {

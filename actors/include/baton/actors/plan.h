@@ -9,6 +9,7 @@
 ///                   .outputs = {r}, .pieces = 1000});
 ///   plan.add_actor({.name = "sink", .op = "noop", .inputs = {{r}}});
 #include <cstdint>
+#include <optional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -91,6 +92,10 @@ std::string_view name(ActorRole r);
 enum class MemoryCategory : std::uint8_t { weights, optimizer_state, activations, gradients, other };
 inline constexpr std::size_t memory_categories = 5;
 std::string_view name(MemoryCategory c);
+
+/// What a copy actor moves between host and device (insert_device_copies sets it; its op names
+/// its kernel, "to_host" or "to_device", which no other layer reads for its meaning).
+enum class CopyDirection : std::uint8_t { none, to_host, to_device };
 
 /// Bytes a kernel keeps for the whole job outside any register (a variable's master weight and
 /// optimizer state): the memory report counts them on the actor's device; the kernel allocates them.
@@ -200,6 +205,16 @@ struct ActorDesc {
   /// (validate()'s progress check), which proves the plan's steady state in a few of its
   /// iterations, neither counts its group into an iteration nor waits for what reads it.
   bool at_end = false;
+  /// A copy between host and device memory (CopyDirection), or none.
+  CopyDirection copy = CopyDirection::none;
+  /// Transfers only: adds the piece it moves to the window of its own second input as it reads
+  /// it (the fused receive-add of a collective's reduce step) instead of moving it as it is.
+  bool adds = false;
+  /// What the memory report counts this actor's outputs as, where its role alone would say
+  /// otherwise (a ZeRO-3 gather acts in the pass, but what it writes is the weights).
+  std::optional<MemoryCategory> memory;
+  /// Reports the job's loss (loss.report): the rank it runs on speaks for the job.
+  bool reports_loss = false;
   /// Its place in its worker's fixed order of acts, if it has one (pipeline schedules).
   ActOrder order{};
   /// Memory its kernel keeps beyond its registers, by category (KeptBytes).
