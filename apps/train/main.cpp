@@ -761,6 +761,17 @@ void print_busiest(const RunReport& report) {
              all, kernel, busy - kernel, top.table());
 }
 
+/// ', "departed": ["rank 1: <reason>", ...]' for the workers that left the job (a parameter-server
+/// job under staleness), or nothing.
+std::string departed_json(const RunReport& report) {
+  if (report.departed.empty()) return {};
+  std::string out = ", \"departed\": [";
+  for (std::size_t i = 0; i < report.departed.size(); ++i) {
+    out += (i == 0 ? "" : ", ") + sample::TextSampler::json_string(report.departed[i]);
+  }
+  return out + "]";
+}
+
 /// The reporting rank's result: the final loss, the held-out evaluation, a sample, the busiest
 /// actors (or, with --json, one JSON line).
 void print_result(const Options& o, const Data& d, const TrainingJob& job, const RunReport& report,
@@ -787,12 +798,13 @@ void print_result(const Options& o, const Data& d, const TrainingJob& job, const
   if (o.json) {
     fmt::print("{{\"model\": \"{}\", \"data\": \"{}\", \"steps\": {}, \"batch\": {}, \"dp\": {}, \"pp\": {}, \"tp\": {}, \"ranks\": {}, \"microbatches\": {}, "
                "\"final_loss\": {:.6g}, \"eval_loss\": {}, \"eval_accuracy\": {}, \"samples_per_s\": {:.6g}, "
-               "\"wall_s\": {:.6g}, \"first_step\": {}{}{}}}\n",
+               "\"wall_s\": {:.6g}, \"first_step\": {}{}{}{}}}\n",
                o.model, o.data, o.steps, o.batch, o.dp, o.pp, o.tp, env.world_size, o.microbatches, losses.back(),
                std::isnan(eval_loss) ? "null" : fmt::format("{:.6g}", eval_loss),
                std::isnan(accuracy) ? "null" : fmt::format("{:.6g}", accuracy), samples_per_s, report.wall_s, first,
                d.text ? fmt::format(", \"unigram_entropy\": {:.6g}", d.text->unigram_entropy_nats()) : "",
-               drawn ? fmt::format(", \"sample\": {}", sample::TextSampler::json_string(drawn->text)) : "");
+               drawn ? fmt::format(", \"sample\": {}", sample::TextSampler::json_string(drawn->text)) : "",
+               departed_json(report));
     return;
   }
   fmt::print("{}done: {} steps in {:.2f} s, {:.0f} samples/s | final loss {:.4f} | held-out loss {}", tty ? "\n" : "",
@@ -856,7 +868,7 @@ int run(const Options& given) {
   // The rank that reports for the job: where the losses arrive (loss.report) and where the
   // compiled plan brings the trained weights for the held-out evaluation.
   const auto reporter = std::find_if(job.plan.actors.begin(), job.plan.actors.end(),
-                                     [](const ActorDesc& a) { return a.name == "loss.report"; });
+                                     [](const ActorDesc& a) { return a.reports_loss; });
   const bool leader = env.rank == (reporter == job.plan.actors.end() ? 0u : reporter->where.rank);
   if (printed_instead(o, job, leader)) return 0;
   if (!o.json && leader) print_header(o, job, env, cfg, resumed, first);
