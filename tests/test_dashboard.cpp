@@ -870,3 +870,34 @@ TEST_CASE("Dashboard.TimelineShowsTheGradientAllReduceOfEachStep" * doctest::tim
     CHECK(pieces == std::set<std::int64_t>{0, 1, 2, 3, 4, 5});
   }
 }
+
+// A rank that left the job (a parameter-server worker under staleness, JobModel::rank_left):
+// its row says "left", the page's "left" line says who, at which step (the job's, as the model
+// knows it) and why; the job itself is not failed by it.
+TEST_CASE("Dashboard.ARankThatLeftIsShownAsLeftWithItsStepAndReason") {
+  JobModel model({.world_size = 3});
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    CHECK(model.ingest(r, "dash.hello", fmt::format(R"({{"rank":{},"host":"h","world_size":3,"plan_hash":"00ff","workers":["cpu:0/s0"],"actors":0}})", r)));
+  }
+  CHECK(model.ingest(2, "dash.metrics",
+                     R"({"seq":0,"elapsed_s":1,"dropped":0,"step":37,"samples":370,"loss":0.5,"lr":0.1,"part":0,"parts":1,"entries":[]})"));
+  const std::uint64_t before = model.version();
+  model.rank_left(1, "it was killed by signal 9 (SIGKILL)");
+  CHECK(model.version() > before);
+  model.rank_left(1, "a second word is not kept");
+  const auto state = boost::json::parse(model.state_json()).as_object();
+  CHECK(state.at("status").as_string() != "failed");
+  CHECK(state.at("error").as_string().empty());
+  const auto& left = state.at("left").as_array();
+  REQUIRE(left.size() == 1);
+  CHECK(std::string(left[0].as_string()) ==
+        "rank 1 left at step 37: it was killed by signal 9 (SIGKILL); the job goes on without it");
+  int rows_left = 0;
+  for (const auto& r : state.at("ranks").as_array()) {
+    if (r.as_object().at("status").as_string() == "left") {
+      ++rows_left;
+      CHECK(r.as_object().at("rank").as_int64() == 1);
+    }
+  }
+  CHECK(rows_left == 1);
+}
