@@ -48,9 +48,8 @@ const ActorDesc* find_actor(const Plan& p, const std::string& name) {
 }  // namespace
 
 TEST_CASE("Passes.NamesAreThePipelineInOrder") {
-  const std::vector<std::string_view> want{"autodiff",      "sbp",       "stages", "recompute",
-                                           "replicas",      "lower",     "device_copies",
-                                           "transfers",     "lanes",     "memory"};
+  const std::vector<std::string_view> want{"autodiff", "sbp",   "stages",        "recompute", "replicas", "sync",
+                                           "lower",    "device_copies", "transfers", "lanes",    "memory"};
   const auto& got = passes::names();
   REQUIRE(got.size() >= want.size());
   CHECK(std::vector<std::string_view>(
@@ -269,6 +268,48 @@ TEST_CASE("Passes.ThePipelineIsCompileTrainingAndPrintsAfterEachPass") {
   one.cfg.print_after = {"inline"};
   CHECK_THROWS_WITH_AS(compile_training(one.g, one.loss, one.cfg),
                        doctest::Contains("print after 'inline': no such pass"), GraphError);
+}
+
+// Gradient synchronisation is one strategy chosen once (GradientSync, sync.cpp): --print-after
+// sync names it and lists the actors it added, and those are the strategy's own (the
+// all-reduce's ring, ZeRO's sharded optimizers, the servers' variables), not the model's.
+TEST_CASE("Passes.GradientSyncIsOneStrategyShownAfterItsPass") {
+  struct Case {
+    const char* what;
+    int zero;
+    const char* sync;
+    const char* names;  // in the description
+    const char* added;  // an actor name it adds, in part
+  };
+  for (const Case& c : {Case{"all-reduce", 0, "allreduce", "all-reduce over 2 replicas", "allreduce."},
+                        Case{"zero 2", 2, "allreduce", "ZeRO stage 2 over 2 replicas", "zero"},
+                        Case{"zero 3", 3, "allreduce", "ZeRO stage 3 over 2 replicas", "zero"},
+                        Case{"servers", 0, "ps", "parameter servers: 1 server, staleness 0", "@ps0"}}) {
+    CAPTURE(c.what);
+    Mlp m(4);
+    m.cfg.dp = 2;
+    m.cfg.zero = c.zero;
+    m.cfg.sync = c.sync;
+    std::string text;
+    m.cfg.print_after = {"sync"};
+    m.cfg.print_ir = [&](std::string_view pass, const std::string& ir) {
+      CHECK(pass == "sync");
+      text = ir;
+    };
+    const TrainingJob job = compile_training(m.g, m.loss, m.cfg);
+    CAPTURE(text);
+    CHECK(text.starts_with(std::string("gradient sync: ") + c.names + "\n"));
+    CHECK(text.find(c.added) != std::string::npos);
+    // Every actor listed is in the plan, and no model op (the forward's matmuls) is among them.
+    std::size_t listed = 0;
+    for (std::size_t at = text.find("\n  "); at != std::string::npos; at = text.find("\n  ", at + 1)) {
+      const std::string name = text.substr(at + 3, text.find(' ', at + 3) - (at + 3));
+      CHECK(find_actor(job.plan, name) != nullptr);
+      CHECK_FALSE(name.starts_with("matmul"));
+      ++listed;
+    }
+    CHECK(listed > 0);
+  }
 }
 
 TEST_CASE("Passes.MemoryPlacesEverySlotTheRuntimeAllocatesAndLanesOrderTheOneStage") {

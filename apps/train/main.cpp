@@ -1072,7 +1072,7 @@ void add_run_options(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"text", "dot"}));
   app.add_option("--print-after", o.print_after,
                  "print the compiler's IR after these passes (comma-separated, or all), as LLVM's -print-after: "
-                 "autodiff, sbp, stages, recompute, replicas, lower, device_copies, transfers, lanes, memory")
+                 "autodiff, sbp, stages, recompute, replicas, sync, lower, device_copies, transfers, lanes, memory")
       ->delimiter(',');
   app.add_flag("!--no-memory-plan", o.memory_plan,
                "give every register slot memory of its own instead of packing slots whose lives never meet into "

@@ -24,11 +24,6 @@ namespace detail {
 
 namespace {
 
-template <class T>
-double scalar_of(const Tensor& t) {
-  return static_cast<double>(t.data<T>()[0]);
-}
-
 /// Runs another kernel with its piece numbers mapped: replica r of dp, M micro-batches a step,
 /// reads micro-batch s*dp*M + r*M + k of the whole job where it is at its own piece s*M + k.
 class ReplicaPieces final : public Kernel {
@@ -238,58 +233,6 @@ void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
                     .outputs = {*clip}});
 }
 
-/// The loss of each micro-batch, summed over the replicas (each replica's micro-batch k of a
-/// step) and reported once, on replica 0, as their mean.
-std::shared_ptr<LossLog> lower_loss_report(std::vector<PlanBuilder>& replicas,
-                                           const Differentiated& d,
-                                           const std::vector<RegisterIndex>& loss_regs,
-                                           const TrainConfig& cfg) {
-  auto losses = std::make_shared<LossLog>(cfg.microbatches);
-  const DType loss_dt = d.loss.dtype();
-  RegisterIndex loss_in = loss_regs[0];
-  const int loss_place = replicas[0].place(d.loss.id());
-  if (cfg.sync == "ps") {
-    // The servers report: the job's loss survives a worker that leaves (docs/parameter-servers.md).
-    const auto [summed, where] = lower_ps_loss(replicas, loss_regs, loss_dt, loss_place, cfg);
-    const DType pair_dt = loss_dt == DType::f64 ? DType::f64 : DType::f32;
-    replicas[0].kernels.add_fn("loss.report", DeviceType::cpu, pair_dt, [losses, pair_dt](KernelContext& ctx) {
-      const Tensor& t = *ctx.inputs[0];
-      const double sum = pair_dt == DType::f64 ? t.data<double>()[0] : static_cast<double>(t.data<float>()[0]);
-      const double count = pair_dt == DType::f64 ? t.data<double>()[1] : static_cast<double>(t.data<float>()[1]);
-      losses->record(ctx.piece, sum / count);
-    });
-    replicas[0].plan.add_actor({.name = "loss.report",
-                                .op = "loss.report",
-                                .dtype = pair_dt,
-                                .where = where,
-                                .inputs = {{summed}},
-                                .role = ActorRole::forward,
-                                .reports_loss = true});
-    return losses;
-  }
-  if (cfg.dp > 1) {
-    loss_in = add_replica_allreduce(replicas, "loss", loss_regs, {}, loss_dt, forward_stream, 2,
-                                    loss_place)[0];
-  }
-  const double loss_scale = 1.0 / static_cast<double>(cfg.dp);
-  replicas[0].kernels.add_fn(
-      "loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt, loss_scale](KernelContext& ctx) {
-        const Tensor& t = *ctx.inputs[0];
-        const double value = loss_dt == DType::f64 ? scalar_of<double>(t)
-                             : loss_dt == DType::bf16
-                                 ? static_cast<double>(to_float(t.data<bfloat16>()[0]))
-                                 : scalar_of<float>(t);
-        losses->record(ctx.piece, loss_scale * value);
-      });
-  replicas[0].plan.add_actor({.name = "loss.report",
-                              .op = "loss.report",
-                              .dtype = loss_dt,
-                              .where = replicas[0].host(forward_stream, loss_place),
-                              .inputs = {{loss_in}},
-                              .role = ActorRole::forward,
-                              .reports_loss = true});
-  return losses;
-}
 
 }  // namespace
 
@@ -363,33 +306,17 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
                                                              v.dtype(), 1);
     }
   }
-  // Under ZeRO the variables' actors are the buckets' sharded optimizers (lower_zero), and each
-  // trained weight's step register is written by its bucket's gather.
-  const bool zero = cfg.zero > 0 && cfg.dp > 1;
-  GradientInputs grad_in(static_cast<std::size_t>(cfg.dp)), zero_steps(grad_in.size());
-  GradientWindows grad_windows(grad_in.size());
-  // Stage 3 keeps no step register: the weights are gathered from the shards where read.
-  std::optional<Zero3Layout> zero3;
-  if (zero && cfg.zero == 3) {
-    zero3 = zero3_layout(replicas, reps, cfg);
-    zero3->reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
-    zero3_sequence(*zero3, g, d.need, d.loss.id());
-  } else if (zero) {
-    for (const auto& [v, grad] : d.trained) {
-      for (std::int64_t r = 0; r < cfg.dp; ++r) {
-        zero_steps[static_cast<std::size_t>(r)][v.id()] =
-            replicas[static_cast<std::size_t>(r)].add_register(v.name() + ".step", v.shape(),
-                                                               v.dtype(), 1);
-      }
-    }
-  } else if (cfg.sync == "ps") {
-    // Each replica repeats the weights its server writes (lower_ps.cpp), as ZeRO's gathers.
-    for (const auto& [id, w] : lower_parameter_servers(replicas, d, grad_sum, st, cfg, *params)) {
-      for (auto& steps : zero_steps) steps[id] = w;
-    }
-  } else {
-    grad_in = lower_gradient_allreduce(replicas, reps, grad_sum, cfg, grad_windows);
-  }
+  // How the replicas' gradients become the weights they read next (sync.cpp): the actors it
+  // adds are listed by --print-after sync.
+  const std::unique_ptr<GradientSync> sync = choose_sync(cfg);
+  std::vector<std::pair<std::size_t, std::size_t>> sync_actors;  // [from, to) plan indices
+  const auto by_sync = [&](auto&& add) {
+    const std::size_t from = plan.actors.size();
+    add();
+    sync_actors.emplace_back(from, plan.actors.size());
+  };
+  SyncRegisters regs;
+  by_sync([&] { regs = sync->before_nodes(replicas, reps, d, grad_sum, st, *params); });
   std::vector<std::optional<RegisterIndex>> clip(static_cast<std::size_t>(cfg.dp));
   if (cfg.optimizer.clip_norm > 0 && !d.trained.empty()) {
     for (std::int64_t r = 0; r < cfg.dp; ++r) {
@@ -403,39 +330,42 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   for (std::int64_t r = 0; r < cfg.dp; ++r) {
     PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
     const std::set<int> fed = lower_data(b, r, st, cfg);
-    lower_nodes(b, r, d, st, cfg, fed, grad_in, grad_windows, zero_steps,
-                zero3 ? &*zero3 : nullptr, clip[static_cast<std::size_t>(r)],
-                *params, finals);
-    lower_accumulation(b, r, d, cfg, grad_sum, grad_in, grad_windows, clip[static_cast<std::size_t>(r)]);
+    lower_nodes(b, r, d, st, cfg, fed, regs.grad_in, regs.grad_windows, regs.steps,
+                regs.zero3 ? &*regs.zero3 : nullptr, clip[static_cast<std::size_t>(r)], *params, finals);
+    lower_accumulation(b, r, d, cfg, grad_sum, regs.grad_in, regs.grad_windows, clip[static_cast<std::size_t>(r)]);
     loss_regs.push_back(b.reg_of.at(d.loss.id()));
   }
-  Placement reporter = replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
-  if (cfg.sync == "ps") {  // server 0 reports (lower_ps_loss) and gets the final weights
-    PlanBuilder s0{replicas[0].g, replicas[0].plan, replicas[0].kernels};
-    s0.places = {server_place(cfg, 0)};
-    reporter = s0.host(forward_stream, 0);
-  }
-  std::vector<SnapshotPart> snapshots;
-  if (zero) {
-    snapshots = lower_zero(replicas, reps, d, grad_sum, zero_steps, clip, cfg, *params, reporter,
-                           zero3 ? &*zero3 : nullptr);
-    // Replica 0's gathers on the reporting rank write the store themselves (lower_zero).
-    for (FinalWeight& f : finals) f.in_store = f.in_store || f.where.rank == reporter.rank;
-  }
-  auto losses = lower_loss_report(replicas, d, loss_regs, cfg);
+  const Placement reporter = sync->reporter(replicas, d);
+  std::optional<std::vector<SnapshotPart>> sync_snapshots;
+  by_sync([&] {
+    sync_snapshots = sync->after_nodes(replicas, reps, d, grad_sum, regs, clip, *params, reporter, finals);
+  });
+  std::shared_ptr<LossLog> losses;
+  by_sync([&] { losses = sync->report_loss(replicas, d, loss_regs); });
+  print_after(cfg, "sync", [&] {
+    std::string text = "gradient sync: " + sync->describe() + "\n";
+    for (const auto& [from, to] : sync_actors) {
+      for (std::size_t i = from; i < to; ++i) {
+        const ActorDesc& a = plan.actors[i];
+        text += fmt::format("  {} ({} {}) at rank {} {}\n", a.name, name(a.kind), a.op, a.where.rank, a.where.device.str());
+      }
+    }
+    return text;
+  });
   gather_final_weights(plan, kernels, *params, finals, reporter,
                        cfg.steps - cfg.first_step + weight_delay(cfg));
   label_roles_and_stages(plan, replicas);
   std::map<std::string, Placement> trained_at;
   for (const auto& [v, grad] : d.trained) {  // ZeRO 3's weights: no FinalWeight (lower_zero stores them)
-    if (zero3 && zero3->weights[0].contains(v.id()))
+    if (regs.zero3 && regs.zero3->weights[0].contains(v.id()))
       trained_at[v.name()] = replicas[0].at(backward_stream(cfg), replicas[0].place(v.id()));
   }
+  std::vector<SnapshotPart> snapshots = sync_snapshots.value_or(std::vector<SnapshotPart>{});
   for (const FinalWeight& f : finals) {
-    // A parameter server's weight is trained (and snapshotted) where its variable runs.
-    const Placement where = cfg.sync == "ps" ? plan.actors[plan.registers[f.reg].producer].where : f.where;
-    trained_at[f.name] = where;
-    if (!zero) snapshots.push_back({.name = f.name, .shape = f.shape, .dtype = f.dtype, .rank = where.rank});
+    // Trained (and snapshotted) where the register of its steps is written: a parameter
+    // server's weight where its variable runs.
+    trained_at[f.name] = f.where;
+    if (!sync_snapshots) snapshots.push_back({.name = f.name, .shape = f.shape, .dtype = f.dtype, .rank = f.where.rank});
   }
   return TrainingJob{std::move(plan), std::move(kernels), std::move(params), std::move(losses),
                      std::move(trained_at), std::move(snapshots)};

@@ -3,11 +3,13 @@
 // builder of one replica's actors and registers, and the kernels the compiler makes itself.
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "baton/actors/plan.h"
@@ -307,5 +309,56 @@ void add_clip_kernel(KernelRegistry& kernels, DType dt, double max_norm);
 void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& params,
                           const std::vector<FinalWeight>& finals, const Placement& reporter,
                           std::int64_t pieces);
+
+/// Hands `text()` to cfg.print_ir (or stdout) if cfg.print_after names `pass` or all
+/// (pipeline.cpp).
+void print_after(const TrainConfig& cfg, std::string_view pass, const std::function<std::string()>& text);
+
+/// What a gradient-synchronisation strategy leaves for the model's nodes (lower_nodes) to read.
+struct SyncRegisters {
+  GradientInputs grad_in;        // what each replica's variables read (the all-reduce's sums)
+  GradientWindows grad_windows;  // ... or windows of the members' sums, read where they lie
+  GradientInputs steps;          // weights' step registers written by the strategy (ZeRO 1/2, servers)
+  std::optional<Zero3Layout> zero3;
+};
+
+/// Gradient synchronisation as a strategy (DESIGN.md), chosen once per job (choose_sync): how the
+/// replicas' summed gradients become the weights every replica reads the next step. One
+/// implementation each (sync.cpp): the all-reduce, ZeRO 1/2, ZeRO 3, parameter servers. lower()
+/// calls it before the model's nodes, after them, and for the loss; `--print-after sync` shows
+/// which it is and the actors it added.
+class GradientSync {
+ public:
+  virtual ~GradientSync() = default;
+  /// "all-reduce", "ZeRO stage 2", "parameter servers: 2, staleness 1".
+  virtual std::string describe() const = 0;
+  /// Before the model's nodes: what the variables read, or who writes their step registers.
+  virtual SyncRegisters before_nodes(std::vector<PlanBuilder>& replicas, const Replicas& reps, const Differentiated& d,
+                                     const GradientInputs& grad_sum, const Stages& st, ParameterStore& params) = 0;
+  /// Where the loss is reported and the trained weights are wanted: by default replica 0's host
+  /// side of the loss's place.
+  virtual Placement reporter(std::vector<PlanBuilder>& replicas, const Differentiated& d) const;
+  /// After the model's nodes: the rest of it (ZeRO's sharded optimizers and gathers). Returns
+  /// the checkpoint's parts if it names them itself (ZeRO's shards); nullopt: one per final
+  /// weight, where it is trained.
+  virtual std::optional<std::vector<SnapshotPart>> after_nodes(std::vector<PlanBuilder>& replicas, const Replicas& reps,
+                                                               const Differentiated& d, const GradientInputs& grad_sum,
+                                                               SyncRegisters& regs,
+                                                               const std::vector<std::optional<RegisterIndex>>& clip,
+                                                               ParameterStore& params, const Placement& reporter,
+                                                               std::vector<FinalWeight>& finals);
+  /// The loss of each micro-batch reported once: by default summed over the replicas by an
+  /// all-reduce and reported on replica 0 as their mean.
+  virtual std::shared_ptr<LossLog> report_loss(std::vector<PlanBuilder>& replicas, const Differentiated& d,
+                                               const std::vector<RegisterIndex>& loss_regs);
+
+ protected:
+  explicit GradientSync(const TrainConfig& cfg) : cfg_(cfg) {}
+  const TrainConfig& cfg_;
+};
+
+/// The strategy cfg asks for: parameter servers (sync "ps"), ZeRO (zero > 0 with dp > 1), else
+/// the all-reduce (one replica: its own sums).
+std::unique_ptr<GradientSync> choose_sync(const TrainConfig& cfg);
 
 }  // namespace baton::passes::detail

@@ -17,7 +17,8 @@ const std::vector<std::string_view>& names() {
   // Device copies before transfers: what crosses ranks from or to a CUDA device is staged
   // through host memory, and the copies say which host register the transfer then reads.
   static const std::vector<std::string_view> all{
-      "autodiff", "sbp", "stages", "recompute", "replicas", "lower", "device_copies", "transfers", "lanes", "memory"};
+      "autodiff", "sbp",   "stages",        "recompute", "replicas", "sync",
+      "lower",    "device_copies", "transfers", "lanes",     "memory"};
   return all;
 }
 
@@ -100,11 +101,9 @@ void check_config(const TrainConfig& cfg) {
   }
 }
 
-namespace {
+namespace detail {
 
-/// Hands `text` to cfg.print_ir if cfg.print_after names `pass` (or all).
-void print_after(const TrainConfig& cfg, std::string_view pass,
-                 const std::function<std::string()>& text) {
+void print_after(const TrainConfig& cfg, std::string_view pass, const std::function<std::string()>& text) {
   const bool wanted = std::any_of(cfg.print_after.begin(), cfg.print_after.end(),
                                   [&](const std::string& p) { return p == "all" || p == pass; });
   if (!wanted) return;
@@ -115,6 +114,12 @@ void print_after(const TrainConfig& cfg, std::string_view pass,
     fmt::print("*** IR after {} ***\n{}", pass, ir);
   }
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::print_after;
 
 /// The plan verifier after plan pass `pass`: what that pass can have broken (PlanChecks), so a
 /// pass that breaks an invariant is named, not the runtime that trips on it later.

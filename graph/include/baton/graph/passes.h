@@ -2,8 +2,8 @@
 /// The compiler as a pipeline of named passes, as LLVM's and XLA's are. compile_training runs
 /// them in this order, each a function from explicit values to a value that prints itself:
 ///
-///   autodiff -> sbp -> stages -> recompute -> replicas -> lower -> device_copies -> transfers
-///            -> lanes -> memory
+///   autodiff -> sbp -> stages -> recompute -> replicas -> [sync] lower -> device_copies
+///            -> transfers -> lanes -> memory
 ///
 ///   autodiff       the loss's gradients, as new nodes of the graph; which nodes the plan needs
 ///   sbp            each node's tensor-parallel shard (the SBP split of the model, tp)
@@ -11,6 +11,9 @@
 ///   recompute      forward nodes computed again in the backward pass instead of kept
 ///                  (TrainConfig::recompute: selective, full)
 ///   replicas       where each (replica, stage, shard) runs and the gradient buckets (dp)
+///   sync           (within lower) gradient synchronisation, one strategy chosen once: the
+///                  all-reduce, ZeRO 1/2, ZeRO 3 or parameter servers; prints which, and the
+///                  actors it added
 ///   lower          the actors and registers of every replica: the plan, and its kernels
 ///   device_copies  copy actors between host and CUDA devices (insert_device_copies); what
 ///                  crosses ranks from or to a CUDA device is staged through host memory
