@@ -474,7 +474,12 @@ class Job {
     const std::string how = describe_wait_status(status);
     // A rank that may leave (a parameter-server worker under bounded staleness) leaves: the
     // rendezvous server tells the others, and the job goes on without it.
-    if (child.kind == Child::Kind::rank && server_ && server_->rank_exited(child.id, "it " + how)) {
+    // On another node than the server's, the launcher reports it (the server counts it as a
+    // departure) and keeps its other ranks.
+    const bool leaves = child.kind == Child::Kind::rank &&
+                        ((server_ && server_->rank_exited(child.id, "it " + how)) ||
+                         (client_ && client_->may_leave(child.id) && report_departure(child.id, "it " + how)));
+    if (leaves) {
       stderr_.append(fmt::format("baton-launch: {} left the job: it {}; the job goes on without it\n", child.name(),
                                  how));
       if (model_) model_->rank_left(child.id, "it " + how);
@@ -580,6 +585,17 @@ class Job {
           "baton-launch: could not report the failure to the rendezvous server: {}\n", e.what()));
     }
     begin_termination(term_signal);
+  }
+
+  /// A rank of this node that may leave has left: the server is told (it counts the rank out and
+  /// tells the others); false if it could not be told, and the job fails as for any rank.
+  bool report_departure(std::uint32_t rank, const std::string& how) {
+    try {
+      client_->fail(how, rank);
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
   }
 
   void fail_from_control_plane(const std::string& reason) {

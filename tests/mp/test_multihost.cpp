@@ -5,15 +5,19 @@
 // shared memory between processes of one machine. Traffic stays inside the namespaces.
 #include <doctest/doctest.h>
 
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -285,4 +289,71 @@ TEST_CASE("multi-host: baton-train --dp 4 over two hosts of two ranks all-reduce
   }
   CHECK(said == 4);
   CHECK_FALSE(contains(flat.err, "hierarchical"));
+}
+
+namespace {
+
+/// The pid of the process whose environment says BATON_RANK=`rank` and BATON_JOB_TOKEN=`token`
+/// (a rank of this test's job, in whichever namespace), or -1.
+pid_t rank_pid(int rank, const std::string& token) {
+  pid_t found = -1;
+  DIR* d = ::opendir("/proc");
+  if (d == nullptr) return found;
+  while (const dirent* e = ::readdir(d)) {
+    const pid_t pid = static_cast<pid_t>(std::atol(e->d_name));
+    if (pid <= 0) continue;
+    std::FILE* f = std::fopen(fmt::format("/proc/{}/environ", pid).c_str(), "r");
+    if (f == nullptr) continue;
+    std::string env;
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) env.append(buf, n);
+    std::fclose(f);
+    std::vector<std::string> vars;
+    for (std::size_t at = 0; at < env.size();) {
+      const std::size_t end = env.find('\0', at);
+      vars.push_back(env.substr(at, end == std::string::npos ? std::string::npos : end - at));
+      if (end == std::string::npos) break;
+      at = end + 1;
+    }
+    const auto has = [&](const std::string& v) { return std::find(vars.begin(), vars.end(), v) != vars.end(); };
+    if (has(fmt::format("BATON_RANK={}", rank)) && has("BATON_JOB_TOKEN=" + token)) found = pid;
+  }
+  ::closedir(d);
+  return found;
+}
+
+}  // namespace
+
+// A parameter-server worker under --staleness lost on the node that does not run the
+// rendezvous server: that node's launcher reports it and keeps its other ranks (the server, here),
+// and the job finishes on both nodes (docs/parameter-servers.md).
+TEST_CASE("multi-host: a parameter-server worker killed on the other host leaves; the job finishes on both" *
+          doctest::timeout(240)) {
+  TwoHosts hosts;
+  if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);
+  const std::string token = "netns-ps-leave-token";
+  const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port() + 20);
+  // Ranks 0, 1 on host a; 2, 3 on host b: workers 0-2, the server rank 3.
+  auto launcher = [&](const std::string& ns, int node) {
+    return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
+                         master, "--nproc-per-node", "2", "--token", token, "--", bin + "/baton-train", "--model",
+                         "mlp", "--data", "synthetic", "--dp", "3", "--sync", "ps", "--servers", "1", "--staleness",
+                         "2", "--steps", "2000", "--batch", "192", "--hidden", "256"});
+  };
+  Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
+  Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
+  // The server (rank 3, on host b) prints progress every tenth of the run.
+  REQUIRE_MESSAGE(node1.read_until([](const std::string& out, const std::string&) { return contains(out, "/2000"); },
+                                   120s),
+                  node1.all());
+  const pid_t victim = rank_pid(2, token);
+  REQUIRE(victim > 0);
+  REQUIRE(::kill(victim, SIGKILL) == 0);
+  const int c1 = node1.wait(180s);
+  const int c0 = node0.wait(30s);
+  INFO("node 0:\n" << node0.all() << "\nnode 1:\n" << node1.all());
+  CHECK(c1 == 0);
+  CHECK(c0 == 0);
+  CHECK(contains(node1.err(), "rank 2 (a worker) left the job at step"));
+  CHECK(contains(node1.out(), "done: 2000 steps"));
 }

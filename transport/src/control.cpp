@@ -835,7 +835,20 @@ struct RendezvousServer::Impl {
       if (b.arrived.count(r) == 0 && !has_left(r)) return;
     }
     b.timer->cancel();
-    formed = true;
+    if (!formed) {
+      formed = true;
+      // The launchers of other nodes learn which ranks may leave: such a rank's death is then
+      // reported, not acted on (LauncherClient::may_leave).
+      json::array leavers;
+      for (std::uint32_t r = 0; r < settings.world_size; ++r) {
+        if (infos[r] && infos[r]->may_leave) leavers.push_back(r);
+      }
+      if (!leavers.empty()) {
+        auto m = message("may_leave");
+        m["ranks"] = std::move(leavers);
+        for (const auto& [node, launcher] : launcher_peers) launcher->channel->send(m);
+      }
+    }
     auto done = message("barrier_done");
     done["name"] = js(it->first);
     barriers.erase(it);
@@ -1371,6 +1384,10 @@ class ClientCore {
     return aborted_;
   }
 
+  bool may_leave(std::uint32_t rank) const {
+    std::lock_guard lock(mutex_);
+    return may_leave_.contains(rank);
+  }
   void set_on_left(std::function<void(std::uint32_t, const std::string&)> callback) {
     std::lock_guard lock(mutex_);
     on_left_ = std::move(callback);
@@ -1508,6 +1525,9 @@ class ClientCore {
         values_[get_string(m, "key")] = get_bytes(m, "value");
       } else if (type == "done") {
         job_done_ = true;
+      } else if (type == "may_leave") {
+        const auto ranks = get_u32_list(m, "ranks");
+        may_leave_.insert(ranks.begin(), ranks.end());
       } else if (type == "clock_reply") {
         clock_reply_ts_ = get_i64(m, "ts");
         clock_reply_t0_ = get_i64(m, "t0");
@@ -1646,6 +1666,7 @@ class ClientCore {
   std::function<void(const std::string&)> on_abort_;
   std::function<void(const std::string&, const std::string&)> on_command_;
   std::function<void(std::uint32_t, const std::string&)> on_left_;
+  std::set<std::uint32_t> may_leave_;  // under mutex_: the ranks the server said may leave
   std::int64_t clock_reply_t0_ = -1;
   std::int64_t clock_reply_ts_ = 0;
   std::int64_t clock_offset_ = 0;
@@ -1829,6 +1850,8 @@ void LauncherClient::fail(const std::string& reason, std::uint32_t rank) {
   m["rank"] = rank;
   impl_->core.send_flushed(std::move(m), fail_flush_grace);
 }
+
+bool LauncherClient::may_leave(std::uint32_t rank) const { return impl_->core.may_leave(rank); }
 
 void LauncherClient::finish() {
   impl_->finished = true;

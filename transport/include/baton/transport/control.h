@@ -251,6 +251,10 @@ class LauncherClient {
   void on_abort(std::function<void(const std::string& reason)> callback);
   /// A rank of this node failed (exit code, signal): the server aborts the job.
   void fail(const std::string& reason, std::uint32_t rank);
+  /// Whether rank `rank` may leave the job (RankInfo::may_leave): the server says which, once
+  /// the job has formed. Such a rank's exit is reported with fail(), and the server counts it
+  /// as a departure; its launcher does not end the job over it.
+  bool may_leave(std::uint32_t rank) const;
   /// Every rank of this node exited 0: close without failing the job.
   void finish();
   std::optional<std::string> aborted() const;
