@@ -19,11 +19,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "equivalence.h"
+#include "loopback_run.h"
 
 using namespace baton;
 
@@ -449,6 +451,86 @@ TEST_CASE("ParameterServer.ALongRunIsProvenAsQuicklyAsAShortOne" * doctest::time
                                    [](const ActorDesc& a) { return a.name == "loss.report"; });
   REQUIRE(report != job.plan.actors.end());
   CHECK(report->where.device.index == 2);
+}
+
+// A worker rank that leaves (Runtime::rank_left: what run_job does when the control plane says
+// a rank that may leave has left) leaves the servers going: every rank a Runtime in this process
+// over a loopback hub (2 workers, 1 server rank, staleness 2), worker rank 1 stopped once the
+// server has reported some steps. The run ends on the others; every step's loss is reported
+// (from then on the mean over worker 0 alone, as (loss, 1) pairs summed on the server); the
+// steps reported before it left are those of a run nobody left, bit for bit.
+TEST_CASE("ParameterServer.AWorkerRankThatLeavesLeavesTheServersGoing" * doctest::timeout(120)) {
+  constexpr std::int64_t long_steps = 120, leave_after = 30;
+  auto compile_on_ranks = [&] {
+    Setup s{.schedule = "1f1b", .m = 2, .dp = 2, .sync = "ps", .servers = 1, .staleness = 2};
+    Graph g(11);
+    Value loss = build(g, global_batch / (s.m * s.dp));
+    TrainConfig cfg = config_of(s);
+    cfg.steps = long_steps;
+    cfg.replica_places = {Placement{.rank = 0}, Placement{.rank = 1}};
+    cfg.server_places = {Placement{.rank = 2}};
+    return compile_training(g, loss, cfg);
+  };
+  const TrainingJob whole = compile_on_ranks();
+  for (const auto& r : test::run_on_loopback(whole.plan, whole.kernels)) REQUIRE_MESSAGE(r.report, r.error);
+  const std::vector<double> undisturbed = whole.losses->per_step();
+  REQUIRE(undisturbed.size() == static_cast<std::size_t>(long_steps));
+
+  // Ranks of one host (pieces read where they lie) and of different hosts (pieces pulled: a
+  // pull from the rank that left may be in flight, and lands as zeros).
+  for (const bool shares_memory : {true, false}) {
+    CAPTURE(shares_memory);
+    const TrainingJob job = compile_on_ranks();
+    transport::LoopbackHub hub(3, shares_memory);
+    std::vector<std::unique_ptr<Runtime>> runtimes;
+    for (std::uint16_t r = 0; r < 3; ++r) {
+      RuntimeSettings rs;
+      rs.rank = r;
+      rs.link = &hub.link(r);
+      runtimes.push_back(std::make_unique<Runtime>(job.plan, job.kernels, rs));
+    }
+    hub.start();
+    std::vector<test::RankResult> results(3);
+    std::vector<std::thread> threads;
+    for (std::uint16_t r = 0; r < 3; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          results[r].report = runtimes[r]->run();
+        } catch (const std::exception& e) {
+          results[r].error = e.what();
+        }
+      });
+    }
+    // Worker 1 goes once the server has reported some steps; the others are told it left.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (job.losses->steps_done() < leave_after && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    const std::int64_t reported_before = job.losses->steps_done();
+    runtimes[1]->abort("stopped by the test");
+    for (std::uint16_t r : {0, 2}) runtimes[r]->rank_left(1, "stopped by the test");
+    for (auto& t : threads) t.join();
+    hub.stop();
+    INFO("rank 0: " << results[0].error << "; rank 2: " << results[2].error);
+    REQUIRE(results[0].report);
+    REQUIRE(results[2].report);
+    CHECK_FALSE(results[1].report);
+    REQUIRE(results[2].report->departed.size() == 1);
+    CHECK(results[2].report->departed[0] == "rank 1: stopped by the test");
+    const std::vector<double> losses = job.losses->per_step();
+    REQUIRE(losses.size() == static_cast<std::size_t>(long_steps));
+    MESSAGE("worker 1 left after the server had reported " << reported_before << " of " << long_steps << " steps");
+    REQUIRE(reported_before >= leave_after);
+    REQUIRE(reported_before < long_steps);  // it left mid-run
+    for (std::size_t i = 0; i < losses.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::isfinite(losses[i]));
+      // Reported before it left: computed before it left, the same as when nobody leaves.
+      if (static_cast<std::int64_t>(i) < leave_after) CHECK(losses[i] == undisturbed[i]);
+    }
+    // From then on worker 0 trains alone: the run is not the undisturbed one.
+    CHECK(losses.back() != undisturbed.back());
+  }
 }
 
 TEST_CASE("ParameterServer.RefusesWhatItDoesNotServe") {
