@@ -58,16 +58,13 @@ void label_roles_and_stages(Plan& plan, const std::vector<PlanBuilder>& replicas
         a.stage < 0 && it != stage_of_device.end()) {
       a.stage = it->second;
     }
+    // Roles are given where actors are made (the variables, the data, the collectives); what
+    // is left is told by its kind, never by its op's name.
     if (a.role != ActorRole::other) continue;
-    if (a.op.starts_with("allreduce.")) {
-      a.role = ActorRole::collective;
-    } else if (a.kind == ActorKind::accumulate) {
+    if (a.kind == ActorKind::accumulate) {
       a.role = ActorRole::backward;
-    } else if (a.kind == ActorKind::repeat || a.op.starts_with("variable.") ||
-               a.op == "optim.clip") {
+    } else if (a.kind == ActorKind::repeat) {
       a.role = ActorRole::update;
-    } else if (a.kind == ActorKind::source && a.op.starts_with("data.")) {
-      a.role = ActorRole::data;
     }
   }
 }
@@ -102,8 +99,8 @@ std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const
                       return std::make_unique<ReplicaPieces>(inner(kc), r, n_dp, m);
                     });
     }
-    b.source_actor("data." + d.name, op, DType::f32, std::move(outs),
-                   (cfg.steps - cfg.first_step) * m, b.host(forward_stream, st.device_of(data_stage) * b.tp));
+    b.source_actor("data." + d.name, op, DType::f32, std::move(outs), (cfg.steps - cfg.first_step) * m,
+                   b.host(forward_stream, st.device_of(data_stage) * b.tp), {}, ActorRole::data);
   }
   return fed;
 }
@@ -230,7 +227,8 @@ void lower_accumulation(PlanBuilder& b, std::int64_t r, const Differentiated& d,
                     .dtype = dt,
                     .where = b.host(backward_stream(cfg)),
                     .inputs = clip_inputs,
-                    .outputs = {*clip}});
+                    .outputs = {*clip},
+                    .role = ActorRole::update});
 }
 
 

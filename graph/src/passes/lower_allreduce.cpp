@@ -120,7 +120,8 @@ RegisterIndex pack_bucket(PlanBuilder& b, const Replicas& reps, std::size_t bi,
                     .dtype = dt,
                     .where = b.at(backward_stream(cfg), reps.buckets[bi].place),
                     .inputs = std::move(ins),
-                    .outputs = {flat}});
+                    .outputs = {flat},
+                    .role = ActorRole::collective});
   return flat;
 }
 
@@ -245,7 +246,8 @@ GradientInputs lower_gradient_allreduce(std::vector<PlanBuilder>& replicas, cons
                         .dtype = dt,
                         .where = b.at(backward_stream(cfg), place),
                         .inputs = {{reduced[static_cast<std::size_t>(r)]}},
-                        .outputs = std::move(outs)});
+                        .outputs = std::move(outs),
+                        .role = ActorRole::collective});
     }
   }
   return grad_in;

@@ -163,7 +163,8 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
                       .inputs = std::move(ins),
                       .outputs = {w},
                       .first_piece = cfg.first_step,
-                      .stops_when_unread = false});
+                      .stops_when_unread = false,
+                      .role = ActorRole::update});
   } else {
     if (on_cuda) {
       b.kernels.add(op, DeviceType::cuda, dt, baton::detail::cuda_constant(master));
@@ -173,7 +174,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
       });
     }
     b.source_actor("variable." + n.name, op, dt, {w}, cfg.steps - cfg.first_step,
-                   b.at(stream, b.place(id)));
+                   b.at(stream, b.place(id)), {}, ActorRole::update);
   }
   b.plan.actors.back().kept = std::move(kept);
   if (with_repeat) add_weight_repeat(b, id, w, st, cfg);

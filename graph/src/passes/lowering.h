@@ -102,7 +102,7 @@ struct PlanBuilder {
   void op_actor(int id, std::uint8_t stream, std::int32_t slots);
   void source_actor(const std::string& name, const std::string& op, DType dtype,
                     std::vector<RegisterIndex> outputs, std::int64_t pieces, const Placement& where,
-                    Attrs attrs = {});
+                    Attrs attrs = {}, ActorRole role = ActorRole::other);
 };
 
 /// A trained weight of replica 0: the register its variable actor writes once per step (and

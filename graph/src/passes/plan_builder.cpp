@@ -134,7 +134,7 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
 
 void PlanBuilder::source_actor(const std::string& name, const std::string& op, DType dtype,
                                std::vector<RegisterIndex> outputs, std::int64_t pieces,
-                               const Placement& where, Attrs attrs) {
+                               const Placement& where, Attrs attrs, ActorRole role) {
   plan.add_actor({.name = named(name),
                   .kind = ActorKind::source,
                   .op = op,
@@ -143,7 +143,8 @@ void PlanBuilder::source_actor(const std::string& name, const std::string& op, D
                   .outputs = std::move(outputs),
                   .pieces = pieces,
                   .first_piece = first_piece,
-                  .attrs = std::move(attrs)});
+                  .attrs = std::move(attrs),
+                  .role = role});
 }
 
 }  // namespace baton::passes::detail
