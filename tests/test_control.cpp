@@ -697,7 +697,7 @@ TEST_CASE("control: telemetry reaches the server in order, commands reach every 
 // told who and why, every barrier and the final bye count it out, and the job ends ok. The
 // last such rank leaving ends the job, as does a rank that may not leave, or one lost before
 // the job formed (its first barrier).
-TEST_CASE("control: a rank that may leave leaves; the others finish ok, told who and why" * doctest::timeout(30)) {
+TEST_CASE("control: a rank that may leave leaves and the others finish ok, told who and why" * doctest::timeout(30)) {
   RendezvousServer server(server_settings(3));
   World world(server, 3);
   std::mutex mutex;

@@ -203,7 +203,7 @@ TEST_CASE("mp: faults, a rank killed at random moments ends the job within 10 s 
 // Parameter servers under bounded staleness (docs/parameter-servers.md): a worker killed while
 // the job trains leaves it, and the servers finish it with the other worker, reporting the final
 // loss and naming who left; a killed server ends the job, naming it, as any rank's death does.
-TEST_CASE("mp: faults, a parameter-server worker killed under --staleness 2 leaves a finished job; a killed server "
+TEST_CASE("mp: faults, a parameter-server worker killed under --staleness 2 leaves a finished job and a killed server "
           "ends it" *
           doctest::timeout(300)) {
   // 3,000 steps of a wider MLP: several seconds on 2 cores, so the kill lands mid-training.

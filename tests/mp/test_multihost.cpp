@@ -327,7 +327,7 @@ pid_t rank_pid(int rank, const std::string& token) {
 // A parameter-server worker under --staleness lost on the node that does not run the
 // rendezvous server: that node's launcher reports it and keeps its other ranks (the server, here),
 // and the job finishes on both nodes (docs/parameter-servers.md).
-TEST_CASE("multi-host: a parameter-server worker killed on the other host leaves; the job finishes on both" *
+TEST_CASE("multi-host: a parameter-server worker killed on the other host leaves and the job finishes on both" *
           doctest::timeout(240)) {
   TwoHosts hosts;
   if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);

@@ -304,3 +304,30 @@ TEST_CASE("Slurm: a rank killed under srun ends the step non-zero with the reaso
     CHECK_FALSE(baton::test::process_alive(pid));
   }
 }
+
+// A parameter-server job under --staleness (docs/parameter-servers.md) under srun: 2 tasks of 2
+// ranks, workers 0-2 and the server rank 3; worker rank 2, beside the server in task 1, is
+// killed. Its launcher reports the departure and keeps the server, exits 0 when that finishes,
+// and the step ends 0 with the job's result: srun (--kill-on-bad-exit=1 too) sees no bad exit.
+TEST_CASE("Slurm: a parameter-server worker killed under srun leaves and the step finishes 0" * doctest::timeout(240)) {
+  const auto c = cluster();
+  if (!c) return;
+  const auto mark = fresh_mark();
+  const std::string name = "baton-ps-leave-" + mark;
+  const CancelOnExit cleanup(*c, name);
+  Proc job({"srun", "-n", "2", "-J", name, "--kill-on-bad-exit=1", bin + "/baton-launch", "--nproc-per-node", "2", "--",
+            bin + "/baton-train", "--model", "mlp", "--data", "synthetic", "--dp", "3", "--sync", "ps", "--servers",
+            "1", "--staleness", "2", "--steps", "6000", "--batch", "192", "--hidden", "256"},
+           slurm_env(*c, mark));
+  const auto ranks = wait_for_ranks(mark, 4, 60s);
+  INFO(job.all());
+  REQUIRE(ranks.size() == 4);
+  std::this_thread::sleep_for(4s);  // mid-run: past the rendezvous (the output is buffered: time says so)
+  REQUIRE(::kill(ranks.at(2), SIGKILL) == 0);
+  const int code = job.wait(200s);
+  INFO(job.all());
+  CHECK(code == 0);
+  CHECK(contains(job.all(), "left the job: it was killed by signal 9 (SIGKILL); the job goes on without it"));
+  CHECK(contains(job.all(), "rank 2 (a worker) left the job at step"));
+  CHECK(contains(job.all(), "done: 6000 steps"));
+}
