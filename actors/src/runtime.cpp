@@ -180,6 +180,30 @@ void Worker::join() {
 
 namespace {
 
+/// By plan index: whether an actor reads, directly or further down, what an ActorDesc::at_end
+/// accumulate publishes (once, after the run).
+std::vector<bool> after_end(const Plan& plan) {
+  std::vector<bool> after(plan.actors.size(), false);
+  std::vector<ActorIndex> todo;
+  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+    if (plan.actors[i].at_end) todo.push_back(i);
+  }
+  while (!todo.empty()) {
+    const ActorIndex i = todo.back();
+    todo.pop_back();
+    for (RegisterIndex r : plan.actors[i].outputs) {
+      if (r >= plan.registers.size()) continue;
+      for (ActorIndex c : plan.registers[r].consumers) {
+        if (c < after.size() && !after[c]) {
+          after[c] = true;
+          todo.push_back(c);
+        }
+      }
+    }
+  }
+  return after;
+}
+
 /// Acts of each actor in one iteration of the plan read as synchronous dataflow (Lee and
 /// Messerschmitt's repetition vector): along each register, the producer's acts divided by its
 /// acts per output piece (accumulate: its group) equal each consumer's acts divided by its acts
@@ -482,30 +506,11 @@ void Core::instantiate() {
     }
     // Everything downstream of an at_end accumulate acts only after the run: not waited for
     // (its group, the whole run, would make the check as long as the run).
-    {
-      std::vector<bool> after(plan.actors.size(), false);
-      std::vector<ActorIndex> todo;
-      for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
-        if (plan.actors[i].at_end) todo.push_back(i);
-      }
-      while (!todo.empty()) {
-        const ActorIndex i = todo.back();
-        todo.pop_back();
-        for (RegisterIndex r : plan.actors[i].outputs) {
-          if (r >= plan.registers.size()) continue;
-          for (ActorIndex c : plan.registers[r].consumers) {
-            if (c < after.size() && !after[c]) {
-              after[c] = true;
-              todo.push_back(c);
-            }
-          }
-        }
-      }
-      if (std::find(after.begin(), after.end(), true) != after.end()) {
-        dry_after_end = std::move(after);
-        for (ActorIndex i = 0; i < dry_after_end.size(); ++i) {
-          if (dry_after_end[i] && i < actors.size() && actors[i]) ++dry_reached;  // nothing to prove
-        }
+    std::vector<bool> after = after_end(plan);
+    if (std::find(after.begin(), after.end(), true) != after.end()) {
+      dry_after_end = std::move(after);
+      for (ActorIndex i = 0; i < dry_after_end.size(); ++i) {
+        if (dry_after_end[i] && i < actors.size() && actors[i]) ++dry_reached;  // nothing to prove
       }
     }
     // The handshakes make the plan a marked graph once each actor is unrolled into its acts of

@@ -73,6 +73,42 @@ json::value rounded(double x, int digits = 4) {
 
 constexpr std::array<const char*, 4> share_names = {"busy", "starved", "backpressured", "transferring"};
 
+/// /api/state's ranks: a row for each rank heard from, and a line for each that left the job.
+void put_ranks(json::object& o, const std::vector<RankState>& ranks, double now) {
+  json::array rs;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const RankState& r = ranks[i];
+    if (!r.hello && r.samples_complete == 0) continue;
+    json::object x;
+    x["rank"] = i;
+    x["host"] = r.host;
+    x["actors"] = r.actors;
+    x["workers"] = r.workers.size();
+    x["acts_per_s"] = rounded(r.acts_per_s);
+    x["in_per_s"] = rounded(r.in_per_s);
+    x["out_per_s"] = rounded(r.out_per_s);
+    for (std::size_t b = 0; b < 4; ++b) x[share_names[b]] = rounded(r.shares[b]);
+    x["samples_per_s"] = rounded(r.samples_per_s);
+    x["step_time_s"] = rounded(r.step_time_s);
+    x["step"] = r.step;
+    x["loss"] = finite(r.loss);
+    x["lr"] = finite(r.lr);
+    x["elapsed_s"] = rounded(r.elapsed_s, 6);
+    x["last_seen_s"] = rounded(now - r.last_seen_s);
+    x["dropped"] = r.dropped;
+    x["status"] = !r.left.empty() ? "left" : !r.error.empty() ? "failed" : r.finished ? "finished" : "running";
+    rs.push_back(std::move(x));
+  }
+  o["ranks"] = std::move(rs);
+  json::array left;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i].left.empty()) continue;
+    left.push_back(json::string(fmt::format("rank {} left at step {}: {}; the job goes on without it", i,
+                                            ranks[i].left_at_step, ranks[i].left)));
+  }
+  o["left"] = std::move(left);
+}
+
 }  // namespace
 
 double Model::now_s() const {
@@ -569,39 +605,7 @@ std::string Model::state_json() const {
   } else {
     o["training"] = nullptr;
   }
-  json::array rs;
-  const double now = now_s();
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    const RankState& r = ranks[i];
-    if (!r.hello && r.samples_complete == 0) continue;
-    json::object x;
-    x["rank"] = i;
-    x["host"] = r.host;
-    x["actors"] = r.actors;
-    x["workers"] = r.workers.size();
-    x["acts_per_s"] = rounded(r.acts_per_s);
-    x["in_per_s"] = rounded(r.in_per_s);
-    x["out_per_s"] = rounded(r.out_per_s);
-    for (std::size_t b = 0; b < 4; ++b) x[share_names[b]] = rounded(r.shares[b]);
-    x["samples_per_s"] = rounded(r.samples_per_s);
-    x["step_time_s"] = rounded(r.step_time_s);
-    x["step"] = r.step;
-    x["loss"] = finite(r.loss);
-    x["lr"] = finite(r.lr);
-    x["elapsed_s"] = rounded(r.elapsed_s, 6);
-    x["last_seen_s"] = rounded(now - r.last_seen_s);
-    x["dropped"] = r.dropped;
-    x["status"] = !r.left.empty() ? "left" : !r.error.empty() ? "failed" : r.finished ? "finished" : "running";
-    rs.push_back(std::move(x));
-  }
-  o["ranks"] = std::move(rs);
-  json::array left;
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    if (ranks[i].left.empty()) continue;
-    left.push_back(json::string(fmt::format("rank {} left at step {}: {}; the job goes on without it", i,
-                                            ranks[i].left_at_step, ranks[i].left)));
-  }
-  o["left"] = std::move(left);
+  put_ranks(o, ranks, now_s());
   json::array as;
   for (std::size_t i = 0; i < actors.size(); ++i) {
     if (actors[i].seen) as.push_back(actor_json(i));

@@ -147,6 +147,24 @@ inline bool process_alive(pid_t pid) {
   return close_paren != std::string::npos && close_paren + 2 < stat.size() && stat[close_paren + 2] != 'Z';
 }
 
+/// Process `pid`'s environment, "KEY=value" each; empty if it cannot be read (gone, not ours).
+inline std::vector<std::string> environment_of(pid_t pid) {
+  std::vector<std::string> vars;
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/environ").c_str(), "r");
+  if (f == nullptr) return vars;
+  std::string env;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) env.append(buf, n);
+  std::fclose(f);
+  for (std::size_t at = 0; at < env.size();) {
+    const std::size_t end = env.find('\0', at);
+    vars.push_back(env.substr(at, end == std::string::npos ? std::string::npos : end - at));
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return vars;
+}
+
 /// A TCP port nobody listens to on 127.0.0.1 (the kernel picks it), for BATON_MASTER: the
 /// schedulers' default, 29500, may be taken. 0 where no socket could be had.
 inline std::uint16_t free_port() {

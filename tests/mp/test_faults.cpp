@@ -60,16 +60,8 @@ std::vector<pid_t> children_of(pid_t parent) {
 
 /// The rank a process of the job is (its BATON_RANK), or -1.
 int rank_of(pid_t pid) {
-  std::FILE* f = std::fopen(fmt::format("/proc/{}/environ", pid).c_str(), "r");
-  if (f == nullptr) return -1;
-  std::string env;
-  char buf[4096];
-  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) env.append(buf, n);
-  std::fclose(f);
-  const std::string key = std::string("BATON_RANK=");
-  for (std::size_t at = 0; at < env.size(); at = env.find('\0', at) + 1) {
-    if (env.compare(at, key.size(), key) == 0) return std::atoi(env.c_str() + at + key.size());
-    if (env.find('\0', at) == std::string::npos) break;
+  for (const std::string& var : baton::test::environment_of(pid)) {
+    if (var.starts_with("BATON_RANK=")) return std::atoi(var.c_str() + 11);
   }
   return -1;
 }

@@ -302,19 +302,7 @@ pid_t rank_pid(int rank, const std::string& token) {
   while (const dirent* e = ::readdir(d)) {
     const pid_t pid = static_cast<pid_t>(std::atol(e->d_name));
     if (pid <= 0) continue;
-    std::FILE* f = std::fopen(fmt::format("/proc/{}/environ", pid).c_str(), "r");
-    if (f == nullptr) continue;
-    std::string env;
-    char buf[4096];
-    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) env.append(buf, n);
-    std::fclose(f);
-    std::vector<std::string> vars;
-    for (std::size_t at = 0; at < env.size();) {
-      const std::size_t end = env.find('\0', at);
-      vars.push_back(env.substr(at, end == std::string::npos ? std::string::npos : end - at));
-      if (end == std::string::npos) break;
-      at = end + 1;
-    }
+    const auto vars = baton::test::environment_of(pid);
     const auto has = [&](const std::string& v) { return std::find(vars.begin(), vars.end(), v) != vars.end(); };
     if (has(fmt::format("BATON_RANK={}", rank)) && has("BATON_JOB_TOKEN=" + token)) found = pid;
   }

@@ -874,10 +874,9 @@ struct RendezvousServer::Impl {
     if (!may_leave(rank) || has_left(rank)) return;
     if (rank_peers[rank] && rank_peers[rank]->said_bye) return;
     const std::string host = infos[rank]->host;
-    left.emplace_back(rank, reason);
     {
-      std::lock_guard lock(mutex);
-      left_copy = left;
+      std::lock_guard lock(mutex);  // departed() reads it from other threads
+      left.emplace_back(rank, reason);
     }
     bool any_stays = false;
     for (std::uint32_t r = 0; r < settings.world_size; ++r) {
@@ -1104,7 +1103,9 @@ struct RendezvousServer::Impl {
   std::uint64_t barrier_generation = 0;
   std::uint32_t joined_ranks = 0;
   std::uint32_t byes = 0;
-  std::vector<std::pair<std::uint32_t, std::string>> left;  // ranks that left (rank_left), in order
+  // Ranks that left (rank_left), in order: written on the io thread under `mutex`, which
+  // departed() takes to read it from others.
+  std::vector<std::pair<std::uint32_t, std::string>> left;
   bool join_timer_started = false;
   bool table_sent = false;
   bool formed = false;  // a barrier completed (may_leave)
@@ -1117,7 +1118,6 @@ struct RendezvousServer::Impl {
   std::condition_variable cv;
   std::optional<JobOutcome> outcome;
   std::uint32_t launchers_finished = 0;  // under mutex
-  std::vector<std::pair<std::uint32_t, std::string>> left_copy;  // under mutex: `left`, for departed()
   std::size_t open_channels = 0;
   bool shutdown_started = false;
   std::uint64_t posted_aborts_done = 0;
@@ -1183,7 +1183,7 @@ bool RendezvousServer::rank_exited(std::uint32_t rank, const std::string& reason
 
 std::vector<std::pair<std::uint32_t, std::string>> RendezvousServer::departed() const {
   std::lock_guard lock(impl_->mutex);
-  return impl_->left_copy;
+  return impl_->left;
 }
 
 std::uint32_t RendezvousServer::finished_launchers() const {

@@ -74,9 +74,7 @@ std::pair<RegisterIndex, Placement> lower_ps_loss(std::vector<PlanBuilder>& repl
   const DType pair_dt = loss_dt == DType::f64 ? DType::f64 : DType::f32;
   first.kernels.add_fn("loss.count", DeviceType::cpu, loss_dt, [loss_dt, pair_dt](KernelContext& ctx) {
     const Tensor& t = *ctx.inputs[0];
-    const double loss = loss_dt == DType::f64    ? static_cast<double>(t.data<double>()[0])
-                        : loss_dt == DType::bf16 ? static_cast<double>(to_float(t.data<bfloat16>()[0]))
-                                                 : static_cast<double>(t.data<float>()[0]);
+    const double loss = scalar_value(t, loss_dt);
     if (pair_dt == DType::f64) {
       ctx.outputs[0]->data<double>()[0] = loss;
       ctx.outputs[0]->data<double>()[1] = 1.0;

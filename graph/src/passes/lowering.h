@@ -314,6 +314,9 @@ void gather_final_weights(Plan& plan, KernelRegistry& kernels, ParameterStore& p
 /// (pipeline.cpp).
 void print_after(const TrainConfig& cfg, std::string_view pass, const std::function<std::string()>& text);
 
+/// The first element of `t` (a loss: f64, bf16 or f32) as a double (sync.cpp).
+double scalar_value(const Tensor& t, DType dt);
+
 /// What a gradient-synchronisation strategy leaves for the model's nodes (lower_nodes) to read.
 struct SyncRegisters {
   GradientInputs grad_in;        // what each replica's variables read (the all-reduce's sums)

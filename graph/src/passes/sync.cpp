@@ -14,6 +14,12 @@
 
 namespace baton::passes::detail {
 
+double scalar_value(const Tensor& t, DType dt) {
+  if (dt == DType::f64) return t.data<double>()[0];
+  if (dt == DType::bf16) return static_cast<double>(to_float(t.data<bfloat16>()[0]));
+  return static_cast<double>(t.data<float>()[0]);
+}
+
 Placement GradientSync::reporter(std::vector<PlanBuilder>& replicas, const Differentiated& d) const {
   return replicas[0].host(forward_stream, replicas[0].place(d.loss.id()));
 }
@@ -38,11 +44,7 @@ std::shared_ptr<LossLog> GradientSync::report_loss(std::vector<PlanBuilder>& rep
   const double loss_scale = 1.0 / static_cast<double>(cfg_.dp);
   replicas[0].kernels.add_fn(
       "loss.report", DeviceType::cpu, loss_dt, [losses, loss_dt, loss_scale](KernelContext& ctx) {
-        const Tensor& t = *ctx.inputs[0];
-        const double value = loss_dt == DType::f64    ? static_cast<double>(t.data<double>()[0])
-                             : loss_dt == DType::bf16 ? static_cast<double>(to_float(t.data<bfloat16>()[0]))
-                                                      : static_cast<double>(t.data<float>()[0]);
-        losses->record(ctx.piece, loss_scale * value);
+        losses->record(ctx.piece, loss_scale * scalar_value(*ctx.inputs[0], loss_dt));
       });
   replicas[0].plan.add_actor({.name = "loss.report",
                               .op = "loss.report",
