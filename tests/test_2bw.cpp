@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "equivalence.h"
@@ -453,6 +455,21 @@ TEST_CASE("ParameterServer.ALongRunIsProvenAsQuicklyAsAShortOne" * doctest::time
   CHECK(report->where.device.index == 2);
 }
 
+// A parameter-server job of 2 workers (ranks 0, 1) and 1 server (rank 2), staleness 2, on ranks
+// of one process. `first_step` > 0: the plan of worker rank 1 coming back there (rejoin).
+static TrainingJob ps_job_on_ranks(std::int64_t steps, std::int64_t first_step = 0) {
+  Setup s{.schedule = "1f1b", .m = 2, .dp = 2, .sync = "ps", .servers = 1, .staleness = 2};
+  Graph g(11);
+  Value loss = build(g, global_batch / (s.m * s.dp));
+  TrainConfig cfg = config_of(s);
+  cfg.steps = steps;
+  cfg.first_step = first_step;
+  cfg.rejoin = first_step > 0;
+  cfg.replica_places = {Placement{.rank = 0}, Placement{.rank = 1}};
+  cfg.server_places = {Placement{.rank = 2}};
+  return compile_training(g, loss, cfg);
+}
+
 // A worker rank that leaves (Runtime::rank_left: what run_job does when the control plane says
 // a rank that may leave has left) leaves the servers going: every rank a Runtime in this process
 // over a loopback hub (2 workers, 1 server rank, staleness 2), worker rank 1 stopped once the
@@ -461,17 +478,7 @@ TEST_CASE("ParameterServer.ALongRunIsProvenAsQuicklyAsAShortOne" * doctest::time
 // steps reported before it left are those of a run nobody left, bit for bit.
 TEST_CASE("ParameterServer.AWorkerRankThatLeavesLeavesTheServersGoing" * doctest::timeout(120)) {
   constexpr std::int64_t long_steps = 120, leave_after = 30;
-  auto compile_on_ranks = [&] {
-    Setup s{.schedule = "1f1b", .m = 2, .dp = 2, .sync = "ps", .servers = 1, .staleness = 2};
-    Graph g(11);
-    Value loss = build(g, global_batch / (s.m * s.dp));
-    TrainConfig cfg = config_of(s);
-    cfg.steps = long_steps;
-    cfg.replica_places = {Placement{.rank = 0}, Placement{.rank = 1}};
-    cfg.server_places = {Placement{.rank = 2}};
-    return compile_training(g, loss, cfg);
-  };
-  const TrainingJob whole = compile_on_ranks();
+  const TrainingJob whole = ps_job_on_ranks(long_steps);
   for (const auto& r : test::run_on_loopback(whole.plan, whole.kernels)) REQUIRE_MESSAGE(r.report, r.error);
   const std::vector<double> undisturbed = whole.losses->per_step();
   REQUIRE(undisturbed.size() == static_cast<std::size_t>(long_steps));
@@ -480,7 +487,7 @@ TEST_CASE("ParameterServer.AWorkerRankThatLeavesLeavesTheServersGoing" * doctest
   // pull from the rank that left may be in flight, and lands as zeros).
   for (const bool shares_memory : {true, false}) {
     CAPTURE(shares_memory);
-    const TrainingJob job = compile_on_ranks();
+    const TrainingJob job = ps_job_on_ranks(long_steps);
     transport::LoopbackHub hub(3, shares_memory);
     std::vector<std::unique_ptr<Runtime>> runtimes;
     for (std::uint16_t r = 0; r < 3; ++r) {
@@ -530,6 +537,92 @@ TEST_CASE("ParameterServer.AWorkerRankThatLeavesLeavesTheServersGoing" * doctest
     }
     // From then on worker 0 trains alone: the run is not the undisturbed one.
     CHECK(losses.back() != undisturbed.back());
+  }
+}
+
+// A worker rank that left comes back (what run_job does for a process that baton-launch
+// --max-restarts started again): the server and the other worker hold the actors that talk to
+// rank 1 and answer the first step it may come back at (Runtime::hold_for_rejoin); rank 1 is a
+// new Runtime on the same hub whose plan starts at the largest answer (TrainConfig::first_step,
+// rejoin; RuntimeSettings::rejoin_step numbers its pieces as the others'); then they take it
+// back (rank_rejoined). The new rank must train every step from there to the end: it finishes
+// only once the server has read every gradient and loss it wrote (its registers' slots come
+// back), and the server only once it has a gradient from it for every step from there (its
+// transfers wait for them: no zeros any more).
+TEST_CASE("ParameterServer.AWorkerRankThatLeftComesBackAtTheServersStep" * doctest::timeout(120)) {
+  constexpr std::int64_t long_steps = 120, leave_after = 20;
+  const TrainingJob whole = ps_job_on_ranks(long_steps);
+  for (const auto& r : test::run_on_loopback(whole.plan, whole.kernels)) REQUIRE_MESSAGE(r.report, r.error);
+  const std::vector<double> undisturbed = whole.losses->per_step();
+
+  for (const bool shares_memory : {true, false}) {
+    CAPTURE(shares_memory);
+    const TrainingJob job = ps_job_on_ranks(long_steps);
+    transport::LoopbackHub hub(3, shares_memory);
+    std::vector<std::unique_ptr<Runtime>> runtimes;
+    for (std::uint16_t r = 0; r < 3; ++r) {
+      RuntimeSettings rs;
+      rs.rank = r;
+      rs.link = &hub.link(r);
+      runtimes.push_back(std::make_unique<Runtime>(job.plan, job.kernels, rs));
+    }
+    hub.start();
+    std::vector<test::RankResult> results(4);  // [3]: rank 1 come back
+    std::vector<std::thread> threads;
+    auto run_rank = [&](Runtime& rt, test::RankResult& result) {
+      return std::thread([&rt, &result] {
+        try {
+          result.report = rt.run();
+        } catch (const std::exception& e) {
+          result.error = e.what();
+        }
+      });
+    };
+    for (std::uint16_t r = 0; r < 3; ++r) threads.push_back(run_rank(*runtimes[r], results[r]));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (job.losses->steps_done() < leave_after && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    runtimes[1]->abort("stopped by the test");
+    threads[1].join();
+    for (std::uint16_t r : {0, 2}) runtimes[r]->rank_left(1, "stopped by the test");
+
+    // It comes back: every other rank holds and answers; the largest answer is the step.
+    const std::chrono::milliseconds patience{10'000};
+    std::int64_t step = 0;
+    for (std::uint16_t r : {0, 2}) step = std::max(step, runtimes[r]->hold_for_rejoin(1, patience));
+    MESSAGE("worker 1 comes back at step " << step << " of " << long_steps);
+    REQUIRE(step >= leave_after);
+    REQUIRE(step < long_steps);
+    const TrainingJob back_job = ps_job_on_ranks(long_steps, step);
+    RuntimeSettings rs;
+    rs.rank = 1;
+    rs.link = &hub.link(1);
+    rs.rejoin_step = step;
+    Runtime back(back_job.plan, back_job.kernels, rs);
+    for (std::uint16_t r : {0, 2}) runtimes[r]->rank_rejoined(1, step, patience);
+    std::thread back_thread = run_rank(back, results[3]);
+    for (std::uint16_t r : {0, 2}) threads[r].join();
+    back_thread.join();
+    hub.stop();
+    INFO("rank 0: " << results[0].error << "; rank 2: " << results[2].error << "; rank 1 come back: " << results[3].error);
+    REQUIRE(results[0].report);
+    REQUIRE(results[2].report);
+    REQUIRE(results[3].report);
+    CHECK(results[2].report->rejoined == std::vector<std::string>{fmt::format("rank 1 at step {}", step)});
+    // The new rank 1 trained every step from `step` on: its data source drew m pieces a step.
+    std::uint64_t drawn = 0;
+    for (const auto& a : results[3].report->metrics.actors) {
+      if (a.kind == ActorKind::source && a.where.rank == 1 && a.name.starts_with("data.")) drawn = std::max(drawn, a.acts);
+    }
+    CHECK(drawn == static_cast<std::uint64_t>((long_steps - step) * 2));
+    const std::vector<double> losses = job.losses->per_step();
+    REQUIRE(losses.size() == static_cast<std::size_t>(long_steps));
+    for (std::size_t i = 0; i < losses.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::isfinite(losses[i]));
+      if (static_cast<std::int64_t>(i) < leave_after) CHECK(losses[i] == undisturbed[i]);
+    }
   }
 }
 

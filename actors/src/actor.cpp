@@ -266,6 +266,7 @@ Actor::Block Actor::next_block() const {
 }
 
 Actor::Block Actor::next_block_of_stream() const {
+  if (held_ >= 0) return Block::turn;  // a rank coming back (on_hold_for_rejoin)
   // A dry run (validation) treats sources as endless: it asks whether the plan keeps going.
   // A source nobody reads cannot hold anything up, so it sits the dry run out.
   if (desc_.kind == ActorKind::source) {
@@ -296,7 +297,12 @@ Actor::Block Actor::next_block_of_stream() const {
 }
 
 void Actor::on_message(const Message& m) {
-  if (retired_) return;
+  if (retired_) {
+    // The runtime waits for every actor it asked, finished or not.
+    if (m.kind == MsgKind::hold_for_rejoin) on_hold_for_rejoin(static_cast<std::uint32_t>(m.piece));
+    if (m.kind == MsgKind::rank_rejoined) on_rank_rejoined(m.reg, m.piece);
+    return;
+  }
   switch (m.kind) {
     case MsgKind::request:
     case MsgKind::request_inline:
@@ -307,6 +313,8 @@ void Actor::on_message(const Message& m) {
     case MsgKind::start: break;
     case MsgKind::pulled: on_pulled(m); break;
     case MsgKind::rank_left: on_rank_left(static_cast<std::uint32_t>(m.piece)); break;
+    case MsgKind::hold_for_rejoin: on_hold_for_rejoin(static_cast<std::uint32_t>(m.piece)); break;
+    case MsgKind::rank_rejoined: on_rank_rejoined(m.reg, m.piece); break;
   }
   if (!core_.failed()) advance();
 }
@@ -602,14 +610,16 @@ void Actor::act_transfer() {
     if (bytes == 0) {
       if (in.source != nullptr) release(in, k);  // a remote one acks when the piece is published
       if (own != nullptr) release(*own, k);
-    } else if (in.orphaned) {
+    } else if (k < in.zeros_until) {
       // Its rank left the job: zeros (plus the addend, for a reducing transfer).
       if (own != nullptr) {
         std::memcpy(at, addend(*own, k), bytes);
       } else {
         std::memset(at, 0, bytes);
       }
-      if (!in.arrived.empty()) in.arrived[from] = nullptr;
+      // What the departed process staged there goes; once a new one is back (zeros up to its
+      // first piece), the slot may already hold its piece.
+      if (!in.arrived.empty() && in.zeros_until == never) in.arrived[from] = nullptr;
       release(in, k);
       if (own != nullptr) release(*own, k);
     } else if (in.source != nullptr || (!in.arrived.empty() && in.arrived[from] != nullptr)) {
@@ -625,7 +635,7 @@ void Actor::act_transfer() {
       if (own != nullptr) release(*own, k);
     } else {
       try {
-        core_.settings.link->receive_payload(in.producer.rank(), payload_tag(index_, p, k), at, bytes,
+        core_.settings.link->receive_payload(in.producer.rank(), payload_tag(index_, p, k + core_.shift(in.reg)), at, bytes,
                                              (std::uint64_t{index_} << 16) | slot);
       } catch (const std::exception& e) {
         core_.fail(fmt::format("transfer actor '{}' could not pull piece {} of '{}' from rank {}: {}", desc_.name, k,
@@ -731,15 +741,24 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
       return;
     }
     const auto slot = slot_of(piece, out.slots);
-    out.pending[slot] = out.live;
+    std::int32_t readers = out.live;
+    if (out.joining > 0) {  // a reader that came back reads from a later piece (on_rank_rejoined)
+      out.joining = 0;
+      for (const Consumer& c : out.consumers) {
+        if (c.detached_from != never || c.from <= piece) continue;
+        --readers;
+        if (c.from > piece + 1) ++out.joining;
+      }
+    }
+    out.pending[slot] = readers;
     if (out.in_use != nullptr) {
       // Before the requests go out: a reader counts itself down only after it has one.
-      out.unread[slot].store(out.live, std::memory_order_relaxed);
+      out.unread[slot].store(readers, std::memory_order_relaxed);
       out.in_use->add(out.slot_bytes);
-      if (out.live == 0) out.in_use->sub(out.slot_bytes);
+      if (readers == 0) out.in_use->sub(out.slot_bytes);
     } else if (out.counts_for != nullptr) {  // a view: its readers count its input down
-      out.unread[slot].store(out.live, std::memory_order_relaxed);
-      if (out.live == 0) out.counts_for->reader_done(out.counts_slot[slot]);
+      out.unread[slot].store(readers, std::memory_order_relaxed);
+      if (readers == 0) out.counts_for->reader_done(out.counts_slot[slot]);
     }
     out.written = piece + 1;
     auto outstanding = static_cast<std::int32_t>(out.written - out.freed);
@@ -750,12 +769,12 @@ void Actor::publish(Output& out, std::int64_t piece, Handoff h) {
     out.written_seen.store(out.written, std::memory_order_relaxed);
   }
   for (std::size_t c = 0; c < out.consumers.size(); ++c) {
-    if (piece >= out.consumers[c].detached_from) continue;
+    if (piece >= out.consumers[c].detached_from || piece < out.consumers[c].from) continue;
     const bool waits = h != Handoff::all && out.deferred[c];
     if (h == Handoff::all || (h == Handoff::reached) == waits) request(out, piece, c);
     if (core_.failed()) return;
   }
-  if (h != Handoff::reached && out.live == 0) advance_freed(out);
+  if (h != Handoff::reached && out.pending[slot_of(piece, out.slots)] == 0) advance_freed(out);
 }
 
 void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
@@ -805,8 +824,9 @@ void Actor::request(Output& out, std::int64_t piece, std::size_t c) {
     }
     try {
       if (core_.departed(consumer.id.rank())) return;  // it left the job
-      core_.settings.link->send_payload(consumer.id.rank(), payload_tag(consumer.id.index(), consumer.port, piece), data,
-                                        consumer.bytes);
+      core_.settings.link->send_payload(consumer.id.rank(),
+                                        payload_tag(consumer.id.index(), consumer.port, piece + core_.shift(out.reg)),
+                                        data, consumer.bytes);
     } catch (const std::exception& e) {
       core_.fail(fmt::format("actor '{}' could not offer piece {} of '{}' to rank {}: {}", desc_.name, piece,
                              core_.plan.registers[out.reg].name, consumer.id.rank(), e.what()));
@@ -830,6 +850,10 @@ void Actor::count_crossings(RunReport& report) const {
 }
 
 void Actor::release(Input& in, std::int64_t piece) {
+  if (piece < in.zeros_until) {  // read as zeros: nobody to hand it back to
+    in.released = piece + 1;
+    return;
+  }
   const auto slot = slot_of(piece, in.slots);
   // Not again where this act counted it already (in place), nor for a view whose readers
   // counted its input down (Output::counts_for).
@@ -959,14 +983,16 @@ void Actor::on_rank_left(std::uint32_t rank) {
   }
   bool lost = false;
   for (Input& in : inputs_) {
-    if (in.producer_worker != nullptr || in.source != nullptr || in.producer.rank() != rank || in.orphaned) continue;
-    in.orphaned = true;
+    if (in.producer_worker != nullptr || in.source != nullptr || in.producer.rank() != rank || in.zeros_until == never) {
+      continue;
+    }
+    in.zeros_until = never;
     in.received = never;  // every piece readable from now on, as zeros
     lost = true;
   }
   if (!lost) return;
   for (const Input& in : inputs_) {
-    if (in.producer_worker == nullptr && in.source == nullptr && !in.orphaned && in.producer.rank() != rank) {
+    if (in.producer_worker == nullptr && in.source == nullptr && in.zeros_until != never && in.producer.rank() != rank) {
       core_.fail(fmt::format("transfer actor '{}' gathers from rank {} and rank {}: it cannot go on without rank {}",
                              desc_.name, rank, in.producer.rank(), rank));
       return;
@@ -981,7 +1007,7 @@ void Actor::on_rank_left(std::uint32_t rank) {
     if (pulls_left_[slot] == 0) continue;
     auto* at = static_cast<std::byte*>(out.buffers[slot].raw());
     for (std::size_t p = 0; p < (reduces_ ? 1 : port_to_input_.size()); ++p) {
-      if (inputs_[port_to_input_[p]].orphaned) std::memset(at, 0, port_bytes_[p]);
+      if (inputs_[port_to_input_[p]].zeros_until == never) std::memset(at, 0, port_bytes_[p]);
       at += port_bytes_[p];
     }
     pulls_left_[slot] = 0;
@@ -992,6 +1018,98 @@ void Actor::on_rank_left(std::uint32_t rank) {
     landed(slot);
     if (core_.failed()) return;
   }
+}
+
+bool Actor::talks_to(std::uint32_t rank) const {
+  for (const auto& out : outputs_) {
+    for (const Consumer& c : out->consumers) {
+      if (c.worker == nullptr && c.id.rank() == rank) return true;
+    }
+  }
+  for (const Input& in : inputs_) {
+    if (in.producer_worker == nullptr && in.source == nullptr && in.producer.rank() == rank) return true;
+  }
+  return false;
+}
+
+// Rank `rank`, which left, is coming back (Core::hold_for_rejoin): no more acts until it has (or
+// until it will not), and the first step it may come back at as far as this actor goes: past
+// every piece this actor has begun, and for an input past its producer's credit too (what the
+// departed process may have offered before it died must never be taken for the new one's).
+void Actor::on_hold_for_rejoin(std::uint32_t rank) {
+  std::int64_t first = 0;
+  auto step_of = [&](RegisterIndex reg, std::int64_t piece) {
+    const std::int64_t per = core_.pieces_per_step.empty() ? 0 : core_.pieces_per_step[reg];
+    if (per <= 0) {
+      core_.fail(fmt::format("actor '{}' cannot take rank {} back: register '{}' has no whole number of pieces a step",
+                             desc_.name, rank, core_.plan.registers[reg].name));
+      return std::int64_t{0};
+    }
+    return (std::max<std::int64_t>(piece, 0) + per - 1) / per;
+  };
+  for (const auto& out : outputs_) {
+    for (const Consumer& c : out->consumers) {
+      if (c.worker != nullptr || c.id.rank() != rank) continue;
+      first = std::max(first, step_of(out->reg, count_div(acts_ + out_group_ - 1, out_group_)));
+    }
+  }
+  for (const Input& in : inputs_) {
+    if (in.producer_worker != nullptr || in.source != nullptr || in.producer.rank() != rank) continue;
+    first = std::max(first, step_of(in.reg, count_div(acts_ + in_ratio_ - 1, in_ratio_) - in.delay + in.slots));
+  }
+  if (!finished_) {
+    held_ = static_cast<std::int32_t>(rank);
+    set_activity(ActorActivity::starved);
+  }
+  core_.answer_rejoin(first);
+}
+
+// Rank `rank` is back from step `step` (Core::rank_rejoined; -1: it is not after all). Its readers
+// of our outputs read again from that step's first piece, our inputs from it read zeros up to
+// there and then its pieces (numbered as ours: RuntimeSettings::rejoin_step on its side).
+void Actor::on_rank_rejoined(std::uint32_t rank, std::int64_t step) {
+  if (held_ != static_cast<std::int32_t>(rank)) {
+    if (step >= 0) core_.answer_rejoin(0);
+    return;
+  }
+  held_ = -1;
+  if (step < 0) return;  // release_hold: on without it
+  auto first_piece = [&](RegisterIndex reg) { return step * core_.pieces_per_step[reg]; };
+  for (auto& out : outputs_) {
+    for (Consumer& c : out->consumers) {
+      if (c.worker != nullptr || c.id.rank() != rank || c.detached_from == never) continue;
+      const std::int64_t p = first_piece(out->reg);
+      if (p < count_div(acts_ + out_group_ - 1, out_group_)) {
+        core_.fail(fmt::format("actor '{}' cannot take rank {} back at step {}: it has begun piece {} of '{}'",
+                               desc_.name, rank, step, count_div(acts_ + out_group_ - 1, out_group_) - 1,
+                               core_.plan.registers[out->reg].name));
+        return;
+      }
+      c.detached_from = never;
+      c.acked = p;
+      c.from = p;
+      c.way = Consumer::Way::undecided;  // a new process: the link tells again how to reach it
+      if (out->live++ == 0) --outputs_dead_;
+      if (p > out->written) ++out->joining;
+    }
+  }
+  for (Input& in : inputs_) {
+    if (in.producer_worker != nullptr || in.source != nullptr || in.producer.rank() != rank) continue;
+    const std::int64_t z = first_piece(in.reg);
+    if (z < count_div(acts_ + in_ratio_ - 1, in_ratio_) - in.delay) {
+      core_.fail(fmt::format("actor '{}' cannot take rank {} back at step {}: it has read piece {} of '{}'", desc_.name,
+                             rank, step, needed_piece(in) - 1, core_.plan.registers[in.reg].name));
+      return;
+    }
+    in.zeros_until = z;
+    in.received = z;
+    // What the departed process staged or mapped is not the new one's (it sends nothing before
+    // every rank has taken it back).
+    std::fill(in.arrived.begin(), in.arrived.end(), nullptr);
+    in.segment = {};
+    in.prefaulted.clear();
+  }
+  core_.answer_rejoin(0);
 }
 
 void Actor::finish(bool unread) {
@@ -1125,6 +1243,7 @@ std::string Actor::describe_wait() const {
     }
     return "finished";
   }
+  if (held_ >= 0) return fmt::format("held while rank {} comes back", held_);
   if (inflight_ > 0) {
     return fmt::format("transferring: {} pulls from rank {} in flight (next to land: piece {})", inflight_,
                        inputs_[0].producer.rank(), outputs_[0]->written);

@@ -34,6 +34,8 @@ std::string_view name(MsgKind k) {
     case MsgKind::end_of_stream: return "end_of_stream";
     case MsgKind::detach: return "detach";
     case MsgKind::rank_left: return "rank_left";
+    case MsgKind::hold_for_rejoin: return "hold_for_rejoin";
+    case MsgKind::rank_rejoined: return "rank_rejoined";
     case MsgKind::start: return "start";
     case MsgKind::pulled: return "pulled";
     case MsgKind::request_inline: return "request_inline";

@@ -68,6 +68,7 @@ struct Consumer {
   Worker* worker = nullptr;            // null: on another rank (through the data plane)
   std::int64_t acked = 0;              // pieces acked so far (acks come in piece order)
   std::int64_t detached_from = never;  // pieces >= this will not be read
+  std::int64_t from = 0;               // pieces < this are not its (a rank that came back)
   /// What a consumer on another rank pulls of each slot: bytes [offset, offset + bytes), the
   /// whole slot or a transfer's window (ActorDesc::window).
   std::size_t offset = 0;
@@ -104,6 +105,7 @@ struct Output {
   std::vector<std::int32_t> pending;  // per slot: consumers yet to ack the piece in it
   std::vector<Consumer> consumers;
   std::int32_t live = 0;              // consumers not detached
+  std::int32_t joining = 0;           // of those, how many read from a piece not yet written
   std::int64_t written = 0;           // pieces published; piece p lives in slot p % slots
   std::int64_t freed = 0;             // pieces acked by every live consumer (in order)
   std::int32_t max_outstanding = 0;
@@ -160,9 +162,9 @@ struct Input {
   std::int64_t released = 0;        // pieces acked back to the producer
   std::int64_t end = -1;            // total pieces, once end-of-stream arrived
   bool detached = false;
-  /// Its producer's rank left the job (Runtime::rank_left): every piece from the next act on
-  /// reads as zeros, and nothing goes back.
-  bool orphaned = false;
+  /// Pieces below this read as zeros and nothing goes back: its producer's rank left the job
+  /// (Runtime::rank_left: `never`), or came back from this piece on (Runtime::rank_rejoined).
+  std::int64_t zeros_until = 0;
   EdgeSync sync = EdgeSync::host;   // with the data's writer (plan.h)
   // EdgeSync::event: per slot, recorded on this actor's stream after its last read of the slot.
   std::vector<std::unique_ptr<StreamEvent>> done_events;
@@ -248,6 +250,9 @@ class Actor {
   const Output* output_for(RegisterIndex reg) const { return const_cast<Actor*>(this)->output_for(reg); }
   void set_lane(Lane* l) { lane_ = l; }
   bool finished() const { return finished_; }
+  /// Whether this actor exchanges a register with an actor on `rank` (any thread: the wiring
+  /// does not change once the run starts).
+  bool talks_to(std::uint32_t rank) const;
   /// Could act now (not finished, every input readable, every output slot free, its turn).
   bool ready() const { return !finished_ && next_block() == Block::none; }
   const ActorCounters& counters() const { return counters_; }
@@ -308,6 +313,8 @@ class Actor {
   void on_eos(const Message& m);
   void on_detach(const Message& m);
   void on_rank_left(std::uint32_t rank);
+  void on_hold_for_rejoin(std::uint32_t rank);
+  void on_rank_rejoined(std::uint32_t rank, std::int64_t step);
   Input* input_for(RegisterIndex reg);
   void protocol_error(const Message& m, const char* what);
 
@@ -341,7 +348,8 @@ class Actor {
   // A reducing transfer (reduces()): where its addend starts in its own input's slot, and per
   // slot whether the piece was pulled and still needs the addend when it has landed.
   bool reduces_ = false;
-  bool orphaned_ = false;  // an input's rank left (Input::orphaned)
+  bool orphaned_ = false;  // an input's rank left (Input::zeros_until)
+  std::int32_t held_ = -1;  // a rank coming back (Runtime::hold_for_rejoin): no acts meanwhile
   std::size_t own_offset_ = 0;
   std::vector<bool> add_on_landing_;
   // Actors on a CUDA or sim device: the stream their kernels enqueue on (and the same as a CUDA
@@ -539,9 +547,33 @@ struct Core : transport::LinkHandler {
   bool departed(std::uint32_t rank) const {
     return rank < departed_ranks && departed_flags[rank].load(std::memory_order_acquire);
   }
+  /// Runtime::hold_for_rejoin, rank_rejoined, release_hold.
+  std::int64_t hold_for_rejoin(std::uint32_t rank, std::chrono::milliseconds timeout);
+  void rank_rejoined(std::uint32_t rank, std::int64_t step, std::chrono::milliseconds timeout);
+  /// Posts `m` (its dst set to each) to every local actor that talks to `rank`; returns how many.
+  std::int64_t post_to_peers_of(std::uint32_t rank, Message m);
+  /// An actor's answer to hold_for_rejoin (its first step) or to rank_rejoined (0).
+  void answer_rejoin(std::int64_t step);
+  /// Waits for `expected` answers; false if `timeout` passed or the run failed.
+  bool wait_for_answers(std::int64_t expected, std::chrono::milliseconds timeout);
+  std::int64_t rejoin_answers = 0;  // under `mutex`
+  std::int64_t rejoin_step = 0;     // under `mutex`: the largest answer
+  /// Pieces of each register a step: the plan's acts per iteration (an iteration is a step: the
+  /// variables act once a step) over the producer's acts per piece. Empty if the plan has none.
+  std::vector<std::int64_t> pieces_per_step;
+  /// RuntimeSettings::rejoin_step: what to add to a piece of each register that crosses to
+  /// another rank (empty: nothing).
+  std::vector<std::int64_t> piece_shift;
+  std::int64_t shift(RegisterIndex reg) const { return piece_shift.empty() ? 0 : piece_shift[reg]; }
+  /// `m` as the other rank numbers its piece (RuntimeSettings::rejoin_step).
+  Message shifted(Message m) const {
+    m.piece += shift(m.reg);
+    return m;
+  }
   std::size_t departed_ranks = 0;
   std::unique_ptr<std::atomic<bool>[]> departed_flags;
   std::vector<std::string> departures;  // under `mutex`: "rank r: reason", in order
+  std::vector<std::string> rejoins;     // under `mutex`: "rank r at step s", in order
   bool failed() const { return failed_.load(std::memory_order_acquire); }
   void on_retired();
   Actor* actor(ActorId id) { return actors[id.index()].get(); }

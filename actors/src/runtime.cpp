@@ -288,6 +288,21 @@ std::vector<std::int64_t> acts_per_iteration(const Plan& plan) {
   return out;
 }
 
+/// Pieces of each register a step (Core::pieces_per_step); empty where the plan's rates disagree.
+std::vector<std::int64_t> pieces_per_step(const Plan& plan) {
+  const std::vector<std::int64_t> acts = acts_per_iteration(plan);
+  if (acts.empty()) return {};
+  std::vector<std::int64_t> per(plan.registers.size(), 0);
+  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
+    const ActorIndex p = plan.registers[r].producer;
+    if (p >= plan.actors.size()) continue;
+    const ActorDesc& a = plan.actors[p];
+    if (a.at_end) continue;  // once a run
+    per[r] = acts[p] / (a.kind == ActorKind::accumulate ? a.group : 1);
+  }
+  return per;
+}
+
 }  // namespace
 
 Core::Core(Plan p, const KernelRegistry* k, RuntimeSettings s, bool dry)
@@ -314,8 +329,9 @@ Core::~Core() {
 // ---------------------------------------------------------------------------------------------
 // The data plane's side (called on its progress thread)
 
-void Core::send_remote(const Message& m, const void* payload, std::size_t payload_size) {
-  if (departed(m.dst.rank())) return;  // it left the job: nobody reads it any more
+void Core::send_remote(const Message& msg, const void* payload, std::size_t payload_size) {
+  if (departed(msg.dst.rank())) return;  // it left the job: nobody reads it any more
+  const Message m = shifted(msg);
   if (settings.link == nullptr) {
     fail(fmt::format("a message for {} on rank {} but this runtime has no data plane", m.dst.str(), m.dst.rank()));
     return;
@@ -334,6 +350,11 @@ void Core::send_remote(const Message& m, const void* payload, std::size_t payloa
 void Core::send_remote_batch(const Message* m, std::size_t n) {
   if (n == 1 || settings.link == nullptr) return send_remote(*m);  // without a link: fails, saying why
   if (departed(m->dst.rank())) return;
+  std::array<Message, Outbox::per_link_message> moved;
+  if (!piece_shift.empty()) {  // a rank that came back: pieces as the others number them
+    for (std::size_t i = 0; i < n; ++i) moved[i] = shifted(m[i]);
+    m = moved.data();
+  }
   try {
     settings.link->send(m->dst.rank(), m, n * sizeof *m);
   } catch (const std::exception& e) {
@@ -343,7 +364,7 @@ void Core::send_remote_batch(const Message* m, std::size_t n) {
 
 void Core::send_remote_mapped(const Message& m, const transport::SharedLocation& at) {
   if (departed(m.dst.rank())) return;
-  const MappedRequest r{m, at};
+  const MappedRequest r{shifted(m), at};
   try {
     settings.link->send(m.dst.rank(), &r, sizeof r);
   } catch (const std::exception& e) {
@@ -385,6 +406,7 @@ void Core::on_message_with_payload(std::uint32_t from_rank, const void* data, st
   if (size > sizeof m && m.kind != MsgKind::request_mapped && payload_size == 0) {
     return on_messages(from_rank, data, size);
   }
+  if (m.reg < plan.registers.size()) m.piece -= shift(m.reg);  // RuntimeSettings::rejoin_step
   const std::size_t expected = m.kind == MsgKind::request_mapped ? sizeof(MappedRequest) : sizeof m;
   if (size != expected) {
     fail(fmt::format("rank {} sent a {} of {} bytes; it has {}", from_rank, name(m.kind), size, expected));
@@ -428,6 +450,7 @@ void Core::on_messages(std::uint32_t from_rank, const void* data, std::size_t si
   for (std::size_t at = 0; at < size; at += sizeof(Message)) {
     Message m;
     std::memcpy(&m, static_cast<const std::byte*>(data) + at, sizeof m);
+    if (m.reg < plan.registers.size()) m.piece -= shift(m.reg);
     if (m.kind == MsgKind::request_inline || m.kind == MsgKind::request_mapped) {
       fail(fmt::format("rank {} sent a {} for {} among other messages, without what it needs", from_rank, name(m.kind),
                        m.dst.str()));
@@ -783,6 +806,68 @@ void Core::rank_left(std::uint32_t rank, const std::string& reason) {
     if (a && a->worker() != nullptr) {
       a->worker()->post(Message{a->id(), a->id(), static_cast<std::int64_t>(rank), 0, 0, MsgKind::rank_left, 0});
     }
+  }
+}
+
+std::int64_t Core::post_to_peers_of(std::uint32_t rank, Message m) {
+  std::int64_t n = 0;
+  for (auto& a : actors) {
+    if (!a || a->worker() == nullptr || !a->talks_to(rank)) continue;
+    m.src = m.dst = a->id();
+    a->worker()->post(m);
+    ++n;
+  }
+  return n;
+}
+
+void Core::answer_rejoin(std::int64_t step) {
+  {
+    std::lock_guard lock(mutex);
+    ++rejoin_answers;
+    rejoin_step = std::max(rejoin_step, step);
+  }
+  cv.notify_all();
+}
+
+bool Core::wait_for_answers(std::int64_t expected, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex);
+  return cv.wait_for(lock, timeout, [&] { return rejoin_answers >= expected || failed() || done; }) &&
+         rejoin_answers >= expected;
+}
+
+std::int64_t Core::hold_for_rejoin(std::uint32_t rank, std::chrono::milliseconds timeout) {
+  if (rank >= departed_ranks || !departed(rank)) {
+    throw JobError(fmt::format("rank {} cannot come back to rank {}: it has not left", rank, settings.rank));
+  }
+  {
+    std::lock_guard lock(mutex);
+    if (done || failed()) throw JobError(fmt::format("rank {} cannot come back: rank {}'s run has ended", rank, settings.rank));
+    rejoin_answers = 0;
+    rejoin_step = 0;
+  }
+  const std::int64_t asked = post_to_peers_of(rank, Message{{}, {}, static_cast<std::int64_t>(rank), 0, 0,
+                                                            MsgKind::hold_for_rejoin, 0});
+  if (!wait_for_answers(asked, timeout)) {
+    throw JobError(fmt::format("rank {}'s actors did not stop for rank {} to come back within {} ms{}", settings.rank,
+                               rank, timeout.count(), failed() ? " (the run failed)" : ""));
+  }
+  std::lock_guard lock(mutex);
+  return rejoin_step;
+}
+
+void Core::rank_rejoined(std::uint32_t rank, std::int64_t step, std::chrono::milliseconds timeout) {
+  if (rank >= departed_ranks) return;  // no actor of ours talks to it
+  {
+    std::lock_guard lock(mutex);
+    rejoin_answers = 0;
+    rejoins.push_back(fmt::format("rank {} at step {}", rank, step));
+  }
+  // Before the actors take it back: what they send it goes out from then on.
+  departed_flags[rank].store(false, std::memory_order_release);
+  const std::int64_t asked = post_to_peers_of(rank, Message{{}, {}, step, rank, 0, MsgKind::rank_rejoined, 0});
+  if (!wait_for_answers(asked, timeout)) {
+    throw JobError(fmt::format("rank {}'s actors did not take rank {} back within {} ms{}", settings.rank, rank,
+                               timeout.count(), failed() ? " (the run failed)" : ""));
   }
 }
 
@@ -1416,6 +1501,15 @@ Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings setti
                                 std::to_string(settings.rank) + " talks to other ranks");
   }
   impl_ = std::make_unique<Impl>(std::move(plan), &kernels, settings, /*dry_run=*/false);
+  if (!peers.empty()) impl_->pieces_per_step = detail::pieces_per_step(impl_->plan);
+  if (settings.rejoin_step < 0) throw std::invalid_argument("rejoin_step must be >= 0");
+  if (settings.rejoin_step > 0) {
+    if (impl_->pieces_per_step.empty()) {
+      throw PlanError(fmt::format("rank {} cannot come back at step {}: its plan has no fixed number of pieces a step",
+                                  settings.rank, settings.rejoin_step));
+    }
+    for (std::int64_t per : impl_->pieces_per_step) impl_->piece_shift.push_back(settings.rejoin_step * per);
+  }
   impl_->instantiate();
   impl_->peers = peers;
   if (!peers.empty()) settings.link->set_handler(impl_.get());
@@ -1424,6 +1518,18 @@ Runtime::Runtime(Plan plan, const KernelRegistry& kernels, RuntimeSettings setti
 void Runtime::abort(const std::string& reason) { impl_->fail(reason); }
 
 void Runtime::rank_left(std::uint32_t rank, const std::string& reason) { impl_->rank_left(rank, reason); }
+
+std::int64_t Runtime::hold_for_rejoin(std::uint32_t rank, std::chrono::milliseconds timeout) {
+  return impl_->hold_for_rejoin(rank, timeout);
+}
+
+void Runtime::rank_rejoined(std::uint32_t rank, std::int64_t step, std::chrono::milliseconds timeout) {
+  impl_->rank_rejoined(rank, step, timeout);
+}
+
+void Runtime::release_hold(std::uint32_t rank) {
+  impl_->post_to_peers_of(rank, Message{{}, {}, -1, rank, 0, MsgKind::rank_rejoined, 0});
+}
 
 Runtime::~Runtime() = default;
 
@@ -1531,6 +1637,7 @@ RunReport Runtime::run() {
   {
     std::lock_guard lock(core.mutex);
     report.departed = core.departures;
+    report.rejoined = core.rejoins;
   }
   return report;
 }

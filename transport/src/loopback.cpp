@@ -1,5 +1,6 @@
 #include "baton/transport/loopback.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -45,7 +46,8 @@ struct LoopbackHub::Impl {
     End(Impl& hub, std::uint32_t rank) : hub_(hub), rank_(rank) {}
     std::uint32_t rank() const override { return rank_; }
     std::uint32_t world_size() const override { return static_cast<std::uint32_t>(hub_.ends.size()); }
-    void set_handler(LinkHandler* h) override { handler = h; }
+    // A rank that comes back (a new Runtime on the same end) sets it again while the hub runs.
+    void set_handler(LinkHandler* h) override { handler.store(h, std::memory_order_release); }
     // The ranks share this process (unless the hub plays ranks on different hosts).
     bool shares_memory_with(std::uint32_t peer) const override {
       return hub_.shares_memory && peer != rank_ && peer < world_size();
@@ -80,7 +82,7 @@ struct LoopbackHub::Impl {
       op.r = Receive{dest, size, cookie};
       hub_.push(std::move(op));
     }
-    LinkHandler* handler = nullptr;
+    std::atomic<LinkHandler*> handler{nullptr};
 
    private:
     void check(std::uint32_t peer) const {
@@ -122,9 +124,9 @@ struct LoopbackHub::Impl {
     switch (op.kind) {
       case Op::message:
         if (op.payload.empty()) {
-          ends[op.to]->handler->on_message(op.from, op.bytes.data(), op.bytes.size());
+          ends[op.to]->handler.load(std::memory_order_acquire)->on_message(op.from, op.bytes.data(), op.bytes.size());
         } else {
-          ends[op.to]->handler->on_message_with_payload(op.from, op.bytes.data(), op.bytes.size(), op.payload.data(),
+          ends[op.to]->handler.load(std::memory_order_acquire)->on_message_with_payload(op.from, op.bytes.data(), op.bytes.size(), op.payload.data(),
                                                         op.payload.size());
         }
         break;
@@ -154,7 +156,7 @@ struct LoopbackHub::Impl {
   }
 
   void complete(std::uint32_t receiver, const Offer& o, const Receive& r) {
-    LinkHandler* h = ends[receiver]->handler;
+    LinkHandler* h = ends[receiver]->handler.load(std::memory_order_acquire);
     if (o.size != r.size) {
       h->on_link_error(fmt::format("payload of {} bytes offered, {} bytes expected", o.size, r.size));
       return;

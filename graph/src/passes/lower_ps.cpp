@@ -22,6 +22,10 @@ void check_sync(const TrainConfig& cfg) {
   if (cfg.sync != "allreduce" && cfg.sync != "ps") {
     throw GraphError(fmt::format("sync '{}': allreduce or ps", cfg.sync));
   }
+  if (cfg.rejoin && cfg.sync != "ps") {
+    throw GraphError(fmt::format("a rank comes back to a running job under parameter servers (sync ps), not sync {}",
+                                 cfg.sync));
+  }
   if (cfg.sync == "allreduce") {
     if (cfg.staleness != 0) {
       throw GraphError(fmt::format("staleness {} is for parameter servers (sync ps); an all-reduce is synchronous",

@@ -80,7 +80,7 @@ void check_weight_delay(const TrainConfig& cfg) {
                                  "gradient at once, not a step late; use one or the other",
                                  what, cfg.zero));
   }
-  if (cfg.first_step > 0 || cfg.optimizer_state) {
+  if ((cfg.first_step > 0 && !cfg.rejoin) || cfg.optimizer_state) {
     throw GraphError(fmt::format("{} with a resumed job (first step {}): a checkpoint holds the "
                                  "weights but not the gradients still to be applied late, so training "
                                  "cannot go on from it as the uninterrupted run would",

@@ -31,6 +31,15 @@ enum class MsgKind : std::uint8_t {
   /// runtime -> actor: rank `piece` left the job (Runtime::rank_left): its consumers of this
   /// actor's outputs detach at what they acked, and this actor's inputs from it read zeros.
   rank_left,
+  /// runtime -> actor: rank `piece`, which left, is coming back (Runtime::hold_for_rejoin):
+  /// an actor that exchanged a register with it stops acting and tells the runtime the first
+  /// step it may come back at.
+  hold_for_rejoin,
+  /// runtime -> actor: rank `reg` comes back at step `piece` (Runtime::rank_rejoined): the
+  /// actor's readers on it are attached again from that step's first piece, its inputs from it
+  /// read zeros up to there and then its pieces; a held actor goes on. Step -1: it does not
+  /// come back after all (Runtime::release_hold); a held actor goes on without it.
+  rank_rejoined,
 };
 
 std::string_view name(MsgKind k);

@@ -1,6 +1,7 @@
 #pragma once
 /// The runtime: instantiates a plan's actors on worker threads and runs them to the end.
 #include <cstdint>
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -88,6 +89,24 @@ class Runtime {
   /// still in flight lands as zeros), so a sum over replicas goes on with the others'. A
   /// transfer that gathers from it and another rank cannot, and the run fails saying so.
   void rank_left(std::uint32_t rank, const std::string& reason);
+  /// Any thread, while run() goes: rank `rank`, which left (rank_left), is coming back as a new
+  /// process (baton-launch --max-restarts). Every actor of this rank that exchanged a register
+  /// with it stops acting until rank_rejoined or release_hold; returns the first step it may
+  /// come back at here (each such actor's next piece, and its producer's credit beyond it for
+  /// an input: a piece the departed process may still have offered is never asked of the new
+  /// one), 0 if no actor of this rank talks to it. Every rank is asked and the largest answer
+  /// is the step: the held actors cannot move past it meanwhile. Throws JobError if the actors
+  /// did not answer within `timeout` (or the run failed).
+  std::int64_t hold_for_rejoin(std::uint32_t rank, std::chrono::milliseconds timeout);
+  /// Any thread, after hold_for_rejoin, once the data plane reaches the new process: rank
+  /// `rank` is back from step `step` (its RuntimeSettings::rejoin_step). Its readers of this
+  /// rank's registers are attached again from that step's first piece; this rank's transfers
+  /// from it read zeros up to there, then its pieces; the held actors go on. Returns once every
+  /// actor has done so (messages from it are taken from then on); throws JobError as above.
+  void rank_rejoined(std::uint32_t rank, std::int64_t step, std::chrono::milliseconds timeout);
+  /// Any thread, after hold_for_rejoin: the rank does not come back after all (it died again
+  /// before it was ready); the held actors go on without it.
+  void release_hold(std::uint32_t rank);
   /// Counters as of now; safe from any thread while run() is going.
   MetricsSnapshot snapshot() const;
   /// Starts or stops the activity log (needs RuntimeSettings::activity_log, which sets its

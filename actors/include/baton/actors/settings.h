@@ -133,6 +133,12 @@ struct RuntimeSettings {
   /// owned; must outlive the run. NCCL's waits (a communicator's set-up, a collective's
   /// enqueueing) are bounded by 3/4 of stall_timeout (120 s when the watchdog is off).
   Store* store = nullptr;
+  /// This runtime plays a rank that left a running job and comes back at step `rejoin_step`
+  /// (> 0; the others' Runtime::rank_rejoined): its plan was compiled to start there
+  /// (TrainConfig::first_step) and numbers its pieces from 0, and what crosses to other ranks
+  /// is numbered as theirs: piece p of a register there is p + rejoin_step x the register's
+  /// pieces a step (a request, an ack, the end of a stream, a payload's tag). 0: it does not.
+  std::int64_t rejoin_step = 0;
 };
 
 }  // namespace baton

@@ -247,6 +247,11 @@ struct TrainConfig {
   /// the weights after step first_step, and `optimizer_state` every trained weight's slots
   /// (optimizer_slot_names); without it they start at zero. The LossLog counts this job's steps.
   std::int64_t first_step = 0;
+  /// The plan of a parameter-server worker that comes back to a running job at first_step
+  /// (baton-launch --max-restarts; RuntimeSettings::rejoin_step): only its own actors run, and
+  /// the servers keep the weights, their optimizer state and the gradients still to be
+  /// applied, so a staleness that a resumed job refuses is fine here.
+  bool rejoin = false;
   std::shared_ptr<const OptimizerState> optimizer_state;
   /// Checkpoints: after the update of each step s with s % snapshot_every == 0, and of the last
   /// step, each of replica 0's trained variable actors (under ZeRO: every replica's sharded
