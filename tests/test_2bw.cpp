@@ -609,7 +609,7 @@ TEST_CASE("ParameterServer.AWorkerRankThatLeftComesBackAtTheServersStep" * docte
     REQUIRE(results[0].report);
     REQUIRE(results[2].report);
     REQUIRE(results[3].report);
-    CHECK(results[2].report->rejoined == std::vector<std::string>{fmt::format("rank 1 at step {}", step)});
+    CHECK(results[2].report->rejoined == std::vector<std::string>{fmt::format("rank 1 from step {}", step + 1)});
     // The new rank 1 trained every step from `step` on: its data source drew m pieces a step.
     std::uint64_t drawn = 0;
     for (const auto& a : results[3].report->metrics.actors) {

@@ -15,6 +15,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/write.hpp>
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include "baton/transport/control.h"
 #include "test_util.h"
@@ -30,9 +31,10 @@ using baton::transport::JobOutcome;
 using baton::transport::LauncherClient;
 using baton::transport::LauncherClientSettings;
 using baton::transport::RankInfo;
+using baton::transport::RejoinHandlers;
+using baton::transport::TransportError;
 using baton::transport::RendezvousServer;
 using baton::transport::ServerSettings;
-using baton::transport::TransportError;
 using std::chrono::milliseconds;
 
 const std::string token = "0123456789abcdef0123456789abcdef";
@@ -770,6 +772,125 @@ TEST_CASE("control: a rank that may leave leaves and the others finish ok, told 
     std::lock_guard lock(mutex);
     REQUIRE_FALSE(told.empty());
     CHECK(contains(told.front().second, "1: it was killed by signal 9"));
+  }
+}
+
+// A rank that left comes back as a new process (ControlClient::rejoin, baton-launch
+// --max-restarts): every other rank holds and answers a step, the new one gets the largest and
+// every rank's table, says ready, the others take it back with its new address, and it goes; it
+// is then in the job again: counted in the final bye, and a second loss is a departure again.
+TEST_CASE("control: a rank that left comes back at the step the others hold at" * doctest::timeout(30)) {
+  RendezvousServer server(server_settings(3));
+  World world(server, 3);
+  std::mutex mutex;
+  std::vector<std::string> heard;  // "r: what"
+  auto note = [&](std::uint32_t r, const std::string& what) {
+    std::lock_guard lock(mutex);
+    heard.push_back(std::to_string(r) + ": " + what);
+  };
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    world.clients[r]->on_rejoin(RejoinHandlers{
+        .hold = [&, r](std::uint32_t rank) {
+          note(r, "hold " + std::to_string(rank));
+          return std::int64_t{40} + r;  // rank 2 (a server) answers the largest
+        },
+        .rejoined = [&, r](const RankInfo& info, std::int64_t step) {
+          note(r, fmt::format("rejoined {} at {} from {}", info.rank, step, info.host));
+          CHECK(info.data_address == "new address");
+        },
+        .release = [&, r](std::uint32_t rank) { note(r, "release " + std::to_string(rank)); },
+    });
+  }
+  std::vector<RankInfo> infos;
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    infos.push_back(info_of(r));
+    infos.back().may_leave = r < 2;
+  }
+  join_all(world.clients, infos);
+
+  // Not before it left: refused, and nothing is held.
+  {
+    ControlClient early(client_settings(server, 1, 3));
+    RankInfo me = info_of(1);
+    CHECK_THROWS_WITH_AS(early.rejoin(me), doctest::Contains("rank 1 cannot come back: the job has not started yet"),
+                         TransportError);
+  }
+  std::vector<std::future<void>> start;
+  for (auto& c : world.clients) start.push_back(std::async(std::launch::async, [&] { c->barrier("start", 5000ms); }));
+  for (auto& f : start) f.get();
+  {
+    ControlClient twin(client_settings(server, 1, 3));
+    CHECK_THROWS_WITH_AS(twin.rejoin(info_of(1)), doctest::Contains("rank 1 cannot come back: it has not left the job"),
+                         TransportError);
+  }
+  CHECK(server.rank_exited(1, "it was killed by signal 9 (SIGKILL)"));
+  world.clients[1].reset();
+
+  SUBCASE("it comes back, and finishes with the others") {
+    ControlClient back(client_settings(server, 1, 3));
+    RankInfo me = info_of(1);
+    me.host = "host1b";
+    me.data_address = "new address";
+    const auto [table, step] = back.rejoin(me);
+    CHECK(step == 42);
+    REQUIRE(table.size() == 3);
+    CHECK(table[1].data_address == "new address");
+    CHECK(table[2].data_address == infos[2].data_address);
+    back.ready(5000ms);
+    {
+      std::lock_guard lock(mutex);
+      // Ranks 0 and 2 held, then took it back, each in that order; rank 1's old self heard nothing.
+      for (std::uint32_t r : {0u, 2u}) {
+        const auto hold = std::find(heard.begin(), heard.end(), std::to_string(r) + ": hold 1");
+        const auto taken =
+            std::find(heard.begin(), heard.end(), fmt::format("{}: rejoined 1 at 42 from host1b", r));
+        CHECK(hold != heard.end());
+        CHECK(taken != heard.end());
+        CHECK(hold < taken);
+      }
+      CHECK(heard.size() == 4);
+    }
+    CHECK(server.rejoined() == std::vector<std::pair<std::uint32_t, std::int64_t>>{{1, 42}});
+    CHECK(server.departed().empty());
+    // In the job again: the final bye waits for it.
+    std::vector<std::future<void>> finish;
+    for (std::uint32_t r : {0u, 2u}) {
+      finish.push_back(std::async(std::launch::async, [&, r] { world.clients[r]->finish(5000ms); }));
+    }
+    std::this_thread::sleep_for(100ms);
+    CHECK_FALSE(server.outcome().has_value());
+    back.finish(5000ms);
+    for (auto& f : finish) f.get();
+    const auto outcome = server.wait_for(5000ms);
+    REQUIRE(outcome.has_value());
+    CHECK(outcome->ok);
+  }
+  SUBCASE("it dies before it is ready: the others let go of the hold, and it stays left") {
+    {
+      ControlClient back(client_settings(server, 1, 3));
+      RankInfo me = info_of(1);
+      me.data_address = "new address";
+      const auto [table, step] = back.rejoin(me);
+      CHECK(step == 42);
+    }  // gone without ready
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    auto released = [&] {
+      std::lock_guard lock(mutex);
+      return std::count_if(heard.begin(), heard.end(), [](const std::string& h) { return contains(h, "release 1"); });
+    };
+    while (released() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+    CHECK(released() == 2);
+    CHECK(server.rejoined().empty());
+    REQUIRE(server.departed().size() == 1);
+    // The others finish without it.
+    std::vector<std::future<void>> finish;
+    for (std::uint32_t r : {0u, 2u}) {
+      finish.push_back(std::async(std::launch::async, [&, r] { world.clients[r]->finish(5000ms); }));
+    }
+    for (auto& f : finish) f.get();
+    const auto outcome = server.wait_for(5000ms);
+    REQUIRE(outcome.has_value());
+    CHECK(outcome->ok);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -79,6 +80,11 @@ JobEnvironment JobEnvironment::from_env() {
   }
   if (const char* hold = std::getenv("BATON_HOLD_MESSAGES_NS"); hold != nullptr && *hold != '\0') {
     env.hold_messages_ns = parse_number("BATON_HOLD_MESSAGES_NS", hold);
+  }
+  if (const char* back = std::getenv("BATON_REJOIN"); back != nullptr && *back != '\0') {
+    const std::string b = back;
+    if (b != "0" && b != "1") throw std::invalid_argument(fmt::format("BATON_REJOIN='{}': 0 or 1", b));
+    env.rejoin = b == "1";
   }
   if (const char* local = std::getenv("BATON_LOCAL_WORLD_SIZE")) {
     env.local_world_size = parse_number("BATON_LOCAL_WORLD_SIZE", local);
@@ -202,6 +208,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   std::unique_ptr<Runtime> runtime;
   std::string early_abort;
   std::vector<std::pair<std::uint32_t, std::string>> early_left;  // before the runtime existed
+  transport::DataPlane* data = nullptr;  // under `mutex`, once made
   transport::ControlClient control(transport::ClientSettings{.master = env.master,
                                                              .token = env.token,
                                                              .rank = env.rank,
@@ -226,6 +233,32 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     }
     if (on_left) on_left(rank, reason);
   });
+  // Another rank comes back (ControlClient::rejoin): hold, then take it back. Bounded well under
+  // the heartbeat timeout: these run on the control client's thread.
+  constexpr std::chrono::milliseconds answer_within{3'000};
+  auto running = [&]() -> Runtime& {
+    if (!runtime) throw JobError(fmt::format("rank {} is not running yet", env.rank));
+    return *runtime;
+  };
+  control.on_rejoin(transport::RejoinHandlers{
+      .hold = [&](std::uint32_t rank) {
+        std::lock_guard lock(mutex);
+        return running().hold_for_rejoin(rank, answer_within);
+      },
+      .rejoined = [&, on_rejoined = js.on_rejoined](const transport::RankInfo& info, std::int64_t step) {
+        {
+          std::lock_guard lock(mutex);
+          Runtime& rt = running();
+          if (data != nullptr) data->reconnect(info.rank, info.data_address);
+          rt.rank_rejoined(info.rank, step, answer_within);
+        }
+        if (on_rejoined) on_rejoined(info.rank, step);
+      },
+      .release = [&](std::uint32_t rank) {
+        std::lock_guard lock(mutex);
+        if (runtime) runtime->release_hold(rank);
+      },
+  });
   if (js.observer != nullptr) {
     control.on_command([observer = js.observer](const std::string& kind, const std::string& body) {
       observer->on_command(kind, body);
@@ -244,14 +277,54 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     data_plane_config += fmt::format("{}{}={}", data_plane_config.empty() ? "" : ", ", name, value);
   }
   if (data_plane_config.empty()) data_plane_config = "as the UCX_ environment variables say";
-  transport::DataPlane data(env.rank, env.world_size, js.data);
+  transport::DataPlane data_plane(env.rank, env.world_size, js.data);
+  // What the control client's thread may reach: the data plane, until it goes.
+  struct Reachable {
+    std::mutex& mutex;
+    transport::DataPlane*& data;
+    ~Reachable() {
+      std::lock_guard lock(mutex);
+      data = nullptr;
+    }
+  } reachable{mutex, data};
+  {
+    std::lock_guard lock(mutex);
+    data = &data_plane;
+  }
   // An empty host: join() names this machine.
-  const auto table = control.join(
-      transport::RankInfo{.rank = env.rank, .data_address = data.address(), .plan_hash = plan.hash(), .may_leave = js.may_leave});
+  const transport::RankInfo me{
+      .rank = env.rank, .data_address = data_plane.address(), .plan_hash = plan.hash(), .may_leave = js.may_leave};
+  // A rank coming back (BATON_REJOIN=1) learns the step the others hold at, and compiles its
+  // plan from there while they wait.
+  std::vector<transport::RankInfo> table;
+  const Plan* to_run = &plan;
+  const KernelRegistry* run_kernels = &kernels;
+  Plan rejoined;
+  if (env.rejoin) {
+    if (!js.rejoin_plan) {
+      throw JobError(fmt::format("rank {} was started to come back to its job (BATON_REJOIN=1), which this "
+                                 "program cannot do",
+                                 env.rank));
+    }
+    std::int64_t step = 0;
+    std::tie(table, step) = control.rejoin(me);
+    try {
+      auto [logical_back, kernels_back] = js.rejoin_plan(step);
+      rejoined = insert_transfers(logical_back);
+      to_run = &rejoined;
+      run_kernels = kernels_back;
+      js.runtime.rejoin_step = step;
+    } catch (const std::exception& e) {
+      control.fail(fmt::format("could not come back at step {}: {}", step, e.what()));
+      throw;
+    }
+  } else {
+    table = control.join(me);
+  }
 
   try {
     js.runtime.rank = static_cast<std::uint16_t>(env.rank);
-    js.runtime.link = &data;
+    js.runtime.link = &data_plane;
     js.runtime.store = &store;
     if (!env.shared_registers) js.runtime.shared_registers = false;
     if (env.hold_messages_ns) js.runtime.hold_messages_ns = *env.hold_messages_ns;
@@ -260,7 +333,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
       js.runtime.ranks_on_host = static_cast<std::uint32_t>(
           std::count_if(table.begin(), table.end(), [&](const transport::RankInfo& r) { return r.host == here; }));
     }
-    auto rt = std::make_unique<Runtime>(plan, kernels, js.runtime);
+    auto rt = std::make_unique<Runtime>(*to_run, *run_kernels, js.runtime);
     std::lock_guard lock(mutex);
     runtime = std::move(rt);
     if (!early_abort.empty()) throw JobError("job aborted: " + early_abort);
@@ -272,13 +345,17 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   std::vector<std::string> addresses;
   for (const auto& info : table) addresses.push_back(info.data_address);
   try {
-    data.connect(addresses);
-    data.start();
+    data_plane.connect(addresses);
+    data_plane.start();
   } catch (const std::exception& e) {
     control.fail(fmt::format("data plane: {}", e.what()));
     throw;
   }
-  control.barrier("start", js.start_timeout);
+  if (env.rejoin) {
+    control.ready(js.start_timeout);  // every other rank has taken it back
+  } else {
+    control.barrier("start", js.start_timeout);
+  }
   if (js.observer != nullptr) js.observer->on_start(*runtime, &control);
   RunReport report;
   try {
@@ -286,7 +363,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   } catch (const std::exception& e) {
     if (js.observer != nullptr) js.observer->on_finish(*runtime, e.what());
     control.fail(e.what());
-    data.stop();
+    data_plane.stop();
     throw;
   }
   report.data_plane = data_plane_config + why_transports;
@@ -294,7 +371,7 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   if (js.observer != nullptr) js.observer->on_finish(*runtime, {});
   // The others may still need our acks: the data plane keeps going until every rank is done.
   control.finish(js.finish_timeout);
-  data.stop();
+  data_plane.stop();
   return report;
 }
 

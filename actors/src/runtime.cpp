@@ -839,6 +839,8 @@ std::int64_t Core::hold_for_rejoin(std::uint32_t rank, std::chrono::milliseconds
   if (rank >= departed_ranks || !departed(rank)) {
     throw JobError(fmt::format("rank {} cannot come back to rank {}: it has not left", rank, settings.rank));
   }
+  const bool talks = std::any_of(actors.begin(), actors.end(), [&](const auto& a) { return a && a->talks_to(rank); });
+  if (!talks) return 0;
   {
     std::lock_guard lock(mutex);
     if (done || failed()) throw JobError(fmt::format("rank {} cannot come back: rank {}'s run has ended", rank, settings.rank));
@@ -859,8 +861,9 @@ void Core::rank_rejoined(std::uint32_t rank, std::int64_t step, std::chrono::mil
   if (rank >= departed_ranks) return;  // no actor of ours talks to it
   {
     std::lock_guard lock(mutex);
+    if (failed()) throw JobError(fmt::format("rank {} cannot come back: rank {}'s run failed", rank, settings.rank));
     rejoin_answers = 0;
-    rejoins.push_back(fmt::format("rank {} at step {}", rank, step));
+    rejoins.push_back(fmt::format("rank {} from step {}", rank, step + 1));  // steps counted from 1
   }
   // Before the actors take it back: what they send it goes out from then on.
   departed_flags[rank].store(false, std::memory_order_release);

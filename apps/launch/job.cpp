@@ -13,6 +13,7 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,9 +41,9 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 /// The variables baton-launch sets for every rank (any inherited value is replaced).
-constexpr std::array<const char*, 7> rank_variables = {
+constexpr std::array<const char*, 8> rank_variables = {
     "BATON_RANK",      "BATON_WORLD_SIZE", "BATON_LOCAL_RANK", "BATON_LOCAL_WORLD_SIZE",
-    "BATON_NODE_RANK", "BATON_MASTER",     "BATON_JOB_TOKEN"};
+    "BATON_NODE_RANK", "BATON_MASTER",     "BATON_JOB_TOKEN",  "BATON_REJOIN"};
 
 std::string this_host_name() {
   char name[256] = {};
@@ -279,29 +280,47 @@ class Job {
   }
 
   void start_ranks() {
-    const auto base_env = with_trace(inherited_environment());
     for (std::uint32_t local = 0; local < plan_.nproc_per_node; ++local) {
-      const std::uint32_t rank = plan_.first_rank() + local;
-      SpawnRequest request{plan_.program, base_env};
-      const std::pair<const char*, std::string> values[] = {
-          {"BATON_RANK", std::to_string(rank)},
-          {"BATON_WORLD_SIZE", std::to_string(plan_.world_size())},
-          {"BATON_LOCAL_RANK", std::to_string(plan_.local_rank_base + local)},
-          {"BATON_LOCAL_WORLD_SIZE", std::to_string(plan_.local_world_size)},
-          {"BATON_NODE_RANK", std::to_string(plan_.node_rank)},
-          {"BATON_MASTER", master_},
-          {"BATON_JOB_TOKEN", token_},
-      };
-      for (const auto& [name, value] : values)
-        request.env.push_back(fmt::format("{}={}", name, value));
-      auto child = std::make_unique<Child>();
-      child->kind = Child::Kind::rank;
-      child->id = rank;
-      child->host = host_;
-      if (!start(std::move(child), request, fmt::format("[{}] ", rank))) {
-        return;  // failed to exec: the job is over before it began
-      }
+      if (!start_rank(plan_.first_rank() + local, false)) return;  // failed to exec: the job is over before it began
     }
+  }
+
+  /// Starts rank `rank` of this node; `rejoin`: again, to come back to the job (BATON_REJOIN=1).
+  bool start_rank(std::uint32_t rank, bool rejoin) {
+    SpawnRequest request{plan_.program, with_trace(inherited_environment())};
+    const std::pair<const char*, std::string> values[] = {
+        {"BATON_RANK", std::to_string(rank)},
+        {"BATON_WORLD_SIZE", std::to_string(plan_.world_size())},
+        {"BATON_LOCAL_RANK", std::to_string(plan_.local_rank_base + rank - plan_.first_rank())},
+        {"BATON_LOCAL_WORLD_SIZE", std::to_string(plan_.local_world_size)},
+        {"BATON_NODE_RANK", std::to_string(plan_.node_rank)},
+        {"BATON_MASTER", master_},
+        {"BATON_JOB_TOKEN", token_},
+        {"BATON_REJOIN", rejoin ? "1" : "0"},
+    };
+    for (const auto& [name, value] : values) request.env.push_back(fmt::format("{}={}", name, value));
+    auto child = std::make_unique<Child>();
+    child->kind = Child::Kind::rank;
+    child->id = rank;
+    child->host = host_;
+    return start(std::move(child), request, fmt::format("[{}] ", rank));
+  }
+
+  /// A rank that left: started again to come back, if --max-restarts allows.
+  void restart(const Child& child) {
+    std::uint32_t& done = restarts_[child.id];
+    if (done >= plan_.max_restarts) {
+      if (plan_.max_restarts > 0) {
+        stderr_.append(fmt::format("baton-launch: rank {} is not started again: it was, {} time{} (--max-restarts {})\n",
+                                   child.id, done, done == 1 ? "" : "s", plan_.max_restarts));
+      }
+      return;
+    }
+    ++done;
+    stderr_.append(fmt::format("baton-launch: starting rank {} again ({} of --max-restarts {}): it comes back at the "
+                               "servers' step\n",
+                               child.id, done, plan_.max_restarts));
+    start_rank(child.id, true);
   }
 
   void start_nodes() {
@@ -483,6 +502,7 @@ class Job {
       stderr_.append(fmt::format("baton-launch: {} left the job: it {}; the job goes on without it\n", child.name(),
                                  how));
       if (model_) model_->rank_left(child.id, "it " + how);
+      restart(child);
       return;
     }
     if (child.kind == Child::Kind::rank) {
@@ -677,6 +697,7 @@ class Job {
   std::unique_ptr<transport::RendezvousServer> server_;
   std::unique_ptr<transport::LauncherClient> client_;
   std::vector<std::unique_ptr<Child>> children_;
+  std::map<std::uint32_t, std::uint32_t> restarts_;  // by rank: how often it was started again
   std::optional<Failure> failure_;
   std::optional<Clock::time_point> kill_ranks_at_, term_nodes_at_, kill_nodes_at_, give_up_at_,
       finish_deadline_;

@@ -71,6 +71,7 @@ int main(int argc, char** argv) {
   double join_timeout_s = 120;
   baton::launch::DashboardOptions dashboard;
   double dashboard_linger_s = 0;
+  std::int64_t max_restarts = 0;
   CLI::App app{
       "baton-launch: start the ranks of a baton job on this host or on several\n\n"
       "  baton-launch [OPTIONS] -- PROGRAM [ARGS...]\n"};
@@ -104,6 +105,10 @@ int main(int argc, char** argv) {
   app.add_option("--join-timeout", join_timeout_s,
                  "seconds for the job to form: every rank and node joined, the master reached (default 120)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--max-restarts", max_restarts,
+                 "K: start a parameter-server worker rank that leaves (--sync ps --staleness S > 0) again, at "
+                 "most K times each; it comes back at the servers' step (default 0: it stays gone)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--trace", cli.trace,
                  "FILE: the ranks record their acts; node 0 writes one Chrome trace of them all "
                  "(open it in ui.perfetto.dev or chrome://tracing)");
@@ -153,6 +158,7 @@ int main(int argc, char** argv) {
   }
   // Under srun or mpirun, say once (task 0) what was adopted: a user whose job does not form
   // sees at a glance whether the scheduler's layout was read as they meant.
+  plan.max_restarts = static_cast<std::uint32_t>(max_restarts);
   if (!plan.scheduler.empty() && plan.node_rank == 0) {
     fmt::print(stderr, "baton-launch: {}'s layout: {} task{} of {} rank{} each, {} rank{} in all; master {}\n",
                plan.scheduler, plan.nnodes, plan.nnodes == 1 ? "" : "s", plan.nproc_per_node,

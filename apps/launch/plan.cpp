@@ -464,9 +464,10 @@ std::string remote_command(const Plan& plan, std::uint32_t node, const std::stri
   std::string env;
   for (const auto& word : forward) env += fmt::format("{} ", shell_quote(word));
   std::string command = fmt::format(
-      "cd {} && exec {}{}{} --nnodes {} --node-rank {} --master {} --token {} --nproc-per-node {} --",
+      "cd {} && exec {}{}{} --nnodes {} --node-rank {} --master {} --token {} --nproc-per-node {}{} --",
       shell_quote(cwd), env.empty() ? "" : "env ", env, shell_quote(self_path), plan.nnodes, node,
-      shell_quote(master), shell_quote(token), plan.nproc_per_node);
+      shell_quote(master), shell_quote(token), plan.nproc_per_node,
+      plan.max_restarts > 0 ? fmt::format(" --max-restarts {}", plan.max_restarts) : std::string());
   for (const auto& word : plan.program) {
     command += ' ';
     command += shell_quote(word);
@@ -477,7 +478,8 @@ std::string remote_command(const Plan& plan, std::uint32_t node, const std::stri
 std::vector<std::string> forwarded_environment(const std::vector<std::string>& environ_words) {
   static const std::set<std::string, std::less<>> per_rank = {
       "BATON_RANK",      "BATON_WORLD_SIZE", "BATON_LOCAL_RANK", "BATON_LOCAL_WORLD_SIZE",
-      "BATON_NODE_RANK", "BATON_MASTER",     "BATON_JOB_TOKEN",  "BATON_SSH"};
+      "BATON_NODE_RANK", "BATON_MASTER",     "BATON_JOB_TOKEN",  "BATON_SSH",
+      "BATON_REJOIN"};
   std::vector<std::string> out;
   for (const auto& word : environ_words) {
     const auto eq = word.find('=');

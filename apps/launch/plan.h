@@ -109,6 +109,10 @@ struct Plan {
   /// --trace FILE: the ranks get BATON_TRACE=FILE (absolute) and stream their act records;
   /// node 0 merges them into FILE when the job ends. Empty: no trace.
   std::string trace;
+  /// --max-restarts K: a rank of this node that may leave (a parameter-server worker under
+  /// bounded staleness) and leaves is started again, at most K times each, with BATON_REJOIN=1:
+  /// it comes back at the servers' step (run_job). 0: it stays gone.
+  std::uint32_t max_restarts = 0;
 
   std::uint32_t world_size() const { return nnodes * nproc_per_node; }
   std::uint32_t first_rank() const { return node_rank * nproc_per_node; }

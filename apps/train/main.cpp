@@ -899,6 +899,31 @@ int run(const Options& given) {
                          "other workers (staleness {})\n",
                  rank, first + job.losses->steps_done(), reason, o.staleness);
     };
+    js.on_rejoined = [](std::uint32_t rank, std::int64_t step) {
+      fmt::print(stderr, "baton-train: rank {} (a worker) came back: it trains from step {} on, with the weights it "
+                         "pulled from the servers\n",
+                 rank, step + 1);
+    };
+  }
+  // A worker started again by baton-launch --max-restarts (BATON_REJOIN=1) comes back at the
+  // servers' step: run_job calls this once they hold, and the plan from that step on is
+  // compiled while they wait (its data sources draw that step's samples; no checkpoint is read).
+  Graph back_graph(o.seed);
+  std::optional<TrainingJob> back;
+  if (env.rejoin) {
+    js.rejoin_plan = [&](std::int64_t step) {
+      Value back_loss;
+      {
+        auto mixed = back_graph.autocast(o.precision == "bf16" ? DType::bf16 : DType::f32);
+        back_loss = build(back_graph, o, d, mb).loss.named("loss");
+      }
+      TrainConfig from_there = cfg;
+      from_there.first_step = step;
+      from_there.rejoin = true;
+      back.emplace(compile_training(back_graph, back_loss, from_there, ParameterStore::initialize(back_graph)));
+      fmt::print(stderr, "baton-train: rank {} comes back to the job at step {} of {}\n", env.rank, step + 1, o.steps);
+      return std::pair<Plan, const KernelRegistry*>{back->plan, &back->kernels};
+    };
   }
   const bool tty = isatty(fileno(stdout)) != 0;
   std::exception_ptr failure;
@@ -925,10 +950,16 @@ int run(const Options& given) {
                report.pieces_pulled, report.messages_to_other_ranks, report.link_messages);
   }
   if (!leader) return 0;  // the reporting rank speaks for the job
-  if (!report.departed.empty()) {
-    fmt::print(stderr, "baton-train: {} worker{} left during the run and the job went on without {}: {}\n",
-               report.departed.size(), report.departed.size() == 1 ? "" : "s",
-               report.departed.size() == 1 ? "it" : "them", fmt::join(report.departed, "; "));
+  if (report.departed.size() == 1 && report.rejoined.empty()) {
+    fmt::print(stderr, "baton-train: 1 worker left during the run and the job went on without it: {}\n",
+               report.departed.front());
+  } else if (!report.departed.empty()) {  // several, or one that came back (and may have left again)
+    fmt::print(stderr, "baton-train: {} time{} a worker left during the run and the job went on: {}\n",
+               report.departed.size(), report.departed.size() == 1 ? "" : "s", fmt::join(report.departed, "; "));
+  }
+  if (!report.rejoined.empty()) {
+    fmt::print(stderr, "baton-train: {} came back during the run: {}\n",
+               report.rejoined.size() == 1 ? "a worker" : "workers", fmt::join(report.rejoined, "; "));
   }
   print_result(o, d, job, report, env, sampler, first, tty);
   if (watch.serving() && o.dashboard_linger > 0) {

@@ -236,3 +236,49 @@ TEST_CASE("mp: faults, a parameter-server worker killed under --staleness 2 leav
     }
   }
 }
+
+// baton-launch --max-restarts 1: the worker killed is started again and comes back at the
+// servers' step (pulling the weights from them: no checkpoint), trains to the end with the
+// others, and the job ends 0; killed a second time it is not started again, and the job still
+// ends 0 with the other worker.
+TEST_CASE("mp: faults, a parameter-server worker killed under --max-restarts 1 comes back at the servers' step" *
+          doctest::timeout(300)) {
+  const std::vector<std::string> argv{bin + "/baton-launch", "--nproc-per-node", "3", "--max-restarts", "1", "--",
+                                      bin + "/baton-train", "--model", "mlp", "--data", "synthetic", "--dp", "2",
+                                      "--sync", "ps", "--servers", "1", "--staleness", "2", "--steps", "3000",
+                                      "--batch", "256", "--hidden", "256"};
+  Proc job(argv);
+  auto kill_rank_1 = [&] {
+    pid_t pid = -1;
+    for (pid_t p : children_of(job.pid())) {
+      if (rank_of(p) == 1) pid = p;
+    }
+    REQUIRE(pid > 0);
+    REQUIRE(::kill(pid, SIGKILL) == 0);
+    return pid;
+  };
+  const bool training = job.read_until(
+      [](const std::string& out, const std::string&) { return contains(out, "step ") && contains(out, "/3000"); }, 120s);
+  REQUIRE_MESSAGE(training, job.all());
+  const pid_t first = kill_rank_1();
+  // The reporting server says so once the others have taken it back.
+  const bool back = job.read_until(
+      [](const std::string&, const std::string& err) { return contains(err, "rank 1 (a worker) came back"); }, 120s);
+  REQUIRE_MESSAGE(back, job.all());
+  // It trains a while (a second is a few hundred steps), then goes again.
+  std::this_thread::sleep_for(1s);
+  const pid_t second = kill_rank_1();
+  CHECK(second != first);
+  const int code = job.wait(120s);
+  INFO(job.all());
+  const std::string err = job.err();
+  CHECK(code == 0);
+  CHECK(contains(err, "baton-launch: starting rank 1 again (1 of --max-restarts 1)"));
+  CHECK(contains(err, "[1] baton-train: rank 1 comes back to the job at step"));
+  CHECK(contains(err, "rank 1 (a worker) came back: it trains from step"));
+  CHECK(contains(err, "baton-launch: rank 1 is not started again: it was, 1 time (--max-restarts 1)"));
+  CHECK(contains(err, "a worker came back during the run: rank 1 from step"));
+  CHECK(contains(err, "2 times a worker left during the run and the job went on"));
+  CHECK(contains(job.out(), "done: 3000 steps"));
+  CHECK(contains(job.out(), "final loss"));
+}

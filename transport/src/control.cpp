@@ -501,6 +501,21 @@ struct RendezvousServer::Impl {
     std::uint32_t number = 0;  // the rank, or the launcher's node rank
     std::string host;
     bool said_bye = false;
+    bool rejoining = false;  // a rank that left, coming back (until the others took it back)
+    std::uint64_t id = 0;    // which connection (a rank that came back has a new one)
+  };
+
+  /// A rank that left coming back as a new process (ControlClient::rejoin), one at a time:
+  /// every other rank holds for it and answers a step (hold / held), the new process gets the
+  /// largest (rejoin), builds its runtime and says ready, every other rank takes it back
+  /// (rejoined / taken_back) and the new process goes (go).
+  struct Rejoin {
+    std::shared_ptr<Peer> peer;
+    RankInfo info;
+    enum class Phase { queued, holding, starting, taking_back } phase = Phase::queued;
+    std::set<std::uint32_t> waiting;  // the ranks yet to answer
+    std::int64_t step = 0;
+    std::shared_ptr<asio::steady_timer> timer;
   };
 
   struct Barrier {
@@ -586,6 +601,7 @@ struct RendezvousServer::Impl {
 
   void add_peer(tcp::socket socket) {
     auto peer = std::make_shared<Peer>();
+    peer->id = ++peer_count;
     peer->channel = std::make_shared<Channel>(std::move(socket), max_server_line);
     peers.push_back(peer);
     {
@@ -641,6 +657,9 @@ struct RendezvousServer::Impl {
       if (type == "clock") return on_clock(*p, m);
       if (type == "telemetry") return on_telemetry(*p, m);
       if (type == "publish") return on_publish(*p, m);
+      if (type == "held") return on_held(*p, m);
+      if (type == "ready") return on_ready(*p);
+      if (type == "taken_back") return on_taken_back(*p, m);
       // Unknown types are ignored, so that a newer client can talk to an older server.
     } catch (const ProtocolError& e) {
       on_lost(*p, Loss::protocol, fmt::format("a message with {}", e.what()));
@@ -709,6 +728,7 @@ struct RendezvousServer::Impl {
     info.data_address = get_bytes(m, "data_address");
     info.plan_hash = get_hash(m, "plan_hash");
     if (const auto* v = m.if_contains("may_leave"); v != nullptr && v->is_bool()) info.may_leave = v->get_bool();
+    const auto* back = m.if_contains("rejoin");
 
     if (ended) return refuse(*p, fmt::format("the job has already ended: {}", ended_reason));
     if (!tokens_equal(token, settings.token)) return refuse(*p, "wrong job token");
@@ -719,6 +739,7 @@ struct RendezvousServer::Impl {
     if (rank >= settings.world_size) {
       return refuse(*p, fmt::format("rank {} is out of range for world size {}", rank, settings.world_size));
     }
+    if (back != nullptr && back->is_bool() && back->get_bool()) return on_rejoin_hello(p, std::move(info));
     if (rank_peers[rank]) {
       return refuse(*p, fmt::format("rank {} already joined (from host {})", rank, rank_peers[rank]->host));
     }
@@ -763,6 +784,156 @@ struct RendezvousServer::Impl {
     auto table = message("table");
     table["ranks"] = std::move(ranks);
     for (const auto& peer : rank_peers) peer->channel->send(table);
+  }
+
+  // ---- a rank that left comes back (Rejoin) ----
+
+  void on_rejoin_hello(const std::shared_ptr<Peer>& p, RankInfo info) {
+    const std::uint32_t rank = info.rank;
+    if (!formed) return refuse(*p, fmt::format("rank {} cannot come back: the job has not started yet", rank));
+    if (!has_left(rank)) return refuse(*p, fmt::format("rank {} cannot come back: it has not left the job", rank));
+    const bool coming = (rejoin && rejoin->info.rank == rank) ||
+                        std::any_of(rejoin_queue.begin(), rejoin_queue.end(), [&](const Rejoin& r) { return r.info.rank == rank; });
+    if (coming) return refuse(*p, fmt::format("rank {} is already coming back", rank));
+    p->role = Role::rank;
+    p->number = rank;
+    p->host = info.host;
+    p->rejoining = true;
+    info.may_leave = true;
+    rejoin_queue.push_back(Rejoin{p, std::move(info)});
+    start_next_rejoin();
+  }
+
+  /// The ranks that take part in a rejoin: connected, not left, not done.
+  std::set<std::uint32_t> ranks_in_job(std::uint32_t except) const {
+    std::set<std::uint32_t> in;
+    for (std::uint32_t r = 0; r < settings.world_size; ++r) {
+      if (r != except && rank_peers[r] && !rank_peers[r]->said_bye && !has_left(r)) in.insert(r);
+    }
+    return in;
+  }
+
+  void start_next_rejoin() {
+    while (!rejoin && !rejoin_queue.empty() && !ended) {
+      rejoin = std::move(rejoin_queue.front());
+      rejoin_queue.pop_front();
+      if (!rejoin->peer->channel->open()) {
+        rejoin.reset();
+        continue;
+      }
+      const std::uint32_t rank = rejoin->info.rank;
+      rejoin->phase = Rejoin::Phase::holding;
+      rejoin->waiting = ranks_in_job(rank);
+      rejoin->timer = std::make_shared<asio::steady_timer>(io, settings.join_timeout);
+      rejoin->timer->async_wait([this, peer = rejoin->peer](error_code ec) {
+        if (!ec) {
+          abandon_rejoin(*peer, fmt::format("the others did not take it back within {}",
+                                            format_duration(settings.join_timeout)));
+        }
+      });
+      auto m = message("hold");
+      m["rank"] = rank;
+      for (std::uint32_t r : rejoin->waiting) rank_peers[r]->channel->send(m);
+      if (rejoin->waiting.empty()) finish_hold();
+    }
+  }
+
+  void on_held(const Peer& p, const json::object& m) {
+    if (!rejoin || rejoin->phase != Rejoin::Phase::holding || get_u32(m, "rank") != rejoin->info.rank) return;
+    if (m.if_contains("error")) {
+      return abandon_rejoin(*rejoin->peer,
+                            fmt::format("rank {} could not hold for it: {}", p.number, get_string(m, "error")));
+    }
+    rejoin->step = std::max(rejoin->step, get_i64(m, "step"));
+    rejoin->waiting.erase(p.number);
+    if (rejoin->waiting.empty()) finish_hold();
+  }
+
+  // Every rank holds: the new process learns the step and the others' addresses.
+  void finish_hold() {
+    rejoin->phase = Rejoin::Phase::starting;
+    json::array ranks;
+    for (std::uint32_t r = 0; r < settings.world_size; ++r) {
+      ranks.push_back(rank_info_json(r == rejoin->info.rank ? rejoin->info : *infos[r]));
+    }
+    auto m = message("rejoin");
+    m["step"] = rejoin->step;
+    m["ranks"] = std::move(ranks);
+    rejoin->peer->channel->send(m);
+  }
+
+  // The new process has its runtime and data plane: it is in the job again, and every other
+  // rank takes it back.
+  void on_ready(Peer& p) {
+    if (!rejoin || rejoin->peer.get() != &p || rejoin->phase != Rejoin::Phase::starting) return;
+    const std::uint32_t rank = rejoin->info.rank;
+    {
+      std::lock_guard lock(mutex);  // departed() reads it from other threads
+      std::erase_if(left, [&](const auto& l) { return l.first == rank; });
+    }
+    infos[rank] = rejoin->info;
+    rank_peers[rank] = rejoin->peer;
+    p.rejoining = false;
+    rejoin->phase = Rejoin::Phase::taking_back;
+    rejoin->waiting = ranks_in_job(rank);
+    auto m = message("rejoined");
+    m["rank"] = rank;
+    m["step"] = rejoin->step;
+    m["host"] = js(rejoin->info.host);
+    m["data_address"] = json::string(base64_encode(rejoin->info.data_address));
+    for (std::uint32_t r : rejoin->waiting) rank_peers[r]->channel->send(m);
+    if (rejoin->waiting.empty()) complete_rejoin();
+  }
+
+  void on_taken_back(const Peer& p, const json::object& m) {
+    if (!rejoin || rejoin->phase != Rejoin::Phase::taking_back || get_u32(m, "rank") != rejoin->info.rank) return;
+    if (m.if_contains("error")) {
+      return fail_job(fmt::format("rank {} (host {}) could not take rank {} back: {}", p.number, p.host,
+                                  rejoin->info.rank, get_string(m, "error")),
+                      p.number, p.host);
+    }
+    rejoin->waiting.erase(p.number);
+    if (rejoin->waiting.empty()) complete_rejoin();
+  }
+
+  void complete_rejoin() {
+    rejoin->timer->cancel();
+    auto go = message("go");
+    go["step"] = rejoin->step;
+    rejoin->peer->channel->send(go);
+    {
+      std::lock_guard lock(mutex);  // RendezvousServer::rejoined() reads it from other threads
+      rejoined.emplace_back(rejoin->info.rank, rejoin->step);
+    }
+    rejoin.reset();
+    start_next_rejoin();
+  }
+
+  /// The rank coming back (`p`) will not: it died, failed or the others did not take it back in
+  /// time. Before the others took it back, they let go of the hold and it stays left; after,
+  /// it leaves again as any rank that may leave.
+  void abandon_rejoin(Peer& p, const std::string& reason) {
+    if (auto it = std::find_if(rejoin_queue.begin(), rejoin_queue.end(), [&](const Rejoin& r) { return r.peer.get() == &p; });
+        it != rejoin_queue.end()) {
+      rejoin_queue.erase(it);
+      if (p.channel->open()) refuse(p, fmt::format("rank {} cannot come back: {}", p.number, reason));
+      return;
+    }
+    if (!rejoin || rejoin->peer.get() != &p) return;
+    const std::uint32_t rank = rejoin->info.rank;
+    rejoin->timer->cancel();
+    const bool taken = rejoin->phase == Rejoin::Phase::taking_back;
+    rejoin.reset();
+    p.rejoining = false;
+    if (taken) {
+      rank_left(rank, reason);
+    } else {
+      auto m = message("release");
+      m["rank"] = rank;
+      for (std::uint32_t r : ranks_in_job(rank)) rank_peers[r]->channel->send(m);
+      if (p.channel->open()) refuse(p, fmt::format("rank {} cannot come back: {}", rank, reason));
+    }
+    start_next_rejoin();
   }
 
   void on_launcher(const std::shared_ptr<Peer>& p, const json::object& m) {
@@ -900,6 +1071,10 @@ struct RendezvousServer::Impl {
       complete_barrier(it);
       it = next;
     }
+    if (rejoin && rejoin->waiting.erase(rank) != 0 && rejoin->waiting.empty()) {
+      if (rejoin->phase == Rejoin::Phase::holding) finish_hold();
+      else if (rejoin->phase == Rejoin::Phase::taking_back) complete_rejoin();
+    }
     check_all_done();
   }
 
@@ -953,6 +1128,7 @@ struct RendezvousServer::Impl {
 
   void on_fail(const Peer& p, const json::object& m) {
     const std::string reason = get_string(m, "reason");
+    if (p.rejoining) return abandon_rejoin(const_cast<Peer&>(p), reason);
     if (p.role == Role::rank) {
       if (may_leave(p.number)) return rank_left(p.number, reason);
       return fail_job(fmt::format("rank {} (host {}): {}", p.number, p.host, reason), p.number, p.host);
@@ -981,6 +1157,7 @@ struct RendezvousServer::Impl {
   }
 
   void on_lost(const Peer& p, Loss loss, const std::string& why) {
+    if (p.rejoining) return abandon_rejoin(const_cast<Peer&>(p), "it lost its control connection (did the process die?)");
     if (p.role == Role::unknown || p.said_bye || ended) return;
     if (p.role == Role::rank && has_left(p.number)) return;
     if (loss == Loss::protocol) {
@@ -988,8 +1165,10 @@ struct RendezvousServer::Impl {
     }
     auto timer = std::make_shared<asio::steady_timer>(io, lost_connection_grace);
     timer->async_wait([this, timer, reason = fmt::format("{} lost its control connection (did the process die?)", describe(p)),
-                       rank = rank_of(p), host = p.host](error_code ec) {
+                       rank = rank_of(p), host = p.host, id = p.id](error_code ec) {
       if (ec) return;
+      // Meanwhile the rank left and came back on a new connection: this one's loss is old news.
+      if (rank && (!rank_peers[*rank] || rank_peers[*rank]->id != id)) return;
       // The launcher's word on why (rank_exited) may have come within the grace.
       if (rank && may_leave(*rank)) return rank_left(*rank, "it lost its control connection (did the process die?)");
       fail_job(reason, rank, host);
@@ -1014,7 +1193,7 @@ struct RendezvousServer::Impl {
         continue;
       }
       if (ended || p->said_bye) continue;
-      if (p->role == Role::rank && has_left(p->number)) continue;
+      if (p->role == Role::rank && has_left(p->number) && !p->rejoining) continue;
       if (silent && p->role == Role::rank && may_leave(p->number)) {
         rank_left(p->number, fmt::format("it sent nothing for {}", format_duration(settings.heartbeat_timeout)));
         continue;
@@ -1102,10 +1281,14 @@ struct RendezvousServer::Impl {
   std::map<std::string, std::pair<std::uint32_t, std::string>> published;  // key -> (rank, value)
   std::uint64_t barrier_generation = 0;
   std::uint32_t joined_ranks = 0;
+  std::uint64_t peer_count = 0;  // connections so far (Peer::id)
   std::uint32_t byes = 0;
   // Ranks that left (rank_left), in order: written on the io thread under `mutex`, which
   // departed() takes to read it from others.
   std::vector<std::pair<std::uint32_t, std::string>> left;
+  std::optional<Rejoin> rejoin;     // the rank coming back now
+  std::deque<Rejoin> rejoin_queue;  // the ones after it
+  std::vector<std::pair<std::uint32_t, std::int64_t>> rejoined;  // (rank, step), in order; under mutex
   bool join_timer_started = false;
   bool table_sent = false;
   bool formed = false;  // a barrier completed (may_leave)
@@ -1179,6 +1362,11 @@ bool RendezvousServer::rank_exited(std::uint32_t rank, const std::string& reason
   // The io thread answers at once; a server shutting down may never run it.
   if (result.wait_for(close_grace) != std::future_status::ready) return false;
   return result.get();
+}
+
+std::vector<std::pair<std::uint32_t, std::int64_t>> RendezvousServer::rejoined() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->rejoined;
 }
 
 std::vector<std::pair<std::uint32_t, std::string>> RendezvousServer::departed() const {
@@ -1396,6 +1584,24 @@ class ClientCore {
     std::lock_guard lock(mutex_);
     on_command_ = std::move(callback);
   }
+  void set_on_rejoin(RejoinHandlers handlers) {
+    std::lock_guard lock(mutex_);
+    rejoin_handlers_ = std::move(handlers);
+  }
+
+  /// A rank coming back: says it is ready and waits for the others to take it back (go).
+  void ready(milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    if (!send_async(message("ready"))) throw TransportError(fmt::format("{} is not joined", config_.who));
+    std::unique_lock lock(mutex_);
+    cv_.wait_until(lock, deadline, [&] { return go_ || aborted_ || refused_ || !channel_open_; });
+    if (go_) return;
+    if (aborted_) throw TransportError(fmt::format("{} could not come back: the job was aborted: {}", config_.who, *aborted_));
+    if (refused_) throw TransportError(fmt::format("{} could not come back: {}", config_.who, *refused_));
+    if (!channel_open_) throw TransportError(fmt::format("{} could not come back: the control connection closed", config_.who));
+    throw TransportError(fmt::format("{} could not come back: the others did not take it back within {}", config_.who,
+                                     format_duration(timeout)));
+  }
 
   /// Any thread, after join: queues `m` for the io thread. False if the connection is not usable.
   bool send_async(json::object m) {
@@ -1503,6 +1709,7 @@ class ClientCore {
         if (callback) callback(get_u32(m, "rank"), get_string(m, "reason"));
         return;
       }
+      if (type == "hold" || type == "rejoined" || type == "release") return on_rejoin_message(type, m);
       if (type == "command") {
         std::function<void(const std::string&, const std::string&)> callback;
         {
@@ -1525,6 +1732,8 @@ class ClientCore {
         values_[get_string(m, "key")] = get_bytes(m, "value");
       } else if (type == "done") {
         job_done_ = true;
+      } else if (type == "go") {
+        go_ = true;
       } else if (type == "may_leave") {
         const auto ranks = get_u32_list(m, "ranks");
         may_leave_.insert(ranks.begin(), ranks.end());
@@ -1554,6 +1763,40 @@ class ClientCore {
                                     config_.master, why)
                       : fmt::format("the rendezvous server at {} broke the control protocol: it sent {}",
                                     config_.master, why));
+  }
+
+  // Another rank comes back (ControlClient::on_rejoin): the handlers run here, on the io thread,
+  // in order with the other messages (a rank that leaves again is told after it came back).
+  void on_rejoin_message(const std::string& type, const json::object& m) {
+    RejoinHandlers handlers;
+    {
+      std::lock_guard lock(mutex_);
+      handlers = rejoin_handlers_;
+    }
+    const std::uint32_t rank = get_u32(m, "rank");
+    auto reply = message(type == "hold" ? "held" : "taken_back");
+    reply["rank"] = rank;
+    try {
+      if (type == "release") {
+        if (handlers.release) handlers.release(rank);
+        return;
+      }
+      if (type == "hold") {
+        reply["step"] = handlers.hold ? handlers.hold(rank) : std::int64_t{0};
+      } else {
+        RankInfo info;
+        info.rank = rank;
+        info.host = get_string(m, "host");
+        info.data_address = get_bytes(m, "data_address");
+        info.may_leave = true;
+        if (handlers.rejoined) handlers.rejoined(info, get_i64(m, "step"));
+      }
+    } catch (const ProtocolError&) {
+      throw;
+    } catch (const std::exception& e) {
+      reply["error"] = js(std::string(e.what()));
+    }
+    if (channel_ && !closing_) channel_->send(reply);
   }
 
   /// Records the abort, closes the connection and calls on_abort, once.
@@ -1666,6 +1909,8 @@ class ClientCore {
   std::function<void(const std::string&)> on_abort_;
   std::function<void(const std::string&, const std::string&)> on_command_;
   std::function<void(std::uint32_t, const std::string&)> on_left_;
+  RejoinHandlers rejoin_handlers_;
+  bool go_ = false;  // a rank coming back: the others took it back
   std::set<std::uint32_t> may_leave_;  // under mutex_: the ranks the server said may leave
   std::int64_t clock_reply_t0_ = -1;
   std::int64_t clock_reply_ts_ = 0;
@@ -1743,6 +1988,38 @@ std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
     throw TransportError(fmt::format("rank {}: malformed table from the rendezvous server at {}: {}", s.rank, s.master, e.what()));
   }
 }
+
+std::pair<std::vector<RankInfo>, std::int64_t> ControlClient::rejoin(const RankInfo& me) {
+  const auto& s = impl_->settings;
+  auto hello = message("hello");
+  hello["token"] = js(s.token);
+  hello["rank"] = s.rank;
+  hello["world_size"] = s.world_size;
+  hello["host"] = json::string(me.host.empty() ? local_host_name() : me.host);
+  hello["data_address"] = json::string(base64_encode(me.data_address));
+  hello["plan_hash"] = json::string(hash_hex(me.plan_hash));
+  hello["may_leave"] = true;
+  hello["rejoin"] = true;
+  const json::object reply = impl_->core.join(std::move(hello), "rejoin");
+  try {
+    const json::value& ranks = field(reply, "ranks");
+    if (!ranks.is_array()) throw ProtocolError("field 'ranks' is not an array");
+    std::vector<RankInfo> infos;
+    for (const auto& entry : ranks.get_array()) infos.push_back(parse_rank_info(entry));
+    if (infos.size() != s.world_size) {
+      throw ProtocolError(fmt::format("{} entries for world size {}", infos.size(), s.world_size));
+    }
+    const std::int64_t step = get_i64(reply, "step");
+    impl_->core.measure_clock(clock_rounds, clock_bound);
+    return {std::move(infos), step};
+  } catch (const ProtocolError& e) {
+    throw TransportError(fmt::format("rank {}: malformed answer from the rendezvous server at {}: {}", s.rank, s.master, e.what()));
+  }
+}
+
+void ControlClient::ready(std::chrono::milliseconds timeout) { impl_->core.ready(timeout); }
+
+void ControlClient::on_rejoin(RejoinHandlers handlers) { impl_->core.set_on_rejoin(std::move(handlers)); }
 
 void ControlClient::on_abort(std::function<void(const std::string& reason)> callback) {
   impl_->core.set_on_abort(std::move(callback));

@@ -103,6 +103,7 @@ struct DataPlane::Impl {
     std::uint64_t tag = 0;
     std::uint64_t size = 0;
     std::uint64_t cookie = 0;
+    std::uint32_t generation = 0;  // of its peer's endpoint (reconnect)
     void* request = nullptr;
     bool posting = false;                  // inside the ucp_*_nbx call that posts it
     bool completed_while_posting = false;  // its callback ran before that call returned
@@ -183,6 +184,9 @@ struct DataPlane::Impl {
   ucx::FileDescriptor wake_fd;  // rung by push() when the progress thread sleeps
   ucx::FileDescriptor epoll_fd;  // the worker's event fd and wake_fd
   std::vector<ucx::Endpoint> endpoints;  // by rank; our own stays empty
+  // Endpoints to processes that were replaced (reconnect): what is stuck on them stays there
+  // until stop(), which closes them with the others.
+  std::vector<ucx::Endpoint> retired_endpoints;
 
   std::string address;
   std::size_t max_am_header = 0;
@@ -218,6 +222,7 @@ struct DataPlane::Impl {
   // The progress thread's own.
   alignas(64) Op* outstanding = nullptr;  // head of the list of ops UCX holds
   std::size_t outstanding_count = 0;
+  std::vector<std::uint32_t> peer_generation;        // by rank: its reconnects so far
   std::vector<std::uint64_t> next_send_sequence;     // by receiver
   std::vector<std::uint64_t> next_receive_sequence;  // by sender
   std::vector<std::map<std::uint64_t, HeldMessage>> early;  // by sender: arrived ahead of turn
@@ -288,6 +293,7 @@ DataPlane::Impl::Impl(std::uint32_t my_rank, std::uint32_t ranks, DataPlaneSetti
   }
 
   transports.resize(world_size);
+  peer_generation.assign(world_size, 0);
   next_send_sequence.assign(world_size, 0);
   next_receive_sequence.assign(world_size, 0);
   early.resize(world_size);
@@ -382,6 +388,7 @@ void DataPlane::Impl::stop() noexcept {
     progressing = nullptr;
   }
   endpoints.clear();
+  retired_endpoints.clear();
   epoll_fd.reset();
   worker.reset();
   context.reset();
@@ -531,10 +538,12 @@ void DataPlane::Impl::shut_down() noexcept {
     // UCP_ERR_HANDLING_MODE_PEER, so past the deadline an unfinished close is abandoned to
     // ucp_worker_destroy instead.
     std::vector<void*> closing;
-    for (auto& endpoint : endpoints) {
-      if (!endpoint) continue;
-      ucs_status_ptr_t request = endpoint.close();
-      if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
+    for (auto* group : {&endpoints, &retired_endpoints}) {
+      for (auto& endpoint : *group) {
+        if (!endpoint) continue;
+        ucs_status_ptr_t request = endpoint.close();
+        if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
+      }
     }
     auto close_deadline = std::max(deadline, Clock::now() + settings.close_timeout / 4);
     progress_until(
@@ -638,6 +647,7 @@ DataPlane::Impl::Op* DataPlane::Impl::acquire(const Command& command) {
   op->tag = command.tag;
   op->size = command.size;
   op->cookie = command.cookie;
+  op->generation = peer_generation[command.peer];
   return op;
 }
 
@@ -682,6 +692,10 @@ void DataPlane::Impl::finish_post(Op* op, ucs_status_ptr_t posted) {
 }
 
 void DataPlane::Impl::complete(Op* op, ucs_status_t status, std::size_t length) {
+  if (op->generation != peer_generation[op->peer]) {  // to or from a process that was replaced
+    if (status != UCS_OK) errors.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   switch (op->kind) {
     case Command::Kind::send:
       if (status == UCS_OK) {
@@ -854,6 +868,25 @@ void DataPlane::connect(const std::vector<std::string>& addresses) {
   d.endpoints = std::move(endpoints);
   d.transports = std::move(transports);
   d.connected.store(true, std::memory_order_release);
+}
+
+void DataPlane::reconnect(std::uint32_t peer, const std::string& address) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.life_cycle_mutex);
+  if (peer >= d.world_size || peer == d.rank) {
+    throw TransportError(fmt::format("{}: reconnect() to rank {} (world size {})", d.who, peer, d.world_size));
+  }
+  if (!d.connected.load() || d.stopped) throw TransportError(fmt::format("{}: reconnect() after connect(), before stop()", d.who));
+  std::lock_guard progress(d.ucx_mutex);
+  ucx::Endpoint fresh(d.worker, address, fmt::format("{} to rank {}", d.who, peer));
+  d.retired_endpoints.push_back(std::move(d.endpoints[peer]));
+  d.endpoints[peer] = std::move(fresh);
+  d.transports[peer] = d.endpoints[peer].transports();
+  ++d.peer_generation[peer];
+  // The new process numbers its messages from 0, and nothing of the old one's is still due.
+  d.next_send_sequence[peer] = 0;
+  d.next_receive_sequence[peer] = 0;
+  d.early[peer].clear();
 }
 
 void DataPlane::start() {

@@ -95,9 +95,12 @@ struct JobEnvironment {
   /// BATON_HOLD_MESSAGES_NS=N (0-65535): RuntimeSettings::hold_messages_ns for run_job (0: every
   /// message to another rank goes at once, alone); unset: the settings' own.
   std::optional<std::uint32_t> hold_messages_ns;
+  /// BATON_REJOIN=1 (baton-launch --max-restarts): this process is a rank that left the job,
+  /// started again to come back (ControlClient::rejoin; JobSettings::rejoin_plan).
+  bool rejoin = false;
 
   /// BATON_RANK, BATON_WORLD_SIZE, BATON_LOCAL_RANK, BATON_LOCAL_WORLD_SIZE, BATON_MASTER,
-  /// BATON_JOB_TOKEN, BATON_BIND_TO, BATON_SHARED_REGISTERS, BATON_HOLD_MESSAGES_NS. Without BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
+  /// BATON_JOB_TOKEN, BATON_BIND_TO, BATON_SHARED_REGISTERS, BATON_HOLD_MESSAGES_NS, BATON_REJOIN. Without BATON_WORLD_SIZE: a job of one rank. Throws std::invalid_argument naming the variable and
   /// its value if one is malformed or missing for a job of several ranks.
   static JobEnvironment from_env();
   bool distributed() const { return world_size > 1; }
@@ -125,6 +128,13 @@ struct JobSettings {
   bool may_leave = false;
   /// Called (on the control client's thread) when another rank left the job; null: nobody.
   std::function<void(std::uint32_t rank, const std::string& reason)> on_left;
+  /// Called (on the control client's thread) when a rank that left came back at a step.
+  std::function<void(std::uint32_t rank, std::int64_t step)> on_rejoined;
+  /// For a rank that comes back (JobEnvironment::rejoin): its plan from step `step` on
+  /// (TrainConfig::first_step and rejoin) and its kernels, which must outlive run_job. run_job
+  /// calls it once the others hold, and runs that plan instead of the one it was given. Unset: a
+  /// process started to come back fails saying the program cannot.
+  std::function<std::pair<Plan, const KernelRegistry*>(std::int64_t step)> rejoin_plan;
 };
 
 /// Applies insert_transfers(), joins the job (checking every rank compiled the same plan),

@@ -96,7 +96,8 @@ struct RunReport {
   std::string data_plane;
   /// Ranks that left the job while this one ran (Runtime::rank_left): "rank 1: <reason>".
   std::vector<std::string> departed;
-  /// Ranks that came back while this one ran (Runtime::rank_rejoined): "rank 1 at step 57".
+  /// Ranks that came back while this one ran (Runtime::rank_rejoined): "rank 1 from step 58"
+  /// (it trains step 58 on; steps counted from 1).
   std::vector<std::string> rejoined;
   /// run_job under BATON_BIND_TO=core: the cores this rank's threads were put on (bind_to_cores).
   std::string binding;

@@ -28,6 +28,15 @@
 ///   rank -> server   publish {key, value} (value in base64): a key is set once; the server sends
 ///                    value {key, value} to every rank (ControlClient::publish / fetch). A second
 ///                    publish of a key with another value fails the job.
+///   A rank that left comes back (ControlClient::rejoin; one at a time, the others queued):
+///   new process -> server  hello {..., rejoin: true}; refused unless the rank left a formed job
+///   server -> ranks  hold {rank}; rank -> server held {rank, step} (or {rank, error})
+///   server -> new    rejoin {step, ranks}: the largest step, every rank's RankInfo
+///   new -> server    ready (its runtime built, its data plane connected)
+///   server -> ranks  rejoined {rank, step, host, data_address}; rank -> server taken_back {rank}
+///   server -> new    go {step}. Before ready, the new process dying, failing or the others not
+///                    answering within the join timeout sends release {rank} to the ranks (it
+///                    stays left); after it, it leaves again as any rank that may leave.
 ///
 /// Boost.JSON's implementation is compiled into baton::transport (control.cpp): a program that
 /// links it uses <boost/json.hpp> and must not include <boost/json/src.hpp> again.
@@ -73,6 +82,19 @@ bool tokens_equal(std::string_view given, std::string_view expected);
 /// The largest telemetry body a rank may send in one message (the server reads lines of at
 /// most 1 MiB); a sender splits bigger payloads.
 inline constexpr std::size_t max_telemetry_bytes = std::size_t{512} << 10;
+
+/// What a rank does when another one comes back (ControlClient::on_rejoin), on the control
+/// client's thread, in order with the other messages. A handler that throws sends its what() to
+/// the server instead: before `rejoined` the rank does not come back; at `rejoined` the job
+/// fails. Unset: nothing to do (hold answers step 0).
+struct RejoinHandlers {
+  /// Hold for `rank` and return the first step it may come back at (Runtime::hold_for_rejoin).
+  std::function<std::int64_t(std::uint32_t rank)> hold;
+  /// It is back from `step`: its new RankInfo (host, data address).
+  std::function<void(const RankInfo& info, std::int64_t step)> rejoined;
+  /// It does not come back after all (Runtime::release_hold).
+  std::function<void(std::uint32_t rank)> release;
+};
 
 /// What a rank sent on the telemetry channel, as the server hands it on.
 struct Telemetry {
@@ -144,8 +166,10 @@ class RendezvousServer {
   /// others are told; a rank that left already keeps its first reason) and this returns true;
   /// else false, and the caller ends the job as for any failure (abort()).
   bool rank_exited(std::uint32_t rank, const std::string& reason);
-  /// The ranks that have left so far, with their reasons, in the order they left.
+  /// The ranks that have left so far (and not come back), with their reasons, in order.
   std::vector<std::pair<std::uint32_t, std::string>> departed() const;
+  /// The ranks that came back (ControlClient::rejoin), with the step each came back at, in order.
+  std::vector<std::pair<std::uint32_t, std::int64_t>> rejoined() const;
 
  private:
   struct Impl;
@@ -180,6 +204,17 @@ class ControlClient {
   /// The rank sent is ClientSettings::rank (me.rank is not used); an empty me.host is replaced
   /// by this machine's host name.
   std::vector<RankInfo> join(const RankInfo& me);
+  /// Instead of join(), for a new process of a rank that left the job (it may leave, and the
+  /// job has formed): every other rank holds for it. Returns every rank's RankInfo and the step
+  /// it comes back at. Then build the runtime (RuntimeSettings::rejoin_step), connect the data
+  /// plane and call ready(). Throws TransportError (refused: it has not left, the job has not
+  /// formed, it is coming back already; timed out; aborted).
+  std::pair<std::vector<RankInfo>, std::int64_t> rejoin(const RankInfo& me);
+  /// After rejoin(): says this rank is ready and waits until every other rank has taken it back.
+  /// Throws TransportError if it is refused meanwhile, the job is aborted or `timeout` passes.
+  void ready(std::chrono::milliseconds timeout);
+  /// What this rank does when another comes back. Set before join().
+  void on_rejoin(RejoinHandlers handlers);
   /// Called once, on the client's thread, when the job is aborted (broadcast or server lost).
   /// Set before join(). What it uses must outlive the client, and it must not destroy the
   /// client.

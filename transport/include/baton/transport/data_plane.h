@@ -88,6 +88,11 @@ class DataPlane final : public Link {
   /// ignored). Once, before start(). The addresses must come from address(): UCX aborts the
   /// process on malformed bytes (it checks only for an empty one).
   void connect(const std::vector<std::string>& addresses);
+  /// After connect(), before stop(), any thread: rank `peer` is a new process at `address` (a
+  /// rank that left the job came back: ControlClient::rejoin). A new endpoint replaces the old
+  /// one, messages are numbered from 0 again both ways, and what is still stuck on the old one
+  /// is left there (a failure of it is no link error) until stop() closes both.
+  void reconnect(std::uint32_t peer, const std::string& address);
   /// Starts the progress thread. Once; set_handler() first.
   void start();
   /// Finishes what is in flight (up to close_timeout), closes the endpoints, joins the thread,
