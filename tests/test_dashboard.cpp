@@ -900,4 +900,12 @@ TEST_CASE("Dashboard.ARankThatLeftIsShownAsLeftWithItsStepAndReason") {
     }
   }
   CHECK(rows_left == 1);
+  // It comes back (baton-launch --max-restarts): running again, and the page says so.
+  model.rank_rejoined(1, 51);
+  const auto back = boost::json::parse(model.state_json()).as_object();
+  const auto& said = back.at("left").as_array();
+  REQUIRE(said.size() == 1);
+  CHECK(std::string(said[0].as_string()) ==
+        "rank 1 left at step 37 (it was killed by signal 9 (SIGKILL)) and came back: it trains from step 52 on");
+  for (const auto& r : back.at("ranks").as_array()) CHECK(r.as_object().at("status").as_string() != "left");
 }

@@ -527,6 +527,16 @@ struct Core : transport::LinkHandler {
   /// Several plain messages in one link message (Worker's outbox).
   void on_messages(std::uint32_t from_rank, const void* data, std::size_t size);
   void on_link_error(const std::string& reason) override;
+  bool on_peer_error(std::uint32_t peer, const std::string& reason) override;
+  /// Under `mutex`: a peer error whose rank has not left within RuntimeSettings::
+  /// departure_grace, as the reason the run fails; empty if none (errors of ranks that left go).
+  std::string overdue_peer_error();
+  struct PeerError {
+    std::uint32_t peer;
+    std::chrono::steady_clock::time_point deadline;
+    std::string reason;
+  };
+  std::vector<PeerError> peer_errors;  // under `mutex`
   void send_remote(const Message& m, const void* payload = nullptr, std::size_t payload_size = 0);
   /// `n` messages for actors of one other rank (Outbox::per_link_message at most) in one link
   /// message, in order.

@@ -328,6 +328,9 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
     js.runtime.store = &store;
     if (!env.shared_registers) js.runtime.shared_registers = false;
     if (env.hold_messages_ns) js.runtime.hold_messages_ns = *env.hold_messages_ns;
+    for (const auto& info : table) {
+      if (info.may_leave) js.runtime.may_leave.push_back(info.rank);
+    }
     if (js.runtime.ranks_on_host == 0) {
       const std::string& here = table.at(env.rank).host;
       js.runtime.ranks_on_host = static_cast<std::uint32_t>(

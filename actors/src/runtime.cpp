@@ -474,6 +474,36 @@ void Core::on_payload(std::uint64_t cookie) {
 
 void Core::on_link_error(const std::string& reason) { fail("data plane: " + reason); }
 
+// A transfer to or from `peer` failed. A rank that may leave (a parameter-server worker) may
+// have died: the control plane's word (rank_left) is waited for, a while, before this is a
+// failure; meanwhile nothing more goes to it than already did.
+bool Core::on_peer_error(std::uint32_t peer, const std::string& reason) {
+  const auto& may = settings.may_leave;
+  if (std::find(may.begin(), may.end(), peer) == may.end()) {
+    fail("data plane: " + reason);
+    return true;
+  }
+  if (departed(peer)) return false;
+  std::lock_guard lock(mutex);
+  for (const PeerError& e : peer_errors) {
+    if (e.peer == peer) return false;
+  }
+  peer_errors.push_back({peer, std::chrono::steady_clock::now() + settings.departure_grace, reason});
+  return false;
+}
+
+std::string Core::overdue_peer_error() {
+  std::erase_if(peer_errors, [&](const PeerError& e) { return departed(e.peer); });
+  const auto now = std::chrono::steady_clock::now();
+  for (const PeerError& e : peer_errors) {
+    if (now >= e.deadline) {
+      return fmt::format("data plane: {} (and rank {}, which may leave the job, did not leave it within {} ms)",
+                         e.reason, e.peer, settings.departure_grace.count());
+    }
+  }
+  return {};
+}
+
 void Core::instantiate() {
   const auto rank = settings.rank;
   const bool one_thread = settings.mode == ExecutionMode::deterministic;
@@ -1573,10 +1603,15 @@ RunReport Runtime::run() {
     // the stall timeout (or, with none, forever) and then not say why.
     std::string device_error;
     std::pair<Device, std::uint8_t> failed_stream;
+    std::string peer_failure;
     std::unique_lock lock(core.mutex);
     while (!core.done && !core.failed()) {
       core.cv.wait_for(lock, std::chrono::milliseconds(50));
       if (core.done || core.failed()) continue;
+      if (!core.peer_errors.empty()) {
+        peer_failure = core.overdue_peer_error();
+        if (!peer_failure.empty()) break;
+      }
       for (const auto& [where, stream] : core.streams) {
         device_error = stream->failure();
         if (!device_error.empty()) {
@@ -1602,6 +1637,7 @@ RunReport Runtime::run() {
     lock.unlock();
     for (auto& w : core.workers) w->close();
     for (auto& w : core.workers) w->join();
+    if (!peer_failure.empty()) core.fail(peer_failure);
     if (stalled) {
       core.fail(fmt::format("no actor acted for {} ms (stall timeout); unfinished actors:{}",
                             core.settings.stall_timeout.count(), core.describe_stuck()));

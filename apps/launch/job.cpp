@@ -535,6 +535,10 @@ class Job {
 
   void check_control_plane() {
     if (failure_) return;
+    if (server_ && model_) {  // ranks that came back (--max-restarts): the dashboard shows them running
+      const auto back = server_->rejoined();
+      for (; rejoins_seen_ < back.size(); ++rejoins_seen_) model_->rank_rejoined(back[rejoins_seen_].first, back[rejoins_seen_].second);
+    }
     if (server_) {
       if (auto outcome = server_->outcome(); outcome && !outcome->ok) {
         fail_from_control_plane(outcome->reason);
@@ -698,6 +702,7 @@ class Job {
   std::unique_ptr<transport::LauncherClient> client_;
   std::vector<std::unique_ptr<Child>> children_;
   std::map<std::uint32_t, std::uint32_t> restarts_;  // by rank: how often it was started again
+  std::size_t rejoins_seen_ = 0;  // of the server's rejoined(), handed to the dashboard
   std::optional<Failure> failure_;
   std::optional<Clock::time_point> kill_ranks_at_, term_nodes_at_, kill_nodes_at_, give_up_at_,
       finish_deadline_;

@@ -763,13 +763,18 @@ void print_busiest(const RunReport& report) {
 
 /// ', "departed": ["rank 1: <reason>", ...]' for the workers that left the job (a parameter-server
 /// job under staleness), or nothing.
+/// `"departed": [...]` and `"rejoined": [...]` (each only if not empty), each after a comma.
 std::string departed_json(const RunReport& report) {
-  if (report.departed.empty()) return {};
-  std::string out = ", \"departed\": [";
-  for (std::size_t i = 0; i < report.departed.size(); ++i) {
-    out += (i == 0 ? "" : ", ") + sample::TextSampler::json_string(report.departed[i]);
+  std::string out;
+  for (const auto& [key, list] : {std::pair{"departed", &report.departed}, std::pair{"rejoined", &report.rejoined}}) {
+    if (list->empty()) continue;
+    out += fmt::format(", \"{}\": [", key);
+    for (std::size_t i = 0; i < list->size(); ++i) {
+      out += (i == 0 ? "" : ", ") + sample::TextSampler::json_string((*list)[i]);
+    }
+    out += "]";
   }
-  return out + "]";
+  return out;
 }
 
 /// The reporting rank's result: the final loss, the held-out evaluation, a sample, the busiest

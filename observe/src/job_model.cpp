@@ -102,6 +102,7 @@ void put_ranks(json::object& o, const std::vector<RankState>& ranks, double now)
   o["ranks"] = std::move(rs);
   json::array left;
   for (std::size_t i = 0; i < ranks.size(); ++i) {
+    for (const std::string& back : ranks[i].returns) left.push_back(json::string(fmt::format("rank {} {}", i, back)));
     if (ranks[i].left.empty()) continue;
     left.push_back(json::string(fmt::format("rank {} left at step {}: {}; the job goes on without it", i,
                                             ranks[i].left_at_step, ranks[i].left)));
@@ -905,6 +906,18 @@ void JobModel::rank_left(std::uint32_t rank, const std::string& reason) {
   if (!r.left.empty()) return;
   r.left = reason.empty() ? "it left" : reason;
   r.left_at_step = step;
+  ++impl_->m.version;
+}
+
+void JobModel::rank_rejoined(std::uint32_t rank, std::int64_t step) {
+  std::lock_guard lock(impl_->mutex);
+  detail::RankState& r = impl_->m.rank_state(rank);
+  if (r.left.empty()) return;
+  r.returns.push_back(fmt::format("left at step {} ({}) and came back: it trains from step {} on", r.left_at_step,
+                                  r.left, step + 1));
+  r.left.clear();
+  r.error.clear();
+  r.finished = false;
   ++impl_->m.version;
 }
 

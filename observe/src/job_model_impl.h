@@ -107,6 +107,7 @@ struct RankState {
   std::string error;
   std::string left;  // why it left the job (JobModel::rank_left); empty: it did not
   std::int64_t left_at_step = 0;
+  std::vector<std::string> returns;  // each time it left and came back (rank_rejoined), in words
   double elapsed_s = 0;
   std::uint64_t dropped = 0, samples_complete = 0, seq = 0;
   std::size_t actors = 0;

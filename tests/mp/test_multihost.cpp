@@ -345,3 +345,45 @@ TEST_CASE("multi-host: a parameter-server worker killed on the other host leaves
   CHECK(contains(node1.err(), "rank 2 (a worker) left the job at step"));
   CHECK(contains(node1.out(), "done: 2000 steps"));
 }
+
+// --max-restarts 1 over two hosts (TCP only, so the weights and gradients of a worker on the
+// other host are pulled, not read in place): a worker killed beside the server (its node's
+// launcher, not the rendezvous server's, starts it again) and then one on the other host (node
+// 0's launcher) both come back at the servers' step, and the job finishes 0 on both nodes.
+TEST_CASE("multi-host: parameter-server workers killed on either host come back under --max-restarts 1" *
+          doctest::timeout(240)) {
+  TwoHosts hosts;
+  if (!hosts.ok) return baton::test::skip(hosts.missing, hosts.why_not);
+  const std::string token = "netns-ps-rejoin-token";
+  const std::string master = fmt::format("{}:{}", hosts.addr_a, pick_port() + 21);
+  auto launcher = [&](const std::string& ns, int node) {
+    return hosts.in(ns, {bin + "/baton-launch", "--nnodes", "2", "--node-rank", std::to_string(node), "--master",
+                         master, "--nproc-per-node", "2", "--token", token, "--max-restarts", "1", "--",
+                         bin + "/baton-train", "--model", "mlp", "--data", "synthetic", "--dp", "3", "--sync", "ps",
+                         "--servers", "1", "--staleness", "2", "--steps", "3000", "--batch", "192", "--hidden", "256"});
+  };
+  Proc node0(launcher(hosts.a, 0), {{"UCX_TLS", "tcp"}});
+  Proc node1(launcher(hosts.b, 1), {{"UCX_TLS", "tcp"}});
+  REQUIRE_MESSAGE(node1.read_until([](const std::string& out, const std::string&) { return contains(out, "/3000"); },
+                                   120s),
+                  node1.all());
+  for (const std::uint32_t victim : {2u, 0u}) {
+    CAPTURE(victim);
+    const pid_t pid = rank_pid(victim, token);
+    REQUIRE(pid > 0);
+    REQUIRE(::kill(pid, SIGKILL) == 0);
+    const std::string back = fmt::format("rank {} (a worker) came back", victim);
+    REQUIRE_MESSAGE(node1.read_until([&](const std::string&, const std::string& err) { return contains(err, back); },
+                                     120s),
+                    node0.all() << "\n" << node1.all());
+  }
+  const int c1 = node1.wait(180s);
+  const int c0 = node0.wait(30s);
+  INFO("node 0:\n" << node0.all() << "\nnode 1:\n" << node1.all());
+  CHECK(c1 == 0);
+  CHECK(c0 == 0);
+  CHECK(contains(node1.err(), "baton-launch: starting rank 2 again (1 of --max-restarts 1)"));
+  CHECK(contains(node0.err(), "baton-launch: starting rank 0 again (1 of --max-restarts 1)"));
+  CHECK(contains(node1.err(), "workers came back during the run: rank 2 from step"));
+  CHECK(contains(node1.out(), "done: 3000 steps"));
+}

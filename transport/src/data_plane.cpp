@@ -161,6 +161,8 @@ struct DataPlane::Impl {
                   const ucp_am_recv_param_t* param);
   void deliver(std::uint32_t from, const void* data, std::size_t size, const void* payload, std::size_t payload_size);
   void report(std::string reason);
+  /// A failed operation to or from `peer` (its process may be gone): the handler decides.
+  void report_peer(std::uint32_t peer, std::string reason);
 
   static void sent(void* request, ucs_status_t status, void* user_data);
   static void received(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data);
@@ -701,7 +703,8 @@ void DataPlane::Impl::complete(Op* op, ucs_status_t status, std::size_t length) 
       if (status == UCS_OK) {
         messages_sent.fetch_add(1, std::memory_order_relaxed);
       } else {
-        report(fmt::format("{}: message to rank {}: ucp_am_send_nbx: {}", who, op->peer, ucs_status_string(status)));
+        report_peer(op->peer,
+                    fmt::format("{}: message to rank {}: ucp_am_send_nbx: {}", who, op->peer, ucs_status_string(status)));
       }
       return;
     case Command::Kind::offer:
@@ -709,7 +712,7 @@ void DataPlane::Impl::complete(Op* op, ucs_status_t status, std::size_t length) 
         // Release: a stats() that counts this offer also sees UCX done reading its memory.
         payloads_sent.fetch_add(1, std::memory_order_release);
       } else {
-        report(fmt::format("{}: payload of {} bytes to rank {} under tag {}: ucp_tag_send_nbx: {}", who, op->size,
+        report_peer(op->peer, fmt::format("{}: payload of {} bytes to rank {} under tag {}: ucp_tag_send_nbx: {}", who, op->size,
                            op->peer, op->tag, ucs_status_string(status)));
       }
       return;
@@ -733,7 +736,7 @@ void DataPlane::Impl::complete(Op* op, ucs_status_t status, std::size_t length) 
                            "ucp_tag_recv_nbx: {}",
                            who, op->peer, op->tag, op->size, op->peer, ucs_status_string(status)));
       } else {
-        report(fmt::format("{}: payload of {} bytes from rank {} under tag {}: ucp_tag_recv_nbx: {}", who, op->size,
+        report_peer(op->peer, fmt::format("{}: payload of {} bytes from rank {} under tag {}: ucp_tag_recv_nbx: {}", who, op->size,
                            op->peer, op->tag, ucs_status_string(status)));
       }
       return;
@@ -825,6 +828,16 @@ void DataPlane::Impl::deliver(std::uint32_t from, const void* data, std::size_t 
     report(fmt::format("{}: on_message threw: {}", who, e.what()));
   } catch (...) {
     report(fmt::format("{}: on_message threw", who));
+  }
+}
+
+void DataPlane::Impl::report_peer(std::uint32_t peer, std::string reason) {
+  errors.fetch_add(1, std::memory_order_relaxed);
+  if (link_failed || quiet || handler == nullptr) return;
+  try {
+    if (handler->on_peer_error(peer, reason)) link_failed = true;
+  } catch (...) {
+    // As report().
   }
 }
 

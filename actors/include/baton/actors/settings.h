@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace baton::transport {
 class Link;
@@ -139,6 +140,12 @@ struct RuntimeSettings {
   /// is numbered as theirs: piece p of a register there is p + rejoin_step x the register's
   /// pieces a step (a request, an ack, the end of a stream, a payload's tag). 0: it does not.
   std::int64_t rejoin_step = 0;
+  /// The ranks that may leave the job (transport::RankInfo::may_leave; run_job fills it in).
+  /// A failed transfer to or from one of them is not a failure of the run at once: its process
+  /// may have died, and the control plane says so (Runtime::rank_left) within
+  /// `departure_grace`; only if it does not is the run failed.
+  std::vector<std::uint32_t> may_leave;
+  std::chrono::milliseconds departure_grace{15'000};
 };
 
 }  // namespace baton

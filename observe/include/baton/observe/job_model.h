@@ -56,6 +56,9 @@ class JobModel {
   /// bounded staleness): its row says "left", and the page says who, when (the job's step as
   /// the model knows it) and why.
   void rank_left(std::uint32_t rank, const std::string& reason);
+  /// Rank `rank`, which left, came back (baton-launch --max-restarts) and trains from step
+  /// `step` + 1: its row runs again, and the page says it came back.
+  void rank_rejoined(std::uint32_t rank, std::int64_t step);
 
   /// Bumps with every complete sample of some rank's counters (the live updates' trigger).
   std::uint64_t version() const;

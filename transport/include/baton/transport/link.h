@@ -38,6 +38,15 @@ class LinkHandler {
   virtual void on_payload(std::uint64_t cookie) = 0;
   /// The link cannot go on (a peer vanished, a transfer failed). Called at most once.
   virtual void on_link_error(const std::string& reason) = 0;
+  /// An operation to or from `peer` failed (a message, an offer or a receive: its process may
+  /// have died). A handler that knows `peer` may leave the job can wait for the control plane's
+  /// word before it calls this a failure (returns false: more may come). By default a link
+  /// error (returns true: on_link_error was called, and nothing more comes).
+  virtual bool on_peer_error(std::uint32_t peer, const std::string& reason) {
+    (void)peer;
+    on_link_error(reason);
+    return true;
+  }
 };
 
 /// Thread-safe: any thread may call send / send_payload / receive_payload.
