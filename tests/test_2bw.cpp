@@ -470,6 +470,29 @@ static TrainingJob ps_job_on_ranks(std::int64_t steps, std::int64_t first_step =
   return compile_training(g, loss, cfg);
 }
 
+// Each rank of `job` a Runtime on `hub`.
+static std::vector<std::unique_ptr<Runtime>> runtimes_on(const TrainingJob& job, transport::LoopbackHub& hub) {
+  std::vector<std::unique_ptr<Runtime>> runtimes;
+  for (std::uint16_t r = 0; r < 3; ++r) {
+    RuntimeSettings rs;
+    rs.rank = r;
+    rs.link = &hub.link(r);
+    runtimes.push_back(std::make_unique<Runtime>(job.plan, job.kernels, rs));
+  }
+  return runtimes;
+}
+
+// Runs `rt` on a thread of its own; its report or error lands in `result`.
+static std::thread run_in_thread(Runtime& rt, test::RankResult& result) {
+  return std::thread([&rt, &result] {
+    try {
+      result.report = rt.run();
+    } catch (const std::exception& e) {
+      result.error = e.what();
+    }
+  });
+}
+
 // A worker rank that leaves (Runtime::rank_left: what run_job does when the control plane says
 // a rank that may leave has left) leaves the servers going: every rank a Runtime in this process
 // over a loopback hub (2 workers, 1 server rank, staleness 2), worker rank 1 stopped once the
@@ -489,25 +512,11 @@ TEST_CASE("ParameterServer.AWorkerRankThatLeavesLeavesTheServersGoing" * doctest
     CAPTURE(shares_memory);
     const TrainingJob job = ps_job_on_ranks(long_steps);
     transport::LoopbackHub hub(3, shares_memory);
-    std::vector<std::unique_ptr<Runtime>> runtimes;
-    for (std::uint16_t r = 0; r < 3; ++r) {
-      RuntimeSettings rs;
-      rs.rank = r;
-      rs.link = &hub.link(r);
-      runtimes.push_back(std::make_unique<Runtime>(job.plan, job.kernels, rs));
-    }
+    const auto runtimes = runtimes_on(job, hub);
     hub.start();
     std::vector<test::RankResult> results(3);
     std::vector<std::thread> threads;
-    for (std::uint16_t r = 0; r < 3; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          results[r].report = runtimes[r]->run();
-        } catch (const std::exception& e) {
-          results[r].error = e.what();
-        }
-      });
-    }
+    for (std::uint16_t r = 0; r < 3; ++r) threads.push_back(run_in_thread(*runtimes[r], results[r]));
     // Worker 1 goes once the server has reported some steps; the others are told it left.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (job.losses->steps_done() < leave_after && std::chrono::steady_clock::now() < deadline) {
@@ -559,26 +568,11 @@ TEST_CASE("ParameterServer.AWorkerRankThatLeftComesBackAtTheServersStep" * docte
     CAPTURE(shares_memory);
     const TrainingJob job = ps_job_on_ranks(long_steps);
     transport::LoopbackHub hub(3, shares_memory);
-    std::vector<std::unique_ptr<Runtime>> runtimes;
-    for (std::uint16_t r = 0; r < 3; ++r) {
-      RuntimeSettings rs;
-      rs.rank = r;
-      rs.link = &hub.link(r);
-      runtimes.push_back(std::make_unique<Runtime>(job.plan, job.kernels, rs));
-    }
+    const auto runtimes = runtimes_on(job, hub);
     hub.start();
     std::vector<test::RankResult> results(4);  // [3]: rank 1 come back
     std::vector<std::thread> threads;
-    auto run_rank = [&](Runtime& rt, test::RankResult& result) {
-      return std::thread([&rt, &result] {
-        try {
-          result.report = rt.run();
-        } catch (const std::exception& e) {
-          result.error = e.what();
-        }
-      });
-    };
-    for (std::uint16_t r = 0; r < 3; ++r) threads.push_back(run_rank(*runtimes[r], results[r]));
+    for (std::uint16_t r = 0; r < 3; ++r) threads.push_back(run_in_thread(*runtimes[r], results[r]));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (job.losses->steps_done() < leave_after && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -601,7 +595,7 @@ TEST_CASE("ParameterServer.AWorkerRankThatLeftComesBackAtTheServersStep" * docte
     rs.rejoin_step = step;
     Runtime back(back_job.plan, back_job.kernels, rs);
     for (std::uint16_t r : {0, 2}) runtimes[r]->rank_rejoined(1, step, patience);
-    std::thread back_thread = run_rank(back, results[3]);
+    std::thread back_thread = run_in_thread(back, results[3]);
     for (std::uint16_t r : {0, 2}) threads[r].join();
     back_thread.join();
     hub.stop();

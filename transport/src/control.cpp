@@ -1960,8 +1960,10 @@ ControlClient::ControlClient(ClientSettings settings) : impl_(std::make_unique<I
 
 ControlClient::~ControlClient() = default;
 
-std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
-  const auto& s = impl_->settings;
+namespace {
+
+/// A rank's hello: who it is, where its data plane listens, its plan.
+json::object hello_of(const ClientSettings& s, const RankInfo& me) {
   auto hello = message("hello");
   hello["token"] = js(s.token);
   hello["rank"] = s.rank;
@@ -1970,18 +1972,31 @@ std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
   hello["data_address"] = json::string(base64_encode(me.data_address));
   hello["plan_hash"] = json::string(hash_hex(me.plan_hash));
   if (me.may_leave) hello["may_leave"] = true;
-  const json::object table = impl_->core.join(std::move(hello), "table");
+  return hello;
+}
+
+/// Every rank's RankInfo from a table or rejoin message, checked. Throws ProtocolError.
+std::vector<RankInfo> ranks_of(const json::object& m, std::uint32_t world_size) {
+  const json::value& ranks = field(m, "ranks");
+  if (!ranks.is_array()) throw ProtocolError("field 'ranks' is not an array");
+  std::vector<RankInfo> infos;
+  for (const auto& entry : ranks.get_array()) infos.push_back(parse_rank_info(entry));
+  if (infos.size() != world_size) {
+    throw ProtocolError(fmt::format("{} entries for world size {}", infos.size(), world_size));
+  }
+  for (std::uint32_t r = 0; r < infos.size(); ++r) {
+    if (infos[r].rank != r) throw ProtocolError(fmt::format("entry {} is rank {}", r, infos[r].rank));
+  }
+  return infos;
+}
+
+}  // namespace
+
+std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
+  const auto& s = impl_->settings;
+  const json::object table = impl_->core.join(hello_of(s, me), "table");
   try {
-    const json::value& ranks = field(table, "ranks");
-    if (!ranks.is_array()) throw ProtocolError("field 'ranks' is not an array");
-    std::vector<RankInfo> infos;
-    for (const auto& entry : ranks.get_array()) infos.push_back(parse_rank_info(entry));
-    if (infos.size() != s.world_size) {
-      throw ProtocolError(fmt::format("{} entries for world size {}", infos.size(), s.world_size));
-    }
-    for (std::uint32_t r = 0; r < infos.size(); ++r) {
-      if (infos[r].rank != r) throw ProtocolError(fmt::format("entry {} is rank {}", r, infos[r].rank));
-    }
+    std::vector<RankInfo> infos = ranks_of(table, s.world_size);
     impl_->core.measure_clock(clock_rounds, clock_bound);
     return infos;
   } catch (const ProtocolError& e) {
@@ -1991,24 +2006,13 @@ std::vector<RankInfo> ControlClient::join(const RankInfo& me) {
 
 std::pair<std::vector<RankInfo>, std::int64_t> ControlClient::rejoin(const RankInfo& me) {
   const auto& s = impl_->settings;
-  auto hello = message("hello");
-  hello["token"] = js(s.token);
-  hello["rank"] = s.rank;
-  hello["world_size"] = s.world_size;
-  hello["host"] = json::string(me.host.empty() ? local_host_name() : me.host);
-  hello["data_address"] = json::string(base64_encode(me.data_address));
-  hello["plan_hash"] = json::string(hash_hex(me.plan_hash));
-  hello["may_leave"] = true;
+  RankInfo back = me;
+  back.may_leave = true;
+  json::object hello = hello_of(s, back);
   hello["rejoin"] = true;
   const json::object reply = impl_->core.join(std::move(hello), "rejoin");
   try {
-    const json::value& ranks = field(reply, "ranks");
-    if (!ranks.is_array()) throw ProtocolError("field 'ranks' is not an array");
-    std::vector<RankInfo> infos;
-    for (const auto& entry : ranks.get_array()) infos.push_back(parse_rank_info(entry));
-    if (infos.size() != s.world_size) {
-      throw ProtocolError(fmt::format("{} entries for world size {}", infos.size(), s.world_size));
-    }
+    std::vector<RankInfo> infos = ranks_of(reply, s.world_size);
     const std::int64_t step = get_i64(reply, "step");
     impl_->core.measure_clock(clock_rounds, clock_bound);
     return {std::move(infos), step};
