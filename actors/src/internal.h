@@ -541,6 +541,8 @@ struct Core : transport::LinkHandler {
   /// `n` messages for actors of one other rank (Outbox::per_link_message at most) in one link
   /// message, in order.
   void send_remote_batch(const Message* m, std::size_t n);
+  /// send_remote_batch's send, of messages numbered as the other rank numbers them.
+  void send_shifted_batch(const Message* m, std::size_t n);
   /// A request_mapped: `m` and where its piece lies.
   void send_remote_mapped(const Message& m, const transport::SharedLocation& at);
   /// Where [data, data + bytes) lies in this rank's shared memory, if a reader on `rank` can

@@ -177,6 +177,146 @@ transport::DataPlaneSettings data_plane_for_job(const JobEnvironment& env, trans
   return base;
 }
 
+namespace {
+
+RunReport run_alone(const Plan& plan, const KernelRegistry& kernels, const JobSettings& js) {
+  Runtime rt(plan, kernels, js.runtime);
+  if (js.observer == nullptr) return rt.run();
+  js.observer->on_start(rt, nullptr);
+  RunReport report;
+  try {
+    report = rt.run();
+  } catch (const std::exception& e) {
+    js.observer->on_finish(rt, e.what());
+    throw;
+  }
+  js.observer->on_finish(rt, {});
+  return report;
+}
+
+/// What the control client's thread reaches of a rank's job (under `mutex`): the runtime once
+/// built, what came before it (an abort, departures), and the data plane while it lives.
+struct Reachable {
+  std::mutex mutex;
+  std::unique_ptr<Runtime> runtime;
+  std::string early_abort;
+  std::vector<std::pair<std::uint32_t, std::string>> early_left;
+  transport::DataPlane* data = nullptr;
+
+  Runtime& running(std::uint32_t rank) {
+    if (!runtime) throw JobError(fmt::format("rank {} is not running yet", rank));
+    return *runtime;
+  }
+};
+
+/// How long this rank's actors may take to hold for a rank coming back, or to take it back: well
+/// under the heartbeat timeout, as the control client's thread waits for them.
+constexpr std::chrono::milliseconds answer_within{3'000};
+
+/// The control plane's news for this rank: an abort, a rank that left or comes back, commands.
+void listen(transport::ControlClient& control, Reachable& at, const JobSettings& js, std::uint32_t me) {
+  control.on_abort([&at](const std::string& reason) {
+    std::lock_guard lock(at.mutex);
+    if (at.runtime) {
+      at.runtime->abort("job aborted: " + reason);
+    } else {
+      at.early_abort = reason;
+    }
+  });
+  control.on_left([&at, on_left = js.on_left](std::uint32_t rank, const std::string& reason) {
+    {
+      std::lock_guard lock(at.mutex);
+      if (at.runtime) {
+        at.runtime->rank_left(rank, reason);
+      } else {
+        at.early_left.emplace_back(rank, reason);
+      }
+    }
+    if (on_left) on_left(rank, reason);
+  });
+  // Another rank comes back (ControlClient::rejoin): hold, then take it back (bounded by
+  // answer_within: these run on the control client's thread).
+  control.on_rejoin(transport::RejoinHandlers{
+      .hold = [&at, me](std::uint32_t rank) {
+        std::lock_guard lock(at.mutex);
+        return at.running(me).hold_for_rejoin(rank, answer_within);
+      },
+      .rejoined = [&at, me, on_rejoined = js.on_rejoined](const transport::RankInfo& info, std::int64_t step) {
+        {
+          std::lock_guard lock(at.mutex);
+          Runtime& rt = at.running(me);
+          if (at.data != nullptr) at.data->reconnect(info.rank, info.data_address);
+          rt.rank_rejoined(info.rank, step, answer_within);
+        }
+        if (on_rejoined) on_rejoined(info.rank, step);
+      },
+      .release = [&at](std::uint32_t rank) {
+        std::lock_guard lock(at.mutex);
+        if (at.runtime) at.runtime->release_hold(rank);
+      },
+  });
+  if (js.observer != nullptr) {
+    control.on_command([observer = js.observer](const std::string& kind, const std::string& body) {
+      observer->on_command(kind, body);
+    });
+  }
+}
+
+/// "TLS=^cma, RNDV_THRESH=..." (RunReport::data_plane).
+std::string describe_data_plane(const transport::DataPlaneSettings& data) {
+  std::string config;
+  for (const auto& [name, value] : transport::ucx_configuration(data)) {
+    config += fmt::format("{}{}={}", config.empty() ? "" : ", ", name, value);
+  }
+  return config.empty() ? "as the UCX_ environment variables say" : config;
+}
+
+/// What the rank runs: the plan it was given, or (a rank coming back, BATON_REJOIN=1) the plan
+/// from the step the others hold at, compiled while they wait. Fills `table` with every rank's
+/// RankInfo and js.runtime.rejoin_step.
+std::pair<const Plan*, const KernelRegistry*> join(transport::ControlClient& control, const transport::RankInfo& me,
+                                                   const JobEnvironment& env, JobSettings& js, const Plan& plan,
+                                                   const KernelRegistry& kernels, Plan& rejoined,
+                                                   std::vector<transport::RankInfo>& table) {
+  if (!env.rejoin) {
+    table = control.join(me);
+    return {&plan, &kernels};
+  }
+  if (!js.rejoin_plan) {
+    throw JobError(fmt::format("rank {} was started to come back to its job (BATON_REJOIN=1), which this program "
+                               "cannot do",
+                               env.rank));
+  }
+  std::int64_t step = 0;
+  std::tie(table, step) = control.rejoin(me);
+  try {
+    auto [logical_back, kernels_back] = js.rejoin_plan(step);
+    rejoined = insert_transfers(logical_back);
+    js.runtime.rejoin_step = step;
+    return {&rejoined, kernels_back};
+  } catch (const std::exception& e) {
+    control.fail(fmt::format("could not come back at step {}: {}", step, e.what()));
+    throw;
+  }
+}
+
+/// The runtime's settings that the job's table decides.
+void settle(RuntimeSettings& rs, const JobEnvironment& env, const std::vector<transport::RankInfo>& table) {
+  rs.rank = static_cast<std::uint16_t>(env.rank);
+  if (!env.shared_registers) rs.shared_registers = false;
+  if (env.hold_messages_ns) rs.hold_messages_ns = *env.hold_messages_ns;
+  for (const auto& info : table) {
+    if (info.may_leave) rs.may_leave.push_back(info.rank);
+  }
+  if (rs.ranks_on_host == 0) {
+    const std::string& here = table.at(env.rank).host;
+    rs.ranks_on_host = static_cast<std::uint32_t>(
+        std::count_if(table.begin(), table.end(), [&](const transport::RankInfo& r) { return r.host == here; }));
+  }
+}
+
+}  // namespace
+
 RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobEnvironment& env, JobSettings js) {
   const Plan plan = insert_transfers(logical);
   for (const auto& a : plan.actors) {
@@ -187,83 +327,17 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
                                   a.where.rank + 1));
     }
   }
-  if (!env.distributed()) {
-    Runtime rt(plan, kernels, js.runtime);
-    if (js.observer == nullptr) return rt.run();
-    js.observer->on_start(rt, nullptr);
-    RunReport report;
-    try {
-      report = rt.run();
-    } catch (const std::exception& e) {
-      js.observer->on_finish(rt, e.what());
-      throw;
-    }
-    js.observer->on_finish(rt, {});
-    return report;
-  }
+  if (!env.distributed()) return run_alone(plan, kernels, js);
 
   // Declared in this order so that they go in the reverse one: the data plane stops (no more
   // calls into the runtime) before the control client closes, and both before the runtime.
-  std::mutex mutex;
-  std::unique_ptr<Runtime> runtime;
-  std::string early_abort;
-  std::vector<std::pair<std::uint32_t, std::string>> early_left;  // before the runtime existed
-  transport::DataPlane* data = nullptr;  // under `mutex`, once made
+  Reachable at;
   transport::ControlClient control(transport::ClientSettings{.master = env.master,
                                                              .token = env.token,
                                                              .rank = env.rank,
                                                              .world_size = env.world_size,
                                                              .join_timeout = js.join_timeout});
-  control.on_abort([&](const std::string& reason) {
-    std::lock_guard lock(mutex);
-    if (runtime) {
-      runtime->abort("job aborted: " + reason);
-    } else {
-      early_abort = reason;
-    }
-  });
-  control.on_left([&, on_left = js.on_left](std::uint32_t rank, const std::string& reason) {
-    {
-      std::lock_guard lock(mutex);
-      if (runtime) {
-        runtime->rank_left(rank, reason);
-      } else {
-        early_left.emplace_back(rank, reason);
-      }
-    }
-    if (on_left) on_left(rank, reason);
-  });
-  // Another rank comes back (ControlClient::rejoin): hold, then take it back. Bounded well under
-  // the heartbeat timeout: these run on the control client's thread.
-  constexpr std::chrono::milliseconds answer_within{3'000};
-  auto running = [&]() -> Runtime& {
-    if (!runtime) throw JobError(fmt::format("rank {} is not running yet", env.rank));
-    return *runtime;
-  };
-  control.on_rejoin(transport::RejoinHandlers{
-      .hold = [&](std::uint32_t rank) {
-        std::lock_guard lock(mutex);
-        return running().hold_for_rejoin(rank, answer_within);
-      },
-      .rejoined = [&, on_rejoined = js.on_rejoined](const transport::RankInfo& info, std::int64_t step) {
-        {
-          std::lock_guard lock(mutex);
-          Runtime& rt = running();
-          if (data != nullptr) data->reconnect(info.rank, info.data_address);
-          rt.rank_rejoined(info.rank, step, answer_within);
-        }
-        if (on_rejoined) on_rejoined(info.rank, step);
-      },
-      .release = [&](std::uint32_t rank) {
-        std::lock_guard lock(mutex);
-        if (runtime) runtime->release_hold(rank);
-      },
-  });
-  if (js.observer != nullptr) {
-    control.on_command([observer = js.observer](const std::string& kind, const std::string& body) {
-      observer->on_command(kind, body);
-    });
-  }
+  listen(control, at, js, env.rank);
   // Kernels publish while the runtime is built (an NCCL group's unique id), before the start
   // barrier, and fetch once running; the runtime uses it no more once run() returns.
   ControlStore store(control);
@@ -272,79 +346,40 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   if (js.runtime.own_cores == 0) js.runtime.own_cores = own_cores;
   std::string why_transports;
   js.data = data_plane_for_job(env, js.data, &why_transports);
-  std::string data_plane_config;
-  for (const auto& [name, value] : transport::ucx_configuration(js.data)) {
-    data_plane_config += fmt::format("{}{}={}", data_plane_config.empty() ? "" : ", ", name, value);
-  }
-  if (data_plane_config.empty()) data_plane_config = "as the UCX_ environment variables say";
+  const std::string data_plane_config = describe_data_plane(js.data) + why_transports;
   transport::DataPlane data_plane(env.rank, env.world_size, js.data);
-  // What the control client's thread may reach: the data plane, until it goes.
-  struct Reachable {
-    std::mutex& mutex;
-    transport::DataPlane*& data;
-    ~Reachable() {
-      std::lock_guard lock(mutex);
-      data = nullptr;
+  // The control client's thread reaches the data plane until it goes.
+  struct Forget {
+    Reachable& at;
+    ~Forget() {
+      std::lock_guard lock(at.mutex);
+      at.data = nullptr;
     }
-  } reachable{mutex, data};
+  } forget{at};
   {
-    std::lock_guard lock(mutex);
-    data = &data_plane;
+    std::lock_guard lock(at.mutex);
+    at.data = &data_plane;
   }
   // An empty host: join() names this machine.
   const transport::RankInfo me{
       .rank = env.rank, .data_address = data_plane.address(), .plan_hash = plan.hash(), .may_leave = js.may_leave};
-  // A rank coming back (BATON_REJOIN=1) learns the step the others hold at, and compiles its
-  // plan from there while they wait.
   std::vector<transport::RankInfo> table;
-  const Plan* to_run = &plan;
-  const KernelRegistry* run_kernels = &kernels;
   Plan rejoined;
-  if (env.rejoin) {
-    if (!js.rejoin_plan) {
-      throw JobError(fmt::format("rank {} was started to come back to its job (BATON_REJOIN=1), which this "
-                                 "program cannot do",
-                                 env.rank));
-    }
-    std::int64_t step = 0;
-    std::tie(table, step) = control.rejoin(me);
-    try {
-      auto [logical_back, kernels_back] = js.rejoin_plan(step);
-      rejoined = insert_transfers(logical_back);
-      to_run = &rejoined;
-      run_kernels = kernels_back;
-      js.runtime.rejoin_step = step;
-    } catch (const std::exception& e) {
-      control.fail(fmt::format("could not come back at step {}: {}", step, e.what()));
-      throw;
-    }
-  } else {
-    table = control.join(me);
-  }
-
+  const auto [to_run, run_kernels] = join(control, me, env, js, plan, kernels, rejoined, table);
   try {
-    js.runtime.rank = static_cast<std::uint16_t>(env.rank);
+    settle(js.runtime, env, table);
     js.runtime.link = &data_plane;
     js.runtime.store = &store;
-    if (!env.shared_registers) js.runtime.shared_registers = false;
-    if (env.hold_messages_ns) js.runtime.hold_messages_ns = *env.hold_messages_ns;
-    for (const auto& info : table) {
-      if (info.may_leave) js.runtime.may_leave.push_back(info.rank);
-    }
-    if (js.runtime.ranks_on_host == 0) {
-      const std::string& here = table.at(env.rank).host;
-      js.runtime.ranks_on_host = static_cast<std::uint32_t>(
-          std::count_if(table.begin(), table.end(), [&](const transport::RankInfo& r) { return r.host == here; }));
-    }
     auto rt = std::make_unique<Runtime>(*to_run, *run_kernels, js.runtime);
-    std::lock_guard lock(mutex);
-    runtime = std::move(rt);
-    if (!early_abort.empty()) throw JobError("job aborted: " + early_abort);
-    for (const auto& [rank, reason] : early_left) runtime->rank_left(rank, reason);
+    std::lock_guard lock(at.mutex);
+    at.runtime = std::move(rt);
+    if (!at.early_abort.empty()) throw JobError("job aborted: " + at.early_abort);
+    for (const auto& [rank, reason] : at.early_left) at.runtime->rank_left(rank, reason);
   } catch (const std::exception& e) {
     control.fail(e.what());
     throw;
   }
+  Runtime& runtime = *at.runtime;
   std::vector<std::string> addresses;
   for (const auto& info : table) addresses.push_back(info.data_address);
   try {
@@ -359,19 +394,19 @@ RunReport run_job(const Plan& logical, const KernelRegistry& kernels, const JobE
   } else {
     control.barrier("start", js.start_timeout);
   }
-  if (js.observer != nullptr) js.observer->on_start(*runtime, &control);
+  if (js.observer != nullptr) js.observer->on_start(runtime, &control);
   RunReport report;
   try {
-    report = runtime->run();
+    report = runtime.run();
   } catch (const std::exception& e) {
-    if (js.observer != nullptr) js.observer->on_finish(*runtime, e.what());
+    if (js.observer != nullptr) js.observer->on_finish(runtime, e.what());
     control.fail(e.what());
     data_plane.stop();
     throw;
   }
-  report.data_plane = data_plane_config + why_transports;
+  report.data_plane = data_plane_config;
   report.binding = binding;
-  if (js.observer != nullptr) js.observer->on_finish(*runtime, {});
+  if (js.observer != nullptr) js.observer->on_finish(runtime, {});
   // The others may still need our acks: the data plane keeps going until every rank is done.
   control.finish(js.finish_timeout);
   data_plane.stop();

@@ -350,11 +350,15 @@ void Core::send_remote(const Message& msg, const void* payload, std::size_t payl
 void Core::send_remote_batch(const Message* m, std::size_t n) {
   if (n == 1 || settings.link == nullptr) return send_remote(*m);  // without a link: fails, saying why
   if (departed(m->dst.rank())) return;
-  std::array<Message, Outbox::per_link_message> moved;
   if (!piece_shift.empty()) {  // a rank that came back: pieces as the others number them
+    std::array<Message, Outbox::per_link_message> moved;
     for (std::size_t i = 0; i < n; ++i) moved[i] = shifted(m[i]);
-    m = moved.data();
+    return send_shifted_batch(moved.data(), n);
   }
+  send_shifted_batch(m, n);
+}
+
+void Core::send_shifted_batch(const Message* m, std::size_t n) {
   try {
     settings.link->send(m->dst.rank(), m, n * sizeof *m);
   } catch (const std::exception& e) {

@@ -686,6 +686,50 @@ Tracing start_tracing(const Options& o, const JobEnvironment& env, JobSettings& 
   return t;
 }
 
+/// The model's loss in `g`. Mixed precision (graph.h): the forward ops made here compute in bf16
+/// or f32 by autocast's policy; weights, gradients and the optimizer stay f32.
+Value build_loss(Graph& g, const Options& o, const Data& d, std::int64_t mb) {
+  auto mixed = g.autocast(o.precision == "bf16" ? DType::bf16 : DType::f32);
+  return build(g, o, d, mb).loss.named("loss");
+}
+
+/// The reporting rank says when a worker leaves the job or comes back (parameter servers).
+void announce_departures(JobSettings& js, const Options& o, const TrainingJob& job, std::int64_t first) {
+  js.on_left = [&o, &job, first](std::uint32_t rank, const std::string& reason) {
+    fmt::print(stderr, "baton-train: rank {} (a worker) left the job at step {}: {}; the servers go on with the "
+                       "other workers (staleness {})\n",
+               rank, first + job.losses->steps_done(), reason, o.staleness);
+  };
+  js.on_rejoined = [](std::uint32_t rank, std::int64_t step) {
+    fmt::print(stderr, "baton-train: rank {} (a worker) came back: it trains from step {} on, with the weights it "
+                       "pulled from the servers\n",
+               rank, step + 1);
+  };
+}
+
+/// A worker started again by baton-launch --max-restarts (BATON_REJOIN=1) comes back at the
+/// servers' step: run_job calls compiler()'s function once they hold, and the plan from that step
+/// on is compiled while they wait (its data sources draw that step's samples; no checkpoint is
+/// read: the servers have the weights). The graph and the job live here, beyond run_job.
+struct Comeback {
+  Graph graph;
+  std::optional<TrainingJob> job;
+  explicit Comeback(std::uint64_t seed) : graph(seed) {}
+  std::function<std::pair<Plan, const KernelRegistry*>(std::int64_t)> compiler(const Options& o, const Data& d,
+                                                                               std::int64_t mb, const TrainConfig& cfg,
+                                                                               std::uint32_t rank) {
+    return [this, &o, &d, mb, &cfg, rank](std::int64_t step) {
+      const Value loss = build_loss(graph, o, d, mb);
+      TrainConfig from_there = cfg;
+      from_there.first_step = step;
+      from_there.rejoin = true;
+      job.emplace(compile_training(graph, loss, from_there, ParameterStore::initialize(graph)));
+      fmt::print(stderr, "baton-train: rank {} comes back to the job at step {} of {}\n", rank, step + 1, o.steps);
+      return std::pair<Plan, const KernelRegistry*>{job->plan, &job->kernels};
+    };
+  }
+};
+
 /// Runs the job on a thread of its own while this one prints its progress (the reporting rank,
 /// without --json). The run's failure, if any, is left in `failure`.
 RunReport run_with_progress(const Options& o, const TrainingJob& job, const JobEnvironment& env, const JobSettings& js,
@@ -854,13 +898,7 @@ int run(const Options& given) {
     return 0;
   }
   Graph g(o.seed);
-  Value loss;
-  {
-    // Mixed precision (graph.h): the forward ops made here compute in bf16 or f32 by autocast's
-    // policy; weights, gradients and the optimizer stay f32.
-    auto mixed = g.autocast(o.precision == "bf16" ? DType::bf16 : DType::f32);
-    loss = build(g, o, d, mb).loss.named("loss");
-  }
+  const Value loss = build_loss(g, o, d, mb);
   TrainConfig cfg = train_config(o, env, d);
   auto params = ParameterStore::initialize(g);
   if (init) models::init_from(*init, o.init_from, o.model, *params);
@@ -898,38 +936,9 @@ int run(const Options& given) {
   // (docs/parameter-servers.md): the servers go on with the others and say who left.
   js.may_leave = o.sync == "ps" && o.staleness > 0 && env.distributed() &&
                  static_cast<int>(env.rank) < static_cast<int>(env.world_size) - server_ranks(o, env);
-  if (leader) {
-    js.on_left = [&o, &job, first](std::uint32_t rank, const std::string& reason) {
-      fmt::print(stderr, "baton-train: rank {} (a worker) left the job at step {}: {}; the servers go on with the "
-                         "other workers (staleness {})\n",
-                 rank, first + job.losses->steps_done(), reason, o.staleness);
-    };
-    js.on_rejoined = [](std::uint32_t rank, std::int64_t step) {
-      fmt::print(stderr, "baton-train: rank {} (a worker) came back: it trains from step {} on, with the weights it "
-                         "pulled from the servers\n",
-                 rank, step + 1);
-    };
-  }
-  // A worker started again by baton-launch --max-restarts (BATON_REJOIN=1) comes back at the
-  // servers' step: run_job calls this once they hold, and the plan from that step on is
-  // compiled while they wait (its data sources draw that step's samples; no checkpoint is read).
-  Graph back_graph(o.seed);
-  std::optional<TrainingJob> back;
-  if (env.rejoin) {
-    js.rejoin_plan = [&](std::int64_t step) {
-      Value back_loss;
-      {
-        auto mixed = back_graph.autocast(o.precision == "bf16" ? DType::bf16 : DType::f32);
-        back_loss = build(back_graph, o, d, mb).loss.named("loss");
-      }
-      TrainConfig from_there = cfg;
-      from_there.first_step = step;
-      from_there.rejoin = true;
-      back.emplace(compile_training(back_graph, back_loss, from_there, ParameterStore::initialize(back_graph)));
-      fmt::print(stderr, "baton-train: rank {} comes back to the job at step {} of {}\n", env.rank, step + 1, o.steps);
-      return std::pair<Plan, const KernelRegistry*>{back->plan, &back->kernels};
-    };
-  }
+  if (leader) announce_departures(js, o, job, first);
+  Comeback back(o.seed);
+  if (env.rejoin) js.rejoin_plan = back.compiler(o, d, mb, cfg, env.rank);
   const bool tty = isatty(fileno(stdout)) != 0;
   std::exception_ptr failure;
   const RunReport report = run_with_progress(o, job, env, js, leader, first, tty, failure);
