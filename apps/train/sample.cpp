@@ -32,6 +32,34 @@ std::int32_t draw(const float* logits, std::int64_t vocab, double temperature, d
   return 0;
 }
 
+std::int32_t draw(const float* logits, std::int64_t vocab, double temperature, double top_p, double u) {
+  if (temperature == 0 || top_p >= 1) return draw(logits, vocab, temperature, u);
+  const float best = *std::max_element(logits, logits + vocab);
+  std::vector<std::pair<double, std::int32_t>> weight(static_cast<std::size_t>(vocab));
+  double total = 0;
+  for (std::int64_t i = 0; i < vocab; ++i) {
+    const double w = std::exp((static_cast<double>(logits[i]) - best) / temperature);
+    weight[static_cast<std::size_t>(i)] = {w, static_cast<std::int32_t>(i)};
+    total += w;
+  }
+  // Most likely first, ties to the lower id (a stable order on every machine).
+  std::sort(weight.begin(), weight.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  double kept = 0;
+  std::size_t n = 0;
+  while (n < weight.size() && (n == 0 || kept < top_p * total)) kept += weight[n++].first;
+  const double target = u * kept;
+  double seen = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    seen += weight[i].first;
+    if (target < seen) return weight[i].second;
+  }
+  return weight[n - 1].second;
+}
+
+double uniform(std::uint64_t draw_bits) { return static_cast<double>(draw_bits >> 11) * 0x1.0p-53; }
+
 namespace {
 
 void check(std::int64_t seq, std::int64_t vocab, const std::vector<std::int32_t>& prompt,
@@ -85,7 +113,7 @@ std::vector<std::int32_t> generate(const BuildLogits& build, std::int64_t seq, s
     }
     const Tensor out_logits = evaluate(g, {{"tokens", window}}, {logits}, params)[0];
     const float* row = out_logits.data<float>().data() + (n - 1) * vocab;
-    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    const double u = uniform(rng());
     const std::int32_t next = draw(row, vocab, s.temperature, u);
     context.push_back(next);
     out.push_back(next);

@@ -46,4 +46,15 @@ std::vector<std::int32_t> generate(const BuildLogits& build, std::int64_t seq, s
 /// inverse of the distribution function), or the first largest logit when temperature is 0.
 std::int32_t draw(const float* logits, std::int64_t vocab, double temperature, double u);
 
+/// The same with nucleus sampling (Holtzman et al. 2019; OpenAI's top_p): only the most likely
+/// tokens whose probabilities first add up to >= top_p (in (0, 1]) may be drawn, renormalised;
+/// u picks among them from the most likely down (ties: the lower id first). top_p = 1 is draw()
+/// above, token for token.
+std::int32_t draw(const float* logits, std::int64_t vocab, double temperature, double top_p, double u);
+
+/// The next uniform number in [0, 1) of a request's stream: mt19937_64's output is fixed by the
+/// standard (unlike the distributions'), and its top 53 bits make a double, so the same seed
+/// draws the same numbers on every machine and library.
+double uniform(std::uint64_t draw_bits);
+
 }  // namespace baton::sample

@@ -352,6 +352,43 @@ Value attention(Value q, Value k, Value v, const AttentionOptions& options) {
                        q.dtype());
 }
 
+Value rope_at(Value x, Value positions, double base) {
+  const char* op = "rope_at";
+  need_float(op, {x});
+  if (x.rank() != 3 || x.dim(-1) == 0 || x.dim(-1) % 2 != 0) {
+    fail(op, {x, positions}, "x must be [R, H, D] with the head size D even and > 0 (features rotate in pairs)");
+  }
+  if (positions.dtype() != DType::i32 || positions.shape() != Shape{x.dim(0)}) {
+    fail(op, {x, positions}, fmt::format("positions must be i32 [{}], one per row", x.dim(0)));
+  }
+  if (!(base > 0.0 && std::isfinite(base))) fail(op, {x, positions}, fmt::format("base = {} must be finite and > 0", base));
+  return x.graph().add(op, {x, positions}, Attrs{{"base", base}}, x.shape(), x.dtype());
+}
+
+Value paged_attention(Value q, Value k, Value v, Value slots, Value positions, Value block_table, Value k_cache,
+                      Value v_cache, std::optional<double> scale) {
+  const char* op = "paged_attention";
+  const std::vector<Value> all{q, k, v, slots, positions, block_table, k_cache, v_cache};
+  need_float(op, {q, k, v, k_cache, v_cache});
+  same_dtype(op, {q, k, v, k_cache, v_cache});
+  if (q.rank() != 3 || k.rank() != 3 || k.shape() != v.shape() || k.dim(0) != q.dim(0) || k.dim(2) != q.dim(2) ||
+      k.dim(1) < 1 || q.dim(1) % k.dim(1) != 0 || q.dim(2) < 1) {
+    fail(op, all, "q must be [R, H, D], k and v [R, Hkv, D] with H a multiple of Hkv");
+  }
+  if (k_cache.rank() != 4 || v_cache.shape() != k_cache.shape() || k_cache.dim(2) != k.dim(1) ||
+      k_cache.dim(3) != k.dim(2)) {
+    fail(op, all, "k_cache and v_cache must be [blocks, block_size, Hkv, D]");
+  }
+  const Shape rows{q.dim(0)};
+  if (slots.dtype() != DType::i32 || positions.dtype() != DType::i32 || block_table.dtype() != DType::i32 ||
+      slots.shape() != rows || positions.shape() != rows || block_table.rank() != 2) {
+    fail(op, all, "slots and positions must be i32 [R], block_table i32 [S, M]");
+  }
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.dim(2))));
+  if (!(s > 0.0 && std::isfinite(s))) fail(op, all, fmt::format("scale {} must be finite and > 0", s));
+  return q.graph().add(op, all, Attrs{{"scale", s}}, q.shape(), q.dtype());
+}
+
 Value dropout(Value x, double p) {
   if (!(p >= 0.0 && p < 1.0)) fail("dropout", {x}, fmt::format("p = {} is not in [0, 1)", p));
   // The mask's seed: the graph's seed and this node's position, so runs repeat exactly.

@@ -993,6 +993,7 @@ void add_cpu_nn_ops(KernelRegistry& reg) {
   add_nn_ops_for<double>(reg);
   add_cpu_attention_ops(reg);
   add_cpu_llm_ops(reg);
+  add_cpu_decode_ops(reg);
 }
 
 }  // namespace baton

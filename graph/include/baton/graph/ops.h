@@ -116,6 +116,24 @@ struct AttentionOptions {
 ///   auto o = attention(q, k, v);                                   // causal, 1/sqrt(D)
 ///   auto o2 = attention(q, k, v, {.causal = false, .scale = 0.5});
 Value attention(Value q, Value k, Value v, const AttentionOptions& options = {});
+/// Decoding (serving's steps; apps/serve). A step's rows are tokens of many requests, each at
+/// its own position, flattened: R rows, padded with rows whose slot is < 0.
+///
+/// RoPE (as rope) of x [R, H, D] with row r at position positions[r] (i32 [R]) instead of its
+/// index: rope_at(x, p) of row r equals rope()'s output at index p[r] of a sequence.
+Value rope_at(Value x, Value positions, double base = 10000.0);
+/// Causal attention of a step's rows over a paged KV cache (vLLM's PagedAttention): q [R, H, D],
+/// k and v [R, Hkv, D] (H a multiple of Hkv: grouped-query heads, query head h reading kv head
+/// h / (H / Hkv)), slots and positions i32 [R], block_table i32 [S, M] (slot s's positions
+/// [i B, (i+1) B) lie in block block_table[s, i]), k_cache and v_cache [blocks, B, Hkv, D]
+/// (inputs the caller keeps from step to step: the op writes them in place, the only op that
+/// writes an input). Each live row's k and v are first written at its slot and position; then
+/// row r attends to positions 0..positions[r] of its slot. Rows of a slot's prompt chunk in one
+/// step thus see each other causally, and a request's next step sees all it wrote before. Rows
+/// with slot < 0 are padding (output 0). -> [R, H, D]; the softmax in double. Not
+/// differentiable (serving only).
+Value paged_attention(Value q, Value k, Value v, Value slots, Value positions, Value block_table, Value k_cache,
+                      Value v_cache, std::optional<double> scale = std::nullopt);
 /// Zeroes each element with probability p (and scales the rest by 1/(1-p)); the mask depends on
 /// the graph's seed, this op and the micro-batch, so a run is reproducible.
 Value dropout(Value x, double p);

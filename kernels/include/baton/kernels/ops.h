@@ -109,5 +109,8 @@ void add_cpu_attention_ops(KernelRegistry& reg);
 /// Registers the LLM ops above (exp ... rope_grad) for cpu/f32 and cpu/f64 (add_cpu_nn_ops
 /// calls it).
 void add_cpu_llm_ops(KernelRegistry& reg);
+/// Registers the decoding ops (rope_at, paged_attention; graph ops.h) for cpu/f32 and cpu/f64
+/// (add_cpu_nn_ops calls it).
+void add_cpu_decode_ops(KernelRegistry& reg);
 
 }  // namespace baton

@@ -1,0 +1,172 @@
+#include "decode_models.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace baton::serve {
+
+namespace {
+
+using Kind = DecodeModel::Kind;
+
+// What every step graph starts with: its inputs.
+struct StepInputs {
+  Value tokens, positions, slots, table;
+  std::vector<Value> k_cache, v_cache;
+};
+
+StepInputs step_inputs(Graph& g, const DecodeModel& m, const StepShape& s) {
+  StepInputs in;
+  in.tokens = g.input("tokens", {s.rows}, DType::i32);
+  in.positions = g.input("positions", {s.rows}, DType::i32);
+  in.slots = g.input("slots", {s.rows}, DType::i32);
+  in.table = g.input("block_table", {s.slots, s.blocks_per_slot}, DType::i32);
+  const Shape cache{s.cache_blocks, s.block_size, m.kv_heads(), m.head_dim()};
+  for (std::int64_t l = 0; l < m.layers(); ++l) {
+    in.k_cache.push_back(g.input(fmt::format("cache.k.{}", l), cache, m.dtype()));
+    in.v_cache.push_back(g.input(fmt::format("cache.v.{}", l), cache, m.dtype()));
+  }
+  return in;
+}
+
+// [R, n dh] -> attention over the cache -> [R, heads dh].
+Value attend(const StepInputs& in, std::size_t layer, Value q, Value k, Value v, std::int64_t heads,
+             std::int64_t kv_heads, std::int64_t dh) {
+  const std::int64_t r = q.dim(0);
+  Value o = paged_attention(reshape(q, {r, heads, dh}), reshape(k, {r, kv_heads, dh}), reshape(v, {r, kv_heads, dh}),
+                            in.slots, in.positions, in.table, in.k_cache[layer], in.v_cache[layer]);
+  return reshape(o, {r, heads * dh});
+}
+
+Value gpt_step(Graph& g, const models::GptShape& m, const StepInputs& in) {
+  const std::int64_t d = m.d_model, nh = m.heads, dh = d / nh;
+  auto w = [&](const std::string& name, Shape shape) { return g.variable(name, std::move(shape), init::zeros(), m.dtype); };
+  Value x = embedding(w("wte", {m.vocab, d}), in.tokens) + embedding(w("wpe", {m.seq, d}), in.positions);  // [R, d]
+  for (std::int64_t l = 0; l < m.layers; ++l) {
+    auto p = [&](const char* what) { return fmt::format("h{}.{}", l, what); };
+    Value h = layer_norm(x, w(p("ln1.g"), {d}), w(p("ln1.b"), {d}));
+    Value q = matmul(h, w(p("attn.wq"), {d, d})), k = matmul(h, w(p("attn.wk"), {d, d})),
+          v = matmul(h, w(p("attn.wv"), {d, d}));
+    x = x + matmul(attend(in, static_cast<std::size_t>(l), q, k, v, nh, nh, dh), w(p("attn.wo"), {d, d}));
+    Value h2 = layer_norm(x, w(p("ln2.g"), {d}), w(p("ln2.b"), {d}));
+    Value h1 = matmul(h2, w(p("mlp.w1"), {d, 4 * d}));
+    Value b1 = w(p("mlp.b1"), {4 * d});
+    Value fc = m.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
+    x = x + matmul(fc, w(p("mlp.w2"), {4 * d, d})) + w(p("mlp.b2"), {d});
+  }
+  Value xf = layer_norm(x, w("lnf.g", {d}), w("lnf.b", {d}));
+  return matmul(xf, w("head.w", {d, m.vocab}));
+}
+
+Value gpt2_step(Graph& g, const models::Gpt2Shape& m, std::int64_t positions, const StepInputs& in) {
+  const std::int64_t d = m.d_model, nh = m.heads, dh = d / nh;
+  auto w = [&](const std::string& name, Shape shape) { return g.variable(name, std::move(shape), init::zeros(), m.dtype); };
+  auto norm = [&](Value x, const std::string& name) {
+    return layer_norm(x, w(name + ".weight", {d}), w(name + ".bias", {d}), m.norm_eps);
+  };
+  auto linear = [&](Value x, const std::string& name, std::int64_t n_in, std::int64_t n_out) {
+    return matmul(x, w(name + ".weight", {n_in, n_out})) + w(name + ".bias", {n_out});
+  };
+  Value wte = w("wte.weight", {m.vocab, d});
+  Value x = embedding(wte, in.tokens) + embedding(w("wpe.weight", {positions, d}), in.positions);
+  for (std::int64_t l = 0; l < m.layers; ++l) {
+    const std::string p = fmt::format("h.{}.", l);
+    Value qkv = linear(norm(x, p + "ln_1"), p + "attn.c_attn", d, 3 * d);  // [R, 3 d]
+    Value o = attend(in, static_cast<std::size_t>(l), slice(qkv, 1, 0, d), slice(qkv, 1, d, 2 * d),
+                     slice(qkv, 1, 2 * d, 3 * d), nh, nh, dh);
+    x = x + linear(o, p + "attn.c_proj", d, d);
+    x = x + linear(models::gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d)), p + "mlp.c_proj", 4 * d, d);
+  }
+  return matmul(norm(x, "ln_f"), wte, false, true);
+}
+
+Value llama_step(Graph& g, const models::LlamaShape& m, const StepInputs& in) {
+  const std::int64_t d = m.d_model, nh = m.heads, nkv = m.kv_heads, dh = d / nh, r = in.tokens.dim(0);
+  auto w = [&](const std::string& name, Shape shape) { return g.variable(name, std::move(shape), init::zeros(), m.dtype); };
+  auto norm = [&](Value x, const std::string& name) { return rms_norm(x, w(name, {d}), m.norm_eps); };
+  auto rotate = [&](Value x, std::int64_t heads) {
+    return reshape(rope_at(reshape(x, {r, heads, dh}), in.positions, m.rope_base), {r, heads * dh});
+  };
+  Value table = w("model.embed_tokens.weight", {m.vocab, d});
+  Value x = embedding(table, in.tokens);
+  for (std::int64_t l = 0; l < m.layers; ++l) {
+    auto p = [&](const char* what) { return fmt::format("model.layers.{}.{}", l, what); };
+    Value h = norm(x, p("input_layernorm.weight"));
+    Value q = rotate(matmul(h, w(p("self_attn.q_proj.weight"), {d, nh * dh})), nh);
+    Value k = rotate(matmul(h, w(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv);
+    Value v = matmul(h, w(p("self_attn.v_proj.weight"), {d, nkv * dh}));
+    x = x + matmul(attend(in, static_cast<std::size_t>(l), q, k, v, nh, nkv, dh), w(p("self_attn.o_proj.weight"), {nh * dh, d}));
+    Value h2 = norm(x, p("post_attention_layernorm.weight"));
+    x = x + swiglu(h2, w(p("mlp.gate_proj.weight"), {d, m.ffn_hidden}), w(p("mlp.up_proj.weight"), {d, m.ffn_hidden}),
+                   w(p("mlp.down_proj.weight"), {m.ffn_hidden, d}));
+  }
+  Value xf = norm(x, "model.norm.weight");
+  return m.tie_embeddings ? matmul(xf, table, false, true) : matmul(xf, w("lm_head.weight", {d, m.vocab}));
+}
+
+}  // namespace
+
+std::string DecodeModel::name() const {
+  switch (kind) {
+    case Kind::gpt: return "gpt";
+    case Kind::gpt2: return "gpt2";
+    case Kind::llama: return "llama";
+  }
+  return "?";
+}
+
+std::int64_t DecodeModel::context() const {
+  switch (kind) {
+    case Kind::gpt: return gpt.seq;
+    case Kind::gpt2: return gpt2.positions == 0 ? gpt2.seq : gpt2.positions;
+    case Kind::llama: return llama.seq;
+  }
+  return 0;
+}
+
+std::int64_t DecodeModel::vocab() const {
+  return kind == Kind::gpt ? gpt.vocab : kind == Kind::gpt2 ? gpt2.vocab : llama.vocab;
+}
+std::int64_t DecodeModel::layers() const {
+  return kind == Kind::gpt ? gpt.layers : kind == Kind::gpt2 ? gpt2.layers : llama.layers;
+}
+std::int64_t DecodeModel::kv_heads() const {
+  return kind == Kind::gpt ? gpt.heads : kind == Kind::gpt2 ? gpt2.heads : llama.kv_heads;
+}
+std::int64_t DecodeModel::head_dim() const {
+  return kind == Kind::gpt ? gpt.d_model / gpt.heads
+                           : kind == Kind::gpt2 ? gpt2.d_model / gpt2.heads : llama.d_model / llama.heads;
+}
+DType DecodeModel::dtype() const {
+  return kind == Kind::gpt ? gpt.dtype : kind == Kind::gpt2 ? gpt2.dtype : llama.dtype;
+}
+
+Value DecodeModel::full(Graph& g) const {
+  switch (kind) {
+    case Kind::gpt: return models::gpt(g, 1, gpt);
+    case Kind::gpt2: return models::gpt2(g, 1, gpt2);
+    case Kind::llama: return models::llama(g, 1, llama);
+  }
+  return {};
+}
+
+Value decode_step(Graph& g, const DecodeModel& m, const StepShape& s) {
+  if (m.kind == Kind::gpt && m.gpt.tp != 1) throw GraphError("decode_step: a tp 1 model only (serving is one device)");
+  if (m.kind == Kind::llama && m.llama.tp != 1) throw GraphError("decode_step: a tp 1 model only (serving is one device)");
+  if (s.rows < 1 || s.slots < 1 || s.blocks_per_slot < 1 || s.block_size < 1 || s.cache_blocks < 1) {
+    throw GraphError(fmt::format("decode_step: rows {}, slots {}, blocks_per_slot {}, block_size {} and cache_blocks {} "
+                                 "must all be >= 1",
+                                 s.rows, s.slots, s.blocks_per_slot, s.block_size, s.cache_blocks));
+  }
+  const StepInputs in = step_inputs(g, m, s);
+  Value logits;
+  switch (m.kind) {
+    case Kind::gpt: logits = gpt_step(g, m.gpt, in); break;
+    case Kind::gpt2: logits = gpt2_step(g, m.gpt2, m.context(), in); break;
+    case Kind::llama: logits = llama_step(g, m.llama, in); break;
+  }
+  return logits.named("logits");
+}
+
+}  // namespace baton::serve

@@ -1,0 +1,50 @@
+#pragma once
+// The models of baton-train (apps/train/models.h) as serving's decode step: the same weights by
+// the same names, but the rows of a step are tokens of many requests at their own positions, and
+// attention reads and writes a paged KV cache (ops.h: paged_attention) instead of seeing a whole
+// sequence. One device's model (tp 1).
+#include <cstdint>
+#include <string>
+
+#include "baton/graph.h"
+#include "models.h"
+
+namespace baton::serve {
+
+struct DecodeModel {
+  enum class Kind : std::uint8_t { gpt, gpt2, llama };
+  Kind kind = Kind::gpt;
+  models::GptShape gpt;
+  models::Gpt2Shape gpt2;
+  models::LlamaShape llama;
+
+  std::string name() const;  // "gpt", "gpt2", "llama"
+  /// The longest prompt plus completion: the position table's rows (gpt, gpt2), the trained
+  /// sequence length (llama, whose RoPE has no table).
+  std::int64_t context() const;
+  std::int64_t vocab() const;
+  std::int64_t layers() const;
+  std::int64_t kv_heads() const;
+  std::int64_t head_dim() const;
+  DType dtype() const;
+  /// The training model at batch 1 (its logits [seq, vocab]), for checking a decode against it.
+  Value full(Graph& g) const;
+};
+
+/// A step's extents: `rows` token rows; `slots` requests at most; each request's positions in
+/// at most `blocks_per_slot` blocks of `block_size`; the caches hold `cache_blocks` blocks.
+struct StepShape {
+  std::int64_t rows = 1;
+  std::int64_t slots = 1;
+  std::int64_t blocks_per_slot = 1;
+  std::int64_t block_size = 16;
+  std::int64_t cache_blocks = 1;
+};
+
+/// The decode step's graph. Inputs "tokens", "positions", "slots" (i32 [rows]; a row of slot < 0
+/// is padding), "block_table" (i32 [slots, blocks_per_slot]) and, per layer l, "cache.k.<l>" and
+/// "cache.v.<l>" ([cache_blocks, block_size, kv_heads, head_dim], the model's dtype: the caller
+/// keeps them from step to step). Returns the logits [rows, vocab].
+Value decode_step(Graph& g, const DecodeModel& m, const StepShape& s);
+
+}  // namespace baton::serve

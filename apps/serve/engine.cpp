@@ -1,0 +1,458 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "sample.h"
+
+namespace baton::serve {
+
+struct Engine::Live {
+  std::uint64_t id = 0;
+  Request req;
+  std::mt19937_64 rng;
+  std::int64_t slot = -1;
+  std::vector<std::int32_t> blocks;
+  std::vector<std::int32_t> tokens;  // the prompt, then what was generated
+  std::int64_t fed = 0;              // tokens whose keys and values are in the cache
+  std::vector<std::int32_t> generated;
+  std::vector<std::int32_t> tail;  // the prompt's last ids, decoded before the completion
+  std::string base;                // their text
+  std::size_t sent = 0;            // bytes of the completion's text sent
+  std::atomic<bool> cancelled{false};
+};
+
+namespace {
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// The row buckets: 4, 16, 64, ... below max, then max.
+std::vector<std::int64_t> bucket_rows(std::int64_t max) {
+  std::vector<std::int64_t> rows;
+  for (std::int64_t r = 4; r < max; r *= 4) rows.push_back(r);
+  rows.push_back(max);
+  return rows;
+}
+
+}  // namespace
+
+Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
+  const EngineSettings& s = settings_;
+  const DecodeModel& m = s.model;
+  if (!s.params) throw std::invalid_argument("baton-serve: no weights");
+  if (s.max_batch < 1 || s.max_batch_tokens < 1 || s.block_size < 1 || s.max_queue < 0) {
+    throw std::invalid_argument(fmt::format(
+        "--max-batch {}, --max-batch-tokens {} and --block-size {} must be >= 1, --max-queue {} >= 0", s.max_batch,
+        s.max_batch_tokens, s.block_size, s.max_queue));
+  }
+  if (s.max_batch > s.max_batch_tokens) {
+    throw std::invalid_argument(fmt::format(
+        "--max-batch {} is more than --max-batch-tokens {}: every running request needs a row in each step",
+        s.max_batch, s.max_batch_tokens));
+  }
+  blocks_per_slot_ = ceil_div(m.context(), s.block_size);
+  const std::int64_t block_bytes = m.layers() * 2 * s.block_size * m.kv_heads() * m.head_dim() *
+                                   static_cast<std::int64_t>(size_of(m.dtype()));
+  cache_blocks_ = std::min(s.kv_cache_bytes / block_bytes, s.max_batch * blocks_per_slot_);
+  if (cache_blocks_ < blocks_per_slot_) {
+    throw std::invalid_argument(fmt::format(
+        "the KV cache of {} bytes holds {} blocks of {} positions ({} bytes each over {} layers), fewer than one "
+        "request of the whole context ({} positions) needs: give it at least {} bytes",
+        s.kv_cache_bytes, s.kv_cache_bytes / block_bytes, s.block_size, block_bytes, m.layers(), m.context(),
+        blocks_per_slot_ * block_bytes));
+  }
+  const Shape cache{cache_blocks_, s.block_size, m.kv_heads(), m.head_dim()};
+  for (std::int64_t l = 0; l < 2 * m.layers(); ++l) caches_.push_back(Tensor::zeros(cache, m.dtype()));
+  for (std::int64_t rows : bucket_rows(s.max_batch_tokens)) {
+    Bucket b;
+    b.rows = rows;
+    b.graph = std::make_unique<Graph>();
+    Value logits = decode_step(*b.graph, m,
+                               StepShape{.rows = rows, .slots = s.max_batch, .blocks_per_slot = blocks_per_slot_,
+                                         .block_size = s.block_size, .cache_blocks = cache_blocks_});
+    try {
+      b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{logits}, s.params);
+    } catch (const GraphError& e) {
+      throw std::invalid_argument(fmt::format("the weights do not fit the {} model: {}", m.name(), e.what()));
+    }
+    for (std::int64_t l = 0; l < m.layers(); ++l) {
+      b.program->input(fmt::format("cache.k.{}", l)) = caches_[static_cast<std::size_t>(2 * l)];
+      b.program->input(fmt::format("cache.v.{}", l)) = caches_[static_cast<std::size_t>(2 * l + 1)];
+    }
+    buckets_.push_back(std::move(b));
+  }
+  for (std::int64_t i = cache_blocks_; i-- > 0;) free_blocks_.push_back(static_cast<std::int32_t>(i));
+  for (std::int64_t i = s.max_batch; i-- > 0;) free_slots_.push_back(i);
+  weights_ = s.weights;
+  if (s.log) {
+    s.log(fmt::format("KV cache: {} blocks of {} positions, {} tokens ({:.1f} MiB over {} layers); {} requests at "
+                      "most in a batch, {} rows a step",
+                      cache_blocks_, s.block_size, cache_tokens(),
+                      static_cast<double>(cache_blocks_ * block_bytes) / (1 << 20), m.layers(), s.max_batch,
+                      s.max_batch_tokens));
+  }
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+ModelInfo Engine::info() const {
+  return ModelInfo{.id = settings_.model_id, .context = settings_.model.context(), .vocab = settings_.model.vocab(),
+                   .text = settings_.codec != nullptr, .created = settings_.created};
+}
+
+std::vector<std::int32_t> Engine::encode(const std::string& text) const {
+  if (!settings_.codec) {
+    throw std::invalid_argument(
+        "this model has no tokenizer: give the prompt as an array of token ids (serve a checkpoint of text or token "
+        "data, or pass --tokenizer)");
+  }
+  return settings_.codec->encode(text);
+}
+
+std::string Engine::check(const Request& r) const {
+  const std::int64_t context = settings_.model.context(), vocab = settings_.model.vocab();
+  if (r.prompt.empty()) return "prompt: it is empty (it needs at least one token)";
+  for (std::size_t i = 0; i < r.prompt.size(); ++i) {
+    if (r.prompt[i] < 0 || r.prompt[i] >= vocab)
+      return fmt::format("prompt: token {} is id {}, outside the vocabulary [0, {})", i, r.prompt[i], vocab);
+  }
+  if (r.max_tokens < 1) return fmt::format("max_tokens: must be >= 1, not {}", r.max_tokens);
+  const auto n = static_cast<std::int64_t>(r.prompt.size());
+  if (n + r.max_tokens > context) {
+    return fmt::format(
+        "prompt: this model's context is {} tokens, but the prompt has {} and max_tokens asks for {} more ({} in all)",
+        context, n, r.max_tokens, n + r.max_tokens);
+  }
+  if (!r.stop.empty() && !settings_.codec) return "stop: stop strings need a model with a tokenizer";
+  for (const std::string& s : r.stop) {
+    if (s.empty()) return "stop: a stop string is empty";
+  }
+  if (!(r.sampling.temperature >= 0) || !(r.sampling.top_p > 0 && r.sampling.top_p <= 1))
+    return "temperature must be >= 0 and top_p in (0, 1]";
+  return {};
+}
+
+Backend::Admission Engine::submit(Request r, std::uint64_t& id) {
+  auto live = std::make_shared<Live>();
+  {
+    std::lock_guard lock(mutex_);
+    if (draining_ || stopping_ || !failure_.empty()) return Admission::draining;
+    if (static_cast<std::int64_t>(waiting_.size()) >= settings_.max_queue) return Admission::queue_full;
+    live->id = id = next_id_++;
+    live->rng.seed(r.sampling.seed);
+    live->tokens = r.prompt;
+    const std::size_t keep = std::min<std::size_t>(r.prompt.size(), 8);
+    live->tail.assign(r.prompt.end() - static_cast<std::ptrdiff_t>(keep), r.prompt.end());
+    live->req = std::move(r);
+    by_id_[live->id] = live;
+    waiting_.push_back(live);
+  }
+  changed_.notify_all();
+  return Admission::accepted;
+}
+
+void Engine::cancel(std::uint64_t id) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = by_id_.find(id);
+    if (it == by_id_.end()) return;
+    it->second->cancelled = true;
+  }
+  changed_.notify_all();
+}
+
+Stats Engine::stats() const {
+  std::lock_guard lock(mutex_);
+  return Stats{.running = static_cast<std::int64_t>(running_.size()),
+               .waiting = static_cast<std::int64_t>(waiting_.size()),
+               .kv_cache_usage = 1.0 - static_cast<double>(free_blocks_.size()) / static_cast<double>(cache_blocks_),
+               .kv_cache_tokens = cache_tokens(),
+               .steps = steps_,
+               .weights = weights_,
+               .swapping = pending_params_ != nullptr};
+}
+
+std::string Engine::failure() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
+}
+
+void Engine::drain(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock lock(mutex_);
+  draining_ = true;
+  changed_.notify_all();
+  if (!changed_.wait_until(lock, deadline, [&] { return running_.empty() && waiting_.empty(); })) {
+    for (auto& [id, live] : by_id_) live->cancelled = true;
+    changed_.notify_all();
+    changed_.wait_for(lock, std::chrono::seconds(10), [&] { return running_.empty() && waiting_.empty(); });
+  }
+}
+
+void Engine::swap_weights(std::shared_ptr<const ParameterStore> params, const std::string& label,
+                          std::chrono::steady_clock::time_point deadline) {
+  if (!params) throw std::invalid_argument("swap_weights: no weights");
+  // Checked here, before admission pauses: a program that refuses them keeps its old ones.
+  for (int id = 0; id < buckets_.front().graph->size(); ++id) {
+    const Node& n = buckets_.front().graph->node(id);
+    if (n.op != "variable") continue;
+    if (!params->contains(n.name)) throw std::invalid_argument(fmt::format("the new weights lack '{}'", n.name));
+    if (params->at(n.name).shape() != n.shape || params->at(n.name).dtype() != n.dtype) {
+      throw std::invalid_argument(fmt::format("the new weights' '{}' is {}, the model's {}{}", n.name,
+                                              params->at(n.name).describe(), name(n.dtype), to_string(n.shape)));
+    }
+  }
+  std::unique_lock lock(mutex_);
+  const std::uint64_t before = swaps_;
+  pending_params_ = std::move(params);
+  pending_label_ = label;
+  changed_.notify_all();
+  if (!changed_.wait_until(lock, deadline, [&] { return swaps_ != before || !failure_.empty(); })) {
+    pending_params_.reset();
+    throw std::runtime_error(fmt::format("the weights '{}' were not swapped in: the running requests did not finish "
+                                         "in time (the old weights stay)",
+                                         label));
+  }
+  if (swaps_ == before) throw std::runtime_error("the engine failed: " + failure_);
+}
+
+std::int64_t Engine::blocks_for(const Live& r) const {
+  return ceil_div(static_cast<std::int64_t>(r.req.prompt.size()) + r.req.max_tokens, settings_.block_size);
+}
+
+bool Engine::admit_locked() {
+  bool any = false;
+  if (pending_params_ || !failure_.empty()) return false;
+  if (!settings_.continuous && !running_.empty()) return false;
+  while (!waiting_.empty() && !free_slots_.empty()) {
+    Live& r = *waiting_.front();
+    const std::int64_t need = blocks_for(r);
+    if (need > static_cast<std::int64_t>(free_blocks_.size())) break;  // first come, first served: it waits
+    r.slot = free_slots_.back();
+    free_slots_.pop_back();
+    r.blocks.assign(free_blocks_.end() - need, free_blocks_.end());
+    free_blocks_.resize(free_blocks_.size() - static_cast<std::size_t>(need));
+    running_.push_back(waiting_.front());
+    waiting_.pop_front();
+    any = true;
+  }
+  return any;
+}
+
+void Engine::loop() {
+  std::vector<std::shared_ptr<Live>> batch, ended, started;
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      // Requests whose clients left: out of the queue and the batch, their blocks freed.
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if ((*it)->cancelled || stopping_) {
+          ended.push_back(*it);
+          it = waiting_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto& r : running_) {
+        if (r->cancelled || stopping_) ended.push_back(r);
+      }
+      if (!ended.empty()) {
+        const bool stopping = stopping_;
+        lock.unlock();
+        for (auto& r : ended) finish(*r, stopping ? Finish::failed : Finish::cancelled, stopping ? "the server stopped" : "");
+        ended.clear();
+        continue;
+      }
+      if (stopping_) return;
+      if (pending_params_ && running_.empty()) {
+        try {
+          for (Bucket& b : buckets_) b.program->set_params(pending_params_);
+          weights_ = pending_label_;
+          ++swaps_;
+          if (settings_.log) settings_.log(fmt::format("weights swapped in: {}", weights_));
+        } catch (const std::exception& e) {
+          failure_ = fmt::format("swapping in the weights '{}' failed: {}", pending_label_, e.what());
+        }
+        pending_params_.reset();
+        changed_.notify_all();
+      }
+      const std::size_t before = running_.size();
+      admit_locked();
+      started.assign(running_.begin() + static_cast<std::ptrdiff_t>(before), running_.end());
+      if (running_.empty()) {
+        changed_.notify_all();  // drain() and swap_weights() wait for this
+        changed_.wait_for(lock, std::chrono::milliseconds(200));
+        continue;
+      }
+      batch = running_;
+    }
+    for (auto& r : started) {
+      if (r->req.events.started) r->req.events.started();
+    }
+    try {
+      step(batch);
+    } catch (const std::exception& e) {
+      fail_all(fmt::format("a decode step failed: {}", e.what()));
+      return;
+    }
+  }
+}
+
+void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
+  // Decoding requests first, one row each; then prompt chunks in the rows left.
+  std::stable_partition(batch.begin(), batch.end(),
+                        [](const auto& r) { return static_cast<std::int64_t>(r->tokens.size()) - r->fed == 1; });
+  struct Take {
+    Live* r;
+    std::int64_t first_row, rows;
+  };
+  std::vector<Take> takes;
+  std::int64_t used = 0;
+  for (auto& r : batch) {
+    const std::int64_t pending = static_cast<std::int64_t>(r->tokens.size()) - r->fed;
+    const std::int64_t n = std::min(pending, settings_.max_batch_tokens - used);
+    if (n <= 0) break;
+    takes.push_back({r.get(), used, n});
+    used += n;
+  }
+  Bucket& b = *std::find_if(buckets_.begin(), buckets_.end(), [&](const Bucket& x) { return x.rows >= used; });
+  Program& p = *b.program;
+  auto* tokens = static_cast<std::int32_t*>(p.input("tokens").raw());
+  auto* positions = static_cast<std::int32_t*>(p.input("positions").raw());
+  auto* slots = static_cast<std::int32_t*>(p.input("slots").raw());
+  auto* table = static_cast<std::int32_t*>(p.input("block_table").raw());
+  std::fill_n(tokens, b.rows, 0);
+  std::fill_n(positions, b.rows, 0);
+  std::fill_n(slots, b.rows, -1);
+  for (const Take& t : takes) {
+    for (std::int64_t i = 0; i < t.rows; ++i) {
+      const std::int64_t pos = t.r->fed + i;
+      tokens[t.first_row + i] = t.r->tokens[static_cast<std::size_t>(pos)];
+      positions[t.first_row + i] = static_cast<std::int32_t>(pos);
+      slots[t.first_row + i] = static_cast<std::int32_t>(t.r->slot);
+    }
+    std::int32_t* row = table + t.r->slot * blocks_per_slot_;
+    std::fill_n(row, blocks_per_slot_, -1);
+    std::copy(t.r->blocks.begin(), t.r->blocks.end(), row);
+  }
+  const Tensor& logits = p.run()[0];
+  const std::int64_t vocab = settings_.model.vocab();
+  std::vector<float> row(static_cast<std::size_t>(vocab));
+  for (const Take& t : takes) {
+    t.r->fed += t.rows;
+    if (t.r->fed < static_cast<std::int64_t>(t.r->tokens.size())) continue;  // a prompt's chunk, not its end
+    const std::int64_t at = (t.first_row + t.rows - 1) * vocab;
+    if (logits.dtype() == DType::f64) {
+      const double* src = static_cast<const double*>(logits.raw()) + at;
+      for (std::int64_t i = 0; i < vocab; ++i) row[static_cast<std::size_t>(i)] = static_cast<float>(src[i]);
+    } else {
+      const float* src = static_cast<const float*>(logits.raw()) + at;
+      std::copy_n(src, vocab, row.begin());
+    }
+    const Sampling& s = t.r->req.sampling;
+    const double u = sample::uniform(t.r->rng());  // drawn even when greedy: the stream stays in step
+    emit(*t.r, sample::draw(row.data(), vocab, s.temperature, s.top_p, u));
+  }
+  std::lock_guard lock(mutex_);
+  ++steps_;
+}
+
+void Engine::emit(Live& r, std::int32_t token) {
+  r.generated.push_back(token);
+  r.tokens.push_back(token);
+  const Codec* codec = settings_.codec.get();
+  const bool eos = codec != nullptr && token == codec->eos();
+  const bool last = static_cast<std::int64_t>(r.generated.size()) >= r.req.max_tokens ||
+                    static_cast<std::int64_t>(r.tokens.size()) >= settings_.model.context();
+  std::string piece;
+  std::optional<Finish> end;
+  if (codec == nullptr) {
+    piece = fmt::format(" {}", token);
+    if (last) end = Finish::length;
+  } else {
+    if (r.base.empty() && !r.tail.empty()) r.base = codec->decode(r.tail);
+    std::vector<std::int32_t> ids = r.tail;
+    ids.insert(ids.end(), r.generated.begin(), r.generated.end() - (eos ? 1 : 0));
+    std::string full = codec->decode(ids);
+    full = full.compare(0, r.base.size(), r.base) == 0 ? full.substr(r.base.size()) : codec->decode(r.generated);
+    // The earliest stop string in what was not sent yet (what was sent holds none: its possible
+    // beginnings were held back).
+    std::size_t stop_at = std::string::npos;
+    for (const std::string& s : r.req.stop) {
+      const std::size_t from = r.sent >= s.size() ? r.sent - s.size() + 1 : 0;
+      stop_at = std::min(stop_at, full.find(s, from));
+    }
+    std::size_t upto = full.size();
+    if (stop_at != std::string::npos) {
+      upto = stop_at;
+      end = Finish::stop;
+    } else if (eos) {
+      end = Finish::stop;
+    } else if (last) {
+      end = Finish::length;
+    } else {
+      upto = stable_prefix(full);
+      // Hold back a tail that may be the beginning of a stop string.
+      std::size_t hold = 0;
+      for (const std::string& s : r.req.stop) {
+        for (std::size_t k = std::min(s.size() - 1, upto); k > hold; --k) {
+          if (full.compare(upto - k, k, s, 0, k) == 0) {
+            hold = k;
+            break;
+          }
+        }
+      }
+      upto -= hold;
+    }
+    if (upto > r.sent) piece = full.substr(r.sent, upto - r.sent);
+  }
+  r.sent += piece.size();
+  if (r.req.events.token) r.req.events.token(token, piece);
+  if (end) finish(r, *end);
+}
+
+void Engine::finish(Live& r, Finish why, const std::string& error) {
+  {
+    std::lock_guard lock(mutex_);
+    if (r.slot >= 0) {
+      free_slots_.push_back(r.slot);
+      free_blocks_.insert(free_blocks_.end(), r.blocks.begin(), r.blocks.end());
+      r.slot = -1;
+      r.blocks.clear();
+    }
+    std::erase_if(running_, [&](const auto& x) { return x.get() == &r; });
+    std::erase_if(waiting_, [&](const auto& x) { return x.get() == &r; });
+    by_id_.erase(r.id);
+  }
+  changed_.notify_all();
+  if (r.req.events.finish) {
+    r.req.events.finish(why,
+                        Usage{.prompt_tokens = static_cast<std::int64_t>(r.req.prompt.size()),
+                              .completion_tokens = static_cast<std::int64_t>(r.generated.size())},
+                        error);
+  }
+}
+
+void Engine::fail_all(const std::string& reason) {
+  std::vector<std::shared_ptr<Live>> all;
+  {
+    std::lock_guard lock(mutex_);
+    failure_ = reason;
+    all.assign(running_.begin(), running_.end());
+    all.insert(all.end(), waiting_.begin(), waiting_.end());
+  }
+  if (settings_.log) settings_.log("the engine failed: " + reason);
+  for (auto& r : all) finish(*r, Finish::failed, reason);
+}
+
+}  // namespace baton::serve

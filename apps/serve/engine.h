@@ -1,0 +1,119 @@
+#pragma once
+// baton-serve's engine: requests in, tokens out. Continuous batching (Yu et al., "Orca", 2022)
+// over a decode step (decode_models.h) whose rows are tokens of many requests: between steps,
+// requests join and leave the running batch; a step's rows are first every running request's
+// next token, then prompt chunks with the rows left (chunked prefill), so a long prompt shares
+// the step with the others' decoding instead of stalling it. The KV cache is paged (blocks of
+// block_size positions), its size fixed at start-up; a request reserves the blocks its prompt
+// plus max_tokens need when it joins the batch and waits until they are free (it never fails for
+// want of memory later). The step runs as a Program (program.h) on one CPU device, one program
+// per row bucket (4, 16, 64, ... up to max_batch_tokens: a step of two rows does not pay for
+// 256) sharing the caches.
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+#include "baton/graph/program.h"
+#include "codec.h"
+#include "decode_models.h"
+
+namespace baton::serve {
+
+struct EngineSettings {
+  DecodeModel model;
+  std::string model_id;                          // the API's model name
+  std::shared_ptr<const ParameterStore> params;  // the weights (decode_step's names)
+  std::string weights;                           // which they are, for the log and /healthz
+  std::int64_t created = 0;                      // their time, seconds since the epoch
+  std::shared_ptr<const Codec> codec;            // null: prompts are ids, text is " <id>" per token
+  std::int64_t max_batch = 16;          // requests in the running batch at most
+  std::int64_t max_batch_tokens = 256;  // rows of a step at most (decode tokens + prompt chunks)
+  std::int64_t block_size = 16;         // positions per KV-cache block
+  std::int64_t kv_cache_bytes = 256ll << 20;  // the caches of all layers, keys and values
+  std::int64_t max_queue = 256;  // requests waiting at most; more: submit() answers queue_full
+  /// False: static batching (a batch of requests is admitted only when the running batch is
+  /// empty, and runs until its longest request ends): the benchmark's comparison.
+  bool continuous = true;
+  std::function<void(const std::string&)> log;
+};
+
+class Engine final : public Backend {
+ public:
+  /// Compiles the step programs and allocates the KV cache; throws std::invalid_argument when
+  /// the cache cannot hold one request of the whole context, or the weights do not fit the
+  /// model. Starts the engine's thread.
+  explicit Engine(EngineSettings settings);
+  ~Engine() override;
+
+  ModelInfo info() const override;
+  std::vector<std::int32_t> encode(const std::string& text) const override;
+  std::string check(const Request& r) const override;
+  Admission submit(Request r, std::uint64_t& id) override;
+  void cancel(std::uint64_t id) override;
+  Stats stats() const override;
+  void drain(std::chrono::steady_clock::time_point deadline) override;
+  std::string failure() const override;
+
+  /// Drain-then-swap: admission pauses, the running requests finish with the old weights, the
+  /// weights change, admission resumes (requests that arrived meanwhile wait in the queue and
+  /// see the new ones). Returns once swapped, or throws std::invalid_argument (the weights do
+  /// not fit the model; the old stay) or std::runtime_error at `deadline`.
+  void swap_weights(std::shared_ptr<const ParameterStore> params, const std::string& label,
+                    std::chrono::steady_clock::time_point deadline);
+
+  /// The KV cache's capacity: blocks and tokens.
+  std::int64_t cache_blocks() const { return cache_blocks_; }
+  std::int64_t cache_tokens() const { return cache_blocks_ * settings_.block_size; }
+
+ private:
+  struct Live;  // a request and its progress
+  struct Bucket {
+    std::int64_t rows = 0;
+    std::unique_ptr<Graph> graph;
+    std::unique_ptr<Program> program;
+  };
+
+  void loop();
+  bool admit_locked();
+  void step(std::vector<std::shared_ptr<Live>>& batch);
+  void emit(Live& r, std::int32_t token);
+  void finish(Live& r, Finish why, const std::string& error = {});
+  void fail_all(const std::string& reason);
+  std::int64_t blocks_for(const Live& r) const;
+
+  EngineSettings settings_;
+  std::int64_t blocks_per_slot_ = 0;
+  std::int64_t cache_blocks_ = 0;
+  std::vector<Tensor> caches_;  // k, v per layer
+  std::vector<Bucket> buckets_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::shared_ptr<Live>> waiting_;
+  std::vector<std::shared_ptr<Live>> running_;
+  std::map<std::uint64_t, std::shared_ptr<Live>> by_id_;
+  std::vector<std::int32_t> free_blocks_;
+  std::vector<std::int64_t> free_slots_;
+  std::uint64_t next_id_ = 1;
+  bool draining_ = false;
+  bool stopping_ = false;
+  std::shared_ptr<const ParameterStore> pending_params_;  // a swap waiting for the batch to empty
+  std::string pending_label_;
+  std::uint64_t swaps_ = 0;
+  std::string weights_;
+  std::string failure_;
+  std::int64_t steps_ = 0;
+  std::thread thread_;  // last
+};
+
+}  // namespace baton::serve

@@ -1,0 +1,63 @@
+#pragma once
+// A graph's forward pass compiled once for the CPU and run many times, for serving's decode
+// steps (apps/serve): a step is a few milliseconds, so a plan's set-up per run (actors, threads,
+// handshakes: what evaluate() pays each call) would cost more than the step. One kernel per node
+// for the program's life (kernels keep state between runs: paged_attention's KV cache), the
+// nodes run in their topological order on the caller's thread, and every intermediate lives in
+// a buffer reused once its last reader ran, allocated once.
+//
+// What it is not: the actor plan. It runs one device's whole forward pass in one thread; the
+// pipeline- and tensor-parallel serving of DESIGN.md 7b (stages as actors, the batch as the
+// piece) is not built on it yet.
+//
+//   Program step(g, {logits}, params);
+//   step.input("tokens").data<std::int32_t>()[0] = 42;   // inputs are written in place
+//   const Tensor& out = step.run()[0];                    // valid until the next run
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "baton/graph/compile.h"
+#include "baton/kernels/kernel.h"
+
+namespace baton {
+
+class Program {
+ public:
+  /// Compiles what `fetches` need. Variables read `params` (kept; set_params() swaps them).
+  /// Throws GraphError for an op without a CPU kernel of its dtype or a variable `params`
+  /// lacks or holds in another shape or dtype.
+  Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<const ParameterStore> params,
+          const KernelRegistry& kernels = KernelRegistry::with_builtin_kernels());
+  ~Program();
+  Program(const Program&) = delete;
+  Program& operator=(const Program&) = delete;
+
+  /// The tensor an input node reads; write it before run(). Throws GraphError for a name that
+  /// is no input of the program.
+  Tensor& input(const std::string& name);
+  /// Runs every node once; returns the fetched values (the program's buffers: valid until the
+  /// next run). A kernel's exception propagates, prefixed with the node's name.
+  const std::vector<Tensor>& run();
+  /// New weights, checked as at construction; the kernels (and their state) stay.
+  void set_params(std::shared_ptr<const ParameterStore> params);
+  /// Bytes of the intermediates' buffers (inputs and weights not counted).
+  std::size_t buffer_bytes() const { return buffer_bytes_; }
+
+ private:
+  struct Step;
+  void bind(const ParameterStore& params);
+
+  Graph& g_;
+  std::shared_ptr<const ParameterStore> params_;
+  std::vector<bool> needed_;
+  std::vector<Step> steps_;
+  std::map<int, Tensor> values_;  // node id -> its tensor (inputs, variables, buffers, views)
+  std::map<std::string, int> inputs_;
+  std::vector<int> fetch_ids_;
+  std::vector<Tensor> fetched_;
+  std::size_t buffer_bytes_ = 0;
+};
+
+}  // namespace baton

@@ -1,0 +1,164 @@
+#include "baton/graph/program.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "passes/lowering.h"
+
+namespace baton {
+
+struct Program::Step {
+  std::string name;
+  std::unique_ptr<Kernel> kernel;
+  std::vector<int> inputs;  // node ids
+  int output = -1;
+  std::vector<const Tensor*> in_ptrs;
+  std::vector<Tensor*> out_ptrs;
+};
+
+Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<const ParameterStore> params,
+                 const KernelRegistry& kernels)
+    : g_(g), params_(std::move(params)) {
+  if (!params_) throw GraphError("Program: no ParameterStore");
+  needed_ = passes::detail::needed_nodes(g, fetches);
+  const std::vector<bool>& need = needed_;
+  for (const Value& f : fetches) fetch_ids_.push_back(f.id());
+  // Views (reshape) share their input's bytes: a buffer lives until the last reader of any view
+  // of it. root[id]: the node whose buffer id's tensor is.
+  std::vector<int> root(static_cast<std::size_t>(g.size()), -1);
+  std::vector<std::size_t> last_use(static_cast<std::size_t>(g.size()), 0);
+  constexpr std::size_t forever = std::numeric_limits<std::size_t>::max();
+  std::vector<int> computed;  // node ids that get a step, in order
+  for (int id = 0; id < g.size(); ++id) {
+    if (!need[static_cast<std::size_t>(id)]) continue;
+    const Node& n = g.node(id);
+    root[static_cast<std::size_t>(id)] = id;
+    if (n.op == "input") {
+      values_[id] = Tensor::zeros(n.shape, n.dtype);
+      inputs_[n.name] = id;
+    } else if (n.op == "variable") {
+      // bound below
+    } else if (n.op == "reshape") {
+      root[static_cast<std::size_t>(id)] = root[static_cast<std::size_t>(n.inputs[0])];
+    } else {
+      computed.push_back(id);
+    }
+  }
+  bind(*params_);
+  for (std::size_t s = 0; s < computed.size(); ++s) {
+    for (int in : g.node(computed[s]).inputs) {
+      auto& use = last_use[static_cast<std::size_t>(root[static_cast<std::size_t>(in)])];
+      use = std::max(use, s + 1);  // step s reads it (1-based, so that 0 is "never read")
+    }
+  }
+  // A view's readers are its root's: a reshape after the last reader of its input extends it.
+  for (int id = 0; id < g.size(); ++id) {
+    if (!need[static_cast<std::size_t>(id)] || g.node(id).op != "reshape") continue;
+    auto& r = last_use[static_cast<std::size_t>(root[static_cast<std::size_t>(id)])];
+    r = std::max(r, last_use[static_cast<std::size_t>(id)]);
+  }
+  for (int f : fetch_ids_) last_use[static_cast<std::size_t>(root[static_cast<std::size_t>(f)])] = forever;
+  // Buffers by (dtype, elements): a step's output takes a free one of its size or a new one.
+  std::map<std::pair<DType, std::int64_t>, std::vector<Tensor>> free;
+  std::map<int, Tensor> buffer_of;  // root id -> its buffer
+  auto release_after = [&](std::size_t s) {
+    for (auto it = buffer_of.begin(); it != buffer_of.end();) {
+      if (last_use[static_cast<std::size_t>(it->first)] == s + 1) {
+        free[{it->second.dtype(), it->second.numel()}].push_back(it->second);
+        it = buffer_of.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  };
+  const Device cpu{DeviceType::cpu, 0};
+  for (std::size_t s = 0; s < computed.size(); ++s) {
+    const int id = computed[s];
+    const Node& n = g.node(id);
+    Step step;
+    step.name = n.name;
+    step.inputs = n.inputs;
+    step.output = id;
+    const DType dt = passes::detail::kernel_dtype(g, n);
+    try {
+      step.kernel = kernels.create(n.op, KernelConfig{.actor = n.name, .device = cpu, .dtype = dt, .attrs = n.attrs});
+    } catch (const std::exception& e) {
+      throw GraphError(fmt::format("Program: node '{}' ({}): {}", n.name, n.op, e.what()));
+    }
+    auto& pool = free[{n.dtype, numel(n.shape)}];
+    Tensor buf;
+    if (!pool.empty()) {
+      buf = std::move(pool.back());
+      pool.pop_back();
+    } else {
+      buf = Tensor::empty(n.shape, n.dtype);
+      buffer_bytes_ += buf.nbytes();
+    }
+    values_[id] = buf.view(n.shape);
+    buffer_of[id] = buf;
+    if (last_use[static_cast<std::size_t>(id)] == 0) last_use[static_cast<std::size_t>(id)] = s + 1;  // unread
+    steps_.push_back(std::move(step));
+    release_after(s);
+  }
+  // Views last: their roots' tensors exist now.
+  for (int id = 0; id < g.size(); ++id) {
+    if (need[static_cast<std::size_t>(id)] && g.node(id).op == "reshape")
+      values_[id] = values_.at(g.node(id).inputs[0]).view(g.node(id).shape);
+  }
+  for (Step& step : steps_) {
+    for (int in : step.inputs) step.in_ptrs.push_back(&values_.at(in));
+    step.out_ptrs.push_back(&values_.at(step.output));
+  }
+  fetched_.resize(fetch_ids_.size());
+}
+
+Program::~Program() = default;
+
+void Program::bind(const ParameterStore& params) {
+  // Every weight checked before any is bound: refused weights leave the old ones in place.
+  std::vector<std::pair<int, const Tensor*>> bound;
+  for (int id = 0; id < g_.size(); ++id) {
+    const Node& n = g_.node(id);
+    if (n.op != "variable" || !needed_[static_cast<std::size_t>(id)]) continue;
+    if (!params.contains(n.name)) throw GraphError(fmt::format("Program: no weight '{}' in the parameters", n.name));
+    const Tensor& t = params.at(n.name);
+    if (t.shape() != n.shape || t.dtype() != n.dtype) {
+      throw GraphError(fmt::format("Program: weight '{}' is {}{} but was given {}", n.name, name(n.dtype),
+                                   to_string(n.shape), t.describe()));
+    }
+    bound.emplace_back(id, &t);
+  }
+  for (auto [id, t] : bound) values_[id] = *t;  // shares the store's bytes (params_ keeps the store)
+}
+
+void Program::set_params(std::shared_ptr<const ParameterStore> params) {
+  if (!params) throw GraphError("Program::set_params: no ParameterStore");
+  // Variables must be bound before the steps' pointers are read again: values_ keeps its nodes
+  // (std::map), so the pointers stay valid while the tensors change.
+  bind(*params);
+  params_ = std::move(params);
+}
+
+Tensor& Program::input(const std::string& name) {
+  auto it = inputs_.find(name);
+  if (it == inputs_.end()) throw GraphError(fmt::format("Program: '{}' is not an input it reads", name));
+  return values_.at(it->second);
+}
+
+const std::vector<Tensor>& Program::run() {
+  for (Step& step : steps_) {
+    KernelContext ctx{.inputs = step.in_ptrs, .outputs = step.out_ptrs};
+    try {
+      step.kernel->compute(ctx);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(fmt::format("{}: {}", step.name, e.what()));
+    }
+  }
+  for (std::size_t i = 0; i < fetch_ids_.size(); ++i) fetched_[i] = values_.at(fetch_ids_[i]);
+  return fetched_;
+}
+
+}  // namespace baton
