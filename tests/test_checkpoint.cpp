@@ -69,6 +69,7 @@ struct Setup {
   double dropout = 0.2;
   DType dtype = DType::f32;  // of the input and the weights
   int zero = 0;              // ZeRO stage (with dp > 1)
+  std::map<std::string, std::string> assets;  // checkpoint::Settings::assets
 };
 
 struct Run {
@@ -118,7 +119,8 @@ Run train(const Setup& s) {
     for (int r = 0; r < ranks; ++r) {
       checkpoint::Settings cs{.dir = s.dir, .keep = s.keep, .rank = static_cast<std::uint32_t>(r),
                               .layout = {s.dp, s.pp, s.tp, ranks}, .optimizer = s.opt,
-                              .config = {{"model", "mlp"}, {"run", "test"}}, .batch = batch, .seed = 5};
+                              .config = {{"model", "mlp"}, {"run", "test"}}, .batch = batch, .seed = 5,
+                              .assets = s.assets};
       writers.push_back(std::make_shared<checkpoint::Writer>(cs));
     }
     cfg.snapshot_every = s.every;
@@ -587,6 +589,32 @@ TEST_CASE("Checkpoint.KeepsTheNewestAndIgnoresWhatACrashLeft" * doctest::timeout
   // Nothing complete at all: one line naming the directory.
   TempDir empty("empty");
   CHECK(test::contains(error_of([&] { checkpoint::find(empty.path); }), empty.path.string() + ": holds no checkpoint"));
+}
+
+TEST_CASE("Checkpoint.AssetsTravelWithEachStepAndVersion1StillLoads" * doctest::timeout(120)) {
+  // Format 2: a step directory carries files beside the weights (a tokenizer, for baton-serve),
+  // listed in the index with their size and CRC-32; a damaged one is refused naming it. An index
+  // of version 1 (no assets) still loads; a version this baton does not know is refused.
+  TempDir a("assets");
+  const std::string model(3000, 'x');
+  train({.steps = 8, .dir = a.path, .every = 4, .assets = {{"tokenizer.model", model + "end"}}});
+  const fs::path dir = checkpoint::step_dir(a.path, 8);
+  const checkpoint::Checkpoint c = checkpoint::load(dir);
+  REQUIRE(c.assets.count("tokenizer.model") == 1);
+  CHECK(read_bytes(c.assets.at("tokenizer.model")) == model + "end");
+  CHECK(checkpoint::load(checkpoint::step_dir(a.path, 4)).assets.size() == 1);  // every step has them
+  const std::string good = read_bytes(dir / "tokenizer.model");
+  write_bytes(dir / "tokenizer.model", model + "END");
+  const std::string e = error_of([&] { checkpoint::load(dir); });
+  CHECK_MESSAGE((test::contains(e, (dir / "tokenizer.model").string()) && test::contains(e, "damaged")), e);
+  write_bytes(dir / "tokenizer.model", good);
+  std::string index = read_bytes(dir / "index.json");
+  const auto at = index.find("\"version\":2");
+  REQUIRE(at != std::string::npos);
+  write_bytes(dir / "index.json", index.replace(at, 11, "\"version\":1"));
+  CHECK_NOTHROW(checkpoint::load(dir));
+  write_bytes(dir / "index.json", index.replace(at, 11, "\"version\":3"));
+  CHECK(test::contains(error_of([&] { checkpoint::load(dir); }), "version 3 (this baton reads versions 1 to 2)"));
 }
 
 TEST_CASE("Checkpoint.CorruptOrMismatchedCheckpointsFailNamingTheFile" * doctest::timeout(180)) {

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -30,6 +32,7 @@
 #include "baton/kernels/data.h"
 #include "baton/observe/trace.h"
 #include "baton/observe/watch.h"
+#include "bytes.h"
 #include "import.h"
 #include "models.h"
 #include "sample_text.h"
@@ -116,28 +119,6 @@ struct Data {
   std::int64_t vocab_size() const { return tokens ? tokens->vocab_size() : text->vocab_size(); }
 };
 
-/// "1048576", "512MiB", "2GiB", "1.5GB", "64KB" -> bytes; "" -> 0 (no budget). Throws
-/// std::invalid_argument naming `flag` for anything else.
-std::int64_t parse_bytes(const char* flag, const std::string& text) {
-  if (text.empty()) return 0;
-  std::size_t used = 0;
-  double value = -1;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string unit = text.substr(used);
-  const std::map<std::string, double> units{{"", 1},          {"B", 1},         {"KB", 1e3}, {"MB", 1e6},
-                                            {"GB", 1e9},       {"KiB", 1024.0},  {"MiB", 1048576.0},
-                                            {"GiB", 1073741824.0}};
-  auto it = units.find(unit);
-  if (used == 0 || it == units.end() || !(value > 0) || !std::isfinite(value)) {
-    throw std::invalid_argument(fmt::format("{} '{}': expected a positive number of bytes, optionally with a unit "
-                                            "(B, KB, MB, GB, KiB, MiB, GiB)", flag, text));
-  }
-  return static_cast<std::int64_t>(std::llround(value * it->second));
-}
 
 Data load(const Options& o) {
   Data d;
@@ -563,16 +544,30 @@ std::optional<checkpoint::Checkpoint> resume(const Options& o, const JobEnvironm
 }
 
 /// --checkpoint-dir: the writer this rank's snapshots go to, hooked into `cfg`; null without it.
-std::shared_ptr<checkpoint::Writer> checkpoint_writer(const Options& o, const JobEnvironment& env, TrainConfig& cfg) {
+std::shared_ptr<checkpoint::Writer> checkpoint_writer(const Options& o, const JobEnvironment& env, TrainConfig& cfg,
+                                                     const Data& d) {
   if (o.checkpoint_dir.empty()) return nullptr;
   auto config = run_config(o);
+  // What turns the model's ids into text, so that baton-serve needs nothing but the checkpoint:
+  // a byte model's vocabulary (its sorted bytes, in hex), a token model's SentencePiece file.
+  std::map<std::string, std::string> assets;
+  if (d.text) {
+    std::string hex;
+    for (unsigned char b : d.text->vocab) hex += fmt::format("{:02x}", b);
+    config["vocab_bytes"] = hex;
+  } else if (d.tokens && !d.tokens->index().tokenizer.empty()) {
+    const std::string path = o.data.substr(std::string("tokens:").size()) + "/" + d.tokens->index().tokenizer;
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::runtime_error(fmt::format("{}: cannot read the shards' tokenizer for the checkpoints", path));
+    assets["tokenizer.model"] = std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
   // Files of one job carry its id, so that a file left by an earlier job is not mixed in.
   config["run"] = fmt::format("{:016x}", std::hash<std::string>{}(env.distributed() ? env.token + env.master
                                                                                      : fmt::format("{}.{}", ::getpid(), std::chrono::system_clock::now().time_since_epoch().count())));
   auto writer = std::make_shared<checkpoint::Writer>(checkpoint::Settings{
       .dir = o.checkpoint_dir, .keep = o.checkpoint_keep, .rank = env.rank,
       .layout = {o.dp, o.pp, static_cast<int>(o.tp), static_cast<int>(env.world_size)}, .optimizer = cfg.optimizer,
-      .config = std::move(config), .batch = o.batch, .seed = o.seed});
+      .config = std::move(config), .batch = o.batch, .seed = o.seed, .assets = std::move(assets)});
   cfg.snapshot_every = o.checkpoint_every > 0 ? o.checkpoint_every : o.steps;
   cfg.on_snapshot = writer->hook();
   return writer;
@@ -903,7 +898,7 @@ int run(const Options& given) {
   auto params = ParameterStore::initialize(g);
   if (init) models::init_from(*init, o.init_from, o.model, *params);
   const std::optional<checkpoint::Checkpoint> resumed = resume(o, env, *params, cfg);
-  const std::shared_ptr<checkpoint::Writer> writer = checkpoint_writer(o, env, cfg);
+  const std::shared_ptr<checkpoint::Writer> writer = checkpoint_writer(o, env, cfg, d);
   TrainingJob job = compile_training(g, loss, cfg, params);
   if (resumed) checkpoint::check_covers(*resumed, job.trained);
   if (writer) writer->expect(job.snapshots);

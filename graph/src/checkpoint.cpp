@@ -28,7 +28,10 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* format_name = "baton.checkpoint";
-constexpr int format_version = 1;
+// 2: step directories may carry assets (Settings::assets, the index's "assets"). Version 1
+// checkpoints are read as before.
+constexpr int format_version = 2;
+constexpr int oldest_version = 1;
 constexpr const char* index_name = "index.json";
 constexpr char slot_separator = '#';   // "fc0.w#exp_avg": no DSL name uses it
 constexpr char piece_separator = '@';  // "fc0.w@0:96": elements [0, 96) of fc0.w (ZeRO's shards)
@@ -133,6 +136,7 @@ struct Index {
   std::map<std::string, std::uint32_t> files;  // file -> rank
   std::map<std::string, std::string> file_of;   // variable -> file (those saved whole)
   std::vector<Piece> pieces;                    // the variables saved in pieces
+  std::map<std::string, std::pair<std::uint64_t, std::string>> assets;  // name -> (bytes, crc32)
 };
 
 /// Reads index.json of a step directory, checking its shape (not yet the files it lists).
@@ -160,8 +164,9 @@ Index read_index(const fs::path& dir) {
   if (!need("format").is_string() || need("format").as_string() != format_name) {
     fail(path, fmt::format("\"format\" is not \"{}\": not a baton checkpoint", format_name));
   }
-  if (integer(need("version"), "version") != format_version) {
-    fail(path, fmt::format("version {} (this baton reads version {})", integer(need("version"), "version"), format_version));
+  const std::int64_t version = integer(need("version"), "version");
+  if (version < oldest_version || version > format_version) {
+    fail(path, fmt::format("version {} (this baton reads versions {} to {})", version, oldest_version, format_version));
   }
   Index ix;
   ix.step = integer(need("step"), "step");
@@ -188,6 +193,18 @@ Index read_index(const fs::path& dir) {
   ix.run = string(need("run"), "run");
   if (!need("config").is_object()) fail(path, "\"config\" is not an object");
   for (const auto& [k, x] : need("config").as_object()) ix.config[std::string(k)] = string(x, fmt::format("config.{}", std::string(k)));
+  if (const boost::json::value* assets = o.if_contains("assets")) {
+    if (!assets->is_object()) fail(path, "\"assets\" is not an object");
+    for (const auto& [k, x] : assets->as_object()) {
+      const std::string file(k);
+      if (file.empty() || file.find('/') != std::string::npos || file == "." || file == ".." || !x.is_object() ||
+          !x.as_object().contains("bytes") || !x.as_object().contains("crc32")) {
+        fail(path, fmt::format("\"assets\" has a bad entry '{}'", file));
+      }
+      ix.assets[file] = {static_cast<std::uint64_t>(integer(x.as_object().at("bytes"), "assets.bytes")),
+                         string(x.as_object().at("crc32"), "assets.crc32")};
+    }
+  }
   if (!need("files").is_object() || need("files").as_object().empty()) fail(path, "\"files\" lists no files");
   for (const auto& [k, x] : need("files").as_object()) {
     const std::string file(k);
@@ -272,6 +289,14 @@ std::string index_json(const Settings& settings, const std::vector<SnapshotPart>
   boost::json::object config;
   for (const auto& [k, v] : settings.config) config[k] = v;
   index["config"] = std::move(config);
+  if (!settings.assets.empty()) {
+    boost::json::object assets;
+    for (const auto& [name, bytes] : settings.assets) {
+      const auto crc = ::crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size()));
+      assets[name] = {{"bytes", bytes.size()}, {"crc32", fmt::format("{:08x}", crc)}};
+    }
+    index["assets"] = std::move(assets);
+  }
   index["data_position"] = {{"steps_done", step},
                             {"next_step", step + 1},
                             {"samples_seen", step * settings.batch},
@@ -443,6 +468,7 @@ void Writer::write_step(std::int64_t step, std::vector<VariableSnapshot> snapsho
     fs::create_directories(tmp, ec);
     if (ec) fail(tmp, fmt::format("cannot make the directory: {}", ec.message()));
     safetensors::write(tmp / mine, tensors, meta);
+    for (const auto& [name, bytes] : settings_.assets) write_text(tmp / name, bytes);
     write_text(tmp / index_name, index_text);
     sync_dir(tmp);
     publish(tmp, final_dir);
@@ -456,6 +482,10 @@ void Writer::write_step(std::int64_t step, std::vector<VariableSnapshot> snapsho
     safetensors::write(final_dir / (mine + suffix), tensors, meta);
     publish(final_dir / (mine + suffix), final_dir / mine);
     if (index_writer_) {
+      for (const auto& [name, bytes] : settings_.assets) {
+        write_text(final_dir / (name + suffix), bytes);
+        publish(final_dir / (name + suffix), final_dir / name);
+      }
       write_text(final_dir / (index_name + suffix), index_text);
       publish(final_dir / (index_name + suffix), final_dir / index_name);
     }
@@ -590,6 +620,18 @@ Checkpoint load(const fs::path& dir) {
   c.layout = ix.layout;
   c.optimizer = ix.optimizer;
   c.config = ix.config;
+  for (const auto& [name, want] : ix.assets) {
+    const fs::path path = dir / name;
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail(path, "missing: the checkpoint's index lists it as an asset");
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto crc = ::crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size()));
+    if (bytes.size() != want.first || fmt::format("{:08x}", crc) != want.second) {
+      fail(path, fmt::format("{} bytes with CRC-32 {:08x}, but the index says {} bytes with {}: damaged", bytes.size(),
+                             crc, want.first, want.second));
+    }
+    c.assets[name] = path;
+  }
   for (const auto& [file, rank] : ix.files) {
     const fs::path path = dir / file;
     safetensors::Contents contents = safetensors::read(path);
@@ -603,8 +645,8 @@ Checkpoint load(const fs::path& dir) {
       fail(path, fmt::format("holds step {} but the index says step {} (a file from another checkpoint)", meta("step"), ix.step));
     }
     if (meta("rank") != std::to_string(rank)) fail(path, fmt::format("was written by rank {}, the index says rank {}", meta("rank"), rank));
-    if (meta("version") != std::to_string(format_version)) {
-      fail(path, fmt::format("__metadata__ version is '{}', not {}", meta("version"), format_version));
+    if (meta("version") != std::to_string(format_version) && meta("version") != std::to_string(oldest_version)) {
+      fail(path, fmt::format("__metadata__ version is '{}', not {} to {}", meta("version"), oldest_version, format_version));
     }
     if (meta("run") != ix.run) fail(path, "was written by another run than the index (a leftover of an earlier job)");
     if (meta("optimizer") != ix.optimizer) {

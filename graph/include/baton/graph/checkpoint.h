@@ -85,6 +85,11 @@ struct Settings {
   /// the rank's weights and optimizer state), and how long it blocks before failing the job.
   int max_queued = 2;
   std::chrono::seconds disk_timeout{600};
+  /// Files every step directory carries beside the weights (format version 2), by plain name:
+  /// what turns the model's ids into text, so that the checkpoint is served on its own
+  /// (baton-serve): a tokenizer's .model file. Written by the rank that writes the index, listed
+  /// in it with their sizes and CRC-32s, and checked by load().
+  std::map<std::string, std::string> assets;
 };
 
 /// Gathers the snapshots of the variables this rank trains and writes a checkpoint of each
@@ -154,6 +159,9 @@ struct Checkpoint {
   std::map<std::string, std::string> config;
   std::map<std::string, Tensor> weights;
   OptimizerState slots;
+  /// Settings::assets of the writer, by name: their paths in `dir` (none in a version 1
+  /// checkpoint).
+  std::map<std::string, std::filesystem::path> assets;
 };
 
 /// Reads a step directory and checks it whole: the index, every file it lists (safetensors.h
