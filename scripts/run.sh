@@ -49,7 +49,7 @@ packages=(
 # (slurm-wlm's slurmctld and slurmd, munge; tests/slurm/cluster.sh). Without them those tests
 # skip, and under CI=true a skip of anything but a GPU fails (tests/skip.h), so CI must install
 # them.
-test_packages=(chromium python3 python3-torch libtorch-dev slurm-wlm munge)
+test_packages=(chromium python3 python3-torch libtorch-dev slurm-wlm munge nodejs npm)
 
 install_missing() {
   local missing=()

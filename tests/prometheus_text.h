@@ -1,13 +1,15 @@
 #pragma once
 // A strict reader of the Prometheus text exposition format (version 0.0.4) for the tests: every
 // line a HELP, a TYPE or a sample `name{label="value",...} value`; every sample of a family
-// that has HELP and TYPE lines before it. Throws std::runtime_error naming the line.
+// that has HELP and TYPE lines before it (a histogram's `_bucket`, `_sum` and `_count` samples
+// belong to the histogram's family). Throws std::runtime_error naming the line.
 #include <cmath>
 #include <cstdlib>
 #include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace baton::test {
@@ -41,6 +43,20 @@ struct PromText {
 
 inline bool prom_name_char(char c, bool first) {
   return c == '_' || c == ':' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (!first && c >= '0' && c <= '9');
+}
+
+/// The family a sample belongs to: its own name, or for a histogram's `_bucket`, `_sum` and
+/// `_count` samples (a summary's `_sum` and `_count`) the histogram's (the summary's).
+inline std::string prom_family(const PromText& text, const std::string& sample) {
+  for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+    const std::string_view sv(suffix);
+    if (sample.size() <= sv.size() || sample.compare(sample.size() - sv.size(), sv.size(), sv) != 0) continue;
+    const std::string base = sample.substr(0, sample.size() - sv.size());
+    const auto type = text.types.find(base);
+    if (type == text.types.end()) continue;
+    if (type->second == "histogram" || (type->second == "summary" && sv != "_bucket")) return base;
+  }
+  return sample;
 }
 
 inline PromText parse_prometheus(const std::string& text) {
@@ -125,7 +141,9 @@ inline PromText parse_prometheus(const std::string& text) {
       s.value = std::strtod(value_text.c_str(), &stop);
       if (value_text.empty() || *stop != '\0') fail("not a number: " + value_text, line);
     }
-    if (!out.types.count(s.name) || !out.help.count(s.name)) fail("a sample before its family's HELP and TYPE", line);
+    const std::string family = prom_family(out, s.name);
+    if (!out.types.count(family) || !out.help.count(family)) fail("a sample before its family's HELP and TYPE", line);
+    if (s.name == family + "_bucket" && !s.labels.count("le")) fail("a histogram bucket without its le label", line);
     out.samples.push_back(std::move(s));
   }
   return out;

@@ -34,6 +34,7 @@ enum class Missing {
   system_file,         // a file every Debian system has (/usr/share/common-licenses/GPL-3)
   data_file,           // data scripts/run.sh fetches (data/digits.csv.gz)
   sentencepiece,       // a build without libsentencepiece-dev (baton-prepare-data's tokenizer)
+  nodejs,              // node and npm (Debian: nodejs, npm), or npm ci cannot fetch the openai package
 };
 
 /// Whether a CI run (CI=true) may skip for want of `what`. Only the GPU: CI machines have

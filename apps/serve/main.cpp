@@ -1,0 +1,407 @@
+// baton-serve: a language model trained by baton-train (its checkpoint) or published weights
+// (a safetensors file) answering OpenAI's completions API, with continuous batching over a paged
+// KV cache (engine.h) behind the HTTP front end (http.h). docs/serving.md is the guide.
+//
+//   baton-serve --checkpoint ckpt/ --api-key "$KEY"                     # what baton-train wrote
+//   baton-serve --model llama --init-from model.safetensors --tokenizer tokenizer.model --heads 32
+//   baton-serve --watch ckpt/ ...     # follows a training job: each new checkpoint swapped in
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "baton/graph.h"
+#include "baton/graph/checkpoint.h"
+#include "baton/graph/safetensors.h"
+#include "baton/graph/tokens.h"
+#include "baton/kernels/data.h"
+#include "baton/kernels/ops.h"
+#include "bytes.h"
+#include "engine.h"
+#include "http.h"
+#include "import.h"
+
+namespace {
+
+using namespace baton;
+using namespace baton::serve;
+namespace fs = std::filesystem;
+
+struct Options {
+  std::string checkpoint, watch;
+  std::string model, init_from, tokenizer, vocab_text;
+  std::int64_t heads = 0, kv_heads = 0, seq = 0;
+  double rope_base = 10000.0, norm_eps = 0;
+  std::string served_name;
+  std::string listen = "127.0.0.1:8000";
+  std::string api_key;
+  std::int64_t max_batch = 32, max_batch_tokens = 256, block_size = 16, max_queue = 256;
+  std::string kv_cache_memory, device_memory;
+  std::string batching = "continuous";
+  int threads = 1;
+  int drain_timeout = 600;
+  double watch_every = 2.0;
+};
+
+void log(const std::string& line) { fmt::print(stderr, "baton-serve: {}\n", line); }
+
+std::int64_t config_int(const checkpoint::Checkpoint& c, const std::string& key) {
+  auto it = c.config.find(key);
+  if (it == c.config.end()) {
+    throw std::runtime_error(fmt::format("{}: the checkpoint's config has no '{}'", c.dir.string(), key));
+  }
+  return std::stoll(it->second);
+}
+
+/// Rows of a weight saved whole ("NAME") or in tensor-parallel parts ("NAME.tp<k>", cut by rows).
+std::int64_t rows_of(const std::map<std::string, Tensor>& weights, const std::string& name) {
+  if (auto it = weights.find(name); it != weights.end()) return it->second.dim(0);
+  std::int64_t rows = 0;
+  for (int k = 0;; ++k) {
+    auto it = weights.find(fmt::format("{}.tp{}", name, k));
+    if (it == weights.end()) break;
+    rows += it->second.dim(0);
+  }
+  if (rows == 0) throw std::runtime_error(fmt::format("the weights have no '{}'", name));
+  return rows;
+}
+
+/// The model a checkpoint of baton-train holds: its config's shape, the vocabulary its token
+/// table has.
+DecodeModel model_of(const checkpoint::Checkpoint& c) {
+  DecodeModel m;
+  const std::string kind = c.config.count("model") ? c.config.at("model") : "";
+  const std::int64_t d = config_int(c, "d_model"), heads = config_int(c, "heads"), layers = config_int(c, "layers"),
+                     seq = config_int(c, "seq");
+  if (kind == "gpt") {
+    m.kind = DecodeModel::Kind::gpt;
+    m.gpt = {.vocab = rows_of(c.weights, "wte"), .seq = seq, .d_model = d, .heads = heads, .layers = layers};
+  } else if (kind == "gpt2") {
+    m.kind = DecodeModel::Kind::gpt2;
+    m.gpt2 = {.vocab = rows_of(c.weights, "wte.weight"), .seq = seq, .positions = config_int(c, "positions"),
+              .d_model = d, .heads = heads, .layers = layers};
+  } else if (kind == "llama") {
+    m.kind = DecodeModel::Kind::llama;
+    m.llama = {.vocab = rows_of(c.weights, "model.embed_tokens.weight"), .seq = seq, .d_model = d, .heads = heads,
+               .kv_heads = config_int(c, "kv_heads"), .ffn_hidden = config_int(c, "ffn_hidden"), .layers = layers,
+               .rope_base = std::stod(c.config.at("rope_base")), .tie_embeddings = c.config.at("tie_embeddings") == "true"};
+  } else {
+    throw std::runtime_error(fmt::format("{}: a checkpoint of --model '{}', which is no language model baton-serve "
+                                         "serves (gpt, gpt2, llama)",
+                                         c.dir.string(), kind));
+  }
+  return m;
+}
+
+/// The weights of `m` (one device's names) from a checkpoint of any tp.
+std::shared_ptr<ParameterStore> weights_of(const DecodeModel& m, checkpoint::Checkpoint& c) {
+  Graph g;
+  m.full(g);
+  auto params = ParameterStore::initialize(g);
+  checkpoint::reshard(c, *params);
+  for (const auto& [name, t] : params->values()) {
+    auto it = c.weights.find(name);
+    if (it == c.weights.end()) throw std::runtime_error(fmt::format("{}: no weight '{}'", c.dir.string(), name));
+    if (it->second.shape() != t.shape() || it->second.dtype() != t.dtype()) {
+      throw std::runtime_error(
+          fmt::format("{}: '{}' is {}, the model's {}", c.dir.string(), name, it->second.describe(), t.describe()));
+    }
+    params->set(name, it->second);
+  }
+  return params;
+}
+
+/// Text <-> ids for a checkpoint: what it carries (format 2: "vocab_bytes" in its config, or
+/// its tokenizer's file beside its index), else what its data path still holds.
+std::shared_ptr<const Codec> codec_of(const checkpoint::Checkpoint& c, const Options& o) {
+  if (!o.tokenizer.empty()) return sentencepiece_codec(o.tokenizer);
+  if (!o.vocab_text.empty()) return byte_codec(data::load_text(o.vocab_text).vocab);
+  if (auto it = c.config.find("vocab_bytes"); it != c.config.end()) {
+    std::vector<unsigned char> vocab;
+    for (std::size_t i = 0; i + 1 < it->second.size(); i += 2)
+      vocab.push_back(static_cast<unsigned char>(std::stoi(it->second.substr(i, 2), nullptr, 16)));
+    return byte_codec(std::move(vocab));
+  }
+  if (auto it = c.assets.find("tokenizer.model"); it != c.assets.end()) return sentencepiece_codec(it->second.string());
+  const std::string data = c.config.count("data") ? c.config.at("data") : "";
+  if (data.starts_with("text:") && fs::exists(data.substr(5))) {
+    log(fmt::format("the checkpoint carries no vocabulary: the bytes of {} (its training text) are taken", data.substr(5)));
+    return byte_codec(data::load_text(data.substr(5)).vocab);
+  }
+  if (data.starts_with("tokens:")) {
+    const std::string dir = data.substr(7);
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (e.path().extension() == ".model") return sentencepiece_codec(e.path().string());
+    }
+  }
+  log("no tokenizer: prompts must be token ids, and completions are ids (give --tokenizer or --vocab-text)");
+  return nullptr;
+}
+
+/// --model with --init-from: the shape the file's tensors give, the flags the rest.
+DecodeModel model_from_file(const Options& o, const safetensors::Contents& file) {
+  auto find = [&](const std::string& name) -> const Tensor* {
+    if (const Tensor* t = file.find(name)) return t;
+    return file.find("transformer." + name);
+  };
+  auto need = [&](const std::string& name) -> const Tensor& {
+    const Tensor* t = find(name);
+    if (t == nullptr) throw std::invalid_argument(fmt::format("{}: no tensor '{}'", o.init_from, name));
+    return *t;
+  };
+  auto count_layers = [&](const std::string& fmt_prefix) {
+    std::int64_t n = 0;
+    while (find(fmt::format(fmt::runtime(fmt_prefix), n)) != nullptr) ++n;
+    return n;
+  };
+  if (o.heads < 1) throw std::invalid_argument("--heads: give the model's attention heads (the file does not say)");
+  DecodeModel m;
+  if (o.model == "gpt2") {
+    const Tensor& wte = need("wte.weight");
+    const Tensor& wpe = need("wpe.weight");
+    m.kind = DecodeModel::Kind::gpt2;
+    m.gpt2 = {.vocab = wte.dim(0), .seq = wpe.dim(0), .positions = wpe.dim(0), .d_model = wte.dim(1), .heads = o.heads,
+              .layers = count_layers("h.{}.ln_1.weight"), .norm_eps = o.norm_eps > 0 ? o.norm_eps : 1e-5};
+  } else if (o.model == "llama") {
+    const Tensor& table = need("model.embed_tokens.weight");
+    const std::int64_t d = table.dim(1), dh = d / o.heads;
+    m.kind = DecodeModel::Kind::llama;
+    m.llama = {.vocab = table.dim(0), .seq = o.seq > 0 ? o.seq : 2048, .d_model = d, .heads = o.heads,
+               .kv_heads = need("model.layers.0.self_attn.k_proj.weight").dim(0) / dh,
+               .ffn_hidden = need("model.layers.0.mlp.gate_proj.weight").dim(0),
+               .layers = count_layers("model.layers.{}.input_layernorm.weight"), .rope_base = o.rope_base,
+               .norm_eps = o.norm_eps > 0 ? o.norm_eps : 1e-5, .tie_embeddings = find("lm_head.weight") == nullptr};
+  } else {
+    throw std::invalid_argument(fmt::format("--model '{}': baton-serve reads gpt2 and llama files (baton's own gpt: "
+                                            "serve its --checkpoint)",
+                                            o.model));
+  }
+  return m;
+}
+
+struct Loaded {
+  DecodeModel model;
+  std::shared_ptr<ParameterStore> params;
+  std::shared_ptr<const Codec> codec;
+  std::string label, name;
+  std::int64_t step = -1;
+  std::int64_t created = 0;
+};
+
+Loaded load_checkpoint(const fs::path& dir, const Options& o) {
+  const checkpoint::Found found = checkpoint::find(dir);
+  for (const std::string& s : found.skipped) log("passed over " + s);
+  checkpoint::Checkpoint c = checkpoint::load(found.dir);
+  Loaded l;
+  l.model = model_of(c);
+  l.params = weights_of(l.model, c);
+  l.codec = codec_of(c, o);
+  l.step = c.step;
+  l.label = fmt::format("checkpoint step {} ({})", c.step, found.dir.string());
+  l.name = l.model.name();
+  l.created = std::chrono::duration_cast<std::chrono::seconds>(
+                  std::chrono::file_clock::to_sys(fs::last_write_time(found.dir)).time_since_epoch())
+                  .count();
+  return l;
+}
+
+Loaded load(const Options& o) {
+  if (!o.checkpoint.empty() || !o.watch.empty()) return load_checkpoint(o.checkpoint.empty() ? o.watch : o.checkpoint, o);
+  if (o.model.empty() || o.init_from.empty()) {
+    throw std::invalid_argument("give --checkpoint DIR (baton-train's), or --model gpt2|llama with --init-from FILE");
+  }
+  const safetensors::Contents file = safetensors::read(o.init_from);
+  Loaded l;
+  l.model = model_from_file(o, file);
+  Graph g;
+  l.model.full(g);
+  l.params = ParameterStore::initialize(g);
+  models::init_from(file, o.init_from, o.model, *l.params);
+  if (!o.tokenizer.empty()) l.codec = sentencepiece_codec(o.tokenizer);
+  else if (!o.vocab_text.empty()) l.codec = byte_codec(data::load_text(o.vocab_text).vocab);
+  l.label = o.init_from;
+  l.name = o.model;
+  l.created = std::chrono::duration_cast<std::chrono::seconds>(
+                  std::chrono::file_clock::to_sys(fs::last_write_time(o.init_from)).time_since_epoch())
+                  .count();
+  return l;
+}
+
+/// --watch: a thread that swaps in each newer complete checkpoint (checkpoint::find passes over
+/// one being written; one pruned while read fails to load and is passed over).
+class Watcher {
+ public:
+  Watcher(Engine& engine, const Options& o, std::int64_t step) : engine_(engine), o_(o), step_(step) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Watcher() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    while (!cv_.wait_for(lock, std::chrono::duration<double>(o_.watch_every), [&] { return stop_; })) {
+      lock.unlock();
+      try {
+        const checkpoint::Found found = checkpoint::find(o_.watch);
+        if (found.dir != last_dir_) {
+          Loaded l = load_checkpoint(found.dir, o_);
+          last_dir_ = found.dir;
+          if (l.step > step_) {
+            log(fmt::format("a new checkpoint, step {}: admission pauses while the running requests finish", l.step));
+            engine_.swap_weights(l.params, l.label,
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(o_.drain_timeout));
+            step_ = l.step;
+          }
+        }
+      } catch (const std::exception& e) {
+        if (last_error_ != e.what()) log(fmt::format("--watch {}: {} (the weights stay)", o_.watch, e.what()));
+        last_error_ = e.what();
+      }
+      lock.lock();
+    }
+  }
+
+  Engine& engine_;
+  const Options& o_;
+  std::int64_t step_;
+  std::string last_error_;
+  fs::path last_dir_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+int run(const Options& o) {
+  set_blas_threads(o.threads);
+  Loaded l = load(o);
+  const std::size_t colon = o.listen.rfind(':');
+  if (colon == std::string::npos) throw std::invalid_argument(fmt::format("--listen '{}': expected HOST:PORT", o.listen));
+  const std::string host = o.listen.substr(0, colon);
+  const int port = std::stoi(o.listen.substr(colon + 1));
+  if (port < 0 || port > 65535) throw std::invalid_argument(fmt::format("--listen '{}': no such port", o.listen));
+
+  std::string key = o.api_key;
+  if (key.empty() && std::getenv("BATON_API_KEY") != nullptr) key = std::getenv("BATON_API_KEY");
+  if (key.empty()) {
+    key = random_api_key();
+    log(fmt::format("no --api-key or BATON_API_KEY: requests must carry this one: Authorization: Bearer {}", key));
+  } else if (const std::string why = check_api_key(key); !why.empty()) {
+    throw std::invalid_argument(fmt::format("--api-key: {}", why));
+  }
+
+  EngineSettings s{.model = l.model,
+                   .model_id = o.served_name.empty() ? l.name : o.served_name,
+                   .params = l.params,
+                   .weights = l.label,
+                   .created = l.created,
+                   .codec = l.codec,
+                   .max_batch = o.max_batch,
+                   .max_batch_tokens = o.max_batch_tokens,
+                   .block_size = o.block_size,
+                   .max_queue = o.max_queue,
+                   .continuous = o.batching == "continuous",
+                   .log = log};
+  std::int64_t weight_bytes = 0;
+  for (const auto& [name, t] : l.params->values()) weight_bytes += static_cast<std::int64_t>(t.nbytes());
+  if (!o.kv_cache_memory.empty()) s.kv_cache_bytes = parse_bytes("--kv-cache-memory", o.kv_cache_memory);
+  if (!o.device_memory.empty()) {
+    // The device's budget less the weights and the steps' buffers (a step of max_batch_tokens
+    // rows holds at most a few of the model's widths per row and its logits): what is left is the
+    // cache's, or --kv-cache-memory within it.
+    const std::int64_t budget = parse_bytes("--device-memory", o.device_memory);
+    const std::int64_t width = std::max<std::int64_t>(l.model.vocab(), 8 * l.model.kv_heads() * l.model.head_dim());
+    const std::int64_t buffers = 4 * o.max_batch_tokens * width * static_cast<std::int64_t>(size_of(l.model.dtype()));
+    const std::int64_t left = budget - weight_bytes - buffers;
+    if (left <= 0) {
+      throw std::invalid_argument(fmt::format("--device-memory {}: the weights ({} bytes) and the steps' buffers (about "
+                                              "{}) leave nothing for the KV cache",
+                                              o.device_memory, weight_bytes, buffers));
+    }
+    s.kv_cache_bytes = o.kv_cache_memory.empty() ? left : std::min(left, s.kv_cache_bytes);
+  }
+  log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}", l.model.name(), l.model.layers(),
+                  l.model.vocab(), l.model.context(), l.label, l.codec ? l.codec->describe() : "none (token ids)"));
+  Engine engine(s);
+  HttpServer server(engine, ServerSettings{.host = host,
+                                           .port = static_cast<std::uint16_t>(port),
+                                           .api_key = key,
+                                           .drain_timeout = std::chrono::seconds(o.drain_timeout),
+                                           .handle_signals = true,
+                                           .log = log});
+  log(fmt::format("serving '{}' on http://{}:{}/v1 ({} batching)", s.model_id, host, server.port(), o.batching));
+  std::optional<Watcher> watcher;
+  if (!o.watch.empty()) watcher.emplace(engine, o, l.step);
+  server.run();
+  watcher.reset();
+  if (const std::string why = engine.failure(); !why.empty()) {
+    log("stopped: " + why);
+    return 1;
+  }
+  log("stopped");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"baton-serve: a language model behind OpenAI's completions API, with continuous batching"};
+  app.add_option("--checkpoint", o.checkpoint, "a baton-train checkpoint directory (its newest complete step)");
+  app.add_option("--watch", o.watch, "follow this checkpoint directory: swap in each new complete checkpoint");
+  app.add_option("--model", o.model, "with --init-from: gpt2 or llama")->check(CLI::IsMember({"gpt2", "llama"}));
+  app.add_option("--init-from", o.init_from, "a safetensors file of published weights (transformers' names)");
+  app.add_option("--tokenizer", o.tokenizer, "a SentencePiece .model: prompts and completions as text");
+  app.add_option("--vocab-text", o.vocab_text, "a text file whose sorted bytes are the vocabulary (a byte model)");
+  app.add_option("--heads", o.heads, "with --init-from: attention (query) heads");
+  app.add_option("--seq", o.seq, "with --init-from llama: the context (default 2048)");
+  app.add_option("--rope-base", o.rope_base, "with --init-from llama: RoPE's base (rope_theta)");
+  app.add_option("--norm-eps", o.norm_eps, "with --init-from: the norms' epsilon (default 1e-5)");
+  app.add_option("--served-model-name", o.served_name, "the API's model name (default: gpt, gpt2 or llama)");
+  app.add_option("--listen", o.listen, "HOST:PORT (default 127.0.0.1:8000; port 0: any free one)");
+  app.add_option("--api-key", o.api_key, "the bearer key every request but /healthz needs (or BATON_API_KEY)");
+  app.add_option("--max-batch", o.max_batch, "requests in the running batch at most")->check(CLI::PositiveNumber);
+  app.add_option("--max-batch-tokens", o.max_batch_tokens, "token rows of a decode step at most")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--block-size", o.block_size, "positions per KV-cache block")->check(CLI::PositiveNumber);
+  app.add_option("--kv-cache-memory", o.kv_cache_memory, "bytes of the KV cache (default 256MiB)");
+  app.add_option("--device-memory", o.device_memory, "the device's budget: the cache gets what the weights leave");
+  app.add_option("--max-queue", o.max_queue, "requests waiting at most; more are answered 429")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--batching", o.batching, "continuous (default) or static (a batch runs to its end)")
+      ->check(CLI::IsMember({"continuous", "static"}));
+  app.add_option("--threads", o.threads, "BLAS threads of the decode step")->check(CLI::PositiveNumber);
+  app.add_option("--drain-timeout", o.drain_timeout, "seconds SIGTERM (or a weight swap) lets requests finish")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--watch-every", o.watch_every, "seconds between --watch's looks")->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    log(fmt::format("error: {}", e.what()));
+    return 2;
+  }
+}

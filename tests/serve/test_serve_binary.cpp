@@ -1,0 +1,259 @@
+// baton-serve as a user runs it: the binary on imported tiny GPT-2 and Llama weights answers with
+// PyTorch's greedy tokens; on a baton-train checkpoint it answers text, and follows the training
+// job's new checkpoints (--watch) under load without failing a request; SIGTERM lets a running
+// stream finish, then exits 0.
+#include <arpa/inet.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mp/proc.h"
+#include "skip.h"
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+using baton::test::Proc;
+
+namespace {
+
+const std::string key = "test-key-0123456789abcdef";
+
+fs::path scratch() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / fmt::format("baton-serve-tests-{}", ::getpid());
+    fs::create_directories(d);
+    return d;
+  }();
+  static const struct Cleanup {
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup;
+  return dir;
+}
+
+/// One HTTP request on a plain socket, read until the server closes (Connection: close) or
+/// `until` appears, within `timeout`. Returns what came (headers and body, chunked as sent).
+std::string http(std::uint16_t port, const std::string& method, const std::string& target, const std::string& body,
+                 std::chrono::milliseconds timeout = 30s, const std::string& until = {},
+                 const std::function<void(const std::string&)>& on_data = {}) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
+    ::close(fd);
+    return {};
+  }
+  const std::string req = fmt::format(
+      "{} {} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\n"
+      "Content-Length: {}\r\nConnection: close\r\n\r\n{}",
+      method, target, key, body.size(), body);
+  REQUIRE(::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
+  std::string got;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  char buf[4096];
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<std::size_t>(n));
+    if (on_data) on_data(got);
+    if (!until.empty() && got.find(until) != std::string::npos) break;
+  }
+  ::close(fd);
+  return got;
+}
+
+std::vector<int> ints_after(const std::string& text, const std::string& key_text) {
+  std::vector<int> out;
+  const auto at = text.find(key_text);
+  if (at == std::string::npos) return out;
+  const auto end = text.find(']', at);
+  std::stringstream list(text.substr(at + key_text.size(), end - at - key_text.size()));
+  for (std::string item; std::getline(list, item, ',');) out.push_back(std::stoi(item));
+  return out;
+}
+
+std::vector<double> doubles_after(const std::string& text, const std::string& key_text) {
+  std::vector<double> out;
+  const auto at = text.find(key_text);
+  if (at == std::string::npos) return out;
+  const auto end = text.find(']', at);
+  std::stringstream list(text.substr(at + key_text.size(), end - at - key_text.size()));
+  for (std::string item; std::getline(list, item, ',');) out.push_back(std::stod(item));
+  return out;
+}
+
+/// The "text" of a non-streamed completion.
+std::string text_of(const std::string& reply) {
+  const auto at = reply.find("\"text\":\"");
+  if (at == std::string::npos) return {};
+  std::string out;
+  for (std::size_t i = at + 8; i < reply.size() && reply[i] != '"'; ++i) {
+    if (reply[i] == '\\' && i + 1 < reply.size()) ++i;
+    out += reply[i];
+  }
+  return out;
+}
+
+/// Starts baton-serve with `args` on a free port; returns once it says it serves.
+std::unique_ptr<Proc> start_server(std::vector<std::string> args, std::uint16_t& port) {
+  port = baton::test::free_port();
+  args.insert(args.begin(), std::string(BATON_BIN_DIR) + "/baton-serve");
+  args.insert(args.end(), {"--listen", fmt::format("127.0.0.1:{}", port), "--api-key", key});
+  auto p = std::make_unique<Proc>(args);
+  const bool up = p->read_until([](const std::string&, const std::string& err) {
+    return err.find("serving '") != std::string::npos || err.find("error:") != std::string::npos;
+  }, 60s);
+  INFO(p->err());
+  REQUIRE(up);
+  REQUIRE(p->err().find("serving '") != std::string::npos);
+  return p;
+}
+
+bool torch_available() {
+  Proc p({"/usr/bin/python3", "-c", "import torch"});
+  return p.wait(60s) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("Serve.BinaryOnImportedGpt2AndLlamaGivesPyTorchsGreedyTokens") {
+  if (!torch_available()) return baton::test::skip(baton::test::Missing::torch, "python3 cannot import torch");
+  const std::string script = std::string(BATON_SOURCE_DIR) + "/tests/serve/decode_reference.py";
+  for (const std::string model : {"gpt2", "llama"}) {
+    CAPTURE(model);
+    const fs::path weights = scratch() / (model + ".safetensors");
+    Proc ref({"/usr/bin/python3", script, model, weights.string(), "--prompt", "3,1,4,1,5", "--tokens", "24",
+              "--vocab", "48", "--d-model", "32", "--heads", "4", "--layers", "2", "--kv-heads", "2", "--ffn-hidden",
+              "48", "--positions", "64"});
+    REQUIRE(ref.wait(120s) == 0);
+    const std::vector<int> want = ints_after(ref.out(), "\"tokens\": [");
+    const std::vector<double> margins = doubles_after(ref.out(), "\"margins\": [");
+    REQUIRE(want.size() == 24);
+    std::uint16_t port = 0;
+    auto server = start_server({"--model", model, "--init-from", weights.string(), "--heads", "4", "--seq", "64"}, port);
+    const std::string reply = http(port, "POST", "/v1/completions",
+                                   fmt::format(R"({{"model":"{}","prompt":[3,1,4,1,5],"max_tokens":24,"temperature":0}})", model));
+    INFO(reply);
+    REQUIRE(reply.find("200 OK") != std::string::npos);
+    std::vector<int> got;
+    std::stringstream ids(text_of(reply));
+    for (int id; ids >> id;) got.push_back(id);
+    REQUIRE(got.size() == 24);
+    // baton serves float32, the reference runs float64 on the file's float32 values: they part
+    // at most where the reference's two best logits are within float32's rounding of a few
+    // units' sums (1e-3 is a hundred times that); compared up to the first such near-tie.
+    std::size_t compared = 0;
+    for (; compared < want.size() && margins[compared] > 1e-3; ++compared) {
+      CHECK_MESSAGE(got[compared] == want[compared], fmt::format("token {}", compared));
+    }
+    CHECK(compared >= 12);
+    server->signal(SIGTERM);
+    CHECK(server->wait(30s) == 0);
+  }
+}
+
+TEST_CASE("Serve.BinaryServesACheckpointAsTextAndSwapsInTheNextOneUnderLoad") {
+  // baton-train on a repeating line writes a checkpoint; baton-serve --watch serves it as text
+  // (the checkpoint carries the bytes of its vocabulary); a second training run (--resume) writes
+  // a newer one while requests keep coming: every request is answered 200 with a finish reason,
+  // and the server says it swapped.
+  const fs::path dir = scratch() / "watch";
+  fs::create_directories(dir);
+  const fs::path text = dir / "fox.txt";
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 100; ++i) out << "the quick brown fox jumps over the lazy dog. ";
+  }
+  const fs::path ckpt = dir / "ckpt";
+  auto train = [&](int steps, bool resume) {
+    std::vector<std::string> args{std::string(BATON_BIN_DIR) + "/baton-train", "--model", "gpt", "--data",
+                                  "text:" + text.string(), "--steps", std::to_string(steps), "--batch", "16", "--seq",
+                                  "32", "--d-model", "32", "--heads", "4", "--layers", "1", "--checkpoint-dir",
+                                  ckpt.string()};
+    if (resume) args.insert(args.end(), {"--resume", ckpt.string()});
+    Proc p(args);
+    const int rc = p.wait(240s);
+    INFO(p.all());
+    REQUIRE(rc == 0);
+  };
+  train(120, false);
+  fs::rename(text, dir / "moved.txt");  // the server must not need the training text
+  std::uint16_t port = 0;
+  auto server = start_server({"--watch", ckpt.string(), "--watch-every", "0.2", "--served-model-name", "fox"}, port);
+  const std::string first = http(port, "POST", "/v1/completions",
+                                 R"({"model":"fox","prompt":"the quick","max_tokens":12,"temperature":0})");
+  INFO(first);
+  REQUIRE(first.find("200 OK") != std::string::npos);
+  CHECK(text_of(first).size() == 12);
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, bad{0};
+  std::thread load([&] {
+    while (!stop) {
+      const std::string r = http(port, "POST", "/v1/completions",
+                                 R"({"model":"fox","prompt":"the lazy","max_tokens":8,"temperature":0.5,"seed":3})");
+      (r.find("200 OK") != std::string::npos && r.find("\"finish_reason\":\"length\"") != std::string::npos ? ok : bad)++;
+    }
+  });
+  fs::rename(dir / "moved.txt", text);
+  train(240, true);
+  const bool swapped = server->read_until([](const std::string&, const std::string& err) {
+    return err.find("weights swapped in: checkpoint step 240") != std::string::npos;
+  }, 60s);
+  stop = true;
+  load.join();
+  INFO(server->err());
+  CHECK(swapped);
+  CHECK(ok > 0);
+  CHECK(bad == 0);
+  server->signal(SIGTERM);
+  CHECK(server->wait(30s) == 0);
+}
+
+TEST_CASE("Serve.SigtermLetsARunningStreamFinishThenExits") {
+  if (!torch_available()) return baton::test::skip(baton::test::Missing::torch, "python3 cannot import torch");
+  // A GPT-2 of 512 positions: a stream of 400 tokens runs long enough to be caught mid-way.
+  const fs::path weights = scratch() / "long.safetensors";
+  Proc ref({"/usr/bin/python3", std::string(BATON_SOURCE_DIR) + "/tests/serve/decode_reference.py", "gpt2",
+            weights.string(), "--prompt", "1", "--tokens", "1", "--vocab", "64", "--d-model", "64", "--heads", "4",
+            "--layers", "2", "--positions", "512"});
+  REQUIRE(ref.wait(120s) == 0);
+  std::uint16_t port = 0;
+  auto server = start_server({"--model", "gpt2", "--init-from", weights.string(), "--heads", "4"}, port);
+  std::atomic<bool> signalled{false};
+  const std::string stream = http(
+      port, "POST", "/v1/completions", R"({"model":"gpt2","prompt":[1,2,3],"max_tokens":400,"stream":true})", 120s,
+      "data: [DONE]", [&](const std::string& got) {
+        if (!signalled && got.find("data: {") != std::string::npos) {
+          server->signal(SIGTERM);
+          signalled = true;
+        }
+      });
+  CHECK(signalled);
+  CHECK(stream.find("\"finish_reason\":\"length\"") != std::string::npos);
+  CHECK(stream.find("data: [DONE]") != std::string::npos);
+  // Draining: a new request is refused (503) or finds the port closed, never served.
+  const std::string late = http(port, "POST", "/v1/completions", R"({"model":"gpt2","prompt":[1],"max_tokens":2})", 5s);
+  CHECK(late.find("200 OK") == std::string::npos);
+  CHECK(server->wait(60s) == 0);
+  INFO(server->err());
+  CHECK(server->err().find("draining") != std::string::npos);
+}
