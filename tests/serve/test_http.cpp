@@ -23,6 +23,7 @@
 #include "http.h"
 #include "http_client.h"
 #include "prometheus_text.h"
+#include "serve/node_client.h"
 #include "skip.h"
 
 namespace {
@@ -835,63 +836,14 @@ TEST_CASE("ServeHttp.ApiKey.RefusesWeakOrGuessableKeys") {
   CHECK(baton::serve::random_api_key() != key);
 }
 
-namespace {
-
-std::optional<std::string> on_path(const std::string& name) {
-  const char* path = std::getenv("PATH");
-  std::stringstream dirs(path != nullptr ? path : "");
-  for (std::string dir; std::getline(dirs, dir, ':');) {
-    const fs::path p = fs::path(dir.empty() ? "." : dir) / name;
-    if (::access(p.c_str(), X_OK) == 0) return p.string();
-  }
-  return std::nullopt;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-/// Runs a shell command; its exit status and its output (stdout and stderr).
-std::pair<int, std::string> shell(const std::string& command) {
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (std::size_t n = std::fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int status = ::pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-}  // namespace
-
 TEST_CASE("ServeHttp.OpenAIClient.OfficialPackageAgainstTheServer" * doctest::timeout(280)) {
-  const auto node = on_path("node"), npm = on_path("npm");
-  if (!node || !npm) {
-    return baton::test::skip(baton::test::Missing::nodejs,
-                             "no node or npm on PATH (Debian: apt-get install nodejs npm)");
-  }
-  const fs::path source = BATON_OPENAI_CLIENT_DIR, work = BATON_OPENAI_CLIENT_WORK_DIR;
-  fs::create_directories(work);
-  for (const char* f : {"package.json", "package-lock.json", "client_test.mjs"}) {
-    fs::copy_file(source / f, work / f, fs::copy_options::overwrite_existing);
-  }
-  // npm ci once per lock file: the lock it installed is kept beside node_modules.
-  const fs::path installed = work / "node_modules" / ".baton-installed-lock.json";
-  if (!fs::exists(installed) || read_file(installed) != read_file(source / "package-lock.json")) {
-    const auto [rc, out] =
-        shell("cd '" + work.string() + "' && timeout 180 '" + *npm + "' ci --no-audit --no-fund");
-    if (rc != 0) {
-      return baton::test::skip(
-          baton::test::Missing::nodejs,
-          "npm ci could not install the openai package (exit " + std::to_string(rc) + "): " + out);
-    }
-    fs::copy_file(source / "package-lock.json", installed, fs::copy_options::overwrite_existing);
-  }
+  const baton::test::NodeClient client =
+      baton::test::openai_client(BATON_OPENAI_CLIENT_DIR, BATON_OPENAI_CLIENT_WORK_DIR);
+  if (!client.why_not.empty()) return baton::test::skip(baton::test::Missing::nodejs, client.why_not);
   Served s;
   const auto [rc, out] =
-      shell("cd '" + work.string() + "' && BASE_URL=http://127.0.0.1:" + std::to_string(s.port()) +
-            "/v1 API_KEY=" + api_key + " timeout 60 '" + *node + "' client_test.mjs");
+      baton::test::shell("cd '" + client.dir.string() + "' && BASE_URL=http://127.0.0.1:" + std::to_string(s.port()) +
+                         "/v1 API_KEY=" + api_key + " timeout 60 '" + client.node + "' client_test.mjs");
   MESSAGE(out);
   CHECK_MESSAGE(rc == 0, "client_test.mjs failed (exit " << rc << ")");
   CHECK(out.find("FAIL") == std::string::npos);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "mp/proc.h"
+#include "serve/node_client.h"
 #include "skip.h"
 
 using namespace std::chrono_literals;
@@ -128,6 +129,25 @@ std::unique_ptr<Proc> start_server(std::vector<std::string> args, std::uint16_t&
   return p;
 }
 
+/// baton-train's GPT on a repeating line of text, checkpoints in `dir`/ckpt (resumed from there).
+void train_fox(const fs::path& dir, int steps, bool resume) {
+  fs::create_directories(dir);
+  const fs::path text = dir / "fox.txt", ckpt = dir / "ckpt";
+  if (!fs::exists(text) && !fs::exists(dir / "moved.txt")) {
+    std::ofstream out(text);
+    for (int i = 0; i < 100; ++i) out << "the quick brown fox jumps over the lazy dog. ";
+  }
+  std::vector<std::string> args{std::string(BATON_BIN_DIR) + "/baton-train", "--model", "gpt", "--data",
+                                "text:" + text.string(), "--steps", std::to_string(steps), "--batch", "16", "--seq",
+                                "32", "--d-model", "32", "--heads", "4", "--layers", "1", "--checkpoint-dir",
+                                ckpt.string()};
+  if (resume) args.insert(args.end(), {"--resume", ckpt.string()});
+  Proc p(args);
+  const int rc = p.wait(240s);
+  INFO(p.all());
+  REQUIRE(rc == 0);
+}
+
 bool torch_available() {
   Proc p({"/usr/bin/python3", "-c", "import torch"});
   return p.wait(60s) == 0;
@@ -177,24 +197,8 @@ TEST_CASE("Serve.BinaryServesACheckpointAsTextAndSwapsInTheNextOneUnderLoad") {
   // a newer one while requests keep coming: every request is answered 200 with a finish reason,
   // and the server says it swapped.
   const fs::path dir = scratch() / "watch";
-  fs::create_directories(dir);
-  const fs::path text = dir / "fox.txt";
-  {
-    std::ofstream out(text);
-    for (int i = 0; i < 100; ++i) out << "the quick brown fox jumps over the lazy dog. ";
-  }
-  const fs::path ckpt = dir / "ckpt";
-  auto train = [&](int steps, bool resume) {
-    std::vector<std::string> args{std::string(BATON_BIN_DIR) + "/baton-train", "--model", "gpt", "--data",
-                                  "text:" + text.string(), "--steps", std::to_string(steps), "--batch", "16", "--seq",
-                                  "32", "--d-model", "32", "--heads", "4", "--layers", "1", "--checkpoint-dir",
-                                  ckpt.string()};
-    if (resume) args.insert(args.end(), {"--resume", ckpt.string()});
-    Proc p(args);
-    const int rc = p.wait(240s);
-    INFO(p.all());
-    REQUIRE(rc == 0);
-  };
+  const fs::path text = dir / "fox.txt", ckpt = dir / "ckpt";
+  auto train = [&](int steps, bool resume) { train_fox(dir, steps, resume); };
   train(120, false);
   fs::rename(text, dir / "moved.txt");  // the server must not need the training text
   std::uint16_t port = 0;
@@ -256,4 +260,25 @@ TEST_CASE("Serve.SigtermLetsARunningStreamFinishThenExits") {
   CHECK(server->wait(60s) == 0);
   INFO(server->err());
   CHECK(server->err().find("draining") != std::string::npos);
+}
+
+TEST_CASE("Serve.TheOfficialOpenAIClientAgainstBatonServeOnATrainedModel") {
+  // What a user's code sees: openai's npm package, unchanged, against baton-serve serving a
+  // baton-train checkpoint (tests/serve/openai_client/real_server_test.mjs: greedy text, the same
+  // text streamed, seeds that repeat, a stop string, an error naming its field).
+  const baton::test::NodeClient client = baton::test::openai_client(BATON_OPENAI_CLIENT_DIR, BATON_OPENAI_CLIENT_WORK_DIR);
+  if (!client.why_not.empty()) return baton::test::skip(baton::test::Missing::nodejs, client.why_not);
+  const fs::path dir = scratch() / "client";
+  train_fox(dir, 120, false);
+  std::uint16_t port = 0;
+  auto server = start_server({"--checkpoint", (dir / "ckpt").string(), "--served-model-name", "fox"}, port);
+  const auto [rc, out] = baton::test::shell(fmt::format(
+      "cd '{}' && BASE_URL=http://127.0.0.1:{}/v1 API_KEY={} MODEL=fox PROMPT='the quick' timeout 60 '{}' "
+      "real_server_test.mjs",
+      client.dir.string(), port, key, client.node));
+  MESSAGE(out);
+  CHECK_MESSAGE(rc == 0, "real_server_test.mjs failed (exit " << rc << ")");
+  CHECK(out.find("all checks passed") != std::string::npos);
+  server->signal(SIGTERM);
+  CHECK(server->wait(30s) == 0);
 }
