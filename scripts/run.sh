@@ -151,7 +151,7 @@ build() {
 # compiles in about 60% of -O2's time under ASan (tests/test_dashboard.cpp: 162 s against 280 s
 # on an Intel Xeon KVM), and the tests they run are short now that validation is.
 sanitizer_debug_flags="-O1 -g1 -DNDEBUG"
-asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-sample-tests baton-slurm-tests baton-skip-selftest hello_mlp custom_op)
+asan_targets=(baton-tests baton-mp-tests baton-bad-input-tests baton-launch-tests baton-sample-tests baton-slurm-tests baton-serve-tests baton-serve-http-tests baton-skip-selftest hello_mlp custom_op)
 
 sanitize() {
   install_missing python3  # the checkpoint test's independent reader (a failure under CI without it)
@@ -162,6 +162,8 @@ sanitize() {
   export BATON_SOAK_PIECES=200000
   # The schedule property test's 10,000 random plans: a tenth under the sanitizers.
   export BATON_SCHEDULE_CASES=1000
+  # baton-serve's soak: 10^5 requests in the main build, 5,000 under the sanitizers.
+  export BATON_SERVE_SOAK=5000
   (
     build_dir="build-asan" build_type=RelWithDebInfo BATON_SANITIZE="address;undefined"
     configure -DBATON_WITH_CUDA=OFF -DBATON_BUILD_BENCHMARKS=OFF -DBATON_WERROR=OFF \
