@@ -23,7 +23,7 @@ install(TARGETS ${_baton_installed_libs} baton_umbrella EXPORT batonTargets
 
 # The tools, where this build has them. Installed, they keep the link path of libraries outside
 # the system's (CUDA's cuBLAS and NCCL under /usr/local/cuda) in their RPATH.
-set(_baton_tools baton-train baton-launch)
+set(_baton_tools baton-train baton-launch baton-serve)
 if(TARGET baton-prepare-data)
   list(APPEND _baton_tools baton-prepare-data)
 endif()

@@ -709,7 +709,7 @@ HttpServer::HttpServer(Backend& backend, ServerSettings settings) {
     s.signals.emplace(s.io, SIGTERM, SIGINT);
     s.watch_signals();
   }
-  s.state.log(fmt::format("serving {} on {}:{}", s.state.info.id, s.state.settings.host, s.port));
+  s.state.log(fmt::format("serving '{}' on http://{}:{}/v1", s.state.info.id, s.state.settings.host, s.port));
 }
 
 HttpServer::~HttpServer() {

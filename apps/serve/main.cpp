@@ -339,8 +339,9 @@ int run(const Options& o) {
     }
     s.kv_cache_bytes = o.kv_cache_memory.empty() ? left : std::min(left, s.kv_cache_bytes);
   }
-  log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}", l.model.name(), l.model.layers(),
-                  l.model.vocab(), l.model.context(), l.label, l.codec ? l.codec->describe() : "none (token ids)"));
+  log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching", l.model.name(),
+                  l.model.layers(), l.model.vocab(), l.model.context(), l.label,
+                  l.codec ? l.codec->describe() : "none (token ids)", o.batching));
   Engine engine(s);
   HttpServer server(engine, ServerSettings{.host = host,
                                            .port = static_cast<std::uint16_t>(port),
@@ -348,7 +349,6 @@ int run(const Options& o) {
                                            .drain_timeout = std::chrono::seconds(o.drain_timeout),
                                            .handle_signals = true,
                                            .log = log});
-  log(fmt::format("serving '{}' on http://{}:{}/v1 ({} batching)", s.model_id, host, server.port(), o.batching));
   std::optional<Watcher> watcher;
   if (!o.watch.empty()) watcher.emplace(engine, o, l.step);
   server.run();
