@@ -3,6 +3,8 @@
 // One line per check; exits non-zero when any fails.
 import OpenAI from 'openai';
 
+import { check, expect, finish, same } from './checks.mjs';
+
 const baseURL = process.env.BASE_URL;
 const apiKey = process.env.API_KEY;
 if (!baseURL || !apiKey) {
@@ -10,24 +12,6 @@ if (!baseURL || !apiKey) {
   process.exit(2);
 }
 const client = new OpenAI({ baseURL, apiKey, maxRetries: 0, timeout: 20000 });
-
-let failures = 0;
-async function check(name, body) {
-  try {
-    await body();
-    console.log(`ok   ${name}`);
-  } catch (e) {
-    failures += 1;
-    console.log(`FAIL ${name}: ${e && e.stack ? e.stack : e}`);
-  }
-}
-function expect(condition, what) {
-  if (!condition) throw new Error(what);
-}
-function same(actual, expected, what) {
-  expect(JSON.stringify(actual) === JSON.stringify(expected),
-         `${what}: ${JSON.stringify(actual)}, expected ${JSON.stringify(expected)}`);
-}
 
 // The scripted backend's tokens count up from the prompt's last id ('o' is 111), each " w<id>".
 const hello5 = ' w112 w113 w114 w115 w116';
@@ -111,5 +95,4 @@ await check('an unknown model is a NotFoundError', async () => {
   throw new Error('no error');
 });
 
-console.log(failures === 0 ? 'all checks passed' : `${failures} check(s) failed`);
-process.exit(failures === 0 ? 0 : 1);
+finish();

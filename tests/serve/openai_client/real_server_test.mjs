@@ -4,26 +4,14 @@
 // non-zero when any fails.
 import OpenAI from 'openai';
 
+import { check, expect, finish } from './checks.mjs';
+
 const { BASE_URL: baseURL, API_KEY: apiKey, MODEL: model, PROMPT: prompt } = process.env;
 if (!baseURL || !apiKey || !model || !prompt) {
   console.log('FAIL set BASE_URL, API_KEY, MODEL and PROMPT');
   process.exit(2);
 }
 const client = new OpenAI({ baseURL, apiKey, maxRetries: 0, timeout: 20000 });
-
-let failures = 0;
-async function check(name, body) {
-  try {
-    await body();
-    console.log(`ok   ${name}`);
-  } catch (e) {
-    failures += 1;
-    console.log(`FAIL ${name}: ${e && e.stack ? e.stack : e}`);
-  }
-}
-function expect(condition, what) {
-  if (!condition) throw new Error(what);
-}
 
 let greedy = '';
 await check('models.list has the served model', async () => {
@@ -77,5 +65,4 @@ await check('a prompt longer than the context is a BadRequestError naming prompt
   }
 });
 
-console.log(failures === 0 ? 'all checks passed' : `${failures} check(s) failed`);
-process.exit(failures === 0 ? 0 : 1);
+finish();
