@@ -58,6 +58,9 @@ struct Stats {
   std::int64_t steps = 0;            // decode steps run
   std::string weights;               // which weights answer now (a checkpoint's step, a file)
   bool swapping = false;             // new weights wait for the running batch to end
+  double busy_seconds = 0;           // time spent in decode steps since the start
+  std::int64_t generated_tokens = 0;  // tokens generated since the start
+  std::int64_t batch_rows = 0;        // token rows of the last step (decode tokens + prompt chunks)
 };
 
 /// What a model offers (/v1/models, and the front end's checks).

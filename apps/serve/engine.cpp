@@ -180,7 +180,10 @@ Stats Engine::stats() const {
                .kv_cache_tokens = cache_tokens(),
                .steps = steps_,
                .weights = weights_,
-               .swapping = pending_params_ != nullptr};
+               .swapping = pending_params_ != nullptr,
+               .busy_seconds = busy_seconds_,
+               .generated_tokens = generated_,
+               .batch_rows = last_rows_};
 }
 
 std::string Engine::failure() const {
@@ -309,6 +312,7 @@ void Engine::loop() {
 }
 
 void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
+  const auto began = std::chrono::steady_clock::now();
   // Decoding requests first, one row each; then prompt chunks in the rows left.
   std::stable_partition(batch.begin(), batch.end(),
                         [](const auto& r) { return static_cast<std::int64_t>(r->tokens.size()) - r->fed == 1; });
@@ -347,6 +351,7 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
   }
   const Tensor& logits = p.run()[0];
   const std::int64_t vocab = settings_.model.vocab();
+  std::int64_t sampled = 0;
   std::vector<float> row(static_cast<std::size_t>(vocab));
   for (const Take& t : takes) {
     t.r->fed += t.rows;
@@ -362,9 +367,13 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
     const Sampling& s = t.r->req.sampling;
     const double u = sample::uniform(t.r->rng());  // drawn even when greedy: the stream stays in step
     emit(*t.r, sample::draw(row.data(), vocab, s.temperature, s.top_p, u));
+    ++sampled;
   }
   std::lock_guard lock(mutex_);
   ++steps_;
+  generated_ += sampled;
+  last_rows_ = used;
+  busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
 }
 
 void Engine::emit(Live& r, std::int32_t token) {

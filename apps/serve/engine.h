@@ -113,6 +113,8 @@ class Engine final : public Backend {
   std::string weights_;
   std::string failure_;
   std::int64_t steps_ = 0;
+  double busy_seconds_ = 0;
+  std::int64_t generated_ = 0, last_rows_ = 0;
   std::thread thread_;  // last
 };
 

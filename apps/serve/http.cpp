@@ -22,6 +22,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include "dashboard.h"
 #include "openai.h"
 
 namespace baton::serve {
@@ -287,6 +288,11 @@ void Session::handle(http::request<http::string_body> req) {
       return send(http::status::service_unavailable, health_json("draining", ""));
     return send(http::status::ok, health_json("ok", ""));
   }
+  if (path == "/" || path == "/dashboard") {
+    // The page itself holds nothing secret: it asks for the key and sends it on /api/serve.
+    if (method != http::verb::get) return wrong_method("GET");
+    return send(http::status::ok, std::string(dashboard_html()), "text/html; charset=utf-8");
+  }
   if (!authorized(req, state_.settings.api_key)) {
     return send_error(
         {.status = 401,
@@ -300,6 +306,12 @@ void Session::handle(http::request<http::string_body> req) {
   if (path == "/v1/completions") {
     if (method != http::verb::post) return wrong_method("POST");
     return handle_completion(req.body());
+  }
+  if (path == "/api/serve") {
+    if (method != http::verb::get) return wrong_method("GET");
+    return send(http::status::ok,
+                state_json(state_.info, state_.backend.stats(), state_.metrics.recent(), state_.draining,
+                           state_.failure));
   }
   if (path == "/metrics") {
     if (method != http::verb::get) return wrong_method("GET");

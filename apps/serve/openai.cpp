@@ -333,4 +333,28 @@ std::string health_json(const std::string& status, const std::string& error) {
   return json::serialize(o);
 }
 
+std::string state_json(const ModelInfo& info, const Stats& s, const Metrics::Recent& recent, bool draining,
+                       const std::string& failure) {
+  json::object o{{"model", info.id},
+                 {"context", info.context},
+                 {"running", s.running},
+                 {"waiting", s.waiting},
+                 {"kv_cache_usage", s.kv_cache_usage},
+                 {"kv_cache_tokens", s.kv_cache_tokens},
+                 {"steps", s.steps},
+                 {"batch_rows", s.batch_rows},
+                 {"busy_seconds", s.busy_seconds},
+                 {"generated_tokens", s.generated_tokens},
+                 {"weights", s.weights},
+                 {"swapping", s.swapping},
+                 {"draining", draining},
+                 {"failure", failure},
+                 {"ttft_p50_s", recent.ttft_p50},
+                 {"ttft_p99_s", recent.ttft_p99},
+                 {"tpot_p50_s", recent.tpot_p50},
+                 {"tpot_p99_s", recent.tpot_p99},
+                 {"requests_recent", recent.tpot_samples}};
+  return json::serialize(o);
+}
+
 }  // namespace baton::serve

@@ -10,6 +10,7 @@
 #include <variant>
 
 #include "backend.h"
+#include "metrics.h"
 
 namespace baton::serve {
 
@@ -65,5 +66,10 @@ std::string models_json(const ModelInfo& info);
 
 /// /healthz: `{"status": status}`, with `"error"` when `error` is not empty.
 std::string health_json(const std::string& status, const std::string& error);
+
+/// /api/serve, what the dashboard page (dashboard.h) polls: the engine's state, the recent
+/// requests' TTFT and TPOT percentiles, and whether the server drains or failed.
+std::string state_json(const ModelInfo& info, const Stats& stats, const Metrics::Recent& recent, bool draining,
+                       const std::string& failure);
 
 }  // namespace baton::serve

@@ -572,6 +572,7 @@ TEST_CASE("ServeHttp.Auth.KeyOnEverythingButHealthz" * doctest::timeout(60)) {
          std::vector<std::pair<std::string, std::string>>{{"GET", "/v1/models"},
                                                           {"POST", "/v1/completions"},
                                                           {"GET", "/metrics"},
+                                                          {"GET", "/api/serve"},
                                                           {"GET", "/nowhere"}}) {
       CAPTURE(target);
       HttpReply r = call(s.port(), method, target,
@@ -589,6 +590,29 @@ TEST_CASE("ServeHttp.Auth.KeyOnEverythingButHealthz" * doctest::timeout(60)) {
   baton::test::HttpRequest lower{.target = "/v1/models",
                                  .headers = {{"Authorization", "bearer " + api_key}}};
   CHECK(baton::test::http_request(s.port(), lower).status == 200);
+}
+
+TEST_CASE("ServeHttp.Dashboard.ThePageNeedsNoKeyItsStateDoes" * doctest::timeout(60)) {
+  // The page holds nothing secret (it asks for the key); /api/serve, which it polls, is the
+  // engine's state and the recent requests' percentiles, behind the key.
+  Served s;
+  const HttpReply page = call(s.port(), "GET", "/", "", "");
+  CHECK(page.status == 200);
+  CHECK(page.headers.at("content-type").starts_with("text/html"));
+  CHECK(page.body.find("/api/serve") != std::string::npos);
+  CHECK(call(s.port(), "GET", "/dashboard", "", "").status == 200);
+  const HttpReply done = call(s.port(), "POST", "/v1/completions", R"({"model":"tiny","prompt":"hi","max_tokens":3})");
+  REQUIRE(done.status == 200);
+  const HttpReply state = call(s.port(), "GET", "/api/serve", "");
+  REQUIRE(state.status == 200);
+  json::object o = json::parse(state.body).as_object();
+  CHECK(o["model"] == "tiny");
+  for (const char* field : {"running", "waiting", "kv_cache_usage", "steps", "busy_seconds", "generated_tokens",
+                            "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "weights", "draining"}) {
+    CHECK_MESSAGE(o.contains(field), field);
+  }
+  CHECK(o["requests_recent"].to_number<double>() == 1);
+  CHECK(o["ttft_p50_s"].to_number<double>() > 0);
 }
 
 TEST_CASE("ServeHttp.Routes.NotFoundWrongMethodTooLarge" * doctest::timeout(60)) {
