@@ -24,6 +24,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = "python3 scripts/bench_table.py"
 COLUMNS = ["Case", "Value", "Better", "Reference", "Ratio", "Load at start", "Machine", "Date", "Commit", "Command"]
+# A benchmark's own columns, after Ratio: (heading, key, comparative). A comparative key follows
+# the ratio's rule (above 1, baton is better) and is not shown where the ratio is not.
+EXTRA_COLUMNS = {
+    # baton-bench-serve: one line per system and load point (apps/bench/bench_serve.cpp).
+    "serve": [
+        ("TTFT p99 (s)", "ttft_p99_s", False),
+        ("TPOT p99 (s)", "tpot_p99_s", False),
+        ("TPOT p99 vs PyTorch", "tpot_p99_vs_torch", True),
+        ("Continuous vs static", "vs_static_tokens_per_s", True),
+    ],
+}
 
 
 def shown_path(path):
@@ -104,13 +115,25 @@ def machine_of(line):
     return f"{machine} + {line['gpu']}" if line.get("gpu") else machine
 
 
+def extra_of(line, key, comparative):
+    """A benchmark's own column: the figure, or for a comparative one what ratio_of() would say
+    in its place on a loaded machine."""
+    if comparative and ("withheld" in line or "ratio_refused" in line or line.get("loaded") is True):
+        return "not shown (load)"
+    if key not in line or line[key] is None:
+        return "—"
+    return f"{number(line[key])}×" if comparative else number(line[key])
+
+
 def row(line):
+    extra = [extra_of(line, key, comparative) for _, key, comparative in EXTRA_COLUMNS.get(line.get("bench"), [])]
     return [
         line.get("case", "?"),
         value_of(line),
         line.get("better", "—"),
         reference_of(line),
         ratio_of(line),
+        *extra,
         load_of(line),
         machine_of(line),
         line.get("date", "—"),
@@ -163,8 +186,9 @@ def render(input_dir):
         lines = benches[bench]
         files = sorted({shown_path(p) for p, _ in lines})
         out += ["", f"## {bench}", "", "From " + ", ".join(f"`{f}`" for f in files) + ".", ""]
-        out.append("| " + " | ".join(COLUMNS) + " |")
-        out.append("|" + "|".join("---" for _ in COLUMNS) + "|")
+        columns = COLUMNS[:5] + [heading for heading, _, _ in EXTRA_COLUMNS.get(bench, [])] + COLUMNS[5:]
+        out.append("| " + " | ".join(columns) + " |")
+        out.append("|" + "|".join("---" for _ in columns) + "|")
         for _, line in lines:
             out.append("| " + " | ".join(cell(c) for c in row(line)) + " |")
     return "\n".join(out) + "\n"

@@ -346,10 +346,11 @@ case "$cmd" in
     shift
     # baton-bench-train's references are Debian's PyTorch (python3-torch, for /usr/bin/python3)
     # and LibTorch (libtorch-dev, the same 1.13, which baton-bench-train-libtorch is built with);
-    # baton-bench-memory's is the same PyTorch; baton-bench-gpu's is PyTorch too where no python3 on PATH has torch (a GPU machine's pip one).
+    # baton-bench-memory's and baton-bench-serve's are the same PyTorch; baton-bench-gpu's is PyTorch too where no python3 on PATH has torch (a GPU machine's pip one).
     bench_packages=()
     [ "$name" = train ] && bench_packages+=(python3-torch libtorch-dev)
     [ "$name" = memory ] && bench_packages+=(python3-torch)
+    [ "$name" = serve ] && bench_packages+=(python3-torch)  # the peer, and the random weights' writer
     [ "$name" = data ] && bench_packages+=(python3-torch python3-numpy)
     if [ "$name" = gpu ] && ! python3 -c "import torch" >/dev/null 2>&1; then bench_packages+=(python3-torch); fi
     if [ ${#bench_packages[@]} -gt 0 ]; then
