@@ -1,5 +1,6 @@
 #include "decode_models.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -12,7 +13,7 @@ using Kind = DecodeModel::Kind;
 
 // What every step graph starts with: its inputs.
 struct StepInputs {
-  Value tokens, positions, slots, table;
+  Value tokens, positions, slots, table, sample_rows;
   std::vector<Value> k_cache, v_cache;
 };
 
@@ -22,6 +23,7 @@ StepInputs step_inputs(Graph& g, const DecodeModel& m, const StepShape& s) {
   in.positions = g.input("positions", {s.rows}, DType::i32);
   in.slots = g.input("slots", {s.rows}, DType::i32);
   in.table = g.input("block_table", {s.slots, s.blocks_per_slot}, DType::i32);
+  in.sample_rows = g.input("sample_rows", {std::min(s.rows, s.slots)}, DType::i32);
   const Shape cache{s.cache_blocks, s.block_size, m.kv_heads(), m.head_dim()};
   for (std::int64_t l = 0; l < m.layers(); ++l) {
     in.k_cache.push_back(g.input(fmt::format("cache.k.{}", l), cache, m.dtype()));
@@ -55,7 +57,7 @@ Value gpt_step(Graph& g, const models::GptShape& m, const StepInputs& in) {
     Value fc = m.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
     x = x + matmul(fc, w(p("mlp.w2"), {4 * d, d})) + w(p("mlp.b2"), {d});
   }
-  Value xf = layer_norm(x, w("lnf.g", {d}), w("lnf.b", {d}));
+  Value xf = layer_norm(embedding(x, in.sample_rows), w("lnf.g", {d}), w("lnf.b", {d}));
   return matmul(xf, w("head.w", {d, m.vocab}));
 }
 
@@ -78,7 +80,7 @@ Value gpt2_step(Graph& g, const models::Gpt2Shape& m, std::int64_t positions, co
     x = x + linear(o, p + "attn.c_proj", d, d);
     x = x + linear(models::gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d)), p + "mlp.c_proj", 4 * d, d);
   }
-  return matmul(norm(x, "ln_f"), wte, false, true);
+  return matmul(norm(embedding(x, in.sample_rows), "ln_f"), wte, false, true);
 }
 
 Value llama_step(Graph& g, const models::LlamaShape& m, const StepInputs& in) {
@@ -101,7 +103,7 @@ Value llama_step(Graph& g, const models::LlamaShape& m, const StepInputs& in) {
     x = x + swiglu(h2, w(p("mlp.gate_proj.weight"), {d, m.ffn_hidden}), w(p("mlp.up_proj.weight"), {d, m.ffn_hidden}),
                    w(p("mlp.down_proj.weight"), {m.ffn_hidden, d}));
   }
-  Value xf = norm(x, "model.norm.weight");
+  Value xf = norm(embedding(x, in.sample_rows), "model.norm.weight");
   return m.tie_embeddings ? matmul(xf, table, false, true) : matmul(xf, w("lm_head.weight", {d, m.vocab}));
 }
 

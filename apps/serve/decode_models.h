@@ -42,9 +42,12 @@ struct StepShape {
 };
 
 /// The decode step's graph. Inputs "tokens", "positions", "slots" (i32 [rows]; a row of slot < 0
-/// is padding), "block_table" (i32 [slots, blocks_per_slot]) and, per layer l, "cache.k.<l>" and
-/// "cache.v.<l>" ([cache_blocks, block_size, kv_heads, head_dim], the model's dtype: the caller
-/// keeps them from step to step). Returns the logits [rows, vocab].
+/// is padding), "block_table" (i32 [slots, blocks_per_slot]), "sample_rows" (i32 [min(rows,
+/// slots)]: the rows whose next token is drawn, a request's last row in the step; the rest of a
+/// prompt's rows need no logits, so the head, the largest product, runs on these alone) and, per
+/// layer l, "cache.k.<l>" and "cache.v.<l>" ([cache_blocks, block_size, kv_heads, head_dim], the
+/// model's dtype: the caller keeps them from step to step). Returns the logits [min(rows, slots),
+/// vocab], row k for sample_rows[k].
 Value decode_step(Graph& g, const DecodeModel& m, const StepShape& s);
 
 }  // namespace baton::serve

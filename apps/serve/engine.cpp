@@ -29,10 +29,10 @@ namespace {
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-// The row buckets: 4, 16, 64, ... below max, then max.
+// The row buckets: 2, 4, 8, ... below max, then max.
 std::vector<std::int64_t> bucket_rows(std::int64_t max) {
   std::vector<std::int64_t> rows;
-  for (std::int64_t r = 4; r < max; r *= 4) rows.push_back(r);
+  for (std::int64_t r = 2; r < max; r *= 2) rows.push_back(r);
   rows.push_back(max);
   return rows;
 }
@@ -335,6 +335,9 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
   auto* positions = static_cast<std::int32_t*>(p.input("positions").raw());
   auto* slots = static_cast<std::int32_t*>(p.input("slots").raw());
   auto* table = static_cast<std::int32_t*>(p.input("block_table").raw());
+  auto* sample_rows = static_cast<std::int32_t*>(p.input("sample_rows").raw());
+  const std::int64_t samples = p.input("sample_rows").numel();
+  std::fill_n(sample_rows, samples, 0);
   std::fill_n(tokens, b.rows, 0);
   std::fill_n(positions, b.rows, 0);
   std::fill_n(slots, b.rows, -1);
@@ -349,14 +352,23 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
     std::fill_n(row, blocks_per_slot_, -1);
     std::copy(t.r->blocks.begin(), t.r->blocks.end(), row);
   }
+  // The rows whose logits are drawn from: each request's last row, if the step reaches its end.
+  std::vector<std::int64_t> logit_row(takes.size(), -1);
+  std::int64_t k = 0;
+  for (std::size_t i = 0; i < takes.size(); ++i) {
+    if (takes[i].r->fed + takes[i].rows < static_cast<std::int64_t>(takes[i].r->tokens.size())) continue;
+    sample_rows[k] = static_cast<std::int32_t>(takes[i].first_row + takes[i].rows - 1);
+    logit_row[i] = k++;
+  }
   const Tensor& logits = p.run()[0];
   const std::int64_t vocab = settings_.model.vocab();
   std::int64_t sampled = 0;
   std::vector<float> row(static_cast<std::size_t>(vocab));
-  for (const Take& t : takes) {
+  for (std::size_t i = 0; i < takes.size(); ++i) {
+    const Take& t = takes[i];
     t.r->fed += t.rows;
-    if (t.r->fed < static_cast<std::int64_t>(t.r->tokens.size())) continue;  // a prompt's chunk, not its end
-    const std::int64_t at = (t.first_row + t.rows - 1) * vocab;
+    if (logit_row[i] < 0) continue;  // a prompt's chunk, not its end
+    const std::int64_t at = logit_row[i] * vocab;
     if (logits.dtype() == DType::f64) {
       const double* src = static_cast<const double*>(logits.raw()) + at;
       for (std::int64_t i = 0; i < vocab; ++i) row[static_cast<std::size_t>(i)] = static_cast<float>(src[i]);

@@ -5,7 +5,11 @@
 //   baton-serve --checkpoint ckpt/ --api-key "$KEY"                     # what baton-train wrote
 //   baton-serve --model llama --init-from model.safetensors --tokenizer tokenizer.model --heads 32
 //   baton-serve --watch ckpt/ ...     # follows a training job: each new checkpoint swapped in
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -361,6 +365,29 @@ int run(const Options& o) {
   return 0;
 }
 
+/// Debian's OpenBLAS picks its kernels when it loads, by the CPU's model; on a model it does not
+/// know (a newer one, or a VM that hides it) it falls back to SSE3 ("Prescott") kernels, several
+/// times slower than the AVX2 or AVX-512 ones the CPU runs. Then baton-serve starts itself again
+/// with OPENBLAS_CORETYPE naming the kernels the CPU's flags allow (unless the user chose).
+void choose_blas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || blas_core() != "Prescott") return;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line) && !line.starts_with("flags")) {
+  }
+  auto has = [&](const char* flag) { return (line + " ").find(fmt::format(" {} ", flag)) != std::string::npos; };
+  const char* core = has("avx512f") && has("avx512bw") && has("avx512vl") && has("avx512dq") ? "SkylakeX"
+                     : has("avx2") && has("fma")                                              ? "Haswell"
+                                                                                              : nullptr;
+  if (core == nullptr) return;
+  log(fmt::format("OpenBLAS does not know this CPU and chose its SSE3 kernels; starting again with "
+                  "OPENBLAS_CORETYPE={} (set OPENBLAS_CORETYPE to choose yourself)",
+                  core));
+  ::setenv("OPENBLAS_CORETYPE", core, 1);
+  ::execv("/proc/self/exe", argv);
+  log(fmt::format("could not start again ({}): going on with the SSE3 kernels", std::strerror(errno)));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -398,6 +425,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  choose_blas_kernels(argv);
   try {
     return run(o);
   } catch (const std::exception& e) {

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include <cblas.h>
 #include <fmt/format.h>
 
 #include "baton/kernels/ops.h"
@@ -27,6 +28,15 @@ using detail::need_output;
 using detail::out_data;
 
 std::size_t to_size(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+// y = alpha op(A) x + beta y, A [m, n] row-major with leading dimension lda; op(A) = A^T if
+// `trans` (then x has m elements and y n).
+void gemv(bool trans, int m, int n, float alpha, const float* a, int lda, const float* x, float beta, float* y) {
+  cblas_sgemv(CblasRowMajor, trans ? CblasTrans : CblasNoTrans, m, n, alpha, a, lda, x, 1, beta, y, 1);
+}
+void gemv(bool trans, int m, int n, double alpha, const double* a, int lda, const double* x, double beta, double* y) {
+  cblas_dgemv(CblasRowMajor, trans ? CblasTrans : CblasNoTrans, m, n, alpha, a, lda, x, 1, beta, y, 1);
+}
 
 // x [R, H, D] rotated row r by positions[r] (rotate_half layout, as rope).
 template <class T>
@@ -88,7 +98,7 @@ class RopeAtKernel final : public Kernel {
 // are the layer's state, as a variable's value is, written only by this op); then every live row
 // attends to positions 0..its own of its slot, so rows of one request in one step (a prompt's
 // chunk) see each other causally. Query head h reads kv head h / (H / Hkv) (grouped-query
-// attention). Scores, softmax and the weighted sum in double.
+// attention). The products by BLAS in T, the softmax's exponentials and sum in double.
 template <class T>
 void paged_attention(KernelContext& ctx, double scale_attr) {
   const char* op = "paged_attention";
@@ -149,39 +159,46 @@ void paged_attention(KernelContext& ctx, double scale_attr) {
     std::copy_n(vp + to_size(r) * row_kv, row_kv, vc + dst);
   }
   const double scale = scale_attr > 0 ? scale_attr : 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> score, acc(to_size(d));
-  std::vector<std::size_t> where;
+  // Per row and head: the scores over its slot's positions block by block (a matrix-vector
+  // product of the block's keys, strided by the kv heads, with the query), the softmax, then the
+  // values weighted the same way: BLAS's gemv on each block's contiguous positions.
+  std::vector<T> score, weight;
+  std::vector<std::size_t> block_at;  // where each block of the slot begins in the caches
+  const auto ld = static_cast<int>(kv_heads * d);
   for (std::int64_t r = 0; r < rows; ++r) {
     T* out_row = out + to_size(r * heads * d);
     if (sp[r] < 0) {
       std::fill_n(out_row, to_size(heads * d), T(0));
       continue;
     }
-    const std::int64_t len = pp[r] + 1;
-    where.resize(to_size(len));
-    for (std::int64_t j = 0; j < len; ++j) where[to_size(j)] = at(r, sp[r], j);
+    const std::int64_t len = pp[r] + 1, n_blocks = (len + block_size - 1) / block_size;
+    block_at.resize(to_size(n_blocks));
+    for (std::int64_t b = 0; b < n_blocks; ++b) block_at[to_size(b)] = at(r, sp[r], b * block_size);
+    at(r, sp[r], len - 1);  // the last position's block is checked too
     score.resize(to_size(len));
+    weight.resize(to_size(len));
     for (std::int64_t h = 0; h < heads; ++h) {
       const T* qr = qp + to_size((r * heads + h) * d);
       const std::size_t kvh = to_size((h / rep) * d);
-      double best = -std::numeric_limits<double>::infinity();
-      for (std::int64_t j = 0; j < len; ++j) {
-        const T* kr = kc + where[to_size(j)] + kvh;
-        double dot = 0;
-        for (std::int64_t i = 0; i < d; ++i) dot += static_cast<double>(qr[i]) * static_cast<double>(kr[i]);
-        score[to_size(j)] = dot * scale;
-        best = std::max(best, score[to_size(j)]);
+      for (std::int64_t b = 0; b < n_blocks; ++b) {
+        const int n = static_cast<int>(std::min(block_size, len - b * block_size));
+        gemv(false, n, static_cast<int>(d), static_cast<T>(scale), kc + block_at[to_size(b)] + kvh, ld, qr, T(0),
+             score.data() + b * block_size);
       }
+      const T best = *std::max_element(score.begin(), score.end());
       double total = 0;
-      std::fill(acc.begin(), acc.end(), 0.0);
       for (std::int64_t j = 0; j < len; ++j) {
-        const double w = std::exp(score[to_size(j)] - best);
+        const double w = std::exp(static_cast<double>(score[to_size(j)]) - static_cast<double>(best));
+        weight[to_size(j)] = static_cast<T>(w);
         total += w;
-        const T* vr = vc + where[to_size(j)] + kvh;
-        for (std::int64_t i = 0; i < d; ++i) acc[to_size(i)] += w * static_cast<double>(vr[i]);
       }
       T* orow = out_row + to_size(h * d);
-      for (std::int64_t i = 0; i < d; ++i) orow[i] = static_cast<T>(acc[to_size(i)] / total);
+      std::fill_n(orow, to_size(d), T(0));
+      for (std::int64_t b = 0; b < n_blocks; ++b) {
+        const int n = static_cast<int>(std::min(block_size, len - b * block_size));
+        gemv(true, n, static_cast<int>(d), static_cast<T>(1.0 / total), vc + block_at[to_size(b)] + kvh, ld,
+             weight.data() + b * block_size, T(1), orow);
+      }
     }
   }
 }

@@ -204,8 +204,11 @@ TEST_CASE("Serve.TheDecodeStepOverThePagedCacheComputesTheTrainingModelsLogits")
         if (n > 0 && fed[static_cast<std::size_t>(s)] == seqs[static_cast<std::size_t>(s)].size()) last_row.emplace_back(s, row - 1);
       }
       for (; row < 6; ++row) slots[row] = -1;
+      auto* sample = p.input("sample_rows").data<std::int32_t>().data();
+      for (std::size_t k = 0; k < 3; ++k) sample[k] = k < last_row.size() ? last_row[k].second : 0;
       const Tensor& out = p.run()[0];
-      for (auto [s, r] : last_row) {
+      for (std::size_t k = 0; k < last_row.size(); ++k) {
+        const int s = last_row[k].first, r = static_cast<int>(k);  // the logits' row k is sample_rows[k]
         auto& seq = seqs[static_cast<std::size_t>(s)];
         const auto ref = full_logits(m, *params, seq).back();
         std::vector<double> got;
