@@ -66,6 +66,7 @@ Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
   }
   const Shape cache{cache_blocks_, s.block_size, m.kv_heads(), m.head_dim()};
   for (std::int64_t l = 0; l < 2 * m.layers(); ++l) caches_.push_back(Tensor::zeros(cache, m.dtype()));
+  std::size_t buffer_bytes = 0;
   for (std::int64_t rows : bucket_rows(s.max_batch_tokens)) {
     Bucket b;
     b.rows = rows;
@@ -73,15 +74,17 @@ Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
     Value logits = decode_step(*b.graph, m,
                                StepShape{.rows = rows, .slots = s.max_batch, .blocks_per_slot = blocks_per_slot_,
                                          .block_size = s.block_size, .cache_blocks = cache_blocks_});
+    std::map<std::string, Tensor> caches;  // one cache for every program
+    for (std::int64_t l = 0; l < m.layers(); ++l) {
+      caches[fmt::format("cache.k.{}", l)] = caches_[static_cast<std::size_t>(2 * l)];
+      caches[fmt::format("cache.v.{}", l)] = caches_[static_cast<std::size_t>(2 * l + 1)];
+    }
     try {
-      b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{logits}, s.params);
+      b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{logits}, s.params, caches);
     } catch (const GraphError& e) {
       throw std::invalid_argument(fmt::format("the weights do not fit the {} model: {}", m.name(), e.what()));
     }
-    for (std::int64_t l = 0; l < m.layers(); ++l) {
-      b.program->input(fmt::format("cache.k.{}", l)) = caches_[static_cast<std::size_t>(2 * l)];
-      b.program->input(fmt::format("cache.v.{}", l)) = caches_[static_cast<std::size_t>(2 * l + 1)];
-    }
+    buffer_bytes += b.program->buffer_bytes();
     buckets_.push_back(std::move(b));
   }
   for (std::int64_t i = cache_blocks_; i-- > 0;) free_blocks_.push_back(static_cast<std::int32_t>(i));
@@ -89,10 +92,10 @@ Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
   weights_ = s.weights;
   if (s.log) {
     s.log(fmt::format("KV cache: {} blocks of {} positions, {} tokens ({:.1f} MiB over {} layers); {} requests at "
-                      "most in a batch, {} rows a step",
+                      "most in a batch, {} rows a step; the steps' buffers {:.1f} MiB ({} programs)",
                       cache_blocks_, s.block_size, cache_tokens(),
                       static_cast<double>(cache_blocks_ * block_bytes) / (1 << 20), m.layers(), s.max_batch,
-                      s.max_batch_tokens));
+                      s.max_batch_tokens, static_cast<double>(buffer_bytes) / (1 << 20), buckets_.size()));
   }
   thread_ = std::thread([this] { loop(); });
 }

@@ -384,7 +384,9 @@ void choose_blas_kernels(char** argv) {
                   "OPENBLAS_CORETYPE={} (set OPENBLAS_CORETYPE to choose yourself)",
                   core));
   ::setenv("OPENBLAS_CORETYPE", core, 1);
-  ::execv("/proc/self/exe", argv);
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);  // its own name, not "exe", in ps
+  ::execv(ec ? "/proc/self/exe" : self.c_str(), argv);
   log(fmt::format("could not start again ({}): going on with the SSE3 kernels", std::strerror(errno)));
 }
 

@@ -20,7 +20,7 @@ struct Program::Step {
 };
 
 Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<const ParameterStore> params,
-                 const KernelRegistry& kernels)
+                 const std::map<std::string, Tensor>& inputs, const KernelRegistry& kernels)
     : g_(g), params_(std::move(params)) {
   if (!params_) throw GraphError("Program: no ParameterStore");
   needed_ = passes::detail::needed_nodes(g, fetches);
@@ -37,7 +37,15 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
     const Node& n = g.node(id);
     root[static_cast<std::size_t>(id)] = id;
     if (n.op == "input") {
-      values_[id] = Tensor::zeros(n.shape, n.dtype);
+      if (auto given = inputs.find(n.name); given != inputs.end()) {
+        if (given->second.shape() != n.shape || given->second.dtype() != n.dtype) {
+          throw GraphError(fmt::format("Program: input '{}' is {}{} but was given {}", n.name, name(n.dtype),
+                                       to_string(n.shape), given->second.describe()));
+        }
+        values_[id] = given->second;
+      } else {
+        values_[id] = Tensor::zeros(n.shape, n.dtype);
+      }
       inputs_[n.name] = id;
     } else if (n.op == "variable") {
       // bound below

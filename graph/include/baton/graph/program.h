@@ -28,7 +28,10 @@ class Program {
   /// Compiles what `fetches` need. Variables read `params` (kept; set_params() swaps them).
   /// Throws GraphError for an op without a CPU kernel of its dtype or a variable `params`
   /// lacks or holds in another shape or dtype.
+  /// `inputs`: tensors some inputs read from the start instead of zeros the program allocates
+  /// (state several programs share, such as a KV cache: allocated once, by the caller).
   Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<const ParameterStore> params,
+          const std::map<std::string, Tensor>& inputs = {},
           const KernelRegistry& kernels = KernelRegistry::with_builtin_kernels());
   ~Program();
   Program(const Program&) = delete;
