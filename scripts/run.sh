@@ -49,7 +49,10 @@ packages=(
 # (slurm-wlm's slurmctld and slurmd, munge; tests/slurm/cluster.sh). Without them those tests
 # skip, and under CI=true a skip of anything but a GPU fails (tests/skip.h), so CI must install
 # them.
-test_packages=(chromium python3 python3-torch libtorch-dev slurm-wlm munge nodejs npm)
+test_packages=(chromium python3 python3-torch libtorch-dev slurm-wlm munge nodejs)
+# The openai client tests need npm too: Debian's package, unless an npm is there already (a
+# NodeSource nodejs carries its own, and conflicts with Debian's npm).
+command -v npm >/dev/null 2>&1 || test_packages+=(npm)
 
 install_missing() {
   local missing=()
