@@ -374,7 +374,7 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
     const std::int64_t at = logit_row[i] * vocab;
     if (logits.dtype() == DType::f64) {
       const double* src = static_cast<const double*>(logits.raw()) + at;
-      for (std::int64_t i = 0; i < vocab; ++i) row[static_cast<std::size_t>(i)] = static_cast<float>(src[i]);
+      for (std::int64_t v = 0; v < vocab; ++v) row[static_cast<std::size_t>(v)] = static_cast<float>(src[v]);
     } else {
       const float* src = static_cast<const float*>(logits.raw()) + at;
       std::copy_n(src, vocab, row.begin());
