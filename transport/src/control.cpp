@@ -898,13 +898,14 @@ struct RendezvousServer::Impl {
 
   void complete_rejoin() {
     rejoin->timer->cancel();
-    auto go = message("go");
-    go["step"] = rejoin->step;
-    rejoin->peer->channel->send(go);
     {
+      // Recorded before "go": whoever learns from the rank that it is back finds it here.
       std::lock_guard lock(mutex);  // RendezvousServer::rejoined() reads it from other threads
       rejoined.emplace_back(rejoin->info.rank, rejoin->step);
     }
+    auto go = message("go");
+    go["step"] = rejoin->step;
+    rejoin->peer->channel->send(go);
     rejoin.reset();
     start_next_rejoin();
   }
