@@ -23,14 +23,17 @@ runs on for its longest member).
 import argparse
 import json
 import math
+import os
 import resource
-import struct
 import sys
 import time
 
 import torch
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+# The safetensors reader and writer the tests' references use (tests/llama_reference.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from llama_reference import read_safetensors, write_safetensors  # noqa: E402
 
 
 def gpt2_shapes(vocab, d, layers, positions):
@@ -45,7 +48,7 @@ def gpt2_shapes(vocab, d, layers, positions):
 
 def write_weights(a):
     torch.manual_seed(a.seed)
-    header, blobs, offset = {}, [], 0
+    weights = {}
     for name, shape in gpt2_shapes(a.vocab, a.d_model, a.layers, a.positions).items():
         # GPT-2's initialisation (N(0, 0.02) matrices, unit norm scales), biases small and random.
         if len(shape) == 2:
@@ -54,31 +57,8 @@ def write_weights(a):
             t = 1.0 + 0.1 * torch.randn(shape) if name.endswith(".weight") else 0.02 * torch.randn(shape)
         else:
             t = 0.02 * torch.randn(shape)
-        raw = t.float().contiguous().numpy().tobytes()
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
-    with open(a.file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for b in blobs:
-            f.write(b)
-
-
-def read_weights(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = e["data_offsets"]
-        out[name] = torch.frombuffer(bytearray(data[8 + n + begin:8 + n + end]), dtype=torch.float32).view(e["shape"])
-    return out
+        weights[name] = t.float()
+    write_safetensors(a.file, weights)
 
 
 class Gpt2:
@@ -209,7 +189,7 @@ def run(a):
     torch.set_num_threads(a.threads)
     with open(a.points, encoding="utf-8") as f:
         spec = json.load(f)
-    model = Gpt2(read_weights(a.file), a.heads)
+    model = Gpt2(read_safetensors(a.file), a.heads)
     if spec.get("warmup"):
         run_point(model, {"case": "warmup", "requests": spec["warmup"], "clients": 1}, a.max_batch)
     for point in spec["points"]:
