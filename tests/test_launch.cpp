@@ -629,6 +629,42 @@ TEST_CASE("Launch.RankIgnoringSigtermIsKilledAfterTheGrace" * doctest::timeout(6
   for (pid_t pid : printed_pids(done.out)) CHECK(pid_is_gone(pid));
 }
 
+TEST_CASE("Launch.StopGraceLetsTheRanksStopOnTheirOwn" * doctest::timeout(60)) {
+  // --stop-grace (a server draining): the ranks get SIGTERM and stop on their own, 1 s later
+  // here; every rank exits 0, so the job does.
+  Process p(launch_args({"--nproc-per-node", "2", "--stop-grace", "20"},
+                        "trap 'sleep 1; echo drained; exit 0' TERM; echo ready; while true; do sleep 0.1; done"));
+  REQUIRE(p.wait_for_stdout("ready", 2, 20s));
+  ::kill(p.pid(), SIGTERM);
+  const auto done = p.finish(30s);
+  INFO("stdout:\n", done.out, "\nstderr:\n", done.err);
+  CHECK(done.code() == 0);
+  const auto out = lines_by_rank(done.out);
+  for (int rank : {0, 1}) {
+    REQUIRE(out.count(rank));
+    CHECK(out.at(rank).back() == "drained");
+  }
+  CHECK(done.err.find("have 20 s to stop on their own") != std::string::npos);
+}
+
+TEST_CASE("Launch.StopGraceEndsTheJobWhenARankDoesNotStop" * doctest::timeout(60)) {
+  // A rank that ignores SIGTERM: at the end of --stop-grace the job ends as for any failure
+  // (SIGKILL after the term grace), with the signal's exit code and the reason.
+  Process p(launch_args({"--nproc-per-node", "2", "--stop-grace", "1"},
+                        "trap '' TERM; echo pid $$; echo ready; while true; do sleep 0.1; done"));
+  REQUIRE(p.wait_for_stdout("ready", 2, 20s));
+  const auto signalled = Clock::now();
+  ::kill(p.pid(), SIGTERM);
+  const auto done = p.finish(30s);
+  const double seconds = std::chrono::duration<double>(Clock::now() - signalled).count();
+  INFO("stdout:\n", done.out, "\nstderr:\n", done.err);
+  CHECK(done.code() == 128 + SIGTERM);
+  CHECK(seconds > 1);
+  CHECK(seconds < 15);
+  CHECK(done.err.find("did not stop within --stop-grace 1 s of SIGTERM") != std::string::npos);
+  for (pid_t pid : printed_pids(done.out)) CHECK(pid_is_gone(pid));
+}
+
 TEST_CASE("Launch.RanksDieWithTheLauncher" * doctest::timeout(60)) {
   Process p(launch_args({"--nproc-per-node", "2"}, "echo pid $$; exec sleep 100"));
   REQUIRE(p.wait_for_stdout("pid", 2, 20s));

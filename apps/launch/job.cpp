@@ -406,6 +406,7 @@ class Job {
       if (t) next = std::min(next, std::max(*t, now));
     };
     consider(kill_ranks_at_);
+    consider(stop_by_);
     consider(term_nodes_at_);
     consider(kill_nodes_at_);
     consider(give_up_at_);
@@ -630,6 +631,23 @@ class Job {
   }
 
   void on_launcher_signal(int sig) {
+    if (!failure_ && stop_by_) {
+      stop_by_.reset();
+      fail(fmt::format("{} again while the ranks stop: ending the job", signal_name(sig)), 128 + sig, std::nullopt,
+           launcher_signal_reason(sig), sig);
+      return;
+    }
+    if (!failure_ && supervision_.stop_grace.count() > 0) {
+      // The ranks stop on their own (a server drains): the job ends as their exits say.
+      stop_by_ = Clock::now() + supervision_.stop_grace;
+      stop_signal_ = sig;
+      stderr_.append(fmt::format("baton-launch: received {}: forwarding it to the ranks, which have {} s to stop on "
+                                 "their own (--stop-grace; again to end the job now)\n",
+                                 signal_name(sig),
+                                 std::chrono::duration_cast<std::chrono::seconds>(supervision_.stop_grace).count()));
+      signal_children(Child::Kind::rank, sig);
+      return;
+    }
     if (failure_) {
       // A second Ctrl-C: no more patience.
       if (sig == SIGINT || sig == SIGTERM) {
@@ -640,16 +658,17 @@ class Job {
       }
       return;
     }
-    // Other nodes' launchers can only report a rank: theirs is "rank R (host H): its launcher ...".
-    const std::string reason =
-        server_
-            ? fmt::format("the launcher of node 0 (host {}) received {}", host_, signal_name(sig))
-            : fmt::format("its launcher (node {}) received {}", plan_.node_rank, signal_name(sig));
     // The ranks get the signal the launcher got (SIGINT, SIGTERM, SIGHUP), then SIGKILL after
     // the grace.
     fail(
         fmt::format("received {}: forwarding it to the ranks and ending the job", signal_name(sig)),
-        128 + sig, std::nullopt, reason, sig);
+        128 + sig, std::nullopt, launcher_signal_reason(sig), sig);
+  }
+
+  std::string launcher_signal_reason(int sig) const {
+    // Other nodes' launchers can only report a rank: theirs is "rank R (host H): its launcher ...".
+    return server_ ? fmt::format("the launcher of node 0 (host {}) received {}", host_, signal_name(sig))
+                   : fmt::format("its launcher (node {}) received {}", plan_.node_rank, signal_name(sig));
   }
 
   void begin_termination(int sig) {
@@ -667,6 +686,12 @@ class Job {
       t.reset();
       return true;
     };
+    if (!failure_ && due(stop_by_)) {
+      fail(fmt::format("the ranks did not stop within --stop-grace {} s of {}: ending the job",
+                       std::chrono::duration_cast<std::chrono::seconds>(supervision_.stop_grace).count(),
+                       signal_name(stop_signal_)),
+           128 + stop_signal_, std::nullopt, launcher_signal_reason(stop_signal_), SIGKILL);
+    }
     if (due(kill_ranks_at_)) signal_children(Child::Kind::rank, SIGKILL);
     if (due(term_nodes_at_)) signal_children(Child::Kind::node, SIGTERM);
     if (due(kill_nodes_at_)) signal_children(Child::Kind::node, SIGKILL);
@@ -706,6 +731,8 @@ class Job {
   std::optional<Failure> failure_;
   std::optional<Clock::time_point> kill_ranks_at_, term_nodes_at_, kill_nodes_at_, give_up_at_,
       finish_deadline_;
+  std::optional<Clock::time_point> stop_by_;  // --stop-grace: the ranks stop on their own by then
+  int stop_signal_ = 0;
 };
 
 }  // namespace

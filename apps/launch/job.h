@@ -14,6 +14,12 @@ namespace baton::launch {
 struct Supervision {
   /// After the first failure, how long the other ranks have between SIGTERM and SIGKILL.
   std::chrono::milliseconds term_grace{3'000};
+  /// A signal to the launcher (SIGTERM, SIGINT, SIGHUP; --stop-grace). 0: it ends the job at
+  /// once (the ranks get the signal and the job's abort, SIGKILL after term_grace). More: the
+  /// ranks get the signal and this long to exit on their own, the job ending as their exits say
+  /// (0 if every rank exits 0: a server that drained its requests, baton-serve); a rank still
+  /// running then, or a second signal, ends the job as above.
+  std::chrono::milliseconds stop_grace{0};
   /// After the first failure, how long the other nodes' launchers (--hosts: ssh children) have
   /// to end on their own, having heard the abort from the rendezvous server, before ssh gets
   /// SIGTERM (and SIGKILL term_grace later).

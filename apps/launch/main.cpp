@@ -115,6 +115,11 @@ int main(int argc, char** argv) {
   app.add_option("--dashboard", dashboard.listen,
                  "serve a live dashboard of the whole job at HOST:PORT (:PORT or PORT: on 127.0.0.1; port 0: "
                  "any free one); node 0 serves it");
+  double stop_grace_s = 0;
+  app.add_option("--stop-grace", stop_grace_s,
+                 "seconds the ranks have to stop on their own after SIGTERM or Ctrl-C to the launcher (a server "
+                 "draining: baton-serve), the job ending as their exits say; default 0: the job ends at once")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--dashboard-linger", dashboard_linger_s,
                  "keep the dashboard up this many seconds after the job ends")
       ->check(CLI::NonNegativeNumber);
@@ -170,7 +175,9 @@ int main(int argc, char** argv) {
     dashboard.listen.clear();
   }
   try {
-    return run_job(plan, {}, dashboard);
+    Supervision supervision;
+    supervision.stop_grace = std::chrono::milliseconds(static_cast<std::int64_t>(stop_grace_s * 1000));
+    return run_job(plan, supervision, dashboard);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     fmt::print(stderr, "baton-launch: {}\n", e.what());
