@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -11,100 +12,122 @@ namespace {
 
 using Kind = DecodeModel::Kind;
 
-// What every step graph starts with: its inputs.
+// What every step graph starts with: its inputs. `hidden` for a stage after the first, `tokens`
+// for the first; `sample_rows` for the last.
 struct StepInputs {
-  Value tokens, positions, slots, table, sample_rows;
-  std::vector<Value> k_cache, v_cache;
+  Value tokens, hidden, positions, slots, table, sample_rows;
+  std::int64_t begin = 0, end = 0;  // the stage's layers
+  bool first = true, last = true;
+  std::vector<Value> k_cache, v_cache;  // by layer - begin
 };
 
 StepInputs step_inputs(Graph& g, const DecodeModel& m, const StepShape& s) {
   StepInputs in;
-  in.tokens = g.input("tokens", {s.rows}, DType::i32);
+  in.begin = s.first_layer;
+  in.end = s.end_layer < 0 ? m.layers() : s.end_layer;
+  in.first = in.begin == 0;
+  in.last = in.end == m.layers();
+  if (in.first) {
+    in.tokens = g.input("tokens", {s.rows}, DType::i32);
+  } else {
+    in.hidden = g.input("hidden", {s.rows, m.width()}, m.dtype());
+  }
   in.positions = g.input("positions", {s.rows}, DType::i32);
   in.slots = g.input("slots", {s.rows}, DType::i32);
   in.table = g.input("block_table", {s.slots, s.blocks_per_slot}, DType::i32);
-  in.sample_rows = g.input("sample_rows", {std::min(s.rows, s.slots)}, DType::i32);
+  if (in.last) in.sample_rows = g.input("sample_rows", {std::min(s.rows, s.slots)}, DType::i32);
   const Shape cache{s.cache_blocks, s.block_size, m.kv_heads(), m.head_dim()};
-  for (std::int64_t l = 0; l < m.layers(); ++l) {
+  for (std::int64_t l = in.begin; l < in.end; ++l) {
     in.k_cache.push_back(g.input(fmt::format("cache.k.{}", l), cache, m.dtype()));
     in.v_cache.push_back(g.input(fmt::format("cache.v.{}", l), cache, m.dtype()));
   }
   return in;
 }
 
+// A weight of the step (the same one again where a tied table is read twice).
+Value weight(Graph& g, const std::string& name, Shape shape, DType dtype) {
+  if (Value v = g.find(name); v.valid()) return v;
+  return g.variable(name, std::move(shape), init::zeros(), dtype);
+}
+
 // [R, n dh] -> attention over the cache -> [R, heads dh].
-Value attend(const StepInputs& in, std::size_t layer, Value q, Value k, Value v, std::int64_t heads,
+Value attend(const StepInputs& in, std::int64_t layer, Value q, Value k, Value v, std::int64_t heads,
              std::int64_t kv_heads, std::int64_t dh) {
   const std::int64_t r = q.dim(0);
   Value o = paged_attention(reshape(q, {r, heads, dh}), reshape(k, {r, kv_heads, dh}), reshape(v, {r, kv_heads, dh}),
-                            in.slots, in.positions, in.table, in.k_cache[layer], in.v_cache[layer]);
+                            in.slots, in.positions, in.table, in.k_cache[static_cast<std::size_t>(layer - in.begin)],
+                            in.v_cache[static_cast<std::size_t>(layer - in.begin)]);
   return reshape(o, {r, heads * dh});
 }
 
 Value gpt_step(Graph& g, const models::GptShape& m, const StepInputs& in) {
   const std::int64_t d = m.d_model, nh = m.heads, dh = d / nh;
-  auto w = [&](const std::string& name, Shape shape) { return g.variable(name, std::move(shape), init::zeros(), m.dtype); };
-  Value x = embedding(w("wte", {m.vocab, d}), in.tokens) + embedding(w("wpe", {m.seq, d}), in.positions);  // [R, d]
-  for (std::int64_t l = 0; l < m.layers; ++l) {
+  auto w = [&](const std::string& name, Shape shape) { return weight(g, name, std::move(shape), m.dtype); };
+  Value x = in.first ? embedding(w("wte", {m.vocab, d}), in.tokens) + embedding(w("wpe", {m.seq, d}), in.positions)
+                     : in.hidden;  // [R, d]
+  for (std::int64_t l = in.begin; l < in.end; ++l) {
     auto p = [&](const char* what) { return fmt::format("h{}.{}", l, what); };
     Value h = layer_norm(x, w(p("ln1.g"), {d}), w(p("ln1.b"), {d}));
     Value q = matmul(h, w(p("attn.wq"), {d, d})), k = matmul(h, w(p("attn.wk"), {d, d})),
           v = matmul(h, w(p("attn.wv"), {d, d}));
-    x = x + matmul(attend(in, static_cast<std::size_t>(l), q, k, v, nh, nh, dh), w(p("attn.wo"), {d, d}));
+    x = x + matmul(attend(in, l, q, k, v, nh, nh, dh), w(p("attn.wo"), {d, d}));
     Value h2 = layer_norm(x, w(p("ln2.g"), {d}), w(p("ln2.b"), {d}));
     Value h1 = matmul(h2, w(p("mlp.w1"), {d, 4 * d}));
     Value b1 = w(p("mlp.b1"), {4 * d});
     Value fc = m.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
     x = x + matmul(fc, w(p("mlp.w2"), {4 * d, d})) + w(p("mlp.b2"), {d});
   }
+  if (!in.last) return x;
   Value xf = layer_norm(embedding(x, in.sample_rows), w("lnf.g", {d}), w("lnf.b", {d}));
   return matmul(xf, w("head.w", {d, m.vocab}));
 }
 
 Value gpt2_step(Graph& g, const models::Gpt2Shape& m, std::int64_t positions, const StepInputs& in) {
   const std::int64_t d = m.d_model, nh = m.heads, dh = d / nh;
-  auto w = [&](const std::string& name, Shape shape) { return g.variable(name, std::move(shape), init::zeros(), m.dtype); };
+  auto w = [&](const std::string& name, Shape shape) { return weight(g, name, std::move(shape), m.dtype); };
   auto norm = [&](Value x, const std::string& name) {
     return layer_norm(x, w(name + ".weight", {d}), w(name + ".bias", {d}), m.norm_eps);
   };
   auto linear = [&](Value x, const std::string& name, std::int64_t n_in, std::int64_t n_out) {
     return matmul(x, w(name + ".weight", {n_in, n_out})) + w(name + ".bias", {n_out});
   };
-  Value wte = w("wte.weight", {m.vocab, d});
-  Value x = embedding(wte, in.tokens) + embedding(w("wpe.weight", {positions, d}), in.positions);
-  for (std::int64_t l = 0; l < m.layers; ++l) {
+  Value x = in.first ? embedding(w("wte.weight", {m.vocab, d}), in.tokens) +
+                         embedding(w("wpe.weight", {positions, d}), in.positions)
+                     : in.hidden;
+  for (std::int64_t l = in.begin; l < in.end; ++l) {
     const std::string p = fmt::format("h.{}.", l);
     Value qkv = linear(norm(x, p + "ln_1"), p + "attn.c_attn", d, 3 * d);  // [R, 3 d]
-    Value o = attend(in, static_cast<std::size_t>(l), slice(qkv, 1, 0, d), slice(qkv, 1, d, 2 * d),
+    Value o = attend(in, l, slice(qkv, 1, 0, d), slice(qkv, 1, d, 2 * d),
                      slice(qkv, 1, 2 * d, 3 * d), nh, nh, dh);
     x = x + linear(o, p + "attn.c_proj", d, d);
     x = x + linear(models::gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d)), p + "mlp.c_proj", 4 * d, d);
   }
-  return matmul(norm(embedding(x, in.sample_rows), "ln_f"), wte, false, true);
+  if (!in.last) return x;
+  return matmul(norm(embedding(x, in.sample_rows), "ln_f"), w("wte.weight", {m.vocab, d}), false, true);
 }
 
 Value llama_step(Graph& g, const models::LlamaShape& m, const StepInputs& in) {
-  const std::int64_t d = m.d_model, nh = m.heads, nkv = m.kv_heads, dh = d / nh, r = in.tokens.dim(0);
-  auto w = [&](const std::string& name, Shape shape) { return g.variable(name, std::move(shape), init::zeros(), m.dtype); };
+  const std::int64_t d = m.d_model, nh = m.heads, nkv = m.kv_heads, dh = d / nh, r = in.positions.dim(0);
+  auto w = [&](const std::string& name, Shape shape) { return weight(g, name, std::move(shape), m.dtype); };
   auto norm = [&](Value x, const std::string& name) { return rms_norm(x, w(name, {d}), m.norm_eps); };
   auto rotate = [&](Value x, std::int64_t heads) {
     return reshape(rope_at(reshape(x, {r, heads, dh}), in.positions, m.rope_base), {r, heads * dh});
   };
-  Value table = w("model.embed_tokens.weight", {m.vocab, d});
-  Value x = embedding(table, in.tokens);
-  for (std::int64_t l = 0; l < m.layers; ++l) {
+  Value x = in.first ? embedding(w("model.embed_tokens.weight", {m.vocab, d}), in.tokens) : in.hidden;
+  for (std::int64_t l = in.begin; l < in.end; ++l) {
     auto p = [&](const char* what) { return fmt::format("model.layers.{}.{}", l, what); };
     Value h = norm(x, p("input_layernorm.weight"));
     Value q = rotate(matmul(h, w(p("self_attn.q_proj.weight"), {d, nh * dh})), nh);
     Value k = rotate(matmul(h, w(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv);
     Value v = matmul(h, w(p("self_attn.v_proj.weight"), {d, nkv * dh}));
-    x = x + matmul(attend(in, static_cast<std::size_t>(l), q, k, v, nh, nkv, dh), w(p("self_attn.o_proj.weight"), {nh * dh, d}));
+    x = x + matmul(attend(in, l, q, k, v, nh, nkv, dh), w(p("self_attn.o_proj.weight"), {nh * dh, d}));
     Value h2 = norm(x, p("post_attention_layernorm.weight"));
     x = x + swiglu(h2, w(p("mlp.gate_proj.weight"), {d, m.ffn_hidden}), w(p("mlp.up_proj.weight"), {d, m.ffn_hidden}),
                    w(p("mlp.down_proj.weight"), {m.ffn_hidden, d}));
   }
+  if (!in.last) return x;
   Value xf = norm(embedding(x, in.sample_rows), "model.norm.weight");
-  return m.tie_embeddings ? matmul(xf, table, false, true) : matmul(xf, w("lm_head.weight", {d, m.vocab}));
+  return m.tie_embeddings ? matmul(xf, w("model.embed_tokens.weight", {m.vocab, d}), false, true) : matmul(xf, w("lm_head.weight", {d, m.vocab}));
 }
 
 }  // namespace
@@ -140,6 +163,9 @@ std::int64_t DecodeModel::head_dim() const {
   return kind == Kind::gpt ? gpt.d_model / gpt.heads
                            : kind == Kind::gpt2 ? gpt2.d_model / gpt2.heads : llama.d_model / llama.heads;
 }
+std::int64_t DecodeModel::width() const {
+  return kind == Kind::gpt ? gpt.d_model : kind == Kind::gpt2 ? gpt2.d_model : llama.d_model;
+}
 DType DecodeModel::dtype() const {
   return kind == Kind::gpt ? gpt.dtype : kind == Kind::gpt2 ? gpt2.dtype : llama.dtype;
 }
@@ -161,6 +187,11 @@ Value decode_step(Graph& g, const DecodeModel& m, const StepShape& s) {
                                  "must all be >= 1",
                                  s.rows, s.slots, s.blocks_per_slot, s.block_size, s.cache_blocks));
   }
+  const std::int64_t end = s.end_layer < 0 ? m.layers() : s.end_layer;
+  if (s.first_layer < 0 || end <= s.first_layer || end > m.layers()) {
+    throw GraphError(fmt::format("decode_step: the stage's layers [{}, {}) are not a non-empty range of the model's {}",
+                                 s.first_layer, end, m.layers()));
+  }
   const StepInputs in = step_inputs(g, m, s);
   Value logits;
   switch (m.kind) {
@@ -168,7 +199,23 @@ Value decode_step(Graph& g, const DecodeModel& m, const StepShape& s) {
     case Kind::gpt2: logits = gpt2_step(g, m.gpt2, m.context(), in); break;
     case Kind::llama: logits = llama_step(g, m.llama, in); break;
   }
-  return logits.named("logits");
+  return logits.named(in.last ? "logits" : "hidden_out");
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> stage_layers(std::int64_t layers, std::int64_t pp) {
+  if (pp < 1 || pp > layers) {
+    throw std::invalid_argument(
+        fmt::format("--pp {}: a pipeline needs between 1 and the model's {} layers stages (one layer at least each)",
+                    pp, layers));
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> stages;
+  std::int64_t begin = 0;
+  for (std::int64_t s = 0; s < pp; ++s) {
+    const std::int64_t n = layers / pp + (s < layers % pp ? 1 : 0);
+    stages.emplace_back(begin, begin + n);
+    begin += n;
+  }
+  return stages;
 }
 
 }  // namespace baton::serve

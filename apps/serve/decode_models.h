@@ -2,9 +2,11 @@
 // The models of baton-train (apps/train/models.h) as serving's decode step: the same weights by
 // the same names, but the rows of a step are tokens of many requests at their own positions, and
 // attention reads and writes a paged KV cache (ops.h: paged_attention) instead of seeing a whole
-// sequence. One device's model (tp 1).
+// sequence. One device's model (tp 1), whole or one pipeline stage's layers of it (pp).
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "baton/graph.h"
 #include "models.h"
@@ -27,6 +29,7 @@ struct DecodeModel {
   std::int64_t kv_heads() const;
   std::int64_t head_dim() const;
   DType dtype() const;
+  std::int64_t width() const;  // d_model: the rows' width between stages
   /// The training model at batch 1 (its logits [seq, vocab]), for checking a decode against it.
   Value full(Graph& g) const;
 };
@@ -39,7 +42,16 @@ struct StepShape {
   std::int64_t blocks_per_slot = 1;
   std::int64_t block_size = 16;
   std::int64_t cache_blocks = 1;
+  /// The pipeline stage's layers, [first_layer, end_layer) (end_layer -1: to the last). The first
+  /// stage (first_layer 0) embeds the tokens; the last (to the last layer) ends in the head.
+  std::int64_t first_layer = 0;
+  std::int64_t end_layer = -1;
 };
+
+/// The layers of each of `pp` pipeline stages, [begin, end): as even as they go, the earlier
+/// stages taking one more where they do not divide (the last also runs the head, the largest
+/// product). Throws std::invalid_argument when pp is < 1 or more than the layers.
+std::vector<std::pair<std::int64_t, std::int64_t>> stage_layers(std::int64_t layers, std::int64_t pp);
 
 /// The decode step's graph. Inputs "tokens", "positions", "slots" (i32 [rows]; a row of slot < 0
 /// is padding), "block_table" (i32 [slots, blocks_per_slot]), "sample_rows" (i32 [min(rows,
@@ -48,6 +60,11 @@ struct StepShape {
 /// layer l, "cache.k.<l>" and "cache.v.<l>" ([cache_blocks, block_size, kv_heads, head_dim], the
 /// model's dtype: the caller keeps them from step to step). Returns the logits [min(rows, slots),
 /// vocab], row k for sample_rows[k].
+///
+/// A stage of a pipeline (StepShape::first_layer, end_layer) has the caches of its layers only;
+/// a stage after the first reads "hidden" ([rows, width], the model's dtype: what the stage
+/// before returned) instead of "tokens"; a stage before the last returns "hidden" instead of
+/// the logits and has no "sample_rows".
 Value decode_step(Graph& g, const DecodeModel& m, const StepShape& s);
 
 }  // namespace baton::serve

@@ -26,17 +26,7 @@ struct Engine::Live {
 };
 
 namespace {
-
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
-
-// The row buckets: 2, 4, 8, ... below max, then max.
-std::vector<std::int64_t> bucket_rows(std::int64_t max) {
-  std::vector<std::int64_t> rows;
-  for (std::int64_t r = 2; r < max; r *= 2) rows.push_back(r);
-  rows.push_back(max);
-  return rows;
-}
-
 }  // namespace
 
 Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
@@ -48,54 +38,19 @@ Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
         "--max-batch {}, --max-batch-tokens {} and --block-size {} must be >= 1, --max-queue {} >= 0", s.max_batch,
         s.max_batch_tokens, s.block_size, s.max_queue));
   }
-  if (s.max_batch > s.max_batch_tokens) {
-    throw std::invalid_argument(fmt::format(
-        "--max-batch {} is more than --max-batch-tokens {}: every running request needs a row in each step",
-        s.max_batch, s.max_batch_tokens));
-  }
-  blocks_per_slot_ = ceil_div(m.context(), s.block_size);
-  const std::int64_t block_bytes = m.layers() * 2 * s.block_size * m.kv_heads() * m.head_dim() *
-                                   static_cast<std::int64_t>(size_of(m.dtype()));
-  cache_blocks_ = std::min(s.kv_cache_bytes / block_bytes, s.max_batch * blocks_per_slot_);
-  if (cache_blocks_ < blocks_per_slot_) {
-    throw std::invalid_argument(fmt::format(
-        "the KV cache of {} bytes holds {} blocks of {} positions ({} bytes each over {} layers), fewer than one "
-        "request of the whole context ({} positions) needs: give it at least {} bytes",
-        s.kv_cache_bytes, s.kv_cache_bytes / block_bytes, s.block_size, block_bytes, m.layers(), m.context(),
-        blocks_per_slot_ * block_bytes));
-  }
-  const Shape cache{cache_blocks_, s.block_size, m.kv_heads(), m.head_dim()};
-  for (std::int64_t l = 0; l < 2 * m.layers(); ++l) caches_.push_back(Tensor::zeros(cache, m.dtype()));
-  std::size_t buffer_bytes = 0;
-  for (std::int64_t rows : bucket_rows(s.max_batch_tokens)) {
-    Bucket b;
-    b.rows = rows;
-    b.graph = std::make_unique<Graph>();
-    Value logits = decode_step(*b.graph, m,
-                               StepShape{.rows = rows, .slots = s.max_batch, .blocks_per_slot = blocks_per_slot_,
-                                         .block_size = s.block_size, .cache_blocks = cache_blocks_});
-    std::map<std::string, Tensor> caches;  // one cache for every program
-    for (std::int64_t l = 0; l < m.layers(); ++l) {
-      caches[fmt::format("cache.k.{}", l)] = caches_[static_cast<std::size_t>(2 * l)];
-      caches[fmt::format("cache.v.{}", l)] = caches_[static_cast<std::size_t>(2 * l + 1)];
-    }
-    try {
-      b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{logits}, s.params, caches);
-    } catch (const GraphError& e) {
-      throw std::invalid_argument(fmt::format("the weights do not fit the {} model: {}", m.name(), e.what()));
-    }
-    buffer_bytes += b.program->buffer_bytes();
-    buckets_.push_back(std::move(b));
-  }
-  for (std::int64_t i = cache_blocks_; i-- > 0;) free_blocks_.push_back(static_cast<std::int32_t>(i));
+  shape_ = serve_shape(m, s.max_batch, s.max_batch_tokens, s.block_size, s.kv_cache_bytes,
+                       s.cache_layers > 0 ? s.cache_layers : m.layers());
+  runner_ = s.runner ? s.runner(shape_) : std::make_unique<LocalPipeline>(m, s.pp, shape_, s.params);
+  for (std::int64_t i = shape_.cache_blocks; i-- > 0;) free_blocks_.push_back(static_cast<std::int32_t>(i));
   for (std::int64_t i = s.max_batch; i-- > 0;) free_slots_.push_back(i);
   weights_ = s.weights;
   if (s.log) {
-    s.log(fmt::format("KV cache: {} blocks of {} positions, {} tokens ({:.1f} MiB over {} layers); {} requests at "
-                      "most in a batch, {} rows a step; the steps' buffers {:.1f} MiB ({} programs)",
-                      cache_blocks_, s.block_size, cache_tokens(),
-                      static_cast<double>(cache_blocks_ * block_bytes) / (1 << 20), m.layers(), s.max_batch,
-                      s.max_batch_tokens, static_cast<double>(buffer_bytes) / (1 << 20), buckets_.size()));
+    s.log(fmt::format("KV cache: {} blocks of {} positions, {} tokens ({:.1f} MiB in this process); {} requests at "
+                      "most in a batch, {} rows a step; the steps' buffers {:.1f} MiB ({} programs a stage); {}",
+                      shape_.cache_blocks, s.block_size, cache_tokens(),
+                      static_cast<double>(runner_->cache_bytes()) / (1 << 20), s.max_batch, s.max_batch_tokens,
+                      static_cast<double>(runner_->buffer_bytes()) / (1 << 20), shape_.buckets.size(),
+                      runner_->describe()));
   }
   thread_ = std::thread([this] { loop(); });
 }
@@ -179,7 +134,7 @@ Stats Engine::stats() const {
   std::lock_guard lock(mutex_);
   return Stats{.running = static_cast<std::int64_t>(running_.size()),
                .waiting = static_cast<std::int64_t>(waiting_.size()),
-               .kv_cache_usage = 1.0 - static_cast<double>(free_blocks_.size()) / static_cast<double>(cache_blocks_),
+               .kv_cache_usage = 1.0 - static_cast<double>(free_blocks_.size()) / static_cast<double>(shape_.cache_blocks),
                .kv_cache_tokens = cache_tokens(),
                .steps = steps_,
                .weights = weights_,
@@ -209,14 +164,9 @@ void Engine::swap_weights(std::shared_ptr<const ParameterStore> params, const st
                           std::chrono::steady_clock::time_point deadline) {
   if (!params) throw std::invalid_argument("swap_weights: no weights");
   // Checked here, before admission pauses: a program that refuses them keeps its old ones.
-  for (int id = 0; id < buckets_.front().graph->size(); ++id) {
-    const Node& n = buckets_.front().graph->node(id);
-    if (n.op != "variable") continue;
-    if (!params->contains(n.name)) throw std::invalid_argument(fmt::format("the new weights lack '{}'", n.name));
-    if (params->at(n.name).shape() != n.shape || params->at(n.name).dtype() != n.dtype) {
-      throw std::invalid_argument(fmt::format("the new weights' '{}' is {}, the model's {}{}", n.name,
-                                              params->at(n.name).describe(), name(n.dtype), to_string(n.shape)));
-    }
+  if (const std::string why = runner_->swap_refused(); !why.empty()) throw std::invalid_argument(why);
+  if (const std::string why = check_weights(settings_.model, *params); !why.empty()) {
+    throw std::invalid_argument("the new weights " + why);
   }
   std::unique_lock lock(mutex_);
   const std::uint64_t before = swaps_;
@@ -280,9 +230,15 @@ void Engine::loop() {
         continue;
       }
       if (stopping_) return;
+      if (!failed_from_outside_.empty()) {
+        const std::string why = failed_from_outside_;
+        lock.unlock();
+        fail_all(why);
+        return;
+      }
       if (pending_params_ && running_.empty()) {
         try {
-          for (Bucket& b : buckets_) b.program->set_params(pending_params_);
+          runner_->set_params(pending_params_);
           weights_ = pending_label_;
           ++swaps_;
           if (settings_.log) settings_.log(fmt::format("weights swapped in: {}", weights_));
@@ -332,27 +288,25 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
     takes.push_back({r.get(), used, n});
     used += n;
   }
-  Bucket& b = *std::find_if(buckets_.begin(), buckets_.end(), [&](const Bucket& x) { return x.rows >= used; });
-  Program& p = *b.program;
-  auto* tokens = static_cast<std::int32_t*>(p.input("tokens").raw());
-  auto* positions = static_cast<std::int32_t*>(p.input("positions").raw());
-  auto* slots = static_cast<std::int32_t*>(p.input("slots").raw());
-  auto* table = static_cast<std::int32_t*>(p.input("block_table").raw());
-  auto* sample_rows = static_cast<std::int32_t*>(p.input("sample_rows").raw());
-  const std::int64_t samples = p.input("sample_rows").numel();
-  std::fill_n(sample_rows, samples, 0);
-  std::fill_n(tokens, b.rows, 0);
-  std::fill_n(positions, b.rows, 0);
-  std::fill_n(slots, b.rows, -1);
+  const std::int64_t rows = *std::find_if(shape_.buckets.begin(), shape_.buckets.end(), [&](std::int64_t x) { return x >= used; });
+  const std::int64_t bps = shape_.blocks_per_slot;
+  StepRows& in = rows_;
+  in.rows = rows;
+  in.tokens.assign(static_cast<std::size_t>(rows), 0);
+  in.positions.assign(static_cast<std::size_t>(rows), 0);
+  in.slots.assign(static_cast<std::size_t>(rows), -1);
+  in.table.resize(static_cast<std::size_t>(shape_.slots * bps));  // rows of slots not in the step are not read
+  in.sample_rows.assign(static_cast<std::size_t>(std::min(rows, shape_.slots)), 0);
   for (const Take& t : takes) {
     for (std::int64_t i = 0; i < t.rows; ++i) {
       const std::int64_t pos = t.r->fed + i;
-      tokens[t.first_row + i] = t.r->tokens[static_cast<std::size_t>(pos)];
-      positions[t.first_row + i] = static_cast<std::int32_t>(pos);
-      slots[t.first_row + i] = static_cast<std::int32_t>(t.r->slot);
+      const auto at = static_cast<std::size_t>(t.first_row + i);
+      in.tokens[at] = t.r->tokens[static_cast<std::size_t>(pos)];
+      in.positions[at] = static_cast<std::int32_t>(pos);
+      in.slots[at] = static_cast<std::int32_t>(t.r->slot);
     }
-    std::int32_t* row = table + t.r->slot * blocks_per_slot_;
-    std::fill_n(row, blocks_per_slot_, -1);
+    const auto row = in.table.begin() + t.r->slot * bps;
+    std::fill_n(row, bps, -1);
     std::copy(t.r->blocks.begin(), t.r->blocks.end(), row);
   }
   // The rows whose logits are drawn from: each request's last row, if the step reaches its end.
@@ -360,10 +314,10 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
   std::int64_t k = 0;
   for (std::size_t i = 0; i < takes.size(); ++i) {
     if (takes[i].r->fed + takes[i].rows < static_cast<std::int64_t>(takes[i].r->tokens.size())) continue;
-    sample_rows[k] = static_cast<std::int32_t>(takes[i].first_row + takes[i].rows - 1);
+    in.sample_rows[static_cast<std::size_t>(k)] = static_cast<std::int32_t>(takes[i].first_row + takes[i].rows - 1);
     logit_row[i] = k++;
   }
-  const Tensor& logits = p.run()[0];
+  const Tensor& logits = runner_->run(in);
   const std::int64_t vocab = settings_.model.vocab();
   std::int64_t sampled = 0;
   std::vector<float> row(static_cast<std::size_t>(vocab));
@@ -465,6 +419,14 @@ void Engine::finish(Live& r, Finish why, const std::string& error) {
                               .completion_tokens = static_cast<std::int64_t>(r.generated.size())},
                         error);
   }
+}
+
+void Engine::fail(const std::string& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (failed_from_outside_.empty()) failed_from_outside_ = reason;
+  }
+  changed_.notify_all();
 }
 
 void Engine::fail_all(const std::string& reason) {

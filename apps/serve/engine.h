@@ -6,9 +6,10 @@
 // the step with the others' decoding instead of stalling it. The KV cache is paged (blocks of
 // block_size positions), its size fixed at start-up; a request reserves the blocks its prompt
 // plus max_tokens need when it joins the batch and waits until they are free (it never fails for
-// want of memory later). The step runs as a Program (program.h) on one CPU device, one program
-// per row bucket (4, 16, 64, ... up to max_batch_tokens: a step of two rows does not pay for
-// 256) sharing the caches.
+// want of memory later). The step runs through a StepRunner (pipeline.h): one stage or several
+// (pp) in this process, or stages on the ranks of a job; each stage a Program (program.h) per
+// row bucket (2, 4, 8, ... up to max_batch_tokens: a step of two rows does not pay for 256)
+// sharing the stage's caches.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -26,6 +27,7 @@
 #include "baton/graph/program.h"
 #include "codec.h"
 #include "decode_models.h"
+#include "pipeline.h"
 
 namespace baton::serve {
 
@@ -44,6 +46,14 @@ struct EngineSettings {
   /// False: static batching (a batch of requests is admitted only when the running batch is
   /// empty, and runs until its longest request ends): the benchmark's comparison.
   bool continuous = true;
+  /// Pipeline stages in this process (LocalPipeline), when `runner` is unset.
+  std::int64_t pp = 1;
+  /// Layers whose caches one device holds within kv_cache_bytes (0: all of the model's; a stage
+  /// of a pipeline across ranks holds its own).
+  std::int64_t cache_layers = 0;
+  /// Makes the step's runner for the shape the engine chose (a pipeline across ranks: rank 0's
+  /// RankPipeline). Unset: LocalPipeline of `pp` stages.
+  std::function<std::unique_ptr<StepRunner>(const ServeShape&)> runner;
   std::function<void(const std::string&)> log;
 };
 
@@ -72,16 +82,16 @@ class Engine final : public Backend {
                     std::chrono::steady_clock::time_point deadline);
 
   /// The KV cache's capacity: blocks and tokens.
-  std::int64_t cache_blocks() const { return cache_blocks_; }
-  std::int64_t cache_tokens() const { return cache_blocks_ * settings_.block_size; }
+  std::int64_t cache_blocks() const { return shape_.cache_blocks; }
+  std::int64_t cache_tokens() const { return shape_.cache_blocks * settings_.block_size; }
+  const ServeShape& shape() const { return shape_; }
+
+  /// Any thread: the engine fails for good with this reason (another rank of its pipeline
+  /// failed): the waiting and running requests end with it (503), as does what comes later.
+  void fail(const std::string& reason);
 
  private:
   struct Live;  // a request and its progress
-  struct Bucket {
-    std::int64_t rows = 0;
-    std::unique_ptr<Graph> graph;
-    std::unique_ptr<Program> program;
-  };
 
   void loop();
   bool admit_locked();
@@ -92,10 +102,9 @@ class Engine final : public Backend {
   std::int64_t blocks_for(const Live& r) const;
 
   EngineSettings settings_;
-  std::int64_t blocks_per_slot_ = 0;
-  std::int64_t cache_blocks_ = 0;
-  std::vector<Tensor> caches_;  // k, v per layer
-  std::vector<Bucket> buckets_;
+  ServeShape shape_;
+  std::unique_ptr<StepRunner> runner_;
+  StepRows rows_;  // the step's inputs, reused
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
@@ -112,6 +121,7 @@ class Engine final : public Backend {
   std::uint64_t swaps_ = 0;
   std::string weights_;
   std::string failure_;
+  std::string failed_from_outside_;  // fail()'s reason, for the engine's thread
   std::int64_t steps_ = 0;
   double busy_seconds_ = 0;
   std::int64_t generated_ = 0, last_rows_ = 0;

@@ -5,7 +5,10 @@
 //   baton-serve --checkpoint ckpt/ --api-key "$KEY"                     # what baton-train wrote
 //   baton-serve --model llama --init-from model.safetensors --tokenizer tokenizer.model --heads 32
 //   baton-serve --watch ckpt/ ...     # follows a training job: each new checkpoint swapped in
+//   baton-launch --nproc-per-node 2 -- baton-serve --checkpoint ckpt/   # pp 2: a stage per rank
 #include <unistd.h>
+
+#include <csignal>
 
 #include <atomic>
 #include <cerrno>
@@ -25,12 +28,15 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "baton/actors/job.h"
 #include "baton/graph.h"
 #include "baton/graph/checkpoint.h"
 #include "baton/graph/safetensors.h"
 #include "baton/graph/tokens.h"
 #include "baton/kernels/data.h"
 #include "baton/kernels/ops.h"
+#include "baton/transport/control.h"
+#include "baton/transport/data_plane.h"
 #include "bytes.h"
 #include "engine.h"
 #include "http.h"
@@ -56,9 +62,13 @@ struct Options {
   int threads = 1;
   int drain_timeout = 600;
   double watch_every = 2.0;
+  std::int64_t pp = 0;  // 0: one stage per rank of the job (1 without baton-launch)
+  double step_timeout = 120;
 };
 
-void log(const std::string& line) { fmt::print(stderr, "baton-serve: {}\n", line); }
+std::string rank_tag;  // "[rank 1/2]" in a job of several ranks
+
+void log(const std::string& line) { fmt::print(stderr, "baton-serve{}: {}\n", rank_tag, line); }
 
 std::int64_t config_int(const checkpoint::Checkpoint& c, const std::string& key) {
   auto it = c.config.find(key);
@@ -295,9 +305,125 @@ class Watcher {
   std::thread thread_;
 };
 
+/// A pipeline across the ranks of a job (baton-launch, Slurm): the control plane (rendezvous,
+/// aborts) and the data plane the stages' packets travel on.
+struct RankJob {
+  RankJob(const JobEnvironment& e, const ServeShape& shape, const DecodeModel& m, std::int64_t pp)
+      : env(e),
+        data(e.rank, e.world_size, data_plane_for_job(e, {})),
+        link(data),
+        control(transport::ClientSettings{.master = e.master, .token = e.token, .rank = e.rank,
+                                          .world_size = e.world_size}) {
+    control.on_abort([this](const std::string& reason) {
+      link.abort(reason);
+      std::lock_guard lock(mutex);
+      if (engine != nullptr) engine->fail(reason);
+    });
+    // Every rank compiles the same stages: a rank started with other flags or another checkpoint
+    // is refused at the rendezvous, naming the ranks whose hashes differ.
+    const auto table =
+        control.join(transport::RankInfo{.rank = env.rank, .data_address = data.address(), .plan_hash = shape.hash(m, pp)});
+    std::vector<std::string> addresses;
+    for (const auto& r : table) addresses.push_back(r.data_address);
+    data.connect(addresses);
+    data.start();
+    control.barrier("serve-start", std::chrono::minutes(2));
+  }
+  ~RankJob() { data.stop(); }
+  void watch(Engine* e) {
+    std::lock_guard lock(mutex);
+    engine = e;
+  }
+
+  JobEnvironment env;
+  transport::DataPlane data;
+  StageLink link;
+  transport::ControlClient control;
+  std::mutex mutex;
+  Engine* engine = nullptr;
+};
+
+/// Ranks 1..pp-1: a stage, no HTTP; until rank 0 says stop (0) or the job fails (1).
+int run_stage(const Options& o, const Loaded& l, const ServeShape& shape, std::int64_t pp, RankJob& job,
+              std::pair<std::int64_t, std::int64_t> layers) {
+  (void)o;
+  // SIGTERM and SIGINT reach every rank from the launcher: rank 0 drains, then says stop.
+  std::signal(SIGTERM, SIG_IGN);
+  std::signal(SIGINT, SIG_IGN);
+  try {
+    Stage stage(l.model, layers, shape, l.params);
+    log(fmt::format("stage {} of {}: layers [{}, {}){}, KV cache {:.1f} MiB, buffers {:.1f} MiB; serving (pid {})",
+                    job.env.rank, pp, layers.first, layers.second, stage.last() ? " and the head" : "",
+                    static_cast<double>(stage.cache_bytes()) / (1 << 20),
+                    static_cast<double>(stage.buffer_bytes()) / (1 << 20), ::getpid()));
+    serve_stage(stage, job.link, job.env.rank, job.env.world_size);
+  } catch (const std::exception& e) {
+    const std::string why = job.control.aborted().value_or(e.what());
+    job.control.fail(e.what());
+    log("stopped: " + why);
+    return 1;
+  }
+  job.control.finish(std::chrono::minutes(1));
+  log("stopped (rank 0 said so)");
+  return 0;
+}
+
 int run(const Options& o) {
   set_blas_threads(o.threads);
+  const JobEnvironment env = JobEnvironment::from_env();
+  const std::int64_t pp = o.pp > 0 ? o.pp : static_cast<std::int64_t>(env.world_size);
+  if (env.distributed()) {
+    rank_tag = fmt::format("[rank {}/{}]", env.rank, env.world_size);
+    if (pp != static_cast<std::int64_t>(env.world_size)) {
+      throw std::invalid_argument(fmt::format("--pp {} in a job of {} ranks: across ranks each rank runs one stage, so "
+                                              "--pp is the job's size (leave it out)",
+                                              pp, env.world_size));
+    }
+    if (!o.watch.empty()) {
+      throw std::invalid_argument("--watch with a pipeline across ranks is not supported yet: serve from one rank "
+                                  "(--pp stages in one process) to follow a training job");
+    }
+  }
   Loaded l = load(o);
+  const auto stages = stage_layers(l.model.layers(), pp);
+  std::int64_t cache_layers = l.model.layers();
+  if (env.distributed()) {
+    // Each rank keeps its stage's weights only, and holds the caches of its layers in its budget
+    // (the largest stage's decides the blocks, the same on every rank).
+    l.params = stage_weights(l.model, stages[env.rank], *l.params);
+    cache_layers = 0;
+    for (const auto& [b, e] : stages) cache_layers = std::max(cache_layers, e - b);
+  }
+
+  std::int64_t weight_bytes = 0;
+  for (const auto& [name, t] : l.params->values()) weight_bytes += static_cast<std::int64_t>(t.nbytes());
+  std::int64_t kv_cache_bytes = EngineSettings{}.kv_cache_bytes;
+  if (!o.kv_cache_memory.empty()) kv_cache_bytes = parse_bytes("--kv-cache-memory", o.kv_cache_memory);
+  if (!o.device_memory.empty()) {
+    // The device's budget less the weights and the steps' buffers (a step of max_batch_tokens
+    // rows holds at most a few of the model's widths per row and its logits): what is left is the
+    // cache's, or --kv-cache-memory within it.
+    const std::int64_t budget = parse_bytes("--device-memory", o.device_memory);
+    const std::int64_t width = std::max<std::int64_t>(l.model.vocab(), 8 * l.model.kv_heads() * l.model.head_dim());
+    const std::int64_t buffers = 4 * o.max_batch_tokens * width * static_cast<std::int64_t>(size_of(l.model.dtype()));
+    const std::int64_t left = budget - weight_bytes - buffers;
+    if (left <= 0) {
+      throw std::invalid_argument(fmt::format("--device-memory {}: the weights ({} bytes) and the steps' buffers (about "
+                                              "{}) leave nothing for the KV cache",
+                                              o.device_memory, weight_bytes, buffers));
+    }
+    kv_cache_bytes = o.kv_cache_memory.empty() ? left : std::min(left, kv_cache_bytes);
+  }
+  const ServeShape shape = serve_shape(l.model, o.max_batch, o.max_batch_tokens, o.block_size, kv_cache_bytes, cache_layers);
+
+  std::optional<RankJob> job;
+  if (env.distributed()) {
+    log(fmt::format("joining the job at {} ({} ranks: stage {} holds layers [{}, {}))", env.master, env.world_size,
+                    env.rank, stages[env.rank].first, stages[env.rank].second));
+    job.emplace(env, shape, l.model, pp);
+    if (env.rank > 0) return run_stage(o, l, shape, pp, *job, stages[env.rank]);
+  }
+
   const std::size_t colon = o.listen.rfind(':');
   if (colon == std::string::npos) throw std::invalid_argument(fmt::format("--listen '{}': expected HOST:PORT", o.listen));
   const std::string host = o.listen.substr(0, colon);
@@ -322,42 +448,49 @@ int run(const Options& o) {
                    .max_batch = o.max_batch,
                    .max_batch_tokens = o.max_batch_tokens,
                    .block_size = o.block_size,
+                   .kv_cache_bytes = kv_cache_bytes,
                    .max_queue = o.max_queue,
                    .continuous = o.batching == "continuous",
+                   .pp = pp,
+                   .cache_layers = cache_layers,
+                   .runner = {},
                    .log = log};
-  std::int64_t weight_bytes = 0;
-  for (const auto& [name, t] : l.params->values()) weight_bytes += static_cast<std::int64_t>(t.nbytes());
-  if (!o.kv_cache_memory.empty()) s.kv_cache_bytes = parse_bytes("--kv-cache-memory", o.kv_cache_memory);
-  if (!o.device_memory.empty()) {
-    // The device's budget less the weights and the steps' buffers (a step of max_batch_tokens
-    // rows holds at most a few of the model's widths per row and its logits): what is left is the
-    // cache's, or --kv-cache-memory within it.
-    const std::int64_t budget = parse_bytes("--device-memory", o.device_memory);
-    const std::int64_t width = std::max<std::int64_t>(l.model.vocab(), 8 * l.model.kv_heads() * l.model.head_dim());
-    const std::int64_t buffers = 4 * o.max_batch_tokens * width * static_cast<std::int64_t>(size_of(l.model.dtype()));
-    const std::int64_t left = budget - weight_bytes - buffers;
-    if (left <= 0) {
-      throw std::invalid_argument(fmt::format("--device-memory {}: the weights ({} bytes) and the steps' buffers (about "
-                                              "{}) leave nothing for the KV cache",
-                                              o.device_memory, weight_bytes, buffers));
-    }
-    s.kv_cache_bytes = o.kv_cache_memory.empty() ? left : std::min(left, s.kv_cache_bytes);
+  if (job) {
+    const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.step_timeout * 1000));
+    s.runner = [&l, &stages, &job, pp, timeout](const ServeShape& sh) -> std::unique_ptr<StepRunner> {
+      return std::make_unique<RankPipeline>(std::make_unique<Stage>(l.model, stages[0], sh, l.params), pp, job->link,
+                                            l.model, sh.slots, timeout);
+    };
   }
   log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching", l.model.name(),
                   l.model.layers(), l.model.vocab(), l.model.context(), l.label,
                   l.codec ? l.codec->describe() : "none (token ids)", o.batching));
   Engine engine(s);
-  HttpServer server(engine, ServerSettings{.host = host,
-                                           .port = static_cast<std::uint16_t>(port),
-                                           .api_key = key,
-                                           .drain_timeout = std::chrono::seconds(o.drain_timeout),
-                                           .handle_signals = true,
-                                           .log = log});
-  std::optional<Watcher> watcher;
-  if (!o.watch.empty()) watcher.emplace(engine, o, l.step);
-  server.run();
-  watcher.reset();
-  if (const std::string why = engine.failure(); !why.empty()) {
+  if (job) job->watch(&engine);
+  std::string why;
+  {
+    HttpServer server(engine, ServerSettings{.host = host,
+                                             .port = static_cast<std::uint16_t>(port),
+                                             .api_key = key,
+                                             .drain_timeout = std::chrono::seconds(o.drain_timeout),
+                                             .handle_signals = true,
+                                             .log = log});
+    std::optional<Watcher> watcher;
+    if (!o.watch.empty()) watcher.emplace(engine, o, l.step);
+    server.run();
+    watcher.reset();
+    why = engine.failure();
+  }
+  if (job) {
+    job->watch(nullptr);
+    if (why.empty()) {
+      stop_stages(job->link, pp);
+      job->control.finish(std::chrono::minutes(1));
+    } else {
+      job->control.fail(why);  // nothing if another rank's failure ended the job
+    }
+  }
+  if (!why.empty()) {
     log("stopped: " + why);
     return 1;
   }
@@ -422,6 +555,12 @@ int main(int argc, char** argv) {
   app.add_option("--drain-timeout", o.drain_timeout, "seconds SIGTERM (or a weight swap) lets requests finish")
       ->check(CLI::PositiveNumber);
   app.add_option("--watch-every", o.watch_every, "seconds between --watch's looks")->check(CLI::PositiveNumber);
+  app.add_option("--pp", o.pp,
+                 "pipeline stages (layers cut evenly); under baton-launch one per rank (the default), else in this "
+                 "process")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--step-timeout", o.step_timeout, "seconds a step may take across the ranks before the job fails")
+      ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -5,9 +5,9 @@
 
 #include <fmt/format.h>
 
-// Boost.JSON in its header-only mode, compiled here once (Debian's libboost-json-dev is not a
-// dependency of baton's).
-#include <boost/json/src.hpp>
+// Boost.JSON's implementation is compiled once, in baton::transport (control.cpp), which this
+// library links: never include <boost/json/src.hpp> here (the linker would see it twice).
+#include <boost/json.hpp>
 
 namespace baton::serve {
 

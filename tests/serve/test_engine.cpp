@@ -20,8 +20,10 @@
 
 #include "baton/graph.h"
 #include "baton/graph/program.h"
+#include "baton/transport/loopback.h"
 #include "decode_models.h"
 #include "engine.h"
+#include "pipeline.h"
 #include "sample.h"
 
 using namespace baton;
@@ -30,15 +32,15 @@ using namespace std::chrono_literals;
 
 namespace {
 
-DecodeModel tiny(DecodeModel::Kind kind, DType dtype) {
+DecodeModel tiny(DecodeModel::Kind kind, DType dtype, std::int64_t layers = 2) {
   DecodeModel m;
   m.kind = kind;
-  m.gpt = models::GptShape{.vocab = 40, .seq = 48, .d_model = 32, .heads = 4, .layers = 2, .dtype = dtype};
-  m.gpt2 = models::Gpt2Shape{.vocab = 40, .seq = 48, .positions = 48, .d_model = 32, .heads = 4, .layers = 2,
+  m.gpt = models::GptShape{.vocab = 40, .seq = 48, .d_model = 32, .heads = 4, .layers = layers, .dtype = dtype};
+  m.gpt2 = models::Gpt2Shape{.vocab = 40, .seq = 48, .positions = 48, .d_model = 32, .heads = 4, .layers = layers,
                              .dtype = dtype};
   // Grouped-query heads (2 kv heads for 4) and a head of its own.
   m.llama = models::LlamaShape{.vocab = 40, .seq = 48, .d_model = 32, .heads = 4, .kv_heads = 2, .ffn_hidden = 48,
-                               .layers = 2, .dtype = dtype};
+                               .layers = layers, .dtype = dtype};
   return m;
 }
 
@@ -93,6 +95,27 @@ std::vector<std::vector<double>> full_logits(const DecodeModel& m, const Paramet
 
 std::int32_t argmax(const std::vector<double>& row) {
   return static_cast<std::int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+// Greedy `tokens` after `prompt` against the training model run on the whole context for every
+// token (no cache): checks each token while the reference's two best logits differ by more than
+// 1e-3 and returns how many it compared. f32 sums in other orders round differently (~1e-6 of
+// the logits' scale of a few units, on any OpenBLAS core type), so a nearer tie may flip and
+// the runs part there: the comparison stops at the first such step.
+int compare_with_full_pass(const DecodeModel& m, const ParameterStore& params, const std::vector<std::int32_t>& prompt,
+                           const std::vector<std::int32_t>& tokens) {
+  std::vector<std::int32_t> context = prompt;
+  int compared = 0;
+  for (std::size_t k = 0; k < tokens.size(); ++k) {
+    auto row = full_logits(m, params, context).back();
+    std::vector<double> sorted = row;
+    std::sort(sorted.rbegin(), sorted.rend());
+    if (sorted[0] - sorted[1] <= 1e-3) break;
+    CHECK_MESSAGE(tokens[k] == argmax(row), fmt::format("token {}", k));
+    context.push_back(tokens[k]);
+    ++compared;
+  }
+  return compared;
 }
 
 // One request's greedy run on an engine, or its sampled run with `seed`.
@@ -243,17 +266,7 @@ TEST_CASE("Serve.GreedyGenerationEqualsTheFullForwardPassWithoutACache") {
     wait(*run);
     CHECK(run->finish == Finish::length);
     CHECK(run->usage.completion_tokens == 30);
-    std::vector<std::int32_t> context = prompt;
-    int compared = 0;
-    for (std::size_t k = 0; k < run->tokens.size(); ++k) {
-      auto row = full_logits(m, *params, context).back();
-      std::vector<double> sorted = row;
-      std::sort(sorted.rbegin(), sorted.rend());
-      if (sorted[0] - sorted[1] <= 1e-3) break;
-      CHECK_MESSAGE(run->tokens[k] == argmax(row), fmt::format("token {}", k));
-      context.push_back(run->tokens[k]);
-      ++compared;
-    }
+    const int compared = compare_with_full_pass(m, *params, prompt, run->tokens);
     CHECK(compared >= 20);
   }
 }
@@ -498,4 +511,181 @@ TEST_CASE("Serve.MemoryStaysFlatOverManyRequests") {
 #else
   CHECK(grown < 4L << 20);
 #endif
+}
+
+namespace {
+
+// A pipeline across `world` ranks inside this process (a LoopbackHub in place of the job's UCX
+// data plane): rank 0's RankPipeline for an engine, ranks 1.. running serve_stage on threads, as
+// baton-serve's ranks do. `silent`: ranks 1.. never run (a rank that hangs).
+struct RankedPipeline {
+  RankedPipeline(const DecodeModel& m, std::shared_ptr<const ParameterStore> params, std::int64_t world,
+                 const EngineSettings& base, std::chrono::milliseconds step_timeout = 30s, bool silent = false)
+      : hub(static_cast<std::uint32_t>(world)), layers(stage_layers(m.layers(), world)) {
+    for (std::uint32_t r = 0; r < world; ++r) links.push_back(std::make_unique<StageLink>(hub.link(r)));
+    hub.start();
+    std::int64_t cache_layers = 0;
+    for (const auto& [b, e] : layers) cache_layers = std::max(cache_layers, e - b);
+    const ServeShape shape =
+        serve_shape(m, base.max_batch, base.max_batch_tokens, base.block_size, base.kv_cache_bytes, cache_layers);
+    // Each rank keeps only its stage's weights, as baton-serve's do. Built here, on one thread:
+    // building graphs is not thread-safe (a process builds its own), running them is.
+    for (std::uint32_t r = 1; r < world && !silent; ++r) {
+      stages.push_back(std::make_unique<Stage>(m, layers[r], shape, stage_weights(m, layers[r], *params)));
+    }
+    for (std::uint32_t r = 1; r < world && !silent; ++r) {
+      workers.emplace_back([this, r, world] {
+        try {
+          serve_stage(*stages[r - 1], *links[r], r, static_cast<std::uint32_t>(world));
+        } catch (const std::exception& e) {
+          {
+            std::lock_guard lock(mutex);
+            errors += fmt::format("rank {}: {}\n", r, e.what());
+          }
+          // What the control plane does when a rank fails: every rank hears it.
+          for (auto& l : links) l->abort(fmt::format("rank {} failed: {}", r, e.what()));
+        }
+      });
+    }
+    settings = base;
+    settings.cache_layers = cache_layers;
+    settings.runner = [this, m, params, world, step_timeout](const ServeShape& sh) -> std::unique_ptr<StepRunner> {
+      return std::make_unique<RankPipeline>(std::make_unique<Stage>(m, layers[0], sh, stage_weights(m, layers[0], *params)),
+                                            world, *links[0], m, sh.slots, step_timeout);
+    };
+  }
+  // After the engine: the stages stop as baton-serve's do (rank 0 says so), or the link fails.
+  void finish() {
+    stop_stages(*links[0], static_cast<std::int64_t>(links.size()));
+    for (auto& w : workers) w.join();
+    workers.clear();
+  }
+  ~RankedPipeline() {
+    for (auto& l : links) l->abort("the test ended");
+    for (auto& w : workers) w.join();
+    hub.stop();
+  }
+
+  transport::LoopbackHub hub;
+  std::vector<std::pair<std::int64_t, std::int64_t>> layers;
+  std::vector<std::unique_ptr<StageLink>> links;
+  std::vector<std::unique_ptr<Stage>> stages;  // ranks 1..
+  std::vector<std::thread> workers;
+  EngineSettings settings;
+  std::mutex mutex;
+  std::string errors;
+};
+
+// Six requests at once (prompts of 1..26 tokens, so chunked prefill shares steps with decoding;
+// greedy and seeded sampling in turn): their tokens.
+std::vector<std::vector<std::int32_t>> six_requests(Engine& e, std::int64_t vocab) {
+  std::vector<std::shared_ptr<Run>> runs;
+  for (int i = 0; i < 6; ++i) {
+    const Sampling s = i % 2 == 0 ? Sampling{.temperature = 0}
+                                  : Sampling{.temperature = 1.0, .top_p = 0.9, .seed = 500 + static_cast<std::uint64_t>(i)};
+    runs.push_back(submit(e, prompt_of(static_cast<std::size_t>(1 + 5 * i), 40 + static_cast<std::uint64_t>(i), vocab), 10, s));
+  }
+  std::vector<std::vector<std::int32_t>> tokens;
+  for (auto& r : runs) {
+    wait(*r);
+    CHECK(r->finish == Finish::length);
+    tokens.push_back(r->tokens);
+  }
+  return tokens;
+}
+
+}  // namespace
+
+TEST_CASE("Serve.PipelineStagesInOneProcessAndAcrossRanksGiveOneStagesTokens") {
+  // The decode step cut into 2 and 3 stages (layers 2+1, 1+1+1 of 3), in one process and across
+  // 2 and 3 ranks (each holding its stage's weights and caches only): the same tokens as one
+  // stage, greedy and sampled, for six requests at once. f64: a cut changes no sum's order (each
+  // stage runs the same kernels on the same rows; the hidden state is copied whole), and f64's
+  // rounding is far below any choice here, so the tokens must agree exactly.
+  for (auto kind : {DecodeModel::Kind::gpt, DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
+    const DecodeModel m = tiny(kind, DType::f64, 3);
+    CAPTURE(m.name());
+    auto params = weights(m, 21);
+    std::vector<std::vector<std::int32_t>> one;
+    {
+      Engine e(settings(m, params));
+      one = six_requests(e, m.vocab());
+    }
+    for (std::int64_t pp : {2, 3}) {
+      CAPTURE(pp);
+      auto s = settings(m, params);
+      s.pp = pp;
+      Engine e(s);
+      CHECK(six_requests(e, m.vocab()) == one);
+    }
+    for (std::int64_t world : {2, 3}) {
+      CAPTURE(world);
+      RankedPipeline ranks(m, params, world, settings(m, params));
+      {
+        Engine e(ranks.settings);
+        CHECK(six_requests(e, m.vocab()) == one);
+        CHECK(e.failure().empty());
+      }
+      ranks.finish();
+      CHECK(ranks.errors.empty());
+    }
+  }
+}
+
+TEST_CASE("Serve.GreedyGenerationAcrossTwoRanksEqualsTheFullForwardPass") {
+  // f32 across 2 ranks against the training model without a cache (compare_with_full_pass says
+  // why a near-tie ends the comparison).
+  for (auto kind : {DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
+    const DecodeModel m = tiny(kind, DType::f32);
+    CAPTURE(m.name());
+    auto params = weights(m, 5);
+    RankedPipeline ranks(m, params, 2, settings(m, params));
+    {
+      Engine e(ranks.settings);
+      const auto prompt = prompt_of(7, 9, m.vocab());
+      auto run = submit(e, prompt, 30);
+      wait(*run);
+      REQUIRE(run->tokens.size() == 30);
+      CHECK(compare_with_full_pass(m, *params, prompt, run->tokens) >= 20);
+    }
+    ranks.finish();
+    CHECK(ranks.errors.empty());
+  }
+}
+
+TEST_CASE("Serve.APipelineRankThatHangsOrDiesFailsTheEngineWithTheReason") {
+  const DecodeModel m = tiny(DecodeModel::Kind::gpt, DType::f32);
+  auto params = weights(m, 1);
+  SUBCASE("a rank that never answers: the step's deadline") {
+    RankedPipeline ranks(m, params, 2, settings(m, params), 300ms, /*silent=*/true);
+    Engine e(ranks.settings);
+    auto run = submit(e, prompt_of(4, 1, m.vocab()), 5);
+    wait(*run, 30s);
+    CHECK(run->finish == Finish::failed);
+    CHECK_MESSAGE(run->error.find("did not come in time") != std::string::npos, run->error);
+    CHECK(e.failure().find("rank 1") != std::string::npos);
+    std::uint64_t id = 0;
+    CHECK(e.submit(Request{.prompt = {1}, .max_tokens = 1}, id) == Backend::Admission::draining);
+  }
+  SUBCASE("the control plane's abort (a rank that died): running and waiting requests end with its reason") {
+    auto base = settings(m, params);
+    base.max_batch = 1;  // the second request waits
+    RankedPipeline ranks(m, params, 2, base);
+    Engine e(ranks.settings);
+    std::promise<void> release;
+    auto running = submit(e, prompt_of(4, 1, m.vocab()), 40, {.temperature = 0}, {}, nullptr, release.get_future().share());
+    while (running->count == 0) std::this_thread::sleep_for(1ms);
+    auto waiting = submit(e, prompt_of(4, 2, m.vocab()), 4);
+    const std::string reason = "rank 1 (node7): exited with signal 9 (Killed)";
+    ranks.links[0]->abort(reason);  // what baton-serve's on_abort does
+    e.fail(reason);
+    release.set_value();
+    wait(*running);
+    wait(*waiting);
+    CHECK(running->finish == Finish::failed);
+    CHECK(waiting->finish == Finish::failed);
+    CHECK_MESSAGE(running->error.find("signal 9") != std::string::npos, running->error);
+    CHECK_MESSAGE(waiting->error.find("signal 9") != std::string::npos, waiting->error);
+    CHECK(e.failure().find("signal 9") != std::string::npos);
+  }
 }

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -114,10 +115,13 @@ std::string text_of(const std::string& reply) {
   return out;
 }
 
-/// Starts baton-serve with `args` on a free port; returns once it says it serves.
-std::unique_ptr<Proc> start_server(std::vector<std::string> args, std::uint16_t& port) {
+/// Starts baton-serve with `args` on a free port (under baton-launch with `launch` before it, if
+/// given); returns once it says it serves.
+std::unique_ptr<Proc> start_server(std::vector<std::string> args, std::uint16_t& port,
+                                   std::vector<std::string> launch = {}) {
   port = baton::test::free_port();
   args.insert(args.begin(), std::string(BATON_BIN_DIR) + "/baton-serve");
+  args.insert(args.begin(), launch.begin(), launch.end());
   args.insert(args.end(), {"--listen", fmt::format("127.0.0.1:{}", port), "--api-key", key});
   auto p = std::make_unique<Proc>(args);
   const bool up = p->read_until([](const std::string&, const std::string& err) {
@@ -130,7 +134,7 @@ std::unique_ptr<Proc> start_server(std::vector<std::string> args, std::uint16_t&
 }
 
 /// baton-train's GPT on a repeating line of text, checkpoints in `dir`/ckpt (resumed from there).
-void train_fox(const fs::path& dir, int steps, bool resume) {
+void train_fox(const fs::path& dir, int steps, bool resume, int layers = 1) {
   fs::create_directories(dir);
   const fs::path text = dir / "fox.txt", ckpt = dir / "ckpt";
   if (!fs::exists(text) && !fs::exists(dir / "moved.txt")) {
@@ -139,7 +143,7 @@ void train_fox(const fs::path& dir, int steps, bool resume) {
   }
   std::vector<std::string> args{std::string(BATON_BIN_DIR) + "/baton-train", "--model", "gpt", "--data",
                                 "text:" + text.string(), "--steps", std::to_string(steps), "--batch", "16", "--seq",
-                                "32", "--d-model", "32", "--heads", "4", "--layers", "1", "--checkpoint-dir",
+                                "32", "--d-model", "32", "--heads", "4", "--layers", std::to_string(layers), "--checkpoint-dir",
                                 ckpt.string()};
   if (resume) args.insert(args.end(), {"--resume", ckpt.string()});
   Proc p(args);
@@ -281,4 +285,98 @@ TEST_CASE("Serve.TheOfficialOpenAIClientAgainstBatonServeOnATrainedModel") {
   CHECK(out.find("all checks passed") != std::string::npos);
   server->signal(SIGTERM);
   CHECK(server->wait(30s) == 0);
+}
+
+TEST_CASE("Serve.TwoRanksUnderBatonLaunchAnswerAsOneAndDrainOnSigterm") {
+  // pp 2 as a user runs it: baton-launch starts two baton-serve processes, rank 0 serves HTTP and
+  // the first layer, rank 1 the second layer and the head; the step's rows travel between them
+  // over the job's UCX data plane. They answer what one process answers: the same kernels on the
+  // same rows in the same order (the cut copies the hidden state whole), so the same bits.
+  const fs::path dir = scratch() / "pp";
+  train_fox(dir, 120, false, 2);
+  const std::string ckpt = (dir / "ckpt").string();
+  // --stop-grace: SIGTERM to the launcher lets rank 0 drain instead of ending the job at once.
+  const std::vector<std::string> launch{std::string(BATON_BIN_DIR) + "/baton-launch", "--nproc-per-node", "2",
+                                        "--stop-grace", "60", "--"};
+  const std::vector<std::string> bodies{
+      R"({"model":"gpt","prompt":"the quick","max_tokens":20,"temperature":0})",
+      R"({"model":"gpt","prompt":"over the","max_tokens":20,"temperature":0.8,"seed":42})"};
+  std::vector<std::string> alone;
+  {
+    std::uint16_t port = 0;
+    auto server = start_server({"--checkpoint", ckpt}, port);
+    for (const auto& b : bodies) alone.push_back(text_of(http(port, "POST", "/v1/completions", b)));
+    server->signal(SIGTERM);
+    CHECK(server->wait(30s) == 0);
+  }
+  REQUIRE(alone[0].size() == 20);
+  {
+    std::uint16_t port = 0;
+    auto job = start_server({"--checkpoint", ckpt}, port, launch);
+    INFO(job->err());
+    CHECK(job->err().find("2 stages on 2 ranks") != std::string::npos);
+    for (std::size_t i = 0; i < bodies.size(); ++i) {
+      CHECK_MESSAGE(text_of(http(port, "POST", "/v1/completions", bodies[i])) == alone[i], bodies[i]);
+    }
+    // SIGTERM to the launcher: every rank hears it, rank 0 drains and tells rank 1 to stop; the
+    // job ends 0.
+    job->signal(SIGTERM);
+    CHECK(job->wait(60s) == 0);
+    CHECK(job->err().find("drained") != std::string::npos);
+    CHECK(job->err().find("stopped (rank 0 said so)") != std::string::npos);
+  }
+}
+
+TEST_CASE("Serve.ARankKilledMidStreamEndsTheStreamAndTheJobWithTheReason") {
+  // A model of 512 positions whose 400-token stream lasts long enough to kill rank 1 (SIGKILL)
+  // after its first tokens: the stream ends with OpenAI's server_error naming the rank, and the
+  // job (rank 0, the launcher) ends with that reason instead of hanging.
+  const fs::path dir = scratch() / "pp-kill";
+  fs::create_directories(dir);
+  {
+    std::ofstream out(dir / "text.txt");
+    for (int i = 0; i < 200; ++i) out << "pack my box with five dozen liquor jugs. ";
+  }
+  Proc train({std::string(BATON_BIN_DIR) + "/baton-train", "--model", "gpt", "--data", "text:" + (dir / "text.txt").string(),
+              "--steps", "2", "--batch", "2", "--seq", "512", "--d-model", "128", "--heads", "4", "--layers", "2",
+              "--checkpoint-dir", (dir / "ckpt").string()});
+  {
+    const int rc = train.wait(240s);
+    INFO(train.all());
+    REQUIRE(rc == 0);
+  }
+  std::uint16_t port = 0;
+  auto job = start_server({"--checkpoint", (dir / "ckpt").string()}, port,
+                          {std::string(BATON_BIN_DIR) + "/baton-launch", "--nproc-per-node", "2", "--"});
+  REQUIRE(job->read_until([](const std::string&, const std::string& err) { return err.find("(pid ") != std::string::npos; }, 30s));
+  const std::string err = job->err();
+  const auto at = err.find("(pid ");
+  const int rank1 = std::stoi(err.substr(at + 5));
+  REQUIRE(rank1 > 0);
+  bool killed = false;
+  const std::string stream = http(
+      port, "POST", "/v1/completions", R"({"model":"gpt","prompt":"pack my","max_tokens":400,"stream":true})", 60s,
+      "data: [DONE]", [&](const std::string& got) {
+        if (!killed && got.find("data: {") != std::string::npos) {
+          ::kill(rank1, SIGKILL);
+          killed = true;
+        }
+      });
+  INFO(stream);
+  REQUIRE(killed);
+  CHECK(stream.find("\"finish_reason\":\"length\"") == std::string::npos);  // it did not run to its end
+  CHECK(stream.find("server_error") != std::string::npos);
+  CHECK(stream.find("rank 1") != std::string::npos);
+  const int rc = job->wait(60s);
+  INFO(job->err());
+  CHECK(rc != 0);
+  CHECK(rc != -1);  // it ended (wait's timeout is -1)
+  // Rank 0 ends with the reason: the launcher saw rank 1 killed and aborted the job.
+  // (Between steps the abort itself ends the engine; mid-step the step fails with it.)
+  const std::string log = job->err();
+  const auto stopped = log.find("baton-serve[rank 0/2]: stopped: ");
+  REQUIRE(stopped != std::string::npos);
+  const std::string line = log.substr(stopped, log.find('\n', stopped) - stopped);
+  CHECK_MESSAGE(line.find("rank 1 (host") != std::string::npos, line);
+  CHECK_MESSAGE(line.find("killed by signal 9") != std::string::npos, line);
 }

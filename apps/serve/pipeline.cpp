@@ -1,0 +1,432 @@
+#include "pipeline.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace baton::serve {
+
+namespace {
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// The row buckets: 2, 4, 8, ... below max, then max.
+std::vector<std::int64_t> bucket_rows(std::int64_t max) {
+  std::vector<std::int64_t> rows;
+  for (std::int64_t r = 2; r < max; r *= 2) rows.push_back(r);
+  rows.push_back(max);
+  return rows;
+}
+
+// FNV-1a over 64-bit words.
+struct Hasher {
+  std::uint64_t h = 1469598103934665603ull;
+  void add(std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+};
+
+// The step packet: a header of int64s, then the rows' int32 arrays, then the hidden state.
+struct StepHeader {
+  std::int64_t rows, table, samples, hidden_bytes;
+};
+
+void put(std::vector<std::byte>& out, const void* data, std::size_t n) {
+  const auto* p = static_cast<const std::byte*>(data);
+  out.insert(out.end(), p, p + n);
+}
+
+template <typename T>
+void put_vector(std::vector<std::byte>& out, const std::vector<T>& v) {
+  put(out, v.data(), v.size() * sizeof(T));
+}
+
+void pack_step(std::vector<std::byte>& out, const StepRows& r, const void* hidden, std::size_t hidden_bytes) {
+  out.clear();
+  const StepHeader h{r.rows, static_cast<std::int64_t>(r.table.size()), static_cast<std::int64_t>(r.sample_rows.size()),
+                     static_cast<std::int64_t>(hidden_bytes)};
+  put(out, &h, sizeof h);
+  put_vector(out, r.positions);
+  put_vector(out, r.slots);
+  put_vector(out, r.table);
+  put_vector(out, r.sample_rows);
+  out.resize((out.size() + 7) / 8 * 8);
+  put(out, hidden, hidden_bytes);
+}
+
+// Reads a step packet into `r` (tokens are the first stage's: left empty) and returns where its
+// hidden state lies. Throws std::runtime_error for a packet that does not add up.
+const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std::size_t& hidden_bytes) {
+  StepHeader h{};
+  if (in.size() < sizeof h) throw std::runtime_error(fmt::format("a step packet of {} bytes: too short", in.size()));
+  std::memcpy(&h, in.data(), sizeof h);
+  if (h.rows < 1 || h.table < 0 || h.samples < 0 || h.hidden_bytes < 0) {
+    throw std::runtime_error(fmt::format("a step packet of rows {}, table {}, samples {}, hidden bytes {}", h.rows,
+                                         h.table, h.samples, h.hidden_bytes));
+  }
+  std::size_t at = sizeof h;
+  const std::size_t ints = static_cast<std::size_t>(2 * h.rows + h.table + h.samples);
+  const std::size_t hidden_at = (at + ints * 4 + 7) / 8 * 8;
+  if (in.size() != hidden_at + static_cast<std::size_t>(h.hidden_bytes)) {
+    throw std::runtime_error(fmt::format("a step packet of {} bytes, where its header says {}", in.size(),
+                                         hidden_at + static_cast<std::size_t>(h.hidden_bytes)));
+  }
+  auto take = [&](std::vector<std::int32_t>& v, std::int64_t n) {
+    v.resize(static_cast<std::size_t>(n));
+    std::memcpy(v.data(), in.data() + at, v.size() * 4);
+    at += v.size() * 4;
+  };
+  r.rows = h.rows;
+  r.tokens.clear();
+  take(r.positions, h.rows);
+  take(r.slots, h.rows);
+  take(r.table, h.table);
+  take(r.sample_rows, h.samples);
+  hidden_bytes = static_cast<std::size_t>(h.hidden_bytes);
+  return in.data() + hidden_at;
+}
+
+template <typename T>
+void write_input(Program& p, const char* name, const std::vector<T>& v) {
+  Tensor& t = p.input(name);
+  if (static_cast<std::size_t>(t.numel()) != v.size()) {
+    throw std::runtime_error(fmt::format("the step's '{}' has {} values, its program {}", name, v.size(), t.numel()));
+  }
+  std::memcpy(t.raw(), v.data(), v.size() * sizeof(T));
+}
+
+}  // namespace
+
+std::uint64_t ServeShape::hash(const DecodeModel& m, std::int64_t pp) const {
+  Hasher h;
+  for (std::int64_t v : {static_cast<std::int64_t>(m.kind), m.vocab(), m.width(), m.layers(), m.kv_heads(),
+                         m.head_dim(), m.context(), static_cast<std::int64_t>(m.dtype()), pp, slots, blocks_per_slot,
+                         block_size, cache_blocks}) {
+    h.add(static_cast<std::uint64_t>(v));
+  }
+  for (std::int64_t b : buckets) h.add(static_cast<std::uint64_t>(b));
+  return h.h;
+}
+
+ServeShape serve_shape(const DecodeModel& m, std::int64_t max_batch, std::int64_t max_batch_tokens,
+                       std::int64_t block_size, std::int64_t kv_cache_bytes, std::int64_t cache_layers) {
+  if (max_batch < 1 || max_batch_tokens < 1 || block_size < 1) {
+    throw std::invalid_argument(fmt::format("--max-batch {}, --max-batch-tokens {} and --block-size {} must be >= 1",
+                                            max_batch, max_batch_tokens, block_size));
+  }
+  if (max_batch > max_batch_tokens) {
+    throw std::invalid_argument(fmt::format(
+        "--max-batch {} is more than --max-batch-tokens {}: every running request needs a row in each step", max_batch,
+        max_batch_tokens));
+  }
+  ServeShape s;
+  s.slots = max_batch;
+  s.block_size = block_size;
+  s.blocks_per_slot = ceil_div(m.context(), block_size);
+  const std::int64_t block_bytes =
+      cache_layers * 2 * block_size * m.kv_heads() * m.head_dim() * static_cast<std::int64_t>(size_of(m.dtype()));
+  s.cache_blocks = std::min(kv_cache_bytes / block_bytes, max_batch * s.blocks_per_slot);
+  if (s.cache_blocks < s.blocks_per_slot) {
+    throw std::invalid_argument(fmt::format(
+        "the KV cache of {} bytes holds {} blocks of {} positions ({} bytes each over {} layers), fewer than one "
+        "request of the whole context ({} positions) needs: give it at least {} bytes",
+        kv_cache_bytes, kv_cache_bytes / block_bytes, block_size, block_bytes, cache_layers, m.context(),
+        s.blocks_per_slot * block_bytes));
+  }
+  s.buckets = bucket_rows(max_batch_tokens);
+  return s;
+}
+
+std::shared_ptr<ParameterStore> stage_weights(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
+                                              const ParameterStore& all) {
+  Graph g;
+  decode_step(g, m, StepShape{.first_layer = layers.first, .end_layer = layers.second});
+  auto mine = std::make_shared<ParameterStore>();
+  const auto wanted = ParameterStore::initialize(g);  // held: a range-for would not keep it alive
+  for (const auto& [name, t] : wanted->values()) {
+    if (!all.contains(name)) throw std::invalid_argument(fmt::format("the weights have no '{}'", name));
+    mine->set(name, all.at(name));
+  }
+  return mine;
+}
+
+std::string check_weights(const DecodeModel& m, const ParameterStore& params) {
+  Graph g;
+  decode_step(g, m, StepShape{});
+  for (int id = 0; id < g.size(); ++id) {
+    const Node& n = g.node(id);
+    if (n.op != "variable") continue;
+    if (!params.contains(n.name)) return fmt::format("lack '{}'", n.name);
+    const Tensor& t = params.at(n.name);
+    if (t.shape() != n.shape || t.dtype() != n.dtype) {
+      return fmt::format("'{}' is {}, the model's {}{}", n.name, t.describe(), name(n.dtype), to_string(n.shape));
+    }
+  }
+  return {};
+}
+
+Stage::Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers, const ServeShape& shape,
+             std::shared_ptr<const ParameterStore> params)
+    : model_(m), layers_(layers) {
+  const Shape cache{shape.cache_blocks, shape.block_size, m.kv_heads(), m.head_dim()};
+  std::map<std::string, Tensor> caches;  // one cache for every program
+  for (std::int64_t l = layers.first; l < layers.second; ++l) {
+    for (const char* kv : {"k", "v"}) {
+      Tensor t = Tensor::zeros(cache, m.dtype());
+      cache_bytes_ += t.nbytes();
+      caches[fmt::format("cache.{}.{}", kv, l)] = t;
+      caches_.push_back(std::move(t));
+    }
+  }
+  for (std::int64_t rows : shape.buckets) {
+    Bucket b;
+    b.rows = rows;
+    b.graph = std::make_unique<Graph>();
+    Value out = decode_step(*b.graph, m,
+                            StepShape{.rows = rows, .slots = shape.slots, .blocks_per_slot = shape.blocks_per_slot,
+                                      .block_size = shape.block_size, .cache_blocks = shape.cache_blocks,
+                                      .first_layer = layers.first, .end_layer = layers.second});
+    try {
+      b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{out}, params, caches);
+    } catch (const GraphError& e) {
+      throw std::invalid_argument(fmt::format("the weights do not fit the {} model: {}", m.name(), e.what()));
+    }
+    buffer_bytes_ += b.program->buffer_bytes();
+    buckets_.push_back(std::move(b));
+  }
+}
+
+const Tensor& Stage::run(const StepRows& rows, const void* hidden, std::size_t hidden_bytes) {
+  auto it = std::find_if(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return b.rows == rows.rows; });
+  if (it == buckets_.end()) throw std::runtime_error(fmt::format("no step program of {} rows", rows.rows));
+  Program& p = *it->program;
+  if (first()) {
+    write_input(p, "tokens", rows.tokens);
+  } else {
+    Tensor& h = p.input("hidden");
+    if (h.nbytes() != hidden_bytes) {
+      throw std::runtime_error(
+          fmt::format("the hidden state from the stage before has {} bytes, this stage takes {}", hidden_bytes, h.nbytes()));
+    }
+    std::memcpy(h.raw(), hidden, hidden_bytes);
+  }
+  write_input(p, "positions", rows.positions);
+  write_input(p, "slots", rows.slots);
+  write_input(p, "block_table", rows.table);
+  if (last()) write_input(p, "sample_rows", rows.sample_rows);
+  return p.run()[0];
+}
+
+void Stage::set_params(std::shared_ptr<const ParameterStore> params) {
+  try {
+    for (Bucket& b : buckets_) b.program->set_params(params);
+  } catch (const GraphError& e) {
+    throw std::invalid_argument(fmt::format("the weights do not fit the {} model: {}", model_.name(), e.what()));
+  }
+}
+
+LocalPipeline::LocalPipeline(const DecodeModel& m, std::int64_t pp, const ServeShape& shape,
+                             std::shared_ptr<const ParameterStore> params) {
+  for (const auto& layers : stage_layers(m.layers(), pp)) stages_.push_back(std::make_unique<Stage>(m, layers, shape, params));
+}
+
+const Tensor& LocalPipeline::run(const StepRows& rows) {
+  const Tensor* out = nullptr;
+  for (auto& s : stages_) out = &s->run(rows, out ? out->raw() : nullptr, out ? out->nbytes() : 0);
+  return *out;
+}
+
+void LocalPipeline::set_params(std::shared_ptr<const ParameterStore> params) {
+  // Checked on every stage before any changes: a bad set leaves the old weights everywhere.
+  for (auto& s : stages_) s->set_params(params);
+}
+
+std::size_t LocalPipeline::buffer_bytes() const {
+  std::size_t n = 0;
+  for (const auto& s : stages_) n += s->buffer_bytes();
+  return n;
+}
+
+std::size_t LocalPipeline::cache_bytes() const {
+  std::size_t n = 0;
+  for (const auto& s : stages_) n += s->cache_bytes();
+  return n;
+}
+
+std::string LocalPipeline::describe() const {
+  return stages_.size() == 1 ? "one stage" : fmt::format("{} stages in this process", stages_.size());
+}
+
+// ---- StageLink ----
+
+namespace {
+struct Wire {
+  std::uint32_t kind;
+  std::uint32_t reserved;
+  std::uint64_t seq;
+  std::uint64_t bytes;
+};
+static_assert(sizeof(Wire) <= transport::Link::max_message);
+}  // namespace
+
+StageLink::StageLink(transport::Link& link) : link_(link) { link_.set_handler(this); }
+
+void StageLink::send(std::uint32_t to, Kind kind, std::uint64_t seq, const std::vector<std::byte>& bytes) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.empty()) throw transport::TransportError(failure_);
+  }
+  const Wire w{kind, 0, seq, bytes.size()};
+  link_.send(to, &w, sizeof w);
+  if (!bytes.empty()) link_.send_payload(to, seq, bytes.data(), bytes.size());
+}
+
+void StageLink::on_message(std::uint32_t from_rank, const void* data, std::size_t size) {
+  Wire w{};
+  if (size != sizeof w) {
+    on_link_error(fmt::format("rank {} sent a message of {} bytes, not a stage's ({})", from_rank, size, sizeof w));
+    return;
+  }
+  std::memcpy(&w, data, sizeof w);
+  Packet p{.from = from_rank, .kind = static_cast<Kind>(w.kind), .seq = w.seq, .bytes = {}};
+  std::unique_lock lock(mutex_);
+  if (w.bytes == 0) {
+    inbox_.push_back(std::move(p));
+    lock.unlock();
+    ready_.notify_all();
+    return;
+  }
+  const std::uint64_t cookie = next_cookie_++;
+  Packet& slot = pending_[cookie] = std::move(p);
+  slot.bytes.resize(w.bytes);
+  void* dest = slot.bytes.data();
+  lock.unlock();
+  link_.receive_payload(from_rank, w.seq, dest, w.bytes, cookie);
+}
+
+void StageLink::on_payload(std::uint64_t cookie) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = pending_.find(cookie);
+    if (it == pending_.end()) return;
+    inbox_.push_back(std::move(it->second));
+    pending_.erase(it);
+  }
+  ready_.notify_all();
+}
+
+void StageLink::on_link_error(const std::string& reason) { abort(reason); }
+
+void StageLink::abort(const std::string& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (failure_.empty()) failure_ = reason.empty() ? "the pipeline's link failed" : reason;
+  }
+  ready_.notify_all();
+}
+
+std::string StageLink::failure() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
+}
+
+StageLink::Packet StageLink::receive(std::chrono::steady_clock::time_point deadline, const std::string& awaiting) {
+  std::unique_lock lock(mutex_);
+  // In slices of a second: a far deadline (a stage waits for the next request for hours) stays
+  // clear of the clocks' overflow.
+  while (failure_.empty() && inbox_.empty()) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) throw transport::TransportError(fmt::format("{} did not come in time", awaiting));
+    ready_.wait_for(lock, std::min<std::chrono::steady_clock::duration>(deadline - now, std::chrono::seconds(1)));
+  }
+  if (!failure_.empty()) throw transport::TransportError(failure_);
+  Packet p = std::move(inbox_.front());
+  inbox_.pop_front();
+  return p;
+}
+
+// ---- RankPipeline ----
+
+RankPipeline::RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, StageLink& link, const DecodeModel& m,
+                           std::int64_t samples, std::chrono::milliseconds step_timeout)
+    : stage_(std::move(stage)), pp_(pp), link_(link), model_(m), samples_(samples), step_timeout_(step_timeout) {
+  if (!stage_->first() || pp_ < 2) throw std::invalid_argument("RankPipeline: rank 0 runs the first of 2 stages or more");
+}
+
+const Tensor& RankPipeline::run(const StepRows& rows) {
+  const auto deadline = std::chrono::steady_clock::now() + step_timeout_;
+  const Tensor& hidden = stage_->run(rows, nullptr, 0);
+  pack_step(out_, rows, hidden.raw(), hidden.nbytes());
+  const std::uint64_t seq = ++seq_;
+  link_.send(1, StageLink::step, seq, out_);
+  StageLink::Packet p = link_.receive(
+      deadline, fmt::format("the logits of step {} from rank {} (--step-timeout {} s)", seq, pp_ - 1,
+                            std::chrono::duration<double>(step_timeout_).count()));
+  const std::int64_t n = std::min(rows.rows, samples_);
+  if (p.kind != StageLink::logits || p.seq != seq || p.from != static_cast<std::uint32_t>(pp_ - 1)) {
+    throw std::runtime_error(fmt::format("rank {} sent a packet of kind {} for step {} where the logits of step {} were due",
+                                         p.from, static_cast<int>(p.kind), p.seq, seq));
+  }
+  if (logits_.numel() != n * model_.vocab()) logits_ = Tensor::empty({n, model_.vocab()}, model_.dtype());
+  if (p.bytes.size() != logits_.nbytes()) {
+    throw std::runtime_error(fmt::format("the logits of step {} have {} bytes, not {}", seq, p.bytes.size(), logits_.nbytes()));
+  }
+  std::memcpy(logits_.raw(), p.bytes.data(), p.bytes.size());
+  return logits_;
+}
+
+void RankPipeline::set_params(std::shared_ptr<const ParameterStore> params) {
+  (void)params;
+  throw std::invalid_argument(swap_refused());
+}
+
+std::string RankPipeline::swap_refused() const {
+  return "new weights for a pipeline across ranks are not supported yet (--watch serves from one rank)";
+}
+
+std::string RankPipeline::describe() const { return fmt::format("{} stages on {} ranks", pp_, pp_); }
+
+void stop_stages(StageLink& link, std::int64_t pp) {
+  if (!link.failure().empty()) return;
+  try {
+    for (std::int64_t r = 1; r < pp; ++r) link.send(static_cast<std::uint32_t>(r), StageLink::stop, 0, {});
+  } catch (const std::exception&) {
+    // The job is ending anyway; the control plane tells the others.
+  }
+}
+
+void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::uint32_t world_size) {
+  if (rank == 0 || rank >= world_size) {
+    throw std::invalid_argument(fmt::format("serve_stage: rank {} of {} runs no later stage", rank, world_size));
+  }
+  StepRows rows;
+  std::vector<std::byte> out;
+  for (;;) {
+    // Idle for as long as no request comes: the control plane's heartbeats and aborts, not a
+    // deadline, tell a dead job from a quiet one.
+    StageLink::Packet p =
+        link.receive(std::chrono::steady_clock::now() + std::chrono::hours(24 * 365), "the next step");
+    if (p.kind == StageLink::stop) return;
+    if (p.kind != StageLink::step || p.from != rank - 1) {
+      throw std::runtime_error(
+          fmt::format("rank {} sent a packet of kind {}, where a step from rank {} was due", p.from, static_cast<int>(p.kind), rank - 1));
+    }
+    std::size_t hidden_bytes = 0;
+    const std::byte* hidden = unpack_step(p.bytes, rows, hidden_bytes);
+    const Tensor& y = stage.run(rows, hidden, hidden_bytes);
+    if (stage.last()) {
+      out.assign(static_cast<const std::byte*>(y.raw()), static_cast<const std::byte*>(y.raw()) + y.nbytes());
+      link.send(0, StageLink::logits, p.seq, out);
+    } else {
+      pack_step(out, rows, y.raw(), y.nbytes());
+      link.send(rank + 1, StageLink::step, p.seq, out);
+    }
+  }
+}
+
+}  // namespace baton::serve

@@ -1,0 +1,202 @@
+#pragma once
+// The decode step cut into pipeline stages (DESIGN.md 7b, pp): stage s runs layers [begin, end)
+// of the model (decode_models.h: stage_layers) with the KV caches of those layers only, so a
+// model too big for one device's memory is served by several. The batch of a step is the piece
+// that streams through the stages: the first stage embeds the step's tokens, each stage hands
+// its rows' hidden state to the next, the last returns the logits of the rows drawn from.
+//
+//   LocalPipeline: every stage in this process, one after another (the cut without the ranks:
+//                  the same arithmetic as one stage, which the tests check).
+//   RankPipeline:  rank 0 of a job (baton-launch, Slurm): stage 0 here, stage s on rank s; the
+//                  step's rows and hidden state travel over the job's data plane (UCX), the
+//                  logits come back from the last rank. Ranks 1.. run serve_stage().
+//
+// A step is synchronous: rank 0 sends the next step once the last one's logits are back (each
+// step's rows depend on the tokens the step before drew). What a pipeline of ranks buys today is
+// memory (each rank holds 1/pp of the weights and of the cache), not speed; overlapping steps
+// needs the batch split into pp groups in flight at once (vLLM's "virtual engines"), not built.
+//
+// Wire (StageLink): a message {kind, seq, bytes} and the packet as a payload the receiver pulls.
+// A rank that dies or fails ends the job through the control plane (the caller's on_abort calls
+// StageLink::abort); a step's answer that does not come within the step timeout fails the engine
+// and the job with the reason.
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "baton/graph/program.h"
+#include "baton/transport/link.h"
+#include "decode_models.h"
+
+namespace baton::serve {
+
+/// What every stage compiles for: the same on every rank (its hash is the job's plan hash).
+struct ServeShape {
+  std::int64_t slots = 1;            // requests in a batch at most
+  std::int64_t blocks_per_slot = 1;  // a request's cache blocks at most (its whole context)
+  std::int64_t block_size = 16;
+  std::int64_t cache_blocks = 1;      // the cache's blocks (the same block ids on every stage)
+  std::vector<std::int64_t> buckets;  // the step programs' rows: 2, 4, ..., max_batch_tokens
+  std::uint64_t hash(const DecodeModel& m, std::int64_t pp) const;
+};
+
+/// The shape for a server of these limits whose devices each hold the caches of `cache_layers`
+/// layers in `kv_cache_bytes`. Throws std::invalid_argument (naming the flag) for limits that do
+/// not go together or a cache too small for one request of the whole context.
+ServeShape serve_shape(const DecodeModel& m, std::int64_t max_batch, std::int64_t max_batch_tokens,
+                       std::int64_t block_size, std::int64_t kv_cache_bytes, std::int64_t cache_layers);
+
+/// One step's rows, as the engine lays them out for bucket `rows` (padding rows: slot -1).
+struct StepRows {
+  std::int64_t rows = 0;
+  std::vector<std::int32_t> tokens, positions, slots, table, sample_rows;  // table: [slots, blocks_per_slot]
+};
+
+/// The weights a stage reads, taken from `all` (shared, not copied): a rank keeps no others.
+std::shared_ptr<ParameterStore> stage_weights(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
+                                              const ParameterStore& all);
+
+/// Whether `params` hold every weight of the model's decode step in its shape and dtype: "" if
+/// they do, else what is wrong ("lack 'h0.attn.wq'", "'wte' is f32[64, 32], the model's ...").
+std::string check_weights(const DecodeModel& m, const ParameterStore& params);
+
+/// One stage's step programs (one per bucket) and the KV caches of its layers.
+class Stage {
+ public:
+  /// Throws std::invalid_argument when the weights do not fit the model.
+  Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers, const ServeShape& shape,
+        std::shared_ptr<const ParameterStore> params);
+  /// Runs the bucket of rows.rows; `hidden` is what the stage before returned ([rows, width] of
+  /// the model's dtype; null for the first stage). Returns the stage's output (hidden state, or
+  /// the logits [min(rows, slots), vocab] on the last), valid until the next run.
+  const Tensor& run(const StepRows& rows, const void* hidden, std::size_t hidden_bytes);
+  void set_params(std::shared_ptr<const ParameterStore> params);
+  bool first() const { return layers_.first == 0; }
+  bool last() const { return layers_.second == model_.layers(); }
+  std::pair<std::int64_t, std::int64_t> layers() const { return layers_; }
+  std::size_t buffer_bytes() const { return buffer_bytes_; }
+  std::size_t cache_bytes() const { return cache_bytes_; }
+
+ private:
+  struct Bucket {
+    std::int64_t rows = 0;
+    std::unique_ptr<Graph> graph;
+    std::unique_ptr<Program> program;
+  };
+  DecodeModel model_;
+  std::pair<std::int64_t, std::int64_t> layers_;
+  std::vector<Tensor> caches_;
+  std::vector<Bucket> buckets_;
+  std::size_t buffer_bytes_ = 0, cache_bytes_ = 0;
+};
+
+/// Runs a step through every stage and returns the logits [min(rows, slots), vocab] (valid
+/// until the next run). What the engine drives.
+class StepRunner {
+ public:
+  virtual ~StepRunner() = default;
+  virtual const Tensor& run(const StepRows& rows) = 0;
+  /// New weights for every stage (throws std::invalid_argument if they do not fit: the old stay).
+  virtual void set_params(std::shared_ptr<const ParameterStore> params) = 0;
+  /// Why this runner cannot take new weights ("": it can).
+  virtual std::string swap_refused() const { return {}; }
+  /// The steps' buffers and the KV caches in this process.
+  virtual std::size_t buffer_bytes() const = 0;
+  virtual std::size_t cache_bytes() const = 0;
+  /// "1 stage", "2 stages in this process", "2 stages on 2 ranks".
+  virtual std::string describe() const = 0;
+};
+
+class LocalPipeline final : public StepRunner {
+ public:
+  LocalPipeline(const DecodeModel& m, std::int64_t pp, const ServeShape& shape,
+                std::shared_ptr<const ParameterStore> params);
+  const Tensor& run(const StepRows& rows) override;
+  void set_params(std::shared_ptr<const ParameterStore> params) override;
+  std::size_t buffer_bytes() const override;
+  std::size_t cache_bytes() const override;
+  std::string describe() const override;
+
+ private:
+  std::vector<std::unique_ptr<Stage>> stages_;
+};
+
+/// The stages' messages over a transport::Link (the job's data plane, or a LoopbackHub's link in
+/// tests). Thread-safe; one StageLink per link (it is the link's handler).
+class StageLink final : public transport::LinkHandler {
+ public:
+  enum Kind : std::uint32_t { step = 1, logits = 2, stop = 3 };
+  struct Packet {
+    std::uint32_t from = 0;
+    Kind kind = step;
+    std::uint64_t seq = 0;
+    std::vector<std::byte> bytes;
+  };
+  explicit StageLink(transport::Link& link);
+  /// Sends `bytes` to rank `to`; they must stay valid and unchanged until the peer has them (the
+  /// pipeline's own order says so: see pipeline.h).
+  void send(std::uint32_t to, Kind kind, std::uint64_t seq, const std::vector<std::byte>& bytes);
+  /// The next packet, waiting until `deadline`. Throws transport::TransportError once the link
+  /// failed or abort() was called (with the reason), or at the deadline (saying what was awaited).
+  Packet receive(std::chrono::steady_clock::time_point deadline, const std::string& awaiting);
+  /// Ends every wait with this reason (the first one wins).
+  void abort(const std::string& reason);
+  std::string failure() const;
+
+  void on_message(std::uint32_t from_rank, const void* data, std::size_t size) override;
+  void on_payload(std::uint64_t cookie) override;
+  void on_link_error(const std::string& reason) override;
+
+ private:
+  transport::Link& link_;
+  mutable std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Packet> inbox_;
+  std::map<std::uint64_t, Packet> pending_;  // receives in flight, by cookie
+  std::uint64_t next_cookie_ = 1;
+  std::string failure_;
+};
+
+/// Rank 0's runner: stage 0 in this process, stage s on rank s (s < link's world size).
+class RankPipeline final : public StepRunner {
+ public:
+  /// `stage`: this rank's (the first); `pp`: the stages, one per rank; the logits come from
+  /// rank pp - 1 within `step_timeout` of a step's start, or the step fails.
+  RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, StageLink& link, const DecodeModel& m,
+               std::int64_t samples, std::chrono::milliseconds step_timeout);
+  const Tensor& run(const StepRows& rows) override;
+  void set_params(std::shared_ptr<const ParameterStore> params) override;
+  std::string swap_refused() const override;
+  std::size_t buffer_bytes() const override { return stage_->buffer_bytes(); }
+  std::size_t cache_bytes() const override { return stage_->cache_bytes(); }
+  std::string describe() const override;
+ private:
+  std::unique_ptr<Stage> stage_;
+  std::int64_t pp_;
+  StageLink& link_;
+  DecodeModel model_;
+  std::int64_t samples_;
+  std::chrono::milliseconds step_timeout_;
+  std::uint64_t seq_ = 0;
+  std::vector<std::byte> out_;
+  Tensor logits_;
+};
+
+/// Rank 0, after the last step: tells ranks 1..pp-1 to stop (their serve_stage returns). Best
+/// effort: a link that failed already sends nothing (the control plane ends those ranks).
+void stop_stages(StageLink& link, std::int64_t pp);
+
+/// Ranks 1..pp-1: receive each step from the rank before, run this rank's stage, send it on (to
+/// rank 0 from the last). Returns when rank 0 says stop; throws transport::TransportError when
+/// the link fails or is aborted, and what a stage throws.
+void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::uint32_t world_size);
+
+}  // namespace baton::serve
