@@ -18,6 +18,7 @@ struct StepInputs {
   Value tokens, hidden, positions, slots, table, sample_rows;
   std::int64_t begin = 0, end = 0;  // the stage's layers
   bool first = true, last = true;
+  std::int64_t tp = 1;
   std::vector<Value> k_cache, v_cache;  // by layer - begin
 };
 
@@ -27,6 +28,7 @@ StepInputs step_inputs(Graph& g, const DecodeModel& m, const StepShape& s) {
   in.end = s.end_layer < 0 ? m.layers() : s.end_layer;
   in.first = in.begin == 0;
   in.last = in.end == m.layers();
+  in.tp = s.tp;
   if (in.first) {
     in.tokens = g.input("tokens", {s.rows}, DType::i32);
   } else {
@@ -36,7 +38,7 @@ StepInputs step_inputs(Graph& g, const DecodeModel& m, const StepShape& s) {
   in.slots = g.input("slots", {s.rows}, DType::i32);
   in.table = g.input("block_table", {s.slots, s.blocks_per_slot}, DType::i32);
   if (in.last) in.sample_rows = g.input("sample_rows", {std::min(s.rows, s.slots)}, DType::i32);
-  const Shape cache{s.cache_blocks, s.block_size, m.kv_heads(), m.head_dim()};
+  const Shape cache{s.cache_blocks, s.block_size, m.kv_heads() / s.tp, m.head_dim()};
   for (std::int64_t l = in.begin; l < in.end; ++l) {
     in.k_cache.push_back(g.input(fmt::format("cache.k.{}", l), cache, m.dtype()));
     in.v_cache.push_back(g.input(fmt::format("cache.v.{}", l), cache, m.dtype()));
@@ -50,6 +52,9 @@ Value weight(Graph& g, const std::string& name, Shape shape, DType dtype) {
   return g.variable(name, std::move(shape), init::zeros(), dtype);
 }
 
+// A row-parallel product's partial sum, added across the tensor-parallel ranks.
+Value reduce(const StepInputs& in, Value partial) { return in.tp == 1 ? partial : apply(tp_sum_op, {partial}); }
+
 // [R, n dh] -> attention over the cache -> [R, heads dh].
 Value attend(const StepInputs& in, std::int64_t layer, Value q, Value k, Value v, std::int64_t heads,
              std::int64_t kv_heads, std::int64_t dh) {
@@ -61,21 +66,21 @@ Value attend(const StepInputs& in, std::int64_t layer, Value q, Value k, Value v
 }
 
 Value gpt_step(Graph& g, const models::GptShape& m, const StepInputs& in) {
-  const std::int64_t d = m.d_model, nh = m.heads, dh = d / nh;
+  const std::int64_t d = m.d_model, nh = m.heads / in.tp, dh = d / m.heads, dt = d / in.tp, ff = 4 * d / in.tp;
   auto w = [&](const std::string& name, Shape shape) { return weight(g, name, std::move(shape), m.dtype); };
   Value x = in.first ? embedding(w("wte", {m.vocab, d}), in.tokens) + embedding(w("wpe", {m.seq, d}), in.positions)
                      : in.hidden;  // [R, d]
   for (std::int64_t l = in.begin; l < in.end; ++l) {
     auto p = [&](const char* what) { return fmt::format("h{}.{}", l, what); };
     Value h = layer_norm(x, w(p("ln1.g"), {d}), w(p("ln1.b"), {d}));
-    Value q = matmul(h, w(p("attn.wq"), {d, d})), k = matmul(h, w(p("attn.wk"), {d, d})),
-          v = matmul(h, w(p("attn.wv"), {d, d}));
-    x = x + matmul(attend(in, l, q, k, v, nh, nh, dh), w(p("attn.wo"), {d, d}));
+    Value q = matmul(h, w(p("attn.wq"), {d, dt})), k = matmul(h, w(p("attn.wk"), {d, dt})),
+          v = matmul(h, w(p("attn.wv"), {d, dt}));
+    x = x + reduce(in, matmul(attend(in, l, q, k, v, nh, nh, dh), w(p("attn.wo"), {dt, d})));
     Value h2 = layer_norm(x, w(p("ln2.g"), {d}), w(p("ln2.b"), {d}));
-    Value h1 = matmul(h2, w(p("mlp.w1"), {d, 4 * d}));
-    Value b1 = w(p("mlp.b1"), {4 * d});
+    Value h1 = matmul(h2, w(p("mlp.w1"), {d, ff}));
+    Value b1 = w(p("mlp.b1"), {ff});
     Value fc = m.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
-    x = x + matmul(fc, w(p("mlp.w2"), {4 * d, d})) + w(p("mlp.b2"), {d});
+    x = x + reduce(in, matmul(fc, w(p("mlp.w2"), {ff, d}))) + w(p("mlp.b2"), {d});
   }
   if (!in.last) return x;
   Value xf = layer_norm(embedding(x, in.sample_rows), w("lnf.g", {d}), w("lnf.b", {d}));
@@ -83,7 +88,7 @@ Value gpt_step(Graph& g, const models::GptShape& m, const StepInputs& in) {
 }
 
 Value gpt2_step(Graph& g, const models::Gpt2Shape& m, std::int64_t positions, const StepInputs& in) {
-  const std::int64_t d = m.d_model, nh = m.heads, dh = d / nh;
+  const std::int64_t d = m.d_model, nh = m.heads / in.tp, dh = d / m.heads, dt = d / in.tp, ff = 4 * d / in.tp;
   auto w = [&](const std::string& name, Shape shape) { return weight(g, name, std::move(shape), m.dtype); };
   auto norm = [&](Value x, const std::string& name) {
     return layer_norm(x, w(name + ".weight", {d}), w(name + ".bias", {d}), m.norm_eps);
@@ -96,18 +101,22 @@ Value gpt2_step(Graph& g, const models::Gpt2Shape& m, std::int64_t positions, co
                      : in.hidden;
   for (std::int64_t l = in.begin; l < in.end; ++l) {
     const std::string p = fmt::format("h.{}.", l);
-    Value qkv = linear(norm(x, p + "ln_1"), p + "attn.c_attn", d, 3 * d);  // [R, 3 d]
-    Value o = attend(in, l, slice(qkv, 1, 0, d), slice(qkv, 1, d, 2 * d),
-                     slice(qkv, 1, 2 * d, 3 * d), nh, nh, dh);
-    x = x + linear(o, p + "attn.c_proj", d, d);
-    x = x + linear(models::gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d)), p + "mlp.c_proj", 4 * d, d);
+    Value qkv = linear(norm(x, p + "ln_1"), p + "attn.c_attn", d, 3 * dt);  // [R, 3 d / tp]: this rank's q, k, v
+    Value o = attend(in, l, slice(qkv, 1, 0, dt), slice(qkv, 1, dt, 2 * dt), slice(qkv, 1, 2 * dt, 3 * dt), nh, nh, dh);
+    // Row-parallel: the partial products added across the ranks, then the bias once.
+    auto row_linear = [&](Value v, const std::string& name, std::int64_t n_in) {
+      return reduce(in, matmul(v, w(name + ".weight", {n_in, d}))) + w(name + ".bias", {d});
+    };
+    x = x + row_linear(o, p + "attn.c_proj", dt);
+    x = x + row_linear(models::gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, ff)), p + "mlp.c_proj", ff);
   }
   if (!in.last) return x;
   return matmul(norm(embedding(x, in.sample_rows), "ln_f"), w("wte.weight", {m.vocab, d}), false, true);
 }
 
 Value llama_step(Graph& g, const models::LlamaShape& m, const StepInputs& in) {
-  const std::int64_t d = m.d_model, nh = m.heads, nkv = m.kv_heads, dh = d / nh, r = in.positions.dim(0);
+  const std::int64_t d = m.d_model, nh = m.heads / in.tp, nkv = m.kv_heads / in.tp, dh = d / m.heads,
+                     ff = m.ffn_hidden / in.tp, r = in.positions.dim(0);
   auto w = [&](const std::string& name, Shape shape) { return weight(g, name, std::move(shape), m.dtype); };
   auto norm = [&](Value x, const std::string& name) { return rms_norm(x, w(name, {d}), m.norm_eps); };
   auto rotate = [&](Value x, std::int64_t heads) {
@@ -120,10 +129,10 @@ Value llama_step(Graph& g, const models::LlamaShape& m, const StepInputs& in) {
     Value q = rotate(matmul(h, w(p("self_attn.q_proj.weight"), {d, nh * dh})), nh);
     Value k = rotate(matmul(h, w(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv);
     Value v = matmul(h, w(p("self_attn.v_proj.weight"), {d, nkv * dh}));
-    x = x + matmul(attend(in, l, q, k, v, nh, nkv, dh), w(p("self_attn.o_proj.weight"), {nh * dh, d}));
+    x = x + reduce(in, matmul(attend(in, l, q, k, v, nh, nkv, dh), w(p("self_attn.o_proj.weight"), {nh * dh, d})));
     Value h2 = norm(x, p("post_attention_layernorm.weight"));
-    x = x + swiglu(h2, w(p("mlp.gate_proj.weight"), {d, m.ffn_hidden}), w(p("mlp.up_proj.weight"), {d, m.ffn_hidden}),
-                   w(p("mlp.down_proj.weight"), {m.ffn_hidden, d}));
+    x = x + reduce(in, swiglu(h2, w(p("mlp.gate_proj.weight"), {d, ff}), w(p("mlp.up_proj.weight"), {d, ff}),
+                              w(p("mlp.down_proj.weight"), {ff, d})));
   }
   if (!in.last) return x;
   Value xf = norm(embedding(x, in.sample_rows), "model.norm.weight");
@@ -191,6 +200,19 @@ Value decode_step(Graph& g, const DecodeModel& m, const StepShape& s) {
   if (s.first_layer < 0 || end <= s.first_layer || end > m.layers()) {
     throw GraphError(fmt::format("decode_step: the stage's layers [{}, {}) are not a non-empty range of the model's {}",
                                  s.first_layer, end, m.layers()));
+  }
+  if (s.tp < 1 || s.tp_rank < 0 || s.tp_rank >= s.tp) {
+    throw GraphError(fmt::format("decode_step: tp rank {} of {}", s.tp_rank, s.tp));
+  }
+  if (s.tp > 1) {
+    const std::int64_t heads = m.kind == Kind::gpt ? m.gpt.heads : m.kind == Kind::gpt2 ? m.gpt2.heads : m.llama.heads;
+    const std::int64_t width = m.kind == Kind::llama ? m.llama.ffn_hidden : 4 * m.width();
+    if (heads % s.tp != 0 || m.kv_heads() % s.tp != 0 || width % s.tp != 0) {
+      throw GraphError(fmt::format("--tp {}: the {} model's {} heads, {} kv heads and MLP width {} must all be multiples "
+                                   "of it",
+                                   s.tp, m.name(), heads, m.kv_heads(), width));
+    }
+    if (find_op(tp_sum_op) == nullptr) register_tp_sum();
   }
   const StepInputs in = step_inputs(g, m, s);
   Value logits;

@@ -46,7 +46,20 @@ struct StepShape {
   /// stage (first_layer 0) embeds the tokens; the last (to the last layer) ends in the head.
   std::int64_t first_layer = 0;
   std::int64_t end_layer = -1;
+  /// Tensor parallelism (Megatron's cut): the stage's heads and MLP width split over `tp` ranks,
+  /// this one `tp_rank`; q, k, v (by heads) and the MLP's first product by columns, the output
+  /// projections by rows, their partial sums added across the ranks by "serve.tp_sum"
+  /// (pipeline.h: TpGroup), the biases after. The KV cache holds this rank's kv heads only.
+  /// Norms, embeddings and the head are whole on every rank.
+  std::int64_t tp = 1;
+  std::int64_t tp_rank = 0;
 };
+
+/// The op that adds a row-parallel product's partial sums across the tensor-parallel ranks
+/// (registered once by decode_step; its kernel is pipeline.cpp's).
+inline constexpr const char* tp_sum_op = "serve.tp_sum";
+/// Registers tp_sum_op (once per process; decode_step calls it for a step with tp > 1).
+void register_tp_sum();
 
 /// The layers of each of `pp` pipeline stages, [begin, end): as even as they go, the earlier
 /// stages taking one more where they do not divide (the last also runs the head, the largest

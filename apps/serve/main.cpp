@@ -6,6 +6,7 @@
 //   baton-serve --model llama --init-from model.safetensors --tokenizer tokenizer.model --heads 32
 //   baton-serve --watch ckpt/ ...     # follows a training job: each new checkpoint swapped in
 //   baton-launch --nproc-per-node 2 -- baton-serve --checkpoint ckpt/   # pp 2: a stage per rank
+//   baton-launch --nproc-per-node 4 -- baton-serve --checkpoint ckpt/ --tp 2   # pp 2 x tp 2
 #include <unistd.h>
 
 #include <csignal>
@@ -62,7 +63,8 @@ struct Options {
   int threads = 1;
   int drain_timeout = 600;
   double watch_every = 2.0;
-  std::int64_t pp = 0;  // 0: one stage per rank of the job (1 without baton-launch)
+  std::int64_t pp = 0;  // 0: the job's ranks / tp (1 without baton-launch)
+  std::int64_t tp = 1;
   double step_timeout = 120;
 };
 
@@ -308,7 +310,7 @@ class Watcher {
 /// A pipeline across the ranks of a job (baton-launch, Slurm): the control plane (rendezvous,
 /// aborts) and the data plane the stages' packets travel on.
 struct RankJob {
-  RankJob(const JobEnvironment& e, const ServeShape& shape, const DecodeModel& m, std::int64_t pp)
+  RankJob(const JobEnvironment& e, const ServeShape& shape, const DecodeModel& m, std::int64_t pp, std::int64_t tp)
       : env(e),
         data(e.rank, e.world_size, data_plane_for_job(e, {})),
         link(data),
@@ -322,7 +324,7 @@ struct RankJob {
     // Every rank compiles the same stages: a rank started with other flags or another checkpoint
     // is refused at the rendezvous, naming the ranks whose hashes differ.
     const auto table =
-        control.join(transport::RankInfo{.rank = env.rank, .data_address = data.address(), .plan_hash = shape.hash(m, pp)});
+        control.join(transport::RankInfo{.rank = env.rank, .data_address = data.address(), .plan_hash = shape.hash(m, pp, tp)});
     std::vector<std::string> addresses;
     for (const auto& r : table) addresses.push_back(r.data_address);
     data.connect(addresses);
@@ -343,20 +345,32 @@ struct RankJob {
   Engine* engine = nullptr;
 };
 
-/// Ranks 1..pp-1: a stage, no HTTP; until rank 0 says stop (0) or the job fails (1).
-int run_stage(const Options& o, const Loaded& l, const ServeShape& shape, std::int64_t pp, RankJob& job,
-              std::pair<std::int64_t, std::int64_t> layers) {
-  (void)o;
+/// This rank's part: shard t of stage s (rank s * tp + t), its weights cut out of the whole.
+struct Part {
+  std::int64_t stage = 0, shard = 0;
+  std::pair<std::int64_t, std::int64_t> layers;
+};
+
+/// Ranks 1..pp*tp-1: a stage's shard, no HTTP; until rank 0 says stop (0) or the job fails (1).
+int run_stage(const Loaded& l, const ServeShape& shape, std::int64_t pp, std::int64_t tp, RankJob& job, const Part& part,
+              std::chrono::milliseconds step_timeout) {
   // SIGTERM and SIGINT reach every rank from the launcher: rank 0 drains, then says stop.
   std::signal(SIGTERM, SIG_IGN);
   std::signal(SIGINT, SIG_IGN);
   try {
-    Stage stage(l.model, layers, shape, l.params);
-    log(fmt::format("stage {} of {}: layers [{}, {}){}, KV cache {:.1f} MiB, buffers {:.1f} MiB; serving (pid {})",
-                    job.env.rank, pp, layers.first, layers.second, stage.last() ? " and the head" : "",
+    std::optional<TpGroup> group;
+    if (tp > 1) {
+      std::vector<std::uint32_t> members;
+      for (std::int64_t t = 0; t < tp; ++t) members.push_back(static_cast<std::uint32_t>(part.stage * tp + t));
+      group.emplace(job.link, members, static_cast<std::size_t>(part.shard), step_timeout);
+    }
+    Stage stage(l.model, part.layers, shape, l.params, tp, part.shard, group ? &*group : nullptr);
+    log(fmt::format("stage {} of {}{}: layers [{}, {}){}, KV cache {:.1f} MiB, buffers {:.1f} MiB; serving (pid {})",
+                    part.stage, pp, tp > 1 ? fmt::format(", shard {} of {}", part.shard, tp) : "", part.layers.first,
+                    part.layers.second, stage.last() ? " and the head" : "",
                     static_cast<double>(stage.cache_bytes()) / (1 << 20),
                     static_cast<double>(stage.buffer_bytes()) / (1 << 20), ::getpid()));
-    serve_stage(stage, job.link, job.env.rank, job.env.world_size);
+    serve_stage(stage, job.link, job.env.rank, pp, tp);
   } catch (const std::exception& e) {
     const std::string why = job.control.aborted().value_or(e.what());
     job.control.fail(e.what());
@@ -371,29 +385,45 @@ int run_stage(const Options& o, const Loaded& l, const ServeShape& shape, std::i
 int run(const Options& o) {
   set_blas_threads(o.threads);
   const JobEnvironment env = JobEnvironment::from_env();
-  const std::int64_t pp = o.pp > 0 ? o.pp : static_cast<std::int64_t>(env.world_size);
+  const auto world = static_cast<std::int64_t>(env.world_size);
+  const std::int64_t tp = o.tp;
+  if (world % tp != 0) {
+    throw std::invalid_argument(fmt::format("--tp {} in a job of {} ranks: the ranks are pp x tp, so tp must divide them",
+                                            tp, world));
+  }
+  const std::int64_t pp = o.pp > 0 ? o.pp : (env.distributed() ? world / tp : 1);
   if (env.distributed()) {
     rank_tag = fmt::format("[rank {}/{}]", env.rank, env.world_size);
-    if (pp != static_cast<std::int64_t>(env.world_size)) {
-      throw std::invalid_argument(fmt::format("--pp {} in a job of {} ranks: across ranks each rank runs one stage, so "
-                                              "--pp is the job's size (leave it out)",
-                                              pp, env.world_size));
+    if (pp * tp != world) {
+      throw std::invalid_argument(fmt::format("--pp {} --tp {} in a job of {} ranks: across ranks each rank runs one "
+                                              "shard of one stage, so pp x tp must be the job's size (leave --pp out)",
+                                              pp, tp, world));
     }
     if (!o.watch.empty()) {
-      throw std::invalid_argument("--watch with a pipeline across ranks is not supported yet: serve from one rank "
+      throw std::invalid_argument("--watch with a model cut across ranks is not supported yet: serve from one rank "
                                   "(--pp stages in one process) to follow a training job");
     }
+  } else if (tp > 1) {
+    throw std::invalid_argument(fmt::format("--tp {}: tensor parallelism runs across the ranks of a job: start "
+                                            "pp x tp ranks with baton-launch --nproc-per-node {}",
+                                            tp, pp * tp));
   }
   Loaded l = load(o);
   const auto stages = stage_layers(l.model.layers(), pp);
   std::int64_t cache_layers = l.model.layers();
+  Part part;
   if (env.distributed()) {
-    // Each rank keeps its stage's weights only, and holds the caches of its layers in its budget
-    // (the largest stage's decides the blocks, the same on every rank).
-    l.params = stage_weights(l.model, stages[env.rank], *l.params);
+    part.stage = env.rank / tp;
+    part.shard = env.rank % tp;
+    part.layers = stages[static_cast<std::size_t>(part.stage)];
+    // Each rank keeps its stage's weights only (its shard of them), and holds the caches of its
+    // layers (its kv heads) in its budget (the largest stage's decides the blocks, the same on
+    // every rank).
+    l.params = stage_weights(l.model, part.layers, *l.params, tp, part.shard);
     cache_layers = 0;
     for (const auto& [b, e] : stages) cache_layers = std::max(cache_layers, e - b);
   }
+  const auto step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.step_timeout * 1000));
 
   std::int64_t weight_bytes = 0;
   for (const auto& [name, t] : l.params->values()) weight_bytes += static_cast<std::int64_t>(t.nbytes());
@@ -414,14 +444,16 @@ int run(const Options& o) {
     }
     kv_cache_bytes = o.kv_cache_memory.empty() ? left : std::min(left, kv_cache_bytes);
   }
-  const ServeShape shape = serve_shape(l.model, o.max_batch, o.max_batch_tokens, o.block_size, kv_cache_bytes, cache_layers);
+  const ServeShape shape =
+      serve_shape(l.model, o.max_batch, o.max_batch_tokens, o.block_size, kv_cache_bytes, cache_layers, tp);
 
   std::optional<RankJob> job;
   if (env.distributed()) {
-    log(fmt::format("joining the job at {} ({} ranks: stage {} holds layers [{}, {}))", env.master, env.world_size,
-                    env.rank, stages[env.rank].first, stages[env.rank].second));
-    job.emplace(env, shape, l.model, pp);
-    if (env.rank > 0) return run_stage(o, l, shape, pp, *job, stages[env.rank]);
+    log(fmt::format("joining the job at {} ({} ranks, pp {} x tp {}: stage {}{} holds layers [{}, {}))", env.master,
+                    env.world_size, pp, tp, part.stage, tp > 1 ? fmt::format(" shard {}", part.shard) : "",
+                    part.layers.first, part.layers.second));
+    job.emplace(env, shape, l.model, pp, tp);
+    if (env.rank > 0) return run_stage(l, shape, pp, tp, *job, part, step_timeout);
   }
 
   const std::size_t colon = o.listen.rfind(':');
@@ -455,11 +487,17 @@ int run(const Options& o) {
                    .cache_layers = cache_layers,
                    .runner = {},
                    .log = log};
+  std::optional<TpGroup> group;  // rank 0's shards of stage 0 (tp > 1)
   if (job) {
-    const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.step_timeout * 1000));
-    s.runner = [&l, &stages, &job, pp, timeout](const ServeShape& sh) -> std::unique_ptr<StepRunner> {
-      return std::make_unique<RankPipeline>(std::make_unique<Stage>(l.model, stages[0], sh, l.params), pp, job->link,
-                                            l.model, sh.slots, timeout);
+    if (tp > 1) {
+      std::vector<std::uint32_t> members;
+      for (std::int64_t t = 0; t < tp; ++t) members.push_back(static_cast<std::uint32_t>(t));
+      group.emplace(job->link, members, 0, step_timeout);
+    }
+    s.runner = [&l, &stages, &job, &group, pp, tp, step_timeout](const ServeShape& sh) -> std::unique_ptr<StepRunner> {
+      return std::make_unique<RankPipeline>(
+          std::make_unique<Stage>(l.model, stages[0], sh, l.params, tp, 0, group ? &*group : nullptr), pp, tp,
+          job->link, l.model, sh.slots, step_timeout);
     };
   }
   log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching", l.model.name(),
@@ -484,7 +522,7 @@ int run(const Options& o) {
   if (job) {
     job->watch(nullptr);
     if (why.empty()) {
-      stop_stages(job->link, pp);
+      stop_stages(job->link, world);
       job->control.finish(std::chrono::minutes(1));
     } else {
       job->control.fail(why);  // nothing if another rank's failure ended the job
@@ -558,6 +596,10 @@ int main(int argc, char** argv) {
   app.add_option("--pp", o.pp,
                  "pipeline stages (layers cut evenly); under baton-launch one per rank (the default), else in this "
                  "process")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--tp", o.tp,
+                 "tensor-parallel shards of each stage (heads and MLP width cut over tp ranks; under baton-launch "
+                 "of pp x tp ranks)")
       ->check(CLI::PositiveNumber);
   app.add_option("--step-timeout", o.step_timeout, "seconds a step may take across the ranks before the job fails")
       ->check(CLI::PositiveNumber);

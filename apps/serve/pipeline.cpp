@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
+
+#include "baton/graph/op_registry.h"
 
 #include <fmt/format.h>
 
@@ -51,6 +54,7 @@ void pack_step(std::vector<std::byte>& out, const StepRows& r, const void* hidde
   const StepHeader h{r.rows, static_cast<std::int64_t>(r.table.size()), static_cast<std::int64_t>(r.sample_rows.size()),
                      static_cast<std::int64_t>(hidden_bytes)};
   put(out, &h, sizeof h);
+  put_vector(out, r.tokens);
   put_vector(out, r.positions);
   put_vector(out, r.slots);
   put_vector(out, r.table);
@@ -59,8 +63,8 @@ void pack_step(std::vector<std::byte>& out, const StepRows& r, const void* hidde
   put(out, hidden, hidden_bytes);
 }
 
-// Reads a step packet into `r` (tokens are the first stage's: left empty) and returns where its
-// hidden state lies. Throws std::runtime_error for a packet that does not add up.
+// Reads a step packet into `r` and returns where its hidden state lies (none for the first
+// stage's shards). Throws std::runtime_error for a packet that does not add up.
 const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std::size_t& hidden_bytes) {
   StepHeader h{};
   if (in.size() < sizeof h) throw std::runtime_error(fmt::format("a step packet of {} bytes: too short", in.size()));
@@ -70,7 +74,7 @@ const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std:
                                          h.table, h.samples, h.hidden_bytes));
   }
   std::size_t at = sizeof h;
-  const std::size_t ints = static_cast<std::size_t>(2 * h.rows + h.table + h.samples);
+  const std::size_t ints = static_cast<std::size_t>(3 * h.rows + h.table + h.samples);
   const std::size_t hidden_at = (at + ints * 4 + 7) / 8 * 8;
   if (in.size() != hidden_at + static_cast<std::size_t>(h.hidden_bytes)) {
     throw std::runtime_error(fmt::format("a step packet of {} bytes, where its header says {}", in.size(),
@@ -82,7 +86,7 @@ const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std:
     at += v.size() * 4;
   };
   r.rows = h.rows;
-  r.tokens.clear();
+  take(r.tokens, h.rows);
   take(r.positions, h.rows);
   take(r.slots, h.rows);
   take(r.table, h.table);
@@ -100,12 +104,90 @@ void write_input(Program& p, const char* name, const std::vector<T>& v) {
   std::memcpy(t.raw(), v.data(), v.size() * sizeof(T));
 }
 
+// The group whose partial sums serve.tp_sum adds: the stage running on this thread.
+thread_local TpGroup* current_group = nullptr;
+
+struct TpScope {
+  explicit TpScope(TpGroup* g) : before(current_group) { current_group = g; }
+  ~TpScope() { current_group = before; }
+  TpScope(const TpScope&) = delete;
+  TpScope& operator=(const TpScope&) = delete;
+  TpGroup* before;
+};
+
+void tp_sum_kernel(KernelContext& c) {
+  const Tensor& in = *c.inputs[0];
+  Tensor& out = *c.outputs[0];
+  std::memcpy(out.raw(), in.raw(), in.nbytes());
+  if (current_group == nullptr) throw std::runtime_error("serve.tp_sum ran outside a tensor-parallel stage");
+  current_group->all_reduce(out);
+}
+
 }  // namespace
 
-std::uint64_t ServeShape::hash(const DecodeModel& m, std::int64_t pp) const {
+void register_tp_sum() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    register_op({.name = tp_sum_op,
+                 .infer = [](const OpInputs& in) { return TensorType{in[0].shape(), in[0].dtype()}; },
+                 .gradient = {},
+                 .kernels = {{DeviceType::cpu, DType::f32, kernel_of(tp_sum_kernel)},
+                             {DeviceType::cpu, DType::f64, kernel_of(tp_sum_kernel)}},
+                 .elementwise = false});
+  });
+}
+
+TpGroup::TpGroup(StageLink& link, std::vector<std::uint32_t> members, std::size_t me, std::chrono::milliseconds timeout)
+    : link_(link), members_(std::move(members)), me_(me), timeout_(timeout) {
+  if (me_ >= members_.size()) throw std::invalid_argument("TpGroup: this rank is not a member");
+}
+
+void TpGroup::all_reduce(Tensor& t) {
+  if (t.dtype() != DType::f32 && t.dtype() != DType::f64) {
+    throw std::runtime_error(fmt::format("serve.tp_sum: {} partial sums (f32 and f64 only)", name(t.dtype())));
+  }
+  const std::uint64_t round = ++round_;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  std::vector<std::byte>& mine = sent_[round % 2];
+  mine.assign(static_cast<const std::byte*>(t.raw()), static_cast<const std::byte*>(t.raw()) + t.nbytes());
+  for (std::size_t i = 0; i < members_.size(); ++i) {
+    if (i != me_) link_.send(members_[i], StageLink::partial, round, mine);
+  }
+  // Every part in shard order, added in that order: every member gets the same bits.
+  const auto n = static_cast<std::size_t>(t.numel());
+  sum_.assign(n, 0.0);
+  std::vector<std::byte> part;
+  for (std::size_t i = 0; i < members_.size(); ++i) {
+    const std::byte* bytes = mine.data();
+    if (i != me_) {
+      const std::uint32_t from = members_[i];
+      part = link_
+                 .receive([&](const StageLink::Packet& p) {
+                   return p.from == from && p.kind == StageLink::partial && p.seq == round;
+                 },
+                          deadline, fmt::format("the partial sums of rank {} (tensor-parallel round {})", from, round))
+                 .bytes;
+      if (part.size() != t.nbytes()) {
+        throw std::runtime_error(fmt::format("rank {} sent {} bytes of partial sums, not {}", from, part.size(), t.nbytes()));
+      }
+      bytes = part.data();
+    }
+    if (t.dtype() == DType::f32) {
+      const auto* v = reinterpret_cast<const float*>(bytes);
+      auto* acc = static_cast<float*>(t.raw());
+      for (std::size_t k = 0; k < n; ++k) acc[k] = i == 0 ? v[k] : acc[k] + v[k];
+    } else {
+      const auto* v = reinterpret_cast<const double*>(bytes);
+      auto* acc = static_cast<double*>(t.raw());
+      for (std::size_t k = 0; k < n; ++k) acc[k] = i == 0 ? v[k] : acc[k] + v[k];
+    }
+  }
+}
+
+std::uint64_t ServeShape::hash(const DecodeModel& m, std::int64_t pp, std::int64_t tp) const {
   Hasher h;
   for (std::int64_t v : {static_cast<std::int64_t>(m.kind), m.vocab(), m.width(), m.layers(), m.kv_heads(),
-                         m.head_dim(), m.context(), static_cast<std::int64_t>(m.dtype()), pp, slots, blocks_per_slot,
+                         m.head_dim(), m.context(), static_cast<std::int64_t>(m.dtype()), pp, tp, slots, blocks_per_slot,
                          block_size, cache_blocks}) {
     h.add(static_cast<std::uint64_t>(v));
   }
@@ -114,7 +196,8 @@ std::uint64_t ServeShape::hash(const DecodeModel& m, std::int64_t pp) const {
 }
 
 ServeShape serve_shape(const DecodeModel& m, std::int64_t max_batch, std::int64_t max_batch_tokens,
-                       std::int64_t block_size, std::int64_t kv_cache_bytes, std::int64_t cache_layers) {
+                       std::int64_t block_size, std::int64_t kv_cache_bytes, std::int64_t cache_layers,
+                       std::int64_t tp) {
   if (max_batch < 1 || max_batch_tokens < 1 || block_size < 1) {
     throw std::invalid_argument(fmt::format("--max-batch {}, --max-batch-tokens {} and --block-size {} must be >= 1",
                                             max_batch, max_batch_tokens, block_size));
@@ -128,8 +211,11 @@ ServeShape serve_shape(const DecodeModel& m, std::int64_t max_batch, std::int64_
   s.slots = max_batch;
   s.block_size = block_size;
   s.blocks_per_slot = ceil_div(m.context(), block_size);
-  const std::int64_t block_bytes =
-      cache_layers * 2 * block_size * m.kv_heads() * m.head_dim() * static_cast<std::int64_t>(size_of(m.dtype()));
+  if (tp < 1 || m.kv_heads() % tp != 0) {
+    throw std::invalid_argument(fmt::format("--tp {}: the model's {} kv heads are not a multiple of it", tp, m.kv_heads()));
+  }
+  const std::int64_t block_bytes = cache_layers * 2 * block_size * (m.kv_heads() / tp) * m.head_dim() *
+                                   static_cast<std::int64_t>(size_of(m.dtype()));
   s.cache_blocks = std::min(kv_cache_bytes / block_bytes, max_batch * s.blocks_per_slot);
   if (s.cache_blocks < s.blocks_per_slot) {
     throw std::invalid_argument(fmt::format(
@@ -142,15 +228,52 @@ ServeShape serve_shape(const DecodeModel& m, std::int64_t max_batch, std::int64_
   return s;
 }
 
+namespace {
+
+// Shard `t` of `tp` of a whole weight, in the shape the stage's graph gives it: by columns
+// (rows whole) or by rows; GPT-2's packed q, k, v ("c_attn") by each third.
+Tensor shard_of(const std::string& name, const Tensor& full, const Shape& want, std::int64_t tp, std::int64_t t) {
+  if (full.shape() == want) return full;
+  const Shape& have = full.shape();
+  const std::size_t es = size_of(full.dtype());
+  const bool packed = name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias");
+  const std::int64_t chunks = packed ? 3 : 1;
+  Tensor out = Tensor::empty(want, full.dtype());
+  const auto* src = static_cast<const std::byte*>(full.raw());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  const std::int64_t cols_have = have.size() == 2 ? have[1] : have[0], cols_want = want.size() == 2 ? want[1] : want[0];
+  const std::int64_t rows = have.size() == 2 ? have[0] : 1;
+  if (have.size() == want.size() && (have.size() == 1 || have[0] == want[0]) && cols_want * tp == cols_have) {
+    // By columns: in each of the chunks, this shard's block.
+    const std::int64_t per = cols_have / chunks, block = per / tp;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        std::memcpy(dst + static_cast<std::size_t>((r * cols_want + c * block)) * es,
+                    src + static_cast<std::size_t>(r * cols_have + c * per + t * block) * es,
+                    static_cast<std::size_t>(block) * es);
+      }
+    }
+    return out;
+  }
+  if (have.size() == 2 && want.size() == 2 && have[1] == want[1] && want[0] * tp == have[0] && !packed) {
+    std::memcpy(dst, src + static_cast<std::size_t>(t * want[0] * have[1]) * es, out.nbytes());
+    return out;
+  }
+  throw std::invalid_argument(fmt::format("'{}' is {}: no shard {} of {} of it has the stage's shape {}", name,
+                                          full.describe(), t, tp, to_string(want)));
+}
+
+}  // namespace
+
 std::shared_ptr<ParameterStore> stage_weights(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
-                                              const ParameterStore& all) {
+                                              const ParameterStore& all, std::int64_t tp, std::int64_t tp_rank) {
   Graph g;
-  decode_step(g, m, StepShape{.first_layer = layers.first, .end_layer = layers.second});
+  decode_step(g, m, StepShape{.first_layer = layers.first, .end_layer = layers.second, .tp = tp, .tp_rank = tp_rank});
   auto mine = std::make_shared<ParameterStore>();
   const auto wanted = ParameterStore::initialize(g);  // held: a range-for would not keep it alive
   for (const auto& [name, t] : wanted->values()) {
     if (!all.contains(name)) throw std::invalid_argument(fmt::format("the weights have no '{}'", name));
-    mine->set(name, all.at(name));
+    mine->set(name, shard_of(name, all.at(name), t.shape(), tp, tp_rank));
   }
   return mine;
 }
@@ -171,9 +294,12 @@ std::string check_weights(const DecodeModel& m, const ParameterStore& params) {
 }
 
 Stage::Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers, const ServeShape& shape,
-             std::shared_ptr<const ParameterStore> params)
-    : model_(m), layers_(layers) {
-  const Shape cache{shape.cache_blocks, shape.block_size, m.kv_heads(), m.head_dim()};
+             std::shared_ptr<const ParameterStore> params, std::int64_t tp, std::int64_t tp_rank, TpGroup* group)
+    : model_(m), layers_(layers), group_(group) {
+  if (tp > 1 && (group == nullptr || group->size() != static_cast<std::size_t>(tp))) {
+    throw std::invalid_argument(fmt::format("a stage of tp {} needs its group of {} ranks", tp, tp));
+  }
+  const Shape cache{shape.cache_blocks, shape.block_size, m.kv_heads() / tp, m.head_dim()};
   std::map<std::string, Tensor> caches;  // one cache for every program
   for (std::int64_t l = layers.first; l < layers.second; ++l) {
     for (const char* kv : {"k", "v"}) {
@@ -190,7 +316,8 @@ Stage::Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
     Value out = decode_step(*b.graph, m,
                             StepShape{.rows = rows, .slots = shape.slots, .blocks_per_slot = shape.blocks_per_slot,
                                       .block_size = shape.block_size, .cache_blocks = shape.cache_blocks,
-                                      .first_layer = layers.first, .end_layer = layers.second});
+                                      .first_layer = layers.first, .end_layer = layers.second, .tp = tp,
+                                      .tp_rank = tp_rank});
     try {
       b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{out}, params, caches);
     } catch (const GraphError& e) {
@@ -219,6 +346,7 @@ const Tensor& Stage::run(const StepRows& rows, const void* hidden, std::size_t h
   write_input(p, "slots", rows.slots);
   write_input(p, "block_table", rows.table);
   if (last()) write_input(p, "sample_rows", rows.sample_rows);
+  const TpScope scope(group_);
   return p.run()[0];
 }
 
@@ -272,6 +400,12 @@ struct Wire {
   std::uint64_t bytes;
 };
 static_assert(sizeof(Wire) <= transport::Link::max_message);
+// A payload's tag: its kind and number (a rank may have a step and a partial sum of the same
+// number in flight to one peer), in the 48 bits UCX's tags leave: 40 for the number (a step adds
+// 2 per layer to the partial sums' count: 10^12 steps before it wraps).
+std::uint64_t tag_of(StageLink::Kind kind, std::uint64_t seq) {
+  return (static_cast<std::uint64_t>(kind) << 40) | (seq & ((std::uint64_t{1} << 40) - 1));
+}
 }  // namespace
 
 StageLink::StageLink(transport::Link& link) : link_(link) { link_.set_handler(this); }
@@ -283,7 +417,7 @@ void StageLink::send(std::uint32_t to, Kind kind, std::uint64_t seq, const std::
   }
   const Wire w{kind, 0, seq, bytes.size()};
   link_.send(to, &w, sizeof w);
-  if (!bytes.empty()) link_.send_payload(to, seq, bytes.data(), bytes.size());
+  if (!bytes.empty()) link_.send_payload(to, tag_of(kind, seq), bytes.data(), bytes.size());
 }
 
 void StageLink::on_message(std::uint32_t from_rank, const void* data, std::size_t size) {
@@ -306,7 +440,7 @@ void StageLink::on_message(std::uint32_t from_rank, const void* data, std::size_
   slot.bytes.resize(w.bytes);
   void* dest = slot.bytes.data();
   lock.unlock();
-  link_.receive_payload(from_rank, w.seq, dest, w.bytes, cookie);
+  link_.receive_payload(from_rank, tag_of(static_cast<Kind>(w.kind), w.seq), dest, w.bytes, cookie);
 }
 
 void StageLink::on_payload(std::uint64_t cookie) {
@@ -336,41 +470,58 @@ std::string StageLink::failure() const {
 }
 
 StageLink::Packet StageLink::receive(std::chrono::steady_clock::time_point deadline, const std::string& awaiting) {
+  return receive([](const Packet&) { return true; }, deadline, awaiting);
+}
+
+StageLink::Packet StageLink::receive(const std::function<bool(const Packet&)>& wanted,
+                                     std::chrono::steady_clock::time_point deadline, const std::string& awaiting) {
   std::unique_lock lock(mutex_);
   // In slices of a second: a far deadline (a stage waits for the next request for hours) stays
   // clear of the clocks' overflow.
-  while (failure_.empty() && inbox_.empty()) {
+  for (;;) {
+    if (!failure_.empty()) throw transport::TransportError(failure_);
+    const auto it = std::find_if(inbox_.begin(), inbox_.end(), wanted);
+    if (it != inbox_.end()) {
+      Packet p = std::move(*it);
+      inbox_.erase(it);
+      return p;
+    }
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) throw transport::TransportError(fmt::format("{} did not come in time", awaiting));
     ready_.wait_for(lock, std::min<std::chrono::steady_clock::duration>(deadline - now, std::chrono::seconds(1)));
   }
-  if (!failure_.empty()) throw transport::TransportError(failure_);
-  Packet p = std::move(inbox_.front());
-  inbox_.pop_front();
-  return p;
 }
 
 // ---- RankPipeline ----
 
-RankPipeline::RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, StageLink& link, const DecodeModel& m,
-                           std::int64_t samples, std::chrono::milliseconds step_timeout)
-    : stage_(std::move(stage)), pp_(pp), link_(link), model_(m), samples_(samples), step_timeout_(step_timeout) {
-  if (!stage_->first() || pp_ < 2) throw std::invalid_argument("RankPipeline: rank 0 runs the first of 2 stages or more");
+RankPipeline::RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, std::int64_t tp, StageLink& link,
+                           const DecodeModel& m, std::int64_t samples, std::chrono::milliseconds step_timeout)
+    : stage_(std::move(stage)), pp_(pp), tp_(tp), link_(link), model_(m), samples_(samples), step_timeout_(step_timeout) {
+  if (!stage_->first() || pp_ * tp_ < 2) {
+    throw std::invalid_argument("RankPipeline: rank 0 runs the first stage of a job of 2 ranks or more");
+  }
 }
 
 const Tensor& RankPipeline::run(const StepRows& rows) {
   const auto deadline = std::chrono::steady_clock::now() + step_timeout_;
-  const Tensor& hidden = stage_->run(rows, nullptr, 0);
-  pack_step(out_, rows, hidden.raw(), hidden.nbytes());
   const std::uint64_t seq = ++seq_;
-  link_.send(1, StageLink::step, seq, out_);
+  if (tp_ > 1) {
+    // Stage 0's other shards need the step's rows before this one's first partial sum.
+    pack_step(step_out_, rows, nullptr, 0);
+    for (std::int64_t t = 1; t < tp_; ++t) link_.send(static_cast<std::uint32_t>(t), StageLink::step, seq, step_out_);
+  }
+  const Tensor& y = stage_->run(rows, nullptr, 0);
+  if (stage_->last()) return y;  // pp 1: the head ran here (whole on every shard)
+  pack_step(hidden_out_, rows, y.raw(), y.nbytes());
+  link_.send(static_cast<std::uint32_t>(tp_), StageLink::step, seq, hidden_out_);  // stage 1, shard 0
+  const auto last = static_cast<std::uint32_t>((pp_ - 1) * tp_);
   StageLink::Packet p = link_.receive(
-      deadline, fmt::format("the logits of step {} from rank {} (--step-timeout {} s)", seq, pp_ - 1,
-                            std::chrono::duration<double>(step_timeout_).count()));
+      [&](const StageLink::Packet& q) { return q.from == last && q.kind == StageLink::logits; }, deadline,
+      fmt::format("the logits of step {} from rank {} (--step-timeout {} s)", seq, last,
+                  std::chrono::duration<double>(step_timeout_).count()));
   const std::int64_t n = std::min(rows.rows, samples_);
-  if (p.kind != StageLink::logits || p.seq != seq || p.from != static_cast<std::uint32_t>(pp_ - 1)) {
-    throw std::runtime_error(fmt::format("rank {} sent a packet of kind {} for step {} where the logits of step {} were due",
-                                         p.from, static_cast<int>(p.kind), p.seq, seq));
+  if (p.seq != seq) {
+    throw std::runtime_error(fmt::format("rank {} sent the logits of step {} where step {}'s were due", p.from, p.seq, seq));
   }
   if (logits_.numel() != n * model_.vocab()) logits_ = Tensor::empty({n, model_.vocab()}, model_.dtype());
   if (p.bytes.size() != logits_.nbytes()) {
@@ -389,42 +540,48 @@ std::string RankPipeline::swap_refused() const {
   return "new weights for a pipeline across ranks are not supported yet (--watch serves from one rank)";
 }
 
-std::string RankPipeline::describe() const { return fmt::format("{} stages on {} ranks", pp_, pp_); }
+std::string RankPipeline::describe() const {
+  return tp_ == 1 ? fmt::format("{} stages on {} ranks", pp_, pp_)
+                  : fmt::format("{} stage{} of {} tensor-parallel shards on {} ranks", pp_, pp_ == 1 ? "" : "s", tp_,
+                                pp_ * tp_);
+}
 
-void stop_stages(StageLink& link, std::int64_t pp) {
+void stop_stages(StageLink& link, std::int64_t world_size) {
   if (!link.failure().empty()) return;
   try {
-    for (std::int64_t r = 1; r < pp; ++r) link.send(static_cast<std::uint32_t>(r), StageLink::stop, 0, {});
+    for (std::int64_t r = 1; r < world_size; ++r) link.send(static_cast<std::uint32_t>(r), StageLink::stop, 0, {});
   } catch (const std::exception&) {
     // The job is ending anyway; the control plane tells the others.
   }
 }
 
-void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::uint32_t world_size) {
-  if (rank == 0 || rank >= world_size) {
-    throw std::invalid_argument(fmt::format("serve_stage: rank {} of {} runs no later stage", rank, world_size));
+void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::int64_t pp, std::int64_t tp) {
+  if (rank == 0 || static_cast<std::int64_t>(rank) >= pp * tp) {
+    throw std::invalid_argument(fmt::format("serve_stage: rank {} of {} runs no later stage", rank, pp * tp));
   }
+  const std::int64_t s = rank / tp, t = rank % tp;
+  const auto from = static_cast<std::uint32_t>(s == 0 ? 0 : (s - 1) * tp + t);
   StepRows rows;
   std::vector<std::byte> out;
   for (;;) {
     // Idle for as long as no request comes: the control plane's heartbeats and aborts, not a
     // deadline, tell a dead job from a quiet one.
-    StageLink::Packet p =
-        link.receive(std::chrono::steady_clock::now() + std::chrono::hours(24 * 365), "the next step");
+    StageLink::Packet p = link.receive(
+        [&](const StageLink::Packet& q) {
+          return (q.kind == StageLink::stop && q.from == 0) || (q.kind == StageLink::step && q.from == from);
+        },
+        std::chrono::steady_clock::now() + std::chrono::hours(24 * 365), "the next step");
     if (p.kind == StageLink::stop) return;
-    if (p.kind != StageLink::step || p.from != rank - 1) {
-      throw std::runtime_error(
-          fmt::format("rank {} sent a packet of kind {}, where a step from rank {} was due", p.from, static_cast<int>(p.kind), rank - 1));
-    }
     std::size_t hidden_bytes = 0;
     const std::byte* hidden = unpack_step(p.bytes, rows, hidden_bytes);
-    const Tensor& y = stage.run(rows, hidden, hidden_bytes);
+    const Tensor& y = stage.run(rows, s == 0 ? nullptr : hidden, s == 0 ? 0 : hidden_bytes);
     if (stage.last()) {
+      if (t != 0) continue;  // shard 0 answers for the stage
       out.assign(static_cast<const std::byte*>(y.raw()), static_cast<const std::byte*>(y.raw()) + y.nbytes());
       link.send(0, StageLink::logits, p.seq, out);
     } else {
       pack_step(out, rows, y.raw(), y.nbytes());
-      link.send(rank + 1, StageLink::step, p.seq, out);
+      link.send(static_cast<std::uint32_t>((s + 1) * tp + t), StageLink::step, p.seq, out);
     }
   }
 }

@@ -7,9 +7,14 @@
 //
 //   LocalPipeline: every stage in this process, one after another (the cut without the ranks:
 //                  the same arithmetic as one stage, which the tests check).
-//   RankPipeline:  rank 0 of a job (baton-launch, Slurm): stage 0 here, stage s on rank s; the
-//                  step's rows and hidden state travel over the job's data plane (UCX), the
-//                  logits come back from the last rank. Ranks 1.. run serve_stage().
+//   RankPipeline:  rank 0 of a job (baton-launch, Slurm): stage 0 here, the other stages on the
+//                  other ranks; the step's rows and hidden state travel over the job's data plane
+//                  (UCX), the logits come back from the last stage. Ranks 1.. run serve_stage().
+//
+// Tensor parallelism (--tp) cuts each stage's heads and MLP width over tp ranks (Megatron's cut:
+// decode_models.h, StepShape::tp); a stage's ranks add their row-parallel partial sums with each
+// other after each attention and MLP (TpGroup). A job has pp x tp ranks: rank s * tp + t runs
+// shard t of stage s; rank 0 (stage 0, shard 0) runs the engine and the HTTP front end.
 //
 // A step is synchronous: rank 0 sends the next step once the last one's logits are back (each
 // step's rows depend on the tokens the step before drew). What a pipeline of ranks buys today is
@@ -25,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -45,14 +51,16 @@ struct ServeShape {
   std::int64_t block_size = 16;
   std::int64_t cache_blocks = 1;      // the cache's blocks (the same block ids on every stage)
   std::vector<std::int64_t> buckets;  // the step programs' rows: 2, 4, ..., max_batch_tokens
-  std::uint64_t hash(const DecodeModel& m, std::int64_t pp) const;
+  std::uint64_t hash(const DecodeModel& m, std::int64_t pp, std::int64_t tp) const;
 };
 
 /// The shape for a server of these limits whose devices each hold the caches of `cache_layers`
-/// layers in `kv_cache_bytes`. Throws std::invalid_argument (naming the flag) for limits that do
-/// not go together or a cache too small for one request of the whole context.
+/// layers (of 1/tp of the kv heads) in `kv_cache_bytes`. Throws std::invalid_argument (naming the
+/// flag) for limits that do not go together or a cache too small for one request of the whole
+/// context.
 ServeShape serve_shape(const DecodeModel& m, std::int64_t max_batch, std::int64_t max_batch_tokens,
-                       std::int64_t block_size, std::int64_t kv_cache_bytes, std::int64_t cache_layers);
+                       std::int64_t block_size, std::int64_t kv_cache_bytes, std::int64_t cache_layers,
+                       std::int64_t tp = 1);
 
 /// One step's rows, as the engine lays them out for bucket `rows` (padding rows: slot -1).
 struct StepRows {
@@ -60,20 +68,49 @@ struct StepRows {
   std::vector<std::int32_t> tokens, positions, slots, table, sample_rows;  // table: [slots, blocks_per_slot]
 };
 
-/// The weights a stage reads, taken from `all` (shared, not copied): a rank keeps no others.
+/// The weights a stage reads, taken from `all` (one device's whole weights): shared where whole,
+/// shard `tp_rank` of `tp` cut out of them where the stage splits them (columns or rows; GPT-2's
+/// packed q, k, v by each of the three). A rank keeps no others. Throws std::invalid_argument
+/// for a weight missing or of another shape.
 std::shared_ptr<ParameterStore> stage_weights(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
-                                              const ParameterStore& all);
+                                              const ParameterStore& all, std::int64_t tp = 1,
+                                              std::int64_t tp_rank = 0);
 
 /// Whether `params` hold every weight of the model's decode step in its shape and dtype: "" if
 /// they do, else what is wrong ("lack 'h0.attn.wq'", "'wte' is f32[64, 32], the model's ...").
 std::string check_weights(const DecodeModel& m, const ParameterStore& params);
 
+class StageLink;
+
+/// The ranks of one stage's tensor-parallel shards: adds their partial sums (the serve.tp_sum
+/// op's kernel calls all_reduce on the thread that runs the stage). Every rank sends its part to
+/// every other and adds all of them in shard order, so every rank gets the same bits.
+class TpGroup {
+ public:
+  /// `members`: the group's ranks in shard order; `me`: this rank's index among them. A part
+  /// that does not come within `timeout` fails the step.
+  TpGroup(StageLink& link, std::vector<std::uint32_t> members, std::size_t me, std::chrono::milliseconds timeout);
+  void all_reduce(Tensor& t);
+  std::size_t size() const { return members_.size(); }
+
+ private:
+  StageLink& link_;
+  std::vector<std::uint32_t> members_;
+  std::size_t me_;
+  std::chrono::milliseconds timeout_;
+  std::uint64_t round_ = 0;
+  std::vector<std::byte> sent_[2];  // a part in flight: two rounds' (a peer may not have taken the last yet)
+  std::vector<double> sum_;
+};
+
 /// One stage's step programs (one per bucket) and the KV caches of its layers.
 class Stage {
  public:
-  /// Throws std::invalid_argument when the weights do not fit the model.
+  /// Throws std::invalid_argument when the weights do not fit the model. With tp > 1, `group`
+  /// is the stage's shards (it must outlive the stage).
   Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers, const ServeShape& shape,
-        std::shared_ptr<const ParameterStore> params);
+        std::shared_ptr<const ParameterStore> params, std::int64_t tp = 1, std::int64_t tp_rank = 0,
+        TpGroup* group = nullptr);
   /// Runs the bucket of rows.rows; `hidden` is what the stage before returned ([rows, width] of
   /// the model's dtype; null for the first stage). Returns the stage's output (hidden state, or
   /// the logits [min(rows, slots), vocab] on the last), valid until the next run.
@@ -93,6 +130,7 @@ class Stage {
   };
   DecodeModel model_;
   std::pair<std::int64_t, std::int64_t> layers_;
+  TpGroup* group_ = nullptr;
   std::vector<Tensor> caches_;
   std::vector<Bucket> buckets_;
   std::size_t buffer_bytes_ = 0, cache_bytes_ = 0;
@@ -133,7 +171,7 @@ class LocalPipeline final : public StepRunner {
 /// tests). Thread-safe; one StageLink per link (it is the link's handler).
 class StageLink final : public transport::LinkHandler {
  public:
-  enum Kind : std::uint32_t { step = 1, logits = 2, stop = 3 };
+  enum Kind : std::uint32_t { step = 1, logits = 2, stop = 3, partial = 4 };
   struct Packet {
     std::uint32_t from = 0;
     Kind kind = step;
@@ -147,6 +185,9 @@ class StageLink final : public transport::LinkHandler {
   /// The next packet, waiting until `deadline`. Throws transport::TransportError once the link
   /// failed or abort() was called (with the reason), or at the deadline (saying what was awaited).
   Packet receive(std::chrono::steady_clock::time_point deadline, const std::string& awaiting);
+  /// The first packet `wanted` accepts (the others stay, in order, for later receives).
+  Packet receive(const std::function<bool(const Packet&)>& wanted, std::chrono::steady_clock::time_point deadline,
+                 const std::string& awaiting);
   /// Ends every wait with this reason (the first one wins).
   void abort(const std::string& reason);
   std::string failure() const;
@@ -165,12 +206,12 @@ class StageLink final : public transport::LinkHandler {
   std::string failure_;
 };
 
-/// Rank 0's runner: stage 0 in this process, stage s on rank s (s < link's world size).
+/// Rank 0's runner: shard 0 of stage 0 in this process, shard t of stage s on rank s * tp + t.
 class RankPipeline final : public StepRunner {
  public:
-  /// `stage`: this rank's (the first); `pp`: the stages, one per rank; the logits come from
-  /// rank pp - 1 within `step_timeout` of a step's start, or the step fails.
-  RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, StageLink& link, const DecodeModel& m,
+  /// `stage`: this rank's (the first); the logits come from the last stage within
+  /// `step_timeout` of a step's start, or the step fails.
+  RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, std::int64_t tp, StageLink& link, const DecodeModel& m,
                std::int64_t samples, std::chrono::milliseconds step_timeout);
   const Tensor& run(const StepRows& rows) override;
   void set_params(std::shared_ptr<const ParameterStore> params) override;
@@ -180,23 +221,24 @@ class RankPipeline final : public StepRunner {
   std::string describe() const override;
  private:
   std::unique_ptr<Stage> stage_;
-  std::int64_t pp_;
+  std::int64_t pp_, tp_;
   StageLink& link_;
   DecodeModel model_;
   std::int64_t samples_;
   std::chrono::milliseconds step_timeout_;
   std::uint64_t seq_ = 0;
-  std::vector<std::byte> out_;
+  std::vector<std::byte> step_out_, hidden_out_;
   Tensor logits_;
 };
 
-/// Rank 0, after the last step: tells ranks 1..pp-1 to stop (their serve_stage returns). Best
-/// effort: a link that failed already sends nothing (the control plane ends those ranks).
-void stop_stages(StageLink& link, std::int64_t pp);
+/// Rank 0, after the last step: tells ranks 1..world-1 to stop (their serve_stage returns).
+/// Best effort: a link that failed already sends nothing (the control plane ends those ranks).
+void stop_stages(StageLink& link, std::int64_t world_size);
 
-/// Ranks 1..pp-1: receive each step from the rank before, run this rank's stage, send it on (to
-/// rank 0 from the last). Returns when rank 0 says stop; throws transport::TransportError when
-/// the link fails or is aborted, and what a stage throws.
-void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::uint32_t world_size);
+/// Ranks 1..pp*tp-1 (shard rank % tp of stage rank / tp): receive each step from the stage
+/// before (stage 0's shards: from rank 0), run this rank's stage with its shards, send it on
+/// (the last stage's shard 0: the logits to rank 0). Returns when rank 0 says stop; throws
+/// transport::TransportError when the link fails or is aborted, and what a stage throws.
+void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::int64_t pp, std::int64_t tp);
 
 }  // namespace baton::serve

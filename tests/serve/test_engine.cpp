@@ -515,28 +515,40 @@ TEST_CASE("Serve.MemoryStaysFlatOverManyRequests") {
 
 namespace {
 
-// A pipeline across `world` ranks inside this process (a LoopbackHub in place of the job's UCX
-// data plane): rank 0's RankPipeline for an engine, ranks 1.. running serve_stage on threads, as
-// baton-serve's ranks do. `silent`: ranks 1.. never run (a rank that hangs).
+// A model cut across pp x tp ranks inside this process (a LoopbackHub in place of the job's UCX
+// data plane): rank 0's RankPipeline for an engine, ranks 1.. (shard r % tp of stage r / tp)
+// running serve_stage on threads, as baton-serve's ranks do. `silent`: ranks 1.. never run (a
+// rank that hangs).
 struct RankedPipeline {
-  RankedPipeline(const DecodeModel& m, std::shared_ptr<const ParameterStore> params, std::int64_t world,
+  RankedPipeline(const DecodeModel& m, std::shared_ptr<const ParameterStore> params, std::int64_t pp, std::int64_t tp,
                  const EngineSettings& base, std::chrono::milliseconds step_timeout = 30s, bool silent = false)
-      : hub(static_cast<std::uint32_t>(world)), layers(stage_layers(m.layers(), world)) {
+      : hub(static_cast<std::uint32_t>(pp * tp)), layers(stage_layers(m.layers(), pp)) {
+    const std::int64_t world = pp * tp;
     for (std::uint32_t r = 0; r < world; ++r) links.push_back(std::make_unique<StageLink>(hub.link(r)));
     hub.start();
     std::int64_t cache_layers = 0;
     for (const auto& [b, e] : layers) cache_layers = std::max(cache_layers, e - b);
     const ServeShape shape =
-        serve_shape(m, base.max_batch, base.max_batch_tokens, base.block_size, base.kv_cache_bytes, cache_layers);
-    // Each rank keeps only its stage's weights, as baton-serve's do. Built here, on one thread:
-    // building graphs is not thread-safe (a process builds its own), running them is.
-    for (std::uint32_t r = 1; r < world && !silent; ++r) {
-      stages.push_back(std::make_unique<Stage>(m, layers[r], shape, stage_weights(m, layers[r], *params)));
+        serve_shape(m, base.max_batch, base.max_batch_tokens, base.block_size, base.kv_cache_bytes, cache_layers, tp);
+    for (std::int64_t r = 0; r < world; ++r) {
+      std::vector<std::uint32_t> members;
+      for (std::int64_t t = 0; t < tp; ++t) members.push_back(static_cast<std::uint32_t>(r / tp * tp + t));
+      groups.push_back(tp > 1 ? std::make_unique<TpGroup>(*links[static_cast<std::size_t>(r)], members,
+                                                          static_cast<std::size_t>(r % tp), step_timeout)
+                              : nullptr);
     }
-    for (std::uint32_t r = 1; r < world && !silent; ++r) {
-      workers.emplace_back([this, r, world] {
+    // Each rank keeps only its shard of its stage's weights, as baton-serve's do. Built here, on
+    // one thread: building graphs is not thread-safe (a process builds its own), running them is.
+    for (std::int64_t r = 1; r < world && !silent; ++r) {
+      const auto part = layers[static_cast<std::size_t>(r / tp)];
+      stages.push_back(std::make_unique<Stage>(m, part, shape, stage_weights(m, part, *params, tp, r % tp), tp, r % tp,
+                                               groups[static_cast<std::size_t>(r)].get()));
+    }
+    for (std::int64_t r = 1; r < world && !silent; ++r) {
+      workers.emplace_back([this, r, pp, tp] {
         try {
-          serve_stage(*stages[r - 1], *links[r], r, static_cast<std::uint32_t>(world));
+          serve_stage(*stages[static_cast<std::size_t>(r - 1)], *links[static_cast<std::size_t>(r)],
+                      static_cast<std::uint32_t>(r), pp, tp);
         } catch (const std::exception& e) {
           {
             std::lock_guard lock(mutex);
@@ -549,9 +561,10 @@ struct RankedPipeline {
     }
     settings = base;
     settings.cache_layers = cache_layers;
-    settings.runner = [this, m, params, world, step_timeout](const ServeShape& sh) -> std::unique_ptr<StepRunner> {
-      return std::make_unique<RankPipeline>(std::make_unique<Stage>(m, layers[0], sh, stage_weights(m, layers[0], *params)),
-                                            world, *links[0], m, sh.slots, step_timeout);
+    settings.runner = [this, m, params, pp, tp, step_timeout](const ServeShape& sh) -> std::unique_ptr<StepRunner> {
+      return std::make_unique<RankPipeline>(
+          std::make_unique<Stage>(m, layers[0], sh, stage_weights(m, layers[0], *params, tp, 0), tp, 0, groups[0].get()),
+          pp, tp, *links[0], m, sh.slots, step_timeout);
     };
   }
   // After the engine: the stages stop as baton-serve's do (rank 0 says so), or the link fails.
@@ -569,7 +582,8 @@ struct RankedPipeline {
   transport::LoopbackHub hub;
   std::vector<std::pair<std::int64_t, std::int64_t>> layers;
   std::vector<std::unique_ptr<StageLink>> links;
-  std::vector<std::unique_ptr<Stage>> stages;  // ranks 1..
+  std::vector<std::unique_ptr<TpGroup>> groups;  // by rank
+  std::vector<std::unique_ptr<Stage>> stages;    // ranks 1..
   std::vector<std::thread> workers;
   EngineSettings settings;
   std::mutex mutex;
@@ -596,12 +610,15 @@ std::vector<std::vector<std::int32_t>> six_requests(Engine& e, std::int64_t voca
 
 }  // namespace
 
-TEST_CASE("Serve.PipelineStagesInOneProcessAndAcrossRanksGiveOneStagesTokens") {
-  // The decode step cut into 2 and 3 stages (layers 2+1, 1+1+1 of 3), in one process and across
-  // 2 and 3 ranks (each holding its stage's weights and caches only): the same tokens as one
-  // stage, greedy and sampled, for six requests at once. f64: a cut changes no sum's order (each
-  // stage runs the same kernels on the same rows; the hidden state is copied whole), and f64's
-  // rounding is far below any choice here, so the tokens must agree exactly.
+TEST_CASE("Serve.PipelineAndTensorParallelCutsGiveOneDevicesTokens") {
+  // The decode step cut into 2 and 3 stages (layers 2+1, 1+1+1 of 3) in one process, and across
+  // ranks as pp x tp = 2 x 1, 3 x 1, 1 x 2 and 2 x 2 (each rank holding its shard of its stage's
+  // weights and caches only): the same tokens as one device, greedy and sampled, for six
+  // requests at once. f64: a pipeline cut changes no sum's order (each stage runs the same
+  // kernels on the same rows; the hidden state is copied whole); a tensor-parallel cut splits
+  // each output projection's sum in two halves added after (a change of f64 rounding, ~1e-16 of
+  // the logits), far below any greedy choice here and any sampled one but with odds of ~1e-14
+  // a draw, so the tokens must agree exactly.
   for (auto kind : {DecodeModel::Kind::gpt, DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
     const DecodeModel m = tiny(kind, DType::f64, 3);
     CAPTURE(m.name());
@@ -618,9 +635,11 @@ TEST_CASE("Serve.PipelineStagesInOneProcessAndAcrossRanksGiveOneStagesTokens") {
       Engine e(s);
       CHECK(six_requests(e, m.vocab()) == one);
     }
-    for (std::int64_t world : {2, 3}) {
-      CAPTURE(world);
-      RankedPipeline ranks(m, params, world, settings(m, params));
+    // pp x tp: 2 x 1, 3 x 1, 1 x 2 (the heads and MLP cut, partial sums added across ranks), 2 x 2.
+    for (auto [pp, tp] : {std::pair<std::int64_t, std::int64_t>{2, 1}, {3, 1}, {1, 2}, {2, 2}}) {
+      CAPTURE(pp);
+      CAPTURE(tp);
+      RankedPipeline ranks(m, params, pp, tp, settings(m, params));
       {
         Engine e(ranks.settings);
         CHECK(six_requests(e, m.vocab()) == one);
@@ -632,14 +651,14 @@ TEST_CASE("Serve.PipelineStagesInOneProcessAndAcrossRanksGiveOneStagesTokens") {
   }
 }
 
-TEST_CASE("Serve.GreedyGenerationAcrossTwoRanksEqualsTheFullForwardPass") {
-  // f32 across 2 ranks against the training model without a cache (compare_with_full_pass says
-  // why a near-tie ends the comparison).
+TEST_CASE("Serve.GreedyGenerationOnTwoStagesOfTwoShardsEqualsTheFullForwardPass") {
+  // f32 on pp 2 x tp 2 (4 ranks) against the training model without a cache
+  // (compare_with_full_pass says why a near-tie ends the comparison).
   for (auto kind : {DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
     const DecodeModel m = tiny(kind, DType::f32);
     CAPTURE(m.name());
     auto params = weights(m, 5);
-    RankedPipeline ranks(m, params, 2, settings(m, params));
+    RankedPipeline ranks(m, params, 2, 2, settings(m, params));
     {
       Engine e(ranks.settings);
       const auto prompt = prompt_of(7, 9, m.vocab());
@@ -657,7 +676,7 @@ TEST_CASE("Serve.APipelineRankThatHangsOrDiesFailsTheEngineWithTheReason") {
   const DecodeModel m = tiny(DecodeModel::Kind::gpt, DType::f32);
   auto params = weights(m, 1);
   SUBCASE("a rank that never answers: the step's deadline") {
-    RankedPipeline ranks(m, params, 2, settings(m, params), 300ms, /*silent=*/true);
+    RankedPipeline ranks(m, params, 2, 1, settings(m, params), 300ms, /*silent=*/true);
     Engine e(ranks.settings);
     auto run = submit(e, prompt_of(4, 1, m.vocab()), 5);
     wait(*run, 30s);
@@ -670,7 +689,7 @@ TEST_CASE("Serve.APipelineRankThatHangsOrDiesFailsTheEngineWithTheReason") {
   SUBCASE("the control plane's abort (a rank that died): running and waiting requests end with its reason") {
     auto base = settings(m, params);
     base.max_batch = 1;  // the second request waits
-    RankedPipeline ranks(m, params, 2, base);
+    RankedPipeline ranks(m, params, 2, 1, base);
     Engine e(ranks.settings);
     std::promise<void> release;
     auto running = submit(e, prompt_of(4, 1, m.vocab()), 40, {.temperature = 0}, {}, nullptr, release.get_future().share());
