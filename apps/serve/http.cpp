@@ -598,6 +598,7 @@ struct HttpServer::Impl {
   net::steady_timer failure_poll{io};
   std::optional<net::signal_set> signals;
   std::thread drain_thread;
+  Clock::time_point first_signal;  // the signal that began the drain
   std::uint16_t port = 0;
 
   Impl(Backend& backend, ServerSettings settings) : state(backend, std::move(settings)) {
@@ -655,10 +656,18 @@ void HttpServer::Impl::watch_signals() {
   signals->async_wait([this](beast::error_code ec, int signal) {
     if (ec) return;
     if (state.draining) {
+      // A scheduler that signals every process of a task (Slurm's scancel) and the launcher that
+      // forwards the signal to its ranks deliver it twice within moments: that is one request.
+      if (Clock::now() - first_signal < std::chrono::seconds(2)) {
+        state.log(fmt::format("signal {} again within 2 s of the first: taken as the same request (still draining)",
+                              signal));
+        return watch_signals();
+      }
       state.log(fmt::format("signal {} again: stopping now", signal));
       return stop_now();
     }
-    state.log(fmt::format("signal {}: draining (again to stop now)", signal));
+    first_signal = Clock::now();
+    state.log(fmt::format("signal {}: draining (again, 2 s or more later, to stop now)", signal));
     begin_drain();
     watch_signals();
   });

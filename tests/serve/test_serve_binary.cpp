@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "mp/proc.h"
+#include "serve/http_client.h"
 #include "serve/node_client.h"
 #include "skip.h"
 
@@ -47,40 +48,10 @@ fs::path scratch() {
   return dir;
 }
 
-/// One HTTP request on a plain socket, read until the server closes (Connection: close) or
-/// `until` appears, within `timeout`. Returns what came (headers and body, chunked as sent).
 std::string http(std::uint16_t port, const std::string& method, const std::string& target, const std::string& body,
                  std::chrono::milliseconds timeout = 30s, const std::string& until = {},
                  const std::function<void(const std::string&)>& on_data = {}) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(port);
-  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
-    ::close(fd);
-    return {};
-  }
-  const std::string req = fmt::format(
-      "{} {} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\n"
-      "Content-Length: {}\r\nConnection: close\r\n\r\n{}",
-      method, target, key, body.size(), body);
-  REQUIRE(::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
-  std::string got;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  char buf[4096];
-  while (std::chrono::steady_clock::now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 50) <= 0) continue;
-    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) break;
-    got.append(buf, static_cast<std::size_t>(n));
-    if (on_data) on_data(got);
-    if (!until.empty() && got.find(until) != std::string::npos) break;
-  }
-  ::close(fd);
-  return got;
+  return baton::test::http_request(port, key, method, target, body, timeout, until, on_data);
 }
 
 std::vector<int> ints_after(const std::string& text, const std::string& key_text) {
@@ -103,17 +74,7 @@ std::vector<double> doubles_after(const std::string& text, const std::string& ke
   return out;
 }
 
-/// The "text" of a non-streamed completion.
-std::string text_of(const std::string& reply) {
-  const auto at = reply.find("\"text\":\"");
-  if (at == std::string::npos) return {};
-  std::string out;
-  for (std::size_t i = at + 8; i < reply.size() && reply[i] != '"'; ++i) {
-    if (reply[i] == '\\' && i + 1 < reply.size()) ++i;
-    out += reply[i];
-  }
-  return out;
-}
+std::string text_of(const std::string& reply) { return baton::test::completion_text(reply); }
 
 /// Starts baton-serve with `args` on a free port (under baton-launch with `launch` before it, if
 /// given); returns once it says it serves.

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "mp/proc.h"
+#include "serve/http_client.h"
 #include "skip.h"
 
 using namespace std::chrono_literals;
@@ -330,4 +331,64 @@ TEST_CASE("Slurm: a parameter-server worker killed under srun leaves and the ste
   CHECK(contains(job.all(), "left the job: it was killed by signal 9 (SIGKILL); the job goes on without it"));
   CHECK(contains(job.all(), "rank 2 (a worker) left the job at step"));
   CHECK(contains(job.all(), "done: 6000 steps"));
+}
+
+// baton-serve cut into 2 pipeline stages, one per Slurm task (srun -n 2 baton-launch --stop-grace
+// -- baton-serve): it answers what one process answers (the same bits: the cut copies the hidden
+// state whole), and scancel --signal=TERM of the step drains it: rank 0 finishes, tells rank 1
+// to stop, and the step ends 0. Slurm signals every process of a task and the launcher forwards
+// the signal too: rank 0 takes the two as one request (a drain, not a stop).
+TEST_CASE("Slurm: baton-serve as two pipeline stages under srun answers as one process and drains on scancel" *
+          doctest::timeout(240)) {
+  const auto c = cluster();
+  if (!c) return;
+  const std::string key = "slurm-test-key-0123456789";
+  const auto mark = fresh_mark();
+  const fs::path work = fs::path(c->dir) / fmt::format("serve-{}", mark);
+  fs::create_directories(work);
+  {
+    std::ofstream out(work / "fox.txt");
+    for (int i = 0; i < 100; ++i) out << "the quick brown fox jumps over the lazy dog. ";
+  }
+  const std::string ckpt = (work / "ckpt").string();
+  Proc train({bin + "/baton-train", "--model", "gpt", "--data", "text:" + (work / "fox.txt").string(), "--steps", "120",
+              "--batch", "16", "--seq", "32", "--d-model", "32", "--heads", "4", "--layers", "2", "--checkpoint-dir",
+              ckpt});
+  REQUIRE(train.wait(120s) == 0);
+  const std::string body = R"({"model":"gpt","prompt":"the quick","max_tokens":20,"temperature":0})";
+  auto serving = [](Proc& p) {
+    return p.read_until([](const std::string& out, const std::string& err) {
+      return contains(out + err, "serving '") || contains(out + err, "error:");
+    }, 90s);
+  };
+  std::string alone;
+  {
+    const auto port = baton::test::free_port();
+    Proc one({bin + "/baton-serve", "--checkpoint", ckpt, "--listen", fmt::format("127.0.0.1:{}", port), "--api-key", key});
+    REQUIRE(serving(one));
+    alone = baton::test::completion_text(baton::test::http_request(port, key, "POST", "/v1/completions", body));
+    one.signal(SIGTERM);
+    CHECK(one.wait(30s) == 0);
+  }
+  REQUIRE(alone.size() == 20);
+  const std::string name = "baton-serve-" + mark;
+  const CancelOnExit cleanup(*c, name);
+  const auto port = baton::test::free_port();
+  Proc job({"srun", "-n", "2", "-J", name, bin + "/baton-launch", "--stop-grace", "60", "--", bin + "/baton-serve",
+            "--checkpoint", ckpt, "--listen", fmt::format("127.0.0.1:{}", port), "--api-key", key},
+           slurm_env(*c, mark));
+  const bool up = serving(job);
+  INFO(job.all());
+  REQUIRE(up);
+  CHECK(contains(job.err(), "2 stages on 2 ranks"));
+  CHECK(baton::test::completion_text(baton::test::http_request(port, key, "POST", "/v1/completions", body)) == alone);
+  const auto id = job_id(*c, name);
+  REQUIRE_FALSE(id.empty());
+  Proc cancel({"scancel", "--signal=TERM", id + ".0"}, {{"SLURM_CONF", c->conf}});
+  CHECK(cancel.wait(20s) == 0);
+  const int code = job.wait(60s);
+  INFO(job.all());
+  CHECK(code == 0);
+  CHECK(contains(job.all(), "drained"));
+  CHECK(contains(job.all(), "stopped (rank 0 said so)"));
 }
