@@ -437,10 +437,11 @@ std::string random_key() {
 /// baton-serve on `weights`, one process for all of a system's points.
 class ServeProcess {
  public:
+  /// ranks > 1: baton-launch starts that many, one pipeline stage each (--pp).
   ServeProcess(const std::string& weights, const ModelShape& m, const std::string& batching,
-               int threads, std::int64_t max_batch)
+               int threads, std::int64_t max_batch, int ranks = 1)
       : port_(bench::free_port()), key_(random_key()) {
-    const std::vector<std::string> argv{bench::executable_dir() + "/baton-serve",
+    std::vector<std::string> argv{bench::executable_dir() + "/baton-serve",
                                         "--model",
                                         "gpt2",
                                         "--init-from",
@@ -457,6 +458,10 @@ class ServeProcess {
                                         std::to_string(max_batch),
                                         "--threads",
                                         std::to_string(threads)};
+    if (ranks > 1) {
+      argv.insert(argv.begin(), {bench::executable_dir() + "/baton-launch", "--nproc-per-node",
+                                 std::to_string(ranks), "--stop-grace", "60", "--"});
+    }
     child_ = bench::spawn(argv, {}, false);
     wait_listening(Clock::now() + std::chrono::seconds(60));
   }
@@ -527,7 +532,12 @@ SystemRun run_baton(const RunSettings& rs, const std::string& batching,
                     const std::vector<Request>& requests, const std::vector<Point>& closed,
                     const PoissonPoints& poisson,
                     const std::function<void(const Point&, const PointResult&)>& seen) {
-  ServeProcess server(rs.weights, rs.model, batching, rs.threads, rs.max_batch);
+  // "pp2": two ranks of one stage each, one thread each; "threads2": one process, two threads
+  // (the same two cores, the fair comparison).
+  const bool pp2 = batching == "pp2";
+  const int threads = batching == "threads2" ? 2 : rs.threads;
+  ServeProcess server(rs.weights, rs.model, pp2 || batching == "threads2" ? "continuous" : batching, threads,
+                      rs.max_batch, pp2 ? 2 : 1);
   LoadGenerator warm(server.port(), server.key(), rs.warmup);
   warm.run({.name = "warmup", .requests = rs.warmup.size(), .clients = 1}, point_limit);
   LoadGenerator load(server.port(), server.key(), requests);
@@ -679,6 +689,7 @@ struct Options {
   std::string only;  // "", "baton" or "torch"
   int threads = 1;
   std::int64_t max_batch = 32;
+  bool pipeline = false;  // also pp 2 across 2 ranks, and one process of 2 threads
 };
 
 /// The closed-loop points, then the Poisson rates as fractions of the capacity.
@@ -743,6 +754,9 @@ std::string system_note(const std::string& system) {
   if (system == "continuous")
     return "baton-serve --batching continuous, streamed over HTTP on loopback";
   if (system == "static") return "baton-serve --batching static, streamed over HTTP on loopback";
+  if (system == "pp2")
+    return "baton-launch --nproc-per-node 2 baton-serve: 2 pipeline stages on 2 ranks, 1 thread each, 2 steps in flight";
+  if (system == "threads2") return "baton-serve --threads 2: one process, the same 2 cores as pp2";
   return "PyTorch eager decode loop, KV cache, static batches (serve_torch.py), in-process: no "
          "HTTP overhead (favours "
          "it)";
@@ -838,13 +852,17 @@ Options parse(int argc, char** argv) {
       o.threads = std::max(1, std::stoi(value()));
     else if (a == "--max-batch")
       o.max_batch = std::max<std::int64_t>(1, std::stoll(value()));
+    else if (a == "--pipeline")
+      o.pipeline = true;
     else if (a == "-h" || a == "--help") {
       fmt::print(
-          "usage: baton-bench-serve [--quick] [--only baton|torch] [--threads 1] [--max-batch 32]\n"
+          "usage: baton-bench-serve [--quick] [--only baton|torch] [--threads 1] [--max-batch 32] [--pipeline]\n"
           "  --quick      a few requests at 3 points (a smoke run)\n"
           "  --only       baton-serve (continuous and static) or the PyTorch peer alone\n"
           "  --threads    BLAS threads of baton-serve and torch.set_num_threads of the peer\n"
-          "  --max-batch  requests in a batch at most, every system\n{}",
+          "  --max-batch  requests in a batch at most, every system\n"
+          "  --pipeline   also baton-serve as 2 pipeline stages on 2 ranks (pp2) and one process of 2\n"
+          "               threads (threads2), the same 2 cores\n{}",
           bench::allow_load_usage);
       std::exit(0);
     } else {
@@ -922,6 +940,7 @@ int run(const Options& o) {
   };
   std::vector<std::string> systems;
   if (o.only != "torch") systems = {"continuous", "static"};
+  if (o.only != "torch" && o.pipeline) systems.insert(systems.end(), {"pp2", "threads2"});
   if (o.only != "baton") systems.push_back("pytorch");
   std::map<std::string, SystemRun> runs;
   for (const std::string& system : systems) {
@@ -938,7 +957,9 @@ int run(const Options& o) {
   for (const Point& p : all) {
     for (const std::string& system : systems) print_point(system, p, runs, rs, w, peer);
   }
-  for (const std::string& system : systems) print_memory(system, runs, rs, w);
+  for (const std::string& system : systems) {
+    if (system != "pp2") print_memory(system, runs, rs, w);  // pp2's ranks are not the launcher measured
+  }
   return 0;
 }
 
@@ -954,7 +975,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   // The decode step's threads: the load generator sleeps in poll, the HTTP threads mostly wait.
-  bench::load().set_own_threads(o.threads);
+  bench::load().set_own_threads(o.pipeline ? std::max(o.threads, 2) : o.threads);
   try {
     return run(o);
   } catch (const std::exception& e) {

@@ -23,6 +23,21 @@ struct Engine::Live {
   std::string base;                // their text
   std::size_t sent = 0;            // bytes of the completion's text sent
   std::atomic<bool> cancelled{false};
+  std::int64_t group = 0;  // which of the pipeline's groups of requests it steps with
+  bool in_flight = false;  // a step of its rows is launched and not collected (under mutex_)
+};
+
+// A step launched and not yet collected: whose rows it holds, and which rows' logits it draws.
+struct Engine::Launched {
+  struct Take {
+    std::shared_ptr<Live> r;  // held: finishing a request drops the engine's own reference
+    std::int64_t first_row, rows;
+  };
+  std::vector<Take> takes;
+  std::vector<std::int64_t> logit_row;  // per take: its row of the logits, or -1 (a prompt's chunk)
+  std::int64_t used = 0;
+  std::int64_t group = 0;
+  double seconds = 0;  // this process's time in it so far
 };
 
 namespace {
@@ -41,6 +56,7 @@ Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
   shape_ = serve_shape(m, s.max_batch, s.max_batch_tokens, s.block_size, s.kv_cache_bytes,
                        s.cache_layers > 0 ? s.cache_layers : m.layers());
   runner_ = s.runner ? s.runner(shape_) : std::make_unique<LocalPipeline>(m, s.pp, shape_, s.params);
+  groups_ = runner_->groups();
   for (std::int64_t i = shape_.cache_blocks; i-- > 0;) free_blocks_.push_back(static_cast<std::int32_t>(i));
   for (std::int64_t i = s.max_batch; i-- > 0;) free_slots_.push_back(i);
   weights_ = s.weights;
@@ -198,6 +214,10 @@ bool Engine::admit_locked() {
     free_slots_.pop_back();
     r.blocks.assign(free_blocks_.end() - need, free_blocks_.end());
     free_blocks_.resize(free_blocks_.size() - static_cast<std::size_t>(need));
+    // The group with the fewest requests: the pipeline's groups stay even.
+    std::vector<std::int64_t> load(static_cast<std::size_t>(groups_), 0);
+    for (const auto& x : running_) ++load[static_cast<std::size_t>(x->group)];
+    r.group = std::min_element(load.begin(), load.end()) - load.begin();
     running_.push_back(waiting_.front());
     waiting_.pop_front();
     any = true;
@@ -208,9 +228,11 @@ bool Engine::admit_locked() {
 void Engine::loop() {
   std::vector<std::shared_ptr<Live>> batch, ended, started;
   for (;;) {
+    bool launch = false;
     {
       std::unique_lock lock(mutex_);
-      // Requests whose clients left: out of the queue and the batch, their blocks freed.
+      // Requests whose clients left: out of the queue and the batch, their blocks freed (once
+      // no step in flight still writes their cache).
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         if ((*it)->cancelled || stopping_) {
           ended.push_back(*it);
@@ -220,7 +242,7 @@ void Engine::loop() {
         }
       }
       for (auto& r : running_) {
-        if (r->cancelled || stopping_) ended.push_back(r);
+        if (stopping_ || (r->cancelled && !r->in_flight)) ended.push_back(r);
       }
       if (!ended.empty()) {
         const bool stopping = stopping_;
@@ -256,13 +278,34 @@ void Engine::loop() {
         changed_.wait_for(lock, std::chrono::milliseconds(200));
         continue;
       }
-      batch = running_;
+      // Launch the next group that has requests and no step in flight, while fewer than groups_
+      // steps are; else collect the oldest.
+      batch.clear();
+      if (static_cast<std::int64_t>(in_flight_.size()) < groups_) {
+        for (std::int64_t k = 0; k < groups_ && batch.empty(); ++k) {
+          const std::int64_t g = (next_group_ + k) % groups_;
+          for (auto& r : running_) {
+            if (r->group == g && !r->in_flight && !r->cancelled) batch.push_back(r);
+          }
+          if (!batch.empty()) next_group_ = (g + 1) % groups_;
+        }
+      }
+      launch = !batch.empty();
+      for (auto& r : batch) r->in_flight = true;
+      if (!launch && in_flight_.empty()) {  // only cancelled requests left: the top of the loop ends them
+        continue;
+      }
     }
     for (auto& r : started) {
       if (r->req.events.started) r->req.events.started();
     }
+    started.clear();
     try {
-      step(batch);
+      if (launch) {
+        launch_step(batch);
+      } else {
+        collect_step();
+      }
     } catch (const std::exception& e) {
       fail_all(fmt::format("a decode step failed: {}", e.what()));
       return;
@@ -270,24 +313,25 @@ void Engine::loop() {
   }
 }
 
-void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
+void Engine::launch_step(std::vector<std::shared_ptr<Live>>& batch) {
   const auto began = std::chrono::steady_clock::now();
+  Launched l;
+  l.group = batch.front()->group;
   // Decoding requests first, one row each; then prompt chunks in the rows left.
   std::stable_partition(batch.begin(), batch.end(),
                         [](const auto& r) { return static_cast<std::int64_t>(r->tokens.size()) - r->fed == 1; });
-  struct Take {
-    Live* r;
-    std::int64_t first_row, rows;
-  };
-  std::vector<Take> takes;
-  std::int64_t used = 0;
   for (auto& r : batch) {
     const std::int64_t pending = static_cast<std::int64_t>(r->tokens.size()) - r->fed;
-    const std::int64_t n = std::min(pending, settings_.max_batch_tokens - used);
-    if (n <= 0) break;
-    takes.push_back({r.get(), used, n});
-    used += n;
+    const std::int64_t n = std::min(pending, settings_.max_batch_tokens - l.used);
+    if (n <= 0) {
+      std::lock_guard lock(mutex_);
+      r->in_flight = false;  // no room this step
+      continue;
+    }
+    l.takes.push_back({r, l.used, n});
+    l.used += n;
   }
+  const std::int64_t used = l.used;
   const std::int64_t rows = *std::find_if(shape_.buckets.begin(), shape_.buckets.end(), [&](std::int64_t x) { return x >= used; });
   const std::int64_t bps = shape_.blocks_per_slot;
   StepRows& in = rows_;
@@ -297,7 +341,7 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
   in.slots.assign(static_cast<std::size_t>(rows), -1);
   in.table.resize(static_cast<std::size_t>(shape_.slots * bps));  // rows of slots not in the step are not read
   in.sample_rows.assign(static_cast<std::size_t>(std::min(rows, shape_.slots)), 0);
-  for (const Take& t : takes) {
+  for (const auto& t : l.takes) {
     for (std::int64_t i = 0; i < t.rows; ++i) {
       const std::int64_t pos = t.r->fed + i;
       const auto at = static_cast<std::size_t>(t.first_row + i);
@@ -310,22 +354,35 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
     std::copy(t.r->blocks.begin(), t.r->blocks.end(), row);
   }
   // The rows whose logits are drawn from: each request's last row, if the step reaches its end.
-  std::vector<std::int64_t> logit_row(takes.size(), -1);
+  l.logit_row.assign(l.takes.size(), -1);
   std::int64_t k = 0;
-  for (std::size_t i = 0; i < takes.size(); ++i) {
-    if (takes[i].r->fed + takes[i].rows < static_cast<std::int64_t>(takes[i].r->tokens.size())) continue;
-    in.sample_rows[static_cast<std::size_t>(k)] = static_cast<std::int32_t>(takes[i].first_row + takes[i].rows - 1);
-    logit_row[i] = k++;
+  for (std::size_t i = 0; i < l.takes.size(); ++i) {
+    if (l.takes[i].r->fed + l.takes[i].rows < static_cast<std::int64_t>(l.takes[i].r->tokens.size())) continue;
+    in.sample_rows[static_cast<std::size_t>(k)] = static_cast<std::int32_t>(l.takes[i].first_row + l.takes[i].rows - 1);
+    l.logit_row[i] = k++;
   }
-  const Tensor& logits = runner_->run(in);
+  runner_->launch(in);
+  l.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  in_flight_.push_back(std::move(l));
+}
+
+void Engine::collect_step() {
+  const auto began = std::chrono::steady_clock::now();
+  Launched l = std::move(in_flight_.front());
+  in_flight_.erase(in_flight_.begin());
+  const Tensor& logits = runner_->collect();
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& t : l.takes) t.r->in_flight = false;
+  }
   const std::int64_t vocab = settings_.model.vocab();
   std::int64_t sampled = 0;
   std::vector<float> row(static_cast<std::size_t>(vocab));
-  for (std::size_t i = 0; i < takes.size(); ++i) {
-    const Take& t = takes[i];
+  for (std::size_t i = 0; i < l.takes.size(); ++i) {
+    const auto& t = l.takes[i];
     t.r->fed += t.rows;
-    if (logit_row[i] < 0) continue;  // a prompt's chunk, not its end
-    const std::int64_t at = logit_row[i] * vocab;
+    if (l.logit_row[i] < 0) continue;  // a prompt's chunk, not its end
+    const std::int64_t at = l.logit_row[i] * vocab;
     if (logits.dtype() == DType::f64) {
       const double* src = static_cast<const double*>(logits.raw()) + at;
       for (std::int64_t v = 0; v < vocab; ++v) row[static_cast<std::size_t>(v)] = static_cast<float>(src[v]);
@@ -341,8 +398,8 @@ void Engine::step(std::vector<std::shared_ptr<Live>>& batch) {
   std::lock_guard lock(mutex_);
   ++steps_;
   generated_ += sampled;
-  last_rows_ = used;
-  busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  last_rows_ = l.used;
+  busy_seconds_ += l.seconds + std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
 }
 
 void Engine::emit(Live& r, std::int32_t token) {

@@ -91,11 +91,13 @@ class Engine final : public Backend {
   void fail(const std::string& reason);
 
  private:
-  struct Live;  // a request and its progress
+  struct Live;      // a request and its progress
+  struct Launched;  // a step in flight
 
   void loop();
   bool admit_locked();
-  void step(std::vector<std::shared_ptr<Live>>& batch);
+  void launch_step(std::vector<std::shared_ptr<Live>>& batch);
+  void collect_step();
   void emit(Live& r, std::int32_t token);
   void finish(Live& r, Finish why, const std::string& error = {});
   void fail_all(const std::string& reason);
@@ -105,6 +107,9 @@ class Engine final : public Backend {
   ServeShape shape_;
   std::unique_ptr<StepRunner> runner_;
   StepRows rows_;  // the step's inputs, reused
+  std::int64_t groups_ = 1;  // steps in flight at most (the runner's groups): the requests' groups
+  std::int64_t next_group_ = 0;
+  std::vector<Launched> in_flight_;  // oldest first; the engine thread's
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

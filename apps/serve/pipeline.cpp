@@ -363,9 +363,16 @@ LocalPipeline::LocalPipeline(const DecodeModel& m, std::int64_t pp, const ServeS
   for (const auto& layers : stage_layers(m.layers(), pp)) stages_.push_back(std::make_unique<Stage>(m, layers, shape, params));
 }
 
-const Tensor& LocalPipeline::run(const StepRows& rows) {
+void LocalPipeline::launch(const StepRows& rows) {
   const Tensor* out = nullptr;
   for (auto& s : stages_) out = &s->run(rows, out ? out->raw() : nullptr, out ? out->nbytes() : 0);
+  out_ = out;
+}
+
+const Tensor& LocalPipeline::collect() {
+  if (out_ == nullptr) throw std::logic_error("LocalPipeline::collect: no step launched");
+  const Tensor* out = out_;
+  out_ = nullptr;
   return *out;
 }
 
@@ -502,30 +509,49 @@ RankPipeline::RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, std::i
   }
 }
 
-const Tensor& RankPipeline::run(const StepRows& rows) {
-  const auto deadline = std::chrono::steady_clock::now() + step_timeout_;
+void RankPipeline::launch(const StepRows& rows) {
+  if (static_cast<std::int64_t>(flights_.size()) >= pp_) {
+    throw std::logic_error(fmt::format("RankPipeline: a step launched with {} in flight already", flights_.size()));
+  }
   const std::uint64_t seq = ++seq_;
+  flights_.push_back({seq, std::min(rows.rows, samples_), std::chrono::steady_clock::now() + step_timeout_});
+  const auto ring = static_cast<std::size_t>(seq % static_cast<std::uint64_t>(pp_));
+  step_out_.resize(static_cast<std::size_t>(pp_));
+  hidden_out_.resize(static_cast<std::size_t>(pp_));
   if (tp_ > 1) {
     // Stage 0's other shards need the step's rows before this one's first partial sum.
-    pack_step(step_out_, rows, nullptr, 0);
-    for (std::int64_t t = 1; t < tp_; ++t) link_.send(static_cast<std::uint32_t>(t), StageLink::step, seq, step_out_);
+    pack_step(step_out_[ring], rows, nullptr, 0);
+    for (std::int64_t t = 1; t < tp_; ++t) link_.send(static_cast<std::uint32_t>(t), StageLink::step, seq, step_out_[ring]);
   }
   const Tensor& y = stage_->run(rows, nullptr, 0);
-  if (stage_->last()) return y;  // pp 1: the head ran here (whole on every shard)
-  pack_step(hidden_out_, rows, y.raw(), y.nbytes());
-  link_.send(static_cast<std::uint32_t>(tp_), StageLink::step, seq, hidden_out_);  // stage 1, shard 0
+  if (stage_->last()) {  // pp 1: the head ran here (whole on every shard)
+    local_ = &y;
+    return;
+  }
+  pack_step(hidden_out_[ring], rows, y.raw(), y.nbytes());
+  link_.send(static_cast<std::uint32_t>(tp_), StageLink::step, seq, hidden_out_[ring]);  // stage 1, shard 0
+}
+
+const Tensor& RankPipeline::collect() {
+  if (flights_.empty()) throw std::logic_error("RankPipeline::collect: no step launched");
+  const Flight f = flights_.front();
+  flights_.pop_front();
+  if (stage_->last()) {
+    const Tensor* y = local_;
+    local_ = nullptr;
+    return *y;
+  }
   const auto last = static_cast<std::uint32_t>((pp_ - 1) * tp_);
   StageLink::Packet p = link_.receive(
-      [&](const StageLink::Packet& q) { return q.from == last && q.kind == StageLink::logits; }, deadline,
-      fmt::format("the logits of step {} from rank {} (--step-timeout {} s)", seq, last,
+      [&](const StageLink::Packet& q) { return q.from == last && q.kind == StageLink::logits; }, f.deadline,
+      fmt::format("the logits of step {} from rank {} (--step-timeout {} s)", f.seq, last,
                   std::chrono::duration<double>(step_timeout_).count()));
-  const std::int64_t n = std::min(rows.rows, samples_);
-  if (p.seq != seq) {
-    throw std::runtime_error(fmt::format("rank {} sent the logits of step {} where step {}'s were due", p.from, p.seq, seq));
+  if (p.seq != f.seq) {
+    throw std::runtime_error(fmt::format("rank {} sent the logits of step {} where step {}'s were due", p.from, p.seq, f.seq));
   }
-  if (logits_.numel() != n * model_.vocab()) logits_ = Tensor::empty({n, model_.vocab()}, model_.dtype());
+  if (logits_.numel() != f.samples * model_.vocab()) logits_ = Tensor::empty({f.samples, model_.vocab()}, model_.dtype());
   if (p.bytes.size() != logits_.nbytes()) {
-    throw std::runtime_error(fmt::format("the logits of step {} have {} bytes, not {}", seq, p.bytes.size(), logits_.nbytes()));
+    throw std::runtime_error(fmt::format("the logits of step {} have {} bytes, not {}", f.seq, p.bytes.size(), logits_.nbytes()));
   }
   std::memcpy(logits_.raw(), p.bytes.data(), p.bytes.size());
   return logits_;
@@ -562,7 +588,9 @@ void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::int64_t
   const std::int64_t s = rank / tp, t = rank % tp;
   const auto from = static_cast<std::uint32_t>(s == 0 ? 0 : (s - 1) * tp + t);
   StepRows rows;
-  std::vector<std::byte> out;
+  // What this rank sent, until the next stage (or rank 0) has pulled it: one buffer per step in
+  // flight (pp at most; the step pp later comes only once this one's logits reached rank 0).
+  std::vector<std::vector<std::byte>> outs(static_cast<std::size_t>(pp));
   for (;;) {
     // Idle for as long as no request comes: the control plane's heartbeats and aborts, not a
     // deadline, tell a dead job from a quiet one.
@@ -575,6 +603,7 @@ void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::int64_t
     std::size_t hidden_bytes = 0;
     const std::byte* hidden = unpack_step(p.bytes, rows, hidden_bytes);
     const Tensor& y = stage.run(rows, s == 0 ? nullptr : hidden, s == 0 ? 0 : hidden_bytes);
+    std::vector<std::byte>& out = outs[static_cast<std::size_t>(p.seq % static_cast<std::uint64_t>(pp))];
     if (stage.last()) {
       if (t != 0) continue;  // shard 0 answers for the stage
       out.assign(static_cast<const std::byte*>(y.raw()), static_cast<const std::byte*>(y.raw()) + y.nbytes());

@@ -136,12 +136,22 @@ class Stage {
   std::size_t buffer_bytes_ = 0, cache_bytes_ = 0;
 };
 
-/// Runs a step through every stage and returns the logits [min(rows, slots), vocab] (valid
-/// until the next run). What the engine drives.
+/// Runs steps through every stage: what the engine drives. A step is launched (what runs in this
+/// process runs, the rest is sent on) and later collected (its logits [min(rows, slots), vocab]),
+/// first launched first collected; up to groups() steps may be in flight at once, so the stages
+/// of a pipeline across ranks work on different steps at the same time.
 class StepRunner {
  public:
   virtual ~StepRunner() = default;
-  virtual const Tensor& run(const StepRows& rows) = 0;
+  virtual void launch(const StepRows& rows) = 0;
+  /// The oldest launched step's logits, valid until the next collect() or launch().
+  virtual const Tensor& collect() = 0;
+  /// Steps in flight at most: the stages that can work at once (1 in one process).
+  virtual std::int64_t groups() const { return 1; }
+  const Tensor& run(const StepRows& rows) {
+    launch(rows);
+    return collect();
+  }
   /// New weights for every stage (throws std::invalid_argument if they do not fit: the old stay).
   virtual void set_params(std::shared_ptr<const ParameterStore> params) = 0;
   /// Why this runner cannot take new weights ("": it can).
@@ -157,7 +167,8 @@ class LocalPipeline final : public StepRunner {
  public:
   LocalPipeline(const DecodeModel& m, std::int64_t pp, const ServeShape& shape,
                 std::shared_ptr<const ParameterStore> params);
-  const Tensor& run(const StepRows& rows) override;
+  void launch(const StepRows& rows) override;
+  const Tensor& collect() override;
   void set_params(std::shared_ptr<const ParameterStore> params) override;
   std::size_t buffer_bytes() const override;
   std::size_t cache_bytes() const override;
@@ -165,6 +176,7 @@ class LocalPipeline final : public StepRunner {
 
  private:
   std::vector<std::unique_ptr<Stage>> stages_;
+  const Tensor* out_ = nullptr;
 };
 
 /// The stages' messages over a transport::Link (the job's data plane, or a LoopbackHub's link in
@@ -207,13 +219,17 @@ class StageLink final : public transport::LinkHandler {
 };
 
 /// Rank 0's runner: shard 0 of stage 0 in this process, shard t of stage s on rank s * tp + t.
+/// pp steps in flight at once (the engine's groups of requests): while a later stage works on
+/// one group's step, the stages before work on the next group's.
 class RankPipeline final : public StepRunner {
  public:
   /// `stage`: this rank's (the first); the logits come from the last stage within
   /// `step_timeout` of a step's start, or the step fails.
   RankPipeline(std::unique_ptr<Stage> stage, std::int64_t pp, std::int64_t tp, StageLink& link, const DecodeModel& m,
                std::int64_t samples, std::chrono::milliseconds step_timeout);
-  const Tensor& run(const StepRows& rows) override;
+  void launch(const StepRows& rows) override;
+  const Tensor& collect() override;
+  std::int64_t groups() const override { return pp_; }
   void set_params(std::shared_ptr<const ParameterStore> params) override;
   std::string swap_refused() const override;
   std::size_t buffer_bytes() const override { return stage_->buffer_bytes(); }
@@ -227,16 +243,25 @@ class RankPipeline final : public StepRunner {
   std::int64_t samples_;
   std::chrono::milliseconds step_timeout_;
   std::uint64_t seq_ = 0;
-  std::vector<std::byte> step_out_, hidden_out_;
+  struct Flight {
+    std::uint64_t seq;
+    std::int64_t samples;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::deque<Flight> flights_;
+  // A step's packets until the next stage has pulled them: one pair per step in flight (the
+  // step launched pp steps later reuses them, after this one's logits came back).
+  std::vector<std::vector<std::byte>> step_out_, hidden_out_;
   Tensor logits_;
+  const Tensor* local_ = nullptr;  // pp 1: the logits computed here
 };
 
 /// Rank 0, after the last step: tells ranks 1..world-1 to stop (their serve_stage returns).
 /// Best effort: a link that failed already sends nothing (the control plane ends those ranks).
 void stop_stages(StageLink& link, std::int64_t world_size);
 
-/// Ranks 1..pp*tp-1 (shard rank % tp of stage rank / tp): receive each step from the stage
-/// before (stage 0's shards: from rank 0), run this rank's stage with its shards, send it on
+/// Ranks 1..pp*tp-1 (shard rank % tp of stage rank / tp): receive each step (up to pp in flight)
+/// from the stage before (stage 0's shards: from rank 0), run this rank's stage with its shards, send it on
 /// (the last stage's shard 0: the logits to rank 0). Returns when rank 0 says stop; throws
 /// transport::TransportError when the link fails or is aborted, and what a stage throws.
 void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::int64_t pp, std::int64_t tp);
