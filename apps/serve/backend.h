@@ -61,6 +61,9 @@ struct Stats {
   double busy_seconds = 0;           // time spent in decode steps since the start
   std::int64_t generated_tokens = 0;  // tokens generated since the start
   std::int64_t batch_rows = 0;        // token rows of the last step (decode tokens + prompt chunks)
+  /// Per pipeline stage (its shard 0 where tensor-parallel): seconds spent running its part of
+  /// the steps since the start. One entry for a model on one device.
+  std::vector<double> stage_busy_seconds;
 };
 
 /// What a model offers (/v1/models, and the front end's checks).

@@ -24,6 +24,7 @@ table{border-collapse:collapse} td,th{padding:2px 10px 2px 0;text-align:right} t
  <div class="card"><h2>queue: requests waiting</h2><div class="now" id="n-waiting"></div><svg id="c-waiting"></svg></div>
  <div class="card"><h2>KV cache used (%)</h2><div class="now" id="n-kv"></div><svg id="c-kv"></svg></div>
  <div class="card"><h2>engine busy (% of wall time in decode steps)</h2><div class="now" id="n-busy"></div><svg id="c-busy"></svg></div>
+ <div class="card"><h2>stages busy (% of wall time in their part of the steps)</h2><div class="now" id="n-stages"></div><svg id="c-stages"></svg></div>
  <div class="card"><h2>output tokens/s</h2><div class="now" id="n-tps"></div><svg id="c-tps"></svg></div>
  <div class="card"><h2>latency of recent requests</h2>
   <table><tr><th></th><th>p50</th><th>p99</th></tr>
@@ -33,7 +34,8 @@ table{border-collapse:collapse} td,th{padding:2px 10px 2px 0;text-align:right} t
 </div>
 <script>
 "use strict";
-const N = 300, series = {running: [], waiting: [], kv: [], busy: [], tps: []};
+const N = 300, series = {running: [], waiting: [], kv: [], busy: [], tps: []}, stages = [];
+const colors = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563", "#ca8a04"];
 let key = new URLSearchParams(location.hash.slice(1)).get("key") || sessionStorage.getItem("baton-serve-key") || "";
 let last = null;
 function ms(s) { return s > 0 ? (s * 1000).toFixed(s < 0.01 ? 2 : 1) + " ms" : "-"; }
@@ -45,6 +47,16 @@ function draw(id, values) {
   const pts = values.map((v, i) => `${(i / span * w).toFixed(1)},${(h - 4 - v / max * (h - 12)).toFixed(1)}`);
   svg.innerHTML = `<text x="2" y="10" font-size="9" fill="#888">max ${+max.toPrecision(3)}</text>` +
     `<polyline fill="none" stroke="#2563eb" stroke-width="1.5" points="${pts.join(" ")}"/>`;
+}
+// Several series on one chart (a stage each), one scale.
+function draw_many(id, all) {
+  const svg = document.getElementById(id), w = 320, h = 90;
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  const max = Math.max(1e-9, ...all.flat());
+  const span = Math.min(N, Math.max(...all.map(v => v.length), 60)) - 1;
+  svg.innerHTML = `<text x="2" y="10" font-size="9" fill="#888">max ${+max.toPrecision(3)}</text>` + all.map((values, k) =>
+    `<polyline fill="none" stroke="${colors[k % colors.length]}" stroke-width="1.5" points="${values.map((v, i) =>
+      `${(i / span * w).toFixed(1)},${(h - 4 - v / max * (h - 12)).toFixed(1)}`).join(" ")}"/>`).join("");
 }
 function push(name, v) { const s = series[name]; s.push(v); if (s.length > N) s.shift(); }
 async function poll() {
@@ -58,8 +70,14 @@ async function poll() {
     document.getElementById("sub").textContent = `weights: ${s.weights}${s.swapping ? " (new weights waiting for the batch to end)" : ""}` +
       `${s.draining ? "; draining" : ""}; context ${s.context} tokens; KV cache ${s.kv_cache_tokens} tokens; ${s.steps} steps`;
     let busy = 0, tps = 0;
-    if (last) { const dt = t - last.t; busy = 100 * (s.busy_seconds - last.busy) / dt; tps = (s.generated_tokens - last.gen) / dt; }
-    last = {t, busy: s.busy_seconds, gen: s.generated_tokens};
+    const sb = s.stage_busy_seconds || [];
+    if (last) {
+      const dt = t - last.t; busy = 100 * (s.busy_seconds - last.busy) / dt; tps = (s.generated_tokens - last.gen) / dt;
+      sb.forEach((b, k) => { if (!stages[k]) stages[k] = []; stages[k].push(100 * (b - (last.stages[k] || 0)) / dt); if (stages[k].length > N) stages[k].shift(); });
+      draw_many("c-stages", stages);
+      document.getElementById("n-stages").textContent = stages.map((v, k) => `stage ${k}: ${v[v.length - 1].toFixed(0)}%`).join(", ");
+    }
+    last = {t, busy: s.busy_seconds, gen: s.generated_tokens, stages: sb};
     const now = {running: s.running, waiting: s.waiting, kv: 100 * s.kv_cache_usage, busy, tps};
     for (const [k, v] of Object.entries(now)) { push(k, v); draw("c-" + k, series[k]); document.getElementById("n-" + k).textContent = +v.toFixed(1); }
     document.getElementById("ttft50").textContent = ms(s.ttft_p50_s); document.getElementById("ttft99").textContent = ms(s.ttft_p99_s);

@@ -157,7 +157,8 @@ Stats Engine::stats() const {
                .swapping = pending_params_ != nullptr,
                .busy_seconds = busy_seconds_,
                .generated_tokens = generated_,
-               .batch_rows = last_rows_};
+               .batch_rows = last_rows_,
+               .stage_busy_seconds = stage_busy_};
 }
 
 std::string Engine::failure() const {
@@ -303,6 +304,9 @@ void Engine::loop() {
     try {
       if (launch) {
         launch_step(batch);
+        // One group (one stage, or stages in this process): nothing runs while this step is out,
+        // so it is collected at once.
+        if (groups_ == 1) collect_step();
       } else {
         collect_step();
       }
@@ -399,6 +403,7 @@ void Engine::collect_step() {
   ++steps_;
   generated_ += sampled;
   last_rows_ = l.used;
+  stage_busy_ = runner_->stage_busy_seconds();
   busy_seconds_ += l.seconds + std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
 }
 

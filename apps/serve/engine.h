@@ -129,6 +129,7 @@ class Engine final : public Backend {
   std::string failed_from_outside_;  // fail()'s reason, for the engine's thread
   std::int64_t steps_ = 0;
   double busy_seconds_ = 0;
+  std::vector<double> stage_busy_;  // the runner's, copied under mutex_ after each step
   std::int64_t generated_ = 0, last_rows_ = 0;
   std::thread thread_;  // last
 };

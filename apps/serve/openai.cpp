@@ -354,6 +354,9 @@ std::string state_json(const ModelInfo& info, const Stats& s, const Metrics::Rec
                  {"tpot_p50_s", recent.tpot_p50},
                  {"tpot_p99_s", recent.tpot_p99},
                  {"requests_recent", recent.tpot_samples}};
+  json::array stages;
+  for (double b : s.stage_busy_seconds) stages.push_back(b);
+  o["stage_busy_seconds"] = std::move(stages);
   return json::serialize(o);
 }
 

@@ -34,9 +34,10 @@ struct Hasher {
   }
 };
 
-// The step packet: a header of int64s, then the rows' int32 arrays, then the hidden state.
+// The step packet: a header of int64s, then the rows' int32 arrays, then (8-aligned) the
+// seconds of the stages before, then the hidden state.
 struct StepHeader {
-  std::int64_t rows, table, samples, hidden_bytes;
+  std::int64_t rows, table, samples, times, hidden_bytes;
 };
 
 void put(std::vector<std::byte>& out, const void* data, std::size_t n) {
@@ -49,33 +50,39 @@ void put_vector(std::vector<std::byte>& out, const std::vector<T>& v) {
   put(out, v.data(), v.size() * sizeof(T));
 }
 
-void pack_step(std::vector<std::byte>& out, const StepRows& r, const void* hidden, std::size_t hidden_bytes) {
+std::size_t align8(std::size_t n) { return (n + 7) / 8 * 8; }
+
+void pack_step(std::vector<std::byte>& out, const StepRows& r, const std::vector<double>& times, const void* hidden,
+               std::size_t hidden_bytes) {
   out.clear();
   const StepHeader h{r.rows, static_cast<std::int64_t>(r.table.size()), static_cast<std::int64_t>(r.sample_rows.size()),
-                     static_cast<std::int64_t>(hidden_bytes)};
+                     static_cast<std::int64_t>(times.size()), static_cast<std::int64_t>(hidden_bytes)};
   put(out, &h, sizeof h);
   put_vector(out, r.tokens);
   put_vector(out, r.positions);
   put_vector(out, r.slots);
   put_vector(out, r.table);
   put_vector(out, r.sample_rows);
-  out.resize((out.size() + 7) / 8 * 8);
+  out.resize(align8(out.size()));
+  put_vector(out, times);
   put(out, hidden, hidden_bytes);
 }
 
-// Reads a step packet into `r` and returns where its hidden state lies (none for the first
-// stage's shards). Throws std::runtime_error for a packet that does not add up.
-const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std::size_t& hidden_bytes) {
+// Reads a step packet into `r` and `times` and returns where its hidden state lies (none for the
+// first stage's shards). Throws std::runtime_error for a packet that does not add up.
+const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std::vector<double>& times,
+                             std::size_t& hidden_bytes) {
   StepHeader h{};
   if (in.size() < sizeof h) throw std::runtime_error(fmt::format("a step packet of {} bytes: too short", in.size()));
   std::memcpy(&h, in.data(), sizeof h);
-  if (h.rows < 1 || h.table < 0 || h.samples < 0 || h.hidden_bytes < 0) {
-    throw std::runtime_error(fmt::format("a step packet of rows {}, table {}, samples {}, hidden bytes {}", h.rows,
-                                         h.table, h.samples, h.hidden_bytes));
+  if (h.rows < 1 || h.table < 0 || h.samples < 0 || h.times < 0 || h.hidden_bytes < 0) {
+    throw std::runtime_error(fmt::format("a step packet of rows {}, table {}, samples {}, times {}, hidden bytes {}",
+                                         h.rows, h.table, h.samples, h.times, h.hidden_bytes));
   }
   std::size_t at = sizeof h;
   const std::size_t ints = static_cast<std::size_t>(3 * h.rows + h.table + h.samples);
-  const std::size_t hidden_at = (at + ints * 4 + 7) / 8 * 8;
+  const std::size_t times_at = align8(at + ints * 4);
+  const std::size_t hidden_at = times_at + static_cast<std::size_t>(h.times) * sizeof(double);
   if (in.size() != hidden_at + static_cast<std::size_t>(h.hidden_bytes)) {
     throw std::runtime_error(fmt::format("a step packet of {} bytes, where its header says {}", in.size(),
                                          hidden_at + static_cast<std::size_t>(h.hidden_bytes)));
@@ -91,6 +98,8 @@ const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std:
   take(r.slots, h.rows);
   take(r.table, h.table);
   take(r.sample_rows, h.samples);
+  times.resize(static_cast<std::size_t>(h.times));
+  std::memcpy(times.data(), in.data() + times_at, times.size() * sizeof(double));
   hidden_bytes = static_cast<std::size_t>(h.hidden_bytes);
   return in.data() + hidden_at;
 }
@@ -347,7 +356,10 @@ const Tensor& Stage::run(const StepRows& rows, const void* hidden, std::size_t h
   write_input(p, "block_table", rows.table);
   if (last()) write_input(p, "sample_rows", rows.sample_rows);
   const TpScope scope(group_);
-  return p.run()[0];
+  const auto began = std::chrono::steady_clock::now();
+  const Tensor& out = p.run()[0];
+  last_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  return out;
 }
 
 void Stage::set_params(std::shared_ptr<const ParameterStore> params) {
@@ -365,7 +377,11 @@ LocalPipeline::LocalPipeline(const DecodeModel& m, std::int64_t pp, const ServeS
 
 void LocalPipeline::launch(const StepRows& rows) {
   const Tensor* out = nullptr;
-  for (auto& s : stages_) out = &s->run(rows, out ? out->raw() : nullptr, out ? out->nbytes() : 0);
+  busy_.resize(stages_.size());
+  for (std::size_t i = 0; i < stages_.size(); ++i) {
+    out = &stages_[i]->run(rows, out ? out->raw() : nullptr, out ? out->nbytes() : 0);
+    busy_[i] += stages_[i]->last_seconds();
+  }
   out_ = out;
 }
 
@@ -514,21 +530,22 @@ void RankPipeline::launch(const StepRows& rows) {
     throw std::logic_error(fmt::format("RankPipeline: a step launched with {} in flight already", flights_.size()));
   }
   const std::uint64_t seq = ++seq_;
-  flights_.push_back({seq, std::min(rows.rows, samples_), std::chrono::steady_clock::now() + step_timeout_});
+  flights_.push_back({seq, std::min(rows.rows, samples_), std::chrono::steady_clock::now() + step_timeout_, 0.0});
   const auto ring = static_cast<std::size_t>(seq % static_cast<std::uint64_t>(pp_));
   step_out_.resize(static_cast<std::size_t>(pp_));
   hidden_out_.resize(static_cast<std::size_t>(pp_));
   if (tp_ > 1) {
     // Stage 0's other shards need the step's rows before this one's first partial sum.
-    pack_step(step_out_[ring], rows, nullptr, 0);
+    pack_step(step_out_[ring], rows, {}, nullptr, 0);
     for (std::int64_t t = 1; t < tp_; ++t) link_.send(static_cast<std::uint32_t>(t), StageLink::step, seq, step_out_[ring]);
   }
   const Tensor& y = stage_->run(rows, nullptr, 0);
+  flights_.back().first_seconds = stage_->last_seconds();
   if (stage_->last()) {  // pp 1: the head ran here (whole on every shard)
     local_ = &y;
     return;
   }
-  pack_step(hidden_out_[ring], rows, y.raw(), y.nbytes());
+  pack_step(hidden_out_[ring], rows, {stage_->last_seconds()}, y.raw(), y.nbytes());
   link_.send(static_cast<std::uint32_t>(tp_), StageLink::step, seq, hidden_out_[ring]);  // stage 1, shard 0
 }
 
@@ -536,7 +553,9 @@ const Tensor& RankPipeline::collect() {
   if (flights_.empty()) throw std::logic_error("RankPipeline::collect: no step launched");
   const Flight f = flights_.front();
   flights_.pop_front();
+  busy_.resize(static_cast<std::size_t>(pp_));
   if (stage_->last()) {
+    busy_[0] += f.first_seconds;
     const Tensor* y = local_;
     local_ = nullptr;
     return *y;
@@ -550,10 +569,18 @@ const Tensor& RankPipeline::collect() {
     throw std::runtime_error(fmt::format("rank {} sent the logits of step {} where step {}'s were due", p.from, p.seq, f.seq));
   }
   if (logits_.numel() != f.samples * model_.vocab()) logits_ = Tensor::empty({f.samples, model_.vocab()}, model_.dtype());
-  if (p.bytes.size() != logits_.nbytes()) {
-    throw std::runtime_error(fmt::format("the logits of step {} have {} bytes, not {}", f.seq, p.bytes.size(), logits_.nbytes()));
+  // The logits, then (8-aligned) every stage's seconds.
+  const std::size_t times_at = align8(logits_.nbytes());
+  if (p.bytes.size() != times_at + busy_.size() * sizeof(double)) {
+    throw std::runtime_error(fmt::format("the logits of step {} came in {} bytes, not {}", f.seq, p.bytes.size(),
+                                         times_at + busy_.size() * sizeof(double)));
   }
-  std::memcpy(logits_.raw(), p.bytes.data(), p.bytes.size());
+  std::memcpy(logits_.raw(), p.bytes.data(), logits_.nbytes());
+  for (std::size_t i = 0; i < busy_.size(); ++i) {
+    double t = 0;
+    std::memcpy(&t, p.bytes.data() + times_at + i * sizeof(double), sizeof t);
+    busy_[i] += t;
+  }
   return logits_;
 }
 
@@ -588,6 +615,7 @@ void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::int64_t
   const std::int64_t s = rank / tp, t = rank % tp;
   const auto from = static_cast<std::uint32_t>(s == 0 ? 0 : (s - 1) * tp + t);
   StepRows rows;
+  std::vector<double> times;  // the seconds of the stages so far, this one's last
   // What this rank sent, until the next stage (or rank 0) has pulled it: one buffer per step in
   // flight (pp at most; the step pp later comes only once this one's logits reached rank 0).
   std::vector<std::vector<std::byte>> outs(static_cast<std::size_t>(pp));
@@ -601,15 +629,18 @@ void serve_stage(Stage& stage, StageLink& link, std::uint32_t rank, std::int64_t
         std::chrono::steady_clock::now() + std::chrono::hours(24 * 365), "the next step");
     if (p.kind == StageLink::stop) return;
     std::size_t hidden_bytes = 0;
-    const std::byte* hidden = unpack_step(p.bytes, rows, hidden_bytes);
+    const std::byte* hidden = unpack_step(p.bytes, rows, times, hidden_bytes);
     const Tensor& y = stage.run(rows, s == 0 ? nullptr : hidden, s == 0 ? 0 : hidden_bytes);
+    times.push_back(stage.last_seconds());  // stage 0's other shards: from an empty list
     std::vector<std::byte>& out = outs[static_cast<std::size_t>(p.seq % static_cast<std::uint64_t>(pp))];
     if (stage.last()) {
       if (t != 0) continue;  // shard 0 answers for the stage
       out.assign(static_cast<const std::byte*>(y.raw()), static_cast<const std::byte*>(y.raw()) + y.nbytes());
+      out.resize(align8(out.size()));
+      put_vector(out, times);
       link.send(0, StageLink::logits, p.seq, out);
     } else {
-      pack_step(out, rows, y.raw(), y.nbytes());
+      pack_step(out, rows, times, y.raw(), y.nbytes());
       link.send(static_cast<std::uint32_t>((s + 1) * tp + t), StageLink::step, p.seq, out);
     }
   }

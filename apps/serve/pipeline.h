@@ -22,6 +22,8 @@
 // needs the batch split into pp groups in flight at once (vLLM's "virtual engines"), not built.
 //
 // Wire (StageLink): a message {kind, seq, bytes} and the packet as a payload the receiver pulls.
+// A step's packet carries the seconds each stage before took; the logits come back with every
+// stage's (the dashboard's per-stage utilisation).
 // A rank that dies or fails ends the job through the control plane (the caller's on_abort calls
 // StageLink::abort); a step's answer that does not come within the step timeout fails the engine
 // and the job with the reason.
@@ -121,6 +123,8 @@ class Stage {
   std::pair<std::int64_t, std::int64_t> layers() const { return layers_; }
   std::size_t buffer_bytes() const { return buffer_bytes_; }
   std::size_t cache_bytes() const { return cache_bytes_; }
+  /// How long the last run() took.
+  double last_seconds() const { return last_seconds_; }
 
  private:
   struct Bucket {
@@ -134,6 +138,7 @@ class Stage {
   std::vector<Tensor> caches_;
   std::vector<Bucket> buckets_;
   std::size_t buffer_bytes_ = 0, cache_bytes_ = 0;
+  double last_seconds_ = 0;
 };
 
 /// Runs steps through every stage: what the engine drives. A step is launched (what runs in this
@@ -161,6 +166,8 @@ class StepRunner {
   virtual std::size_t cache_bytes() const = 0;
   /// "1 stage", "2 stages in this process", "2 stages on 2 ranks".
   virtual std::string describe() const = 0;
+  /// Seconds each stage (its shard 0) has spent in its part of the collected steps.
+  virtual std::vector<double> stage_busy_seconds() const = 0;
 };
 
 class LocalPipeline final : public StepRunner {
@@ -173,10 +180,12 @@ class LocalPipeline final : public StepRunner {
   std::size_t buffer_bytes() const override;
   std::size_t cache_bytes() const override;
   std::string describe() const override;
+  std::vector<double> stage_busy_seconds() const override { return busy_; }
 
  private:
   std::vector<std::unique_ptr<Stage>> stages_;
   const Tensor* out_ = nullptr;
+  std::vector<double> busy_;
 };
 
 /// The stages' messages over a transport::Link (the job's data plane, or a LoopbackHub's link in
@@ -235,6 +244,7 @@ class RankPipeline final : public StepRunner {
   std::size_t buffer_bytes() const override { return stage_->buffer_bytes(); }
   std::size_t cache_bytes() const override { return stage_->cache_bytes(); }
   std::string describe() const override;
+  std::vector<double> stage_busy_seconds() const override { return busy_; }
  private:
   std::unique_ptr<Stage> stage_;
   std::int64_t pp_, tp_;
@@ -247,6 +257,7 @@ class RankPipeline final : public StepRunner {
     std::uint64_t seq;
     std::int64_t samples;
     std::chrono::steady_clock::time_point deadline;
+    double first_seconds;  // stage 0's time in it (here)
   };
   std::deque<Flight> flights_;
   // A step's packets until the next stage has pulled them: one pair per step in flight (the
@@ -254,6 +265,7 @@ class RankPipeline final : public StepRunner {
   std::vector<std::vector<std::byte>> step_out_, hidden_out_;
   Tensor logits_;
   const Tensor* local_ = nullptr;  // pp 1: the logits computed here
+  std::vector<double> busy_;       // by stage
 };
 
 /// Rank 0, after the last step: tells ranks 1..world-1 to stop (their serve_stage returns).

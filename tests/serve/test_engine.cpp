@@ -634,6 +634,10 @@ TEST_CASE("Serve.PipelineAndTensorParallelCutsGiveOneDevicesTokens") {
       s.pp = pp;
       Engine e(s);
       CHECK(six_requests(e, m.vocab()) == one);
+      // Each stage's time in the steps, for the dashboard.
+      const auto busy = e.stats().stage_busy_seconds;
+      CHECK(busy.size() == static_cast<std::size_t>(pp));
+      for (double b : busy) CHECK(b > 0);
     }
     // pp x tp: 2 x 1, 3 x 1, 1 x 2 (the heads and MLP cut, partial sums added across ranks), 2 x 2.
     for (auto [pp, tp] : {std::pair<std::int64_t, std::int64_t>{2, 1}, {3, 1}, {1, 2}, {2, 2}}) {
@@ -644,6 +648,10 @@ TEST_CASE("Serve.PipelineAndTensorParallelCutsGiveOneDevicesTokens") {
         Engine e(ranks.settings);
         CHECK(six_requests(e, m.vocab()) == one);
         CHECK(e.failure().empty());
+        // Every stage's time came back with the logits.
+        const auto busy = e.stats().stage_busy_seconds;
+        CHECK(busy.size() == static_cast<std::size_t>(pp));
+        for (double b : busy) CHECK(b > 0);
       }
       ranks.finish();
       CHECK(ranks.errors.empty());

@@ -608,11 +608,14 @@ TEST_CASE("ServeHttp.Dashboard.ThePageNeedsNoKeyItsStateDoes" * doctest::timeout
   json::object o = json::parse(state.body).as_object();
   CHECK(o["model"] == "tiny");
   for (const char* field : {"running", "waiting", "kv_cache_usage", "steps", "busy_seconds", "generated_tokens",
-                            "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "weights", "draining"}) {
+                            "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "weights", "draining",
+                            "stage_busy_seconds"}) {
     CHECK_MESSAGE(o.contains(field), field);
   }
   CHECK(o["requests_recent"].to_number<double>() == 1);
   CHECK(o["ttft_p50_s"].to_number<double>() > 0);
+  CHECK(o["stage_busy_seconds"].is_array());
+  CHECK(page.body.find("stage_busy_seconds") != std::string::npos);  // the page draws each stage
 }
 
 TEST_CASE("ServeHttp.Routes.NotFoundWrongMethodTooLarge" * doctest::timeout(60)) {

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "mp/proc.h"
-#include "serve/http_client.h"
+#include "serve/raw_http.h"
 #include "serve/node_client.h"
 #include "skip.h"
 
@@ -51,7 +51,7 @@ fs::path scratch() {
 std::string http(std::uint16_t port, const std::string& method, const std::string& target, const std::string& body,
                  std::chrono::milliseconds timeout = 30s, const std::string& until = {},
                  const std::function<void(const std::string&)>& on_data = {}) {
-  return baton::test::http_request(port, key, method, target, body, timeout, until, on_data);
+  return baton::test::raw_http_request(port, key, method, target, body, timeout, until, on_data);
 }
 
 std::vector<int> ints_after(const std::string& text, const std::string& key_text) {

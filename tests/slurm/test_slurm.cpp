@@ -22,7 +22,7 @@
 #include <fmt/format.h>
 
 #include "mp/proc.h"
-#include "serve/http_client.h"
+#include "serve/raw_http.h"
 #include "skip.h"
 
 using namespace std::chrono_literals;
@@ -366,7 +366,7 @@ TEST_CASE("Slurm: baton-serve as two pipeline stages under srun answers as one p
     const auto port = baton::test::free_port();
     Proc one({bin + "/baton-serve", "--checkpoint", ckpt, "--listen", fmt::format("127.0.0.1:{}", port), "--api-key", key});
     REQUIRE(serving(one));
-    alone = baton::test::completion_text(baton::test::http_request(port, key, "POST", "/v1/completions", body));
+    alone = baton::test::completion_text(baton::test::raw_http_request(port, key, "POST", "/v1/completions", body));
     one.signal(SIGTERM);
     CHECK(one.wait(30s) == 0);
   }
@@ -381,7 +381,7 @@ TEST_CASE("Slurm: baton-serve as two pipeline stages under srun answers as one p
   INFO(job.all());
   REQUIRE(up);
   CHECK(contains(job.err(), "2 stages on 2 ranks"));
-  CHECK(baton::test::completion_text(baton::test::http_request(port, key, "POST", "/v1/completions", body)) == alone);
+  CHECK(baton::test::completion_text(baton::test::raw_http_request(port, key, "POST", "/v1/completions", body)) == alone);
   const auto id = job_id(*c, name);
   REQUIRE_FALSE(id.empty());
   Proc cancel({"scancel", "--signal=TERM", id + ".0"}, {{"SLURM_CONF", c->conf}});

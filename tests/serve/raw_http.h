@@ -1,6 +1,8 @@
 #pragma once
-// A plain-socket HTTP/1.1 client for the serving tests (baton-serve as a process): one request
-// with a bearer key, read until the server closes (Connection: close) or `until` appears.
+// A plain-socket HTTP/1.1 client for the serving tests of baton-serve as a process: one request
+// with a bearer key, read as it comes (a stream watched token by token: on_data) until the
+// server closes (Connection: close) or `until` appears. tests/http_client.h (Boost.Beast) is
+// the one for whole replies.
 #include <arpa/inet.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -18,7 +20,7 @@ namespace baton::test {
 
 /// What came back (headers and body, chunked as sent) within `timeout`; empty if the port
 /// refused the connection.
-inline std::string http_request(std::uint16_t port, const std::string& key, const std::string& method,
+inline std::string raw_http_request(std::uint16_t port, const std::string& key, const std::string& method,
                                 const std::string& target, const std::string& body,
                                 std::chrono::milliseconds timeout = std::chrono::seconds(30), const std::string& until = {},
                                 const std::function<void(const std::string&)>& on_data = {}) {
