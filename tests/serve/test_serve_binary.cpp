@@ -354,3 +354,21 @@ TEST_CASE("Serve.ARankKilledMidStreamEndsTheStreamAndTheJobWithTheReason") {
   CHECK_MESSAGE(line.find("rank 1 (host") != std::string::npos, line);
   CHECK_MESSAGE(line.find("killed by signal 9") != std::string::npos, line);
 }
+
+TEST_CASE("Serve.RanksStartedWithOtherFlagsAreRefusedAtTheRendezvous") {
+  // The serving shape (model, pp, tp, batch limits, cache blocks) is the job's plan hash: rank 1
+  // started with another --max-batch is refused, the job ends non-zero naming both plans.
+  const fs::path dir = scratch() / "mismatch";
+  train_fox(dir, 10, false, 2);
+  const std::string serve = std::string(BATON_BIN_DIR) + "/baton-serve";
+  const std::string common = fmt::format("--checkpoint '{}' --listen 127.0.0.1:{} --api-key {}",
+                                         (dir / "ckpt").string(), baton::test::free_port(), key);
+  Proc job({std::string(BATON_BIN_DIR) + "/baton-launch", "--nproc-per-node", "2", "--", "sh", "-c",
+            fmt::format("if [ \"$BATON_RANK\" = 1 ]; then exec '{0}' {1} --max-batch 8; else exec '{0}' {1}; fi", serve,
+                        common)});
+  const int rc = job.wait(60s);
+  INFO(job.all());
+  CHECK(rc != 0);
+  CHECK(rc != -1);
+  CHECK(job.err().find("ranks compiled different plans: rank 0: plan") != std::string::npos);
+}
