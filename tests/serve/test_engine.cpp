@@ -716,3 +716,43 @@ TEST_CASE("Serve.APipelineRankThatHangsOrDiesFailsTheEngineWithTheReason") {
     CHECK(e.failure().find("signal 9") != std::string::npos);
   }
 }
+
+TEST_CASE("Serve.ACancelledRequestAcrossRanksFreesItsBlocksOnlyOnceItsStepIsBack") {
+  // Two ranks, two groups of requests with steps in flight; the cache holds one request of the
+  // whole context. The first request is cancelled while its steps run: its blocks go to the
+  // waiting second one only once no step of the first is in flight (the second's tokens are
+  // then those it gives alone: its cache was not written under it).
+  const DecodeModel m = tiny(DecodeModel::Kind::gpt, DType::f64);
+  auto params = weights(m, 1);
+  auto base = settings(m, params);
+  // 12 blocks of 4 positions for the whole context of 48, over each rank's one layer.
+  base.kv_cache_bytes = 12 * (1 * 2 * 4 * m.kv_heads() * m.head_dim() * 8);
+  std::vector<std::int32_t> alone;
+  {
+    Engine e(settings(m, params));
+    auto r = submit(e, prompt_of(8, 2, m.vocab()), 20);
+    wait(*r);
+    alone = r->tokens;
+  }
+  RankedPipeline ranks(m, params, 2, 1, base);
+  {
+    Engine e(ranks.settings);
+    CHECK(e.cache_tokens() == 48);
+    std::uint64_t first_id = 0;
+    std::promise<void> release;
+    auto first = submit(e, prompt_of(8, 1, m.vocab()), 40, {.temperature = 0}, {}, &first_id, release.get_future().share());
+    while (first->count == 0) std::this_thread::sleep_for(1ms);
+    auto second = submit(e, prompt_of(8, 2, m.vocab()), 20);
+    CHECK(e.stats().waiting == 1);
+    e.cancel(first_id);
+    release.set_value();
+    wait(*first);
+    wait(*second);
+    CHECK(first->finish == Finish::cancelled);
+    CHECK(second->finish == Finish::length);
+    CHECK(second->tokens == alone);
+    CHECK(e.stats().kv_cache_usage == 0.0);
+  }
+  ranks.finish();
+  CHECK(ranks.errors.empty());
+}
