@@ -250,7 +250,7 @@ float_suites_under_other_blas_kernels() {
     [ "$family" = "$own" ] && continue
     log "the float suites with OpenBLAS's $family kernels (OPENBLAS_CORETYPE=$family; this CPU's own: ${own:-unknown})"
     OPENBLAS_CORETYPE="$family" ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" \
-      -R '^(Parallel|Sbp|VocabParallel|Ops\.VocabParallel|Checkpoint|Training|Balance)\.|^Serve\.(TheDecodeStep|GreedyGeneration|ABatchChanges)'
+      -R '^(Parallel|Sbp|VocabParallel|Ops\.VocabParallel|Checkpoint|Training|Balance)\.|^Serve\.(TheDecodeStep|GreedyGeneration|ABatchChanges|PipelineAndTensorParallel)'
   done
 }
 
