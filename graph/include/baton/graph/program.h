@@ -6,9 +6,9 @@
 // nodes run in their topological order on the caller's thread, and every intermediate lives in
 // a buffer reused once its last reader ran, allocated once.
 //
-// What it is not: the actor plan. It runs one device's whole forward pass in one thread; the
-// pipeline- and tensor-parallel serving of DESIGN.md 7b (stages as actors, the batch as the
-// piece) is not built on it yet.
+// What it is not: the actor plan. It runs one device's forward pass (or a pipeline stage's
+// part of it) in one thread; baton-serve's stages across ranks (apps/serve/pipeline.h) drive
+// one Program per stage and row count, with their own protocol over the job's data plane.
 //
 //   Program step(g, {logits}, params);
 //   step.input("tokens").data<std::int32_t>()[0] = 42;   // inputs are written in place
