@@ -89,7 +89,7 @@ const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std:
   }
   auto take = [&](std::vector<std::int32_t>& v, std::int64_t n) {
     v.resize(static_cast<std::size_t>(n));
-    std::memcpy(v.data(), in.data() + at, v.size() * 4);
+    if (!v.empty()) std::memcpy(v.data(), in.data() + at, v.size() * 4);  // (memcpy of null: UB even for 0 bytes)
     at += v.size() * 4;
   };
   r.rows = h.rows;
@@ -99,7 +99,7 @@ const std::byte* unpack_step(const std::vector<std::byte>& in, StepRows& r, std:
   take(r.table, h.table);
   take(r.sample_rows, h.samples);
   times.resize(static_cast<std::size_t>(h.times));
-  std::memcpy(times.data(), in.data() + times_at, times.size() * sizeof(double));
+  if (!times.empty()) std::memcpy(times.data(), in.data() + times_at, times.size() * sizeof(double));
   hidden_bytes = static_cast<std::size_t>(h.hidden_bytes);
   return in.data() + hidden_at;
 }
@@ -110,7 +110,7 @@ void write_input(Program& p, const char* name, const std::vector<T>& v) {
   if (static_cast<std::size_t>(t.numel()) != v.size()) {
     throw std::runtime_error(fmt::format("the step's '{}' has {} values, its program {}", name, v.size(), t.numel()));
   }
-  std::memcpy(t.raw(), v.data(), v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(t.raw(), v.data(), v.size() * sizeof(T));
 }
 
 // The group whose partial sums serve.tp_sum adds: the stage running on this thread.
@@ -349,7 +349,7 @@ const Tensor& Stage::run(const StepRows& rows, const void* hidden, std::size_t h
       throw std::runtime_error(
           fmt::format("the hidden state from the stage before has {} bytes, this stage takes {}", hidden_bytes, h.nbytes()));
     }
-    std::memcpy(h.raw(), hidden, hidden_bytes);
+    if (hidden_bytes > 0) std::memcpy(h.raw(), hidden, hidden_bytes);
   }
   write_input(p, "positions", rows.positions);
   write_input(p, "slots", rows.slots);
