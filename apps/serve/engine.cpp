@@ -36,7 +36,6 @@ struct Engine::Launched {
   std::vector<Take> takes;
   std::vector<std::int64_t> logit_row;  // per take: its row of the logits, or -1 (a prompt's chunk)
   std::int64_t used = 0;
-  std::int64_t group = 0;
   double seconds = 0;  // this process's time in it so far
 };
 
@@ -48,11 +47,8 @@ Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
   const EngineSettings& s = settings_;
   const DecodeModel& m = s.model;
   if (!s.params) throw std::invalid_argument("baton-serve: no weights");
-  if (s.max_batch < 1 || s.max_batch_tokens < 1 || s.block_size < 1 || s.max_queue < 0) {
-    throw std::invalid_argument(fmt::format(
-        "--max-batch {}, --max-batch-tokens {} and --block-size {} must be >= 1, --max-queue {} >= 0", s.max_batch,
-        s.max_batch_tokens, s.block_size, s.max_queue));
-  }
+  // The batch's limits are serve_shape's to check (every rank of a pipeline computes it).
+  if (s.max_queue < 0) throw std::invalid_argument(fmt::format("--max-queue {} must be >= 0", s.max_queue));
   shape_ = serve_shape(m, s.max_batch, s.max_batch_tokens, s.block_size, s.kv_cache_bytes,
                        s.cache_layers > 0 ? s.cache_layers : m.layers());
   runner_ = s.runner ? s.runner(shape_) : std::make_unique<LocalPipeline>(m, s.pp, shape_, s.params);
@@ -320,7 +316,6 @@ void Engine::loop() {
 void Engine::launch_step(std::vector<std::shared_ptr<Live>>& batch) {
   const auto began = std::chrono::steady_clock::now();
   Launched l;
-  l.group = batch.front()->group;
   // Decoding requests first, one row each; then prompt chunks in the rows left.
   std::stable_partition(batch.begin(), batch.end(),
                         [](const auto& r) { return static_cast<std::int64_t>(r->tokens.size()) - r->fed == 1; });

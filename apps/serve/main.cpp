@@ -358,13 +358,8 @@ int run_stage(const Loaded& l, const ServeShape& shape, std::int64_t pp, std::in
   std::signal(SIGTERM, SIG_IGN);
   std::signal(SIGINT, SIG_IGN);
   try {
-    std::optional<TpGroup> group;
-    if (tp > 1) {
-      std::vector<std::uint32_t> members;
-      for (std::int64_t t = 0; t < tp; ++t) members.push_back(static_cast<std::uint32_t>(part.stage * tp + t));
-      group.emplace(job.link, members, static_cast<std::size_t>(part.shard), step_timeout);
-    }
-    Stage stage(l.model, part.layers, shape, l.params, tp, part.shard, group ? &*group : nullptr);
+    const auto group = tp > 1 ? TpGroup::of_stage(job.link, part.stage, part.shard, tp, step_timeout) : nullptr;
+    Stage stage(l.model, part.layers, shape, l.params, tp, part.shard, group.get());
     log(fmt::format("stage {} of {}{}: layers [{}, {}){}, KV cache {:.1f} MiB, buffers {:.1f} MiB; serving (pid {})",
                     part.stage, pp, tp > 1 ? fmt::format(", shard {} of {}", part.shard, tp) : "", part.layers.first,
                     part.layers.second, stage.last() ? " and the head" : "",
@@ -382,16 +377,43 @@ int run_stage(const Loaded& l, const ServeShape& shape, std::int64_t pp, std::in
   return 0;
 }
 
-int run(const Options& o) {
-  set_blas_threads(o.threads);
-  const JobEnvironment env = JobEnvironment::from_env();
-  const auto world = static_cast<std::int64_t>(env.world_size);
-  const std::int64_t tp = o.tp;
-  if (world % tp != 0) {
-    throw std::invalid_argument(fmt::format("--tp {} in a job of {} ranks: the ranks are pp x tp, so tp must divide them",
-                                            tp, world));
+/// The KV cache's bytes on this rank: --kv-cache-memory, or what --device-memory leaves after
+/// this rank's weights and the steps' buffers (a step of max_batch_tokens rows holds at most a
+/// few of the model's widths per row and its logits), or --kv-cache-memory within that.
+std::int64_t kv_cache_budget(const Options& o, const Loaded& l) {
+  std::int64_t kv_cache_bytes = EngineSettings{}.kv_cache_bytes;
+  if (!o.kv_cache_memory.empty()) kv_cache_bytes = parse_bytes("--kv-cache-memory", o.kv_cache_memory);
+  if (o.device_memory.empty()) return kv_cache_bytes;
+  std::int64_t weight_bytes = 0;
+  for (const auto& [name, t] : l.params->values()) weight_bytes += static_cast<std::int64_t>(t.nbytes());
+  const std::int64_t budget = parse_bytes("--device-memory", o.device_memory);
+  const std::int64_t width = std::max<std::int64_t>(l.model.vocab(), 8 * l.model.kv_heads() * l.model.head_dim());
+  const std::int64_t buffers = 4 * o.max_batch_tokens * width * static_cast<std::int64_t>(size_of(l.model.dtype()));
+  const std::int64_t left = budget - weight_bytes - buffers;
+  if (left <= 0) {
+    throw std::invalid_argument(fmt::format("--device-memory {}: the weights ({} bytes) and the steps' buffers (about "
+                                            "{}) leave nothing for the KV cache",
+                                            o.device_memory, weight_bytes, buffers));
   }
-  const std::int64_t pp = o.pp > 0 ? o.pp : (env.distributed() ? world / tp : 1);
+  return o.kv_cache_memory.empty() ? left : std::min(left, kv_cache_bytes);
+}
+
+/// --api-key, else BATON_API_KEY, else a random one (logged); a weak or guessable key is refused.
+std::string api_key_of(const Options& o) {
+  std::string key = o.api_key;
+  if (key.empty() && std::getenv("BATON_API_KEY") != nullptr) key = std::getenv("BATON_API_KEY");
+  if (key.empty()) {
+    key = random_api_key();
+    log(fmt::format("no --api-key or BATON_API_KEY: requests must carry this one: Authorization: Bearer {}", key));
+  } else if (const std::string why = check_api_key(key); !why.empty()) {
+    throw std::invalid_argument(fmt::format("--api-key: {}", why));
+  }
+  return key;
+}
+
+/// The ranks of a job are pp x tp, one shard of one stage each; tp needs a job; --watch one rank.
+void check_layout(const Options& o, const JobEnvironment& env, std::int64_t pp, std::int64_t tp) {
+  const auto world = static_cast<std::int64_t>(env.world_size);
   if (env.distributed()) {
     rank_tag = fmt::format("[rank {}/{}]", env.rank, env.world_size);
     if (pp * tp != world) {
@@ -408,6 +430,19 @@ int run(const Options& o) {
                                             "pp x tp ranks with baton-launch --nproc-per-node {}",
                                             tp, pp * tp));
   }
+}
+
+int run(const Options& o) {
+  set_blas_threads(o.threads);
+  const JobEnvironment env = JobEnvironment::from_env();
+  const auto world = static_cast<std::int64_t>(env.world_size);
+  const std::int64_t tp = o.tp;
+  if (world % tp != 0) {
+    throw std::invalid_argument(fmt::format("--tp {} in a job of {} ranks: the ranks are pp x tp, so tp must divide them",
+                                            tp, world));
+  }
+  const std::int64_t pp = o.pp > 0 ? o.pp : (env.distributed() ? world / tp : 1);
+  check_layout(o, env, pp, tp);
   Loaded l = load(o);
   const auto stages = stage_layers(l.model.layers(), pp);
   std::int64_t cache_layers = l.model.layers();
@@ -425,25 +460,7 @@ int run(const Options& o) {
   }
   const auto step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.step_timeout * 1000));
 
-  std::int64_t weight_bytes = 0;
-  for (const auto& [name, t] : l.params->values()) weight_bytes += static_cast<std::int64_t>(t.nbytes());
-  std::int64_t kv_cache_bytes = EngineSettings{}.kv_cache_bytes;
-  if (!o.kv_cache_memory.empty()) kv_cache_bytes = parse_bytes("--kv-cache-memory", o.kv_cache_memory);
-  if (!o.device_memory.empty()) {
-    // The device's budget less the weights and the steps' buffers (a step of max_batch_tokens
-    // rows holds at most a few of the model's widths per row and its logits): what is left is the
-    // cache's, or --kv-cache-memory within it.
-    const std::int64_t budget = parse_bytes("--device-memory", o.device_memory);
-    const std::int64_t width = std::max<std::int64_t>(l.model.vocab(), 8 * l.model.kv_heads() * l.model.head_dim());
-    const std::int64_t buffers = 4 * o.max_batch_tokens * width * static_cast<std::int64_t>(size_of(l.model.dtype()));
-    const std::int64_t left = budget - weight_bytes - buffers;
-    if (left <= 0) {
-      throw std::invalid_argument(fmt::format("--device-memory {}: the weights ({} bytes) and the steps' buffers (about "
-                                              "{}) leave nothing for the KV cache",
-                                              o.device_memory, weight_bytes, buffers));
-    }
-    kv_cache_bytes = o.kv_cache_memory.empty() ? left : std::min(left, kv_cache_bytes);
-  }
+  const std::int64_t kv_cache_bytes = kv_cache_budget(o, l);
   const ServeShape shape =
       serve_shape(l.model, o.max_batch, o.max_batch_tokens, o.block_size, kv_cache_bytes, cache_layers, tp);
 
@@ -462,14 +479,7 @@ int run(const Options& o) {
   const int port = std::stoi(o.listen.substr(colon + 1));
   if (port < 0 || port > 65535) throw std::invalid_argument(fmt::format("--listen '{}': no such port", o.listen));
 
-  std::string key = o.api_key;
-  if (key.empty() && std::getenv("BATON_API_KEY") != nullptr) key = std::getenv("BATON_API_KEY");
-  if (key.empty()) {
-    key = random_api_key();
-    log(fmt::format("no --api-key or BATON_API_KEY: requests must carry this one: Authorization: Bearer {}", key));
-  } else if (const std::string why = check_api_key(key); !why.empty()) {
-    throw std::invalid_argument(fmt::format("--api-key: {}", why));
-  }
+  const std::string key = api_key_of(o);
 
   EngineSettings s{.model = l.model,
                    .model_id = o.served_name.empty() ? l.name : o.served_name,
@@ -487,17 +497,12 @@ int run(const Options& o) {
                    .cache_layers = cache_layers,
                    .runner = {},
                    .log = log};
-  std::optional<TpGroup> group;  // rank 0's shards of stage 0 (tp > 1)
+  std::unique_ptr<TpGroup> group;  // rank 0's shards of stage 0 (tp > 1)
   if (job) {
-    if (tp > 1) {
-      std::vector<std::uint32_t> members;
-      for (std::int64_t t = 0; t < tp; ++t) members.push_back(static_cast<std::uint32_t>(t));
-      group.emplace(job->link, members, 0, step_timeout);
-    }
+    if (tp > 1) group = TpGroup::of_stage(job->link, 0, 0, tp, step_timeout);
     s.runner = [&l, &stages, &job, &group, pp, tp, step_timeout](const ServeShape& sh) -> std::unique_ptr<StepRunner> {
-      return std::make_unique<RankPipeline>(
-          std::make_unique<Stage>(l.model, stages[0], sh, l.params, tp, 0, group ? &*group : nullptr), pp, tp,
-          job->link, l.model, sh.slots, step_timeout);
+      return std::make_unique<RankPipeline>(std::make_unique<Stage>(l.model, stages[0], sh, l.params, tp, 0, group.get()),
+                                            pp, tp, job->link, l.model, sh.slots, step_timeout);
     };
   }
   log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching", l.model.name(),

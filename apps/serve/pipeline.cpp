@@ -151,6 +151,13 @@ TpGroup::TpGroup(StageLink& link, std::vector<std::uint32_t> members, std::size_
   if (me_ >= members_.size()) throw std::invalid_argument("TpGroup: this rank is not a member");
 }
 
+std::unique_ptr<TpGroup> TpGroup::of_stage(StageLink& link, std::int64_t stage, std::int64_t shard, std::int64_t tp,
+                                           std::chrono::milliseconds timeout) {
+  std::vector<std::uint32_t> members;
+  for (std::int64_t t = 0; t < tp; ++t) members.push_back(static_cast<std::uint32_t>(stage * tp + t));
+  return std::make_unique<TpGroup>(link, std::move(members), static_cast<std::size_t>(shard), timeout);
+}
+
 void TpGroup::all_reduce(Tensor& t) {
   if (t.dtype() != DType::f32 && t.dtype() != DType::f64) {
     throw std::runtime_error(fmt::format("serve.tp_sum: {} partial sums (f32 and f64 only)", name(t.dtype())));
@@ -490,10 +497,6 @@ void StageLink::abort(const std::string& reason) {
 std::string StageLink::failure() const {
   std::lock_guard lock(mutex_);
   return failure_;
-}
-
-StageLink::Packet StageLink::receive(std::chrono::steady_clock::time_point deadline, const std::string& awaiting) {
-  return receive([](const Packet&) { return true; }, deadline, awaiting);
 }
 
 StageLink::Packet StageLink::receive(const std::function<bool(const Packet&)>& wanted,

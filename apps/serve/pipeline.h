@@ -92,6 +92,10 @@ class TpGroup {
   /// `members`: the group's ranks in shard order; `me`: this rank's index among them. A part
   /// that does not come within `timeout` fails the step.
   TpGroup(StageLink& link, std::vector<std::uint32_t> members, std::size_t me, std::chrono::milliseconds timeout);
+  /// The group of shard `shard` of stage `stage` in a job of tp shards a stage (ranks stage * tp
+  /// .. stage * tp + tp - 1).
+  static std::unique_ptr<TpGroup> of_stage(StageLink& link, std::int64_t stage, std::int64_t shard, std::int64_t tp,
+                                           std::chrono::milliseconds timeout);
   void all_reduce(Tensor& t);
   std::size_t size() const { return members_.size(); }
 
@@ -120,7 +124,6 @@ class Stage {
   void set_params(std::shared_ptr<const ParameterStore> params);
   bool first() const { return layers_.first == 0; }
   bool last() const { return layers_.second == model_.layers(); }
-  std::pair<std::int64_t, std::int64_t> layers() const { return layers_; }
   std::size_t buffer_bytes() const { return buffer_bytes_; }
   std::size_t cache_bytes() const { return cache_bytes_; }
   /// How long the last run() took.
@@ -153,10 +156,6 @@ class StepRunner {
   virtual const Tensor& collect() = 0;
   /// Steps in flight at most: the stages that can work at once (1 in one process).
   virtual std::int64_t groups() const { return 1; }
-  const Tensor& run(const StepRows& rows) {
-    launch(rows);
-    return collect();
-  }
   /// New weights for every stage (throws std::invalid_argument if they do not fit: the old stay).
   virtual void set_params(std::shared_ptr<const ParameterStore> params) = 0;
   /// Why this runner cannot take new weights ("": it can).
@@ -205,7 +204,6 @@ class StageLink final : public transport::LinkHandler {
   void send(std::uint32_t to, Kind kind, std::uint64_t seq, const std::vector<std::byte>& bytes);
   /// The next packet, waiting until `deadline`. Throws transport::TransportError once the link
   /// failed or abort() was called (with the reason), or at the deadline (saying what was awaited).
-  Packet receive(std::chrono::steady_clock::time_point deadline, const std::string& awaiting);
   /// The first packet `wanted` accepts (the others stay, in order, for later receives).
   Packet receive(const std::function<bool(const Packet&)>& wanted, std::chrono::steady_clock::time_point deadline,
                  const std::string& awaiting);

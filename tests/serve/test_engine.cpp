@@ -162,6 +162,17 @@ void wait(Run& r, std::chrono::seconds limit = 60s) {
   REQUIRE_MESSAGE(r.finished.wait_for(limit) == std::future_status::ready, "a request did not finish in time");
 }
 
+// A greedy request whose first token holds the engine until `release` is set: returns once that
+// token came (the request runs, and the next ones queue behind the held step).
+std::shared_ptr<Run> submit_held(Engine& e, std::vector<std::int32_t> prompt, std::int64_t max_tokens,
+                                 std::promise<void>& release, std::uint64_t* id_out = nullptr) {
+  auto run = submit(e, std::move(prompt), max_tokens, {.temperature = 0}, {}, id_out, release.get_future().share());
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (run->count == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  REQUIRE_MESSAGE(run->count > 0, "a held request gave no first token in 60 s");
+  return run;
+}
+
 EngineSettings settings(const DecodeModel& m, std::shared_ptr<const ParameterStore> params) {
   return EngineSettings{.model = m, .model_id = "tiny", .params = std::move(params), .weights = "test",
                         .max_batch = 8, .max_batch_tokens = 32, .block_size = 4, .kv_cache_bytes = 64ll << 20,
@@ -308,8 +319,7 @@ TEST_CASE("Serve.AShortRequestAdmittedWhileALongOneRunsFinishesFirst") {
   const DecodeModel m = tiny(DecodeModel::Kind::gpt, DType::f32);
   Engine e(settings(m, weights(m, 1)));
   std::promise<void> release;
-  auto long_run = submit(e, prompt_of(4, 1, m.vocab()), 40, {.temperature = 0}, {}, nullptr, release.get_future().share());
-  while (long_run->count == 0) std::this_thread::sleep_for(1ms);
+  auto long_run = submit_held(e, prompt_of(4, 1, m.vocab()), 40, release);
   auto short_run = submit(e, prompt_of(4, 2, m.vocab()), 2);
   release.set_value();
   wait(*short_run);
@@ -326,8 +336,7 @@ TEST_CASE("Serve.StaticBatchingHoldsAShortRequestBehindALongOne") {
   s.continuous = false;
   Engine e(s);
   std::promise<void> release;
-  auto long_run = submit(e, prompt_of(4, 1, m.vocab()), 40, {.temperature = 0}, {}, nullptr, release.get_future().share());
-  while (long_run->count == 0) std::this_thread::sleep_for(1ms);
+  auto long_run = submit_held(e, prompt_of(4, 1, m.vocab()), 40, release);
   auto short_run = submit(e, prompt_of(4, 2, m.vocab()), 2);
   release.set_value();
   wait(*short_run);
@@ -344,8 +353,7 @@ TEST_CASE("Serve.ARequestThatCannotFitWaitsAndACancelledOneFreesItsBlocks") {
   CHECK(e.cache_tokens() == 48);
   std::uint64_t first_id = 0;
   std::promise<void> release;
-  auto first = submit(e, prompt_of(8, 1, m.vocab()), 40, {.temperature = 0}, {}, &first_id, release.get_future().share());
-  while (first->count == 0) std::this_thread::sleep_for(1ms);
+  auto first = submit_held(e, prompt_of(8, 1, m.vocab()), 40, release, &first_id);
   auto second = submit(e, prompt_of(8, 2, m.vocab()), 20);
   CHECK(e.stats().waiting == 1);  // its 7 blocks are not free: it waits, it does not fail
   CHECK(e.stats().kv_cache_usage == 1.0);
@@ -368,8 +376,7 @@ TEST_CASE("Serve.AFullQueueRefusesAndADrainLetsTheRunningFinish") {
   s.max_queue = 1;
   Engine e(s);
   std::promise<void> release;
-  auto running = submit(e, prompt_of(4, 1, m.vocab()), 40, {.temperature = 0}, {}, nullptr, release.get_future().share());
-  while (running->count == 0) std::this_thread::sleep_for(1ms);
+  auto running = submit_held(e, prompt_of(4, 1, m.vocab()), 40, release);
   auto queued = submit(e, prompt_of(4, 2, m.vocab()), 4);
   std::uint64_t id = 0;
   CHECK(e.submit(Request{.prompt = {1}, .max_tokens = 1}, id) == Backend::Admission::queue_full);
@@ -403,8 +410,7 @@ TEST_CASE("Serve.WeightsSwapBetweenBatchesAndEachRequestSeesOneSetWhole") {
   }
   Engine e(settings(m, old_w));
   std::promise<void> release;
-  auto before = submit(e, p1, 30, {.temperature = 0}, {}, nullptr, release.get_future().share());
-  while (before->count == 0) std::this_thread::sleep_for(1ms);
+  auto before = submit_held(e, p1, 30, release);
   std::thread swapper([&] { e.swap_weights(new_w, "step 2", std::chrono::steady_clock::now() + 60s); });
   while (!e.stats().swapping) std::this_thread::sleep_for(1ms);
   auto after = submit(e, p2, 10);
@@ -531,10 +537,7 @@ struct RankedPipeline {
     const ServeShape shape =
         serve_shape(m, base.max_batch, base.max_batch_tokens, base.block_size, base.kv_cache_bytes, cache_layers, tp);
     for (std::int64_t r = 0; r < world; ++r) {
-      std::vector<std::uint32_t> members;
-      for (std::int64_t t = 0; t < tp; ++t) members.push_back(static_cast<std::uint32_t>(r / tp * tp + t));
-      groups.push_back(tp > 1 ? std::make_unique<TpGroup>(*links[static_cast<std::size_t>(r)], members,
-                                                          static_cast<std::size_t>(r % tp), step_timeout)
+      groups.push_back(tp > 1 ? TpGroup::of_stage(*links[static_cast<std::size_t>(r)], r / tp, r % tp, tp, step_timeout)
                               : nullptr);
     }
     // Each rank keeps only its shard of its stage's weights, as baton-serve's do. Built here, on
@@ -700,8 +703,7 @@ TEST_CASE("Serve.APipelineRankThatHangsOrDiesFailsTheEngineWithTheReason") {
     RankedPipeline ranks(m, params, 2, 1, base);
     Engine e(ranks.settings);
     std::promise<void> release;
-    auto running = submit(e, prompt_of(4, 1, m.vocab()), 40, {.temperature = 0}, {}, nullptr, release.get_future().share());
-    while (running->count == 0) std::this_thread::sleep_for(1ms);
+    auto running = submit_held(e, prompt_of(4, 1, m.vocab()), 40, release);
     auto waiting = submit(e, prompt_of(4, 2, m.vocab()), 4);
     const std::string reason = "rank 1 (node7): exited with signal 9 (Killed)";
     ranks.links[0]->abort(reason);  // what baton-serve's on_abort does
@@ -740,8 +742,7 @@ TEST_CASE("Serve.ACancelledRequestAcrossRanksFreesItsBlocksOnlyOnceItsStepIsBack
     CHECK(e.cache_tokens() == 48);
     std::uint64_t first_id = 0;
     std::promise<void> release;
-    auto first = submit(e, prompt_of(8, 1, m.vocab()), 40, {.temperature = 0}, {}, &first_id, release.get_future().share());
-    while (first->count == 0) std::this_thread::sleep_for(1ms);
+    auto first = submit_held(e, prompt_of(8, 1, m.vocab()), 40, release, &first_id);
     auto second = submit(e, prompt_of(8, 2, m.vocab()), 20);
     CHECK(e.stats().waiting == 1);
     e.cancel(first_id);
