@@ -21,6 +21,7 @@ namespace baton::test {
 /// What a test lacks when it cannot run.
 enum class Missing {
   cuda_device,         // no usable CUDA device, or a build without CUDA or NCCL
+  cudnn,               // a GPU machine without cuDNN 9 (libcudnn.so.9, PyTorch's included)
   second_cuda_device,  // a test of two or more GPUs found fewer
   ipv6_loopback,       // no ::1 to bind to
   root,                // creating network namespaces, starting sshd
@@ -46,6 +47,7 @@ enum class Missing {
 constexpr bool allowed_in_ci(Missing what) {
   switch (what) {
     case Missing::cuda_device:
+    case Missing::cudnn:
     case Missing::second_cuda_device:
     case Missing::ipv6_loopback:
       return true;

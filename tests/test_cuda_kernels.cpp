@@ -325,6 +325,100 @@ TEST_CASE("Attention.Cpu.Float32AgreesWithFloat64") {
   }
 }
 
+// log sum_j exp(scale q_i . k_j) over the keys row i sees, in double from the inputs' values.
+Tensor row_log_sum_exp(const Tensor& q, const Tensor& k, bool causal, double scale) {
+  const Shape& s = q.shape();
+  const auto t = static_cast<std::size_t>(s[s.size() - 2]), d = static_cast<std::size_t>(s.back());
+  const auto qv = values(q), kv = values(k);
+  Tensor out = Tensor::empty(attention_stats_shape(s), f64);
+  auto o = out.data<double>();
+  for (std::size_t row = 0; row < o.size(); ++row) {
+    const std::size_t head = row / t, i = row % t;
+    double m = -INFINITY;
+    std::vector<double> sc;
+    for (std::size_t j = 0; j < (causal ? i + 1 : t); ++j) {
+      double dot_ij = 0;
+      for (std::size_t c = 0; c < d; ++c) dot_ij += qv[(head * t + i) * d + c] * kv[(head * t + j) * d + c];
+      sc.push_back(scale * dot_ij);
+      m = std::max(m, sc.back());
+    }
+    double sum = 0;
+    for (double x : sc) sum += std::exp(x - m);
+    o[row] = m + std::log(sum);
+  }
+  return out;
+}
+
+// The forward's second output is each row's log-sum-exp (what cuDNN calls its stats), and the
+// backward given it computes what it computes when it recomputes them. f64: both are exact
+// formulas evaluated in double (1e-12, as above). f32: the stats are rounded to float (half an
+// ulp of |lse| <= 16 here: 1e-6 absolute in the exponent, so 1e-6 relative in each p) where the
+// recomputed ones stay double, and the outputs round once: 1e-5 relative to the largest.
+TEST_CASE("Attention.Cpu.TheForwardsStatsAreEachRowsLogSumExpAndSpareTheBackwardItsSoftmax") {
+  for (DType dt : {f64, f32}) {
+    for (const AttentionCase& c : cpu_cases()) {
+      CAPTURE(name(dt));
+      CAPTURE(to_string(c.shape));
+      CAPTURE(c.causal);
+      const Attrs attrs = attention_attrs(c.causal, c.scale);
+      std::vector<Tensor> in;
+      for (int i = 0; i < 4; ++i) in.push_back(random_tensor(dt, c.shape));
+      const auto fwd = run_cpu("attention", dt, attrs, {in[0], in[1], in[2]}, {c.shape, attention_stats_shape(c.shape)});
+      CHECK(difference(fwd[0], run1("attention", dt, attrs, {in[0], in[1], in[2]}, c.shape)).error == 0);
+      CHECK_CLOSE(to_dtype(fwd[1], f64), row_log_sum_exp(in[0], in[1], c.causal, c.scale), dt == f64 ? 1e-12 : 1e-6);
+      const Tensor with = run1("attention_grad", dt, attrs, {in[0], in[1], in[2], fwd[0], in[3], fwd[1]}, packed(c.shape));
+      const Tensor without = run1("attention_grad", dt, attrs, {in[0], in[1], in[2], fwd[0], in[3]}, packed(c.shape));
+      CHECK_CLOSE(with, without, dt == f64 ? 1e-12 : 1e-5);
+    }
+  }
+}
+
+// The plan carries the stats from each attention actor to its gradient's actor: a second output
+// register [batch, heads, T] (f32) of as many slots as the output's, read as the sixth input;
+// naive attention and a forward-only plan have none.
+TEST_CASE("Attention.Plan.TheForwardSavesItsStatsForItsGradient" * doctest::timeout(60)) {
+  auto corpus = std::make_shared<data::TextCorpus>();
+  corpus->vocab.assign(24, static_cast<unsigned char>('x'));
+  for (int i = 0; i < 1024; ++i) corpus->ids.push_back(i % 24);
+  for (auto attention : {models::GptShape::Attention::fused, models::GptShape::Attention::naive}) {
+    const bool fused = attention == models::GptShape::Attention::fused;
+    CAPTURE(fused);
+    Graph g(3);
+    models::Outputs out = models::gpt_with_loss(
+        g, 4, {.vocab = 24, .seq = 16, .d_model = 16, .heads = 2, .layers = 2, .attention = attention});
+    TrainConfig cfg;
+    cfg.steps = 2;
+    cfg.optimizer = optim::adam(1e-3);
+    cfg.data = {{"text", data::text_source(corpus, 4, 1, 16, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, out.loss, cfg);
+    int forwards = 0, backwards = 0;
+    for (const ActorDesc& a : job.plan.actors) {
+      if (a.op == "attention") {
+        ++forwards;
+        REQUIRE(a.outputs.size() == 2);
+        const RegisterDesc& stats = job.plan.registers[a.outputs[1]];
+        CHECK(stats.name.ends_with(".saved"));
+        CHECK(stats.shape == Shape{4, 2, 16});
+        CHECK(stats.dtype == f32);
+        CHECK(stats.slots == job.plan.registers[a.outputs[0]].slots);
+        REQUIRE(stats.consumers.size() == 1);
+        const ActorDesc& grad = job.plan.actors[stats.consumers[0]];
+        CHECK(grad.op == "attention_grad");
+        REQUIRE(grad.inputs.size() == 6);
+        CHECK(grad.inputs[5].reg == a.outputs[1]);
+      }
+      if (a.op == "attention_grad") ++backwards;
+    }
+    CHECK(forwards == (fused ? 2 : 0));
+    CHECK(backwards == forwards);
+    // It trains (the CPU kernels write and read the stats).
+    RuntimeSettings rs;
+    rs.stall_timeout = std::chrono::milliseconds(30'000);
+    Runtime(job.plan, job.kernels, rs).run();
+    CHECK(job.losses->per_step().size() == 2);
+  }
+}
+
 TEST_CASE("Attention.Graph.ChecksShapesAndNamesTheOp") {
   Graph g;
   Value q = g.input("q", {2, 4, 8, 16}), k = g.input("k", {2, 4, 8, 16}), v = g.input("v", {2, 4, 8, 16});
@@ -864,6 +958,125 @@ TEST_CASE("CudaKernels.Attention.RefusesHeadsPast128") {
   CHECK_THROWS_WITH_AS(kernel->compute(ctx), doctest::Contains("the CUDA kernels take D <= 128"), std::invalid_argument);
 }
 
+// cuDNN is looked for at run time on every machine, GPU or not (dlopen, its functions by dlsym,
+// its version call): found, it is cuDNN 9 with a version; not found, the reason says why. The
+// build machines carry the toolkit's cuDNN 9.19, so there this finds it when the loader's path
+// has it.
+TEST_CASE("Cudnn.IsFoundAtRunTimeOrSaysWhyNot") {
+  if (!test::cuda_built()) return;
+  const cuda::CudnnAttention& c = cuda::cudnn_attention();
+  MESSAGE("cuDNN: " << (c.ok ? c.version : "unavailable: " + c.reason));
+  if (c.ok) {
+    CHECK(c.version.starts_with("9."));
+    CHECK(c.reason.empty());
+  } else {
+    CHECK(!c.reason.empty());
+  }
+  CHECK(&cuda::cudnn_attention() == &c);  // asked once
+}
+
+// Whether cuDNN's fused attention can run here; if not, skips ("<reason>; cuDNN tests skipped").
+bool cudnn_usable() {
+  if (!cuda_usable()) return false;
+  const cuda::CudnnAttention& c = cuda::cudnn_attention();
+  if (!c.ok) test::skip(test::Missing::cudnn, c.reason + "; cuDNN tests skipped");
+  return c.ok;
+}
+
+// Runs attention (outputs o and its stats) or attention_grad (inputs q, k, v, o, do, stats) on
+// cuda:0 with attrs' kernel; the stats are f32 whatever the tensors' dtype.
+std::vector<Tensor> run_attention_gpu(Gpu& gpu, bool backward, DType dt, const Attrs& attrs,
+                                      const std::vector<Tensor>& inputs, const Shape& q) {
+  const std::string op = backward ? "attention_grad" : "attention";
+  auto kernel = registry().create(op, KernelConfig{"cuda." + op, Device::parse("cuda:0"), dt, attrs});
+  std::vector<Tensor> dev_in;
+  for (const Tensor& t : inputs) dev_in.push_back(gpu.to_device(t));
+  std::vector<const Tensor*> in;
+  for (const Tensor& t : dev_in) in.push_back(&t);
+  std::vector<Tensor> out;
+  if (backward) {
+    out.push_back(gpu.poisoned(packed(q), dt));
+  } else {
+    out.push_back(gpu.poisoned(q, dt));
+    out.push_back(gpu.poisoned(attention_stats_shape(q), f32));
+  }
+  std::vector<Tensor*> out_p;
+  for (Tensor& t : out) out_p.push_back(&t);
+  KernelContext ctx{in, out_p, 0, gpu.stream.get()};
+  kernel->compute(ctx);
+  std::vector<Tensor> back;
+  for (const Tensor& t : out) back.push_back(gpu.to_host(t));
+  return back;
+}
+
+// cuDNN's fused attention (attr kernel cudnn) against the CPU's float64 kernels on the same bf16
+// inputs, and against baton's own CUDA kernels: o, the stats and dq, dk, dv. bf16 rounds P
+// before P V and the products' inputs: the tolerances of the bf16 cases above (2e-2 forward,
+// 4e-2 backward, relative to the largest element); the stats are float32 sums of float32
+// scores (1e-3). The head sizes cuDNN's engines take (32, 64, 128; multiples of 8), T of two
+// rows, of less than a tile, of tiles and of a ragged end.
+TEST_CASE("CudaKernels.Attention.CudnnMatchesTheCpuAndBatonsKernels" * doctest::timeout(300)) {
+  if (!cudnn_usable()) return;
+  Gpu gpu;
+  struct Case {
+    Shape shape;
+    bool causal;
+  };
+  // (T = 1 is not among them: cuDNN's backward refuses one row, and kernel auto then runs baton's.)
+  const std::vector<Case> cases{{{1, 1, 2, 64}, true},   {{2, 3, 17, 64}, true},   {{2, 2, 128, 64}, true},
+                                {{1, 2, 100, 64}, false}, {{2, 1, 257, 128}, true}, {{1, 4, 512, 128}, true},
+                                {{2, 2, 64, 32}, true}};
+  for (const Case& c : cases) {
+    CAPTURE(to_string(c.shape));
+    CAPTURE(c.causal);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.back()));
+    Attrs cudnn = attention_attrs(c.causal, scale), fused = cudnn;
+    cudnn.set("kernel", std::string("cudnn"));
+    fused.set("kernel", std::string("fused"));
+    std::vector<Tensor> in;  // q, k, v, do in bf16, and their float64 values
+    std::vector<Tensor> in64;
+    for (int i = 0; i < 4; ++i) {
+      in.push_back(random_tensor(bf16, c.shape));
+      in64.push_back(to_dtype(to_dtype(in.back(), f32), f64));
+    }
+    const Attrs plain = attention_attrs(c.causal, scale);
+    const auto want = run_cpu("attention", f64, plain, {in64[0], in64[1], in64[2]}, {c.shape, attention_stats_shape(c.shape)});
+    const auto got = run_attention_gpu(gpu, false, bf16, cudnn, {in[0], in[1], in[2]}, c.shape);
+    const auto ours = run_attention_gpu(gpu, false, bf16, fused, {in[0], in[1], in[2]}, c.shape);
+    CHECK_CLOSE(got[0], want[0], 2e-2);
+    CHECK_CLOSE(got[1], want[1], 1e-3);
+    CHECK_CLOSE(got[0], ours[0], 2e-2);
+    CHECK_CLOSE(got[1], ours[1], 1e-3);
+    // The gradient from the same o and stats (the CPU's, rounded as the GPU's would be).
+    const Tensor o = to_dtype(to_dtype(want[0], f32), bf16), stats = to_dtype(want[1], f32);
+    const Tensor grads64 = run1("attention_grad", f64, plain, {in64[0], in64[1], in64[2], want[0], in64[3]}, packed(c.shape));
+    const auto grads = run_attention_gpu(gpu, true, bf16, cudnn, {in[0], in[1], in[2], o, in[3], stats}, c.shape);
+    const auto grads_ours = run_attention_gpu(gpu, true, bf16, fused, {in[0], in[1], in[2], o, in[3], stats}, c.shape);
+    for (int part = 0; part < 3; ++part) {
+      CAPTURE(part);  // dq, dk, dv
+      CHECK_CLOSE(unpack(grads[0], part), unpack(grads64, part), 4e-2);
+      CHECK_CLOSE(unpack(grads[0], part), unpack(grads_ours[0], part), 4e-2);
+    }
+  }
+}
+
+// kernel cudnn where cuDNN cannot serve says why, naming the actor: float32 tensors, a head size
+// that is not a multiple of 8; kernel auto there runs baton's kernel instead (tested above: the
+// MatchCpu cases, f32 and D = 40, run with no kernel attr).
+TEST_CASE("CudaKernels.Attention.CudnnRefusesWhatItCannotServe") {
+  if (!cudnn_usable()) return;
+  Gpu gpu;
+  Attrs cudnn = attention_attrs(true, 0.25);
+  cudnn.set("kernel", std::string("cudnn"));
+  CHECK_THROWS_WITH_AS(run_attention_gpu(gpu, false, f32, cudnn, {random_tensor(f32, {1, 2, 8, 16}), random_tensor(f32, {1, 2, 8, 16}),
+                                                                  random_tensor(f32, {1, 2, 8, 16})}, {1, 2, 8, 16}),
+                       doctest::Contains("cuda.attention"), std::invalid_argument);
+  const Shape odd{1, 2, 8, 12};
+  CHECK_THROWS_WITH_AS(run_attention_gpu(gpu, false, bf16, cudnn, {random_tensor(bf16, odd), random_tensor(bf16, odd),
+                                                                   random_tensor(bf16, odd)}, odd),
+                       doctest::Contains("multiple of 8"), std::invalid_argument);
+}
+
 // The multi-tensor steps against the one-tensor steps on the GPU (the same arithmetic per
 // element: the same bits) and the CPU's (IEEE float operations in the same order: the same bits
 // expected; 1e-6 relative to the largest weight allows a compiler's FMA contraction on the CPU).
@@ -956,36 +1169,42 @@ TEST_CASE("CudaKernels.MultiTensorOptimizers.MatchOneTensorSteps" * doctest::tim
   }
 }
 
+// Five Adam steps of a small GPT on cuda:0 (the same data, weights and seed every call): the
+// losses.
+static std::vector<double> gpt_losses_on_gpu(models::GptShape::Attention attention, bool fused_bias_gelu, DType precision) {
+  auto corpus = std::make_shared<data::TextCorpus>();
+  corpus->vocab.assign(64, static_cast<unsigned char>('x'));
+  std::mt19937 gen(5);
+  for (int i = 0; i < 1 << 16; ++i) corpus->ids.push_back(static_cast<std::int32_t>(gen() % 64));
+  Graph g(3);
+  models::Outputs out;
+  {
+    auto mixed = g.autocast(precision);
+    out = models::gpt_with_loss(g, 4,
+                                {.vocab = 64, .seq = 128, .d_model = 128, .heads = 2, .layers = 2,
+                                 .attention = attention, .fused_bias_gelu = fused_bias_gelu});
+  }
+  TrainConfig cfg;
+  cfg.steps = 5;
+  cfg.optimizer = optim::adam(1e-3);
+  cfg.replica_places = {Placement{.device = Device::parse("cuda:0")}};
+  cfg.data = {{"text", data::text_source(corpus, 4, 1, 128, 3), {"tokens", "targets"}}};
+  TrainingJob job = compile_training(g, out.loss, cfg);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(60'000);
+  Runtime(job.plan, job.kernels, rs).run();
+  return job.losses->per_step();
+}
+
 // The GPT on cuda:0 with the fused attention and bias + GELU against the unfused GPT on cuda:0:
 // five Adam steps, f32 (float32 rounding compounded over the steps: 1e-3 relative) and bf16
 // (the naive path keeps its scores in float32 after the bf16 products, the fused one rounds P
 // to bf16: 2e-2).
 TEST_CASE("CudaKernels.Gpt.FusedTrainsAsUnfusedOnTheGpu" * doctest::timeout(300)) {
   if (!cuda_usable()) return;
-  auto corpus = std::make_shared<data::TextCorpus>();
-  corpus->vocab.assign(64, static_cast<unsigned char>('x'));
-  std::mt19937 gen(5);
-  for (int i = 0; i < 1 << 16; ++i) corpus->ids.push_back(static_cast<std::int32_t>(gen() % 64));
   auto run = [&](bool fused, DType precision) {
-    Graph g(3);
-    models::Outputs out;
-    {
-      auto mixed = g.autocast(precision);
-      out = models::gpt_with_loss(g, 4,
-                                  {.vocab = 64, .seq = 128, .d_model = 128, .heads = 2, .layers = 2,
-                                   .attention = fused ? models::GptShape::Attention::fused : models::GptShape::Attention::naive,
-                                   .fused_bias_gelu = fused});
-    }
-    TrainConfig cfg;
-    cfg.steps = 5;
-    cfg.optimizer = optim::adam(1e-3);
-    cfg.replica_places = {Placement{.device = Device::parse("cuda:0")}};
-    cfg.data = {{"text", data::text_source(corpus, 4, 1, 128, 3), {"tokens", "targets"}}};
-    TrainingJob job = compile_training(g, out.loss, cfg);
-    RuntimeSettings rs;
-    rs.stall_timeout = std::chrono::milliseconds(60'000);
-    Runtime(job.plan, job.kernels, rs).run();
-    return job.losses->per_step();
+    return gpt_losses_on_gpu(fused ? models::GptShape::Attention::fused : models::GptShape::Attention::naive, fused,
+                             precision);
   };
   for (DType precision : {f32, bf16}) {
     CAPTURE(name(precision));
@@ -997,6 +1216,21 @@ TEST_CASE("CudaKernels.Gpt.FusedTrainsAsUnfusedOnTheGpu" * doctest::timeout(300)
       MESSAGE("step " << i << ": naive " << naive[i] << ", fused " << fused[i]);
       CHECK(fused[i] == doctest::Approx(naive[i]).epsilon(precision == f32 ? 1e-3 : 2e-2));
     }
+  }
+}
+
+// The GPT with cuDNN's attention against the same GPT with baton's fused kernels, bf16, five
+// Adam steps: both round P to bf16, in other orders (2e-2 relative, as the bf16 case above).
+TEST_CASE("CudaKernels.Gpt.CudnnAttentionTrainsAsBatonsFusedKernels" * doctest::timeout(300)) {
+  if (!cudnn_usable()) return;
+  const auto ours = gpt_losses_on_gpu(models::GptShape::Attention::fused, true, bf16);
+  const auto cudnn = gpt_losses_on_gpu(models::GptShape::Attention::cudnn, true, bf16);
+  REQUIRE(ours.size() == 5);
+  REQUIRE(cudnn.size() == 5);
+  for (std::size_t i = 0; i < 5; ++i) {
+    CAPTURE(i);
+    MESSAGE("step " << i << ": baton's fused " << ours[i] << ", cudnn " << cudnn[i]);
+    CHECK(cudnn[i] == doctest::Approx(ours[i]).epsilon(2e-2));
   }
 }
 

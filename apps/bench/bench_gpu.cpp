@@ -107,8 +107,10 @@ struct Options {
   /// best: each side at its own best batch (a search); same: both at one batch (--batch, or
   /// the largest baton's plan fits). "" until resolved: same where --batch is given, else best.
   std::string batch_mode;
-  /// baton's attention: naive (matmul, mask, softmax, matmul) or fused (attention(), ops.h).
-  std::string attention = "naive";
+  /// baton's attention: auto (cuDNN's fused attention where it loads, else baton's fused kernels,
+  /// on CUDA; naive on the CPU), naive (matmul, mask, softmax, matmul), fused (attention() with
+  /// baton's kernels) or cudnn (attention() with cuDNN's).
+  std::string attention = "auto";
   bool reference = true;
   bool require_reference = false;
   bool quick = false;
@@ -159,10 +161,12 @@ struct Options {
       "  --peak-tflops X     the device's peak for the precision, for MFU (default: from a table "
       "of\n"
       "                      NVIDIA's dense figures by device name; none for the CPU)\n"
-      "  --attention A       baton's attention: naive (default: matmul, mask, softmax, matmul) "
-      "or fused\n"
-      "                      (one op per block, FlashAttention's tiling: no T x T scores in "
-      "memory)\n"
+      "  --attention A       baton's attention: auto (default: cudnn where cuDNN 9 loads, else "
+      "fused, on\n"
+      "                      CUDA; naive on the CPU), naive (matmul, mask, softmax, matmul), "
+      "fused (one op\n"
+      "                      per block, baton's FlashAttention-style kernels) or cudnn (cuDNN's "
+      "fused attention)\n"
       "  --torch-attention A naive (baton's ops), sdpa (PyTorch's fused causal attention) or auto "
       "(sdpa where\n"
       "                      this PyTorch has it, else naive). Default: auto with --batch-mode best, "
@@ -292,8 +296,8 @@ Options parse(int argc, char** argv) {
                prog, o.sizes.batch);
     usage(2);
   }
-  if (o.attention != "naive" && o.attention != "fused") {
-    fmt::print(stderr, "{}: --attention must be naive or fused, not '{}'\n", prog, o.attention);
+  if (o.attention != "auto" && o.attention != "naive" && o.attention != "fused" && o.attention != "cudnn") {
+    fmt::print(stderr, "{}: --attention must be auto, naive, fused or cudnn, not '{}'\n", prog, o.attention);
     usage(2);
   }
   if (o.device != "auto") {
@@ -877,7 +881,7 @@ Setup make_setup(Device device, const Options& given, const Reference* ref, bool
                              .d_model = pick(s.o.sizes.d_model, def.d_model),
                              .heads = pick(s.o.sizes.heads, def.heads),
                              .layers = pick(s.o.sizes.layers, def.layers),
-                             .attention = models::parse_attention(s.o.attention)};
+                             .attention = models::parse_attention(s.o.attention, s.cuda)};
   s.warmup = s.o.warmup > 0 ? s.o.warmup : (s.o.quick ? 1 : 3);
   s.steps = s.o.steps > 0 ? s.o.steps : (s.o.quick ? 3 : (s.cuda ? 10 : 20));
   s.dev = describe(device);
@@ -1034,6 +1038,10 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
       }
     }
     line.add("attention", o.attention);
+    if (s.cuda && o.attention != "naive" && o.attention != "fused") {
+      const cuda::CudnnAttention& c = cuda::cudnn_attention();
+      line.add("cudnn", c.ok ? c.version : "unavailable: " + c.reason);
+    }
     if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
     line.print();
 

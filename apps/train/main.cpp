@@ -59,7 +59,7 @@ struct Options {
   std::int64_t d_model = 64;
   std::int64_t heads = 4;
   std::int64_t seq = 32;
-  std::string attention = "naive";
+  std::string attention = "auto";
   std::int64_t hidden = 256;
   std::int64_t kv_heads = 0;    // llama: 0 is --heads (multi-head attention)
   std::int64_t ffn_hidden = 0;  // llama: 0 is 8 d_model / 3 rounded up to a multiple of 32
@@ -158,13 +158,17 @@ OptimizerConfig optimizer(const Options& o) {
   return c;
 }
 
+/// Whether the model runs on CUDA devices (--devices cuda:...), where --attention auto means
+/// cuDNN's fused attention (or baton's kernels), not the CPU's naive ops.
+bool on_cuda(const Options& o) { return o.devices.find("cuda") != std::string::npos; }
+
 /// --model llama's shape from the flags; a value the model cannot take is refused naming its
 /// flag (the model's own checks, in models.cpp, speak of its fields).
 models::LlamaShape llama_shape(const Options& o, std::int64_t vocab) {
   models::LlamaShape s{.vocab = vocab, .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
                        .kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads, .layers = o.layers,
                        .rope_base = o.rope_base, .tie_embeddings = o.tie_embeddings, .tp = o.tp,
-                       .attention = models::parse_attention(o.attention)};
+                       .attention = models::parse_attention(o.attention, on_cuda(o))};
   // Llama's intermediate size is about 8/3 d (SwiGLU's three matrices cost as GELU's two of 4 d),
   // rounded up as Meta's multiple_of does, here to 32.
   s.ffn_hidden = o.ffn_hidden != 0 ? o.ffn_hidden : (8 * o.d_model / 3 + 31) / 32 * 32;
@@ -206,11 +210,11 @@ models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t ba
     if (o.tp != 1) throw std::invalid_argument("--model gpt2 runs with --tp 1 (its fused c_attn is not split)");
     return models::gpt2_with_loss(g, batch,
                                   {.vocab = d.vocab_size(), .seq = o.seq, .positions = o.positions, .d_model = o.d_model,
-                                   .heads = o.heads, .layers = o.layers, .attention = models::parse_attention(o.attention)});
+                                   .heads = o.heads, .layers = o.layers, .attention = models::parse_attention(o.attention, on_cuda(o))});
   }
   return models::gpt_with_loss(g, batch,
                                {.vocab = d.vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
-                                .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention)});
+                                .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention, on_cuda(o))});
 }
 
 /// Held-out accuracy (labelled data) or loss (text), with the trained weights.
@@ -623,6 +627,18 @@ std::string hierarchy_note(const TrainConfig& cfg) {
   return fmt::format("hierarchical, {} hosts x {} replicas", hosts.size(), hosts.front().size());
 }
 
+/// Which attention kernels a model on CUDA devices runs, and why (--attention auto's choice).
+std::string attention_note(const Options& o) {
+  const cuda::CudnnAttention& c = cuda::cudnn_attention();
+  if (o.attention == "naive") return "attention: naive (matmul, mask, softmax, matmul)";
+  if (o.attention == "fused") return "attention: baton's fused kernels";
+  if (o.attention == "cudnn") return c.ok ? fmt::format("attention: cuDNN {} fused attention", c.version)
+                                          : fmt::format("attention: cuDNN asked for, but it cannot be used: {}", c.reason);
+  return c.ok ? fmt::format("attention: cuDNN {} fused attention for bf16 heads of a multiple of 8 up to 128, baton's "
+                            "fused kernels otherwise (--attention auto)", c.version)
+              : fmt::format("attention: baton's fused kernels (--attention auto; cuDNN: {})", c.reason);
+}
+
 /// The line that says what is about to train.
 void print_header(const Options& o, const TrainingJob& job, const JobEnvironment& env, const TrainConfig& cfg,
                   const std::optional<checkpoint::Checkpoint>& resumed, std::int64_t first) {
@@ -639,6 +655,7 @@ void print_header(const Options& o, const TrainingJob& job, const JobEnvironment
              env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "",
              hierarchy_note(cfg).empty() ? "" : " | all-reduce: " + hierarchy_note(cfg));
   if (resumed) fmt::print("baton-train: resuming from {} at step {} of {}\n", resumed->dir.string(), first + 1, o.steps);
+  if ((o.model == "gpt" || o.model == "llama" || o.model == "gpt2") && on_cuda(o)) fmt::print("baton-train: {}\n", attention_note(o));
 }
 
 /// Traces: under baton-launch --trace (BATON_TRACE=FILE) the ranks of a job stream their records
@@ -1034,8 +1051,10 @@ void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--rope-base", o.rope_base, "llama RoPE base (rope_theta)")->check(positive);
   app.add_flag("--tie-embeddings", o.tie_embeddings, "llama: the LM head is the token table transposed");
   app.add_option("--attention", o.attention, "gpt and llama attention: naive (matmul, mask, softmax, matmul: the T x T scores in "
-                 "memory) or fused (one op, FlashAttention's tiling; no scores in memory)")
-      ->check(CLI::IsMember({"naive", "fused"}));
+                 "memory), fused (one op, baton's FlashAttention-style kernels; no scores in memory), cudnn (one "
+                 "op, cuDNN 9's fused attention: CUDA devices, bf16) or auto (cudnn where cuDNN loads, else fused, "
+                 "on CUDA devices; naive on the CPU)")
+      ->check(CLI::IsMember({"auto", "naive", "fused", "cudnn"}));
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
   app.add_option("--blas-threads", o.blas_threads,
                  "threads of every CPU matrix product (default 1, one per actor; more pays where the plan leaves cores "

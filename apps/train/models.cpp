@@ -88,8 +88,8 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
       auto k = split_heads(matmul(ln1, w("attn.wk", {d, d_k})));
       auto v = split_heads(matmul(ln1, w("attn.wv", {d, d_k})));
       Value heads;  // [b, nh_k, t, dh]
-      if (s.attention == GptShape::Attention::fused) {
-        heads = attention(q, k, v);  // causal, scaled by 1/sqrt(dh)
+      if (s.attention != GptShape::Attention::naive) {
+        heads = attention(q, k, v, attention_options(s.attention));  // causal, scaled by 1/sqrt(dh)
       } else {
         auto q3 = reshape(q, {b * nh_k, t, dh}), k3 = reshape(k, {b * nh_k, t, dh}), v3 = reshape(v, {b * nh_k, t, dh});
         auto core = g.attention_core();  // the T x T scores: what --recompute selective recomputes
@@ -132,10 +132,23 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
 
 }  // namespace
 
-GptShape::Attention parse_attention(std::string_view s) {
+GptShape::Attention parse_attention(std::string_view s, bool on_cuda) {
   if (s == "naive") return GptShape::Attention::naive;
   if (s == "fused") return GptShape::Attention::fused;
-  throw std::invalid_argument(fmt::format("--attention must be naive or fused, not '{}'", s));
+  if (s == "cudnn") {
+    if (!on_cuda) throw std::invalid_argument("--attention cudnn runs on CUDA devices (--devices cuda:K); the CPU has naive and fused");
+    return GptShape::Attention::cudnn;
+  }
+  if (s == "auto") return on_cuda ? GptShape::Attention::automatic : GptShape::Attention::naive;
+  throw std::invalid_argument(fmt::format("--attention must be auto, naive, fused or cudnn, not '{}'", s));
+}
+
+AttentionOptions attention_options(GptShape::Attention a) {
+  switch (a) {
+    case GptShape::Attention::cudnn: return {.kernel = "cudnn"};
+    case GptShape::Attention::fused: return {.kernel = "fused"};
+    default: return {};  // causal, 1/sqrt(D), kernel auto
+  }
 }
 
 Value gpt(Graph& g, std::int64_t batch, const GptShape& s) { return build_gpt(g, batch, s, false).logits; }
@@ -230,8 +243,8 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
         v = slice(v_all, 1, sk * nh_k, (sk + 1) * nh_k);
       }
       Value heads;  // [b, nh_k, t, dh]
-      if (s.attention == GptShape::Attention::fused) {
-        heads = attention(q, k, v);  // causal, scaled by 1/sqrt(dh)
+      if (s.attention != GptShape::Attention::naive) {
+        heads = attention(q, k, v, attention_options(s.attention));  // causal, scaled by 1/sqrt(dh)
       } else {
         auto q3 = reshape(q, {b * nh_k, t, dh}), k3 = reshape(k, {b * nh_k, t, dh}), v3 = reshape(v, {b * nh_k, t, dh});
         auto core = g.attention_core();  // the T x T scores: what --recompute selective recomputes
@@ -313,8 +326,8 @@ Outputs build_gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s, bool with_l
     Value q = split_heads(slice(qkv, 2, 0, d)), k = split_heads(slice(qkv, 2, d, 2 * d)),
           v = split_heads(slice(qkv, 2, 2 * d, 3 * d));
     Value heads;  // [b, nh, t, dh]
-    if (s.attention == GptShape::Attention::fused) {
-      heads = attention(q, k, v);
+    if (s.attention != GptShape::Attention::naive) {
+      heads = attention(q, k, v, attention_options(s.attention));
     } else {
       auto q3 = reshape(q, {b * nh, t, dh}), k3 = reshape(k, {b * nh, t, dh}), v3 = reshape(v, {b * nh, t, dh});
       auto att = softmax(causal_mask(matmul(q3, k3, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)))));

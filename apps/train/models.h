@@ -47,7 +47,10 @@ struct GptShape {
   /// every head's T x T scores are tensors, in memory for the backward), `fused` calls
   /// attention() (ops.h: FlashAttention's tiling and online softmax, no scores in memory). The
   /// same function, so the same weights give the same loss up to rounding.
-  enum class Attention : std::uint8_t { naive, fused };
+  /// `fused` runs baton's kernels everywhere; `cudnn` runs cuDNN's fused attention (CUDA
+  /// devices, bf16); `automatic` is attention() with kernel auto: cuDNN where it loads, else
+  /// baton's (parse_attention makes it naive on the CPU).
+  enum class Attention : std::uint8_t { naive, fused, cudnn, automatic };
   Attention attention = Attention::naive;
   /// The MLP's first layer as bias_gelu(x w1, b1), one op, instead of gelu(x w1 + b1): the same
   /// bits in f32; under bf16 autocast the activation stays bf16, as torch's Linear + GELU.
@@ -56,9 +59,12 @@ struct GptShape {
   DType dtype = DType::f32;
 };
 
-/// "naive" or "fused" (baton-train's and baton-bench-gpu's --attention); throws
-/// std::invalid_argument naming the flag's value otherwise.
-GptShape::Attention parse_attention(std::string_view s);
+/// baton-train's and baton-bench-gpu's --attention: "naive", "fused", "cudnn" or "auto" (the
+/// default: automatic where the model runs on CUDA devices, naive on the CPU, which keeps its
+/// own); throws std::invalid_argument naming the flag's value otherwise.
+GptShape::Attention parse_attention(std::string_view s, bool on_cuda);
+/// The attention() call of a block for `a` (not naive): its options' kernel.
+AttentionOptions attention_options(GptShape::Attention a);
 
 /// A GPT-style decoder: token + position embeddings, `layers` pre-norm blocks of causal
 /// multi-head attention and a GELU MLP (4 x d_model), a final layer norm and a linear head.

@@ -348,8 +348,12 @@ Value attention(Value q, Value k, Value v, const AttentionOptions& options) {
   if (q.dim(-1) == 0) fail(op, {q, k, v}, "the head size D is 0");
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.dim(-1))));
   if (!std::isfinite(scale)) fail(op, {q, k, v}, fmt::format("scale {} is not finite", scale));
-  return q.graph().add(op, {q, k, v}, Attrs{{"causal", std::int64_t{options.causal}}, {"scale", scale}}, q.shape(),
-                       q.dtype());
+  if (options.kernel != "auto" && options.kernel != "cudnn" && options.kernel != "fused") {
+    fail(op, {q, k, v}, fmt::format("kernel must be auto, cudnn or fused, not '{}'", options.kernel));
+  }
+  Attrs attrs{{"causal", std::int64_t{options.causal}}, {"scale", scale}};
+  if (options.kernel != "auto") attrs.set("kernel", options.kernel);  // absent: auto
+  return q.graph().add(op, {q, k, v}, std::move(attrs), q.shape(), q.dtype());
 }
 
 Value rope_at(Value x, Value positions, double base) {

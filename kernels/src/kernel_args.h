@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/ops.h"
 
 namespace baton::detail {
 
@@ -187,13 +188,31 @@ inline Shape attention_grad_shape(const Shape& q) {
   return s;
 }
 
+/// attention's saved stats (its second output, attention_grad's sixth input; ops.h).
+inline Shape attention_stats_shape(const Shape& q) { return baton::attention_stats_shape(q); }
+
 /// The attention's attributes: `causal` (0 or 1, default 1: key j is hidden from query i when
 /// j > i) and `scale` (the scores' factor; absent: 1 / sqrt(D), as torch's SDPA).
 struct AttentionAttrs {
+  /// Which implementation a CUDA device runs (attr kernel): cuDNN's fused attention where it
+  /// loads and takes the shape, else baton's own (auto); cuDNN or fail (cudnn); baton's own
+  /// (fused). The CPU has one implementation and takes auto and fused.
+  enum class Kernel : std::uint8_t { automatic, cudnn, fused };
   bool causal = true;
   double scale = 0;  // NaN until resolved for a D
+  Kernel kernel = Kernel::automatic;
   static AttentionAttrs read(const Attrs& attrs, std::string_view actor, const char* op) {
     AttentionAttrs a;
+    const std::string k = attrs.get_string("kernel", "auto");
+    if (k == "auto") {
+      a.kernel = Kernel::automatic;
+    } else if (k == "cudnn") {
+      a.kernel = Kernel::cudnn;
+    } else if (k == "fused") {
+      a.kernel = Kernel::fused;
+    } else {
+      throw std::invalid_argument(fmt::format("{} (actor '{}'): attribute kernel must be auto, cudnn or fused, not '{}'", op, actor, k));
+    }
     const std::int64_t c = attrs.get_int("causal", 1);
     if (c != 0 && c != 1) {
       throw std::invalid_argument(fmt::format("{} (actor '{}'): attribute causal must be 0 or 1, not {}", op, actor, c));

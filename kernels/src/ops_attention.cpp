@@ -3,9 +3,11 @@
 // of keys with an online softmax (Milakov and Gimelshein, "Online normalizer calculation for
 // softmax", 2018; the loop of FlashAttention, Dao et al. 2022): a running row maximum m, a
 // running sum l of exp(s - m) and a running output, rescaled by exp(m_old - m_new) when the
-// maximum grows. The backward recomputes each row's log-sum-exp (graph nodes have one output,
-// so the forward cannot hand it over), then the probabilities p = exp(s - lse) pair by pair, as
-// FlashAttention-2's backward does:
+// maximum grows. The forward also writes each row's log-sum-exp, lse_i = m_i + log l_i, where
+// the plan gives it a second output (the tensor it saves for the backward: [..., T], f32 for
+// f32, f64 for f64; graph/src/passes/plan_builder.cpp); the backward reads it, or recomputes it
+// where it has none (a kernel run outside a training plan), then the probabilities
+// p = exp(s - lse) pair by pair, as FlashAttention-2's backward does:
 //   dv_j += p_ij do_i;   dp_ij = do_i . v_j;   ds_ij = p_ij (dp_ij - D_i),  D_i = do_i . o_i;
 //   dq_i += scale ds_ij k_j;   dk_j += scale ds_ij q_i.
 // Everything accumulates in double for both element types, so the f32 kernel is a close
@@ -48,6 +50,30 @@ T* typed_out(Tensor& t, const char* op, const char* role) {
   return static_cast<T*>(t.raw());
 }
 
+// The forward's second output, the rows' log-sum-exp [..., T] (null where the plan gives none).
+template <class T>
+T* saved_stats(KernelContext& ctx, const Tensor& q, const char* op) {
+  if (ctx.outputs.size() < 2 || ctx.outputs[1] == nullptr) return nullptr;
+  Tensor& s = *ctx.outputs[1];
+  if (s.shape() != detail::attention_stats_shape(q.shape())) {
+    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
+                                            to_string(detail::attention_stats_shape(q.shape())), q.describe()));
+  }
+  return typed_out<T>(s, op, "stats");
+}
+
+// The backward's sixth input, the forward's stats (null where it has none).
+template <class T>
+const T* saved_lse(const KernelContext& ctx, const Tensor& q, const char* op) {
+  if (ctx.inputs.size() < 6 || ctx.inputs[5] == nullptr) return nullptr;
+  const Tensor& s = *ctx.inputs[5];
+  if (s.shape() != detail::attention_stats_shape(q.shape())) {
+    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
+                                            to_string(detail::attention_stats_shape(q.shape())), q.describe()));
+  }
+  return typed<T>(s, op, "stats");
+}
+
 template <class T>
 double dot(const T* a, const T* b, std::size_t d) {
   double s = 0;
@@ -79,6 +105,7 @@ class AttentionKernel final : public Kernel {
     const T* kp = typed<T>(k, op, "k");
     const T* vp = typed<T>(v, op, "v");
     T* op_out = typed_out<T>(o, op, "o");
+    T* lse = saved_stats<T>(ctx, q, op);
     const auto t = static_cast<std::size_t>(a.t), d = static_cast<std::size_t>(a.d);
     const double scale = attrs_.scale_for(a.d);
     scores_.resize(key_block);
@@ -102,6 +129,7 @@ class AttentionKernel final : public Kernel {
         for (std::size_t r = 0; r < rows; ++r) {
           T* out = op_out + base + (i0 + r) * d;
           for (std::size_t c = 0; c < d; ++c) out[c] = static_cast<T>(acc_[r * d + c] / sum_[r]);
+          if (lse != nullptr) lse[static_cast<std::size_t>(h) * t + i0 + r] = static_cast<T>(max_[r] + std::log(sum_[r]));
         }
       }
     }
@@ -165,6 +193,7 @@ class AttentionGradKernel final : public Kernel {
     const T* vp = typed<T>(v, op, "v");
     const T* opp = typed<T>(o, op, "o");
     const T* dop = typed<T>(dout, op, "do");
+    const T* saved = saved_lse<T>(ctx, q, op);
     T* gp = typed_out<T>(grads, op, "dqkv");
     const auto t = static_cast<std::size_t>(a.t), d = static_cast<std::size_t>(a.d);
     const double scale = attrs_.scale_for(a.d);
@@ -176,7 +205,7 @@ class AttentionGradKernel final : public Kernel {
     for (std::int64_t h = 0; h < a.heads; ++h) {
       const std::size_t base = static_cast<std::size_t>(h) * t * d;
       const T *qh = qp + base, *kh = kp + base, *vh = vp + base, *oh = opp + base, *doh = dop + base;
-      row_statistics(qh, kh, oh, doh, t, d, scale);
+      row_statistics(qh, kh, oh, doh, t, d, scale, saved == nullptr ? nullptr : saved + static_cast<std::size_t>(h) * t);
       std::fill(dq_.begin(), dq_.end(), 0.0);
       std::fill(dk_.begin(), dk_.end(), 0.0);
       std::fill(dv_.begin(), dv_.end(), 0.0);
@@ -212,10 +241,16 @@ class AttentionGradKernel final : public Kernel {
   }
 
  private:
-  // lse_i = log sum_j exp(scale q_i . k_j) over the keys query i sees (online, one pass), and
-  // D_i = do_i . o_i.
-  void row_statistics(const T* qh, const T* kh, const T* oh, const T* doh, std::size_t t, std::size_t d, double scale) {
+  // lse_i = log sum_j exp(scale q_i . k_j) over the keys query i sees (the forward's, else
+  // online, one pass), and D_i = do_i . o_i.
+  void row_statistics(const T* qh, const T* kh, const T* oh, const T* doh, std::size_t t, std::size_t d, double scale,
+                      const T* saved) {
     for (std::size_t i = 0; i < t; ++i) {
+      delta_[i] = dot(doh + i * d, oh + i * d, d);
+      if (saved != nullptr) {
+        lse_[i] = static_cast<double>(saved[i]);
+        continue;
+      }
       const std::size_t end = attrs_.causal ? i + 1 : t;
       double m = -std::numeric_limits<double>::infinity(), l = 0;
       for (std::size_t j = 0; j < end; ++j) {
@@ -228,7 +263,6 @@ class AttentionGradKernel final : public Kernel {
         }
       }
       lse_[i] = m + std::log(l);
-      delta_[i] = dot(doh + i * d, oh + i * d, d);
     }
   }
 
@@ -236,14 +270,24 @@ class AttentionGradKernel final : public Kernel {
   std::vector<double> lse_, delta_, dq_, dk_, dv_;
 };
 
+// The CPU has one implementation: kernel cudnn asks for what only a CUDA device has.
+AttentionAttrs cpu_attrs(const KernelConfig& cfg, const char* op) {
+  AttentionAttrs a = AttentionAttrs::read(cfg.attrs, cfg.actor, op);
+  if (a.kernel == AttentionAttrs::Kernel::cudnn) {
+    throw std::invalid_argument(fmt::format("{} (actor '{}'): kernel cudnn (--attention cudnn) needs a CUDA device; "
+                                            "{} is a CPU", op, cfg.actor, cfg.device.str()));
+  }
+  return a;
+}
+
 template <class T>
 void add_attention_for(KernelRegistry& reg) {
   constexpr DType dt = dtype_of<T>();
   reg.add("attention", DeviceType::cpu, dt, [](const KernelConfig& cfg) {
-    return std::make_unique<AttentionKernel<T>>(AttentionAttrs::read(cfg.attrs, cfg.actor, "attention"));
+    return std::make_unique<AttentionKernel<T>>(cpu_attrs(cfg, "attention"));
   });
   reg.add("attention_grad", DeviceType::cpu, dt, [](const KernelConfig& cfg) {
-    return std::make_unique<AttentionGradKernel<T>>(AttentionAttrs::read(cfg.attrs, cfg.actor, "attention_grad"));
+    return std::make_unique<AttentionGradKernel<T>>(cpu_attrs(cfg, "attention_grad"));
   });
 }
 

@@ -99,6 +99,12 @@ struct PlanBuilder {
   RegisterIndex add_register(const std::string& name, const Shape& shape, DType dtype,
                              std::int32_t slots);
   RegisterIndex node_register(int id, std::int32_t slots);
+  /// forward node -> the register of the tensor its actor saves for its gradient op (see
+  /// saved_for in plan_builder.cpp).
+  std::map<int, RegisterIndex> saved_reg_of;
+  /// For gradient node `id`: the register its forward's saved tensor is in, which this adds to
+  /// the forward's actor on first use; nullopt where the op saves nothing.
+  std::optional<RegisterIndex> saved_for(int id);
   void op_actor(int id, std::uint8_t stream, std::int32_t slots);
   void source_actor(const std::string& name, const std::string& op, DType dtype,
                     std::vector<RegisterIndex> outputs, std::int64_t pieces, const Placement& where,

@@ -1,10 +1,13 @@
 // What the lowering pass and evaluate() share (lowering.h).
 #include <cstring>
+#include <optional>
+#include <string_view>
 #include <set>
 #include <stdexcept>
 
 #include <fmt/format.h>
 
+#include "baton/kernels/ops.h"
 #include "lowering.h"
 
 namespace baton::passes::detail {
@@ -115,6 +118,7 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
   }
   std::vector<InputPort> inputs;
   for (int in : n.inputs) inputs.push_back({input_reg(id, in)});
+  if (auto saved = saved_for(id)) inputs.push_back({*saved});
   RegisterIndex out = node_register(id, slots);
   const Placement where = at(stream, place(id));
   plan.add_actor({.name = named(n.name),
@@ -130,6 +134,44 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
                   .stage = stages == nullptr ? -1 : stage(id),
                   .weight_gradient = weight_work != nullptr && (*weight_work)[static_cast<std::size_t>(id)],
                   .in_place = in_place_inputs(g, n, where)});
+}
+
+// A tensor a forward kernel can write beside its output for the gradient op that reads that
+// output, so the backward recomputes nothing (PyTorch's saved tensors): attention's rows'
+// log-sum-exp, which attention_grad reads as its last input. The graph has one output per node;
+// the saved tensor lives only in the plan: when the gradient actor is lowered, the forward's
+// actor (already lowered: ids are topological) gets a second output register, of the forward
+// output's slots, so it lives exactly as long as the output the backward reads beside it.
+struct SavedTensor {
+  std::string_view op, grad_op;
+  std::size_t grad_input;  // the gradient op's input that is the forward's output
+  Shape (*shape)(const Shape& output);
+};
+constexpr SavedTensor saved_tensors[] = {{"attention", "attention_grad", 3, attention_stats_shape}};
+
+std::optional<RegisterIndex> PlanBuilder::saved_for(int id) {
+  const Node& n = g.node(id);
+  for (const SavedTensor& st : saved_tensors) {
+    if (n.op != st.grad_op || n.inputs.size() <= st.grad_input) continue;
+    const int fwd = n.inputs[st.grad_input];
+    const Node& f = g.node(fwd);
+    if (f.op != st.op) return std::nullopt;
+    if (auto it = saved_reg_of.find(fwd); it != saved_reg_of.end()) return it->second;
+    const RegisterIndex out = input_reg(id, fwd);
+    const ActorIndex producer = plan.registers[out].producer;
+    if (producer >= plan.actors.size() || plan.actors[producer].op != st.op ||
+        plan.actors[producer].outputs.size() != 1)
+      return std::nullopt;
+    // f32 statistics for f32 and the low precisions (cuDNN's and the fused kernels'), f64 for f64.
+    const RegisterIndex saved = add_register(f.name + ".saved", st.shape(f.shape),
+                                             f.dtype == DType::f64 ? DType::f64 : DType::f32,
+                                             plan.registers[out].slots);
+    plan.actors[producer].outputs.push_back(saved);
+    plan.registers[saved].producer = producer;
+    saved_reg_of[fwd] = saved;
+    return saved;
+  }
+  return std::nullopt;
 }
 
 void PlanBuilder::source_actor(const std::string& name, const std::string& op, DType dtype,

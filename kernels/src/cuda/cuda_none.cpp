@@ -19,6 +19,10 @@ const Availability& availability() {
   return a;
 }
 bool built_with_cuda() { return false; }
+const CudnnAttention& cudnn_attention() {
+  static const CudnnAttention a{false, "", "built without CUDA"};
+  return a;
+}
 
 Stream::Stream(Device device, std::string owner) : device_(device), owner_(std::move(owner)) {}
 Stream::~Stream() = default;

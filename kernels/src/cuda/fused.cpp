@@ -4,8 +4,11 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -13,11 +16,23 @@
 #include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
 #include "common.h"
+#include "cudnn_sdpa.h"
 #include "fused.h"
 #include "kernel_util.h"
 #include "launch_fused.h"
 
 namespace baton::cuda {
+
+const CudnnAttention& cudnn_attention() {
+  static const CudnnAttention a = [] {
+    CudnnAttention r;
+    r.reason = cudnn::unavailable_reason();
+    r.ok = r.reason.empty();
+    r.version = cudnn::version();
+    return r;
+  }();
+  return a;
+}
 
 namespace {
 
@@ -95,10 +110,69 @@ void check_attention_limits(const AttentionDims& a, const Tensor& q, const char*
   }
 }
 
+// The forward's saved stats (its second output, [..., T] f32), null where the plan gives none.
+float* stats_out(KernelContext& ctx, const Tensor& q, const char* op) {
+  if (ctx.outputs.size() < 2 || ctx.outputs[1] == nullptr) return nullptr;
+  Tensor& s = *ctx.outputs[1];
+  if (s.shape() != baton::detail::attention_stats_shape(q.shape())) {
+    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
+                                            to_string(baton::detail::attention_stats_shape(q.shape())), q.describe()));
+  }
+  return out_as<float>(s, op, "stats");
+}
+
+// The backward's sixth input, the forward's stats; null where it has none.
+const float* stats_in(const KernelContext& ctx, const Tensor& q, const char* op) {
+  if (ctx.inputs.size() < 6 || ctx.inputs[5] == nullptr) return nullptr;
+  const Tensor& s = *ctx.inputs[5];
+  if (s.shape() != baton::detail::attention_stats_shape(q.shape())) {
+    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
+                                            to_string(baton::detail::attention_stats_shape(q.shape())), q.describe()));
+  }
+  return in_as<float>(s, op, "stats");
+}
+
+// cuDNN's problem for q [..., T, D]: the first axis as its batch, the rest of the leading axes as
+// heads (one contiguous [b, h, T, D] either way).
+cudnn::SdpaShape sdpa_shape(const Tensor& q, const AttentionDims& a, const AttentionAttrs& attrs) {
+  const std::int64_t b = q.shape().size() >= 3 ? q.shape()[0] : 1;
+  return {.b = b, .h = a.heads / b, .s = a.t, .d = a.d, .scale = attrs.scale_for(a.d), .causal = attrs.causal,
+          .elem = cudnn::Elem::bf16};
+}
+
+// Whether an attention kernel of element type E with `attrs` runs cuDNN for this problem: kernel
+// fused never; cudnn always (or a clear error: cuDNN missing, float32, a head size its engines do
+// not take); auto where cuDNN loaded, the tensors are bf16 and D a multiple of 8 up to 128 (what
+// cuDNN 9's flash attention engines take on every GPU since Ampere).
+template <class E>
+bool wants_cudnn(const AttentionAttrs& attrs, const AttentionDims& a, const char* op, std::string_view actor) {
+  if (attrs.kernel == AttentionAttrs::Kernel::fused) return false;
+  const CudnnAttention& c = cudnn_attention();
+  const bool fits = std::is_same_v<E, launch::Bf16> && a.d % 8 == 0 && a.d <= 128;
+  if (attrs.kernel == AttentionAttrs::Kernel::automatic) return c.ok && fits;
+  if (!c.ok) throw std::runtime_error(fmt::format("{} (actor '{}'): kernel cudnn, but cuDNN cannot be used: {}", op, actor, c.reason));
+  if (!fits) {
+    throw std::invalid_argument(fmt::format("{} (actor '{}'): cuDNN's fused attention takes bf16 with a head size that is a "
+                                            "multiple of 8 up to 128, not {} with D = {} (use --precision bf16, or "
+                                            "--attention fused)",
+                                            op, actor, std::is_same_v<E, launch::Bf16> ? "bf16" : "f32", a.d));
+  }
+  return true;
+}
+
+// Under kernel auto, a shape cuDNN's engines refuse falls back to baton's kernel, said once per
+// actor; under kernel cudnn the error stands.
+[[nodiscard]] bool fall_back(const AttentionAttrs& attrs, const std::exception& e, std::string_view actor) {
+  if (attrs.kernel != AttentionAttrs::Kernel::automatic) return false;
+  fmt::print(stderr, "{}: cuDNN's fused attention refused this shape ({}); baton's fused kernel runs instead\n", actor,
+             e.what());
+  return true;
+}
+
 template <class E>
 class AttentionKernel final : public Kernel {
  public:
-  explicit AttentionKernel(AttentionAttrs attrs) : attrs_(attrs) {}
+  AttentionKernel(AttentionAttrs attrs, std::string actor) : attrs_(attrs), actor_(std::move(actor)) {}
   void compute(KernelContext& ctx) override {
     const char* op = "attention";
     const Tensor& q = need_input(ctx, 0, op, "q");
@@ -107,20 +181,49 @@ class AttentionKernel final : public Kernel {
     Tensor& o = need_output(ctx, 0, op, "o");
     const AttentionDims a = baton::detail::attention_dims(q, k, v, op);
     check_same_shape(q, o, op);
-    check_attention_limits(a, q, op);
+    float* stats = stats_out(ctx, q, op);
+    if (!refused_ && wants_cudnn<E>(attrs_, a, op, actor_)) {
+      try {
+        run_cudnn(q, k, v, o, stats, a, ctx, stream_of(ctx, op));
+        return;
+      } catch (const std::runtime_error& e) {
+        if (!fall_back(attrs_, e, actor_)) throw;
+        refused_ = true;
+        sdpa_.reset();
+      }
+    }
+    check_attention_limits(a, q, op);  // on the host, before the stream (a test runs it without one)
+    cudaStream_t s = stream_of(ctx, op);
     launched(launch::attention(in_as<E>(q, op, "q"), in_as<E>(k, op, "k"), in_as<E>(v, op, "v"), out_as<E>(o, op, "o"),
-                               nullptr, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, stream_of(ctx, op)),
+                               stats, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
              op, ctx);
   }
 
  private:
+  void run_cudnn(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, float* stats, const AttentionDims& a,
+                 const KernelContext& ctx, cudaStream_t s) {
+    const cudnn::SdpaShape shape = sdpa_shape(q, a, attrs_);
+    if (!sdpa_ || !(sdpa_->shape() == shape)) {
+      sdpa_.reset();  // one graph per shape: the plan's shapes are fixed, so it is built once
+      sdpa_ = std::make_unique<cudnn::SdpaForward>(shape, actor_);
+    }
+    // Without a saved-stats output (a forward-only plan) cuDNN still writes them: to scratch.
+    if (stats == nullptr) stats = static_cast<float*>(stats_scratch_.get(sizeof(float) * static_cast<std::size_t>(a.heads * a.t), ctx));
+    const std::size_t ws = sdpa_->workspace_bytes();
+    sdpa_->run(q.raw(), k.raw(), v.raw(), o.raw(), stats, ws == 0 ? nullptr : workspace_.get(ws, ctx), s);
+  }
+
   AttentionAttrs attrs_;
+  std::string actor_;
+  bool refused_ = false;  // cuDNN refused the shape under kernel auto: baton's kernel from now on
+  std::unique_ptr<cudnn::SdpaForward> sdpa_;
+  util::Scratch workspace_, stats_scratch_;
 };
 
 template <class E>
 class AttentionGradKernel final : public Kernel {
  public:
-  explicit AttentionGradKernel(AttentionAttrs attrs) : attrs_(attrs) {}
+  AttentionGradKernel(AttentionAttrs attrs, std::string actor) : attrs_(attrs), actor_(std::move(actor)) {}
   void compute(KernelContext& ctx) override {
     const char* op = "attention_grad";
     const Tensor& q = need_input(ctx, 0, op, "q");
@@ -136,8 +239,29 @@ class AttentionGradKernel final : public Kernel {
       throw std::invalid_argument(fmt::format("{}: dqkv {} must be {} (dq, dk and dv side by side)", op, grads.describe(),
                                               to_string(baton::detail::attention_grad_shape(q.shape()))));
     }
+    const float* stats = stats_in(ctx, q, op);
+    if (!refused_ && wants_cudnn<E>(attrs_, a, op, actor_)) {
+      // cuDNN's backward reads the forward's log-sum-exp; without it (a kernel run outside a
+      // training plan) baton's kernel recomputes it under auto.
+      if (stats == nullptr && attrs_.kernel == AttentionAttrs::Kernel::cudnn) {
+        throw std::invalid_argument(fmt::format("{} (actor '{}'): kernel cudnn needs the forward's stats as a sixth input "
+                                                "(a training plan gives them)", op, actor_));
+      }
+      if (stats != nullptr) {
+        try {
+          run_cudnn(q, k, v, o, dout, stats, grads, a, ctx, stream_of(ctx, op));
+          return;
+        } catch (const std::runtime_error& e) {
+          if (!fall_back(attrs_, e, actor_)) throw;
+          refused_ = true;
+          sdpa_.reset();
+        }
+      }
+    }
     check_attention_limits(a, q, op);
     cudaStream_t s = stream_of(ctx, op);
+    // baton's backward recomputes the rows' log-sum-exp in its dq pass (which walks the scores
+    // anyway) and ignores the saved stats.
     const std::size_t bytes = launch::attention_grad_scratch(a.heads, a.t);
     void* scratch = bytes == 0 ? nullptr : scratch_.get(bytes, ctx);
     launched(launch::attention_grad(in_as<E>(q, op, "q"), in_as<E>(k, op, "k"), in_as<E>(v, op, "v"),
@@ -147,8 +271,24 @@ class AttentionGradKernel final : public Kernel {
   }
 
  private:
+  void run_cudnn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
+                 const float* stats, Tensor& grads, const AttentionDims& a, const KernelContext& ctx, cudaStream_t s) {
+    const cudnn::SdpaShape shape = sdpa_shape(q, a, attrs_);
+    if (!sdpa_ || !(sdpa_->shape() == shape)) {
+      sdpa_.reset();
+      sdpa_ = std::make_unique<cudnn::SdpaBackward>(shape, actor_);
+    }
+    const std::size_t ws = sdpa_->workspace_bytes();
+    sdpa_->run(q.raw(), k.raw(), v.raw(), o.raw(), dout.raw(), stats, grads.raw(),
+               ws == 0 ? nullptr : workspace_.get(ws, ctx), s);
+  }
+
   AttentionAttrs attrs_;
+  std::string actor_;
+  bool refused_ = false;
+  std::unique_ptr<cudnn::SdpaBackward> sdpa_;
   util::Scratch scratch_;  // the rows' log-sum-exp and D, from the dq kernel to the dk/dv kernel
+  util::Scratch workspace_;
 };
 
 template <class E>
@@ -158,10 +298,11 @@ void add_for(KernelRegistry& reg) {
   reg.add_fn("bias_gelu", cuda, dt, bias_gelu<E>);
   reg.add_fn("bias_gelu_grad", cuda, dt, bias_gelu_grad<E>);
   reg.add("attention", cuda, dt, [](const KernelConfig& cfg) {
-    return std::make_unique<AttentionKernel<E>>(AttentionAttrs::read(cfg.attrs, cfg.actor, "attention"));
+    return std::make_unique<AttentionKernel<E>>(AttentionAttrs::read(cfg.attrs, cfg.actor, "attention"), std::string(cfg.actor));
   });
   reg.add("attention_grad", cuda, dt, [](const KernelConfig& cfg) {
-    return std::make_unique<AttentionGradKernel<E>>(AttentionAttrs::read(cfg.attrs, cfg.actor, "attention_grad"));
+    return std::make_unique<AttentionGradKernel<E>>(AttentionAttrs::read(cfg.attrs, cfg.actor, "attention_grad"),
+                                                    std::string(cfg.actor));
   });
 }
 

@@ -106,6 +106,10 @@ struct AttentionOptions {
   bool causal = true;
   /// The scores' factor; unset: 1 / sqrt(D).
   std::optional<double> scale;
+  /// Which kernel a CUDA device runs (the op's attr kernel; ops.h of baton/kernels): "auto"
+  /// (cuDNN's fused attention where cuDNN 9 loads and takes the shape, else baton's), "cudnn"
+  /// (or fail, naming why) or "fused" (baton's). The CPU has one kernel ("cudnn" is refused there).
+  std::string kernel = "auto";
 };
 /// Fused scaled dot-product attention over q, k, v [..., T, D] (the leading axes: batch and
 /// heads): softmax(scale q k^T, masked if causal) v -> [..., T, D], as

@@ -146,6 +146,17 @@ void convert(Tensor& dst, const Tensor& src, Stream& stream);
 /// in a variable actor on a CUDA device). The product rounds once, as the CPU's does.
 void scale(float* x, std::int64_t n, float factor, Stream& stream);
 
+/// Whether cuDNN's fused attention (what the attention op's CUDA kernels run under attr kernel
+/// auto or cudnn) can be used in this process: cuDNN 9 loaded at run time (libcudnn.so.9 as the
+/// dynamic loader finds it, BATON_CUDNN_PATH, or PyTorch's wheel), its version, and if not, why.
+struct CudnnAttention {
+  bool ok = false;
+  std::string version;  // "9.19.0"
+  std::string reason;   // why not, when !ok
+};
+/// Asked once per process (cached); thread-safe. In a build without CUDA: "built without CUDA".
+const CudnnAttention& cudnn_attention();
+
 /// Registers the CUDA kernels (kernels/src/cuda/ops.cpp lists them) for DeviceType::cuda; does
 /// nothing in a build without CUDA. KernelRegistry::with_builtin_kernels() calls it.
 void add_cuda_kernels(KernelRegistry& reg);

@@ -74,8 +74,15 @@
 ///                                      without the T x T scores (online softmax, per block).
 ///                                      attrs causal (0/1, default 1), scale (double, default
 ///                                      1/sqrt(D)).
-///   attention_grad(q, k, v, o, do) -> dqkv [..., T, 3 D]     dq, dk, dv side by side along the
-///                                      last axis (one output per op); the same attrs.
+///                                      attr kernel (CUDA devices): auto (default: cuDNN's
+///                                      fused attention where it loads, else baton's), cudnn,
+///                                      fused (baton's).
+///                                      Where the actor has a second output (a training plan
+///                                      gives one), the rows' log-sum-exp of the scaled scores
+///                                      stats [..., T] (f32; f64 for f64) goes there.
+///   attention_grad(q, k, v, o, do[, stats]) -> dqkv [..., T, 3 D]   dq, dk, dv side by side
+///                                      along the last axis; the same attrs. With the forward's
+///                                      stats the softmax is not recomputed.
 ///
 /// The math of current LLMs (ops_llm.cpp; no CUDA kernels yet)
 ///   exp | log | sqrt | rsqrt | silu(x) -> y     silu(x) = x sigmoid(x); log, sqrt, rsqrt of a
@@ -94,6 +101,9 @@
 #include "baton/kernels/kernel.h"
 
 namespace baton {
+
+/// The shape of attention's stats for q [..., T, D]: [..., T].
+inline Shape attention_stats_shape(const Shape& q) { return q.empty() ? q : Shape(q.begin(), q.end() - 1); }
 
 /// Registers the tensor ops above for cpu/f32 and cpu/f64.
 void add_cpu_tensor_ops(KernelRegistry& reg);
