@@ -34,7 +34,10 @@ find_lib() {
 }
 cublas=$(find_lib 'libcublas.so.13')
 nccl=$(find_lib 'libnccl.so.2')
-export LD_LIBRARY_PATH="$PWD/$B/lib${cublas:+:$(dirname "$cublas")}${nccl:+:$(dirname "$nccl")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cuDNN too (loaded at run time for --attention auto|cudnn; its sub-libraries beside it).
+cudnn=$(find_lib 'libcudnn.so.9')
+[ -n "$cudnn" ] && export BATON_CUDNN_PATH="$cudnn"
+export LD_LIBRARY_PATH="$PWD/$B/lib${cublas:+:$(dirname "$cublas")}${nccl:+:$(dirname "$nccl")}${cudnn:+:$(dirname "$cudnn")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The UCX modules, if the bundle carries them.
 [ -d "$B/lib/ucx" ] && export UCX_MODULE_DIR="$PWD/$B/lib/ucx"
 
@@ -57,7 +60,7 @@ header() {
     echo "== $(date -u +%FT%TZ) $what"
     nvidia-smi -L
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-    echo "cublas: ${cublas:-none}  nccl: ${nccl:-none}"
+    echo "cublas: ${cublas:-none}  nccl: ${nccl:-none}  cudnn: ${cudnn:-none}"
     python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1
   } | tee -a "$summary"
 }
@@ -84,19 +87,22 @@ bench() {
 }
 
 # A lent session's share: every test that needs the GPU (not the CPU ones), the trainings, and
-# the bf16 benchmark against PyTorch's sdpa at BENCH_BATCH (32: the batch of the README's figure).
+# the bf16 benchmark against PyTorch's sdpa at BENCH_BATCH (32: the batch of the README's figure),
+# baton's attention by --attention auto (cuDNN's where it loads: PyTorch's own libcudnn). The
+# limits add up to 480 s, so that the whole fits 8 minutes of a lent machine's time with its
+# start (every check's log says how long it took; none took half its limit on the H200).
 session() {
-  check gpu-tests 300 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
-  check train-f32 60 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
-  check train-bf16 60 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
+  check gpu-tests 180 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
+  check train-f32 40 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
+  check train-bf16 40 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
     --precision bf16
-  check train-llama-bf16 60 "$B/baton-train" --model llama --data text:README.md --devices cuda:1 --steps 100 \
+  check train-llama-bf16 35 "$B/baton-train" --model llama --data text:README.md --devices cuda:1 --steps 100 \
     --batch 8 --precision bf16
-  check train-gpt-bf16 60 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
-    --batch 8 --precision bf16 --attention fused
+  check train-gpt-bf16 35 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
+    --batch 8 --precision bf16 --attention auto
   # shellcheck disable=SC2086
-  check bench-bf16-sdpa 240 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
-    --batch "${BENCH_BATCH:-32}" ${BENCH_ARGS:-}
+  check bench-bf16-sdpa 150 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
+    --attention auto --batch "${BENCH_BATCH:-32}" ${BENCH_ARGS:-}
 }
 
 # PyTorch alone at several batches (bf16 autocast, fused attention: as a user would run it), to
