@@ -142,7 +142,7 @@ struct Options {
       "                      0.85) of the free memory; --max-batch bounds every batch (default 64 "
       "on CUDA,\n"
       "                      8 on the CPU)\n"
-      "  --warmup W --steps S  untimed then timed steps (CUDA 3 and 10, CPU 3 and 20; --quick: 1 "
+      "  --warmup W --steps S  untimed then timed steps (CUDA 3 and 30, CPU 3 and 20; --quick: 1 "
       "and 3)\n"
       "  --threads N         baton worker threads (and PyTorch CPU threads), default 1\n"
       "  --activation-slots K  slots per activation register (default 1: one device)\n"
@@ -883,7 +883,7 @@ Setup make_setup(Device device, const Options& given, const Reference* ref, bool
                              .layers = pick(s.o.sizes.layers, def.layers),
                              .attention = models::parse_attention(s.o.attention, s.cuda)};
   s.warmup = s.o.warmup > 0 ? s.o.warmup : (s.o.quick ? 1 : 3);
-  s.steps = s.o.steps > 0 ? s.o.steps : (s.o.quick ? 3 : (s.cuda ? 10 : 20));
+  s.steps = s.o.steps > 0 ? s.o.steps : (s.o.quick ? 3 : (s.cuda ? 30 : 20));
   s.dev = describe(device);
   s.corpus = random_corpus(s.shape.vocab, s.shape.seq, std::max<std::int64_t>(s.o.sizes.batch, s.o.max_batch));
   {
