@@ -34,6 +34,12 @@ EXTRA_COLUMNS = {
         ("TPOT p99 vs PyTorch", "tpot_p99_vs_torch", True),
         ("Continuous vs static", "vs_static_tokens_per_s", True),
     ],
+    # baton-bench-gpu: MFU, and PyTorch under torch.compile (the higher anchor) where it ran.
+    "gpu": [
+        ("MFU", "mfu", False),
+        ("PyTorch MFU", "reference_mfu", False),
+        ("vs torch.compile", "compile_ratio", True),
+    ],
 }
 
 

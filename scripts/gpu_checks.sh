@@ -88,21 +88,21 @@ bench() {
 
 # A lent session's share: every test that needs the GPU (not the CPU ones), the trainings, and
 # the bf16 benchmark against PyTorch's sdpa at BENCH_BATCH (32: the batch of the README's figure),
-# baton's attention by --attention auto (cuDNN's where it loads: PyTorch's own libcudnn). The
-# limits add up to 480 s, so that the whole fits 8 minutes of a lent machine's time with its
-# start (every check's log says how long it took; none took half its limit on the H200).
+# baton's attention by --attention auto (cuDNN's where it loads: PyTorch's own libcudnn), PyTorch
+# eager and under torch.compile. The limits add up to 480 s, so that the whole fits 8 minutes of
+# a lent machine's time with its start (every check's log says how long it took).
 session() {
-  check gpu-tests 180 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
-  check train-f32 40 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
-  check train-bf16 40 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
+  check gpu-tests 160 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
+  check train-f32 30 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
+  check train-bf16 30 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
     --precision bf16
-  check train-llama-bf16 35 "$B/baton-train" --model llama --data text:README.md --devices cuda:1 --steps 100 \
+  check train-llama-bf16 30 "$B/baton-train" --model llama --data text:README.md --devices cuda:1 --steps 100 \
     --batch 8 --precision bf16
-  check train-gpt-bf16 35 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
+  check train-gpt-bf16 30 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
     --batch 8 --precision bf16 --attention auto
   # shellcheck disable=SC2086
-  check bench-bf16-sdpa 150 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
-    --attention auto --batch "${BENCH_BATCH:-32}" ${BENCH_ARGS:-}
+  check bench-bf16-sdpa 200 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
+    --attention auto --torch-compile on --batch "${BENCH_BATCH:-32}" ${BENCH_ARGS:-}
 }
 
 # PyTorch alone at several batches (bf16 autocast, fused attention: as a user would run it), to

@@ -104,6 +104,9 @@ struct Options {
   std::string precision;
   double peak_tflops = 0;  // 0: from the table
   std::string torch_attention;  // naive, sdpa, auto; "" until resolved
+  /// The higher anchor: PyTorch's reference again under torch.compile, at its batch (auto: on
+  /// CUDA where this PyTorch has torch.compile; on; off).
+  std::string torch_compile = "auto";
   /// best: each side at its own best batch (a search); same: both at one batch (--batch, or
   /// the largest baton's plan fits). "" until resolved: same where --batch is given, else best.
   std::string batch_mode;
@@ -172,6 +175,10 @@ struct Options {
       "                      this PyTorch has it, else naive). Default: auto with --batch-mode best, "
       "naive\n"
       "                      with same\n"
+      "  --torch-compile M   auto (default: on CUDA where PyTorch has torch.compile), on or off: "
+      "PyTorch's\n"
+      "                      reference again under torch.compile at its batch (the higher anchor; "
+      "compile_* fields)\n"
       "  --no-reference      skip PyTorch;  --require-reference  exit 77 if PyTorch is missing\n"
       "  --timeout S         give up on a side after S seconds (default 600)\n"
       "  --allow-load        print the ratio even on a machine loaded above its cores (marked "
@@ -250,6 +257,8 @@ Options parse(int argc, char** argv) {
       o.peak_tflops = real(i, a);
     else if (a == "--torch-attention")
       o.torch_attention = value(i, a);
+    else if (a == "--torch-compile")
+      o.torch_compile = value(i, a);
     else if (a == "--batch-mode")
       o.batch_mode = value(i, a);
     else if (a == "--attention")
@@ -294,6 +303,10 @@ Options parse(int argc, char** argv) {
                "{}: --batch {} fixes the batch, --batch-mode best searches for it: give one of them "
                "(--batch-mode same --batch N compares both sides at N)\n",
                prog, o.sizes.batch);
+    usage(2);
+  }
+  if (o.torch_compile != "auto" && o.torch_compile != "on" && o.torch_compile != "off") {
+    fmt::print(stderr, "{}: --torch-compile must be auto, on or off, not '{}'\n", prog, o.torch_compile);
     usage(2);
   }
   if (o.attention != "auto" && o.attention != "naive" && o.attention != "fused" && o.attention != "cudnn") {
@@ -383,16 +396,24 @@ class Reference {
     for (const auto& py : pythons) {
       auto [status, out] = bench::run_capture(
           fmt::format("timeout 60 {} -c 'import torch, torch.nn.functional as F; "
-                      "print(torch.__version__, hasattr(F, \"scaled_dot_product_attention\"))' 2>&1",
+                      "print(torch.__version__, hasattr(F, \"scaled_dot_product_attention\"), "
+                      "hasattr(torch, \"compile\"))' 2>&1",
                       bench::shell_quote(py)));
       out = bench::trim(out);
       const auto nl = out.rfind('\n');
       std::string last = nl == std::string::npos ? out : out.substr(nl + 1);
       if (status == 0) {
         python_ = py;
-        const auto space = last.find(' ');
-        version_ = last.substr(0, space);
-        has_sdpa_ = space != std::string::npos && last.substr(space + 1) == "True";
+        // "2.11.0+cu130 True True": the version, then whether sdpa and torch.compile exist.
+        std::vector<std::string> words;
+        for (std::size_t at = 0; at <= last.size();) {
+          const std::size_t sp = std::min(last.find(' ', at), last.size());
+          words.push_back(last.substr(at, sp - at));
+          at = sp + 1;
+        }
+        version_ = words[0];
+        has_sdpa_ = words.size() > 1 && words[1] == "True";
+        has_compile_ = words.size() > 2 && words[2] == "True";
         break;
       }
       tried.push_back(
@@ -417,6 +438,10 @@ class Reference {
   /// Whether this PyTorch has F.scaled_dot_product_attention (2.0 and later).
   bool has_sdpa() const {
     return has_sdpa_;
+  }
+  /// Whether this PyTorch has torch.compile (2.0 and later).
+  bool has_compile() const {
+    return has_compile_;
   }
 
   /// One run of the script: its exit status, its result line ("" if none) and its output.
@@ -458,6 +483,7 @@ class Reference {
  private:
   std::string python_, script_, version_, missing_;
   bool has_sdpa_ = false;
+  bool has_compile_ = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -766,12 +792,14 @@ struct TorchAt {
   double tokens_per_s = 0;
 };
 
-TorchAt torch_at(const Setup& s, const Reference& ref, std::int64_t batch, bool oom_is_an_answer) {
+TorchAt torch_at(const Setup& s, const Reference& ref, std::int64_t batch, bool oom_is_an_answer,
+                 bool compiled = false) {
   const auto outcome = ref.try_run(
       fmt::format("--device {} {} --batch {} --warmup {} --steps {} --threads {} --precision {} --attention {} "
-                  "--lr {} --seed {}",
+                  "--lr {} --seed {}{}",
                   s.cuda ? fmt::format("cuda:{}", s.device.index) : std::string("cpu"), s.sizes_args, batch,
-                  s.warmup, s.steps, s.o.threads, s.o.precision, s.o.torch_attention, lr, seed),
+                  s.warmup, s.steps, s.o.threads, s.o.precision, s.o.torch_attention, lr, seed,
+                  compiled ? " --compile" : ""),
       s.o.timeout_s);
   TorchAt t;
   t.batch = batch;
@@ -987,6 +1015,22 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
       }
     }
 
+    // torch.compile of the same model at the eager reference's batch: the higher anchor.
+    std::optional<TorchAt> tc;
+    std::string compile_missing;
+    const bool compile_wanted = o.torch_compile == "on" || (o.torch_compile == "auto" && cuda);
+    if (t && compile_wanted) {
+      if (!ref->has_compile()) {
+        compile_missing = fmt::format("PyTorch {} has no torch.compile (2.0 and later)", ref->version());
+      } else {
+        try {
+          tc = torch_at(s, *ref, torch_batch, true, true);
+        } catch (const std::exception& e) {
+          compile_missing = bench::trim(e.what()).substr(0, 600);
+        }
+      }
+    }
+
     auto mfu = [&](double r) { return r * s.flops_per_token / (*peak * 1e12); };
     if (b) line.add("value", b->tokens_per_s);
     line.add("unit", "tokens/s").better(bench::Better::higher);
@@ -1037,6 +1081,17 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
                  fmt::format("PyTorch {} has no scaled_dot_product_attention (2.0 and later)", ref->version()));
       }
     }
+    if (tc) {
+      line.add("compile_reference", tc->tokens_per_s).add("compile_batch", tc->batch);
+      if (b) line.add("compile_ratio", b->tokens_per_s / tc->tokens_per_s);
+      if (peak) line.add("compile_mfu", mfu(tc->tokens_per_s));
+      line.add("compile_step_ms", bench::json_number(tc->line, "step_ms").value_or(NAN));
+      if (const auto m = bench::json_number(tc->line, "max_memory_bytes"); m && *m > 0) {
+        line.add("compile_max_memory_bytes", *m);
+      }
+    } else if (!compile_missing.empty()) {
+      line.add("compile_missing", compile_missing);
+    }
     line.add("attention", o.attention);
     if (s.cuda && o.attention != "naive" && o.attention != "fused") {
       const cuda::CudnnAttention& c = cuda::cudnn_attention();
@@ -1055,6 +1110,14 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
                         peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(t->tokens_per_s)) : std::string())
           : std::string("not run"),
         b && t ? fmt::format(" | ratio {}", bench::ratio_note(b->tokens_per_s / t->tokens_per_s)) : std::string());
+    if (tc) {
+      fmt::print(stderr, "{}: {}: PyTorch under torch.compile {:.0f} tokens/s at batch {}{}\n", prog, case_name,
+                 tc->tokens_per_s, tc->batch,
+                 b ? fmt::format(" | baton / compiled {}", bench::ratio_note(b->tokens_per_s / tc->tokens_per_s))
+                   : std::string());
+    } else if (!compile_missing.empty()) {
+      fmt::print(stderr, "{}: {}: no torch.compile figure: {}\n", prog, case_name, compile_missing);
+    }
     if (b && !b->r.kernel_s_by_op.empty()) {  // a child's run printed its own
       const double all_steps = static_cast<double>(s.warmup + b->steps);
       auto top = [&](const std::map<std::string, double>& by_op, std::size_t n) {

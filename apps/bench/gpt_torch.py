@@ -2,7 +2,8 @@
 """PyTorch reference for baton-bench-gpu: one training step loop of the GPT that baton builds
 (apps/train/models.cpp, models::gpt_with_loss), in eager mode, on one device. Prints one JSON
 line: {"params", "tokens_per_s", "step_ms", "loss", "steps", "warmup", "batch", "device",
-"device_name", "precision", "attention", "torch", "max_memory_bytes"}.
+"device_name", "precision", "attention", "compiled", "torch", "max_memory_bytes"}. --compile runs
+the model under torch.compile (the higher anchor of baton-bench-gpu's compile_* fields).
 
     python3 apps/bench/gpt_torch.py --device cuda --d-model 1024 --heads 16 --layers 8 \\
         --seq 1024 --vocab 32768 --batch 8 --warmup 3 --steps 10
@@ -58,6 +59,8 @@ def parse():
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
     p.add_argument("--precision", choices=["f32", "tf32", "bf16"], default="f32")
     p.add_argument("--attention", choices=["naive", "sdpa", "auto"], default="naive")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (PyTorch 2.0 and later; Adam stays eager); the warmup steps compile")
     p.add_argument("--count-only", action="store_true", help="print the parameter count and exit")
     return p.parse_args()
 
@@ -147,6 +150,10 @@ def main():
     model = Gpt(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.attention).to(dev)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.compile:
+        if not hasattr(torch, "compile"):
+            raise SystemExit(f"gpt_torch.py: --compile needs PyTorch 2.0 or later (this is {torch.__version__})")
+        model = torch.compile(model)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
 
     def sync():
@@ -195,6 +202,7 @@ def main():
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "precision": args.precision,
         "attention": args.attention,
+        "compiled": args.compile,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "max_memory_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0,
