@@ -902,79 +902,6 @@ TEST_CASE("CudaKernels.Packed.GiveTheOneElementKernelsBits" * doctest::timeout(6
   }
 }
 
-// The fused attention on the GPU against the CPU kernel on the same inputs (bf16: the CPU's
-// float32 kernel on the exact float32 values of the bf16 inputs, rounded once at the end).
-//  - f32: float32 FMAs, sums over D and over T in another order than the CPU's double sums, and
-//    exp2f (2 ulp) of scores pre-scaled by log2 e rounded to float: relative errors near 1e-6;
-//    1e-4 relative to the largest element still catches any misplaced tile (errors of order 1).
-//  - bf16: the probabilities P and dS are rounded to bf16 (2^-9 relative) before their products
-//    on the tensor cores, as FlashAttention does, and the outputs are rounded to bf16 (2^-9):
-//    forward 2e-2; the gradients sum T such products and D = rowsum(dO * O) cancels against dP,
-//    so 4e-2.
-TEST_CASE("CudaKernels.Attention.MatchCpu" * doctest::timeout(300)) {
-  if (!cuda_usable()) return;
-  Gpu gpu;
-  struct Case {
-    Shape shape;
-    bool causal;
-  };
-  // T: one row, less than a tile, tiles and a ragged end; D: every compiled head size (16, 32,
-  // 64, 128, 16-byte rows read 16 bytes at a time) and padded ones (8, 40: element by element).
-  const std::vector<Case> cases{{{1, 1, 1, 16}, true},   {{2, 3, 17, 8}, true},    {{2, 2, 64, 64}, true},
-                                {{1, 2, 100, 64}, false}, {{2, 1, 257, 40}, true},  {{1, 3, 130, 32}, true},
-                                {{1, 1, 200, 128}, true}, {{1, 2, 96, 128}, false}, {{3, 77, 16}, true}};
-  for (DType dt : {f32, bf16}) {
-    const double fwd_tol = dt == f32 ? 1e-4 : 2e-2, bwd_tol = dt == f32 ? 1e-4 : 4e-2;
-    for (const Case& c : cases) {
-      CAPTURE(name(dt));
-      CAPTURE(to_string(c.shape));
-      CAPTURE(c.causal);
-      const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.back()));
-      const Attrs attrs = attention_attrs(c.causal, scale);
-      const Tensor q = random_tensor(dt, c.shape), k = random_tensor(dt, c.shape), v = random_tensor(dt, c.shape);
-      const Tensor dout = random_tensor(dt, c.shape);
-      check_against_cpu(gpu, "attention", dt, attrs, {q, k, v}, {c.shape}, fwd_tol);
-      // The gradient from the same o (the CPU's) on both sides.
-      const Tensor o = run1("attention", dt, attrs, {q, k, v}, c.shape);
-      const auto want = run_cpu("attention_grad", dt, attrs, {q, k, v, o, dout}, {packed(c.shape)})[0];
-      const auto got = gpu.run1("attention_grad", dt, attrs, {q, k, v, o, dout}, packed(c.shape));
-      for (int part = 0; part < 3; ++part) {
-        CAPTURE(part);  // dq, dk, dv
-        CHECK_CLOSE(unpack(got, part), unpack(want, part), bwd_tol);
-      }
-    }
-  }
-}
-
-// A head size past the kernels' 128 is refused on the host, naming the tensor.
-TEST_CASE("CudaKernels.Attention.RefusesHeadsPast128") {
-  if (!test::cuda_built()) return;
-  const Tensor q = random_tensor(f32, {1, 4, 130});
-  Tensor o = Tensor::zeros({1, 4, 130}, f32);
-  auto kernel = registry().create("attention", KernelConfig{"big", Device::parse("cuda:0"), f32, attention_attrs(true, 0.1)});
-  const Tensor* in[] = {&q, &q, &q};
-  Tensor* out[] = {&o};
-  KernelContext ctx{in, out, 0};
-  CHECK_THROWS_WITH_AS(kernel->compute(ctx), doctest::Contains("the CUDA kernels take D <= 128"), std::invalid_argument);
-}
-
-// cuDNN is looked for at run time on every machine, GPU or not (dlopen, its functions by dlsym,
-// its version call): found, it is cuDNN 9 with a version; not found, the reason says why. The
-// build machines carry the toolkit's cuDNN 9.19, so there this finds it when the loader's path
-// has it.
-TEST_CASE("Cudnn.IsFoundAtRunTimeOrSaysWhyNot") {
-  if (!test::cuda_built()) return;
-  const cuda::CudnnAttention& c = cuda::cudnn_attention();
-  MESSAGE("cuDNN: " << (c.ok ? c.version : "unavailable: " + c.reason));
-  if (c.ok) {
-    CHECK(c.version.starts_with("9."));
-    CHECK(c.reason.empty());
-  } else {
-    CHECK(!c.reason.empty());
-  }
-  CHECK(&cuda::cudnn_attention() == &c);  // asked once
-}
-
 // Whether cuDNN's fused attention can run here; if not, skips ("<reason>; cuDNN tests skipped").
 bool cudnn_usable() {
   if (!cuda_usable()) return false;
@@ -1007,6 +934,88 @@ std::vector<Tensor> run_attention_gpu(Gpu& gpu, bool backward, DType dt, const A
   std::vector<Tensor> back;
   for (const Tensor& t : out) back.push_back(gpu.to_host(t));
   return back;
+}
+
+// The fused attention on the GPU against the CPU kernel on the same inputs (bf16: the CPU's
+// float32 kernel on the exact float32 values of the bf16 inputs, rounded once at the end).
+//  - f32: float32 FMAs, sums over D and over T in another order than the CPU's double sums, and
+//    exp2f (2 ulp) of scores pre-scaled by log2 e rounded to float: relative errors near 1e-6;
+//    1e-4 relative to the largest element still catches any misplaced tile (errors of order 1).
+//  - bf16: the probabilities P and dS are rounded to bf16 (2^-9 relative) before their products
+//    on the tensor cores, as FlashAttention does, and the outputs are rounded to bf16 (2^-9):
+//    forward 2e-2; the gradients sum T such products and D = rowsum(dO * O) cancels against dP,
+//    so 4e-2.
+TEST_CASE("CudaKernels.Attention.MatchCpu" * doctest::timeout(300)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  struct Case {
+    Shape shape;
+    bool causal;
+  };
+  // T: one row, less than a tile, tiles and a ragged end; D: every compiled head size (16, 32,
+  // 64, 128, 16-byte rows read 16 bytes at a time) and padded ones (8, 40: element by element).
+  const std::vector<Case> cases{{{1, 1, 1, 16}, true},   {{2, 3, 17, 8}, true},    {{2, 2, 64, 64}, true},
+                                {{1, 2, 100, 64}, false}, {{2, 1, 257, 40}, true},  {{1, 3, 130, 32}, true},
+                                {{1, 1, 200, 128}, true}, {{1, 2, 96, 128}, false}, {{3, 77, 16}, true}};
+  for (DType dt : {f32, bf16}) {
+    const double fwd_tol = dt == f32 ? 1e-4 : 2e-2, bwd_tol = dt == f32 ? 1e-4 : 4e-2;
+    for (const Case& c : cases) {
+      CAPTURE(name(dt));
+      CAPTURE(to_string(c.shape));
+      CAPTURE(c.causal);
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.shape.back()));
+      Attrs attrs = attention_attrs(c.causal, scale);
+      attrs.set("kernel", std::string("fused"));  // baton's kernels (auto could pick cuDNN's)
+      const Tensor q = random_tensor(dt, c.shape), k = random_tensor(dt, c.shape), v = random_tensor(dt, c.shape);
+      const Tensor dout = random_tensor(dt, c.shape);
+      check_against_cpu(gpu, "attention", dt, attrs, {q, k, v}, {c.shape}, fwd_tol);
+      // The gradient from the same o (the CPU's) on both sides.
+      const Tensor o = run1("attention", dt, attrs, {q, k, v}, c.shape);
+      const auto want = run_cpu("attention_grad", dt, attrs, {q, k, v, o, dout}, {packed(c.shape)})[0];
+      const auto got = gpu.run1("attention_grad", dt, attrs, {q, k, v, o, dout}, packed(c.shape));
+      for (int part = 0; part < 3; ++part) {
+        CAPTURE(part);  // dq, dk, dv
+        CHECK_CLOSE(unpack(got, part), unpack(want, part), bwd_tol);
+      }
+      // Again with the forward's stats (as a training plan saves them), which the dq kernel reads
+      // instead of recomputing: the exact row log-sum-exp rounded to float, so the same tolerance.
+      const Tensor stats = to_dtype(row_log_sum_exp(q, k, c.causal, scale), f32);
+      const auto saved = run_attention_gpu(gpu, true, dt, attrs, {q, k, v, o, dout, stats}, c.shape);
+      for (int part = 0; part < 3; ++part) {
+        CAPTURE(part);
+        CHECK_CLOSE(unpack(saved[0], part), unpack(want, part), bwd_tol);
+      }
+    }
+  }
+}
+
+// A head size past the kernels' 128 is refused on the host, naming the tensor.
+TEST_CASE("CudaKernels.Attention.RefusesHeadsPast128") {
+  if (!test::cuda_built()) return;
+  const Tensor q = random_tensor(f32, {1, 4, 130});
+  Tensor o = Tensor::zeros({1, 4, 130}, f32);
+  auto kernel = registry().create("attention", KernelConfig{"big", Device::parse("cuda:0"), f32, attention_attrs(true, 0.1)});
+  const Tensor* in[] = {&q, &q, &q};
+  Tensor* out[] = {&o};
+  KernelContext ctx{in, out, 0};
+  CHECK_THROWS_WITH_AS(kernel->compute(ctx), doctest::Contains("the CUDA kernels take D <= 128"), std::invalid_argument);
+}
+
+// cuDNN is looked for at run time on every machine, GPU or not (dlopen, its functions by dlsym,
+// its version call): found, it is cuDNN 9 with a version; not found, the reason says why. The
+// build machines carry the toolkit's cuDNN 9.19, so there this finds it when the loader's path
+// has it.
+TEST_CASE("Cudnn.IsFoundAtRunTimeOrSaysWhyNot") {
+  if (!test::cuda_built()) return;
+  const cuda::CudnnAttention& c = cuda::cudnn_attention();
+  MESSAGE("cuDNN: " << (c.ok ? c.version : "unavailable: " + c.reason));
+  if (c.ok) {
+    CHECK(c.version.starts_with("9."));
+    CHECK(c.reason.empty());
+  } else {
+    CHECK(!c.reason.empty());
+  }
+  CHECK(&cuda::cudnn_attention() == &c);  // asked once
 }
 
 // cuDNN's fused attention (attr kernel cudnn) against the CPU's float64 kernels on the same bf16

@@ -271,8 +271,8 @@ template <class T, int D>
 __global__ void __launch_bounds__(Tile<T, D>::threads)
     attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ o, const T* __restrict__ dout, T* __restrict__ dqkv,
-                        float* __restrict__ lse2_out, float* __restrict__ delta_out, int t, int d, float scale2,
-                        float scale, bool causal, bool vec) {
+                        const float* __restrict__ lse_in, float* __restrict__ lse2_out, float* __restrict__ delta_out,
+                        int t, int d, float scale2, float scale, bool causal, bool vec) {
   using C = Tile<T, D>;
   extern __shared__ __align__(128) unsigned char smem[];
   Carve carve{smem};
@@ -311,10 +311,12 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
   }
   delta += __shfl_xor_sync(0xffffffffu, delta, 1);
 
-  // Pass 1: the rows' log-sum-exp (base 2, of the scores times scale log2e), online.
+  // Pass 1: the rows' log-sum-exp (base 2, of the scores times scale log2e), online; or the
+  // forward's (natural log: times log2e), where the plan saved it. lse_in is the same for every
+  // thread of the grid, so the block's barriers below are taken by all or none.
   const int key_end = causal ? min(t, i0 + C::rows) : t;
   float m = -INFINITY, l = 0.f;
-  for (int j0 = 0; j0 < key_end; j0 += C::cols) {
+  for (int j0 = 0; lse_in == nullptr && j0 < key_end; j0 += C::cols) {
     __syncthreads();
     load_rows<T, D, C::cols, C::threads>(sk, C::ld, k + base, j0, t, d, vec);
     __syncthreads();
@@ -339,7 +341,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
     l = l * exp2f(m - shift) + row_sum;
     m = m_new;
   }
-  const float lse2 = m + log2f(l);
+  const float lse2 = lse_in == nullptr ? m + log2f(l) : (qi < t ? lse_in[head * t + qi] * static_cast<float>(log2e) : 0.f);
   if (qi < t && h == 0) {
     lse2_out[head * t + qi] = lse2;
     delta_out[head * t + qi] = delta;
@@ -512,8 +514,9 @@ cudaError_t forward_t(const T* q, const T* k, const T* v, T* o, float* lse, long
 }
 
 template <class T>
-cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* dout, T* dqkv, void* scratch,
-                       long long heads, long long t, long long d, double scale, bool causal, cudaStream_t s) {
+cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* dout, T* dqkv, const float* lse,
+                       void* scratch, long long heads, long long t, long long d, double scale, bool causal,
+                       cudaStream_t s) {
   if (heads == 0 || t == 0) return cudaSuccess;
   if (d < 1 || t > 0x7fffffffLL || heads > 0x7fffffffLL) return cudaErrorInvalidValue;
   const bool vec_ok = aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
@@ -529,7 +532,7 @@ cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* 
     const bool vec = vec_ok && d == D;
     auto dq = attention_dq_kernel<T, D>;
     if (cudaError_t e = allow_shared(dq, C::dq_bytes()); e != cudaSuccess) return e;
-    dq<<<grid, C::threads, C::dq_bytes(), s>>>(q, k, v, o, dout, dqkv, lse2, delta, static_cast<int>(t),
+    dq<<<grid, C::threads, C::dq_bytes(), s>>>(q, k, v, o, dout, dqkv, lse, lse2, delta, static_cast<int>(t),
                                                static_cast<int>(d), scale2, static_cast<float>(scale), causal, vec);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     auto dkdv = attention_dkdv_kernel<T, D>;
@@ -555,14 +558,14 @@ cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, floa
 }
 
 cudaError_t attention_grad(const float* q, const float* k, const float* v, const float* o, const float* dout,
-                           float* dqkv, void* scratch, long long heads, long long t, long long d, double scale,
-                           bool causal, cudaStream_t s) {
-  return backward_t(q, k, v, o, dout, dqkv, scratch, heads, t, d, scale, causal, s);
+                           float* dqkv, const float* lse, void* scratch, long long heads, long long t, long long d,
+                           double scale, bool causal, cudaStream_t s) {
+  return backward_t(q, k, v, o, dout, dqkv, lse, scratch, heads, t, d, scale, causal, s);
 }
 cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, Bf16* dqkv,
-                           void* scratch, long long heads, long long t, long long d, double scale, bool causal,
-                           cudaStream_t s) {
-  return backward_t(dev(q), dev(k), dev(v), dev(o), dev(dout), dev(dqkv), scratch, heads, t, d, scale, causal, s);
+                           const float* lse, void* scratch, long long heads, long long t, long long d, double scale,
+                           bool causal, cudaStream_t s) {
+  return backward_t(dev(q), dev(k), dev(v), dev(o), dev(dout), dev(dqkv), lse, scratch, heads, t, d, scale, causal, s);
 }
 
 }  // namespace baton::cuda::launch

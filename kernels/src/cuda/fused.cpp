@@ -260,13 +260,12 @@ class AttentionGradKernel final : public Kernel {
     }
     check_attention_limits(a, q, op);
     cudaStream_t s = stream_of(ctx, op);
-    // baton's backward recomputes the rows' log-sum-exp in its dq pass (which walks the scores
-    // anyway) and ignores the saved stats.
+    // baton's backward reads the saved stats where there are some, else recomputes them.
     const std::size_t bytes = launch::attention_grad_scratch(a.heads, a.t);
     void* scratch = bytes == 0 ? nullptr : scratch_.get(bytes, ctx);
     launched(launch::attention_grad(in_as<E>(q, op, "q"), in_as<E>(k, op, "k"), in_as<E>(v, op, "v"),
                                     in_as<E>(o, op, "o"), in_as<E>(dout, op, "do"), out_as<E>(grads, op, "dqkv"),
-                                    scratch, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
+                                    stats, scratch, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
              op, ctx);
   }
 

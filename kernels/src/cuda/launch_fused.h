@@ -32,15 +32,16 @@ cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, floa
                       long long d, double scale, bool causal, cudaStream_t s);
 
 /// The gradients of attention into dqkv [heads, t, 3 d] (dq, dk, dv side by side per row),
-/// FlashAttention-2's backward without atomics: one kernel per block of query rows recomputes
-/// their log-sum-exp and D = rowsum(do * o) and accumulates dq; a second, per block of keys,
-/// accumulates dk and dv. `scratch`: device memory of attention_grad_scratch(heads, t) bytes.
+/// FlashAttention-2's backward without atomics: one kernel per block of query rows takes their
+/// log-sum-exp (`lse`, the forward's [heads, t], natural log; null: recomputed, one more Q K^T
+/// pass) and D = rowsum(do * o) and accumulates dq; a second, per block of keys, accumulates dk
+/// and dv. `scratch`: device memory of attention_grad_scratch(heads, t) bytes.
 cudaError_t attention_grad(const float* q, const float* k, const float* v, const float* o, const float* dout,
-                           float* dqkv, void* scratch, long long heads, long long t, long long d, double scale,
-                           bool causal, cudaStream_t s);
+                           float* dqkv, const float* lse, void* scratch, long long heads, long long t, long long d,
+                           double scale, bool causal, cudaStream_t s);
 cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, Bf16* dqkv,
-                           void* scratch, long long heads, long long t, long long d, double scale, bool causal,
-                           cudaStream_t s);
+                           const float* lse, void* scratch, long long heads, long long t, long long d, double scale,
+                           bool causal, cudaStream_t s);
 inline size_t attention_grad_scratch(long long heads, long long t) {
   return static_cast<size_t>(2 * heads * t) * sizeof(float);
 }
