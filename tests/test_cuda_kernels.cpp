@@ -902,6 +902,32 @@ TEST_CASE("CudaKernels.Packed.GiveTheOneElementKernelsBits" * doctest::timeout(6
   }
 }
 
+// The graphs of cuDNN's attention, built and finalized by cuDNN without a device: every tensor
+// and operation descriptor, and the operation graphs (cuDNN 9.8 and later), for the shapes the
+// GPU tests and the benchmark use, on Hopper (90) and Ampere (80). What is left for a GPU: the
+// engines' heuristics and plans, and the numbers (CudaKernels.Attention.Cudnn*).
+TEST_CASE("Cudnn.AttentionGraphsFinalizeWithoutADevice") {
+  if (!test::cuda_built()) return;
+  if (const cuda::CudnnAttention& c = cuda::cudnn_attention(); !c.ok) {
+    test::skip(test::Missing::cudnn, c.reason + "; cuDNN tests skipped");
+    return;
+  }
+  struct Case {
+    std::int64_t b, h, s, d;
+    bool causal;
+  };
+  for (const Case& c : {Case{1, 1, 2, 64, true}, Case{2, 3, 17, 64, true}, Case{1, 2, 100, 64, false},
+                        Case{2, 1, 257, 128, true}, Case{2, 2, 64, 32, true}, Case{32, 16, 1024, 64, true}}) {
+    for (int sm : {90, 80}) {
+      CAPTURE(sm);
+      INFO("b " << c.b << " h " << c.h << " s " << c.s << " d " << c.d << (c.causal ? " causal" : " full"));
+      CHECK(cuda::cudnn_attention_check(c.b, c.h, c.s, c.d, c.causal, sm) == "");
+    }
+  }
+  // A shape cuDNN's attention does not take is refused with the reason.
+  CHECK(!cuda::cudnn_attention_check(1, 1, 16, 12, true).empty());
+}
+
 // Whether cuDNN's fused attention can run here; if not, skips ("<reason>; cuDNN tests skipped").
 bool cudnn_usable() {
   if (!cuda_usable()) return false;

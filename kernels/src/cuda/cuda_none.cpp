@@ -23,6 +23,9 @@ const CudnnAttention& cudnn_attention() {
   static const CudnnAttention a{false, "", "built without CUDA"};
   return a;
 }
+std::string cudnn_attention_check(std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int) {
+  return "built without CUDA";
+}
 
 Stream::Stream(Device device, std::string owner) : device_(device), owner_(std::move(owner)) {}
 Stream::~Stream() = default;

@@ -70,9 +70,12 @@ std::string dl_error() {
 // PyTorch's wheel keeps its cuDNN at site-packages/nvidia/cudnn/lib, outside the loader's path.
 std::vector<std::filesystem::path> wheel_candidates() {
   namespace fs = std::filesystem;
-  std::vector<fs::path> roots = {"/usr/local/lib", "/usr/lib"};
+  std::vector<fs::path> roots = {"/usr/local/lib", "/usr/lib", "/opt/conda/lib"};
   if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
     roots.push_back(fs::path(home) / ".local" / "lib");
+  }
+  for (const char* env : {"VIRTUAL_ENV", "CONDA_PREFIX"}) {
+    if (const char* prefix = std::getenv(env); prefix != nullptr && *prefix != '\0') roots.push_back(fs::path(prefix) / "lib");
   }
   std::vector<fs::path> out;
   for (const fs::path& root : roots) {
@@ -98,22 +101,26 @@ void* try_open(const std::filesystem::path& path, std::string& why) {
   return nullptr;
 }
 
-// The loader's libcudnn.so.9, else BATON_CUDNN_PATH's, else a PyTorch wheel's; null with `why`
-// listing what failed.
+// BATON_CUDNN_PATH's libcudnn.so.9 (an override: it comes first), else the loader's, else a
+// PyTorch wheel's; null with `why` listing what failed.
 void* open_library(std::string& why) {
-  if (void* lib = dlopen(library_name, RTLD_NOW | RTLD_LOCAL)) return lib;
-  why = fmt::format("{} not found: {}", library_name, dl_error());
   if (const char* env = std::getenv("BATON_CUDNN_PATH"); env != nullptr && *env != '\0') {
     std::filesystem::path path(env);
     std::error_code ec;
     if (std::filesystem::is_directory(path, ec)) path /= library_name;
     if (void* lib = try_open(path, why)) return lib;
   }
+  if (void* lib = dlopen(library_name, RTLD_NOW | RTLD_LOCAL)) return lib;
+  why += fmt::format("; {} not found by the loader: {}", library_name, dl_error());
   const std::vector<std::filesystem::path> wheels = wheel_candidates();
   for (const std::filesystem::path& path : wheels) {
     if (void* lib = try_open(path, why)) return lib;
   }
-  if (wheels.empty()) why += "; no PyTorch wheel's nvidia/cudnn/lib under /usr/local/lib, /usr/lib or ~/.local/lib";
+  if (wheels.empty()) {
+    why += "; no PyTorch wheel's nvidia/cudnn/lib under /usr/local/lib, /usr/lib, ~/.local/lib, $VIRTUAL_ENV or "
+           "$CONDA_PREFIX (BATON_CUDNN_PATH names one)";
+  }
+  why.erase(0, why.starts_with("; ") ? 2 : 0);
   return nullptr;
 }
 
@@ -463,7 +470,8 @@ Descriptor Graph::operation_graph(cudnnHandle_t handle) const {
   for (const Descriptor& op : operations_) ops.push_back(op.get());
   BATON_CUDNN_SET(g, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
                   static_cast<std::int64_t>(ops.size()), ops.data(), who_);
-  BATON_CUDNN_SET(g, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, who_);
+  // Null only in check_graphs, without a device (cuDNN 9.8 and later take a graph without one).
+  if (handle != nullptr) BATON_CUDNN_SET(g, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, who_);
   finalize(g, who_);
   return g;
 }
@@ -547,7 +555,9 @@ Descriptor engine_config(const Descriptor& graph, std::int64_t engine_id, std::s
 std::pair<Descriptor, cudnnStatus_t> make_plan(const Descriptor& config, cudnnHandle_t handle, std::string_view who) {
   Descriptor plan = BATON_CUDNN_MAKE(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, who);
   const cudnnBackendDescriptor_t c = config.get();
-  // cuDNN before 9.8 needs the handle (the frontend stopped setting it with 9.8's device-less plans).
+  // cuDNN before 9.8 documents the handle as required. The frontend's ExecutionPlanBuilder_v8::build
+  // (cudnn_frontend_ExecutionPlan.h) stopped setting it in v1.13 for every backend; it is harmless
+  // after 9.8, so it is always set here.
   BATON_CUDNN_SET(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, who);
   BATON_CUDNN_SET(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &c, who);
   const cudnnStatus_t s = api().finalize(plan.get());
@@ -1047,6 +1057,28 @@ std::vector<std::int32_t> seq_len_image(const SdpaShape& x, const Scratch& sc) {
 const std::string& unavailable_reason() { return api().unavailable; }
 
 std::string version() { return api().unavailable.empty() ? version_text(api().version) : std::string(); }
+
+std::string check_graphs(const SdpaShape& shape, int sm) {
+  if (!api().unavailable.empty()) return "cannot use cuDNN: " + api().unavailable;
+  // Every descriptor finalizes as it is made; what needs a device (heuristics, plans) is not made.
+  try {
+    const std::string who = fmt::format("check of cuDNN {} attention (b={} h={} s={} d={} {})",
+                                        version_text(api().version), shape.b, shape.h, shape.s, shape.d,
+                                        shape.causal ? "causal" : "full");
+    if (const std::string why = shape_limits(shape, Pass::forward, api().version, sm); !why.empty()) return why;
+    if (const std::string why = shape_limits(shape, Pass::backward, api().version, sm); !why.empty()) return why;
+    Graph forward(who + " forward"), backward(who + " backward");
+    build_forward(forward, shape, negative_infinity(api().version));
+    build_backward(backward, shape, backward_options(shape, api().version, sm));
+    if (api().version >= 90800) {
+      forward.operation_graph(nullptr);
+      backward.operation_graph(nullptr);
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
 
 struct SdpaForward::Impl {
   SdpaShape shape;

@@ -29,6 +29,13 @@ const std::string& unavailable_reason();
 std::string version();
 
 enum class Elem : std::uint8_t { bf16, f16 };
+struct SdpaShape;
+
+/// Builds the forward and backward graphs of `shape` as far as a machine without a GPU can: every
+/// tensor and operation descriptor, and from cuDNN 9.8 the operation graphs (which then need no
+/// handle), each finalized by cuDNN; the engines are not asked (they need the device), `sm`
+/// stands in for its compute capability (90: Hopper). "" when all finalize, else cuDNN's message.
+std::string check_graphs(const SdpaShape& shape, int sm);
 
 /// One attention problem (see the layouts above). `scale` multiplies q k^T before the softmax;
 /// `causal` hides key j > query i.

@@ -34,6 +34,13 @@ const CudnnAttention& cudnn_attention() {
   return a;
 }
 
+std::string cudnn_attention_check(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, bool causal, int sm) {
+  return cudnn::check_graphs(
+      {.b = b, .h = h, .s = s, .d = d, .scale = 1.0 / std::sqrt(static_cast<double>(d)), .causal = causal,
+       .elem = cudnn::Elem::bf16},
+      sm);
+}
+
 namespace {
 
 using baton::detail::AttentionAttrs;
