@@ -680,16 +680,17 @@ struct Gpu {
     std::memset(h.raw(), 0xff, h.nbytes());
     return to_device(h);
   }
-  // Runs `op` for `dt` on cuda:0 on copies of `inputs`; returns the outputs on the host.
+  // Runs `op` for `dt` on cuda:0 on copies of `inputs`; returns the outputs on the host. The
+  // outputs are of `dt` unless `out_dtypes` names each one's.
   std::vector<Tensor> run(const std::string& op, DType dt, const Attrs& attrs, const std::vector<Tensor>& inputs,
-                          const std::vector<Shape>& outputs) {
+                          const std::vector<Shape>& outputs, const std::vector<DType>& out_dtypes = {}) {
     auto kernel = registry().create(op, KernelConfig{"cuda." + op, Device::parse("cuda:0"), dt, attrs});
     std::vector<Tensor> dev_in;
     for (const Tensor& t : inputs) dev_in.push_back(to_device(t));
     std::vector<const Tensor*> in;
     for (const Tensor& t : dev_in) in.push_back(&t);
     std::vector<Tensor> out;
-    for (const Shape& s : outputs) out.push_back(poisoned(s, dt));
+    for (std::size_t i = 0; i < outputs.size(); ++i) out.push_back(poisoned(outputs[i], out_dtypes.empty() ? dt : out_dtypes[i]));
     std::vector<Tensor*> out_p;
     for (Tensor& t : out) out_p.push_back(&t);
     KernelContext ctx{in, out_p, 0, stream.get()};
@@ -940,26 +941,8 @@ bool cudnn_usable() {
 // cuda:0 with attrs' kernel; the stats are f32 whatever the tensors' dtype.
 std::vector<Tensor> run_attention_gpu(Gpu& gpu, bool backward, DType dt, const Attrs& attrs,
                                       const std::vector<Tensor>& inputs, const Shape& q) {
-  const std::string op = backward ? "attention_grad" : "attention";
-  auto kernel = registry().create(op, KernelConfig{"cuda." + op, Device::parse("cuda:0"), dt, attrs});
-  std::vector<Tensor> dev_in;
-  for (const Tensor& t : inputs) dev_in.push_back(gpu.to_device(t));
-  std::vector<const Tensor*> in;
-  for (const Tensor& t : dev_in) in.push_back(&t);
-  std::vector<Tensor> out;
-  if (backward) {
-    out.push_back(gpu.poisoned(packed(q), dt));
-  } else {
-    out.push_back(gpu.poisoned(q, dt));
-    out.push_back(gpu.poisoned(attention_stats_shape(q), f32));
-  }
-  std::vector<Tensor*> out_p;
-  for (Tensor& t : out) out_p.push_back(&t);
-  KernelContext ctx{in, out_p, 0, gpu.stream.get()};
-  kernel->compute(ctx);
-  std::vector<Tensor> back;
-  for (const Tensor& t : out) back.push_back(gpu.to_host(t));
-  return back;
+  if (backward) return gpu.run("attention_grad", dt, attrs, inputs, {packed(q)});
+  return gpu.run("attention", dt, attrs, inputs, {q, attention_stats_shape(q)}, {dt, f32});
 }
 
 // The fused attention on the GPU against the CPU kernel on the same inputs (bf16: the CPU's

@@ -957,6 +957,53 @@ void print_plan(const Setup& s) {
   line.print();
 }
 
+/// PyTorch's reference again under torch.compile at the eager run's batch: the higher anchor
+/// (--torch-compile; auto: on CUDA), or why there is none.
+struct CompileAnchor {
+  std::optional<TorchAt> at;
+  std::string missing;
+
+  /// Its compile_* fields (baton's tokens/s for the ratio; `mfu_per_token_s`: MFU of one token/s, 0
+  /// without a peak).
+  void add_to(bench::JsonLine& line, std::optional<double> baton, double mfu_per_token_s) const {
+    if (!at) {
+      if (!missing.empty()) line.add("compile_missing", missing);
+      return;
+    }
+    line.add("compile_reference", at->tokens_per_s).add("compile_batch", at->batch);
+    if (baton) line.add("compile_ratio", *baton / at->tokens_per_s);
+    if (mfu_per_token_s > 0) line.add("compile_mfu", at->tokens_per_s * mfu_per_token_s);
+    line.add("compile_step_ms", bench::json_number(at->line, "step_ms").value_or(NAN));
+    if (const auto m = bench::json_number(at->line, "max_memory_bytes"); m && *m > 0) {
+      line.add("compile_max_memory_bytes", *m);
+    }
+  }
+  void report(std::string_view program, const std::string& case_name, std::optional<double> baton) const {
+    if (at) {
+      fmt::print(stderr, "{}: {}: PyTorch under torch.compile {:.0f} tokens/s at batch {}{}\n", program, case_name,
+                 at->tokens_per_s, at->batch,
+                 baton ? fmt::format(" | baton / compiled {}", bench::ratio_note(*baton / at->tokens_per_s)) : std::string());
+    } else if (!missing.empty()) {
+      fmt::print(stderr, "{}: {}: no torch.compile figure: {}\n", program, case_name, missing);
+    }
+  }
+};
+
+CompileAnchor compile_anchor(const Setup& s, const Reference& ref, std::int64_t batch) {
+  CompileAnchor c;
+  if (s.o.torch_compile == "off" || (s.o.torch_compile == "auto" && !s.cuda)) return c;
+  if (!ref.has_compile()) {
+    c.missing = fmt::format("PyTorch {} has no torch.compile (2.0 and later)", ref.version());
+    return c;
+  }
+  try {
+    c.at = torch_at(s, ref, batch, true, true);
+  } catch (const std::exception& e) {
+    c.missing = bench::trim(e.what()).substr(0, 600);
+  }
+  return c;
+}
+
 /// Runs the benchmark on `device`; returns false if it failed (a line with "error" was printed).
 bool bench_device(Device device, const Options& given, const Reference* ref) {
   const bool cuda = device.type == DeviceType::cuda;
@@ -1015,21 +1062,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
       }
     }
 
-    // torch.compile of the same model at the eager reference's batch: the higher anchor.
-    std::optional<TorchAt> tc;
-    std::string compile_missing;
-    const bool compile_wanted = o.torch_compile == "on" || (o.torch_compile == "auto" && cuda);
-    if (t && compile_wanted) {
-      if (!ref->has_compile()) {
-        compile_missing = fmt::format("PyTorch {} has no torch.compile (2.0 and later)", ref->version());
-      } else {
-        try {
-          tc = torch_at(s, *ref, torch_batch, true, true);
-        } catch (const std::exception& e) {
-          compile_missing = bench::trim(e.what()).substr(0, 600);
-        }
-      }
-    }
+    const CompileAnchor tc = t ? compile_anchor(s, *ref, torch_batch) : CompileAnchor{};
 
     auto mfu = [&](double r) { return r * s.flops_per_token / (*peak * 1e12); };
     if (b) line.add("value", b->tokens_per_s);
@@ -1081,17 +1114,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
                  fmt::format("PyTorch {} has no scaled_dot_product_attention (2.0 and later)", ref->version()));
       }
     }
-    if (tc) {
-      line.add("compile_reference", tc->tokens_per_s).add("compile_batch", tc->batch);
-      if (b) line.add("compile_ratio", b->tokens_per_s / tc->tokens_per_s);
-      if (peak) line.add("compile_mfu", mfu(tc->tokens_per_s));
-      line.add("compile_step_ms", bench::json_number(tc->line, "step_ms").value_or(NAN));
-      if (const auto m = bench::json_number(tc->line, "max_memory_bytes"); m && *m > 0) {
-        line.add("compile_max_memory_bytes", *m);
-      }
-    } else if (!compile_missing.empty()) {
-      line.add("compile_missing", compile_missing);
-    }
+    tc.add_to(line, b ? std::optional<double>(b->tokens_per_s) : std::nullopt, peak ? s.flops_per_token / (*peak * 1e12) : 0);
     line.add("attention", o.attention);
     if (s.cuda && o.attention != "naive" && o.attention != "fused") {
       const cuda::CudnnAttention& c = cuda::cudnn_attention();
@@ -1110,14 +1133,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
                         peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(t->tokens_per_s)) : std::string())
           : std::string("not run"),
         b && t ? fmt::format(" | ratio {}", bench::ratio_note(b->tokens_per_s / t->tokens_per_s)) : std::string());
-    if (tc) {
-      fmt::print(stderr, "{}: {}: PyTorch under torch.compile {:.0f} tokens/s at batch {}{}\n", prog, case_name,
-                 tc->tokens_per_s, tc->batch,
-                 b ? fmt::format(" | baton / compiled {}", bench::ratio_note(b->tokens_per_s / tc->tokens_per_s))
-                   : std::string());
-    } else if (!compile_missing.empty()) {
-      fmt::print(stderr, "{}: {}: no torch.compile figure: {}\n", prog, case_name, compile_missing);
-    }
+    tc.report(prog, case_name, b ? std::optional<double>(b->tokens_per_s) : std::nullopt);
     if (b && !b->r.kernel_s_by_op.empty()) {  // a child's run printed its own
       const double all_steps = static_cast<double>(s.warmup + b->steps);
       auto top = [&](const std::map<std::string, double>& by_op, std::size_t n) {

@@ -188,8 +188,14 @@ inline Shape attention_grad_shape(const Shape& q) {
   return s;
 }
 
-/// attention's saved stats (its second output, attention_grad's sixth input; ops.h).
-inline Shape attention_stats_shape(const Shape& q) { return baton::attention_stats_shape(q); }
+/// attention's saved stats (its second output, attention_grad's sixth input; ops.h): throws
+/// naming `op` unless `stats` has one element per row of q.
+inline void check_attention_stats(const Tensor& stats, const Tensor& q, const char* op) {
+  if (stats.shape() != attention_stats_shape(q.shape())) {
+    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, stats.describe(),
+                                            to_string(attention_stats_shape(q.shape())), q.describe()));
+  }
+}
 
 /// The attention's attributes: `causal` (0 or 1, default 1: key j is hidden from query i when
 /// j > i) and `scale` (the scores' factor; absent: 1 / sqrt(D), as torch's SDPA).

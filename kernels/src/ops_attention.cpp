@@ -55,10 +55,7 @@ template <class T>
 T* saved_stats(KernelContext& ctx, const Tensor& q, const char* op) {
   if (ctx.outputs.size() < 2 || ctx.outputs[1] == nullptr) return nullptr;
   Tensor& s = *ctx.outputs[1];
-  if (s.shape() != detail::attention_stats_shape(q.shape())) {
-    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
-                                            to_string(detail::attention_stats_shape(q.shape())), q.describe()));
-  }
+  detail::check_attention_stats(s, q, op);
   return typed_out<T>(s, op, "stats");
 }
 
@@ -67,10 +64,7 @@ template <class T>
 const T* saved_lse(const KernelContext& ctx, const Tensor& q, const char* op) {
   if (ctx.inputs.size() < 6 || ctx.inputs[5] == nullptr) return nullptr;
   const Tensor& s = *ctx.inputs[5];
-  if (s.shape() != detail::attention_stats_shape(q.shape())) {
-    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
-                                            to_string(detail::attention_stats_shape(q.shape())), q.describe()));
-  }
+  detail::check_attention_stats(s, q, op);
   return typed<T>(s, op, "stats");
 }
 

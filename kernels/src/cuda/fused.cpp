@@ -121,10 +121,7 @@ void check_attention_limits(const AttentionDims& a, const Tensor& q, const char*
 float* stats_out(KernelContext& ctx, const Tensor& q, const char* op) {
   if (ctx.outputs.size() < 2 || ctx.outputs[1] == nullptr) return nullptr;
   Tensor& s = *ctx.outputs[1];
-  if (s.shape() != baton::detail::attention_stats_shape(q.shape())) {
-    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
-                                            to_string(baton::detail::attention_stats_shape(q.shape())), q.describe()));
-  }
+  baton::detail::check_attention_stats(s, q, op);
   return out_as<float>(s, op, "stats");
 }
 
@@ -132,10 +129,7 @@ float* stats_out(KernelContext& ctx, const Tensor& q, const char* op) {
 const float* stats_in(const KernelContext& ctx, const Tensor& q, const char* op) {
   if (ctx.inputs.size() < 6 || ctx.inputs[5] == nullptr) return nullptr;
   const Tensor& s = *ctx.inputs[5];
-  if (s.shape() != baton::detail::attention_stats_shape(q.shape())) {
-    throw std::invalid_argument(fmt::format("{}: stats {} must be {} (one per row of q {})", op, s.describe(),
-                                            to_string(baton::detail::attention_stats_shape(q.shape())), q.describe()));
-  }
+  baton::detail::check_attention_stats(s, q, op);
   return in_as<float>(s, op, "stats");
 }
 
