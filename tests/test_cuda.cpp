@@ -512,6 +512,47 @@ TEST_CASE("Cuda.Optim.MatchCpu" * doctest::timeout(60)) {
   }
 }
 
+TEST_CASE("Cuda.Optim.TheStepWritesItsCopyOfTheWeights" * doctest::timeout(60)) {
+  // The variable actor's output in the optimizer's own pass (TrainConfig::fuse_weight_casts):
+  // the f32 copy is the master bit for bit, the bf16 one the cast kernel's rounding of it.
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  const std::int64_t n = 10'001;  // odd: no pack of the copy is whole
+  AdamConfig adam{.lr = 1e-2, .weight_decay = 0.1, .decoupled = true};
+  SgdConfig sgd{.lr = 0.1, .momentum = 0.9};
+  for (DType copy_dt : {f32, DType::bf16}) {
+    CAPTURE(name(copy_dt));
+    for (bool with_adam : {true, false}) {
+      Tensor dw = gpu.to_device(random_f32({n})), dm = gpu.to_device(Tensor::zeros({n}, f32));
+      Tensor dv = gpu.to_device(Tensor::zeros({n}, f32)), dg = gpu.to_device(random_f32({n}));
+      Tensor copy = gpu.to_device(Tensor::zeros({n}, copy_dt));
+      for (std::int64_t step = 1; step <= 2; ++step) {
+        if (with_adam) {
+          cuda::adam_step(dw.data<float>().data(), dg.data<float>().data(), dm.data<float>().data(),
+                          dv.data<float>().data(), n, adam, step, adam.lr, *gpu.stream, &copy);
+        } else {
+          cuda::sgd_step(dw.data<float>().data(), dg.data<float>().data(), dm.data<float>().data(), n, sgd, step, sgd.lr,
+                         *gpu.stream, &copy);
+        }
+      }
+      const Tensor w = gpu.to_host(dw), c = gpu.to_host(copy);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float wi = w.data<float>()[static_cast<std::size_t>(i)];
+        if (copy_dt == f32) {
+          REQUIRE(c.data<float>()[static_cast<std::size_t>(i)] == wi);
+        } else {
+          REQUIRE(c.data<bfloat16>()[static_cast<std::size_t>(i)].bits == to_bf16(wi).bits);
+        }
+      }
+    }
+  }
+  Tensor dw = gpu.to_device(random_f32({n})), dg = gpu.to_device(random_f32({n}));
+  Tensor short_copy = gpu.to_device(Tensor::zeros({n - 1}, DType::bf16));
+  CHECK_THROWS_WITH_AS(cuda::sgd_step(dw.data<float>().data(), dg.data<float>().data(), nullptr, n, SgdConfig{.lr = 0.1},
+                                      1, 0.1, *gpu.stream, &short_copy),
+                       doctest::Contains("f32 or bf16 of the same size"), std::invalid_argument);
+}
+
 namespace {
 
 // source (cpu) -> scale x2 (cuda) -> relu (cuda) -> collect (cpu): two copy actors in between.

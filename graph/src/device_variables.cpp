@@ -35,8 +35,15 @@ class CudaVariable final : public Kernel {
   void compute(KernelContext& ctx) override {
     cuda::Stream& s = stream_of(ctx, actor_);
     if (!ready_) upload(s);
-    if (!ctx.inputs.empty() && ctx.inputs[0] != nullptr) update(ctx, s);
-    cuda::copy(*ctx.outputs[0], master_, s);
+    // The output is the master's copy its readers take: f32, or bf16 when the plan fused the
+    // readers' casts into this actor (TrainConfig::fuse_weight_casts). A step writes it in its
+    // own pass; the initial value is converted.
+    Tensor& out = *ctx.outputs[0];
+    if (!ctx.inputs.empty() && ctx.inputs[0] != nullptr) {
+      update(ctx, s, out);
+    } else {
+      cuda::convert(out, master_, s);
+    }
   }
 
  private:
@@ -60,7 +67,7 @@ class CudaVariable final : public Kernel {
     ready_ = true;
   }
 
-  void update(KernelContext& ctx, cuda::Stream& s) {
+  void update(KernelContext& ctx, cuda::Stream& s, Tensor& out) {
     const std::int64_t step = ctx.piece;  // 1-based: act k applies the k-th update
     const Tensor& g_in = *ctx.inputs[0];
     const float* g = g_in.data<float>().data();
@@ -84,10 +91,10 @@ class CudaVariable final : public Kernel {
     const std::int64_t n = master_.numel();
     if (cfg_.kind == OptimizerConfig::Kind::sgd) {
       SgdConfig c{cfg_.lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov};
-      cuda::sgd_step(w, g, m_.defined() ? m_.data<float>().data() : nullptr, n, c, step, lr, s);
+      cuda::sgd_step(w, g, m_.defined() ? m_.data<float>().data() : nullptr, n, c, step, lr, s, &out);
     } else {
       AdamConfig c{cfg_.lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, cfg_.kind == OptimizerConfig::Kind::adamw};
-      cuda::adam_step(w, g, m_.data<float>().data(), v_.data<float>().data(), n, c, step, lr, s);
+      cuda::adam_step(w, g, m_.data<float>().data(), v_.data<float>().data(), n, c, step, lr, s, &out);
     }
     if (step == total_steps_) {
       // The trained value goes back to the ParameterStore (the CPU variable trains it in place).

@@ -21,7 +21,8 @@ struct SnapshotHook {
 
 /// A trained float32 weight on a CUDA device: as lower_variables.cpp's VariableKernel (act 0 emits the
 /// initial value, act k applies step k's summed gradient, scaled by the clipping factor if
-/// there is one, and emits the new value), with the master copy and the optimizer slots in
+/// there is one, and emits the new value: f32, or bf16 where its output register is bf16, written
+/// by the optimizer's kernel in the same pass), with the master copy and the optimizer slots in
 /// device memory and the step on the actor's stream (baton::cuda::sgd_step / adam_step, the
 /// CPU's arithmetic element for element). `host` is the ParameterStore's tensor: read once at
 /// the first act, written back after the job's last step, so evaluate() and checkpoints on the

@@ -9,6 +9,7 @@
 // Under PipeDream-2BW (schedule "2bw", weight_delay) the gradient's delay is 2: step s's weights
 // are step s-1's with step s-2's gradient applied, and the weight's register holds two versions.
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -105,13 +106,39 @@ std::set<int> lower_data(PlanBuilder& b, std::int64_t r, const Stages& st, const
   return fed;
 }
 
+/// The f32 variables that every needed reader casts to bf16 on the variable's own place
+/// (autocast's weights), by id: candidates for TrainConfig::fuse_weight_casts.
+std::set<int> cast_only_weights(const PlanBuilder& b, const Differentiated& d) {
+  std::map<int, bool> only_casts;  // variable id -> every reader so far is such a cast
+  for (int id = 0; id < b.g.size(); ++id) {
+    if (!d.need[static_cast<std::size_t>(id)]) continue;
+    const Node& n = b.g.node(id);
+    for (int in : n.inputs) {
+      const Node& v = b.g.node(in);
+      if (v.op != "variable" || v.dtype != DType::f32) continue;
+      const bool cast = n.op == "cast" && n.dtype == DType::bf16 && b.place(id) == b.place(in);
+      auto [it, fresh] = only_casts.try_emplace(in, cast);
+      it->second = it->second && cast;
+    }
+  }
+  std::set<int> out;
+  for (const auto& [id, ok] : only_casts) {
+    if (ok) out.insert(id);
+  }
+  return out;
+}
+
 /// Replica `r`'s actors for the needed nodes, in topological order: variables, fills and ops.
 void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const Stages& st,
                  const TrainConfig& cfg, const std::set<int>& fed, const GradientInputs& grad_in,
                  const GradientWindows& grad_windows, const GradientInputs& zero_steps,
                  Zero3Layout* zero3, const std::optional<RegisterIndex>& clip,
-                 ParameterStore& params, std::vector<FinalWeight>& finals) {
+                 ParameterStore& params, const Placement& reporter, std::vector<FinalWeight>& finals) {
   const int loss_id = d.loss.id();
+  // Weights whose variable actors emit bf16 (TrainConfig::fuse_weight_casts): their readers'
+  // casts are the variable's register itself (they are lowered after it: ids are topological).
+  const std::set<int> cast_only = cfg.fuse_weight_casts ? cast_only_weights(b, d) : std::set<int>{};
+  std::set<int> emit_low;
   const auto stream_of = [&](int id) {
     return id <= loss_id ? forward_stream : backward_stream(cfg);
   };
@@ -153,9 +180,15 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
       const GradientAt grad = window != windows.end() ? window->second
                               : trained              ? GradientAt{{it->second}, 0}
                                                      : GradientAt{};
+      // Replica 0's trained weight off the reporting rank sends its last piece there as the
+      // final f32 weight (gather_final_weights): that register stays f32.
+      const bool low = cast_only.contains(id) && !(r == 0 && trained && where.rank != reporter.rank);
+      if (low) emit_low.insert(id);
       const RegisterIndex w = lower_variable(b, r, id, trained ? &grad : nullptr, clip ? &*clip : nullptr, st,
-                                             cfg, params);
+                                             cfg, params, true, low ? std::optional(DType::bf16) : std::nullopt);
       if (r == 0 && trained) finals.push_back({n.name, w, where, n.dtype, n.shape});
+    } else if (n.op == "cast" && emit_low.contains(n.inputs[0])) {
+      b.reg_of[id] = b.reg_of.at(n.inputs[0]);  // the variable's repeat is already bf16
     } else if (n.op == "fill" && n.inputs.empty()) {
       RegisterIndex reg = b.node_register(id, 2);
       b.source_actor(n.name, "fill", n.dtype, {reg},
@@ -325,15 +358,15 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
   // Replica 0's trained weights: where each one's steps come out (see gather_final_weights).
   std::vector<FinalWeight> finals;
   std::vector<RegisterIndex> loss_regs;
+  const Placement reporter = sync->reporter(replicas, d);
   for (std::int64_t r = 0; r < cfg.dp; ++r) {
     PlanBuilder& b = replicas[static_cast<std::size_t>(r)];
     const std::set<int> fed = lower_data(b, r, st, cfg);
     lower_nodes(b, r, d, st, cfg, fed, regs.grad_in, regs.grad_windows, regs.steps,
-                regs.zero3 ? &*regs.zero3 : nullptr, clip[static_cast<std::size_t>(r)], *params, finals);
+                regs.zero3 ? &*regs.zero3 : nullptr, clip[static_cast<std::size_t>(r)], *params, reporter, finals);
     lower_accumulation(b, r, d, cfg, grad_sum, regs.grad_in, regs.grad_windows, clip[static_cast<std::size_t>(r)]);
     loss_regs.push_back(b.reg_of.at(d.loss.id()));
   }
-  const Placement reporter = sync->reporter(replicas, d);
   std::optional<std::vector<SnapshotPart>> sync_snapshots;
   by_sync([&] {
     sync_snapshots = sync->after_nodes(replicas, reps, d, grad_sum, regs, clip, *params, reporter, finals);

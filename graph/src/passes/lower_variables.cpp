@@ -116,8 +116,12 @@ const std::map<std::string, Tensor>* optimizer_slots_of(const TrainConfig& cfg, 
 
 RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const GradientAt* grad,
                              const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
-                             ParameterStore& params, bool with_repeat) {
+                             ParameterStore& params, bool with_repeat, std::optional<DType> emit) {
   const Node& n = b.g.node(id);
+  const DType out_dt = emit.value_or(n.dtype);
+  if (out_dt != n.dtype && (n.dtype != DType::f32 || out_dt != DType::bf16)) {
+    throw std::logic_error(fmt::format("variable '{}': a {} weight emitted as {}", n.name, name(n.dtype), name(out_dt)));
+  }
   const std::uint8_t stream = backward_stream(cfg);
   // The weight, once per step, then read by the step's M micro-batches through a repeat. A
   // trained weight on a CPU device is its optimizer's master itself (kernel_memory: the
@@ -126,7 +130,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
   // Under 2BW (weight_delay 2) a trained weight's register holds two versions: the next step's
   // weights are written while the step before's backward passes still read theirs.
   const std::int32_t delay = weight_delay(cfg);
-  RegisterIndex w = b.add_register(n.name + ".step", n.shape, n.dtype, grad != nullptr ? delay : 1);
+  RegisterIndex w = b.add_register(n.name + ".step", n.shape, out_dt, grad != nullptr ? delay : 1);
   std::string op = b.named("variable." + n.name);
   const DType dt = n.dtype;
   const bool on_cuda = b.at(stream, b.place(id)).device.type == DeviceType::cuda;
@@ -149,7 +153,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
   if (grad != nullptr) {
     // Two versions are two slots, so not the master's one (the kernel copies each version out).
     b.plan.registers[w].kernel_memory =
-        delay == 1 && !on_cuda && b.at(stream, b.place(id)).device.type == DeviceType::cpu;
+        delay == 1 && !on_cuda && out_dt == dt && b.at(stream, b.place(id)).device.type == DeviceType::cpu;
     SnapshotHook snap{n.name, r == 0 ? cfg.snapshot_every : 0, r == 0 ? cfg.on_snapshot : nullptr};
     add_variable_kernel(b.kernels, op, on_cuda, master, dt, cfg, optimizer_slots_of(cfg, n),
                         std::move(snap), GradientWindow{grad->parts.size(), grad->offset});
@@ -166,6 +170,13 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
                       .stops_when_unread = false,
                       .role = ActorRole::update});
   } else {
+    if (out_dt != dt) {  // a constant's low-precision copy is made once, here
+      Tensor low = Tensor::empty(master.shape(), out_dt);
+      auto from = master.data<float>();
+      auto to = low.data<bfloat16>();
+      for (std::size_t i = 0; i < from.size(); ++i) to[i] = to_bf16(from[i]);
+      master = low;
+    }
     if (on_cuda) {
       b.kernels.add(op, DeviceType::cuda, dt, baton::detail::cuda_constant(master));
     } else {
@@ -185,11 +196,12 @@ void add_weight_repeat(PlanBuilder& b, int id, RegisterIndex w, const Stages& st
                        const TrainConfig& cfg) {
   const Node& n = b.g.node(id);
   const std::uint8_t stream = backward_stream(cfg);
-  const DType dt = n.dtype;
+  const DType dt = b.plan.registers[w].dtype;  // the weight's, or the low precision its variable emits
   // A stage's forward of micro-batch i and its backward of micro-batch i - depth read this
   // weight at once: the repeat needs the activations' depth, or it caps the schedule.
-  RegisterIndex rep = b.node_register(
-      id, st.pp > 1 ? std::max(2, st.forward_slots[static_cast<std::size_t>(b.stage(id))] + 1) : 2);
+  RegisterIndex rep = b.add_register(
+      n.name, n.shape, dt, st.pp > 1 ? std::max(2, st.forward_slots[static_cast<std::size_t>(b.stage(id))] + 1) : 2);
+  b.reg_of[id] = rep;
   b.plan.add_actor({.name = b.named(n.name + ".repeat"),
                     .kind = ActorKind::repeat,
                     .dtype = dt,

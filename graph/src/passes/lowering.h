@@ -220,9 +220,12 @@ void check_sync(const TrainConfig& cfg);
 /// constant source; then (`with_repeat`) the repeat that lets the step's M micro-batches read
 /// it. Returns the register it writes once per step. A parameter server's variable (lower_ps.cpp)
 /// has no repeat of its own: each replica repeats the weights it pulls.
+/// `emit`: the dtype its register holds when not the weight's own (bf16 for an f32 weight whose
+/// readers all cast it: TrainConfig::fuse_weight_casts); the master stays the weight's dtype.
 RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const GradientAt* grad,
                              const RegisterIndex* clip, const Stages& st, const TrainConfig& cfg,
-                             ParameterStore& params, bool with_repeat = true);
+                             ParameterStore& params, bool with_repeat = true,
+                             std::optional<DType> emit = std::nullopt);
 
 /// The saved optimizer slots of trained variable `n` in a resumed job (null: start at zero),
 /// checked against the variable and the optimizer (GraphError naming what does not fit).

@@ -9,6 +9,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -115,6 +116,17 @@ class VariableKernel final : public Kernel {
 
  private:
   void copy_out(std::span<const T> from, Tensor& out) const {
+    if (out.dtype() != dtype_) {
+      // A low-precision copy for readers that would cast it (TrainConfig::fuse_weight_casts):
+      // rounded as the cast kernel rounds.
+      if (out.dtype() != DType::bf16 || !std::is_same_v<T, float> || out.numel() != static_cast<std::int64_t>(from.size())) {
+        throw std::invalid_argument(fmt::format("a {} weight of {} elements into a register {}", name(dtype_),
+                                                from.size(), out.describe()));
+      }
+      auto to = out.data<bfloat16>();
+      for (std::size_t i = 0; i < from.size(); ++i) to[i] = to_bf16(static_cast<float>(from[i]));
+      return;
+    }
     auto to = out.data<T>();
     if (to.data() == from.data() && to.size() == from.size()) return;  // the master is the slot
     if (from.size() != to.size()) {

@@ -46,10 +46,11 @@ void Stream::bind() const { unavailable(owner_); }
 std::unique_ptr<Allocator> make_device_allocator(Device device) { unavailable("memory on " + device.str()); }
 std::unique_ptr<Allocator> make_pinned_allocator(Device) { unavailable("pinned host memory"); }
 void copy(Tensor&, const Tensor&, Stream&) { unavailable("copy"); }
-void sgd_step(float*, const float*, float*, std::int64_t, const SgdConfig&, std::int64_t, double, Stream&) {
+void sgd_step(float*, const float*, float*, std::int64_t, const SgdConfig&, std::int64_t, double, Stream&, Tensor*) {
   unavailable("sgd_step");
 }
-void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamConfig&, std::int64_t, double, Stream&) {
+void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamConfig&, std::int64_t, double, Stream&,
+               Tensor*) {
   unavailable("adam_step");
 }
 void adam_step_multi(std::span<const AdamSlice>, const AdamConfig&, std::int64_t, double, Stream&) {

@@ -5,6 +5,7 @@
 // bits), else one element. The op kernels are templates over the element type: float32, and
 // bfloat16 computed in float32 (elem.cuh).
 #include <cmath>
+#include <type_traits>
 
 #include "elem.cuh"
 #include "launch.h"
@@ -219,7 +220,11 @@ __global__ void gather_rows_kernel(const uint4* x, uint4* y, Indexing lead, long
   }
 }
 
-__global__ void adam_kernel(float* w, const float* g, float* m, float* v, long long n, AdamConstants k) {
+// C: the element type of the copy of the new weights the step also writes (float32, or
+// bfloat16 rounded to nearest even: the variable's value as its readers take it, so no copy or
+// cast kernel follows), or void for none.
+template <class C>
+__global__ void adam_kernel(float* w, const float* g, float* m, float* v, C* copy, long long n, AdamConstants k) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
     const float gi = g[i] + k.l2 * w[i];
@@ -228,12 +233,15 @@ __global__ void adam_kernel(float* w, const float* g, float* m, float* v, long l
     m[i] = mi;
     v[i] = vi;
     // No fused multiply-adds: the CPU's loop rounds each operation, and so do we.
-    w[i] = __fsub_rn(__fmul_rn(w[i], k.decay),
-                     __fdiv_rn(__fmul_rn(k.step_size, mi), __fadd_rn(__fmul_rn(sqrtf(vi), k.inv_bc2_sqrt), k.eps)));
+    const float wi = __fsub_rn(__fmul_rn(w[i], k.decay),
+                               __fdiv_rn(__fmul_rn(k.step_size, mi), __fadd_rn(__fmul_rn(sqrtf(vi), k.inv_bc2_sqrt), k.eps)));
+    w[i] = wi;
+    if constexpr (!std::is_void_v<C>) store(copy + i, wi);
   }
 }
 
-__global__ void sgd_kernel(float* w, const float* g, float* buf, long long n, double lr, double mu, double wd,
+template <class C>
+__global__ void sgd_kernel(float* w, const float* g, float* buf, C* copy, long long n, double lr, double mu, double wd,
                            bool nesterov, bool first) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -244,7 +252,9 @@ __global__ void sgd_kernel(float* w, const float* g, float* buf, long long n, do
       buf[i] = static_cast<float>(b);
       d = nesterov ? d + mu * b : b;
     }
-    w[i] = static_cast<float>(wi - lr * d);
+    const float next = static_cast<float>(wi - lr * d);
+    w[i] = next;
+    if constexpr (!std::is_void_v<C>) store(copy + i, next);
   }
 }
 
@@ -386,16 +396,32 @@ cudaError_t gather_bytes(const void* x, void* y, int elem_bytes, const Indexing&
   }
 }
 
-cudaError_t adam(float* w, const float* g, float* m, float* v, long long n, const AdamConstants& k, cudaStream_t s) {
+cudaError_t adam(float* w, const float* g, float* m, float* v, long long n, const AdamConstants& k, WeightCopy copy,
+                 cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  adam_kernel<<<blocks_for(n), threads, 0, s>>>(w, g, m, v, n, k);
+  if (copy.data == nullptr) {
+    adam_kernel<void><<<blocks_for(n), threads, 0, s>>>(w, g, m, v, nullptr, n, k);
+  } else if (copy.bf16) {
+    adam_kernel<<<blocks_for(n), threads, 0, s>>>(w, g, m, v, static_cast<__nv_bfloat16*>(copy.data), n, k);
+  } else {
+    adam_kernel<<<blocks_for(n), threads, 0, s>>>(w, g, m, v, static_cast<float*>(copy.data), n, k);
+  }
   return cudaGetLastError();
 }
 
 cudaError_t sgd(float* w, const float* g, float* buf, long long n, double lr, double momentum, double weight_decay,
-                bool nesterov, bool first, cudaStream_t s) {
+                bool nesterov, bool first, WeightCopy copy, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  sgd_kernel<<<blocks_for(n), threads, 0, s>>>(w, g, buf, n, lr, momentum, weight_decay, nesterov, first);
+  const unsigned blocks = blocks_for(n);
+  if (copy.data == nullptr) {
+    sgd_kernel<void><<<blocks, threads, 0, s>>>(w, g, buf, nullptr, n, lr, momentum, weight_decay, nesterov, first);
+  } else if (copy.bf16) {
+    sgd_kernel<<<blocks, threads, 0, s>>>(w, g, buf, static_cast<__nv_bfloat16*>(copy.data), n, lr, momentum,
+                                          weight_decay, nesterov, first);
+  } else {
+    sgd_kernel<<<blocks, threads, 0, s>>>(w, g, buf, static_cast<float*>(copy.data), n, lr, momentum, weight_decay,
+                                          nesterov, first);
+  }
   return cudaGetLastError();
 }
 

@@ -160,9 +160,16 @@ cudaError_t add(const double* a, const double* b, double* c, long long n, cudaSt
 struct AdamConstants {
   float b1, b2, one_minus_b1, one_minus_b2, step_size, inv_bc2_sqrt, eps, decay, l2;
 };
-cudaError_t adam(float* w, const float* g, float* m, float* v, long long n, const AdamConstants& k, cudaStream_t s);
+/// Where an optimizer step also writes the new weights (n elements): float32, or bfloat16 rounded
+/// to nearest even (convert()'s rounding); data null: nowhere.
+struct WeightCopy {
+  void* data = nullptr;
+  bool bf16 = false;
+};
+cudaError_t adam(float* w, const float* g, float* m, float* v, long long n, const AdamConstants& k, WeightCopy copy,
+                 cudaStream_t s);
 /// One SGD step; `first` is step 1 (the momentum buffer starts as the gradient).
 cudaError_t sgd(float* w, const float* g, float* buf, long long n, double lr, double momentum, double weight_decay,
-                bool nesterov, bool first, cudaStream_t s);
+                bool nesterov, bool first, WeightCopy copy, cudaStream_t s);
 
 }  // namespace baton::cuda::launch

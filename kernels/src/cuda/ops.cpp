@@ -1022,19 +1022,35 @@ void add_cuda_kernels(KernelRegistry& reg) {
   add_llm_kernels(reg);
 }
 
+namespace {
+
+launch::WeightCopy weight_copy(Tensor* copy, std::int64_t n, const Stream& stream) {
+  if (copy == nullptr) return {};
+  if ((copy->dtype() != DType::f32 && copy->dtype() != DType::bf16) || copy->numel() != n) {
+    throw std::invalid_argument(fmt::format("{}: the optimizer's copy of a weight of {} elements into {}: f32 or bf16 "
+                                            "of the same size",
+                                            stream.owner(), n, copy->describe()));
+  }
+  return {copy->raw(), copy->dtype() == DType::bf16};
+}
+
+}  // namespace
+
 void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, const SgdConfig& cfg, std::int64_t step,
-              double lr, Stream& stream) {
+              double lr, Stream& stream, Tensor* copy) {
   if (step < 1) throw std::invalid_argument(fmt::format("{}: sgd_step at step {} (steps count from 1)", stream.owner(), step));
   if (cfg.nesterov && !(cfg.momentum > 0.0)) throw std::invalid_argument(stream.owner() + ": nesterov needs a positive momentum");
+  const launch::WeightCopy out = weight_copy(copy, n, stream);
   stream.bind();
   check(launch::sgd(w, g, cfg.momentum != 0.0 ? momentum_buf : nullptr, n, lr, cfg.momentum, cfg.weight_decay, cfg.nesterov,
-                    step == 1, stream.impl().stream),
+                    step == 1, out, stream.impl().stream),
         "sgd", stream.owner());
 }
 
 void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, const AdamConfig& cfg, std::int64_t step,
-               double lr, Stream& stream) {
+               double lr, Stream& stream, Tensor* copy) {
   if (step < 1) throw std::invalid_argument(fmt::format("{}: adam_step at step {} (steps count from 1)", stream.owner(), step));
+  const launch::WeightCopy out = weight_copy(copy, n, stream);
   // The constants exactly as baton/kernels/optim.cpp makes them, so each element matches.
   const double t = static_cast<double>(step);
   launch::AdamConstants k{static_cast<float>(cfg.beta1),
@@ -1047,7 +1063,7 @@ void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, con
                           static_cast<float>(cfg.decoupled ? 1.0 - lr * cfg.weight_decay : 1.0),
                           static_cast<float>(cfg.decoupled ? 0.0 : cfg.weight_decay)};
   stream.bind();
-  check(launch::adam(w, g, m, v, n, k, stream.impl().stream), "adam", stream.owner());
+  check(launch::adam(w, g, m, v, n, k, out, stream.impl().stream), "adam", stream.owner());
 }
 
 }  // namespace baton::cuda

@@ -273,6 +273,15 @@ struct TrainConfig {
   /// reads last (ActorDesc::in_place; the built-in elementwise ops' CPU kernels). False: every
   /// output has bytes of its own (to rule out a kernel that mishandles aliasing, or to compare).
   bool in_place = true;
+  /// A float32 weight that every reader casts to bf16 (autocast's weights, read by matrix
+  /// products) is emitted in bf16 by its own variable actor: the optimizer's kernel writes the
+  /// rounded copy as it updates the master (on CUDA in the same pass), and no cast actor runs,
+  /// once a step instead of once a micro-batch; its step register holds 2 bytes an element, not 4.
+  /// The master, the optimizer and the checkpoints stay f32; the readers see the same bits.
+  /// Not for the one piece that must cross to the reporting rank as the final f32 weight (a
+  /// pipeline stage's weights on another rank keep their casts). False: the casts stay (to
+  /// compare).
+  bool fuse_weight_casts = true;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
   /// backward pass instead of kept; "full": only what crosses each transformer block's boundary

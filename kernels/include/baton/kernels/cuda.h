@@ -105,12 +105,15 @@ std::unique_ptr<Allocator> make_pinned_allocator(Device host);
 void copy(Tensor& dst, const Tensor& src, Stream& stream);
 
 /// The optimizer steps of baton/kernels/optim.h on float32 device memory (w, g, buffers of n
-/// elements each), enqueued on `stream`, element for element the CPU's arithmetic. Throws as
-/// the CPU versions do, naming the stream's owner.
+/// elements each), enqueued on `stream`, element for element the CPU's arithmetic. `copy`, if
+/// given (n elements of f32 or bf16 device memory), receives the new weights in the same pass:
+/// the value the variable's readers take (bf16 rounded to nearest even, as convert()), so no
+/// copy or cast kernel follows the step. Throws as the CPU versions do, naming the stream's
+/// owner (and a copy of another size or dtype).
 void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, const SgdConfig& cfg, std::int64_t step,
-              double lr, Stream& stream);
+              double lr, Stream& stream, Tensor* copy = nullptr);
 void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, const AdamConfig& cfg, std::int64_t step,
-               double lr, Stream& stream);
+               double lr, Stream& stream, Tensor* copy = nullptr);
 
 /// One weight of a multi-tensor step: n float32 elements of device memory in each array.
 struct AdamSlice {

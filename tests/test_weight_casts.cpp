@@ -1,0 +1,173 @@
+// A variable actor that emits its weight in bf16 (TrainConfig::fuse_weight_casts): under bf16
+// autocast every matrix product reads its weight through a cast; the plan drops those casts and
+// has the optimizer write the rounded copy itself (on CUDA in the same kernel as the step). The
+// readers see the same bits, so training equals the plan with the casts bit for bit, in every
+// parallel mode that keeps whole weights; the casts that remain are the ones that must (a
+// weight whose final f32 value crosses to the reporting rank).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/kernels/data.h"
+#include "loopback_run.h"
+#include "models.h"
+#include "test_util.h"
+
+using namespace baton;
+
+namespace {
+
+struct Setup {
+  std::string name;
+  int dp = 1, pp = 1, tp = 1;
+  std::string schedule = "1f1b";
+  std::int64_t m = 2;  // micro-batches per replica
+  std::string recompute = "none";
+  bool ranks = false;  // each place a rank of its own, joined by a loopback data plane
+};
+
+struct Job {
+  Graph g{5};
+  Value loss;
+  TrainingJob job;
+  Job(const Setup& s, bool fuse) {
+    const std::int64_t batch = 8, pieces = s.dp * s.m;
+    auto corpus = std::make_shared<data::TextCorpus>();
+    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+    for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
+    {
+      auto mixed = g.autocast(DType::bf16);
+      loss = models::gpt_with_loss(g, batch / pieces,
+                                   {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = s.tp,
+                                    .fused_bias_gelu = true})
+                 .loss;
+    }
+    TrainConfig cfg;
+    cfg.data = {{"text", data::text_source(corpus, batch, pieces, 8, 3), {"tokens", "targets"}}};
+    cfg.steps = 3;
+    cfg.microbatches = s.m;
+    cfg.dp = s.dp;
+    cfg.pp = s.pp;
+    cfg.tp = s.tp;
+    cfg.schedule = s.schedule;
+    cfg.recompute = s.recompute;
+    cfg.optimizer = optim::adam(0.01);
+    cfg.fuse_weight_casts = fuse;
+    if (s.ranks) {
+      for (int r = 0; r < s.dp * s.pp * s.tp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
+    }
+    job = compile_training(g, loss, cfg);
+  }
+};
+
+int count_op(const Plan& plan, const std::string& op) {
+  int n = 0;
+  for (const ActorDesc& a : plan.actors) n += a.op == op;
+  return n;
+}
+
+struct Trained {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<float>> weights;
+};
+
+Trained run(Job& j, bool ranks) {
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::milliseconds(20'000);
+  if (ranks) {
+    for (const auto& r : test::run_on_loopback(j.job.plan, j.job.kernels, rs)) REQUIRE_MESSAGE(r.error.empty(), r.error);
+  } else {
+    Runtime(j.job.plan, j.job.kernels, rs).run();
+  }
+  Trained out{j.job.losses->per_step(), {}};
+  for (auto& [name, t] : j.job.params->values()) {
+    REQUIRE(t.dtype() == DType::f32);  // the masters stay f32
+    auto d = t.data<float>();
+    out.weights[name] = std::vector<float>(d.begin(), d.end());
+  }
+  return out;
+}
+
+/// The step registers of the variable actors, by weight name: "name" -> dtype.
+std::map<std::string, DType> step_dtypes(const Plan& plan) {
+  std::map<std::string, DType> out;
+  for (const ActorDesc& a : plan.actors) {
+    if (!a.op.starts_with("variable.") || a.outputs.empty()) continue;
+    out[a.op.substr(9)] = plan.registers[a.outputs[0]].dtype;
+  }
+  return out;
+}
+
+void check_bit_for_bit(const std::vector<Setup>& setups) {
+  for (const Setup& s : setups) {
+    CAPTURE(s.name);
+    Job casts(s, false), fused(s, true);
+    const int before = count_op(casts.job.plan, "cast"), after = count_op(fused.job.plan, "cast");
+    MESSAGE(s.name << ": " << before << " cast actors with the casts, " << after << " without");
+    CHECK(after < before);
+    // Every product's weight (the blocks' wq, wk, wv, wo, w1, w2 and the head; the token table,
+    // which the embedding reads in bf16; b1, which bias_gelu casts) comes out of its variable in
+    // bf16 wherever its final value need not cross ranks; the layer norms' weights and the
+    // residual's b2 and the positions, read in f32, stay f32.
+    int low = 0;
+    for (const auto& [weight, dt] : step_dtypes(fused.job.plan)) {
+      CAPTURE(weight);
+      if (weight.find("ln") != std::string::npos || weight.find("b2") != std::string::npos ||
+          weight.starts_with("wpe")) {
+        CHECK(dt == DType::f32);
+      }
+      low += dt == DType::bf16;
+    }
+    CHECK(low > 0);
+    CHECK_NOTHROW(validate(fused.job.plan, fused.job.kernels));
+    const Trained a = run(casts, s.ranks), b = run(fused, s.ranks);
+    REQUIRE(a.losses.size() == 3);
+    CHECK(std::isfinite(a.losses.back()));
+    // Bit for bit: the variable rounds the master exactly as the cast kernel did.
+    CHECK(b.losses == a.losses);
+    REQUIRE(b.weights.size() == a.weights.size());
+    for (const auto& [name, w] : a.weights) {
+      CAPTURE(name);
+      CHECK(b.weights.at(name) == w);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("WeightCasts.VariablesEmitBf16AndTrainBitForBitAsWithCasts" * doctest::timeout(240)) {
+  check_bit_for_bit({{.name = "one device, 2 micro-batches"},
+                     {.name = "full recomputation", .recompute = "full"},
+                     {.name = "dp 2", .dp = 2},
+                     {.name = "tp 2", .tp = 2},
+                     {.name = "pp 2 gpipe", .pp = 2, .schedule = "gpipe", .m = 4}});
+}
+
+TEST_CASE("WeightCasts.OnlyTheWeightsWhoseFinalValueCrossesRanksKeepTheirCasts" * doctest::timeout(240)) {
+  // Two stages on two ranks: the loss (and so the reporting rank) is stage 1's. Replica 0's
+  // stage-0 weights send their last f32 value to it, so their variables stay f32 and keep the
+  // casts; stage 1's emit bf16.
+  const Setup s{.name = "pp 2 over two ranks", .pp = 2, .m = 2, .ranks = true};
+  Job fused(s, true);
+  std::map<std::uint16_t, int> low_on, f32_products_on;
+  for (const ActorDesc& a : fused.job.plan.actors) {
+    if (!a.op.starts_with("variable.")) continue;
+    const std::string weight = a.op.substr(9);
+    const bool product = weight.find(".attn.w") != std::string::npos || weight.find("mlp.w") != std::string::npos ||
+                         weight.starts_with("head.w");
+    const DType dt = fused.job.plan.registers[a.outputs[0]].dtype;
+    low_on[a.where.rank] += dt == DType::bf16;
+    f32_products_on[a.where.rank] += product && dt == DType::f32;
+  }
+  CHECK(low_on[0] == 0);
+  CHECK(f32_products_on[0] > 0);
+  CHECK(low_on[1] > 0);
+  CHECK(f32_products_on[1] == 0);
+  check_bit_for_bit({s, {.name = "pp 2 x dp 2 over four ranks", .dp = 2, .pp = 2, .m = 2, .ranks = true}});
+}
