@@ -279,6 +279,15 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
       }
     }
   }
+  SUBCASE("matmul_bias_grad: cuBLASLt's bias-gradient epilogue, or the two ops apart") {
+    // dw = x^T dy over every row and db = dy's rows summed (the epilogues pass's fused Linear
+    // gradient): 3-D operands whose rows fold, and odd extents that cuBLASLt may refuse (then
+    // the kernel runs cuBLAS and sum_to: the same values either way).
+    check_op(gpu, reg, "matmul_bias_grad", {}, {random_f32({3, 40, 48}), random_f32({3, 40, 64})},
+             {{{48, 64}, f32}, {{64}, f32}});
+    check_op(gpu, reg, "matmul_bias_grad", {}, {random_f32({33, 47}), random_f32({33, 29})},
+             {{{47, 29}, f32}, {{29}, f32}});
+  }
   SUBCASE("elementwise with broadcasting") {
     for (const char* op : {"add", "sub", "mul", "maximum"}) {
       check_op(gpu, reg, op, {}, {random_f32({5, 7}), random_f32({5, 7})}, {{{5, 7}, f32}});

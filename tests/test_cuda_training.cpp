@@ -344,6 +344,12 @@ TEST_CASE("CudaTraining.Bf16KernelsMatchTheCpu" * doctest::timeout(120)) {
        {random_bf16({3, 17, 40}, rng), random_bf16({3, 23, 40}, rng)}, {{{3, 17, 23}, DType::bf16}}},
       {"matmul", Attrs{{"trans_a", std::int64_t{0}}, {"trans_b", std::int64_t{0}}},
        {random_bf16({4, 9, 40}, rng), random_bf16({40, 11}, rng)}, {{{4, 9, 11}, DType::bf16}}},
+      // A Linear layer's weight and bias gradients in one cuBLASLt product (or apart where it
+      // refuses the shape).
+      {"matmul_bias_grad", {}, {random_bf16({4, 32, 64}, rng), random_bf16({4, 32, 96}, rng)},
+       {{{64, 96}, DType::bf16}, {{96}, DType::bf16}}},
+      {"matmul_bias_grad", {}, {random_bf16({37, 24}, rng), random_bf16({37, 40}, rng)},
+       {{{24, 40}, DType::bf16}, {{40}, DType::bf16}}},
       // Ops without a bf16 kernel of their own: the float32 one on device copies.
       {"gelu", {}, {random_bf16({1000, 3}, rng)}, {{{1000, 3}, DType::bf16}}},
       {"add", {}, {random_bf16({31, 8}, rng), random_bf16({8}, rng)}, {{{31, 8}, DType::bf16}}},

@@ -1031,7 +1031,9 @@ TEST_CASE("Schedule.WeightGradientWorkIsTheWeightsSideOfTheBackward") {
       }
     }
   }
-  CHECK(w >= 8);  // each layer's weight and bias gradients (4 layers)
+  // Each of the 4 layers' weight gradient, with its bias's fused in (matmul_bias_grad, the
+  // epilogues pass) or beside it: at least one W actor a layer.
+  CHECK(w >= 4);
   CHECK(b > 0);
   // Without a split, no op is marked.
   for (const ActorDesc& a : compile_mlp({.pp = 2, .m = 4}).plan.actors) CHECK_FALSE(a.weight_gradient);

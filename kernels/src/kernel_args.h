@@ -2,6 +2,7 @@
 // Private to kernels/src: how a kernel fetches the tensors it relies on, with an error naming
 // the op (and the tensor's role, where given) when one is missing.
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -106,6 +107,36 @@ inline MatmulDims matmul_dims(const Tensor& a, const Tensor& b, const Tensor& c,
   want.push_back(d.n);
   if (c.shape() != want) throw fail(fmt::format("c should be {}", to_string(want)));
   for (auto e : batch) d.batches *= e;
+  return d;
+}
+
+/// The extents of matmul_bias_grad (dw = x^T dy over every row, db = dy summed over the rows):
+/// x [..., k] and dy [..., n] with the same number of rows, dw [k, n], db [n]; every kernel of
+/// the op (CPU, CUDA) checks them here. Extents that BLAS's 32-bit ints cannot hold are refused.
+struct LinearGradDims {
+  std::int64_t rows = 0, k = 0, n = 0;
+};
+
+inline LinearGradDims linear_grad_dims(const Tensor& x, const Tensor& dy, const Tensor& dw, const Tensor& db,
+                                       const char* op) {
+  const Shape& xs = x.shape();
+  const Shape& ys = dy.shape();
+  auto fail = [&](const std::string& why) {
+    return std::invalid_argument(fmt::format("{}: x {}, dy {}, dw {}, db {}: {}", op, x.describe(), dy.describe(),
+                                             dw.describe(), db.describe(), why));
+  };
+  if (xs.empty() || ys.empty()) throw fail("x and dy need at least one axis");
+  LinearGradDims d{.rows = 0, .k = xs.back(), .n = ys.back()};
+  d.rows = d.k == 0 ? 0 : x.numel() / d.k;
+  const std::int64_t dy_rows = d.n == 0 ? 0 : dy.numel() / d.n;
+  if (d.k > 0 && d.n > 0 && d.rows != dy_rows) throw fail(fmt::format("{} rows of x, {} of dy", d.rows, dy_rows));
+  if (d.k == 0 || d.n == 0) d.rows = std::max(d.rows, dy_rows);
+  if (dw.shape() != Shape{d.k, d.n}) throw fail(fmt::format("dw should be [{}, {}]", d.k, d.n));
+  if (db.shape() != Shape{d.n}) throw fail(fmt::format("db should be [{}]", d.n));
+  if (x.dtype() != dy.dtype() || dw.dtype() != dy.dtype() || db.dtype() != dy.dtype()) throw fail("dtypes differ");
+  for (std::int64_t e : {d.rows, d.k, d.n}) {
+    if (e > INT_MAX) throw fail("an extent exceeds BLAS's 32-bit int");
+  }
   return d;
 }
 

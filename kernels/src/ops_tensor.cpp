@@ -486,6 +486,39 @@ class ConcatKernel final : public Kernel {
 
 // ---- registration ----------------------------------------------------------------------------
 
+// matmul_bias_grad: a Linear layer's weight and bias gradients from one read of dy, the plan's
+// fusion of matmul(x, dy, trans_a) and sum_to(dy, [N]) (graph/src/passes/epilogues.cpp). x
+// [..., K] and dy [..., N] have the same rows; dw [K, N] = x^T dy over all of them, db [N] their
+// sum. The same gemm call and the same reduction as the two ops apart, so the same bits.
+template <class T>
+class MatmulBiasGradKernel final : public Kernel {
+ public:
+  void compute(KernelContext& ctx) override {
+    const char* name = "matmul_bias_grad";
+    const Tensor& x = need_input(ctx, 0, name, "x");
+    const Tensor& dy = need_input(ctx, 1, name, "dy");
+    Tensor& dw = need_output(ctx, 0, name, "dw");
+    Tensor& db = need_output(ctx, 1, name, "db");
+    const detail::LinearGradDims d = detail::linear_grad_dims(x, dy, dw, db, name);
+    if (dw.numel() > 0) {
+      if (d.rows == 0) {
+        std::fill_n(dw.data<T>().data(), dw.numel(), T(0));
+      } else {
+        gemm<T>(true, false, static_cast<int>(d.k), static_cast<int>(d.n), static_cast<int>(d.rows),
+                x.data<T>().data(), static_cast<int>(d.k), dy.data<T>().data(), static_cast<int>(d.n),
+                dw.data<T>().data());
+      }
+    }
+    const Tensor* in[] = {&dy};
+    Tensor* out[] = {&db};
+    KernelContext sum{in, out, ctx.piece, ctx.stream, ctx.async_stream};
+    sum_.compute(sum);
+  }
+
+ private:
+  ReduceKernel<T> sum_{ReduceKernel<T>::Mode::sum_to, {}, true};
+};
+
 template <class T>
 void add_ops(KernelRegistry& reg) {
   constexpr DType dt = dtype_of<T>();
@@ -511,6 +544,7 @@ void add_ops(KernelRegistry& reg) {
   reg.add("sum_to", cpu, dt, [](const KernelConfig&) {
     return std::make_unique<ReduceKernel<T>>(Mode::sum_to, std::vector<std::int64_t>{}, true);
   });
+  reg.add("matmul_bias_grad", cpu, dt, [](const KernelConfig&) { return std::make_unique<MatmulBiasGradKernel<T>>(); });
   for (auto [op, mode] :
        {std::pair{"sum", Mode::sum}, std::pair{"mean", Mode::mean}, std::pair{"max", Mode::max}}) {
     reg.add(op, cpu, dt, [op = op, mode = mode](const KernelConfig& cfg) {

@@ -18,7 +18,7 @@ const std::vector<std::string_view>& names() {
   // through host memory, and the copies say which host register the transfer then reads.
   static const std::vector<std::string_view> all{
       "autodiff", "sbp",   "stages",        "recompute", "replicas", "sync",
-      "lower",    "device_copies", "transfers", "lanes",     "memory"};
+      "lower",    "epilogues", "device_copies", "transfers", "lanes",     "memory"};
   return all;
 }
 
@@ -151,6 +151,9 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   TrainingJob job = lower(g, rc.d, rc.shards, rc.stages, reps, cfg, std::move(params));
   print_after(cfg, "lower", [&] { return job.plan.to_text(); });
   verify(job, "lower", PlanChecks::before_transfers);
+  job.plan = epilogues(job.plan, job.kernels, cfg);
+  print_after(cfg, "epilogues", [&] { return job.plan.to_text(); });
+  verify(job, "epilogues", PlanChecks::before_transfers);
   job.plan = device_copies(job.plan, job.kernels);
   print_after(cfg, "device_copies", [&] { return job.plan.to_text(); });
   verify(job, "device_copies", PlanChecks::before_transfers);

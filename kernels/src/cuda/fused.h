@@ -3,6 +3,7 @@
 // add_cuda_kernels.
 namespace baton {
 class KernelRegistry;
+struct KernelContext;
 }
 
 namespace baton::cuda {
@@ -13,5 +14,13 @@ void add_fused_kernels(KernelRegistry& reg);
 /// rms_norm, rms_norm_grad, rms_norm_grad_weight, rope and rope_grad for cuda/f32 (llm.cpp; bf16
 /// through float32 copies).
 void add_llm_kernels(KernelRegistry& reg);
+
+/// matmul_bias_grad for cuda/f32 and cuda/bf16: cuBLASLt's product with the bias-gradient
+/// epilogue (linear_grad.cpp).
+void add_linear_grad_kernels(KernelRegistry& reg);
+
+/// matmul_bias_grad as the two ops it fuses, cuBLAS's product and baton's sum_to kernel
+/// (ops.cpp): where cuBLASLt does not take the shape.
+void matmul_bias_grad_apart(KernelContext& ctx);
 
 }  // namespace baton::cuda

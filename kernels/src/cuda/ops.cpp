@@ -936,6 +936,25 @@ void add_float_kernels(KernelRegistry& reg) {
 
 }  // namespace
 
+void matmul_bias_grad_apart(KernelContext& ctx) {
+  const char* name = "matmul_bias_grad";
+  const Tensor& x = need_input(ctx, 0, name, "x");
+  const Tensor& dy = need_input(ctx, 1, name, "dy");
+  Tensor& dw = need_output(ctx, 0, name, "dw");
+  Tensor& db = need_output(ctx, 1, name, "db");
+  const baton::detail::LinearGradDims d = baton::detail::linear_grad_dims(x, dy, dw, db, name);
+  // The two ops as the plan had them before its fusion: the product of the 2-D views, then the sum.
+  const Tensor x2 = x.view({d.rows, d.k}), dy2 = dy.view({d.rows, d.n});
+  const Tensor* product_in[] = {&x2, &dy2};
+  Tensor* product_out[] = {&dw};
+  KernelContext product{product_in, product_out, ctx.piece, ctx.stream, ctx.async_stream};
+  MatmulKernel(true, false).compute(product);
+  const Tensor* sum_in[] = {&dy};
+  Tensor* sum_out[] = {&db};
+  KernelContext sum{sum_in, sum_out, ctx.piece, ctx.stream, ctx.async_stream};
+  sum_to(sum);
+}
+
 void add_cuda_kernels(KernelRegistry& reg) {
   constexpr auto cuda = DeviceType::cuda;
   for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
@@ -1020,6 +1039,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
   });
   add_fused_kernels(reg);
   add_llm_kernels(reg);
+  add_linear_grad_kernels(reg);
 }
 
 namespace {

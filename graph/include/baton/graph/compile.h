@@ -282,6 +282,11 @@ struct TrainConfig {
   /// pipeline stage's weights on another rank keep their casts). False: the casts stay (to
   /// compare).
   bool fuse_weight_casts = true;
+  /// A Linear layer's weight gradient and bias gradient, matmul(x, dy, trans_a) and
+  /// sum_to(dy, [n]), as one actor (the epilogues pass, passes.h): on CUDA one cuBLASLt product
+  /// whose epilogue sums dy's rows as it reads them; on the CPU the same two computations, bit
+  /// for bit. False: two actors (to compare).
+  bool fuse_bias_gradients = true;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
   /// backward pass instead of kept; "full": only what crosses each transformer block's boundary

@@ -159,6 +159,11 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
                   const Replicas& reps, const TrainConfig& cfg,
                   std::shared_ptr<ParameterStore> params);
 
+/// epilogues: with TrainConfig::fuse_bias_gradients, each Linear layer's weight gradient
+/// (matmul(x, dy, trans_a)) and bias gradient (sum_to(dy, [n])) as one matmul_bias_grad actor
+/// where the device has its kernel (passes/epilogues.cpp says when); else the plan unchanged.
+Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg);
+
 /// device_copies: with any actor on a CUDA device, refuses actors whose op has no CUDA kernel
 /// (GraphError naming them) and adds the copy actors (insert_device_copies, plan.h); a plan of
 /// host devices comes back unchanged.

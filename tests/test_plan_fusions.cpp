@@ -1,9 +1,15 @@
-// A variable actor that emits its weight in bf16 (TrainConfig::fuse_weight_casts): under bf16
-// autocast every matrix product reads its weight through a cast; the plan drops those casts and
-// has the optimizer write the rounded copy itself (on CUDA in the same kernel as the step). The
-// readers see the same bits, so training equals the plan with the casts bit for bit, in every
-// parallel mode that keeps whole weights; the casts that remain are the ones that must (a
-// weight whose final f32 value crosses to the reporting rank).
+// Fusions the compiler makes in the plan, each checked to train bit for bit as the plan without
+// it (the same kernels' arithmetic on the same inputs), in the parallel modes that could break it.
+//
+// WeightCasts: a variable actor that emits its weight in bf16 (TrainConfig::fuse_weight_casts):
+// under bf16 autocast every matrix product reads its weight through a cast; the plan drops those
+// casts and has the optimizer write the rounded copy itself (on CUDA in the same kernel as the
+// step). The casts that remain are the ones that must (a weight whose final f32 value crosses
+// to the reporting rank).
+//
+// BiasGradients: the epilogues pass (TrainConfig::fuse_bias_gradients) computes a Linear
+// layer's weight gradient and bias gradient in one matmul_bias_grad actor (on CUDA one cuBLASLt
+// product with the bias-gradient epilogue).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -30,19 +36,25 @@ struct Setup {
   std::int64_t m = 2;  // micro-batches per replica
   std::string recompute = "none";
   bool ranks = false;  // each place a rank of its own, joined by a loopback data plane
+  bool bf16 = true;    // under autocast
+};
+
+/// Which fusions a job's plan makes.
+struct Fuse {
+  bool casts = true, bias = true;
 };
 
 struct Job {
   Graph g{5};
   Value loss;
   TrainingJob job;
-  Job(const Setup& s, bool fuse) {
+  Job(const Setup& s, Fuse fuse) {
     const std::int64_t batch = 8, pieces = s.dp * s.m;
     auto corpus = std::make_shared<data::TextCorpus>();
     for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
     for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
     {
-      auto mixed = g.autocast(DType::bf16);
+      auto mixed = g.autocast(s.bf16 ? DType::bf16 : DType::f32);
       loss = models::gpt_with_loss(g, batch / pieces,
                                    {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = s.tp,
                                     .fused_bias_gelu = true})
@@ -58,7 +70,8 @@ struct Job {
     cfg.schedule = s.schedule;
     cfg.recompute = s.recompute;
     cfg.optimizer = optim::adam(0.01);
-    cfg.fuse_weight_casts = fuse;
+    cfg.fuse_weight_casts = fuse.casts;
+    cfg.fuse_bias_gradients = fuse.bias;
     if (s.ranks) {
       for (int r = 0; r < s.dp * s.pp * s.tp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
     }
@@ -104,10 +117,23 @@ std::map<std::string, DType> step_dtypes(const Plan& plan) {
   return out;
 }
 
+/// Trains `a` and `b` and checks that they agree bit for bit.
+void check_same_training(Job& a, Job& b, bool ranks) {
+  const Trained x = run(a, ranks), y = run(b, ranks);
+  REQUIRE(x.losses.size() == 3);
+  CHECK(std::isfinite(x.losses.back()));
+  CHECK(y.losses == x.losses);
+  REQUIRE(y.weights.size() == x.weights.size());
+  for (const auto& [name, w] : x.weights) {
+    CAPTURE(name);
+    CHECK(y.weights.at(name) == w);
+  }
+}
+
 void check_bit_for_bit(const std::vector<Setup>& setups) {
   for (const Setup& s : setups) {
     CAPTURE(s.name);
-    Job casts(s, false), fused(s, true);
+    Job casts(s, {.casts = false}), fused(s, {.casts = true});
     const int before = count_op(casts.job.plan, "cast"), after = count_op(fused.job.plan, "cast");
     MESSAGE(s.name << ": " << before << " cast actors with the casts, " << after << " without");
     CHECK(after < before);
@@ -126,16 +152,44 @@ void check_bit_for_bit(const std::vector<Setup>& setups) {
     }
     CHECK(low > 0);
     CHECK_NOTHROW(validate(fused.job.plan, fused.job.kernels));
-    const Trained a = run(casts, s.ranks), b = run(fused, s.ranks);
-    REQUIRE(a.losses.size() == 3);
-    CHECK(std::isfinite(a.losses.back()));
     // Bit for bit: the variable rounds the master exactly as the cast kernel did.
-    CHECK(b.losses == a.losses);
-    REQUIRE(b.weights.size() == a.weights.size());
-    for (const auto& [name, w] : a.weights) {
-      CAPTURE(name);
-      CHECK(b.weights.at(name) == w);
+    check_same_training(casts, fused, s.ranks);
+  }
+}
+
+/// The bias-gradient fusion on and off: fewer actors, the same training bit for bit.
+void check_bias_fusion(const std::vector<Setup>& setups) {
+  for (const Setup& s : setups) {
+    CAPTURE(s.name);
+    Job apart(s, {.bias = false}), fused(s, {.bias = true});
+    const int n = count_op(fused.job.plan, "matmul_bias_grad");
+    MESSAGE(s.name << ": " << n << " matmul_bias_grad actors; sum_to " << count_op(apart.job.plan, "sum_to") << " -> "
+                   << count_op(fused.job.plan, "sum_to") << ", actors " << apart.job.plan.actors.size() << " -> "
+                   << fused.job.plan.actors.size());
+    CHECK(count_op(apart.job.plan, "matmul_bias_grad") == 0);
+    // Each block's MLP has two biases (b1 inside bias_gelu, b2 on the residual): every replica
+    // fuses b1's (b2's too in f32 without recomputation; under bf16 b2 is added in f32 and its
+    // product reads a bf16 cast of the gradient, and under full recomputation the product's x
+    // is a clone made after the sum). Under tp the shards' products read x (ln2, on shard 0's
+    // place) through a copy made just before them, after the sum, so nothing fuses there yet.
+    if (s.tp == 1) {
+      CHECK(n >= 2 * s.dp);
+    } else {
+      CHECK(n == 0);
     }
+    CHECK(count_op(fused.job.plan, "sum_to") == count_op(apart.job.plan, "sum_to") - n);
+    CHECK(count_op(fused.job.plan, "matmul") == count_op(apart.job.plan, "matmul") - n);
+    CHECK(fused.job.plan.actors.size() + static_cast<std::size_t>(n) <= apart.job.plan.actors.size());
+    for (const ActorDesc& a : fused.job.plan.actors) {
+      if (a.op != "matmul_bias_grad") continue;
+      CAPTURE(a.name);
+      REQUIRE(a.inputs.size() == 2);
+      REQUIRE(a.outputs.size() == 2);
+      const RegisterDesc& dy = fused.job.plan.registers[a.inputs[1].reg];
+      CHECK(fused.job.plan.registers[a.outputs[1]].shape == Shape{dy.shape.back()});
+    }
+    CHECK_NOTHROW(validate(fused.job.plan, fused.job.kernels));
+    check_same_training(apart, fused, s.ranks);
   }
 }
 
@@ -154,7 +208,7 @@ TEST_CASE("WeightCasts.OnlyTheWeightsWhoseFinalValueCrossesRanksKeepTheirCasts" 
   // stage-0 weights send their last f32 value to it, so their variables stay f32 and keep the
   // casts; stage 1's emit bf16.
   const Setup s{.name = "pp 2 over two ranks", .pp = 2, .m = 2, .ranks = true};
-  Job fused(s, true);
+  Job fused(s, {});
   std::map<std::uint16_t, int> low_on, f32_products_on;
   for (const ActorDesc& a : fused.job.plan.actors) {
     if (!a.op.starts_with("variable.")) continue;
@@ -170,4 +224,17 @@ TEST_CASE("WeightCasts.OnlyTheWeightsWhoseFinalValueCrossesRanksKeepTheirCasts" 
   CHECK(low_on[1] > 0);
   CHECK(f32_products_on[1] == 0);
   check_bit_for_bit({s, {.name = "pp 2 x dp 2 over four ranks", .dp = 2, .pp = 2, .m = 2, .ranks = true}});
+}
+
+TEST_CASE("BiasGradients.OneActorComputesBothAndTrainsBitForBit" * doctest::timeout(240)) {
+  check_bias_fusion({{.name = "f32, one device, 2 micro-batches", .bf16 = false},
+                     {.name = "bf16, one device"},
+                     {.name = "f32, full recomputation", .recompute = "full", .bf16 = false},
+                     {.name = "f32, dp 2", .dp = 2, .bf16 = false},
+                     {.name = "bf16, tp 2", .tp = 2}});
+}
+
+TEST_CASE("BiasGradients.FuseInPipelinesWithSplitBackwardsAndOverRanks" * doctest::timeout(240)) {
+  check_bias_fusion({{.name = "f32, pp 2 zb-h1 (W work apart)", .pp = 2, .schedule = "zb-h1", .m = 4, .bf16 = false},
+                     {.name = "bf16, pp 2 1f1b over two ranks", .pp = 2, .m = 2, .ranks = true}});
 }

@@ -1,0 +1,180 @@
+// matmul_bias_grad on CUDA: a Linear layer's weight gradient dw = x^T dy and bias gradient
+// db = dy summed over the rows in one cuBLASLt product, the bias gradient computed by the
+// product's epilogue (CUBLASLT_EPILOGUE_BGRADA) as it reads dy, instead of a second pass over
+// dy by a reduction kernel (PyTorch's and Transformer Engine's fused wgrad).
+//
+// Row-major through column-major cuBLASLt, as MatmulKernel (ops.cpp): dw [k, n] row-major is
+// dw^T [n, k] column-major = dy^T x, so the product's A is dy as stored (column-major [n, rows],
+// not transposed), its B is x (column-major [k, rows], transposed), and the reduction of A over
+// the product's inner dimension (the rows) is the bias gradient, of A's n rows.
+//
+// The descriptors and the algorithm (cuBLASLt's heuristic) are made once per shape and kept
+// by the actor's kernel. Where cuBLASLt offers no algorithm for the epilogue (a dtype or
+// alignment it does not fuse), or refuses at run time, the kernel says so once on stderr and
+// computes the two ops apart (cuBLAS's product and baton's sum_to kernel): the same values to
+// rounding, never an error.
+#include <cublasLt.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "../kernel_args.h"
+#include "baton/kernels/cuda.h"
+#include "baton/kernels/kernel.h"
+#include "common.h"
+#include "fused.h"
+#include "kernel_util.h"
+
+namespace baton::cuda {
+
+namespace {
+
+using baton::detail::need_input;
+using baton::detail::need_output;
+using util::stream_of;
+
+constexpr std::size_t workspace_bytes = std::size_t{32} << 20;  // cuBLASLt's split-k reductions
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+class LinearGradKernel final : public Kernel {
+ public:
+  LinearGradKernel(std::string actor, Device device) : actor_(std::move(actor)), device_(device) {}
+  LinearGradKernel(const LinearGradKernel&) = delete;
+  LinearGradKernel& operator=(const LinearGradKernel&) = delete;
+  ~LinearGradKernel() override {
+    release_plan();
+    if (lt_ != nullptr) cublasLtDestroy(lt_);
+  }
+
+  void compute(KernelContext& ctx) override {
+    const char* name = "matmul_bias_grad";
+    const Tensor& x = need_input(ctx, 0, name, "x");
+    const Tensor& dy = need_input(ctx, 1, name, "dy");
+    Tensor& dw = need_output(ctx, 0, name, "dw");
+    Tensor& db = need_output(ctx, 1, name, "db");
+    const baton::detail::LinearGradDims d = baton::detail::linear_grad_dims(x, dy, dw, db, name);
+    if (dy.dtype() != DType::f32 && dy.dtype() != DType::bf16) {
+      throw std::invalid_argument(fmt::format("{} (actor '{}'): f32 or bf16, not {}", name, actor_, dy.describe()));
+    }
+    cudaStream_t s = stream_of(ctx, name);
+    if (d.rows > 0 && d.k > 0 && d.n > 0 && fused(d, dy.dtype(), ctx) &&
+        aligned16(x.raw()) && aligned16(dy.raw()) && aligned16(dw.raw()) && aligned16(db.raw())) {
+      void* bias = db.raw();
+      check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+            "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", ctx.stream->owner());
+      const float alpha = 1.f, beta = 0.f;
+      const cublasStatus_t st = cublasLtMatmul(lt_, desc_, &alpha, dy.raw(), layout_a_, x.raw(), layout_b_, &beta,
+                                               dw.raw(), layout_d_, dw.raw(), layout_d_, &algo_, workspace_.raw(),
+                                               workspace_bytes, s);
+      if (st == CUBLAS_STATUS_SUCCESS) return;
+      give_up(fmt::format("cublasLtMatmul failed: {} ({})", cublasGetStatusName(st), static_cast<int>(st)));
+    }
+    matmul_bias_grad_apart(ctx);
+  }
+
+ private:
+  struct Key {
+    std::int64_t rows = -1, k = -1, n = -1;
+    DType dtype = DType::f32;
+    bool operator==(const Key&) const = default;
+  };
+
+  /// Whether the fused product can run for this shape: its descriptors and algorithm, made the
+  /// first time the shape is seen (false for good once cuBLASLt has refused).
+  bool fused(const baton::detail::LinearGradDims& d, DType dtype, KernelContext& ctx) {
+    if (refused_) return false;
+    const Key key{d.rows, d.k, d.n, dtype};
+    if (ready_ && key == key_) return true;
+    release_plan();
+    const std::string who = ctx.stream->owner();
+    if (lt_ == nullptr) {
+      check(cublasLtCreate(&lt_), "cublasLtCreate", who);
+      memory_ = make_device_allocator(device_);
+      workspace_ = Tensor::empty({static_cast<std::int64_t>(workspace_bytes)}, DType::u8, *memory_);
+    }
+    const cudaDataType_t t = dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasOperation_t no = CUBLAS_OP_N, yes = CUBLAS_OP_T;
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BGRADA;
+    check(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate", who);
+    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &no, sizeof(no)), "TRANSA", who);
+    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &yes, sizeof(yes)), "TRANSB", who);
+    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)), "EPILOGUE",
+          who);
+    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &t, sizeof(t)), "BIAS_DATA_TYPE",
+          who);
+    const auto u64 = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+    check(cublasLtMatrixLayoutCreate(&layout_a_, t, u64(d.n), u64(d.rows), d.n), "cublasLtMatrixLayoutCreate(A)", who);
+    check(cublasLtMatrixLayoutCreate(&layout_b_, t, u64(d.k), u64(d.rows), d.k), "cublasLtMatrixLayoutCreate(B)", who);
+    check(cublasLtMatrixLayoutCreate(&layout_d_, t, u64(d.n), u64(d.k), d.n), "cublasLtMatrixLayoutCreate(D)", who);
+    cublasLtMatmulPreference_t pref = nullptr;
+    check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", who);
+    const std::size_t ws = workspace_bytes;
+    const std::uint32_t align = 16;  // the register slots' alignment this kernel checks before each call
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+      cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, desc_, layout_a_, layout_b_, layout_d_, layout_d_,
+                                                             pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+      give_up(fmt::format("cuBLASLt has no algorithm for the bias-gradient epilogue (BGRADA) of {} x {} x {} in {}{}",
+                          d.n, d.k, d.rows, name(dtype),
+                          st != CUBLAS_STATUS_SUCCESS ? fmt::format(": {}", cublasGetStatusName(st)) : std::string()));
+      return false;
+    }
+    algo_ = result.algo;
+    key_ = key;
+    ready_ = true;
+    return true;
+  }
+
+  void give_up(const std::string& why) {
+    if (!refused_) {
+      std::fprintf(stderr, "baton: %s: %s; the product and the bias's sum run apart\n", actor_.c_str(), why.c_str());
+    }
+    refused_ = true;
+    release_plan();
+  }
+
+  void release_plan() {
+    if (layout_a_ != nullptr) cublasLtMatrixLayoutDestroy(layout_a_);
+    if (layout_b_ != nullptr) cublasLtMatrixLayoutDestroy(layout_b_);
+    if (layout_d_ != nullptr) cublasLtMatrixLayoutDestroy(layout_d_);
+    if (desc_ != nullptr) cublasLtMatmulDescDestroy(desc_);
+    layout_a_ = layout_b_ = layout_d_ = nullptr;
+    desc_ = nullptr;
+    ready_ = false;
+  }
+
+  std::string actor_;
+  Device device_;
+  cublasLtHandle_t lt_ = nullptr;
+  std::unique_ptr<Allocator> memory_;  // declared before the workspace it backs
+  Tensor workspace_;
+  cublasLtMatmulDesc_t desc_ = nullptr;
+  cublasLtMatrixLayout_t layout_a_ = nullptr, layout_b_ = nullptr, layout_d_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};
+  Key key_;
+  bool ready_ = false, refused_ = false;
+};
+
+}  // namespace
+
+void add_linear_grad_kernels(KernelRegistry& reg) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    reg.add("matmul_bias_grad", DeviceType::cuda, t, [](const KernelConfig& cfg) {
+      return std::make_unique<LinearGradKernel>(std::string(cfg.actor), cfg.device);
+    });
+  }
+}
+
+}  // namespace baton::cuda
