@@ -373,6 +373,37 @@ TEST_CASE("Attention.Cpu.TheForwardsStatsAreEachRowsLogSumExpAndSpareTheBackward
   }
 }
 
+// attention_grad writes dq, dk and dv side by side in one [..., T, 3 D] output (the graph's node)
+// or into three outputs of q's shape (the plan's, when only the slices read it): the same bits;
+// anything else is refused naming what it wanted.
+TEST_CASE("Attention.Cpu.TheGradientWritesDqDkDvSideBySideOrApart") {
+  for (DType dt : {f64, f32}) {
+    for (const AttentionCase& c : cpu_cases()) {
+      CAPTURE(name(dt));
+      CAPTURE(to_string(c.shape));
+      const Attrs attrs = attention_attrs(c.causal, c.scale);
+      std::vector<Tensor> in;
+      for (int i = 0; i < 4; ++i) in.push_back(random_tensor(dt, c.shape));
+      const Tensor o = run1("attention", dt, attrs, {in[0], in[1], in[2]}, c.shape);
+      const std::vector<Tensor> args{in[0], in[1], in[2], o, in[3]};
+      const Tensor side_by_side = run1("attention_grad", dt, attrs, args, packed(c.shape));
+      const auto apart = run_cpu("attention_grad", dt, attrs, args, {c.shape, c.shape, c.shape});
+      for (int part = 0; part < 3; ++part) {
+        CAPTURE(part);
+        CHECK(difference(apart[static_cast<std::size_t>(part)], unpack(side_by_side, part)).error == 0);
+      }
+    }
+  }
+  const Shape s{2, 5, 8};
+  const std::vector<Tensor> args{random_tensor(f32, s), random_tensor(f32, s), random_tensor(f32, s),
+                                 random_tensor(f32, s), random_tensor(f32, s)};
+  const Attrs attrs = attention_attrs(true, 0.5);
+  CHECK_THROWS_WITH_AS(run_cpu("attention_grad", f32, attrs, args, {s, s, Shape{2, 5, 9}}),
+                       doctest::Contains("must have q's shape [2, 5, 8]"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(run_cpu("attention_grad", f32, attrs, args, {Shape{2, 5, 8}}),
+                       doctest::Contains("or three outputs of q's shape"), std::invalid_argument);
+}
+
 // The plan carries the stats from each attention actor to its gradient's actor: a second output
 // register [batch, heads, T] (f32) of as many slots as the output's, read as the sixth input;
 // naive attention and a forward-only plan have none.
@@ -406,6 +437,13 @@ TEST_CASE("Attention.Plan.TheForwardSavesItsStatsForItsGradient" * doctest::time
         CHECK(grad.op == "attention_grad");
         REQUIRE(grad.inputs.size() == 6);
         CHECK(grad.inputs[5].reg == a.outputs[1]);
+        // dq, dk and dv in registers of their own, of q's shape, read where the slices' readers
+        // read them: no slice actor copies them out.
+        REQUIRE(grad.outputs.size() == 3);
+        for (RegisterIndex r : grad.outputs) {
+          CHECK(job.plan.registers[r].shape == Shape{4, 2, 16, 8});
+          for (ActorIndex reader : job.plan.registers[r].consumers) CHECK(job.plan.actors[reader].op != "slice");
+        }
       }
       if (a.op == "attention_grad") ++backwards;
     }
@@ -994,6 +1032,12 @@ TEST_CASE("CudaKernels.Attention.MatchCpu" * doctest::timeout(300)) {
         CAPTURE(part);
         CHECK_CLOSE(unpack(saved[0], part), unpack(want, part), bwd_tol);
       }
+      // dq, dk and dv into tensors of their own (a training plan's three outputs): the same bits.
+      const auto apart = gpu.run("attention_grad", dt, attrs, {q, k, v, o, dout, stats}, {c.shape, c.shape, c.shape});
+      for (int part = 0; part < 3; ++part) {
+        CAPTURE(part);
+        CHECK(difference(apart[static_cast<std::size_t>(part)], unpack(saved[0], part)).error == 0);
+      }
     }
   }
 }
@@ -1070,10 +1114,14 @@ TEST_CASE("CudaKernels.Attention.CudnnMatchesTheCpuAndBatonsKernels" * doctest::
     const Tensor grads64 = run1("attention_grad", f64, plain, {in64[0], in64[1], in64[2], want[0], in64[3]}, packed(c.shape));
     const auto grads = run_attention_gpu(gpu, true, bf16, cudnn, {in[0], in[1], in[2], o, in[3], stats}, c.shape);
     const auto grads_ours = run_attention_gpu(gpu, true, bf16, fused, {in[0], in[1], in[2], o, in[3], stats}, c.shape);
+    // cuDNN's deterministic backward into dq, dk and dv apart (the plan's layout): the same bits.
+    const auto apart = gpu.run("attention_grad", bf16, cudnn, {in[0], in[1], in[2], o, in[3], stats},
+                               {c.shape, c.shape, c.shape});
     for (int part = 0; part < 3; ++part) {
       CAPTURE(part);  // dq, dk, dv
       CHECK_CLOSE(unpack(grads[0], part), unpack(grads64, part), 4e-2);
       CHECK_CLOSE(unpack(grads[0], part), unpack(grads_ours[0], part), 4e-2);
+      CHECK(difference(apart[static_cast<std::size_t>(part)], unpack(grads[0], part)).error == 0);
     }
   }
 }

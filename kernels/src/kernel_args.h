@@ -219,6 +219,52 @@ inline Shape attention_grad_shape(const Shape& q) {
   return s;
 }
 
+/// Where attention_grad writes dq, dk and dv: one output [..., T, 3 D] with the three side by
+/// side along the last axis (the graph's node), or three outputs of q's shape (the plan's, when
+/// the node's only readers are the slices that take them apart: PlanBuilder::op_actor). Row i
+/// of head h of dq starts at dq + (h T + i) ld elements; dk and dv likewise.
+struct AttentionGradOut {
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  std::int64_t ld = 0;  // elements from one row to the next: 3 D packed, D apart
+};
+
+inline AttentionGradOut attention_grad_out(const KernelContext& ctx, const Tensor& q, const char* op) {
+  const std::int64_t d = q.shape().empty() ? 0 : q.shape().back();
+  const auto bytes = static_cast<std::int64_t>(size_of(q.dtype()));
+  auto check_dtype = [&](const Tensor& t) {
+    if (t.dtype() != q.dtype()) {
+      throw std::invalid_argument(fmt::format("{}: {} must have q's dtype ({})", op, t.describe(), name(q.dtype())));
+    }
+  };
+  if (ctx.outputs.size() == 3) {
+    AttentionGradOut out;
+    void** at[] = {&out.dq, &out.dk, &out.dv};
+    const char* names[] = {"dq", "dk", "dv"};
+    for (std::size_t i = 0; i < 3; ++i) {
+      Tensor& t = need_output(ctx, i, op, names[i]);
+      if (t.shape() != q.shape()) {
+        throw std::invalid_argument(fmt::format("{}: {} {} must have q's shape {}", op, names[i], t.describe(),
+                                                to_string(q.shape())));
+      }
+      check_dtype(t);
+      *at[i] = t.raw();
+    }
+    out.ld = d;
+    return out;
+  }
+  Tensor& grads = need_output(ctx, 0, op, "dqkv");
+  if (grads.shape() != attention_grad_shape(q.shape())) {
+    throw std::invalid_argument(fmt::format("{}: dqkv {} must be {} (dq, dk and dv side by side), or three outputs of "
+                                            "q's shape",
+                                            op, grads.describe(), to_string(attention_grad_shape(q.shape()))));
+  }
+  check_dtype(grads);
+  auto* base = static_cast<char*>(grads.raw());
+  return {base, base + d * bytes, base + 2 * d * bytes, 3 * d};
+}
+
 /// attention's saved stats (its second output, attention_grad's sixth input; ops.h): throws
 /// naming `op` unless `stats` has one element per row of q.
 inline void check_attention_stats(const Tensor& stats, const Tensor& q, const char* op) {

@@ -172,23 +172,22 @@ class AttentionGradKernel final : public Kernel {
     const Tensor& v = need_input(ctx, 2, op, "v");
     const Tensor& o = need_input(ctx, 3, op, "o");
     const Tensor& dout = need_input(ctx, 4, op, "do");
-    Tensor& grads = need_output(ctx, 0, op, "dqkv");
     const AttentionDims a = detail::attention_dims(q, k, v, op);
     if (o.shape() != q.shape() || dout.shape() != q.shape()) {
       throw std::invalid_argument(
           fmt::format("{}: o {} and do {} must have q's shape {}", op, o.describe(), dout.describe(), to_string(q.shape())));
     }
-    if (grads.shape() != detail::attention_grad_shape(q.shape())) {
-      throw std::invalid_argument(fmt::format("{}: dqkv {} must be {} (dq, dk and dv side by side)", op, grads.describe(),
-                                              to_string(detail::attention_grad_shape(q.shape()))));
-    }
+    const detail::AttentionGradOut out = detail::attention_grad_out(ctx, q, op);
     const T* qp = typed<T>(q, op, "q");
     const T* kp = typed<T>(k, op, "k");
     const T* vp = typed<T>(v, op, "v");
     const T* opp = typed<T>(o, op, "o");
     const T* dop = typed<T>(dout, op, "do");
     const T* saved = saved_lse<T>(ctx, q, op);
-    T* gp = typed_out<T>(grads, op, "dqkv");
+    T* const dq_out = static_cast<T*>(out.dq);
+    T* const dk_out = static_cast<T*>(out.dk);
+    T* const dv_out = static_cast<T*>(out.dv);
+    const auto ld = static_cast<std::size_t>(out.ld);
     const auto t = static_cast<std::size_t>(a.t), d = static_cast<std::size_t>(a.d);
     const double scale = attrs_.scale_for(a.d);
     lse_.resize(t);
@@ -222,13 +221,13 @@ class AttentionGradKernel final : public Kernel {
           }
         }
       }
-      // dq, dk and dv side by side in each row of [..., T, 3 D].
-      T* gh = gp + static_cast<std::size_t>(h) * t * 3 * d;
+      // Each row of dq, dk and dv: side by side in [..., T, 3 D], or in tensors of their own.
+      const std::size_t head = static_cast<std::size_t>(h) * t * ld;
       for (std::size_t i = 0; i < t; ++i) {
         for (std::size_t c = 0; c < d; ++c) {
-          gh[i * 3 * d + c] = static_cast<T>(dq_[i * d + c]);
-          gh[i * 3 * d + d + c] = static_cast<T>(dk_[i * d + c]);
-          gh[i * 3 * d + 2 * d + c] = static_cast<T>(dv_[i * d + c]);
+          dq_out[head + i * ld + c] = static_cast<T>(dq_[i * d + c]);
+          dk_out[head + i * ld + c] = static_cast<T>(dk_[i * d + c]);
+          dv_out[head + i * ld + c] = static_cast<T>(dv_[i * d + c]);
         }
       }
     }

@@ -138,6 +138,7 @@ void lower_nodes(PlanBuilder& b, std::int64_t r, const Differentiated& d, const 
   // Weights whose variable actors emit bf16 (TrainConfig::fuse_weight_casts): their readers'
   // casts are the variable's register itself (they are lowered after it: ids are topological).
   const std::set<int> cast_only = cfg.fuse_weight_casts ? cast_only_weights(b, d) : std::set<int>{};
+  b.need = &d.need;
   std::set<int> emit_low;
   const auto stream_of = [&](int id) {
     return id <= loss_id ? forward_stream : backward_stream(cfg);

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -105,6 +106,15 @@ struct PlanBuilder {
   /// For gradient node `id`: the register its forward's saved tensor is in, which this adds to
   /// the forward's actor on first use; nullopt where the op saves nothing.
   std::optional<RegisterIndex> saved_for(int id);
+  /// The nodes the lowering needs (null: every node); what split_outputs looks at.
+  const std::vector<bool>* need = nullptr;
+  /// Slices whose register the node they slice writes directly (split_outputs): lowered with it.
+  std::set<int> written_by_input;
+  /// For a node whose only needed readers are slices that take its output apart along the last
+  /// axis into equal pieces (attention_grad's dq, dk and dv): those slices, in order, so that
+  /// its actor writes each piece into a register of its own (its kernel takes the outputs); else
+  /// empty. Only ops whose kernels take both forms are split.
+  std::vector<int> split_outputs(int id) const;
   void op_actor(int id, std::uint8_t stream, std::int32_t slots);
   void source_actor(const std::string& name, const std::string& op, DType dtype,
                     std::vector<RegisterIndex> outputs, std::int64_t pieces, const Placement& where,

@@ -1,4 +1,5 @@
 // What the lowering pass and evaluate() share (lowering.h).
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <string_view>
@@ -116,10 +117,21 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
       return;
     }
   }
+  if (written_by_input.contains(id)) return;  // its register is its input's actor's output
   std::vector<InputPort> inputs;
   for (int in : n.inputs) inputs.push_back({input_reg(id, in)});
   if (auto saved = saved_for(id)) inputs.push_back({*saved});
-  RegisterIndex out = node_register(id, slots);
+  std::vector<RegisterIndex> outs;
+  if (const std::vector<int> pieces = split_outputs(id); !pieces.empty()) {
+    // One register per piece, named and shaped as the slice that reads it, which lowers to nothing.
+    for (int slice : pieces) {
+      outs.push_back(node_register(slice, slots));
+      written_by_input.insert(slice);
+    }
+    reg_of[id] = outs.front();
+  } else {
+    outs.push_back(node_register(id, slots));
+  }
   const Placement where = at(stream, place(id));
   plan.add_actor({.name = named(n.name),
                   .kind = ActorKind::compute,
@@ -127,13 +139,52 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
                   .dtype = kernel_dtype(g, n),
                   .where = where,
                   .inputs = std::move(inputs),
-                  .outputs = {out},
+                  .outputs = std::move(outs),
                   .first_piece = first_piece,
                   .attrs = n.attrs,
                   .role = role,
                   .stage = stages == nullptr ? -1 : stage(id),
                   .weight_gradient = weight_work != nullptr && (*weight_work)[static_cast<std::size_t>(id)],
                   .in_place = in_place_inputs(g, n, where)});
+}
+
+// The ops whose kernels write their output either whole or in equal pieces along the last axis,
+// one output each (kernel_args.h's attention_grad_out): their readers' slices then cost nothing.
+struct SplitOp {
+  std::string_view op;
+  std::size_t pieces;
+};
+constexpr SplitOp split_ops[] = {{"attention_grad", 3}};
+
+std::vector<int> PlanBuilder::split_outputs(int id) const {
+  const Node& n = g.node(id);
+  const auto op = std::find_if(std::begin(split_ops), std::end(split_ops), [&](const SplitOp& o) { return o.op == n.op; });
+  if (op == std::end(split_ops) || n.shape.empty()) return {};
+  const std::size_t last = n.shape.size() - 1;
+  std::vector<int> readers;
+  for (int c = id + 1; c < g.size(); ++c) {
+    const Node& r = g.node(c);
+    if (std::find(r.inputs.begin(), r.inputs.end(), id) == r.inputs.end()) continue;
+    if (need != nullptr && !(*need)[static_cast<std::size_t>(c)]) continue;
+    if (r.op != "slice" || r.inputs.size() != 1 || r.attrs.get_int("axis", -1) != static_cast<std::int64_t>(last) ||
+        place(c) != place(id))
+      return {};
+    readers.push_back(c);
+  }
+  // Exactly the pieces [k w, (k + 1) w) for k = 0 .. readers - 1, each once, covering the axis.
+  const auto count = static_cast<std::int64_t>(readers.size());
+  if (readers.size() != op->pieces || n.shape[last] % count != 0) return {};
+  const std::int64_t w = n.shape[last] / count;
+  std::vector<int> in_order(readers.size(), -1);
+  for (int c : readers) {
+    const Node& r = g.node(c);
+    const std::int64_t start = r.attrs.get_int("start", -1);
+    if (start < 0 || start % w != 0 || r.shape[last] != w) return {};
+    const auto k = static_cast<std::size_t>(start / w);
+    if (in_order[k] != -1) return {};
+    in_order[k] = c;
+  }
+  return in_order;
 }
 
 // A tensor a forward kernel can write beside its output for the gradient op that reads that

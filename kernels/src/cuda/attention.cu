@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
 template <class T, int D>
 __global__ void __launch_bounds__(Tile<T, D>::threads)
     attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                        const T* __restrict__ o, const T* __restrict__ dout, T* __restrict__ dqkv,
+                        const T* __restrict__ o, const T* __restrict__ dout, T* __restrict__ dq_out, long long ld,
                         const float* __restrict__ lse_in, float* __restrict__ lse2_out, float* __restrict__ delta_out,
                         int t, int d, float scale2, float scale, bool causal, bool vec) {
   using C = Tile<T, D>;
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
     for (int j = 0; j < C::half; ++j) acc[j] += s1w[r * C::wide + 2 * j + h];
   }
   if (qi < t) {
-    T* out = dqkv + (head * t + qi) * 3LL * d;
+    T* out = dq_out + (head * t + qi) * ld;
 #pragma unroll
     for (int j = 0; j < C::half; ++j) {
       const int c = 2 * j + h;
@@ -387,7 +387,8 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
 template <class T, int D>
 __global__ void __launch_bounds__(Tile<T, D>::threads)
     attention_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                          const T* __restrict__ dout, T* __restrict__ dqkv, const float* __restrict__ lse2_in,
+                          const T* __restrict__ dout, T* __restrict__ dk_out, T* __restrict__ dv_out, long long ld,
+                          const float* __restrict__ lse2_in,
                           const float* __restrict__ delta_in, int t, int d, float scale2, float scale, bool causal,
                           bool vec) {
   using C = Tile<T, D>;
@@ -462,13 +463,14 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
     for (int j = 0; j < C::half; ++j) dk[j] += s2w[r * C::wide + 2 * j + h];
   }
   if (kj < t) {
-    T* out = dqkv + (head * t + kj) * 3LL * d;
+    T* dk_row = dk_out + (head * t + kj) * ld;
+    T* dv_row = dv_out + (head * t + kj) * ld;
 #pragma unroll
     for (int j = 0; j < C::half; ++j) {
       const int c = 2 * j + h;
       if (c < d) {
-        out[d + c] = from_f<T>(dk[j]);
-        out[2 * d + c] = from_f<T>(dv[j]);
+        dk_row[c] = from_f<T>(dk[j]);
+        dv_row[c] = from_f<T>(dv[j]);
       }
     }
   }
@@ -514,11 +516,11 @@ cudaError_t forward_t(const T* q, const T* k, const T* v, T* o, float* lse, long
 }
 
 template <class T>
-cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* dout, T* dqkv, const float* lse,
-                       void* scratch, long long heads, long long t, long long d, double scale, bool causal,
+cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* dout, T* dq_out, T* dk_out,
+                       T* dv_out, long long ld, const float* lse, void* scratch, long long heads, long long t, long long d, double scale, bool causal,
                        cudaStream_t s) {
   if (heads == 0 || t == 0) return cudaSuccess;
-  if (d < 1 || t > 0x7fffffffLL || heads > 0x7fffffffLL) return cudaErrorInvalidValue;
+  if (d < 1 || ld < d || t > 0x7fffffffLL || heads > 0x7fffffffLL) return cudaErrorInvalidValue;
   const bool vec_ok = aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const auto scale2 = static_cast<float>(scale * log2e);
   float* lse2 = static_cast<float*>(scratch);
@@ -532,12 +534,12 @@ cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* 
     const bool vec = vec_ok && d == D;
     auto dq = attention_dq_kernel<T, D>;
     if (cudaError_t e = allow_shared(dq, C::dq_bytes()); e != cudaSuccess) return e;
-    dq<<<grid, C::threads, C::dq_bytes(), s>>>(q, k, v, o, dout, dqkv, lse, lse2, delta, static_cast<int>(t),
+    dq<<<grid, C::threads, C::dq_bytes(), s>>>(q, k, v, o, dout, dq_out, ld, lse, lse2, delta, static_cast<int>(t),
                                                static_cast<int>(d), scale2, static_cast<float>(scale), causal, vec);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     auto dkdv = attention_dkdv_kernel<T, D>;
     if (cudaError_t e = allow_shared(dkdv, C::dkdv_bytes()); e != cudaSuccess) return e;
-    dkdv<<<grid, C::threads, C::dkdv_bytes(), s>>>(q, k, v, dout, dqkv, lse2, delta, static_cast<int>(t),
+    dkdv<<<grid, C::threads, C::dkdv_bytes(), s>>>(q, k, v, dout, dk_out, dv_out, ld, lse2, delta, static_cast<int>(t),
                                                    static_cast<int>(d), scale2, static_cast<float>(scale), causal, vec);
     return cudaGetLastError();
   });
@@ -558,14 +560,17 @@ cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, floa
 }
 
 cudaError_t attention_grad(const float* q, const float* k, const float* v, const float* o, const float* dout,
-                           float* dqkv, const float* lse, void* scratch, long long heads, long long t, long long d,
+                           GradRows out, const float* lse, void* scratch, long long heads, long long t, long long d,
                            double scale, bool causal, cudaStream_t s) {
-  return backward_t(q, k, v, o, dout, dqkv, lse, scratch, heads, t, d, scale, causal, s);
+  return backward_t(q, k, v, o, dout, static_cast<float*>(out.dq), static_cast<float*>(out.dk),
+                    static_cast<float*>(out.dv), out.ld, lse, scratch, heads, t, d, scale, causal, s);
 }
-cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, Bf16* dqkv,
+cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, GradRows out,
                            const float* lse, void* scratch, long long heads, long long t, long long d, double scale,
                            bool causal, cudaStream_t s) {
-  return backward_t(dev(q), dev(k), dev(v), dev(o), dev(dout), dev(dqkv), lse, scratch, heads, t, d, scale, causal, s);
+  return backward_t(dev(q), dev(k), dev(v), dev(o), dev(dout), static_cast<__nv_bfloat16*>(out.dq),
+                    static_cast<__nv_bfloat16*>(out.dk), static_cast<__nv_bfloat16*>(out.dv), out.ld, lse, scratch,
+                    heads, t, d, scale, causal, s);
 }
 
 }  // namespace baton::cuda::launch

@@ -668,7 +668,6 @@ constexpr std::int64_t q = 1, k = 2, v = 3, o = 4, stats = 5, dout = 6, dq = 7, 
 constexpr std::int64_t softmax_sum = 10, dq_accum = 11, seq_len_q = 12, seq_len_kv = 13;
 }  // namespace uid
 
-constexpr std::int64_t element_bytes = 2;
 
 cudnnDataType_t io_type(Elem e) { return e == Elem::bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
 
@@ -681,7 +680,7 @@ float negative_infinity(std::int64_t version) {
 struct Layout {
   Dims bhsd, bhsd_strides;      // q, k, v, o, do
   Dims bhds, bhds_strides;      // k (v) as the backend's matmuls take it: K^T, a view of K's memory
-  Dims grad_strides;            // dq, dk, dv side by side in dqkv
+  Dims grad_strides;            // dq, dk, dv: rows grad_ld apart (side by side in dqkv: 3 d)
   Dims scores, score_strides;   // [b, h, s_q, s_kv]
   Dims scores_t_strides;        // [b, h, s_kv, s_q]: the scores transposed in place
   Dims rows, row_strides;       // [b, h, s_q, 1]: stats and other row reductions
@@ -695,7 +694,8 @@ Layout layout_of(const SdpaShape& x) {
   l.bhsd_strides = {h * s * d, s * d, d, 1};
   l.bhds = {b, h, d, s};
   l.bhds_strides = {h * s * d, s * d, 1, d};
-  l.grad_strides = {h * s * 3 * d, s * 3 * d, 3 * d, 1};
+  const std::int64_t ld = x.grad_ld > 0 ? x.grad_ld : 3 * d;
+  l.grad_strides = {h * s * ld, s * ld, ld, 1};
   l.scores = {b, h, s, s};
   l.score_strides = {h * s * s, s * s, s, 1};
   l.scores_t_strides = {h * s * s, s * s, 1, s};
@@ -1170,10 +1170,8 @@ std::size_t SdpaBackward::workspace_bytes() const {
 }
 
 void SdpaBackward::run(const void* q, const void* k, const void* v, const void* o, const void* dout,
-                       const float* stats, void* dqkv, void* workspace, cudaStream_t stream) {
+                       const float* stats, void* dq, void* dk, void* dv, void* workspace, cudaStream_t stream) {
   const Impl& impl = *impl_;
-  auto* grads = static_cast<char*>(dqkv);
-  const std::int64_t head_bytes = impl.shape.d * element_bytes;
   Bindings b;
   b.add(uid::q, q);
   b.add(uid::k, k);
@@ -1181,9 +1179,9 @@ void SdpaBackward::run(const void* q, const void* k, const void* v, const void* 
   b.add(uid::o, o);
   b.add(uid::dout, dout);
   b.add(uid::stats, stats);
-  b.add(uid::dq, grads);
-  b.add(uid::dk, grads + head_bytes);
-  b.add(uid::dv, grads + 2 * head_bytes);
+  b.add(uid::dq, dq);
+  b.add(uid::dk, dk);
+  b.add(uid::dv, dv);
   auto* ws = static_cast<char*>(workspace);
   impl.bind_scratch(b, ws, stream);
   void* cudnn_workspace = impl.engine.workspace_bytes() > 0 ? ws + impl.scratch.bytes : nullptr;

@@ -7,8 +7,10 @@
 //
 // The layouts are baton's attention op's (baton/kernels/ops.h):
 //   q, k, v, o, do   [b, h, s, d], contiguous (strides h s d, s d, d, 1)
-//   dqkv             [b, h, s, 3 d]: dq, dk, dv side by side along the last axis (strides
-//                    h s 3d, s 3d, 3d, 1; dk starts d elements in, dv 2 d)
+//   dq, dk, dv       [b, h, s, d] with rows `grad_ld` elements apart (strides h s ld, s ld,
+//                    ld, 1): side by side in one [b, h, s, 3 d] tensor (ld 3 d, the graph's
+//                    attention_grad; dk starts d elements in, dv 2 d), or tensors of their own
+//                    (ld d, the plan's three outputs)
 //   stats            [b, h, s] float32: each row's log-sum-exp of scale q k^T over its unmasked
 //                    keys (natural log), written by the forward and read by the backward, so
 //                    the backward recomputes nothing.
@@ -44,6 +46,8 @@ struct SdpaShape {
   double scale = 1.0;
   bool causal = true;
   Elem elem = Elem::bf16;
+  /// The backward's gradients' row stride in elements (0: 3 d, dq, dk and dv side by side).
+  std::int64_t grad_ld = 0;
   bool operator==(const SdpaShape&) const = default;
 };
 
@@ -70,7 +74,7 @@ class SdpaForward {
   std::unique_ptr<Impl> impl_;
 };
 
-/// The backward of the same problem: dq, dk, dv (into one dqkv tensor) from q, k, v, o, do and
+/// The backward of the same problem: dq, dk, dv (rows grad_ld apart) from q, k, v, o, do and
 /// the forward's stats. cuDNN's deterministic algorithm where it has one (the same bits every
 /// run, as baton's other kernels).
 class SdpaBackward {
@@ -82,7 +86,7 @@ class SdpaBackward {
   const SdpaShape& shape() const;
   std::size_t workspace_bytes() const;
   void run(const void* q, const void* k, const void* v, const void* o, const void* dout, const float* stats,
-           void* dqkv, void* workspace, cudaStream_t stream);
+           void* dq, void* dk, void* dv, void* workspace, cudaStream_t stream);
 
  private:
   struct Impl;

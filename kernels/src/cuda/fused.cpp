@@ -35,10 +35,20 @@ const CudnnAttention& cudnn_attention() {
 }
 
 std::string cudnn_attention_check(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, bool causal, int sm) {
-  return cudnn::check_graphs(
-      {.b = b, .h = h, .s = s, .d = d, .scale = 1.0 / std::sqrt(static_cast<double>(d)), .causal = causal,
-       .elem = cudnn::Elem::bf16},
-      sm);
+  // Both layouts of the backward's gradients: side by side (the graph's node) and apart (the plan's).
+  for (std::int64_t ld : {std::int64_t{0}, d}) {
+    std::string why = cudnn::check_graphs({.b = b,
+                                           .h = h,
+                                           .s = s,
+                                           .d = d,
+                                           .scale = 1.0 / std::sqrt(static_cast<double>(d)),
+                                           .causal = causal,
+                                           .elem = cudnn::Elem::bf16,
+                                           .grad_ld = ld},
+                                          sm);
+    if (!why.empty()) return ld == 0 ? why : "with dq, dk and dv apart: " + why;
+  }
+  return "";
 }
 
 namespace {
@@ -232,14 +242,10 @@ class AttentionGradKernel final : public Kernel {
     const Tensor& v = need_input(ctx, 2, op, "v");
     const Tensor& o = need_input(ctx, 3, op, "o");
     const Tensor& dout = need_input(ctx, 4, op, "do");
-    Tensor& grads = need_output(ctx, 0, op, "dqkv");
     const AttentionDims a = baton::detail::attention_dims(q, k, v, op);
     check_same_shape(q, o, op);
     check_same_shape(q, dout, op);
-    if (grads.shape() != baton::detail::attention_grad_shape(q.shape())) {
-      throw std::invalid_argument(fmt::format("{}: dqkv {} must be {} (dq, dk and dv side by side)", op, grads.describe(),
-                                              to_string(baton::detail::attention_grad_shape(q.shape()))));
-    }
+    const baton::detail::AttentionGradOut grads = baton::detail::attention_grad_out(ctx, q, op);
     const float* stats = stats_in(ctx, q, op);
     if (!refused_ && wants_cudnn<E>(attrs_, a, op, actor_)) {
       // cuDNN's backward reads the forward's log-sum-exp; without it (a kernel run outside a
@@ -265,21 +271,23 @@ class AttentionGradKernel final : public Kernel {
     const std::size_t bytes = launch::attention_grad_scratch(a.heads, a.t);
     void* scratch = bytes == 0 ? nullptr : scratch_.get(bytes, ctx);
     launched(launch::attention_grad(in_as<E>(q, op, "q"), in_as<E>(k, op, "k"), in_as<E>(v, op, "v"),
-                                    in_as<E>(o, op, "o"), in_as<E>(dout, op, "do"), out_as<E>(grads, op, "dqkv"),
-                                    stats, scratch, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
+                                    in_as<E>(o, op, "o"), in_as<E>(dout, op, "do"),
+                                    launch::GradRows{grads.dq, grads.dk, grads.dv, grads.ld}, stats, scratch, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
              op, ctx);
   }
 
  private:
   void run_cudnn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-                 const float* stats, Tensor& grads, const AttentionDims& a, const KernelContext& ctx, cudaStream_t s) {
-    const cudnn::SdpaShape shape = sdpa_shape(q, a, attrs_);
+                 const float* stats, const baton::detail::AttentionGradOut& grads, const AttentionDims& a,
+                 const KernelContext& ctx, cudaStream_t s) {
+    cudnn::SdpaShape shape = sdpa_shape(q, a, attrs_);
+    shape.grad_ld = grads.ld;
     if (!sdpa_ || !(sdpa_->shape() == shape)) {
       sdpa_.reset();
       sdpa_ = std::make_unique<cudnn::SdpaBackward>(shape, actor_);
     }
     const std::size_t ws = sdpa_->workspace_bytes();
-    sdpa_->run(q.raw(), k.raw(), v.raw(), o.raw(), dout.raw(), stats, grads.raw(),
+    sdpa_->run(q.raw(), k.raw(), v.raw(), o.raw(), dout.raw(), stats, grads.dq, grads.dk, grads.dv,
                ws == 0 ? nullptr : workspace_.get(ws, ctx), s);
   }
 

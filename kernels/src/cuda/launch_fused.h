@@ -31,15 +31,25 @@ cudaError_t attention(const float* q, const float* k, const float* v, float* o, 
 cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, float* lse, long long heads, long long t,
                       long long d, double scale, bool causal, cudaStream_t s);
 
-/// The gradients of attention into dqkv [heads, t, 3 d] (dq, dk, dv side by side per row),
-/// FlashAttention-2's backward without atomics: one kernel per block of query rows takes their
-/// log-sum-exp (`lse`, the forward's [heads, t], natural log; null: recomputed, one more Q K^T
-/// pass) and D = rowsum(do * o) and accumulates dq; a second, per block of keys, accumulates dk
-/// and dv. `scratch`: device memory of attention_grad_scratch(heads, t) bytes.
+/// Where attention_grad writes (the element type's): row i of head h of dq at dq + (h t + i) ld,
+/// dk and dv likewise; ld 3 d with the three side by side in one [heads, t, 3 d] tensor, d in
+/// tensors of their own.
+struct GradRows {
+  void* dq;
+  void* dk;
+  void* dv;
+  long long ld;
+};
+
+/// The gradients of attention into `out`, FlashAttention-2's backward without atomics: one
+/// kernel per block of query rows takes their log-sum-exp (`lse`, the forward's [heads, t],
+/// natural log; null: recomputed, one more Q K^T pass) and D = rowsum(do * o) and accumulates dq;
+/// a second, per block of keys, accumulates dk and dv. `scratch`: device memory of
+/// attention_grad_scratch(heads, t) bytes.
 cudaError_t attention_grad(const float* q, const float* k, const float* v, const float* o, const float* dout,
-                           float* dqkv, const float* lse, void* scratch, long long heads, long long t, long long d,
+                           GradRows out, const float* lse, void* scratch, long long heads, long long t, long long d,
                            double scale, bool causal, cudaStream_t s);
-cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, Bf16* dqkv,
+cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, GradRows out,
                            const float* lse, void* scratch, long long heads, long long t, long long d, double scale,
                            bool causal, cudaStream_t s);
 inline size_t attention_grad_scratch(long long heads, long long t) {
