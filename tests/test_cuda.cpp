@@ -521,6 +521,32 @@ TEST_CASE("Cuda.Optim.MatchCpu" * doctest::timeout(60)) {
   }
 }
 
+TEST_CASE("Cuda.Memory.TheAllocatorsCountWhatTheyHoldAndTheirPeak") {
+  // The measured side of the plan's memory estimate (bench gpu's device_peak_bytes): bytes handed
+  // out now, the most at once since the last reset, and what cudaMalloc gave (pools included).
+  const Device dev = Device::parse("cuda:0");
+  if (!cuda_usable()) return;
+  auto alloc = cuda::make_device_allocator(dev);
+  const cuda::DeviceMemoryStats before = cuda::device_memory(dev);
+  cuda::reset_peak_device_memory(dev);
+  {
+    Tensor a = Tensor::empty({1 << 20}, f32, *alloc);  // 4 MiB
+    Tensor b = Tensor::empty({1 << 18}, f32, *alloc);  // 1 MiB
+    const cuda::DeviceMemoryStats held = cuda::device_memory(dev);
+    CHECK(held.in_use - before.in_use == 5 << 20);
+    CHECK(held.peak == held.in_use);
+    CHECK(held.reserved - before.reserved >= 0);
+  }
+  const cuda::DeviceMemoryStats after = cuda::device_memory(dev);
+  CHECK(after.in_use == before.in_use);           // given back to the pool
+  CHECK(after.peak - before.in_use == 5 << 20);    // the peak stays until the next reset
+  CHECK(after.reserved - before.reserved >= 0);  // the pool keeps its blocks
+  cuda::reset_peak_device_memory(dev);
+  CHECK(cuda::device_memory(dev).peak == after.in_use);
+  alloc.reset();  // the pool's blocks go back to CUDA
+  CHECK(cuda::device_memory(dev).reserved <= after.reserved);
+}
+
 TEST_CASE("Cuda.Optim.TheStepWritesItsCopyOfTheWeights" * doctest::timeout(60)) {
   // The variable actor's output in the optimizer's own pass (TrainConfig::fuse_weight_casts):
   // the f32 copy is the master bit for bit, the bf16 one the cast kernel's rounding of it.

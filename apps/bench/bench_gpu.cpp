@@ -559,6 +559,9 @@ struct BatonResult {
   std::int64_t actors = 0;
   std::map<std::string, double> kernel_s_by_op;
   std::map<std::string, double> device_s_by_op;  // BATON_DEVICE_TIME=1
+  /// On a CUDA device, what baton's allocators held at most during the run, and had reserved
+  /// from cudaMalloc at its end (cuda::device_memory: the measured side of the plan's estimate).
+  std::int64_t device_peak_bytes = 0, device_reserved_bytes = 0;
 };
 
 /// The shortest timed window worth a figure (the clock reads and a thread wake-up are a few
@@ -570,7 +573,7 @@ struct TooShort : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, double timeout_s) {
+BatonResult run_baton(Compiled& c, Device device, std::int64_t warmup, std::int64_t steps, double timeout_s) {
   RuntimeSettings settings;
   // BATON_STREAM_ORDER=0: every act waits for its stream (RuntimeSettings::stream_order), to
   // measure what stream-ordered handshakes buy.
@@ -581,6 +584,8 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   if (const char* e = std::getenv("BATON_DEVICE_TIME"); e != nullptr && std::string_view(e) == "1") {
     settings.device_time = true;
   }
+  const bool cuda_device = device.type == DeviceType::cuda;
+  if (cuda_device) cuda::reset_peak_device_memory(device);
   Runtime rt(c.job.plan, c.job.kernels, settings);
   std::exception_ptr failure;
   RunReport report;
@@ -610,6 +615,7 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
   }
   runner.join();
   if (failure) std::rethrow_exception(failure);
+  const cuda::DeviceMemoryStats memory = cuda_device ? cuda::device_memory(device) : cuda::DeviceMemoryStats{};
   // Step `warmup` done (at once when there is no warm-up: the job's start), then the rest.
   const std::optional<Clock::time_point> t_warm = warmup > 0 ? c.job.losses->when_done(warmup) : started;
   const std::optional<Clock::time_point> t_end = c.job.losses->when_done(warmup + steps);
@@ -625,6 +631,8 @@ BatonResult run_baton(Compiled& c, std::int64_t warmup, std::int64_t steps, doub
                     steps, r.timed_s * 1e3));
   }
   r.job_s = report.wall_s;
+  r.device_peak_bytes = memory.peak;
+  r.device_reserved_bytes = memory.reserved;
   auto losses = c.job.losses->per_step();
   if (!losses.empty()) r.loss = losses.back();
   r.actors = static_cast<std::int64_t>(c.job.plan.actors.size());
@@ -772,7 +780,7 @@ BatonAt baton_at(const Setup& s, std::int64_t batch, std::int64_t steps) {
       BatonAt b;
       b.batch = batch;
       b.steps = steps;
-      b.r = run_baton(compiled, s.warmup, steps, s.o.timeout_s);
+      b.r = run_baton(compiled, s.device, s.warmup, steps, s.o.timeout_s);
       b.register_bytes = compiled.register_bytes;
       b.estimated_bytes = compiled.estimated_bytes;
       b.tokens_per_s = static_cast<double>(batch * s.shape.seq * steps) / b.r.timed_s;
@@ -850,6 +858,8 @@ BatonAt baton_in_child(const Setup& s, std::int64_t batch, std::int64_t steps) {
   b.r.actors = static_cast<std::int64_t>(bench::json_number(line, "actors").value_or(0));
   b.register_bytes = static_cast<std::uint64_t>(bench::json_number(line, "register_bytes").value_or(0));
   b.estimated_bytes = static_cast<std::uint64_t>(bench::json_number(line, "estimated_bytes").value_or(0));
+  b.r.device_peak_bytes = static_cast<std::int64_t>(bench::json_number(line, "device_peak_bytes").value_or(0));
+  b.r.device_reserved_bytes = static_cast<std::int64_t>(bench::json_number(line, "device_reserved_bytes").value_or(0));
   return b;
 }
 
@@ -1100,6 +1110,11 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
     if (b) {
       line.add("loss", b->r.loss).add("job_s", b->r.job_s).add("actors", b->r.actors);
       line.add("register_bytes", b->register_bytes).add("estimated_bytes", b->estimated_bytes);
+      if (b->r.device_peak_bytes > 0) {
+        // The plan's estimate against what the device's allocators held (the goal: within 10%).
+        line.add("device_peak_bytes", b->r.device_peak_bytes).add("device_reserved_bytes", b->r.device_reserved_bytes);
+        line.add("plan_vs_device", static_cast<double>(b->estimated_bytes) / static_cast<double>(b->r.device_peak_bytes));
+      }
     }
     if (t) {
       line.add("reference_steps", s.steps);

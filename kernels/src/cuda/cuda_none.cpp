@@ -44,6 +44,8 @@ std::string Stream::failure() const { return {}; }
 void Stream::bind() const { unavailable(owner_); }
 
 std::unique_ptr<Allocator> make_device_allocator(Device device) { unavailable("memory on " + device.str()); }
+DeviceMemoryStats device_memory(Device) { return {}; }
+void reset_peak_device_memory(Device) {}
 std::unique_ptr<Allocator> make_pinned_allocator(Device) { unavailable("pinned host memory"); }
 void copy(Tensor&, const Tensor&, Stream&) { unavailable("copy"); }
 void sgd_step(float*, const float*, float*, std::int64_t, const SgdConfig&, std::int64_t, double, Stream&, Tensor*) {

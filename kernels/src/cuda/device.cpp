@@ -1,4 +1,6 @@
 // The CUDA device: availability, streams, pooled device memory and pinned host memory.
+#include <algorithm>
+#include <array>
 #include <map>
 #include <mutex>
 #include <new>
@@ -149,6 +151,27 @@ std::string Stream::failure() const {
 
 namespace {
 
+// device_memory()'s counters, one set per device index.
+struct Counters {
+  std::mutex mutex;
+  std::int64_t in_use = 0, peak = 0, reserved = 0;
+};
+
+Counters* counters(Device d) {
+  static std::array<Counters, Device::max_index + 1> all;
+  return d.index < all.size() ? &all[d.index] : nullptr;
+}
+
+void count(Device d, std::int64_t in_use, std::int64_t reserved) noexcept {
+  Counters* c_or_null = counters(d);
+  if (c_or_null == nullptr) return;
+  Counters& c = *c_or_null;
+  std::lock_guard lock(c.mutex);
+  c.in_use += in_use;
+  c.reserved += reserved;
+  c.peak = std::max(c.peak, c.in_use);
+}
+
 // Pooled by exact size: registers are allocated once per plan, in few sizes, and a plan made
 // again (a test, a second run) gets its blocks back without cudaMalloc's device-wide sync.
 class DeviceAllocator final : public Allocator {
@@ -158,6 +181,7 @@ class DeviceAllocator final : public Allocator {
     cudaSetDevice(device_.index);
     for (auto& [bytes, blocks] : free_) {
       for (void* p : blocks) cudaFree(p);
+      count(device_, 0, -static_cast<std::int64_t>(bytes * blocks.size()));
     }
   }
   void* allocate(std::size_t bytes) override {
@@ -168,6 +192,7 @@ class DeviceAllocator final : public Allocator {
       if (it != free_.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
+        count(device_, static_cast<std::int64_t>(size), 0);
         return p;
       }
     }
@@ -178,11 +203,16 @@ class DeviceAllocator final : public Allocator {
       throw std::runtime_error(fmt::format("cudaMalloc of {} bytes on {} failed: {}", size, device_.str(),
                                            cudaGetErrorString(e)));
     }
+    count(device_, static_cast<std::int64_t>(size), static_cast<std::int64_t>(size));
     return p;
   }
   void deallocate(void* p, std::size_t bytes) noexcept override {
-    std::lock_guard lock(mutex_);
-    free_[bytes == 0 ? 256 : bytes].push_back(p);
+    const std::size_t size = bytes == 0 ? 256 : bytes;
+    {
+      std::lock_guard lock(mutex_);
+      free_[size].push_back(p);
+    }
+    count(device_, -static_cast<std::int64_t>(size), 0);
   }
   Device device() const override { return device_; }
 
@@ -211,6 +241,20 @@ class PinnedAllocator final : public Allocator {
 };
 
 }  // namespace
+
+DeviceMemoryStats device_memory(Device device) {
+  Counters* c = counters(device);
+  if (c == nullptr) return {};
+  std::lock_guard lock(c->mutex);
+  return {c->in_use, c->peak, c->reserved};
+}
+
+void reset_peak_device_memory(Device device) {
+  Counters* c = counters(device);
+  if (c == nullptr) return;
+  std::lock_guard lock(c->mutex);
+  c->peak = c->in_use;
+}
 
 std::unique_ptr<Allocator> make_device_allocator(Device device) {
   const auto& a = availability();

@@ -96,6 +96,19 @@ class Stream final : public AsyncStream {
 /// the same size (registers are allocated once, with few distinct sizes). The pool returns
 /// everything to CUDA when the allocator is destroyed. Throws std::bad_alloc naming the size.
 std::unique_ptr<Allocator> make_device_allocator(Device device);
+
+/// What baton's device allocators (make_device_allocator: registers, kernels' scratch and kept
+/// state) hold on one device, process-wide, in bytes: `in_use` handed out now, `peak` the most
+/// handed out at once since the last reset_peak_device_memory (torch.cuda.max_memory_allocated's
+/// counterpart), `reserved` obtained from cudaMalloc and not yet freed (pools included:
+/// max_memory_reserved's). Not counted: the CUDA context, and what cuBLAS and NCCL allocate for
+/// themselves. All zero in a build without CUDA.
+struct DeviceMemoryStats {
+  std::int64_t in_use = 0, peak = 0, reserved = 0;
+};
+DeviceMemoryStats device_memory(Device device);
+/// Starts a new peak for device_memory(): peak := in_use.
+void reset_peak_device_memory(Device device);
 /// Page-locked host memory (cudaMallocHost) for registers that cross to and from a device, so
 /// that copies run on the copy engines without a staging copy. The device it reports is `host`.
 std::unique_ptr<Allocator> make_pinned_allocator(Device host);
