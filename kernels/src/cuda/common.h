@@ -32,6 +32,11 @@ inline void check(cublasStatus_t s, const char* call, std::string_view who) {
   }
 }
 
+/// Adds `bytes` (negative: gives them back) to what cuda::device_memory reports held and
+/// reserved on device `index`, for device memory a kernel obtains from cudaMalloc itself
+/// (util::Scratch) rather than through make_device_allocator (device.cpp).
+void count_device_bytes(int index, std::int64_t bytes) noexcept;
+
 }  // namespace baton::cuda
 
 /// Checks a CUDA or cuBLAS call, naming it and `who` (the actor or owner) on failure.

@@ -172,11 +172,22 @@ void count(Device d, std::int64_t in_use, std::int64_t reserved) noexcept {
   c.peak = std::max(c.peak, c.in_use);
 }
 
+}  // namespace
+
+void count_device_bytes(int index, std::int64_t bytes) noexcept {
+  if (bytes == 0 || index < 0 || index > Device::max_index) return;
+  count(Device{DeviceType::cuda, static_cast<std::uint8_t>(index)}, bytes, bytes);
+}
+
+namespace {
+
 // Pooled by exact size: registers are allocated once per plan, in few sizes, and a plan made
 // again (a test, a second run) gets its blocks back without cudaMalloc's device-wide sync.
 class DeviceAllocator final : public Allocator {
  public:
-  explicit DeviceAllocator(Device d) : device_(d) {}
+  // The counters first, so that they outlive every allocator (function-local statics are
+  // destroyed in the reverse order of their construction).
+  explicit DeviceAllocator(Device d) : device_(d) { (void)counters(d); }
   ~DeviceAllocator() override {
     cudaSetDevice(device_.index);
     for (auto& [bytes, blocks] : free_) {

@@ -48,23 +48,32 @@ class Scratch {
   Scratch() = default;
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() {
-    if (p_ != nullptr) cudaFree(p_);
-  }
+  ~Scratch() { release(); }
   void* get(std::size_t bytes, const KernelContext& ctx) {
     if (bytes > capacity_) {
       if (p_ != nullptr) check(cudaFree(p_), "cudaFree", ctx.stream->owner());
+      count_device_bytes(device_, -static_cast<std::int64_t>(capacity_));
       p_ = nullptr;
       capacity_ = 0;
+      check(cudaGetDevice(&device_), "cudaGetDevice", ctx.stream->owner());
       check(cudaMalloc(&p_, bytes), "cudaMalloc", ctx.stream->owner());
       capacity_ = bytes;
+      count_device_bytes(device_, static_cast<std::int64_t>(capacity_));  // cuda::device_memory
     }
     return p_;
+  }
+  /// Gives the memory back now (the destructor does too).
+  void release() noexcept {
+    if (p_ != nullptr) cudaFree(p_);
+    count_device_bytes(device_, -static_cast<std::int64_t>(capacity_));
+    p_ = nullptr;
+    capacity_ = 0;
   }
 
  private:
   void* p_ = nullptr;
   std::size_t capacity_ = 0;
+  int device_ = 0;
 };
 
 }  // namespace baton::cuda::util

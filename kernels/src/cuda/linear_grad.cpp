@@ -15,10 +15,13 @@
 // rounding, never an error.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -37,7 +40,9 @@ using baton::detail::need_input;
 using baton::detail::need_output;
 using util::stream_of;
 
-constexpr std::size_t workspace_bytes = std::size_t{32} << 20;  // cuBLASLt's split-k reductions
+// The most workspace cuBLASLt's heuristic may ask for (split-k reductions); each actor then
+// holds what its algorithm asks for, often nothing.
+constexpr std::size_t max_workspace_bytes = std::size_t{32} << 20;
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
@@ -68,9 +73,10 @@ class LinearGradKernel final : public Kernel {
       check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
             "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", ctx.stream->owner());
       const float alpha = 1.f, beta = 0.f;
-      const cublasStatus_t st = cublasLtMatmul(lt_, desc_, &alpha, dy.raw(), layout_a_, x.raw(), layout_b_, &beta,
-                                               dw.raw(), layout_d_, dw.raw(), layout_d_, &algo_, workspace_.raw(),
-                                               workspace_bytes, s);
+      const cublasStatus_t st =
+          cublasLtMatmul(lt_, desc_, &alpha, dy.raw(), layout_a_, x.raw(), layout_b_, &beta, dw.raw(), layout_d_,
+                         dw.raw(), layout_d_, &algo_, workspace_bytes_ > 0 ? workspace_.raw() : nullptr,
+                         workspace_bytes_, s);
       if (st == CUBLAS_STATUS_SUCCESS) return;
       give_up(fmt::format("cublasLtMatmul failed: {} ({})", cublasGetStatusName(st), static_cast<int>(st)));
     }
@@ -85,17 +91,26 @@ class LinearGradKernel final : public Kernel {
   };
 
   /// Whether the fused product can run for this shape: its descriptors and algorithm, made the
-  /// first time the shape is seen (false for good once cuBLASLt has refused).
+  /// first time the shape is seen (false for good for a shape cuBLASLt has refused; any error
+  /// here is a refusal, never the act's failure).
   bool fused(const baton::detail::LinearGradDims& d, DType dtype, KernelContext& ctx) {
-    if (refused_) return false;
     const Key key{d.rows, d.k, d.n, dtype};
     if (ready_ && key == key_) return true;
+    if (std::find(refused_.begin(), refused_.end(), key) != refused_.end()) return false;
+    key_ = key;
+    try {
+      plan(d, dtype, ctx.stream->owner());
+    } catch (const std::exception& e) {
+      give_up(e.what());
+    }
+    return ready_;
+  }
+
+  void plan(const baton::detail::LinearGradDims& d, DType dtype, const std::string& who) {
     release_plan();
-    const std::string who = ctx.stream->owner();
     if (lt_ == nullptr) {
       check(cublasLtCreate(&lt_), "cublasLtCreate", who);
       memory_ = make_device_allocator(device_);
-      workspace_ = Tensor::empty({static_cast<std::int64_t>(workspace_bytes)}, DType::u8, *memory_);
     }
     const cudaDataType_t t = dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
     const cublasOperation_t no = CUBLAS_OP_N, yes = CUBLAS_OP_T;
@@ -111,9 +126,14 @@ class LinearGradKernel final : public Kernel {
     check(cublasLtMatrixLayoutCreate(&layout_a_, t, u64(d.n), u64(d.rows), d.n), "cublasLtMatrixLayoutCreate(A)", who);
     check(cublasLtMatrixLayoutCreate(&layout_b_, t, u64(d.k), u64(d.rows), d.k), "cublasLtMatrixLayoutCreate(B)", who);
     check(cublasLtMatrixLayoutCreate(&layout_d_, t, u64(d.n), u64(d.k), d.n), "cublasLtMatrixLayoutCreate(D)", who);
+    // The heuristic judges the bias pointer's alignment by its value: one aligned to 16 bytes
+    // and no more (register slots are), so no algorithm that needs more is chosen.
+    void* bias16 = reinterpret_cast<void*>(std::uintptr_t{16});
+    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias16, sizeof(bias16)),
+          "BIAS_POINTER", who);
     cublasLtMatmulPreference_t pref = nullptr;
     check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", who);
-    const std::size_t ws = workspace_bytes;
+    const std::size_t ws = max_workspace_bytes;
     const std::uint32_t align = 16;  // the register slots' alignment this kernel checks before each call
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -126,22 +146,25 @@ class LinearGradKernel final : public Kernel {
                                                              pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
-      give_up(fmt::format("cuBLASLt has no algorithm for the bias-gradient epilogue (BGRADA) of {} x {} x {} in {}{}",
-                          d.n, d.k, d.rows, name(dtype),
-                          st != CUBLAS_STATUS_SUCCESS ? fmt::format(": {}", cublasGetStatusName(st)) : std::string()));
-      return false;
+      throw std::runtime_error(fmt::format(
+          "cuBLASLt has no algorithm for the bias-gradient epilogue (BGRADA) of {} x {} x {} in {}{}", d.n, d.k, d.rows,
+          name(dtype), st != CUBLAS_STATUS_SUCCESS ? fmt::format(": {}", cublasGetStatusName(st)) : std::string()));
+    }
+    if (result.workspaceSize > workspace_bytes_) {
+      workspace_ = Tensor();
+      workspace_ = Tensor::empty({static_cast<std::int64_t>(result.workspaceSize)}, DType::u8, *memory_);
+      workspace_bytes_ = result.workspaceSize;
     }
     algo_ = result.algo;
-    key_ = key;
     ready_ = true;
-    return true;
   }
 
+  /// This shape runs apart from now on (said once per actor on stderr).
   void give_up(const std::string& why) {
-    if (!refused_) {
+    if (refused_.empty()) {
       std::fprintf(stderr, "baton: %s: %s; the product and the bias's sum run apart\n", actor_.c_str(), why.c_str());
     }
-    refused_ = true;
+    refused_.push_back(key_);
     release_plan();
   }
 
@@ -160,11 +183,13 @@ class LinearGradKernel final : public Kernel {
   cublasLtHandle_t lt_ = nullptr;
   std::unique_ptr<Allocator> memory_;  // declared before the workspace it backs
   Tensor workspace_;
+  std::size_t workspace_bytes_ = 0;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatrixLayout_t layout_a_ = nullptr, layout_b_ = nullptr, layout_d_ = nullptr;
   cublasLtMatmulAlgo_t algo_{};
   Key key_;
-  bool ready_ = false, refused_ = false;
+  bool ready_ = false;
+  std::vector<Key> refused_;  // shapes cuBLASLt would not take: they run apart
 };
 
 }  // namespace

@@ -327,9 +327,6 @@ void check_logits_labels(const Tensor& logits, const Tensor& labels, const char*
 // A label outside [0, C) cannot throw from the device: its row's loss and gradient are NaN.
 class CrossEntropyKernel final : public Kernel {
  public:
-  ~CrossEntropyKernel() override {
-    if (scratch_ != nullptr) cudaFree(scratch_);
-  }
   void compute(KernelContext& ctx) override {
     const char* name = "softmax_cross_entropy";
     const Tensor& logits = need_input(ctx, 0, name, "logits");
@@ -339,21 +336,14 @@ class CrossEntropyKernel final : public Kernel {
     if (loss.numel() != 1) throw std::invalid_argument(fmt::format("{}: loss {} must be a scalar", name, loss.describe()));
     cudaStream_t s = stream_of(ctx, name);
     const long long rows = logits.dim(0);
-    if (rows > capacity_) {
-      if (scratch_ != nullptr) check(cudaFree(scratch_), "cudaFree", ctx.stream->owner());
-      scratch_ = nullptr;
-      check(cudaMalloc(reinterpret_cast<void**>(&scratch_), static_cast<std::size_t>(rows) * sizeof(double)), "cudaMalloc",
-            ctx.stream->owner());
-      capacity_ = rows;
-    }
+    auto* parts = static_cast<double*>(scratch_.get(static_cast<std::size_t>(rows) * sizeof(double), ctx));
     launched(launch::cross_entropy(in_f32(logits, name, "logits"), in_i32(labels, name, "labels"), out_f32(loss, name, "loss"),
-                                   scratch_, rows, logits.dim(1), s),
+                                   parts, rows, logits.dim(1), s),
              name, ctx);
   }
 
  private:
-  double* scratch_ = nullptr;
-  long long capacity_ = 0;
+  util::Scratch scratch_;  // the rows' losses, summed in a fixed order
 };
 
 void cross_entropy_grad(KernelContext& ctx) {

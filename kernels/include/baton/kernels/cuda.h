@@ -97,12 +97,14 @@ class Stream final : public AsyncStream {
 /// everything to CUDA when the allocator is destroyed. Throws std::bad_alloc naming the size.
 std::unique_ptr<Allocator> make_device_allocator(Device device);
 
-/// What baton's device allocators (make_device_allocator: registers, kernels' scratch and kept
-/// state) hold on one device, process-wide, in bytes: `in_use` handed out now, `peak` the most
+/// What baton holds on one device, process-wide, in bytes: its device allocators
+/// (make_device_allocator: registers, kept state such as master weights and optimizer slots,
+/// cuBLASLt's workspaces) and the kernels' own scratch (attention's, cuDNN's workspace, the
+/// losses' partial sums): `in_use` handed out now, `peak` the most
 /// handed out at once since the last reset_peak_device_memory (torch.cuda.max_memory_allocated's
 /// counterpart), `reserved` obtained from cudaMalloc and not yet freed (pools included:
-/// max_memory_reserved's). Not counted: the CUDA context, and what cuBLAS and NCCL allocate for
-/// themselves. All zero in a build without CUDA.
+/// max_memory_reserved's). Not counted: the CUDA context, and what cuBLAS, cuDNN and NCCL
+/// allocate for themselves. All zero in a build without CUDA.
 struct DeviceMemoryStats {
   std::int64_t in_use = 0, peak = 0, reserved = 0;
 };
