@@ -140,6 +140,23 @@ inline LinearGradDims linear_grad_dims(const Tensor& x, const Tensor& dy, const 
   return d;
 }
 
+/// matmul_bias_grad's operands (x, dy; dw, db) from an act's context, checked by linear_grad_dims.
+struct LinearGradArgs {
+  const Tensor& x;
+  const Tensor& dy;
+  Tensor& dw;
+  Tensor& db;
+  LinearGradDims dims;
+};
+
+inline LinearGradArgs linear_grad_args(const KernelContext& ctx, const char* op) {
+  const Tensor& x = need_input(ctx, 0, op, "x");
+  const Tensor& dy = need_input(ctx, 1, op, "dy");
+  Tensor& dw = need_output(ctx, 0, op, "dw");
+  Tensor& db = need_output(ctx, 1, op, "db");
+  return {x, dy, dw, db, linear_grad_dims(x, dy, dw, db, op)};
+}
+
 /// An axis in [-rank, rank) as an index in [0, rank); throws naming the op and the tensor.
 inline std::size_t normalise_axis(std::int64_t axis, std::size_t rank, const char* op, const Tensor& t) {
   const auto r = static_cast<std::int64_t>(rank);

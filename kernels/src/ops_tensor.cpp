@@ -494,12 +494,7 @@ template <class T>
 class MatmulBiasGradKernel final : public Kernel {
  public:
   void compute(KernelContext& ctx) override {
-    const char* name = "matmul_bias_grad";
-    const Tensor& x = need_input(ctx, 0, name, "x");
-    const Tensor& dy = need_input(ctx, 1, name, "dy");
-    Tensor& dw = need_output(ctx, 0, name, "dw");
-    Tensor& db = need_output(ctx, 1, name, "db");
-    const detail::LinearGradDims d = detail::linear_grad_dims(x, dy, dw, db, name);
+    const auto [x, dy, dw, db, d] = detail::linear_grad_args(ctx, "matmul_bias_grad");
     if (dw.numel() > 0) {
       if (d.rows == 0) {
         std::fill_n(dw.data<T>().data(), dw.numel(), T(0));

@@ -36,8 +36,6 @@ namespace baton::cuda {
 
 namespace {
 
-using baton::detail::need_input;
-using baton::detail::need_output;
 using util::stream_of;
 
 // The most workspace cuBLASLt's heuristic may ask for (split-k reductions); each actor then
@@ -58,11 +56,7 @@ class LinearGradKernel final : public Kernel {
 
   void compute(KernelContext& ctx) override {
     const char* name = "matmul_bias_grad";
-    const Tensor& x = need_input(ctx, 0, name, "x");
-    const Tensor& dy = need_input(ctx, 1, name, "dy");
-    Tensor& dw = need_output(ctx, 0, name, "dw");
-    Tensor& db = need_output(ctx, 1, name, "db");
-    const baton::detail::LinearGradDims d = baton::detail::linear_grad_dims(x, dy, dw, db, name);
+    const auto [x, dy, dw, db, d] = baton::detail::linear_grad_args(ctx, name);
     if (dy.dtype() != DType::f32 && dy.dtype() != DType::bf16) {
       throw std::invalid_argument(fmt::format("{} (actor '{}'): f32 or bf16, not {}", name, actor_, dy.describe()));
     }

@@ -927,12 +927,7 @@ void add_float_kernels(KernelRegistry& reg) {
 }  // namespace
 
 void matmul_bias_grad_apart(KernelContext& ctx) {
-  const char* name = "matmul_bias_grad";
-  const Tensor& x = need_input(ctx, 0, name, "x");
-  const Tensor& dy = need_input(ctx, 1, name, "dy");
-  Tensor& dw = need_output(ctx, 0, name, "dw");
-  Tensor& db = need_output(ctx, 1, name, "db");
-  const baton::detail::LinearGradDims d = baton::detail::linear_grad_dims(x, dy, dw, db, name);
+  const auto [x, dy, dw, db, d] = baton::detail::linear_grad_args(ctx, "matmul_bias_grad");
   // The two ops as the plan had them before its fusion: the product of the 2-D views, then the sum.
   const Tensor x2 = x.view({d.rows, d.k}), dy2 = dy.view({d.rows, d.n});
   const Tensor* product_in[] = {&x2, &dy2};
