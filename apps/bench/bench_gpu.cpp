@@ -1015,6 +1015,34 @@ CompileAnchor compile_anchor(const Setup& s, const Reference& ref, std::int64_t 
 }
 
 /// Runs the benchmark on `device`; returns false if it failed (a line with "error" was printed).
+/// baton's run in a result line: its loss and size, and its memory, planned and measured.
+void add_run_fields(bench::JsonLine& line, const BatonAt& b) {
+  line.add("loss", b.r.loss).add("job_s", b.r.job_s).add("actors", b.r.actors);
+  line.add("register_bytes", b.register_bytes).add("estimated_bytes", b.estimated_bytes);
+  if (b.r.device_peak_bytes > 0) {
+    // The plan's estimate against what the device's allocators held (the goal: within 10%).
+    line.add("device_peak_bytes", b.r.device_peak_bytes).add("device_reserved_bytes", b.r.device_reserved_bytes);
+    line.add("plan_vs_device", static_cast<double>(b.estimated_bytes) / static_cast<double>(b.r.device_peak_bytes));
+  }
+}
+
+/// PyTorch's run in a result line: its loss, memory and settings.
+void add_reference_fields(bench::JsonLine& line, const TorchAt& t, const Setup& s, const Reference& ref,
+                          bool best_mode) {
+  const Options& o = s.o;
+  line.add("reference_steps", s.steps);
+  line.add("reference_loss", bench::json_number(t.line, "loss").value_or(NAN));
+  if (const auto m = bench::json_number(t.line, "max_memory_bytes"); m && *m > 0) {
+    line.add("reference_max_memory_bytes", *m);  // torch.cuda.max_memory_allocated
+  }
+  line.add("reference_attention", o.torch_attention).add("reference_precision", o.precision);
+  line.add("torch_version", ref.version());
+  if (best_mode && o.torch_attention != "sdpa") {
+    line.add("reference_attention_note",
+             fmt::format("PyTorch {} has no scaled_dot_product_attention (2.0 and later)", ref.version()));
+  }
+}
+
 bool bench_device(Device device, const Options& given, const Reference* ref) {
   const bool cuda = device.type == DeviceType::cuda;
   const std::string case_name = cuda ? "gpt_cuda" : "gpt_cpu";
@@ -1107,28 +1135,8 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
     line.add("seq", s.shape.seq).add("d_model", s.shape.d_model).add("heads", s.shape.heads);
     line.add("layers", s.shape.layers).add("vocab", s.shape.vocab);
     line.add("warmup", s.warmup).add("steps", b ? b->steps : s.steps).add("threads", o.threads);
-    if (b) {
-      line.add("loss", b->r.loss).add("job_s", b->r.job_s).add("actors", b->r.actors);
-      line.add("register_bytes", b->register_bytes).add("estimated_bytes", b->estimated_bytes);
-      if (b->r.device_peak_bytes > 0) {
-        // The plan's estimate against what the device's allocators held (the goal: within 10%).
-        line.add("device_peak_bytes", b->r.device_peak_bytes).add("device_reserved_bytes", b->r.device_reserved_bytes);
-        line.add("plan_vs_device", static_cast<double>(b->estimated_bytes) / static_cast<double>(b->r.device_peak_bytes));
-      }
-    }
-    if (t) {
-      line.add("reference_steps", s.steps);
-      line.add("reference_loss", bench::json_number(t->line, "loss").value_or(NAN));
-      if (const auto m = bench::json_number(t->line, "max_memory_bytes"); m && *m > 0) {
-        line.add("reference_max_memory_bytes", *m);  // torch.cuda.max_memory_allocated
-      }
-      line.add("reference_attention", o.torch_attention).add("reference_precision", o.precision);
-      line.add("torch_version", ref->version());
-      if (best_mode && o.torch_attention != "sdpa") {
-        line.add("reference_attention_note",
-                 fmt::format("PyTorch {} has no scaled_dot_product_attention (2.0 and later)", ref->version()));
-      }
-    }
+    if (b) add_run_fields(line, *b);
+    if (t) add_reference_fields(line, *t, s, *ref, best_mode);
     tc.add_to(line, b ? std::optional<double>(b->tokens_per_s) : std::nullopt, peak ? s.flops_per_token / (*peak * 1e12) : 0);
     line.add("attention", o.attention);
     if (s.cuda && o.attention != "naive" && o.attention != "fused") {
