@@ -587,6 +587,19 @@ void Session::close() {
   stream_.close();
 }
 
+// Asio gives SIGTERM and SIGINT their default action back when the last signal_set that holds
+// them goes (its signal_set_service counts the registrations). When the server goes, the process
+// is still ending (baton-serve tells the other ranks to stop), and a second SIGTERM is often on
+// its way: Slurm's scancel signals every process of a task and baton-launch forwards the signal
+// too, moments apart. The default action would kill the process there, and the job would fail.
+// A set that lives as long as the process and is never waited on keeps them caught: a signal
+// that reaches only it does nothing.
+void keep_signals_caught() {
+  static net::io_context* const io = new net::io_context(1);
+  static net::signal_set* const held = new net::signal_set(*io, SIGTERM, SIGINT);
+  (void)held;
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -727,6 +740,7 @@ HttpServer::HttpServer(Backend& backend, ServerSettings settings) {
   s.accept();
   s.poll_failure();
   if (s.state.settings.handle_signals) {
+    keep_signals_caught();
     s.signals.emplace(s.io, SIGTERM, SIGINT);
     s.watch_signals();
   }

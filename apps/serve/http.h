@@ -27,7 +27,10 @@ struct ServerSettings {
   /// How long a drain lets running requests finish before the engine cancels them.
   std::chrono::seconds drain_timeout{600};
   int retry_after_s = 1;  // the Retry-After of a 429 (the engine's queue is full)
-  /// SIGTERM and SIGINT begin a drain (a second one stops at once).
+  /// SIGTERM and SIGINT begin a drain (a second one, 2 s or more later, stops at once). From then
+  /// on, for the life of the process, they stay caught: once the server is gone they do nothing,
+  /// so a second signal that arrives while the process ends cannot kill it (a scheduler and a
+  /// launcher that both deliver one); the caller ends the process in its own time.
   bool handle_signals = false;
   /// A client has this long to send a request's header and body, and to take each write.
   std::chrono::seconds io_timeout{30};

@@ -520,18 +520,13 @@ int run(const Options& o) {
                                              .log = log});
     std::optional<Watcher> watcher;
     if (!o.watch.empty()) watcher.emplace(engine, o, l.step);
-    server.run();
     // Drained (or stopped): a SIGTERM still on its way (Slurm's scancel signals every process of
-    // the task and baton-launch forwards it too, moments apart) must not kill the process while
-    // it tells the other ranks to stop. Asio gives the signals back their default action when
-    // the server's signal_set goes, so they are ignored both before and after that.
-    std::signal(SIGTERM, SIG_IGN);
-    std::signal(SIGINT, SIG_IGN);
+    // the task and baton-launch forwards it too, moments apart) does nothing from here on, while
+    // the process tells the other ranks to stop (ServerSettings::handle_signals).
+    server.run();
     watcher.reset();
     why = engine.failure();
   }
-  std::signal(SIGTERM, SIG_IGN);
-  std::signal(SIGINT, SIG_IGN);
   if (job) {
     job->watch(nullptr);
     if (why.empty()) {
