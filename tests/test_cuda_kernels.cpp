@@ -270,6 +270,42 @@ TEST_CASE("Attention.Cpu.GradientMatchesFiniteDifferences") {
   }
 }
 
+namespace {
+
+// dq, dk, dv and o of sum(r * attention(q, k, v)) by autodiff through the graph (evaluate) in
+// double, from feeds q, k, v and r: the fused op (its gradient op and the slices that unpack
+// it), or the unfused ops, k and v repeated to q's heads first where they have fewer
+// (reshape, broadcast_to, reshape: transformers' repeat_kv).
+std::vector<Tensor> attention_grads(const Shape& qs, const Shape& kvs, bool causal, double scale, bool fused,
+                                    const std::map<std::string, Tensor>& feeds) {
+  Graph g(1);
+  Value q = g.input("q", qs, f64), k = g.input("k", kvs, f64), v = g.input("v", kvs, f64);
+  Value o;
+  if (fused) {
+    o = attention(q, k, v, {.causal = causal, .scale = scale});
+  } else {
+    auto repeat = [&](Value x) {
+      if (kvs == qs) return x;
+      Shape five = x.shape();
+      five.insert(five.end() - 2, 1);
+      Shape wide = five;
+      wide[wide.size() - 3] = qs[qs.size() - 3] / kvs[kvs.size() - 3];
+      return reshape(broadcast_to(reshape(x, five), wide), qs);
+    };
+    Value s = matmul(q, repeat(k), false, true) * scale;
+    o = matmul(softmax(causal ? causal_mask(s) : s), repeat(v));
+  }
+  Value loss = sum(o * g.input("r", qs, f64));
+  std::vector<Value> fetch = gradients(loss, {q, k, v});
+  CHECK(fetch[1].shape() == kvs);
+  CHECK(fetch[2].shape() == kvs);
+  fetch.push_back(o);
+  auto params = ParameterStore::initialize(g);
+  return evaluate(g, feeds, fetch, *params);
+}
+
+}  // namespace
+
 // The fused gradient against autodiff through the unfused ops, both in double through the
 // graph (evaluate): the graph's attention, its gradient op and the slices that unpack it. Both
 // are exact formulas evaluated in double: 1e-12 as above.
@@ -279,23 +315,8 @@ TEST_CASE("Attention.Cpu.GradientMatchesTheUnfusedOpsAutodiff") {
     CAPTURE(c.causal);
     std::map<std::string, Tensor> feeds{{"q", random_tensor(f64, c.shape)}, {"k", random_tensor(f64, c.shape)},
                                         {"v", random_tensor(f64, c.shape)}, {"r", random_tensor(f64, c.shape)}};
-    auto grads_of = [&](bool fused) {
-      Graph g(1);
-      Value q = g.input("q", c.shape, f64), k = g.input("k", c.shape, f64), v = g.input("v", c.shape, f64);
-      Value o;
-      if (fused) {
-        o = attention(q, k, v, {.causal = c.causal, .scale = c.scale});
-      } else {
-        Value s = matmul(q, k, false, true) * c.scale;
-        o = matmul(softmax(c.causal ? causal_mask(s) : s), v);
-      }
-      Value loss = sum(o * g.input("r", c.shape, f64));
-      std::vector<Value> fetch = gradients(loss, {q, k, v});
-      fetch.push_back(o);
-      auto params = ParameterStore::initialize(g);
-      return evaluate(g, feeds, fetch, *params);
-    };
-    const auto fused = grads_of(true), naive = grads_of(false);
+    const auto fused = attention_grads(c.shape, c.shape, c.causal, c.scale, true, feeds);
+    const auto naive = attention_grads(c.shape, c.shape, c.causal, c.scale, false, feeds);
     for (std::size_t i = 0; i < 4; ++i) {
       CAPTURE(i);  // dq, dk, dv, o
       CHECK_CLOSE(fused[i], naive[i], 1e-12);
@@ -399,9 +420,9 @@ TEST_CASE("Attention.Cpu.TheGradientWritesDqDkDvSideBySideOrApart") {
                                  random_tensor(f32, s), random_tensor(f32, s)};
   const Attrs attrs = attention_attrs(true, 0.5);
   CHECK_THROWS_WITH_AS(run_cpu("attention_grad", f32, attrs, args, {s, s, Shape{2, 5, 9}}),
-                       doctest::Contains("must have q's shape [2, 5, 8]"), std::invalid_argument);
+                       doctest::Contains("must have v's 80 elements ([2, 5, 8])"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(run_cpu("attention_grad", f32, attrs, args, {Shape{2, 5, 8}}),
-                       doctest::Contains("or three outputs of q's shape"), std::invalid_argument);
+                       doctest::Contains("or three outputs of q's, k's and v's sizes"), std::invalid_argument);
 }
 
 // The plan carries the stats from each attention actor to its gradient's actor: a second output
@@ -476,8 +497,8 @@ TEST_CASE("Attention.Graph.ChecksShapesAndNamesTheOp") {
   };
   Value k_short = g.input("k_short", {2, 4, 7, 16});
   CHECK(test::contains(error([&] { attention(q, k_short, v); }),
-                       "attention(q f32[2, 4, 8, 16], k_short f32[2, 4, 7, 16], v f32[2, 4, 8, 16]): q, k and v must "
-                       "have one shape"));
+                       "attention(q f32[2, 4, 8, 16], k_short f32[2, 4, 7, 16], v f32[2, 4, 8, 16]): k and v may "
+                       "differ from q only in their heads"));
   Value flat = g.input("flat", {16});
   CHECK(test::contains(error([&] { attention(flat, flat, flat); }), "at least 2 axes"));
   Value ids = g.input("ids", {2, 4, 8, 16}, i32);
@@ -554,6 +575,202 @@ TEST_CASE("Attention.Sharding.SplitByHeadsAndColumnsAsTheUnfusedBlock") {
 
 // ---------------------------------------------------------------------------------------------
 // CPU: bias + GELU
+
+// ---------------------------------------------------------------------------------------------
+// Grouped-query heads (Llama's GQA): k and v with fewer heads than q, read in place
+
+namespace {
+
+// k [..., Hkv, T, D] repeated to [..., Hkv rep, T, D], kv head j as heads [j rep, (j + 1) rep)
+// (transformers' repeat_kv): what attention() spares the models.
+Tensor repeat_heads(const Tensor& k, std::int64_t rep) {
+  Shape s = k.shape();
+  const std::size_t h = s.size() - 3;
+  const auto block = static_cast<std::size_t>(s[h + 1] * s[h + 2]) * size_of(k.dtype());
+  std::int64_t outer = 1;
+  for (std::size_t i = 0; i < h; ++i) outer *= s[i];
+  const std::int64_t heads = s[h];
+  s[h] *= rep;
+  Tensor out = Tensor::empty(s, k.dtype());
+  const auto* from = static_cast<const char*>(k.raw());
+  auto* to = static_cast<char*>(out.raw());
+  for (std::int64_t o = 0; o < outer; ++o) {
+    for (std::int64_t j = 0; j < heads; ++j) {
+      for (std::int64_t r = 0; r < rep; ++r) {
+        std::memcpy(to + static_cast<std::size_t>((o * heads + j) * rep + r) * block,
+                    from + static_cast<std::size_t>(o * heads + j) * block, block);
+      }
+    }
+  }
+  return out;
+}
+
+// The gradient of repeat_heads: each kv head's `rep` heads of `g` summed, in double (f64).
+Tensor sum_groups(const Tensor& g, const Shape& kv, std::int64_t rep) {
+  const auto x = values(g);
+  Tensor out = Tensor::zeros(kv, f64);
+  auto o = out.data<double>();
+  const std::size_t head = static_cast<std::size_t>(kv[kv.size() - 1] * kv[kv.size() - 2]);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const std::size_t flat_head = i / head;
+    o[flat_head / static_cast<std::size_t>(rep) * head + i % head] += x[i];
+  }
+  return out;
+}
+
+// Elements [start, start + count) of a flat tensor, as f64.
+Tensor flat_piece(const Tensor& t, std::int64_t start, std::int64_t count) {
+  const auto x = values(t);
+  Tensor out = Tensor::empty({count}, f64);
+  std::copy_n(x.begin() + start, count, out.data<double>().begin());
+  return out;
+}
+
+struct GqaCase {
+  Shape q, kv;
+  bool causal;
+};
+
+std::vector<GqaCase> gqa_cases() {
+  // Two query heads a kv head, four (and T past a block), multi-query (one kv head), one axis
+  // of heads alone ([H, T, D]); causal and not.
+  return {{{2, 4, 17, 8}, {2, 2, 17, 8}, true},
+          {{1, 8, 70, 4}, {1, 2, 70, 4}, true},
+          {{2, 6, 9, 3}, {2, 1, 9, 3}, false},
+          {{4, 33, 6}, {2, 33, 6}, true}};
+}
+
+}  // namespace
+
+// Attention with grouped-query heads is attention over the repeated keys and values: the
+// forward and dq are the same computation on the same values in the same order (the same
+// bits); dk and dv are the sums of the repeated heads' gradients over each group. f64: exact
+// formulas in double (1e-12). f32: the kernel adds the group's heads in double and rounds once,
+// where the reference rounds each head's to float first: at most `rep` half-ulps, 1e-6 relative
+// to the largest. The flat packed output and three apart give the same bits.
+TEST_CASE("Attention.Cpu.GroupedQueryHeadsAreAttentionOverTheRepeatedKeysAndValues") {
+  for (DType dt : {f64, f32}) {
+    for (const GqaCase& c : gqa_cases()) {
+      CAPTURE(name(dt));
+      CAPTURE(to_string(c.q));
+      CAPTURE(to_string(c.kv));
+      const std::int64_t rep = c.q[c.q.size() - 3] / c.kv[c.kv.size() - 3];
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.q.back()));
+      const Attrs attrs = attention_attrs(c.causal, scale);
+      const Tensor q = random_tensor(dt, c.q), k = random_tensor(dt, c.kv), v = random_tensor(dt, c.kv);
+      const Tensor dout = random_tensor(dt, c.q);
+      const Tensor k_rep = repeat_heads(k, rep), v_rep = repeat_heads(v, rep);
+      const auto fwd = run_cpu("attention", dt, attrs, {q, k, v}, {c.q, attention_stats_shape(c.q)});
+      const auto fwd_rep = run_cpu("attention", dt, attrs, {q, k_rep, v_rep}, {c.q, attention_stats_shape(c.q)});
+      CHECK(difference(fwd[0], fwd_rep[0]).error == 0);
+      CHECK(difference(fwd[1], fwd_rep[1]).error == 0);
+      const std::vector<Tensor> args{q, k, v, fwd[0], dout, fwd[1]};
+      const Tensor flat = run1("attention_grad", dt, attrs, args, attention_grad_shape(c.q, c.kv));
+      REQUIRE(flat.shape() == Shape{numel(c.q) + 2 * numel(c.kv)});
+      const auto apart = run_cpu("attention_grad", dt, attrs, args, {c.q, c.kv, c.kv});
+      const Tensor want = run1("attention_grad", dt, attrs, {q, k_rep, v_rep, fwd[0], dout, fwd[1]}, packed(c.q));
+      CHECK(difference(apart[0], unpack(want, 0)).error == 0);
+      const double tol = dt == f64 ? 1e-12 : 1e-6;
+      CHECK_CLOSE(apart[1], sum_groups(unpack(want, 1), c.kv, rep), tol);
+      CHECK_CLOSE(apart[2], sum_groups(unpack(want, 2), c.kv, rep), tol);
+      const std::int64_t nq = numel(c.q), nk = numel(c.kv);
+      CHECK(difference(flat_piece(flat, 0, nq), apart[0]).error == 0);
+      CHECK(difference(flat_piece(flat, nq, nk), apart[1]).error == 0);
+      CHECK(difference(flat_piece(flat, nq + nk, nk), apart[2]).error == 0);
+    }
+  }
+  // Shapes that do not go together are refused naming what is wrong.
+  const Shape q{1, 4, 8, 4};
+  const Tensor a = random_tensor(f32, q), three = random_tensor(f32, {1, 3, 8, 4}), longer = random_tensor(f32, {1, 2, 9, 4});
+  const Attrs attrs = attention_attrs(true, 0.5);
+  CHECK_THROWS_WITH_AS(run1("attention", f32, attrs, {a, three, three}, q), doctest::Contains("not a multiple of k's and v's 3"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(run1("attention", f32, attrs, {a, longer, longer}, q), doctest::Contains("only in their heads"),
+                       std::invalid_argument);
+  const Tensor two = random_tensor(f32, {1, 2, 8, 4});
+  CHECK_THROWS_WITH_AS(run_cpu("attention_grad", f32, attrs, {a, two, two, a, a}, {q, q, q}),
+                       doctest::Contains("must have k's 64 elements"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(run_cpu("attention_grad", f32, attrs, {a, two, two, a, a}, {packed(q)}),
+                       doctest::Contains("must be [256] (dq, dk and dv one after another)"), std::invalid_argument);
+}
+
+// The graph's attention takes grouped-query heads, and autodiff's gradients through it (one
+// attention_grad, its flat output sliced and reshaped) equal those through the unfused ops over
+// repeated keys and values (reshape, broadcast_to, reshape: transformers' repeat_kv), in double
+// (exact formulas in another order: 1e-12).
+TEST_CASE("Attention.Graph.GroupedQueryHeadsGradientsMatchTheRepeatedUnfusedOps") {
+  for (const GqaCase& c : gqa_cases()) {
+    CAPTURE(to_string(c.q));
+    CAPTURE(to_string(c.kv));
+    std::map<std::string, Tensor> feeds{{"q", random_tensor(f64, c.q)}, {"k", random_tensor(f64, c.kv)},
+                                        {"v", random_tensor(f64, c.kv)}, {"r", random_tensor(f64, c.q)}};
+    const auto fused = attention_grads(c.q, c.kv, c.causal, 0.6, true, feeds);
+    const auto naive = attention_grads(c.q, c.kv, c.causal, 0.6, false, feeds);
+    for (std::size_t i = 0; i < 4; ++i) {
+      CAPTURE(i);  // dq, dk, dv, o
+      CHECK_CLOSE(fused[i], naive[i], 1e-12);
+    }
+  }
+  Graph g;
+  Value q = g.input("q", {2, 4, 8, 16}), k3 = g.input("k3", {2, 3, 8, 16}), k2 = g.input("k2", {2, 2, 8, 16});
+  auto error = [](auto&& f) { return test::thrown_message<GraphError>(f); };
+  CHECK(attention(q, k2, k2).shape() == q.shape());
+  CHECK(test::contains(error([&] { attention(q, k3, k3); }), "q's 4 heads are not a multiple of k's and v's 3"));
+  CHECK(test::contains(error([&] { attention(q, k2, k3); }), "v must have k's shape"));
+  Value q2 = g.input("q2", {8, 16}), k1 = g.input("k1", {4, 16});
+  CHECK(test::contains(error([&] { attention(q2, k1, k1); }), "or [..., Hkv, T, D]"));
+}
+
+// The Llama with fused attention hands attention its kv heads as they are: no repeat (no
+// broadcast_to actor), dk and dv come out of attention_grad at k's size into registers of their
+// own, and it trains as the Llama that repeats them (naive attention) in float64 (the same
+// formulas in another order: 1e-9 relative over 3 Adam steps).
+TEST_CASE("Attention.Plan.TheLlamaReadsGroupedKvHeadsWithoutRepeatingThem" * doctest::timeout(120)) {
+  auto corpus = std::make_shared<data::TextCorpus>();
+  corpus->vocab.assign(32, static_cast<unsigned char>('x'));
+  std::mt19937 gen(11);
+  for (int i = 0; i < 4096; ++i) corpus->ids.push_back(static_cast<std::int32_t>(gen() % 32));
+  auto run = [&](models::GptShape::Attention attention, bool inspect) {
+    Graph g(5);
+    const models::LlamaShape shape{.vocab = 32, .seq = 16, .d_model = 32, .heads = 4, .kv_heads = 2, .ffn_hidden = 32,
+                                   .layers = 2, .attention = attention, .dtype = f64};
+    models::Outputs out = models::llama_with_loss(g, 4, shape);
+    TrainConfig cfg;
+    cfg.steps = 3;
+    cfg.optimizer = optim::adam(3e-3);
+    cfg.data = {{"text", data::text_source(corpus, 4, 1, 16, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, out.loss, cfg);
+    if (inspect) {
+      int grads = 0;
+      for (const ActorDesc& a : job.plan.actors) {
+        CHECK(a.op != "broadcast_to");
+        if (a.op == "attention") CHECK(job.plan.registers[a.inputs[1].reg].shape == Shape{4, 2, 16, 8});
+        if (a.op != "attention_grad") continue;
+        ++grads;
+        REQUIRE(a.outputs.size() == 3);
+        CHECK(numel(job.plan.registers[a.outputs[0]].shape) == 4 * 4 * 16 * 8);
+        CHECK(numel(job.plan.registers[a.outputs[1]].shape) == 4 * 2 * 16 * 8);
+        CHECK(numel(job.plan.registers[a.outputs[2]].shape) == 4 * 2 * 16 * 8);
+        for (RegisterIndex r : a.outputs) {
+          for (ActorIndex reader : job.plan.registers[r].consumers) CHECK(job.plan.actors[reader].op != "slice");
+        }
+      }
+      CHECK(grads == 2);
+    }
+    RuntimeSettings rs;
+    rs.stall_timeout = std::chrono::milliseconds(30'000);
+    Runtime(job.plan, job.kernels, rs).run();
+    return job.losses->per_step();
+  };
+  const auto grouped = run(models::GptShape::Attention::fused, true);
+  const auto repeated = run(models::GptShape::Attention::naive, false);
+  REQUIRE(grouped.size() == 3);
+  REQUIRE(repeated.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(grouped[i] == doctest::Approx(repeated[i]).epsilon(1e-9));
+  }
+}
 
 // gelu(x + b) fused: the sum rounded to the element type as the add's output is, then the gelu
 // kernel's formula: the same bits as the two ops, forward and backward.
@@ -963,8 +1180,17 @@ TEST_CASE("Cudnn.AttentionGraphsFinalizeWithoutADevice") {
       CHECK(cuda::cudnn_attention_check(c.b, c.h, c.s, c.d, c.causal, sm) == "");
     }
   }
+  // Grouped-query heads (the Llama's: 2 and 4 query heads a kv head, and multi-query), whose
+  // backward adds each group's heads' dK and dV in a reduction node.
+  for (const Case& c : {Case{2, 4, 64, 64, true}, Case{1, 8, 100, 128, true}, Case{32, 16, 1024, 64, true}}) {
+    for (std::int64_t h_kv : {c.h / 2, c.h / 4, std::int64_t{1}}) {
+      INFO("b " << c.b << " h " << c.h << " h_kv " << h_kv << " s " << c.s << " d " << c.d);
+      CHECK(cuda::cudnn_attention_check(c.b, c.h, c.s, c.d, c.causal, 90, h_kv) == "");
+    }
+  }
   // A shape cuDNN's attention does not take is refused with the reason.
   CHECK(!cuda::cudnn_attention_check(1, 1, 16, 12, true).empty());
+  CHECK(!cuda::cudnn_attention_check(1, 4, 16, 64, true, 90, 3).empty());
 }
 
 // Whether cuDNN's fused attention can run here; if not, skips ("<reason>; cuDNN tests skipped").
@@ -1122,6 +1348,56 @@ TEST_CASE("CudaKernels.Attention.CudnnMatchesTheCpuAndBatonsKernels" * doctest::
       CHECK_CLOSE(unpack(grads[0], part), unpack(grads64, part), 4e-2);
       CHECK_CLOSE(unpack(grads[0], part), unpack(grads_ours[0], part), 4e-2);
       CHECK(difference(apart[static_cast<std::size_t>(part)], unpack(grads[0], part)).error == 0);
+    }
+  }
+}
+
+// Grouped-query heads on the GPU against the CPU's kernel on the same inputs (bf16: its float32
+// kernel on their exact values): baton's kernels in f32 and bf16, and cuDNN's (bf16) where it
+// loads; the tolerances of the cases above. dk and dv are each group's heads added up (the CPU
+// in double; baton's kernel in float as it walks the group's query rows; cuDNN in its reduction
+// node). The flat output and three apart: the same bits.
+TEST_CASE("CudaKernels.Attention.GroupedQueryHeadsMatchCpu" * doctest::timeout(300)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  const bool with_cudnn = cuda::cudnn_attention().ok;
+  if (!with_cudnn) MESSAGE("cuDNN unavailable (" << cuda::cudnn_attention().reason << "): baton's kernels only");
+  struct Case {
+    Shape q, kv;
+  };
+  const std::vector<Case> cases{{{2, 4, 17, 64}, {2, 2, 17, 64}}, {{1, 8, 130, 64}, {1, 2, 130, 64}},
+                                {{2, 4, 64, 32}, {2, 1, 64, 32}}, {{1, 4, 100, 128}, {1, 2, 100, 128}}};
+  for (DType dt : {f32, bf16}) {
+    const double fwd_tol = dt == f32 ? 1e-4 : 2e-2, bwd_tol = dt == f32 ? 1e-4 : 4e-2;
+    for (const char* kernel : {"fused", "cudnn"}) {
+      if (std::string(kernel) == "cudnn" && (dt != bf16 || !with_cudnn)) continue;
+      for (const Case& c : cases) {
+        CAPTURE(name(dt));
+        CAPTURE(kernel);
+        CAPTURE(to_string(c.q));
+        CAPTURE(to_string(c.kv));
+        const double scale = 1.0 / std::sqrt(static_cast<double>(c.q.back()));
+        const Attrs plain = attention_attrs(true, scale);
+        Attrs attrs = plain;
+        attrs.set("kernel", std::string(kernel));
+        const Tensor q = random_tensor(dt, c.q), k = random_tensor(dt, c.kv), v = random_tensor(dt, c.kv);
+        const Tensor dout = random_tensor(dt, c.q);
+        const auto want = run_cpu("attention", dt, plain, {q, k, v}, {c.q, attention_stats_shape(c.q)});
+        const auto got = run_attention_gpu(gpu, false, dt, attrs, {q, k, v}, c.q);
+        CHECK_CLOSE(got[0], want[0], fwd_tol);
+        CHECK_CLOSE(got[1], want[1], dt == f32 ? 1e-4 : 1e-3);
+        const std::vector<Tensor> args{q, k, v, want[0], dout, to_dtype(want[1], f32)};
+        const auto want_grads = run_cpu("attention_grad", dt, plain, args, {c.q, c.kv, c.kv});
+        const auto apart = gpu.run("attention_grad", dt, attrs, args, {c.q, c.kv, c.kv});
+        const auto flat = gpu.run("attention_grad", dt, attrs, args, {attention_grad_shape(c.q, c.kv)});
+        const std::int64_t nq = numel(c.q), nk = numel(c.kv);
+        const std::int64_t start[] = {0, nq, nq + nk}, count[] = {nq, nk, nk};
+        for (std::size_t part = 0; part < 3; ++part) {
+          CAPTURE(part);  // dq, dk, dv
+          CHECK_CLOSE(apart[part], want_grads[part], bwd_tol);
+          CHECK(difference(flat_piece(flat[0], start[part], count[part]), apart[part]).error == 0);
+        }
+      }
     }
   }
 }

@@ -788,18 +788,24 @@ TEST_CASE("Parallel.SmallLlamaTensorParallelEqualsOneDevice" * doctest::timeout(
     for (auto& [name, t] : assembled(*job.params, shape.tp, llama_row_split)) out.weights[name] = test::widened(t);
     return out;
   };
-  for (auto [tp, kv_heads, tied, dp, pp, dtype] :
-       {std::tuple{2, 2, false, 1, 1, DType::f64}, std::tuple{2, 1, true, 1, 1, DType::f64},
-        std::tuple{4, 2, false, 1, 1, DType::f64}, std::tuple{2, 2, false, 2, 1, DType::f64},
-        std::tuple{2, 2, false, 1, 2, DType::f64}, std::tuple{2, 2, false, 1, 1, DType::f32}}) {
+  // Fused attention: the kv heads read in place (grouped-query heads) on one device and by each
+  // shard, or repeated and sliced where the shards cut a group apart (kv heads 1 over tp 2).
+  constexpr auto naive = models::GptShape::Attention::naive, fused = models::GptShape::Attention::fused;
+  for (auto [tp, kv_heads, tied, dp, pp, dtype, attention] :
+       {std::tuple{2, 2, false, 1, 1, DType::f64, naive}, std::tuple{2, 1, true, 1, 1, DType::f64, naive},
+        std::tuple{4, 2, false, 1, 1, DType::f64, naive}, std::tuple{2, 2, false, 2, 1, DType::f64, naive},
+        std::tuple{2, 2, false, 1, 2, DType::f64, naive}, std::tuple{2, 2, false, 1, 1, DType::f32, naive},
+        std::tuple{2, 2, false, 1, 1, DType::f64, fused}, std::tuple{2, 1, false, 1, 1, DType::f64, fused}}) {
     CAPTURE(tp);
     CAPTURE(kv_heads);
     CAPTURE(tied);
     CAPTURE(dp);
     CAPTURE(pp);
     CAPTURE(dtype);
+    CAPTURE(attention == fused);
     models::LlamaShape shape = tiny_llama(*corpus, kv_heads, dtype, tp);
     shape.tie_embeddings = tied;
+    shape.attention = attention;
     Graph shards(3);
     models::llama(shards, batch, shape);
     auto sharded_start = ParameterStore::initialize(shards);

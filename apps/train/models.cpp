@@ -214,16 +214,25 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
   auto split_heads = [&](Value v, std::int64_t n) {  // [b, t, n dh] -> [b, n, t, dh]
     return transpose(reshape(v, {b, t, n, dh}), {0, 2, 1, 3});
   };
+  // attention() takes grouped-query heads as they are (nothing repeated, no sums of the repeats'
+  // gradients); the naive composition, and shards that cut a kv head's group apart, need them
+  // repeated to one per query head.
+  const bool grouped = s.attention != GptShape::Attention::naive;
+  auto kv_for_attention = [&](Value kv, bool whole_groups) {
+    return grouped && whole_groups ? kv : repeat_kv(kv, rep);
+  };
   for (std::int64_t l = 0; l < s.layers; ++l) {
     auto in_block = g.block(static_cast<std::int32_t>(l));  // what --recompute full recomputes
     auto p = [&](const char* what) { return fmt::format("model.layers.{}.{}", l, what); };
     Value h = norm(x, p("input_layernorm.weight"));
-    // Keys and values kept whole when their heads do not split over the shards: computed once,
-    // repeated to one per query head; each shard then takes its query heads' share.
+    // Keys and values kept whole when their heads do not split over the shards (the shards then
+    // cut a kv head's group apart): computed once, repeated to one per query head; each shard
+    // then takes its query heads' share.
     Value k_all, v_all;
     if (!kv_split) {
-      k_all = repeat_kv(rope(split_heads(matmul(h, weight(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv), s.rope_base), rep);
-      v_all = repeat_kv(split_heads(matmul(h, weight(p("self_attn.v_proj.weight"), {d, nkv * dh})), nkv), rep);
+      k_all = kv_for_attention(
+          rope(split_heads(matmul(h, weight(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv), s.rope_base), false);
+      v_all = kv_for_attention(split_heads(matmul(h, weight(p("self_attn.v_proj.weight"), {d, nkv * dh})), nkv), false);
     }
     Value attn;
     for (std::int64_t sk = 0; sk < tp; ++sk) {
@@ -233,8 +242,9 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
       Value k, v;
       if (kv_split) {
         const std::int64_t nkv_k = nkv / tp;
-        k = repeat_kv(rope(split_heads(matmul(h, w("self_attn.k_proj.weight", {d, nkv_k * dh})), nkv_k), s.rope_base), rep);
-        v = repeat_kv(split_heads(matmul(h, w("self_attn.v_proj.weight", {d, nkv_k * dh})), nkv_k), rep);
+        k = kv_for_attention(
+            rope(split_heads(matmul(h, w("self_attn.k_proj.weight", {d, nkv_k * dh})), nkv_k), s.rope_base), true);
+        v = kv_for_attention(split_heads(matmul(h, w("self_attn.v_proj.weight", {d, nkv_k * dh})), nkv_k), true);
       } else if (tp == 1) {
         k = k_all;
         v = v_all;

@@ -91,6 +91,8 @@ struct LlamaShape {
   /// Grouped-query attention: the keys and values have kv_heads heads, each shared by
   /// heads / kv_heads query heads (query head h reads kv head h / (heads / kv_heads), as
   /// transformers' repeat_kv). kv_heads == heads is multi-head attention, 1 multi-query.
+  /// Fused attention (not naive) reads the kv heads in place; naive attention, and tp shards
+  /// that cut a kv head's group apart, repeat them.
   std::int64_t kv_heads = 4;
   /// The SwiGLU MLP's hidden width (Llama's intermediate_size): gate and up [d, ffn], down
   /// [ffn, d].

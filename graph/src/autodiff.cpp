@@ -7,6 +7,7 @@
 
 #include "baton/graph/op_registry.h"
 #include "baton/graph/ops.h"
+#include "baton/kernels/ops.h"
 #include "builtin_gradients.h"
 
 namespace baton {
@@ -106,13 +107,20 @@ void nn_rules(Rules& r) {
   });
   rule({"attention"}, [](const GradientArgs& a) {
     // One node gives dq, dk and dv side by side along the last axis; input i's is its slice.
-    const std::int64_t d = a.x().dim(-1);
-    Shape packed = a.x().shape();
-    packed.back() *= 3;
+    // Grouped-query heads (k with fewer heads than q): one after another, flat (dk and dv summed
+    // over each kv head's query heads by the kernel); input i's is its slice, reshaped.
+    const Shape& q = a.inputs[0].shape();
+    const Shape& k = a.inputs[1].shape();
     Value grads = shared_grad_op("attention_grad", {a.inputs[0], a.inputs[1], a.inputs[2], a.y, a.dy}, a.attrs,
-                                 packed, a.x().dtype(), a.y);
-    const auto k = static_cast<std::int64_t>(a.input);
-    return slice(grads, -1, k * d, (k + 1) * d);
+                                 attention_grad_shape(q, k), a.x().dtype(), a.y);
+    const auto i = static_cast<std::int64_t>(a.input);
+    if (k == q) {
+      const std::int64_t d = a.x().dim(-1);
+      return slice(grads, -1, i * d, (i + 1) * d);
+    }
+    const std::int64_t nq = numel(q), nk = numel(k);
+    const std::int64_t start = i == 0 ? 0 : nq + (i - 1) * nk;
+    return reshape(slice(grads, 0, start, start + (i == 0 ? nq : nk)), a.x().shape());
   });
   unary("tanh", "tanh_grad", true, false);
   unary("sigmoid", "sigmoid_grad", true, false);

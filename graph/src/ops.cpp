@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include "baton/kernels/ops.h"
+
 namespace baton {
 
 namespace {
@@ -342,9 +344,8 @@ Value attention(Value q, Value k, Value v, const AttentionOptions& options) {
   need_float(op, {q, k, v});
   same_dtype(op, {q, k, v});
   if (q.rank() < 2) fail(op, {q, k, v}, "q, k and v must be [..., T, D] (at least 2 axes)");
-  if (k.shape() != q.shape() || v.shape() != q.shape()) {
-    fail(op, {q, k, v}, "q, k and v must have one shape [..., T, D] (self-attention, as many heads each)");
-  }
+  if (const std::string why = attention_kv_mismatch(q.shape(), k.shape()); !why.empty()) fail(op, {q, k, v}, why);
+  if (v.shape() != k.shape()) fail(op, {q, k, v}, "v must have k's shape");
   if (q.dim(-1) == 0) fail(op, {q, k, v}, "the head size D is 0");
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.dim(-1))));
   if (!std::isfinite(scale)) fail(op, {q, k, v}, fmt::format("scale {} is not finite", scale));

@@ -201,7 +201,8 @@ Signature infer_signature(const Graph& g, int id, const std::vector<Sbp>& given,
     if (x.is_split() && x.axis + 2 < static_cast<std::int32_t>(n.shape.size())) c.add1(x, x);
     if (x.is_partial()) c.add1(x, x);  // a rotation is linear
   } else if (op == "attention") {
-    // Heads (and batches) are independent: q, k and v split alike on a leading axis.
+    // Heads (and batches) are independent: q, k and v split alike on a leading axis (with
+    // grouped-query heads too: shard s of q's heads reads shard s of k's and v's).
     const auto rank = static_cast<std::int32_t>(n.shape.size());
     if (x.is_split() && x.axis + 2 < rank) c.add({x, x, x}, x);
   } else if (one_of(op, {"softmax", "log_softmax", "layer_norm"})) {

@@ -205,18 +205,24 @@ inline ConcatDims concat_dims(const KernelContext& ctx, const Tensor& y, std::in
 }
 
 /// The extents of attention(q, k, v) -> o and attention_grad(q, k, v, o, do) -> [dq dk dv]:
-/// q, k and v share one shape [..., T, D]; `heads` is the product of the leading axes (batch x
-/// heads), each attending over its own T x T scores. Every kernel of both ops (CPU, CUDA) checks
-/// its tensors here, so they refuse the same shapes with the same words.
+/// q [..., H, T, D]; k and v share one shape, q's or, for grouped-query heads (Llama's GQA),
+/// [..., Hkv, T, D] with H a multiple of Hkv, query head h reading key and value head
+/// h / (H / Hkv) (as torch's SDPA with enable_gqa). `heads` is the product of q's leading axes
+/// (batch x heads), each attending over its own T x T scores, `kv_heads` that of k's; flat query
+/// head i reads flat kv head i / group(). Every kernel of both ops (CPU, CUDA) checks its tensors
+/// here, so they refuse the same shapes with the same words.
 struct AttentionDims {
-  std::int64_t heads = 0, t = 0, d = 0;
+  std::int64_t heads = 0, kv_heads = 0, t = 0, d = 0;
+  /// Query heads per key and value head (1 without grouped-query heads).
+  std::int64_t group() const { return kv_heads > 0 ? heads / kv_heads : 1; }
 };
 
 inline AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
   const Shape& s = q.shape();
-  if (s.size() < 2 || k.shape() != s || v.shape() != s) {
-    throw std::invalid_argument(fmt::format("{}: q {}, k {} and v {} must share one shape [..., T, D]", op, q.describe(),
-                                            k.describe(), v.describe()));
+  const std::string mismatch = s.size() < 2 ? "q must be [..., T, D]" : attention_kv_mismatch(s, k.shape());
+  if (!mismatch.empty() || v.shape() != k.shape()) {
+    throw std::invalid_argument(fmt::format("{}: q {}, k {} and v {}: {}", op, q.describe(), k.describe(),
+                                            v.describe(), mismatch.empty() ? "v must have k's shape" : mismatch));
   }
   if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
     throw std::invalid_argument(fmt::format("{}: q {}, k {} and v {} differ in dtype", op, q.describe(), k.describe(),
@@ -226,20 +232,16 @@ inline AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tens
   a.t = s[s.size() - 2];
   a.d = s.back();
   a.heads = product(s, 0, s.size() - 2);
+  a.kv_heads = product(k.shape(), 0, s.size() - 2);
   return a;
 }
 
-/// attention_grad's output: dq, dk and dv side by side along the last axis, [..., T, 3 D].
-inline Shape attention_grad_shape(const Shape& q) {
-  Shape s = q;
-  if (!s.empty()) s.back() *= 3;
-  return s;
-}
-
 /// Where attention_grad writes dq, dk and dv: one output [..., T, 3 D] with the three side by
-/// side along the last axis (the graph's node), or three outputs of q's shape (the plan's, when
-/// the node's only readers are the slices that take them apart: PlanBuilder::op_actor). Row i
-/// of head h of dq starts at dq + (h T + i) ld elements; dk and dv likewise.
+/// side along the last axis (the graph's node), or three outputs of q's, k's and v's element
+/// counts (the plan's, when the node's only readers are the slices that take them apart:
+/// PlanBuilder::op_actor). Row i of flat query head h of dq starts at dq + (h T + i) ld
+/// elements; row i of flat kv head h of dk and dv likewise. Grouped-query heads: one flat output
+/// [numel(q) + 2 numel(k)] (dq, dk, dv one after another) or the three outputs; ld is D.
 struct AttentionGradOut {
   void* dq = nullptr;
   void* dk = nullptr;
@@ -247,7 +249,7 @@ struct AttentionGradOut {
   std::int64_t ld = 0;  // elements from one row to the next: 3 D packed, D apart
 };
 
-inline AttentionGradOut attention_grad_out(const KernelContext& ctx, const Tensor& q, const char* op) {
+inline AttentionGradOut attention_grad_out(const KernelContext& ctx, const Tensor& q, const Tensor& k, const char* op) {
   const std::int64_t d = q.shape().empty() ? 0 : q.shape().back();
   const auto bytes = static_cast<std::int64_t>(size_of(q.dtype()));
   auto check_dtype = [&](const Tensor& t) {
@@ -259,11 +261,13 @@ inline AttentionGradOut attention_grad_out(const KernelContext& ctx, const Tenso
     AttentionGradOut out;
     void** at[] = {&out.dq, &out.dk, &out.dv};
     const char* names[] = {"dq", "dk", "dv"};
+    const Tensor* like[] = {&q, &k, &k};  // v has k's shape (attention_dims)
+    const char* of[] = {"q", "k", "v"};
     for (std::size_t i = 0; i < 3; ++i) {
       Tensor& t = need_output(ctx, i, op, names[i]);
-      if (t.shape() != q.shape()) {
-        throw std::invalid_argument(fmt::format("{}: {} {} must have q's shape {}", op, names[i], t.describe(),
-                                                to_string(q.shape())));
+      if (t.numel() != like[i]->numel()) {
+        throw std::invalid_argument(fmt::format("{}: {} {} must have {}'s {} elements ({})", op, names[i], t.describe(),
+                                                of[i], like[i]->numel(), to_string(like[i]->shape())));
       }
       check_dtype(t);
       *at[i] = t.raw();
@@ -272,13 +276,19 @@ inline AttentionGradOut attention_grad_out(const KernelContext& ctx, const Tenso
     return out;
   }
   Tensor& grads = need_output(ctx, 0, op, "dqkv");
-  if (grads.shape() != attention_grad_shape(q.shape())) {
-    throw std::invalid_argument(fmt::format("{}: dqkv {} must be {} (dq, dk and dv side by side), or three outputs of "
-                                            "q's shape",
-                                            op, grads.describe(), to_string(attention_grad_shape(q.shape()))));
+  const Shape packed = attention_grad_shape(q.shape(), k.shape());
+  if (grads.shape() != packed) {
+    throw std::invalid_argument(fmt::format("{}: dqkv {} must be {} ({}), or three outputs of q's, k's and v's sizes",
+                                            op, grads.describe(), to_string(packed),
+                                            k.shape() == q.shape() ? "dq, dk and dv side by side"
+                                                                   : "dq, dk and dv one after another"));
   }
   check_dtype(grads);
   auto* base = static_cast<char*>(grads.raw());
+  if (k.shape() != q.shape()) {
+    const std::int64_t nq = q.numel() * bytes, nk = k.numel() * bytes;
+    return {base, base + nq, base + nq + nk, d};
+  }
   return {base, base + d * bytes, base + 2 * d * bytes, 3 * d};
 }
 

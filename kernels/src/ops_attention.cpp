@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
@@ -108,6 +109,7 @@ class AttentionKernel final : public Kernel {
     sum_.resize(query_block);
     for (std::int64_t h = 0; h < a.heads; ++h) {
       const std::size_t base = static_cast<std::size_t>(h) * t * d;
+      const std::size_t kv = static_cast<std::size_t>(h / a.group()) * t * d;  // its key and value head
       for (std::size_t i0 = 0; i0 < t; i0 += query_block) {
         const std::size_t rows = std::min(query_block, t - i0);
         std::fill(acc_.begin(), acc_.begin() + static_cast<std::ptrdiff_t>(rows * d), 0.0);
@@ -117,7 +119,7 @@ class AttentionKernel final : public Kernel {
         for (std::size_t j0 = 0; j0 < key_end; j0 += key_block) {
           const std::size_t cols = std::min(key_block, key_end - j0);
           for (std::size_t r = 0; r < rows; ++r) {
-            tile_row(qp + base + (i0 + r) * d, kp + base, vp + base, i0 + r, j0, cols, d, scale, r);
+            tile_row(qp + base + (i0 + r) * d, kp + kv, vp + kv, i0 + r, j0, cols, d, scale, r);
           }
         }
         for (std::size_t r = 0; r < rows; ++r) {
@@ -177,7 +179,7 @@ class AttentionGradKernel final : public Kernel {
       throw std::invalid_argument(
           fmt::format("{}: o {} and do {} must have q's shape {}", op, o.describe(), dout.describe(), to_string(q.shape())));
     }
-    const detail::AttentionGradOut out = detail::attention_grad_out(ctx, q, op);
+    const detail::AttentionGradOut out = detail::attention_grad_out(ctx, q, k, op);
     const T* qp = typed<T>(q, op, "q");
     const T* kp = typed<T>(k, op, "k");
     const T* vp = typed<T>(v, op, "v");
@@ -195,41 +197,48 @@ class AttentionGradKernel final : public Kernel {
     dq_.resize(t * d);
     dk_.resize(t * d);
     dv_.resize(t * d);
-    for (std::int64_t h = 0; h < a.heads; ++h) {
-      const std::size_t base = static_cast<std::size_t>(h) * t * d;
-      const T *qh = qp + base, *kh = kp + base, *vh = vp + base, *oh = opp + base, *doh = dop + base;
-      row_statistics(qh, kh, oh, doh, t, d, scale, saved == nullptr ? nullptr : saved + static_cast<std::size_t>(h) * t);
-      std::fill(dq_.begin(), dq_.end(), 0.0);
-      std::fill(dk_.begin(), dk_.end(), 0.0);
-      std::fill(dv_.begin(), dv_.end(), 0.0);
-      for (std::size_t i = 0; i < t; ++i) {
-        const std::size_t end = attrs_.causal ? i + 1 : t;
-        const T* qi = qh + i * d;
-        const T* doi = doh + i * d;
-        double* dqi = dq_.data() + i * d;
-        for (std::size_t j = 0; j < end; ++j) {
-          const T* kj = kh + j * d;
-          const T* vj = vh + j * d;
-          const double p = std::exp(scale * dot(qi, kj, d) - lse_[i]);
-          const double ds = p * (dot(doi, vj, d) - delta_[i]) * scale;
-          double* dkj = dk_.data() + j * d;
-          double* dvj = dv_.data() + j * d;
-          for (std::size_t c = 0; c < d; ++c) {
-            dvj[c] += p * static_cast<double>(doi[c]);
-            dqi[c] += ds * static_cast<double>(kj[c]);
-            dkj[c] += ds * static_cast<double>(qi[c]);
-          }
-        }
-      }
-      // Each row of dq, dk and dv: side by side in [..., T, 3 D], or in tensors of their own.
+    // Row i of head h of an output: side by side in [..., T, 3 D], or in tensors of their own.
+    auto write = [&](T* to, std::int64_t h, const std::vector<double>& from) {
       const std::size_t head = static_cast<std::size_t>(h) * t * ld;
       for (std::size_t i = 0; i < t; ++i) {
-        for (std::size_t c = 0; c < d; ++c) {
-          dq_out[head + i * ld + c] = static_cast<T>(dq_[i * d + c]);
-          dk_out[head + i * ld + c] = static_cast<T>(dk_[i * d + c]);
-          dv_out[head + i * ld + c] = static_cast<T>(dv_[i * d + c]);
-        }
+        for (std::size_t c = 0; c < d; ++c) to[head + i * ld + c] = static_cast<T>(from[i * d + c]);
       }
+    };
+    // Per key and value head, its query heads in turn: dk and dv add up over them (in double,
+    // rounded once), as the repeated heads' gradients summed.
+    for (std::int64_t hk = 0; hk < a.kv_heads; ++hk) {
+      const std::size_t kv = static_cast<std::size_t>(hk) * t * d;
+      const T *kh = kp + kv, *vh = vp + kv;
+      std::fill(dk_.begin(), dk_.end(), 0.0);
+      std::fill(dv_.begin(), dv_.end(), 0.0);
+      for (std::int64_t h = hk * a.group(); h < (hk + 1) * a.group(); ++h) {
+        const std::size_t base = static_cast<std::size_t>(h) * t * d;
+        const T *qh = qp + base, *oh = opp + base, *doh = dop + base;
+        row_statistics(qh, kh, oh, doh, t, d, scale, saved == nullptr ? nullptr : saved + static_cast<std::size_t>(h) * t);
+        std::fill(dq_.begin(), dq_.end(), 0.0);
+        for (std::size_t i = 0; i < t; ++i) {
+          const std::size_t end = attrs_.causal ? i + 1 : t;
+          const T* qi = qh + i * d;
+          const T* doi = doh + i * d;
+          double* dqi = dq_.data() + i * d;
+          for (std::size_t j = 0; j < end; ++j) {
+            const T* kj = kh + j * d;
+            const T* vj = vh + j * d;
+            const double p = std::exp(scale * dot(qi, kj, d) - lse_[i]);
+            const double ds = p * (dot(doi, vj, d) - delta_[i]) * scale;
+            double* dkj = dk_.data() + j * d;
+            double* dvj = dv_.data() + j * d;
+            for (std::size_t c = 0; c < d; ++c) {
+              dvj[c] += p * static_cast<double>(doi[c]);
+              dqi[c] += ds * static_cast<double>(kj[c]);
+              dkj[c] += ds * static_cast<double>(qi[c]);
+            }
+          }
+        }
+        write(dq_out, h, dq_);
+      }
+      write(dk_out, hk, dk_);
+      write(dv_out, hk, dv_);
     }
   }
 
@@ -285,6 +294,33 @@ void add_attention_for(KernelRegistry& reg) {
 }
 
 }  // namespace
+
+std::string attention_kv_mismatch(const Shape& q, const Shape& k) {
+  if (k == q) return {};
+  if (q.size() < 3 || k.size() != q.size()) {
+    return "k and v must have q's shape [..., T, D], or [..., Hkv, T, D] with Hkv heads that divide q's "
+           "(grouped-query heads)";
+  }
+  const std::size_t h = q.size() - 3;
+  for (std::size_t i = 0; i < q.size(); ++i) {
+    if (i != h && k[i] != q[i]) {
+      return "k and v may differ from q only in their heads (axis -3, grouped-query heads), not on another axis";
+    }
+  }
+  if (k[h] < 1 || q[h] % k[h] != 0) {
+    return fmt::format("q's {} heads are not a multiple of k's and v's {} (each key and value head serves H / Hkv "
+                       "query heads)",
+                       q[h], k[h]);
+  }
+  return {};
+}
+
+Shape attention_grad_shape(const Shape& q, const Shape& k) {
+  if (k != q) return {detail::product(q, 0, q.size()) + 2 * detail::product(k, 0, k.size())};
+  Shape s = q;
+  if (!s.empty()) s.back() *= 3;
+  return s;
+}
 
 void add_cpu_attention_ops(KernelRegistry& reg) {
   add_attention_for<float>(reg);

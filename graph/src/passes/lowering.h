@@ -111,7 +111,7 @@ struct PlanBuilder {
   /// Slices whose register the node they slice writes directly (split_outputs): lowered with it.
   std::set<int> written_by_input;
   /// For a node whose only needed readers are slices that take its output apart along the last
-  /// axis into equal pieces (attention_grad's dq, dk and dv): those slices, in order, so that
+  /// axis into pieces (attention_grad's dq, dk and dv): those slices, in order, so that
   /// its actor writes each piece into a register of its own (its kernel takes the outputs); else
   /// empty. Only ops whose kernels take both forms are split.
   std::vector<int> split_outputs(int id) const;

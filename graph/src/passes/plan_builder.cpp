@@ -148,8 +148,8 @@ void PlanBuilder::op_actor(int id, std::uint8_t stream, std::int32_t slots) {
                   .in_place = in_place_inputs(g, n, where)});
 }
 
-// The ops whose kernels write their output either whole or in equal pieces along the last axis,
-// one output each (kernel_args.h's attention_grad_out): their readers' slices then cost nothing.
+// The ops whose kernels write their output either whole or in pieces along the last axis, one
+// output each (kernel_args.h's attention_grad_out): their readers' slices then cost nothing.
 struct SplitOp {
   std::string_view op;
   std::size_t pieces;
@@ -171,20 +171,19 @@ std::vector<int> PlanBuilder::split_outputs(int id) const {
       return {};
     readers.push_back(c);
   }
-  // Exactly the pieces [k w, (k + 1) w) for k = 0 .. readers - 1, each once, covering the axis.
-  const auto count = static_cast<std::int64_t>(readers.size());
-  if (readers.size() != op->pieces || n.shape[last] % count != 0) return {};
-  const std::int64_t w = n.shape[last] / count;
-  std::vector<int> in_order(readers.size(), -1);
+  // Exactly op->pieces slices that cover the axis end to end, each piece once (equal pieces
+  // [k w, (k + 1) w) for attention_grad's side-by-side form, q's then k's and v's sizes for its
+  // flat one: the kernel checks each output's size).
+  if (readers.size() != op->pieces) return {};
+  auto start = [&](int c) { return g.node(c).attrs.get_int("start", -1); };
+  std::sort(readers.begin(), readers.end(), [&](int a, int b) { return start(a) < start(b); });
+  std::int64_t at = 0;
   for (int c : readers) {
-    const Node& r = g.node(c);
-    const std::int64_t start = r.attrs.get_int("start", -1);
-    if (start < 0 || start % w != 0 || r.shape[last] != w) return {};
-    const auto k = static_cast<std::size_t>(start / w);
-    if (in_order[k] != -1) return {};
-    in_order[k] = c;
+    if (start(c) != at || g.node(c).shape[last] < 1) return {};
+    at += g.node(c).shape[last];
   }
-  return in_order;
+  if (at != n.shape[last]) return {};
+  return readers;
 }
 
 // A tensor a forward kernel can write beside its output for the gradient op that reads that

@@ -9,7 +9,8 @@
 // rowsum(dO * O), writes both for the second kernel, and a second pass accumulates
 // dQ = sum_j dS_ij K_j with P = 2^(S scale log2e - lse), dP = dO V^T, dS = P (dP - D) scale;
 // per block of keys, the second kernel accumulates dV = P^T dO and dK = dS^T Q over the query
-// rows.
+// rows. Grouped-query heads: query head h reads key and value head h / group; the second kernel
+// runs per kv head and walks the query rows of each of its group's heads in turn.
 //
 // Every product is a warp's 16-row tile times a tile in shared memory (warp_gemm), written as
 // float32 to the warp's scratch; the softmax and the accumulators then work on that scratch
@@ -188,8 +189,8 @@ __device__ __forceinline__ int heaviest_first_rows() {
 template <class T, int D>
 __global__ void __launch_bounds__(Tile<T, D>::threads)
     attention_forward_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                             T* __restrict__ o, float* __restrict__ lse, int t, int d, float scale2, bool causal,
-                             bool vec) {
+                             T* __restrict__ o, float* __restrict__ lse, int group, int t, int d, float scale2,
+                             bool causal, bool vec) {
   using C = Tile<T, D>;
   extern __shared__ __align__(128) unsigned char smem[];
   Carve carve{smem};
@@ -201,6 +202,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
 
   const long long head = blockIdx.x;
   const long long base = head * t * d;
+  const long long kv_base = head / group * t * d;  // its key and value head (grouped-query heads)
   const int i0 = heaviest_first_rows<C::rows>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 1, h = lane & 1;  // this lane's row of its warp's 16, and its column parity
@@ -217,8 +219,8 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
   const int key_end = causal ? min(t, i0 + C::rows) : t;
   for (int j0 = 0; j0 < key_end; j0 += C::cols) {
     __syncthreads();  // every warp is done with the last tiles
-    load_rows<T, D, C::cols, C::threads>(sk, C::ld, k + base, j0, t, d, vec);
-    load_rows<T, D, C::cols, C::threads>(sv, C::ld, v + base, j0, t, d, vec);
+    load_rows<T, D, C::cols, C::threads>(sk, C::ld, k + kv_base, j0, t, d, vec);
+    load_rows<T, D, C::cols, C::threads>(sv, C::ld, v + kv_base, j0, t, d, vec);
     __syncthreads();
     warp_gemm<C::cols, D, true>(qw, C::ld, sk, C::ld, sw, C::wide);  // S = Q K^T
     __syncwarp();
@@ -272,7 +274,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
     attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ o, const T* __restrict__ dout, T* __restrict__ dq_out, long long ld,
                         const float* __restrict__ lse_in, float* __restrict__ lse2_out, float* __restrict__ delta_out,
-                        int t, int d, float scale2, float scale, bool causal, bool vec) {
+                        int group, int t, int d, float scale2, float scale, bool causal, bool vec) {
   using C = Tile<T, D>;
   extern __shared__ __align__(128) unsigned char smem[];
   Carve carve{smem};
@@ -286,6 +288,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
 
   const long long head = blockIdx.x;
   const long long base = head * t * d;
+  const long long kv_base = head / group * t * d;
   const int i0 = heaviest_first_rows<C::rows>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 1, h = lane & 1;
@@ -318,7 +321,7 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
   float m = -INFINITY, l = 0.f;
   for (int j0 = 0; lse_in == nullptr && j0 < key_end; j0 += C::cols) {
     __syncthreads();
-    load_rows<T, D, C::cols, C::threads>(sk, C::ld, k + base, j0, t, d, vec);
+    load_rows<T, D, C::cols, C::threads>(sk, C::ld, k + kv_base, j0, t, d, vec);
     __syncthreads();
     warp_gemm<C::cols, D, true>(qw, C::ld, sk, C::ld, s1w, C::wide);
     __syncwarp();
@@ -353,8 +356,8 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
   for (int j = 0; j < C::half; ++j) acc[j] = 0.f;
   for (int j0 = 0; j0 < key_end; j0 += C::cols) {
     __syncthreads();
-    load_rows<T, D, C::cols, C::threads>(sk, C::ld, k + base, j0, t, d, vec);
-    load_rows<T, D, C::cols, C::threads>(sv, C::ld, v + base, j0, t, d, vec);
+    load_rows<T, D, C::cols, C::threads>(sk, C::ld, k + kv_base, j0, t, d, vec);
+    load_rows<T, D, C::cols, C::threads>(sv, C::ld, v + kv_base, j0, t, d, vec);
     __syncthreads();
     warp_gemm<C::cols, D, true>(qw, C::ld, sk, C::ld, s1w, C::wide);     // S = Q K^T
     warp_gemm<C::cols, D, true>(dow, C::ld, sv, C::ld, s2w, C::narrow);  // dP = dO V^T
@@ -389,8 +392,8 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
     attention_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                           const T* __restrict__ dout, T* __restrict__ dk_out, T* __restrict__ dv_out, long long ld,
                           const float* __restrict__ lse2_in,
-                          const float* __restrict__ delta_in, int t, int d, float scale2, float scale, bool causal,
-                          bool vec) {
+                          const float* __restrict__ delta_in, int group, int t, int d, float scale2, float scale,
+                          bool causal, bool vec) {
   using C = Tile<T, D>;
   extern __shared__ __align__(128) unsigned char smem[];
   Carve carve{smem};
@@ -404,8 +407,8 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
   float* s_lse = carve.take<float>(C::cols);
   float* s_delta = carve.take<float>(C::cols);
 
-  const long long head = blockIdx.x;
-  const long long base = head * t * d;
+  const long long kv_head = blockIdx.x;  // a key and value head, read by `group` query heads
+  const long long kv_base = kv_head * t * d;
   const int j0 = static_cast<int>(blockIdx.y) * C::rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 1, h = lane & 1;
@@ -416,55 +419,59 @@ __global__ void __launch_bounds__(Tile<T, D>::threads)
   float* s1w = ss1 + warp * 16 * C::narrow;
   float* s2w = ss2 + warp * 16 * C::wide;
 
-  load_rows<T, D, C::rows, C::threads>(sk, C::ld, k + base, j0, t, d, vec);
-  load_rows<T, D, C::rows, C::threads>(sv, C::ld, v + base, j0, t, d, vec);
+  load_rows<T, D, C::rows, C::threads>(sk, C::ld, k + kv_base, j0, t, d, vec);
+  load_rows<T, D, C::rows, C::threads>(sv, C::ld, v + kv_base, j0, t, d, vec);
   float dk[C::half], dv[C::half];
 #pragma unroll
   for (int j = 0; j < C::half; ++j) dk[j] = dv[j] = 0.f;
   // Causal: query rows before the first tile holding j0 see none of these keys.
   const int q_begin = causal ? j0 / C::cols * C::cols : 0;
-  for (int i0 = q_begin; i0 < t; i0 += C::cols) {
-    __syncthreads();
-    load_rows<T, D, C::cols, C::threads>(sq, C::ld, q + base, i0, t, d, vec);
-    load_rows<T, D, C::cols, C::threads>(sdo, C::ld, dout + base, i0, t, d, vec);
-    for (int idx = threadIdx.x; idx < C::cols; idx += C::threads) {
-      const int row = i0 + idx;
-      s_lse[idx] = row < t ? lse2_in[head * t + row] : 0.f;
-      s_delta[idx] = row < t ? delta_in[head * t + row] : 0.f;
+  // The query rows of each of the kv head's query heads in turn: dk and dv add up over them.
+  for (long long head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+    const long long base = head * t * d;
+    for (int i0 = q_begin; i0 < t; i0 += C::cols) {
+      __syncthreads();
+      load_rows<T, D, C::cols, C::threads>(sq, C::ld, q + base, i0, t, d, vec);
+      load_rows<T, D, C::cols, C::threads>(sdo, C::ld, dout + base, i0, t, d, vec);
+      for (int idx = threadIdx.x; idx < C::cols; idx += C::threads) {
+        const int row = i0 + idx;
+        s_lse[idx] = row < t ? lse2_in[head * t + row] : 0.f;
+        s_delta[idx] = row < t ? delta_in[head * t + row] : 0.f;
+      }
+      __syncthreads();
+      warp_gemm<C::cols, D, true>(kw, C::ld, sq, C::ld, s1w, C::narrow);  // S^T = K Q^T
+      __syncwarp();
+#pragma unroll
+      for (int jj = 0; jj < C::half_cols; ++jj) {
+        const int c = 2 * jj + h, query = i0 + c;
+        const bool hidden = query >= t || (causal && kj > query);
+        const float p = hidden ? 0.f : exp2f(s1w[r * C::narrow + c] * scale2 - s_lse[c]);
+        s1w[r * C::narrow + c] = p;
+        ptw[r * C::pld + c] = from_f<T>(p);
+      }
+      __syncwarp();
+      warp_gemm<D, C::cols, false>(ptw, C::pld, sdo, C::ld, s2w, C::wide);  // P^T dO
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < C::half; ++j) dv[j] += s2w[r * C::wide + 2 * j + h];
+      __syncwarp();
+      warp_gemm<C::cols, D, true>(vw, C::ld, sdo, C::ld, s2w, C::wide);  // dP^T = V dO^T
+      __syncwarp();
+#pragma unroll
+      for (int jj = 0; jj < C::half_cols; ++jj) {
+        const int c = 2 * jj + h;
+        ptw[r * C::pld + c] = from_f<T>(s1w[r * C::narrow + c] * (s2w[r * C::wide + c] - s_delta[c]) * scale);
+      }
+      __syncwarp();
+      warp_gemm<D, C::cols, false>(ptw, C::pld, sq, C::ld, s2w, C::wide);  // dS^T Q
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < C::half; ++j) dk[j] += s2w[r * C::wide + 2 * j + h];
     }
-    __syncthreads();
-    warp_gemm<C::cols, D, true>(kw, C::ld, sq, C::ld, s1w, C::narrow);  // S^T = K Q^T
-    __syncwarp();
-#pragma unroll
-    for (int jj = 0; jj < C::half_cols; ++jj) {
-      const int c = 2 * jj + h, query = i0 + c;
-      const bool hidden = query >= t || (causal && kj > query);
-      const float p = hidden ? 0.f : exp2f(s1w[r * C::narrow + c] * scale2 - s_lse[c]);
-      s1w[r * C::narrow + c] = p;
-      ptw[r * C::pld + c] = from_f<T>(p);
-    }
-    __syncwarp();
-    warp_gemm<D, C::cols, false>(ptw, C::pld, sdo, C::ld, s2w, C::wide);  // P^T dO
-    __syncwarp();
-#pragma unroll
-    for (int j = 0; j < C::half; ++j) dv[j] += s2w[r * C::wide + 2 * j + h];
-    __syncwarp();
-    warp_gemm<C::cols, D, true>(vw, C::ld, sdo, C::ld, s2w, C::wide);  // dP^T = V dO^T
-    __syncwarp();
-#pragma unroll
-    for (int jj = 0; jj < C::half_cols; ++jj) {
-      const int c = 2 * jj + h;
-      ptw[r * C::pld + c] = from_f<T>(s1w[r * C::narrow + c] * (s2w[r * C::wide + c] - s_delta[c]) * scale);
-    }
-    __syncwarp();
-    warp_gemm<D, C::cols, false>(ptw, C::pld, sq, C::ld, s2w, C::wide);  // dS^T Q
-    __syncwarp();
-#pragma unroll
-    for (int j = 0; j < C::half; ++j) dk[j] += s2w[r * C::wide + 2 * j + h];
   }
   if (kj < t) {
-    T* dk_row = dk_out + (head * t + kj) * ld;
-    T* dv_row = dv_out + (head * t + kj) * ld;
+    T* dk_row = dk_out + (kv_head * t + kj) * ld;
+    T* dv_row = dv_out + (kv_head * t + kj) * ld;
 #pragma unroll
     for (int j = 0; j < C::half; ++j) {
       const int c = 2 * j + h;
@@ -496,10 +503,12 @@ cudaError_t allow_shared(Kernel kernel, size_t bytes) {
 }
 
 template <class T>
-cudaError_t forward_t(const T* q, const T* k, const T* v, T* o, float* lse, long long heads, long long t, long long d,
-                      double scale, bool causal, cudaStream_t s) {
+cudaError_t forward_t(const T* q, const T* k, const T* v, T* o, float* lse, long long heads, long long group,
+                      long long t, long long d, double scale, bool causal, cudaStream_t s) {
   if (heads == 0 || t == 0) return cudaSuccess;
-  if (d < 1 || t > 0x7fffffffLL || heads > 0x7fffffffLL) return cudaErrorInvalidValue;
+  if (d < 1 || t > 0x7fffffffLL || heads > 0x7fffffffLL || group < 1 || heads % group != 0) {
+    return cudaErrorInvalidValue;
+  }
   const bool vec_ok = aligned16(q) && aligned16(k) && aligned16(v);
   const auto scale2 = static_cast<float>(scale * log2e);
   return by_head_size(d, [&](auto head_size) {
@@ -510,17 +519,20 @@ cudaError_t forward_t(const T* q, const T* k, const T* v, T* o, float* lse, long
     auto kernel = attention_forward_kernel<T, D>;
     if (cudaError_t e = allow_shared(kernel, C::forward_bytes()); e != cudaSuccess) return e;
     kernel<<<dim3(static_cast<unsigned>(heads), blocks), C::threads, C::forward_bytes(), s>>>(
-        q, k, v, o, lse, static_cast<int>(t), static_cast<int>(d), scale2, causal, vec_ok && d == D);
+        q, k, v, o, lse, static_cast<int>(group), static_cast<int>(t), static_cast<int>(d), scale2, causal,
+        vec_ok && d == D);
     return cudaGetLastError();
   });
 }
 
 template <class T>
 cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* dout, T* dq_out, T* dk_out,
-                       T* dv_out, long long ld, const float* lse, void* scratch, long long heads, long long t, long long d, double scale, bool causal,
-                       cudaStream_t s) {
+                       T* dv_out, long long ld, const float* lse, void* scratch, long long heads, long long group,
+                       long long t, long long d, double scale, bool causal, cudaStream_t s) {
   if (heads == 0 || t == 0) return cudaSuccess;
-  if (d < 1 || ld < d || t > 0x7fffffffLL || heads > 0x7fffffffLL) return cudaErrorInvalidValue;
+  if (d < 1 || ld < d || t > 0x7fffffffLL || heads > 0x7fffffffLL || group < 1 || heads % group != 0) {
+    return cudaErrorInvalidValue;
+  }
   const bool vec_ok = aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const auto scale2 = static_cast<float>(scale * log2e);
   float* lse2 = static_cast<float*>(scratch);
@@ -531,16 +543,20 @@ cudaError_t backward_t(const T* q, const T* k, const T* v, const T* o, const T* 
     const unsigned blocks = static_cast<unsigned>((t + C::rows - 1) / C::rows);
     if (blocks > 65535) return cudaErrorInvalidValue;
     const dim3 grid(static_cast<unsigned>(heads), blocks);
+    const dim3 kv_grid(static_cast<unsigned>(heads / group), blocks);  // dk and dv: per key and value head
     const bool vec = vec_ok && d == D;
     auto dq = attention_dq_kernel<T, D>;
     if (cudaError_t e = allow_shared(dq, C::dq_bytes()); e != cudaSuccess) return e;
-    dq<<<grid, C::threads, C::dq_bytes(), s>>>(q, k, v, o, dout, dq_out, ld, lse, lse2, delta, static_cast<int>(t),
-                                               static_cast<int>(d), scale2, static_cast<float>(scale), causal, vec);
+    dq<<<grid, C::threads, C::dq_bytes(), s>>>(q, k, v, o, dout, dq_out, ld, lse, lse2, delta, static_cast<int>(group),
+                                               static_cast<int>(t), static_cast<int>(d), scale2,
+                                               static_cast<float>(scale), causal, vec);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     auto dkdv = attention_dkdv_kernel<T, D>;
     if (cudaError_t e = allow_shared(dkdv, C::dkdv_bytes()); e != cudaSuccess) return e;
-    dkdv<<<grid, C::threads, C::dkdv_bytes(), s>>>(q, k, v, dout, dk_out, dv_out, ld, lse2, delta, static_cast<int>(t),
-                                                   static_cast<int>(d), scale2, static_cast<float>(scale), causal, vec);
+    dkdv<<<kv_grid, C::threads, C::dkdv_bytes(), s>>>(q, k, v, dout, dk_out, dv_out, ld, lse2, delta,
+                                                      static_cast<int>(group), static_cast<int>(t),
+                                                      static_cast<int>(d), scale2, static_cast<float>(scale), causal,
+                                                      vec);
     return cudaGetLastError();
   });
 }
@@ -551,26 +567,26 @@ __nv_bfloat16* dev(Bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
 }  // namespace
 
 cudaError_t attention(const float* q, const float* k, const float* v, float* o, float* lse, long long heads,
-                      long long t, long long d, double scale, bool causal, cudaStream_t s) {
-  return forward_t(q, k, v, o, lse, heads, t, d, scale, causal, s);
+                      long long group, long long t, long long d, double scale, bool causal, cudaStream_t s) {
+  return forward_t(q, k, v, o, lse, heads, group, t, d, scale, causal, s);
 }
-cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, float* lse, long long heads, long long t,
-                      long long d, double scale, bool causal, cudaStream_t s) {
-  return forward_t(dev(q), dev(k), dev(v), dev(o), lse, heads, t, d, scale, causal, s);
+cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, float* lse, long long heads,
+                      long long group, long long t, long long d, double scale, bool causal, cudaStream_t s) {
+  return forward_t(dev(q), dev(k), dev(v), dev(o), lse, heads, group, t, d, scale, causal, s);
 }
 
 cudaError_t attention_grad(const float* q, const float* k, const float* v, const float* o, const float* dout,
-                           GradRows out, const float* lse, void* scratch, long long heads, long long t, long long d,
-                           double scale, bool causal, cudaStream_t s) {
+                           GradRows out, const float* lse, void* scratch, long long heads, long long group,
+                           long long t, long long d, double scale, bool causal, cudaStream_t s) {
   return backward_t(q, k, v, o, dout, static_cast<float*>(out.dq), static_cast<float*>(out.dk),
-                    static_cast<float*>(out.dv), out.ld, lse, scratch, heads, t, d, scale, causal, s);
+                    static_cast<float*>(out.dv), out.ld, lse, scratch, heads, group, t, d, scale, causal, s);
 }
 cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, GradRows out,
-                           const float* lse, void* scratch, long long heads, long long t, long long d, double scale,
-                           bool causal, cudaStream_t s) {
+                           const float* lse, void* scratch, long long heads, long long group, long long t,
+                           long long d, double scale, bool causal, cudaStream_t s) {
   return backward_t(dev(q), dev(k), dev(v), dev(o), dev(dout), static_cast<__nv_bfloat16*>(out.dq),
                     static_cast<__nv_bfloat16*>(out.dk), static_cast<__nv_bfloat16*>(out.dv), out.ld, lse, scratch,
-                    heads, t, d, scale, causal, s);
+                    heads, group, t, d, scale, causal, s);
 }
 
 }  // namespace baton::cuda::launch

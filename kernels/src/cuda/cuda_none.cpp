@@ -23,7 +23,7 @@ const CudnnAttention& cudnn_attention() {
   static const CudnnAttention a{false, "", "built without CUDA"};
   return a;
 }
-std::string cudnn_attention_check(std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int) {
+std::string cudnn_attention_check(std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int, std::int64_t) {
   return "built without CUDA";
 }
 

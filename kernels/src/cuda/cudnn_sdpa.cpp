@@ -678,9 +678,11 @@ float negative_infinity(std::int64_t version) {
 
 // The dims and strides of the graphs' tensors for one shape (b, h, s, d; s_q = s_kv = s).
 struct Layout {
-  Dims bhsd, bhsd_strides;      // q, k, v, o, do
-  Dims bhds, bhds_strides;      // k (v) as the backend's matmuls take it: K^T, a view of K's memory
-  Dims grad_strides;            // dq, dk, dv: rows grad_ld apart (side by side in dqkv: 3 d)
+  Dims bhsd, bhsd_strides;      // q, o, do (and k, v without grouped-query heads)
+  Dims kv, kv_strides;          // k, v [b, h_kv, s, d]
+  Dims kv_t, kv_t_strides;      // k (v) as the backend's matmuls take it: K^T, a view of K's memory
+  Dims grad_strides;            // dq: rows grad_ld apart (side by side in dqkv: 3 d)
+  Dims kv_grad_strides;         // dk, dv: likewise, over h_kv heads
   Dims scores, score_strides;   // [b, h, s_q, s_kv]
   Dims scores_t_strides;        // [b, h, s_kv, s_q]: the scores transposed in place
   Dims rows, row_strides;       // [b, h, s_q, 1]: stats and other row reductions
@@ -688,14 +690,17 @@ struct Layout {
 };
 
 Layout layout_of(const SdpaShape& x) {
-  const std::int64_t b = x.b, h = x.h, s = x.s, d = x.d;
+  const std::int64_t b = x.b, h = x.h, hk = x.kv_heads(), s = x.s, d = x.d;
   Layout l;
   l.bhsd = {b, h, s, d};
   l.bhsd_strides = {h * s * d, s * d, d, 1};
-  l.bhds = {b, h, d, s};
-  l.bhds_strides = {h * s * d, s * d, 1, d};
+  l.kv = {b, hk, s, d};
+  l.kv_strides = {hk * s * d, s * d, d, 1};
+  l.kv_t = {b, hk, d, s};
+  l.kv_t_strides = {hk * s * d, s * d, 1, d};
   const std::int64_t ld = x.grad_ld > 0 ? x.grad_ld : 3 * d;
   l.grad_strides = {h * s * ld, s * ld, ld, 1};
+  l.kv_grad_strides = {hk * s * ld, s * ld, ld, 1};
   l.scores = {b, h, s, s};
   l.score_strides = {h * s * s, s * s, s, 1};
   l.scores_t_strides = {h * s * s, s * s, 1, s};
@@ -778,8 +783,8 @@ void build_forward(Graph& g, const SdpaShape& x, float neg_inf) {
   const Layout l = layout_of(x);
   const cudnnDataType_t io = io_type(x.elem);
   const Tensor q = g.tensor(uid::q, l.bhsd, l.bhsd_strides, io);
-  const Tensor kt = g.tensor(uid::k, l.bhds, l.bhds_strides, io);
-  const Tensor v = g.tensor(uid::v, l.bhsd, l.bhsd_strides, io);
+  const Tensor kt = g.tensor(uid::k, l.kv_t, l.kv_t_strides, io);
+  const Tensor v = g.tensor(uid::v, l.kv, l.kv_strides, io);
   const Tensor o = g.tensor(uid::o, l.bhsd, l.bhsd_strides, io);
   const Tensor stats = g.tensor(uid::stats, l.rows, l.row_strides, CUDNN_DATA_FLOAT);
   Tensor scores = scaled_scores(g, l, q, kt, g.scalar(static_cast<float>(x.scale)), {});
@@ -827,14 +832,14 @@ BackwardIo backward_io(Graph& g, const Layout& l, const SdpaShape& x, const Back
   const cudnnDataType_t io = io_type(x.elem);
   BackwardIo t;
   t.q = g.tensor(uid::q, l.bhsd, l.bhsd_strides, io);
-  t.kt = g.tensor(uid::k, l.bhds, l.bhds_strides, io);
-  t.vt = g.tensor(uid::v, l.bhds, l.bhds_strides, io);
+  t.kt = g.tensor(uid::k, l.kv_t, l.kv_t_strides, io);
+  t.vt = g.tensor(uid::v, l.kv_t, l.kv_t_strides, io);
   t.o = g.tensor(uid::o, l.bhsd, l.bhsd_strides, io);
   t.dout = g.tensor(uid::dout, l.bhsd, l.bhsd_strides, io);
   t.stats = g.tensor(uid::stats, l.rows, l.row_strides, CUDNN_DATA_FLOAT);
   t.dq = g.tensor(uid::dq, l.bhsd, l.grad_strides, io);
-  t.dk = g.tensor(uid::dk, l.bhsd, l.grad_strides, io);
-  t.dv = g.tensor(uid::dv, l.bhsd, l.grad_strides, io);
+  t.dk = g.tensor(uid::dk, l.kv, l.kv_grad_strides, io);
+  t.dv = g.tensor(uid::dv, l.kv, l.kv_grad_strides, io);
   t.scale = g.scalar(static_cast<float>(x.scale));
   if (opt.padding_workaround) {
     // [b, 1, 1, 1] int32, stride 1 (the frontend's workaround_padding_mask_seq_len_q / _kv).
@@ -895,7 +900,7 @@ Tensor grad_scores(Graph& g, const Layout& l, const BackwardIo& t, const Tensor&
 // intermediate type, then "matmul_dS_K"); through the float accumulator and "identity_dQ" when
 // not deterministic.
 void grad_q(Graph& g, const Layout& l, const BackwardIo& t, const Tensor& ds, const BackwardOptions& opt) {
-  const Tensor k = g.virtual_tensor(l.bhsd, l.bhsd_strides, CUDNN_DATA_FLOAT);
+  const Tensor k = g.virtual_tensor(l.kv, l.kv_strides, CUDNN_DATA_FLOAT);
   g.reshape(t.kt, k);
   const Overrides o{t.sq(), nullptr, t.skv()};
   if (opt.deterministic) {
@@ -907,17 +912,33 @@ void grad_q(Graph& g, const Layout& l, const BackwardIo& t, const Tensor& ds, co
   g.unary(CUDNN_POINTWISE_IDENTITY, accum, t.dq);
 }
 
-// CompositeSDPABackwardNode::expand_node for one head group (h_q = h_k = h_v), no bias, dropout
-// or alibi: softmax_sum, P, dV = P^T dO, dS, dK = dS^T Q, dQ = dS K (the scale is in dS).
+// out = a b, a [b, h_q, s_kv, s_q]; with grouped-query heads ("matmul_pT_dO" into dV_fullhead,
+// "red_dV_head"; the same for dK) each query head's product goes to a virtual [b, h_q, s, d] in
+// the input's type, which a reduction adds up over each kv head's group into `out`.
+void grad_kv(Graph& g, const Layout& l, const SdpaShape& x, const BackwardIo& t, const Tensor& a, const Tensor& b,
+             const Tensor& out) {
+  const Overrides o{t.skv(), nullptr, t.sq()};
+  if (x.kv_heads() == x.h) {
+    g.matmul(a, b, out, o);
+    return;
+  }
+  const Tensor full = g.virtual_tensor(l.bhsd, l.bhsd_strides, io_type(x.elem));
+  g.matmul(a, b, full, o);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
+}
+
+// CompositeSDPABackwardNode::expand_node without bias, dropout or alibi: softmax_sum, P,
+// dV = P^T dO, dS, dK = dS^T Q, dQ = dS K (the scale is in dS); with grouped-query heads
+// (h_k = h_v < h_q) the matmuls read k and v per group and dK, dV add up each group's heads.
 void build_backward(Graph& g, const SdpaShape& x, const BackwardOptions& opt) {
   const Layout l = layout_of(x);
   const cudnnDataType_t io = io_type(x.elem);
   const BackwardIo t = backward_io(g, l, x, opt);
   const Tensor sum = softmax_sum(g, l, t);
   const Tensor p = recomputed_probs(g, l, x, t, opt);
-  g.matmul(transposed_scores(g, l, p, io), t.dout, t.dv, {t.skv(), nullptr, t.sq()});
+  grad_kv(g, l, x, t, transposed_scores(g, l, p, io), t.dout, t.dv);
   const Tensor ds = grad_scores(g, l, t, sum, p);
-  g.matmul(transposed_scores(g, l, ds, io), t.q, t.dk, {t.skv(), nullptr, t.sq()});
+  grad_kv(g, l, x, t, transposed_scores(g, l, ds, io), t.q, t.dk);
   grad_q(g, l, t, ds, opt);
 }
 
@@ -967,6 +988,9 @@ std::string backward_limits(const SdpaShape& x, int sm) {
 
 std::string shape_limits(const SdpaShape& x, Pass pass, std::int64_t version, int sm) {
   if (x.b < 1 || x.h < 1 || x.s < 1 || x.d < 1) return "every dimension must be at least 1";
+  if (x.h_kv < 0 || x.h % x.kv_heads() != 0) {
+    return fmt::format("{} key and value heads do not divide {} query heads", x.h_kv, x.h);
+  }
   if (version == 91000 || version == 91001) {
     return "cuDNN 9.10.0 and 9.10.1 have known bugs in BF16/FP16 attention: use 9.10.2 or newer";
   }
@@ -974,6 +998,9 @@ std::string shape_limits(const SdpaShape& x, Pass pass, std::int64_t version, in
   if (x.d % 8 != 0) return fmt::format("head size d = {} is not a multiple of 8", x.d);
   return pass == Pass::forward ? forward_limits(x, version, sm) : backward_limits(x, sm);
 }
+
+// " h_kv=2" with grouped-query heads, else "".
+std::string kv_text(const SdpaShape& x) { return x.kv_heads() == x.h ? "" : fmt::format(" h_kv={}", x.h_kv); }
 
 int current_sm(std::string_view who) {
   int device = 0, major = 0, minor = 0;
@@ -998,8 +1025,8 @@ Target target_of(const SdpaShape& x, const std::string& who, Pass pass) {
   Target t;
   t.version = api().version;
   t.sm = current_sm(who);
-  t.context = fmt::format("{}: cuDNN {} attention {} (b={} h={} s={} d={} {} {})", who, version_text(t.version),
-                          pass == Pass::forward ? "forward" : "backward", x.b, x.h, x.s, x.d,
+  t.context = fmt::format("{}: cuDNN {} attention {} (b={} h={}{} s={} d={} {} {})", who, version_text(t.version),
+                          pass == Pass::forward ? "forward" : "backward", x.b, x.h, kv_text(x), x.s, x.d,
                           x.elem == Elem::bf16 ? "bf16" : "f16", x.causal ? "causal" : "full");
   if (const std::string why = shape_limits(x, pass, t.version, t.sm); !why.empty()) {
     throw std::runtime_error(fmt::format("{}: not supported: {}", t.context, why));
@@ -1062,8 +1089,9 @@ std::string check_graphs(const SdpaShape& shape, int sm) {
   if (!api().unavailable.empty()) return "cannot use cuDNN: " + api().unavailable;
   // Every descriptor finalizes as it is made; what needs a device (heuristics, plans) is not made.
   try {
-    const std::string who = fmt::format("check of cuDNN {} attention (b={} h={} s={} d={} {})",
-                                        version_text(api().version), shape.b, shape.h, shape.s, shape.d,
+    const std::string who = fmt::format("check of cuDNN {} attention (b={} h={}{} s={} d={} {})",
+                                        version_text(api().version), shape.b, shape.h, kv_text(shape), shape.s,
+                                        shape.d,
                                         shape.causal ? "causal" : "full");
     if (const std::string why = shape_limits(shape, Pass::forward, api().version, sm); !why.empty()) return why;
     if (const std::string why = shape_limits(shape, Pass::backward, api().version, sm); !why.empty()) return why;

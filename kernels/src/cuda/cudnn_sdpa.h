@@ -6,11 +6,13 @@
 // bundle work where there is none, and `--attention auto` then keeps the fused kernels.
 //
 // The layouts are baton's attention op's (baton/kernels/ops.h):
-//   q, k, v, o, do   [b, h, s, d], contiguous (strides h s d, s d, d, 1)
-//   dq, dk, dv       [b, h, s, d] with rows `grad_ld` elements apart (strides h s ld, s ld,
-//                    ld, 1): side by side in one [b, h, s, 3 d] tensor (ld 3 d, the graph's
-//                    attention_grad; dk starts d elements in, dv 2 d), or tensors of their own
-//                    (ld d, the plan's three outputs)
+//   q, k, v, o, do   [b, h, s, d], contiguous (strides h s d, s d, d, 1); k and v [b, h_kv,
+//                    s, d] with grouped-query heads (h_kv dividing h)
+//   dq, dk, dv       [b, h, s, d] ([b, h_kv, s, d]) with rows `grad_ld` elements apart
+//                    (strides h s ld, s ld, ld, 1): side by side in one [b, h, s, 3 d] tensor
+//                    (ld 3 d, the graph's attention_grad; dk starts d elements in, dv 2 d), or
+//                    tensors of their own (ld d, the plan's three outputs, and any layout with
+//                    grouped-query heads)
 //   stats            [b, h, s] float32: each row's log-sum-exp of scale q k^T over its unmasked
 //                    keys (natural log), written by the forward and read by the backward, so
 //                    the backward recomputes nothing.
@@ -43,11 +45,15 @@ std::string check_graphs(const SdpaShape& shape, int sm);
 /// `causal` hides key j > query i.
 struct SdpaShape {
   std::int64_t b = 0, h = 0, s = 0, d = 0;
+  /// Key and value heads: 0 (or h) for as many as q's, fewer (dividing h) for grouped-query
+  /// heads: query head i reads kv head i / (h / h_kv).
+  std::int64_t h_kv = 0;
   double scale = 1.0;
   bool causal = true;
   Elem elem = Elem::bf16;
   /// The backward's gradients' row stride in elements (0: 3 d, dq, dk and dv side by side).
   std::int64_t grad_ld = 0;
+  std::int64_t kv_heads() const { return h_kv > 0 ? h_kv : h; }
   bool operator==(const SdpaShape&) const = default;
 };
 

@@ -34,13 +34,17 @@ const CudnnAttention& cudnn_attention() {
   return a;
 }
 
-std::string cudnn_attention_check(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, bool causal, int sm) {
-  // Both layouts of the backward's gradients: side by side (the graph's node) and apart (the plan's).
-  for (std::int64_t ld : {std::int64_t{0}, d}) {
+std::string cudnn_attention_check(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, bool causal, int sm,
+                                  std::int64_t h_kv) {
+  // Both layouts of the backward's gradients: side by side (the graph's node) and apart (the
+  // plan's; grouped-query heads have only that one).
+  const bool grouped = h_kv > 0 && h_kv != h;
+  for (std::int64_t ld : {grouped ? d : std::int64_t{0}, d}) {
     std::string why = cudnn::check_graphs({.b = b,
                                            .h = h,
                                            .s = s,
                                            .d = d,
+                                           .h_kv = h_kv,
                                            .scale = 1.0 / std::sqrt(static_cast<double>(d)),
                                            .causal = causal,
                                            .elem = cudnn::Elem::bf16,
@@ -144,11 +148,15 @@ const float* stats_in(const KernelContext& ctx, const Tensor& q, const char* op)
 }
 
 // cuDNN's problem for q [..., T, D]: the first axis as its batch, the rest of the leading axes as
-// heads (one contiguous [b, h, T, D] either way).
+// heads (one contiguous [b, h, T, D] either way); with grouped-query heads axis -3 as the heads
+// and k's axis -3 as its key and value heads (the only axis where k differs from q:
+// kernel_args.h attention_dims), the axes before it as the batch.
 cudnn::SdpaShape sdpa_shape(const Tensor& q, const AttentionDims& a, const AttentionAttrs& attrs) {
-  const std::int64_t b = q.shape().size() >= 3 ? q.shape()[0] : 1;
-  return {.b = b, .h = a.heads / b, .s = a.t, .d = a.d, .scale = attrs.scale_for(a.d), .causal = attrs.causal,
-          .elem = cudnn::Elem::bf16};
+  const Shape& s = q.shape();
+  // Grouped-query heads: axis -3 holds the heads that group, every axis before it the batch.
+  const std::int64_t b = a.kv_heads != a.heads ? a.heads / s[s.size() - 3] : s.size() >= 3 ? s[0] : 1;
+  return {.b = b, .h = a.heads / b, .s = a.t, .d = a.d, .h_kv = a.kv_heads / b, .scale = attrs.scale_for(a.d),
+          .causal = attrs.causal, .elem = cudnn::Elem::bf16};
 }
 
 // Whether an attention kernel of element type E with `attrs` runs cuDNN for this problem: kernel
@@ -206,7 +214,7 @@ class AttentionKernel final : public Kernel {
     check_attention_limits(a, q, op);  // on the host, before the stream (a test runs it without one)
     cudaStream_t s = stream_of(ctx, op);
     launched(launch::attention(in_as<E>(q, op, "q"), in_as<E>(k, op, "k"), in_as<E>(v, op, "v"), out_as<E>(o, op, "o"),
-                               stats, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
+                               stats, a.heads, a.group(), a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
              op, ctx);
   }
 
@@ -245,7 +253,7 @@ class AttentionGradKernel final : public Kernel {
     const AttentionDims a = baton::detail::attention_dims(q, k, v, op);
     check_same_shape(q, o, op);
     check_same_shape(q, dout, op);
-    const baton::detail::AttentionGradOut grads = baton::detail::attention_grad_out(ctx, q, op);
+    const baton::detail::AttentionGradOut grads = baton::detail::attention_grad_out(ctx, q, k, op);
     const float* stats = stats_in(ctx, q, op);
     if (!refused_ && wants_cudnn<E>(attrs_, a, op, actor_)) {
       // cuDNN's backward reads the forward's log-sum-exp; without it (a kernel run outside a
@@ -272,7 +280,8 @@ class AttentionGradKernel final : public Kernel {
     void* scratch = bytes == 0 ? nullptr : scratch_.get(bytes, ctx);
     launched(launch::attention_grad(in_as<E>(q, op, "q"), in_as<E>(k, op, "k"), in_as<E>(v, op, "v"),
                                     in_as<E>(o, op, "o"), in_as<E>(dout, op, "do"),
-                                    launch::GradRows{grads.dq, grads.dk, grads.dv, grads.ld}, stats, scratch, a.heads, a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
+                                    launch::GradRows{grads.dq, grads.dk, grads.dv, grads.ld}, stats, scratch, a.heads,
+                                    a.group(), a.t, a.d, attrs_.scale_for(a.d), attrs_.causal, s),
              op, ctx);
   }
 

@@ -23,17 +23,18 @@ cudaError_t bias_gelu_grad(const Bf16* x, const Bf16* b, const Bf16* dy, Bf16* d
 constexpr long long attention_max_d = 128;
 
 /// o = softmax(scale q k^T, causally masked) v for `heads` independent heads of t rows of d
-/// (q, k, v, o [heads, t, d]), FlashAttention-2's forward: per block of query rows, blocks of
+/// (q, o [heads, t, d]; k, v [heads / group, t, d]: query head h reads kv head h / group, 1
+/// without grouped-query heads), FlashAttention-2's forward: per block of query rows, blocks of
 /// keys with an online softmax, float32 accumulation; bf16 products on tensor cores (WMMA).
 /// `lse` (may be null): each row's natural log-sum-exp of its scaled scores, [heads, t].
 cudaError_t attention(const float* q, const float* k, const float* v, float* o, float* lse, long long heads,
-                      long long t, long long d, double scale, bool causal, cudaStream_t s);
-cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, float* lse, long long heads, long long t,
-                      long long d, double scale, bool causal, cudaStream_t s);
+                      long long group, long long t, long long d, double scale, bool causal, cudaStream_t s);
+cudaError_t attention(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, float* lse, long long heads,
+                      long long group, long long t, long long d, double scale, bool causal, cudaStream_t s);
 
 /// Where attention_grad writes (the element type's): row i of head h of dq at dq + (h t + i) ld,
-/// dk and dv likewise; ld 3 d with the three side by side in one [heads, t, 3 d] tensor, d in
-/// tensors of their own.
+/// of kv head h of dk and dv likewise; ld 3 d with the three side by side in one [heads, t, 3 d]
+/// tensor, d in tensors of their own (always with grouped-query heads).
 struct GradRows {
   void* dq;
   void* dk;
@@ -44,14 +45,14 @@ struct GradRows {
 /// The gradients of attention into `out`, FlashAttention-2's backward without atomics: one
 /// kernel per block of query rows takes their log-sum-exp (`lse`, the forward's [heads, t],
 /// natural log; null: recomputed, one more Q K^T pass) and D = rowsum(do * o) and accumulates dq;
-/// a second, per block of keys, accumulates dk and dv. `scratch`: device memory of
-/// attention_grad_scratch(heads, t) bytes.
+/// a second, per block of keys of a kv head, accumulates dk and dv over the head's `group`
+/// query heads in turn. `scratch`: device memory of attention_grad_scratch(heads, t) bytes.
 cudaError_t attention_grad(const float* q, const float* k, const float* v, const float* o, const float* dout,
-                           GradRows out, const float* lse, void* scratch, long long heads, long long t, long long d,
-                           double scale, bool causal, cudaStream_t s);
+                           GradRows out, const float* lse, void* scratch, long long heads, long long group, long long t,
+                           long long d, double scale, bool causal, cudaStream_t s);
 cudaError_t attention_grad(const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* o, const Bf16* dout, GradRows out,
-                           const float* lse, void* scratch, long long heads, long long t, long long d, double scale,
-                           bool causal, cudaStream_t s);
+                           const float* lse, void* scratch, long long heads, long long group, long long t, long long d,
+                           double scale, bool causal, cudaStream_t s);
 inline size_t attention_grad_scratch(long long heads, long long t) {
   return static_cast<size_t>(2 * heads * t) * sizeof(float);
 }

@@ -115,8 +115,11 @@ struct AttentionOptions {
 /// heads): softmax(scale q k^T, masked if causal) v -> [..., T, D], as
 /// matmul(softmax(causal_mask(scale * matmul(q, k, false, true))), v) but without the T x T
 /// scores (FlashAttention's tiling and online softmax; CPU kernels f32 and f64, CUDA f32 and
-/// bf16). Under autocast it computes in the low dtype (torch's SDPA does). Its gradient is one
-/// op, attention_grad, whose [..., T, 3 D] result is sliced into dq, dk and dv.
+/// bf16). Grouped-query heads (Llama's GQA, torch's enable_gqa): k and v [..., Hkv, T, D] with
+/// Hkv dividing q's H, query head h reading kv head h / (H / Hkv), so nothing repeats k and v.
+/// Under autocast it computes in the low dtype (torch's SDPA does). Its gradient is one op,
+/// attention_grad, whose [..., T, 3 D] result is sliced into dq, dk and dv (with grouped-query
+/// heads a flat one, dq, dk and dv one after another).
 ///   auto o = attention(q, k, v);                                   // causal, 1/sqrt(D)
 ///   auto o2 = attention(q, k, v, {.causal = false, .scale = 0.5});
 Value attention(Value q, Value k, Value v, const AttentionOptions& options = {});

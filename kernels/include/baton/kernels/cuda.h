@@ -177,10 +177,11 @@ const CudnnAttention& cudnn_attention();
 /// Builds cuDNN's bf16 attention graphs, forward and backward, for q [b, h, s, d] as far as a
 /// machine without a GPU can (every descriptor finalized by cuDNN; from cuDNN 9.8 the operation
 /// graphs too; not the engines, which need the device), for a GPU of compute capability `sm`
-/// (90: Hopper), with the backward's dq, dk and dv side by side and apart. "" when all finalize,
-/// else why not (cuDNN's message). A check for CI machines.
+/// (90: Hopper), with the backward's dq, dk and dv side by side and apart; `h_kv` key and value
+/// heads (0: h; fewer, dividing h, for grouped-query heads: then only apart). "" when all
+/// finalize, else why not (cuDNN's message). A check for CI machines.
 std::string cudnn_attention_check(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, bool causal,
-                                  int sm = 90);
+                                  int sm = 90, std::int64_t h_kv = 0);
 
 /// Registers the CUDA kernels (kernels/src/cuda/ops.cpp lists them) for DeviceType::cuda; does
 /// nothing in a build without CUDA. KernelRegistry::with_builtin_kernels() calls it.

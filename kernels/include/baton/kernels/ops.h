@@ -72,6 +72,8 @@
 ///   attention(q, k, v) -> o            q, k, v, o [..., T, D] (the leading axes: batch x heads):
 ///                                      o = softmax(scale q k^T, keys j > i hidden if causal) v,
 ///                                      without the T x T scores (online softmax, per block).
+///                                      Grouped-query heads: k, v [..., Hkv, T, D] with Hkv
+///                                      dividing q's H; query head h reads kv head h / (H / Hkv).
 ///                                      attrs causal (0/1, default 1), scale (double, default
 ///                                      1/sqrt(D)).
 ///                                      attr kernel (CUDA devices): auto (default: cuDNN's
@@ -82,7 +84,11 @@
 ///                                      stats [..., T] (f32; f64 for f64) goes there.
 ///   attention_grad(q, k, v, o, do[, stats]) -> dqkv [..., T, 3 D]   dq, dk, dv side by side
 ///                                      along the last axis; the same attrs. With the forward's
-///                                      stats the softmax is not recomputed.
+///                                      stats the softmax is not recomputed. Grouped-query
+///                                      heads: dqkv [numel(q) + 2 numel(k)], dq, dk, dv one
+///                                      after another (attention_grad_shape); dk and dv sum
+///                                      over each kv head's query heads. Or three outputs, dq,
+///                                      dk and dv of q's, k's and v's sizes.
 ///
 /// The math of current LLMs (ops_llm.cpp; no CUDA kernels yet)
 ///   exp | log | sqrt | rsqrt | silu(x) -> y     silu(x) = x sigmoid(x); log, sqrt, rsqrt of a
@@ -104,6 +110,14 @@ namespace baton {
 
 /// The shape of attention's stats for q [..., T, D]: [..., T].
 inline Shape attention_stats_shape(const Shape& q) { return q.empty() ? q : Shape(q.begin(), q.end() - 1); }
+/// "" when attention's k (and v) shape goes with q's: the same, or for grouped-query heads the
+/// same but on axis -3, whose Hkv heads divide q's H; else what is wrong (the graph's op and
+/// every kernel refuse with these words).
+std::string attention_kv_mismatch(const Shape& q, const Shape& k);
+/// attention_grad's output as the graph makes it: dq, dk and dv side by side along the last
+/// axis, [..., T, 3 D]; with grouped-query heads (k's shape not q's) one after another, flat,
+/// [numel(q) + 2 numel(k)].
+Shape attention_grad_shape(const Shape& q, const Shape& k);
 
 /// Registers the tensor ops above for cpu/f32 and cpu/f64.
 void add_cpu_tensor_ops(KernelRegistry& reg);
