@@ -789,13 +789,15 @@ TEST_CASE("Parallel.SmallLlamaTensorParallelEqualsOneDevice" * doctest::timeout(
     return out;
   };
   // Fused attention: the kv heads read in place (grouped-query heads) on one device and by each
-  // shard, or repeated and sliced where the shards cut a group apart (kv heads 1 over tp 2).
+  // shard: its own kv head (kv heads 2 over tp 2), or the one kv head all its query heads read
+  // (kv heads 1 over tp 2, 2 over tp 4).
   constexpr auto naive = models::GptShape::Attention::naive, fused = models::GptShape::Attention::fused;
   for (auto [tp, kv_heads, tied, dp, pp, dtype, attention] :
        {std::tuple{2, 2, false, 1, 1, DType::f64, naive}, std::tuple{2, 1, true, 1, 1, DType::f64, naive},
         std::tuple{4, 2, false, 1, 1, DType::f64, naive}, std::tuple{2, 2, false, 2, 1, DType::f64, naive},
         std::tuple{2, 2, false, 1, 2, DType::f64, naive}, std::tuple{2, 2, false, 1, 1, DType::f32, naive},
-        std::tuple{2, 2, false, 1, 1, DType::f64, fused}, std::tuple{2, 1, false, 1, 1, DType::f64, fused}}) {
+        std::tuple{2, 2, false, 1, 1, DType::f64, fused}, std::tuple{2, 1, false, 1, 1, DType::f64, fused},
+        std::tuple{4, 2, false, 1, 1, DType::f64, fused}}) {
     CAPTURE(tp);
     CAPTURE(kv_heads);
     CAPTURE(tied);

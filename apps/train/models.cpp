@@ -225,14 +225,19 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
     auto in_block = g.block(static_cast<std::int32_t>(l));  // what --recompute full recomputes
     auto p = [&](const char* what) { return fmt::format("model.layers.{}.{}", l, what); };
     Value h = norm(x, p("input_layernorm.weight"));
-    // Keys and values kept whole when their heads do not split over the shards (the shards then
-    // cut a kv head's group apart): computed once, repeated to one per query head; each shard
-    // then takes its query heads' share.
+    // Keys and values kept whole when their heads do not split over the shards: computed once,
+    // and each shard takes what its query heads read. Where a shard's query heads all read one
+    // kv head (rep a multiple of nh_k: multi-query heads, or 8 kv heads over tp 16) that head
+    // alone; else (the shards cut a kv head's group apart) they are repeated to one per query
+    // head and each shard takes its heads' share.
     Value k_all, v_all;
+    const bool one_kv_head_a_shard = rep % nh_k == 0;
     if (!kv_split) {
       k_all = kv_for_attention(
-          rope(split_heads(matmul(h, weight(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv), s.rope_base), false);
-      v_all = kv_for_attention(split_heads(matmul(h, weight(p("self_attn.v_proj.weight"), {d, nkv * dh})), nkv), false);
+          rope(split_heads(matmul(h, weight(p("self_attn.k_proj.weight"), {d, nkv * dh})), nkv), s.rope_base),
+          one_kv_head_a_shard);
+      v_all = kv_for_attention(split_heads(matmul(h, weight(p("self_attn.v_proj.weight"), {d, nkv * dh})), nkv),
+                               one_kv_head_a_shard);
     }
     Value attn;
     for (std::int64_t sk = 0; sk < tp; ++sk) {
@@ -245,9 +250,10 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
         k = kv_for_attention(
             rope(split_heads(matmul(h, w("self_attn.k_proj.weight", {d, nkv_k * dh})), nkv_k), s.rope_base), true);
         v = kv_for_attention(split_heads(matmul(h, w("self_attn.v_proj.weight", {d, nkv_k * dh})), nkv_k), true);
-      } else if (tp == 1) {
-        k = k_all;
-        v = v_all;
+      } else if (grouped && one_kv_head_a_shard) {
+        const std::int64_t j = sk * nh_k / rep;  // the kv head of this shard's query heads
+        k = slice(k_all, 1, j, j + 1);
+        v = slice(v_all, 1, j, j + 1);
       } else {
         k = slice(k_all, 1, sk * nh_k, (sk + 1) * nh_k);
         v = slice(v_all, 1, sk * nh_k, (sk + 1) * nh_k);

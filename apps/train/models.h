@@ -91,8 +91,9 @@ struct LlamaShape {
   /// Grouped-query attention: the keys and values have kv_heads heads, each shared by
   /// heads / kv_heads query heads (query head h reads kv head h / (heads / kv_heads), as
   /// transformers' repeat_kv). kv_heads == heads is multi-head attention, 1 multi-query.
-  /// Fused attention (not naive) reads the kv heads in place; naive attention, and tp shards
-  /// that cut a kv head's group apart, repeat them.
+  /// Fused attention (not naive) reads the kv heads in place, also under tp where each shard's
+  /// query heads read whole kv heads or all one kv head; naive attention, and tp shards that cut
+  /// a kv head's group apart (12 query heads on 3 kv heads over tp 4), repeat them.
   std::int64_t kv_heads = 4;
   /// The SwiGLU MLP's hidden width (Llama's intermediate_size): gate and up [d, ffn], down
   /// [ffn, d].
