@@ -97,7 +97,7 @@ session() {
   check train-bf16 30 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
     --precision bf16
   check train-llama-bf16 30 "$B/baton-train" --model llama --data text:README.md --devices cuda:1 --steps 100 \
-    --batch 8 --precision bf16
+    --batch 8 --precision bf16 --kv-heads 2
   check train-gpt-bf16 30 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
     --batch 8 --precision bf16 --attention auto
   # shellcheck disable=SC2086
