@@ -717,6 +717,8 @@ TEST_CASE("Attention.Graph.GroupedQueryHeadsGradientsMatchTheRepeatedUnfusedOps"
   CHECK(attention(q, k2, k2).shape() == q.shape());
   CHECK(test::contains(error([&] { attention(q, k3, k3); }), "q's 4 heads are not a multiple of k's and v's 3"));
   CHECK(test::contains(error([&] { attention(q, k2, k3); }), "v must have k's shape"));
+  Value none = g.input("none", {2, 0, 8, 16});
+  CHECK(test::contains(error([&] { attention(none, k2, k2); }), "k and v have more heads (2) than q (0)"));
   Value q2 = g.input("q2", {8, 16}), k1 = g.input("k1", {4, 16});
   CHECK(test::contains(error([&] { attention(q2, k1, k1); }), "or [..., Hkv, T, D]"));
 }

@@ -307,6 +307,7 @@ std::string attention_kv_mismatch(const Shape& q, const Shape& k) {
       return "k and v may differ from q only in their heads (axis -3, grouped-query heads), not on another axis";
     }
   }
+  if (k[h] > q[h]) return fmt::format("k and v have more heads ({}) than q ({})", k[h], q[h]);
   if (k[h] < 1 || q[h] % k[h] != 0) {
     return fmt::format("q's {} heads are not a multiple of k's and v's {} (each key and value head serves H / Hkv "
                        "query heads)",

@@ -39,7 +39,8 @@ std::string cudnn_attention_check(std::int64_t b, std::int64_t h, std::int64_t s
   // Both layouts of the backward's gradients: side by side (the graph's node) and apart (the
   // plan's; grouped-query heads have only that one).
   const bool grouped = h_kv > 0 && h_kv != h;
-  for (std::int64_t ld : {grouped ? d : std::int64_t{0}, d}) {
+  const std::vector<std::int64_t> layouts = grouped ? std::vector<std::int64_t>{d} : std::vector<std::int64_t>{0, d};
+  for (std::int64_t ld : layouts) {
     std::string why = cudnn::check_graphs({.b = b,
                                            .h = h,
                                            .s = s,
