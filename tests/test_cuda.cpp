@@ -288,6 +288,19 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
     check_op(gpu, reg, "matmul_bias_grad", {}, {random_f32({33, 47}), random_f32({33, 29})},
              {{{47, 29}, f32}, {{29}, f32}});
   }
+  SUBCASE("matmul_bias: cuBLASLt's bias epilogue, or the two ops apart") {
+    // y = x w + b (the epilogues pass's fused Linear forward), w as stored and transposed, 3-D x
+    // whose rows fold, and odd extents that cuBLASLt may refuse (then cuBLAS and add's kernel).
+    for (std::int64_t tb : {0, 1}) {
+      const Attrs at{{"trans_b", tb}};
+      check_op(gpu, reg, "matmul_bias", at,
+               {random_f32({3, 40, 48}), random_f32(tb ? Shape{64, 48} : Shape{48, 64}), random_f32({64})},
+               {{{3, 40, 64}, f32}});
+      check_op(gpu, reg, "matmul_bias", at,
+               {random_f32({33, 47}), random_f32(tb ? Shape{29, 47} : Shape{47, 29}), random_f32({29})},
+               {{{33, 29}, f32}});
+    }
+  }
   SUBCASE("elementwise with broadcasting") {
     for (const char* op : {"add", "sub", "mul", "maximum"}) {
       check_op(gpu, reg, op, {}, {random_f32({5, 7}), random_f32({5, 7})}, {{{5, 7}, f32}});

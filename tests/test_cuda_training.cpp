@@ -262,6 +262,14 @@ Tensor random_bf16(const Shape& s, std::mt19937& rng) {
   return t;
 }
 
+/// An f32 copy of a bf16 tensor (exact).
+Tensor widened(const Tensor& t) {
+  Tensor f = Tensor::empty(t.shape(), DType::f32);
+  for (std::int64_t i = 0; i < t.numel(); ++i)
+    f.data<float>()[static_cast<std::size_t>(i)] = to_float(t.data<bfloat16>()[static_cast<std::size_t>(i)]);
+  return f;
+}
+
 /// Runs `op` in bf16 on the CPU and on cuda:0 on the same inputs (the device's outputs poisoned
 /// first) and returns the largest difference over the largest CPU magnitude, per output.
 std::vector<double> bf16_difference(const std::string& op, const Attrs& attrs, const std::vector<Tensor>& inputs,
@@ -350,6 +358,19 @@ TEST_CASE("CudaTraining.Bf16KernelsMatchTheCpu" * doctest::timeout(120)) {
        {{{64, 96}, DType::bf16}, {{96}, DType::bf16}}},
       {"matmul_bias_grad", {}, {random_bf16({37, 24}, rng), random_bf16({37, 40}, rng)},
        {{{24, 40}, DType::bf16}, {{40}, DType::bf16}}},
+      // A Linear layer's forward in one cuBLASLt product with the bias epilogue (or apart): bf16
+      // throughout, and bf16 operands with an f32 bias and result (autocast's widened product).
+      // The GPU adds the bias before rounding the product, the CPU after (the unfused ops'
+      // arithmetic): one bf16 rounding apart at most, well inside the bound below.
+      {"matmul_bias", Attrs{{"trans_b", std::int64_t{0}}},
+       {random_bf16({4, 32, 64}, rng), random_bf16({64, 96}, rng), random_bf16({96}, rng)},
+       {{{4, 32, 96}, DType::bf16}}},
+      {"matmul_bias", Attrs{{"trans_b", std::int64_t{1}}},
+       {random_bf16({37, 24}, rng), random_bf16({40, 24}, rng), widened(random_bf16({40}, rng))},
+       {{{37, 40}, DType::f32}}},
+      {"matmul_bias", Attrs{{"trans_b", std::int64_t{0}}},
+       {random_bf16({2, 16, 64}, rng), random_bf16({64, 48}, rng), widened(random_bf16({48}, rng))},
+       {{{2, 16, 48}, DType::f32}}},
       // Ops without a bf16 kernel of their own: the float32 one on device copies.
       {"gelu", {}, {random_bf16({1000, 3}, rng)}, {{{1000, 3}, DType::bf16}}},
       {"add", {}, {random_bf16({31, 8}, rng), random_bf16({8}, rng)}, {{{31, 8}, DType::bf16}}},

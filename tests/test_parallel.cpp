@@ -312,7 +312,7 @@ TEST_CASE("Parallel.PipelineScheduleIsTheActivationDepth") {
     int checked = 0;
     for (const auto& a : r.plan.actors) {
       if (a.op == "softmax_cross_entropy") break;  // the forward ops come first in the plan
-      if (a.op != "relu" && a.op != "matmul") continue;
+      if (a.op != "relu" && a.op != "matmul" && a.op != "matmul_bias") continue;  // x w + b: one actor
       ++checked;
       const auto& reg = r.plan.registers[a.outputs[0]];
       const int stage = a.where.device.index;

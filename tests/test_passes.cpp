@@ -255,7 +255,8 @@ TEST_CASE("Passes.ThePipelineIsCompileTrainingAndPrintsAfterEachPass") {
   TrainingJob by_hand =
       passes::lower(again.g, d, sh, st, reps, again.cfg, ParameterStore::initialize(again.g));
   const Plan p = passes::memory(
-      passes::lanes(passes::transfers(passes::device_copies(by_hand.plan, by_hand.kernels)),
+      passes::lanes(passes::transfers(passes::device_copies(
+                        passes::epilogues(by_hand.plan, by_hand.kernels, again.cfg), by_hand.kernels)),
                     again.cfg),
       again.cfg);
   CHECK(p.to_text() == job.plan.to_text());

@@ -10,6 +10,10 @@
 // BiasGradients: the epilogues pass (TrainConfig::fuse_bias_gradients) computes a Linear
 // layer's weight gradient and bias gradient in one matmul_bias_grad actor (on CUDA one cuBLASLt
 // product with the bias-gradient epilogue).
+//
+// BiasAdds: the same pass (TrainConfig::fuse_bias_adds) computes a Linear layer's forward
+// product and its bias's add, matmul(x, w) + b, in one matmul_bias actor (on CUDA one cuBLASLt
+// product with the bias epilogue); under autocast the bf16 product's cast to f32 goes too.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -37,11 +41,12 @@ struct Setup {
   std::string recompute = "none";
   bool ranks = false;  // each place a rank of its own, joined by a loopback data plane
   bool bf16 = true;    // under autocast
+  bool gpt2 = false;   // models::gpt2 (a bias on every product) instead of models::gpt
 };
 
 /// Which fusions a job's plan makes.
 struct Fuse {
-  bool casts = true, bias = true;
+  bool casts = true, bias = true, adds = true;
 };
 
 struct Job {
@@ -55,10 +60,13 @@ struct Job {
     for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
     {
       auto mixed = g.autocast(s.bf16 ? DType::bf16 : DType::f32);
-      loss = models::gpt_with_loss(g, batch / pieces,
-                                   {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = s.tp,
-                                    .fused_bias_gelu = true})
-                 .loss;
+      loss = s.gpt2 ? models::gpt2_with_loss(g, batch / pieces,
+                                             {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2})
+                          .loss
+                    : models::gpt_with_loss(g, batch / pieces,
+                                            {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = s.tp,
+                                             .fused_bias_gelu = true})
+                          .loss;
     }
     TrainConfig cfg;
     cfg.data = {{"text", data::text_source(corpus, batch, pieces, 8, 3), {"tokens", "targets"}}};
@@ -72,6 +80,7 @@ struct Job {
     cfg.optimizer = optim::adam(0.01);
     cfg.fuse_weight_casts = fuse.casts;
     cfg.fuse_bias_gradients = fuse.bias;
+    cfg.fuse_bias_adds = fuse.adds;
     if (s.ranks) {
       for (int r = 0; r < s.dp * s.pp * s.tp; ++r) cfg.replica_places.push_back({.rank = static_cast<std::uint16_t>(r)});
     }
@@ -193,7 +202,60 @@ void check_bias_fusion(const std::vector<Setup>& setups) {
   }
 }
 
+/// The forward bias fusion on and off: fewer actors, the same training bit for bit.
+void check_bias_add_fusion(const std::vector<Setup>& setups) {
+  for (const Setup& s : setups) {
+    CAPTURE(s.name);
+    Job apart(s, {.adds = false}), fused(s, {.adds = true});
+    const int n = count_op(fused.job.plan, "matmul_bias");
+    const int casts = count_op(apart.job.plan, "cast") - count_op(fused.job.plan, "cast");
+    MESSAGE(s.name << ": " << n << " matmul_bias actors; matmul " << count_op(apart.job.plan, "matmul") << " -> "
+                   << count_op(fused.job.plan, "matmul") << ", cast -" << casts << ", actors "
+                   << apart.job.plan.actors.size() << " -> " << fused.job.plan.actors.size());
+    CHECK(count_op(apart.job.plan, "matmul_bias") == 0);
+    // Every replica's forward fuses (and, under recomputation, its recomputed forward too): the
+    // GPT's b2 in each block (b1 is inside bias_gelu; under tp the shards' products are summed
+    // before b2 is added, so nothing fuses there); GPT-2's four projections in each block.
+    const int per_replica = s.tp > 1 ? 0 : s.gpt2 ? 4 * 2 : 2;
+    CHECK(n >= per_replica * s.dp);
+    if (s.tp > 1) CHECK(n == 0);
+    CHECK(count_op(fused.job.plan, "add") == count_op(apart.job.plan, "add") - n);
+    CHECK(count_op(fused.job.plan, "matmul") == count_op(apart.job.plan, "matmul") - n);
+    // Under autocast the bf16 product's widening goes with it (the bias is f32).
+    CHECK(casts == (s.bf16 ? n : 0));
+    CHECK(fused.job.plan.actors.size() + static_cast<std::size_t>(n + casts) == apart.job.plan.actors.size());
+    for (const ActorDesc& a : fused.job.plan.actors) {
+      if (a.op != "matmul_bias") continue;
+      CAPTURE(a.name);
+      REQUIRE(a.inputs.size() == 3);
+      REQUIRE(a.outputs.size() == 1);
+      const RegisterDesc& x = fused.job.plan.registers[a.inputs[0].reg];
+      const RegisterDesc& y = fused.job.plan.registers[a.outputs[0]];
+      CHECK(fused.job.plan.registers[a.inputs[2].reg].shape == Shape{y.shape.back()});
+      CHECK(x.dtype == (s.bf16 ? DType::bf16 : DType::f32));
+      CHECK(y.dtype == DType::f32);
+    }
+    CHECK_NOTHROW(validate(fused.job.plan, fused.job.kernels));
+    check_same_training(apart, fused, s.ranks);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("BiasAdds.OneActorComputesProductAndBiasAndTrainsBitForBit" * doctest::timeout(240)) {
+  check_bias_add_fusion({{.name = "f32, one device, 2 micro-batches", .bf16 = false},
+                         {.name = "bf16, one device"},
+                         {.name = "f32, GPT-2", .bf16 = false, .gpt2 = true},
+                         {.name = "bf16, GPT-2", .gpt2 = true},
+                         {.name = "bf16, full recomputation", .recompute = "full"},
+                         {.name = "f32, dp 2", .dp = 2, .bf16 = false},
+                         {.name = "bf16, tp 2", .tp = 2}});
+}
+
+TEST_CASE("BiasAdds.FuseInPipelinesAndOverRanks" * doctest::timeout(240)) {
+  check_bias_add_fusion({{.name = "bf16, pp 2 zb-h1", .pp = 2, .schedule = "zb-h1", .m = 4},
+                         {.name = "bf16, pp 2 1f1b over two ranks", .pp = 2, .m = 2, .ranks = true}});
+}
 
 TEST_CASE("WeightCasts.VariablesEmitBf16AndTrainBitForBitAsWithCasts" * doctest::timeout(240)) {
   check_bit_for_bit({{.name = "one device, 2 micro-batches"},

@@ -80,7 +80,7 @@ Value gpt_step(Graph& g, const models::GptShape& m, const StepInputs& in) {
     Value h1 = matmul(h2, w(p("mlp.w1"), {d, ff}));
     Value b1 = w(p("mlp.b1"), {ff});
     Value fc = m.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
-    x = x + reduce(in, matmul(fc, w(p("mlp.w2"), {ff, d}))) + w(p("mlp.b2"), {d});
+    x = x + (reduce(in, matmul(fc, w(p("mlp.w2"), {ff, d}))) + w(p("mlp.b2"), {d}));  // as models::gpt adds b2
   }
   if (!in.last) return x;
   Value xf = layer_norm(embedding(x, in.sample_rows), w("lnf.g", {d}), w("lnf.b", {d}));

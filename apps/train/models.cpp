@@ -112,7 +112,9 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
       Value part = matmul(fc, g.variable(shard_name(p("mlp.w2"), sk), {f_k, d}, init::normal(0.0, 0.02), s.dtype));
       mlp = sk == 0 ? part : mlp + part;
     }
-    x = x + mlp + g.variable(p("mlp.b2"), {d}, init::zeros(), s.dtype);
+    // The second product's bias on the product, then the residual (as nn.Linear and Megatron's
+    // row-parallel Linear add it): x w2 + b2 is one cuBLASLt product with its bias epilogue.
+    x = x + (mlp + g.variable(p("mlp.b2"), {d}, init::zeros(), s.dtype));
   }
   auto lnf = layer_norm(x, g.variable("lnf.g", {d}, init::ones(), s.dtype), g.variable("lnf.b", {d}, init::zeros(), s.dtype));
   // The head by columns: shard k's logits are classes [k V/tp, (k+1) V/tp).

@@ -110,6 +110,58 @@ inline MatmulDims matmul_dims(const Tensor& a, const Tensor& b, const Tensor& c,
   return d;
 }
 
+/// The extents of matmul_bias (y = matmul(x, w, trans_b) + b, a Linear layer's forward: x
+/// [..., K], w [K, N] (or [N, K] with trans_b), b [N], y [..., N]), every kernel's checks. x and w
+/// share a dtype, b and y share one; y's is x's, or f32 where x is bf16 (a bf16 product whose
+/// result autocast widens before the bias is added).
+struct LinearDims {
+  std::int64_t rows = 0, k = 0, n = 0;
+};
+
+inline LinearDims linear_dims(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, bool trans_b,
+                              const char* op) {
+  const Shape& xs = x.shape();
+  auto fail = [&](const std::string& why) {
+    return std::invalid_argument(fmt::format("{} (trans_b={}): x {}, w {}, b {}, y {}: {}", op, int(trans_b),
+                                             x.describe(), w.describe(), b.describe(), y.describe(), why));
+  };
+  if (xs.size() < 2) throw fail("x needs at least two axes");
+  if (w.shape().size() != 2) throw fail("w must be 2-D");
+  LinearDims d{.rows = 0, .k = xs.back(), .n = trans_b ? w.shape()[0] : w.shape()[1]};
+  const std::int64_t kw = trans_b ? w.shape()[1] : w.shape()[0];
+  if (kw != d.k) throw fail(fmt::format("inner extents differ ({} vs {})", d.k, kw));
+  d.rows = 1;
+  for (std::size_t i = 0; i + 1 < xs.size(); ++i) d.rows *= xs[i];
+  Shape want(xs.begin(), xs.end() - 1);
+  want.push_back(d.n);
+  if (y.shape() != want) throw fail(fmt::format("y should be {}", to_string(want)));
+  if (b.shape() != Shape{d.n}) throw fail(fmt::format("b should be [{}]", d.n));
+  if (x.dtype() != w.dtype() || b.dtype() != y.dtype() ||
+      (y.dtype() != x.dtype() && !(x.dtype() == DType::bf16 && y.dtype() == DType::f32)))
+    throw fail("x and w share a dtype, b and y share one: x's, or f32 for bf16 x");
+  for (std::int64_t e : {d.rows, d.k, d.n}) {
+    if (e > INT_MAX) throw fail("an extent exceeds BLAS's 32-bit int");
+  }
+  return d;
+}
+
+/// matmul_bias's operands (x, w, b; y) from an act's context, checked by linear_dims.
+struct LinearArgs {
+  const Tensor& x;
+  const Tensor& w;
+  const Tensor& b;
+  Tensor& y;
+  LinearDims dims;
+};
+
+inline LinearArgs linear_args(const KernelContext& ctx, bool trans_b, const char* op) {
+  const Tensor& x = need_input(ctx, 0, op, "x");
+  const Tensor& w = need_input(ctx, 1, op, "w");
+  const Tensor& b = need_input(ctx, 2, op, "b");
+  Tensor& y = need_output(ctx, 0, op, "y");
+  return {x, w, b, y, linear_dims(x, w, b, y, trans_b, op)};
+}
+
 /// The extents of matmul_bias_grad (dw = x^T dy over every row, db = dy summed over the rows):
 /// x [..., k] and dy [..., n] with the same number of rows, dw [k, n], db [n]; every kernel of
 /// the op (CPU, CUDA) checks them here. Extents that BLAS's 32-bit ints cannot hold are refused.

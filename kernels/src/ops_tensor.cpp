@@ -514,6 +514,80 @@ class MatmulBiasGradKernel final : public Kernel {
   ReduceKernel<T> sum_{ReduceKernel<T>::Mode::sum_to, {}, true};
 };
 
+// matmul_bias: a Linear layer's forward, y = matmul(x, w, trans_b) + b, the plan's fusion of the
+// product and the bias's add (graph/src/passes/epilogues.cpp; on CUDA one cuBLASLt product with
+// the bias epilogue). On the CPU the two ops' own arithmetic one after the other, so the same bits
+// as the plan without the fusion: the same gemm call as matmul's (x's batch folded into its
+// rows), then y[r, j] + b[j] as add's broadcast does it. For bf16 x and w the same as the two
+// ops' float32 fallbacks (KernelRegistry): the product in float32 on widened copies, rounded to
+// bf16 once (the product's register), then widened, the bias added in float32 and, where y is
+// bf16, rounded again (add's register); where y is f32 (autocast's cast of the product before a
+// float32 add) that second rounding is not there.
+template <class T>
+void add_bias_rows(T* y, const T* b, std::int64_t rows, std::int64_t n) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < n; ++j) y[r * n + j] = y[r * n + j] + b[j];
+  }
+}
+
+template <class T>
+class MatmulBiasKernel final : public Kernel {
+ public:
+  explicit MatmulBiasKernel(bool trans_b) : trans_b_(trans_b), product_(false, trans_b) {}
+  void compute(KernelContext& ctx) override {
+    const auto [x, w, b, y, d] = detail::linear_args(ctx, trans_b_, "matmul_bias");
+    if (x.dtype() != dtype_of<T>()) {
+      throw std::invalid_argument(fmt::format("matmul_bias: x {} is not {}", x.describe(), name(dtype_of<T>())));
+    }
+    const Tensor* in[] = {&x, &w};
+    Tensor* out[] = {&y};
+    KernelContext product{in, out, ctx.piece, ctx.stream, ctx.async_stream};
+    product_.compute(product);
+    add_bias_rows(y.data<T>().data(), b.data<T>().data(), d.rows, d.n);
+  }
+
+ private:
+  bool trans_b_;
+  MatmulKernel<T> product_;
+};
+
+class MatmulBiasBf16Kernel final : public Kernel {
+ public:
+  explicit MatmulBiasBf16Kernel(bool trans_b) : trans_b_(trans_b), product_(false, trans_b) {}
+  void compute(KernelContext& ctx) override {
+    const auto [x, w, b, y, d] = detail::linear_args(ctx, trans_b_, "matmul_bias");
+    if (x.dtype() != DType::bf16) {
+      throw std::invalid_argument(fmt::format("matmul_bias: x {} is not bf16", x.describe()));
+    }
+    auto wide = [](const Tensor& t) {
+      Tensor f = Tensor::empty(t.shape(), DType::f32);
+      detail::convert_on_host(t, f);
+      return f;
+    };
+    const Tensor xf = wide(x), wf = wide(w);
+    Tensor yf = Tensor::empty(y.shape(), DType::f32);
+    const Tensor* in[] = {&xf, &wf};
+    Tensor* out[] = {&yf};
+    KernelContext product{in, out, ctx.piece, ctx.stream, ctx.async_stream};
+    product_.compute(product);
+    float* p = yf.data<float>().data();
+    for (std::int64_t i = 0; i < yf.numel(); ++i) p[i] = to_float(to_bf16(p[i]));  // the product's register
+    if (y.dtype() == DType::f32) {
+      std::copy_n(p, yf.numel(), y.data<float>().data());
+      add_bias_rows(y.data<float>().data(), b.data<float>().data(), d.rows, d.n);
+      return;
+    }
+    const Tensor bf = wide(b);
+    add_bias_rows(p, bf.data<float>().data(), d.rows, d.n);
+    bfloat16* q = y.data<bfloat16>().data();
+    for (std::int64_t i = 0; i < yf.numel(); ++i) q[i] = to_bf16(p[i]);
+  }
+
+ private:
+  bool trans_b_;
+  MatmulKernel<float> product_;
+};
+
 template <class T>
 void add_ops(KernelRegistry& reg) {
   constexpr DType dt = dtype_of<T>();
@@ -540,6 +614,9 @@ void add_ops(KernelRegistry& reg) {
     return std::make_unique<ReduceKernel<T>>(Mode::sum_to, std::vector<std::int64_t>{}, true);
   });
   reg.add("matmul_bias_grad", cpu, dt, [](const KernelConfig&) { return std::make_unique<MatmulBiasGradKernel<T>>(); });
+  reg.add("matmul_bias", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<MatmulBiasKernel<T>>(flag(cfg, "matmul_bias", "trans_b"));
+  });
   for (auto [op, mode] :
        {std::pair{"sum", Mode::sum}, std::pair{"mean", Mode::mean}, std::pair{"max", Mode::max}}) {
     reg.add(op, cpu, dt, [op = op, mode = mode](const KernelConfig& cfg) {
@@ -603,6 +680,9 @@ void add_cpu_tensor_ops(KernelRegistry& reg) {
   configure_blas_threads();
   add_ops<float>(reg);
   add_ops<double>(reg);
+  reg.add("matmul_bias", DeviceType::cpu, DType::bf16, [](const KernelConfig& cfg) {
+    return std::make_unique<MatmulBiasBf16Kernel>(flag(cfg, "matmul_bias", "trans_b"));
+  });
 }
 
 }  // namespace baton

@@ -1,18 +1,26 @@
 // The epilogues pass (passes.h): work that a matrix product can do as it writes its result,
-// fused into the product's actor. Today one pattern, the one every Linear layer with a bias has
-// in its backward pass: the weight gradient dw = matmul(x, dy, trans_a) and the bias gradient
-// db = sum_to(dy, [n]) read the same dy; one `matmul_bias_grad` actor computes both (on CUDA
-// cuBLASLt's bias-gradient epilogue, kernels/src/cuda/linear_grad.cpp; on the CPU the same gemm
-// and the same reduction as the two ops, so the same bits). One read of dy instead of two and
-// one actor instead of two (and of the views between them).
+// fused into the product's actor. Two patterns, the ones every Linear layer with a bias has:
 //
-// When. The sum and the product are on the same place and stream, in the same role, stage and
-// kind of backward work (a zero-bubble schedule's W work stays W work); nothing is delayed; the
-// product reads dy and x whole or through same-place views (2-D reshapes of [..., k] and
-// [..., n]), which the fused actor reads past. The fused actor takes the sum's place in the plan,
-// so every reader of either result still comes after it in its lane (lanes keep plan order), and
-// it runs only there where x is written earlier in the plan than the sum (a recomputed x made
-// later, just before the product, leaves the pair alone). The device must have the kernel.
+// - Backward: the weight gradient dw = matmul(x, dy, trans_a) and the bias gradient
+//   db = sum_to(dy, [n]) read the same dy; one `matmul_bias_grad` actor computes both (on CUDA
+//   cuBLASLt's bias-gradient epilogue, kernels/src/cuda/linear.cpp; on the CPU the same gemm and
+//   the same reduction as the two ops, so the same bits). One read of dy instead of two and one
+//   actor instead of two (and of the views between them).
+// - Forward: y = matmul(x, w) + b with b [n], the product read by nothing but the add (directly,
+//   or through autocast's cast of a bf16 product to f32 when b is f32); one `matmul_bias` actor
+//   (on CUDA cuBLASLt's bias epilogue, writing y in the add's dtype; on the CPU the product, its
+//   rounding and the add as the ops did them, so the same bits). One pass over y instead of two
+//   (three with the cast), and the product's register is gone.
+//
+// When. The ops are on the same place and stream, in the same role, stage and kind of backward
+// work (a zero-bubble schedule's W work stays W work); nothing is delayed. Backward: the product
+// reads dy and x whole or through same-place views (2-D reshapes of [..., k] and [..., n]), which
+// the fused actor reads past; the fused actor takes the sum's place in the plan, so every reader
+// of either result still comes after it in its lane (lanes keep plan order), and it runs only
+// there where x is written earlier in the plan than the sum (a recomputed x made later, just
+// before the product, leaves the pair alone). Forward: the product is matmul(x, w) with x
+// [..., k] untransposed and w 2-D (transposed or not); the fused actor takes the add's place,
+// after the product's inputs. The device must have the kernel.
 #include <algorithm>
 #include <limits>
 #include <map>
@@ -87,46 +95,142 @@ std::optional<Fusion> fusion_for(const Plan& plan, const KernelRegistry& kernels
   return std::nullopt;
 }
 
+struct BiasAdd {
+  ActorIndex add = 0, product = 0;
+  std::optional<ActorIndex> cast;  // autocast's widening of a bf16 product, between the two
+  RegisterIndex x = 0, w = 0, b = 0;
+  bool trans_b = false;
+};
+
+/// Whether `a` and `b` run alike: place, stream, role, stage, pieces and kind of backward work.
+bool alike(const ActorDesc& a, const ActorDesc& b) {
+  return a.where == b.where && a.role == b.role && a.stage == b.stage && a.weight_gradient == b.weight_gradient &&
+         a.first_piece == b.first_piece && a.pieces == b.pieces;
+}
+
+/// The one actor that reads `reg`, if it has exactly one reader.
+std::optional<ActorIndex> only_reader(const Plan& plan, RegisterIndex reg) {
+  const auto& c = plan.registers[reg].consumers;
+  if (c.size() != 1) return std::nullopt;
+  return c[0];
+}
+
+std::optional<BiasAdd> bias_add_for(const Plan& plan, const KernelRegistry& kernels, ActorIndex ai,
+                                    const std::set<ActorIndex>& taken) {
+  const ActorDesc& a = plan.actors[ai];
+  if (a.kind != ActorKind::compute || a.op != "add" || a.inputs.size() != 2 || a.outputs.size() != 1 ||
+      !is_plain(a.inputs[0]) || !is_plain(a.inputs[1]))
+    return std::nullopt;
+  const RegisterDesc& yr = plan.registers[a.outputs[0]];
+  if (yr.shape.size() < 2) return std::nullopt;
+  for (int side : {1, 0}) {  // the bias is add's second operand in every model here (x w + b)
+    const RegisterIndex b = a.inputs[static_cast<std::size_t>(side)].reg;
+    RegisterIndex y = a.inputs[static_cast<std::size_t>(1 - side)].reg;
+    const RegisterDesc& br = plan.registers[b];
+    if (br.shape != Shape{yr.shape.back()} || br.dtype != yr.dtype) continue;
+    if (plan.registers[y].shape != yr.shape || plan.registers[y].dtype != yr.dtype) continue;
+    if (only_reader(plan, y) != ai) continue;
+    BiasAdd f{.add = ai};
+    ActorIndex p = plan.registers[y].producer;
+    if (p >= plan.actors.size()) continue;
+    if (const ActorDesc& c = plan.actors[p]; c.kind == ActorKind::compute && c.op == "cast") {
+      // autocast's f32 copy of a bf16 product, read by the add alone
+      if (c.inputs.size() != 1 || c.outputs.size() != 1 || !is_plain(c.inputs[0]) || !alike(c, a) ||
+          yr.dtype != DType::f32 || plan.registers[c.inputs[0].reg].dtype != DType::bf16 || taken.contains(p))
+        continue;
+      f.cast = p;
+      y = c.inputs[0].reg;
+      if (only_reader(plan, y) != p) continue;
+      p = plan.registers[y].producer;
+      if (p >= plan.actors.size()) continue;
+    }
+    const ActorDesc& m = plan.actors[p];
+    if (taken.contains(p) || m.kind != ActorKind::compute || m.op != "matmul" || m.inputs.size() != 2 ||
+        m.outputs.size() != 1 || !is_plain(m.inputs[0]) || !is_plain(m.inputs[1]) ||
+        m.attrs.get_int("trans_a", 0) != 0 || !alike(m, a))
+      continue;
+    const RegisterDesc& xr = plan.registers[m.inputs[0].reg];
+    const RegisterDesc& wr = plan.registers[m.inputs[1].reg];
+    if (xr.shape.size() < 2 || wr.shape.size() != 2 || xr.dtype != wr.dtype || xr.dtype != m.dtype) continue;
+    if (xr.dtype != (f.cast ? DType::bf16 : yr.dtype)) continue;
+    if (!kernels.contains("matmul_bias", m.where.device.type, m.dtype)) continue;
+    f.product = p;
+    f.x = m.inputs[0].reg;
+    f.w = m.inputs[1].reg;
+    f.b = b;
+    f.trans_b = m.attrs.get_int("trans_b", 0) != 0;
+    return f;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg) {
-  if (!cfg.fuse_bias_gradients) return plan;
-  std::vector<Fusion> found;
-  std::set<ActorIndex> taken;
-  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
-    if (auto f = fusion_for(plan, kernels, i, taken)) {
+  std::map<ActorIndex, ActorDesc> replace;  // the fused actors, at the places of the ops they replace
+  std::set<ActorIndex> drop;                // the ops they absorb
+  std::set<ActorIndex> taken;               // products (and casts) already fused
+  if (cfg.fuse_bias_gradients) {
+    for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+      const auto f = fusion_for(plan, kernels, i, taken);
+      if (!f) continue;
       taken.insert(f->product);
-      found.push_back(*f);
+      const ActorDesc& m = plan.actors[f->product];
+      const ActorDesc& s = plan.actors[f->sum];
+      ActorDesc fused = m;
+      fused.op = "matmul_bias_grad";
+      fused.attrs = Attrs{};
+      fused.inputs = {{f->x}, {f->dy}};
+      fused.outputs = {m.outputs[0], s.outputs[0]};
+      fused.in_place.clear();
+      replace[f->sum] = std::move(fused);
+      drop.insert(f->product);
+      // and the views only the product read
+      for (const InputPort& in : m.inputs) {
+        const ActorIndex p = plan.registers[in.reg].producer;
+        if (p < plan.actors.size() && is_view(plan.actors[p]) && plan.registers[in.reg].consumers.size() == 1)
+          drop.insert(p);
+      }
     }
   }
-  if (found.empty()) return plan;
-  // The fused actors, at their sums' places; the products go, and so do the views only they read.
-  std::map<ActorIndex, ActorDesc> replace;
-  std::set<ActorIndex> drop;
-  for (const Fusion& f : found) {
-    const ActorDesc& m = plan.actors[f.product];
-    const ActorDesc& s = plan.actors[f.sum];
-    ActorDesc fused = m;
-    fused.op = "matmul_bias_grad";
-    fused.attrs = Attrs{};
-    fused.inputs = {{f.x}, {f.dy}};
-    fused.outputs = {m.outputs[0], s.outputs[0]};
-    fused.in_place.clear();
-    replace[f.sum] = std::move(fused);
-    drop.insert(f.product);
-    for (const InputPort& in : m.inputs) {
-      const ActorIndex p = plan.registers[in.reg].producer;
-      if (p < plan.actors.size() && is_view(plan.actors[p]) && plan.registers[in.reg].consumers.size() == 1)
-        drop.insert(p);
+  if (cfg.fuse_bias_adds) {
+    for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+      if (replace.contains(i) || drop.contains(i)) continue;
+      const auto f = bias_add_for(plan, kernels, i, taken);
+      if (!f || drop.contains(f->product) || replace.contains(f->product)) continue;
+      taken.insert(f->product);
+      const ActorDesc& m = plan.actors[f->product];
+      const ActorDesc& a = plan.actors[f->add];
+      ActorDesc fused = m;
+      fused.name = a.name;
+      fused.op = "matmul_bias";
+      fused.attrs = Attrs{};
+      fused.attrs.set("trans_b", std::int64_t{f->trans_b ? 1 : 0});
+      fused.inputs = {{f->x}, {f->w}, {f->b}};
+      fused.outputs = {a.outputs[0]};
+      fused.memory = a.memory;
+      fused.in_place.clear();
+      replace[f->add] = std::move(fused);
+      drop.insert(f->product);
+      if (f->cast) {
+        taken.insert(*f->cast);
+        drop.insert(*f->cast);
+      }
     }
   }
+  if (replace.empty()) return plan;
   // Rebuilt without the dropped actors and the registers only they wrote; add_actor links anew.
   Plan out;
   constexpr RegisterIndex none = std::numeric_limits<RegisterIndex>::max();
   std::vector<RegisterIndex> reg_at(plan.registers.size(), none);
-  std::set<RegisterIndex> gone;
+  // The registers only the dropped actors wrote: every output of a dropped actor that no fused
+  // actor writes in its place.
+  std::set<RegisterIndex> gone, rewritten;
+  for (const auto& [i, a] : replace) rewritten.insert(a.outputs.begin(), a.outputs.end());
   for (ActorIndex a : drop) {
-    if (is_view(plan.actors[a])) gone.insert(plan.actors[a].outputs.begin(), plan.actors[a].outputs.end());
+    for (RegisterIndex r : plan.actors[a].outputs) {
+      if (!rewritten.contains(r)) gone.insert(r);
+    }
   }
   for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
     if (gone.contains(r)) continue;

@@ -15,9 +15,13 @@ void add_fused_kernels(KernelRegistry& reg);
 /// through float32 copies).
 void add_llm_kernels(KernelRegistry& reg);
 
-/// matmul_bias_grad for cuda/f32 and cuda/bf16: cuBLASLt's product with the bias-gradient
-/// epilogue (linear_grad.cpp).
-void add_linear_grad_kernels(KernelRegistry& reg);
+/// matmul_bias and matmul_bias_grad for cuda/f32 and cuda/bf16: cuBLASLt's products with the
+/// bias and bias-gradient epilogues (linear.cpp).
+void add_linear_kernels(KernelRegistry& reg);
+
+/// matmul_bias as the two ops it fuses, cuBLAS's product and baton's add kernel (ops.cpp): where
+/// cuBLASLt does not take the shape.
+void matmul_bias_apart(KernelContext& ctx, bool trans_b);
 
 /// matmul_bias_grad as the two ops it fuses, cuBLAS's product and baton's sum_to kernel
 /// (ops.cpp): where cuBLASLt does not take the shape.

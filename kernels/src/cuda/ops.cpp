@@ -940,6 +940,36 @@ void matmul_bias_grad_apart(KernelContext& ctx) {
   sum_to(sum);
 }
 
+void matmul_bias_apart(KernelContext& ctx, bool trans_b) {
+  const char* name = "matmul_bias";
+  const auto [x, w, b, y, d] = baton::detail::linear_args(ctx, trans_b, name);
+  if (d.rows == 0 || d.n == 0) return;
+  cudaStream_t s = stream_of(ctx, name);
+  const std::string& who = ctx.stream->owner();
+  // The product as matmul's kernel computes it (cuBLAS, float32 accumulation; into y's dtype,
+  // which may be f32 for bf16 operands), then the bias added in place as add's kernel does.
+  if (d.k == 0) {
+    check(cudaMemsetAsync(y.raw(), 0, y.nbytes(), s), "cudaMemsetAsync", who);  // 0 in f32 and bf16: all bits 0
+  } else {
+    const auto type = [](const Tensor& t) { return t.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; };
+    const float alpha = 1.f, beta = 0.f;
+    const int N = static_cast<int>(d.n), M = static_cast<int>(d.rows), K = static_cast<int>(d.k);
+    check(cublasGemmEx(ctx.stream->impl().blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha,
+                       w.raw(), type(w), trans_b ? K : N, x.raw(), type(x), K, &beta, y.raw(), type(y), N,
+                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmEx", who);
+  }
+  Tensor y2 = y.view({d.rows, d.n});
+  const Tensor* add_in[] = {&y2, &b};
+  Tensor* add_out[] = {&y2};
+  KernelContext add{add_in, add_out, ctx.piece, ctx.stream, ctx.async_stream};
+  if (y.dtype() == DType::bf16) {
+    binary<launch::Bf16>(add, launch::Binary::add, "add");
+  } else {
+    binary<float>(add, launch::Binary::add, "add");
+  }
+}
+
 void add_cuda_kernels(KernelRegistry& reg) {
   constexpr auto cuda = DeviceType::cuda;
   for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
@@ -1024,7 +1054,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
   });
   add_fused_kernels(reg);
   add_llm_kernels(reg);
-  add_linear_grad_kernels(reg);
+  add_linear_kernels(reg);
 }
 
 namespace {

@@ -287,6 +287,12 @@ struct TrainConfig {
   /// whose epilogue sums dy's rows as it reads them; on the CPU the same two computations, bit
   /// for bit. False: two actors (to compare).
   bool fuse_bias_gradients = true;
+  /// A Linear layer's forward, matmul(x, w) and the add of its bias b [n] (through autocast's
+  /// cast of a bf16 product to f32 when the bias is f32), as one matmul_bias actor (the
+  /// epilogues pass): on CUDA one cuBLASLt product whose epilogue adds b as it writes the
+  /// result (the product is then not rounded to bf16 before the bias is added); on the CPU the
+  /// same two computations, bit for bit. False: two actors (three with the cast).
+  bool fuse_bias_adds = true;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
   /// backward pass instead of kept; "full": only what crosses each transformer block's boundary

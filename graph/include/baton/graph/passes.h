@@ -160,8 +160,10 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
                   std::shared_ptr<ParameterStore> params);
 
 /// epilogues: with TrainConfig::fuse_bias_gradients, each Linear layer's weight gradient
-/// (matmul(x, dy, trans_a)) and bias gradient (sum_to(dy, [n])) as one matmul_bias_grad actor
-/// where the device has its kernel (passes/epilogues.cpp says when); else the plan unchanged.
+/// (matmul(x, dy, trans_a)) and bias gradient (sum_to(dy, [n])) as one matmul_bias_grad actor;
+/// with TrainConfig::fuse_bias_adds, its forward product and bias add (matmul(x, w) + b) as one
+/// matmul_bias actor; each where the device has its kernel (passes/epilogues.cpp says when);
+/// else the plan unchanged.
 Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg);
 
 /// device_copies: with any actor on a CUDA device, refuses actors whose op has no CUDA kernel
