@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <limits>
@@ -838,4 +839,62 @@ TEST_CASE("Ops.MissingOrMistypedAttributesThrowAtCreation") {
                    (void)make("matmul", DType::f32, Attrs{{"trans_a", std::int64_t{2}}});
                  }),
                  "trans_a"));
+}
+
+// matmul_bias (the epilogues pass's fused Linear forward, y = x w + b) on the CPU is the product
+// and then the add as the two ops' own kernels compute them, so a plan with the fusion trains bit
+// for bit as one without: for each dtype it takes (f32, f64; bf16 operands with a bf16 result, and
+// with an f32 one, autocast's product widened before an f32 bias), w as stored and transposed, and
+// a 3-D x whose rows fold into one product.
+TEST_CASE("Ops.MatmulBiasIsTheProductThenTheAddBitForBit") {
+  std::mt19937 rng(11);
+  auto random = [&](const Shape& s, DType dt) {
+    Tensor f = Tensor::empty(s, DType::f32);
+    std::uniform_real_distribution<float> dist(-1.f, 1.f);
+    for (float& x : f.data<float>()) x = dist(rng);
+    if (dt == DType::f32) return f;
+    Tensor t = Tensor::empty(s, dt);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(f.numel()); ++i) {
+      if (dt == DType::f64) t.data<double>()[i] = f.data<float>()[i];
+      if (dt == DType::bf16) t.data<baton::bfloat16>()[i] = baton::to_bf16(f.data<float>()[i]);
+    }
+    return t;
+  };
+  struct Dtypes {
+    DType in, out;
+  };
+  const std::int64_t k = 7, n = 6;
+  for (const Dtypes dt : {Dtypes{DType::f32, DType::f32}, Dtypes{DType::f64, DType::f64},
+                          Dtypes{DType::bf16, DType::bf16}, Dtypes{DType::bf16, DType::f32}}) {
+    for (const std::int64_t tb : {0, 1}) {
+      for (const Shape& xs : {Shape{5, k}, Shape{2, 3, k}}) {
+        CAPTURE(baton::name(dt.in));
+        CAPTURE(baton::name(dt.out));
+        CAPTURE(tb);
+        CAPTURE(xs.size());
+        Shape ys = xs;
+        ys.back() = n;
+        const Tensor x = random(xs, dt.in), w = random(tb ? Shape{n, k} : Shape{k, n}, dt.in), b = random({n}, dt.out);
+        Tensor y = Tensor::empty(ys, dt.out);
+        run(*make("matmul_bias", dt.in, Attrs{{"trans_b", tb}}), {&x, &w, &b}, {&y});
+        // The ops: the product in its dtype, widened (exactly) where the result is f32, the add.
+        Tensor product = Tensor::empty(ys, dt.in);
+        run(*make("matmul", dt.in, Attrs{{"trans_a", std::int64_t{0}}, {"trans_b", tb}}), {&x, &w}, {&product});
+        Tensor widened = product;
+        if (dt.out != dt.in) {
+          widened = Tensor::empty(ys, DType::f32);
+          for (std::size_t i = 0; i < static_cast<std::size_t>(product.numel()); ++i)
+            widened.data<float>()[i] = baton::to_float(product.data<baton::bfloat16>()[i]);
+        }
+        Tensor want = Tensor::empty(ys, dt.out);
+        run(*make("add", dt.out), {&widened, &b}, {&want});
+        REQUIRE(y.nbytes() == want.nbytes());
+        CHECK(std::memcmp(y.raw(), want.raw(), y.nbytes()) == 0);
+      }
+    }
+  }
+  // What it refuses, by name.
+  const Tensor x = random({4, k}, DType::f32), w = random({k, n}, DType::f32), b = random({n + 1}, DType::f32);
+  Tensor y = Tensor::empty({4, n}, DType::f32);
+  CHECK(contains(message_of([&] { run(*make("matmul_bias", DType::f32), {&x, &w, &b}, {&y}); }), "b should be [6]"));
 }

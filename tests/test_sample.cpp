@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -285,4 +286,33 @@ TEST_CASE("Sample.BatonTrainRefusesBadSampleFlags" * doctest::timeout(240)) {
   CAPTURE(mlp.err);
   CHECK(mlp.code == 1);
   CHECK(mlp.err.find("--sample needs a language model: --model gpt or llama") != std::string::npos);
+}
+
+// baton-train --no-epilogues keeps each Linear layer's product and bias add (and its weight and
+// bias gradients) as actors of their own: the plan says so, and on the CPU the run is the same
+// bits as the fused one (the fused kernels keep the ops' arithmetic there).
+TEST_CASE("TrainCli.NoEpiloguesKeepsTheOpsApartWithTheSameLosses" * doctest::timeout(240)) {
+  const std::vector<std::string> base{"--model", "mlp", "--data", "digits", "--steps", "40", "--batch", "32"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    const Outcome r = train_cli(args);
+    CAPTURE(r.err);
+    REQUIRE(r.code == 0);
+    return r.out;
+  };
+  const std::string fused_plan = with({"--print-plan"}), apart_plan = with({"--print-plan", "--no-epilogues"});
+  CHECK(fused_plan.find("matmul_bias ") != std::string::npos);
+  CHECK(fused_plan.find("matmul_bias_grad") != std::string::npos);
+  CHECK(apart_plan.find("matmul_bias") == std::string::npos);
+  // The JSON line's losses as printed (six digits; BiasAdds.* and BiasGradients.* compare every bit
+  // in-process).
+  auto field = [](const std::string& out, const std::string& key) {
+    std::smatch m;
+    REQUIRE(std::regex_search(out, m, std::regex("\"" + key + "\": ?([-0-9.eE+]+)")));
+    return m[1].str();
+  };
+  const std::string fused = with({"--json"}), apart = with({"--json", "--no-epilogues"});
+  CHECK(field(fused, "final_loss") == field(apart, "final_loss"));
+  CHECK(field(fused, "eval_loss") == field(apart, "eval_loss"));
 }

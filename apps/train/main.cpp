@@ -93,6 +93,7 @@ struct Options {
   int blas_threads = 0;  // 0: baton's default (1, or BATON_BLAS_THREADS)
   bool memory_plan = true;
   bool in_place = true;
+  bool epilogues = true;
   std::string recompute = "none";
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
@@ -510,6 +511,7 @@ TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data
   }
   cfg.memory_plan = o.memory_plan;
   cfg.in_place = o.in_place;
+  cfg.fuse_bias_adds = cfg.fuse_bias_gradients = o.epilogues;
   cfg.memory_budget = parse_bytes("--memory-budget", o.memory_budget);
   // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
   cfg.print_after = o.print_after;
@@ -1139,6 +1141,10 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_flag("!--no-in-place", o.in_place,
                "give every elementwise op's output bytes of its own, instead of letting the memory plan put it in "
                "the bytes of an input it reads last");
+  app.add_flag("!--no-epilogues", o.epilogues,
+               "keep each Linear layer's product and its bias's add, and its weight gradient and its bias's sum, as "
+               "actors of their own instead of one fused actor each (cuBLASLt's epilogues on CUDA, where the fused "
+               "forward adds the bias before rounding a bf16 product): to compare numbers or speed");
   app.add_option("--recompute", o.recompute,
                  "activation recomputation: none, selective (the attention scores computed again in the backward pass "
                  "instead of kept) or full (only each block's input kept, the block computed again in its backward)")
