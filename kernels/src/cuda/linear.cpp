@@ -98,9 +98,13 @@ class LtProduct {
 
   /// D = op(A) op(B) with the epilogue reading or writing `bias`, on `stream`, for the shape
   /// ready() accepted; false (said once, the shape refused from now on) where cuBLASLt fails.
-  bool run(const void* a, const void* b, void* d, void* bias, cudaStream_t stream, const std::string& who) {
-    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
-          "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", who);
+  bool run(const void* a, const void* b, void* d, void* bias, cudaStream_t stream) {
+    if (const cublasStatus_t st =
+            cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
+        st != CUBLAS_STATUS_SUCCESS) {
+      give_up(fmt::format("setting the bias pointer failed: {}", cublasGetStatusName(st)));
+      return false;
+    }
     const float alpha = 1.f, beta = 0.f;
     const cublasStatus_t st = cublasLtMatmul(lt_, desc_, &alpha, a, layout_a_, b, layout_b_, &beta, d, layout_d_, d,
                                              layout_d_, &algo_, workspace_bytes_ > 0 ? workspace_.raw() : nullptr,
@@ -113,10 +117,8 @@ class LtProduct {
  private:
   void plan(const LtShape& s, const std::string& who) {
     release_plan();
-    if (lt_ == nullptr) {
-      check(cublasLtCreate(&lt_), "cublasLtCreate", who);
-      memory_ = make_device_allocator(device_);
-    }
+    if (lt_ == nullptr) check(cublasLtCreate(&lt_), "cublasLtCreate", who);
+    if (!memory_) memory_ = make_device_allocator(device_);
     check(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate", who);
     check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &s.trans_a, sizeof(s.trans_a)), "TRANSA",
           who);
@@ -161,6 +163,7 @@ class LtProduct {
     }
     if (result.workspaceSize > workspace_bytes_) {
       workspace_ = Tensor();
+      workspace_bytes_ = 0;  // until the larger one is there (an allocation that throws refuses the shape)
       workspace_ = Tensor::empty({static_cast<std::int64_t>(result.workspaceSize)}, DType::u8, *memory_);
       workspace_bytes_ = result.workspaceSize;
     }
@@ -228,7 +231,7 @@ class LinearKernel final : public Kernel {
                     .result = cuda_type(y.dtype()),
                     .epilogue = CUBLASLT_EPILOGUE_BIAS};
       if (product_.ready(shape, who) &&
-          product_.run(w.raw(), x.raw(), y.raw(), const_cast<void*>(b.raw()), s, who))
+          product_.run(w.raw(), x.raw(), y.raw(), const_cast<void*>(b.raw()), s))
         return;
     }
     matmul_bias_apart(ctx, trans_b_);
@@ -267,7 +270,7 @@ class LinearGradKernel final : public Kernel {
                     .operands = t,
                     .result = t,
                     .epilogue = CUBLASLT_EPILOGUE_BGRADA};
-      if (product_.ready(shape, who) && product_.run(dy.raw(), x.raw(), dw.raw(), db.raw(), s, who)) return;
+      if (product_.ready(shape, who) && product_.run(dy.raw(), x.raw(), dw.raw(), db.raw(), s)) return;
     }
     matmul_bias_grad_apart(ctx);
   }

@@ -946,8 +946,9 @@ void matmul_bias_apart(KernelContext& ctx, bool trans_b) {
   if (d.rows == 0 || d.n == 0) return;
   cudaStream_t s = stream_of(ctx, name);
   const std::string& who = ctx.stream->owner();
-  // The product as matmul's kernel computes it (cuBLAS, float32 accumulation; into y's dtype,
-  // which may be f32 for bf16 operands), then the bias added in place as add's kernel does.
+  // The product by cuBLAS (float32 accumulation) written in y's dtype, which may be f32 for bf16
+  // operands (then, as in the fused product, the product is not rounded to bf16 first: the CPU's
+  // kernel rounds it, as the unfused plan did), then the bias added in place by add's kernel.
   if (d.k == 0) {
     check(cudaMemsetAsync(y.raw(), 0, y.nbytes(), s), "cudaMemsetAsync", who);  // 0 in f32 and bf16: all bits 0
   } else {
