@@ -559,14 +559,10 @@ class MatmulBiasBf16Kernel final : public Kernel {
     if (x.dtype() != DType::bf16) {
       throw std::invalid_argument(fmt::format("matmul_bias: x {} is not bf16", x.describe()));
     }
-    auto wide = [](const Tensor& t) {
-      Tensor f = Tensor::empty(t.shape(), DType::f32);
-      detail::convert_on_host(t, f);
-      return f;
-    };
-    const Tensor xf = wide(x), wf = wide(w);
-    Tensor yf = Tensor::empty(y.shape(), DType::f32);
-    const Tensor* in[] = {&xf, &wf};
+    detail::convert_on_host(x, f32_like(xf_, x));
+    detail::convert_on_host(w, f32_like(wf_, w));
+    Tensor& yf = f32_like(yf_, y);
+    const Tensor* in[] = {&xf_, &wf_};
     Tensor* out[] = {&yf};
     KernelContext product{in, out, ctx.piece, ctx.stream, ctx.async_stream};
     product_.compute(product);
@@ -577,15 +573,22 @@ class MatmulBiasBf16Kernel final : public Kernel {
       add_bias_rows(y.data<float>().data(), b.data<float>().data(), d.rows, d.n);
       return;
     }
-    const Tensor bf = wide(b);
-    add_bias_rows(p, bf.data<float>().data(), d.rows, d.n);
+    detail::convert_on_host(b, f32_like(bf_, b));
+    add_bias_rows(p, bf_.data<float>().data(), d.rows, d.n);
     bfloat16* q = y.data<bfloat16>().data();
     for (std::int64_t i = 0; i < yf.numel(); ++i) q[i] = to_bf16(p[i]);
   }
 
  private:
+  /// `slot`, an f32 tensor of `like`'s shape: made once per actor (its shapes do not change).
+  static Tensor& f32_like(Tensor& slot, const Tensor& like) {
+    if (!slot.defined() || slot.shape() != like.shape()) slot = Tensor::empty(like.shape(), DType::f32);
+    return slot;
+  }
+
   bool trans_b_;
   MatmulKernel<float> product_;
+  Tensor xf_, wf_, yf_, bf_;  // float32 copies, kept between acts as ViaFloat32 keeps its own
 };
 
 template <class T>

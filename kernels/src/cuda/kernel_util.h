@@ -21,6 +21,9 @@ inline cudaStream_t stream_of(const KernelContext& ctx, const char* op) {
   return ctx.stream->impl().stream;
 }
 
+/// The cuBLAS data type of an f32 or bf16 tensor's elements (the products' two dtypes).
+inline cudaDataType_t blas_type(DType t) { return t == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
+
 /// Checks a launcher's result, naming `op` and the actor.
 inline void launched(cudaError_t e, const char* op, const KernelContext& ctx) {
   check(e, op, ctx.stream->owner());

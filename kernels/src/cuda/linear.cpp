@@ -48,6 +48,7 @@ namespace baton::cuda {
 
 namespace {
 
+using util::blas_type;
 using util::stream_of;
 
 // The most workspace cuBLASLt's heuristic may ask for (split-k reductions); each actor then
@@ -55,8 +56,6 @@ using util::stream_of;
 constexpr std::size_t max_workspace_bytes = std::size_t{32} << 20;
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
-cudaDataType_t cuda_type(DType t) { return t == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 
 /// A column-major product D [m, n] = op(A) op(B) with an epilogue, as cuBLASLt takes it.
 struct LtShape {
@@ -227,8 +226,8 @@ class LinearKernel final : public Kernel {
                     .b_cols = d.rows,
                     .d_rows = d.n,
                     .d_cols = d.rows,
-                    .operands = cuda_type(x.dtype()),
-                    .result = cuda_type(y.dtype()),
+                    .operands = blas_type(x.dtype()),
+                    .result = blas_type(y.dtype()),
                     .epilogue = CUBLASLT_EPILOGUE_BIAS};
       if (product_.ready(shape, who) &&
           product_.run(w.raw(), x.raw(), y.raw(), const_cast<void*>(b.raw()), s))
@@ -258,7 +257,7 @@ class LinearGradKernel final : public Kernel {
     const std::string& who = ctx.stream->owner();
     if (d.rows > 0 && d.k > 0 && d.n > 0 && aligned16(x.raw()) && aligned16(dy.raw()) && aligned16(dw.raw()) &&
         aligned16(db.raw())) {
-      const cudaDataType_t t = cuda_type(dy.dtype());
+      const cudaDataType_t t = blas_type(dy.dtype());
       LtShape shape{.trans_a = CUBLAS_OP_N,
                     .trans_b = CUBLAS_OP_T,
                     .a_rows = d.n,

@@ -952,11 +952,11 @@ void matmul_bias_apart(KernelContext& ctx, bool trans_b) {
   if (d.k == 0) {
     check(cudaMemsetAsync(y.raw(), 0, y.nbytes(), s), "cudaMemsetAsync", who);  // 0 in f32 and bf16: all bits 0
   } else {
-    const auto type = [](const Tensor& t) { return t.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; };
     const float alpha = 1.f, beta = 0.f;
     const int N = static_cast<int>(d.n), M = static_cast<int>(d.rows), K = static_cast<int>(d.k);
     check(cublasGemmEx(ctx.stream->impl().blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha,
-                       w.raw(), type(w), trans_b ? K : N, x.raw(), type(x), K, &beta, y.raw(), type(y), N,
+                       w.raw(), util::blas_type(w.dtype()), trans_b ? K : N, x.raw(), util::blas_type(x.dtype()), K, &beta,
+                       y.raw(), util::blas_type(y.dtype()), N,
                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
           "cublasGemmEx", who);
   }
