@@ -335,12 +335,15 @@ TEST_CASE("data plane: inline payloads arrive with their messages, in order with
     std::vector<Seen> seen;
     std::vector<std::string> errors;
   } check;
+  // The payloads outlive the link. The receiver having them all says nothing to the sender's
+  // progress thread, which may still be finishing the sends that read them (a producer frees a
+  // slot on the consumer's ack, which that thread delivers); the link's teardown joins it.
+  std::vector<std::vector<unsigned char>> payloads;
   OneWay link(transports, check);
   DataPlane& sender = link.sender;
   // Plain messages, and messages of 0, 32 and 64 bytes with payloads of 1 B to the most; the
   // payloads stay where they are until they have arrived (as a producer's slot does).
   const std::vector<std::size_t> payload_sizes{1, 100, 4096, Link::max_inline_payload};
-  std::vector<std::vector<unsigned char>> payloads;
   std::vector<Seen> sent;
   for (std::size_t i = 0; i < 300; ++i) {
     const std::size_t size = i % 3 == 0 ? 0 : (i % 3 == 1 ? 32 : Link::max_message);
