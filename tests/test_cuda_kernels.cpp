@@ -777,14 +777,29 @@ TEST_CASE("Attention.Plan.TheLlamaReadsGroupedKvHeadsWithoutRepeatingThem" * doc
 // gelu(x + b) fused: the sum rounded to the element type as the add's output is, then the gelu
 // kernel's formula: the same bits as the two ops, forward and backward.
 TEST_CASE("BiasGelu.Cpu.IsGeluOfTheSumBitForBit") {
-  for (DType dt : {f32, f64}) {
-    CAPTURE(name(dt));
-    const Shape s{3, 5, 37};
-    const Tensor x = random_tensor(dt, s, -4, 4), b = random_tensor(dt, {37}), dy = random_tensor(dt, s);
-    const Tensor sum = run1("add", dt, {}, {x, b}, s);
-    CHECK_CLOSE(run1("bias_gelu", dt, {}, {x, b}, s), run1("gelu", dt, {}, {sum}, s), 0.0);
-    CHECK_CLOSE(run1("bias_gelu_grad", dt, {}, {x, b, dy}, s), run1("gelu_grad", dt, {}, {sum, dy}, s), 0.0);
+  for (const Attrs& a : {Attrs{}, Attrs{{"approximate", std::string("tanh")}}}) {
+    for (DType dt : {f32, f64}) {
+      CAPTURE(a.str());
+      CAPTURE(name(dt));
+      const Shape s{3, 5, 37};
+      const Tensor x = random_tensor(dt, s, -4, 4), b = random_tensor(dt, {37}), dy = random_tensor(dt, s);
+      const Tensor sum = run1("add", dt, {}, {x, b}, s);
+      CHECK_CLOSE(run1("bias_gelu", dt, a, {x, b}, s), run1("gelu", dt, a, {sum}, s), 0.0);
+      CHECK_CLOSE(run1("bias_gelu_grad", dt, a, {x, b, dy}, s), run1("gelu_grad", dt, a, {sum, dy}, s), 0.0);
+    }
   }
+  // The two forms differ (by up to about 5e-4 near |x| = 2): the attribute reaches the kernel.
+  const Tensor x = random_tensor(f64, {64}, -4, 4), b = random_tensor(f64, {64});
+  const auto erf = values(run1("bias_gelu", f64, {}, {x, b}, {64}));
+  const auto tanh = values(run1("bias_gelu", f64, Attrs{{"approximate", std::string("tanh")}}, {x, b}, {64}));
+  double most = 0;
+  for (std::size_t i = 0; i < erf.size(); ++i) most = std::max(most, std::abs(erf[i] - tanh[i]));
+  CHECK(most > 1e-5);
+  CHECK(most < 1e-3);
+  CHECK_THROWS_WITH_AS(run1("bias_gelu", f32, Attrs{{"approximate", std::string("sigmoid")}},
+                            {random_tensor(f32, {4, 6}), random_tensor(f32, {6})}, {4, 6}),
+                       doctest::Contains("attribute approximate must be \"none\" or \"tanh\", not \"sigmoid\""),
+                       std::invalid_argument);
   CHECK_THROWS_WITH_AS(run1("bias_gelu", f32, {}, {random_tensor(f32, {4, 6}), random_tensor(f32, {5})}, {4, 6}),
                        doctest::Contains("must be [F] for x f32[4, 6]"), std::invalid_argument);
 }
@@ -797,20 +812,23 @@ TEST_CASE("BiasGelu.Graph.GradientsMatchTheUnfusedOps") {
     const Shape s{6, 11};
     std::map<std::string, Tensor> feeds{{"x", random_tensor(dt, s)}, {"b", random_tensor(dt, {11})},
                                         {"r", random_tensor(dt, s)}};
-    auto run = [&](bool fused) {
+    auto run = [&](bool fused, GeluApprox form) {
       Graph g(1);
       Value x = g.input("x", s, dt), b = g.input("b", {11}, dt);
-      Value y = fused ? bias_gelu(x, b) : gelu(x + b);
+      Value y = fused ? bias_gelu(x, b, form) : gelu(x + b, form);
       Value loss = sum(y * g.input("r", s, dt));
       std::vector<Value> fetch = gradients(loss, {x, b});
       fetch.push_back(y);
       auto params = ParameterStore::initialize(g);
       return evaluate(g, feeds, fetch, *params);
     };
-    const auto fused = run(true), naive = run(false);
-    for (std::size_t i = 0; i < 3; ++i) {
-      CAPTURE(i);  // dx, db, y
-      CHECK_CLOSE(fused[i], naive[i], 0.0);
+    for (GeluApprox form : {GeluApprox::none, GeluApprox::tanh}) {
+      CAPTURE(static_cast<int>(form));
+      const auto fused = run(true, form), naive = run(false, form);
+      for (std::size_t i = 0; i < 3; ++i) {
+        CAPTURE(i);  // dx, db, y
+        CHECK_CLOSE(fused[i], naive[i], 0.0);
+      }
     }
   }
   Graph g;
@@ -1071,17 +1089,23 @@ TEST_CASE("CudaKernels.Bf16.MatchCpu" * doctest::timeout(120)) {
 TEST_CASE("CudaKernels.BiasGelu.MatchCpu" * doctest::timeout(60)) {
   if (!cuda_usable()) return;
   Gpu gpu;
-  for (const Shape& s : {Shape{3, 5, 37}, Shape{257, 1024}}) {
-    const Shape bias{s.back()};
-    const Tensor x = random_tensor(f32, s, -4, 4), b = random_tensor(f32, bias), dy = random_tensor(f32, s);
-    check_against_cpu(gpu, "bias_gelu", f32, {}, {x, b}, {s}, 1e-5);
-    check_against_cpu(gpu, "bias_gelu_grad", f32, {}, {x, b, dy}, {s}, 1e-5);
-    const Tensor sum = gpu.run1("add", f32, {}, {x, b}, s);
-    CHECK_CLOSE(gpu.run1("bias_gelu", f32, {}, {x, b}, s), gpu.run1("gelu", f32, {}, {sum}, s), 0.0);
-    CHECK_CLOSE(gpu.run1("bias_gelu_grad", f32, {}, {x, b, dy}, s), gpu.run1("gelu_grad", f32, {}, {sum, dy}, s), 0.0);
-    const Tensor xb = to_dtype(x, bf16), bb = to_dtype(b, bf16), dyb = to_dtype(dy, bf16);
-    check_against_cpu(gpu, "bias_gelu", bf16, {}, {xb, bb}, {s}, 1e-2);
-    check_against_cpu(gpu, "bias_gelu_grad", bf16, {}, {xb, bb, dyb}, {s}, 1e-2);
+  // Both forms: the exact erf GELU and the tanh approximation (attribute "approximate").
+  for (const Attrs& a : {Attrs{}, Attrs{{"approximate", std::string("tanh")}}}) {
+    CAPTURE(a.str());
+    for (const Shape& s : {Shape{3, 5, 37}, Shape{257, 1024}}) {
+      const Shape bias{s.back()};
+      const Tensor x = random_tensor(f32, s, -4, 4), b = random_tensor(f32, bias), dy = random_tensor(f32, s);
+      check_against_cpu(gpu, "bias_gelu", f32, a, {x, b}, {s}, 1e-5);
+      check_against_cpu(gpu, "bias_gelu_grad", f32, a, {x, b, dy}, {s}, 1e-5);
+      check_against_cpu(gpu, "gelu", f32, a, {x}, {s}, 1e-5);
+      check_against_cpu(gpu, "gelu_grad", f32, a, {x, dy}, {s}, 1e-5);
+      const Tensor sum = gpu.run1("add", f32, {}, {x, b}, s);
+      CHECK_CLOSE(gpu.run1("bias_gelu", f32, a, {x, b}, s), gpu.run1("gelu", f32, a, {sum}, s), 0.0);
+      CHECK_CLOSE(gpu.run1("bias_gelu_grad", f32, a, {x, b, dy}, s), gpu.run1("gelu_grad", f32, a, {sum, dy}, s), 0.0);
+      const Tensor xb = to_dtype(x, bf16), bb = to_dtype(b, bf16), dyb = to_dtype(dy, bf16);
+      check_against_cpu(gpu, "bias_gelu", bf16, a, {xb, bb}, {s}, 1e-2);
+      check_against_cpu(gpu, "bias_gelu_grad", bf16, a, {xb, bb, dyb}, {s}, 1e-2);
+    }
   }
 }
 

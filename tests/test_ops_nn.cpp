@@ -202,6 +202,10 @@ const std::vector<Shape> row_shapes = {{4, 7}, {2, 3, 5}, {1, 1}, {3, 33}, {0, 3
 double ref_gelu(double x) {
   return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
 }
+// torch's gelu(approximate="tanh"), in double.
+double ref_gelu_tanh(double x) {
+  return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
+}
 double ref_sigmoid(double x) {
   return 1.0 / (1.0 + std::exp(-x));
 }
@@ -306,6 +310,34 @@ TEST_CASE_TEMPLATE("Ops.Activations.MatchReference", T, float, double) {
       check_forward<T>(y, want);
     }
   }
+}
+
+// GELU's tanh form (attribute approximate "tanh"): torch's formula, forward within the element
+// type's rounding (check_forward), gradient by central differences; large inputs stay finite
+// (tanh saturates); an unknown form is refused by name.
+TEST_CASE_TEMPLATE("Ops.Activations.GeluTanhIsTorchsApproximation", T, float, double) {
+  std::mt19937 rng(13);
+  const Attrs tanh_form{{"approximate", std::string("tanh")}};
+  for (const Shape& shape : {Shape{}, Shape{4, 7}, Shape{1000}}) {
+    CAPTURE(baton::to_string(shape));
+    Tensor x = random_tensor<T>(shape, rng, 4.0);
+    std::vector<double> want;
+    for (double v : values(x)) want.push_back(ref_gelu_tanh(v));
+    check_forward<T>(apply<T>("gelu", {x}, shape, tanh_form), want);
+  }
+  Tensor big = make_tensor<T>({6}, {-1000, -100, -30, 30, 100, 1000});
+  check_forward<T>(apply<T>("gelu", {big}, {6}, tanh_form), {0, 0, 0, 30, 100, 1000});
+  if constexpr (std::is_same_v<T, double>) {
+    for (const Shape& shape : {Shape{5}, Shape{3, 4}}) {
+      Tensor x = random_tensor<double>(shape, rng, 3.0);
+      Tensor dy = random_tensor<double>(shape, rng);
+      Tensor dx = apply<double>("gelu_grad", {x, dy}, shape, tanh_form);
+      check_gradient(dx, vjp_by_differences("gelu", {x}, 0, dy, tanh_form));
+    }
+  }
+  CHECK_THROWS_WITH_AS(apply<T>("gelu", {make_tensor<T>({1}, {1})}, {1}, Attrs{{"approximate", std::string("fast")}}),
+                       doctest::Contains("attribute approximate must be \"none\" or \"tanh\", not \"fast\""),
+                       std::invalid_argument);
 }
 
 TEST_CASE_TEMPLATE("Ops.Activations.StayFiniteForLargeInputs", T, float, double) {

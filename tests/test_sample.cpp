@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <regex>
 #include <string>
@@ -315,4 +316,38 @@ TEST_CASE("TrainCli.NoEpiloguesKeepsTheOpsApartWithTheSameLosses" * doctest::tim
   const std::string fused = with({"--json"}), apart = with({"--json", "--no-epilogues"});
   CHECK(field(fused, "final_loss") == field(apart, "final_loss"));
   CHECK(field(fused, "eval_loss") == field(apart, "eval_loss"));
+}
+
+TEST_CASE("TrainCli.GeluTanhIsTheGptsMlpActivationAndItsCheckpointSaysSo" * doctest::timeout(240)) {
+  // --gelu tanh trains the GPT with GELU's tanh form, the checkpoint's config records it (a
+  // server of the checkpoint builds the same MLP), a resume must agree on it, and the models
+  // without that choice refuse the flag by name.
+  const std::string file = repeating_text_file();
+  const fs::path ckpt = scratch() / "gelu-tanh-ckpt";
+  fs::remove_all(ckpt);
+  const std::vector<std::string> base{"--model", "gpt", "--data", "text:" + file, "--batch", "4", "--seq", "16",
+                                      "--d-model", "16", "--heads", "2", "--layers", "1", "--checkpoint-dir", ckpt.string()};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    return train_cli(args);
+  };
+  const Outcome trained = with({"--steps", "4", "--gelu", "tanh"});
+  CAPTURE(trained.err);
+  REQUIRE(trained.code == 0);
+  std::string index;
+  for (const auto& entry : fs::recursive_directory_iterator(ckpt)) {
+    if (entry.path().filename() == "index.json") {
+      std::ifstream in(entry.path());
+      index.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+  }
+  CHECK(std::regex_search(index, std::regex("\"gelu\": ?\"tanh\"")));
+  const Outcome erf = with({"--steps", "8", "--resume", ckpt.string()});
+  CHECK(erf.code != 0);
+  CHECK(erf.err.find("gelu: checkpoint tanh, this run (none)") != std::string::npos);
+  CHECK(with({"--steps", "8", "--resume", ckpt.string(), "--gelu", "tanh"}).code == 0);
+  const Outcome llama = train_cli({"--model", "llama", "--data", "text:" + file, "--steps", "1", "--gelu", "tanh"});
+  CHECK(llama.code != 0);
+  CHECK(llama.err.find("--gelu tanh is an option of --model gpt") != std::string::npos);
 }

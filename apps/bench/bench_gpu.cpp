@@ -114,6 +114,8 @@ struct Options {
   /// on CUDA; naive on the CPU), naive (matmul, mask, softmax, matmul), fused (attention() with
   /// baton's kernels) or cudnn (attention() with cuDNN's).
   std::string attention = "auto";
+  /// The MLP's GELU on both sides: erf (exact, nn.GELU()) or tanh (GPT-2's and Megatron's form).
+  std::string gelu = "erf";
   bool reference = true;
   bool require_reference = false;
   bool quick = false;
@@ -170,6 +172,8 @@ struct Options {
       "fused (one op\n"
       "                      per block, baton's FlashAttention-style kernels) or cudnn (cuDNN's "
       "fused attention)\n"
+      "  --gelu G            the MLP's GELU on both sides: erf (default, exact) or tanh (GPT-2's "
+      "and Megatron's form)\n"
       "  --torch-attention A naive (baton's ops), sdpa (PyTorch's fused causal attention) or auto "
       "(sdpa where\n"
       "                      this PyTorch has it, else naive). Default: auto with --batch-mode best, "
@@ -263,6 +267,8 @@ Options parse(int argc, char** argv) {
       o.batch_mode = value(i, a);
     else if (a == "--attention")
       o.attention = value(i, a);
+    else if (a == "--gelu")
+      o.gelu = value(i, a);
     else if (a == "--mem-fraction")
       o.mem_fraction = real(i, a);
     else if (a == "--max-batch")
@@ -307,6 +313,10 @@ Options parse(int argc, char** argv) {
   }
   if (o.torch_compile != "auto" && o.torch_compile != "on" && o.torch_compile != "off") {
     fmt::print(stderr, "{}: --torch-compile must be auto, on or off, not '{}'\n", prog, o.torch_compile);
+    usage(2);
+  }
+  if (o.gelu != "erf" && o.gelu != "tanh") {
+    fmt::print(stderr, "{}: --gelu must be erf or tanh, not '{}'\n", prog, o.gelu);
     usage(2);
   }
   if (o.attention != "auto" && o.attention != "naive" && o.attention != "fused" && o.attention != "cudnn") {
@@ -804,9 +814,9 @@ TorchAt torch_at(const Setup& s, const Reference& ref, std::int64_t batch, bool 
                  bool compiled = false) {
   const auto outcome = ref.try_run(
       fmt::format("--device {} {} --batch {} --warmup {} --steps {} --threads {} --precision {} --attention {} "
-                  "--lr {} --seed {}{}",
+                  "--gelu {} --lr {} --seed {}{}",
                   s.cuda ? fmt::format("cuda:{}", s.device.index) : std::string("cpu"), s.sizes_args, batch,
-                  s.warmup, s.steps, s.o.threads, s.o.precision, s.o.torch_attention, lr, seed,
+                  s.warmup, s.steps, s.o.threads, s.o.precision, s.o.torch_attention, s.o.gelu, lr, seed,
                   compiled ? " --compile" : ""),
       s.o.timeout_s);
   TorchAt t;
@@ -837,9 +847,9 @@ BatonAt baton_in_child(const Setup& s, std::int64_t batch, std::int64_t steps) {
   if (ec) throw std::runtime_error("cannot read /proc/self/exe to run a batch in a child: " + ec.message());
   const std::string cmd = fmt::format(
       "BATON_BENCH_CHILD=1 timeout --kill-after=10 {:.0f} {} --device {} --batch-mode same --batch {} --no-reference {} --warmup {} "
-      "--steps {} --threads {} --precision {} --attention {} --activation-slots {} --timeout {:.0f} --allow-load 2>&1",
+      "--steps {} --threads {} --precision {} --attention {} --gelu {} --activation-slots {} --timeout {:.0f} --allow-load 2>&1",
       s.o.timeout_s + 60, bench::shell_quote(self.string()), s.device.str(), batch, s.sizes_args, s.warmup, steps,
-      s.o.threads, s.o.precision, s.o.attention, s.o.activation_slots, s.o.timeout_s);
+      s.o.threads, s.o.precision, s.o.attention, s.o.gelu, s.o.activation_slots, s.o.timeout_s);
   // Its notes on stderr come back with its line: shown only where it fails.
   auto [status, out] = bench::run_capture(cmd);
   const std::string line = bench::last_json_line(out);
@@ -919,7 +929,8 @@ Setup make_setup(Device device, const Options& given, const Reference* ref, bool
                              .d_model = pick(s.o.sizes.d_model, def.d_model),
                              .heads = pick(s.o.sizes.heads, def.heads),
                              .layers = pick(s.o.sizes.layers, def.layers),
-                             .attention = models::parse_attention(s.o.attention, s.cuda)};
+                             .attention = models::parse_attention(s.o.attention, s.cuda),
+                             .gelu = models::parse_gelu(s.o.gelu)};
   s.warmup = s.o.warmup > 0 ? s.o.warmup : (s.o.quick ? 1 : 3);
   s.steps = s.o.steps > 0 ? s.o.steps : (s.o.quick ? 3 : (s.cuda ? 30 : 20));
   s.dev = describe(device);
@@ -1138,7 +1149,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
     if (b) add_run_fields(line, *b);
     if (t) add_reference_fields(line, *t, s, *ref, best_mode);
     tc.add_to(line, b ? std::optional<double>(b->tokens_per_s) : std::nullopt, peak ? s.flops_per_token / (*peak * 1e12) : 0);
-    line.add("attention", o.attention);
+    line.add("attention", o.attention).add("gelu", o.gelu);
     if (s.cuda && o.attention != "naive" && o.attention != "fused") {
       const cuda::CudnnAttention& c = cuda::cudnn_attention();
       line.add("cudnn", c.ok ? c.version : "unavailable: " + c.reason);

@@ -2,7 +2,7 @@
 """PyTorch reference for baton-bench-gpu: one training step loop of the GPT that baton builds
 (apps/train/models.cpp, models::gpt_with_loss), in eager mode, on one device. Prints one JSON
 line: {"params", "tokens_per_s", "step_ms", "loss", "steps", "warmup", "batch", "device",
-"device_name", "precision", "attention", "compiled", "torch", "max_memory_bytes"}. --compile runs
+"device_name", "precision", "attention", "gelu", "compiled", "torch", "max_memory_bytes"}. --compile runs
 the model under torch.compile (the higher anchor of baton-bench-gpu's compile_* fields).
 
     python3 apps/bench/gpt_torch.py --device cuda --d-model 1024 --heads 16 --layers 8 \\
@@ -11,7 +11,7 @@ the model under torch.compile (the higher anchor of baton-bench-gpu's compile_* 
 
 The model, layer for layer as baton's: token + position embeddings; `layers` pre-norm blocks of
 causal multi-head attention (q, k, v and output projections without bias) and a GELU MLP
-(4 x d_model, with biases; exact erf GELU); a final layer norm; a linear head without bias, not
+(4 x d_model, with biases; exact erf GELU, or its tanh form with --gelu tanh); a final layer norm; a linear head without bias, not
 tied to the token table. N(0, 0.02) weights, zero biases, unit gains. Adam (lr 1e-3),
 cross-entropy against uniformly random next tokens.
 
@@ -59,6 +59,8 @@ def parse():
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
     p.add_argument("--precision", choices=["f32", "tf32", "bf16"], default="f32")
     p.add_argument("--attention", choices=["naive", "sdpa", "auto"], default="naive")
+    p.add_argument("--gelu", choices=["erf", "tanh"], default="erf",
+                   help="the MLP's GELU: erf (exact) or tanh (approximate='tanh', GPT-2's and Megatron's form)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model (PyTorch 2.0 and later; Adam stays eager); the warmup steps compile")
     p.add_argument("--count-only", action="store_true", help="print the parameter count and exit")
@@ -66,9 +68,10 @@ def parse():
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, attention):
+    def __init__(self, d, heads, attention, gelu="erf"):
         super().__init__()
         self.heads, self.attention = heads, attention
+        self.approximate = "tanh" if gelu == "tanh" else "none"
         self.ln1 = nn.LayerNorm(d, eps=1e-5)
         self.wq = nn.Linear(d, d, bias=False)
         self.wk = nn.Linear(d, d, bias=False)
@@ -92,18 +95,18 @@ class Block(nn.Module):
             att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
             o = att @ v
         x = x + self.wo(o.transpose(1, 2).reshape(b, t, d))
-        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.approximate))
         return x
 
 
 class Gpt(nn.Module):
-    def __init__(self, vocab, seq, d, heads, layers, attention):
+    def __init__(self, vocab, seq, d, heads, layers, attention, gelu="erf"):
         super().__init__()
         if d % heads != 0:
             raise SystemExit(f"gpt_torch.py: d_model {d} is not a multiple of heads {heads}")
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Parameter(torch.zeros(seq, d))
-        self.blocks = nn.ModuleList(Block(d, heads, attention) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, attention, gelu) for _ in range(layers))
         self.lnf = nn.LayerNorm(d, eps=1e-5)
         self.head = nn.Linear(d, vocab, bias=False)
         self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1))
@@ -137,7 +140,7 @@ def main():
     if args.attention == "sdpa" and not hasattr(F, "scaled_dot_product_attention"):
         raise SystemExit(f"gpt_torch.py: --attention sdpa needs PyTorch 2.0 or later (this is {torch.__version__})")
     if args.count_only:
-        model = Gpt(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.attention)
+        model = Gpt(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.attention, args.gelu)
         print(json.dumps({"params": sum(p.numel() for p in model.parameters())}))
         return
     dev = torch.device(args.device)
@@ -147,7 +150,7 @@ def main():
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
     torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
-    model = Gpt(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.attention).to(dev)
+    model = Gpt(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.attention, args.gelu).to(dev)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.compile:
@@ -202,6 +205,7 @@ def main():
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "precision": args.precision,
         "attention": args.attention,
+        "gelu": args.gelu,
         "compiled": args.compile,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -79,7 +79,7 @@ Value gpt_step(Graph& g, const models::GptShape& m, const StepInputs& in) {
     Value h2 = layer_norm(x, w(p("ln2.g"), {d}), w(p("ln2.b"), {d}));
     Value h1 = matmul(h2, w(p("mlp.w1"), {d, ff}));
     Value b1 = w(p("mlp.b1"), {ff});
-    Value fc = m.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
+    Value fc = m.fused_bias_gelu ? bias_gelu(h1, b1, m.gelu) : gelu(h1 + b1, m.gelu);
     x = x + (reduce(in, matmul(fc, w(p("mlp.w2"), {ff, d}))) + w(p("mlp.b2"), {d}));  // as models::gpt adds b2
   }
   if (!in.last) return x;
@@ -108,7 +108,7 @@ Value gpt2_step(Graph& g, const models::Gpt2Shape& m, std::int64_t positions, co
       return reduce(in, matmul(v, w(name + ".weight", {n_in, d}))) + w(name + ".bias", {d});
     };
     x = x + row_linear(o, p + "attn.c_proj", dt);
-    x = x + row_linear(models::gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, ff)), p + "mlp.c_proj", ff);
+    x = x + row_linear(gelu(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, ff), GeluApprox::tanh), p + "mlp.c_proj", ff);
   }
   if (!in.last) return x;
   return matmul(norm(embedding(x, in.sample_rows), "ln_f"), w("wte.weight", {m.vocab, d}), false, true);

@@ -102,7 +102,8 @@ DecodeModel model_of(const checkpoint::Checkpoint& c) {
                      seq = config_int(c, "seq");
   if (kind == "gpt") {
     m.kind = DecodeModel::Kind::gpt;
-    m.gpt = {.vocab = rows_of(c.weights, "wte"), .seq = seq, .d_model = d, .heads = heads, .layers = layers};
+    m.gpt = {.vocab = rows_of(c.weights, "wte"), .seq = seq, .d_model = d, .heads = heads, .layers = layers,
+             .gelu = c.config.count("gelu") ? models::parse_gelu(c.config.at("gelu")) : GeluApprox::none};
   } else if (kind == "gpt2") {
     m.kind = DecodeModel::Kind::gpt2;
     m.gpt2 = {.vocab = rows_of(c.weights, "wte.weight"), .seq = seq, .positions = config_int(c, "positions"),

@@ -60,6 +60,7 @@ struct Options {
   std::int64_t heads = 4;
   std::int64_t seq = 32;
   std::string attention = "auto";
+  std::string gelu = "erf";  // gpt's MLP activation: erf or tanh
   std::int64_t hidden = 256;
   std::int64_t kv_heads = 0;    // llama: 0 is --heads (multi-head attention)
   std::int64_t ffn_hidden = 0;  // llama: 0 is 8 d_model / 3 rounded up to a multiple of 32
@@ -198,6 +199,10 @@ models::LlamaShape llama_shape(const Options& o, std::int64_t vocab) {
 
 /// Logits and loss of a model for `batch` rows (builds the model into g).
 models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t batch) {
+  if (o.gelu != "erf" && o.model != "gpt") {
+    throw std::invalid_argument(fmt::format("--gelu {} is an option of --model gpt (gpt2's GELU is always the tanh form, "
+                                            "llama's MLP is SwiGLU)", o.gelu));
+  }
   if (o.model == "mlp") {
     if (!d.train) throw std::invalid_argument("--model mlp needs labelled data: --data digits or synthetic");
     Value logits = models::mlp(g, batch, {d.train->width(), o.hidden, o.layers, d.train->num_classes, o.tp});
@@ -215,7 +220,8 @@ models::Outputs build(Graph& g, const Options& o, const Data& d, std::int64_t ba
   }
   return models::gpt_with_loss(g, batch,
                                {.vocab = d.vocab_size(), .seq = o.seq, .d_model = o.d_model, .heads = o.heads,
-                                .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention, on_cuda(o))});
+                                .layers = o.layers, .tp = o.tp, .attention = models::parse_attention(o.attention, on_cuda(o)),
+                                .gelu = models::parse_gelu(o.gelu)});
 }
 
 /// Held-out accuracy (labelled data) or loss (text), with the trained weights.
@@ -279,6 +285,7 @@ std::map<std::string, std::string> run_config(const Options& o) {
     config["tie_embeddings"] = o.tie_embeddings ? "true" : "false";
   }
   if (o.model == "gpt2") config["positions"] = std::to_string(o.positions);
+  if (o.model == "gpt" && o.gelu != "erf") config["gelu"] = o.gelu;  // absent: erf, as before the flag
   return config;
 }
 
@@ -288,6 +295,7 @@ std::vector<std::string> must_match(const Options& o) {
   if (o.cosine) keys.push_back("steps");  // the decay spans the whole run
   if (o.model == "llama") keys.insert(keys.end(), {"kv_heads", "ffn_hidden", "rope_base", "tie_embeddings"});
   if (o.model == "gpt2") keys.push_back("positions");
+  if (o.model == "gpt") keys.push_back("gelu");
   return keys;
 }
 
@@ -1057,6 +1065,9 @@ void add_model_options(CLI::App& app, Options& o) {
                  "op, cuDNN 9's fused attention: CUDA devices, bf16) or auto (cudnn where cuDNN loads, else fused, "
                  "on CUDA devices; naive on the CPU)")
       ->check(CLI::IsMember({"auto", "naive", "fused", "cudnn"}));
+  app.add_option("--gelu", o.gelu, "gpt's MLP activation: erf (exact, torch's nn.GELU()) or tanh (the tanh approximation: "
+                 "GPT-2's gelu_new, Megatron's bias_gelu). gpt2 always has tanh, llama SwiGLU")
+      ->check(CLI::IsMember({"erf", "tanh"}));
   app.add_option("--threads", o.threads, "worker threads: 1, or 2 (forward | backward)")->check(CLI::Range(1, 2));
   app.add_option("--blas-threads", o.blas_threads,
                  "threads of every CPU matrix product (default 1, one per actor; more pays where the plan leaves cores "

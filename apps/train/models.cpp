@@ -108,7 +108,7 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
       auto on = g.shard(tp == 1 ? -1 : static_cast<std::int32_t>(sk));
       auto h1 = matmul(ln2, g.variable(shard_name(p("mlp.w1"), sk), {d, f_k}, init::normal(0.0, 0.02), s.dtype));
       auto b1 = g.variable(shard_name(p("mlp.b1"), sk), {f_k}, init::zeros(), s.dtype);
-      auto fc = s.fused_bias_gelu ? bias_gelu(h1, b1) : gelu(h1 + b1);
+      auto fc = s.fused_bias_gelu ? bias_gelu(h1, b1, s.gelu) : gelu(h1 + b1, s.gelu);
       Value part = matmul(fc, g.variable(shard_name(p("mlp.w2"), sk), {f_k, d}, init::normal(0.0, 0.02), s.dtype));
       mlp = sk == 0 ? part : mlp + part;
     }
@@ -143,6 +143,12 @@ GptShape::Attention parse_attention(std::string_view s, bool on_cuda) {
   }
   if (s == "auto") return on_cuda ? GptShape::Attention::automatic : GptShape::Attention::naive;
   throw std::invalid_argument(fmt::format("--attention must be auto, naive, fused or cudnn, not '{}'", s));
+}
+
+GeluApprox parse_gelu(std::string_view s) {
+  if (s == "erf") return GeluApprox::none;
+  if (s == "tanh") return GeluApprox::tanh;
+  throw std::invalid_argument(fmt::format("--gelu must be erf or tanh, not '{}'", s));
 }
 
 AttentionOptions attention_options(GptShape::Attention a) {
@@ -309,11 +315,6 @@ Value llama(Graph& g, std::int64_t batch, const LlamaShape& s) { return build_ll
 
 Outputs llama_with_loss(Graph& g, std::int64_t batch, const LlamaShape& s) { return build_llama(g, batch, s, true); }
 
-Value gelu_tanh(Value x) {
-  const double c = std::sqrt(2.0 / 3.14159265358979323846);
-  return (x + x * baton::tanh((x + baton::pow(x, 3.0) * 0.044715) * c)) * 0.5;
-}
-
 namespace {
 
 Outputs build_gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s, bool with_loss) {
@@ -352,7 +353,7 @@ Outputs build_gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s, bool with_l
       heads = reshape(matmul(att, v3), {b, nh, t, dh});
     }
     x = x + linear(reshape(transpose(heads, {0, 2, 1, 3}), {b, t, d}), p + "attn.c_proj", d, d);
-    Value h = gelu_tanh(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d));
+    Value h = gelu(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d), GeluApprox::tanh);  // gelu_new
     x = x + linear(h, p + "mlp.c_proj", 4 * d, d);
   }
   Outputs out;

@@ -55,9 +55,16 @@ struct GptShape {
   /// The MLP's first layer as bias_gelu(x w1, b1), one op, instead of gelu(x w1 + b1): the same
   /// bits in f32; under bf16 autocast the activation stays bf16, as torch's Linear + GELU.
   bool fused_bias_gelu = true;
+  /// The MLP's GELU: the exact erf form (torch's default, nn.GELU()), or the tanh form (GPT-2's
+  /// gelu_new, Megatron's bias_gelu: nn.GELU(approximate="tanh")); --gelu erf|tanh.
+  GeluApprox gelu = GeluApprox::none;
   /// The dtype of the weights and of everything computed from them: f32, or f64 (as MlpShape).
   DType dtype = DType::f32;
 };
+
+/// baton-train's and baton-bench-gpu's --gelu: "erf" or "tanh"; throws std::invalid_argument
+/// naming the flag's value otherwise.
+GeluApprox parse_gelu(std::string_view s);
 
 /// baton-train's and baton-bench-gpu's --attention: "naive", "fused", "cudnn" or "auto" (the
 /// default: automatic where the model runs on CUDA devices, naive on the CPU, which keeps its
@@ -161,9 +168,5 @@ Value gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s);
 
 /// gpt2() and its mean cross-entropy against "targets".
 Outputs gpt2_with_loss(Graph& g, std::int64_t batch, const Gpt2Shape& s);
-
-/// GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GPT-2's
-/// gelu_new, torch's gelu(approximate="tanh")), from the DSL's ops.
-Value gelu_tanh(Value x);
 
 }  // namespace baton::models

@@ -98,11 +98,11 @@ void nn_rules(Rules& r) {
     r.unary(op, grad_op, of_y, with_attrs);
   };
   unary("relu", "relu_grad", false, false);
-  unary("gelu", "gelu_grad", false, false);
+  unary("gelu", "gelu_grad", false, true);  // with its form ("approximate")
   rule({"bias_gelu"}, [](const GradientArgs& a) {
     // One node for both inputs: d/dx, and its column sums for the bias.
     const Value& x = a.inputs[0];
-    Value dx = shared_grad_op("bias_gelu_grad", {x, a.inputs[1], a.dy}, {}, x.shape(), x.dtype(), a.y);
+    Value dx = shared_grad_op("bias_gelu_grad", {x, a.inputs[1], a.dy}, a.attrs, x.shape(), x.dtype(), a.y);
     return a.input == 0 ? dx : sum_to(dx, a.x().shape());
   });
   rule({"attention"}, [](const GradientArgs& a) {

@@ -139,7 +139,13 @@ Value operator/(Value a, double s) { return scale(a, 1.0 / s); }
 Value operator-(Value a) { return scale(a, -1.0); }
 
 Value relu(Value x) { return unary("relu", x); }
-Value gelu(Value x) { return unary("gelu", x); }
+namespace {
+Attrs gelu_attrs(GeluApprox approximate) {
+  return approximate == GeluApprox::tanh ? Attrs{{"approximate", std::string("tanh")}} : Attrs{};
+}
+}  // namespace
+
+Value gelu(Value x, GeluApprox approximate) { return unary("gelu", x, gelu_attrs(approximate)); }
 Value tanh(Value x) { return unary("tanh", x); }
 Value sigmoid(Value x) { return unary("sigmoid", x); }
 Value exp(Value x) { return unary("exp", autocast(Precision::f32, {x})[0]); }
@@ -151,7 +157,7 @@ Value pow(Value x, double exponent) {
   return unary("pow", autocast(Precision::f32, {x})[0], Attrs{{"exponent", exponent}});
 }
 Value silu(Value x) { return unary("silu", x); }
-Value bias_gelu(Value x, Value b) {
+Value bias_gelu(Value x, Value b, GeluApprox approximate) {
   const char* op = "bias_gelu";
   const std::vector<Value> in = autocast(Precision::low, {x, b});
   x = in[0];
@@ -161,7 +167,7 @@ Value bias_gelu(Value x, Value b) {
   if (x.rank() < 1 || b.shape() != Shape{x.dim(-1)}) {
     fail(op, {x, b}, fmt::format("b must be one bias per column of x: [{}]", x.rank() < 1 ? 0 : x.dim(-1)));
   }
-  return x.graph().add(op, {x, b}, {}, x.shape(), x.dtype());
+  return x.graph().add(op, {x, b}, gelu_attrs(approximate), x.shape(), x.dtype());
 }
 
 Value softmax(Value x) {

@@ -389,6 +389,22 @@ struct AttentionAttrs {
   double scale_for(std::int64_t d) const { return std::isnan(scale) ? 1.0 / std::sqrt(static_cast<double>(d)) : scale; }
 };
 
+/// GELU's form, from the string attribute "approximate" of gelu, gelu_grad, bias_gelu and
+/// bias_gelu_grad (torch's argument of that name): "none" (absent too) is the exact erf form,
+/// "tanh" the tanh approximation (GPT-2's gelu_new, Megatron's bias_gelu); true for "tanh".
+inline bool gelu_tanh(const KernelConfig& cfg, const char* op) {
+  std::string form;
+  try {
+    form = cfg.attrs.get_string("approximate", "none");
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{} (actor '{}'): {}", op, cfg.actor, e.what()));
+  }
+  if (form == "none") return false;
+  if (form == "tanh") return true;
+  throw std::invalid_argument(
+      fmt::format("{} (actor '{}'): attribute approximate must be \"none\" or \"tanh\", not \"{}\"", op, cfg.actor, form));
+}
+
 /// bias_gelu(x [..., F], b [F]) and its gradient: checks that b is one bias per column of x
 /// and returns F.
 inline std::int64_t bias_columns(const Tensor& x, const Tensor& b, const char* op) {

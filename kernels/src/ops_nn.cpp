@@ -97,6 +97,21 @@ struct Gelu {
   static void block(const float* x, float* y, std::size_t n) { vmath::gelu(x, nullptr, 1, y, n); }
 };
 
+// The tanh approximation, torch's gelu(approximate="tanh") (GPT-2's gelu_new, Megatron's
+// bias_gelu): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in the element type with
+// torch's CPU kernel's operations in its order.
+constexpr double sqrt_2_over_pi = 0.79788456080286535588;
+constexpr double gelu_kappa = 0.044715;
+
+struct GeluTanh {
+  static constexpr const char* name = "gelu";
+  template <class T>
+  static T f(T x) {
+    const T inner = T(sqrt_2_over_pi) * (x + T(gelu_kappa) * (x * x * x));
+    return T(0.5) * x * (T(1) + std::tanh(inner));
+  }
+};
+
 struct Tanh {
   static constexpr const char* name = "tanh";
   template <class T>
@@ -136,6 +151,21 @@ struct GeluGrad {
   }
   static void block(const float* x, const float* dy, float* dx, std::size_t n) {
     vmath::gelu_grad(x, nullptr, 1, dy, dx, n);
+  }
+};
+
+struct GeluTanhGrad {
+  static constexpr const char* name = "gelu_grad";
+  static constexpr const char* in0 = "x";
+  // d/dx of GeluTanh: 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2 / pi) (1 + 3 kappa x^2), t the tanh.
+  template <class T>
+  static T f(T x, T dy) {
+    const T x2 = x * x;
+    const T t = std::tanh(T(sqrt_2_over_pi) * (x + T(gelu_kappa) * (x2 * x)));
+    const T left = T(0.5) * x;
+    const T right = T(1) + t;
+    const T d_right = left * ((T(1) - t * t) * (T(sqrt_2_over_pi) * (T(1) + T(3 * gelu_kappa) * x2)));
+    return dy * (T(0.5) * right + d_right);
   }
 };
 
@@ -194,7 +224,7 @@ void grad_kernel(KernelContext& ctx) {
 // to x is gelu_grad(x + b, dy) (the bias's is that summed over the rows: sum_to, in the graph).
 // The sum is rounded to T as the unfused add would round it, so that the fused op gives the
 // unfused ops' bits.
-template <class T>
+template <class T, bool TanhForm>
 void bias_gelu_kernel(KernelContext& ctx) {
   const char* op = "bias_gelu";
   const Tensor& x = need_input(ctx, 0, op, "x");
@@ -206,14 +236,16 @@ void bias_gelu_kernel(KernelContext& ctx) {
   const T* bp = in_data<T>(b, op, "b");
   T* yp = out_data<T>(y, op, "y");
   const std::size_t n = to_size(x.numel());
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (TanhForm) {
+    for (std::size_t i = 0; i < n; ++i) yp[i] = GeluTanh::f(static_cast<T>(xp[i] + bp[i % f]));
+  } else if constexpr (std::is_same_v<T, float>) {
     vmath::gelu(xp, bp, f, yp, n);
   } else {
     for (std::size_t i = 0; i < n; ++i) yp[i] = Gelu::f(static_cast<T>(xp[i] + bp[i % f]));
   }
 }
 
-template <class T>
+template <class T, bool TanhForm>
 void bias_gelu_grad_kernel(KernelContext& ctx) {
   const char* op = "bias_gelu_grad";
   const Tensor& x = need_input(ctx, 0, op, "x");
@@ -228,7 +260,9 @@ void bias_gelu_grad_kernel(KernelContext& ctx) {
   const T* dyp = in_data<T>(dy, op, "dy");
   T* dxp = out_data<T>(dx, op, "dx");
   const std::size_t n = to_size(x.numel());
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (TanhForm) {
+    for (std::size_t i = 0; i < n; ++i) dxp[i] = GeluTanhGrad::f(static_cast<T>(xp[i] + bp[i % f]), dyp[i]);
+  } else if constexpr (std::is_same_v<T, float>) {
     vmath::gelu_grad(xp, bp, f, dyp, dxp, n);
   } else {
     for (std::size_t i = 0; i < n; ++i) dxp[i] = GeluGrad::f(static_cast<T>(xp[i] + bp[i % f]), dyp[i]);
@@ -928,15 +962,21 @@ void add_nn_ops_for(KernelRegistry& reg) {
   constexpr DeviceType cpu = DeviceType::cpu;
   constexpr DType dt = dtype_of<T>();
   reg.add_fn("relu", cpu, dt, unary_kernel<T, Relu>);
-  reg.add_fn("gelu", cpu, dt, unary_kernel<T, Gelu>);
+  // GELU in the form its "approximate" attribute names (erf, or tanh).
+  auto by_form = [&reg](const char* op, KernelFactory erf, KernelFactory tanh) {
+    reg.add(op, cpu, dt, [op, erf, tanh](const KernelConfig& cfg) {
+      return detail::gelu_tanh(cfg, op) ? tanh(cfg) : erf(cfg);
+    });
+  };
+  by_form("gelu", kernel_of(unary_kernel<T, Gelu>), kernel_of(unary_kernel<T, GeluTanh>));
   reg.add_fn("tanh", cpu, dt, unary_kernel<T, Tanh>);
   reg.add_fn("sigmoid", cpu, dt, unary_kernel<T, Sigmoid>);
   reg.add_fn("relu_grad", cpu, dt, grad_kernel<T, ReluGrad>);
-  reg.add_fn("gelu_grad", cpu, dt, grad_kernel<T, GeluGrad>);
+  by_form("gelu_grad", kernel_of(grad_kernel<T, GeluGrad>), kernel_of(grad_kernel<T, GeluTanhGrad>));
   reg.add_fn("tanh_grad", cpu, dt, grad_kernel<T, TanhGrad>);
   reg.add_fn("sigmoid_grad", cpu, dt, grad_kernel<T, SigmoidGrad>);
-  reg.add_fn("bias_gelu", cpu, dt, bias_gelu_kernel<T>);
-  reg.add_fn("bias_gelu_grad", cpu, dt, bias_gelu_grad_kernel<T>);
+  by_form("bias_gelu", kernel_of(bias_gelu_kernel<T, false>), kernel_of(bias_gelu_kernel<T, true>));
+  by_form("bias_gelu_grad", kernel_of(bias_gelu_grad_kernel<T, false>), kernel_of(bias_gelu_grad_kernel<T, true>));
   reg.add_fn("softmax", cpu, dt, softmax_kernel<T>);
   reg.add_fn("log_softmax", cpu, dt, log_softmax_kernel<T>);
   reg.add_fn("softmax_grad", cpu, dt, softmax_grad_kernel<T>);

@@ -119,6 +119,7 @@ __device__ __forceinline__ float unary_value(int op, float v, float param) {
     // As the CPU's std::max(x, 0): a NaN stays NaN (torch.relu), -0 stays -0.
     case Unary::relu: return v < 0.f ? 0.f : v;
     case Unary::gelu: return act::gelu(v);
+    case Unary::gelu_tanh: return act::gelu_tanh(v);
     case Unary::tanh: return tanhf(v);
     case Unary::sigmoid: return static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(v))));
     // The LLM ops in float, as the CPU's kernels (ops_llm.cpp) compute them in the element
@@ -158,6 +159,7 @@ __device__ __forceinline__ double unary_grad_value(int op, double v, double g, f
   switch (static_cast<UnaryGrad>(op)) {
     case UnaryGrad::relu: return v > 0 ? g : 0;
     case UnaryGrad::gelu: return act::gelu_grad(static_cast<float>(v), static_cast<float>(g));
+    case UnaryGrad::gelu_tanh: return act::gelu_tanh_grad(static_cast<float>(v), static_cast<float>(g));
     case UnaryGrad::tanh: return g * (1 - v * v);
     case UnaryGrad::sqrt: return 0.5 * g / v;          // from y = sqrt(x)
     case UnaryGrad::rsqrt: return -0.5 * g * v * v * v;  // from y = x^-1/2

@@ -93,20 +93,20 @@ void check_same_shape(const Tensor& a, const Tensor& b, const char* op) {
 }
 
 template <class E>
-void bias_gelu(KernelContext& ctx) {
+void bias_gelu(KernelContext& ctx, bool tanh) {
   const char* op = "bias_gelu";
   const Tensor& x = need_input(ctx, 0, op, "x");
   const Tensor& b = need_input(ctx, 1, op, "b");
   Tensor& y = need_output(ctx, 0, op, "y");
   const std::int64_t cols = baton::detail::bias_columns(x, b, op);
   check_same_shape(x, y, op);
-  launched(launch::bias_gelu(in_as<E>(x, op, "x"), in_as<E>(b, op, "b"), out_as<E>(y, op, "y"), x.numel(), cols,
+  launched(launch::bias_gelu(in_as<E>(x, op, "x"), in_as<E>(b, op, "b"), out_as<E>(y, op, "y"), x.numel(), cols, tanh,
                              stream_of(ctx, op)),
            op, ctx);
 }
 
 template <class E>
-void bias_gelu_grad(KernelContext& ctx) {
+void bias_gelu_grad(KernelContext& ctx, bool tanh) {
   const char* op = "bias_gelu_grad";
   const Tensor& x = need_input(ctx, 0, op, "x");
   const Tensor& b = need_input(ctx, 1, op, "b");
@@ -116,7 +116,7 @@ void bias_gelu_grad(KernelContext& ctx) {
   check_same_shape(x, dy, op);
   check_same_shape(x, dx, op);
   launched(launch::bias_gelu_grad(in_as<E>(x, op, "x"), in_as<E>(b, op, "b"), in_as<E>(dy, op, "dy"),
-                                  out_as<E>(dx, op, "dx"), x.numel(), cols, stream_of(ctx, op)),
+                                  out_as<E>(dx, op, "dx"), x.numel(), cols, tanh, stream_of(ctx, op)),
            op, ctx);
 }
 
@@ -313,8 +313,15 @@ template <class E>
 void add_for(KernelRegistry& reg) {
   constexpr auto cuda = DeviceType::cuda;
   constexpr DType dt = dtype_for<E>();
-  reg.add_fn("bias_gelu", cuda, dt, bias_gelu<E>);
-  reg.add_fn("bias_gelu_grad", cuda, dt, bias_gelu_grad<E>);
+  // GELU's form from the "approximate" attribute (erf, or tanh).
+  reg.add("bias_gelu", cuda, dt, [](const KernelConfig& cfg) {
+    const bool tanh = baton::detail::gelu_tanh(cfg, "bias_gelu");
+    return kernel_of([tanh](KernelContext& c) { bias_gelu<E>(c, tanh); })(cfg);
+  });
+  reg.add("bias_gelu_grad", cuda, dt, [](const KernelConfig& cfg) {
+    const bool tanh = baton::detail::gelu_tanh(cfg, "bias_gelu_grad");
+    return kernel_of([tanh](KernelContext& c) { bias_gelu_grad<E>(c, tanh); })(cfg);
+  });
   reg.add("attention", cuda, dt, [](const KernelConfig& cfg) {
     return std::make_unique<AttentionKernel<E>>(AttentionAttrs::read(cfg.attrs, cfg.actor, "attention"), std::string(cfg.actor));
   });

@@ -24,31 +24,36 @@ unsigned blocks_for(long long n) {
 }
 
 
+// GELU (of the form tanh_form names) of the sum rounded to float, as the add's output.
+template <bool tanh_form>
 __device__ __forceinline__ float bias_gelu_value(float x, float b) {
-  return act::gelu(x + b);  // the sum rounded to float, as the add's output
+  return act::gelu_of<tanh_form>(x + b);
 }
 
 // gelu_grad's formula at z = x + b.
-__device__ __forceinline__ float bias_gelu_grad_value(float x, float b, float g) { return act::gelu_grad(x + b, g); }
+template <bool tanh_form>
+__device__ __forceinline__ float bias_gelu_grad_value(float x, float b, float g) {
+  return act::gelu_grad_of<tanh_form>(x + b, g);
+}
 
-template <class T>
+template <bool tanh_form, class T>
 __global__ void bias_gelu_kernel(const T* x, const T* b, T* y, long long n, long long cols) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    elem::store(y + i, bias_gelu_value(load(x + i), load(b + i % cols)));
+    elem::store(y + i, bias_gelu_value<tanh_form>(load(x + i), load(b + i % cols)));
   }
 }
 
-template <class T>
+template <bool tanh_form, class T>
 __global__ void bias_gelu_grad_kernel(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    elem::store(dx + i, bias_gelu_grad_value(load(x + i), load(b + i % cols), load(dy + i)));
+    elem::store(dx + i, bias_gelu_grad_value<tanh_form>(load(x + i), load(b + i % cols), load(dy + i)));
   }
 }
 
 // 16-byte packs (vec.cuh), for cols a multiple of the pack: a pack's bias is one contiguous pack.
-template <class T>
+template <bool tanh_form, class T>
 __global__ void bias_gelu_packed_kernel(const T* x, const T* b, T* y, long long packs, long long cols) {
   constexpr int W = vec::width<T>;
   for (long long p = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; p < packs;
@@ -57,12 +62,12 @@ __global__ void bias_gelu_packed_kernel(const T* x, const T* b, T* y, long long 
     const auto xv = vec::load_pack(x + i), bv = vec::load_pack(b + i % cols);
     vec::Pack<T> r;
 #pragma unroll
-    for (int k = 0; k < W; ++k) elem::store(r.e() + k, bias_gelu_value(load(xv.e() + k), load(bv.e() + k)));
+    for (int k = 0; k < W; ++k) elem::store(r.e() + k, bias_gelu_value<tanh_form>(load(xv.e() + k), load(bv.e() + k)));
     vec::store_pack(y + i, r);
   }
 }
 
-template <class T>
+template <bool tanh_form, class T>
 __global__ void bias_gelu_grad_packed_kernel(const T* x, const T* b, const T* dy, T* dx, long long packs, long long cols) {
   constexpr int W = vec::width<T>;
   for (long long p = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; p < packs;
@@ -72,7 +77,7 @@ __global__ void bias_gelu_grad_packed_kernel(const T* x, const T* b, const T* dy
     vec::Pack<T> r;
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      elem::store(r.e() + k, bias_gelu_grad_value(load(xv.e() + k), load(bv.e() + k), load(gv.e() + k)));
+      elem::store(r.e() + k, bias_gelu_grad_value<tanh_form>(load(xv.e() + k), load(bv.e() + k), load(gv.e() + k)));
     }
     vec::store_pack(dx + i, r);
   }
@@ -87,32 +92,44 @@ bool packed(long long n, long long cols, std::initializer_list<const void*> poin
   return true;
 }
 
-template <class T>
-cudaError_t bias_gelu_t(const T* x, const T* b, T* y, long long n, long long cols, cudaStream_t s) {
+template <class T, bool tanh_form>
+cudaError_t bias_gelu_form(const T* x, const T* b, T* y, long long n, long long cols, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   if (cols <= 0) return cudaErrorInvalidValue;
   constexpr int w = vec::width<T>;
   if (packed<T>(n, cols, {x, b, y})) {
-    bias_gelu_packed_kernel<<<blocks_for(n / w), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n / w, cols);
+    bias_gelu_packed_kernel<tanh_form><<<blocks_for(n / w), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n / w, cols);
   } else {
-    bias_gelu_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n, cols);
+    bias_gelu_kernel<tanh_form><<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(y), n, cols);
+  }
+  return cudaGetLastError();
+}
+
+template <class T, bool tanh_form>
+cudaError_t bias_gelu_grad_form(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  if (cols <= 0) return cudaErrorInvalidValue;
+  constexpr int w = vec::width<T>;
+  if (packed<T>(n, cols, {x, b, dy, dx})) {
+    bias_gelu_grad_packed_kernel<tanh_form><<<blocks_for(n / w), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy),
+                                                                       elem::dev(dx), n / w, cols);
+  } else {
+    bias_gelu_grad_kernel<tanh_form><<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy), elem::dev(dx), n,
+                                                            cols);
   }
   return cudaGetLastError();
 }
 
 template <class T>
-cudaError_t bias_gelu_grad_t(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols, cudaStream_t s) {
-  if (n == 0) return cudaSuccess;
-  if (cols <= 0) return cudaErrorInvalidValue;
-  constexpr int w = vec::width<T>;
-  if (packed<T>(n, cols, {x, b, dy, dx})) {
-    bias_gelu_grad_packed_kernel<<<blocks_for(n / w), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy),
-                                                                       elem::dev(dx), n / w, cols);
-  } else {
-    bias_gelu_grad_kernel<<<blocks_for(n), threads, 0, s>>>(elem::dev(x), elem::dev(b), elem::dev(dy), elem::dev(dx), n,
-                                                            cols);
-  }
-  return cudaGetLastError();
+cudaError_t bias_gelu_t(const T* x, const T* b, T* y, long long n, long long cols, bool tanh, cudaStream_t s) {
+  return tanh ? bias_gelu_form<T, true>(x, b, y, n, cols, s) : bias_gelu_form<T, false>(x, b, y, n, cols, s);
+}
+
+template <class T>
+cudaError_t bias_gelu_grad_t(const T* x, const T* b, const T* dy, T* dx, long long n, long long cols, bool tanh,
+                             cudaStream_t s) {
+  return tanh ? bias_gelu_grad_form<T, true>(x, b, dy, dx, n, cols, s)
+              : bias_gelu_grad_form<T, false>(x, b, dy, dx, n, cols, s);
 }
 
 // ---- multi-tensor optimizer steps -------------------------------------------------------------
@@ -220,19 +237,20 @@ cudaError_t pack_and_launch(const Pointers* list, long long count, Set set, Laun
 
 }  // namespace
 
-cudaError_t bias_gelu(const float* x, const float* b, float* y, long long n, long long cols, cudaStream_t s) {
-  return bias_gelu_t(x, b, y, n, cols, s);
+cudaError_t bias_gelu(const float* x, const float* b, float* y, long long n, long long cols, bool tanh,
+                      cudaStream_t s) {
+  return bias_gelu_t(x, b, y, n, cols, tanh, s);
 }
-cudaError_t bias_gelu(const Bf16* x, const Bf16* b, Bf16* y, long long n, long long cols, cudaStream_t s) {
-  return bias_gelu_t(x, b, y, n, cols, s);
+cudaError_t bias_gelu(const Bf16* x, const Bf16* b, Bf16* y, long long n, long long cols, bool tanh, cudaStream_t s) {
+  return bias_gelu_t(x, b, y, n, cols, tanh, s);
 }
 cudaError_t bias_gelu_grad(const float* x, const float* b, const float* dy, float* dx, long long n, long long cols,
-                           cudaStream_t s) {
-  return bias_gelu_grad_t(x, b, dy, dx, n, cols, s);
+                           bool tanh, cudaStream_t s) {
+  return bias_gelu_grad_t(x, b, dy, dx, n, cols, tanh, s);
 }
 cudaError_t bias_gelu_grad(const Bf16* x, const Bf16* b, const Bf16* dy, Bf16* dx, long long n, long long cols,
-                           cudaStream_t s) {
-  return bias_gelu_grad_t(x, b, dy, dx, n, cols, s);
+                           bool tanh, cudaStream_t s) {
+  return bias_gelu_grad_t(x, b, dy, dx, n, cols, tanh, s);
 }
 
 cudaError_t adam_multi(const AdamPointers* tensors, long long count, const AdamConstants& k, cudaStream_t s) {

@@ -19,4 +19,40 @@ __device__ __forceinline__ float gelu_grad(float x, float dy) {
   return dy * (cdf + x * pdf);
 }
 
+/// The tanh form (torch's gelu(approximate="tanh")): the CPU's GeluTanh (ops_nn.cpp), the same
+/// operations in the same order; tanhf is within 2 ulp of the CPU's.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float inner = static_cast<float>(0.79788456080286535588) * (x + 0.044715f * (x * x * x));
+  return 0.5f * x * (1.f + tanhf(inner));
+}
+
+/// d/dx of gelu_tanh, times dy (the CPU's GeluTanhGrad).
+__device__ __forceinline__ float gelu_tanh_grad(float x, float dy) {
+  const float k = static_cast<float>(0.79788456080286535588);
+  const float x2 = x * x;
+  const float t = tanhf(k * (x + 0.044715f * (x2 * x)));
+  const float left = 0.5f * x;
+  const float right = 1.f + t;
+  const float d_right = left * ((1.f - t * t) * (k * (1.f + static_cast<float>(3 * 0.044715) * x2)));
+  return dy * (0.5f * right + d_right);
+}
+
+/// GELU in the form `tanh_form` names, and its gradient.
+template <bool tanh_form>
+__device__ __forceinline__ float gelu_of(float x) {
+  if constexpr (tanh_form) {
+    return gelu_tanh(x);
+  } else {
+    return gelu(x);
+  }
+}
+template <bool tanh_form>
+__device__ __forceinline__ float gelu_grad_of(float x, float dy) {
+  if constexpr (tanh_form) {
+    return gelu_tanh_grad(x, dy);
+  } else {
+    return gelu_grad(x, dy);
+  }
+}
+
 }  // namespace baton::cuda::launch::act

@@ -30,10 +30,11 @@ struct Indexing {
 
 enum class Binary : int { add, sub, mul, div, maximum };
 /// pow raises to `param`; scale multiplies by it.
-enum class Unary : int { relu, gelu, tanh, sigmoid, scale, exp, log, sqrt, rsqrt, silu, pow };
+/// gelu_tanh is GELU's tanh form (gelu.cuh).
+enum class Unary : int { relu, gelu, tanh, sigmoid, scale, exp, log, sqrt, rsqrt, silu, pow, gelu_tanh };
 /// relu, gelu, silu and pow (exponent `param`) take the forward input x; tanh, sigmoid, sqrt and
 /// rsqrt the forward output y.
-enum class UnaryGrad : int { relu, gelu, tanh, sigmoid, sqrt, rsqrt, silu, pow };
+enum class UnaryGrad : int { relu, gelu, tanh, sigmoid, sqrt, rsqrt, silu, pow, gelu_tanh };
 
 cudaError_t binary(Binary op, const float* a, const float* b, float* c, const Indexing& ix, long long n,
                    cudaStream_t s);

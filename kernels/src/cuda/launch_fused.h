@@ -9,14 +9,15 @@
 namespace baton::cuda::launch {
 
 /// y = gelu(x + b[i % cols]) over n elements, x + b rounded to float as the unfused add's, then
-/// the gelu kernel's arithmetic: the bits of gelu(add(x, b)).
-cudaError_t bias_gelu(const float* x, const float* b, float* y, long long n, long long cols, cudaStream_t s);
-cudaError_t bias_gelu(const Bf16* x, const Bf16* b, Bf16* y, long long n, long long cols, cudaStream_t s);
+/// the gelu kernel's arithmetic (the tanh form where `tanh`): the bits of gelu(add(x, b)).
+cudaError_t bias_gelu(const float* x, const float* b, float* y, long long n, long long cols, bool tanh,
+                      cudaStream_t s);
+cudaError_t bias_gelu(const Bf16* x, const Bf16* b, Bf16* y, long long n, long long cols, bool tanh, cudaStream_t s);
 /// dx = gelu'(x + b[i % cols]) dy: the bits of gelu_grad(add(x, b), dy).
 cudaError_t bias_gelu_grad(const float* x, const float* b, const float* dy, float* dx, long long n, long long cols,
-                           cudaStream_t s);
+                           bool tanh, cudaStream_t s);
 cudaError_t bias_gelu_grad(const Bf16* x, const Bf16* b, const Bf16* dy, Bf16* dx, long long n, long long cols,
-                           cudaStream_t s);
+                           bool tanh, cudaStream_t s);
 
 /// The largest head size D the attention kernels take (they are compiled for 16, 32, 64 and
 /// 128 and pad a smaller D with zeros).

@@ -828,11 +828,18 @@ void add_float_kernels(KernelRegistry& reg) {
   fn("div", [](KernelContext& c) { binary<E>(c, Binary::div, "div"); });
   fn("maximum", [](KernelContext& c) { binary<E>(c, Binary::maximum, "maximum"); });
   fn("relu", [](KernelContext& c) { unary<E>(c, Unary::relu, "relu"); });
-  fn("gelu", [](KernelContext& c) { unary<E>(c, Unary::gelu, "gelu"); });
+  // GELU's form from the "approximate" attribute (erf, or tanh).
+  reg.add("gelu", cuda, dt, [](const KernelConfig& cfg) {
+    const Unary op = baton::detail::gelu_tanh(cfg, "gelu") ? Unary::gelu_tanh : Unary::gelu;
+    return std::make_unique<FunctionKernelF>([op](KernelContext& c) { unary<E>(c, op, "gelu"); });
+  });
   fn("tanh", [](KernelContext& c) { unary<E>(c, Unary::tanh, "tanh"); });
   fn("sigmoid", [](KernelContext& c) { unary<E>(c, Unary::sigmoid, "sigmoid"); });
   fn("relu_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::relu, "relu_grad"); });
-  fn("gelu_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::gelu, "gelu_grad"); });
+  reg.add("gelu_grad", cuda, dt, [](const KernelConfig& cfg) {
+    const UnaryGrad op = baton::detail::gelu_tanh(cfg, "gelu_grad") ? UnaryGrad::gelu_tanh : UnaryGrad::gelu;
+    return std::make_unique<FunctionKernelF>([op](KernelContext& c) { unary_grad<E>(c, op, "gelu_grad"); });
+  });
   fn("tanh_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::tanh, "tanh_grad"); });
   fn("sigmoid_grad", [](KernelContext& c) { unary_grad<E>(c, UnaryGrad::sigmoid, "sigmoid_grad"); });
   // The LLM ops' elementwise part (ops_llm.cpp has the CPU's).

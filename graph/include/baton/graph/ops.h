@@ -28,8 +28,12 @@ Value operator/(Value a, double s);
 Value operator-(Value a);
 
 Value relu(Value x);
-/// The exact (erf) form, PyTorch's default.
-Value gelu(Value x);
+/// GELU's two forms, as torch's `approximate` argument: `none`, the exact erf form (torch's
+/// default), and `tanh`, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GPT-2's gelu_new,
+/// Megatron's bias_gelu, and the form cuBLASLt's GELU epilogues compute). The node carries it as
+/// the string attribute "approximate" ("tanh"; absent for none); its gradient takes the same.
+enum class GeluApprox { none, tanh };
+Value gelu(Value x, GeluApprox approximate = GeluApprox::none);
 Value tanh(Value x);
 Value sigmoid(Value x);
 /// gelu(x + b) in one op, b one bias per column of x [..., F] (a Linear layer's bias and its
@@ -37,7 +41,7 @@ Value sigmoid(Value x);
 /// autocast the bias joins x's product dtype, as torch's Linear casts its bias (so a bf16
 /// product gives a bf16 activation). Its gradient: bias_gelu_grad for x, summed over the rows
 /// for b.
-Value bias_gelu(Value x, Value b);
+Value bias_gelu(Value x, Value b, GeluApprox approximate = GeluApprox::none);
 /// The math of current LLMs, elementwise. log, sqrt and rsqrt of a negative number give NaN (of
 /// 0: -inf, 0, +inf), as in torch; nothing checks the domain. Under autocast exp, log, rsqrt
 /// and pow compute in f32 (torch's autocast lists them so); sqrt and silu keep x's dtype.
