@@ -301,6 +301,21 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
                {{{33, 29}, f32}});
     }
   }
+  SUBCASE("matmul_bias_gelu: cuBLASLt's GELU epilogue (GELU_AUX_BIAS), or the ops apart") {
+    // y = gelu(x w + b) and pre = x w + b: the tanh form through the epilogue where n is a
+    // multiple of 8 (its aux's leading dimension), apart where not; the erf form always apart.
+    for (const char* form : {"tanh", "none"}) {
+      for (std::int64_t tb : {0, 1}) {
+        const Attrs at{{"trans_b", tb}, {"approximate", std::string(form)}};
+        check_op(gpu, reg, "matmul_bias_gelu", at,
+                 {random_f32({3, 40, 48}), random_f32(tb ? Shape{64, 48} : Shape{48, 64}), random_f32({64})},
+                 {{{3, 40, 64}, f32}, {{3, 40, 64}, f32}});
+        check_op(gpu, reg, "matmul_bias_gelu", at,
+                 {random_f32({33, 47}), random_f32(tb ? Shape{29, 47} : Shape{47, 29}), random_f32({29})},
+                 {{{33, 29}, f32}, {{33, 29}, f32}});
+      }
+    }
+  }
   SUBCASE("elementwise with broadcasting") {
     for (const char* op : {"add", "sub", "mul", "maximum"}) {
       check_op(gpu, reg, op, {}, {random_f32({5, 7}), random_f32({5, 7})}, {{{5, 7}, f32}});

@@ -371,6 +371,14 @@ TEST_CASE("CudaTraining.Bf16KernelsMatchTheCpu" * doctest::timeout(120)) {
       {"matmul_bias", Attrs{{"trans_b", std::int64_t{0}}},
        {random_bf16({2, 16, 64}, rng), random_bf16({64, 48}, rng), widened(random_bf16({48}, rng))},
        {{{2, 16, 48}, DType::f32}}},
+      // The MLP's first product with its bias and GELU's tanh form (GELU_AUX_BIAS), and its
+      // pre-activation; n = 29 is not a multiple of 8, so that one runs apart.
+      {"matmul_bias_gelu", Attrs{{"trans_b", std::int64_t{0}}, {"approximate", std::string("tanh")}},
+       {random_bf16({4, 32, 64}, rng), random_bf16({64, 96}, rng), random_bf16({96}, rng)},
+       {{{4, 32, 96}, DType::bf16}, {{4, 32, 96}, DType::bf16}}},
+      {"matmul_bias_gelu", Attrs{{"trans_b", std::int64_t{0}}, {"approximate", std::string("tanh")}},
+       {random_bf16({37, 24}, rng), random_bf16({24, 29}, rng), random_bf16({29}, rng)},
+       {{{37, 29}, DType::bf16}, {{37, 29}, DType::bf16}}},
       // Ops without a bf16 kernel of their own: the float32 one on device copies.
       {"gelu", {}, {random_bf16({1000, 3}, rng)}, {{{1000, 3}, DType::bf16}}},
       {"add", {}, {random_bf16({31, 8}, rng), random_bf16({8}, rng)}, {{{31, 8}, DType::bf16}}},

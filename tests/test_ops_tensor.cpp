@@ -898,3 +898,55 @@ TEST_CASE("Ops.MatmulBiasIsTheProductThenTheAddBitForBit") {
   Tensor y = Tensor::empty({4, n}, DType::f32);
   CHECK(contains(message_of([&] { run(*make("matmul_bias", DType::f32), {&x, &w, &b}, {&y}); }), "b should be [6]"));
 }
+
+// matmul_bias_gelu (the epilogues pass's fusion of bias_gelu(matmul(x, w), b)): y is bias_gelu of
+// the product and pre is add(product, b), bit for bit, in both GELU forms, f32 and f64; in bf16 y
+// is bias_gelu's result bit for bit and pre the float32 sum rounded to bf16 once.
+TEST_CASE("Ops.MatmulBiasGeluIsTheProductThenBiasGeluBitForBit") {
+  std::mt19937 rng(12);
+  auto random = [&](const Shape& s, DType dt) {
+    Tensor t = Tensor::empty(s, dt);
+    std::uniform_real_distribution<float> dist(-1.5f, 1.5f);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(t.numel()); ++i) {
+      const float v = dist(rng);
+      if (dt == DType::f32) t.data<float>()[i] = v;
+      if (dt == DType::f64) t.data<double>()[i] = v;
+      if (dt == DType::bf16) t.data<baton::bfloat16>()[i] = baton::to_bf16(v);
+    }
+    return t;
+  };
+  auto same = [](const Tensor& a, const Tensor& b) {
+    REQUIRE(a.nbytes() == b.nbytes());
+    return std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  };
+  const std::int64_t k = 9, n = 8;
+  for (const char* form : {"none", "tanh"}) {
+    for (DType dt : {DType::f32, DType::f64, DType::bf16}) {
+      for (const std::int64_t tb : {0, 1}) {
+        CAPTURE(form);
+        CAPTURE(baton::name(dt));
+        CAPTURE(tb);
+        const Shape xs{2, 5, k}, ys{2, 5, n};
+        const Tensor x = random(xs, dt), w = random(tb ? Shape{n, k} : Shape{k, n}, dt), b = random({n}, dt);
+        Tensor y = Tensor::empty(ys, dt), pre = Tensor::empty(ys, dt);
+        const Attrs gelu{{"approximate", std::string(form)}};
+        Attrs fused = gelu;
+        fused.set("trans_b", tb);
+        run(*make("matmul_bias_gelu", dt, fused), {&x, &w, &b}, {&y, &pre});
+        Tensor product = Tensor::empty(ys, dt), want_y = Tensor::empty(ys, dt), want_pre = Tensor::empty(ys, dt);
+        run(*make("matmul", dt, Attrs{{"trans_a", std::int64_t{0}}, {"trans_b", tb}}), {&x, &w}, {&product});
+        run(*make("bias_gelu", dt, gelu), {&product, &b}, {&want_y});
+        run(*make("add", dt), {&product, &b}, {&want_pre});
+        CHECK(same(y, want_y));
+        CHECK(same(pre, want_pre));
+      }
+    }
+  }
+  // What it refuses, by name: a second output of another shape, a form it does not know.
+  const Tensor x = random({4, k}, DType::f32), w = random({k, n}, DType::f32), b = random({n}, DType::f32);
+  Tensor y = Tensor::empty({4, n}, DType::f32), pre = Tensor::empty({4, n + 1}, DType::f32);
+  CHECK(contains(message_of([&] { run(*make("matmul_bias_gelu", DType::f32), {&x, &w, &b}, {&y, &pre}); }),
+                 "pre f32[4, 9] on cpu:0 must have y's shape and dtype"));
+  CHECK(contains(message_of([&] { (void)make("matmul_bias_gelu", DType::f32, Attrs{{"approximate", std::string("erf")}}); }),
+                 "attribute approximate must be \"none\" or \"tanh\", not \"erf\""));
+}

@@ -1153,9 +1153,10 @@ void add_run_options(CLI::App& app, Options& o) {
                "give every elementwise op's output bytes of its own, instead of letting the memory plan put it in "
                "the bytes of an input it reads last");
   app.add_flag("!--no-epilogues", o.epilogues,
-               "keep each Linear layer's product and its bias's add, and its weight gradient and its bias's sum, as "
-               "actors of their own instead of one fused actor each (cuBLASLt's epilogues on CUDA, where the fused "
-               "forward adds the bias before rounding a bf16 product): to compare numbers or speed");
+               "keep each Linear layer's product and its bias's add (and GELU, with --gelu tanh), and its weight "
+               "gradient and its bias's sum, as actors of their own instead of one fused actor each (cuBLASLt's "
+               "epilogues on CUDA, where the fused forward adds the bias before rounding a bf16 product): to compare "
+               "numbers or speed");
   app.add_option("--recompute", o.recompute,
                  "activation recomputation: none, selective (the attention scores computed again in the backward pass "
                  "instead of kept) or full (only each block's input kept, the block computed again in its backward)")

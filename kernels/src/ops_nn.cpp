@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "baton/kernels/ops.h"
+#include "gelu.h"
 #include "kernel_args.h"
 #include "baton/kernels/vmath.h"
 
@@ -71,10 +72,7 @@ auto read_attrs(const KernelConfig& cfg, const char* op, F&& read) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Elementwise activations and their gradients
-
-constexpr double inv_sqrt2 = 0.70710678118654752440;
-constexpr double inv_sqrt_2pi = 0.39894228040143267794;
+// Elementwise activations and their gradients (GELU's formulas: gelu.h)
 
 struct Relu {
   static constexpr const char* name = "relu";
@@ -87,28 +85,20 @@ struct Relu {
 
 struct Gelu {
   static constexpr const char* name = "gelu";
-  // 0.5 x (1 + erf(x / sqrt 2)) written with erfc, which keeps its relative accuracy in the
-  // negative tail where 1 + erf(.) cancels. float32 tensors go through vmath (the same formula,
-  // a vector at a time), the others through f.
+  // The erf form. float32 tensors go through vmath (the same formula, a vector at a time), the
+  // others through f.
   template <class T>
   static T f(T x) {
-    return T(0.5) * x * std::erfc(-x * T(inv_sqrt2));
+    return detail::gelu_erf(x);
   }
   static void block(const float* x, float* y, std::size_t n) { vmath::gelu(x, nullptr, 1, y, n); }
 };
 
-// The tanh approximation, torch's gelu(approximate="tanh") (GPT-2's gelu_new, Megatron's
-// bias_gelu): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in the element type with
-// torch's CPU kernel's operations in its order.
-constexpr double sqrt_2_over_pi = 0.79788456080286535588;
-constexpr double gelu_kappa = 0.044715;
-
-struct GeluTanh {
+struct GeluTanh {  // torch's gelu(approximate="tanh")
   static constexpr const char* name = "gelu";
   template <class T>
   static T f(T x) {
-    const T inner = T(sqrt_2_over_pi) * (x + T(gelu_kappa) * (x * x * x));
-    return T(0.5) * x * (T(1) + std::tanh(inner));
+    return detail::gelu_tanh(x);
   }
 };
 
@@ -145,9 +135,7 @@ struct GeluGrad {
   static constexpr const char* in0 = "x";
   template <class T>
   static T f(T x, T dy) {
-    T cdf = T(0.5) * std::erfc(-x * T(inv_sqrt2));
-    T pdf = T(inv_sqrt_2pi) * std::exp(T(-0.5) * x * x);
-    return dy * (cdf + x * pdf);
+    return detail::gelu_erf_grad(x, dy);
   }
   static void block(const float* x, const float* dy, float* dx, std::size_t n) {
     vmath::gelu_grad(x, nullptr, 1, dy, dx, n);
@@ -157,15 +145,9 @@ struct GeluGrad {
 struct GeluTanhGrad {
   static constexpr const char* name = "gelu_grad";
   static constexpr const char* in0 = "x";
-  // d/dx of GeluTanh: 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2 / pi) (1 + 3 kappa x^2), t the tanh.
   template <class T>
   static T f(T x, T dy) {
-    const T x2 = x * x;
-    const T t = std::tanh(T(sqrt_2_over_pi) * (x + T(gelu_kappa) * (x2 * x)));
-    const T left = T(0.5) * x;
-    const T right = T(1) + t;
-    const T d_right = left * ((T(1) - t * t) * (T(sqrt_2_over_pi) * (T(1) + T(3 * gelu_kappa) * x2)));
-    return dy * (T(0.5) * right + d_right);
+    return detail::gelu_tanh_grad(x, dy);
   }
 };
 

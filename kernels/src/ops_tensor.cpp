@@ -23,6 +23,7 @@
 
 #include "baton/kernels/ops.h"
 #include "broadcast.h"
+#include "gelu.h"
 #include "kernel_args.h"
 
 namespace baton {
@@ -530,34 +531,69 @@ void add_bias_rows(T* y, const T* b, std::int64_t rows, std::int64_t n) {
   }
 }
 
+// matmul_bias_gelu: the same with GELU after the bias, y = gelu(x w + b) in the form of the
+// attribute "approximate", and a second output pre = x w + b, the pre-activation the backward's
+// gelu_grad reads (cuBLASLt's GELU_AUX_BIAS epilogue on CUDA). On the CPU the ops' arithmetic
+// again: pre is the product plus the bias rounded to the element type (add's register, which is
+// what bias_gelu's sum is rounded to), y is the gelu kernel's of it (gelu.h). For bf16 y is
+// bias_gelu's float32 result rounded once (its float32 fallback's), and pre the float32 sum
+// rounded to bf16, which the plan without the fusion never rounds: the backward then reads a
+// pre-activation one bf16 rounding away from the one it read before (CUDA's aux is bf16 too).
+enum class Activation { none, gelu_erf, gelu_tanh };
+
+/// y = the activation of pre, elementwise (nothing for none).
+template <class T>
+void activate(Activation act, const T* pre, T* y, std::int64_t n) {
+  if (act != Activation::none) detail::gelu_elements(pre, y, static_cast<std::size_t>(n), act == Activation::gelu_tanh);
+}
+
+const char* op_of(Activation act) { return act == Activation::none ? "matmul_bias" : "matmul_bias_gelu"; }
+
+/// matmul_bias_gelu's second output (pre), checked against y.
+Tensor& pre_output(const KernelContext& ctx, const Tensor& y) {
+  Tensor& pre = need_output(ctx, 1, "matmul_bias_gelu", "pre");
+  if (pre.shape() != y.shape() || pre.dtype() != y.dtype()) {
+    throw std::invalid_argument(
+        fmt::format("matmul_bias_gelu: pre {} must have y's shape and dtype ({})", pre.describe(), y.describe()));
+  }
+  return pre;
+}
+
 template <class T>
 class MatmulBiasKernel final : public Kernel {
  public:
-  explicit MatmulBiasKernel(bool trans_b) : trans_b_(trans_b), product_(false, trans_b) {}
+  MatmulBiasKernel(bool trans_b, Activation act) : trans_b_(trans_b), act_(act), product_(false, trans_b) {}
   void compute(KernelContext& ctx) override {
-    const auto [x, w, b, y, d] = detail::linear_args(ctx, trans_b_, "matmul_bias");
-    if (x.dtype() != dtype_of<T>()) {
-      throw std::invalid_argument(fmt::format("matmul_bias: x {} is not {}", x.describe(), name(dtype_of<T>())));
+    const char* op = op_of(act_);
+    const auto [x, w, b, y, d] = detail::linear_args(ctx, trans_b_, op);
+    if (x.dtype() != dtype_of<T>() || y.dtype() != x.dtype()) {
+      throw std::invalid_argument(fmt::format("{}: x {} and y {} must be {}", op, x.describe(), y.describe(),
+                                              name(dtype_of<T>())));
     }
+    Tensor& sum = act_ == Activation::none ? y : pre_output(ctx, y);
     const Tensor* in[] = {&x, &w};
-    Tensor* out[] = {&y};
+    Tensor* out[] = {&sum};
     KernelContext product{in, out, ctx.piece, ctx.stream, ctx.async_stream};
     product_.compute(product);
-    add_bias_rows(y.data<T>().data(), b.data<T>().data(), d.rows, d.n);
+    add_bias_rows(sum.data<T>().data(), b.data<T>().data(), d.rows, d.n);
+    activate(act_, sum.data<T>().data(), y.data<T>().data(), y.numel());
   }
 
  private:
   bool trans_b_;
+  Activation act_;
   MatmulKernel<T> product_;
 };
 
 class MatmulBiasBf16Kernel final : public Kernel {
  public:
-  explicit MatmulBiasBf16Kernel(bool trans_b) : trans_b_(trans_b), product_(false, trans_b) {}
+  MatmulBiasBf16Kernel(bool trans_b, Activation act) : trans_b_(trans_b), act_(act), product_(false, trans_b) {}
   void compute(KernelContext& ctx) override {
-    const auto [x, w, b, y, d] = detail::linear_args(ctx, trans_b_, "matmul_bias");
-    if (x.dtype() != DType::bf16) {
-      throw std::invalid_argument(fmt::format("matmul_bias: x {} is not bf16", x.describe()));
+    const char* op = op_of(act_);
+    const auto [x, w, b, y, d] = detail::linear_args(ctx, trans_b_, op);
+    if (x.dtype() != DType::bf16 || (act_ != Activation::none && y.dtype() != DType::bf16)) {
+      throw std::invalid_argument(fmt::format("{}: x {} and y {} must be bf16{}", op, x.describe(), y.describe(),
+                                              act_ == Activation::none ? " (or y f32)" : ""));
     }
     detail::convert_on_host(x, f32_like(xf_, x));
     detail::convert_on_host(w, f32_like(wf_, w));
@@ -567,16 +603,22 @@ class MatmulBiasBf16Kernel final : public Kernel {
     KernelContext product{in, out, ctx.piece, ctx.stream, ctx.async_stream};
     product_.compute(product);
     float* p = yf.data<float>().data();
-    for (std::int64_t i = 0; i < yf.numel(); ++i) p[i] = to_float(to_bf16(p[i]));  // the product's register
+    const std::int64_t n = yf.numel();
+    for (std::int64_t i = 0; i < n; ++i) p[i] = to_float(to_bf16(p[i]));  // the product's register
     if (y.dtype() == DType::f32) {
-      std::copy_n(p, yf.numel(), y.data<float>().data());
+      std::copy_n(p, n, y.data<float>().data());
       add_bias_rows(y.data<float>().data(), b.data<float>().data(), d.rows, d.n);
       return;
     }
     detail::convert_on_host(b, f32_like(bf_, b));
     add_bias_rows(p, bf_.data<float>().data(), d.rows, d.n);
     bfloat16* q = y.data<bfloat16>().data();
-    for (std::int64_t i = 0; i < yf.numel(); ++i) q[i] = to_bf16(p[i]);
+    if (act_ != Activation::none) {
+      bfloat16* pre = pre_output(ctx, y).data<bfloat16>().data();
+      for (std::int64_t i = 0; i < n; ++i) pre[i] = to_bf16(p[i]);
+      activate(act_, p, p, n);  // in float32, as bias_gelu's float32 fallback
+    }
+    for (std::int64_t i = 0; i < n; ++i) q[i] = to_bf16(p[i]);
   }
 
  private:
@@ -587,9 +629,15 @@ class MatmulBiasBf16Kernel final : public Kernel {
   }
 
   bool trans_b_;
+  Activation act_;
   MatmulKernel<float> product_;
   Tensor xf_, wf_, yf_, bf_;  // float32 copies, kept between acts as ViaFloat32 keeps its own
 };
+
+/// matmul_bias_gelu's activation, from its "approximate" attribute.
+Activation gelu_of(const KernelConfig& cfg) {
+  return detail::gelu_tanh(cfg, "matmul_bias_gelu") ? Activation::gelu_tanh : Activation::gelu_erf;
+}
 
 template <class T>
 void add_ops(KernelRegistry& reg) {
@@ -618,7 +666,10 @@ void add_ops(KernelRegistry& reg) {
   });
   reg.add("matmul_bias_grad", cpu, dt, [](const KernelConfig&) { return std::make_unique<MatmulBiasGradKernel<T>>(); });
   reg.add("matmul_bias", cpu, dt, [](const KernelConfig& cfg) {
-    return std::make_unique<MatmulBiasKernel<T>>(flag(cfg, "matmul_bias", "trans_b"));
+    return std::make_unique<MatmulBiasKernel<T>>(flag(cfg, "matmul_bias", "trans_b"), Activation::none);
+  });
+  reg.add("matmul_bias_gelu", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<MatmulBiasKernel<T>>(flag(cfg, "matmul_bias_gelu", "trans_b"), gelu_of(cfg));
   });
   for (auto [op, mode] :
        {std::pair{"sum", Mode::sum}, std::pair{"mean", Mode::mean}, std::pair{"max", Mode::max}}) {
@@ -684,7 +735,10 @@ void add_cpu_tensor_ops(KernelRegistry& reg) {
   add_ops<float>(reg);
   add_ops<double>(reg);
   reg.add("matmul_bias", DeviceType::cpu, DType::bf16, [](const KernelConfig& cfg) {
-    return std::make_unique<MatmulBiasBf16Kernel>(flag(cfg, "matmul_bias", "trans_b"));
+    return std::make_unique<MatmulBiasBf16Kernel>(flag(cfg, "matmul_bias", "trans_b"), Activation::none);
+  });
+  reg.add("matmul_bias_gelu", DeviceType::cpu, DType::bf16, [](const KernelConfig& cfg) {
+    return std::make_unique<MatmulBiasBf16Kernel>(flag(cfg, "matmul_bias_gelu", "trans_b"), gelu_of(cfg));
   });
 }
 

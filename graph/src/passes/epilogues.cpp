@@ -11,6 +11,15 @@
 //   (on CUDA cuBLASLt's bias epilogue, writing y in the add's dtype; on the CPU the product, its
 //   rounding and the add as the ops did them, so the same bits). One pass over y instead of two
 //   (three with the cast), and the product's register is gone.
+// - Forward with GELU: fc = bias_gelu(matmul(x, w), b) in GELU's tanh form (the only form
+//   cuBLASLt's GELU epilogue computes), where the product h is read by nothing but that op and
+//   the backward's bias_gelu_grad(h, b, dy) (the same b and form): one
+//   `matmul_bias_gelu` actor writing fc and, into h's register, the pre-activation h + b
+//   (cuBLASLt's GELU_AUX_BIAS on CUDA, its aux output); each bias_gelu_grad becomes
+//   gelu_grad(h + b, dy), which computes what it computed (the sum rounded as bias_gelu_grad
+//   rounds it: the same bits in f32; in bf16 the stored pre-activation is rounded to bf16 once
+//   more). One pass over h instead of two and no separate bias_gelu kernel; the memory is the
+//   same (h's register holds h + b).
 //
 // When. The ops are on the same place and stream, in the same role, stage and kind of backward
 // work (a zero-bubble schedule's W work stays W work); nothing is delayed. Backward: the product
@@ -164,6 +173,68 @@ std::optional<BiasAdd> bias_add_for(const Plan& plan, const KernelRegistry& kern
   return std::nullopt;
 }
 
+struct GeluProduct {
+  ActorIndex gelu = 0, product = 0;
+  RegisterIndex x = 0, w = 0, b = 0;
+  bool trans_b = false;
+  std::vector<ActorIndex> grads;  // the backward's bias_gelu_grad(h, b, dy) actors
+};
+
+bool tanh_form(const ActorDesc& a) { return a.attrs.get_string("approximate", "none") == "tanh"; }
+
+std::optional<GeluProduct> gelu_product_for(const Plan& plan, const KernelRegistry& kernels, ActorIndex gi,
+                                            const std::set<ActorIndex>& taken) {
+  const ActorDesc& g = plan.actors[gi];
+  if (g.kind != ActorKind::compute || g.op != "bias_gelu" || g.inputs.size() != 2 || g.outputs.size() != 1 ||
+      !is_plain(g.inputs[0]) || !is_plain(g.inputs[1]) || !tanh_form(g))
+    return std::nullopt;
+  const RegisterIndex h = g.inputs[0].reg, b = g.inputs[1].reg;
+  const ActorIndex p = plan.registers[h].producer;
+  if (p >= plan.actors.size() || taken.contains(p)) return std::nullopt;
+  const ActorDesc& m = plan.actors[p];
+  if (m.kind != ActorKind::compute || m.op != "matmul" || m.inputs.size() != 2 || m.outputs.size() != 1 ||
+      !is_plain(m.inputs[0]) || !is_plain(m.inputs[1]) || m.attrs.get_int("trans_a", 0) != 0 || !alike(m, g))
+    return std::nullopt;
+  const RegisterDesc& xr = plan.registers[m.inputs[0].reg];
+  const RegisterDesc& wr = plan.registers[m.inputs[1].reg];
+  const RegisterDesc& hr = plan.registers[h];
+  if (xr.shape.size() < 2 || wr.shape.size() != 2 || hr.shape.size() < 2) return std::nullopt;
+  const DType t = m.dtype;
+  if (xr.dtype != t || wr.dtype != t || hr.dtype != t || plan.registers[b].dtype != t ||
+      plan.registers[g.outputs[0]].dtype != t || plan.registers[b].shape != Shape{hr.shape.back()})
+    return std::nullopt;
+  GeluProduct f{.gelu = gi, .product = p, .x = m.inputs[0].reg, .w = m.inputs[1].reg, .b = b,
+                .trans_b = m.attrs.get_int("trans_b", 0) != 0};
+  for (ActorIndex c : hr.consumers) {
+    if (c == gi) continue;
+    const ActorDesc& r = plan.actors[c];
+    if (r.kind != ActorKind::compute || r.op != "bias_gelu_grad" || r.inputs.size() != 3 || r.outputs.size() != 1 ||
+        r.inputs[0].reg != h || r.inputs[1].reg != b || !is_plain(r.inputs[0]) || !is_plain(r.inputs[1]) ||
+        !tanh_form(r) || r.dtype != t || !kernels.contains("gelu_grad", r.where.device.type, t))
+      return std::nullopt;
+    if (std::find(f.grads.begin(), f.grads.end(), c) == f.grads.end()) f.grads.push_back(c);
+  }
+  if (!kernels.contains("matmul_bias_gelu", m.where.device.type, t)) return std::nullopt;
+  return f;
+}
+
+/// bias_gelu_grad(h, b, dy) as gelu_grad(h + b, dy): its inputs without b, what it computed in
+/// place of h or dy still in place of them.
+ActorDesc as_gelu_grad(const ActorDesc& r) {
+  ActorDesc a = r;
+  a.op = "gelu_grad";
+  a.attrs = Attrs{};
+  a.attrs.set("approximate", std::string("tanh"));
+  a.inputs = {r.inputs[0], r.inputs[2]};
+  a.in_place.clear();
+  for (InPlace ip : r.in_place) {
+    if (ip.input == 1) continue;
+    if (ip.input == 2) ip.input = 1;
+    a.in_place.push_back(ip);
+  }
+  return a;
+}
+
 }  // namespace
 
 Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg) {
@@ -194,6 +265,31 @@ Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfi
     }
   }
   if (cfg.fuse_bias_adds) {
+    // GELU's first: the same product with a bias is never the other pattern's (h's reader is a
+    // bias_gelu, not an add), but its actors are then taken.
+    for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+      if (replace.contains(i) || drop.contains(i)) continue;
+      const auto f = gelu_product_for(plan, kernels, i, taken);
+      if (!f || drop.contains(f->product) || replace.contains(f->product)) continue;
+      if (std::any_of(f->grads.begin(), f->grads.end(), [&](ActorIndex g) { return replace.contains(g) || drop.contains(g); }))
+        continue;
+      taken.insert(f->product);
+      const ActorDesc& m = plan.actors[f->product];
+      const ActorDesc& g = plan.actors[f->gelu];
+      ActorDesc fused = m;
+      fused.name = g.name;
+      fused.op = "matmul_bias_gelu";
+      fused.attrs = Attrs{};
+      fused.attrs.set("trans_b", std::int64_t{f->trans_b ? 1 : 0});
+      fused.attrs.set("approximate", std::string("tanh"));
+      fused.inputs = {{f->x}, {f->w}, {f->b}};
+      fused.outputs = {g.outputs[0], m.outputs[0]};  // fc, and h + b in h's register
+      fused.memory = g.memory;
+      fused.in_place.clear();
+      replace[f->gelu] = std::move(fused);
+      drop.insert(f->product);
+      for (ActorIndex r : f->grads) replace[r] = as_gelu_grad(plan.actors[r]);
+    }
     for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
       if (replace.contains(i) || drop.contains(i)) continue;
       const auto f = bias_add_for(plan, kernels, i, taken);

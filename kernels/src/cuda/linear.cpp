@@ -8,6 +8,9 @@
 //   plan without the fusion rounded the product to bf16 first (and a bf16 y is rounded once, where
 //   the two ops rounded twice). So on CUDA these results can differ from the CPU's by that
 //   rounding (the CPU kernel keeps the two ops' arithmetic, kernels/src/ops_tensor.cpp).
+// - matmul_bias_gelu (forward): y = gelu(x w + b) in GELU's tanh form, and the pre-activation
+//   x w + b as a second output for the backward (CUBLASLT_EPILOGUE_GELU_AUX_BIAS: cuBLASLt's GELU
+//   is the tanh form; the erf form runs apart). x, w, b, y and pre share one dtype.
 // - matmul_bias_grad (backward): dw = x^T dy and db = dy summed over the rows, the bias gradient
 //   computed by the epilogue (CUBLASLT_EPILOGUE_BGRADA) as it reads dy, instead of a second pass
 //   over dy by a reduction kernel (PyTorch's and Transformer Engine's fused wgrad).
@@ -31,6 +34,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -63,6 +67,7 @@ struct LtShape {
   std::int64_t a_rows = 0, a_cols = 0, b_rows = 0, b_cols = 0, d_rows = 0, d_cols = 0;  // as stored
   cudaDataType_t operands = CUDA_R_32F, result = CUDA_R_32F;  // the bias has the result's type
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  std::int64_t aux_ld = 0;  // the epilogue's auxiliary matrix (GELU_AUX): its leading dimension; 0 for none
   bool operator==(const LtShape&) const = default;
 };
 
@@ -95,14 +100,23 @@ class LtProduct {
     return ready_;
   }
 
-  /// D = op(A) op(B) with the epilogue reading or writing `bias`, on `stream`, for the shape
-  /// ready() accepted; false (said once, the shape refused from now on) where cuBLASLt fails.
-  bool run(const void* a, const void* b, void* d, void* bias, cudaStream_t stream) {
+  /// D = op(A) op(B) with the epilogue reading or writing `bias` (and `aux`, for a shape with
+  /// an auxiliary matrix), on `stream`, for the shape ready() accepted; false (said once, the
+  /// shape refused from now on) where cuBLASLt fails.
+  bool run(const void* a, const void* b, void* d, void* bias, cudaStream_t stream, void* aux = nullptr) {
     if (const cublasStatus_t st =
             cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
         st != CUBLAS_STATUS_SUCCESS) {
       give_up(fmt::format("setting the bias pointer failed: {}", cublasGetStatusName(st)));
       return false;
+    }
+    if (shape_.aux_ld > 0) {
+      if (const cublasStatus_t st =
+              cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux));
+          st != CUBLAS_STATUS_SUCCESS) {
+        give_up(fmt::format("setting the auxiliary pointer failed: {}", cublasGetStatusName(st)));
+        return false;
+      }
     }
     const float alpha = 1.f, beta = 0.f;
     const cublasStatus_t st = cublasLtMatmul(lt_, desc_, &alpha, a, layout_a_, b, layout_b_, &beta, d, layout_d_, d,
@@ -139,6 +153,15 @@ class LtProduct {
     void* bias16 = reinterpret_cast<void*>(std::uintptr_t{16});
     check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias16, sizeof(bias16)),
           "BIAS_POINTER", who);
+    if (s.aux_ld > 0) {  // the auxiliary matrix: D's layout and type, judged aligned as the bias
+      check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &s.aux_ld, sizeof(s.aux_ld)),
+            "EPILOGUE_AUX_LD", who);
+      check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &s.result,
+                                           sizeof(s.result)),
+            "EPILOGUE_AUX_DATA_TYPE", who);
+      check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &bias16, sizeof(bias16)),
+            "EPILOGUE_AUX_POINTER", who);
+    }
     cublasLtMatmulPreference_t pref = nullptr;
     check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", who);
     const std::size_t ws = max_workspace_bytes;
@@ -202,22 +225,39 @@ class LtProduct {
   std::vector<LtShape> refused_;  // shapes cuBLASLt would not take: they run apart
 };
 
+/// matmul_bias, or with `gelu` matmul_bias_gelu (GELU of the form `tanh` names; only the tanh
+/// form has an epilogue).
 class LinearKernel final : public Kernel {
  public:
-  LinearKernel(std::string actor, Device device, bool trans_b)
+  struct Gelu {
+    bool tanh = true;
+  };
+  LinearKernel(std::string actor, Device device, bool trans_b, std::optional<Gelu> gelu = std::nullopt)
       : trans_b_(trans_b),
-        product_(std::move(actor), device, "the bias epilogue (BIAS)", "the product and the bias's add run apart") {}
+        gelu_(gelu),
+        product_(std::move(actor), device, gelu ? "the GELU epilogue (GELU_AUX_BIAS)" : "the bias epilogue (BIAS)",
+                 gelu ? "the product, the bias's add and the GELU run apart" : "the product and the bias's add run apart") {}
 
   void compute(KernelContext& ctx) override {
-    const char* name = "matmul_bias";
+    const char* name = gelu_ ? "matmul_bias_gelu" : "matmul_bias";
     const auto [x, w, b, y, d] = baton::detail::linear_args(ctx, trans_b_, name);
     if (x.dtype() != DType::f32 && x.dtype() != DType::bf16) {
       throw std::invalid_argument(fmt::format("{}: f32 or bf16, not {}", name, x.describe()));
     }
+    Tensor* pre = nullptr;
+    if (gelu_) {
+      pre = &baton::detail::need_output(ctx, 1, name, "pre");
+      if (pre->shape() != y.shape() || pre->dtype() != y.dtype() || y.dtype() != x.dtype()) {
+        throw std::invalid_argument(fmt::format("{}: x {}, y {} and pre {} must share a dtype, y and pre a shape", name,
+                                                x.describe(), y.describe(), pre->describe()));
+      }
+    }
     cudaStream_t s = stream_of(ctx, name);
     const std::string& who = ctx.stream->owner();
-    if (d.rows > 0 && d.k > 0 && d.n > 0 && aligned16(x.raw()) && aligned16(w.raw()) && aligned16(y.raw()) &&
-        aligned16(b.raw())) {
+    // GELU_AUX's leading dimension must be a multiple of 8, and cuBLASLt's GELU is the tanh form.
+    const bool fusable = !gelu_ || (gelu_->tanh && d.n % 8 == 0 && aligned16(pre->raw()));
+    if (fusable && d.rows > 0 && d.k > 0 && d.n > 0 && aligned16(x.raw()) && aligned16(w.raw()) &&
+        aligned16(y.raw()) && aligned16(b.raw())) {
       LtShape shape{.trans_a = trans_b_ ? CUBLAS_OP_T : CUBLAS_OP_N,
                     .trans_b = CUBLAS_OP_N,
                     .a_rows = trans_b_ ? d.k : d.n,
@@ -228,16 +268,22 @@ class LinearKernel final : public Kernel {
                     .d_cols = d.rows,
                     .operands = blas_type(x.dtype()),
                     .result = blas_type(y.dtype()),
-                    .epilogue = CUBLASLT_EPILOGUE_BIAS};
+                    .epilogue = gelu_ ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS,
+                    .aux_ld = gelu_ ? d.n : 0};
       if (product_.ready(shape, who) &&
-          product_.run(w.raw(), x.raw(), y.raw(), const_cast<void*>(b.raw()), s))
+          product_.run(w.raw(), x.raw(), y.raw(), const_cast<void*>(b.raw()), s, gelu_ ? pre->raw() : nullptr))
         return;
     }
-    matmul_bias_apart(ctx, trans_b_);
+    if (gelu_) {
+      matmul_bias_gelu_apart(ctx, trans_b_, gelu_->tanh);
+    } else {
+      matmul_bias_apart(ctx, trans_b_);
+    }
   }
 
  private:
   bool trans_b_;
+  std::optional<Gelu> gelu_;
   LtProduct product_;
 };
 
@@ -287,6 +333,10 @@ void add_linear_kernels(KernelRegistry& reg) {
     });
     reg.add("matmul_bias", DeviceType::cuda, t, [](const KernelConfig& cfg) {
       return std::make_unique<LinearKernel>(std::string(cfg.actor), cfg.device, cfg.attrs.get_int("trans_b", 0) != 0);
+    });
+    reg.add("matmul_bias_gelu", DeviceType::cuda, t, [](const KernelConfig& cfg) {
+      return std::make_unique<LinearKernel>(std::string(cfg.actor), cfg.device, cfg.attrs.get_int("trans_b", 0) != 0,
+                                            LinearKernel::Gelu{.tanh = baton::detail::gelu_tanh(cfg, "matmul_bias_gelu")});
     });
   }
 }

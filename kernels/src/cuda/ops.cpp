@@ -978,6 +978,24 @@ void matmul_bias_apart(KernelContext& ctx, bool trans_b) {
   }
 }
 
+void matmul_bias_gelu_apart(KernelContext& ctx, bool trans_b, bool tanh) {
+  const char* name = "matmul_bias_gelu";
+  Tensor& y = need_output(ctx, 0, name, "y");
+  Tensor& pre = need_output(ctx, 1, name, "pre");
+  Tensor* sum_out[] = {&pre};
+  KernelContext sum{ctx.inputs, sum_out, ctx.piece, ctx.stream, ctx.async_stream};
+  matmul_bias_apart(sum, trans_b);
+  const Tensor* gelu_in[] = {&pre};
+  Tensor* gelu_out[] = {&y};
+  KernelContext gelu{gelu_in, gelu_out, ctx.piece, ctx.stream, ctx.async_stream};
+  const launch::Unary op = tanh ? launch::Unary::gelu_tanh : launch::Unary::gelu;
+  if (y.dtype() == DType::bf16) {
+    unary<launch::Bf16>(gelu, op, "gelu");
+  } else {
+    unary<float>(gelu, op, "gelu");
+  }
+}
+
 void add_cuda_kernels(KernelRegistry& reg) {
   constexpr auto cuda = DeviceType::cuda;
   for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {

@@ -291,7 +291,9 @@ struct TrainConfig {
   /// cast of a bf16 product to f32 when the bias is f32), as one matmul_bias actor (the
   /// epilogues pass): on CUDA one cuBLASLt product whose epilogue adds b as it writes the
   /// result (the product is then not rounded to bf16 before the bias is added); on the CPU the
-  /// same two computations, bit for bit. False: two actors (three with the cast).
+  /// same two computations, bit for bit. False: two actors (three with the cast). With it too,
+  /// bias_gelu(matmul(x, w), b) in GELU's tanh form as one matmul_bias_gelu actor (cuBLASLt's
+  /// GELU_AUX_BIAS epilogue; its pre-activation output replaces the product for the backward).
   bool fuse_bias_adds = true;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the

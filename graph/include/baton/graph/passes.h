@@ -162,7 +162,9 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
 /// epilogues: with TrainConfig::fuse_bias_gradients, each Linear layer's weight gradient
 /// (matmul(x, dy, trans_a)) and bias gradient (sum_to(dy, [n])) as one matmul_bias_grad actor;
 /// with TrainConfig::fuse_bias_adds, its forward product and bias add (matmul(x, w) + b) as one
-/// matmul_bias actor; each where the device has its kernel (passes/epilogues.cpp says when);
+/// matmul_bias actor, and bias_gelu(matmul(x, w), b) in GELU's tanh form as one
+/// matmul_bias_gelu actor (writing the pre-activation the backward's gelu_grad reads); each
+/// where the device has its kernel (passes/epilogues.cpp says when);
 /// else the plan unchanged.
 Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg);
 
