@@ -89,8 +89,10 @@ bench() {
 # A lent session's share: every test that needs the GPU (not the CPU ones), the trainings, and
 # the bf16 benchmark against PyTorch's sdpa at BENCH_BATCH (32: the batch of the README's figure),
 # baton's attention by --attention auto (cuDNN's where it loads: PyTorch's own libcudnn), PyTorch
-# eager and under torch.compile. The limits add up to 480 s, so that the whole fits 8 minutes of
-# a lent machine's time with its start (every check's log says how long it took).
+# eager and under torch.compile, both sides with GELU's tanh form (BENCH_GELU: GPT-2's and
+# Megatron's, the form cuBLASLt's GELU epilogues compute; the GPT training check keeps erf). The
+# limits add up to 480 s, so that the whole fits 8 minutes of a lent machine's time with its
+# start (every check's log says how long it took).
 session() {
   check gpu-tests 160 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
   check train-f32 30 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
@@ -102,7 +104,7 @@ session() {
     --batch 8 --precision bf16 --attention auto
   # shellcheck disable=SC2086
   check bench-bf16-sdpa 200 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
-    --attention auto --torch-compile on --batch "${BENCH_BATCH:-32}" ${BENCH_ARGS:-}
+    --attention auto --torch-compile on --batch "${BENCH_BATCH:-32}" --gelu "${BENCH_GELU:-tanh}" ${BENCH_ARGS:-}
 }
 
 # PyTorch alone at several batches (bf16 autocast, fused attention: as a user would run it), to

@@ -316,6 +316,21 @@ TEST_CASE("Cuda.Kernels.MatchCpu" * doctest::timeout(120)) {
       }
     }
   }
+  SUBCASE("matmul_dgelu_bgrad: cuBLASLt's GELU-gradient epilogue (DGELU_BGRAD), or the ops apart") {
+    // dh = gelu'(pre) (dy w^T) and db, dh's rows summed: the tanh form through the epilogue where
+    // n is a multiple of 8, apart where not; the erf form apart.
+    for (const char* form : {"tanh", "none"}) {
+      for (std::int64_t tb : {0, 1}) {
+        const Attrs at{{"trans_b", tb}, {"approximate", std::string(form)}};
+        check_op(gpu, reg, "matmul_dgelu_bgrad", at,
+                 {random_f32({3, 40, 48}), random_f32(tb ? Shape{64, 48} : Shape{48, 64}), random_f32({3, 40, 64})},
+                 {{{3, 40, 64}, f32}, {{64}, f32}});
+        check_op(gpu, reg, "matmul_dgelu_bgrad", at,
+                 {random_f32({33, 47}), random_f32(tb ? Shape{29, 47} : Shape{47, 29}), random_f32({33, 29})},
+                 {{{33, 29}, f32}, {{29}, f32}});
+      }
+    }
+  }
   SUBCASE("elementwise with broadcasting") {
     for (const char* op : {"add", "sub", "mul", "maximum"}) {
       check_op(gpu, reg, op, {}, {random_f32({5, 7}), random_f32({5, 7})}, {{{5, 7}, f32}});

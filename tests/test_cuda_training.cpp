@@ -379,6 +379,10 @@ TEST_CASE("CudaTraining.Bf16KernelsMatchTheCpu" * doctest::timeout(120)) {
       {"matmul_bias_gelu", Attrs{{"trans_b", std::int64_t{0}}, {"approximate", std::string("tanh")}},
        {random_bf16({37, 24}, rng), random_bf16({24, 29}, rng), random_bf16({29}, rng)},
        {{{37, 29}, DType::bf16}, {{37, 29}, DType::bf16}}},
+      // Its backward: the next product's data gradient times gelu'(pre), and b's gradient.
+      {"matmul_dgelu_bgrad", Attrs{{"trans_b", std::int64_t{1}}, {"approximate", std::string("tanh")}},
+       {random_bf16({4, 32, 64}, rng), random_bf16({96, 64}, rng), random_bf16({4, 32, 96}, rng)},
+       {{{4, 32, 96}, DType::bf16}, {{96}, DType::bf16}}},
       // Ops without a bf16 kernel of their own: the float32 one on device copies.
       {"gelu", {}, {random_bf16({1000, 3}, rng)}, {{{1000, 3}, DType::bf16}}},
       {"add", {}, {random_bf16({31, 8}, rng), random_bf16({8}, rng)}, {{{31, 8}, DType::bf16}}},

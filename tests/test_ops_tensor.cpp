@@ -902,7 +902,7 @@ TEST_CASE("Ops.MatmulBiasIsTheProductThenTheAddBitForBit") {
 // matmul_bias_gelu (the epilogues pass's fusion of bias_gelu(matmul(x, w), b)): y is bias_gelu of
 // the product and pre is add(product, b), bit for bit, in both GELU forms, f32 and f64; in bf16 y
 // is bias_gelu's result bit for bit and pre the float32 sum rounded to bf16 once.
-TEST_CASE("Ops.MatmulBiasGeluIsTheProductThenBiasGeluBitForBit") {
+TEST_CASE("Ops.MatmulBiasGeluAndItsGradientAreTheOpsBitForBit") {
   std::mt19937 rng(12);
   auto random = [&](const Shape& s, DType dt) {
     Tensor t = Tensor::empty(s, dt);
@@ -939,6 +939,30 @@ TEST_CASE("Ops.MatmulBiasGeluIsTheProductThenBiasGeluBitForBit") {
         run(*make("add", dt), {&product, &b}, {&want_pre});
         CHECK(same(y, want_y));
         CHECK(same(pre, want_pre));
+      }
+    }
+  }
+  // Its backward twin, matmul_dgelu_bgrad: dh = gelu'(pre) (dy w^T) and db = dh summed over the
+  // rows, bit for bit the product, gelu_grad and sum_to in f32 and f64.
+  for (const char* form : {"none", "tanh"}) {
+    for (DType dt : {DType::f32, DType::f64}) {
+      for (const std::int64_t tb : {0, 1}) {
+        CAPTURE(form);
+        CAPTURE(baton::name(dt));
+        CAPTURE(tb);
+        const Shape ys{2, 5, k}, hs{2, 5, n};
+        const Tensor dy = random(ys, dt), w = random(tb ? Shape{n, k} : Shape{k, n}, dt), pre = random(hs, dt);
+        Tensor dh = Tensor::empty(hs, dt), db = Tensor::empty({n}, dt);
+        const Attrs gelu{{"approximate", std::string(form)}};
+        Attrs fused = gelu;
+        fused.set("trans_b", tb);
+        run(*make("matmul_dgelu_bgrad", dt, fused), {&dy, &w, &pre}, {&dh, &db});
+        Tensor dfc = Tensor::empty(hs, dt), want_dh = Tensor::empty(hs, dt), want_db = Tensor::empty({n}, dt);
+        run(*make("matmul", dt, Attrs{{"trans_a", std::int64_t{0}}, {"trans_b", tb}}), {&dy, &w}, {&dfc});
+        run(*make("gelu_grad", dt, gelu), {&pre, &dfc}, {&want_dh});
+        run(*make("sum_to", dt), {&want_dh}, {&want_db});
+        CHECK(same(dh, want_dh));
+        CHECK(same(db, want_db));
       }
     }
   }

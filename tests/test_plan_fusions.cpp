@@ -257,8 +257,9 @@ void check_gelu_product_fusion(const std::vector<Setup>& setups) {
     Job apart(s, {.adds = false}), fused(s, {.adds = true});
     const Plan& a = apart.job.plan;
     const Plan& f = fused.job.plan;
-    const int n = count_op(f, "matmul_bias_gelu");
-    MESSAGE(s.name << ": " << n << " matmul_bias_gelu actors; bias_gelu " << count_op(a, "bias_gelu") << " -> "
+    const int n = count_op(f, "matmul_bias_gelu"), back = count_op(f, "matmul_dgelu_bgrad");
+    MESSAGE(s.name << ": " << n << " matmul_bias_gelu and " << back << " matmul_dgelu_bgrad actors; bias_gelu "
+                   << count_op(a, "bias_gelu") << " -> "
                    << count_op(f, "bias_gelu") << ", bias_gelu_grad " << count_op(a, "bias_gelu_grad") << " -> "
                    << count_op(f, "bias_gelu_grad") << ", actors " << a.actors.size() << " -> " << f.actors.size());
     CHECK(count_op(a, "matmul_bias_gelu") == 0);
@@ -267,9 +268,19 @@ void check_gelu_product_fusion(const std::vector<Setup>& setups) {
     CHECK(n >= 2 * s.dp * s.tp * (s.recompute == "full" ? 2 : 1));
     CHECK(count_op(f, "bias_gelu") == 0);
     CHECK(count_op(f, "bias_gelu_grad") == 0);
-    CHECK(count_op(f, "gelu_grad") == count_op(a, "gelu_grad") + count_op(a, "bias_gelu_grad"));
+    // Each backward bias_gelu_grad became a gelu_grad, or went into a matmul_dgelu_bgrad with the
+    // next product's data gradient and b1's gradient: in every setup here but the zero-bubble
+    // one, whose bias gradients are W work (the data gradient's product is B work).
+    CHECK(count_op(f, "gelu_grad") + back == count_op(a, "gelu_grad") + count_op(a, "bias_gelu_grad"));
+    if (s.schedule == "zb-h1") {
+      CHECK(back == 0);
+    } else {
+      CHECK(back == count_op(a, "bias_gelu_grad"));
+      CHECK(count_op(f, "sum_to") + count_op(f, "matmul_bias_grad") + back ==
+            count_op(a, "sum_to") + count_op(a, "matmul_bias_grad"));
+    }
     for (const ActorDesc& x : f.actors) {
-      if (x.op == "gelu_grad" || x.op == "matmul_bias_gelu") {
+      if (x.op == "gelu_grad" || x.op == "matmul_bias_gelu" || x.op == "matmul_dgelu_bgrad") {
         CAPTURE(x.name);
         CHECK(x.attrs.get_string("approximate", "none") == "tanh");
       }
@@ -281,9 +292,12 @@ void check_gelu_product_fusion(const std::vector<Setup>& setups) {
       CHECK(pre.shape == y.shape);
       CHECK(pre.dtype == y.dtype);
       CHECK(f.registers[x.inputs[2].reg].shape == Shape{y.shape.back()});
-      // The backward reads the pre-activation: every reader but the forward's next product is a
-      // gelu_grad.
-      for (ActorIndex c : pre.consumers) CHECK(f.actors[c].op == "gelu_grad");
+      // The backward reads the pre-activation: a gelu_grad, or a matmul_dgelu_bgrad as its third
+      // input.
+      for (ActorIndex c : pre.consumers) {
+        const ActorDesc& r = f.actors[c];
+        CHECK((r.op == "gelu_grad" || (r.op == "matmul_dgelu_bgrad" && r.inputs[2].reg == x.outputs[1])));
+      }
     }
     CHECK_NOTHROW(validate(f, fused.job.kernels));
     if (!s.bf16) {

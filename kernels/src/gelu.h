@@ -64,4 +64,17 @@ void gelu_elements(const T* x, T* y, std::size_t n, bool tanh) {
   }
 }
 
+/// dx[i] = gelu'(x[i]) dy[i] over n elements in the form `tanh` names, as the gelu_grad kernel
+/// computes it (float32's erf form through vmath). dx may be x or dy.
+template <class T>
+void gelu_grad_elements(const T* x, const T* dy, T* dx, std::size_t n, bool tanh) {
+  if (tanh) {
+    for (std::size_t i = 0; i < n; ++i) dx[i] = gelu_tanh_grad(x[i], dy[i]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    vmath::gelu_grad(x, nullptr, 1, dy, dx, n);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) dx[i] = gelu_erf_grad(x[i], dy[i]);
+  }
+}
+
 }  // namespace baton::detail

@@ -162,6 +162,32 @@ inline LinearArgs linear_args(const KernelContext& ctx, bool trans_b, const char
   return {x, w, b, y, linear_dims(x, w, b, y, trans_b, op)};
 }
 
+/// matmul_dgelu_bgrad's operands: the data gradient of a product that read GELU's output,
+/// dh = gelu'(pre) (dy w^T, or dy w with trans_b false), and the bias gradient db = dh summed over
+/// the rows. dy [..., k], w [n, k] (trans_b) or [k, n], pre and dh [..., n], db [n]; one dtype.
+struct DgeluArgs {
+  const Tensor& dy;
+  const Tensor& w;
+  const Tensor& pre;
+  Tensor& dh;
+  Tensor& db;
+  LinearDims dims;
+};
+
+inline DgeluArgs dgelu_args(const KernelContext& ctx, bool trans_b, const char* op) {
+  const Tensor& dy = need_input(ctx, 0, op, "dy");
+  const Tensor& w = need_input(ctx, 1, op, "w");
+  const Tensor& pre = need_input(ctx, 2, op, "pre");
+  Tensor& dh = need_output(ctx, 0, op, "dh");
+  Tensor& db = need_output(ctx, 1, op, "db");
+  const LinearDims d = linear_dims(dy, w, db, dh, trans_b, op);
+  if (pre.shape() != dh.shape() || pre.dtype() != dh.dtype() || dh.dtype() != dy.dtype()) {
+    throw std::invalid_argument(fmt::format("{}: dy {}, pre {} and dh {} must share a dtype, pre and dh a shape", op,
+                                            dy.describe(), pre.describe(), dh.describe()));
+  }
+  return {dy, w, pre, dh, db, d};
+}
+
 /// The extents of matmul_bias_grad (dw = x^T dy over every row, db = dy summed over the rows):
 /// x [..., k] and dy [..., n] with the same number of rows, dw [k, n], db [n]; every kernel of
 /// the op (CPU, CUDA) checks them here. Extents that BLAS's 32-bit ints cannot hold are refused.

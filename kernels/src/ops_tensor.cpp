@@ -634,6 +634,34 @@ class MatmulBiasBf16Kernel final : public Kernel {
   Tensor xf_, wf_, yf_, bf_;  // float32 copies, kept between acts as ViaFloat32 keeps its own
 };
 
+// matmul_dgelu_bgrad: the backward of a GELU product's consumer, fused (the epilogues pass;
+// cuBLASLt's DGELU_BGRAD on CUDA): the data gradient of the next product, dfc = dy w^T, times
+// gelu'(pre), and the GELU's bias gradient, that summed over the rows. On the CPU the three ops'
+// arithmetic in turn (matmul's gemm, gelu_grad's formula, sum_to's reduction): the same bits.
+template <class T>
+class MatmulDgeluBgradKernel final : public Kernel {
+ public:
+  MatmulDgeluBgradKernel(bool trans_b, bool tanh) : trans_b_(trans_b), tanh_(tanh), product_(false, trans_b) {}
+  void compute(KernelContext& ctx) override {
+    const auto [dy, w, pre, dh, db, d] = detail::dgelu_args(ctx, trans_b_, "matmul_dgelu_bgrad");
+    const Tensor* in[] = {&dy, &w};
+    Tensor* out[] = {&dh};
+    KernelContext product{in, out, ctx.piece, ctx.stream, ctx.async_stream};
+    product_.compute(product);
+    T* g = dh.data<T>().data();
+    detail::gelu_grad_elements(pre.data<T>().data(), g, g, static_cast<std::size_t>(dh.numel()), tanh_);
+    const Tensor* sum_in[] = {&dh};
+    Tensor* sum_out[] = {&db};
+    KernelContext sum{sum_in, sum_out, ctx.piece, ctx.stream, ctx.async_stream};
+    sum_.compute(sum);
+  }
+
+ private:
+  bool trans_b_, tanh_;
+  MatmulKernel<T> product_;
+  ReduceKernel<T> sum_{ReduceKernel<T>::Mode::sum_to, {}, true};
+};
+
 /// matmul_bias_gelu's activation, from its "approximate" attribute.
 Activation gelu_of(const KernelConfig& cfg) {
   return detail::gelu_tanh(cfg, "matmul_bias_gelu") ? Activation::gelu_tanh : Activation::gelu_erf;
@@ -670,6 +698,12 @@ void add_ops(KernelRegistry& reg) {
   });
   reg.add("matmul_bias_gelu", cpu, dt, [](const KernelConfig& cfg) {
     return std::make_unique<MatmulBiasKernel<T>>(flag(cfg, "matmul_bias_gelu", "trans_b"), gelu_of(cfg));
+  });
+  // bf16: the float32 kernel on widened copies (KernelRegistry), the product not rounded to bf16
+  // before gelu' as the unfused plan rounds it (one bf16 rounding apart).
+  reg.add("matmul_dgelu_bgrad", cpu, dt, [](const KernelConfig& cfg) {
+    return std::make_unique<MatmulDgeluBgradKernel<T>>(flag(cfg, "matmul_dgelu_bgrad", "trans_b"),
+                                                       detail::gelu_tanh(cfg, "matmul_dgelu_bgrad"));
   });
   for (auto [op, mode] :
        {std::pair{"sum", Mode::sum}, std::pair{"mean", Mode::mean}, std::pair{"max", Mode::max}}) {

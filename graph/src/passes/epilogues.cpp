@@ -20,6 +20,12 @@
 //   rounds it: the same bits in f32; in bf16 the stored pre-activation is rounded to bf16 once
 //   more). One pass over h instead of two and no separate bias_gelu kernel; the memory is the
 //   same (h's register holds h + b).
+// - Backward with GELU: that bias_gelu_grad's dy the data gradient of the next product,
+//   dfc = matmul(dy2, w2) read by it alone, and its result's bias gradient sum_to(dh, [n]) (both
+//   alike): one `matmul_dgelu_bgrad` actor computing dh = gelu'(h + b) dfc and db as it writes
+//   the product (cuBLASLt's DGELU_BGRAD on CUDA; on the CPU the three ops' arithmetic, the same
+//   bits). This takes b's gradient before the bias-gradient pattern can pair it with the first
+//   product's weight gradient, and the gelu' pass goes too. With fuse_bias_gradients.
 //
 // When. The ops are on the same place and stream, in the same role, stage and kind of backward
 // work (a zero-bubble schedule's W work stays W work); nothing is delayed. Backward: the product
@@ -218,6 +224,46 @@ std::optional<GeluProduct> gelu_product_for(const Plan& plan, const KernelRegist
   return f;
 }
 
+struct DgeluFusion {
+  ActorIndex product = 0, sum = 0;
+  RegisterIndex dy = 0, w = 0;
+  bool trans_b = false;
+};
+
+/// For the backward's bias_gelu_grad(h, b, dfc) at `ri`: dfc = matmul(dy, w), read by it alone,
+/// and its result's one sum_to to [n] (b's gradient), alike; the data gradient of the product that
+/// read the GELU, its gelu' and the bias gradient then are one matmul_dgelu_bgrad.
+std::optional<DgeluFusion> dgelu_for(const Plan& plan, const KernelRegistry& kernels, ActorIndex ri,
+                                     const std::set<ActorIndex>& taken) {
+  const ActorDesc& r = plan.actors[ri];
+  if (!is_plain(r.inputs[2])) return std::nullopt;
+  const RegisterIndex dfc = r.inputs[2].reg;
+  const ActorIndex p = plan.registers[dfc].producer;
+  if (p >= plan.actors.size() || taken.contains(p) || only_reader(plan, dfc) != ri) return std::nullopt;
+  const ActorDesc& m = plan.actors[p];
+  if (m.kind != ActorKind::compute || m.op != "matmul" || m.inputs.size() != 2 || m.outputs.size() != 1 ||
+      !is_plain(m.inputs[0]) || !is_plain(m.inputs[1]) || m.attrs.get_int("trans_a", 0) != 0 || !alike(m, r) ||
+      m.dtype != r.dtype)
+    return std::nullopt;
+  const RegisterDesc& dyr = plan.registers[m.inputs[0].reg];
+  const RegisterDesc& wr = plan.registers[m.inputs[1].reg];
+  if (dyr.shape.size() < 2 || wr.shape.size() != 2 || dyr.dtype != r.dtype || wr.dtype != r.dtype) return std::nullopt;
+  const RegisterDesc& dh = plan.registers[r.outputs[0]];
+  std::optional<ActorIndex> sum;
+  for (ActorIndex c : dh.consumers) {
+    const ActorDesc& a = plan.actors[c];
+    if (a.kind != ActorKind::compute || a.op != "sum_to" || a.inputs.size() != 1 || a.outputs.size() != 1 ||
+        !is_plain(a.inputs[0]) || !alike(a, r))
+      continue;
+    const RegisterDesc& db = plan.registers[a.outputs[0]];
+    if (db.shape != Shape{dh.shape.back()} || db.dtype != r.dtype) continue;
+    if (sum && *sum != c) return std::nullopt;
+    sum = c;
+  }
+  if (!sum || !kernels.contains("matmul_dgelu_bgrad", r.where.device.type, r.dtype)) return std::nullopt;
+  return DgeluFusion{p, *sum, m.inputs[0].reg, m.inputs[1].reg, m.attrs.get_int("trans_b", 0) != 0};
+}
+
 /// bias_gelu_grad(h, b, dy) as gelu_grad(h + b, dy): its inputs without b, what it computed in
 /// place of h or dy still in place of them.
 ActorDesc as_gelu_grad(const ActorDesc& r) {
@@ -241,32 +287,9 @@ Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfi
   std::map<ActorIndex, ActorDesc> replace;  // the fused actors, at the places of the ops they replace
   std::set<ActorIndex> drop;                // the ops they absorb
   std::set<ActorIndex> taken;               // products (and casts) already fused
-  if (cfg.fuse_bias_gradients) {
-    for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
-      const auto f = fusion_for(plan, kernels, i, taken);
-      if (!f) continue;
-      taken.insert(f->product);
-      const ActorDesc& m = plan.actors[f->product];
-      const ActorDesc& s = plan.actors[f->sum];
-      ActorDesc fused = m;
-      fused.op = "matmul_bias_grad";
-      fused.attrs = Attrs{};
-      fused.inputs = {{f->x}, {f->dy}};
-      fused.outputs = {m.outputs[0], s.outputs[0]};
-      fused.in_place.clear();
-      replace[f->sum] = std::move(fused);
-      drop.insert(f->product);
-      // and the views only the product read
-      for (const InputPort& in : m.inputs) {
-        const ActorIndex p = plan.registers[in.reg].producer;
-        if (p < plan.actors.size() && is_view(plan.actors[p]) && plan.registers[in.reg].consumers.size() == 1)
-          drop.insert(p);
-      }
-    }
-  }
   if (cfg.fuse_bias_adds) {
-    // GELU's first: the same product with a bias is never the other pattern's (h's reader is a
-    // bias_gelu, not an add), but its actors are then taken.
+    // GELU products first, their backward's bias gradient with them (DGELU_BGRAD) rather than
+    // with the first product's weight gradient (BGRADA, below): that takes the gelu' pass too.
     for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
       if (replace.contains(i) || drop.contains(i)) continue;
       const auto f = gelu_product_for(plan, kernels, i, taken);
@@ -288,8 +311,54 @@ Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfi
       fused.in_place.clear();
       replace[f->gelu] = std::move(fused);
       drop.insert(f->product);
-      for (ActorIndex r : f->grads) replace[r] = as_gelu_grad(plan.actors[r]);
+      for (ActorIndex r : f->grads) {
+        const auto d = cfg.fuse_bias_gradients ? dgelu_for(plan, kernels, r, taken) : std::nullopt;
+        if (!d || drop.contains(d->product) || replace.contains(d->product) || drop.contains(d->sum) ||
+            replace.contains(d->sum)) {
+          replace[r] = as_gelu_grad(plan.actors[r]);
+          continue;
+        }
+        taken.insert(d->product);
+        const ActorDesc& a = plan.actors[r];
+        ActorDesc back = a;
+        back.op = "matmul_dgelu_bgrad";
+        back.attrs = Attrs{};
+        back.attrs.set("trans_b", std::int64_t{d->trans_b ? 1 : 0});
+        back.attrs.set("approximate", std::string("tanh"));
+        back.inputs = {{d->dy}, {d->w}, a.inputs[0]};  // the product's operands, and h + b
+        back.outputs = {a.outputs[0], plan.actors[d->sum].outputs[0]};
+        back.in_place.clear();
+        replace[r] = std::move(back);
+        drop.insert(d->product);
+        drop.insert(d->sum);
+      }
     }
+  }
+  if (cfg.fuse_bias_gradients) {
+    for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+      if (replace.contains(i) || drop.contains(i)) continue;
+      const auto f = fusion_for(plan, kernels, i, taken);
+      if (!f || drop.contains(f->product) || replace.contains(f->product)) continue;
+      taken.insert(f->product);
+      const ActorDesc& m = plan.actors[f->product];
+      const ActorDesc& s = plan.actors[f->sum];
+      ActorDesc fused = m;
+      fused.op = "matmul_bias_grad";
+      fused.attrs = Attrs{};
+      fused.inputs = {{f->x}, {f->dy}};
+      fused.outputs = {m.outputs[0], s.outputs[0]};
+      fused.in_place.clear();
+      replace[f->sum] = std::move(fused);
+      drop.insert(f->product);
+      // and the views only the product read
+      for (const InputPort& in : m.inputs) {
+        const ActorIndex p = plan.registers[in.reg].producer;
+        if (p < plan.actors.size() && is_view(plan.actors[p]) && plan.registers[in.reg].consumers.size() == 1)
+          drop.insert(p);
+      }
+    }
+  }
+  if (cfg.fuse_bias_adds) {
     for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
       if (replace.contains(i) || drop.contains(i)) continue;
       const auto f = bias_add_for(plan, kernels, i, taken);

@@ -11,6 +11,9 @@
 // - matmul_bias_gelu (forward): y = gelu(x w + b) in GELU's tanh form, and the pre-activation
 //   x w + b as a second output for the backward (CUBLASLT_EPILOGUE_GELU_AUX_BIAS: cuBLASLt's GELU
 //   is the tanh form; the erf form runs apart). x, w, b, y and pre share one dtype.
+// - matmul_dgelu_bgrad (backward): the product that read GELU's output, its data gradient
+//   dy w^T, times gelu'(pre) (pre the forward's aux), and the GELU's bias gradient, the sum of the
+//   result's rows (CUBLASLT_EPILOGUE_DGELU_BGRAD), instead of a gelu_grad pass and a reduction.
 // - matmul_bias_grad (backward): dw = x^T dy and db = dy summed over the rows, the bias gradient
 //   computed by the epilogue (CUBLASLT_EPILOGUE_BGRADA) as it reads dy, instead of a second pass
 //   over dy by a reduction kernel (PyTorch's and Transformer Engine's fused wgrad).
@@ -34,7 +37,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -225,39 +227,51 @@ class LtProduct {
   std::vector<LtShape> refused_;  // shapes cuBLASLt would not take: they run apart
 };
 
-/// matmul_bias, or with `gelu` matmul_bias_gelu (GELU of the form `tanh` names; only the tanh
-/// form has an epilogue).
+/// The forward products with an epilogue, and the backward one that shares their layout:
+/// matmul_bias (BIAS), matmul_bias_gelu (GELU_AUX_BIAS: y and the pre-activation, the aux) and
+/// matmul_dgelu_bgrad (DGELU_BGRAD: dh = gelu'(pre) (dy w^T) with pre the aux, and the bias
+/// gradient db, the sum of dh's rows). cuBLASLt's GELU is the tanh form; the erf form runs apart.
 class LinearKernel final : public Kernel {
  public:
-  struct Gelu {
-    bool tanh = true;
-  };
-  LinearKernel(std::string actor, Device device, bool trans_b, std::optional<Gelu> gelu = std::nullopt)
-      : trans_b_(trans_b),
-        gelu_(gelu),
-        product_(std::move(actor), device, gelu ? "the GELU epilogue (GELU_AUX_BIAS)" : "the bias epilogue (BIAS)",
-                 gelu ? "the product, the bias's add and the GELU run apart" : "the product and the bias's add run apart") {}
+  enum class Mode { bias, gelu, dgelu };
+  LinearKernel(std::string actor, Device device, bool trans_b, Mode mode, bool tanh)
+      : trans_b_(trans_b), mode_(mode), tanh_(tanh), product_(std::move(actor), device, epilogue_name(mode), apart_name(mode)) {}
 
   void compute(KernelContext& ctx) override {
-    const char* name = gelu_ ? "matmul_bias_gelu" : "matmul_bias";
-    const auto [x, w, b, y, d] = baton::detail::linear_args(ctx, trans_b_, name);
-    if (x.dtype() != DType::f32 && x.dtype() != DType::bf16) {
-      throw std::invalid_argument(fmt::format("{}: f32 or bf16, not {}", name, x.describe()));
-    }
-    Tensor* pre = nullptr;
-    if (gelu_) {
-      pre = &baton::detail::need_output(ctx, 1, name, "pre");
-      if (pre->shape() != y.shape() || pre->dtype() != y.dtype() || y.dtype() != x.dtype()) {
-        throw std::invalid_argument(fmt::format("{}: x {}, y {} and pre {} must share a dtype, y and pre a shape", name,
-                                                x.describe(), y.describe(), pre->describe()));
+    const char* name = op_name(mode_);
+    // The product's operands (x, w), its result D (y or dh), the bias (b in, or db out) and the
+    // auxiliary matrix (pre out, or pre in), by mode.
+    const Tensor *x = nullptr, *w = nullptr;
+    Tensor* y = nullptr;
+    const void* bias = nullptr;
+    const void* aux = nullptr;
+    baton::detail::LinearDims d;
+    if (mode_ == Mode::dgelu) {
+      const auto a = baton::detail::dgelu_args(ctx, trans_b_, name);
+      x = &a.dy, w = &a.w, y = &a.dh, bias = a.db.raw(), aux = a.pre.raw(), d = a.dims;
+    } else {
+      const auto a = baton::detail::linear_args(ctx, trans_b_, name);
+      x = &a.x, w = &a.w, y = &a.y, bias = a.b.raw(), d = a.dims;
+      if (mode_ == Mode::gelu) {
+        Tensor& pre = baton::detail::need_output(ctx, 1, name, "pre");
+        if (pre.shape() != a.y.shape() || pre.dtype() != a.y.dtype() || a.y.dtype() != a.x.dtype()) {
+          throw std::invalid_argument(fmt::format("{}: x {}, y {} and pre {} must share a dtype, y and pre a shape",
+                                                  name, a.x.describe(), a.y.describe(), pre.describe()));
+        }
+        aux = pre.raw();
       }
+    }
+    if (x->dtype() != DType::f32 && x->dtype() != DType::bf16) {
+      throw std::invalid_argument(fmt::format("{}: f32 or bf16, not {}", name, x->describe()));
     }
     cudaStream_t s = stream_of(ctx, name);
     const std::string& who = ctx.stream->owner();
-    // GELU_AUX's leading dimension must be a multiple of 8, and cuBLASLt's GELU is the tanh form.
-    const bool fusable = !gelu_ || (gelu_->tanh && d.n % 8 == 0 && aligned16(pre->raw()));
-    if (fusable && d.rows > 0 && d.k > 0 && d.n > 0 && aligned16(x.raw()) && aligned16(w.raw()) &&
-        aligned16(y.raw()) && aligned16(b.raw())) {
+    // GELU_AUX's and DGELU's leading dimension must be a multiple of 8, and cuBLASLt's GELU is the
+    // tanh form.
+    const bool with_aux = mode_ != Mode::bias;
+    const bool fusable = !with_aux || (tanh_ && d.n % 8 == 0 && aligned16(aux));
+    if (fusable && d.rows > 0 && d.k > 0 && d.n > 0 && aligned16(x->raw()) && aligned16(w->raw()) &&
+        aligned16(y->raw()) && aligned16(bias)) {
       LtShape shape{.trans_a = trans_b_ ? CUBLAS_OP_T : CUBLAS_OP_N,
                     .trans_b = CUBLAS_OP_N,
                     .a_rows = trans_b_ ? d.k : d.n,
@@ -266,24 +280,41 @@ class LinearKernel final : public Kernel {
                     .b_cols = d.rows,
                     .d_rows = d.n,
                     .d_cols = d.rows,
-                    .operands = blas_type(x.dtype()),
-                    .result = blas_type(y.dtype()),
-                    .epilogue = gelu_ ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS,
-                    .aux_ld = gelu_ ? d.n : 0};
-      if (product_.ready(shape, who) &&
-          product_.run(w.raw(), x.raw(), y.raw(), const_cast<void*>(b.raw()), s, gelu_ ? pre->raw() : nullptr))
+                    .operands = blas_type(x->dtype()),
+                    .result = blas_type(y->dtype()),
+                    .epilogue = mode_ == Mode::bias   ? CUBLASLT_EPILOGUE_BIAS
+                                : mode_ == Mode::gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                                      : CUBLASLT_EPILOGUE_DGELU_BGRAD,
+                    .aux_ld = with_aux ? d.n : 0};
+      if (product_.ready(shape, who) && product_.run(w->raw(), x->raw(), y->raw(), const_cast<void*>(bias), s,
+                                                     const_cast<void*>(aux)))
         return;
     }
-    if (gelu_) {
-      matmul_bias_gelu_apart(ctx, trans_b_, gelu_->tanh);
-    } else {
-      matmul_bias_apart(ctx, trans_b_);
+    switch (mode_) {
+      case Mode::bias: matmul_bias_apart(ctx, trans_b_); break;
+      case Mode::gelu: matmul_bias_gelu_apart(ctx, trans_b_, tanh_); break;
+      case Mode::dgelu: matmul_dgelu_bgrad_apart(ctx, trans_b_, tanh_); break;
     }
   }
 
  private:
+  static const char* op_name(Mode m) {
+    return m == Mode::bias ? "matmul_bias" : m == Mode::gelu ? "matmul_bias_gelu" : "matmul_dgelu_bgrad";
+  }
+  static const char* epilogue_name(Mode m) {
+    return m == Mode::bias   ? "the bias epilogue (BIAS)"
+           : m == Mode::gelu ? "the GELU epilogue (GELU_AUX_BIAS)"
+                             : "the GELU-gradient epilogue (DGELU_BGRAD)";
+  }
+  static const char* apart_name(Mode m) {
+    return m == Mode::bias   ? "the product and the bias's add run apart"
+           : m == Mode::gelu ? "the product, the bias's add and the GELU run apart"
+                             : "the product, the GELU's gradient and the bias's sum run apart";
+  }
+
   bool trans_b_;
-  std::optional<Gelu> gelu_;
+  Mode mode_;
+  bool tanh_;
   LtProduct product_;
 };
 
@@ -331,13 +362,15 @@ void add_linear_kernels(KernelRegistry& reg) {
     reg.add("matmul_bias_grad", DeviceType::cuda, t, [](const KernelConfig& cfg) {
       return std::make_unique<LinearGradKernel>(std::string(cfg.actor), cfg.device);
     });
-    reg.add("matmul_bias", DeviceType::cuda, t, [](const KernelConfig& cfg) {
-      return std::make_unique<LinearKernel>(std::string(cfg.actor), cfg.device, cfg.attrs.get_int("trans_b", 0) != 0);
-    });
-    reg.add("matmul_bias_gelu", DeviceType::cuda, t, [](const KernelConfig& cfg) {
-      return std::make_unique<LinearKernel>(std::string(cfg.actor), cfg.device, cfg.attrs.get_int("trans_b", 0) != 0,
-                                            LinearKernel::Gelu{.tanh = baton::detail::gelu_tanh(cfg, "matmul_bias_gelu")});
-    });
+    for (auto [op, mode] : {std::pair{"matmul_bias", LinearKernel::Mode::bias},
+                            std::pair{"matmul_bias_gelu", LinearKernel::Mode::gelu},
+                            std::pair{"matmul_dgelu_bgrad", LinearKernel::Mode::dgelu}}) {
+      reg.add(op, DeviceType::cuda, t, [op = op, mode = mode](const KernelConfig& cfg) {
+        const bool tanh = mode != LinearKernel::Mode::bias && baton::detail::gelu_tanh(cfg, op);
+        return std::make_unique<LinearKernel>(std::string(cfg.actor), cfg.device, cfg.attrs.get_int("trans_b", 0) != 0,
+                                              mode, tanh);
+      });
+    }
   }
 }
 

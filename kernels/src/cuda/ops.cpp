@@ -996,6 +996,28 @@ void matmul_bias_gelu_apart(KernelContext& ctx, bool trans_b, bool tanh) {
   }
 }
 
+void matmul_dgelu_bgrad_apart(KernelContext& ctx, bool trans_b, bool tanh) {
+  const char* name = "matmul_dgelu_bgrad";
+  const auto [dy, w, pre, dh, db, d] = baton::detail::dgelu_args(ctx, trans_b, name);
+  const Tensor* product_in[] = {&dy, &w};
+  Tensor* product_out[] = {&dh};
+  KernelContext product{product_in, product_out, ctx.piece, ctx.stream, ctx.async_stream};
+  MatmulKernel(false, trans_b).compute(product);
+  const Tensor* grad_in[] = {&pre, &dh};
+  Tensor* grad_out[] = {&dh};  // elementwise: each element read before it is written
+  KernelContext grad{grad_in, grad_out, ctx.piece, ctx.stream, ctx.async_stream};
+  const launch::UnaryGrad op = tanh ? launch::UnaryGrad::gelu_tanh : launch::UnaryGrad::gelu;
+  if (dh.dtype() == DType::bf16) {
+    unary_grad<launch::Bf16>(grad, op, "gelu_grad");
+  } else {
+    unary_grad<float>(grad, op, "gelu_grad");
+  }
+  const Tensor* sum_in[] = {&dh};
+  Tensor* sum_out[] = {&db};
+  KernelContext sum{sum_in, sum_out, ctx.piece, ctx.stream, ctx.async_stream};
+  sum_to(sum);
+}
+
 void add_cuda_kernels(KernelRegistry& reg) {
   constexpr auto cuda = DeviceType::cuda;
   for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
