@@ -146,6 +146,20 @@ void check_same_training(Job& a, Job& b, bool ranks) {
   }
 }
 
+/// Trains `a` and `b` and checks that their losses agree to one more bf16 rounding of a GELU
+/// product's stored pre-activation (GeluProducts.*): bf16 keeps 8 bits, so the rounding moves
+/// each GELU gradient by at most 2^-8 of it; three Adam steps of lr 0.01 on a loss near ln 16
+/// stay within 1%.
+void check_close_training(Job& a, Job& b, bool ranks) {
+  const Trained x = run(a, ranks), y = run(b, ranks);
+  REQUIRE(x.losses.size() == y.losses.size());
+  for (std::size_t i = 0; i < x.losses.size(); ++i) {
+    CAPTURE(i);
+    CHECK(std::isfinite(y.losses[i]));
+    CHECK(std::abs(y.losses[i] - x.losses[i]) <= 1e-2 * std::abs(x.losses[i]));
+  }
+}
+
 void check_bit_for_bit(const std::vector<Setup>& setups) {
   for (const Setup& s : setups) {
     CAPTURE(s.name);
@@ -222,15 +236,24 @@ void check_bias_add_fusion(const std::vector<Setup>& setups) {
     CHECK(count_op(apart.job.plan, "matmul_bias") == 0);
     // Every replica's forward fuses (and, under recomputation, its recomputed forward too): the
     // GPT's b2 in each block (b1 is inside bias_gelu; under tp the shards' products are summed
-    // before b2 is added, so nothing fuses there); GPT-2's four projections in each block.
-    const int per_replica = s.tp > 1 ? 0 : s.gpt2 ? 4 * 2 : 2;
+    // before b2 is added, so nothing fuses there); GPT-2's three projections in each block with a
+    // plain bias (its c_fc's bias is in bias_gelu, tanh: the GELU product, GeluProducts.*).
+    const int per_replica = s.tp > 1 ? 0 : s.gpt2 ? 3 * 2 : 2;
+    const int gelu = count_op(fused.job.plan, "matmul_bias_gelu");
+    CHECK(gelu == (s.gpt2 ? 2 * s.dp * (s.recompute == "full" ? 2 : 1) : 0));
     CHECK(n >= per_replica * s.dp);
     if (s.tp > 1) CHECK(n == 0);
     CHECK(count_op(fused.job.plan, "add") == count_op(apart.job.plan, "add") - n);
-    CHECK(count_op(fused.job.plan, "matmul") == count_op(apart.job.plan, "matmul") - n);
+    // (the GELU product's backward drops the data gradient's product and makes the weight
+    // gradient's matmul_bias_grad a plain product: one for one)
+    CHECK(count_op(fused.job.plan, "matmul") == count_op(apart.job.plan, "matmul") - n - gelu);
     // Under autocast the bf16 product's widening goes with it (the bias is f32).
     CHECK(casts == (s.bf16 ? n : 0));
-    CHECK(fused.job.plan.actors.size() + static_cast<std::size_t>(n + casts) == apart.job.plan.actors.size());
+    if (gelu == 0) {
+      CHECK(fused.job.plan.actors.size() + static_cast<std::size_t>(n + casts) == apart.job.plan.actors.size());
+    } else {
+      CHECK(fused.job.plan.actors.size() + static_cast<std::size_t>(n + casts) <= apart.job.plan.actors.size());
+    }
     for (const ActorDesc& a : fused.job.plan.actors) {
       if (a.op != "matmul_bias") continue;
       CAPTURE(a.name);
@@ -243,7 +266,11 @@ void check_bias_add_fusion(const std::vector<Setup>& setups) {
       CHECK(y.dtype == DType::f32);
     }
     CHECK_NOTHROW(validate(fused.job.plan, fused.job.kernels));
-    check_same_training(apart, fused, s.ranks);
+    if (s.bf16 && gelu > 0) {
+      check_close_training(apart, fused, s.ranks);  // GPT-2's c_fc: a GELU product in bf16
+    } else {
+      check_same_training(apart, fused, s.ranks);
+    }
   }
 }
 
@@ -303,15 +330,7 @@ void check_gelu_product_fusion(const std::vector<Setup>& setups) {
     if (!s.bf16) {
       check_same_training(apart, fused, s.ranks);
     } else {
-      const Trained x = run(apart, s.ranks), y = run(fused, s.ranks);
-      REQUIRE(x.losses.size() == y.losses.size());
-      for (std::size_t i = 0; i < x.losses.size(); ++i) {
-        CAPTURE(i);
-        CHECK(std::isfinite(y.losses[i]));
-        // bf16 keeps 8 bits: one more rounding of the pre-activation moves each GELU gradient by
-        // at most 2^-8 of it; three Adam steps of lr 0.01 on a loss near ln 16 stay within 1%.
-        CHECK(std::abs(y.losses[i] - x.losses[i]) <= 1e-2 * std::abs(x.losses[i]));
-      }
+      check_close_training(apart, fused, s.ranks);
     }
   }
 }

@@ -108,7 +108,10 @@ Value gpt2_step(Graph& g, const models::Gpt2Shape& m, std::int64_t positions, co
       return reduce(in, matmul(v, w(name + ".weight", {n_in, d}))) + w(name + ".bias", {d});
     };
     x = x + row_linear(o, p + "attn.c_proj", dt);
-    x = x + row_linear(gelu(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, ff), GeluApprox::tanh), p + "mlp.c_proj", ff);
+    // gelu_new(x w + b) as models::gpt2 computes it (bias_gelu).
+    Value fc = bias_gelu(matmul(norm(x, p + "ln_2"), w(p + "mlp.c_fc.weight", {d, ff})), w(p + "mlp.c_fc.bias", {ff}),
+                         GeluApprox::tanh);
+    x = x + row_linear(fc, p + "mlp.c_proj", ff);
   }
   if (!in.last) return x;
   return matmul(norm(embedding(x, in.sample_rows), "ln_f"), w("wte.weight", {m.vocab, d}), false, true);

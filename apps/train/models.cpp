@@ -353,7 +353,11 @@ Outputs build_gpt2(Graph& g, std::int64_t batch, const Gpt2Shape& s, bool with_l
       heads = reshape(matmul(att, v3), {b, nh, t, dh});
     }
     x = x + linear(reshape(transpose(heads, {0, 2, 1, 3}), {b, t, d}), p + "attn.c_proj", d, d);
-    Value h = gelu(linear(norm(x, p + "ln_2"), p + "mlp.c_fc", d, 4 * d), GeluApprox::tanh);  // gelu_new
+    // gelu_new(x w + b) as one op, bias_gelu: under autocast the bias joins the bf16 product as
+    // torch's Linear adds it, and the plan's epilogues make the product, the bias and the GELU
+    // one cuBLASLt product (forward and backward).
+    Value h = bias_gelu(matmul(norm(x, p + "ln_2"), weight(p + "mlp.c_fc.weight", {d, 4 * d})),
+                        zeros(p + "mlp.c_fc.bias", 4 * d), GeluApprox::tanh);
     x = x + linear(h, p + "mlp.c_proj", 4 * d, d);
   }
   Outputs out;
