@@ -93,21 +93,33 @@ TEST_CASE("Passes.SbpPutsBackwardNodesOnTheShardOfWhatTheyDifferentiate") {
   cfg.tp = 2;
   const passes::Differentiated d = passes::autodiff(g, loss, cfg);
   const passes::Shards s = passes::sbp(g, d, 2);
-  int on_one = 0;
+  int on_one = 0, backward_on_one = 0, backward_on_zero = 0;
   for (int id = 0; id < g.size(); ++id) {
     if (!d.need[static_cast<std::size_t>(id)]) continue;
     const Node& n = g.node(id);
     CHECK(s.at(id) >= 0);
     CHECK(s.at(id) < 2);
     if (id <= loss.id()) CHECK(s.at(id) == std::max(0, n.tp_shard));
+    // A backward node runs where the forward node it differentiates runs (so shard 1's weight
+    // and activation gradients are computed on shard 1, shard 0's on shard 0); one without
+    // (the loss's seed) on the highest shard of its inputs.
     if (id > loss.id() && n.tp_shard < 0) {
-      int highest = 0;
-      for (int in : n.inputs) highest = std::max(highest, s.at(in));
-      CHECK(s.at(id) == highest);
+      if (n.grad_of >= 0) {
+        CHECK(s.at(id) == s.at(n.grad_of));
+        (s.at(id) == 1 ? backward_on_one : backward_on_zero)++;
+      } else {
+        int highest = 0;
+        for (int in : n.inputs) highest = std::max(highest, s.at(in));
+        CHECK(s.at(id) == highest);
+      }
     }
     on_one += s.at(id) == 1;
   }
   CHECK(on_one > 0);
+  // The backward is split between the shards, as the forward is (it was all on shard 1 once:
+  // every backward node reads dy, which came from the vocabulary-parallel loss on shard 1).
+  CHECK(backward_on_one > 0);
+  CHECK(backward_on_zero > 0);
   CHECK(test::contains(s.to_text(g, d), "tp 2\n"));
   // Without tensor parallelism every node is on shard 0; tp 2 of a model with no shards is refused.
   Mlp m;

@@ -23,6 +23,10 @@ Shards sbp(const Graph& g, const Differentiated& d, int tp) {
     if (id <= loss_id || n.tp_shard >= 0) {
       out.of[static_cast<std::size_t>(id)] = std::max(0, n.tp_shard);
       any = any || n.tp_shard > 0;
+    } else if (n.grad_of >= 0 && n.grad_of < id) {
+      // The backward step of a forward op runs on that op's shard: the gradients of shard k's
+      // weights and activations are computed where they live (dy comes to them).
+      out.of[static_cast<std::size_t>(id)] = out.of[static_cast<std::size_t>(n.grad_of)];
     } else {
       int s = 0;
       for (int in : n.inputs) s = std::max(s, out.of[static_cast<std::size_t>(in)]);

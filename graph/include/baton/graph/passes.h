@@ -66,8 +66,10 @@ Differentiated autodiff(Graph& g, Value loss, const TrainConfig& cfg);
 
 /// sbp: the tensor-parallel shard of every node. A forward node keeps the shard the model gave
 /// it (Graph::shard scopes, or shard_graph() from SBP signatures; -1, shared, runs on shard 0);
-/// a backward node goes with the highest shard among its inputs, so the gradient of shard k's
-/// weights and activations is computed where they live. tp 1: every node on shard 0.
+/// a backward node goes with the forward node whose backward step made it (Node::grad_of), so
+/// the gradient of shard k's weights and activations is computed where they live, and only dy
+/// crosses to them (a backward node without one: the highest shard among its inputs). tp 1:
+/// every node on shard 0.
 struct Shards {
   int tp = 1;
   std::vector<int> of;  // by node id
