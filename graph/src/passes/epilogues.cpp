@@ -264,6 +264,22 @@ std::optional<DgeluFusion> dgelu_for(const Plan& plan, const KernelRegistry& ker
   return DgeluFusion{p, *sum, m.inputs[0].reg, m.inputs[1].reg, m.attrs.get_int("trans_b", 0) != 0};
 }
 
+/// A fused forward actor: the product's placement and kind of work, with the name and memory
+/// category of the op whose place it takes.
+ActorDesc fused_forward(const ActorDesc& product, const ActorDesc& at, const char* op, bool trans_b,
+                        std::vector<InputPort> inputs, std::vector<RegisterIndex> outputs) {
+  ActorDesc fused = product;
+  fused.name = at.name;
+  fused.op = op;
+  fused.attrs = Attrs{};
+  fused.attrs.set("trans_b", std::int64_t{trans_b ? 1 : 0});
+  fused.inputs = std::move(inputs);
+  fused.outputs = std::move(outputs);
+  fused.memory = at.memory;
+  fused.in_place.clear();
+  return fused;
+}
+
 /// bias_gelu_grad(h, b, dy) as gelu_grad(h + b, dy): its inputs without b, what it computed in
 /// place of h or dy still in place of them.
 ActorDesc as_gelu_grad(const ActorDesc& r) {
@@ -299,16 +315,10 @@ Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfi
       taken.insert(f->product);
       const ActorDesc& m = plan.actors[f->product];
       const ActorDesc& g = plan.actors[f->gelu];
-      ActorDesc fused = m;
-      fused.name = g.name;
-      fused.op = "matmul_bias_gelu";
-      fused.attrs = Attrs{};
-      fused.attrs.set("trans_b", std::int64_t{f->trans_b ? 1 : 0});
+      // fc, and h + b in h's register
+      ActorDesc fused = fused_forward(m, g, "matmul_bias_gelu", f->trans_b, {{f->x}, {f->w}, {f->b}},
+                                      {g.outputs[0], m.outputs[0]});
       fused.attrs.set("approximate", std::string("tanh"));
-      fused.inputs = {{f->x}, {f->w}, {f->b}};
-      fused.outputs = {g.outputs[0], m.outputs[0]};  // fc, and h + b in h's register
-      fused.memory = g.memory;
-      fused.in_place.clear();
       replace[f->gelu] = std::move(fused);
       drop.insert(f->product);
       for (ActorIndex r : f->grads) {
@@ -364,18 +374,9 @@ Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfi
       const auto f = bias_add_for(plan, kernels, i, taken);
       if (!f || drop.contains(f->product) || replace.contains(f->product)) continue;
       taken.insert(f->product);
-      const ActorDesc& m = plan.actors[f->product];
       const ActorDesc& a = plan.actors[f->add];
-      ActorDesc fused = m;
-      fused.name = a.name;
-      fused.op = "matmul_bias";
-      fused.attrs = Attrs{};
-      fused.attrs.set("trans_b", std::int64_t{f->trans_b ? 1 : 0});
-      fused.inputs = {{f->x}, {f->w}, {f->b}};
-      fused.outputs = {a.outputs[0]};
-      fused.memory = a.memory;
-      fused.in_place.clear();
-      replace[f->add] = std::move(fused);
+      replace[f->add] =
+          fused_forward(plan.actors[f->product], a, "matmul_bias", f->trans_b, {{f->x}, {f->w}, {f->b}}, {a.outputs[0]});
       drop.insert(f->product);
       if (f->cast) {
         taken.insert(*f->cast);
