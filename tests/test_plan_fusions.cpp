@@ -200,9 +200,9 @@ void check_bias_fusion(const std::vector<Setup>& setups) {
     // Each block's MLP has two biases (b1 inside bias_gelu, b2 on the residual): every replica
     // fuses b1's (b2's too in f32 without recomputation; under bf16 b2 is added in f32 and its
     // product reads a bf16 cast of the gradient, and under full recomputation the product's x
-    // is a clone made after the sum). Under tp shard 0's b1 fuses (its backward runs where its
-    // x, ln2, lives); the other shards' weight-gradient products read x through a copy made just
-    // before them, after the sum, so theirs do not fuse yet.
+    // is a clone made after the sum). Under tp each shard's b1 fuses in f32 (shard k > 0's
+    // weight-gradient product reads x, ln2, through a copy made after the sum: the fused actor
+    // takes the product's place); in bf16 at least shard 0's.
     if (s.tp == 1) {
       CHECK(n >= 2 * s.dp);
     } else {

@@ -31,9 +31,10 @@
 // work (a zero-bubble schedule's W work stays W work); nothing is delayed. Backward: the product
 // reads dy and x whole or through same-place views (2-D reshapes of [..., k] and [..., n]), which
 // the fused actor reads past; the fused actor takes the sum's place in the plan, so every reader
-// of either result still comes after it in its lane (lanes keep plan order), and it runs only
-// there where x is written earlier in the plan than the sum (a recomputed x made later, just
-// before the product, leaves the pair alone). Forward: the product is matmul(x, w) with x
+// of either result still comes after it in its lane (lanes keep plan order), where x is written
+// earlier in the plan than the sum; else the product's place, where every reader of the bias
+// gradient comes after the product (a tensor-parallel shard's copy of x, made just before its
+// product); else the pair stays apart. Forward: the product is matmul(x, w) with x
 // [..., k] untransposed and w 2-D (transposed or not); the fused actor takes the add's place,
 // after the product's inputs. The device must have the kernel.
 #include <algorithm>
@@ -54,6 +55,7 @@ namespace {
 struct Fusion {
   ActorIndex sum = 0, product = 0;
   RegisterIndex x = 0, dy = 0;
+  ActorIndex at = 0;  // the place the fused actor takes: the sum's, or the product's
 };
 
 /// The register `reg` reads: itself, or what the same-place view that writes it views.
@@ -102,10 +104,14 @@ std::optional<Fusion> fusion_for(const Plan& plan, const KernelRegistry& kernels
     if (xr.shape.empty() || xr.dtype != dyr.dtype || dwr.dtype != dyr.dtype) continue;
     const std::int64_t k = xr.shape.back(), n = dyr.shape.back();
     if (k <= 0 || n <= 0 || numel(xr.shape) / k != numel(dyr.shape) / n || dwr.shape != Shape{k, n}) continue;
-    // x written before the sum's place in the plan (where the fused actor goes).
-    if (xr.producer >= si) continue;
     if (!kernels.contains("matmul_bias_grad", m.where.device.type, m.dtype)) continue;
-    return Fusion{si, mi, x, dy};
+    // The fused actor takes the sum's place where x is written before it; else the product's,
+    // where that comes after the sum and every reader of the bias gradient after it (x a copy
+    // made for the product, after the sum: a tensor-parallel shard's input from shard 0).
+    if (xr.producer < si) return Fusion{si, mi, x, dy, si};
+    const auto& db_readers = plan.registers[s.outputs[0]].consumers;
+    if (mi > si && std::all_of(db_readers.begin(), db_readers.end(), [&](ActorIndex c) { return c > mi; }))
+      return Fusion{si, mi, x, dy, mi};
   }
   return std::nullopt;
 }
@@ -358,8 +364,8 @@ Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfi
       fused.inputs = {{f->x}, {f->dy}};
       fused.outputs = {m.outputs[0], s.outputs[0]};
       fused.in_place.clear();
-      replace[f->sum] = std::move(fused);
-      drop.insert(f->product);
+      replace[f->at] = std::move(fused);
+      drop.insert(f->at == f->sum ? f->product : f->sum);
       // and the views only the product read
       for (const InputPort& in : m.inputs) {
         const ActorIndex p = plan.registers[in.reg].producer;
