@@ -105,6 +105,19 @@ session() {
   # shellcheck disable=SC2086
   check bench-bf16-sdpa 200 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
     --attention auto --torch-compile on --batch "${BENCH_BATCH:-32}" --gelu "${BENCH_GELU:-tanh}" ${BENCH_ARGS:-}
+  epilogues_refused
+}
+
+# The cuBLASLt epilogues that ran apart (each kernel says so once on stderr: no algorithm for the
+# shape, or a failure), counted into the summary: the checks pass either way.
+epilogues_refused() {
+  local lines
+  lines=$(grep -h "run apart" "$OUT"/*.log 2>/dev/null | sed 's/^baton: [^:]*: //' | sort | uniq -c | sort -rn | head -n 8)
+  if [ -n "$lines" ]; then
+    { echo "epilogues that ran apart:"; echo "$lines"; } | tee -a "$summary"
+  else
+    echo "epilogues that ran apart: none" | tee -a "$summary"
+  fi
 }
 
 # PyTorch alone at several batches (bf16 autocast, fused attention: as a user would run it), to
