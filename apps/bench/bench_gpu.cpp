@@ -200,6 +200,45 @@ struct Options {
   std::exit(code);
 }
 
+/// Refuses (usage, status 2) a value of `flag` that is not one of `allowed`, naming them.
+void require_one_of(std::string_view flag, const std::string& v, std::initializer_list<std::string_view> allowed) {
+  if (std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return;
+  std::string names;
+  std::size_t k = 0;
+  for (std::string_view a : allowed) {
+    names += fmt::format("{}{}", k == 0 ? "" : k + 1 == allowed.size() ? " or " : ", ", a);
+    ++k;
+  }
+  fmt::print(stderr, "{}: {} must be {}, not '{}'\n", prog, flag, names, v);
+  usage(2);
+}
+
+/// The second half of parse(): the values that only make sense together, and the choices.
+void check_choices(Options& o) {
+  if (!o.precision.empty()) require_one_of("--precision", o.precision, {"f32", "tf32", "bf16"});
+  if (!o.torch_attention.empty()) require_one_of("--torch-attention", o.torch_attention, {"naive", "sdpa", "auto"});
+  if (o.batch_mode.empty()) o.batch_mode = o.sizes.batch > 0 ? "same" : "best";
+  require_one_of("--batch-mode", o.batch_mode, {"best", "same"});
+  if (o.batch_mode == "best" && o.sizes.batch > 0) {
+    fmt::print(stderr,
+               "{}: --batch {} fixes the batch, --batch-mode best searches for it: give one of them "
+               "(--batch-mode same --batch N compares both sides at N)\n",
+               prog, o.sizes.batch);
+    usage(2);
+  }
+  require_one_of("--torch-compile", o.torch_compile, {"auto", "on", "off"});
+  require_one_of("--gelu", o.gelu, {"erf", "tanh"});
+  require_one_of("--attention", o.attention, {"auto", "naive", "fused", "cudnn"});
+  if (o.device != "auto") {
+    try {
+      (void)Device::parse(o.device);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "{}: --device: {}\n", prog, e.what());
+      usage(2);
+    }
+  }
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   auto value = [&](int& i, std::string_view flag) -> std::string {
@@ -288,49 +327,7 @@ Options parse(int argc, char** argv) {
       usage(2);
     }
   }
-  if (!o.precision.empty() && o.precision != "f32" && o.precision != "tf32" &&
-      o.precision != "bf16") {
-    fmt::print(stderr, "{}: --precision must be f32, tf32 or bf16, not '{}'\n", prog, o.precision);
-    usage(2);
-  }
-  if (!o.torch_attention.empty() && o.torch_attention != "naive" && o.torch_attention != "sdpa" &&
-      o.torch_attention != "auto") {
-    fmt::print(stderr, "{}: --torch-attention must be naive, sdpa or auto, not '{}'\n", prog,
-               o.torch_attention);
-    usage(2);
-  }
-  if (o.batch_mode.empty()) o.batch_mode = o.sizes.batch > 0 ? "same" : "best";
-  if (o.batch_mode != "best" && o.batch_mode != "same") {
-    fmt::print(stderr, "{}: --batch-mode must be best or same, not '{}'\n", prog, o.batch_mode);
-    usage(2);
-  }
-  if (o.batch_mode == "best" && o.sizes.batch > 0) {
-    fmt::print(stderr,
-               "{}: --batch {} fixes the batch, --batch-mode best searches for it: give one of them "
-               "(--batch-mode same --batch N compares both sides at N)\n",
-               prog, o.sizes.batch);
-    usage(2);
-  }
-  if (o.torch_compile != "auto" && o.torch_compile != "on" && o.torch_compile != "off") {
-    fmt::print(stderr, "{}: --torch-compile must be auto, on or off, not '{}'\n", prog, o.torch_compile);
-    usage(2);
-  }
-  if (o.gelu != "erf" && o.gelu != "tanh") {
-    fmt::print(stderr, "{}: --gelu must be erf or tanh, not '{}'\n", prog, o.gelu);
-    usage(2);
-  }
-  if (o.attention != "auto" && o.attention != "naive" && o.attention != "fused" && o.attention != "cudnn") {
-    fmt::print(stderr, "{}: --attention must be auto, naive, fused or cudnn, not '{}'\n", prog, o.attention);
-    usage(2);
-  }
-  if (o.device != "auto") {
-    try {
-      (void)Device::parse(o.device);
-    } catch (const std::exception& e) {
-      fmt::print(stderr, "{}: --device: {}\n", prog, e.what());
-      usage(2);
-    }
-  }
+  check_choices(o);
   return o;
 }
 
