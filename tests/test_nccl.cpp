@@ -23,9 +23,12 @@
 #include <fmt/format.h>
 
 #include "baton/actors.h"
+#include "baton/graph.h"
 #include "baton/graph/collectives.h"
 #include "baton/kernels.h"
+#include "baton/kernels/data.h"
 #include "baton/transport/control.h"
+#include "models.h"
 #include "test_util.h"
 
 using namespace baton;
@@ -571,4 +574,44 @@ TEST_CASE("Nccl.IdExchange.RunJobHandsKernelsAStoreFilledBeforeTheStart" * docte
   for (auto& r : ranks) r.get();
   std::lock_guard lock(mutex);
   CHECK(seen == id);
+}
+
+// Tensor parallelism's sums through NCCL between two GPUs (graph/src/passes/tp_collectives.cpp):
+// the GPT at tp 2 on cuda:0 and cuda:1, its forward sums one NCCL all-reduce each ("auto")
+// against the chains of adds ("actors"), three Adam steps in f32. NCCL adds two members' parts
+// in one f32 addition, as the chain's add does, so the losses should agree to the last bits;
+// 1e-6 relative leaves room for a reduction order NCCL may choose otherwise. The logic runs
+// in CI on sim devices (tests/test_tp_collectives.cpp); this is its run on GPUs.
+TEST_CASE("Nccl.TwoDevices.TensorParallelSumsTrainAsTheChainsOfAdds" * doctest::timeout(300)) {
+  if (!cuda_usable(2)) return;
+  auto train = [](const char* collectives) {
+    Graph g(5);
+    auto corpus = std::make_shared<data::TextCorpus>();
+    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+    for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
+    Value loss =
+        models::gpt_with_loss(g, 4, {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = 2}).loss;
+    TrainConfig cfg;
+    cfg.steps = 3;
+    cfg.microbatches = 2;
+    cfg.tp = 2;
+    cfg.optimizer = optim::adam(0.01);
+    cfg.collectives = collectives;
+    cfg.replica_places = {{.device = Device::parse("cuda:0")}, {.device = Device::parse("cuda:1")}};
+    cfg.data = {{"text", data::text_source(corpus, 8, 2, 8, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, loss, cfg);
+    int nccl = 0;
+    for (const ActorDesc& a : job.plan.actors) nccl += a.op == "nccl.allreduce";
+    RuntimeSettings rs;
+    rs.stall_timeout = 60'000ms;
+    Runtime(job.plan, job.kernels, rs).run();
+    return std::pair{job.losses->per_step(), nccl};
+  };
+  const auto [with_nccl, n] = train("auto");
+  const auto [with_adds, none] = train("actors");
+  CHECK(n == 12);
+  CHECK(none == 0);
+  REQUIRE(with_nccl.size() == 3);
+  REQUIRE(with_adds.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(with_nccl[i] == doctest::Approx(with_adds[i]).epsilon(1e-6));
 }

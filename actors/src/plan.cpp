@@ -141,6 +141,9 @@ ActorIndex data_writer(const Plan& plan, RegisterIndex reg) {
 
 namespace {
 
+/// A collective whose kernel waits on its stream until its peers call it too (NCCL's).
+bool waits_for_peers(const ActorDesc& a) { return a.op.starts_with("nccl."); }
+
 /// Two streams whose events can order each other: same rank, same kind of device.
 bool same_kind(const ActorDesc& a, const ActorDesc& b) {
   return a.where.rank == b.where.rank && a.where.device.type == b.where.device.type;
@@ -175,11 +178,18 @@ EdgeSync edge_sync(const Plan& plan, RegisterIndex reg, ActorIndex consumer) {
   const bool writes_on_stream = on_stream(writer);
   if (reader.kind == ActorKind::repeat) {
     if (!writes_on_stream) return EdgeSync::host;
+    if (waits_for_peers(writer)) return EdgeSync::to_host;
     return readers_on_streams(plan, consumer, writer, 0) ? EdgeSync::alias : EdgeSync::to_host;
   }
   const bool reads_on_stream = on_stream(reader);
   if (!writes_on_stream) return reads_on_stream ? EdgeSync::from_host : EdgeSync::host;
-  if (!reads_on_stream || !same_kind(reader, writer)) {
+  if (!reads_on_stream || !same_kind(reader, writer) || waits_for_peers(writer) || waits_for_peers(reader)) {
+    // A collective that waits on its stream for its peers (NCCL's) is seen from the other
+    // streams as the host sees it: were a compute stream to wait on its event, that stream
+    // would stop until every peer came, and a peer may need this device's later work first
+    // (tensor parallelism's sums couple a replica's devices; each of data parallelism's
+    // per-place groups then waits on another device of the replica): a cycle through the
+    // devices, a hang. Host-side, only the actors that read the sum wait for it.
     // A reader on a stream of another kind (a sim device reading CUDA memory) sees the data
     // as the host does: once the writer's stream has reached the write. Its own reads then
     // end before its stream is reached, which it waits for before acking (from_host's rule

@@ -1108,8 +1108,9 @@ void add_run_options(CLI::App& app, Options& o) {
                  "(hierarchical where the replicas span hosts evenly: within each host, across hosts, within) or flat "
                  "(one ring over every replica)")
       ->check(CLI::IsMember({"auto", "flat"}));
-  app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients: auto (NCCL when every replica is on a "
-                 "CUDA device, else actors), nccl, or actors (a ring of add actors; any devices)")
+  app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients and --tp sums its shards: auto (NCCL "
+                 "where every member is on a CUDA device of its own, else actors), nccl, or actors (a ring of add "
+                 "actors, a chain of adds; any devices)")
       ->check(CLI::IsMember({"auto", "nccl", "actors"}));
   app.add_option("--precision", o.precision, "f32, or bf16: mixed precision as torch.autocast (matrix products in bf16, "
                  "softmax, losses and norms in f32; f32 master weights and optimizer)")

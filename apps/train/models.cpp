@@ -98,7 +98,7 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
       }
       auto o = reshape(transpose(heads, {0, 2, 1, 3}), {b, t, d_k});
       Value part = matmul(o, w("attn.wo", {d_k, d}));
-      attn = sk == 0 ? part : attn + part;
+      attn = sk == 0 ? part : tp_sum_link(attn + part, sk, tp);  // one NCCL all-reduce on GPUs
     }
     x = x + attn;
     auto ln2 = layer_norm(x, g.variable(p("ln2.g"), {d}, init::ones(), s.dtype), g.variable(p("ln2.b"), {d}, init::zeros(), s.dtype));
@@ -110,7 +110,7 @@ Outputs build_gpt(Graph& g, std::int64_t batch, const GptShape& s, bool with_los
       auto b1 = g.variable(shard_name(p("mlp.b1"), sk), {f_k}, init::zeros(), s.dtype);
       auto fc = s.fused_bias_gelu ? bias_gelu(h1, b1, s.gelu) : gelu(h1 + b1, s.gelu);
       Value part = matmul(fc, g.variable(shard_name(p("mlp.w2"), sk), {f_k, d}, init::normal(0.0, 0.02), s.dtype));
-      mlp = sk == 0 ? part : mlp + part;
+      mlp = sk == 0 ? part : tp_sum_link(mlp + part, sk, tp);
     }
     // The second product's bias on the product, then the residual (as nn.Linear and Megatron's
     // row-parallel Linear add it): x w2 + b2 is one cuBLASLt product with its bias epilogue.
@@ -277,7 +277,7 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
       }
       auto o = reshape(transpose(heads, {0, 2, 1, 3}), {b, t, nh_k * dh});
       Value part = matmul(o, w("self_attn.o_proj.weight", {nh_k * dh, d}));
-      attn = sk == 0 ? part : attn + part;
+      attn = sk == 0 ? part : tp_sum_link(attn + part, sk, tp);  // one NCCL all-reduce on GPUs
     }
     x = x + attn;
     Value h2 = norm(x, p("post_attention_layernorm.weight"));
@@ -288,7 +288,7 @@ Outputs build_llama(Graph& g, std::int64_t batch, const LlamaShape& s, bool with
       // gate (w1) and up (w3) by columns, down (w2) by rows: SwiGLU is elementwise in between.
       Value part = swiglu(h2, w("mlp.gate_proj.weight", {d, f_k}), w("mlp.up_proj.weight", {d, f_k}),
                           w("mlp.down_proj.weight", {f_k, d}));
-      mlp = sk == 0 ? part : mlp + part;
+      mlp = sk == 0 ? part : tp_sum_link(mlp + part, sk, tp);
     }
     x = x + mlp;
   }

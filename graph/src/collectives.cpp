@@ -689,7 +689,8 @@ std::vector<RegisterIndex> add_nccl_collective(Plan& plan, NcclCollective collec
   const auto n = static_cast<std::int64_t>(members.size());
   std::vector<std::int64_t> ranks, devices;
   for (const AllReduceMember& m : members) {
-    if (m.where.device.type != DeviceType::cuda) {
+    // A sim device (sim.h) takes the sim's stand-in for NCCL (sim_nccl.cpp), in tests.
+    if (m.where.device.type != DeviceType::cuda && m.where.device.type != DeviceType::sim) {
       throw std::invalid_argument(fmt::format("NCCL collective '{}': member '{}' is on rank {} {}, not a CUDA device",
                                               name, m.suffix, m.where.rank, m.where.device.str()));
     }

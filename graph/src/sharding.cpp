@@ -365,11 +365,14 @@ std::vector<Value> ShardedGraph::move(int id, Sbp from, Sbp to) {
     case Movement::all_reduce: {
       // Shard k adds its part to the sum so far, as a model sharded by hand sums its shards'
       // partial products; the sum is one tensor (on the last shard) that every consumer reads.
+      // Each add says which link of the chain it is (attrs "tp_sum" k of "tp"): the
+      // tp_collectives pass makes the chain one NCCL all-reduce where the shards are GPUs.
       Value sum = src[0];
       for (int k = 1; k < tp_; ++k) {
         auto on = g.shard(k);
         sum = (sum + src[static_cast<std::size_t>(k)])
                   .named(k + 1 == tp_ ? name + ".allreduce" : part_name(id, ".allreduce", k));
+        tp_sum_link(sum, k, tp_);
       }
       return {sum};
     }
@@ -537,6 +540,11 @@ std::string ShardedGraph::to_text() const {
                        to_string(b.to), readers);
   }
   return out;
+}
+
+Value tp_sum_link(Value sum, std::int64_t k, std::int64_t tp) {
+  sum.graph().node_mut(sum.id()).attrs.set("tp_sum", k).set("tp", tp);
+  return sum;
 }
 
 Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, std::int32_t parts) {

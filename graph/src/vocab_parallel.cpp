@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "baton/graph/ops.h"
+#include "baton/graph/sharding.h"
 
 namespace baton {
 
@@ -74,7 +75,8 @@ Value vocab_parallel_embedding(const std::vector<Value>& tables, Value ids) {
   for (std::size_t k = 0; k < tables.size(); ++k) {
     auto scope = on_shard(g, tables.size(), k);
     Value part = embedding_shard(tables[k], ids, start, vocab);
-    sum = k == 0 ? part : sum + part;
+    // A chain of adds over the shards (tp_sum_link: one NCCL all-reduce on GPUs).
+    sum = k == 0 ? part : tp_sum_link(sum + part, static_cast<std::int64_t>(k), static_cast<std::int64_t>(tables.size()));
     start += tables[k].dim(0);
   }
   return sum;
@@ -153,7 +155,7 @@ Value vocab_parallel_cross_entropy(const std::vector<Value>& shard_logits, Value
   for (std::size_t k = 0; k < n; ++k) {
     auto scope = on_shard(g, n, k);
     Value s = vocab_parallel_ce_stats(logits[k], labels, row_max, start, vocab);
-    stats = k == 0 ? s : stats + s;
+    stats = k == 0 ? s : tp_sum_link(stats + s, static_cast<std::int64_t>(k), static_cast<std::int64_t>(n));
     start += logits[k].dim(1);
   }
   return vocab_parallel_ce_loss(stats, row_max);

@@ -256,7 +256,7 @@ std::unique_ptr<Kernel> make_kernel(Collective op, const KernelConfig& cfg) {
 
 void add_nccl_kernels(KernelRegistry& reg) {
   for (Collective op : {Collective::all_reduce, Collective::reduce_scatter, Collective::all_gather}) {
-    for (DType dt : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8}) {
+    for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8}) {
       reg.add(op_name(op), DeviceType::cuda, dt, [op](const KernelConfig& cfg) { return make_kernel(op, cfg); });
     }
   }

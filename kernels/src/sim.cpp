@@ -324,6 +324,7 @@ std::unique_ptr<Kernel> on_stream(std::unique_ptr<Kernel> cpu_kernel, std::strin
 }
 
 void add_sim_kernels(KernelRegistry& reg) {
+  add_sim_nccl_kernels(reg);
   for (DType t : {DType::f32, DType::f64, DType::i32, DType::i64, DType::u8, DType::bf16}) {
     for (const char* op : {"copy", "to_device", "to_host"}) {
       reg.add(op, DeviceType::sim, t, [op](const KernelConfig& cfg) {

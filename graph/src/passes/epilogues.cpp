@@ -129,6 +129,15 @@ bool alike(const ActorDesc& a, const ActorDesc& b) {
          a.first_piece == b.first_piece && a.pieces == b.pieces;
 }
 
+/// Whether `m` is a plain product matmul(x, w) that may fuse with `with`: x [..., k] read
+/// untransposed, w 2-D, both read as they are, and `m` alike `with`.
+bool plain_product(const Plan& plan, const ActorDesc& m, const ActorDesc& with) {
+  if (m.kind != ActorKind::compute || m.op != "matmul" || m.inputs.size() != 2 || m.outputs.size() != 1 ||
+      !is_plain(m.inputs[0]) || !is_plain(m.inputs[1]) || m.attrs.get_int("trans_a", 0) != 0 || !alike(m, with))
+    return false;
+  return plan.registers[m.inputs[0].reg].shape.size() >= 2 && plan.registers[m.inputs[1].reg].shape.size() == 2;
+}
+
 /// The one actor that reads `reg`, if it has exactly one reader.
 std::optional<ActorIndex> only_reader(const Plan& plan, RegisterIndex reg) {
   const auto& c = plan.registers[reg].consumers;
@@ -166,13 +175,10 @@ std::optional<BiasAdd> bias_add_for(const Plan& plan, const KernelRegistry& kern
       if (p >= plan.actors.size()) continue;
     }
     const ActorDesc& m = plan.actors[p];
-    if (taken.contains(p) || m.kind != ActorKind::compute || m.op != "matmul" || m.inputs.size() != 2 ||
-        m.outputs.size() != 1 || !is_plain(m.inputs[0]) || !is_plain(m.inputs[1]) ||
-        m.attrs.get_int("trans_a", 0) != 0 || !alike(m, a))
-      continue;
+    if (taken.contains(p) || !plain_product(plan, m, a)) continue;
     const RegisterDesc& xr = plan.registers[m.inputs[0].reg];
     const RegisterDesc& wr = plan.registers[m.inputs[1].reg];
-    if (xr.shape.size() < 2 || wr.shape.size() != 2 || xr.dtype != wr.dtype || xr.dtype != m.dtype) continue;
+    if (xr.dtype != wr.dtype || xr.dtype != m.dtype) continue;
     if (xr.dtype != (f.cast ? DType::bf16 : yr.dtype)) continue;
     if (!kernels.contains("matmul_bias", m.where.device.type, m.dtype)) continue;
     f.product = p;
@@ -204,13 +210,11 @@ std::optional<GeluProduct> gelu_product_for(const Plan& plan, const KernelRegist
   const ActorIndex p = plan.registers[h].producer;
   if (p >= plan.actors.size() || taken.contains(p)) return std::nullopt;
   const ActorDesc& m = plan.actors[p];
-  if (m.kind != ActorKind::compute || m.op != "matmul" || m.inputs.size() != 2 || m.outputs.size() != 1 ||
-      !is_plain(m.inputs[0]) || !is_plain(m.inputs[1]) || m.attrs.get_int("trans_a", 0) != 0 || !alike(m, g))
-    return std::nullopt;
+  if (!plain_product(plan, m, g)) return std::nullopt;
   const RegisterDesc& xr = plan.registers[m.inputs[0].reg];
   const RegisterDesc& wr = plan.registers[m.inputs[1].reg];
   const RegisterDesc& hr = plan.registers[h];
-  if (xr.shape.size() < 2 || wr.shape.size() != 2 || hr.shape.size() < 2) return std::nullopt;
+  if (hr.shape.size() < 2) return std::nullopt;
   const DType t = m.dtype;
   if (xr.dtype != t || wr.dtype != t || hr.dtype != t || plan.registers[b].dtype != t ||
       plan.registers[g.outputs[0]].dtype != t || plan.registers[b].shape != Shape{hr.shape.back()})
@@ -247,13 +251,10 @@ std::optional<DgeluFusion> dgelu_for(const Plan& plan, const KernelRegistry& ker
   const ActorIndex p = plan.registers[dfc].producer;
   if (p >= plan.actors.size() || taken.contains(p) || only_reader(plan, dfc) != ri) return std::nullopt;
   const ActorDesc& m = plan.actors[p];
-  if (m.kind != ActorKind::compute || m.op != "matmul" || m.inputs.size() != 2 || m.outputs.size() != 1 ||
-      !is_plain(m.inputs[0]) || !is_plain(m.inputs[1]) || m.attrs.get_int("trans_a", 0) != 0 || !alike(m, r) ||
-      m.dtype != r.dtype)
-    return std::nullopt;
+  if (!plain_product(plan, m, r) || m.dtype != r.dtype) return std::nullopt;
   const RegisterDesc& dyr = plan.registers[m.inputs[0].reg];
   const RegisterDesc& wr = plan.registers[m.inputs[1].reg];
-  if (dyr.shape.size() < 2 || wr.shape.size() != 2 || dyr.dtype != r.dtype || wr.dtype != r.dtype) return std::nullopt;
+  if (dyr.dtype != r.dtype || wr.dtype != r.dtype) return std::nullopt;
   const RegisterDesc& dh = plan.registers[r.outputs[0]];
   std::optional<ActorIndex> sum;
   for (ActorIndex c : dh.consumers) {
@@ -391,35 +392,9 @@ Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfi
     }
   }
   if (replace.empty()) return plan;
-  // Rebuilt without the dropped actors and the registers only they wrote; add_actor links anew.
-  Plan out;
-  constexpr RegisterIndex none = std::numeric_limits<RegisterIndex>::max();
-  std::vector<RegisterIndex> reg_at(plan.registers.size(), none);
-  // The registers only the dropped actors wrote: every output of a dropped actor that no fused
-  // actor writes in its place.
-  std::set<RegisterIndex> gone, rewritten;
-  for (const auto& [i, a] : replace) rewritten.insert(a.outputs.begin(), a.outputs.end());
-  for (ActorIndex a : drop) {
-    for (RegisterIndex r : plan.actors[a].outputs) {
-      if (!rewritten.contains(r)) gone.insert(r);
-    }
-  }
-  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
-    if (gone.contains(r)) continue;
-    RegisterDesc d = plan.registers[r];
-    d.producer = no_actor;
-    d.consumers.clear();
-    reg_at[r] = out.add_register(std::move(d));
-  }
-  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
-    if (drop.contains(i)) continue;
-    ActorDesc a = replace.contains(i) ? replace.at(i) : plan.actors[i];
-    for (InputPort& in : a.inputs) in.reg = reg_at.at(in.reg);
-    for (RegisterIndex& o : a.outputs) o = reg_at.at(o);
-    out.add_actor(std::move(a));
-  }
-  out.arenas = plan.arenas;
-  return out;
+  std::map<ActorIndex, std::vector<ActorDesc>> in_place;
+  for (auto& [i, a] : replace) in_place[i].push_back(std::move(a));
+  return detail::rebuilt(plan, in_place, drop);
 }
 
 }  // namespace baton::passes

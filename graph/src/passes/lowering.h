@@ -63,6 +63,19 @@ constexpr std::uint8_t nccl_stream = 14;
 /// pipeline stage's.
 constexpr std::int32_t nccl_lane_base = 1 << 20;
 
+/// The stream of tensor parallelism's NCCL all-reduces (the tp_collectives pass): not dp's
+/// (nccl_stream), whose buckets wait for the whole backward while these sit between a stage's
+/// ops, and not a compute stream, whose lane would order them after the ops that read them.
+constexpr std::uint8_t tp_nccl_stream = 13;
+
+/// A plan pass's rewrite: the plan without the actors in `drop` and with each entry of
+/// `replace` in place of the actor at its index (several actors in a row where it has
+/// several), less the registers that only the dropped and replaced actors wrote; add_actor
+/// links producers and consumers anew. Registers the replacements write are kept whoever wrote
+/// them before.
+Plan rebuilt(const Plan& plan, const std::map<ActorIndex, std::vector<ActorDesc>>& replace,
+             const std::set<ActorIndex>& drop);
+
 /// Builds the actors and registers for the nodes a plan needs: one model replica's worth, with
 /// names suffixed and actors placed for that replica.
 struct PlanBuilder {

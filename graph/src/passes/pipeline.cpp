@@ -17,8 +17,8 @@ const std::vector<std::string_view>& names() {
   // Device copies before transfers: what crosses ranks from or to a CUDA device is staged
   // through host memory, and the copies say which host register the transfer then reads.
   static const std::vector<std::string_view> all{
-      "autodiff", "sbp",   "stages",        "recompute", "replicas", "sync",
-      "lower",    "epilogues", "device_copies", "transfers", "lanes",     "memory"};
+      "autodiff",  "sbp",      "stages",         "recompute",     "replicas", "sync",   "lower",
+      "epilogues", "tp_collectives", "device_copies", "transfers", "lanes", "memory"};
   return all;
 }
 
@@ -154,6 +154,9 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   job.plan = epilogues(job.plan, job.kernels, cfg);
   print_after(cfg, "epilogues", [&] { return job.plan.to_text(); });
   verify(job, "epilogues", PlanChecks::before_transfers);
+  job.plan = tp_collectives(job.plan, job.kernels, cfg);
+  print_after(cfg, "tp_collectives", [&] { return job.plan.to_text(); });
+  verify(job, "tp_collectives", PlanChecks::before_transfers);
   job.plan = device_copies(job.plan, job.kernels);
   print_after(cfg, "device_copies", [&] { return job.plan.to_text(); });
   verify(job, "device_copies", PlanChecks::before_transfers);

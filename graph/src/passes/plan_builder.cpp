@@ -1,6 +1,8 @@
 // What the lowering pass and evaluate() share (lowering.h).
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <map>
 #include <optional>
 #include <string_view>
 #include <set>
@@ -237,6 +239,48 @@ void PlanBuilder::source_actor(const std::string& name, const std::string& op, D
                   .first_piece = first_piece,
                   .attrs = std::move(attrs),
                   .role = role});
+}
+
+Plan rebuilt(const Plan& plan, const std::map<ActorIndex, std::vector<ActorDesc>>& replace,
+             const std::set<ActorIndex>& drop) {
+  Plan out;
+  constexpr RegisterIndex none = std::numeric_limits<RegisterIndex>::max();
+  std::vector<RegisterIndex> reg_at(plan.registers.size(), none);
+  // The registers only the dropped and replaced actors wrote: every output of one that no
+  // replacement writes in its place.
+  std::set<RegisterIndex> gone, rewritten;
+  for (const auto& [i, actors] : replace) {
+    for (const ActorDesc& a : actors) rewritten.insert(a.outputs.begin(), a.outputs.end());
+  }
+  auto unwritten = [&](ActorIndex a) {
+    for (RegisterIndex r : plan.actors[a].outputs) {
+      if (!rewritten.contains(r)) gone.insert(r);
+    }
+  };
+  for (ActorIndex a : drop) unwritten(a);
+  for (const auto& [i, actors] : replace) unwritten(i);
+  for (RegisterIndex r = 0; r < plan.registers.size(); ++r) {
+    if (gone.contains(r)) continue;
+    RegisterDesc d = plan.registers[r];
+    d.producer = no_actor;
+    d.consumers.clear();
+    reg_at[r] = out.add_register(std::move(d));
+  }
+  auto add = [&](ActorDesc a) {
+    for (InputPort& in : a.inputs) in.reg = reg_at.at(in.reg);
+    for (RegisterIndex& o : a.outputs) o = reg_at.at(o);
+    out.add_actor(std::move(a));
+  };
+  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+    if (drop.contains(i)) continue;
+    if (auto it = replace.find(i); it != replace.end()) {
+      for (const ActorDesc& a : it->second) add(a);
+    } else {
+      add(plan.actors[i]);
+    }
+  }
+  out.arenas = plan.arenas;
+  return out;
 }
 
 }  // namespace baton::passes::detail

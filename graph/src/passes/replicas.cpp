@@ -20,6 +20,12 @@ bool use_nccl(const TrainConfig& cfg, const std::vector<std::vector<Placement>>&
       });
   if (cfg.collectives == "actors") return false;
   if (cfg.collectives == "auto") return all_cuda && nccl::built_with_nccl();
+  // "nccl" on sim devices: the sim's stand-in for NCCL (kernels/src/sim_nccl.cpp), for tests.
+  const bool all_sim =
+      std::all_of(places.begin(), places.end(), [&](const std::vector<Placement>& p) {
+        return p[static_cast<std::size_t>(place)].device.type == DeviceType::sim;
+      });
+  if (all_sim) return true;
   if (!all_cuda) {
     throw GraphError(
         "collectives 'nccl' needs every replica on a CUDA device; use 'actors' (or 'auto')");

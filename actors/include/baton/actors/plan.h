@@ -287,7 +287,10 @@ enum class EdgeSync : std::uint8_t {
   /// requests and acks go out when the acts end.
   host,
   /// Written on a stream, read on the host or another rank: the request goes out when the
-  /// writer's stream has reached the write (a host callback).
+  /// writer's stream has reached the write (a host callback). Also between a collective that
+  /// waits on its stream for its peers (NCCL's) and an actor on another stream, either way: a
+  /// reader on a stream then acks once its stream has reached the read, and neither stream
+  /// waits on the other's events.
   to_host,
   /// Written on the host, read on a stream: the ack goes out when the reader's stream has
   /// reached the read (a host callback).

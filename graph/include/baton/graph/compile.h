@@ -160,7 +160,10 @@ struct TrainConfig {
   /// all-reduce actor per replica, on a stream of its own, the buckets in one fixed order on
   /// every rank; every replica's place must be a CUDA device, each on its own GPU) or "auto":
   /// NCCL where every member is on a CUDA device and baton has NCCL, else actors. The loss's
-  /// all-reduce (a scalar per micro-batch) is always made of actors.
+  /// all-reduce (a scalar per micro-batch) is always made of actors. Also how tp > 1 sums its
+  /// shards' partial products (passes.h: tp_collectives): "actors" a chain of adds, "auto" NCCL
+  /// where every shard is a CUDA device of its own, "nccl" NCCL or an error. On `sim` devices
+  /// "nccl" takes the sim's stand-in for NCCL (tests).
   std::string collectives = "auto";
   /// dp > 1: "none", "bf16" or "fp16": the gradient sums travel (and are kept between hops) in
   /// bf16 or IEEE half (DType::f16) and are added in f32 (AllReduceSettings::wire; Horovod's

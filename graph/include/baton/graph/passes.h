@@ -170,6 +170,13 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
 /// else the plan unchanged.
 Plan epilogues(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg);
 
+/// tp_collectives: with tp > 1, each tensor-parallel partial sum (shard_graph's chain of adds)
+/// as one NCCL all-reduce where every shard is a CUDA device of its own (TrainConfig::collectives;
+/// `sim` devices with "nccl"): an nccl.allreduce actor per shard on tp_nccl_stream, each reader
+/// of the sum reading the copy on its own device (passes/tp_collectives.cpp says when and in
+/// which order); else the plan unchanged.
+Plan tp_collectives(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg);
+
 /// device_copies: with any actor on a CUDA device, refuses actors whose op has no CUDA kernel
 /// (GraphError naming them) and adds the copy actors (insert_device_copies, plan.h); a plan of
 /// host devices comes back unchanged.

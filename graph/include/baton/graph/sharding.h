@@ -145,6 +145,12 @@ class ShardedGraph {
 /// the tensor, the axis, its size and tp), for a partial-sum annotation on a leaf or a move to P.
 ShardedGraph shard_graph(const Graph& logical, Graph& physical, int tp);
 
+/// Marks `sum`, an add on shard k of `tp` that adds shard k's part to the sum of shards
+/// 0 .. k-1 (the sum on shard k-1), as link k of a tensor-parallel sum (attrs "tp_sum" and
+/// "tp"): the tp_collectives pass makes such a chain one NCCL all-reduce where the shards are
+/// GPUs (graph/src/passes/tp_collectives.cpp). Returns sum.
+Value tp_sum_link(Value sum, std::int64_t k, std::int64_t tp);
+
 /// Part `index` of `parts` equal pieces of `whole` along `axis`.
 Tensor part_along(const Tensor& whole, std::int32_t axis, std::int32_t index, std::int32_t parts);
 

@@ -83,6 +83,12 @@ class Stream final : public AsyncStream {
 /// memcpy on the stream). Every other op runs its CPU kernel on the stream (on_stream).
 void add_sim_kernels(KernelRegistry& reg);
 
+/// Registers the sim's stand-in for NCCL (kernels/src/sim_nccl.cpp): "nccl.allreduce",
+/// "nccl.reduce_scatter" and "nccl.all_gather" on sim devices (f32, f64, bf16), with NCCL's
+/// pairing of calls by their order and a call that waits on its stream for every member (in
+/// this process), so that plans with NCCL actors run in CI. Called by add_sim_kernels.
+void add_sim_nccl_kernels(KernelRegistry& reg);
+
 /// A kernel whose compute() enqueues `cpu_kernel`'s on the actor's sim stream
 /// (KernelContext::async_stream) with the act's tensors and piece, and returns.
 std::unique_ptr<Kernel> on_stream(std::unique_ptr<Kernel> cpu_kernel, std::string actor);

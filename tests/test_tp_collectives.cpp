@@ -1,0 +1,299 @@
+// Tensor parallelism's sums through NCCL (graph/src/passes/tp_collectives.cpp), run for real on
+// `sim` devices, whose stand-in for NCCL (kernels/src/sim_nccl.cpp) pairs the calls of a group
+// by their order and blocks a member's stream until every member has called, as NCCL does on
+// GPUs. Its sum adds in member order, the order of the chain of adds it replaces, so a sim run
+// must train as the CPU with the chains does, bit for bit: a member that read a part before it
+// was written, or a reader given another shard's copy at the wrong piece, shows as a
+// difference; a lane that ordered the calls differently on two members fails the job.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "baton/actors.h"
+#include "baton/graph.h"
+#include "baton/graph/collectives.h"
+#include "baton/kernels.h"
+#include "baton/kernels/cuda.h"
+#include "baton/kernels/data.h"
+#include "baton/kernels/nccl.h"
+#include "loopback_run.h"
+#include "models.h"
+#include "test_util.h"
+
+using namespace baton;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Setup {
+  int dp = 1, pp = 1, tp = 2;
+  std::string schedule = "1f1b";
+  std::int64_t microbatches = 2;  // per replica
+  int threads = 1;
+  bool memory_plan = true;
+  bool ranks = false;  // each place a rank of its own (sim:0 of each), joined by a loopback data plane
+};
+
+struct Trained {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<float>> weights;
+  int nccl = 0;  // nccl.allreduce actors in the plan
+};
+
+int count_op(const Plan& plan, const std::string& op) {
+  int n = 0;
+  for (const ActorDesc& a : plan.actors) n += a.op == op;
+  return n;
+}
+
+void run_job(const TrainingJob& job, bool ranks) {
+  RuntimeSettings rs;
+  rs.stall_timeout = 30'000ms;
+  if (ranks) {
+    for (const auto& r : test::run_on_loopback(job.plan, job.kernels, rs)) REQUIRE_MESSAGE(r.error.empty(), r.error);
+  } else {
+    Runtime(job.plan, job.kernels, rs).run();
+  }
+}
+
+Trained result(const TrainingJob& job) {
+  Trained out{job.losses->per_step(), {}, count_op(job.plan, "nccl.allreduce")};
+  for (auto& [name, t] : job.params->values()) {
+    auto d = t.data<float>();
+    out.weights[name] = std::vector<float>(d.begin(), d.end());
+  }
+  return out;
+}
+
+std::vector<Placement> places(const Setup& s, DeviceType type) {
+  std::vector<Placement> out;
+  for (int i = 0; i < s.dp * s.pp * s.tp; ++i) {
+    if (s.ranks) {
+      out.push_back({.rank = static_cast<std::uint16_t>(i), .device = Device{type, 0}});
+    } else {
+      out.push_back({.device = Device{type, static_cast<std::uint8_t>(i)}});
+    }
+  }
+  return out;
+}
+
+TrainConfig config(const Setup& s, DeviceType type) {
+  TrainConfig cfg;
+  cfg.steps = 4;
+  cfg.microbatches = s.microbatches;
+  cfg.dp = s.dp;
+  cfg.pp = s.pp;
+  cfg.tp = s.tp;
+  cfg.schedule = s.schedule;
+  cfg.threads = s.threads;
+  cfg.memory_plan = s.memory_plan;
+  cfg.optimizer = optim::adam(0.01);
+  // The CPU keeps the chains of adds; the sim devices take NCCL's stand-in.
+  cfg.collectives = type == DeviceType::sim ? "nccl" : "actors";
+  cfg.replica_places = places(s, type);
+  return cfg;
+}
+
+/// The MLP 12-16-16-4, its hidden pair split Megatron's way (one sum forward, one backward).
+Trained train_mlp(const Setup& s, DeviceType type) {
+  auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, 12, 4, 99));
+  const std::int64_t pieces = s.dp * s.microbatches;
+  Graph g(5);
+  Value logits =
+      models::mlp(g, 32 / pieces, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4, .tp = s.tp});
+  Value loss = softmax_cross_entropy(logits, g.find("label")).named("loss");
+  TrainConfig cfg = config(s, type);
+  cfg.data = {{"synthetic", data::batch_source(dataset, 32, pieces, 7), {"x", "label"}}};
+  TrainingJob job = compile_training(g, loss, cfg);
+  run_job(job, s.ranks);
+  return result(job);
+}
+
+struct Gpt {
+  Graph g{5};
+  Value loss;
+  TrainConfig cfg;
+  Gpt(const Setup& s, DeviceType type, bool bf16) {
+    const std::int64_t batch = 8, pieces = s.dp * s.microbatches;
+    auto corpus = std::make_shared<data::TextCorpus>();
+    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+    for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
+    {
+      auto mixed = g.autocast(bf16 ? DType::bf16 : DType::f32);
+      loss = models::gpt_with_loss(g, batch / pieces,
+                                   {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = s.tp})
+                 .loss;
+    }
+    cfg = config(s, type);
+    cfg.steps = 3;
+    cfg.data = {{"text", data::text_source(corpus, batch, pieces, 8, 3), {"tokens", "targets"}}};
+  }
+};
+
+void check_same(const Trained& cpu, const Trained& sim) {
+  REQUIRE(!cpu.losses.empty());
+  CHECK(cpu.nccl == 0);
+  CHECK(sim.nccl > 0);
+  CHECK(cpu.losses == sim.losses);
+  for (const auto& [name, w] : cpu.weights) {
+    CAPTURE(name);
+    CHECK(w == sim.weights.at(name));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("TpCollectives.SimNcclTrainsTheMlpAsTheChainsOfAddsDo" * doctest::timeout(300)) {
+  const std::vector<Setup> setups = {
+      {},
+      {.tp = 4},                                     // three adds in the chain, four members
+      {.memory_plan = false},                        // no lanes pass: the pass's own lane
+      {.dp = 2, .tp = 1},                            // dp's buckets alone through NCCL
+      {.dp = 2},                                     // dp's buckets through NCCL too
+      {.pp = 2, .microbatches = 4},                  // 1F1B: the sums in the stages' schedule
+      {.pp = 2, .schedule = "gpipe", .microbatches = 4, .threads = 2},
+      {.dp = 2, .pp = 2, .tp = 2, .microbatches = 2},  // eight members in four groups
+      {.ranks = true},                               // shards on two ranks: no staging through the host
+  };
+  for (const Setup& s : setups) {
+    CAPTURE(s.dp);
+    CAPTURE(s.pp);
+    CAPTURE(s.tp);
+    CAPTURE(s.schedule);
+    CAPTURE(s.memory_plan);
+    CAPTURE(s.ranks);
+    check_same(train_mlp(s, DeviceType::cpu), train_mlp(s, DeviceType::sim));
+  }
+}
+
+// Every forward sum of the GPT over its shards (attention's and the MLP's, the vocabulary-parallel
+// embedding's and loss's) becomes one all-reduce under "nccl" (which refuses to compile
+// otherwise), each shard's readers read their own shard's copy, and every member's lane walks
+// the calls in one order; trained, the GPT's losses and weights are the CPU's, bit for bit.
+TEST_CASE("TpCollectives.EveryGptSumIsOneAllReduceWhoseReadersReadTheirOwnCopy" * doctest::timeout(300)) {
+  for (bool bf16 : {false, true}) {
+    CAPTURE(bf16);
+    Gpt sim({}, DeviceType::sim, bf16);
+    TrainingJob job = compile_training(sim.g, sim.loss, sim.cfg);
+    const Plan& plan = job.plan;
+    for (const ActorDesc& a : plan.actors) {
+      CHECK_MESSAGE(!a.attrs.has("tp_sum"), a.name);
+    }
+    std::map<std::string, std::map<std::int64_t, std::vector<std::pair<std::vector<std::int32_t>, std::int32_t>>>>
+        sequence;  // group -> member -> (units, rank) of its calls in plan order
+    int members = 0;
+    for (const ActorDesc& a : plan.actors) {
+      if (a.op != "nccl.allreduce") continue;
+      ++members;
+      CHECK(a.where.stream == 13);
+      CHECK(a.order.lane >= 0);
+      sequence[a.attrs.get_string("group", "")][a.attrs.get_int("member", -1)].push_back({a.order.units, a.order.rank});
+      for (ActorIndex c : plan.registers[a.outputs[0]].consumers) {
+        const ActorDesc& reader = plan.actors[c];
+        if (reader.where.device.type == DeviceType::sim) {
+          CHECK_MESSAGE(reader.where.device == a.where.device, reader.name, " reads ", a.name);
+        }
+      }
+    }
+    // Two members for each of the forward's sums: attention's and the MLP's in each of the two
+    // blocks, the vocabulary-parallel embedding's and the loss's statistics. (The backward's
+    // sums of the shards' input gradients are autodiff's accumulations: they stay adds.)
+    CHECK(members == 2 * (2 * 2 + 2));
+    REQUIRE(sequence.size() == 1);
+    const auto& [group, by_member] = *sequence.begin();
+    CHECK(group == "tp.r0sim:0.r0sim:1");
+    REQUIRE(by_member.size() == 2);
+    CHECK(by_member.at(0) == by_member.at(1));
+    run_job(job, false);
+    Gpt cpu({}, DeviceType::cpu, bf16);
+    TrainingJob cpu_job = compile_training(cpu.g, cpu.loss, cpu.cfg);
+    run_job(cpu_job, false);
+    check_same(result(cpu_job), result(job));
+  }
+}
+
+// The same plans for GPUs: compiled (nothing runs), the GPT's sums on cuda:0 and cuda:1 become
+// NCCL all-reduces under "auto" where baton has NCCL, and stay chains under "actors".
+TEST_CASE("TpCollectives.OnCudaDevicesAutoTakesNccl") {
+  if (!cuda::built_with_cuda() || !nccl::built_with_nccl()) {
+    test::skip(test::Missing::cuda_device, "built without CUDA or NCCL; the CUDA plan is not compiled");
+    return;
+  }
+  for (const char* collectives : {"auto", "actors"}) {
+    CAPTURE(collectives);
+    Gpt gpt({}, DeviceType::cuda, true);
+    gpt.cfg.collectives = collectives;
+    TrainingJob job = compile_training(gpt.g, gpt.loss, gpt.cfg);
+    const int n = count_op(job.plan, "nccl.allreduce");
+    if (std::string(collectives) == "auto") {
+      CHECK(n == 2 * (2 * 2 + 2));
+    } else {
+      CHECK(n == 0);
+    }
+  }
+}
+
+TEST_CASE("TpCollectives.WhatCannotGoThroughNcclIsNamed") {
+  Setup s;
+  {
+    Gpt gpt(s, DeviceType::cpu, false);
+    gpt.cfg.collectives = "nccl";
+    CHECK(test::contains(test::thrown_message<GraphError>([&] { compile_training(gpt.g, gpt.loss, gpt.cfg); }),
+                         "cannot be an NCCL all-reduce: its shards are not all on CUDA devices"));
+  }
+  {
+    Gpt gpt(s, DeviceType::sim, false);
+    gpt.cfg.replica_places = {{.device = Device::parse("sim:0")}, {.device = Device::parse("sim:0")}};
+    CHECK(test::contains(test::thrown_message<GraphError>([&] { compile_training(gpt.g, gpt.loss, gpt.cfg); }),
+                         "shards 0 and 1 are both on rank 0 sim:0 (NCCL needs one GPU per member)"));
+  }
+  {
+    Gpt gpt(s, DeviceType::sim, false);
+    gpt.cfg.collectives = "auto";  // sim devices take the stand-in only when asked: chains
+    CHECK(count_op(compile_training(gpt.g, gpt.loss, gpt.cfg).plan, "nccl.allreduce") == 0);
+  }
+}
+
+// What the order is for: two members whose calls come in different orders (member 0 sums a
+// then b, member 1 b then a). NCCL would hang, or sum a with b where the sizes matched; the
+// sim's stand-in fails the job naming both calls.
+TEST_CASE("SimNccl.CallsInDifferentOrdersFailTheJobNamingBoth" * doctest::timeout(120)) {
+  Plan plan;
+  const std::vector<Placement> at{{.device = Device::parse("sim:0"), .stream = 13},
+                                  {.device = Device::parse("sim:1"), .stream = 13}};
+  std::map<std::string, std::vector<RegisterIndex>> sums;
+  for (const auto& [name, size] : std::vector<std::pair<std::string, std::int64_t>>{{"a", 4}, {"b", 6}}) {
+    std::vector<AllReduceMember> members;
+    for (std::size_t i = 0; i < at.size(); ++i) {
+      auto r = plan.add_register({.name = fmt::format("{}{}", name, i), .shape = {size}, .dtype = DType::f32});
+      plan.add_actor({.name = fmt::format("src.{}{}", name, i), .kind = ActorKind::source, .op = "fill_piece",
+                      .outputs = {r}, .pieces = 2});
+      members.push_back({at[i], r, fmt::format("@{}", i)});
+    }
+    sums[name] = add_nccl_allreduce(plan, name, members, {size}, DType::f32, 1, "g");
+  }
+  for (ActorDesc& a : plan.actors) {
+    if (a.op != "nccl.allreduce") continue;
+    const std::int64_t member = a.attrs.get_int("member", -1);
+    const bool first = (a.name.starts_with("a.") == (member == 0));
+    a.order = ActOrder{.lane = 100 + static_cast<std::int32_t>(member), .units = {0}, .period = 1, .rank = first ? 0 : 1};
+  }
+  for (const auto& [name, regs] : sums) {
+    for (RegisterIndex r : regs) {
+      plan.add_actor({.name = plan.registers[r].name + ".sink", .op = "noop",
+                      .where = plan.actors[plan.registers[r].producer].where, .inputs = {{r}}});
+    }
+  }
+  RuntimeSettings s;
+  s.stall_timeout = 20'000ms;
+  Runtime rt(insert_device_copies(plan), KernelRegistry::with_builtin_kernels(), s);
+  const std::string why = test::thrown_message<JobError>([&] { rt.run(); });
+  CHECK(test::contains(why, "the members call in different orders"));
+  CHECK((test::contains(why, "all-reduce of 4 f32 elements") && test::contains(why, "all-reduce of 6 f32 elements")));
+}
