@@ -203,7 +203,8 @@ TEST_CASE("TpCollectives.EveryGptSumIsOneAllReduceWhoseReadersReadTheirOwnCopy" 
     }
     // Two members for each of the forward's sums: attention's and the MLP's in each of the two
     // blocks, the vocabulary-parallel embedding's and the loss's statistics. (The backward's
-    // sums of the shards' input gradients are autodiff's accumulations: they stay adds.)
+    // sums of the shards' input gradients are autodiff's accumulations onto the shard that
+    // reads them, a reduce already: they stay adds.)
     CHECK(members == 2 * (2 * 2 + 2));
     REQUIRE(sequence.size() == 1);
     const auto& [group, by_member] = *sequence.begin();

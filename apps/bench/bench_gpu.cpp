@@ -1051,6 +1051,96 @@ void add_reference_fields(bench::JsonLine& line, const TorchAt& t, const Setup& 
   }
 }
 
+/// Both sides' runs of one device's case: at each side's best batch (--batch-mode best) or at
+/// one batch.
+struct Measured {
+  std::optional<BatonAt> baton;
+  std::optional<TorchAt> torch;
+  std::vector<Tried> baton_search, torch_search;
+  std::int64_t batch = 0, torch_batch = 0;
+};
+
+/// Runs baton (unless the precision is TF32, which it does not use) and, with `with_ref`, the
+/// PyTorch reference; `batch` 0 picks one (--batch-mode same).
+Measured measure(const Setup& s, const Reference* ref, bool with_ref, std::int64_t batch) {
+  const Options& o = s.o;
+  const bool baton_runs = o.precision != "tf32";
+  Measured m;
+  m.batch = batch;
+  if (o.batch_mode == "best") {
+    if (baton_runs) {
+      auto [at, tried] = baton_best(s);
+      m.baton = std::move(at);
+      m.baton_search = std::move(tried);
+      m.batch = m.baton->batch;
+    }
+    if (with_ref) {
+      auto [at, tried] = torch_best(s, *ref);
+      m.torch = std::move(at);
+      m.torch_search = std::move(tried);
+      m.torch_batch = m.torch->batch;
+    }
+    return m;
+  }
+  if (m.batch == 0) m.batch = s.cuda ? auto_batch(s.shape, s.dev, o, s.corpus, s.params) : cpu_defaults.batch;
+  // PyTorch first: baton keeps its device memory pooled until this process ends.
+  if (with_ref) {
+    m.torch = torch_at(s, *ref, m.batch, false);
+    m.torch_batch = m.batch;
+  }
+  if (baton_runs) {
+    fmt::print(stderr, "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters; {} + {} steps\n", prog,
+               s.cuda ? "gpt_cuda" : "gpt_cpu", s.device.str(), s.dev.name, m.batch, s.shape.seq,
+               static_cast<double>(s.n_params) / 1e6, s.warmup, s.steps);
+    m.baton = baton_at(s, m.batch, s.steps);
+  }
+  return m;
+}
+
+/// The case's lines for people (stderr): both sides' throughput and MFU, torch.compile's, and
+/// baton's kernel (and device) time per step by op.
+void print_summary(const Setup& s, const std::string& case_name, const Measured& m, std::optional<double> peak,
+                   const CompileAnchor& tc) {
+  const std::optional<BatonAt>& b = m.baton;
+  const std::optional<TorchAt>& t = m.torch;
+  const std::int64_t torch_batch = m.torch_batch;
+  auto mfu = [&](double r) { return r * s.flops_per_token / (*peak * 1e12); };
+  fmt::print(
+      stderr, "{}: {}: baton {} | PyTorch {}{}\n", prog, case_name,
+      b ? fmt::format("{:.0f} tokens/s at batch {} ({:.2f} ms/step, loss {:.4f}){}", b->tokens_per_s, b->batch,
+                      b->r.timed_s * 1e3 / static_cast<double>(b->steps), b->r.loss,
+                      peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(b->tokens_per_s)) : std::string())
+        : std::string("skipped"),
+      t ? fmt::format("{:.0f} tokens/s at batch {}{}", t->tokens_per_s, torch_batch,
+                      peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(t->tokens_per_s)) : std::string())
+        : std::string("not run"),
+      b && t ? fmt::format(" | ratio {}", bench::ratio_note(b->tokens_per_s / t->tokens_per_s)) : std::string());
+  tc.report(prog, case_name, b ? std::optional<double>(b->tokens_per_s) : std::nullopt);
+  if (b && !b->r.kernel_s_by_op.empty()) {  // a child's run printed its own
+    const double all_steps = static_cast<double>(s.warmup + b->steps);
+    auto top = [&](const std::map<std::string, double>& by_op, std::size_t n) {
+      std::vector<std::pair<double, std::string>> ops;
+      double total = 0;
+      for (const auto& [op, sec] : by_op) {
+        ops.emplace_back(sec, op);
+        total += sec;
+      }
+      std::sort(ops.rbegin(), ops.rend());
+      std::string out = fmt::format("total {:.2f}", total * 1e3 / all_steps);
+      for (std::size_t i = 0; i < std::min(ops.size(), n); ++i) {
+        out += fmt::format(", {} {:.2f}", ops[i].second, ops[i].first * 1e3 / all_steps);
+      }
+      return out;
+    };
+    fmt::print(stderr, "{}: {}: kernel ms/step by op (whole job; on CUDA the time to enqueue): {}\n", prog,
+               case_name, top(b->r.kernel_s_by_op, 6));
+    if (!b->r.device_s_by_op.empty()) {
+      fmt::print(stderr, "{}: {}: device ms/step by op (BATON_DEVICE_TIME=1): {}\n", prog, case_name,
+                 top(b->r.device_s_by_op, 14));
+    }
+  }
+}
+
 bool bench_device(Device device, const Options& given, const Reference* ref) {
   const bool cuda = device.type == DeviceType::cuda;
   const std::string case_name = cuda ? "gpt_cuda" : "gpt_cpu";
@@ -1074,39 +1164,13 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
         baton_runs ? ""
                    : "baton does not use TF32 (its float32 products are full float32): only the PyTorch reference ran";
 
-    std::optional<BatonAt> b;
-    std::optional<TorchAt> t;
-    std::vector<Tried> baton_search, torch_search;
-    std::int64_t torch_batch = 0;
-    if (best_mode) {
-      if (baton_runs) {
-        auto [at, tried] = baton_best(s);
-        b = std::move(at);
-        baton_search = std::move(tried);
-        batch = b->batch;
-      }
-      if (with_ref) {
-        auto [at, tried] = torch_best(s, *ref);
-        t = std::move(at);
-        torch_search = std::move(tried);
-        torch_batch = t->batch;
-      }
-    } else {
-      if (batch == 0) {
-        batch = cuda ? auto_batch(s.shape, s.dev, o, s.corpus, s.params) : cpu_defaults.batch;
-      }
-      // PyTorch first: baton keeps its device memory pooled until this process ends.
-      if (with_ref) {
-        t = torch_at(s, *ref, batch, false);
-        torch_batch = batch;
-      }
-      if (baton_runs) {
-        fmt::print(stderr, "{}: {} on {} ({}): batch {} x seq {}, {:.1f} M parameters; {} + {} steps\n", prog,
-                   case_name, device.str(), s.dev.name, batch, s.shape.seq, static_cast<double>(s.n_params) / 1e6,
-                   s.warmup, s.steps);
-        b = baton_at(s, batch, s.steps);
-      }
-    }
+    Measured m = measure(s, ref, with_ref, batch);
+    batch = m.batch;
+    const std::optional<BatonAt>& b = m.baton;
+    const std::optional<TorchAt>& t = m.torch;
+    const std::int64_t torch_batch = m.torch_batch;
+    const std::vector<Tried>& baton_search = m.baton_search;
+    const std::vector<Tried>& torch_search = m.torch_search;
 
     const CompileAnchor tc = t ? compile_anchor(s, *ref, torch_batch) : CompileAnchor{};
 
@@ -1154,40 +1218,7 @@ bool bench_device(Device device, const Options& given, const Reference* ref) {
     if (ref != nullptr && !ref->missing().empty()) line.add("reference_missing", ref->missing());
     line.print();
 
-    fmt::print(
-        stderr, "{}: {}: baton {} | PyTorch {}{}\n", prog, case_name,
-        b ? fmt::format("{:.0f} tokens/s at batch {} ({:.2f} ms/step, loss {:.4f}){}", b->tokens_per_s, b->batch,
-                        b->r.timed_s * 1e3 / static_cast<double>(b->steps), b->r.loss,
-                        peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(b->tokens_per_s)) : std::string())
-          : std::string("skipped"),
-        t ? fmt::format("{:.0f} tokens/s at batch {}{}", t->tokens_per_s, torch_batch,
-                        peak ? fmt::format(", MFU {:.1f}%", 100 * mfu(t->tokens_per_s)) : std::string())
-          : std::string("not run"),
-        b && t ? fmt::format(" | ratio {}", bench::ratio_note(b->tokens_per_s / t->tokens_per_s)) : std::string());
-    tc.report(prog, case_name, b ? std::optional<double>(b->tokens_per_s) : std::nullopt);
-    if (b && !b->r.kernel_s_by_op.empty()) {  // a child's run printed its own
-      const double all_steps = static_cast<double>(s.warmup + b->steps);
-      auto top = [&](const std::map<std::string, double>& by_op, std::size_t n) {
-        std::vector<std::pair<double, std::string>> ops;
-        double total = 0;
-        for (const auto& [op, sec] : by_op) {
-          ops.emplace_back(sec, op);
-          total += sec;
-        }
-        std::sort(ops.rbegin(), ops.rend());
-        std::string out = fmt::format("total {:.2f}", total * 1e3 / all_steps);
-        for (std::size_t i = 0; i < std::min(ops.size(), n); ++i) {
-          out += fmt::format(", {} {:.2f}", ops[i].second, ops[i].first * 1e3 / all_steps);
-        }
-        return out;
-      };
-      fmt::print(stderr, "{}: {}: kernel ms/step by op (whole job; on CUDA the time to enqueue): {}\n", prog,
-                 case_name, top(b->r.kernel_s_by_op, 6));
-      if (!b->r.device_s_by_op.empty()) {
-        fmt::print(stderr, "{}: {}: device ms/step by op (BATON_DEVICE_TIME=1): {}\n", prog, case_name,
-                   top(b->r.device_s_by_op, 14));
-      }
-    }
+    print_summary(s, case_name, m, peak, tc);
     return true;
   } catch (const std::exception& e) {
     fmt::print(stderr, "{}: {} failed: {}\n", prog, case_name, e.what());
