@@ -170,7 +170,10 @@ class SimNccl final : public Kernel {
 void add_sim_nccl_kernels(KernelRegistry& reg) {
   const std::pair<const char*, Op> ops[] = {
       {"nccl.allreduce", Op::all_reduce}, {"nccl.reduce_scatter", Op::reduce_scatter}, {"nccl.all_gather", Op::all_gather}};
-  for (const auto& [op_name, op] : ops) {
+  for (const auto& entry : ops) {
+    // Named copies: clang refuses to capture structured bindings.
+    const char* op_name = entry.first;
+    const Op op = entry.second;
     for (DType dt : {DType::f32, DType::f64, DType::bf16}) {
       reg.add(op_name, DeviceType::sim, dt, [op_name, op](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
         const std::string group = cfg.attrs.get_string("group", "");
