@@ -1244,6 +1244,11 @@ std::string Actor::describe_wait() const {
     return "finished";
   }
   if (held_ >= 0) return fmt::format("held while rank {} comes back", held_);
+  if (inflight_ > 0 && desc_.kind != ActorKind::transfer) {
+    // Acts enqueued on its stream whose handshakes wait for the stream (a sink has no outputs).
+    return fmt::format("waits for its stream to reach {} of its acts (the next: act {})", inflight_,
+                       on_stream_.empty() ? acts_ : on_stream_.front()->m.piece);
+  }
   if (inflight_ > 0) {
     return fmt::format("transferring: {} pulls from rank {} in flight (next to land: piece {})", inflight_,
                        inputs_[0].producer.rank(), outputs_[0]->written);
