@@ -95,11 +95,7 @@ struct Job {
   }
 };
 
-int count_op(const Plan& plan, const std::string& op) {
-  int n = 0;
-  for (const ActorDesc& a : plan.actors) n += a.op == op;
-  return n;
-}
+using test::count_op;
 
 struct Trained {
   std::vector<double> losses;

@@ -5,6 +5,7 @@
 
 #include <doctest/doctest.h>
 
+#include "baton/actors/plan.h"
 #include "baton/kernels/cuda.h"
 #include "skip.h"
 
@@ -32,6 +33,13 @@ inline bool contains(const std::string& haystack, const std::string& needle) {
 inline std::size_t count(const std::string& haystack, const std::string& needle) {
   std::size_t n = 0;
   for (auto at = haystack.find(needle); at != std::string::npos; at = haystack.find(needle, at + 1)) ++n;
+  return n;
+}
+
+/// How many of the plan's actors run op `op`.
+inline int count_op(const Plan& plan, const std::string& op) {
+  int n = 0;
+  for (const ActorDesc& a : plan.actors) n += a.op == op;
   return n;
 }
 
