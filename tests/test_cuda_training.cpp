@@ -134,10 +134,12 @@ TEST_CASE("CudaTraining.MixedPlacementsCopyOnlyAtTheBoundary") {
 
 TEST_CASE("CudaTraining.WhatCrossesRanksGoesThroughHostMemory") {
   if (!test::cuda_built()) return;  // compiling refuses CUDA actors without CUDA kernels
-  // Two pipeline stages on two ranks, each on its rank's cuda:0 (one GPU can hold both).
+  // Two pipeline stages on two ranks, each on its rank's cuda:0 (one GPU can hold both, host-
+  // staged; NCCL refuses two ranks on one GPU, so "actors").
   Digits d;
   MlpJob job(d, {Placement{.rank = 0, .device = cuda0}, Placement{.rank = 1, .device = cuda0}}, optim::sgd(0.1));
   job.cfg.pp = 2;
+  job.cfg.collectives = "actors";
   const Plan plan = insert_transfers(compile_training(job.g, job.loss, job.cfg).plan);
   int transfers = 0;
   for (const RegisterDesc& reg : plan.registers) {
@@ -160,6 +162,45 @@ TEST_CASE("CudaTraining.WhatCrossesRanksGoesThroughHostMemory") {
   }
   CHECK(transfers >= 3);  // the activation, its gradient, the labels to the last stage and the loss back
   CHECK(insert_device_copies(plan) == plan);  // nothing more to do
+}
+
+TEST_CASE("CudaTraining.PipelineRegistersBetweenRanksGoByNccl") {
+  if (!test::cuda_built() || !nccl::built_with_nccl()) {
+    test::skip(test::Missing::cuda_device, "built without CUDA or NCCL; the CUDA plan is not compiled");
+    return;
+  }
+  // The same two stages under "auto": the activation and its gradient go GPU to GPU by NCCL
+  // (the nccl_p2p pass), each paced by a host token; the labels and the loss, which are host
+  // registers, still go by UCX.
+  Digits d;
+  MlpJob job(d, {Placement{.rank = 0, .device = cuda0}, Placement{.rank = 1, .device = cuda0}}, optim::sgd(0.1));
+  job.cfg.pp = 2;
+  const Plan plan = compile_training(job.g, job.loss, job.cfg).plan;
+  std::set<std::string> sent;
+  int receives = 0;
+  for (const ActorDesc& a : plan.actors) {
+    if (a.op == "nccl.send") {
+      sent.insert(a.name.substr(0, a.name.find(".send@")));
+      CHECK(a.where.device == cuda0);
+    }
+    receives += a.op == "nccl.recv";
+    CAPTURE(a.name);
+    if (a.kind == ActorKind::transfer) CHECK(a.where.device.type == DeviceType::cpu);  // tokens and host data only
+  }
+  CHECK(sent.size() == 2);
+  CHECK(receives == 2);
+  // Host copies are left for host readers only (the loss report, the final weights), none on
+  // its way to another rank's GPU.
+  for (const ActorDesc& a : plan.actors) {
+    if (a.op != "to_host") continue;
+    for (ActorIndex t : plan.registers[a.outputs[0]].consumers) {
+      if (plan.actors[t].kind != ActorKind::transfer) continue;
+      for (ActorIndex up : plan.registers[plan.actors[t].outputs[0]].consumers) {
+        CAPTURE(plan.actors[up].name);
+        CHECK(plan.actors[up].op != "to_device");
+      }
+    }
+  }
 }
 
 TEST_CASE("CudaTraining.DataParallelGradientsGoThroughNcclInOneOrder") {

@@ -28,6 +28,7 @@
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
 #include "baton/transport/control.h"
+#include "loopback_run.h"
 #include "models.h"
 #include "test_util.h"
 
@@ -614,4 +615,39 @@ TEST_CASE("Nccl.TwoDevices.TensorParallelSumsTrainAsTheChainsOfAdds" * doctest::
   REQUIRE(with_nccl.size() == 3);
   REQUIRE(with_adds.size() == 3);
   for (std::size_t i = 0; i < 3; ++i) CHECK(with_nccl[i] == doctest::Approx(with_adds[i]).epsilon(1e-6));
+}
+
+// Two pipeline stages on two ranks of this process (a loopback data plane), rank 0 on cuda:0 and
+// rank 1 on cuda:1: the stage boundary by NCCL's send and receive (the nccl_p2p pass) trains as
+// the host-staged boundary does, bit for bit (a move copies; it adds nothing).
+TEST_CASE("Nccl.TwoDevices.PipelineRegistersBetweenRanksTrainAsStaged" * doctest::timeout(300)) {
+  if (!cuda_usable(2)) return;
+  auto train = [](const char* collectives) {
+    Graph g(5);
+    auto corpus = std::make_shared<data::TextCorpus>();
+    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+    for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
+    Value loss = models::gpt_with_loss(g, 4, {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2}).loss;
+    TrainConfig cfg;
+    cfg.steps = 3;
+    cfg.microbatches = 2;
+    cfg.pp = 2;
+    cfg.optimizer = optim::adam(0.01);
+    cfg.collectives = collectives;
+    cfg.replica_places = {{.rank = 0, .device = Device::parse("cuda:0")}, {.rank = 1, .device = Device::parse("cuda:1")}};
+    cfg.data = {{"text", data::text_source(corpus, 8, 2, 8, 3), {"tokens", "targets"}}};
+    TrainingJob job = compile_training(g, loss, cfg);
+    LocalStore store;  // the ranks' shared control plane: how rank 1 gets the group's unique id
+    RuntimeSettings rs;
+    rs.stall_timeout = 60'000ms;
+    rs.store = &store;
+    for (const auto& r : test::run_on_loopback(job.plan, job.kernels, rs)) REQUIRE_MESSAGE(r.error.empty(), r.error);
+    return std::pair{job.losses->per_step(), test::count_op(job.plan, "nccl.send")};
+  };
+  const auto [by_nccl, sends] = train("auto");
+  const auto [staged, none] = train("actors");
+  CHECK(sends >= 2);
+  CHECK(none == 0);
+  REQUIRE(by_nccl.size() == 3);
+  CHECK(by_nccl == staged);
 }

@@ -50,7 +50,7 @@ const ActorDesc* find_actor(const Plan& p, const std::string& name) {
 TEST_CASE("Passes.NamesAreThePipelineInOrder") {
   const std::vector<std::string_view> want{"autodiff", "sbp",   "stages",        "recompute", "replicas", "sync",
                                            "lower",    "epilogues", "tp_collectives", "device_copies",
-                                           "transfers", "lanes", "memory"};
+                                           "transfers", "nccl_p2p", "lanes", "memory"};
   const auto& got = passes::names();
   REQUIRE(got.size() >= want.size());
   CHECK(std::vector<std::string_view>(

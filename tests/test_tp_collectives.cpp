@@ -38,17 +38,39 @@ struct Setup {
   int threads = 1;
   bool memory_plan = true;
   bool ranks = false;  // each place a rank of its own (sim:0 of each), joined by a loopback data plane
+  int virtual_stages = 1;
 };
+
+using test::count_op;
 
 struct Trained {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> weights;
   int nccl = 0;  // nccl.allreduce actors in the plan
+  int sends = 0, receives = 0;  // nccl.send and nccl.recv actors
+  int staged = 0;  // registers still staged through the hosts from a GPU to another rank's GPU
 };
 
-int count_op(const Plan& plan, const std::string& op) {
+/// The registers that cross ranks from a GPU to another through host memory: a to_host copy
+/// read by a transfer whose copy a to_device copy reads (CUDA devices), or a transfer between
+/// sim devices (whose memory is host memory: no copies). Only whole registers: a collective's
+/// window (the loss's all-reduce) is not a register NCCL can send.
+int staged_crossings(const Plan& plan) {
   int n = 0;
-  for (const ActorDesc& a : plan.actors) n += a.op == op;
+  for (const ActorDesc& down : plan.actors) {
+    if (down.kind == ActorKind::transfer && down.where.device.type == DeviceType::sim && down.window < 0 &&
+        down.op == "transfer" && down.inputs.size() == 1) {
+      const ActorIndex p = plan.registers[down.inputs[0].reg].producer;
+      n += plan.actors[p].where.device.type == DeviceType::sim;
+    }
+    if (down.copy != CopyDirection::to_host) continue;
+    for (ActorIndex t : plan.registers[down.outputs[0]].consumers) {
+      if (plan.actors[t].kind != ActorKind::transfer) continue;
+      for (ActorIndex up : plan.registers[plan.actors[t].outputs[0]].consumers) {
+        n += plan.actors[up].copy == CopyDirection::to_device;
+      }
+    }
+  }
   return n;
 }
 
@@ -63,7 +85,12 @@ void run_job(const TrainingJob& job, bool ranks) {
 }
 
 Trained result(const TrainingJob& job) {
-  Trained out{job.losses->per_step(), {}, count_op(job.plan, "nccl.allreduce")};
+  Trained out{job.losses->per_step(),
+              {},
+              count_op(job.plan, "nccl.allreduce"),
+              count_op(job.plan, "nccl.send"),
+              count_op(job.plan, "nccl.recv"),
+              staged_crossings(job.plan)};
   for (auto& [name, t] : job.params->values()) {
     auto d = t.data<float>();
     out.weights[name] = std::vector<float>(d.begin(), d.end());
@@ -91,6 +118,7 @@ TrainConfig config(const Setup& s, DeviceType type) {
   cfg.pp = s.pp;
   cfg.tp = s.tp;
   cfg.schedule = s.schedule;
+  cfg.virtual_stages = s.virtual_stages;
   cfg.threads = s.threads;
   cfg.memory_plan = s.memory_plan;
   cfg.optimizer = optim::adam(0.01);
@@ -297,4 +325,133 @@ TEST_CASE("SimNccl.CallsInDifferentOrdersFailTheJobNamingBoth" * doctest::timeou
   const std::string why = test::thrown_message<JobError>([&] { rt.run(); });
   CHECK(test::contains(why, "the members call in different orders"));
   CHECK((test::contains(why, "all-reduce of 4 f32 elements") && test::contains(why, "all-reduce of 6 f32 elements")));
+}
+
+// Pipeline registers between GPUs of two ranks (the nccl_p2p pass): on `sim` devices with
+// "nccl" every stage boundary moves by the stand-in's send and receive, paced by the host
+// tokens, and the job trains as the CPU does over UCX, bit for bit. A receive posted for a
+// piece that is not coming, a token of another piece or a send of another size fails the job
+// (the stand-in checks each); a send and a receive that never meet stall it.
+TEST_CASE("NcclP2p.PipelineRegistersBetweenRanksTrainAsOverUcx" * doctest::timeout(300)) {
+  const std::vector<Setup> setups = {
+      {.pp = 2, .tp = 1, .microbatches = 4, .ranks = true},
+      {.pp = 2, .tp = 1, .schedule = "gpipe", .microbatches = 4, .threads = 2, .ranks = true},
+      {.pp = 2, .tp = 1, .microbatches = 4, .memory_plan = false, .ranks = true},
+      {.pp = 2, .tp = 1, .schedule = "zb-h1", .microbatches = 4, .ranks = true},
+      {.pp = 2, .tp = 1, .schedule = "2bw", .microbatches = 4, .ranks = true},
+      {.pp = 2, .tp = 1, .schedule = "interleaved", .microbatches = 4, .ranks = true, .virtual_stages = 2},
+      {.dp = 2, .pp = 2, .tp = 1, .microbatches = 2, .ranks = true},  // dp's buckets through NCCL too
+      {.pp = 2, .tp = 2, .microbatches = 2, .ranks = true},           // tp's sums too: four ranks
+  };
+  for (const Setup& s : setups) {
+    CAPTURE(s.dp);
+    CAPTURE(s.pp);
+    CAPTURE(s.tp);
+    CAPTURE(s.schedule);
+    CAPTURE(s.virtual_stages);
+    CAPTURE(s.memory_plan);
+    const Trained cpu = train_mlp(s, DeviceType::cpu);
+    const Trained sim = train_mlp(s, DeviceType::sim);
+    REQUIRE(!cpu.losses.empty());
+    CHECK(cpu.losses == sim.losses);
+    for (const auto& [name, w] : cpu.weights) {
+      CAPTURE(name);
+      CHECK(w == sim.weights.at(name));
+    }
+    // The boundary carries the activation one way and its gradient the other, each by NCCL:
+    // a send and a receive each, nothing staged. (Replicas and shards add their own crossings:
+    // the loss's sums between replicas, the unsharded ops' inputs between shards.)
+    if (s.dp == 1 && s.tp == 1) CHECK(sim.sends == 2 * (s.pp * s.virtual_stages - 1));  // each boundary
+    CHECK(sim.sends >= 2 * s.dp * s.tp);
+    CHECK(sim.receives == sim.sends);
+    CHECK(sim.staged == 0);
+    CHECK(cpu.sends == 0);
+  }
+}
+
+// The GPT in bf16 over two stages on two ranks: its boundary registers by NCCL, the same
+// losses and weights as the CPU's.
+TEST_CASE("NcclP2p.TheGptsStagesOnTwoRanksTrainAsOverUcx" * doctest::timeout(300)) {
+  const Setup s{.pp = 2, .tp = 1, .microbatches = 2, .ranks = true};
+  Gpt sim(s, DeviceType::sim, true);
+  TrainingJob job = compile_training(sim.g, sim.loss, sim.cfg);
+  CHECK(staged_crossings(job.plan) == 0);
+  CHECK(count_op(job.plan, "nccl.send") > 0);
+  CHECK(count_op(job.plan, "nccl.send") == count_op(job.plan, "nccl.recv"));
+  for (const ActorDesc& a : job.plan.actors) {
+    if (a.op == "nccl.send") {
+      CAPTURE(a.name);
+      CHECK(a.where.device.type == DeviceType::sim);
+      CHECK((a.where.stream >= 2 && a.where.stream < 12));
+      CHECK(a.outputs.empty());
+    } else if (a.op == "nccl.recv") {
+      CAPTURE(a.name);
+      CHECK(a.where.stream == 12);
+      CHECK(job.plan.registers[a.inputs[0].reg].dtype == DType::i64);  // the token
+    }
+  }
+  run_job(job, true);
+  Gpt cpu(s, DeviceType::cpu, true);
+  TrainingJob cpu_job = compile_training(cpu.g, cpu.loss, cpu.cfg);
+  run_job(cpu_job, true);
+  const Trained a = result(cpu_job), b = result(job);
+  CHECK(a.losses == b.losses);
+  for (const auto& [name, w] : a.weights) {
+    CAPTURE(name);
+    CHECK(w == b.weights.at(name));
+  }
+}
+
+// "auto" leaves sim devices staged (the stand-in only when asked); on CUDA devices of two ranks
+// it takes NCCL where baton has it (compiled only: nothing runs), and "actors" never does.
+TEST_CASE("NcclP2p.AutoTakesNcclBetweenCudaDevicesOnly") {
+  const Setup s{.pp = 2, .tp = 1, .microbatches = 2, .ranks = true};
+  {
+    Gpt sim(s, DeviceType::sim, true);
+    sim.cfg.collectives = "auto";
+    const TrainingJob job = compile_training(sim.g, sim.loss, sim.cfg);
+    CHECK(count_op(job.plan, "nccl.send") == 0);
+    CHECK(staged_crossings(job.plan) > 0);
+  }
+  if (!cuda::built_with_cuda() || !nccl::built_with_nccl()) {
+    test::skip(test::Missing::cuda_device, "built without CUDA or NCCL; the CUDA plan is not compiled");
+    return;
+  }
+  for (const char* collectives : {"auto", "actors"}) {
+    CAPTURE(collectives);
+    Gpt gpu(s, DeviceType::cuda, true);
+    gpu.cfg.collectives = collectives;
+    const TrainingJob job = compile_training(gpu.g, gpu.loss, gpu.cfg);
+    const bool nccl = std::string(collectives) == "auto";
+    CHECK((count_op(job.plan, "nccl.send") > 0) == nccl);
+    CHECK((staged_crossings(job.plan) == 0) == nccl);
+  }
+}
+
+// The stand-in's checks: a receive of another size than its send fails the job naming both
+// sides (NCCL would truncate, or hang).
+TEST_CASE("SimNccl.ASendAndAReceiveOfOtherSizesFailTheJob" * doctest::timeout(120)) {
+  Plan plan;
+  const auto r = plan.add_register({.name = "r", .shape = {4}, .dtype = DType::f32});
+  plan.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece",
+                  .where = {.device = Device::parse("sim:0")}, .outputs = {r}, .pieces = 2});
+  const Attrs attrs{{"group", "p"}, {"ranks", std::vector<std::int64_t>{0, 0}}, {"devices", std::vector<std::int64_t>{0, 1}}};
+  ActorDesc send{.name = "send", .op = "nccl.send", .where = {.device = Device::parse("sim:0"), .stream = 2},
+                 .inputs = {{r}}, .attrs = attrs};
+  send.attrs.set("member", std::int64_t{0});
+  plan.add_actor(send);
+  const auto token = plan.add_register({.name = "token", .shape = {1}, .dtype = DType::i64});
+  plan.add_actor({.name = "token", .op = "p2p.token", .dtype = DType::i64, .inputs = {{r}}, .outputs = {token}});
+  const auto got = plan.add_register({.name = "got", .shape = {6}, .dtype = DType::f32});
+  ActorDesc recv{.name = "recv", .op = "nccl.recv", .where = {.device = Device::parse("sim:1"), .stream = 12},
+                 .inputs = {{token}}, .outputs = {got}, .attrs = attrs};
+  recv.attrs.set("member", std::int64_t{1});
+  plan.add_actor(recv);
+  plan.add_actor({.name = "sink", .op = "noop", .where = {.device = Device::parse("sim:1")}, .inputs = {{got}}});
+  RuntimeSettings rs;
+  rs.stall_timeout = 20'000ms;
+  Runtime rt(plan, KernelRegistry::with_builtin_kernels(), rs);
+  const std::string why = test::thrown_message<JobError>([&] { rt.run(); });
+  CHECK(test::contains(why, "the two sides disagree on what crosses"));
+  CHECK((test::contains(why, "4 f32 elements") && test::contains(why, "6 f32 elements")));
 }

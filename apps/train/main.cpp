@@ -1108,9 +1108,10 @@ void add_run_options(CLI::App& app, Options& o) {
                  "(hierarchical where the replicas span hosts evenly: within each host, across hosts, within) or flat "
                  "(one ring over every replica)")
       ->check(CLI::IsMember({"auto", "flat"}));
-  app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients and --tp sums its shards: auto (NCCL "
-                 "where every member is on a CUDA device of its own, else actors), nccl, or actors (a ring of add "
-                 "actors, a chain of adds; any devices)")
+  app.add_option("--collectives", o.collectives, "how --dp all-reduces gradients, --tp sums its shards and --pp moves "
+                 "registers between GPUs of two ranks: auto (NCCL where every member is on a CUDA device of its own, "
+                 "else actors), nccl, or actors (a ring of add actors, a chain of adds, host-staged transfers; any "
+                 "devices)")
       ->check(CLI::IsMember({"auto", "nccl", "actors"}));
   app.add_option("--precision", o.precision, "f32, or bf16: mixed precision as torch.autocast (matrix products in bf16, "
                  "softmax, losses and norms in f32; f32 master weights and optimizer)")
@@ -1145,7 +1146,8 @@ void add_run_options(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"text", "dot"}));
   app.add_option("--print-after", o.print_after,
                  "print the compiler's IR after these passes (comma-separated, or all), as LLVM's -print-after: "
-                 "autodiff, sbp, stages, recompute, replicas, sync, lower, device_copies, transfers, lanes, memory")
+                 "autodiff, sbp, stages, recompute, replicas, sync, lower, epilogues, tp_collectives, device_copies, "
+                 "transfers, nccl_p2p, lanes, memory")
       ->delimiter(',');
   app.add_flag("!--no-memory-plan", o.memory_plan,
                "give every register slot memory of its own instead of packing slots whose lives never meet into "

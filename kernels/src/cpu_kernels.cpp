@@ -112,6 +112,12 @@ void add_arithmetic(KernelRegistry& reg) {
 }  // namespace
 
 void add_cpu_kernels(KernelRegistry& reg) {
+  // The token of a point-to-point move (graph/passes.h, nccl_p2p): written once the register's
+  // piece is ready on its device, it tells the receiving rank to post its receive. It holds the
+  // piece's number (a receive checks it where it can) and never reads the piece itself.
+  reg.add_fn("p2p.token", DeviceType::cpu, DType::i64, [](KernelContext& ctx) {
+    need_output(ctx, 0, "p2p.token").data<std::int64_t>()[0] = ctx.piece;
+  });
   for (DType t : all_dtypes) {
     reg.add_fn("noop", DeviceType::cpu, t, [](KernelContext&) {});
     reg.add_fn("copy", DeviceType::cpu, t, [](KernelContext& ctx) {

@@ -174,13 +174,17 @@ void Communicators::watch() {
 
 namespace {
 
-enum class Collective { all_reduce, reduce_scatter, all_gather };
+/// The collectives, and the two halves of a point-to-point move (a pipeline register between
+/// GPUs of two ranks: the nccl_p2p pass, graph/passes.h).
+enum class Collective { all_reduce, reduce_scatter, all_gather, send, recv };
 
 const char* op_name(Collective c) {
   switch (c) {
     case Collective::all_reduce: return "nccl.allreduce";
     case Collective::reduce_scatter: return "nccl.reduce_scatter";
     case Collective::all_gather: return "nccl.all_gather";
+    case Collective::send: return "nccl.send";
+    case Collective::recv: return "nccl.recv";
   }
   return "nccl.?";
 }
@@ -198,7 +202,10 @@ std::vector<std::int64_t> int_list(const KernelConfig& cfg, const char* op, cons
 }
 
 /// One member's collective: reads its input register, writes its output register, on the
-/// actor's stream, through the group's communicator (made at the first act).
+/// actor's stream, through the group's communicator (made at the first act). A send reads its
+/// input and writes nothing; a receive writes its output, and its one input is the token that
+/// says a piece is on its way (host memory, not read here).
+/// The peer of a send or receive is the group's other member.
 class NcclKernel final : public Kernel {
  public:
   NcclKernel(Collective op, std::string actor, std::string group, int member, Communicators& comms)
@@ -206,11 +213,15 @@ class NcclKernel final : public Kernel {
 
   void compute(KernelContext& ctx) override {
     if (ctx.stream == nullptr) throw std::runtime_error(fmt::format("{} runs on a CUDA stream; this act has none", op_name(op_)));
-    if (ctx.inputs.size() != 1 || ctx.outputs.size() != 1 || ctx.inputs[0] == nullptr) {
-      throw std::invalid_argument(fmt::format("{} reads one input and writes one output", op_name(op_)));
+    const std::size_t outputs = op_ == Collective::send ? 0 : 1;
+    if (ctx.inputs.size() != 1 || ctx.outputs.size() != outputs || ctx.inputs[0] == nullptr) {
+      throw std::invalid_argument(fmt::format("{} reads one input and writes {} output{}", op_name(op_), outputs,
+                                              outputs == 1 ? "" : "s"));
     }
     if (comm_ == nullptr) comm_ = &comms_.communicator(group_, member_);
     switch (op_) {
+      case Collective::send: comm_->send(*ctx.inputs[0], 1 - member_, *ctx.stream); break;
+      case Collective::recv: comm_->recv(*ctx.outputs[0], 1 - member_, *ctx.stream); break;
       case Collective::all_reduce: comm_->all_reduce(*ctx.inputs[0], *ctx.outputs[0], *ctx.stream); break;
       case Collective::reduce_scatter: comm_->reduce_scatter(*ctx.inputs[0], *ctx.outputs[0], *ctx.stream); break;
       case Collective::all_gather: comm_->all_gather(*ctx.inputs[0], *ctx.outputs[0], *ctx.stream); break;
@@ -241,6 +252,11 @@ std::unique_ptr<Kernel> make_kernel(Collective op, const KernelConfig& cfg) {
     throw std::invalid_argument(fmt::format("{}: {} is member {} of NCCL group '{}', which has {}", cfg.actor, name,
                                             member, g.name, g.ranks.size()));
   }
+  if ((op == Collective::send || op == Collective::recv) && (g.ranks.size() != 2 || member != (op == Collective::recv))) {
+    throw std::invalid_argument(fmt::format("{}: {} is member {} of NCCL group '{}' of {}; a send is member 0 of two, "
+                                            "a receive member 1",
+                                            cfg.actor, name, member, g.name, g.ranks.size()));
+  }
   const auto at = static_cast<std::size_t>(member);
   if (g.ranks[at] != cfg.services->rank || g.devices[at] != cfg.device.index || cfg.device.type != DeviceType::cuda) {
     throw std::invalid_argument(fmt::format("{}: member {} of NCCL group '{}' belongs on rank {} cuda:{}, but the actor "
@@ -255,7 +271,8 @@ std::unique_ptr<Kernel> make_kernel(Collective op, const KernelConfig& cfg) {
 }  // namespace
 
 void add_nccl_kernels(KernelRegistry& reg) {
-  for (Collective op : {Collective::all_reduce, Collective::reduce_scatter, Collective::all_gather}) {
+  for (Collective op : {Collective::all_reduce, Collective::reduce_scatter, Collective::all_gather, Collective::send,
+                        Collective::recv}) {
     for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8}) {
       reg.add(op_name(op), DeviceType::cuda, dt, [op](const KernelConfig& cfg) { return make_kernel(op, cfg); });
     }

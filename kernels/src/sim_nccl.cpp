@@ -13,6 +13,7 @@
 // chain of add kernels does, so a sim run has the CPU's bits.
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -165,6 +166,86 @@ class SimNccl final : public Kernel {
   std::shared_ptr<Rendezvous> meet_;
 };
 
+/// One half of a point-to-point move ("nccl.send", member 0 of a group of two, or "nccl.recv",
+/// member 1): the k-th send of a group pairs with its k-th receive, as NCCL pairs them, and each
+/// blocks its stream until the other has come; the receive copies the sender's bytes. The
+/// receive's input is its token (the nccl_p2p pass's: the number of the piece that was sent),
+/// which must be the number of its call: a token that ran ahead of its data, or a receive of
+/// another piece, fails the job.
+class SimP2p final : public Kernel {
+ public:
+  SimP2p(bool send, std::string actor, std::string group, const std::atomic<bool>* failed)
+      : send_(send), actor_(std::move(actor)), group_(std::move(group)), failed_(failed), meet_(rendezvous_of(group_)) {}
+
+  void compute(KernelContext& ctx) override {
+    const std::size_t outputs = send_ ? 0 : 1;
+    if (ctx.inputs.size() != 1 || ctx.outputs.size() != outputs || ctx.inputs[0] == nullptr ||
+        (!send_ && ctx.outputs[0] == nullptr)) {
+      throw std::invalid_argument(fmt::format("{}: {} reads one input and writes {} output{}", actor_,
+                                              send_ ? "nccl.send" : "nccl.recv", outputs, outputs == 1 ? "" : "s"));
+    }
+    const Tensor& mine = send_ ? *ctx.inputs[0] : *ctx.outputs[0];
+    const std::string what = fmt::format("{} {} elements", mine.numel(), name(mine.dtype()));
+    Rendezvous& r = *meet_;
+    std::unique_lock lock(r.mutex);
+    const std::size_t member = send_ ? 0 : 1;
+    const std::int64_t call = r.next[member]++;
+    if (!send_) {
+      const Tensor& token = *ctx.inputs[0];
+      const std::int64_t sent = token.numel() == 1 && token.dtype() == DType::i64 ? token.data<std::int64_t>()[0] : -1;
+      if (sent != call) {
+        throw std::runtime_error(fmt::format("{}: receive {} on group '{}' was told piece {} is coming", actor_, call,
+                                             group_, sent));
+      }
+    }
+    auto& c = r.calls[call];
+    if (c.parts.empty()) {
+      c.what = what;
+      c.parts.resize(2, nullptr);
+    } else if (c.what != what) {
+      throw std::runtime_error(fmt::format(
+          "{}: {} {} on group '{}' moves {}, but the peer's {} moves {}: the two sides disagree on what crosses",
+          actor_, send_ ? "send" : "receive", call, group_, what, send_ ? "receive" : "send", c.what));
+    }
+    ++c.arrived;
+    if (send_) {
+      c.parts[0] = &mine;
+      r.cv.notify_all();
+      wait(lock, call, [&] { return c.done == 1; }, "its receive");
+    } else {
+      r.cv.notify_all();
+      wait(lock, call, [&] { return c.parts[0] != nullptr; }, "its send");
+      std::memcpy(ctx.outputs[0]->raw(), c.parts[0]->raw(), mine.nbytes());
+      c.done = 1;
+      r.cv.notify_all();
+    }
+    if (--c.arrived == 0 && c.done == 1) r.calls.erase(call);
+  }
+
+ private:
+  template <class Pred>
+  void wait(std::unique_lock<std::mutex>& lock, std::int64_t call, Pred ready, const char* for_what) {
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    while (!ready()) {
+      if (failed_ != nullptr && failed_->load(std::memory_order_relaxed)) {
+        throw std::runtime_error(fmt::format("{}: call {} on group '{}' gave up waiting for {}: the run failed",
+                                             actor_, call, group_, for_what));
+      }
+      if (std::chrono::steady_clock::now() > until) {
+        throw std::runtime_error(fmt::format("{}: call {} on group '{}' waited {} s for {}", actor_, call, group_,
+                                             std::chrono::duration_cast<std::chrono::seconds>(deadline).count(),
+                                             for_what));
+      }
+      meet_->cv.wait_for(lock, 10ms);
+    }
+  }
+
+  bool send_;
+  std::string actor_, group_;
+  const std::atomic<bool>* failed_;
+  std::shared_ptr<Rendezvous> meet_;
+};
+
 }  // namespace
 
 void add_sim_nccl_kernels(KernelRegistry& reg) {
@@ -190,6 +271,21 @@ void add_sim_nccl_kernels(KernelRegistry& reg) {
         return on_stream(std::make_unique<SimNccl>(op, std::string(cfg.actor), group, static_cast<std::size_t>(member),
                                                    members, failed),
                          std::string(cfg.actor));
+      });
+    }
+  }
+  for (const bool send : {true, false}) {
+    const char* op_name = send ? "nccl.send" : "nccl.recv";
+    for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8}) {
+      reg.add(op_name, DeviceType::sim, dt, [op_name, send](const KernelConfig& cfg) -> std::unique_ptr<Kernel> {
+        const std::string group = cfg.attrs.get_string("group", "");
+        if (group.empty() || cfg.attrs.get_int("member", -1) != (send ? 0 : 1)) {
+          throw std::invalid_argument(fmt::format("{}: {} needs a group and is its member {} (the nccl_p2p pass sets "
+                                                  "them)",
+                                                  cfg.actor, op_name, send ? 0 : 1));
+        }
+        const std::atomic<bool>* failed = cfg.services == nullptr ? nullptr : cfg.services->failed;
+        return on_stream(std::make_unique<SimP2p>(send, std::string(cfg.actor), group, failed), std::string(cfg.actor));
       });
     }
   }

@@ -68,6 +68,15 @@ constexpr std::int32_t nccl_lane_base = 1 << 20;
 /// ops, and not a compute stream, whose lane would order them after the ops that read them.
 constexpr std::uint8_t tp_nccl_stream = 13;
 
+/// The streams of pipeline registers' NCCL moves between ranks (the nccl_p2p pass): each send
+/// on a stream of its own, p2p_send_streams of them per device from p2p_first_send_stream (a
+/// send waits on its stream for its receive, which its rank cannot order with another
+/// register's), and a device's receives on one, p2p_recv_stream (a receive is posted only once
+/// its token says the send is there or coming, so it holds its stream for no other).
+constexpr std::uint8_t p2p_first_send_stream = 2;
+constexpr int p2p_send_streams = 10;
+constexpr std::uint8_t p2p_recv_stream = 12;
+
 /// A plan pass's rewrite: the plan without the actors in `drop` and with each entry of
 /// `replace` in place of the actor at its index (several actors in a row where it has
 /// several), less the registers that only the dropped and replaced actors wrote; add_actor

@@ -419,4 +419,28 @@ void Communicator::all_gather(const Tensor& in, Tensor& out, cuda::Stream& strea
   });
 }
 
+void Communicator::send(const Tensor& in, int peer, cuda::Stream& stream) {
+  check_operands(*this, "ncclSend", in, in, stream, 1, 1);
+  if (peer < 0 || peer >= nranks_ || peer == rank_) {
+    throw std::invalid_argument(fmt::format("{}: ncclSend to rank {}", describe(), peer));
+  }
+  if (in.numel() == 0) return;
+  const auto count = static_cast<std::size_t>(in.numel());
+  const ncclDataType_t type = nccl_type(in.dtype());
+  enqueue(*this, *impl_, wait_, "ncclSend", stream,
+          [&](cudaStream_t s) { return ncclSend(in.raw(), count, type, peer, impl_->comm, s); });
+}
+
+void Communicator::recv(Tensor& out, int peer, cuda::Stream& stream) {
+  check_operands(*this, "ncclRecv", out, out, stream, 1, 1);
+  if (peer < 0 || peer >= nranks_ || peer == rank_) {
+    throw std::invalid_argument(fmt::format("{}: ncclRecv from rank {}", describe(), peer));
+  }
+  if (out.numel() == 0) return;
+  const auto count = static_cast<std::size_t>(out.numel());
+  const ncclDataType_t type = nccl_type(out.dtype());
+  enqueue(*this, *impl_, wait_, "ncclRecv", stream,
+          [&](cudaStream_t s) { return ncclRecv(out.raw(), count, type, peer, impl_->comm, s); });
+}
+
 }  // namespace baton::nccl

@@ -41,5 +41,7 @@ void Communicator::close(const std::vector<Communicator*>&) noexcept {}
 void Communicator::all_reduce(const Tensor&, Tensor&, cuda::Stream&) { unavailable(describe() + ": all_reduce"); }
 void Communicator::reduce_scatter(const Tensor&, Tensor&, cuda::Stream&) { unavailable(describe() + ": reduce_scatter"); }
 void Communicator::all_gather(const Tensor&, Tensor&, cuda::Stream&) { unavailable(describe() + ": all_gather"); }
+void Communicator::send(const Tensor&, int, cuda::Stream&) { unavailable(describe() + ": send"); }
+void Communicator::recv(Tensor&, int, cuda::Stream&) { unavailable(describe() + ": recv"); }
 
 }  // namespace baton::nccl

@@ -163,7 +163,9 @@ struct TrainConfig {
   /// all-reduce (a scalar per micro-batch) is always made of actors. Also how tp > 1 sums its
   /// shards' partial products (passes.h: tp_collectives): "actors" a chain of adds, "auto" NCCL
   /// where every shard is a CUDA device of its own, "nccl" NCCL or an error. On `sim` devices
-  /// "nccl" takes the sim's stand-in for NCCL (tests).
+  /// "nccl" takes the sim's stand-in for NCCL (tests). And how registers cross ranks between
+  /// GPUs (pipeline stages; passes.h: nccl_p2p): "actors" through both hosts, "auto" NCCL's
+  /// send and receive where both ends are CUDA devices and baton has NCCL, "nccl" also on sim.
   std::string collectives = "auto";
   /// dp > 1: "none", "bf16" or "fp16": the gradient sums travel (and are kept between hops) in
   /// bf16 or IEEE half (DType::f16) and are added in f32 (AllReduceSettings::wire; Horovod's

@@ -185,6 +185,14 @@ Plan device_copies(const Plan& plan, const KernelRegistry& kernels);
 /// transfers: insert_transfers (plan.h); a plan within one rank comes back unchanged.
 Plan transfers(const Plan& plan);
 
+/// nccl_p2p: each register that crosses ranks from a GPU to a GPU (staged by device_copies and
+/// transfers: to_host, transfer, to_device) moved by NCCL instead where TrainConfig::collectives
+/// allows (as for dp and tp; `sim` devices with "nccl"): an nccl.send on the producer's GPU,
+/// a host token per piece (p2p.token) that a transfer takes to the receiving rank, and an
+/// nccl.recv there writing the register the to_device copy wrote (passes/nccl_p2p.cpp says
+/// why the token, and which streams); else the plan unchanged.
+Plan nccl_p2p(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg);
+
 /// lanes: each pipeline stage's order of forward and backward passes (order_pipeline,
 /// schedule.h) with pp > 1. Without stages, with TrainConfig::memory_plan, the one stage runs
 /// each micro-batch's forward and then its backward (1F1B on one stage), an order that lets

@@ -1,7 +1,7 @@
 #pragma once
 /// NCCL collectives between CUDA devices: communicators, the collectives on a baton CUDA stream,
 /// and the kernels that let an actor run them ("nccl.allreduce", "nccl.reduce_scatter",
-/// "nccl.all_gather"). This header needs no NCCL (or CUDA) headers and exists in every build;
+/// "nccl.all_gather", and "nccl.send" / "nccl.recv" for point-to-point moves). This header needs no NCCL (or CUDA) headers and exists in every build;
 /// without NCCL (BATON_HAS_NCCL undefined) everything that would call NCCL throws
 /// std::runtime_error "... baton was built without NCCL".
 ///
@@ -108,6 +108,12 @@ class Communicator {
   void reduce_scatter(const Tensor& in, Tensor& out, cuda::Stream& stream);
   /// out = every rank's `in`, in rank order (out has size() x in's elements).
   void all_gather(const Tensor& in, Tensor& out, cuda::Stream& stream);
+  /// Sends `in` to rank `peer` of this communicator (ncclSend), which receives it with recv():
+  /// a communicator's sends and receives between two ranks pair by their order. Every dtype
+  /// (the bytes move as they are). The call on the device waits for the peer's receive.
+  void send(const Tensor& in, int peer, cuda::Stream& stream);
+  /// Receives into `out` what rank `peer` sends (ncclRecv): the same element count and dtype.
+  void recv(Tensor& out, int peer, cuda::Stream& stream);
 
   /// Aborts the communicator now (its device work ends, its later calls throw). Never throws.
   /// Any thread.
@@ -209,6 +215,9 @@ class Communicators {
 
 /// Registers "nccl.allreduce", "nccl.reduce_scatter" and "nccl.all_gather" for cuda and every
 /// dtype NCCL sums. Their actor has one input and one output register on its member's device;
+/// "nccl.send" (member 0 of a group of two) reads one input and writes nothing, "nccl.recv"
+/// (member 1) writes one output and reads one input it ignores (the token that tells it a piece
+/// is coming: graph/passes.h, nccl_p2p);
 /// the kernel needs the runtime's KernelServices. In a build without NCCL they are registered all
 /// the same, and making one throws "built without NCCL". KernelRegistry::with_builtin_kernels()
 /// calls it.
