@@ -583,23 +583,34 @@ TEST_CASE("Nccl.IdExchange.RunJobHandsKernelsAStoreFilledBeforeTheStart" * docte
 // in one f32 addition, as the chain's add does, so the losses should agree to the last bits;
 // 1e-6 relative leaves room for a reduction order NCCL may choose otherwise. The logic runs
 // in CI on sim devices (tests/test_tp_collectives.cpp); this is its run on GPUs.
+namespace {
+
+/// What the two-GPU GPTs (batch 8, sequences of 8) train with: 3 steps of 2 micro-batches of
+/// 600 tokens of 16 letters in a fixed pattern, Adam, and `collectives`.
+TrainConfig two_gpu_config(const char* collectives) {
+  auto corpus = std::make_shared<data::TextCorpus>();
+  for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
+  for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
+  TrainConfig cfg;
+  cfg.steps = 3;
+  cfg.microbatches = 2;
+  cfg.optimizer = optim::adam(0.01);
+  cfg.collectives = collectives;
+  cfg.data = {{"text", data::text_source(corpus, 8, 2, 8, 3), {"tokens", "targets"}}};
+  return cfg;
+}
+
+}  // namespace
+
 TEST_CASE("Nccl.TwoDevices.TensorParallelSumsTrainAsTheChainsOfAdds" * doctest::timeout(300)) {
   if (!cuda_usable(2)) return;
   auto train = [](const char* collectives) {
     Graph g(5);
-    auto corpus = std::make_shared<data::TextCorpus>();
-    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
-    for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
     Value loss =
         models::gpt_with_loss(g, 4, {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2, .tp = 2}).loss;
-    TrainConfig cfg;
-    cfg.steps = 3;
-    cfg.microbatches = 2;
+    TrainConfig cfg = two_gpu_config(collectives);
     cfg.tp = 2;
-    cfg.optimizer = optim::adam(0.01);
-    cfg.collectives = collectives;
     cfg.replica_places = {{.device = Device::parse("cuda:0")}, {.device = Device::parse("cuda:1")}};
-    cfg.data = {{"text", data::text_source(corpus, 8, 2, 8, 3), {"tokens", "targets"}}};
     TrainingJob job = compile_training(g, loss, cfg);
     int nccl = 0;
     for (const ActorDesc& a : job.plan.actors) nccl += a.op == "nccl.allreduce";
@@ -624,18 +635,10 @@ TEST_CASE("Nccl.TwoDevices.PipelineRegistersBetweenRanksTrainAsStaged" * doctest
   if (!cuda_usable(2)) return;
   auto train = [](const char* collectives) {
     Graph g(5);
-    auto corpus = std::make_shared<data::TextCorpus>();
-    for (int c = 0; c < 16; ++c) corpus->vocab.push_back(static_cast<unsigned char>('a' + c));
-    for (int i = 0; i < 600; ++i) corpus->ids.push_back((i * 5 + i / 11) % 16);
     Value loss = models::gpt_with_loss(g, 4, {.vocab = 16, .seq = 8, .d_model = 16, .heads = 2, .layers = 2}).loss;
-    TrainConfig cfg;
-    cfg.steps = 3;
-    cfg.microbatches = 2;
+    TrainConfig cfg = two_gpu_config(collectives);
     cfg.pp = 2;
-    cfg.optimizer = optim::adam(0.01);
-    cfg.collectives = collectives;
     cfg.replica_places = {{.rank = 0, .device = Device::parse("cuda:0")}, {.rank = 1, .device = Device::parse("cuda:1")}};
-    cfg.data = {{"text", data::text_source(corpus, 8, 2, 8, 3), {"tokens", "targets"}}};
     TrainingJob job = compile_training(g, loss, cfg);
     LocalStore store;  // the ranks' shared control plane: how rank 1 gets the group's unique id
     RuntimeSettings rs;

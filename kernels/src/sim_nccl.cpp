@@ -1,7 +1,7 @@
-// The sim device's stand-in for NCCL (sim.h): "nccl.allreduce", "nccl.reduce_scatter" and
-// "nccl.all_gather" on `sim` devices, so that the plans that put NCCL between GPUs (data
-// parallelism's buckets, tensor parallelism's sums) run in CI, under ThreadSanitizer, without
-// a GPU.
+// The sim device's stand-in for NCCL (sim.h): "nccl.allreduce", "nccl.reduce_scatter",
+// "nccl.all_gather", "nccl.send" and "nccl.recv" on `sim` devices, so that the plans that put
+// NCCL between GPUs (data parallelism's buckets, tensor parallelism's sums, pipeline registers
+// between ranks) run in CI, under ThreadSanitizer, without a GPU.
 //
 // It keeps what matters of NCCL to a plan: the calls of a group are paired by their order on
 // each member (whichever of the member's actors makes them), not by name, and a call blocks its member's stream until every member has made
@@ -92,12 +92,41 @@ void combine(Op op, const std::vector<const Tensor*>& parts, std::size_t member,
   }
 }
 
-class SimNccl final : public Kernel {
+/// What a member of a group keeps: its names for errors, the run's failure flag, and the
+/// group's meeting place, where it waits for its peers.
+class Member : public Kernel {
+ protected:
+  Member(std::string actor, std::string group, const std::atomic<bool>* failed)
+      : actor_(std::move(actor)), group_(std::move(group)), failed_(failed), meet_(rendezvous_of(group_)) {}
+
+  /// Waits (the meeting's lock held) until `ready`, the run fails, or `deadline` passes.
+  template <class Pred>
+  void wait(std::unique_lock<std::mutex>& lock, std::int64_t call, Pred ready, const char* for_what) {
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    while (!ready()) {
+      if (failed_ != nullptr && failed_->load(std::memory_order_relaxed)) {
+        throw std::runtime_error(fmt::format("{}: call {} on group '{}' gave up waiting for {}: the run failed",
+                                             actor_, call, group_, for_what));
+      }
+      if (std::chrono::steady_clock::now() > until) {
+        throw std::runtime_error(fmt::format("{}: call {} on group '{}' waited {} s for {}", actor_, call, group_,
+                                             std::chrono::duration_cast<std::chrono::seconds>(deadline).count(),
+                                             for_what));
+      }
+      meet_->cv.wait_for(lock, 10ms);
+    }
+  }
+
+  std::string actor_, group_;
+  const std::atomic<bool>* failed_;
+  std::shared_ptr<Rendezvous> meet_;
+};
+
+class SimNccl final : public Member {
  public:
   SimNccl(Op op, std::string actor, std::string group, std::size_t member, std::size_t members,
           const std::atomic<bool>* failed)
-      : op_(op), actor_(std::move(actor)), group_(std::move(group)), member_(member), members_(members),
-        failed_(failed), meet_(rendezvous_of(group_)) {}
+      : Member(std::move(actor), std::move(group), failed), op_(op), member_(member), members_(members) {}
 
   void compute(KernelContext& ctx) override {
     if (ctx.inputs.size() != 1 || ctx.outputs.size() != 1 || ctx.inputs[0] == nullptr || ctx.outputs[0] == nullptr) {
@@ -142,28 +171,8 @@ class SimNccl final : public Kernel {
     return op_ == Op::all_reduce ? "all-reduce" : op_ == Op::reduce_scatter ? "reduce-scatter" : "all-gather";
   }
 
-  template <class Pred>
-  void wait(std::unique_lock<std::mutex>& lock, std::int64_t call, Pred ready, const char* for_what) {
-    const auto until = std::chrono::steady_clock::now() + deadline;
-    while (!ready()) {
-      if (failed_ != nullptr && failed_->load(std::memory_order_relaxed)) {
-        throw std::runtime_error(fmt::format("{}: call {} on group '{}' gave up waiting for {}: the run failed",
-                                             actor_, call, group_, for_what));
-      }
-      if (std::chrono::steady_clock::now() > until) {
-        throw std::runtime_error(fmt::format("{}: call {} on group '{}' waited {} s for {}", actor_, call, group_,
-                                             std::chrono::duration_cast<std::chrono::seconds>(deadline).count(),
-                                             for_what));
-      }
-      meet_->cv.wait_for(lock, 10ms);
-    }
-  }
-
   Op op_;
-  std::string actor_, group_;
   std::size_t member_, members_;
-  const std::atomic<bool>* failed_;
-  std::shared_ptr<Rendezvous> meet_;
 };
 
 /// One half of a point-to-point move ("nccl.send", member 0 of a group of two, or "nccl.recv",
@@ -172,10 +181,10 @@ class SimNccl final : public Kernel {
 /// receive's input is its token (the nccl_p2p pass's: the number of the piece that was sent),
 /// which must be the number of its call: a token that ran ahead of its data, or a receive of
 /// another piece, fails the job.
-class SimP2p final : public Kernel {
+class SimP2p final : public Member {
  public:
   SimP2p(bool send, std::string actor, std::string group, const std::atomic<bool>* failed)
-      : send_(send), actor_(std::move(actor)), group_(std::move(group)), failed_(failed), meet_(rendezvous_of(group_)) {}
+      : Member(std::move(actor), std::move(group), failed), send_(send) {}
 
   void compute(KernelContext& ctx) override {
     const std::size_t outputs = send_ ? 0 : 1;
@@ -223,27 +232,7 @@ class SimP2p final : public Kernel {
   }
 
  private:
-  template <class Pred>
-  void wait(std::unique_lock<std::mutex>& lock, std::int64_t call, Pred ready, const char* for_what) {
-    const auto until = std::chrono::steady_clock::now() + deadline;
-    while (!ready()) {
-      if (failed_ != nullptr && failed_->load(std::memory_order_relaxed)) {
-        throw std::runtime_error(fmt::format("{}: call {} on group '{}' gave up waiting for {}: the run failed",
-                                             actor_, call, group_, for_what));
-      }
-      if (std::chrono::steady_clock::now() > until) {
-        throw std::runtime_error(fmt::format("{}: call {} on group '{}' waited {} s for {}", actor_, call, group_,
-                                             std::chrono::duration_cast<std::chrono::seconds>(deadline).count(),
-                                             for_what));
-      }
-      meet_->cv.wait_for(lock, 10ms);
-    }
-  }
-
   bool send_;
-  std::string actor_, group_;
-  const std::atomic<bool>* failed_;
-  std::shared_ptr<Rendezvous> meet_;
 };
 
 }  // namespace
