@@ -397,6 +397,52 @@ TEST_CASE("NcclP2p.TheGptsStagesOnTwoRanksTrainAsOverUcx" * doctest::timeout(300
   check_bits(result(cpu_job), result(job));
 }
 
+// A rank that fails while its peer's send waits for a receive that will never come: the job
+// ends on both ranks with the reason, none hangs. Rank 1's receive of the activation throws at
+// its 30th piece (standing in for a rank that dies); rank 0 is aborted with rank 1's reason, as
+// the control plane aborts every rank, and its send, blocked on its stream for that receive,
+// gives up when the run fails (on GPUs, NCCL's abort and the watchdog do it).
+TEST_CASE("NcclP2p.ARankThatFailsEndsTheJobOnBothRanksWithoutAHang" * doctest::timeout(120)) {
+  auto dataset = std::make_shared<const data::Dataset>(data::synthetic(256, 12, 4, 99));
+  const Setup s{.pp = 2, .tp = 1, .microbatches = 4, .ranks = true};
+  Graph g(5);
+  Value logits = models::mlp(g, 8, {.inputs = 12, .hidden = 16, .layers = 2, .classes = 4});
+  Value loss = softmax_cross_entropy(logits, g.find("label")).named("loss");
+  TrainConfig cfg = config(s, DeviceType::sim);
+  cfg.steps = 50;  // 200 pieces: far more than the failure lets through
+  cfg.data = {{"synthetic", data::batch_source(dataset, 32, 4, 7), {"x", "label"}}};
+  TrainingJob job = compile_training(g, loss, cfg);
+  // The receive on rank 1 (the activation's, from rank 0) fails at piece 30.
+  class FailAt final : public Kernel {
+   public:
+    explicit FailAt(std::unique_ptr<Kernel> inner) : inner_(std::move(inner)) {}
+    void compute(KernelContext& ctx) override {
+      if (ctx.piece == 30) throw std::runtime_error("injected failure at piece 30");
+      inner_->compute(ctx);
+    }
+
+   private:
+    std::unique_ptr<Kernel> inner_;
+  };
+  const KernelRegistry builtin = job.kernels;
+  job.kernels.add("nccl.recv.failing", DeviceType::sim, DType::f32, [builtin](const KernelConfig& kc) {
+    return std::unique_ptr<Kernel>(std::make_unique<FailAt>(builtin.create("nccl.recv", kc)));
+  });
+  int changed = 0;
+  for (ActorDesc& a : job.plan.actors) {
+    if (a.op == "nccl.recv" && a.where.rank == 1 && changed++ == 0) a.op = "nccl.recv.failing";
+  }
+  REQUIRE(changed >= 1);
+  RuntimeSettings rs;
+  rs.stall_timeout = 60'000ms;
+  const auto started = std::chrono::steady_clock::now();
+  const auto results = test::run_on_loopback(job.plan, job.kernels, rs);
+  CHECK(std::chrono::steady_clock::now() - started < 60s);
+  REQUIRE(results.size() == 2);
+  CHECK(test::contains(results[1].error, "injected failure at piece 30"));
+  CHECK(test::contains(results[0].error, "injected failure at piece 30"));  // the reason, on rank 0 too
+}
+
 // "auto" leaves sim devices staged (the stand-in only when asked); on CUDA devices of two ranks
 // it takes NCCL where baton has it (compiled only: nothing runs), and "actors" never does.
 TEST_CASE("NcclP2p.AutoTakesNcclBetweenCudaDevicesOnly") {
