@@ -27,6 +27,10 @@
 // its send is, so none waits on another register's. The edges between these actors and the
 // compute streams are host-side (EdgeSync::to_host, actors/plan.h), as for every NCCL actor.
 //
+// Which registers: a pipeline's (made by a forward or backward op), moved whole by a plain
+// transfer. The loss's ring, ZeRO 3's pulls (in lanes) and a parameter server's traffic keep
+// theirs.
+//
 // TrainConfig::collectives decides, as for dp and tp: "actors" keeps the staging, "auto" moves
 // by NCCL where both ends are CUDA devices and baton has NCCL, "nccl" also on `sim` devices
 // (the sim's stand-in, kernels/src/sim_nccl.cpp, which pairs sends and receives by order and
@@ -73,9 +77,22 @@ std::string refusal(const KernelRegistry& kernels, const TrainConfig& cfg, const
 
 std::string where_str(const Placement& p) { return fmt::format("r{}{}", p.rank, p.device.str()); }
 
+/// A transfer that moves a whole register as it comes: not a window, gather or sum of a
+/// collective, and not one a lowering put in a lane to start at its turn (ZeRO 3's pulls).
 bool plain_transfer(const ActorDesc& a) {
   return a.kind == ActorKind::transfer && a.op == "transfer" && a.inputs.size() == 1 && a.outputs.size() == 1 &&
-         a.window < 0 && a.inputs[0].delay == 0;
+         a.window < 0 && a.inputs[0].delay == 0 && a.order.lane < 0;
+}
+
+/// Whether register r is a pipeline's: made by an op of the forward or backward pass (an
+/// activation, a gradient), not by a collective, an optimizer or a parameter server, whose
+/// traffic between ranks keeps its own mechanisms (a parameter server's worker may leave and
+/// come back, which a communicator cannot follow).
+bool pipeline_register(const Plan& plan, RegisterIndex r) {
+  const ActorIndex p = plan.registers[r].producer;
+  if (p >= plan.actors.size()) return false;
+  const ActorRole role = plan.actors[p].role;
+  return role == ActorRole::forward || role == ActorRole::backward;
 }
 
 /// The moves the plan's transfers make between GPUs of two ranks.
@@ -87,15 +104,17 @@ std::vector<Move> moves_of(const Plan& plan) {
     const RegisterDesc& in = plan.registers[across.inputs[0].reg];
     if (in.producer >= plan.actors.size()) continue;
     const ActorDesc& made = plan.actors[in.producer];
+    const RegisterIndex r = made.copy == CopyDirection::to_host ? made.inputs[0].reg : across.inputs[0].reg;
+    if (!pipeline_register(plan, r)) continue;
     if (made.copy == CopyDirection::to_host) {
       for (ActorIndex c2 : plan.registers[across.outputs[0]].consumers) {
         const ActorDesc& up = plan.actors[c2];
         if (up.copy != CopyDirection::to_device) continue;
-        out.push_back({.r = made.inputs[0].reg, .from = made.where, .to = up.where, .to_host = in.producer,
+        out.push_back({.r = r, .from = made.where, .to = up.where, .to_host = in.producer,
                        .transfer = t, .up = c2});
       }
     } else if (made.where.device.type == DeviceType::sim && across.where.device.type == DeviceType::sim) {
-      out.push_back({.r = across.inputs[0].reg, .from = made.where, .to = across.where, .transfer = t, .up = t});
+      out.push_back({.r = r, .from = made.where, .to = across.where, .transfer = t, .up = t});
     }
   }
   return out;
