@@ -1075,8 +1075,9 @@ void add_model_options(CLI::App& app, Options& o) {
       ->check(CLI::Range(1, 256));
 }
 
-/// The flags of where and how it runs: parallelism, devices, memory, checkpoints, output.
-void add_run_options(CLI::App& app, Options& o) {
+/// The flags of how the job is cut over devices: data, pipeline and tensor parallelism, their
+/// synchronisation and collectives, precision and the pipeline's schedule.
+void add_parallel_options(CLI::App& app, Options& o) {
   app.add_option("--dp", o.dp, "data-parallel replicas (in-process devices, and the ranks under baton-launch)")
       ->check(CLI::Range(1, 64));
   app.add_option("--bucket-mb", o.bucket_mb, "data parallelism: gradients all-reduced in buckets of this many MiB "
@@ -1132,6 +1133,11 @@ void add_run_options(CLI::App& app, Options& o) {
   app.add_option("--balance", o.balance, "pipeline stages of equal cost by: flops (estimated) or profile (each "
                  "op's kernel timed on its shapes; one rank only)")
       ->check(CLI::IsMember({"flops", "profile"}));
+}
+
+/// The flags of where and how it runs: devices, output, memory, checkpoints, sampling.
+void add_run_options(CLI::App& app, Options& o) {
+  add_parallel_options(app, o);
   app.add_option("--devices", o.devices,
                  "where the dp x pp x tp places run: cpu:K, cuda:K or sim:K (K in-process devices per rank; default cpu, dp x "
                  "pp x tp / ranks), or RANK:TYPE:INDEX per place, comma-separated (0:cuda:0,0:cuda:1)");

@@ -59,6 +59,7 @@ struct Move {
   RegisterIndex r = 0;
   Placement from, to;
   ActorIndex to_host = no_actor, transfer = no_actor, up = no_actor;
+  std::uint8_t send_stream = 0;  // set once chosen (chosen_moves)
 };
 
 /// Why R cannot move from `from` to `to` by NCCL (empty: it can).
@@ -120,16 +121,13 @@ std::vector<Move> moves_of(const Plan& plan) {
   return out;
 }
 
-}  // namespace
-
-Plan nccl_p2p(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg) {
-  if (cfg.collectives == "actors") return plan;
-  // The moves NCCL can make, by the register they move; each send on a stream of its own, as
-  // many as a device has (the rest stay staged, or "nccl" fails).
+/// The moves NCCL can make, by the register they move, each with its send's stream: as many as
+/// a device has streams for (the rest stay staged, or "nccl" fails naming the register).
+std::map<RegisterIndex, std::vector<Move>> chosen_moves(const Plan& plan, const KernelRegistry& kernels,
+                                                        const TrainConfig& cfg) {
   std::map<RegisterIndex, std::vector<Move>> moves;
   std::map<std::pair<std::uint16_t, Device>, int> sends_at;
-  std::map<ActorIndex, std::uint8_t> send_stream;  // by the move's `up`
-  for (const Move& m : moves_of(plan)) {
+  for (Move m : moves_of(plan)) {
     std::string why = refusal(kernels, cfg, m.from, m.to, plan.registers[m.r].dtype);
     int& taken = sends_at[{m.from.rank, m.from.device}];
     if (why.empty() && taken == detail::p2p_send_streams) {
@@ -144,9 +142,17 @@ Plan nccl_p2p(const Plan& plan, const KernelRegistry& kernels, const TrainConfig
       }
       continue;
     }
-    send_stream[m.up] = static_cast<std::uint8_t>(detail::p2p_first_send_stream + taken++);
+    m.send_stream = static_cast<std::uint8_t>(detail::p2p_first_send_stream + taken++);
     moves[m.r].push_back(m);
   }
+  return moves;
+}
+
+}  // namespace
+
+Plan nccl_p2p(const Plan& plan, const KernelRegistry& kernels, const TrainConfig& cfg) {
+  if (cfg.collectives == "actors") return plan;
+  const std::map<RegisterIndex, std::vector<Move>> moves = chosen_moves(plan, kernels, cfg);
   if (moves.empty()) return plan;
 
   Plan work = plan;
@@ -205,7 +211,7 @@ Plan nccl_p2p(const Plan& plan, const KernelRegistry& kernels, const TrainConfig
       ActorDesc send{.name = fmt::format("{}.send@{}", reg.name, where_str(m.to)),
                      .op = "nccl.send",
                      .dtype = reg.dtype,
-                     .where = {from.rank, from.device, send_stream.at(m.up)},
+                     .where = {from.rank, from.device, m.send_stream},
                      .inputs = {{r}},
                      .attrs = attrs,
                      .role = ActorRole::transfer,
