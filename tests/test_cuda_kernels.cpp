@@ -1537,6 +1537,89 @@ TEST_CASE("CudaKernels.MultiTensorOptimizers.MatchOneTensorSteps" * doctest::tim
   }
 }
 
+// What the variable groups of the updates pass ask of the multi-tensor steps beyond the plain
+// step: the new weights also written into each weight's copy (f32 or bf16, some weights none),
+// and the clipping factor applied to the gradients inside the step. Against the one-tensor
+// path the variable actor takes (the gradient copied and scaled by cuda::scale, then the step
+// writing its copy): the same bits, weights, slots and copies.
+TEST_CASE("CudaKernels.MultiTensorOptimizers.WriteTheCopiesAndScaleTheGradientsAsOneTensorSteps" *
+          doctest::timeout(120)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  std::vector<std::int64_t> sizes{1, 1000, 65537};
+  for (int i = 0; i < 40; ++i) sizes.push_back(100 + 37 * i);
+  const DType copy_of[3] = {f32, bf16, DType::i32};  // i32: no copy
+  auto raw = [&](const Tensor& t) {
+    const Tensor h = gpu.to_host(t);
+    const auto* p = static_cast<const unsigned char*>(h.raw());
+    return std::vector<unsigned char>(p, p + h.nbytes());
+  };
+  for (bool adam : {true, false}) {
+    CAPTURE(adam);
+    const AdamConfig acfg{.lr = 1e-2, .weight_decay = 0.1, .decoupled = true};
+    const SgdConfig scfg{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01, .nesterov = false};
+    struct Weight {
+      Tensor mw, mm, mv, mc;  // stepped by the multi-tensor step
+      Tensor sw, sm, sv, sc;  // by the one-tensor step
+      bool copy = false;
+    };
+    std::vector<Weight> ws;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const std::int64_t n = sizes[i];
+      const Tensor w = random_tensor(f32, {n});
+      const Tensor zero = Tensor::zeros({n}, f32);
+      Weight x{gpu.to_device(w), gpu.to_device(zero), gpu.to_device(zero), {},
+               gpu.to_device(w), gpu.to_device(zero), gpu.to_device(zero), {}};
+      const DType c = copy_of[i % 3];
+      x.copy = c != DType::i32;
+      if (x.copy) {
+        x.mc = gpu.to_device(Tensor::zeros({n}, c));
+        x.sc = gpu.to_device(Tensor::zeros({n}, c));
+      }
+      ws.push_back(std::move(x));
+    }
+    for (std::int64_t step = 1; step <= 3; ++step) {
+      const float factor = step == 2 ? 0.37f : 1.0f;  // step 2 clips
+      std::vector<cuda::AdamSlice> as;
+      std::vector<cuda::SgdSlice> ss;
+      std::vector<Tensor> grads;
+      for (Weight& x : ws) {
+        grads.push_back(gpu.to_device(random_tensor(f32, x.mw.shape())));
+        const Tensor& g = grads.back();
+        Tensor scaled = gpu.to_device(Tensor::zeros(g.shape(), f32));
+        cuda::copy(scaled, g, *gpu.stream);
+        if (factor != 1.0f) cuda::scale(scaled.data<float>().data(), scaled.numel(), factor, *gpu.stream);
+        Tensor* sc = x.copy ? &x.sc : nullptr;
+        Tensor* mc = x.copy ? &x.mc : nullptr;
+        if (adam) {
+          cuda::adam_step(x.sw.data<float>().data(), scaled.data<float>().data(), x.sm.data<float>().data(),
+                          x.sv.data<float>().data(), x.sw.numel(), acfg, step, acfg.lr, *gpu.stream, sc);
+          as.push_back({x.mw.data<float>().data(), g.data<float>().data(), x.mm.data<float>().data(),
+                        x.mv.data<float>().data(), x.mw.numel(), mc});
+        } else {
+          cuda::sgd_step(x.sw.data<float>().data(), scaled.data<float>().data(), x.sm.data<float>().data(),
+                         x.sw.numel(), scfg, step, scfg.lr, *gpu.stream, sc);
+          ss.push_back({x.mw.data<float>().data(), g.data<float>().data(), x.mm.data<float>().data(), x.mw.numel(), mc});
+        }
+        gpu.stream->synchronize();  // `scaled` is freed at the end of this iteration
+      }
+      if (adam) {
+        cuda::adam_step_multi(as, acfg, step, acfg.lr, *gpu.stream, factor);
+      } else {
+        cuda::sgd_step_multi(ss, scfg, step, scfg.lr, *gpu.stream, factor);
+      }
+      gpu.stream->synchronize();
+    }
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      CAPTURE(sizes[i]);
+      CHECK(raw(ws[i].mw) == raw(ws[i].sw));
+      CHECK(raw(ws[i].mm) == raw(ws[i].sm));
+      if (adam) CHECK(raw(ws[i].mv) == raw(ws[i].sv));
+      if (ws[i].copy) CHECK(raw(ws[i].mc) == raw(ws[i].sc));
+    }
+  }
+}
+
 // Five Adam steps of a small GPT on cuda:0 (the same data, weights and seed every call): the
 // losses.
 static std::vector<double> gpt_losses_on_gpu(models::GptShape::Attention attention, bool fused_bias_gelu, DType precision) {

@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "baton/actors.h"
 #include "baton/graph.h"
@@ -26,6 +27,7 @@
 
 using namespace baton;
 using test::cuda_usable;
+using test::count_op;
 
 namespace {
 
@@ -46,10 +48,20 @@ struct MlpJob {
   Graph g{7};
   Value loss;
   TrainConfig cfg;
-  MlpJob(const Digits& d, std::vector<Placement> where, OptimizerConfig opt, std::int64_t steps = 3) {
-    models::MlpShape shape{.inputs = 64, .hidden = 32, .layers = 2, .classes = 10};
-    Value logits = models::mlp(g, 32, shape);
-    loss = softmax_cross_entropy(logits, g.find("label")).named("loss");
+  /// `bf16`: the model under autocast (bf16 products, f32 weights).
+  MlpJob(const Digits& d, std::vector<Placement> where, OptimizerConfig opt, std::int64_t steps = 3,
+         bool bf16 = false) {
+    auto build = [&] {
+      models::MlpShape shape{.inputs = 64, .hidden = 32, .layers = 2, .classes = 10};
+      Value logits = models::mlp(g, 32, shape);
+      loss = softmax_cross_entropy(logits, g.find("label")).named("loss");
+    };
+    if (bf16) {
+      auto bf = g.autocast();
+      build();
+    } else {
+      build();
+    }
     cfg.steps = steps;
     cfg.microbatches = 2;
     cfg.optimizer = opt;
@@ -129,7 +141,13 @@ TEST_CASE("CudaTraining.MixedPlacementsCopyOnlyAtTheBoundary") {
   CHECK(up >= 2);
   CHECK(actor_named(t.plan, "data.digits").where.device == cpu0);
   CHECK(actor_named(t.plan, "variable.fc0.w").where.device == cpu0);
-  CHECK(actor_named(t.plan, "variable.out.w").where.device == cuda0);
+  // The CUDA stage's weights are stepped together (the updates pass), the CPU's each by its own.
+  const ActorDesc& cuda_weights = actor_named(t.plan, "variables.r0.cuda:0");
+  CHECK(cuda_weights.where.device == cuda0);
+  std::vector<std::string> stepped;
+  for (RegisterIndex r : cuda_weights.outputs) stepped.push_back(t.plan.registers[r].name);
+  CHECK(stepped.size() >= 2);  // the second stage's weights and biases
+  CHECK(std::find(stepped.begin(), stepped.end(), "out.w.step") != stepped.end());
 }
 
 TEST_CASE("CudaTraining.WhatCrossesRanksGoesThroughHostMemory") {
@@ -290,6 +308,42 @@ TEST_CASE("CudaTraining.MlpTrainsAsOnTheCpu" * doctest::timeout(120)) {
         scale = std::max(scale, static_cast<double>(std::abs(x[i])));
       }
       CHECK(worst <= 1e-4 * scale);
+    }
+  }
+}
+
+// The updates pass on a GPU: a device's weights stepped by one multi-tensor launch
+// (CudaVariableGroup) against one actor and launch per weight, the same kernels elsewhere.
+// cuBLAS gives the same bits for the same products on the same GPU in one process, and the
+// multi-tensor step each element's arithmetic of the one-tensor step (with the clipping factor
+// applied as cuda::scale applies it): losses and weights equal, bit for bit. SGD with momentum
+// and AdamW, clipped on some steps, in f32 and with bf16 autocast (the group then writes each
+// weight's bf16 copy for its products).
+TEST_CASE("CudaTraining.ADevicesWeightsStepTogetherAsEachOnItsOwn" * doctest::timeout(120)) {
+  if (!cuda_usable()) return;
+  Digits d;
+  for (OptimizerConfig opt : {optim::sgd(0.05, 0.9), optim::adamw(1e-3)}) {
+    for (const char* precision : {"f32", "bf16"}) {
+      opt.clip_norm = 0.5;
+      CAPTURE(name(opt.kind));
+      CAPTURE(precision);
+      const bool bf16 = std::string(precision) == "bf16";
+      MlpJob grouped(d, {Placement{.device = cuda0}}, opt, 12, bf16), apart(d, {Placement{.device = cuda0}}, opt, 12, bf16);
+      apart.cfg.multi_tensor_updates = false;
+      TrainingJob a = compile_training(grouped.g, grouped.loss, grouped.cfg);
+      TrainingJob b = compile_training(apart.g, apart.loss, apart.cfg);
+      CHECK(count_op(a.plan, "variables.r0.cuda:0") == 1);
+      CHECK(count_op(b.plan, "variables.r0.cuda:0") == 0);
+      RuntimeSettings rs;
+      rs.stall_timeout = std::chrono::milliseconds(30'000);
+      Runtime(a.plan, a.kernels, rs).run();
+      Runtime(b.plan, b.kernels, rs).run();
+      CHECK(a.losses->per_step() == b.losses->per_step());
+      for (const auto& [w, value] : a.params->values()) {
+        CAPTURE(w);
+        std::span<const float> x = value.data<float>(), y = b.params->at(w).data<float>();
+        CHECK(std::equal(x.begin(), x.end(), y.begin(), y.end()));
+      }
     }
   }
 }

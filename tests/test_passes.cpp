@@ -49,7 +49,7 @@ const ActorDesc* find_actor(const Plan& p, const std::string& name) {
 
 TEST_CASE("Passes.NamesAreThePipelineInOrder") {
   const std::vector<std::string_view> want{"autodiff", "sbp",   "stages",        "recompute", "replicas", "sync",
-                                           "lower",    "epilogues", "tp_collectives", "device_copies",
+                                           "lower",    "updates", "epilogues", "tp_collectives", "device_copies",
                                            "transfers", "nccl_p2p", "lanes", "memory"};
   const auto& got = passes::names();
   REQUIRE(got.size() >= want.size());
@@ -268,7 +268,9 @@ TEST_CASE("Passes.ThePipelineIsCompileTrainingAndPrintsAfterEachPass") {
       passes::lower(again.g, d, sh, st, reps, again.cfg, ParameterStore::initialize(again.g));
   const Plan p = passes::memory(
       passes::lanes(passes::transfers(passes::device_copies(
-                        passes::epilogues(by_hand.plan, by_hand.kernels, again.cfg), by_hand.kernels)),
+                        passes::epilogues(passes::updates(by_hand.plan, by_hand.kernels, again.cfg),
+                                          by_hand.kernels, again.cfg),
+                        by_hand.kernels)),
                     again.cfg),
       again.cfg);
   CHECK(p.to_text() == job.plan.to_text());

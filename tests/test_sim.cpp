@@ -575,11 +575,18 @@ struct SimSetup {
   std::int64_t microbatches = 2;  // per replica
   int threads = 1;
   OptimizerConfig opt = optim::adam(0.01);
+  int virtual_stages = 1;
+  bool multi_tensor = true;  // TrainConfig::multi_tensor_updates
+  std::string collectives = "actors";
 };
 
 struct Trained {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> weights;
+  int groups = 0;              // actors stepping a device's weights together (the updates pass)
+  int grouped_weights = 0;     // the weights they write
+  int single_variables = 0;    // trained weights stepped by an actor of their own
+  int snapshots = 0;           // variable states handed over at checkpoint steps
 };
 
 /// The MLP 12-16-16-4 (tp splits its hidden pair Megatron's way) on synthetic data, 8 steps of a
@@ -600,16 +607,32 @@ Trained train_mlp(const SimSetup& s, DeviceType type) {
   cfg.schedule = s.schedule;
   cfg.threads = s.threads;
   cfg.optimizer = s.opt;
-  cfg.collectives = "actors";
+  cfg.collectives = type == DeviceType::sim ? s.collectives : "actors";  // NCCL's stand-in runs on sim devices
+  cfg.virtual_stages = s.virtual_stages;
+  cfg.multi_tensor_updates = s.multi_tensor;
   for (int i = 0; i < s.dp * s.pp * s.tp; ++i) {
     cfg.replica_places.push_back(Placement{.device = Device{type, static_cast<std::uint8_t>(i)}});
   }
   cfg.data = {{"synthetic", data::batch_source(dataset, 32, pieces, 7), {"x", "label"}}};
+  Trained out;
+  std::mutex m;
+  cfg.snapshot_every = 3;
+  cfg.on_snapshot = [&](VariableSnapshot) {
+    std::lock_guard lock(m);
+    ++out.snapshots;
+  };
   TrainingJob job = compile_training(g, loss, cfg);
+  for (const ActorDesc& a : job.plan.actors) {
+    if (a.name.starts_with("variables.")) {
+      ++out.groups;
+      out.grouped_weights += static_cast<int>(a.outputs.size());
+    } else if (a.op.starts_with("variable.") && !a.inputs.empty()) {
+      ++out.single_variables;
+    }
+  }
   RuntimeSettings rs;
   rs.stall_timeout = 30'000ms;
   Runtime(job.plan, job.kernels, rs).run();
-  Trained out;
   out.losses = job.losses->per_step();
   for (auto& [name, t] : job.params->values()) {
     auto d = t.data<float>();
@@ -648,6 +671,63 @@ TEST_CASE("Sim.Training.EveryParallelModeTrainsAsOnTheCpu" * doctest::timeout(30
       CAPTURE(name);
       CHECK(w == sim.weights.at(name));
     }
+  }
+}
+
+// The updates pass: on sim devices each device's trained weights are stepped by one actor (on
+// CUDA one multi-tensor launch; on sim the CPU's variable kernels in turn), which changes when a
+// weight steps (once the device's last gradient of the step is in) but not what it computes.
+// So the losses, the trained weights and the checkpoint hand-overs must be those of one actor
+// per weight and of the CPU, bit for bit, in every mode whose devices hold several weights: a
+// group that read a member's gradient or clipping factor from the wrong input, wrote the wrong
+// register or deadlocked a schedule shows here. The CPU keeps an actor per weight (its weights
+// are updated in place where the readers read them).
+TEST_CASE("Sim.Training.ADevicesWeightsStepTogetherAsEachOnItsOwn" * doctest::timeout(300)) {
+  OptimizerConfig clipped = optim::adam(0.01);
+  clipped.clip_norm = 0.05;  // small: most steps clip
+  OptimizerConfig momentum = optim::sgd(0.05);
+  momentum.momentum = 0.9;
+  momentum.clip_norm = 0.5;
+  std::vector<SimSetup> setups = {
+      {},
+      {.opt = clipped},
+      {.opt = momentum},
+      {.dp = 2, .opt = clipped},
+      {.tp = 2, .collectives = "nccl"},
+      {.pp = 2, .schedule = "interleaved", .microbatches = 4, .virtual_stages = 2},
+      {.pp = 2, .schedule = "zb-h1", .microbatches = 4, .opt = clipped},
+      {.tp = 2, .opt = clipped},
+  };
+  for (SimSetup s : setups) {
+    CAPTURE(s.dp);
+    CAPTURE(s.pp);
+    CAPTURE(s.tp);
+    CAPTURE(s.schedule);
+    CAPTURE(s.collectives);
+    CAPTURE(s.opt.clip_norm);
+    const Trained cpu = train_mlp(s, DeviceType::cpu);
+    const Trained grouped = train_mlp(s, DeviceType::sim);
+    s.multi_tensor = false;
+    const Trained apart = train_mlp(s, DeviceType::sim);
+    // The plans: one group per device (each holds two or more weights), every trained weight in one.
+    const int devices = s.dp * s.pp * s.tp;
+    CHECK(cpu.groups == 0);
+    CHECK(grouped.groups == devices);
+    CHECK(grouped.single_variables == 0);
+    CHECK(grouped.grouped_weights == apart.single_variables);
+    CHECK(apart.groups == 0);
+    CHECK(apart.single_variables == cpu.single_variables);
+    // The numbers.
+    REQUIRE(cpu.losses.size() == 8);
+    CHECK(grouped.losses == cpu.losses);
+    CHECK(apart.losses == cpu.losses);
+    for (const auto& [name, w] : cpu.weights) {
+      CAPTURE(name);
+      CHECK(w == grouped.weights.at(name));
+    }
+    // Replica 0's weights hand over their state at steps 3, 6 and 8.
+    CHECK(grouped.snapshots == apart.snapshots);
+    CHECK(grouped.snapshots > 0);
   }
 }
 

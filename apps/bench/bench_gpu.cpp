@@ -542,6 +542,11 @@ Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device d
   cfg.data = {
       {"text", data::text_source(corpus, batch, 1, shape.seq, seed), {"tokens", "targets"}}};
   cfg.replica_places = {Placement{.device = device}};
+  // BATON_MULTI_TENSOR=0: one optimizer actor and launch per weight (the updates pass off), to
+  // compare with the device's weights stepped together.
+  if (const char* e = std::getenv("BATON_MULTI_TENSOR"); e != nullptr && std::string_view(e) == "0") {
+    cfg.multi_tensor_updates = false;
+  }
   if (!params) params = ParameterStore::initialize(*c.graph);
   c.job = compile_training(*c.graph, out.loss, cfg, std::move(params));
   for (const auto& [name, t] : c.job.params->values()) {
@@ -644,7 +649,14 @@ BatonResult run_baton(Compiled& c, Device device, std::int64_t warmup, std::int6
   if (!losses.empty()) r.loss = losses.back();
   r.actors = static_cast<std::int64_t>(c.job.plan.actors.size());
   std::map<std::string, std::string> op_of;
-  for (const auto& a : c.job.plan.actors) op_of[a.name] = a.op.empty() ? "(" + a.name + ")" : a.op;
+  for (const auto& a : c.job.plan.actors) {
+    // The optimizer's actors under one name each way: a weight's own ("variable.<weight>") or a
+    // device's group (the updates pass, "variables.r<rank>.<device>").
+    std::string op = a.op.empty() ? "(" + a.name + ")" : a.op;
+    if (op.starts_with("variables.")) op = "variables (multi-tensor)";
+    else if (op.starts_with("variable.")) op = "variable (each weight)";
+    op_of[a.name] = std::move(op);
+  }
   for (const auto& a : report.metrics.actors) {
     r.kernel_s_by_op[op_of[a.name]] += a.kernel_s;
     if (a.device_s > 0) r.device_s_by_op[op_of[a.name]] += a.device_s;

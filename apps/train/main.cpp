@@ -95,6 +95,7 @@ struct Options {
   bool memory_plan = true;
   bool in_place = true;
   bool epilogues = true;
+  bool multi_tensor = true;
   std::string recompute = "none";
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
@@ -520,6 +521,7 @@ TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data
   cfg.memory_plan = o.memory_plan;
   cfg.in_place = o.in_place;
   cfg.fuse_bias_adds = cfg.fuse_bias_gradients = o.epilogues;
+  cfg.multi_tensor_updates = o.multi_tensor;
   cfg.memory_budget = parse_bytes("--memory-budget", o.memory_budget);
   // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
   cfg.print_after = o.print_after;
@@ -1152,7 +1154,7 @@ void add_run_options(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"text", "dot"}));
   app.add_option("--print-after", o.print_after,
                  "print the compiler's IR after these passes (comma-separated, or all), as LLVM's -print-after: "
-                 "autodiff, sbp, stages, recompute, replicas, sync, lower, epilogues, tp_collectives, device_copies, "
+                 "autodiff, sbp, stages, recompute, replicas, sync, lower, updates, epilogues, tp_collectives, device_copies, "
                  "transfers, nccl_p2p, lanes, memory")
       ->delimiter(',');
   app.add_flag("!--no-memory-plan", o.memory_plan,
@@ -1166,6 +1168,10 @@ void add_run_options(CLI::App& app, Options& o) {
                "gradient and its bias's sum, as actors of their own instead of one fused actor each (cuBLASLt's "
                "epilogues on CUDA, where the fused forward adds the bias before rounding a bf16 product): to compare "
                "numbers or speed");
+  app.add_flag("!--no-multi-tensor", o.multi_tensor,
+               "step each weight on a GPU with its own optimizer launch, instead of all of a device's weights in a "
+               "few multi-tensor launches once the device's gradients of the step are in (the same numbers): to "
+               "compare speed");
   app.add_option("--recompute", o.recompute,
                  "activation recomputation: none, selective (the attention scores computed again in the backward pass "
                  "instead of kept) or full (only each block's input kept, the block computed again in its backward)")

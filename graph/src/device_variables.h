@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "baton/graph/compile.h"
 #include "baton/kernels/kernel.h"
@@ -29,6 +31,23 @@ struct SnapshotHook {
 /// host see the trained value. Throws GraphError for a dtype other than f32.
 KernelFactory cuda_variable(Tensor host, const OptimizerConfig& cfg, std::int64_t total_steps,
                             const std::map<std::string, Tensor>* slots, SnapshotHook snapshots);
+
+/// A trained variable actor that the updates pass folded into a group: its name, its op (its
+/// kernel in the registry) and how many gradient registers it read (its parts).
+struct GroupMember {
+  std::string actor;
+  std::string op;
+  std::size_t parts = 1;
+};
+
+/// The kernel of a device's trained weights stepped by one actor (passes/updates.cpp), whose
+/// inputs are each member's gradient parts in member order, then the clipping factor if `clip`,
+/// and whose outputs are the members' weight registers in order. Each member's kernel is made
+/// from `kernels` as its own actor's was. On a CUDA device whose members are all cuda_variable's
+/// with one part each, a step is cuda::adam_step_multi / sgd_step_multi over all of them (the
+/// same bits); elsewhere (a sim device, which runs the CPU kernels) the members act in turn.
+KernelFactory variable_group(std::shared_ptr<const KernelRegistry> kernels, std::vector<GroupMember> members,
+                             bool clip);
 
 /// A weight that is not trained, on a CUDA device: uploads `value` once and copies it into each
 /// act's output on the stream.

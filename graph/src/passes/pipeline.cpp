@@ -17,7 +17,7 @@ const std::vector<std::string_view>& names() {
   // Device copies before transfers: what crosses ranks from or to a CUDA device is staged
   // through host memory, and the copies say which host register the transfer then reads.
   static const std::vector<std::string_view> all{
-      "autodiff",  "sbp",      "stages",         "recompute",     "replicas", "sync",   "lower",
+      "autodiff",  "sbp",     "stages",         "recompute",     "replicas",  "sync",     "lower", "updates",
       "epilogues", "tp_collectives", "device_copies", "transfers", "nccl_p2p", "lanes", "memory"};
   return all;
 }
@@ -151,6 +151,9 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   TrainingJob job = lower(g, rc.d, rc.shards, rc.stages, reps, cfg, std::move(params));
   print_after(cfg, "lower", [&] { return job.plan.to_text(); });
   verify(job, "lower", PlanChecks::before_transfers);
+  job.plan = updates(job.plan, job.kernels, cfg);
+  print_after(cfg, "updates", [&] { return job.plan.to_text(); });
+  verify(job, "updates", PlanChecks::before_transfers);
   job.plan = epilogues(job.plan, job.kernels, cfg);
   print_after(cfg, "epilogues", [&] { return job.plan.to_text(); });
   verify(job, "epilogues", PlanChecks::before_transfers);

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "baton/kernels/cuda.h"
+#include "launch.h"
 
 namespace baton::cuda {
 
@@ -36,6 +37,10 @@ inline void check(cublasStatus_t s, const char* call, std::string_view who) {
 /// reserved on device `index`, for device memory a kernel obtains from cudaMalloc itself
 /// (util::Scratch) rather than through make_device_allocator (device.cpp).
 void count_device_bytes(int index, std::int64_t bytes) noexcept;
+
+/// Where an optimizer step also writes the new weights (`copy`, may be null): checked to be f32
+/// or bf16 of n elements, else std::invalid_argument naming the stream's owner (ops.cpp).
+launch::WeightCopy weight_copy(Tensor* copy, std::int64_t n, const Stream& stream);
 
 }  // namespace baton::cuda
 

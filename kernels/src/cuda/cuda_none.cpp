@@ -55,10 +55,10 @@ void adam_step(float*, const float*, float*, float*, std::int64_t, const AdamCon
                Tensor*) {
   unavailable("adam_step");
 }
-void adam_step_multi(std::span<const AdamSlice>, const AdamConfig&, std::int64_t, double, Stream&) {
+void adam_step_multi(std::span<const AdamSlice>, const AdamConfig&, std::int64_t, double, Stream&, float) {
   unavailable("adam_step_multi");
 }
-void sgd_step_multi(std::span<const SgdSlice>, const SgdConfig&, std::int64_t, double, Stream&) {
+void sgd_step_multi(std::span<const SgdSlice>, const SgdConfig&, std::int64_t, double, Stream&, float) {
   unavailable("sgd_step_multi");
 }
 void scale(float*, std::int64_t, float, Stream&) { unavailable("scale"); }

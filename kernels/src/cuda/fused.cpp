@@ -339,7 +339,7 @@ void add_fused_kernels(KernelRegistry& reg) {
 }
 
 void adam_step_multi(std::span<const AdamSlice> tensors, const AdamConfig& cfg, std::int64_t step, double lr,
-                     Stream& stream) {
+                     Stream& stream, float grad_scale) {
   if (step < 1) throw std::invalid_argument(fmt::format("{}: adam_step_multi at step {} (steps count from 1)", stream.owner(), step));
   // The constants exactly as adam_step (ops.cpp) and baton/kernels/optim.cpp make them.
   const double t = static_cast<double>(step);
@@ -356,26 +356,26 @@ void adam_step_multi(std::span<const AdamSlice> tensors, const AdamConfig& cfg, 
   list.reserve(tensors.size());
   for (const AdamSlice& a : tensors) {
     if (a.n < 0) throw std::invalid_argument(fmt::format("{}: adam_step_multi: a tensor of {} elements", stream.owner(), a.n));
-    list.push_back({a.w, a.g, a.m, a.v, a.n});
+    list.push_back({a.w, a.g, a.m, a.v, a.n, weight_copy(a.copy, a.n, stream)});
   }
   stream.bind();
-  check(launch::adam_multi(list.data(), static_cast<long long>(list.size()), k, stream.impl().stream), "adam_multi",
-        stream.owner());
+  check(launch::adam_multi(list.data(), static_cast<long long>(list.size()), k, grad_scale, stream.impl().stream),
+        "adam_multi", stream.owner());
 }
 
 void sgd_step_multi(std::span<const SgdSlice> tensors, const SgdConfig& cfg, std::int64_t step, double lr,
-                    Stream& stream) {
+                    Stream& stream, float grad_scale) {
   if (step < 1) throw std::invalid_argument(fmt::format("{}: sgd_step_multi at step {} (steps count from 1)", stream.owner(), step));
   if (cfg.nesterov && !(cfg.momentum > 0.0)) throw std::invalid_argument(stream.owner() + ": nesterov needs a positive momentum");
   std::vector<launch::SgdPointers> list;
   list.reserve(tensors.size());
   for (const SgdSlice& a : tensors) {
     if (a.n < 0) throw std::invalid_argument(fmt::format("{}: sgd_step_multi: a tensor of {} elements", stream.owner(), a.n));
-    list.push_back({a.w, a.g, cfg.momentum != 0.0 ? a.momentum_buf : nullptr, a.n});
+    list.push_back({a.w, a.g, cfg.momentum != 0.0 ? a.momentum_buf : nullptr, a.n, weight_copy(a.copy, a.n, stream)});
   }
   stream.bind();
   check(launch::sgd_multi(list.data(), static_cast<long long>(list.size()), lr, cfg.momentum, cfg.weight_decay,
-                          cfg.nesterov, step == 1, stream.impl().stream),
+                          cfg.nesterov, step == 1, grad_scale, stream.impl().stream),
         "sgd_multi", stream.owner());
 }
 

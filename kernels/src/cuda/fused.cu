@@ -135,14 +135,17 @@ cudaError_t bias_gelu_grad_t(const T* x, const T* b, const T* dy, T* dx, long lo
 // ---- multi-tensor optimizer steps -------------------------------------------------------------
 
 // One launch's tensors and its blocks: block i steps chunk chunk[i] (multi_chunk elements) of
-// tensor tensor[i]. Passed by value as the kernel's arguments (about 3 KB, under the 4 KB every
-// CUDA version takes).
+// tensor tensor[i]; copy[t] (copy_kind[t]: 0 none, 1 float32, 2 bfloat16) is where tensor t's
+// new weights are also written (WeightCopy). Passed by value as the kernel's arguments (about
+// 3.4 KB, under the 4 KB every CUDA version takes).
 struct AdamArgs {
   float* w[multi_tensors];
   const float* g[multi_tensors];
   float* m[multi_tensors];
   float* v[multi_tensors];
+  void* copy[multi_tensors];
   long long n[multi_tensors];
+  unsigned char copy_kind[multi_tensors];
   unsigned char tensor[multi_blocks];
   int chunk[multi_blocks];
 };
@@ -150,15 +153,34 @@ struct SgdArgs {
   float* w[multi_tensors];
   const float* g[multi_tensors];
   float* buf[multi_tensors];
+  void* copy[multi_tensors];
   long long n[multi_tensors];
+  unsigned char copy_kind[multi_tensors];
   unsigned char tensor[multi_blocks];
   int chunk[multi_blocks];
 };
 static_assert(multi_tensors <= 255, "a block names its tensor in one byte");
-static_assert(sizeof(AdamArgs) + sizeof(AdamConstants) < 4000, "kernel arguments stay under 4 KB");
+static_assert(sizeof(AdamArgs) + sizeof(AdamConstants) + sizeof(float) < 4000, "kernel arguments stay under 4 KB");
 static_assert(sizeof(SgdArgs) + 64 < 4000, "kernel arguments stay under 4 KB");
 
-__global__ void adam_multi_kernel(AdamArgs a, AdamConstants k) {
+unsigned char copy_kind(const WeightCopy& c) { return c.data == nullptr ? 0 : c.bf16 ? 2 : 1; }
+
+// The weights' copy, as adam_kernel's store (elem.cuh): float32 as it is, bf16 rounded once.
+__device__ __forceinline__ void store_copy(void* copy, unsigned char kind, long long i, float w) {
+  if (kind == 1) {
+    elem::store(static_cast<float*>(copy) + i, w);
+  } else if (kind == 2) {
+    elem::store(static_cast<__nv_bfloat16*>(copy) + i, w);
+  }
+}
+
+// The gradient as the step reads it: scaled by the clipping factor first, as scale() does
+// (one float product), or as it is.
+__device__ __forceinline__ float scaled(const float* g, long long i, float grad_scale) {
+  return grad_scale == 1.f ? g[i] : __fmul_rn(g[i], grad_scale);
+}
+
+__global__ void adam_multi_kernel(AdamArgs a, AdamConstants k, float grad_scale) {
   const int t = a.tensor[blockIdx.x];
   const long long begin = static_cast<long long>(a.chunk[blockIdx.x]) * multi_chunk;
   const long long end = begin + multi_chunk < a.n[t] ? begin + multi_chunk : a.n[t];
@@ -166,35 +188,44 @@ __global__ void adam_multi_kernel(AdamArgs a, AdamConstants k) {
   const float* g = a.g[t];
   float* m = a.m[t];
   float* v = a.v[t];
+  void* copy = a.copy[t];
+  const unsigned char kind = a.copy_kind[t];
   for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
     // adam_kernel's arithmetic (elementwise.cu), operation for operation.
-    const float gi = g[i] + k.l2 * w[i];
+    const float gi = scaled(g, i, grad_scale) + k.l2 * w[i];
     const float mi = k.b1 * m[i] + k.one_minus_b1 * gi;
     const float vi = k.b2 * v[i] + k.one_minus_b2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    w[i] = __fsub_rn(__fmul_rn(w[i], k.decay),
-                     __fdiv_rn(__fmul_rn(k.step_size, mi), __fadd_rn(__fmul_rn(sqrtf(vi), k.inv_bc2_sqrt), k.eps)));
+    const float wi = __fsub_rn(__fmul_rn(w[i], k.decay),
+                               __fdiv_rn(__fmul_rn(k.step_size, mi), __fadd_rn(__fmul_rn(sqrtf(vi), k.inv_bc2_sqrt), k.eps)));
+    w[i] = wi;
+    store_copy(copy, kind, i, wi);
   }
 }
 
-__global__ void sgd_multi_kernel(SgdArgs a, double lr, double mu, double wd, bool nesterov, bool first) {
+__global__ void sgd_multi_kernel(SgdArgs a, double lr, double mu, double wd, bool nesterov, bool first,
+                                 float grad_scale) {
   const int t = a.tensor[blockIdx.x];
   const long long begin = static_cast<long long>(a.chunk[blockIdx.x]) * multi_chunk;
   const long long end = begin + multi_chunk < a.n[t] ? begin + multi_chunk : a.n[t];
   float* w = a.w[t];
   const float* g = a.g[t];
   float* buf = a.buf[t];
+  void* copy = a.copy[t];
+  const unsigned char kind = a.copy_kind[t];
   for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
     // sgd_kernel's arithmetic (elementwise.cu).
     const double wi = w[i];
-    double d = static_cast<double>(g[i]) + wd * wi;
+    double d = static_cast<double>(scaled(g, i, grad_scale)) + wd * wi;
     if (buf != nullptr) {
       const double b = first ? d : mu * static_cast<double>(buf[i]) + d;
       buf[i] = static_cast<float>(b);
       d = nesterov ? d + mu * b : b;
     }
-    w[i] = static_cast<float>(wi - lr * d);
+    const float out = static_cast<float>(wi - lr * d);
+    w[i] = out;
+    store_copy(copy, kind, i, out);
   }
 }
 
@@ -253,7 +284,8 @@ cudaError_t bias_gelu_grad(const Bf16* x, const Bf16* b, const Bf16* dy, Bf16* d
   return bias_gelu_grad_t(x, b, dy, dx, n, cols, tanh, s);
 }
 
-cudaError_t adam_multi(const AdamPointers* tensors, long long count, const AdamConstants& k, cudaStream_t s) {
+cudaError_t adam_multi(const AdamPointers* tensors, long long count, const AdamConstants& k, float grad_scale,
+                       cudaStream_t s) {
   return pack_and_launch<AdamArgs>(
       tensors, count,
       [](AdamArgs& a, int slot, const AdamPointers& p) {
@@ -262,15 +294,17 @@ cudaError_t adam_multi(const AdamPointers* tensors, long long count, const AdamC
         a.m[slot] = p.m;
         a.v[slot] = p.v;
         a.n[slot] = p.n;
+        a.copy[slot] = p.copy.data;
+        a.copy_kind[slot] = copy_kind(p.copy);
       },
       [&](const AdamArgs& a, int blocks) {
-        adam_multi_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(a, k);
+        adam_multi_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(a, k, grad_scale);
         return cudaGetLastError();
       });
 }
 
 cudaError_t sgd_multi(const SgdPointers* tensors, long long count, double lr, double momentum, double weight_decay,
-                      bool nesterov, bool first, cudaStream_t s) {
+                      bool nesterov, bool first, float grad_scale, cudaStream_t s) {
   return pack_and_launch<SgdArgs>(
       tensors, count,
       [](SgdArgs& a, int slot, const SgdPointers& p) {
@@ -278,9 +312,12 @@ cudaError_t sgd_multi(const SgdPointers* tensors, long long count, double lr, do
         a.g[slot] = p.g;
         a.buf[slot] = p.buf;
         a.n[slot] = p.n;
+        a.copy[slot] = p.copy.data;
+        a.copy_kind[slot] = copy_kind(p.copy);
       },
       [&](const SgdArgs& a, int blocks) {
-        sgd_multi_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(a, lr, momentum, weight_decay, nesterov, first);
+        sgd_multi_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(a, lr, momentum, weight_decay, nesterov, first,
+                                                                           grad_scale);
         return cudaGetLastError();
       });
 }

@@ -58,19 +58,22 @@ inline size_t attention_grad_scratch(long long heads, long long t) {
   return static_cast<size_t>(2 * heads * t) * sizeof(float);
 }
 
-/// One tensor of a multi-tensor optimizer step: n float32 elements each.
+/// One tensor of a multi-tensor optimizer step: n float32 elements each, and where the step
+/// also writes the new weights (WeightCopy: float32, bfloat16, or nowhere).
 struct AdamPointers {
   float* w;
   const float* g;
   float* m;
   float* v;
   long long n;
+  WeightCopy copy;
 };
 struct SgdPointers {
   float* w;
   const float* g;
   float* buf;  // null without momentum
   long long n;
+  WeightCopy copy;
 };
 
 /// adam() over `count` tensors in few launches: each launch takes up to multi_tensors tensors
@@ -80,9 +83,12 @@ struct SgdPointers {
 constexpr int multi_tensors = 36;
 constexpr int multi_blocks = 320;
 constexpr long long multi_chunk = 65536;
-cudaError_t adam_multi(const AdamPointers* tensors, long long count, const AdamConstants& k, cudaStream_t s);
+/// `grad_scale`: each gradient element is multiplied by it first, rounded to float (the clipping
+/// factor: the bits of scale() on the gradient, then the step); 1 reads the gradients as they are.
+cudaError_t adam_multi(const AdamPointers* tensors, long long count, const AdamConstants& k, float grad_scale,
+                       cudaStream_t s);
 /// sgd() over `count` tensors, as adam_multi; every element's arithmetic is sgd()'s.
 cudaError_t sgd_multi(const SgdPointers* tensors, long long count, double lr, double momentum, double weight_decay,
-                      bool nesterov, bool first, cudaStream_t s);
+                      bool nesterov, bool first, float grad_scale, cudaStream_t s);
 
 }  // namespace baton::cuda::launch

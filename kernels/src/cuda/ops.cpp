@@ -1105,8 +1105,6 @@ void add_cuda_kernels(KernelRegistry& reg) {
   add_linear_kernels(reg);
 }
 
-namespace {
-
 launch::WeightCopy weight_copy(Tensor* copy, std::int64_t n, const Stream& stream) {
   if (copy == nullptr) return {};
   if ((copy->dtype() != DType::f32 && copy->dtype() != DType::bf16) || copy->numel() != n) {
@@ -1116,8 +1114,6 @@ launch::WeightCopy weight_copy(Tensor* copy, std::int64_t n, const Stream& strea
   }
   return {copy->raw(), copy->dtype() == DType::bf16};
 }
-
-}  // namespace
 
 void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, const SgdConfig& cfg, std::int64_t step,
               double lr, Stream& stream, Tensor* copy) {

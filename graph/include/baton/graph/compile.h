@@ -300,6 +300,12 @@ struct TrainConfig {
   /// bias_gelu(matmul(x, w), b) in GELU's tanh form as one matmul_bias_gelu actor (cuBLASLt's
   /// GELU_AUX_BIAS epilogue; its pre-activation output replaces the product for the backward).
   bool fuse_bias_adds = true;
+  /// Each CUDA (or sim) device's trained weights stepped by one actor (the updates pass,
+  /// passes.h): on CUDA a multi-tensor Adam or SGD step, a few launches for all of them and one
+  /// read-back of the clipping factor, instead of a launch and a read-back per weight; the same
+  /// arithmetic, so the same bits. The weights then step once all of the device's gradients of
+  /// the step are in. False: one variable actor per weight (to compare).
+  bool multi_tensor_updates = true;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
   /// backward pass instead of kept; "full": only what crosses each transformer block's boundary

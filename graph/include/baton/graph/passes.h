@@ -161,6 +161,12 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
                   const Replicas& reps, const TrainConfig& cfg,
                   std::shared_ptr<ParameterStore> params);
 
+/// updates: with TrainConfig::multi_tensor_updates, the trained variable actors of each CUDA or
+/// sim device (two or more, each step's gradient applied at once) as one actor that steps them
+/// together: cuda::adam_step_multi / sgd_step_multi on CUDA, the members' kernels in turn on a
+/// sim device (passes/updates.cpp says when, and what it costs); else the plan unchanged.
+Plan updates(const Plan& plan, KernelRegistry& kernels, const TrainConfig& cfg);
+
 /// epilogues: with TrainConfig::fuse_bias_gradients, each Linear layer's weight gradient
 /// (matmul(x, dy, trans_a)) and bias gradient (sum_to(dy, [n])) as one matmul_bias_grad actor;
 /// with TrainConfig::fuse_bias_adds, its forward product and bias add (matmul(x, w) + b) as one

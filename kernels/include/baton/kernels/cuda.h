@@ -130,30 +130,38 @@ void sgd_step(float* w, const float* g, float* momentum_buf, std::int64_t n, con
 void adam_step(float* w, const float* g, float* m, float* v, std::int64_t n, const AdamConfig& cfg, std::int64_t step,
                double lr, Stream& stream, Tensor* copy = nullptr);
 
-/// One weight of a multi-tensor step: n float32 elements of device memory in each array.
+/// One weight of a multi-tensor step: n float32 elements of device memory in each array, and
+/// where the step also writes the new weights (`copy`: f32 or bf16 of n elements, as
+/// adam_step's; null: nowhere).
 struct AdamSlice {
   float* w;
   const float* g;
   float* m;
   float* v;
   std::int64_t n;
+  Tensor* copy = nullptr;
 };
 struct SgdSlice {
   float* w;
   const float* g;
   float* momentum_buf;  ///< may be null when the momentum is 0
   std::int64_t n;
+  Tensor* copy = nullptr;
 };
 /// adam_step / sgd_step over many weights in a few launches (one per 36 weights or 320 chunks
 /// of 64 Ki elements, the pointers in the kernel's arguments, as PyTorch's multi_tensor_apply):
 /// the per-weight launches of a step cost more than their work for small weights. Every
 /// element's arithmetic is adam_step's (sgd_step's), so the results are theirs bit for bit.
-///   std::vector<cuda::AdamSlice> all = {{w1, g1, m1, v1, n1}, {w2, g2, m2, v2, n2}};
+/// `grad_scale` (gradient clipping's factor) multiplies each gradient element first, rounded to
+/// float as scale() rounds it, so a clipped step is scale() and then the step, bit for bit,
+/// without the scaled copy; 1: the gradients as they are. A variable actor group on a CUDA
+/// device (graph/src/device_variables.cpp) steps a device's weights with these.
+///   std::vector<cuda::AdamSlice> all = {{w1, g1, m1, v1, n1}, {w2, g2, m2, v2, n2, &w2_bf16}};
 ///   cuda::adam_step_multi(all, cfg, step, lr, stream);
 void adam_step_multi(std::span<const AdamSlice> tensors, const AdamConfig& cfg, std::int64_t step, double lr,
-                     Stream& stream);
+                     Stream& stream, float grad_scale = 1.0f);
 void sgd_step_multi(std::span<const SgdSlice> tensors, const SgdConfig& cfg, std::int64_t step, double lr,
-                    Stream& stream);
+                    Stream& stream, float grad_scale = 1.0f);
 
 /// dst = src converted element for element between float32 and bfloat16 (or copied, same
 /// dtype), both in device memory, on `stream`; rounds to nearest even into bf16. Throws naming
