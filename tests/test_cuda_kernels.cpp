@@ -1537,6 +1537,77 @@ TEST_CASE("CudaKernels.MultiTensorOptimizers.MatchOneTensorSteps" * doctest::tim
   }
 }
 
+// Serving's decode ops on cuda:0 against the CPU's kernels (f32). rope_at: rows at their own
+// positions (a negative one is a padding row's, rotated by 0). paged_attention: a step of 8
+// rows, a prompt's chunk of four rows of slot 0 (positions 2..5, so they see each other
+// causally and two positions of an earlier step), a decoding row of slot 2 at position 13 whose
+// blocks are scattered in the cache, grouped-query heads (4 for 2 kv heads), two padding rows;
+// head sizes 16 and 64; the caches start from random values (earlier steps' keys and values).
+// The output and both caches after the step: the caches bit for bit (copies), the output to
+// 1e-5 of its scale (the scores' dot products and the weighted sums in float in another order
+// than BLAS's gemv, over at most 16 positions and 64 elements; the softmax in double on both).
+TEST_CASE("CudaKernels.Decode.MatchCpu" * doctest::timeout(60)) {
+  if (!cuda_usable()) return;
+  Gpu gpu;
+  const Tensor x = random_tensor(f32, {5, 3, 8});
+  Tensor pos = Tensor::empty({5}, DType::i32);
+  const std::int32_t ps[5] = {0, 7, -1, 300, 12};
+  std::memcpy(pos.raw(), ps, sizeof ps);
+  check_against_cpu(gpu, "rope_at", f32, Attrs{{"base", 500.0}}, {x, pos}, {{5, 3, 8}}, 1e-6);
+  for (std::int64_t d : {16, 64}) {
+    CAPTURE(d);
+    const std::int64_t rows = 8, heads = 4, kv = 2, blocks = 20, bs = 4, n_slots = 3, per_slot = 6;
+    const Tensor q = random_tensor(f32, {rows, heads, d}), k = random_tensor(f32, {rows, kv, d}),
+                 v = random_tensor(f32, {rows, kv, d});
+    const Tensor k_cache = random_tensor(f32, {blocks, bs, kv, d}), v_cache = random_tensor(f32, {blocks, bs, kv, d});
+    auto ints = [](const Shape& s, std::vector<std::int32_t> values) {
+      Tensor t = Tensor::empty(s, DType::i32);
+      std::memcpy(t.raw(), values.data(), values.size() * sizeof(std::int32_t));
+      return t;
+    };
+    const Tensor slots = ints({rows}, {0, 0, -1, 0, 0, 2, -1, 2});
+    const Tensor positions = ints({rows}, {2, 3, 0, 4, 5, 13, 0, 12});
+    const Tensor table = ints({n_slots, per_slot}, {7, 1, 12, -1, -1, -1,  //
+                                                    -1, -1, -1, -1, -1, -1,  //
+                                                    19, 3, 11, 5, -1, -1});
+    const Attrs attrs;
+    // The CPU: on copies of the caches, which it writes.
+    Tensor kc_cpu = Tensor::empty(k_cache.shape(), f32), vc_cpu = Tensor::empty(v_cache.shape(), f32);
+    std::memcpy(kc_cpu.raw(), k_cache.raw(), k_cache.nbytes());
+    std::memcpy(vc_cpu.raw(), v_cache.raw(), v_cache.nbytes());
+    Tensor o_cpu = Tensor::empty(q.shape(), f32);
+    {
+      auto kernel = registry().create("paged_attention", KernelConfig{"cpu.paged_attention", Device{}, f32, attrs});
+      std::vector<const Tensor*> in{&q, &k, &v, &slots, &positions, &table, &kc_cpu, &vc_cpu};
+      std::vector<Tensor*> out{&o_cpu};
+      KernelContext ctx{in, out, 0};
+      kernel->compute(ctx);
+    }
+    // The GPU.
+    std::vector<Tensor> dev;
+    for (const Tensor* t : {&q, &k, &v, &slots, &positions, &table, &k_cache, &v_cache}) dev.push_back(gpu.to_device(*t));
+    Tensor o_gpu = gpu.poisoned(q.shape(), f32);
+    {
+      auto kernel = registry().create("paged_attention", KernelConfig{"cuda.paged_attention", Device::parse("cuda:0"), f32, attrs});
+      std::vector<const Tensor*> in;
+      for (const Tensor& t : dev) in.push_back(&t);
+      std::vector<Tensor*> out{&o_gpu};
+      KernelContext ctx{in, out, 0, gpu.stream.get()};
+      kernel->compute(ctx);
+    }
+    CHECK_CLOSE(gpu.to_host(o_gpu), o_cpu, 1e-5);
+    const Tensor kc_gpu = gpu.to_host(dev[6]), vc_gpu = gpu.to_host(dev[7]);
+    CHECK(std::memcmp(kc_gpu.raw(), kc_cpu.raw(), kc_cpu.nbytes()) == 0);
+    CHECK(std::memcmp(vc_gpu.raw(), vc_cpu.raw(), vc_cpu.nbytes()) == 0);
+    // The padding rows are zeros on both.
+    const Tensor o_host = gpu.to_host(o_gpu);
+    for (std::int64_t j = 0; j < heads * d; ++j) {
+      CHECK(o_host.data<float>()[static_cast<std::size_t>(2 * heads * d + j)] == 0.f);
+      CHECK(o_host.data<float>()[static_cast<std::size_t>(6 * heads * d + j)] == 0.f);
+    }
+  }
+}
+
 // What the variable groups of the updates pass ask of the multi-tensor steps beyond the plain
 // step: the new weights also written into each weight's copy (f32 or bf16, some weights none),
 // and the clipping factor applied to the gradients inside the step. Against the one-tensor

@@ -6,6 +6,9 @@
 
 #include <fmt/format.h>
 
+#include "baton/kernels/allocator.h"
+#include "baton/kernels/cuda.h"
+#include "baton/kernels/sim.h"
 #include "passes/lowering.h"
 
 namespace baton {
@@ -19,10 +22,41 @@ struct Program::Step {
   std::vector<Tensor*> out_ptrs;
 };
 
+std::unique_ptr<Allocator> Program::device_allocator(Device device) {
+  if (device.type == DeviceType::cuda) return cuda::make_device_allocator(device);
+  return nullptr;
+}
+
+namespace {
+
+/// A tensor of `shape` and `dtype` from `alloc` (host memory when null).
+Tensor empty_on(Allocator* alloc, const Shape& shape, DType dtype) {
+  return alloc != nullptr ? Tensor::empty(shape, dtype, *alloc) : Tensor::empty(shape, dtype);
+}
+
+}  // namespace
+
 Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<const ParameterStore> params,
-                 const std::map<std::string, Tensor>& inputs, const KernelRegistry& kernels)
-    : g_(g), params_(std::move(params)) {
+                 const std::map<std::string, Tensor>& inputs, const KernelRegistry& kernels, Device device)
+    : g_(g), params_(std::move(params)), device_(device) {
   if (!params_) throw GraphError("Program: no ParameterStore");
+  if (is_async(device.type)) {
+    const std::string owner = fmt::format("program {}", device.str());
+    if (device.type == DeviceType::sim) {
+      stream_ = sim::Stream::create(device, owner);
+    } else {
+      stream_ = cuda::Stream::create(device, owner);
+    }
+    alloc_ = device_allocator(device);
+  }
+  // The copies between the host and the device, one kernel per (direction, dtype) used.
+  auto copy_kernel = [&](const char* op, DType dt) {
+    if (!on_stream() || copy_kernels_.contains({op, dt})) return;
+    copy_kernels_[{op, dt}] = kernels.create(op, KernelConfig{.actor = fmt::format("program.{}", op),
+                                                              .device = device,
+                                                              .dtype = dt,
+                                                              .attrs = {}});
+  };
   needed_ = passes::detail::needed_nodes(g, fetches);
   const std::vector<bool>& need = needed_;
   for (const Value& f : fetches) fetch_ids_.push_back(f.id());
@@ -43,12 +77,17 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
                                        to_string(n.shape), given->second.describe()));
         }
         values_[id] = given->second;
+      } else if (on_stream()) {
+        // Written on the host, copied to the device at each run.
+        host_inputs_[id] = Tensor::zeros(n.shape, n.dtype);
+        values_[id] = empty_on(alloc_.get(), n.shape, n.dtype);
+        copy_kernel("to_device", n.dtype);
       } else {
         values_[id] = Tensor::zeros(n.shape, n.dtype);
       }
       inputs_[n.name] = id;
     } else if (n.op == "variable") {
-      // bound below
+      copy_kernel("to_device", n.dtype);  // bound below
     } else if (n.op == "reshape") {
       root[static_cast<std::size_t>(id)] = root[static_cast<std::size_t>(n.inputs[0])];
     } else {
@@ -82,7 +121,6 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
       }
     }
   };
-  const Device cpu{DeviceType::cpu, 0};
   for (std::size_t s = 0; s < computed.size(); ++s) {
     const int id = computed[s];
     const Node& n = g.node(id);
@@ -92,7 +130,7 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
     step.output = id;
     const DType dt = passes::detail::kernel_dtype(g, n);
     try {
-      step.kernel = kernels.create(n.op, KernelConfig{.actor = n.name, .device = cpu, .dtype = dt, .attrs = n.attrs});
+      step.kernel = kernels.create(n.op, KernelConfig{.actor = n.name, .device = device, .dtype = dt, .attrs = n.attrs});
     } catch (const std::exception& e) {
       throw GraphError(fmt::format("Program: node '{}' ({}): {}", n.name, n.op, e.what()));
     }
@@ -102,7 +140,7 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
       buf = std::move(pool.back());
       pool.pop_back();
     } else {
-      buf = Tensor::empty(n.shape, n.dtype);
+      buf = empty_on(alloc_.get(), n.shape, n.dtype);
       buffer_bytes_ += buf.nbytes();
     }
     values_[id] = buf.view(n.shape);
@@ -121,6 +159,13 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
     step.out_ptrs.push_back(&values_.at(step.output));
   }
   fetched_.resize(fetch_ids_.size());
+  if (on_stream()) {
+    for (std::size_t i = 0; i < fetch_ids_.size(); ++i) {
+      const Node& n = g.node(fetch_ids_[i]);
+      fetched_[i] = Tensor::empty(n.shape, n.dtype);  // host copies, filled by run()
+      copy_kernel("to_host", n.dtype);
+    }
+  }
 }
 
 Program::~Program() = default;
@@ -139,7 +184,29 @@ void Program::bind(const ParameterStore& params) {
     }
     bound.emplace_back(id, &t);
   }
-  for (auto [id, t] : bound) values_[id] = *t;  // shares the store's bytes (params_ keeps the store)
+  if (!on_stream()) {
+    for (auto [id, t] : bound) values_[id] = *t;  // shares the store's bytes (params_ keeps the store)
+    return;
+  }
+  // On a device: uploaded into the program's own copies (made once; a swap writes them again),
+  // waited for, so that the store's tensors may change as soon as this returns.
+  for (auto [id, t] : bound) {
+    auto [it, fresh] = device_weights_.try_emplace(id);
+    if (fresh) it->second = empty_on(alloc_.get(), t->shape(), t->dtype());
+    copy("to_device", *t, it->second);
+    values_[id] = it->second;
+  }
+  stream_->synchronize();
+}
+
+void Program::copy(const char* op, const Tensor& src, Tensor& dst) {
+  const Tensor* in = &src;
+  Tensor* out = &dst;
+  KernelContext ctx{.inputs = std::span<const Tensor* const>(&in, 1),
+                    .outputs = std::span<Tensor* const>(&out, 1),
+                    .stream = device_.type == DeviceType::cuda ? static_cast<cuda::Stream*>(stream_.get()) : nullptr,
+                    .async_stream = stream_.get()};
+  copy_kernels_.at({op, src.dtype()})->compute(ctx);
 }
 
 void Program::set_params(std::shared_ptr<const ParameterStore> params) {
@@ -153,19 +220,31 @@ void Program::set_params(std::shared_ptr<const ParameterStore> params) {
 Tensor& Program::input(const std::string& name) {
   auto it = inputs_.find(name);
   if (it == inputs_.end()) throw GraphError(fmt::format("Program: '{}' is not an input it reads", name));
+  if (auto host = host_inputs_.find(it->second); host != host_inputs_.end()) return host->second;
   return values_.at(it->second);
 }
 
 const std::vector<Tensor>& Program::run() {
+  cuda::Stream* cuda_stream = device_.type == DeviceType::cuda ? static_cast<cuda::Stream*>(stream_.get()) : nullptr;
+  if (on_stream()) {
+    // The stream is idle here (the last run waited for it), so the host inputs are not read by
+    // a copy still in flight when the caller writes them.
+    for (auto& [id, host] : host_inputs_) copy("to_device", host, values_.at(id));
+  }
   for (Step& step : steps_) {
-    KernelContext ctx{.inputs = step.in_ptrs, .outputs = step.out_ptrs};
+    KernelContext ctx{.inputs = step.in_ptrs, .outputs = step.out_ptrs, .stream = cuda_stream, .async_stream = stream_.get()};
     try {
       step.kernel->compute(ctx);
     } catch (const std::exception& e) {
       throw std::runtime_error(fmt::format("{}: {}", step.name, e.what()));
     }
   }
-  for (std::size_t i = 0; i < fetch_ids_.size(); ++i) fetched_[i] = values_.at(fetch_ids_[i]);
+  if (!on_stream()) {
+    for (std::size_t i = 0; i < fetch_ids_.size(); ++i) fetched_[i] = values_.at(fetch_ids_[i]);
+    return fetched_;
+  }
+  for (std::size_t i = 0; i < fetch_ids_.size(); ++i) copy("to_host", values_.at(fetch_ids_[i]), fetched_[i]);
+  stream_->synchronize();  // throws naming the stream if a kernel failed on the device
   return fetched_;
 }
 

@@ -15,6 +15,10 @@ void add_fused_kernels(KernelRegistry& reg);
 /// through float32 copies).
 void add_llm_kernels(KernelRegistry& reg);
 
+/// rope_at and paged_attention, serving's decode ops, for cuda/f32 (decode.cpp; bf16 through
+/// float32 copies).
+void add_decode_kernels(KernelRegistry& reg);
+
 /// matmul_bias, matmul_bias_gelu, matmul_dgelu_bgrad and matmul_bias_grad for cuda/f32 and
 /// cuda/bf16: cuBLASLt's products with the bias, GELU, GELU-gradient and bias-gradient
 /// epilogues (linear.cpp).

@@ -81,6 +81,22 @@ cudaError_t rms_norm_grad_weight(const float* x, const float* dy, double* rstd, 
                                  long long cols, double eps, cudaStream_t s);
 cudaError_t rope(const float* x, const float* cos_table, const float* sin_table, float* y, long long blocks,
                  long long t_len, long long half, cudaStream_t s);
+/// Serving's decode ops (decode.cu). rope_at: x [rows, heads, 2 half] rotated row by row by
+/// positions[row] (int32; a negative one by 0), inv_freq [half] the table made on the host.
+cudaError_t rope_at(const float* x, const int* positions, const float* inv_freq, float* y, long long rows,
+                    long long heads, long long half, cudaStream_t s);
+/// paged_attention (ops_decode.cpp's semantics): writes each live row's k and v [rows, kv_heads,
+/// d] into k_cache / v_cache [blocks, block_size, kv_heads, d] at its slot and position (int32
+/// slots, positions [rows], table [n_slots, per_slot]), then o [rows, heads, d] = each row's
+/// causal attention over its slot's positions 0..position; padding rows (slot < 0) zero, rows
+/// whose slot, position or block lies outside the table or the cache NaN.
+/// paged_attention_shared_bytes: the dynamic shared memory one block needs (the query row and
+/// a score per position of a slot).
+unsigned long paged_attention_shared_bytes(long long d, long long per_slot, long long block_size);
+cudaError_t paged_attention(const float* q, const float* k, const float* v, const int* slots, const int* positions,
+                            const int* table, float* k_cache, float* v_cache, float* o, long long rows, long long heads,
+                            long long kv_heads, long long d, long long n_slots, long long per_slot, long long blocks,
+                            long long block_size, float scale, cudaStream_t s);
 /// y[i, :] = table[ids[i] - start, :] for a table of `rows` rows holding entries
 /// [start, start + rows) of a vocabulary [0, vocab); an id of another shard, or outside the
 /// vocabulary (the CPU throws there), gives a zero row. Unsharded: start 0, vocab = rows.

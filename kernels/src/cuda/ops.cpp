@@ -1102,6 +1102,7 @@ void add_cuda_kernels(KernelRegistry& reg) {
   });
   add_fused_kernels(reg);
   add_llm_kernels(reg);
+  add_decode_kernels(reg);
   add_linear_kernels(reg);
 }
 

@@ -13,13 +13,24 @@
 //   Program step(g, {logits}, params);
 //   step.input("tokens").data<std::int32_t>()[0] = 42;   // inputs are written in place
 //   const Tensor& out = step.run()[0];                    // valid until the next run
+//
+// On an asynchronous device (a CUDA GPU, or a `sim` device in tests) the kernels are the
+// device's, enqueued in order on one stream of the program's; the weights are uploaded at
+// construction (and by set_params), the intermediates live in device memory, input() is a host
+// tensor copied to the device at each run, and run() returns host copies of the fetches once
+// the stream has finished. Inputs given at construction (a KV cache) are used where they are:
+// the caller allocates them on the device (device_allocator()), and the kernels keep them there.
+//
+//   Program gpu(g, {logits}, params, {{"cache.k.0", k0}}, registry, Device::parse("cuda:0"));
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "baton/graph/compile.h"
+#include "baton/kernels/allocator.h"
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/stream.h"
 
 namespace baton {
 
@@ -30,9 +41,11 @@ class Program {
   /// lacks or holds in another shape or dtype.
   /// `inputs`: tensors some inputs read from the start instead of zeros the program allocates
   /// (state several programs share, such as a KV cache: allocated once, by the caller).
+  /// `device`: where the kernels run (a CPU device by default; see above for CUDA and sim); the
+  /// ops need kernels there (GraphError naming the node otherwise).
   Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<const ParameterStore> params,
           const std::map<std::string, Tensor>& inputs = {},
-          const KernelRegistry& kernels = KernelRegistry::with_builtin_kernels());
+          const KernelRegistry& kernels = KernelRegistry::with_builtin_kernels(), Device device = Device{});
   ~Program();
   Program(const Program&) = delete;
   Program& operator=(const Program&) = delete;
@@ -47,10 +60,17 @@ class Program {
   void set_params(std::shared_ptr<const ParameterStore> params);
   /// Bytes of the intermediates' buffers (inputs and weights not counted).
   std::size_t buffer_bytes() const { return buffer_bytes_; }
+  Device device() const { return device_; }
+  /// An allocator of the program's device's memory (host memory on a CPU or sim device), for
+  /// the inputs a caller gives at construction.
+  static std::unique_ptr<Allocator> device_allocator(Device device);
 
  private:
   struct Step;
   void bind(const ParameterStore& params);
+  bool on_stream() const { return stream_ != nullptr; }
+  /// Runs `op` (to_device / to_host) from `src` into `dst` on the program's stream.
+  void copy(const char* op, const Tensor& src, Tensor& dst);
 
   Graph& g_;
   std::shared_ptr<const ParameterStore> params_;
@@ -61,6 +81,12 @@ class Program {
   std::vector<int> fetch_ids_;
   std::vector<Tensor> fetched_;
   std::size_t buffer_bytes_ = 0;
+  Device device_;
+  std::unique_ptr<AsyncStream> stream_;      // null on a CPU device
+  std::unique_ptr<Allocator> alloc_;         // device memory (null on a CPU device)
+  std::map<int, Tensor> host_inputs_;        // input node -> the host tensor input() returns
+  std::map<int, Tensor> device_weights_;     // variable node -> its copy on the device
+  std::map<std::pair<std::string, DType>, std::unique_ptr<Kernel>> copy_kernels_;  // (op, dtype)
 };
 
 }  // namespace baton
