@@ -5,7 +5,8 @@
 # Usage: scripts/gpu_bundle.sh [BUILD_DIR] -> BUILD_DIR/gpu-bundle, and the same packed as
 # BUILD_DIR/gpu-carry/gpu-bundle.tar.xz (prints both sizes): the lent machine's carry limit is
 # 64 MiB with the working tree, which the bundle alone passed once OpenBLAS (36 MB) and the
-# programs grew; packed it is about 13 MB. scripts/gpu_checks.sh unpacks it. See docs/gpu.md.
+# programs grew; packed it is about 27 MB (13 MB before the serving programs joined it).
+# scripts/gpu_checks.sh unpacks it. See docs/gpu.md.
 set -euo pipefail
 build=${1:-build}
 out="$build/gpu-bundle"
@@ -14,6 +15,13 @@ mkdir -p "$out/lib"
 # baton-bench-gpu only where the build has it (BATON_BUILD_BENCHMARKS=ON), with its PyTorch
 # reference beside it, where it looks first.
 progs=(baton-tests baton-train)
+# The serving engine's tests, for the decode step on the GPU (Serve.TheDecodeStepOnTheGpu*), and
+# the serving benchmark on the GPU (baton-serve, baton-bench-serve and its PyTorch peer).
+if [ -x "$build/bin/baton-serve-tests" ]; then progs+=(baton-serve-tests); fi
+if [ -x "$build/bin/baton-bench-serve" ] && [ -x "$build/bin/baton-serve" ]; then
+  progs+=(baton-serve baton-bench-serve)
+  cp "$(dirname "$0")/../apps/bench/serve_torch.py" "$out/"
+fi
 if [ -x "$build/bin/baton-bench-gpu" ]; then
   progs+=(baton-bench-gpu)
   cp "$(dirname "$0")/../apps/bench/gpt_torch.py" "$out/"

@@ -7,6 +7,8 @@
 #   scripts/gpu_checks.sh train   baton-train on digits on cuda:0, f32 and bf16 (1000 steps)
 #   scripts/gpu_checks.sh bench   baton-bench-gpu: f32, bf16, bf16 against PyTorch's sdpa
 #   scripts/gpu_checks.sh torch   PyTorch alone (bf16, sdpa) at TORCH_BATCHES, for its best batch
+#   scripts/gpu_checks.sh serve   baton-bench-serve on cuda:0: baton-serve continuous and static
+#                                 batching against PyTorch's decode loop on the same GPU (about 4 min)
 #   scripts/gpu_checks.sh all     the three in turn
 #   scripts/gpu_checks.sh session the GPU tests, digits and the LLMs on cuda:1, one bf16 benchmark
 #                                 (what fits one lent session of 15 minutes with the start)
@@ -92,9 +94,13 @@ bench() {
 # eager and under torch.compile, both sides with GELU's tanh form (BENCH_GELU: GPT-2's and
 # Megatron's, the form cuBLASLt's GELU epilogues compute; the GPT training check keeps erf). The
 # limits add up to 480 s, so that the whole fits 8 minutes of a lent machine's time with its
-# start (every check's log says how long it took).
+# start (every check's log says how long it took). serve-gpu: serving's decode step (a Program
+# on cuda:0, the paged KV cache) against the CPU's logits.
 session() {
-  check gpu-tests 160 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
+  check gpu-tests 150 "$B/baton-tests" -tc='Cuda*,MemoryPlan.Cuda*,Nccl.OneRank.*,Nccl.Failure.*' -d
+  if [ -x "$B/baton-serve-tests" ]; then
+    check serve-gpu 20 "$B/baton-serve-tests" -tc='Serve.TheDecodeStepOnTheGpu*' -d
+  fi
   check train-f32 30 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64
   check train-bf16 30 "$B/baton-train" --model mlp --data digits --devices cuda:1 --steps 1000 --batch 64 \
     --precision bf16
@@ -103,7 +109,7 @@ session() {
   check train-gpt-bf16 30 "$B/baton-train" --model gpt --data text:README.md --devices cuda:1 --steps 100 \
     --batch 8 --precision bf16 --attention auto
   # shellcheck disable=SC2086
-  check bench-bf16-sdpa 200 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
+  check bench-bf16-sdpa 190 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
     --attention auto --torch-compile on --batch "${BENCH_BATCH:-32}" --gelu "${BENCH_GELU:-tanh}" ${BENCH_ARGS:-}
   epilogues_refused
 }
@@ -130,6 +136,17 @@ torch_sweep() {
   done
 }
 
+# Serving on the GPU (baton-serve --device cuda:0, the decode kernels and the KV cache in device
+# memory) against the PyTorch peer on the same GPU: the continuous-batching goal of step 15 is
+# measured at 16 clients. Its JSON lines go to $OUT/serve-bench-gpu.log.
+serve() {
+  if [ -x "$B/baton-bench-serve" ]; then
+    check serve-bench-gpu 300 "$B/baton-bench-serve" --device cuda:0 --allow-load
+  else
+    echo "serve: the bundle has no baton-bench-serve (scripts/gpu_bundle.sh with benchmarks built)" | tee -a "$summary"
+  fi
+}
+
 header
 case "$what" in
   tests) tests ;;
@@ -138,5 +155,6 @@ case "$what" in
   torch) torch_sweep ;;
   all) tests; train; bench ;;
   session) session ;;
-  *) echo "usage: $0 tests|train|bench|torch|all|session" >&2; exit 2 ;;
+  serve) serve ;;
+  *) echo "usage: $0 tests|train|bench|torch|all|session|serve" >&2; exit 2 ;;
 esac

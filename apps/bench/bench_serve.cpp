@@ -439,7 +439,7 @@ class ServeProcess {
  public:
   /// ranks > 1: baton-launch starts that many, one pipeline stage each (--pp).
   ServeProcess(const std::string& weights, const ModelShape& m, const std::string& batching,
-               int threads, std::int64_t max_batch, int ranks = 1)
+               int threads, std::int64_t max_batch, int ranks = 1, const std::string& device = "cpu")
       : port_(bench::free_port()), key_(random_key()) {
     std::vector<std::string> argv{bench::executable_dir() + "/baton-serve",
                                         "--model",
@@ -457,7 +457,9 @@ class ServeProcess {
                                         "--max-batch",
                                         std::to_string(max_batch),
                                         "--threads",
-                                        std::to_string(threads)};
+                                        std::to_string(threads),
+                                        "--device",
+                                        device};
     if (ranks > 1) {
       argv.insert(argv.begin(), {bench::executable_dir() + "/baton-launch", "--nproc-per-node",
                                  std::to_string(ranks), "--stop-grace", "60", "--"});
@@ -515,6 +517,7 @@ class ServeProcess {
 struct RunSettings {
   ModelShape model;
   std::string weights;
+  std::string device = "cpu";
   int threads = 1;
   std::int64_t max_batch = 32;
   std::vector<Request> warmup;
@@ -537,7 +540,7 @@ SystemRun run_baton(const RunSettings& rs, const std::string& batching,
   const bool pp2 = batching == "pp2";
   const int threads = batching == "threads2" ? 2 : rs.threads;
   ServeProcess server(rs.weights, rs.model, pp2 || batching == "threads2" ? "continuous" : batching, threads,
-                      rs.max_batch, pp2 ? 2 : 1);
+                      rs.max_batch, pp2 ? 2 : 1, rs.device);
   LoadGenerator warm(server.port(), server.key(), rs.warmup);
   warm.run({.name = "warmup", .requests = rs.warmup.size(), .clients = 1}, point_limit);
   LoadGenerator load(server.port(), server.key(), requests);
@@ -628,7 +631,8 @@ SystemRun run_torch_points(const Peer& peer, const RunSettings& rs,
                                       "--points",    spec.string(),
                                       "--heads",     std::to_string(rs.model.heads),
                                       "--threads",   std::to_string(rs.threads),
-                                      "--max-batch", std::to_string(rs.max_batch)};
+                                      "--max-batch", std::to_string(rs.max_batch),
+                                      "--device",    rs.device};
   const auto [code, out] =
       bench::finish(bench::spawn(argv, {{"BATON_BENCH_CHILD", "1"}}, true),
                     Clock::now() + point_limit * static_cast<int>(points.size() + 1));
@@ -690,6 +694,7 @@ struct Options {
   int threads = 1;
   std::int64_t max_batch = 32;
   bool pipeline = false;  // also pp 2 across 2 ranks, and one process of 2 threads
+  std::string device = "cpu";  // baton-serve --device; the peer on the same device (cuda:N -> cuda:N)
 };
 
 /// The closed-loop points, then the Poisson rates as fractions of the capacity.
@@ -747,7 +752,8 @@ void add_workload(bench::JsonLine& line, const RunSettings& rs, const WorkloadSe
                        w.seed, w.prompt_min, w.prompt_max, 100 * w.short_share, w.short_min,
                        w.short_max, 100 * (1 - w.short_share), w.long_min, w.long_max))
       .add("threads", rs.threads)
-      .add("max_batch", rs.max_batch);
+      .add("max_batch", rs.max_batch)
+      .add("device", rs.device);
 }
 
 std::string system_note(const std::string& system) {
@@ -854,15 +860,19 @@ Options parse(int argc, char** argv) {
       o.max_batch = std::max<std::int64_t>(1, std::stoll(value()));
     else if (a == "--pipeline")
       o.pipeline = true;
+    else if (a == "--device")
+      o.device = value();
     else if (a == "-h" || a == "--help") {
       fmt::print(
           "usage: baton-bench-serve [--quick] [--only baton|torch] [--threads 1] [--max-batch 32] [--pipeline]\n"
+          "                         [--device cpu|cuda:N]\n"
           "  --quick      a few requests at 3 points (a smoke run)\n"
           "  --only       baton-serve (continuous and static) or the PyTorch peer alone\n"
           "  --threads    BLAS threads of baton-serve and torch.set_num_threads of the peer\n"
           "  --max-batch  requests in a batch at most, every system\n"
           "  --pipeline   also baton-serve as 2 pipeline stages on 2 ranks (pp2) and one process of 2\n"
-          "               threads (threads2), the same 2 cores\n{}",
+          "               threads (threads2), the same 2 cores\n"
+          "  --device     where baton-serve and the PyTorch peer run (both on the same GPU with cuda:N)\n{}",
           bench::allow_load_usage);
       std::exit(0);
     } else {
@@ -871,6 +881,10 @@ Options parse(int argc, char** argv) {
   }
   if (!o.only.empty() && o.only != "baton" && o.only != "torch")
     throw std::invalid_argument("--only: baton or torch, not '" + o.only + "'");
+  if (o.device != "cpu" && !o.device.starts_with("cuda:"))
+    throw std::invalid_argument("--device: cpu or cuda:N, not '" + o.device + "'");
+  if (o.device != "cpu" && o.pipeline)
+    throw std::invalid_argument("--pipeline measures ranks sharing the CPU's cores: not with --device " + o.device);
   return o;
 }
 
@@ -911,6 +925,7 @@ int run(const Options& o) {
   }
   const TempDir dir;
   RunSettings rs{.weights = (dir.path / "gpt2.safetensors").string(),
+                 .device = o.device,
                  .threads = o.threads,
                  .max_batch = o.max_batch};
   write_weights(peer, rs.model, rs.weights);

@@ -6,7 +6,7 @@ prompts, prefill, decode greedily until the longest is done, then the next batch
 
     serve_torch.py weights FILE --vocab V --d-model D --heads H --layers L --positions P [--seed S]
         writes GPT-2 weights in transformers' names (Conv1D layout, F32) to a safetensors file.
-    serve_torch.py run FILE --points POINTS.json --heads H --threads N --max-batch B
+    serve_torch.py run FILE --points POINTS.json --heads H --threads N --max-batch B [--device cuda]
         POINTS.json: {"warmup": [REQ...], "points": [{"case": NAME, "requests": [REQ...],
         "clients": C} or {"case": NAME, "requests": [REQ...], "arrivals": [SECONDS...]}]},
         REQ = {"prompt": [ids], "max_tokens": n}. Prints one JSON line per point:
@@ -68,6 +68,7 @@ class Gpt2:
     def __init__(self, w, heads):
         self.w, self.heads = w, heads
         self.d = w["wte.weight"].shape[1]
+        self.device = w["wte.weight"].device
         self.layers = sum(1 for k in w if k.endswith(".ln_1.weight"))
 
     def ln(self, x, name):
@@ -87,7 +88,8 @@ class Gpt2:
         end = start + t
         # Query i (at cache position start + i) sees keys up to its own, and no padding; a padding
         # row sees itself (a row of no keys would be NaN, and NaN times a zero weight is NaN).
-        keys_at, query_at = torch.arange(end).view(1, end), (start + torch.arange(t)).view(t, 1)
+        dev = self.device
+        keys_at, query_at = torch.arange(end, device=dev).view(1, end), (start + torch.arange(t, device=dev)).view(t, 1)
         allowed = (keys_at <= query_at).view(1, 1, t, end) & key_ok[:, :end].view(b, 1, 1, end)
         allowed = allowed | (keys_at == query_at).view(1, 1, t, end)
         for l in range(self.layers):
@@ -112,8 +114,9 @@ class Gpt2:
         b = len(reqs)
         plen = max(len(r["prompt"]) for r in reqs)
         steps = max(r["max_tokens"] for r in reqs)
-        ids = torch.zeros(b, plen, dtype=torch.long)
-        key_ok = torch.zeros(b, plen + steps, dtype=torch.bool)
+        dev = self.device
+        ids = torch.zeros(b, plen, dtype=torch.long, device=dev)
+        key_ok = torch.zeros(b, plen + steps, dtype=torch.bool, device=dev)
         key_ok[:, plen:] = True  # the generated tokens
         for i, r in enumerate(reqs):
             n = len(r["prompt"])
@@ -121,12 +124,13 @@ class Gpt2:
             key_ok[i, plen - n:] = True
         pos = (key_ok[:, :plen].long().cumsum(1) - 1).clamp(min=0)
         dh = self.d // self.heads
-        cache = [(torch.empty(b, self.heads, plen + steps, dh), torch.empty(b, self.heads, plen + steps, dh))
-                 for _ in range(self.layers)]
+        cache = [(torch.empty(b, self.heads, plen + steps, dh, device=dev),
+                  torch.empty(b, self.heads, plen + steps, dh, device=dev)) for _ in range(self.layers)]
         logits = self.forward(ids, pos, cache, 0, key_ok)
         last_pos = pos[:, -1:]
         for step in range(1, steps + 1):
             token = logits.argmax(dim=-1, keepdim=True)
+            token.cpu()  # the tokens reach the host, as a server streams them (on a GPU: the step is done)
             for i, r in enumerate(reqs):
                 if step <= r["max_tokens"]:
                     on_token(i, step)
@@ -189,7 +193,8 @@ def run(a):
     torch.set_num_threads(a.threads)
     with open(a.points, encoding="utf-8") as f:
         spec = json.load(f)
-    model = Gpt2(read_safetensors(a.file), a.heads)
+    weights = {k: v.to(a.device) for k, v in read_safetensors(a.file).items()}
+    model = Gpt2(weights, a.heads)
     if spec.get("warmup"):
         run_point(model, {"case": "warmup", "requests": spec["warmup"], "clients": 1}, a.max_batch)
     for point in spec["points"]:
@@ -212,6 +217,7 @@ def main():
     r.add_argument("--heads", type=int, required=True)
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--max-batch", type=int, default=32)
+    r.add_argument("--device", default="cpu", help="cpu or cuda (the GPU of the same run)")
     a = p.parse_args()
     if a.command == "weights":
         write_weights(a)

@@ -34,6 +34,7 @@
 #include "baton/graph/checkpoint.h"
 #include "baton/graph/safetensors.h"
 #include "baton/graph/tokens.h"
+#include "baton/kernels/cuda.h"
 #include "baton/kernels/data.h"
 #include "baton/kernels/ops.h"
 #include "baton/transport/control.h"
@@ -66,6 +67,7 @@ struct Options {
   std::int64_t pp = 0;  // 0: the job's ranks / tp (1 without baton-launch)
   std::int64_t tp = 1;
   double step_timeout = 120;
+  std::string device = "cpu";  // cpu, cuda (this rank's local GPU), cuda:N, sim:N (tests)
 };
 
 std::string rank_tag;  // "[rank 1/2]" in a job of several ranks
@@ -412,6 +414,31 @@ std::string api_key_of(const Options& o) {
   return key;
 }
 
+/// --device: "cpu", "cuda" (GPU `local_rank` of this host: one rank per GPU under baton-launch),
+/// "cuda:N", or "sim:N" (a simulated device: the CPU's kernels on a stream, for tests). A GPU
+/// that cannot be used, and tensor parallelism on a device (its shards' partial sums are added
+/// on the host by serve.tp_sum, in the step's thread), are refused naming the flag.
+Device device_of(const Options& o, const JobEnvironment& env, std::int64_t tp) {
+  Device d;
+  try {
+    d = o.device == "cuda" ? Device{DeviceType::cuda, static_cast<std::uint8_t>(env.local_rank)} : Device::parse(o.device);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("--device {}: {}", o.device, e.what()));
+  }
+  if (d.type == DeviceType::cuda) {
+    if (const auto& a = cuda::availability(); !a.ok) {
+      throw std::invalid_argument(fmt::format("--device {}: {}", o.device, a.reason));
+    }
+  }
+  if (d.type != DeviceType::cpu && tp > 1) {
+    throw std::invalid_argument(fmt::format("--device {} with --tp {}: the shards' partial sums are added on the host "
+                                            "between the ranks, which a device's stage cannot do yet; use --pp across "
+                                            "GPUs, or --tp on CPUs",
+                                            o.device, tp));
+  }
+  return d;
+}
+
 /// The ranks of a job are pp x tp, one shard of one stage each; tp needs a job; --watch one rank.
 void check_layout(const Options& o, const JobEnvironment& env, std::int64_t pp, std::int64_t tp) {
   const auto world = static_cast<std::int64_t>(env.world_size);
@@ -461,9 +488,11 @@ int run(const Options& o) {
   }
   const auto step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.step_timeout * 1000));
 
+  const Device device = device_of(o, env, tp);
   const std::int64_t kv_cache_bytes = kv_cache_budget(o, l);
-  const ServeShape shape =
+  ServeShape shape =
       serve_shape(l.model, o.max_batch, o.max_batch_tokens, o.block_size, kv_cache_bytes, cache_layers, tp);
+  shape.device = device;
 
   std::optional<RankJob> job;
   if (env.distributed()) {
@@ -495,6 +524,7 @@ int run(const Options& o) {
                    .max_queue = o.max_queue,
                    .continuous = o.batching == "continuous",
                    .pp = pp,
+                   .device = device,
                    .cache_layers = cache_layers,
                    .runner = {},
                    .log = log};
@@ -506,9 +536,9 @@ int run(const Options& o) {
                                             pp, tp, job->link, l.model, sh.slots, step_timeout);
     };
   }
-  log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching", l.model.name(),
+  log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching; on {}", l.model.name(),
                   l.model.layers(), l.model.vocab(), l.model.context(), l.label,
-                  l.codec ? l.codec->describe() : "none (token ids)", o.batching));
+                  l.codec ? l.codec->describe() : "none (token ids)", o.batching, device.str()));
   Engine engine(s);
   if (job) job->watch(&engine);
   std::string why;
@@ -610,6 +640,9 @@ int main(int argc, char** argv) {
                  "tensor-parallel shards of each stage (heads and MLP width cut over tp ranks; under baton-launch "
                  "of pp x tp ranks)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--device", o.device,
+                 "where the model runs: cpu (default), cuda (this rank's GPU: local rank L takes GPU L), cuda:N, or "
+                 "sim:N (a simulated device, for tests); the KV cache lives there too");
   app.add_option("--step-timeout", o.step_timeout, "seconds a step may take across the ranks before the job fails")
       ->check(CLI::PositiveNumber);
   try {

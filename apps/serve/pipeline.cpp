@@ -6,6 +6,8 @@
 #include <stdexcept>
 
 #include "baton/graph/op_registry.h"
+#include "baton/kernels/allocator.h"
+#include "baton/kernels/cuda.h"
 
 #include <fmt/format.h>
 
@@ -317,14 +319,30 @@ Stage::Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
   }
   const Shape cache{shape.cache_blocks, shape.block_size, m.kv_heads() / tp, m.head_dim()};
   std::map<std::string, Tensor> caches;  // one cache for every program
+  // On a GPU the caches are device memory (the programs' kernels write them in place there),
+  // zeroed once from a host block of zeros.
+  cache_memory_ = Program::device_allocator(shape.device);
+  std::unique_ptr<cuda::Stream> upload;
+  Tensor zeros;
+  if (cache_memory_) {
+    upload = cuda::Stream::create(shape.device, "baton-serve KV cache");
+    zeros = Tensor::zeros(cache, m.dtype());
+  }
   for (std::int64_t l = layers.first; l < layers.second; ++l) {
     for (const char* kv : {"k", "v"}) {
-      Tensor t = Tensor::zeros(cache, m.dtype());
+      Tensor t;
+      if (cache_memory_) {
+        t = Tensor::empty(cache, m.dtype(), *cache_memory_);
+        cuda::copy(t, zeros, *upload);
+      } else {
+        t = Tensor::zeros(cache, m.dtype());
+      }
       cache_bytes_ += t.nbytes();
       caches[fmt::format("cache.{}.{}", kv, l)] = t;
       caches_.push_back(std::move(t));
     }
   }
+  if (upload) upload->synchronize();
   for (std::int64_t rows : shape.buckets) {
     Bucket b;
     b.rows = rows;
@@ -335,7 +353,8 @@ Stage::Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
                                       .first_layer = layers.first, .end_layer = layers.second, .tp = tp,
                                       .tp_rank = tp_rank});
     try {
-      b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{out}, params, caches);
+      b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{out}, params, caches,
+                                            KernelRegistry::with_builtin_kernels(), shape.device);
     } catch (const GraphError& e) {
       throw std::invalid_argument(fmt::format("the weights do not fit the {} model: {}", m.name(), e.what()));
     }

@@ -53,6 +53,10 @@ struct ServeShape {
   std::int64_t block_size = 16;
   std::int64_t cache_blocks = 1;      // the cache's blocks (the same block ids on every stage)
   std::vector<std::int64_t> buckets;  // the step programs' rows: 2, 4, ..., max_batch_tokens
+  /// Where each stage's step programs and KV caches live (baton-serve --device): a CPU by
+  /// default, a CUDA GPU, or a sim device (tests). Not part of hash(): ranks of one job may use
+  /// different GPUs of their hosts.
+  Device device{};
   std::uint64_t hash(const DecodeModel& m, std::int64_t pp, std::int64_t tp) const;
 };
 
@@ -138,6 +142,7 @@ class Stage {
   DecodeModel model_;
   std::pair<std::int64_t, std::int64_t> layers_;
   TpGroup* group_ = nullptr;
+  std::unique_ptr<Allocator> cache_memory_;  // the caches' device memory (null: host); outlives them
   std::vector<Tensor> caches_;
   std::vector<Bucket> buckets_;
   std::size_t buffer_bytes_ = 0, cache_bytes_ = 0;

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -20,11 +21,13 @@
 
 #include "baton/graph.h"
 #include "baton/graph/program.h"
+#include "baton/kernels/cuda.h"
 #include "baton/transport/loopback.h"
 #include "decode_models.h"
 #include "engine.h"
 #include "pipeline.h"
 #include "sample.h"
+#include "test_util.h"
 
 using namespace baton;
 using namespace baton::serve;
@@ -264,6 +267,187 @@ TEST_CASE("Serve.TheDecodeStepOverThePagedCacheComputesTheTrainingModelsLogits")
     CHECK(seqs[0].size() > 13 + 15);
     CHECK(scale > 1.0);  // logits far from 0: the weights make real choices
     CHECK_MESSAGE(worst <= 1e-9 * scale, fmt::format("{}: largest logit difference {:.3g} at scale {:.3g}", m.name(), worst, scale));
+  }
+}
+
+namespace {
+
+/// The logits of `steps` decode steps of `m` over a paged cache on `device`: two requests, one
+/// prefilling its prompt of 13 in chunks while the other decodes, fed fixed tokens (not the
+/// program's own choices, so that two devices see the same inputs whatever they compute). The
+/// caches are given at construction, in the device's memory, as baton-serve gives them.
+std::vector<Tensor> decode_on(const DecodeModel& m, std::shared_ptr<const ParameterStore> params, Device device,
+                              int steps) {
+  const StepShape shape{.rows = 6, .slots = 3, .blocks_per_slot = 12, .block_size = 4, .cache_blocks = 40};
+  Graph g;
+  Value logits = decode_step(g, m, shape);
+  const Shape cache{shape.cache_blocks, shape.block_size, m.kv_heads(), m.head_dim()};
+  std::unique_ptr<Allocator> memory = Program::device_allocator(device);
+  std::map<std::string, Tensor> caches;
+  for (std::int64_t l = 0; l < m.layers(); ++l) {
+    for (const char* kv : {"k", "v"}) {
+      Tensor zeros = Tensor::zeros(cache, m.dtype());
+      Tensor c = memory ? Tensor::empty(cache, m.dtype(), *memory) : zeros;
+      if (memory) {
+        auto up = cuda::Stream::create(device, "test upload");
+        cuda::copy(c, zeros, *up);
+        up->synchronize();
+      }
+      caches[fmt::format("cache.{}.{}", kv, l)] = c;
+    }
+  }
+  Program p(g, {logits}, params, caches, KernelRegistry::with_builtin_kernels(), device);
+  CHECK(p.device() == device);
+  auto* table = p.input("block_table").data<std::int32_t>().data();
+  for (int i = 0; i < 12; ++i) {
+    table[2 * 12 + i] = (i * 17 + 3) % 40;
+    table[0 * 12 + i] = ((12 + i) * 17 + 3) % 40;
+    table[1 * 12 + i] = -1;
+  }
+  const std::vector<std::int32_t> feed = prompt_of(13 + steps, 1, m.vocab()), other = prompt_of(2 + steps, 2, m.vocab());
+  std::size_t fed0 = 0, fed2 = 0;
+  std::vector<Tensor> out;
+  for (int step = 0; step < steps; ++step) {
+    auto* tokens = p.input("tokens").data<std::int32_t>().data();
+    auto* positions = p.input("positions").data<std::int32_t>().data();
+    auto* slots = p.input("slots").data<std::int32_t>().data();
+    int row = 0;
+    auto put = [&](int slot, const std::vector<std::int32_t>& seq, std::size_t& fed, std::size_t n) {
+      for (std::size_t i = 0; i < n; ++i, ++row, ++fed) {
+        tokens[row] = seq[fed];
+        positions[row] = static_cast<std::int32_t>(fed);
+        slots[row] = slot;
+      }
+    };
+    put(2, other, fed2, step == 0 ? 2 : 1);                                   // decodes
+    put(0, feed, fed0, fed0 < 13 ? std::min<std::size_t>(13 - fed0, 4) : 1);  // prefills in chunks, then decodes
+    const int live = row;
+    for (; row < 6; ++row) slots[row] = -1;
+    auto* sample = p.input("sample_rows").data<std::int32_t>().data();
+    sample[0] = 0;
+    sample[1] = live - 1;
+    sample[2] = 0;
+    const Tensor& logits_now = p.run()[0];
+    Tensor copy = Tensor::empty(logits_now.shape(), logits_now.dtype());
+    std::memcpy(copy.raw(), logits_now.raw(), copy.nbytes());
+    out.push_back(copy);
+  }
+  return out;
+}
+
+}  // namespace
+
+// A Program on an asynchronous device (apps/serve's stages on a GPU): the device's kernels on
+// the program's stream, weights uploaded once, inputs written on the host and copied over at
+// each run, the KV caches where the caller put them, the logits copied back. On a sim device the
+// kernels are the CPU's, run in the same order, so the logits must be the CPU's bit for bit: a
+// copy missing, late or from a stale input, or a cache not kept from step to step, shows.
+TEST_CASE("Serve.TheDecodeStepOnASimDeviceGivesTheHostsLogitsBitForBit") {
+  for (auto kind : {DecodeModel::Kind::gpt, DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
+    const DecodeModel m = tiny(kind, DType::f32);
+    CAPTURE(m.name());
+    auto params = weights(m, 3);
+    const std::vector<Tensor> cpu = decode_on(m, params, Device{}, 16);
+    const std::vector<Tensor> sim = decode_on(m, params, Device::parse("sim:0"), 16);
+    REQUIRE(cpu.size() == sim.size());
+    for (std::size_t i = 0; i < cpu.size(); ++i) {
+      CAPTURE(i);
+      CHECK(std::memcmp(cpu[i].raw(), sim[i].raw(), cpu[i].nbytes()) == 0);
+    }
+  }
+}
+
+// What a GPU stage needs before any GPU runs it: every op of the three models' decode steps (one
+// stage, and the two stages of a pipeline) has a CUDA kernel of its dtype, so that
+// `baton-serve --device cuda:0` does not fail at start naming a node. Needs a CUDA build only.
+TEST_CASE("Serve.EveryOpOfTheDecodeStepHasACudaKernel") {
+  if (!test::cuda_built()) return;
+  const KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  for (auto kind : {DecodeModel::Kind::gpt, DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
+    const DecodeModel m = tiny(kind, DType::f32);
+    CAPTURE(m.name());
+    for (auto [first, end] : std::vector<std::pair<std::int64_t, std::int64_t>>{{0, -1}, {0, 1}, {1, -1}}) {
+      Graph g;
+      decode_step(g, m, StepShape{.rows = 4, .slots = 2, .blocks_per_slot = 3, .block_size = 4, .cache_blocks = 8,
+                                  .first_layer = first, .end_layer = end});
+      for (int id = 0; id < g.size(); ++id) {
+        const Node& n = g.node(id);
+        if (n.op == "input" || n.op == "variable" || n.op == "reshape") continue;
+        CAPTURE(n.name);
+        // The dtype Program looks the kernel up with (as the plan's): the node's if floating, else
+        // its first floating input's, else f32.
+        DType dt = n.dtype;
+        if (!is_floating(dt)) {
+          dt = DType::f32;
+          for (int in : n.inputs) {
+            if (is_floating(g.node(in).dtype)) {
+              dt = g.node(in).dtype;
+              break;
+            }
+          }
+        }
+        CHECK_MESSAGE(kernels.contains(n.op, DeviceType::cuda, dt), n.op << " has no cuda/" << name(dt));
+      }
+    }
+  }
+}
+
+// The same on the GPU (cuda:0; skipped without one), in f32 against the CPU within a tolerance:
+// cuBLAS and the decode kernels sum in other orders than OpenBLAS and the CPU's kernels (f32's
+// 6e-8 relative over sums of at most a few hundred terms here, a few 1e-6 of the logits' scale
+// on any OpenBLAS core type): 1e-4 of the scale bounds it with room.
+TEST_CASE("Serve.TheDecodeStepOnTheGpuGivesTheHostsLogits") {
+  if (!test::cuda_usable()) return;
+  for (auto kind : {DecodeModel::Kind::gpt, DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
+    const DecodeModel m = tiny(kind, DType::f32);
+    CAPTURE(m.name());
+    auto params = weights(m, 3);
+    const std::vector<Tensor> cpu = decode_on(m, params, Device{}, 16);
+    const std::vector<Tensor> gpu = decode_on(m, params, Device::parse("cuda:0"), 16);
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < cpu.size(); ++i) {
+      for (std::int64_t j = 0; j < cpu[i].numel(); ++j) {
+        worst = std::max(worst, std::abs(at(cpu[i], j) - at(gpu[i], j)));
+        scale = std::max(scale, std::abs(at(cpu[i], j)));
+      }
+    }
+    CHECK(scale > 1.0);
+    CHECK_MESSAGE(worst <= 1e-4 * scale, fmt::format("{}: largest difference {:.3g} at scale {:.3g}", m.name(), worst, scale));
+  }
+}
+
+// The engine (continuous batching, the cache's blocks, pp 2 in this process) with its stages on
+// sim devices (baton-serve --device sim:0): the same tokens as on the CPU, greedy and sampled,
+// several requests at once. Two stages: the hidden state crosses from one device's program to
+// the next through the host, as it does between GPUs.
+TEST_CASE("Serve.AnEngineOnASimDeviceGivesTheCpusTokens") {
+  for (auto kind : {DecodeModel::Kind::gpt, DecodeModel::Kind::llama}) {
+    const DecodeModel m = tiny(kind, DType::f32);
+    CAPTURE(m.name());
+    auto params = weights(m, 7);
+    auto tokens = [&](Device device) {
+      EngineSettings s = settings(m, params);
+      s.device = device;
+      s.pp = 2;
+      Engine e(s);
+      std::vector<std::shared_ptr<Run>> runs;
+      for (std::uint64_t i = 0; i < 4; ++i) {
+        const Sampling sampling = i % 2 == 0 ? Sampling{.temperature = 0}
+                                             : Sampling{.temperature = 0.8, .top_p = 0.9, .seed = 40 + i};
+        runs.push_back(submit(e, prompt_of(5 + 3 * i, 20 + i, m.vocab()), 12 + 4 * static_cast<std::int64_t>(i), sampling));
+      }
+      std::vector<std::vector<std::int32_t>> out;
+      for (auto& r : runs) {
+        wait(*r);
+        CHECK(r->error.empty());
+        out.push_back(r->tokens);
+      }
+      return out;
+    };
+    const auto cpu = tokens(Device{});
+    const auto sim = tokens(Device::parse("sim:0"));
+    CHECK(cpu == sim);
+    CHECK(cpu[3].size() == 24);
   }
 }
 
