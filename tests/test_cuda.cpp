@@ -231,6 +231,45 @@ TEST_CASE("Cuda.Stream.BindsItsDeviceWhateverWasCurrent" * doctest::timeout(60))
   for (std::size_t i = 0; i < 1000; ++i) CHECK(back.data<float>()[i] == 2.f * x.data<float>()[i]);
 }
 
+// Stream capture on a GPU (what Program::use_graphs does with a decode step): a scale kernel
+// captured once and launched three times triples its doubling (y = 2x in place: x 8x); nothing
+// runs while capturing; a synchronize during a capture fails, end_capture then throws, and the
+// stream works as before.
+TEST_CASE("Cuda.Stream.ACaptureReplaysItsKernels" * doctest::timeout(60)) {
+  if (!cuda_usable()) return;
+  const Device d0 = Device::parse("cuda:0");
+  auto s = cuda::Stream::create(d0, "capture");
+  auto memory = cuda::make_device_allocator(d0);
+  const Tensor x = random_f32({1000});
+  Tensor dx = Tensor::empty(x.shape(), f32, *memory);
+  cuda::copy(dx, x, *s);
+  s->synchronize();
+  const KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  auto scale = reg.create("scale", KernelConfig{"twice", d0, f32, Attrs{{"value", 2.0}}});
+  const Tensor* in[] = {&dx};
+  Tensor* out[] = {&dx};
+  KernelContext ctx{in, out, 0, s.get(), s.get()};
+  s->begin_capture();
+  scale->compute(ctx);
+  std::unique_ptr<StreamGraph> g = s->end_capture();
+  Tensor back = Tensor::empty(x.shape(), f32);
+  cuda::copy(back, dx, *s);
+  s->synchronize();
+  for (std::size_t i = 0; i < 1000; ++i) CHECK(back.data<float>()[i] == x.data<float>()[i]);  // not run
+  for (int k = 0; k < 3; ++k) s->launch(*g);
+  cuda::copy(back, dx, *s);
+  s->synchronize();
+  for (std::size_t i = 0; i < 1000; ++i) CHECK(back.data<float>()[i] == 8.f * x.data<float>()[i]);
+  s->begin_capture();
+  CHECK_THROWS(s->synchronize());
+  CHECK_THROWS_AS(s->end_capture(), std::runtime_error);
+  scale->compute(ctx);
+  cuda::copy(back, dx, *s);
+  s->synchronize();
+  for (std::size_t i = 0; i < 1000; ++i) CHECK(back.data<float>()[i] == 16.f * x.data<float>()[i]);
+  CHECK(s->failure().empty());
+}
+
 // The CUDA binary ops check their shapes on the host, before anything reaches a device, so
 // this runs without a GPU: an input with more axes than the output is refused (it once wrapped
 // an unsigned count and read as broadcast along every axis).

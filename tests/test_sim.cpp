@@ -20,6 +20,7 @@
 #include "baton/actors.h"
 #include "baton/graph.h"
 #include "baton/graph/collectives.h"
+#include "baton/graph/program.h"
 #include "baton/kernels.h"
 #include "baton/kernels/data.h"
 #include "models.h"
@@ -73,6 +74,83 @@ TEST_CASE("Sim.Stream.RunsWorkInOrderAndFailsStickily" * doctest::timeout(60)) {
   CHECK(ran_after == 0);
   CHECK(callbacks == 0);
   CHECK_THROWS_WITH_AS(s->synchronize(), doctest::Contains("the kernel broke"), std::runtime_error);
+}
+
+// Capture, as CUDA's stream capture: what is enqueued between begin_capture and end_capture is
+// recorded, not run; each launch enqueues it again, in order, after what came before; a
+// synchronize (or an event) during the capture throws and invalidates it, and the stream then
+// works as before.
+TEST_CASE("Sim.Stream.ACaptureRunsNothingUntilLaunchedAndReplaysInOrder" * doctest::timeout(60)) {
+  auto s = sim::Stream::create(Device::parse("sim:0"), "capture test");
+  std::vector<int> seen;  // written by the stream's thread only
+  s->enqueue([&] { seen.push_back(0); });
+  s->begin_capture();
+  s->enqueue([&] { seen.push_back(1); });
+  s->enqueue([&] { seen.push_back(2); });
+  std::unique_ptr<StreamGraph> g = s->end_capture();
+  s->synchronize();
+  CHECK(seen == std::vector<int>{0});  // recorded, not run
+  s->launch(*g);
+  s->enqueue([&] { seen.push_back(3); });
+  s->launch(*g);
+  s->synchronize();
+  CHECK(seen == std::vector<int>{0, 1, 2, 3, 1, 2});
+  // What cannot be captured.
+  s->begin_capture();
+  s->enqueue([&] { seen.push_back(9); });
+  CHECK_THROWS_WITH_AS(s->synchronize(), doctest::Contains("synchronize during a capture"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(s->end_capture(), doctest::Contains("the capture is invalid"), std::runtime_error);
+  auto ev = s->make_event();
+  s->begin_capture();
+  CHECK_THROWS_AS(s->record(*ev), std::runtime_error);
+  CHECK_THROWS_AS(s->end_capture(), std::runtime_error);
+  // The stream after the failed captures: as before, nothing of theirs ran.
+  s->enqueue([&] { seen.push_back(4); });
+  s->synchronize();
+  CHECK(seen == std::vector<int>{0, 1, 2, 3, 1, 2, 4});
+  CHECK(s->failure().empty());
+}
+
+// A Program whose kernels cannot all be captured (here a relu that waits for its stream on the
+// host, as a kernel reading a value back would): the capture at the second run fails, the
+// program says why (graph_status) and runs its kernels one by one from then on, the results
+// right every run; a program without it captures and launches the graph.
+TEST_CASE("Sim.Program.ACaptureThatFailsRunsTheKernelsOneByOne" * doctest::timeout(60)) {
+  for (bool syncing : {false, true}) {
+    CAPTURE(syncing);
+    KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+    if (syncing) {
+      reg.add_fn("relu", DeviceType::sim, f32, [](KernelContext& ctx) {
+        auto* s = dynamic_cast<sim::Stream*>(ctx.async_stream);
+        REQUIRE(s != nullptr);
+        const Tensor x = *ctx.inputs[0];
+        Tensor y = *ctx.outputs[0];
+        s->enqueue([x, y]() mutable {
+          for (std::size_t i = 0; i < y.data<float>().size(); ++i) y.data<float>()[i] = std::max(0.f, x.data<float>()[i]);
+        });
+        s->synchronize();
+      });
+    }
+    Graph g;
+    Value y = relu(g.input("x", {4}));
+    Program p(g, {y}, std::make_shared<ParameterStore>(), {}, reg, Device::parse("sim:0"));
+    p.use_graphs(true);
+    CHECK(p.graph_status() == "waiting");
+    for (int run = 0; run < 4; ++run) {
+      auto x = p.input("x").data<float>();
+      for (std::size_t i = 0; i < 4; ++i) x[i] = static_cast<float>(run) - static_cast<float>(i);
+      const Tensor& out = p.run()[0];
+      for (std::size_t i = 0; i < 4; ++i) CHECK(out.data<float>()[i] == std::max(0.f, static_cast<float>(run) - static_cast<float>(i)));
+    }
+    if (syncing) {
+      CHECK(p.graph_status().starts_with("refused: "));
+      CHECK(test::contains(p.graph_status(), "synchronize during a capture"));
+      CHECK(p.graph_launches() == 0);
+    } else {
+      CHECK(p.graph_status() == "captured");
+      CHECK(p.graph_launches() == 3);
+    }
+  }
 }
 
 TEST_CASE("Sim.Stream.CallbacksComeWhenTheWorkBeforeThemIsDone" * doctest::timeout(60)) {

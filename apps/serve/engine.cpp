@@ -52,6 +52,7 @@ Engine::Engine(EngineSettings settings) : settings_(std::move(settings)) {
   shape_ = serve_shape(m, s.max_batch, s.max_batch_tokens, s.block_size, s.kv_cache_bytes,
                        s.cache_layers > 0 ? s.cache_layers : m.layers());
   shape_.device = s.device;
+  shape_.graphs = s.graphs;
   runner_ = s.runner ? s.runner(shape_) : std::make_unique<LocalPipeline>(m, s.pp, shape_, s.params);
   groups_ = runner_->groups();
   for (std::int64_t i = shape_.cache_blocks; i-- > 0;) free_blocks_.push_back(static_cast<std::int32_t>(i));

@@ -48,8 +48,10 @@ struct EngineSettings {
   bool continuous = true;
   /// Pipeline stages in this process (LocalPipeline), when `runner` is unset.
   std::int64_t pp = 1;
-  /// Where the step programs and the KV caches live (ServeShape::device).
+  /// Where the step programs and the KV caches live (ServeShape::device), and whether they run as
+  /// graphs there (ServeShape::graphs).
   Device device{};
+  bool graphs = true;
   /// Layers whose caches one device holds within kv_cache_bytes (0: all of the model's; a stage
   /// of a pipeline across ranks holds its own).
   std::int64_t cache_layers = 0;

@@ -68,6 +68,7 @@ struct Options {
   std::int64_t tp = 1;
   double step_timeout = 120;
   std::string device = "cpu";  // cpu, cuda (this rank's local GPU), cuda:N, sim:N (tests)
+  bool graphs = true;          // on a device: the steps as graphs (--no-graphs)
 };
 
 std::string rank_tag;  // "[rank 1/2]" in a job of several ranks
@@ -493,6 +494,7 @@ int run(const Options& o) {
   ServeShape shape =
       serve_shape(l.model, o.max_batch, o.max_batch_tokens, o.block_size, kv_cache_bytes, cache_layers, tp);
   shape.device = device;
+  shape.graphs = o.graphs;
 
   std::optional<RankJob> job;
   if (env.distributed()) {
@@ -525,6 +527,7 @@ int run(const Options& o) {
                    .continuous = o.batching == "continuous",
                    .pp = pp,
                    .device = device,
+                   .graphs = o.graphs,
                    .cache_layers = cache_layers,
                    .runner = {},
                    .log = log};
@@ -643,6 +646,9 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device,
                  "where the model runs: cpu (default), cuda (this rank's GPU: local rank L takes GPU L), cuda:N, or "
                  "sim:N (a simulated device, for tests); the KV cache lives there too");
+  app.add_flag("!--no-graphs", o.graphs,
+               "on a --device: run each step's kernels one by one instead of as one captured graph (a CUDA "
+               "graph) from the second step on");
   app.add_option("--step-timeout", o.step_timeout, "seconds a step may take across the ranks before the job fails")
       ->check(CLI::PositiveNumber);
   try {

@@ -355,6 +355,7 @@ Stage::Stage(const DecodeModel& m, std::pair<std::int64_t, std::int64_t> layers,
     try {
       b.program = std::make_unique<Program>(*b.graph, std::vector<Value>{out}, params, caches,
                                             KernelRegistry::with_builtin_kernels(), shape.device);
+      b.program->use_graphs(shape.graphs);
     } catch (const GraphError& e) {
       throw std::invalid_argument(fmt::format("the weights do not fit the {} model: {}", m.name(), e.what()));
     }

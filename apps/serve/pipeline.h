@@ -57,6 +57,9 @@ struct ServeShape {
   /// default, a CUDA GPU, or a sim device (tests). Not part of hash(): ranks of one job may use
   /// different GPUs of their hosts.
   Device device{};
+  /// On a device: each step program captured into a graph at its second run and launched as one
+  /// from then on (Program::use_graphs; baton-serve --no-graphs turns it off).
+  bool graphs = true;
   std::uint64_t hash(const DecodeModel& m, std::int64_t pp, std::int64_t tp) const;
 };
 

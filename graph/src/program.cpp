@@ -1,6 +1,7 @@
 #include "baton/graph/program.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <utility>
 
@@ -224,13 +225,8 @@ Tensor& Program::input(const std::string& name) {
   return values_.at(it->second);
 }
 
-const std::vector<Tensor>& Program::run() {
+void Program::run_steps() {
   cuda::Stream* cuda_stream = device_.type == DeviceType::cuda ? static_cast<cuda::Stream*>(stream_.get()) : nullptr;
-  if (on_stream()) {
-    // The stream is idle here (the last run waited for it), so the host inputs are not read by
-    // a copy still in flight when the caller writes them.
-    for (auto& [id, host] : host_inputs_) copy("to_device", host, values_.at(id));
-  }
   for (Step& step : steps_) {
     KernelContext ctx{.inputs = step.in_ptrs, .outputs = step.out_ptrs, .stream = cuda_stream, .async_stream = stream_.get()};
     try {
@@ -238,6 +234,55 @@ const std::vector<Tensor>& Program::run() {
     } catch (const std::exception& e) {
       throw std::runtime_error(fmt::format("{}: {}", step.name, e.what()));
     }
+  }
+}
+
+void Program::capture() {
+  std::string why;
+  try {
+    stream_->begin_capture();
+    try {
+      run_steps();
+    } catch (const std::exception& e) {
+      why = e.what();  // what cannot be captured, or a real error the eager run will meet again
+    }
+    try {
+      graph_ = stream_->end_capture();
+    } catch (const std::exception& e) {
+      if (why.empty()) why = e.what();
+    }
+  } catch (const std::exception& e) {
+    why = e.what();  // the stream cannot capture at all
+  }
+  if (!why.empty()) {
+    graph_.reset();
+    graph_refused_ = why;
+    fmt::print(stderr, "baton: a program on {} runs its kernels ({}) one by one: its capture into a graph failed: {}\n",
+               device_.str(), steps_.size(), why);
+  }
+}
+
+std::string Program::graph_status() const {
+  if (!on_stream()) return "eager";
+  if (!graphs_) return "off";
+  if (graph_) return "captured";
+  if (!graph_refused_.empty()) return "refused: " + graph_refused_;
+  return "waiting";
+}
+
+const std::vector<Tensor>& Program::run() {
+  if (on_stream()) {
+    // The stream is idle here (the last run waited for it), so the host inputs are not read by
+    // a copy still in flight when the caller writes them.
+    for (auto& [id, host] : host_inputs_) copy("to_device", host, values_.at(id));
+  }
+  if (on_stream() && graphs_ && runs_ > 0 && !graph_ && graph_refused_.empty()) capture();
+  ++runs_;
+  if (graph_) {
+    stream_->launch(*graph_);
+    ++graph_launches_;
+  } else {
+    run_steps();
   }
   if (!on_stream()) {
     for (std::size_t i = 0; i < fetch_ids_.size(); ++i) fetched_[i] = values_.at(fetch_ids_[i]);

@@ -6,6 +6,7 @@
 
 #include "baton/kernels/device.h"
 #include "baton/kernels/dtype.h"
+#include "baton/kernels/stream.h"
 
 namespace baton {
 
@@ -65,5 +66,15 @@ Device Device::parse(std::string_view text) {
 }
 
 std::string Device::str() const { return fmt::format("{}:{}", name(type), index); }
+
+void AsyncStream::begin_capture() {
+  throw std::runtime_error(fmt::format("{}: this stream cannot capture its work into a graph", owner()));
+}
+std::unique_ptr<StreamGraph> AsyncStream::end_capture() {
+  throw std::runtime_error(fmt::format("{}: this stream cannot capture its work into a graph", owner()));
+}
+void AsyncStream::launch(StreamGraph&) {
+  throw std::runtime_error(fmt::format("{}: this stream cannot launch a graph", owner()));
+}
 
 }  // namespace baton

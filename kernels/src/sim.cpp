@@ -162,6 +162,10 @@ void Stream::loop() {
 }
 
 void Stream::enqueue(std::function<void()> work) {
+  if (capturing_) {
+    recorded_.push_back(std::move(work));
+    return;
+  }
   State& st = *state_;
   bool wake = false;
   {
@@ -196,7 +200,51 @@ std::optional<double> Stream::elapsed_ms(const StreamEvent& start, const StreamE
   return static_cast<double>(t1 - t0) * 1e-6;
 }
 
+void Stream::refuse_in_capture(const char* what) {
+  if (!capturing_) return;
+  if (capture_broken_.empty()) capture_broken_ = fmt::format("{} during a capture", what);
+  throw std::runtime_error(fmt::format("{}: {} during a capture of its work (it cannot be captured)", owner_, what));
+}
+
+namespace {
+
+struct SimGraph final : StreamGraph {
+  std::shared_ptr<const std::vector<std::function<void()>>> work;
+};
+
+}  // namespace
+
+void Stream::begin_capture() {
+  if (capturing_) throw std::logic_error(owner_ + ": begin_capture during a capture");
+  capturing_ = true;
+  recorded_.clear();
+  capture_broken_.clear();
+}
+
+std::unique_ptr<StreamGraph> Stream::end_capture() {
+  if (!capturing_) throw std::logic_error(owner_ + ": end_capture without begin_capture");
+  capturing_ = false;
+  auto work = std::make_shared<const std::vector<std::function<void()>>>(std::move(recorded_));
+  recorded_.clear();
+  if (!capture_broken_.empty()) {
+    throw std::runtime_error(fmt::format("{}: the capture is invalid: {}", owner_, capture_broken_));
+  }
+  auto g = std::make_unique<SimGraph>();
+  g->work = std::move(work);
+  return g;
+}
+
+void Stream::launch(StreamGraph& g) {
+  auto* sim = dynamic_cast<SimGraph*>(&g);
+  if (sim == nullptr) throw std::invalid_argument(owner_ + ": launch of a graph that is not a sim stream's");
+  refuse_in_capture("a graph's launch");
+  enqueue([work = sim->work] {
+    for (const auto& f : *work) f();
+  });
+}
+
 void Stream::record(StreamEvent& e) {
+  refuse_in_capture("an event's record");
   Event& ev = sim_event(e, owner_);
   if (ev.timing) {
     // A fresh cell per record: a reader of the last one's time never sees this one's.
@@ -213,6 +261,7 @@ void Stream::record(StreamEvent& e) {
 }
 
 void Stream::wait(const StreamEvent& e) {
+  refuse_in_capture("a wait for an event");
   const Event& ev = sim_event(e, owner_);
   if (ev.state == nullptr || ev.state == state_) return;  // never recorded, or our own order
   // As cudaStreamWaitEvent: the event as recorded now, whatever is recorded into it later.
@@ -223,6 +272,7 @@ void Stream::wait(const StreamEvent& e) {
 }
 
 void Stream::when_reached(void (*fn)(void*), void* arg) {
+  refuse_in_capture("a host callback");
   State& st = *state_;
   bool wake = false;
   {
@@ -235,6 +285,7 @@ void Stream::when_reached(void (*fn)(void*), void* arg) {
 }
 
 void Stream::synchronize() {
+  refuse_in_capture("synchronize");
   const std::uint64_t target = state_->enqueued.load(std::memory_order_acquire);
   std::string why = state_->wait_until(target, nullptr);
   if (!why.empty()) throw std::runtime_error(why);

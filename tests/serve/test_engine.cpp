@@ -276,8 +276,11 @@ namespace {
 /// prefilling its prompt of 13 in chunks while the other decodes, fed fixed tokens (not the
 /// program's own choices, so that two devices see the same inputs whatever they compute). The
 /// caches are given at construction, in the device's memory, as baton-serve gives them.
+/// With `graphs`, the program captures its kernels at the second run and launches the graph from
+/// then on; with `swap`, new weights come in before step 8 (set_params), as a --watch swap does.
 std::vector<Tensor> decode_on(const DecodeModel& m, std::shared_ptr<const ParameterStore> params, Device device,
-                              int steps) {
+                              int steps, bool graphs = false, std::shared_ptr<const ParameterStore> swap = nullptr,
+                              std::string* status = nullptr) {
   const StepShape shape{.rows = 6, .slots = 3, .blocks_per_slot = 12, .block_size = 4, .cache_blocks = 40};
   Graph g;
   Value logits = decode_step(g, m, shape);
@@ -298,6 +301,7 @@ std::vector<Tensor> decode_on(const DecodeModel& m, std::shared_ptr<const Parame
   }
   Program p(g, {logits}, params, caches, KernelRegistry::with_builtin_kernels(), device);
   CHECK(p.device() == device);
+  p.use_graphs(graphs);
   auto* table = p.input("block_table").data<std::int32_t>().data();
   for (int i = 0; i < 12; ++i) {
     table[2 * 12 + i] = (i * 17 + 3) % 40;
@@ -308,6 +312,7 @@ std::vector<Tensor> decode_on(const DecodeModel& m, std::shared_ptr<const Parame
   std::size_t fed0 = 0, fed2 = 0;
   std::vector<Tensor> out;
   for (int step = 0; step < steps; ++step) {
+    if (swap && step == 8) p.set_params(swap);
     auto* tokens = p.input("tokens").data<std::int32_t>().data();
     auto* positions = p.input("positions").data<std::int32_t>().data();
     auto* slots = p.input("slots").data<std::int32_t>().data();
@@ -332,7 +337,16 @@ std::vector<Tensor> decode_on(const DecodeModel& m, std::shared_ptr<const Parame
     std::memcpy(copy.raw(), logits_now.raw(), copy.nbytes());
     out.push_back(copy);
   }
+  if (status != nullptr) *status = fmt::format("{} ({} launches)", p.graph_status(), p.graph_launches());
   return out;
+}
+
+bool same_bits(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].nbytes() != b[i].nbytes() || std::memcmp(a[i].raw(), b[i].raw(), a[i].nbytes()) != 0) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -354,6 +368,26 @@ TEST_CASE("Serve.TheDecodeStepOnASimDeviceGivesTheHostsLogitsBitForBit") {
       CAPTURE(i);
       CHECK(std::memcmp(cpu[i].raw(), sim[i].raw(), cpu[i].nbytes()) == 0);
     }
+  }
+}
+
+// The decode step captured into a graph (Program::use_graphs: a CUDA graph on a GPU; on a sim
+// device the recorded closures, replayed with the arguments they were captured with, which is
+// what a CUDA graph does): from the second step on one launch runs every kernel, on the same
+// buffers, and the logits stay the CPU's bit for bit, also across a weight swap (new weights
+// written into the same device memory). A graph replaying stale inputs, or one captured before
+// a kernel's lazy set-up, shows here.
+TEST_CASE("Serve.TheDecodeStepAsAGraphGivesTheSameLogits") {
+  for (auto kind : {DecodeModel::Kind::gpt, DecodeModel::Kind::gpt2, DecodeModel::Kind::llama}) {
+    const DecodeModel m = tiny(kind, DType::f32);
+    CAPTURE(m.name());
+    auto params = weights(m, 3), other = weights(m, 4);
+    const std::vector<Tensor> cpu = decode_on(m, params, Device{}, 16, false, other);
+    std::string status;
+    const std::vector<Tensor> sim = decode_on(m, params, Device::parse("sim:0"), 16, true, other, &status);
+    CHECK(status == "captured (15 launches)");
+    CHECK(same_bits(cpu, sim));
+    CHECK_FALSE(same_bits(cpu, decode_on(m, params, Device{}, 16)));  // the swap changed the logits
   }
 }
 
@@ -404,6 +438,11 @@ TEST_CASE("Serve.TheDecodeStepOnTheGpuGivesTheHostsLogits") {
     auto params = weights(m, 3);
     const std::vector<Tensor> cpu = decode_on(m, params, Device{}, 16);
     const std::vector<Tensor> gpu = decode_on(m, params, Device::parse("cuda:0"), 16);
+    // As a CUDA graph from the second step on: the same kernels on the same buffers, the same bits.
+    std::string status;
+    const std::vector<Tensor> graph = decode_on(m, params, Device::parse("cuda:0"), 16, true, nullptr, &status);
+    CHECK(status == "captured (15 launches)");
+    CHECK(same_bits(gpu, graph));
     double worst = 0, scale = 0;
     for (std::size_t i = 0; i < cpu.size(); ++i) {
       for (std::int64_t j = 0; j < cpu[i].numel(); ++j) {

@@ -42,6 +42,9 @@ void Stream::when_reached(void (*)(void*), void*) { unavailable(owner_); }
 void Stream::synchronize() { unavailable(owner_); }
 std::string Stream::failure() const { return {}; }
 void Stream::bind() const { unavailable(owner_); }
+void Stream::begin_capture() { unavailable(owner_); }
+std::unique_ptr<StreamGraph> Stream::end_capture() { unavailable(owner_); }
+void Stream::launch(StreamGraph&) { unavailable(owner_); }
 
 std::unique_ptr<Allocator> make_device_allocator(Device device) { unavailable("memory on " + device.str()); }
 DeviceMemoryStats device_memory(Device) { return {}; }

@@ -142,6 +142,53 @@ void Stream::when_reached(void (*fn)(void*), void* arg) {
 
 void Stream::synchronize() { BATON_CUDA_CHECK(cudaStreamSynchronize(impl_->stream), owner_); }
 
+namespace {
+
+struct CudaGraph final : StreamGraph {
+  cudaGraphExec_t exec = nullptr;
+  ~CudaGraph() override {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+};
+
+}  // namespace
+
+void Stream::begin_capture() {
+  bind();
+  BATON_CUDA_CHECK(cudaStreamBeginCapture(impl_->stream, cudaStreamCaptureModeThreadLocal), owner_);
+}
+
+std::unique_ptr<StreamGraph> Stream::end_capture() {
+  bind();
+  cudaGraph_t graph = nullptr;
+  const cudaError_t e = cudaStreamEndCapture(impl_->stream, &graph);
+  if (e != cudaSuccess || graph == nullptr) {
+    (void)cudaGetLastError();  // a failed capture's error is not sticky: clear it
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw std::runtime_error(fmt::format("{}: the capture is invalid: {} ({})", owner_, cudaGetErrorName(e),
+                                         cudaGetErrorString(e)));
+  }
+  auto g = std::make_unique<CudaGraph>();
+  const cudaError_t made = cudaGraphInstantiate(&g->exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (made != cudaSuccess) {
+    (void)cudaGetLastError();
+    g->exec = nullptr;
+    throw std::runtime_error(fmt::format("{}: cudaGraphInstantiate failed: {} ({})", owner_, cudaGetErrorName(made),
+                                         cudaGetErrorString(made)));
+  }
+  return g;
+}
+
+void Stream::launch(StreamGraph& g) {
+  auto* graph = dynamic_cast<CudaGraph*>(&g);
+  if (graph == nullptr || graph->exec == nullptr) {
+    throw std::invalid_argument(owner_ + ": launch of a graph that is not a CUDA stream's");
+  }
+  bind();
+  BATON_CUDA_CHECK(cudaGraphLaunch(graph->exec, impl_->stream), owner_);
+}
+
 std::string Stream::failure() const {
   const cudaError_t e = cudaStreamQuery(impl_->stream);
   if (e == cudaSuccess || e == cudaErrorNotReady) return {};

@@ -61,6 +61,21 @@ class Program {
   /// Bytes of the intermediates' buffers (inputs and weights not counted).
   std::size_t buffer_bytes() const { return buffer_bytes_; }
   Device device() const { return device_; }
+  /// On an asynchronous device: capture the steps' kernels into one graph (a CUDA graph; a sim
+  /// stream's recorded work) at the second run, and launch that graph from then on, one launch a
+  /// run instead of one per kernel. The first run is eager, so that kernels make their lazy
+  /// allocations and uploads before the capture; the inputs' copies down and the fetches'
+  /// copies up stay outside the graph (they read and write the host tensors), and new weights
+  /// (set_params) are written into the same device memory, so the graph stays right. Where the
+  /// capture fails (a kernel that synchronises, waits on an event or allocates device memory),
+  /// the program says so once on stderr, graph_status() says why, and it runs its kernels one
+  /// by one as before. No effect on a CPU device. Off by default.
+  void use_graphs(bool on) { graphs_ = on; }
+  /// "off", "eager" (a CPU device), "waiting" (before the capture), "captured", or
+  /// "refused: <why>".
+  std::string graph_status() const;
+  /// Runs that launched the captured graph.
+  std::int64_t graph_launches() const { return graph_launches_; }
   /// An allocator of the program's device's memory (host memory on a CPU or sim device), for
   /// the inputs a caller gives at construction.
   static std::unique_ptr<Allocator> device_allocator(Device device);
@@ -71,6 +86,10 @@ class Program {
   bool on_stream() const { return stream_ != nullptr; }
   /// Runs `op` (to_device / to_host) from `src` into `dst` on the program's stream.
   void copy(const char* op, const Tensor& src, Tensor& dst);
+  /// Each step's kernel, in order (enqueued on a device's stream).
+  void run_steps();
+  /// The second run's capture of run_steps() into graph_ (or graph_refused_ saying why not).
+  void capture();
 
   Graph& g_;
   std::shared_ptr<const ParameterStore> params_;
@@ -86,6 +105,10 @@ class Program {
   std::unique_ptr<Allocator> alloc_;         // device memory (null on a CPU device)
   std::map<int, Tensor> host_inputs_;        // input node -> the host tensor input() returns
   std::map<int, Tensor> device_weights_;     // variable node -> its copy on the device
+  bool graphs_ = false;
+  std::int64_t runs_ = 0, graph_launches_ = 0;
+  std::unique_ptr<StreamGraph> graph_;
+  std::string graph_refused_;
   std::map<std::pair<std::string, DType>, std::unique_ptr<Kernel>> copy_kernels_;  // (op, dtype)
 };
 

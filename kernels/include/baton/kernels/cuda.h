@@ -81,6 +81,13 @@ class Stream final : public AsyncStream {
   bool idle() const override;
   /// Makes this stream's device current on the calling thread (cheap when it already is).
   void bind() const override;
+  /// cudaStreamBeginCapture (thread-local mode: what this thread calls that cannot be captured
+  /// fails and invalidates the capture); end_capture: cudaStreamEndCapture and
+  /// cudaGraphInstantiate, throwing (the capture ended) if the capture was invalidated; launch:
+  /// cudaGraphLaunch on this stream.
+  void begin_capture() override;
+  std::unique_ptr<StreamGraph> end_capture() override;
+  void launch(StreamGraph& g) override;
 
   struct Impl;  // the CUDA handles (kernels/src/cuda/common.h)
   Impl& impl() { return *impl_; }

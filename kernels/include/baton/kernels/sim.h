@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "baton/kernels/kernel.h"
 #include "baton/kernels/stream.h"
@@ -60,6 +61,13 @@ class Stream final : public AsyncStream {
   void synchronize() override;
   std::string failure() const override;
   bool idle() const override;
+  /// Capture as CUDA's: the closures enqueued from begin_capture() on are recorded, not run;
+  /// launch() enqueues them again as one item, with the arguments they were given. A
+  /// synchronize(), an event or a callback during the capture throws and invalidates it (CUDA
+  /// refuses the first outright), so that end_capture() throws. From the owning thread only.
+  void begin_capture() override;
+  std::unique_ptr<StreamGraph> end_capture() override;
+  void launch(StreamGraph& g) override;
 
   /// Work items run (or skipped after a failure) so far. Any thread.
   std::uint64_t executed() const;
@@ -77,6 +85,12 @@ class Stream final : public AsyncStream {
   StreamSettings settings_;
   std::shared_ptr<State> state_;
   std::thread thread_;
+  // The capture in progress (begin_capture): what was recorded, and why it is invalid ("": it is not).
+  bool capturing_ = false;
+  std::vector<std::function<void()>> recorded_;
+  std::string capture_broken_;
+  /// Throws (and invalidates the capture) if one is in progress: `what` cannot be captured.
+  void refuse_in_capture(const char* what);
 };
 
 /// Registers the sim device's own kernels: copy, to_device and to_host for every dtype (a

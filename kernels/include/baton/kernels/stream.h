@@ -15,6 +15,7 @@
 /// waits for nothing.
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "baton/kernels/device.h"
@@ -26,6 +27,14 @@ namespace baton {
 class StreamEvent {
  public:
   virtual ~StreamEvent() = default;
+};
+
+/// A stream's work captured once (AsyncStream::begin_capture / end_capture) and launched again
+/// as a whole: a CUDA graph; on a sim stream, the recorded closures. What it replays is what was
+/// enqueued, with the same arguments and addresses.
+class StreamGraph {
+ public:
+  virtual ~StreamGraph() = default;
 };
 
 /// The in-order work queue of an asynchronous device, as one worker thread of the runtime
@@ -63,6 +72,17 @@ class AsyncStream {
   virtual bool idle() const = 0;
   /// Makes the stream's device current on the calling thread where that means something.
   virtual void bind() const {}
+
+  /// Capture (CUDA's stream capture, cudaGraph_t): from begin_capture() until end_capture(), the
+  /// work enqueued on this stream is recorded, not run. end_capture() returns it as a graph, or
+  /// throws std::runtime_error (the capture ended, nothing recorded kept) where something in it
+  /// cannot be captured: a synchronize(), an event, an allocation of device memory. A kernel
+  /// that throws during a capture must still be followed by end_capture(). launch(g) enqueues
+  /// the graph's work as one item, in the order it was recorded. Streams that cannot capture
+  /// throw from begin_capture().
+  virtual void begin_capture();
+  virtual std::unique_ptr<StreamGraph> end_capture();
+  virtual void launch(StreamGraph& g);
 };
 
 }  // namespace baton
