@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "baton/kernels/ops.h"
+#include "decode_args.h"
 #include "kernel_args.h"
 
 namespace baton {
@@ -49,12 +50,8 @@ class RopeAtKernel final : public Kernel {
     const Tensor& x = need_input(ctx, 0, op, "x");
     const Tensor& pos = need_input(ctx, 1, op, "positions");
     Tensor& y = need_output(ctx, 0, op, "y");
-    check_dtype(pos, DType::i32, op, "positions");
+    detail::check_rope_at(x, pos, y);
     const Shape& s = x.shape();
-    if (s.size() != 3 || s[2] % 2 != 0 || pos.shape() != Shape{s[0]} || y.shape() != s) {
-      throw std::invalid_argument(fmt::format("{}: x {} must be [R, H, D] with D even, positions [R] ({})", op,
-                                              x.describe(), pos.describe()));
-    }
     const std::size_t rows = to_size(s[0]), heads = to_size(s[1]), d = to_size(s[2]), half = d / 2;
     const T* xp = in_data<T>(x, op, "x");
     const auto* pp = static_cast<const std::int32_t*>(pos.raw());
@@ -102,33 +99,12 @@ class RopeAtKernel final : public Kernel {
 template <class T>
 void paged_attention(KernelContext& ctx, double scale_attr) {
   const char* op = "paged_attention";
-  const Tensor& q = need_input(ctx, 0, op, "q");
-  const Tensor& k = need_input(ctx, 1, op, "k");
-  const Tensor& v = need_input(ctx, 2, op, "v");
-  const Tensor& slots = need_input(ctx, 3, op, "slots");
-  const Tensor& positions = need_input(ctx, 4, op, "positions");
-  const Tensor& table = need_input(ctx, 5, op, "block_table");
-  // The caches are written: the op's state, passed as inputs so that several programs (a step's
-  // row counts) share one cache.
-  auto& k_cache = const_cast<Tensor&>(need_input(ctx, 6, op, "k_cache"));
-  auto& v_cache = const_cast<Tensor&>(need_input(ctx, 7, op, "v_cache"));
-  Tensor& o = need_output(ctx, 0, op, "o");
-  for (const auto* t : {&slots, &positions, &table}) check_dtype(*t, DType::i32, op, "an index input");
-  const Shape& qs = q.shape();
-  const Shape& cs = k_cache.shape();
-  const std::int64_t rows = qs.size() == 3 ? qs[0] : -1;
-  if (qs.size() != 3 || cs.size() != 4 || v_cache.shape() != cs || k.shape() != Shape{rows, cs[2], cs[3]} ||
-      v.shape() != k.shape() || qs[2] != cs[3] || qs[1] % cs[2] != 0 || slots.shape() != Shape{rows} ||
-      positions.shape() != Shape{rows} || table.shape().size() != 2 || o.shape() != qs) {
-    throw std::invalid_argument(fmt::format(
-        "{}: q {} must be [R, H, D], k {} and v {} [R, Hkv, D] with H a multiple of Hkv, slots {} and positions {} "
-        "[R], block_table {} [S, M], k_cache {} and v_cache {} [blocks, block_size, Hkv, D]",
-        op, q.describe(), k.describe(), v.describe(), slots.describe(), positions.describe(), table.describe(),
-        k_cache.describe(), v_cache.describe()));
-  }
-  const std::int64_t blocks = cs[0], block_size = cs[1], kv_heads = cs[2], d = cs[3];
-  const std::int64_t heads = qs[1], rep = heads / kv_heads;
-  const std::int64_t n_slots = table.shape()[0], per_slot = table.shape()[1];
+  const detail::PagedAttentionArgs a = detail::paged_attention_args(ctx, scale_attr);
+  const Tensor &q = *a.q, &k = *a.k, &v = *a.v, &slots = *a.slots, &positions = *a.positions, &table = *a.table;
+  Tensor &k_cache = *a.k_cache, &v_cache = *a.v_cache, &o = *a.o;
+  const std::int64_t rows = a.rows, blocks = a.blocks, block_size = a.block_size, kv_heads = a.kv_heads, d = a.d;
+  const std::int64_t heads = a.heads, rep = heads / kv_heads;
+  const std::int64_t n_slots = a.n_slots, per_slot = a.per_slot;
   const T* qp = in_data<T>(q, op, "q");
   const T* kp = in_data<T>(k, op, "k");
   const T* vp = in_data<T>(v, op, "v");
@@ -158,7 +134,7 @@ void paged_attention(KernelContext& ctx, double scale_attr) {
     std::copy_n(kp + to_size(r) * row_kv, row_kv, kc + dst);
     std::copy_n(vp + to_size(r) * row_kv, row_kv, vc + dst);
   }
-  const double scale = scale_attr > 0 ? scale_attr : 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale = a.scale;
   // Per row and head: the scores over its slot's positions block by block (a matrix-vector
   // product of the block's keys, strided by the kv heads, with the query), the softmax, then the
   // values weighted the same way: BLAS's gemv on each block's contiguous positions.
@@ -206,13 +182,8 @@ void paged_attention(KernelContext& ctx, double scale_attr) {
 template <class T>
 void add_for(KernelRegistry& reg) {
   constexpr DType dt = dtype_of<T>();
-  reg.add("rope_at", DeviceType::cpu, dt, [](const KernelConfig& cfg) {
-    const double base = cfg.attrs.get_double("base", 10000.0);
-    if (!(base > 0.0 && std::isfinite(base))) {
-      throw std::invalid_argument(fmt::format("rope_at (actor '{}'): base must be finite and > 0, got {}", cfg.actor, base));
-    }
-    return std::make_unique<RopeAtKernel<T>>(base);
-  });
+  reg.add("rope_at", DeviceType::cpu, dt,
+          [](const KernelConfig& cfg) { return std::make_unique<RopeAtKernel<T>>(detail::rope_at_base(cfg)); });
   reg.add("paged_attention", DeviceType::cpu, dt, [](const KernelConfig& cfg) {
     const double scale = cfg.attrs.get_double("scale", 0.0);
     return kernel_of([scale](KernelContext& c) { paged_attention<T>(c, scale); })(cfg);
@@ -220,6 +191,68 @@ void add_for(KernelRegistry& reg) {
 }
 
 }  // namespace
+
+namespace detail {
+
+double rope_at_base(const KernelConfig& cfg) {
+  const double base = cfg.attrs.get_double("base", 10000.0);
+  if (!(base > 0.0 && std::isfinite(base))) {
+    throw std::invalid_argument(fmt::format("rope_at (actor '{}'): base must be finite and > 0, got {}", cfg.actor, base));
+  }
+  return base;
+}
+
+void check_rope_at(const Tensor& x, const Tensor& positions, const Tensor& y) {
+  const char* op = "rope_at";
+  check_dtype(positions, DType::i32, op, "positions");
+  const Shape& s = x.shape();
+  if (s.size() != 3 || s[2] % 2 != 0 || positions.shape() != Shape{s[0]} || y.shape() != s) {
+    throw std::invalid_argument(fmt::format("{}: x {} must be [R, H, D] with D even, positions [R] ({})", op,
+                                            x.describe(), positions.describe()));
+  }
+}
+
+PagedAttentionArgs paged_attention_args(KernelContext& ctx, double scale_attr) {
+  const char* op = "paged_attention";
+  PagedAttentionArgs a;
+  a.q = &need_input(ctx, 0, op, "q");
+  a.k = &need_input(ctx, 1, op, "k");
+  a.v = &need_input(ctx, 2, op, "v");
+  a.slots = &need_input(ctx, 3, op, "slots");
+  a.positions = &need_input(ctx, 4, op, "positions");
+  a.table = &need_input(ctx, 5, op, "block_table");
+  // The caches are written: the op's state, passed as inputs so that several programs (a step's
+  // row counts) share one cache.
+  a.k_cache = const_cast<Tensor*>(&need_input(ctx, 6, op, "k_cache"));
+  a.v_cache = const_cast<Tensor*>(&need_input(ctx, 7, op, "v_cache"));
+  a.o = &need_output(ctx, 0, op, "o");
+  for (const Tensor* t : {a.slots, a.positions, a.table}) check_dtype(*t, DType::i32, op, "an index input");
+  const Shape& qs = a.q->shape();
+  const Shape& cs = a.k_cache->shape();
+  const std::int64_t rows = qs.size() == 3 ? qs[0] : -1;
+  if (qs.size() != 3 || cs.size() != 4 || a.v_cache->shape() != cs || a.k->shape() != Shape{rows, cs[2], cs[3]} ||
+      a.v->shape() != a.k->shape() || qs[2] != cs[3] || cs[2] == 0 || qs[1] % cs[2] != 0 ||
+      a.slots->shape() != Shape{rows} || a.positions->shape() != Shape{rows} || a.table->shape().size() != 2 ||
+      a.o->shape() != qs) {
+    throw std::invalid_argument(fmt::format(
+        "{}: q {} must be [R, H, D], k {} and v {} [R, Hkv, D] with H a multiple of Hkv, slots {} and positions {} "
+        "[R], block_table {} [S, M], k_cache {} and v_cache {} [blocks, block_size, Hkv, D]",
+        op, a.q->describe(), a.k->describe(), a.v->describe(), a.slots->describe(), a.positions->describe(),
+        a.table->describe(), a.k_cache->describe(), a.v_cache->describe()));
+  }
+  a.rows = rows;
+  a.heads = qs[1];
+  a.blocks = cs[0];
+  a.block_size = cs[1];
+  a.kv_heads = cs[2];
+  a.d = cs[3];
+  a.n_slots = a.table->shape()[0];
+  a.per_slot = a.table->shape()[1];
+  a.scale = scale_attr > 0 ? scale_attr : 1.0 / std::sqrt(static_cast<double>(a.d));
+  return a;
+}
+
+}  // namespace detail
 
 void add_cpu_decode_ops(KernelRegistry& reg) {
   add_for<float>(reg);

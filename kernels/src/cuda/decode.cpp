@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "../decode_args.h"
 #include "../kernel_args.h"
 #include "baton/kernels/kernel.h"
 #include "common.h"
@@ -21,7 +22,6 @@ namespace baton::cuda {
 
 namespace {
 
-using detail::check_dtype;
 using detail::in_data;
 using detail::need_input;
 using detail::need_output;
@@ -40,12 +40,8 @@ class RopeAtKernel final : public Kernel {
     const Tensor& x = need_input(ctx, 0, op, "x");
     const Tensor& pos = need_input(ctx, 1, op, "positions");
     Tensor& y = need_output(ctx, 0, op, "y");
-    check_dtype(pos, DType::i32, op, "positions");
+    baton::detail::check_rope_at(x, pos, y);
     const Shape& s = x.shape();
-    if (s.size() != 3 || s[2] % 2 != 0 || pos.shape() != Shape{s[0]} || y.shape() != s) {
-      throw std::invalid_argument(fmt::format("{}: x {} must be [R, H, D] with D even, positions [R] ({})", op,
-                                              x.describe(), pos.describe()));
-    }
     const long long half = s[2] / 2;
     cudaStream_t stream = stream_of(ctx, op);
     auto* inv = static_cast<float*>(scratch_.get(static_cast<std::size_t>(std::max(half, 1LL)) * sizeof(float), ctx));
@@ -71,44 +67,20 @@ class RopeAtKernel final : public Kernel {
 
 void paged_attention(KernelContext& ctx, double scale_attr) {
   const char* op = "paged_attention";
-  const Tensor& q = need_input(ctx, 0, op, "q");
-  const Tensor& k = need_input(ctx, 1, op, "k");
-  const Tensor& v = need_input(ctx, 2, op, "v");
-  const Tensor& slots = need_input(ctx, 3, op, "slots");
-  const Tensor& positions = need_input(ctx, 4, op, "positions");
-  const Tensor& table = need_input(ctx, 5, op, "block_table");
-  // The caches are written in place: the op's state, passed as inputs (ops_decode.cpp says why).
-  auto& k_cache = const_cast<Tensor&>(need_input(ctx, 6, op, "k_cache"));
-  auto& v_cache = const_cast<Tensor&>(need_input(ctx, 7, op, "v_cache"));
-  Tensor& o = need_output(ctx, 0, op, "o");
-  for (const auto* t : {&slots, &positions, &table}) check_dtype(*t, DType::i32, op, "an index input");
-  const Shape& qs = q.shape();
-  const Shape& cs = k_cache.shape();
-  const std::int64_t rows = qs.size() == 3 ? qs[0] : -1;
-  if (qs.size() != 3 || cs.size() != 4 || v_cache.shape() != cs || k.shape() != Shape{rows, cs[2], cs[3]} ||
-      v.shape() != k.shape() || qs[2] != cs[3] || cs[2] == 0 || qs[1] % cs[2] != 0 || slots.shape() != Shape{rows} ||
-      positions.shape() != Shape{rows} || table.shape().size() != 2 || o.shape() != qs) {
-    throw std::invalid_argument(fmt::format(
-        "{}: q {} must be [R, H, D], k {} and v {} [R, Hkv, D] with H a multiple of Hkv, slots {} and positions {} "
-        "[R], block_table {} [S, M], k_cache {} and v_cache {} [blocks, block_size, Hkv, D]",
-        op, q.describe(), k.describe(), v.describe(), slots.describe(), positions.describe(), table.describe(),
-        k_cache.describe(), v_cache.describe()));
-  }
-  const long long d = cs[3], per_slot = table.shape()[1], block_size = cs[1];
-  const unsigned long shared = launch::paged_attention_shared_bytes(d, per_slot, block_size);
+  const baton::detail::PagedAttentionArgs a = baton::detail::paged_attention_args(ctx, scale_attr);
+  const unsigned long shared = launch::paged_attention_shared_bytes(a.d, a.per_slot, a.block_size);
   // 227 KB is the most a block may opt into on Hopper (and Ampere's A100: 163 KB).
   if (shared > 160 * 1024) {
     throw std::invalid_argument(fmt::format("{}: a slot of {} positions of head size {} needs {} KB of shared memory "
                                             "per block; the CUDA kernel takes at most 160 KB (about 40,000 positions)",
-                                            op, per_slot * block_size, d, shared / 1024));
+                                            op, a.per_slot * a.block_size, a.d, shared / 1024));
   }
-  const double scale = scale_attr > 0 ? scale_attr : 1.0 / std::sqrt(static_cast<double>(d));
-  launched(launch::paged_attention(in_data<float>(q, op, "q"), in_data<float>(k, op, "k"), in_data<float>(v, op, "v"),
-                                   static_cast<const int*>(slots.raw()), static_cast<const int*>(positions.raw()),
-                                   static_cast<const int*>(table.raw()), out_data<float>(k_cache, op, "k_cache"),
-                                   out_data<float>(v_cache, op, "v_cache"), out_data<float>(o, op, "o"), rows, qs[1],
-                                   cs[2], d, table.shape()[0], per_slot, cs[0], block_size, static_cast<float>(scale),
-                                   stream_of(ctx, op)),
+  launched(launch::paged_attention(in_data<float>(*a.q, op, "q"), in_data<float>(*a.k, op, "k"),
+                                   in_data<float>(*a.v, op, "v"), static_cast<const int*>(a.slots->raw()),
+                                   static_cast<const int*>(a.positions->raw()), static_cast<const int*>(a.table->raw()),
+                                   out_data<float>(*a.k_cache, op, "k_cache"), out_data<float>(*a.v_cache, op, "v_cache"),
+                                   out_data<float>(*a.o, op, "o"), a.rows, a.heads, a.kv_heads, a.d, a.n_slots,
+                                   a.per_slot, a.blocks, a.block_size, static_cast<float>(a.scale), stream_of(ctx, op)),
            op, ctx);
 }
 
@@ -116,13 +88,8 @@ void paged_attention(KernelContext& ctx, double scale_attr) {
 
 void add_decode_kernels(KernelRegistry& reg) {
   constexpr auto cuda = DeviceType::cuda;
-  reg.add("rope_at", cuda, DType::f32, [](const KernelConfig& cfg) {
-    const double base = cfg.attrs.get_double("base", 10000.0);
-    if (!(base > 0.0 && std::isfinite(base))) {
-      throw std::invalid_argument(fmt::format("rope_at (actor '{}'): base must be finite and > 0, got {}", cfg.actor, base));
-    }
-    return std::make_unique<RopeAtKernel>(base);
-  });
+  reg.add("rope_at", cuda, DType::f32,
+          [](const KernelConfig& cfg) { return std::make_unique<RopeAtKernel>(baton::detail::rope_at_base(cfg)); });
   reg.add("paged_attention", cuda, DType::f32, [](const KernelConfig& cfg) {
     const double scale = cfg.attrs.get_double("scale", 0.0);
     return kernel_of([scale](KernelContext& c) { paged_attention(c, scale); })(cfg);
