@@ -93,6 +93,11 @@ class Program {
 
   Graph& g_;
   std::shared_ptr<const ParameterStore> params_;
+  Device device_;
+  // Declared before every tensor and kernel of the program: destroyed after them (the tensors'
+  // device memory goes back to alloc_; the stream waits for its work first).
+  std::unique_ptr<AsyncStream> stream_;  // null on a CPU device
+  std::unique_ptr<Allocator> alloc_;     // device memory (null on a CPU or sim device)
   std::vector<bool> needed_;
   std::vector<Step> steps_;
   std::map<int, Tensor> values_;  // node id -> its tensor (inputs, variables, buffers, views)
@@ -100,9 +105,6 @@ class Program {
   std::vector<int> fetch_ids_;
   std::vector<Tensor> fetched_;
   std::size_t buffer_bytes_ = 0;
-  Device device_;
-  std::unique_ptr<AsyncStream> stream_;      // null on a CPU device
-  std::unique_ptr<Allocator> alloc_;         // device memory (null on a CPU device)
   std::map<int, Tensor> host_inputs_;        // input node -> the host tensor input() returns
   std::map<int, Tensor> device_weights_;     // variable node -> its copy on the device
   bool graphs_ = false;
