@@ -83,7 +83,6 @@ class CudaVariable final : public Kernel {
       hand_over(step, s);
     }
   }
-  const Tensor& master() const { return master_; }
   const OptimizerConfig& optimizer() const { return cfg_; }
   std::int64_t total_steps() const { return total_steps_; }
 
@@ -122,11 +121,10 @@ class CudaVariable final : public Kernel {
     float* w = master_.data<float>().data();
     const std::int64_t n = master_.numel();
     if (cfg_.kind == OptimizerConfig::Kind::sgd) {
-      SgdConfig c{cfg_.lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov};
-      cuda::sgd_step(w, g, m_.defined() ? m_.data<float>().data() : nullptr, n, c, step, lr, s, &out);
+      cuda::sgd_step(w, g, m_.defined() ? m_.data<float>().data() : nullptr, n, sgd_config_of(cfg_), step, lr, s, &out);
     } else {
-      AdamConfig c{cfg_.lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, cfg_.kind == OptimizerConfig::Kind::adamw};
-      cuda::adam_step(w, g, m_.data<float>().data(), v_.data<float>().data(), n, c, step, lr, s, &out);
+      cuda::adam_step(w, g, m_.data<float>().data(), v_.data<float>().data(), n, adam_config_of(cfg_), step, lr, s,
+                      &out);
     }
     after_step(step, s);
   }
@@ -184,13 +182,11 @@ class CudaVariableGroup final : public Kernel {
     if (oc.kind == OptimizerConfig::Kind::sgd) {
       sgd_.clear();
       for (std::size_t i = 0; i < n; ++i) sgd_.push_back(members_[i]->sgd_slice(*ctx.inputs[i], *ctx.outputs[i]));
-      cuda::sgd_step_multi(sgd_, SgdConfig{oc.lr, oc.momentum, oc.weight_decay, oc.nesterov}, step, lr, s, f);
+      cuda::sgd_step_multi(sgd_, sgd_config_of(oc), step, lr, s, f);
     } else {
       adam_.clear();
       for (std::size_t i = 0; i < n; ++i) adam_.push_back(members_[i]->adam_slice(*ctx.inputs[i], *ctx.outputs[i]));
-      cuda::adam_step_multi(
-          adam_, AdamConfig{oc.lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.kind == OptimizerConfig::Kind::adamw},
-          step, lr, s, f);
+      cuda::adam_step_multi(adam_, adam_config_of(oc), step, lr, s, f);
     }
     for (CudaVariable* m : members_) m->after_step(step, s);
   }

@@ -11,6 +11,7 @@
 
 #include "baton/graph/compile.h"
 #include "baton/kernels/kernel.h"
+#include "baton/kernels/optim.h"
 
 namespace baton::detail {
 
@@ -20,6 +21,12 @@ struct SnapshotHook {
   std::int64_t every = 0;  // 0: never (replicas other than 0)
   std::function<void(VariableSnapshot)> hand_over;
 };
+
+/// The optimizer's settings as the step functions take them (baton/kernels/optim.h).
+inline SgdConfig sgd_config_of(const OptimizerConfig& o) { return {o.lr, o.momentum, o.weight_decay, o.nesterov}; }
+inline AdamConfig adam_config_of(const OptimizerConfig& o) {
+  return {o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.kind == OptimizerConfig::Kind::adamw};
+}
 
 /// A trained float32 weight on a CUDA device: as lower_variables.cpp's VariableKernel (act 0 emits the
 /// initial value, act k applies step k's summed gradient, scaled by the clipping factor if

@@ -50,26 +50,45 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
     }
     alloc_ = device_allocator(device);
   }
-  // The copies between the host and the device, one kernel per (direction, dtype) used.
-  auto copy_kernel = [&](const char* op, DType dt) {
-    if (!on_stream() || copy_kernels_.contains({op, dt})) return;
-    copy_kernels_[{op, dt}] = kernels.create(op, KernelConfig{.actor = fmt::format("program.{}", op),
-                                                              .device = device,
-                                                              .dtype = dt,
-                                                              .attrs = {}});
-  };
   needed_ = passes::detail::needed_nodes(g, fetches);
-  const std::vector<bool>& need = needed_;
   for (const Value& f : fetches) fetch_ids_.push_back(f.id());
   // Views (reshape) share their input's bytes: a buffer lives until the last reader of any view
   // of it. root[id]: the node whose buffer id's tensor is.
   std::vector<int> root(static_cast<std::size_t>(g.size()), -1);
-  std::vector<std::size_t> last_use(static_cast<std::size_t>(g.size()), 0);
-  constexpr std::size_t forever = std::numeric_limits<std::size_t>::max();
-  std::vector<int> computed;  // node ids that get a step, in order
+  const std::vector<int> computed = place_nodes(inputs, kernels, root);
+  bind(*params_);
+  make_steps(computed, root, kernels);
+  // Views last: their roots' tensors exist now.
   for (int id = 0; id < g.size(); ++id) {
-    if (!need[static_cast<std::size_t>(id)]) continue;
-    const Node& n = g.node(id);
+    if (needed_[static_cast<std::size_t>(id)] && g.node(id).op == "reshape")
+      values_[id] = values_.at(g.node(id).inputs[0]).view(g.node(id).shape);
+  }
+  for (Step& step : steps_) {
+    for (int in : step.inputs) step.in_ptrs.push_back(&values_.at(in));
+    step.out_ptrs.push_back(&values_.at(step.output));
+  }
+  fetched_.resize(fetch_ids_.size());
+  if (on_stream()) {
+    for (std::size_t i = 0; i < fetch_ids_.size(); ++i) {
+      const Node& n = g.node(fetch_ids_[i]);
+      fetched_[i] = Tensor::empty(n.shape, n.dtype);  // host copies, filled by run()
+      add_copy_kernel(kernels, "to_host", n.dtype);
+    }
+  }
+}
+
+void Program::add_copy_kernel(const KernelRegistry& kernels, const char* op, DType dt) {
+  if (!on_stream() || copy_kernels_.contains({op, dt})) return;
+  copy_kernels_[{op, dt}] = kernels.create(
+      op, KernelConfig{.actor = fmt::format("program.{}", op), .device = device_, .dtype = dt, .attrs = {}});
+}
+
+std::vector<int> Program::place_nodes(const std::map<std::string, Tensor>& inputs, const KernelRegistry& kernels,
+                                      std::vector<int>& root) {
+  std::vector<int> computed;
+  for (int id = 0; id < g_.size(); ++id) {
+    if (!needed_[static_cast<std::size_t>(id)]) continue;
+    const Node& n = g_.node(id);
     root[static_cast<std::size_t>(id)] = id;
     if (n.op == "input") {
       if (auto given = inputs.find(n.name); given != inputs.end()) {
@@ -82,29 +101,35 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
         // Written on the host, copied to the device at each run.
         host_inputs_[id] = Tensor::zeros(n.shape, n.dtype);
         values_[id] = empty_on(alloc_.get(), n.shape, n.dtype);
-        copy_kernel("to_device", n.dtype);
+        add_copy_kernel(kernels, "to_device", n.dtype);
       } else {
         values_[id] = Tensor::zeros(n.shape, n.dtype);
       }
       inputs_[n.name] = id;
     } else if (n.op == "variable") {
-      copy_kernel("to_device", n.dtype);  // bound below
+      add_copy_kernel(kernels, "to_device", n.dtype);  // bound by bind()
     } else if (n.op == "reshape") {
       root[static_cast<std::size_t>(id)] = root[static_cast<std::size_t>(n.inputs[0])];
     } else {
       computed.push_back(id);
     }
   }
-  bind(*params_);
+  return computed;
+}
+
+void Program::make_steps(const std::vector<int>& computed, const std::vector<int>& root,
+                         const KernelRegistry& kernels) {
+  std::vector<std::size_t> last_use(static_cast<std::size_t>(g_.size()), 0);
+  constexpr std::size_t forever = std::numeric_limits<std::size_t>::max();
   for (std::size_t s = 0; s < computed.size(); ++s) {
-    for (int in : g.node(computed[s]).inputs) {
+    for (int in : g_.node(computed[s]).inputs) {
       auto& use = last_use[static_cast<std::size_t>(root[static_cast<std::size_t>(in)])];
       use = std::max(use, s + 1);  // step s reads it (1-based, so that 0 is "never read")
     }
   }
   // A view's readers are its root's: a reshape after the last reader of its input extends it.
-  for (int id = 0; id < g.size(); ++id) {
-    if (!need[static_cast<std::size_t>(id)] || g.node(id).op != "reshape") continue;
+  for (int id = 0; id < g_.size(); ++id) {
+    if (!needed_[static_cast<std::size_t>(id)] || g_.node(id).op != "reshape") continue;
     auto& r = last_use[static_cast<std::size_t>(root[static_cast<std::size_t>(id)])];
     r = std::max(r, last_use[static_cast<std::size_t>(id)]);
   }
@@ -124,14 +149,14 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
   };
   for (std::size_t s = 0; s < computed.size(); ++s) {
     const int id = computed[s];
-    const Node& n = g.node(id);
+    const Node& n = g_.node(id);
     Step step;
     step.name = n.name;
     step.inputs = n.inputs;
     step.output = id;
-    const DType dt = passes::detail::kernel_dtype(g, n);
+    const DType dt = passes::detail::kernel_dtype(g_, n);
     try {
-      step.kernel = kernels.create(n.op, KernelConfig{.actor = n.name, .device = device, .dtype = dt, .attrs = n.attrs});
+      step.kernel = kernels.create(n.op, KernelConfig{.actor = n.name, .device = device_, .dtype = dt, .attrs = n.attrs});
     } catch (const std::exception& e) {
       throw GraphError(fmt::format("Program: node '{}' ({}): {}", n.name, n.op, e.what()));
     }
@@ -149,23 +174,6 @@ Program::Program(Graph& g, const std::vector<Value>& fetches, std::shared_ptr<co
     if (last_use[static_cast<std::size_t>(id)] == 0) last_use[static_cast<std::size_t>(id)] = s + 1;  // unread
     steps_.push_back(std::move(step));
     release_after(s);
-  }
-  // Views last: their roots' tensors exist now.
-  for (int id = 0; id < g.size(); ++id) {
-    if (need[static_cast<std::size_t>(id)] && g.node(id).op == "reshape")
-      values_[id] = values_.at(g.node(id).inputs[0]).view(g.node(id).shape);
-  }
-  for (Step& step : steps_) {
-    for (int in : step.inputs) step.in_ptrs.push_back(&values_.at(in));
-    step.out_ptrs.push_back(&values_.at(step.output));
-  }
-  fetched_.resize(fetch_ids_.size());
-  if (on_stream()) {
-    for (std::size_t i = 0; i < fetch_ids_.size(); ++i) {
-      const Node& n = g.node(fetch_ids_[i]);
-      fetched_[i] = Tensor::empty(n.shape, n.dtype);  // host copies, filled by run()
-      copy_kernel("to_host", n.dtype);
-    }
   }
 }
 

@@ -205,12 +205,9 @@ class VariableKernel final : public Kernel {
     const double lr = learning_rate(cfg_, step, total_steps_);
     auto slot = [&](std::vector<T>& s) { return s.empty() ? std::span<T>() : std::span<T>(s).subspan(at, w.size()); };
     if (cfg_.kind == OptimizerConfig::Kind::sgd) {
-      SgdConfig c{cfg_.lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov};
-      sgd_step(w, grad, slot(m_), c, step, lr);
+      sgd_step(w, grad, slot(m_), baton::detail::sgd_config_of(cfg_), step, lr);
     } else {
-      AdamConfig c{cfg_.lr,  cfg_.beta1,        cfg_.beta2,
-                   cfg_.eps, cfg_.weight_decay, cfg_.kind == OptimizerConfig::Kind::adamw};
-      adam_step(w, grad, slot(m_), slot(v_), c, step, lr);
+      adam_step(w, grad, slot(m_), slot(v_), baton::detail::adam_config_of(cfg_), step, lr);
     }
   }
 

@@ -83,6 +83,14 @@ class Program {
  private:
   struct Step;
   void bind(const ParameterStore& params);
+  /// The constructor's parts: each needed node's value (inputs, given or allocated; views'
+  /// roots in `root`) and the ids of the nodes that compute, in order; then their steps, each
+  /// with its kernel and an output buffer reused once its last reader ran.
+  std::vector<int> place_nodes(const std::map<std::string, Tensor>& inputs, const KernelRegistry& kernels,
+                               std::vector<int>& root);
+  void make_steps(const std::vector<int>& computed, const std::vector<int>& root, const KernelRegistry& kernels);
+  /// The copy kernel `op` (to_device / to_host) for `dt`, made once, on an asynchronous device.
+  void add_copy_kernel(const KernelRegistry& kernels, const char* op, DType dt);
   bool on_stream() const { return stream_ != nullptr; }
   /// Runs `op` (to_device / to_host) from `src` into `dst` on the program's stream.
   void copy(const char* op, const Tensor& src, Tensor& dst);
