@@ -9,6 +9,8 @@
 #   scripts/gpu_checks.sh torch   PyTorch alone (bf16, sdpa) at TORCH_BATCHES, for its best batch
 #   scripts/gpu_checks.sh serve   baton-bench-serve on cuda:0: baton-serve continuous and static
 #                                 batching against PyTorch's decode loop on the same GPU (about 4 min)
+#   scripts/gpu_checks.sh graphs  baton alone at batches 2 and 8 (bf16), with the step's CUDA graphs
+#                                 and without (BATON_CUDA_GRAPHS=0): what they buy (about 4 min)
 #   scripts/gpu_checks.sh all     the three in turn
 #   scripts/gpu_checks.sh session the GPU tests, digits and the LLMs on cuda:1, one bf16 benchmark
 #                                 (what fits one lent session of 15 minutes with the start)
@@ -112,18 +114,46 @@ session() {
   check bench-bf16-sdpa 190 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --torch-attention sdpa \
     --attention auto --torch-compile on --batch "${BENCH_BATCH:-32}" --gelu "${BENCH_GELU:-tanh}" ${BENCH_ARGS:-}
   epilogues_refused
+  graphs_refused
+}
+
+# The notes of one kind in the logs (PATTERN, shortened by the sed expression STRIP), counted
+# into the summary under TITLE: the checks pass either way.
+tally() {  # tally TITLE PATTERN STRIP
+  local lines
+  lines=$(grep -h "$2" "$OUT"/*.log 2>/dev/null | sed "$3" | sort | uniq -c | sort -rn | head -n 8)
+  if [ -n "$lines" ]; then
+    { echo "$1:"; echo "$lines"; } | tee -a "$summary"
+  else
+    echo "$1: none" | tee -a "$summary"
+  fi
+}
+
+# The segments that gave their CUDA graphs up (each says so once on stderr, with the capture's
+# error) and ran their kernels one by one.
+graphs_refused() {
+  tally "segments that ran without CUDA graphs" "kernels one by one" 's/^baton: segment .[^ ]* //'
+}
+
+# What the step as CUDA graphs buys where launching dominates: baton alone (no PyTorch) at small
+# batches, with the segments pass (its default) and without (BATON_CUDA_GRAPHS=0), bf16.
+graphs() {
+  local b
+  for b in ${GRAPH_BATCHES:-2 8}; do
+    # shellcheck disable=SC2086
+    check "graphs-on-b$b" 60 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 --attention auto --no-reference \
+      --batch "$b" --gelu tanh ${BENCH_ARGS:-}
+    # shellcheck disable=SC2086
+    BATON_CUDA_GRAPHS=0 check "graphs-off-b$b" 60 "$B/baton-bench-gpu" --device cuda:0 --precision bf16 \
+      --attention auto --no-reference --batch "$b" --gelu tanh ${BENCH_ARGS:-}
+  done
+  graphs_refused
 }
 
 # The cuBLASLt epilogues that ran apart (each kernel says so once on stderr: no algorithm for the
-# shape, or a failure), counted into the summary: the checks pass either way.
+# shape, or a failure).
 epilogues_refused() {
-  local lines
-  lines=$(grep -h "run apart" "$OUT"/*.log 2>/dev/null | sed 's/^baton: [^:]*: //' | sort | uniq -c | sort -rn | head -n 8)
-  if [ -n "$lines" ]; then
-    { echo "epilogues that ran apart:"; echo "$lines"; } | tee -a "$summary"
-  else
-    echo "epilogues that ran apart: none" | tee -a "$summary"
-  fi
+  tally "epilogues that ran apart" "run apart" 's/^baton: [^:]*: //'
 }
 
 # PyTorch alone at several batches (bf16 autocast, fused attention: as a user would run it), to
@@ -156,5 +186,6 @@ case "$what" in
   all) tests; train; bench ;;
   session) session ;;
   serve) serve ;;
-  *) echo "usage: $0 tests|train|bench|torch|all|session|serve" >&2; exit 2 ;;
+  graphs) graphs ;;
+  *) echo "usage: $0 tests|train|bench|torch|all|session|serve|graphs" >&2; exit 2 ;;
 esac

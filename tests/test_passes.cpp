@@ -3,7 +3,9 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -50,7 +52,7 @@ const ActorDesc* find_actor(const Plan& p, const std::string& name) {
 TEST_CASE("Passes.NamesAreThePipelineInOrder") {
   const std::vector<std::string_view> want{"autodiff", "sbp",   "stages",        "recompute", "replicas", "sync",
                                            "lower",    "updates", "epilogues", "tp_collectives", "device_copies",
-                                           "transfers", "nccl_p2p", "lanes", "memory"};
+                                           "transfers", "nccl_p2p", "segments", "lanes", "memory"};
   const auto& got = passes::names();
   REQUIRE(got.size() >= want.size());
   CHECK(std::vector<std::string_view>(
@@ -267,10 +269,11 @@ TEST_CASE("Passes.ThePipelineIsCompileTrainingAndPrintsAfterEachPass") {
   TrainingJob by_hand =
       passes::lower(again.g, d, sh, st, reps, again.cfg, ParameterStore::initialize(again.g));
   const Plan p = passes::memory(
-      passes::lanes(passes::transfers(passes::device_copies(
-                        passes::epilogues(passes::updates(by_hand.plan, by_hand.kernels, again.cfg),
-                                          by_hand.kernels, again.cfg),
-                        by_hand.kernels)),
+      passes::lanes(passes::segments(passes::transfers(passes::device_copies(
+                                         passes::epilogues(passes::updates(by_hand.plan, by_hand.kernels, again.cfg),
+                                                           by_hand.kernels, again.cfg),
+                                         by_hand.kernels)),
+                                     by_hand.kernels, again.cfg),
                     again.cfg),
       again.cfg);
   CHECK(p.to_text() == job.plan.to_text());
@@ -352,4 +355,81 @@ TEST_CASE("Passes.MemoryPlacesEverySlotTheRuntimeAllocatesAndLanesOrderTheOneSta
   }
   CHECK(passes::memory(placed, on) == placed);  // placing again places the same way
   CHECK_NOTHROW(validate(placed, job.kernels));
+}
+
+// The segments pass (passes.h) on a plan written by hand, on sim device 0: a feeds x (a stream
+// actor the pass leaves alone: no pass of training's), which feeds c; b reads only the source. a and b
+// fold into one actor; c may not join them (the segment would wait for x, which waits for it),
+// so it starts a run of its own with d, which ends there because the host reads d's output.
+// The plan runs, and every sink sees every piece's value, so the folded kernels read and wrote
+// the right slots, eagerly and (after the second sight of their slots) as replayed graphs.
+TEST_CASE("Passes.SegmentsFoldRunsThatNeverWaitForThemselves" * doctest::timeout(60)) {
+  const Device sim0{DeviceType::sim, 0};
+  Plan p;
+  auto reg = [&](const char* name) { return p.add_register({.name = name, .shape = {4}, .dtype = f32, .slots = 2}); };
+  const RegisterIndex src = reg("src"), ra = reg("a"), rx = reg("x"), rb = reg("b"), rc = reg("c"), rd = reg("d");
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .outputs = {src}, .pieces = 12});
+  auto op = [&](const char* name, const char* kernel, std::vector<InputPort> in, RegisterIndex out) {
+    p.add_actor({.name = name, .op = kernel, .where = {.device = sim0}, .inputs = std::move(in), .outputs = {out},
+                 .role = ActorRole::forward, .stage = 0});
+  };
+  op("a", "copy", {{src}}, ra);
+  op("x", "copy", {{ra}}, rx);
+  p.actors.back().role = ActorRole::other;
+  op("b", "copy", {{src}}, rb);
+  op("c", "copy", {{rx}}, rc);
+  op("d", "add", {{rc}, {rb}}, rd);
+  std::vector<std::vector<float>> seen;
+  std::mutex m;
+  p.add_actor({.name = "sink", .op = "collect", .inputs = {{rd}}});
+  KernelRegistry kernels = KernelRegistry::with_builtin_kernels();
+  kernels.add_fn("collect", DeviceType::cpu, f32, [&](KernelContext& ctx) {
+    auto v = ctx.inputs[0]->data<float>();
+    std::lock_guard lock(m);
+    seen.emplace_back(v.begin(), v.end());
+  });
+  TrainConfig cfg;
+  const passes::SegmentGraphs before = passes::segment_graphs();
+  const Plan folded = passes::segments(p, kernels, cfg);
+  std::vector<std::string> names;
+  for (const ActorDesc& a : folded.actors) names.push_back(a.name);
+  CAPTURE(folded.to_text());
+  // a and b as one (first in topological order: a), c and d as another; x as it was.
+  CHECK(names == std::vector<std::string>{"src", "segment.a", "x", "segment.c", "sink"});
+  const ActorDesc* ab = find_actor(folded, "segment.a");
+  REQUIRE(ab != nullptr);
+  CHECK(ab->attrs.get_int("members", 0) == 2);
+  CHECK(ab->outputs.size() == 2);  // a's and b's registers, which keep their outside readers
+  const ActorDesc* cd = find_actor(folded, "segment.c");
+  REQUIRE(cd != nullptr);
+  CHECK(cd->attrs.get_int("members", 0) == 2);
+  CHECK(cd->inputs.size() == 2);   // x and b; c's output is d's from within
+  CHECK(find_actor(folded, "c") == nullptr);
+  // Its act's steps, for the memory plan: c (step 0) reads x and writes c; d (step 1) reads b
+  // and c, and writes d.
+  CHECK(cd->steps.input_read == std::vector<std::int32_t>{0, 1});
+  CHECK(cd->steps.output_written == std::vector<std::int32_t>{0, 1});
+  CHECK(cd->steps.output_read == std::vector<std::int32_t>{1, 1});
+  {
+    Plan bad = folded;
+    for (ActorDesc& a : bad.actors) {
+      if (a.name == "segment.c") a.steps.output_read[1] = 0;
+    }
+    CHECK_THROWS_WITH_AS(validate(bad, kernels), doctest::Contains("reads output 1 at step 0 of its act, before step 1"),
+                         PlanError);
+  }
+  // Off: the plan as it was.
+  cfg.cuda_graphs = false;
+  CHECK(passes::segments(p, kernels, cfg) == p);
+  RuntimeSettings rs;
+  rs.stall_timeout = std::chrono::seconds(30);
+  Runtime(folded, kernels, rs).run();
+  // Piece k: a = b = x = c = k, d = c + b = 2k.
+  REQUIRE(seen.size() == 12);
+  for (std::size_t k = 0; k < seen.size(); ++k) {
+    CAPTURE(k);
+    CHECK(seen[k] == std::vector<float>(4, 2.0f * static_cast<float>(k)));
+  }
+  CHECK(passes::segment_graphs().launched > before.launched);
+  CHECK(passes::segment_graphs().refused == before.refused);
 }

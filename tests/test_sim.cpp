@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -656,6 +657,7 @@ struct SimSetup {
   int virtual_stages = 1;
   bool multi_tensor = true;  // TrainConfig::multi_tensor_updates
   std::string collectives = "actors";
+  bool graphs = true;  // TrainConfig::cuda_graphs
 };
 
 struct Trained {
@@ -665,7 +667,21 @@ struct Trained {
   int grouped_weights = 0;     // the weights they write
   int single_variables = 0;    // trained weights stepped by an actor of their own
   int snapshots = 0;           // variable states handed over at checkpoint steps
+  int segments = 0;            // actors running a run of ops as one act (the segments pass)
+  int segment_members = 0;     // the ops they run
+  std::int64_t graph_launches = 0, graph_refusals = 0;  // passes::segment_graphs() during the run
+  std::int64_t registers = 0;  // the plan's register bytes on its busiest device
 };
+
+/// `got` trained as `want`: `steps` losses and every weight, bit for bit.
+void check_trains_as(const Trained& got, const Trained& want, std::size_t steps) {
+  REQUIRE(want.losses.size() == steps);
+  CHECK(got.losses == want.losses);
+  for (const auto& [name, w] : want.weights) {
+    CAPTURE(name);
+    CHECK(w == got.weights.at(name));
+  }
+}
 
 /// The MLP 12-16-16-4 (tp splits its hidden pair Megatron's way) on synthetic data, 8 steps of a
 /// global batch of 32, on `type` devices: place i is device i of that type.
@@ -688,6 +704,7 @@ Trained train_mlp(const SimSetup& s, DeviceType type) {
   cfg.collectives = type == DeviceType::sim ? s.collectives : "actors";  // NCCL's stand-in runs on sim devices
   cfg.virtual_stages = s.virtual_stages;
   cfg.multi_tensor_updates = s.multi_tensor;
+  cfg.cuda_graphs = s.graphs;
   for (int i = 0; i < s.dp * s.pp * s.tp; ++i) {
     cfg.replica_places.push_back(Placement{.device = Device{type, static_cast<std::uint8_t>(i)}});
   }
@@ -706,11 +723,17 @@ Trained train_mlp(const SimSetup& s, DeviceType type) {
       out.grouped_weights += static_cast<int>(a.outputs.size());
     } else if (a.op.starts_with("variable.") && !a.inputs.empty()) {
       ++out.single_variables;
+    } else if (a.name.starts_with("segment.")) {
+      ++out.segments;
+      out.segment_members += static_cast<int>(a.attrs.get_int("members", 0));
     }
   }
   RuntimeSettings rs;
   rs.stall_timeout = 30'000ms;
+  const passes::SegmentGraphs before = passes::segment_graphs();
   Runtime(job.plan, job.kernels, rs).run();
+  out.graph_launches = passes::segment_graphs().launched - before.launched;
+  out.graph_refusals = passes::segment_graphs().refused - before.refused;
   out.losses = job.losses->per_step();
   for (auto& [name, t] : job.params->values()) {
     auto d = t.data<float>();
@@ -806,6 +829,108 @@ TEST_CASE("Sim.Training.ADevicesWeightsStepTogetherAsEachOnItsOwn" * doctest::ti
     // Replica 0's weights hand over their state at steps 3, 6 and 8.
     CHECK(grouped.snapshots == apart.snapshots);
     CHECK(grouped.snapshots > 0);
+  }
+}
+
+// The segments pass (passes.h) runs each device's runs of forward and backward ops as one actor,
+// whose act is captured at the second sight of its slots and launched as one graph from then on
+// (on sim devices the recorded closures, replayed with their captured tensors). The same kernels
+// on the same memory: the losses and weights must be one actor per op's and the CPU's, bit for
+// bit, in every mode. A member that read the wrong tensor, a graph replayed on another piece's
+// slots, a segment that waited for itself or a schedule it broke shows here.
+TEST_CASE("Sim.Training.SegmentsAsGraphsTrainAsOneActorPerOp" * doctest::timeout(300)) {
+  OptimizerConfig clipped = optim::adam(0.01);
+  clipped.clip_norm = 0.05;
+  std::vector<SimSetup> setups = {
+      {},
+      {.microbatches = 4, .opt = clipped},
+      {.dp = 2},
+      {.tp = 2, .collectives = "nccl"},
+      {.tp = 2},
+      {.pp = 2, .schedule = "1f1b", .microbatches = 4},
+      {.pp = 2, .schedule = "interleaved", .microbatches = 4, .virtual_stages = 2},
+      {.pp = 2, .schedule = "zb-h1", .microbatches = 4, .opt = clipped},
+      {.dp = 2, .pp = 2, .microbatches = 2, .threads = 2},
+  };
+  for (SimSetup s : setups) {
+    CAPTURE(s.dp);
+    CAPTURE(s.pp);
+    CAPTURE(s.tp);
+    CAPTURE(s.schedule);
+    CAPTURE(s.collectives);
+    const Trained cpu = train_mlp(s, DeviceType::cpu);
+    const Trained graphs = train_mlp(s, DeviceType::sim);
+    s.graphs = false;
+    const Trained apart = train_mlp(s, DeviceType::sim);
+    CHECK(cpu.segments == 0);
+    CHECK(apart.segments == 0);
+    CHECK(graphs.segments > 0);
+    CHECK(graphs.segment_members >= 2 * graphs.segments);
+    // 8 steps: every segment's slots come round again, so its acts launch graphs.
+    CHECK(graphs.graph_launches > 0);
+    CHECK(graphs.graph_refusals == 0);
+    CHECK(apart.graph_launches == 0);
+    check_trains_as(graphs, cpu, 8);
+    check_trains_as(apart, cpu, 8);
+  }
+}
+
+// The segments pass on a small GPT (fused attention and its saved statistics, layer norms, the
+// tanh GELU's epilogue actors, reshapes read through views, the embedding and its gradient,
+// cross-entropy), with the memory plan's slots shared and written in place: on sim devices,
+// with and without segments, bit for bit the CPU's losses and weights, on one device and as a
+// 2-stage 1F1B pipeline; and the plan's register memory that of one actor per op.
+TEST_CASE("Sim.Training.AGptAsSegmentsTrainsAsOnTheCpu" * doctest::timeout(300)) {
+  auto corpus = std::make_shared<data::TextCorpus>();
+  corpus->vocab.assign(24, static_cast<unsigned char>('x'));
+  std::mt19937 gen(5);
+  for (int i = 0; i < 2048; ++i) corpus->ids.push_back(static_cast<std::int32_t>(gen() % 24));
+  auto train = [&](DeviceType type, int pp, bool graphs) {
+    Graph g(3);
+    models::Outputs out = models::gpt_with_loss(g, 2,  // rows per micro-batch
+                                                {.vocab = 24, .seq = 16, .d_model = 16, .heads = 2, .layers = 2,
+                                                 .attention = models::GptShape::Attention::fused,
+                                                 .gelu = GeluApprox::tanh});
+    TrainConfig cfg;
+    cfg.steps = 4;
+    cfg.microbatches = 2;
+    cfg.pp = pp;
+    cfg.optimizer = optim::adam(3e-3);
+    cfg.cuda_graphs = graphs;
+    cfg.data = {{"text", data::text_source(corpus, 4, 2, 16, 3), {"tokens", "targets"}}};
+    for (int i = 0; i < pp; ++i) cfg.replica_places.push_back(Placement{.device = Device{type, static_cast<std::uint8_t>(i)}});
+    TrainingJob job = compile_training(g, out.loss, cfg);
+    Trained r;
+    for (const ActorDesc& a : job.plan.actors) r.segments += a.name.starts_with("segment.");
+    for (const DeviceMemory& m : memory_report(job.plan)) {
+      if (m.device.type == type) r.registers = std::max(r.registers, m.registers);
+    }
+    RuntimeSettings rs;
+    rs.stall_timeout = 30'000ms;
+    Runtime(job.plan, job.kernels, rs).run();
+    r.losses = job.losses->per_step();
+    for (auto& [name, t] : job.params->values()) {
+      auto d = t.data<float>();
+      r.weights[name] = std::vector<float>(d.begin(), d.end());
+    }
+    return r;
+  };
+  for (int pp : {1, 2}) {
+    CAPTURE(pp);
+    const Trained cpu = train(DeviceType::cpu, pp, true);
+    const Trained graphs = train(DeviceType::sim, pp, true);
+    const Trained apart = train(DeviceType::sim, pp, false);
+    CHECK(cpu.segments == 0);
+    CHECK(graphs.segments >= 2 * pp);  // a forward and a backward run per stage at least
+    CHECK(apart.segments == 0);
+    // The memory pass times each register at its member's kernel (ActorDesc::steps), so the
+    // segments' temporaries share bytes as the actors' did: the same register bytes, but for a
+    // member's in-place write over an earlier member's output, which a segment gives up (a slot
+    // more; none here).
+    CHECK(graphs.registers > 0);
+    CHECK(graphs.registers <= apart.registers + apart.registers / 10);
+    check_trains_as(graphs, cpu, 4);
+    check_trains_as(apart, cpu, 4);
   }
 }
 

@@ -265,6 +265,13 @@ std::string Plan::to_text() const {
       for (const InPlace& p : a.in_place) pairs += fmt::format("{}{}<-{}", pairs.empty() ? "" : ",", p.output, p.input);
       out += fmt::format(" in_place=[{}]", pairs);
     }
+    if (!a.steps.empty()) {
+      std::string outs_steps;
+      for (std::size_t o = 0; o < a.steps.output_written.size() && o < a.steps.output_read.size(); ++o) {
+        outs_steps += fmt::format("{}{}-{}", outs_steps.empty() ? "" : ",", a.steps.output_written[o], a.steps.output_read[o]);
+      }
+      out += fmt::format(" steps=in[{}]out[{}]", fmt::join(a.steps.input_read, ","), outs_steps);
+    }
     if (!a.attrs.values().empty()) {
       out += ' ';
       out += a.attrs.str();

@@ -26,7 +26,28 @@ struct LanePositions {
   /// Lanes with a prefix (ActOrder::lead): their acts' positions are not one period's, so
   /// the lives of their registers are not known (always live: conservative).
   std::set<std::int32_t> led;
+  /// Positions in steps: act position k is steps k * scale ... k * scale + scale - 1, one per
+  /// kernel of an act that runs several in turn (ActSteps); 1 where no act does.
+  std::int64_t scale = 1;
 };
+
+/// The step of `a`'s act that last reads its input register `reg` (0: an act of one step).
+std::int64_t read_step(const ActorDesc& a, RegisterIndex reg) {
+  std::int64_t step = 0;
+  for (std::size_t i = 0; i < a.inputs.size() && i < a.steps.input_read.size(); ++i) {
+    if (a.inputs[i].reg == reg) step = std::max<std::int64_t>(step, a.steps.input_read[i]);
+  }
+  return step;
+}
+
+/// The steps of `a`'s act that write its output register `reg` and last read it within the act.
+std::pair<std::int64_t, std::int64_t> write_steps(const ActorDesc& a, RegisterIndex reg) {
+  for (std::size_t o = 0; o < a.outputs.size(); ++o) {
+    if (a.outputs[o] != reg || o >= a.steps.output_written.size() || o >= a.steps.output_read.size()) continue;
+    return {a.steps.output_written[o], std::max(a.steps.output_written[o], a.steps.output_read[o])};
+  }
+  return {0, 0};
+}
 
 LanePositions lane_positions(const Plan& plan) {
   LanePositions out;
@@ -39,6 +60,9 @@ LanePositions lane_positions(const Plan& plan) {
     if (o.lane < 0) continue;
     if (!o.lead.empty()) out.led.insert(o.lane);
     out.position[i].resize(o.units.size());
+    for (std::int32_t step : plan.actors[i].steps.input_read) out.scale = std::max<std::int64_t>(out.scale, step + 1);
+    for (std::int32_t step : plan.actors[i].steps.output_read) out.scale = std::max<std::int64_t>(out.scale, step + 1);
+    for (std::int32_t step : plan.actors[i].steps.output_written) out.scale = std::max<std::int64_t>(out.scale, step + 1);
     for (std::size_t u = 0; u < o.units.size(); ++u)
       lanes[o.lane].emplace_back(o.units[u], o.rank, i, u);
   }
@@ -76,8 +100,9 @@ bool reader_positions(const Plan& plan, RegisterIndex reg, const ActOrder& write
     for (const InputPort& in : a.inputs) {
       if (in.reg == reg && in.delay != 0) return false;
     }
+    const std::int64_t step = read_step(a, reg);
     for (std::size_t m = 0; m < units; ++m) {
-      const std::int64_t at = lanes.position[c][m];
+      const std::int64_t at = lanes.position[c][m] * lanes.scale + step;
       if (at <= write[m])
         return false;  // read before it is written in the period: not a life we know
       last_read[m] = std::max(last_read[m], at);
@@ -98,8 +123,13 @@ bool piece_spans(const Plan& plan, RegisterIndex r, const LanePositions& lanes,
     return false;
   if (lanes.led.contains(p.order.lane)) return false;
   const auto& wpos = lanes.position[reg.producer];
-  write.assign(wpos.begin(), wpos.end());
-  last_read = write;
+  const auto [written, read] = write_steps(p, r);
+  write.clear();
+  last_read.clear();
+  for (std::int32_t at : wpos) {
+    write.push_back(at * lanes.scale + written);
+    last_read.push_back(at * lanes.scale + read);  // the act's own reads of what it wrote
+  }
   return reader_positions(plan, r, p.order, lanes, write, last_read, 0);
 }
 
@@ -166,7 +196,7 @@ std::vector<std::vector<SlotLife>> slot_lives(const Plan& plan) {
     if (!piece_spans(plan, r, lanes, write, last_read)) continue;
     const ActOrder& o = plan.actors[reg.producer].order;
     const auto units = static_cast<std::int64_t>(o.units.size());
-    const std::int64_t n = lanes.acts.at(o.lane);
+    const std::int64_t n = lanes.acts.at(o.lane) * lanes.scale;
     // Piece p = q * units + m is in slot p % slots; the pattern repeats after lcm(units, slots)
     // pieces. Past the cap, slot j holds micro-batch m in some period iff m = j mod gcd.
     std::int64_t periods = std::lcm(units, slots) / units;

@@ -1185,6 +1185,28 @@ void check_kind(const Plan& plan, const ActorDesc& a, Problems& problem) {
       }
     }
   }
+  if (!a.steps.empty()) {
+    const ActSteps& st = a.steps;
+    const auto bad = [](const std::vector<std::int32_t>& v) {
+      return std::any_of(v.begin(), v.end(), [](std::int32_t s) { return s < 0 || s > 65535; });
+    };
+    if (a.kind != ActorKind::compute) {
+      problem("{} actor '{}' lists steps of its act; only a compute actor's kernel runs several", name(a.kind), a.name);
+    } else if (st.input_read.size() != a.inputs.size() || st.output_written.size() != a.outputs.size() ||
+               st.output_read.size() != a.outputs.size()) {
+      problem("actor '{}' lists steps for {} inputs and {}/{} outputs, but has {} inputs and {} outputs", a.name,
+              st.input_read.size(), st.output_written.size(), st.output_read.size(), a.inputs.size(), a.outputs.size());
+    } else if (bad(st.input_read) || bad(st.output_written) || bad(st.output_read)) {
+      problem("actor '{}' lists a step outside 0..65535", a.name);
+    } else {
+      for (std::size_t o = 0; o < a.outputs.size(); ++o) {
+        if (st.output_read[o] < st.output_written[o]) {
+          problem("actor '{}' reads output {} at step {} of its act, before step {} writes it", a.name, o,
+                  st.output_read[o], st.output_written[o]);
+        }
+      }
+    }
+  }
   if (a.window < -1 || (a.window >= 0 && a.kind != ActorKind::transfer)) {
     problem("{} actor '{}' has window {}; only a transfer moves a window (>= 0), -1 is the whole slot", name(a.kind),
             a.name, a.window);

@@ -547,6 +547,11 @@ Compiled compile_gpt(const models::GptShape& shape, std::int64_t batch, Device d
   if (const char* e = std::getenv("BATON_MULTI_TENSOR"); e != nullptr && std::string_view(e) == "0") {
     cfg.multi_tensor_updates = false;
   }
+  // BATON_CUDA_GRAPHS=0: an actor and a launch per op (the segments pass off), to measure what
+  // the runs of ops as CUDA graphs buy.
+  if (const char* e = std::getenv("BATON_CUDA_GRAPHS"); e != nullptr && std::string_view(e) == "0") {
+    cfg.cuda_graphs = false;
+  }
   if (!params) params = ParameterStore::initialize(*c.graph);
   c.job = compile_training(*c.graph, out.loss, cfg, std::move(params));
   for (const auto& [name, t] : c.job.params->values()) {
@@ -569,6 +574,9 @@ struct BatonResult {
   double job_s = 0;    // the whole run, set-up of the workers included
   double loss = NAN;
   std::int64_t actors = 0;
+  /// The segments' graphs (passes::segment_graphs()) during the run: captured, acts launched
+  /// as one, segments that gave capturing up.
+  std::int64_t graphs_captured = 0, graph_launches = 0, graph_refusals = 0;
   std::map<std::string, double> kernel_s_by_op;
   std::map<std::string, double> device_s_by_op;  // BATON_DEVICE_TIME=1
   /// On a CUDA device, what baton's allocators held at most during the run, and had reserved
@@ -599,6 +607,7 @@ BatonResult run_baton(Compiled& c, Device device, std::int64_t warmup, std::int6
   const bool cuda_device = device.type == DeviceType::cuda;
   if (cuda_device) cuda::reset_peak_device_memory(device);
   Runtime rt(c.job.plan, c.job.kernels, settings);
+  const passes::SegmentGraphs graphs_before = passes::segment_graphs();
   std::exception_ptr failure;
   RunReport report;
   std::atomic<bool> finished{false};
@@ -648,6 +657,10 @@ BatonResult run_baton(Compiled& c, Device device, std::int64_t warmup, std::int6
   auto losses = c.job.losses->per_step();
   if (!losses.empty()) r.loss = losses.back();
   r.actors = static_cast<std::int64_t>(c.job.plan.actors.size());
+  const passes::SegmentGraphs graphs = passes::segment_graphs();
+  r.graphs_captured = graphs.captured - graphs_before.captured;
+  r.graph_launches = graphs.launched - graphs_before.launched;
+  r.graph_refusals = graphs.refused - graphs_before.refused;
   std::map<std::string, std::string> op_of;
   for (const auto& a : c.job.plan.actors) {
     // The optimizer's actors under one name each way: a weight's own ("variable.<weight>") or a
@@ -655,6 +668,7 @@ BatonResult run_baton(Compiled& c, Device device, std::int64_t warmup, std::int6
     std::string op = a.op.empty() ? "(" + a.name + ")" : a.op;
     if (op.starts_with("variables.")) op = "variables (multi-tensor)";
     else if (op.starts_with("variable.")) op = "variable (each weight)";
+    else if (op.starts_with("segment.")) op = "segments (CUDA graphs; BATON_CUDA_GRAPHS=0 for each op)";
     op_of[a.name] = std::move(op);
   }
   for (const auto& a : report.metrics.actors) {
@@ -875,6 +889,9 @@ BatonAt baton_in_child(const Setup& s, std::int64_t batch, std::int64_t steps) {
   b.r.loss = bench::json_number(line, "loss").value_or(NAN);
   b.r.job_s = bench::json_number(line, "job_s").value_or(NAN);
   b.r.actors = static_cast<std::int64_t>(bench::json_number(line, "actors").value_or(0));
+  b.r.graphs_captured = static_cast<std::int64_t>(bench::json_number(line, "graphs_captured").value_or(0));
+  b.r.graph_launches = static_cast<std::int64_t>(bench::json_number(line, "graph_launches").value_or(0));
+  b.r.graph_refusals = static_cast<std::int64_t>(bench::json_number(line, "graph_refusals").value_or(0));
   b.register_bytes = static_cast<std::uint64_t>(bench::json_number(line, "register_bytes").value_or(0));
   b.estimated_bytes = static_cast<std::uint64_t>(bench::json_number(line, "estimated_bytes").value_or(0));
   b.r.device_peak_bytes = static_cast<std::int64_t>(bench::json_number(line, "device_peak_bytes").value_or(0));
@@ -1038,6 +1055,8 @@ CompileAnchor compile_anchor(const Setup& s, const Reference& ref, std::int64_t 
 /// baton's run in a result line: its loss and size, and its memory, planned and measured.
 void add_run_fields(bench::JsonLine& line, const BatonAt& b) {
   line.add("loss", b.r.loss).add("job_s", b.r.job_s).add("actors", b.r.actors);
+  line.add("graphs_captured", b.r.graphs_captured).add("graph_launches", b.r.graph_launches);
+  line.add("graph_refusals", b.r.graph_refusals);
   line.add("register_bytes", b.register_bytes).add("estimated_bytes", b.estimated_bytes);
   if (b.r.device_peak_bytes > 0) {
     // The plan's estimate against what the device's allocators held (the goal: within 10%).

@@ -96,6 +96,7 @@ struct Options {
   bool in_place = true;
   bool epilogues = true;
   bool multi_tensor = true;
+  bool cuda_graphs = true;
   std::string recompute = "none";
   std::string memory_budget;  // bytes, or with a unit: 512MiB, 2GiB, 1.5GB
   std::string trace;
@@ -522,6 +523,7 @@ TrainConfig train_config(const Options& o, const JobEnvironment& env, const Data
   cfg.in_place = o.in_place;
   cfg.fuse_bias_adds = cfg.fuse_bias_gradients = o.epilogues;
   cfg.multi_tensor_updates = o.multi_tensor;
+  cfg.cuda_graphs = o.cuda_graphs;
   cfg.memory_budget = parse_bytes("--memory-budget", o.memory_budget);
   // Every rank compiles the same plan (and refuses a pass it does not know): one prints the IR.
   cfg.print_after = o.print_after;
@@ -1172,6 +1174,10 @@ void add_run_options(CLI::App& app, Options& o) {
                "step each weight on a GPU with its own optimizer launch, instead of all of a device's weights in a "
                "few multi-tensor launches once the device's gradients of the step are in (the same numbers): to "
                "compare speed");
+  app.add_flag("--cuda-graphs,!--no-cuda-graphs", o.cuda_graphs,
+               "run each GPU's runs of forward and backward ops as one actor each, captured into a CUDA graph and "
+               "launched as one (on by default; the same numbers): --no-cuda-graphs keeps an actor and a launch per op, "
+               "to compare speed or to see each op's time");
   app.add_option("--recompute", o.recompute,
                  "activation recomputation: none, selective (the attention scores computed again in the backward pass "
                  "instead of kept) or full (only each block's input kept, the block computed again in its backward)")

@@ -18,7 +18,7 @@ const std::vector<std::string_view>& names() {
   // through host memory, and the copies say which host register the transfer then reads.
   static const std::vector<std::string_view> all{
       "autodiff",  "sbp",     "stages",         "recompute",     "replicas",  "sync",     "lower", "updates",
-      "epilogues", "tp_collectives", "device_copies", "transfers", "nccl_p2p", "lanes", "memory"};
+      "epilogues", "tp_collectives", "device_copies", "transfers", "nccl_p2p", "segments", "lanes", "memory"};
   return all;
 }
 
@@ -169,6 +169,9 @@ TrainingJob run(Graph& g, Value loss, const TrainConfig& cfg,
   job.plan = nccl_p2p(job.plan, job.kernels, cfg);
   print_after(cfg, "nccl_p2p", [&] { return job.plan.to_text(); });
   verify(job, "nccl_p2p", PlanChecks::structure);
+  job.plan = segments(job.plan, job.kernels, cfg);
+  print_after(cfg, "segments", [&] { return job.plan.to_text(); });
+  verify(job, "segments", PlanChecks::structure);
   job.plan = lanes(job.plan, cfg);
   print_after(cfg, "lanes", [&] {
     return job.plan.to_text() +

@@ -1165,6 +1165,10 @@ struct SdpaBackward::Impl {
 
   // Binds the scratch tensors and readies them as the frontend's workspace modifications do.
   void bind_scratch(Bindings& b, char* ws, cudaStream_t stream) const;
+  // The workspace the sequence lengths were last uploaded to: nothing writes them there after,
+  // so they go once per workspace, not every call (a copy from pageable memory cannot be
+  // captured into a CUDA graph, and the segments pass captures this kernel's calls).
+  mutable const char* seq_lens_at = nullptr;
 };
 
 void SdpaBackward::Impl::bind_scratch(Bindings& b, char* ws, cudaStream_t stream) const {
@@ -1180,10 +1184,13 @@ void SdpaBackward::Impl::bind_scratch(Bindings& b, char* ws, cudaStream_t stream
   if (scratch.seq_lens >= 0) {
     b.add(uid::seq_len_q, ws + scratch.seq_lens);
     b.add(uid::seq_len_kv, ws + scratch.seq_lens + scratch.seq_len_stride);
-    // From pageable memory as the frontend does: the driver stages it before returning.
-    BATON_CUDA_CHECK(cudaMemcpyAsync(ws + scratch.seq_lens, seq_lens.data(), seq_lens.size() * sizeof(std::int32_t),
-                                     cudaMemcpyHostToDevice, stream),
-                     who);
+    if (seq_lens_at != ws) {
+      // From pageable memory as the frontend does: the driver stages it before returning.
+      BATON_CUDA_CHECK(cudaMemcpyAsync(ws + scratch.seq_lens, seq_lens.data(), seq_lens.size() * sizeof(std::int32_t),
+                                       cudaMemcpyHostToDevice, stream),
+                       who);
+      seq_lens_at = ws;
+    }
   }
 }
 

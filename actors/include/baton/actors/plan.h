@@ -165,6 +165,22 @@ struct ActOrder {
   friend bool operator==(const ActOrder&, const ActOrder&) = default;
 };
 
+/// The kernels of one act that run one after another on the actor's stream (a segment, the
+/// segments pass of graph/passes.h), for the memory plan: it times each register at the step
+/// (0-based kernel) that uses it rather than at the act, so that what one kernel of the act
+/// leaves behind may share bytes with what a later one writes (plan_memory.h). Empty: the act
+/// is one step.
+struct ActSteps {
+  /// Per input: the last step that reads it.
+  std::vector<std::int32_t> input_read;
+  /// Per output: the step that writes it, and the last step of the act that reads it (the
+  /// same step where no later step does).
+  std::vector<std::int32_t> output_written;
+  std::vector<std::int32_t> output_read;
+  bool empty() const { return input_read.empty() && output_written.empty(); }
+  friend bool operator==(const ActSteps&, const ActSteps&) = default;
+};
+
 struct ActorDesc {
   std::string name;
   ActorKind kind = ActorKind::compute;
@@ -221,6 +237,8 @@ struct ActorDesc {
   std::vector<KeptBytes> kept;
   /// Outputs its kernel may compute in place of an input (InPlace; compute actors only).
   std::vector<InPlace> in_place;
+  /// Where its act runs several kernels in turn (ActSteps; compute actors on a stream only).
+  ActSteps steps;
   friend bool operator==(const ActorDesc&, const ActorDesc&) = default;
 };
 

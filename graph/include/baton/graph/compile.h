@@ -306,6 +306,11 @@ struct TrainConfig {
   /// arithmetic, so the same bits. The weights then step once all of the device's gradients of
   /// the step are in. False: one variable actor per weight (to compare).
   bool multi_tensor_updates = true;
+  /// A device's runs of forward or backward ops as CUDA graphs (the segments pass, passes.h):
+  /// each run one actor, whose act is captured once per pattern of register slots and then
+  /// launched as one graph, instead of an actor and a launch per op. On CUDA and sim devices;
+  /// the same kernels on the same memory, so the same bits. False: one actor per op (to compare).
+  bool cuda_graphs = true;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
   /// backward pass instead of kept; "full": only what crosses each transformer block's boundary

@@ -167,6 +167,20 @@ TrainingJob lower(Graph& g, const Differentiated& d, const Shards& shards, const
 /// sim device (passes/updates.cpp says when, and what it costs); else the plan unchanged.
 Plan updates(const Plan& plan, KernelRegistry& kernels, const TrainConfig& cfg);
 
+/// segments: with TrainConfig::cuda_graphs, each run of forward (or backward) compute actors of
+/// one CUDA or sim device's stream that nothing off the stream waits on in between, as one actor
+/// whose act runs theirs in turn, captured into a CUDA graph and launched as one from the second
+/// time its slots come round (passes/segments.cpp says which actors and where a run ends);
+/// else the plan unchanged. Registers keep their names, slots and outside readers.
+Plan segments(const Plan& plan, KernelRegistry& kernels, const TrainConfig& cfg);
+
+/// What the segments' kernels (segments pass) did in this process so far: graphs captured,
+/// acts launched as a graph, segments that gave capturing up (and ran eagerly).
+struct SegmentGraphs {
+  std::int64_t captured = 0, launched = 0, refused = 0;
+};
+SegmentGraphs segment_graphs();
+
 /// epilogues: with TrainConfig::fuse_bias_gradients, each Linear layer's weight gradient
 /// (matmul(x, dy, trans_a)) and bias gradient (sum_to(dy, [n])) as one matmul_bias_grad actor;
 /// with TrainConfig::fuse_bias_adds, its forward product and bias add (matmul(x, w) + b) as one
