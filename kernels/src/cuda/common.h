@@ -4,6 +4,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -17,6 +18,12 @@ namespace baton::cuda {
 struct Stream::Impl {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
+  // While the owner captures the stream's work (begin_capture .. end_capture), no other thread
+  // may query it: cudaStreamQuery on a capturing stream fails and invalidates the capture. The
+  // runtime's watch polls failure() and idle() from its own thread, so both take this lock and
+  // answer without a query while `capturing`.
+  mutable std::mutex capture_mutex;
+  bool capturing = false;
 };
 
 /// Throws std::runtime_error "<who>: <call> failed: <name> (<code>): <description>".

@@ -134,7 +134,11 @@ void Stream::wait(const StreamEvent& e) {
   BATON_CUDA_CHECK(cudaStreamWaitEvent(impl_->stream, ev.event, 0), owner_);
 }
 
-bool Stream::idle() const { return cudaStreamQuery(impl_->stream) != cudaErrorNotReady; }
+bool Stream::idle() const {
+  std::lock_guard lock(impl_->capture_mutex);
+  if (impl_->capturing) return false;  // the captured work has not run (nor been launched)
+  return cudaStreamQuery(impl_->stream) != cudaErrorNotReady;
+}
 
 void Stream::when_reached(void (*fn)(void*), void* arg) {
   BATON_CUDA_CHECK(cudaLaunchHostFunc(impl_->stream, fn, arg), owner_);
@@ -155,13 +159,20 @@ struct CudaGraph final : StreamGraph {
 
 void Stream::begin_capture() {
   bind();
+  std::lock_guard lock(impl_->capture_mutex);
   BATON_CUDA_CHECK(cudaStreamBeginCapture(impl_->stream, cudaStreamCaptureModeThreadLocal), owner_);
+  impl_->capturing = true;
 }
 
 std::unique_ptr<StreamGraph> Stream::end_capture() {
   bind();
   cudaGraph_t graph = nullptr;
-  const cudaError_t e = cudaStreamEndCapture(impl_->stream, &graph);
+  cudaError_t e = cudaSuccess;
+  {
+    std::lock_guard lock(impl_->capture_mutex);
+    e = cudaStreamEndCapture(impl_->stream, &graph);
+    impl_->capturing = false;
+  }
   if (e != cudaSuccess || graph == nullptr) {
     (void)cudaGetLastError();  // a failed capture's error is not sticky: clear it
     if (graph != nullptr) cudaGraphDestroy(graph);
@@ -190,6 +201,8 @@ void Stream::launch(StreamGraph& g) {
 }
 
 std::string Stream::failure() const {
+  std::lock_guard lock(impl_->capture_mutex);
+  if (impl_->capturing) return {};  // known once the capture has ended
   const cudaError_t e = cudaStreamQuery(impl_->stream);
   if (e == cudaSuccess || e == cudaErrorNotReady) return {};
   return fmt::format("{}: its CUDA work failed: {} ({}): {}", owner_, cudaGetErrorName(e), static_cast<int>(e),
