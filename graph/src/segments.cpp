@@ -33,15 +33,14 @@ constexpr std::size_t max_graphs = 32;
 
 class SegmentKernel final : public Kernel {
  public:
-  SegmentKernel(std::string actor, std::vector<SegmentMember> members, std::vector<std::unique_ptr<Kernel>> kernels,
-                bool graphs)
-      : actor_(std::move(actor)), members_(std::move(members)), kernels_(std::move(kernels)), graphs_(graphs) {}
+  SegmentKernel(std::string actor, std::vector<SegmentMember> members, std::vector<std::unique_ptr<Kernel>> kernels)
+      : actor_(std::move(actor)), members_(std::move(members)), kernels_(std::move(kernels)) {}
 
   void compute(KernelContext& ctx) override {
     AsyncStream* s = ctx.async_stream;
-    if (!graphs_ || s == nullptr || !refusal_.empty()) return run(ctx);
-    std::vector<const void*> key;
-    key.reserve(ctx.inputs.size() + ctx.outputs.size());
+    if (s == nullptr || !refusal_.empty()) return run(ctx);
+    std::vector<const void*>& key = key_;  // reused: no allocation on an act that launches a graph
+    key.clear();
     for (const Tensor* t : ctx.inputs) key.push_back(t == nullptr ? nullptr : t->raw());
     for (const Tensor* t : ctx.outputs) key.push_back(t == nullptr ? nullptr : t->raw());
     if (auto it = captured_.find(key); it != captured_.end()) {
@@ -60,7 +59,7 @@ class SegmentKernel final : public Kernel {
     if (!g) return run(ctx);  // nothing of the failed capture ran
     s->launch(*g);
     ++launched;
-    captured_.emplace(std::move(key), std::move(g));
+    captured_.emplace(key, std::move(g));
   }
 
  private:
@@ -130,7 +129,7 @@ class SegmentKernel final : public Kernel {
   std::string actor_;
   std::vector<SegmentMember> members_;
   std::vector<std::unique_ptr<Kernel>> kernels_;
-  bool graphs_;
+  std::vector<const void*> key_;  // this act's tensors' addresses
   std::vector<Tensor> views_;  // a member's inputs read through views, for the member's act
   std::vector<const Tensor*> in_;
   std::vector<Tensor*> out_;
@@ -141,14 +140,13 @@ class SegmentKernel final : public Kernel {
 
 }  // namespace
 
-KernelFactory segment_kernel(std::shared_ptr<const KernelRegistry> kernels, std::vector<SegmentMember> members,
-                             bool graphs) {
-  return [kernels = std::move(kernels), members = std::move(members), graphs](const KernelConfig& kc) -> std::unique_ptr<Kernel> {
+KernelFactory segment_kernel(std::shared_ptr<const KernelRegistry> kernels, std::vector<SegmentMember> members) {
+  return [kernels = std::move(kernels), members = std::move(members)](const KernelConfig& kc) -> std::unique_ptr<Kernel> {
     std::vector<std::unique_ptr<Kernel>> made;
     for (const SegmentMember& m : members) {
       made.push_back(kernels->create(m.op, KernelConfig{m.actor, kc.device, m.dtype, m.attrs, kc.services}));
     }
-    return std::make_unique<SegmentKernel>(std::string(kc.actor), members, std::move(made), graphs);
+    return std::make_unique<SegmentKernel>(std::string(kc.actor), members, std::move(made));
   };
 }
 

@@ -34,13 +34,12 @@ struct SegmentMember {
 };
 
 /// The segment's kernel: each act runs the members' kernels in order on the actor's stream.
-/// With `graphs` on an asynchronous device, an act whose input and output tensors lie where an
+/// On an asynchronous device, an act whose input and output tensors lie where an
 /// earlier act's lay (the register slots go round with the piece number, so they repeat) is
 /// captured the second time it is seen (the first ran eagerly, so lazy set-ups such as a
 /// kernel's scratch memory or cuBLAS's workspace are done) and launched as that graph from then
 /// on. A capture that fails (a kernel that synchronises or allocates device memory) makes the
 /// segment run eagerly for the rest of the run, said once on stderr.
-KernelFactory segment_kernel(std::shared_ptr<const KernelRegistry> kernels, std::vector<SegmentMember> members,
-                             bool graphs);
+KernelFactory segment_kernel(std::shared_ptr<const KernelRegistry> kernels, std::vector<SegmentMember> members);
 
 }  // namespace baton::detail

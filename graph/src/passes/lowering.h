@@ -77,6 +77,9 @@ constexpr std::uint8_t p2p_first_send_stream = 2;
 constexpr int p2p_send_streams = 10;
 constexpr std::uint8_t p2p_recv_stream = 12;
 
+/// `base`, or "<base>.<k>" for the first k >= 2 not in `taken`; added to `taken`.
+std::string unique_name(std::set<std::string>& taken, const std::string& base);
+
 /// A plan pass's rewrite: the plan without the actors in `drop` and with each entry of
 /// `replace` in place of the actor at its index (several actors in a row where it has
 /// several), less the registers that only the dropped and replaced actors wrote; add_actor

@@ -241,6 +241,13 @@ void PlanBuilder::source_actor(const std::string& name, const std::string& op, D
                   .role = role});
 }
 
+std::string unique_name(std::set<std::string>& taken, const std::string& base) {
+  std::string name = base;
+  for (int k = 2; taken.contains(name); ++k) name = fmt::format("{}.{}", base, k);
+  taken.insert(name);
+  return name;
+}
+
 Plan rebuilt(const Plan& plan, const std::map<ActorIndex, std::vector<ActorDesc>>& replace,
              const std::set<ActorIndex>& drop) {
   Plan out;

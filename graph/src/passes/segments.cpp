@@ -87,16 +87,6 @@ bool read_elsewhere(const Plan& plan, RegisterIndex reg, const Placement& where,
   return false;
 }
 
-/// The producers of what `a` reads now (no delay).
-std::vector<ActorIndex> predecessors(const Plan& plan, ActorIndex a) {
-  std::vector<ActorIndex> out;
-  for (const InputPort& in : plan.actors[a].inputs) {
-    const ActorIndex p = plan.registers[in.reg].producer;
-    if (in.delay == 0 && p != no_actor && p != a) out.push_back(p);
-  }
-  return out;
-}
-
 /// The register whose bytes `reg` are through view actors (a reshape without a copy), or itself.
 RegisterIndex through_views(const Plan& plan, RegisterIndex reg) {
   for (std::size_t depth = 0; depth <= plan.actors.size(); ++depth) {
@@ -107,14 +97,14 @@ RegisterIndex through_views(const Plan& plan, RegisterIndex reg) {
   return reg;
 }
 
-/// What `a` depends on now, looking through views (which only alias: a member reads the bytes
-/// of an earlier member's output through a view inside the segment's act, not through the view
-/// actor).
-std::vector<ActorIndex> computing_predecessors(const Plan& plan, ActorIndex a) {
+/// The producers of what `a` reads now (no delay); with `through_view`, looking through views
+/// (which only alias: a member reads the bytes of an earlier member's output through a view
+/// inside the segment's act, not through the view actor).
+std::vector<ActorIndex> predecessors(const Plan& plan, ActorIndex a, bool through_view = false) {
   std::vector<ActorIndex> out;
   for (const InputPort& in : plan.actors[a].inputs) {
     if (in.delay != 0) continue;
-    const ActorIndex p = plan.registers[through_views(plan, in.reg)].producer;
+    const ActorIndex p = plan.registers[through_view ? through_views(plan, in.reg) : in.reg].producer;
     if (p != no_actor && p != a) out.push_back(p);
   }
   return out;
@@ -189,8 +179,8 @@ std::vector<std::vector<ActorIndex>> find_runs(const Plan& plan, const std::vect
   };
   for (ActorIndex a : order) {
     const ActorDesc& d = plan.actors[a];
-    if (is_view(d)) continue;  // its readers look through it (computing_predecessors)
-    const std::vector<ActorIndex> preds = computing_predecessors(plan, a);
+    if (is_view(d)) continue;  // its readers look through it
+    const std::vector<ActorIndex> preds = predecessors(plan, a, /*through_view=*/true);
     Open* joined = nullptr;
     if (member_ok(plan, d)) {
       Open& o = open[{d.where.rank, d.where.device, d.where.stream}];
@@ -237,9 +227,7 @@ Plan segments(const Plan& plan, KernelRegistry& kernels, const TrainConfig& cfg)
   std::set<ActorIndex> drop;
   for (const std::vector<ActorIndex>& run : runs) {
     const ActorDesc& first = plan.actors[run.front()];
-    std::string name = fmt::format("segment.{}", first.name);
-    for (int k = 2; names.contains(name); ++k) name = fmt::format("segment.{}.{}", first.name, k);
-    names.insert(name);
+    const std::string name = detail::unique_name(names, "segment." + first.name);
     ActorDesc seg{.name = name,
                   .op = name,
                   .dtype = first.dtype,
@@ -304,7 +292,7 @@ Plan segments(const Plan& plan, KernelRegistry& kernels, const TrainConfig& cfg)
             {.output = static_cast<std::uint32_t>(members[j].outputs.at(p.output)), .input = static_cast<std::uint32_t>(src.index)});
       }
     }
-    kernels.add(name, first.where.device.type, first.dtype, baton::detail::segment_kernel(registry, std::move(members), true));
+    kernels.add(name, first.where.device.type, first.dtype, baton::detail::segment_kernel(registry, std::move(members)));
     for (ActorIndex m : run) drop.insert(m);
     drop.erase(run.back());
     replace[run.back()] = {std::move(seg)};

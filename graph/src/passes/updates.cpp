@@ -92,9 +92,8 @@ Plan updates(const Plan& plan, KernelRegistry& kernels, const TrainConfig& cfg) 
   for (const auto& [key, members] : groups) {
     const ActorDesc& first = plan.actors[members.front()];
     const bool clip = std::get<4>(key) != 0;
-    std::string name = fmt::format("variables.r{}.{}", first.where.rank, first.where.device.str());
-    for (int k = 2; names.contains(name); ++k) name = fmt::format("variables.r{}.{}.{}", first.where.rank, first.where.device.str(), k);
-    names.insert(name);
+    const std::string name =
+        detail::unique_name(names, fmt::format("variables.r{}.{}", first.where.rank, first.where.device.str()));
     ActorDesc group{.name = name,
                     .op = name,
                     .dtype = first.dtype,
