@@ -55,6 +55,7 @@
 #include "weights_file.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
+#include "baton/kernels/blas_choice.h"
 #include "baton/kernels/ops.h"
 #include "baton/kernels/data.h"
 #include "models.h"
@@ -534,6 +535,7 @@ void bench_case(const Case& c, const Options& o, const Data& d, const std::vecto
                                   c.gpt.vocab));
   }
   line.add("batch", c.batch).add("steps", steps).add("threads", c.threads).add("blas_threads", c.blas_threads);
+  line.add("blas_kernels", blas::decision().core).add("blas_choice", blas::summary());
   line.add("repeats", runs);
   line.add("step_ms", step_ms);
   line.add("kernel_ms_per_step", kernel_ms);

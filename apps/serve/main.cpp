@@ -34,6 +34,7 @@
 #include "baton/graph/checkpoint.h"
 #include "baton/graph/safetensors.h"
 #include "baton/graph/tokens.h"
+#include "baton/kernels/blas_choice.h"
 #include "baton/kernels/cuda.h"
 #include "baton/kernels/data.h"
 #include "baton/kernels/ops.h"
@@ -539,9 +540,10 @@ int run(const Options& o) {
                                             pp, tp, job->link, l.model, sh.slots, step_timeout);
     };
   }
-  log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching; on {}", l.model.name(),
+  log(fmt::format("{} ({} layers, vocabulary {}, context {}) from {}; text: {}; {} batching; on {}{}", l.model.name(),
                   l.model.layers(), l.model.vocab(), l.model.context(), l.label,
-                  l.codec ? l.codec->describe() : "none (token ids)", o.batching, device.str()));
+                  l.codec ? l.codec->describe() : "none (token ids)", o.batching, device.str(),
+                  device.type == DeviceType::cpu ? "; " + blas::summary() : ""));
   Engine engine(s);
   if (job) job->watch(&engine);
   std::string why;
@@ -576,31 +578,6 @@ int run(const Options& o) {
   }
   log("stopped");
   return 0;
-}
-
-/// Debian's OpenBLAS picks its kernels when it loads, by the CPU's model; on a model it does not
-/// know (a newer one, or a VM that hides it) it falls back to SSE3 ("Prescott") kernels, several
-/// times slower than the AVX2 or AVX-512 ones the CPU runs. Then baton-serve starts itself again
-/// with OPENBLAS_CORETYPE naming the kernels the CPU's flags allow (unless the user chose).
-void choose_blas_kernels(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || blas_core() != "Prescott") return;
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line) && !line.starts_with("flags")) {
-  }
-  auto has = [&](const char* flag) { return (line + " ").find(fmt::format(" {} ", flag)) != std::string::npos; };
-  const char* core = has("avx512f") && has("avx512bw") && has("avx512vl") && has("avx512dq") ? "SkylakeX"
-                     : has("avx2") && has("fma")                                              ? "Haswell"
-                                                                                              : nullptr;
-  if (core == nullptr) return;
-  log(fmt::format("OpenBLAS does not know this CPU and chose its SSE3 kernels; starting again with "
-                  "OPENBLAS_CORETYPE={} (set OPENBLAS_CORETYPE to choose yourself)",
-                  core));
-  ::setenv("OPENBLAS_CORETYPE", core, 1);
-  std::error_code ec;
-  const fs::path self = fs::read_symlink("/proc/self/exe", ec);  // its own name, not "exe", in ps
-  ::execv(ec ? "/proc/self/exe" : self.c_str(), argv);
-  log(fmt::format("could not start again ({}): going on with the SSE3 kernels", std::strerror(errno)));
 }
 
 }  // namespace
@@ -656,7 +633,6 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  choose_blas_kernels(argv);
   try {
     return run(o);
   } catch (const std::exception& e) {

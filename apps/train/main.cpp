@@ -27,6 +27,7 @@
 #include "baton/kernels/ops.h"
 #include "baton/actors.h"
 #include "baton/graph.h"
+#include "baton/kernels/blas_choice.h"
 #include "baton/kernels/cuda.h"
 #include "baton/graph/tokens.h"
 #include "baton/kernels/data.h"
@@ -658,7 +659,7 @@ void print_header(const Options& o, const TrainingJob& job, const JobEnvironment
                   const std::optional<checkpoint::Checkpoint>& resumed, std::int64_t first) {
   std::size_t weights = 0;
   for (auto& [n, t] : job.params->values()) weights += static_cast<std::size_t>(t.numel());
-  fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}{}\n",
+  fmt::print("baton-train: {} on {} | {} weights | {} actors, {} registers | {} steps of {} ({}{} x {}) | {} lr {}{}{}{}\n",
              o.model, o.data, weights, job.plan.actors.size(), job.plan.registers.size(), o.steps, o.batch,
              o.dp > 1 || o.pp > 1 || o.tp > 1 ? fmt::format("dp {}{} x pp {} ({}) x tp {} x ", o.dp,
                                          o.sync == "ps" ? fmt::format(" (ps: {} server{}, staleness {})", o.servers,
@@ -667,7 +668,8 @@ void print_header(const Options& o, const TrainingJob& job, const JobEnvironment
                                          o.pp, o.schedule, o.tp) : "",
              o.microbatches, o.batch / (o.dp * o.microbatches), o.optimizer, o.lr,
              env.distributed() ? fmt::format(" | {} ranks", env.world_size) : "",
-             hierarchy_note(cfg).empty() ? "" : " | all-reduce: " + hierarchy_note(cfg));
+             hierarchy_note(cfg).empty() ? "" : " | all-reduce: " + hierarchy_note(cfg),
+             on_cuda(o) ? "" : " | " + blas::summary());
   if (resumed) fmt::print("baton-train: resuming from {} at step {} of {}\n", resumed->dir.string(), first + 1, o.steps);
   if ((o.model == "gpt" || o.model == "llama" || o.model == "gpt2") && on_cuda(o)) fmt::print("baton-train: {}\n", attention_note(o));
 }

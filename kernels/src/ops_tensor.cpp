@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "baton/kernels/blas_choice.h"
 #include "baton/kernels/ops.h"
 #include "broadcast.h"
 #include "gelu.h"
@@ -738,6 +739,8 @@ void add_ops(KernelRegistry& reg) {
 std::once_flag blas_configured;
 void configure_blas_threads() {
   std::call_once(blas_configured, [] {
+    // Links blas_choice.cpp, whose constructor chose the kernels before main (blas_choice.h).
+    if (blas::linked != 1) std::abort();
     int threads = 1;
     if (const char* env = std::getenv("BATON_BLAS_THREADS"); env != nullptr && *env != '\0') {
       threads = std::max(1, std::atoi(env));
