@@ -15,7 +15,7 @@ class LocalQueue {
 
   void push(const Message& m) {
     if (size_ == ring_.size()) grow();
-    ring_[(head_ + size_) & (ring_.size() - 1)] = m;
+    copy_fields(ring_[(head_ + size_) & (ring_.size() - 1)], m);
     ++size_;
   }
   std::optional<Message> pop() {
