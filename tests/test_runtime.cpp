@@ -1,6 +1,8 @@
 // The runtime's contract: the exact handshake order in deterministic mode, termination in every
 // shape (zero pieces, one, a source that ends early, a kernel that throws), micro-batching with
 // repeat and accumulate, cycles with delays, and the per-actor accounting.
+#include <unistd.h>
+
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -332,6 +334,59 @@ TEST_CASE("Runtime.Cycle.DelayedInputCarriesStateAcrossPieces" * doctest::timeou
   }
 }
 
+// Sampled time accounting (the default, RuntimeSettings::time_sample_hz) against a busy loop
+// of known length: a stage spins 200 us per act for 1,500 acts, 0.3 s of kernel by the wall
+// clock (spin_ns waits on steady_clock, so a preemption inside it does not lengthen it). The
+// sampler books each interval to what the actor was doing when it looked, so its error is a
+// few sampling periods (1 ms) at the edges of the states plus the intervals it lost to being
+// late; 10% of 0.3 s is 30 periods: it holds on a loaded machine and under the sanitizers, and
+// a sampler that booked nothing, booked the wrong state, or counted an interval twice would
+// miss it (by 100%, by the whole kernel share, by double). Exact accounting (time_sample_hz 0),
+// which reads the clock around the kernel, is bounded below by the spin itself.
+TEST_CASE("Runtime.Metrics.SampledTimeIsWithinItsErrorOfAMeasuredBusyLoop" * doctest::timeout(60)) {
+  auto kernels = KernelRegistry::with_builtin_kernels();
+  constexpr std::int64_t acts = 1500;
+  constexpr double spin_s = 200e-6;
+  Plan p;
+  auto a = p.add_register({.name = "a", .shape = {16}, .dtype = f32, .slots = 2});
+  auto b = p.add_register({.name = "b", .shape = {16}, .dtype = f32, .slots = 2});
+  p.add_actor({.name = "src", .kind = ActorKind::source, .op = "fill_piece", .where = {.stream = 0},
+               .outputs = {a}, .pieces = acts});
+  p.add_actor({.name = "spin", .op = "spin_ns", .where = {.stream = 1}, .inputs = {{a}}, .outputs = {b},
+               .attrs = {{"ns", std::int64_t{200'000}}}});
+  p.add_actor({.name = "sink", .op = "noop", .where = {.stream = 0}, .inputs = {{b}}});
+  const double spun = acts * spin_s;
+  SUBCASE("sampled") {
+    Runtime rt(p, kernels, threaded());
+    auto report = rt.run();
+    // Sampling needs a real-time priority for its thread (root, as CI runs; CAP_SYS_NICE); the
+    // run accounts exactly where it cannot have one, and the same bounds hold.
+    if (geteuid() == 0) CHECK(report.time_accounting == "sampled at 1000 Hz");
+    const auto& spin = actor_named(report, "spin");
+    INFO(report.time_accounting, ": kernel_s ", spin.kernel_s, " busy_s ", spin.busy_s, " lifetime ", spin.lifetime_s(), " wall ", report.wall_s);
+    CHECK(spin.kernel_s == doctest::Approx(spun).epsilon(0.10));
+    CHECK(spin.busy_s >= spin.kernel_s);
+    CHECK(spin.busy_s <= report.wall_s * 1.01);
+    // Downstream of the bottleneck the sink waits for it: its starved time is most of its life.
+    const auto& sink = actor_named(report, "sink");
+    CHECK(sink.starved_s > 0.5 * sink.lifetime_s());
+    for (const auto& m : report.metrics.actors) {
+      CHECK(m.lifetime_s() <= report.wall_s * 1.01);
+      CHECK(m.lifetime_s() >= 0.8 * spun);  // every actor lived through the whole run
+    }
+  }
+  SUBCASE("exact") {
+    RuntimeSettings s = threaded();
+    s.time_sample_hz = 0;
+    Runtime rt(p, kernels, s);
+    auto report = rt.run();
+    const auto& spin = actor_named(report, "spin");
+    CHECK(spin.kernel_s >= spun);
+    CHECK(spin.kernel_s <= report.wall_s);
+    CHECK(spin.busy_s >= spin.kernel_s);
+  }
+}
+
 TEST_CASE("Runtime.Metrics.TimeBucketsSumToLifetime" * doctest::timeout(30)) {
   auto kernels = KernelRegistry::with_builtin_kernels();
   Plan p;
@@ -342,7 +397,11 @@ TEST_CASE("Runtime.Metrics.TimeBucketsSumToLifetime" * doctest::timeout(30)) {
   p.add_actor({.name = "slow", .op = "spin_ns", .where = {.stream = 1}, .inputs = {{a}}, .outputs = {b},
                .attrs = {{"ns", std::int64_t{20'000}}}});
   p.add_actor({.name = "sink", .op = "noop", .where = {.stream = 0}, .inputs = {{b}}});
-  Runtime rt(p, kernels, threaded());
+  // Exact accounting (the clock read at every change): the bounds below are exact ones. The
+  // sampled default's error is the test above's.
+  RuntimeSettings exact = threaded();
+  exact.time_sample_hz = 0;
+  Runtime rt(p, kernels, exact);
   auto report = rt.run();
   for (const auto& m : report.metrics.actors) {
     CHECK(m.acts == 2000);

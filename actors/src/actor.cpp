@@ -368,8 +368,10 @@ void Actor::act() {
     out_view_[o] = &out.buffers[out_slot(out)];
   }
   if (!core_.dry_run) {
-    const bool clocked = core_.settings.time_accounting || worker_->holds_messages();
+    const bool sampled = core_.sampled_time.load(std::memory_order_relaxed);
+    const bool clocked = (core_.settings.time_accounting && !sampled) || worker_->holds_messages();
     const std::uint64_t kernel_start = !clocked ? 0 : busy_from != 0 ? busy_from : ticks();
+    if (sampled) counters_.in_kernel.store(true, std::memory_order_relaxed);
     try {
       if (stream_ordered_) {
         // Stream order covers what this stream wrote and read; what other streams did, events.
@@ -412,13 +414,15 @@ void Actor::act() {
       // ends when its stream does.
       if (stream_ != nullptr && !stream_ordered_) stream_->synchronize();
     } catch (const std::exception& e) {
+      if (sampled) counters_.in_kernel.store(false, std::memory_order_relaxed);
       core_.fail(fmt::format("actor '{}' ({} {} on {}) failed at piece {}: {}", desc_.name,
                              baton::name(desc_.kind), desc_.op, id_.str(), k, e.what()));
       return;
     }
+    if (sampled) counters_.in_kernel.store(false, std::memory_order_relaxed);
     if (clocked) {
       const std::uint64_t took = ticks() - kernel_start;
-      if (core_.settings.time_accounting) bump(counters_.kernel_ticks, took);
+      if (core_.settings.time_accounting && !sampled) bump(counters_.kernel_ticks, took);
       brief_ = worker_->brief(took);
     }
   }
@@ -1209,7 +1213,7 @@ void Actor::begin(std::uint64_t start_ticks) {
 std::uint64_t Actor::set_activity(ActorActivity a) {
   if (a == activity_) return 0;
   std::uint64_t now = 0;
-  if (core_.settings.time_accounting) {
+  if (core_.settings.time_accounting && !core_.sampled_time.load(std::memory_order_relaxed)) {  // exact: the sampler books it otherwise
     now = ticks();
     if (activity_ != ActorActivity::retired) bump(counters_.ticks[bucket(activity_)], now - since_);
     since_ = now;
@@ -1218,11 +1222,6 @@ std::uint64_t Actor::set_activity(ActorActivity a) {
   activity_ = a;
   counters_.activity.store(a, std::memory_order_relaxed);
   return now;
-}
-
-void Actor::send(Worker* to, const Message& m) {
-  if (core_.settings.record_handshakes) core_.record(m);
-  worker_->send(to, m);
 }
 
 void Actor::protocol_error(const Message& m, const char* what) {

@@ -489,13 +489,17 @@ struct Bench {
     stages.push_back({"sink", 0});
     auto baton_run = [&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels); };
     auto raw_run = [&](std::int64_t n) { return raw_same_thread_chain(k, n, slots); };
-    // The same chain without time accounting (RuntimeSettings::time_accounting): an act reads
-    // the clock three times for it (busy from, kernel end, busy until), and what a read costs
-    // depends on the machine (a virtual machine's TSC can be slow), so the line shows both.
+    // The same chain without time accounting (RuntimeSettings::time_accounting), and with the
+    // exact accounting (time_sample_hz 0), where an act reads the clock three times (busy from,
+    // kernel end, busy until) and what a read costs depends on the machine (a virtual machine's
+    // TSC can be slow); the default samples (no clock read on the hot path).
     baton::RuntimeSettings untimed;
     untimed.time_accounting = false;
     auto untimed_run = [&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels, untimed); };
-    const auto m = measure({baton_run, raw_run, untimed_run}, 100, 100);
+    baton::RuntimeSettings exact;
+    exact.time_sample_hz = 0;
+    auto exact_run = [&](std::int64_t n) { return run_baton(chain_plan(stages, n, slots), kernels, exact); };
+    const auto m = measure({baton_run, raw_run, untimed_run, exact_run}, 100, 100);
     const Measured& stats = m[0];
     const Measured& ref = m[1];
     const std::int64_t pieces = stats.pieces;
@@ -504,6 +508,7 @@ struct Bench {
     const double ns = stats.best.wall_s * 1e9 / (static_cast<double>(pieces) * hops);
     const double ref_ns = ref.best.wall_s * 1e9 / (static_cast<double>(ref_pieces) * hops);
     const double untimed_ns = m[2].best.wall_s * 1e9 / (static_cast<double>(m[2].pieces) * hops);
+    const double exact_ns = m[3].best.wall_s * 1e9 / (static_cast<double>(m[3].pieces) * hops);
     JsonLine("same_thread_hop")
         .add("value", ns)
         .add("unit", "ns/hop")
@@ -524,12 +529,13 @@ struct Bench {
         .add("parks", stats.best.parks)
         .add("reference_pieces", ref_pieces)
         .add("without_time_accounting", untimed_ns)
+        .add("exact_time_accounting", exact_ns)
         .add("clock_read_ns", clock_read_ns())
         .print();
     fmt::print(stderr,
                "same_thread_hop: {:.1f} ns/hop over {} pieces (raw LocalQueue chain {:.1f} ns/hop); without time "
-               "accounting {:.1f} ns/hop; one read of baton::ticks() {:.1f} ns\n",
-               ns, pieces, ref_ns, untimed_ns, clock_read_ns());
+               "accounting {:.1f} ns/hop, with exact accounting {:.1f}; one read of baton::ticks() {:.1f} ns\n",
+               ns, pieces, ref_ns, untimed_ns, exact_ns, clock_read_ns());
   }
 
   void cross_thread_stream(int slots) const {

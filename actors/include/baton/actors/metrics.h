@@ -91,6 +91,10 @@ struct RunReport {
   /// What idle workers did (RuntimeSettings::idle_polling) and why: "busy-polling: 2 workers x 2
   /// ranks on this host < 16 cores", "parking: ...".
   std::string idle_polling;
+  /// How the actors' times were measured (RuntimeSettings::time_sample_hz): "sampled at N Hz",
+  /// "exact" (asked for, or the sampler could not run at a real-time priority: then says so),
+  /// or "off".
+  std::string time_accounting;
   /// run_job: what the data plane set in UCX's configuration and why ("TLS=^cma,tcp,
   /// RNDV_THRESH=1048576 (every rank on this host)"); empty for a job of one rank.
   std::string data_plane;

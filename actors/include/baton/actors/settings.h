@@ -112,8 +112,17 @@ struct RuntimeSettings {
   std::chrono::milliseconds stall_timeout{60'000};
   /// Deterministic mode only: log every message sent (see Runtime::handshakes()).
   bool record_handshakes = false;
-  /// Per-actor busy / starved / back-pressured time (two TSC reads per act).
+  /// Per-actor busy / starved / back-pressured / transferring time and the part of busy in the
+  /// kernel (ActorMetrics). Sampled by default, as a sampling profiler does: each actor only
+  /// publishes what it is doing (a relaxed store it makes anyway, and a flag around its kernel),
+  /// and a sampler thread books the time since its last look to what each actor was doing then,
+  /// time_sample_hz times a second (docs/observing.md says how accurate that is).
   bool time_accounting = true;
+  /// Samples a second (at most: the sampler waits at least 50 times as long as a look at every
+  /// actor took, so that it never takes more than 2% of a core). 0: exact accounting instead,
+  /// which reads the clock at every change of activity and around every kernel (two to four
+  /// TSC reads per act, 10-25 ns each, more in a virtual machine).
+  int time_sample_hz = 1000;
   /// Measure each device's register memory in use over the run (RunReport::memory): a slot is
   /// in use from the act that writes it until the last of its readers has finished reading it
   /// (a view's or a weight repeat's readers count as the input's). Two atomic adds per piece and
