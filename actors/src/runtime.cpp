@@ -1667,6 +1667,70 @@ void Runtime::release_hold(std::uint32_t rank) {
 
 Runtime::~Runtime() = default;
 
+namespace {
+
+/// Threaded mode: starts the workers and watches the run until every actor has retired, the run
+/// failed, or it stalled (no act within stall_timeout), a stream failed or a peer's error went
+/// unexplained for too long; then stops the workers and fails the run with the reason.
+void run_threaded(detail::Core& core) {
+  for (auto& w : core.workers) w->start_thread();
+  for (auto& a : core.actors) {
+    if (a) a->worker()->post(Message{a->id(), a->id(), 0, 0, 0, MsgKind::start, 0});
+  }
+  std::uint64_t last_progress = ~std::uint64_t{0};
+  auto last_change = std::chrono::steady_clock::now();
+  bool stalled = false;
+  // A stream whose work failed (a CUDA device fault) never runs its when_reached callbacks,
+  // so its actors' requests and acks never come: without this check the job would wait for
+  // the stall timeout (or, with none, forever) and then not say why.
+  std::string device_error;
+  std::pair<Device, std::uint8_t> failed_stream;
+  std::string peer_failure;
+  std::unique_lock lock(core.mutex);
+  while (!core.done && !core.failed()) {
+    core.cv.wait_for(lock, std::chrono::milliseconds(50));
+    if (core.done || core.failed()) continue;
+    if (!core.peer_errors.empty()) {
+      peer_failure = core.overdue_peer_error();
+      if (!peer_failure.empty()) break;
+    }
+    for (const auto& [where, stream] : core.streams) {
+      device_error = stream->failure();
+      if (!device_error.empty()) {
+        failed_stream = where;
+        break;
+      }
+    }
+    if (!device_error.empty()) break;
+    if (core.settings.stall_timeout.count() <= 0) continue;
+    std::uint64_t progress = static_cast<std::uint64_t>(core.retired.load());
+    for (const auto& a : core.actors) {
+      if (a) progress += a->counters().acts.load(std::memory_order_relaxed);
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (progress != last_progress) {
+      last_progress = progress;
+      last_change = now;
+    } else if (now - last_change > core.settings.stall_timeout) {
+      stalled = true;
+      break;
+    }
+  }
+  lock.unlock();
+  for (auto& w : core.workers) w->close();
+  for (auto& w : core.workers) w->join();
+  if (!peer_failure.empty()) core.fail(peer_failure);
+  if (stalled) {
+    core.fail(fmt::format("no actor acted for {} ms (stall timeout); unfinished actors:{}",
+                          core.settings.stall_timeout.count(), core.describe_stuck()));
+  }
+  if (!device_error.empty()) {
+    core.fail(core.describe_stream_failure(failed_stream, device_error));
+  }
+}
+
+}  // namespace
+
 RunReport Runtime::run() {
   auto& core = *impl_;
   if (core.ran) throw std::logic_error("Runtime::run() called twice; make a new Runtime");
@@ -1693,60 +1757,7 @@ RunReport Runtime::run() {
       core.fail("the run stopped with actors unfinished (deadlock):" + core.describe_stuck());
     }
   } else {
-    for (auto& w : core.workers) w->start_thread();
-    for (auto& a : core.actors) {
-      if (a) a->worker()->post(Message{a->id(), a->id(), 0, 0, 0, MsgKind::start, 0});
-    }
-    std::uint64_t last_progress = ~std::uint64_t{0};
-    auto last_change = std::chrono::steady_clock::now();
-    bool stalled = false;
-    // A stream whose work failed (a CUDA device fault) never runs its when_reached callbacks,
-    // so its actors' requests and acks never come: without this check the job would wait for
-    // the stall timeout (or, with none, forever) and then not say why.
-    std::string device_error;
-    std::pair<Device, std::uint8_t> failed_stream;
-    std::string peer_failure;
-    std::unique_lock lock(core.mutex);
-    while (!core.done && !core.failed()) {
-      core.cv.wait_for(lock, std::chrono::milliseconds(50));
-      if (core.done || core.failed()) continue;
-      if (!core.peer_errors.empty()) {
-        peer_failure = core.overdue_peer_error();
-        if (!peer_failure.empty()) break;
-      }
-      for (const auto& [where, stream] : core.streams) {
-        device_error = stream->failure();
-        if (!device_error.empty()) {
-          failed_stream = where;
-          break;
-        }
-      }
-      if (!device_error.empty()) break;
-      if (core.settings.stall_timeout.count() <= 0) continue;
-      std::uint64_t progress = static_cast<std::uint64_t>(core.retired.load());
-      for (const auto& a : core.actors) {
-        if (a) progress += a->counters().acts.load(std::memory_order_relaxed);
-      }
-      auto now = std::chrono::steady_clock::now();
-      if (progress != last_progress) {
-        last_progress = progress;
-        last_change = now;
-      } else if (now - last_change > core.settings.stall_timeout) {
-        stalled = true;
-        break;
-      }
-    }
-    lock.unlock();
-    for (auto& w : core.workers) w->close();
-    for (auto& w : core.workers) w->join();
-    if (!peer_failure.empty()) core.fail(peer_failure);
-    if (stalled) {
-      core.fail(fmt::format("no actor acted for {} ms (stall timeout); unfinished actors:{}",
-                            core.settings.stall_timeout.count(), core.describe_stuck()));
-    }
-    if (!device_error.empty()) {
-      core.fail(core.describe_stream_failure(failed_stream, device_error));
-    }
+    run_threaded(core);
   }
   core.stop_sampler();  // every worker has stopped: the actors' last activities are final
   if (!core.failed() && !core.streams.empty()) {
