@@ -757,11 +757,6 @@ void set_blas_threads(int threads) {
   openblas_set_num_threads(threads);
 }
 
-std::string blas_core() {
-  const char* name = openblas_get_corename();
-  return name != nullptr ? name : "";
-}
-
 int blas_threads() {
   configure_blas_threads();
   return openblas_get_num_threads();

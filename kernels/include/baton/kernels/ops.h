@@ -126,10 +126,8 @@ void add_cpu_tensor_ops(KernelRegistry& reg);
 /// other actors; more pays where the plan leaves cores idle (one device, one micro-batch).
 void set_blas_threads(int threads);
 int blas_threads();
-/// The kernels OpenBLAS chose for this CPU ("Haswell", "SkylakeX", "Zen", "Prescott", ...; its
-/// OPENBLAS_CORETYPE names). "Prescott" on a CPU with AVX2 means it did not know the CPU (a newer
-/// model, or a VM hiding it) and fell back to SSE3 kernels, several times slower.
-std::string blas_core();
+// Which OpenBLAS kernels run, and why: baton/kernels/blas_choice.h.
+
 /// Registers the neural-network ops above (the fused ones included) for cpu/f32 and cpu/f64.
 void add_cpu_nn_ops(KernelRegistry& reg);
 /// Registers attention and attention_grad for cpu/f32 and cpu/f64 (add_cpu_nn_ops calls it).
