@@ -208,18 +208,36 @@ fuzz() {
     log "building the fuzz targets: $(echo $targets)"
     cmake --build "$build_dir" -j "$jobs" --target $(for t in $targets; do printf 'fuzz-%s ' "$t"; done) >&2
     mkdir -p "$build_dir/artifacts"
-    for t in $targets; do
+    # The targets run $jobs at a time: each is one process on one core for its full time (a
+    # libFuzzer run without -jobs/-workers is single-threaded), so two on 2 cores fuzz as long as
+    # one after the other did, in half the wall time.
+    fuzz_one() {
+      local t="$1"
       mkdir -p "$build_dir/corpus/$t"
-      log "fuzzing $t for ${seconds}s"
       if ! UCX_MEM_EVENTS=no "$build_dir/bin/fuzz-$t" -max_total_time="$seconds" -max_len=65536 -timeout=20 \
           -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$build_dir/artifacts/$t-" \
           "$build_dir/corpus/$t" "fuzz/corpus/$t" >"$build_dir/fuzz-$t.log" 2>&1; then
         tail -n 60 "$build_dir/fuzz-$t.log" >&2
         log "fuzz-$t found a problem; the input is in $build_dir/artifacts/ (rerun: $build_dir/bin/fuzz-$t FILE)"
-        exit 1
+        return 1
       fi
-      grep -E '^stat::number_of_executed_units|^Done' "$build_dir/fuzz-$t.log" | tail -n 1 >&2 || true
+      log "fuzz-$t: $(grep -E '^stat::number_of_executed_units|^Done' "$build_dir/fuzz-$t.log" | tail -n 1)"
+    }
+    local running=0 failed=0
+    for t in $targets; do
+      if ((running >= jobs)); then
+        wait -n || failed=1
+        running=$((running - 1))
+      fi
+      log "fuzzing $t for ${seconds}s"
+      fuzz_one "$t" &
+      running=$((running + 1))
     done
+    while ((running > 0)); do
+      wait -n || failed=1
+      running=$((running - 1))
+    done
+    ((failed == 0)) || exit 1
   )
 }
 
