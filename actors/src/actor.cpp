@@ -268,9 +268,10 @@ Actor::Block Actor::next_block() const {
 Actor::Block Actor::next_block_of_stream() const {
   if (held_ >= 0) return Block::turn;  // a rank coming back (on_hold_for_rejoin)
   // A dry run (validation) treats sources as endless: it asks whether the plan keeps going.
-  // A source nobody reads cannot hold anything up, so it sits the dry run out.
+  // A source nobody reads cannot hold anything up, so it sits the dry run out. A simulation
+  // (simulate.h) emits the real pieces.
   if (desc_.kind == ActorKind::source) {
-    if (core_.dry_run ? outputs_read_ == 0 : acts_ >= desc_.pieces) return Block::finish;
+    if (core_.dry_run && !core_.simulated ? outputs_read_ == 0 : acts_ >= desc_.pieces) return Block::finish;
   }
   if (core_.dry_run && core_.dry_enough(index_, acts_)) return Block::enough;
   bool starved = false;

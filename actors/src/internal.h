@@ -15,6 +15,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "baton/actors/activity.h"
@@ -454,6 +455,12 @@ class Worker {
   }
   std::uint64_t messages_to_other_ranks() const { return messages_to_other_ranks_; }
   std::uint64_t link_messages() const { return link_messages_; }
+  /// A simulation (simulate.h): dispatches `m` and moves what the dispatch sent to this
+  /// worker's own actors (the whole plan's, one worker) into `sent`, in order.
+  void dispatch_simulated(const Message& m, std::vector<Message>& sent) {
+    dispatch(m);
+    while (auto next = local_.pop()) sent.push_back(*next);
+  }
   /// Threaded mode: loops until closed.
   void run();
   /// Deterministic mode: processes messages until none is left (or the run failed).
@@ -612,6 +619,16 @@ struct Core : transport::LinkHandler {
   bool dry_after(ActorIndex actor) const { return !dry_after_end.empty() && dry_after_end[actor]; }
   void count_dry_act(ActorIndex actor, std::int64_t acts_so_far);
   void count_dry_reached();
+  /// A simulation (simulate.h): a dry run on a virtual clock. Sources emit their real piece
+  /// counts, each dispatch runs at most one act (dry_spent is set from the start, so an actor
+  /// stops after each act and simulate() asks it again when the act has ended), and an act of
+  /// actor a moves sim_now on by (*sim_seconds)[a].
+  bool simulated = false;
+  const std::vector<double>* sim_seconds = nullptr;
+  double sim_now = 0;
+  /// The actor whose act the last dispatch ran (no_actor: none), and every act, if recorded.
+  ActorIndex sim_acted = no_actor;
+  std::vector<std::tuple<ActorIndex, std::int64_t, double, double>>* sim_acts = nullptr;
 
   Plan plan;
   const KernelRegistry* kernels;  // null in a dry run

@@ -625,7 +625,9 @@ void Core::instantiate() {
     actors[i]->set_lane(&lane);
   }
   for (auto& [id, lane] : lanes) lane.start();
-  if (dry_run) {
+  if (simulated) {
+    dry_spent = true;  // one act per dispatch (see simulated)
+  } else if (dry_run) {
     // Every act that a deadlocking part of a plan can make before it stops is paid for by a
     // token: a free slot or a delayed (initial) piece.
     std::int64_t tokens = 0;
@@ -997,6 +999,13 @@ void Core::on_retired() {
 }
 
 void Core::count_dry_act(ActorIndex actor, std::int64_t acts_so_far) {
+  if (simulated) {
+    const double start = sim_now;
+    sim_now += (*sim_seconds)[actor];
+    sim_acted = actor;
+    if (sim_acts != nullptr) sim_acts->emplace_back(actor, acts_so_far - 1, start, sim_now);
+    return;
+  }
   if (acts_so_far == dry_target_of(actor)) count_dry_reached();
   if (++dry_acts >= dry_budget) dry_spent = true;
 }
