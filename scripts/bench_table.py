@@ -34,6 +34,15 @@ EXTRA_COLUMNS = {
         ("TPOT p99 vs PyTorch", "tpot_p99_vs_torch", True),
         ("Continuous vs static", "vs_static_tokens_per_s", True),
     ],
+    # baton-bench-plan: baton-plan's predicted step time against the same layout trained here, and
+    # per model the worst error, Kendall's tau and the pick (apps/bench/bench_plan.cpp).
+    "plan": [
+        ("Predicted (s)", "predicted_s", False),
+        ("Measured (s)", "measured_s", False),
+        ("Worst error %", "worst_error_pct", False),
+        ("Kendall tau", "kendall_tau", False),
+        ("Pick / best", "pick_over_best", False),
+    ],
     # baton-bench-gpu: MFU, and PyTorch under torch.compile (the higher anchor) where it ran.
     "gpu": [
         ("MFU", "mfu", False),

@@ -1,0 +1,702 @@
+// baton-plan's engine (planner.h): compile, cost, simulate.
+#include "planner.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <thread>
+
+#include "baton/actors/runtime.h"
+#include "baton/graph.h"
+#include "baton/graph/schedule.h"
+#include "models.h"
+
+namespace baton::planner {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// ----------------------------------------------------------------------------------------------
+// The layout's model and training plan, as baton-train builds them.
+
+bool is_lm(const Layout& l) { return l.model != "mlp"; }
+
+std::int64_t micro_batch_of(const Layout& l) { return l.micro_batch > 0 ? l.micro_batch : l.global_batch / l.dp; }
+
+models::LlamaShape llama_shape(const Layout& l, models::GptShape::Attention attention) {
+  models::LlamaShape s{.vocab = l.vocab, .seq = l.seq, .d_model = l.d_model, .heads = l.heads,
+                       .kv_heads = l.kv_heads == 0 ? l.heads : l.kv_heads, .layers = l.layers, .tp = l.tp,
+                       .attention = attention};
+  s.ffn_hidden = l.ffn_hidden != 0 ? l.ffn_hidden : (8 * l.d_model / 3 + 31) / 32 * 32;
+  return s;
+}
+
+// Synthetic micro-batches of the model's inputs: what they hold costs nothing to the plan.
+KernelFactory synthetic_source(std::int64_t modulus) {
+  return kernel_of([modulus](KernelContext& c) {
+    for (Tensor* out : c.outputs) {
+      if (out->dtype() == DType::i32) {
+        auto d = out->data<std::int32_t>();
+        for (std::size_t i = 0; i < d.size(); ++i) d[i] = static_cast<std::int32_t>((i * 7919 + static_cast<std::size_t>(c.piece)) % static_cast<std::size_t>(modulus));
+      } else if (out->dtype() == DType::f32) {
+        auto d = out->data<float>();
+        for (std::size_t i = 0; i < d.size(); ++i) d[i] = 0.01f * static_cast<float>((i * 31 + static_cast<std::size_t>(c.piece)) % 97);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TrainingJob compile(const Layout& l, DeviceType device, std::int64_t steps) {
+  const std::int64_t mb = micro_batch_of(l);
+  Graph g(1);
+  Value loss;
+  {
+    auto mixed = g.autocast(l.dtype == "bf16" ? DType::bf16 : DType::f32);
+    // GPUs run fused attention (FlashAttention's tiling); the CPU baton-train's default, naive.
+    const auto attention = device == DeviceType::cpu ? models::GptShape::Attention::naive : models::GptShape::Attention::fused;
+    if (l.model == "mlp") {
+      Value logits = models::mlp(g, mb, {.inputs = 64, .hidden = l.hidden, .layers = l.layers, .classes = 10, .tp = l.tp});
+      loss = softmax_cross_entropy(logits, g.find("label"));
+    } else if (l.model == "llama") {
+      loss = models::llama_with_loss(g, mb, llama_shape(l, attention)).loss;
+    } else {
+      loss = models::gpt_with_loss(g, mb, {.vocab = l.vocab, .seq = l.seq, .d_model = l.d_model, .heads = l.heads,
+                                           .layers = l.layers, .tp = l.tp, .attention = attention})
+                 .loss;
+    }
+    loss = loss.named("loss");
+  }
+  TrainConfig cfg;
+  cfg.steps = steps;
+  cfg.microbatches = l.microbatches();
+  cfg.optimizer = optim::adam(1e-3);
+  cfg.threads = l.threads;
+  cfg.dp = l.dp;
+  cfg.tp = l.tp;
+  cfg.pp = l.pp;
+  cfg.schedule = l.schedule;
+  cfg.virtual_stages = l.virtual_stages;
+  cfg.zero = l.zero;
+  cfg.recompute = l.recompute;
+  // One actor per kernel: a CUDA graph's segment is costed as its kernels would be.
+  cfg.cuda_graphs = false;
+  const int places = l.dp * l.tp * l.pp;
+  if (places > 1) {
+    for (int i = 0; i < places; ++i) cfg.replica_places.push_back(Placement{.device = Device{device, static_cast<std::uint8_t>(i)}});
+  }
+  const std::vector<std::string> inputs = is_lm(l) ? std::vector<std::string>{"tokens", "targets"}
+                                                   : std::vector<std::string>{"x", "label"};
+  cfg.data = {{"synthetic", synthetic_source(is_lm(l) ? l.vocab : 10), inputs}};
+  return compile_training(g, loss, cfg);
+}
+
+namespace {
+
+// ----------------------------------------------------------------------------------------------
+// What each act costs.
+
+std::int64_t input_bytes(const Plan& plan, const ActorDesc& a) {
+  std::int64_t b = 0;
+  for (const InputPort& in : a.inputs) b += slot_bytes(plan.registers[in.reg]);
+  return b;
+}
+std::int64_t output_bytes(const Plan& plan, const ActorDesc& a) {
+  std::int64_t b = 0;
+  for (RegisterIndex r : a.outputs) b += slot_bytes(plan.registers[r]);
+  return b;
+}
+
+// Multiply-adds x 2 of an act: matrix products from their shapes (the inner dimension is the
+// first input's last, or its second-to-last where it is read transposed), attention from its
+// query's (scores and their product with the values: 4 T^2 d per head, half of it causal;
+// the backward 2.5 times the forward, FlashAttention's count). Everything else counts as
+// memory traffic only.
+double act_flops(const Plan& plan, const ActorDesc& a) {
+  if (a.inputs.empty() || a.outputs.empty()) return 0;
+  const Shape& x = plan.registers[a.inputs[0].reg].shape;
+  const Shape& out = plan.registers[a.outputs[0]].shape;
+  if (a.op.find("matmul") != std::string::npos && !x.empty()) {
+    const bool trans_a = a.attrs.get_int("trans_a", 0) != 0;
+    const std::int64_t k = trans_a && x.size() >= 2 ? x[x.size() - 2] : x.back();
+    return 2.0 * static_cast<double>(numel(out)) * static_cast<double>(k);
+  }
+  if (a.op.find("attention") != std::string::npos && x.size() == 4) {
+    // q [batch, heads, T, head_dim]
+    const double fwd = 4.0 * static_cast<double>(x[0] * x[1]) * static_cast<double>(x[2] * x[2]) *
+                       static_cast<double>(x[3]) * (a.attrs.get_int("causal", 1) != 0 ? 0.5 : 1.0);
+    return a.op.find("backward") != std::string::npos || a.op.find("grad") != std::string::npos ? 2.5 * fwd : fwd;
+  }
+  return 0;
+}
+
+double roofline_seconds(const Plan& plan, const ActorDesc& a, const DeviceProfile& d) {
+  const double flops = act_flops(plan, a);
+  std::int64_t kept = 0;
+  for (const KeptBytes& k : a.kept) kept += k.bytes;
+  // An optimizer reads and writes what it keeps (master weights, moments).
+  const double bytes = static_cast<double>(input_bytes(plan, a) + output_bytes(plan, a) + 2 * kept);
+  const double peak = a.dtype == DType::bf16 || a.dtype == DType::f16 ? d.flops_bf16 : d.flops_f32;
+  return std::max(flops / (peak * d.matmul_efficiency), bytes / (d.memory_bytes_per_s * d.memory_efficiency)) +
+         d.act_overhead_s;
+}
+
+// The link a copy or transfer crosses: between two devices of one node, between nodes, or
+// between host and device (PCIe).
+const Link& link_of(const Plan& plan, const ActorDesc& a, const Cluster& c, const Link& pcie) {
+  if (a.copy == CopyDirection::to_host) return pcie;
+  const ActorIndex p = a.inputs.empty() ? no_actor : data_writer(plan, a.inputs[0].reg);
+  if (p == no_actor) return pcie;
+  const Device from = plan.actors[p].where.device, to = a.where.device;
+  if (from.type == DeviceType::cpu || to.type == DeviceType::cpu) return pcie;
+  const int per_node = std::max(1, c.device.per_node);
+  return from.index / per_node == to.index / per_node ? c.device.intra_node : c.device.inter_node;
+}
+
+// Each distinct kernel of the plan timed on its real shapes (zeros as inputs: a matrix
+// product or a softmax costs the same on any values; an index of 0 is valid everywhere).
+class KernelTimer {
+ public:
+  KernelTimer(const TrainingJob& job, int repeats) : job_(job), repeats_(std::max(1, repeats)) {}
+
+  double seconds(const ActorDesc& a) {
+    const Plan& plan = job_.plan;
+    std::string key = fmt::format("{}|{}|{}|{}", a.op, name(a.dtype), static_cast<int>(a.kind), a.attrs.str());
+    for (const InputPort& in : a.inputs) key += fmt::format("|i{}{}", name(plan.registers[in.reg].dtype), plan.registers[in.reg].shape);
+    for (RegisterIndex r : a.outputs) key += fmt::format("|o{}{}", name(plan.registers[r].dtype), plan.registers[r].shape);
+    const auto [it, added] = cache_.try_emplace(key, 0.0);
+    if (added) it->second = time(a);
+    return it->second;
+  }
+
+ private:
+  double time(const ActorDesc& a) {
+    const Plan& plan = job_.plan;
+    // An accumulation adds each piece into its sum.
+    const std::string op = a.kind == ActorKind::accumulate ? std::string("add") : a.op;
+    std::unique_ptr<Kernel> k = job_.kernels.create(op, KernelConfig{a.name, a.where.device, a.dtype, a.attrs, nullptr});
+    std::vector<Tensor> ins, outs;
+    if (a.kind == ActorKind::accumulate) {
+      const RegisterDesc& r = plan.registers[a.outputs[0]];
+      ins = {Tensor::zeros(r.shape, r.dtype), Tensor::zeros(r.shape, r.dtype)};
+    } else {
+      for (const InputPort& in : a.inputs) ins.push_back(Tensor::zeros(plan.registers[in.reg].shape, plan.registers[in.reg].dtype));
+    }
+    for (std::size_t o = 0; o < a.outputs.size(); ++o) {
+      Tensor own = k->owned_output(o);
+      const RegisterDesc& r = plan.registers[a.outputs[o]];
+      outs.push_back(own.defined() ? own : Tensor::zeros(r.shape, r.dtype));
+    }
+    std::vector<const Tensor*> in_ptrs;
+    std::vector<Tensor*> out_ptrs;
+    for (auto& t : ins) in_ptrs.push_back(&t);
+    for (auto& t : outs) out_ptrs.push_back(&t);
+    std::vector<double> runs;
+    for (int i = 0; i <= repeats_; ++i) {
+      // Piece 2 on: a variable's act 0 only hands out its initial value, and under
+      // PipeDream-2BW (its update one step late) its act 1 too.
+      KernelContext ctx{in_ptrs, out_ptrs, i + 2, nullptr, nullptr};
+      const auto t0 = Clock::now();
+      k->compute(ctx);
+      if (i > 0) runs.push_back(seconds_since(t0));  // the first fills the caches
+    }
+    std::nth_element(runs.begin(), runs.begin() + static_cast<std::ptrdiff_t>(runs.size() / 2), runs.end());
+    return runs[runs.size() / 2];
+  }
+
+  const TrainingJob& job_;
+  int repeats_;
+  std::map<std::string, double> cache_;
+};
+
+// The kernels timed where they run: the acts of a simulated run replayed on one thread in the
+// order they started, each actor with its own kernel and each register with its slots, which its
+// producer writes in turn and its readers read (a repeat's output is its input's), so that an act
+// finds in the caches what the acts before it left there, as in a real run. Timed alone, a kernel
+// runs on hot inputs again and again; in a step it reads what others wrote, into slots that
+// rotate, and the weights the last update left (bench plan: isolated timings came out 20-35%
+// under a run's kernel times). Each actor's cost is the median of its acts after its first. An
+// actor whose kernel throws on these inputs keeps its isolated timing.
+class Replay {
+ public:
+  explicit Replay(const TrainingJob& job) : plan_(job.plan), kernels_(plan_.actors.size()), slots_(plan_.registers.size()) {
+    for (ActorIndex i = 0; i < plan_.actors.size(); ++i) {
+      const ActorDesc& a = plan_.actors[i];
+      if (a.kind == ActorKind::repeat || a.kind == ActorKind::transfer || a.copy != CopyDirection::none) continue;
+      if (a.kind == ActorKind::accumulate && a.op == "last") continue;
+      try {
+        kernels_[i] = job.kernels.create(a.kind == ActorKind::accumulate ? std::string_view("add") : std::string_view(a.op),
+                                         KernelConfig{a.name, a.where.device, a.dtype, a.attrs, nullptr});
+        for (std::size_t o = 0; o < a.outputs.size(); ++o) {
+          const RegisterDesc& r = plan_.registers[a.outputs[o]];
+          Tensor own = kernels_[i]->owned_output(o);
+          if (own.defined()) {
+            slots_[a.outputs[o]] = {own};
+          } else {
+            for (std::int32_t k = 0; k < r.slots; ++k) slots_[a.outputs[o]].push_back(Tensor::zeros(r.shape, r.dtype));
+          }
+        }
+      } catch (const std::exception&) {
+        kernels_[i].reset();
+      }
+    }
+    // A register whose producer is not replayed (a transfer, a copy) still has a slot to read.
+    for (RegisterIndex r = 0; r < plan_.registers.size(); ++r) {
+      if (slots_[r].empty()) slots_[r].push_back(Tensor::zeros(plan_.registers[r].shape, plan_.registers[r].dtype));
+    }
+  }
+
+  /// Each actor's median act in the replay of `sim`'s acts. The acts of each resource (a device's
+  /// worker) replay in their order on a thread of their own, all at once where the machine has
+  /// a core for each, so that kernels that run side by side in the run share the caches and the
+  /// memory bandwidth here too; one after another otherwise. What one thread writes another may
+  /// read meanwhile: the values are the run's to within a race, the times what they cost.
+  std::vector<double> seconds(const Simulation& sim, std::vector<double> seconds) {
+    std::map<std::int32_t, std::vector<SimulatedAct>> by_resource;
+    for (const SimulatedAct& a : sim.acts) by_resource[sim.resource_of[a.actor]].push_back(a);
+    std::vector<std::vector<double>> timed(plan_.actors.size());
+    std::vector<char> broken(plan_.actors.size(), 0);
+    const auto replay = [&](std::vector<SimulatedAct>& acts) {
+      std::stable_sort(acts.begin(), acts.end(), [](const SimulatedAct& x, const SimulatedAct& y) { return x.start < y.start; });
+      for (const SimulatedAct& act : acts) run(act, timed[act.actor], broken[act.actor]);
+    };
+    const auto cores = static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()));
+    if (by_resource.size() > 1 && by_resource.size() <= cores) {
+      std::vector<std::thread> threads;
+      for (auto& [r, acts] : by_resource) threads.emplace_back([&replay, &acts = acts] { replay(acts); });
+      for (auto& t : threads) t.join();
+    } else {
+      for (auto& [r, acts] : by_resource) replay(acts);
+    }
+    for (ActorIndex i = 0; i < plan_.actors.size(); ++i) {
+      auto& t = timed[i];
+      if (broken[i] != 0 || t.size() < 2) continue;
+      t.erase(t.begin());  // its first act: caches and pages still cold
+      std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
+      seconds[i] = t[t.size() / 2];
+    }
+    return seconds;
+  }
+
+ private:
+  // One act of actor act.actor (on the calling thread, which owns the actor's acts).
+  void run(const SimulatedAct& act, std::vector<double>& timed, char& broken) {
+    const ActorIndex i = act.actor;
+    const ActorDesc& a = plan_.actors[i];
+    if (!kernels_[i] || broken != 0) return;
+    std::vector<const Tensor*> ins;
+    std::vector<Tensor*> outs;
+    std::vector<Tensor> views;
+    views.reserve(a.inputs.size() + 1);
+    const std::int64_t written = a.kind == ActorKind::accumulate ? act.act / std::max(1, a.group) : act.act;
+    for (RegisterIndex r : a.outputs) outs.push_back(&slot(r, written));
+    if (a.kind == ActorKind::accumulate) {
+      ins = {outs[0], read(a.inputs[0].reg, act.act, views)};
+    } else {
+      // Act k reads piece k - delay: nothing before its delay (a variable's first act).
+      for (const InputPort& in : a.inputs) ins.push_back(act.act < in.delay ? nullptr : read(in.reg, act.act - in.delay, views));
+    }
+    KernelContext ctx{ins, outs, a.first_piece + act.act, nullptr, nullptr};
+    const auto t0 = Clock::now();
+    try {
+      kernels_[i]->compute(ctx);
+    } catch (const std::exception&) {
+      broken = 1;
+      return;
+    }
+    timed.push_back(seconds_since(t0));
+  }
+
+  Tensor& slot(RegisterIndex r, std::int64_t piece) {
+    auto& s = slots_[r];
+    return s[static_cast<std::size_t>(piece) % s.size()];
+  }
+  // Piece `piece` of `r`: through repeats (output piece j is input piece j / group) to the
+  // slot that holds it, seen in r's shape.
+  const Tensor* read(RegisterIndex r, std::int64_t piece, std::vector<Tensor>& views) {
+    RegisterIndex at = r;
+    for (ActorIndex p = plan_.registers[at].producer; p != no_actor && plan_.actors[p].kind == ActorKind::repeat;
+         p = plan_.registers[at].producer) {
+      piece /= std::max(1, plan_.actors[p].group);
+      at = plan_.actors[p].inputs[0].reg;
+    }
+    Tensor& t = slot(at, piece);
+    if (at == r) return &t;
+    views.push_back(t.view(plan_.registers[r].shape));
+    return &views.back();
+  }
+
+  const Plan& plan_;
+  std::vector<std::unique_ptr<Kernel>> kernels_;
+  std::vector<std::vector<Tensor>> slots_;
+};
+
+struct Costs {
+  std::vector<double> seconds;             // by actor
+  std::map<std::string, double> link_bytes;  // per act of each copy or transfer, summed below
+  std::vector<std::string> link_of_actor;    // "" for compute
+};
+
+Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
+  const Plan& plan = job.plan;
+  const Link pcie{"pcie", 5e-6, 25e9};
+  Costs costs;
+  costs.seconds.assign(plan.actors.size(), 0.0);
+  costs.link_of_actor.assign(plan.actors.size(), "");
+  KernelTimer timer(job, repeats);
+  for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
+    const ActorDesc& a = plan.actors[i];
+    if (a.kind == ActorKind::repeat) continue;  // an alias
+    if (a.kind == ActorKind::transfer || a.copy != CopyDirection::none) {
+      const Link& link = link_of(plan, a, c, pcie);
+      costs.seconds[i] = link.seconds(static_cast<double>(output_bytes(plan, a)));
+      costs.link_of_actor[i] = link.name;
+      continue;
+    }
+    if (a.kind == ActorKind::accumulate && a.op == "last") continue;  // keeps a pointer's worth
+    costs.seconds[i] = c.device.measured ? timer.seconds(a) + c.device.act_overhead_s : roofline_seconds(plan, a, c.device);
+  }
+  return costs;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The CPU's profile: its peaks measured here.
+
+double measure_matmul_flops() {
+  const std::int64_t n = 384;
+  KernelRegistry reg = KernelRegistry::with_builtin_kernels();
+  Attrs none;
+  auto k = reg.create("matmul", KernelConfig{"calibrate", Device{}, DType::f32, none, nullptr});
+  Tensor a = Tensor::zeros({n, n}, DType::f32), b = Tensor::zeros({n, n}, DType::f32), out = Tensor::zeros({n, n}, DType::f32);
+  const Tensor* ins[] = {&a, &b};
+  Tensor* outs[] = {&out};
+  double best = 1e30;
+  for (int i = 0; i < 6; ++i) {
+    KernelContext ctx{ins, outs, 0, nullptr, nullptr};
+    const auto t0 = Clock::now();
+    k->compute(ctx);
+    best = std::min(best, seconds_since(t0));
+  }
+  return 2.0 * static_cast<double>(n * n * n) / best;
+}
+
+double measure_memory_bandwidth() {
+  const std::size_t n = std::size_t{64} << 20;  // bytes: past any cache
+  std::vector<char> from(n, 1), to(n, 0);
+  double best = 1e30;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = Clock::now();
+    std::copy(from.begin(), from.end(), to.begin());
+    best = std::min(best, seconds_since(t0));
+  }
+  return 2.0 * static_cast<double>(n) / best;  // read and written
+}
+
+DeviceProfile cpu_profile() {
+  DeviceProfile d;
+  d.name = "cpu";
+  d.measured = true;
+  d.flops_f32 = measure_matmul_flops();
+  d.flops_bf16 = d.flops_f32;
+  d.memory_bytes_per_s = measure_memory_bandwidth();
+  d.memory_bytes = std::int64_t{1} << 40;
+  // An act's handshakes on one worker (bench actors: same-thread hop about 0.06 us; a request
+  // and an ack each).
+  d.act_overhead_s = 0.2e-6;
+  d.per_node = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  d.intra_node = {"shm", 1e-6, d.memory_bytes_per_s / 2};
+  d.inter_node = {"tcp", 10e-6, 1.25e9};
+  d.source = fmt::format("measured here: f32 matrix product {:.1f} GFLOP/s on one core, copy {:.1f} GB/s; each kernel "
+                         "timed on its shapes",
+                         d.flops_f32 / 1e9, d.memory_bytes_per_s / 1e9);
+  return d;
+}
+
+// GPUs: peaks and links from NVIDIA's data sheets (dense, without sparsity); the efficiencies
+// are assumptions until `baton-plan calibrate` has run on the device (docs/planning.md).
+DeviceProfile gpu_profile(std::string name, double bf16, double f32, double bw, double gib, double nvlink) {
+  DeviceProfile d;
+  d.name = std::move(name);
+  d.flops_bf16 = bf16;
+  d.flops_f32 = f32;
+  d.memory_bytes_per_s = bw;
+  d.memory_bytes = static_cast<std::int64_t>(gib * static_cast<double>(std::int64_t{1} << 30));
+  d.matmul_efficiency = 0.7;
+  d.memory_efficiency = 0.8;
+  d.act_overhead_s = 4e-6;
+  d.per_node = 8;
+  d.intra_node = {"nvlink", 3e-6, nvlink};
+  d.inter_node = {"infiniband", 6e-6, 25e9};
+  d.source = "data sheet peaks; efficiencies 0.7 (matrix products) and 0.8 (memory) assumed, not calibrated on this device";
+  return d;
+}
+
+}  // namespace
+
+template <class... A>
+[[noreturn]] void refuse(fmt::format_string<A...> f, A&&... a) {
+  throw std::invalid_argument(fmt::format(f, std::forward<A>(a)...));
+}
+
+std::int64_t Layout::microbatches() const { return global_batch / (dp * micro_batch_of(*this)); }
+
+std::string Layout::str() const {
+  const std::string m = model == "mlp" ? fmt::format("mlp L{} hidden {}", layers, hidden)
+                                       : fmt::format("{} L{} d{} h{} s{} v{}", model, layers, d_model, heads, seq, vocab);
+  return fmt::format("{} | B{} b{} dp{} tp{} pp{} {}{} zero{} recompute {} {}", m, global_batch, micro_batch_of(*this), dp, tp, pp,
+                     schedule, virtual_stages > 1 ? fmt::format(" v{}", virtual_stages) : "", zero, recompute, dtype);
+}
+
+void Layout::check() const {
+  if (model != "mlp" && model != "gpt" && model != "llama") refuse("--model {}: mlp, gpt or llama", model);
+  if (dp < 1 || tp < 1 || pp < 1) refuse("--dp {} --tp {} --pp {}: each at least 1", dp, tp, pp);
+  if (global_batch < 1) refuse("--global-batch {}: at least 1", global_batch);
+  const std::int64_t mb = micro_batch_of(*this);
+  if (mb < 1 || global_batch % (dp * mb) != 0) {
+    refuse("--global-batch {} is not a multiple of --dp {} x --micro-batch {}", global_batch, dp, mb);
+  }
+  if (dtype != "f32" && dtype != "bf16") refuse("--dtype {}: f32 or bf16", dtype);
+  if (recompute != "none" && recompute != "selective" && recompute != "full") {
+    refuse("--recompute {}: none, selective or full", recompute);
+  }
+  if (zero < 0 || zero > 3) refuse("--zero {}: 0, 1, 2 or 3", zero);
+  const PipelineSchedule s = parse_schedule(schedule);
+  if (pp > 1) {
+    const std::string why = schedule_refusal(s, pp, virtual_stages, microbatches());
+    if (!why.empty()) refuse("--schedule {} with --pp {} and {} micro-batches: {}", schedule, pp, microbatches(), why);
+  }
+  if (model != "mlp") {
+    if (d_model % heads != 0) refuse("--d-model {} is not a multiple of --heads {}", d_model, heads);
+    if (heads % tp != 0) refuse("--heads {} is not a multiple of --tp {}", heads, tp);
+    if (vocab % tp != 0) refuse("--vocab {} is not a multiple of --tp {}", vocab, tp);
+  } else if (hidden % tp != 0) {
+    refuse("--hidden {} is not a multiple of --tp {}", hidden, tp);
+  }
+}
+
+std::vector<std::string> device_profile_names() { return {"a100-40gb", "a100-80gb", "h100-sxm", "h200", "cpu"}; }
+
+DeviceProfile device_profile(std::string_view name) {
+  // A100: 312 TFLOP/s bf16, 19.5 f32; 1,555 GB/s (40 GB) and 2,039 GB/s (80 GB); NVLink 3
+  // 600 GB/s both ways. H100 SXM: 989 bf16, 67 f32; 3.35 TB/s; NVLink 4 900 GB/s. H200: H100's
+  // compute, 4.8 TB/s, 141 GB. Per direction: half the NVLink figure.
+  if (name == "a100-40gb") return gpu_profile("a100-40gb", 312e12, 19.5e12, 1555e9, 40, 300e9);
+  if (name == "a100-80gb") return gpu_profile("a100-80gb", 312e12, 19.5e12, 2039e9, 80, 300e9);
+  if (name == "h100-sxm") return gpu_profile("h100-sxm", 989e12, 67e12, 3350e9, 80, 450e9);
+  if (name == "h200") return gpu_profile("h200", 989e12, 67e12, 4800e9, 141, 450e9);
+  if (name == "cpu") return cpu_profile();
+  throw std::invalid_argument(fmt::format("no device profile '{}'; the built-in ones are {}", name,
+                                          fmt::join(device_profile_names(), ", ")));
+}
+
+Cluster parse_cluster(std::string_view spec, int gpus_per_node) {
+  const auto colon = spec.rfind(':');
+  int n = 0;
+  if (colon == std::string_view::npos || colon + 1 == spec.size()) {
+    throw std::invalid_argument(fmt::format("--cluster {}: NAME:N (h100-sxm:1024, cpu:2)", spec));
+  }
+  for (char ch : spec.substr(colon + 1)) {
+    if (ch < '0' || ch > '9' || n > 1'000'000) throw std::invalid_argument(fmt::format("--cluster {}: N must be a count of devices", spec));
+    n = n * 10 + (ch - '0');
+  }
+  if (n < 1) throw std::invalid_argument(fmt::format("--cluster {}: at least one device", spec));
+  Cluster c{device_profile(spec.substr(0, colon)), n};
+  if (gpus_per_node > 0) c.device.per_node = gpus_per_node;
+  return c;
+}
+
+Prediction predict(const Layout& l, const Cluster& c, const PredictOptions& options) {
+  const auto t0 = Clock::now();
+  l.check();
+  const int places = l.dp * l.tp * l.pp;
+  if (places != c.devices) {
+    throw std::invalid_argument(fmt::format("--dp {} x --tp {} x --pp {} is {} devices; the cluster has {}", l.dp, l.tp,
+                                            l.pp, places, c.devices));
+  }
+  if (places > Device::max_index + 1) {
+    throw std::invalid_argument(fmt::format(
+        "{} devices: baton-plan compiles the whole plan in this process, at most {} devices for now (the plan's "
+        "symmetry, which a larger job needs, is not built yet)",
+        places, Device::max_index + 1));
+  }
+  const DeviceType type = c.device.measured ? DeviceType::cpu : DeviceType::sim;
+  Prediction p;
+  p.layout = l;
+  p.cluster = fmt::format("{}:{}", c.device.name, c.devices);
+  // The steady state: three steps against one (the first also fills the pipeline and the
+  // variables' first hand-out).
+  const std::int64_t steps = 3;
+  TrainingJob job = compile(l, type, steps);
+  TrainingJob one = compile(l, type, 1);
+  Costs costs = act_costs(job, c, options.repeats);
+  SimulationOptions so;
+  so.act_seconds = costs.seconds;
+  Simulation sim = simulate(job.plan, so);
+  if (sim.stalled) throw std::runtime_error("the simulated plan stalls:" + sim.stall);
+  if (c.device.measured) {
+    // Timed again where they run, in the order the simulation ran them, and run again.
+    std::vector<double> replayed = Replay(job).seconds(sim, costs.seconds);
+    for (ActorIndex i = 0; i < replayed.size(); ++i) {
+      if (costs.link_of_actor[i].empty() && replayed[i] != costs.seconds[i]) costs.seconds[i] = replayed[i] + c.device.act_overhead_s;
+    }
+    so.act_seconds = costs.seconds;
+    sim = simulate(job.plan, so);
+    if (sim.stalled) throw std::runtime_error("the simulated plan stalls:" + sim.stall);
+  }
+  // The one-step plan has the same actors (only the sources' pieces differ): the same costs.
+  if (one.plan.actors.size() != job.plan.actors.size()) throw std::logic_error("the one-step plan has other actors");
+  so.record_acts = false;
+  const Simulation first = simulate(one.plan, so);
+  p.step_time_s = (sim.makespan - first.makespan) / static_cast<double>(steps - 1);
+  if (!(p.step_time_s > 0)) p.step_time_s = sim.makespan / static_cast<double>(steps);
+  p.samples_per_s = static_cast<double>(l.global_batch) / p.step_time_s;
+  p.tokens_per_s = is_lm(l) ? p.samples_per_s * static_cast<double>(l.seq) : 0;
+
+  // The model's FLOPs: 6 per weight per token (sample), and attention's scores.
+  std::int64_t weights = 0;
+  for (const auto& [name, t] : job.params->values()) weights += t.numel();
+  const double tokens = static_cast<double>(l.global_batch) * (is_lm(l) ? static_cast<double>(l.seq) : 1.0);
+  p.model_flops_per_step = 6.0 * static_cast<double>(weights) * tokens;
+  if (is_lm(l)) p.model_flops_per_step += 12.0 * static_cast<double>(l.layers * l.d_model * l.seq) * tokens;
+  p.model_flops_per_device_s = p.model_flops_per_step / p.step_time_s / places;
+  const double peak = l.dtype == "bf16" ? c.device.flops_bf16 : c.device.flops_f32;
+  p.mfu = p.model_flops_per_device_s / peak;
+
+  // Each device's compute resource: the one its forward ops run on.
+  std::map<std::int32_t, bool> compute;
+  for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) {
+    const ActorRole r = job.plan.actors[i].role;
+    if (r == ActorRole::forward || r == ActorRole::backward) compute[sim.resource_of[i]] = true;
+  }
+  double idle = 0;
+  for (const auto& [r, yes] : compute) {
+    const double busy = sim.busy[static_cast<std::size_t>(r)] - first.busy[static_cast<std::size_t>(r)];
+    idle += 1.0 - busy / (p.step_time_s * static_cast<double>(steps - 1));
+  }
+  p.bubble_fraction = compute.empty() ? 0 : std::max(0.0, idle / static_cast<double>(compute.size()));
+
+  p.memory = memory_report(job.plan);
+  for (const DeviceMemory& m : p.memory) p.peak_memory_bytes = std::max(p.peak_memory_bytes, m.total());
+  p.fits = p.peak_memory_bytes <= c.device.memory_bytes;
+
+  for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) {
+    if (costs.link_of_actor[i].empty()) continue;
+    const double per_step = static_cast<double>(sim.act_count[i]) / static_cast<double>(steps);
+    p.link_bytes_per_step[costs.link_of_actor[i]] += per_step * static_cast<double>(output_bytes(job.plan, job.plan.actors[i]));
+  }
+  std::map<std::string, double> on_path;
+  for (std::int64_t a : sim.critical_path()) {
+    const SimulatedAct& act = sim.acts[static_cast<std::size_t>(a)];
+    on_path[sim.resource_names[static_cast<std::size_t>(sim.resource_of[act.actor])]] += act.end - act.start;
+  }
+  p.critical_path.assign(on_path.begin(), on_path.end());
+  std::sort(p.critical_path.begin(), p.critical_path.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  p.actors = static_cast<std::int64_t>(job.plan.actors.size());
+  for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) {
+    if (costs.link_of_actor[i].empty()) p.act_s_per_step += costs.seconds[i] * static_cast<double>(sim.act_count[i]);
+  }
+  p.act_s_per_step /= static_cast<double>(steps);
+  std::map<std::string, double> acts_of_op;
+  for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) {
+    const ActorDesc& d = job.plan.actors[i];
+    if (d.kind == ActorKind::repeat || !costs.link_of_actor[i].empty() || sim.act_count[i] == 0) continue;
+    const std::string op = d.kind == ActorKind::accumulate ? "(accumulate)" : d.op;
+    p.act_s_by_op[op] += costs.seconds[i] * static_cast<double>(sim.act_count[i]);
+    acts_of_op[op] += static_cast<double>(sim.act_count[i]);
+  }
+  for (auto& [op, s] : p.act_s_by_op) s /= acts_of_op[op];
+  if (options.keep_acts) {
+    p.simulation = std::move(sim);
+    p.plan = std::move(job.plan);
+  }
+  p.wall_s = seconds_since(t0);
+  return p;
+}
+
+Measured measure(const Layout& l, std::int64_t steps, std::int64_t warm) {
+  l.check();
+  if (steps <= warm || warm < 1) throw std::invalid_argument(fmt::format("measure: {} steps after {} warm-up steps", steps, warm));
+  TrainingJob job = compile(l, DeviceType::cpu, steps);
+  RuntimeSettings rs;
+  rs.time_sample_hz = 0;  // exact: each kernel's time
+  Runtime rt(job.plan, job.kernels, rs);
+  const RunReport report = rt.run();
+  const auto from = job.losses->when_done(warm), to = job.losses->when_done(steps);
+  if (!from || !to) throw std::runtime_error("measure: the run ended before its last step reported");
+  Measured m;
+  m.step_s = std::chrono::duration<double>(*to - *from).count() / static_cast<double>(steps - warm);
+  std::map<std::string, ActorIndex> index;
+  for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) index[job.plan.actors[i].name] = i;
+  std::map<std::string, double> acts;
+  for (const auto& a : report.metrics.actors) {
+    m.kernel_s_per_step += a.kernel_s;
+    const ActorDesc& d = job.plan.actors[index.at(a.name)];
+    const std::string op = d.kind == ActorKind::accumulate ? "(accumulate)" : d.op;
+    m.kernel_s_per_act[op] += a.kernel_s;
+    acts[op] += static_cast<double>(a.acts);
+  }
+  for (auto& [op, s] : m.kernel_s_per_act) s /= std::max(1.0, acts[op]);
+  m.kernel_s_per_step /= static_cast<double>(steps);
+  return m;
+}
+
+std::string to_json(const Prediction& p) {
+  const Layout& l = p.layout;
+  std::string links, path;
+  for (const auto& [k, v] : p.link_bytes_per_step) links += fmt::format("{}\"{}\":{:.0f}", links.empty() ? "" : ",", k, v);
+  for (const auto& [k, v] : p.critical_path) path += fmt::format("{}{{\"resource\":\"{}\",\"seconds\":{:.6g}}}", path.empty() ? "" : ",", k, v);
+  return fmt::format(
+      "{{\"cluster\":\"{}\",\"model\":\"{}\",\"layers\":{},\"d_model\":{},\"heads\":{},\"seq\":{},\"vocab\":{},"
+      "\"global_batch\":{},\"micro_batch\":{},\"microbatches\":{},\"dp\":{},\"tp\":{},\"pp\":{},\"schedule\":\"{}\","
+      "\"virtual_stages\":{},\"zero\":{},\"recompute\":\"{}\",\"dtype\":\"{}\","
+      "\"step_time_s\":{:.6g},\"samples_per_s\":{:.6g},\"tokens_per_s\":{:.6g},\"model_flops_per_device_s\":{:.6g},"
+      "\"mfu\":{:.4f},\"bubble_fraction\":{:.4f},\"peak_memory_bytes\":{},\"fits\":{},\"link_bytes_per_step\":{{{}}},"
+      "\"critical_path\":[{}],\"actors\":{},\"wall_s\":{:.3f}}}",
+      p.cluster, l.model, l.layers, l.d_model, l.heads, l.seq, l.vocab, l.global_batch, micro_batch_of(l), l.microbatches(),
+      l.dp, l.tp, l.pp, l.schedule, l.virtual_stages, l.zero, l.recompute, l.dtype, p.step_time_s, p.samples_per_s,
+      p.tokens_per_s, p.model_flops_per_device_s, p.mfu, p.bubble_fraction, p.peak_memory_bytes, p.fits ? "true" : "false",
+      links, path, p.actors, p.wall_s);
+}
+
+std::string to_text(const Prediction& p) {
+  std::string out = fmt::format("baton-plan: {} on {} ({} actors, simulated in {:.2f} s)\n", p.layout.str(), p.cluster,
+                                p.actors, p.wall_s);
+  out += fmt::format("  step time    {:.4g} s   ({:.4g} samples/s{})\n", p.step_time_s, p.samples_per_s,
+                     p.tokens_per_s > 0 ? fmt::format(", {:.4g} tokens/s", p.tokens_per_s) : "");
+  out += fmt::format("  model FLOPs  {:.4g} TFLOP/s per device, MFU {:.1f}%\n", p.model_flops_per_device_s / 1e12, 100 * p.mfu);
+  out += fmt::format("  bubble       {:.1f}% of each device's step idle (mean)\n", 100 * p.bubble_fraction);
+  out += fmt::format("  memory       {} peak on the largest device: {}\n", format_bytes(p.peak_memory_bytes),
+                     p.fits ? "fits" : "DOES NOT FIT");
+  for (const auto& [k, v] : p.link_bytes_per_step) out += fmt::format("  link {:<8} {} a step\n", k, format_bytes(static_cast<std::int64_t>(v)));
+  out += "  critical path (the chain of acts the last one waited for), by resource:\n";
+  for (std::size_t i = 0; i < p.critical_path.size() && i < 6; ++i) {
+    out += fmt::format("    {:<20} {:.4g} s\n", p.critical_path[i].first, p.critical_path[i].second);
+  }
+  return out;
+}
+
+std::string to_trace(const Prediction& p) {
+  const Simulation& s = p.simulation;
+  std::string out = "[";
+  for (std::size_t r = 0; r < s.resource_names.size(); ++r) {
+    out += fmt::format("{}{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":0,\"tid\":{},\"args\":{{\"name\":\"{}\"}}}}",
+                       r == 0 ? "" : ",", r, s.resource_names[r]);
+  }
+  for (const SimulatedAct& a : s.acts) {
+    if (a.end <= a.start) continue;
+    out += fmt::format(",{{\"ph\":\"X\",\"name\":\"{}\",\"pid\":0,\"tid\":{},\"ts\":{:.3f},\"dur\":{:.3f},\"args\":{{\"act\":{}}}}}",
+                       p.plan.actors[a.actor].name, s.resource_of[a.actor], a.start * 1e6, (a.end - a.start) * 1e6, a.act);
+  }
+  return out + "]\n";
+}
+
+}  // namespace baton::planner

@@ -1,0 +1,113 @@
+// baton-plan's engine (apps/plan/planner.h): a layout compiled into its real plan, costed and
+// run on the virtual clock. What can be checked exactly is: the memory it predicts is the
+// memory plan's, which a real run's measured high-water mark reaches; the GPU profiles compile
+// onto sim devices; bad layouts are refused naming the flag.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <map>
+
+#include "baton/actors/runtime.h"
+#include "planner.h"
+
+using namespace baton;
+using namespace baton::planner;
+
+namespace {
+
+Layout small_gpt() {
+  Layout l;
+  l.model = "gpt";
+  l.layers = 2;
+  l.d_model = 32;
+  l.heads = 2;
+  l.seq = 16;
+  l.vocab = 64;
+  l.global_batch = 8;
+  l.micro_batch = 2;
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("Planner.ThePredictedMemoryIsThePlansAndBoundsARealRun" * doctest::timeout(120)) {
+  // The prediction's bytes are the memory plan's (plan_memory.h) for the plan the layout
+  // compiles to; a real run of that plan with measure_memory counts the register bytes in use
+  // (written, not yet read by every reader), which the plan's registers at its peak bound on
+  // every device. Not equal: a slot's bytes are the plan's from its write to its last reader's
+  // ack, and the run counts them only while unread (docs/planning.md).
+  for (const auto& [pp, schedule] : {std::pair{1, "1f1b"}, std::pair{2, "1f1b"}, std::pair{2, "gpipe"}}) {
+    Layout l = small_gpt();
+    l.pp = pp;
+    l.schedule = schedule;
+    CAPTURE(l.str());
+    const Prediction p = predict(l, parse_cluster(fmt::format("cpu:{}", pp)), {.repeats = 1, .keep_acts = true});
+    REQUIRE(p.memory.size() >= static_cast<std::size_t>(pp));
+    std::int64_t largest = 0;
+    for (const DeviceMemory& m : p.memory) largest = std::max(largest, m.total());
+    CHECK(p.peak_memory_bytes == largest);
+    CHECK(p.fits);
+    CHECK(p.step_time_s > 0);
+    CHECK(p.tokens_per_s == doctest::Approx(8.0 * 16 / p.step_time_s));
+
+    // The same plan, run: its measured registers against the plan's.
+    TrainingJob job = compile(l, DeviceType::cpu, 3);
+    const std::vector<DeviceMemory> planned = memory_report(job.plan);
+    REQUIRE(planned.size() == p.memory.size());
+    for (std::size_t i = 0; i < planned.size(); ++i) CHECK(planned[i].total() == p.memory[i].total());
+    RuntimeSettings rs;
+    rs.measure_memory = true;
+    Runtime rt(job.plan, job.kernels, rs);
+    const RunReport report = rt.run();
+    std::map<Device, std::int64_t> at_peak;
+    for (const DeviceMemory& m : planned) at_peak[m.device] = m.registers_at_peak();
+    REQUIRE(report.memory.size() == static_cast<std::size_t>(pp));
+    for (const MeasuredMemory& m : report.memory) {
+      CAPTURE(m.device.str());
+      CHECK(m.peak_bytes > 0);
+      CHECK(m.peak_bytes <= at_peak[m.device]);
+    }
+  }
+}
+
+TEST_CASE("Planner.AGpuLayoutCompilesOntoSimDevicesAndPredicts" * doctest::timeout(120)) {
+  Layout l = small_gpt();
+  l.dtype = "bf16";
+  l.pp = 2;
+  l.dp = 2;
+  const Prediction p = predict(l, parse_cluster("h100-sxm:4"));
+  CHECK(p.cluster == "h100-sxm:4");
+  CHECK(p.step_time_s > 0);
+  CHECK(p.mfu > 0);
+  CHECK(p.mfu < 1);
+  CHECK(p.fits);
+  CHECK(p.bubble_fraction >= 0);
+  CHECK(p.bubble_fraction < 1);
+  const std::string json = to_json(p);
+  for (const char* key : {"\"step_time_s\":", "\"tokens_per_s\":", "\"mfu\":", "\"bubble_fraction\":",
+                          "\"peak_memory_bytes\":", "\"fits\":true", "\"dp\":2", "\"pp\":2"}) {
+    CHECK_MESSAGE(json.find(key) != std::string::npos, key, " in ", json);
+  }
+}
+
+TEST_CASE("Planner.ALayoutTheClusterCannotHoldIsRefusedNamingWhy") {
+  Layout l = small_gpt();
+  l.pp = 2;
+  CHECK_THROWS_WITH_AS(predict(l, parse_cluster("cpu:3")), "--dp 1 x --tp 1 x --pp 2 is 2 devices; the cluster has 3",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(parse_cluster("v100:8"), doctest::Contains("no device profile 'v100'; the built-in ones are a100-40gb"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(parse_cluster("h100-sxm"), doctest::Contains("NAME:N"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(parse_cluster("h100-sxm:0"), doctest::Contains("at least one device"), std::invalid_argument);
+  l.global_batch = 7;
+  CHECK_THROWS_WITH_AS(l.check(), "--global-batch 7 is not a multiple of --dp 1 x --micro-batch 2", std::invalid_argument);
+  l = small_gpt();
+  l.heads = 3;
+  CHECK_THROWS_WITH_AS(l.check(), "--d-model 32 is not a multiple of --heads 3", std::invalid_argument);
+  l = small_gpt();
+  l.dp = 128;
+  l.global_batch = 256;
+  CHECK_THROWS_WITH_AS(predict(l, parse_cluster("h100-sxm:128")), doctest::Contains("at most 64 devices for now"),
+                       std::invalid_argument);
+}
