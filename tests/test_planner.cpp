@@ -111,3 +111,52 @@ TEST_CASE("Planner.ALayoutTheClusterCannotHoldIsRefusedNamingWhy") {
   CHECK_THROWS_WITH_AS(predict(l, parse_cluster("h100-sxm:128")), doctest::Contains("at most 64 devices for now"),
                        std::invalid_argument);
 }
+
+TEST_CASE("Planner.SearchRanksTheLayoutsThatFitAndHoldsWhatIsGiven" * doctest::timeout(300)) {
+  Layout base = small_gpt();
+  base.dtype = "bf16";
+  Cluster c = parse_cluster("h100-sxm:2");
+  SearchResult r = search(base, c, {}, {.top = 50});
+  REQUIRE(!r.ranked.empty());
+  CHECK(r.candidates > 5);
+  bool saw_pp = false, saw_dp = false;
+  for (std::size_t i = 0; i < r.ranked.size(); ++i) {
+    const Prediction& p = r.ranked[i];
+    CAPTURE(p.layout.str());
+    CHECK(p.fits);
+    CHECK(p.layout.dp * p.layout.tp * p.layout.pp == 2);
+    CHECK(p.layout.schedule != "2bw");  // another model (one step stale): never chosen for the user
+    CHECK(p.layout.zero == 0);          // everything fits without ZeRO or recomputation
+    CHECK(p.layout.recompute == "none");
+    if (i > 0) CHECK(p.step_time_s >= r.ranked[i - 1].step_time_s);
+    saw_pp = saw_pp || p.layout.pp == 2;
+    saw_dp = saw_dp || p.layout.dp == 2;
+  }
+  CHECK(saw_pp);
+  CHECK(saw_dp);
+  // What the user gives is held fixed.
+  SearchFixed f;
+  f.pp = 2;
+  f.schedule = "gpipe";
+  r = search(base, c, f);
+  REQUIRE(!r.ranked.empty());
+  for (const Prediction& p : r.ranked) {
+    CHECK(p.layout.pp == 2);
+    CHECK(p.layout.schedule == "gpipe");
+  }
+  // Under a memory limit that dp 2 without ZeRO misses, the search climbs ZeRO's stages (then
+  // recomputation) until it fits, and says the layout with them.
+  f = {};
+  f.dp = 2;
+  f.micro_batch = 2;
+  const SearchResult plain = search(base, c, f);
+  REQUIRE(plain.ranked.size() == 1);
+  c.device.memory_bytes = plain.ranked[0].peak_memory_bytes - 1;
+  const SearchResult tight = search(base, c, f);
+  REQUIRE(tight.ranked.size() == 1);
+  CHECK(tight.ranked[0].fits);
+  CHECK(tight.ranked[0].peak_memory_bytes < plain.ranked[0].peak_memory_bytes);
+  CHECK((tight.ranked[0].layout.zero > 0 || tight.ranked[0].layout.recompute != "none"));
+  c.device.memory_bytes = 1024;
+  CHECK(search(base, c, f).ranked.empty());
+}

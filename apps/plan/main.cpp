@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "bytes.h"
 #include "planner.h"
 
 namespace {
@@ -64,7 +65,61 @@ int main(int argc, char** argv) {
                  "cpu: also train the layout here for a few steps and print the measured step time and each op's "
                  "kernel time beside the prediction's");
   sim->add_option("--repeats", repeats, "cpu: timed runs of each kernel (the median counts)")->capture_default_str();
+  Layout base;
+  std::string search_cluster = "cpu";
+  int gpus = 0;
+  int top = 10;
+  double time_limit = 600;
+  CLI::App* find = app.add_subcommand(
+      "search", "the fastest layouts that fit: dp x tp x pp, micro-batch and schedule (those given are held fixed), "
+                "each with the first of ZeRO's stages, then recomputation, at which it fits");
+  add_layout_options(*find, base);
+  find->add_option("--cluster", search_cluster, "NAME or NAME:N (with --gpus N)")->capture_default_str();
+  find->add_option("--gpus", gpus, "devices to lay the job out on");
+  find->add_option("--gpus-per-node", gpus_per_node, "devices per node (0: the profile's, 8 for GPUs)");
+  std::string memory_limit;
+  find->add_option("--memory-limit", memory_limit, "bytes a device may hold (512MiB, 40GiB; default: the profile's)");
+  find->add_option("--top", top, "how many layouts to print")->capture_default_str();
+  find->add_option("--time-limit", time_limit, "seconds of searching at most")->capture_default_str();
+  find->add_flag("--json", json, "a JSON array, fastest first");
   CLI11_PARSE(app, argc, argv);
+  if (find->parsed()) {
+    try {
+      const std::string spec = gpus > 0 ? fmt::format("{}:{}", search_cluster, gpus) : search_cluster;
+      Cluster c = parse_cluster(spec, gpus_per_node);
+      if (!memory_limit.empty()) c.device.memory_bytes = baton::parse_bytes("--memory-limit", memory_limit);
+      SearchFixed f;
+      const auto given = [&](const char* flag) { return find->get_option(flag)->count() > 0; };
+      if (given("--dp")) f.dp = base.dp;
+      if (given("--tp")) f.tp = base.tp;
+      if (given("--pp")) f.pp = base.pp;
+      if (given("--zero")) f.zero = base.zero;
+      if (given("--micro-batch")) f.micro_batch = base.micro_batch;
+      if (given("--schedule")) f.schedule = base.schedule;
+      if (given("--recompute")) f.recompute = base.recompute;
+      const SearchResult r = search(base, c, f, {.top = top, .time_limit_s = time_limit});
+      if (json) {
+        std::string out = "[";
+        for (std::size_t i = 0; i < r.ranked.size(); ++i) out += (i == 0 ? "" : ",") + to_json(r.ranked[i]);
+        fmt::print("{}]\n", out);
+      } else {
+        fmt::print("baton-plan search: {} on {}: {} layouts, {} predictions, {} refused, {:.1f} s\n", base.model, spec,
+                   r.candidates, r.evaluated, r.refused, r.wall_s);
+        for (const std::string& n : r.notes) fmt::print("  note: {}\n", n);
+        if (r.ranked.empty()) fmt::print("  no layout fits\n");
+        for (std::size_t i = 0; i < r.ranked.size(); ++i) {
+          const Prediction& p = r.ranked[i];
+          fmt::print("  {:>2}. {:<70} {:.4g} s/step  {:.4g} samples/s  MFU {:.1f}%  bubble {:.0f}%  {}\n", i + 1,
+                     p.layout.str(), p.step_time_s, p.samples_per_s, 100 * p.mfu, 100 * p.bubble_fraction,
+                     baton::format_bytes(p.peak_memory_bytes));
+        }
+      }
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "baton-plan: {}\n", e.what());
+      return 2;
+    }
+    return 0;
+  }
   try {
     const Cluster c = parse_cluster(cluster, gpus_per_node);
     const Prediction p = predict(layout, c, {.repeats = repeats, .keep_acts = !trace.empty()});

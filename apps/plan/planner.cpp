@@ -341,9 +341,11 @@ class Replay {
 };
 
 struct Costs {
-  std::vector<double> seconds;             // by actor
-  std::map<std::string, double> link_bytes;  // per act of each copy or transfer, summed below
-  std::vector<std::string> link_of_actor;    // "" for compute
+  std::vector<double> seconds;            // by actor
+  std::vector<std::string> link_of_actor;  // a copy's or transfer's link; "" for compute
+  /// By actor: bytes an act reads from another accelerator's memory, and over which link.
+  std::vector<double> remote_bytes;
+  std::vector<std::string> remote_link;
 };
 
 Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
@@ -352,6 +354,8 @@ Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
   Costs costs;
   costs.seconds.assign(plan.actors.size(), 0.0);
   costs.link_of_actor.assign(plan.actors.size(), "");
+  costs.remote_bytes.assign(plan.actors.size(), 0.0);
+  costs.remote_link.assign(plan.actors.size(), "");
   KernelTimer timer(job, repeats);
   for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
     const ActorDesc& a = plan.actors[i];
@@ -363,7 +367,26 @@ Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
       continue;
     }
     if (a.kind == ActorKind::accumulate && a.op == "last") continue;  // keeps a pointer's worth
-    costs.seconds[i] = c.device.measured ? timer.seconds(a) + c.device.act_overhead_s : roofline_seconds(plan, a, c.device);
+    if (c.device.measured) {
+      costs.seconds[i] = timer.seconds(a) + c.device.act_overhead_s;
+      continue;
+    }
+    costs.seconds[i] = roofline_seconds(plan, a, c.device);
+    // Accelerators in one plan read each other's registers where the plan says so (an
+    // all-reduce's add reading its neighbour's chunk, a stage its predecessor's activations):
+    // those bytes cross the link between the two devices, before the act can compute on them.
+    for (const InputPort& in : a.inputs) {
+      const ActorIndex w = data_writer(plan, in.reg);
+      if (w == no_actor || plan.actors[w].where.device == a.where.device || !is_async(plan.actors[w].where.device.type) ||
+          !is_async(a.where.device.type)) {
+        continue;
+      }
+      const Link& link = link_of(plan, ActorDesc{.where = a.where, .inputs = {in}}, c, pcie);
+      const auto bytes = static_cast<double>(slot_bytes(plan.registers[in.reg]));
+      costs.seconds[i] += link.seconds(bytes);
+      costs.remote_bytes[i] += bytes;
+      costs.remote_link[i] = link.name;
+    }
   }
   return costs;
 }
@@ -536,6 +559,14 @@ Prediction predict(const Layout& l, const Cluster& c, const PredictOptions& opti
   // variables' first hand-out).
   const std::int64_t steps = 3;
   TrainingJob job = compile(l, type, steps);
+  p.memory = memory_report(job.plan);
+  for (const DeviceMemory& m : p.memory) p.peak_memory_bytes = std::max(p.peak_memory_bytes, m.total());
+  p.fits = p.peak_memory_bytes <= c.device.memory_bytes;
+  p.actors = static_cast<std::int64_t>(job.plan.actors.size());
+  if (!p.fits && options.skip_if_unfit) {
+    p.wall_s = seconds_since(t0);
+    return p;
+  }
   TrainingJob one = compile(l, type, 1);
   Costs costs = act_costs(job, c, options.repeats);
   SimulationOptions so;
@@ -584,14 +615,12 @@ Prediction predict(const Layout& l, const Cluster& c, const PredictOptions& opti
   }
   p.bubble_fraction = compute.empty() ? 0 : std::max(0.0, idle / static_cast<double>(compute.size()));
 
-  p.memory = memory_report(job.plan);
-  for (const DeviceMemory& m : p.memory) p.peak_memory_bytes = std::max(p.peak_memory_bytes, m.total());
-  p.fits = p.peak_memory_bytes <= c.device.memory_bytes;
-
   for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) {
-    if (costs.link_of_actor[i].empty()) continue;
     const double per_step = static_cast<double>(sim.act_count[i]) / static_cast<double>(steps);
-    p.link_bytes_per_step[costs.link_of_actor[i]] += per_step * static_cast<double>(output_bytes(job.plan, job.plan.actors[i]));
+    if (!costs.link_of_actor[i].empty()) {
+      p.link_bytes_per_step[costs.link_of_actor[i]] += per_step * static_cast<double>(output_bytes(job.plan, job.plan.actors[i]));
+    }
+    if (costs.remote_bytes[i] > 0) p.link_bytes_per_step[costs.remote_link[i]] += per_step * costs.remote_bytes[i];
   }
   std::map<std::string, double> on_path;
   for (std::int64_t a : sim.critical_path()) {
@@ -600,7 +629,6 @@ Prediction predict(const Layout& l, const Cluster& c, const PredictOptions& opti
   }
   p.critical_path.assign(on_path.begin(), on_path.end());
   std::sort(p.critical_path.begin(), p.critical_path.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-  p.actors = static_cast<std::int64_t>(job.plan.actors.size());
   for (ActorIndex i = 0; i < job.plan.actors.size(); ++i) {
     if (costs.link_of_actor[i].empty()) p.act_s_per_step += costs.seconds[i] * static_cast<double>(sim.act_count[i]);
   }
@@ -620,6 +648,109 @@ Prediction predict(const Layout& l, const Cluster& c, const PredictOptions& opti
   }
   p.wall_s = seconds_since(t0);
   return p;
+}
+
+namespace {
+
+std::vector<int> divisors(int n) {
+  std::vector<int> out;
+  for (int d = 1; d <= n; ++d) {
+    if (n % d == 0) out.push_back(d);
+  }
+  return out;
+}
+
+// What a layout may still turn on to fit, cheapest first: ZeRO's stages (memory for a little
+// communication), then recomputation (memory for compute). Neither makes a step faster, so the
+// search takes the first rung that fits.
+std::vector<std::pair<int, std::string>> memory_ladder(const Layout& l, const SearchFixed& f) {
+  std::vector<std::pair<int, std::string>> rungs;
+  const std::vector<int> zeros = f.zero ? std::vector<int>{*f.zero} : l.dp > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0};
+  const std::vector<std::string> recomputes =
+      f.recompute ? std::vector<std::string>{*f.recompute}
+      : l.model == "mlp" ? std::vector<std::string>{"none"}
+                         : std::vector<std::string>{"none", "selective", "full"};
+  for (const std::string& r : recomputes) {
+    for (int z : zeros) rungs.emplace_back(z, r);
+  }
+  return rungs;
+}
+
+}  // namespace
+
+SearchResult search(const Layout& base, const Cluster& c, const SearchFixed& f, const SearchOptions& options) {
+  const auto t0 = Clock::now();
+  SearchResult result;
+  std::vector<Layout> shapes;
+  for (int dp : f.dp ? std::vector<int>{*f.dp} : divisors(c.devices)) {
+    for (int tp : f.tp ? std::vector<int>{*f.tp} : divisors(c.devices / dp)) {
+      const int pp = c.devices / (dp * tp);
+      if (dp * tp * pp != c.devices || (f.pp && *f.pp != pp)) continue;
+      if (pp > base.layers) continue;  // a stage needs a layer
+      // Micro-batches: every micro-batch size that splits the global batch into 1, 2, 4, ... 32
+      // micro-batches per replica.
+      std::vector<std::int64_t> micro;
+      if (f.micro_batch) {
+        micro = {*f.micro_batch};
+      } else {
+        for (std::int64_t m = 1; m <= 32; m *= 2) {
+          if (base.global_batch % (dp * m) == 0) micro.push_back(base.global_batch / (dp * m));
+        }
+      }
+      // PipeDream-2BW trains with weights one step stale: another model, never chosen for the user.
+      std::vector<std::string> schedules = f.schedule ? std::vector<std::string>{*f.schedule}
+                                           : pp == 1 ? std::vector<std::string>{"1f1b"}
+                                                     : std::vector<std::string>{"1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"};
+      for (std::int64_t b : micro) {
+        for (const std::string& s : schedules) {
+          Layout l = base;
+          l.dp = dp, l.tp = tp, l.pp = pp, l.micro_batch = b, l.schedule = s;
+          l.virtual_stages = s == "interleaved" ? 2 : 1;
+          if (s == "interleaved" && pp * l.virtual_stages > base.layers) continue;
+          try {
+            l.check();
+          } catch (const std::invalid_argument&) {
+            ++result.refused;
+            continue;
+          }
+          shapes.push_back(l);
+        }
+      }
+    }
+  }
+  result.candidates = static_cast<std::int64_t>(shapes.size());
+  for (const Layout& shape : shapes) {
+    if (seconds_since(t0) > options.time_limit_s) {
+      result.notes.push_back(fmt::format("stopped after {:.0f} s (--time-limit): {} of {} layouts not tried",
+                                         options.time_limit_s, result.candidates - result.evaluated - result.refused,
+                                         result.candidates));
+      break;
+    }
+    for (const auto& [zero, recompute] : memory_ladder(shape, f)) {
+      Layout l = shape;
+      l.zero = zero;
+      l.recompute = recompute;
+      Prediction p;
+      try {
+        p = predict(l, c, {.repeats = 1, .skip_if_unfit = true});
+      } catch (const std::exception&) {
+        // A rung the compiler refuses (ZeRO's sharded optimizer on accelerators, selective
+        // recomputation of a fused attention that keeps no scores): the next one may do.
+        ++result.refused;
+        continue;
+      }
+      ++result.evaluated;
+      if (!p.fits) continue;
+      result.ranked.push_back(std::move(p));
+      break;
+    }
+  }
+  std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Prediction& a, const Prediction& b) {
+    return a.step_time_s != b.step_time_s ? a.step_time_s < b.step_time_s : a.peak_memory_bytes < b.peak_memory_bytes;
+  });
+  if (result.ranked.size() > static_cast<std::size_t>(options.top)) result.ranked.resize(static_cast<std::size_t>(options.top));
+  result.wall_s = seconds_since(t0);
+  return result;
 }
 
 Measured measure(const Layout& l, std::int64_t steps, std::int64_t warm) {

@@ -8,6 +8,7 @@
 //   // p.step_time_s, p.tokens_per_s, p.peak_memory_bytes, p.fits ...
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -126,6 +127,8 @@ struct PredictOptions {
   int repeats = 3;
   /// Keep the simulation's acts and the plan (Prediction::simulation, ::plan) for a trace.
   bool keep_acts = false;
+  /// Stop once the plan's memory is known not to fit (Prediction::fits false, nothing timed).
+  bool skip_if_unfit = false;
 };
 
 /// Compiles the layout's training plan for the cluster's devices (CPU devices for `cpu`, sim
@@ -133,6 +136,33 @@ struct PredictOptions {
 /// steps. Throws std::invalid_argument for a layout the cluster cannot hold (dp x tp x pp !=
 /// devices) or the compiler refuses, naming why.
 Prediction predict(const Layout& layout, const Cluster& cluster, const PredictOptions& options = {});
+
+/// What a search holds fixed (the flags the user gave); the rest it chooses.
+struct SearchFixed {
+  std::optional<int> dp, tp, pp, zero;
+  std::optional<std::int64_t> micro_batch;
+  std::optional<std::string> schedule, recompute;
+};
+struct SearchOptions {
+  int top = 10;
+  /// Stop trying layouts after this long (the best so far are returned, and a note says so).
+  double time_limit_s = 600;
+};
+struct SearchResult {
+  /// The fastest layouts that fit, fastest first (at most SearchOptions::top).
+  std::vector<Prediction> ranked;
+  std::int64_t candidates = 0;  // shapes (dp, tp, pp, micro-batch, schedule) enumerated
+  std::int64_t evaluated = 0;   // predictions made (each rung of the memory ladder counts)
+  std::int64_t refused = 0;     // shapes the model or the compiler refused
+  std::vector<std::string> notes;
+  double wall_s = 0;
+};
+/// Every layout of `base`'s model and global batch on the cluster's devices: dp x tp x pp equal
+/// to the devices, micro-batches that split the batch into 1-32 per replica, every schedule but
+/// 2BW (it trains another model, one step stale) where pp > 1; for each, the first rung of
+/// ZeRO stages then recomputation (neither makes a step faster) at which it fits. The fastest
+/// predicted first.
+SearchResult search(const Layout& base, const Cluster& c, const SearchFixed& fixed, const SearchOptions& options = {});
 
 /// The layout's training job for `steps` steps, compiled as predict() compiles it (on in-process
 /// devices of `device`'s type, synthetic micro-batches).
