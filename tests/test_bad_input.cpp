@@ -317,3 +317,23 @@ TEST_CASE("Train.PrintMemoryAnswersFromThePlanAndABudgetBelowItIsRefused" * doct
                                   "--device-memory", std::to_string(largest - 1)},
                                  "but the memory budget is"});
 }
+
+TEST_CASE("BadInput.TrainLayoutAuto" * doctest::timeout(300)) {
+  const std::vector<Case> cases{
+      {{"--layout", "best"}, "--layout: best not in {given,auto}"},
+      {{"--layout", "auto", "--devices", "sim:2"}, "--layout auto with --devices sim:2: in-process CPU devices"},
+      {{"--layout", "auto", "--model", "mlp", "--data", "synthetic", "--dp", "3", "--devices", "cpu:2"},
+       "--layout auto: no layout of mlp"},
+  };
+  for (const Case& c : cases) expect_refused("baton-train", c);
+  // And where it can: it says what it chose and why, and trains with it.
+  Proc p({bin + "/baton-train", "--model", "mlp", "--data", "synthetic", "--hidden", "64", "--batch", "32", "--steps", "5",
+          "--layout", "auto", "--devices", "cpu:2", "--pp", "1"},
+         {});
+  REQUIRE(p.wait(120s) == 0);
+  const std::string err = p.err();
+  CAPTURE(err);
+  CHECK(err.find("baton-train: --layout auto chose mlp L2 hidden 64 | B32 ") != std::string::npos);
+  CHECK(err.find(" pp1 ") != std::string::npos);  // --pp 1 given: held
+  CHECK(err.find("layouts on 1-2 devices searched") != std::string::npos);
+}

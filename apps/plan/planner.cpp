@@ -10,6 +10,7 @@
 #include <map>
 #include <stdexcept>
 #include <thread>
+#include <variant>
 
 #include "baton/actors/runtime.h"
 #include "baton/graph.h"
@@ -88,6 +89,9 @@ TrainingJob compile(const Layout& l, DeviceType device, std::int64_t steps) {
   cfg.virtual_stages = l.virtual_stages;
   cfg.zero = l.zero;
   cfg.recompute = l.recompute;
+  // Accelerators sum through NCCL's collectives, as baton-train's "auto" does on GPUs (on sim
+  // devices, the sim's stand-in for NCCL), costed by NCCL's ring model (nccl_seconds).
+  if (device != DeviceType::cpu) cfg.collectives = "nccl";
   // One actor per kernel: a CUDA graph's segment is costed as its kernels would be.
   cfg.cuda_graphs = false;
   const int places = l.dp * l.tp * l.pp;
@@ -160,6 +164,28 @@ const Link& link_of(const Plan& plan, const ActorDesc& a, const Cluster& c, cons
   if (from.type == DeviceType::cpu || to.type == DeviceType::cpu) return pcie;
   const int per_node = std::max(1, c.device.per_node);
   return from.index / per_node == to.index / per_node ? c.device.intra_node : c.device.inter_node;
+}
+
+// An NCCL collective among the devices its attribute "devices" lists, by NCCL's ring model
+// (its documentation's bus bandwidth): an all-reduce moves 2 (n-1)/n of the bytes over each
+// member's link in 2 (n-1) steps, an all-gather or reduce-scatter (n-1)/n in n-1; the link is the
+// slowest the ring crosses (InfiniBand where it spans nodes). Returns the seconds and sets the
+// link and the bytes it moves.
+double nccl_seconds(const Plan& plan, const ActorDesc& a, const Cluster& c, const Link*& link, double& moved) {
+  std::vector<std::int64_t> devices;
+  if (const auto it = a.attrs.values().find("devices"); it != a.attrs.values().end()) {
+    if (const auto* v = std::get_if<std::vector<std::int64_t>>(&it->second)) devices = *v;
+  }
+  const auto n = static_cast<double>(std::max<std::size_t>(devices.size(), 1));
+  const int per_node = std::max(1, c.device.per_node);
+  bool spans = false;
+  for (std::int64_t d : devices) spans = spans || d / per_node != devices.front() / per_node;
+  link = spans ? &c.device.inter_node : &c.device.intra_node;
+  const double bytes = static_cast<double>(output_bytes(plan, a));
+  const bool all_reduce = a.op.find("allreduce") != std::string::npos;
+  const double share = (all_reduce ? 2.0 : 1.0) * (n - 1) / n;
+  moved = share * bytes;
+  return (all_reduce ? 2.0 : 1.0) * (n - 1) * link->latency_s + moved / link->bytes_per_s + c.device.act_overhead_s;
 }
 
 // Each distinct kernel of the plan timed on its real shapes (zeros as inputs: a matrix
@@ -369,6 +395,12 @@ Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
     if (a.kind == ActorKind::accumulate && a.op == "last") continue;  // keeps a pointer's worth
     if (c.device.measured) {
       costs.seconds[i] = timer.seconds(a) + c.device.act_overhead_s;
+      continue;
+    }
+    if (a.op.starts_with("nccl.")) {
+      const Link* link = nullptr;
+      costs.seconds[i] = nccl_seconds(plan, a, c, link, costs.remote_bytes[i]);
+      costs.remote_link[i] = link->name;
       continue;
     }
     costs.seconds[i] = roofline_seconds(plan, a, c.device);
@@ -751,6 +783,33 @@ SearchResult search(const Layout& base, const Cluster& c, const SearchFixed& f, 
   if (result.ranked.size() > static_cast<std::size_t>(options.top)) result.ranked.resize(static_cast<std::size_t>(options.top));
   result.wall_s = seconds_since(t0);
   return result;
+}
+
+Choice choose(const Layout& base, std::string_view profile, int devices, const SearchFixed& fixed) {
+  const auto t0 = Clock::now();
+  std::vector<Prediction> all;
+  std::int64_t tried = 0;
+  for (int n = 1; n <= devices; ++n) {
+    if (fixed.dp.value_or(1) * fixed.tp.value_or(1) * fixed.pp.value_or(1) > n) continue;
+    SearchResult r = search(base, parse_cluster(fmt::format("{}:{}", profile, n)), fixed, {.top = 2});
+    tried += r.candidates;
+    for (Prediction& p : r.ranked) all.push_back(std::move(p));
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Prediction& a, const Prediction& b) { return a.step_time_s < b.step_time_s; });
+  if (all.empty()) {
+    throw std::invalid_argument(fmt::format("--layout auto: no layout of {} on 1-{} {} devices fits", base.str(), devices, profile));
+  }
+  Choice c{all.front(), ""};
+  const Prediction& b = c.best;
+  c.why = fmt::format("{}: predicted {:.4g} samples/s ({:.4g} s a step, bubble {:.0f}%, {} on the largest device)", b.layout.str(),
+                      b.samples_per_s, b.step_time_s, 100 * b.bubble_fraction, format_bytes(b.peak_memory_bytes));
+  if (all.size() > 1) {
+    c.why += fmt::format("; the next best, {}, {:.1f}% slower", all[1].layout.str(),
+                         100 * (all[1].step_time_s / b.step_time_s - 1));
+  }
+  c.why += fmt::format("; {} layouts on 1-{} devices searched in {:.1f} s (baton-plan search, docs/planning.md)", tried, devices,
+                       seconds_since(t0));
+  return c;
 }
 
 Measured measure(const Layout& l, std::int64_t steps, std::int64_t warm) {

@@ -164,6 +164,15 @@ struct SearchResult {
 /// predicted first.
 SearchResult search(const Layout& base, const Cluster& c, const SearchFixed& fixed, const SearchOptions& options = {});
 
+/// baton-train --layout auto: the fastest layout that fits on 1 to `devices` devices of the
+/// profile (fewer devices may win: a small model on two devices can be slower than on one), and
+/// why, in a line for people. Throws std::invalid_argument when no layout fits.
+struct Choice {
+  Prediction best;
+  std::string why;
+};
+Choice choose(const Layout& base, std::string_view profile, int devices, const SearchFixed& fixed);
+
 /// The layout's training job for `steps` steps, compiled as predict() compiles it (on in-process
 /// devices of `device`'s type, synthetic micro-batches).
 TrainingJob compile(const Layout& layout, DeviceType device, std::int64_t steps);

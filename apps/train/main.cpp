@@ -36,6 +36,7 @@
 #include "bytes.h"
 #include "import.h"
 #include "models.h"
+#include "planner.h"
 #include "sample_text.h"
 
 namespace {
@@ -113,6 +114,8 @@ struct Options {
   std::string sample_prompt;
   double temperature = 0.8;
   std::optional<std::uint64_t> sample_seed;  // default: --seed
+  std::string layout = "given";  // or auto: baton-plan's search chooses (apply_auto_layout)
+  std::vector<std::string> layout_given;  // --layout auto: the layout flags given, held fixed
 };
 
 struct Data {
@@ -896,11 +899,55 @@ void print_result(const Options& o, const Data& d, const TrainingJob& job, const
   }
 }
 
+/// --layout auto: baton-plan's search (planner.h) over this machine's in-process CPU devices,
+/// 1 to K of them (--devices cpu:K, or K the cores this process may use), holds the layout
+/// flags given and chooses the rest: dp, tp, pp, micro-batches, schedule, ZeRO, recomputation.
+void apply_auto_layout(Options& o, const Data& d, const JobEnvironment& env) {
+  if (env.distributed()) {
+    throw std::invalid_argument("--layout auto chooses among one process's in-process devices for now; under baton-launch "
+                                "give the layout (baton-plan search says which)");
+  }
+  if (!o.devices.empty() && !o.devices.starts_with("cpu:")) {
+    throw std::invalid_argument(fmt::format("--layout auto with --devices {}: in-process CPU devices (cpu:K) only for now", o.devices));
+  }
+  const int devices = !o.devices.empty() ? std::stoi(o.devices.substr(4))
+                                         : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
+  planner::Layout base{.model = o.model, .layers = o.layers, .d_model = o.d_model, .heads = o.heads, .kv_heads = o.kv_heads,
+                       .ffn_hidden = o.ffn_hidden, .seq = o.seq, .vocab = o.model == "mlp" ? 256 : d.vocab_size(),
+                       .hidden = o.hidden, .global_batch = o.batch, .dtype = o.precision, .threads = o.threads};
+  if (o.model == "gpt2" || (o.model == "mlp" && (d.train->width() != 64 || d.train->num_classes != 10))) {
+    throw std::invalid_argument(fmt::format("--layout auto: baton-plan models the mlp of 64 inputs and 10 classes, gpt and "
+                                            "llama; not this --model {} on --data {}", o.model, o.data));
+  }
+  planner::SearchFixed f;
+  const auto given = [&](const char* flag) { return std::find(o.layout_given.begin(), o.layout_given.end(), flag) != o.layout_given.end(); };
+  if (given("--dp")) f.dp = o.dp;
+  if (given("--tp")) f.tp = static_cast<int>(o.tp);
+  if (given("--pp")) f.pp = o.pp;
+  if (given("--zero")) f.zero = o.zero;
+  if (given("--microbatches")) f.micro_batch = o.batch / (o.dp * o.microbatches);
+  if (given("--schedule")) f.schedule = o.schedule;
+  if (given("--recompute")) f.recompute = o.recompute;
+  const planner::Choice c = planner::choose(base, "cpu", devices, f);
+  const planner::Layout& l = c.best.layout;
+  o.dp = l.dp;
+  o.tp = l.tp;
+  o.pp = l.pp;
+  o.microbatches = l.microbatches();
+  o.schedule = l.schedule;
+  o.virtual_stages = l.virtual_stages;
+  o.zero = l.zero;
+  o.recompute = l.recompute;
+  if (!o.devices.empty()) o.devices = fmt::format("cpu:{}", l.dp * l.tp * l.pp);
+  fmt::print(stderr, "baton-train: --layout auto chose {}\n", c.why);
+}
+
 int run(const Options& given) {
   const JobEnvironment env = JobEnvironment::from_env();
   std::optional<safetensors::Contents> init;
-  const Options o = read_init_from(given, init);
+  Options o = read_init_from(given, init);
   const Data d = load(o);
+  if (o.layout == "auto") apply_auto_layout(o, d, env);
   // Checked before training: a prompt the data cannot encode is refused now, not after it.
   std::optional<sample::TextSampler> sampler;
   if (o.sample > 0) {
@@ -1144,6 +1191,11 @@ void add_parallel_options(CLI::App& app, Options& o) {
 /// The flags of where and how it runs: devices, output, memory, checkpoints, sampling.
 void add_run_options(CLI::App& app, Options& o) {
   add_parallel_options(app, o);
+  app.add_option("--layout", o.layout,
+                 "given (the flags say it), or auto: baton-plan's search chooses dp, tp, pp, micro-batches, schedule, ZeRO "
+                 "and recomputation for this machine's in-process CPU devices, holding those flags given (docs/planning.md)")
+      ->check(CLI::IsMember({"given", "auto"}))
+      ->capture_default_str();
   app.add_option("--devices", o.devices,
                  "where the dp x pp x tp places run: cpu:K, cuda:K or sim:K (K in-process devices per rank; default cpu, dp x "
                  "pp x tp / ranks), or RANK:TYPE:INDEX per place, comma-separated (0:cuda:0,0:cuda:1)");
@@ -1232,6 +1284,9 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   if (app.count("--print-plan") && o.print_plan.empty()) o.print_plan = "text";
+  for (const char* flag : {"--dp", "--tp", "--pp", "--zero", "--microbatches", "--schedule", "--recompute"}) {
+    if (app.count(flag) > 0) o.layout_given.emplace_back(flag);
+  }
   for (const char* flag : {"--sample-prompt", "--temperature", "--sample-seed"}) {
     if (app.count(flag) && o.sample == 0) {
       fmt::print(stderr, "baton-train: error: {} needs --sample N\n", flag);
