@@ -31,7 +31,7 @@ Layout small_gpt() {
 
 }  // namespace
 
-TEST_CASE("Planner.ThePredictedMemoryIsThePlansAndBoundsARealRun" * doctest::timeout(120)) {
+TEST_CASE("Planner.ThePredictedMemoryIsThePlansAndBoundsARealRun" * doctest::timeout(280)) {
   // The prediction's bytes are the memory plan's (plan_memory.h) for the plan the layout
   // compiles to; a real run of that plan with measure_memory counts the register bytes in use
   // (written, not yet read by every reader), which the plan's registers at its peak bound on
@@ -71,7 +71,7 @@ TEST_CASE("Planner.ThePredictedMemoryIsThePlansAndBoundsARealRun" * doctest::tim
   }
 }
 
-TEST_CASE("Planner.AGpuLayoutCompilesOntoSimDevicesAndPredicts" * doctest::timeout(120)) {
+TEST_CASE("Planner.AGpuLayoutCompilesOntoSimDevicesAndPredicts" * doctest::timeout(280)) {
   Layout l = small_gpt();
   l.dtype = "bf16";
   l.pp = 2;
@@ -112,7 +112,7 @@ TEST_CASE("Planner.ALayoutTheClusterCannotHoldIsRefusedNamingWhy") {
                        std::invalid_argument);
 }
 
-TEST_CASE("Planner.SearchRanksTheLayoutsThatFitAndHoldsWhatIsGiven" * doctest::timeout(300)) {
+TEST_CASE("Planner.SearchRanksTheLayoutsThatFitAndHoldsWhatIsGiven" * doctest::timeout(280)) {
   Layout base = small_gpt();
   base.dtype = "bf16";
   Cluster c = parse_cluster("h100-sxm:2");
