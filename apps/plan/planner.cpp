@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <variant>
@@ -382,6 +383,7 @@ Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
   costs.link_of_actor.assign(plan.actors.size(), "");
   costs.remote_bytes.assign(plan.actors.size(), 0.0);
   costs.remote_link.assign(plan.actors.size(), "");
+  std::set<std::pair<RegisterIndex, Device>> copied;  // registers already brought to a device
   KernelTimer timer(job, repeats);
   for (ActorIndex i = 0; i < plan.actors.size(); ++i) {
     const ActorDesc& a = plan.actors[i];
@@ -404,13 +406,15 @@ Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
       continue;
     }
     costs.seconds[i] = roofline_seconds(plan, a, c.device);
-    // Accelerators in one plan read each other's registers where the plan says so (an
-    // all-reduce's add reading its neighbour's chunk, a stage its predecessor's activations):
-    // those bytes cross the link between the two devices, before the act can compute on them.
+    // Accelerators in one plan read each other's registers where the plan says so (a stage
+    // reading its predecessor's activations): those bytes cross the link between the two
+    // devices, before the act can compute on them, once per register and reading device (the
+    // first reader in plan order pays), as the CUDA plan copies each such register once per
+    // device (insert_device_copies).
     for (const InputPort& in : a.inputs) {
       const ActorIndex w = data_writer(plan, in.reg);
       if (w == no_actor || plan.actors[w].where.device == a.where.device || !is_async(plan.actors[w].where.device.type) ||
-          !is_async(a.where.device.type)) {
+          !is_async(a.where.device.type) || !copied.emplace(aliased_register(plan, in.reg), a.where.device).second) {
         continue;
       }
       const Link& link = link_of(plan, ActorDesc{.where = a.where, .inputs = {in}}, c, pcie);
