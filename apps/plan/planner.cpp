@@ -418,7 +418,16 @@ Costs act_costs(const TrainingJob& job, const Cluster& c, int repeats) {
         continue;
       }
       const Link& link = link_of(plan, ActorDesc{.where = a.where, .inputs = {in}}, c, pcie);
-      const auto bytes = static_cast<double>(slot_bytes(plan.registers[in.reg]));
+      // Through repeats (a weight handed to the step's M micro-batches) a piece crosses once for
+      // the group of acts that read it: each act pays its share.
+      double group = 1;
+      for (RegisterIndex r = in.reg; plan.registers[r].producer != no_actor &&
+                                     plan.actors[plan.registers[r].producer].kind == ActorKind::repeat;) {
+        const ActorDesc& rep = plan.actors[plan.registers[r].producer];
+        group *= std::max(1, rep.group);
+        r = rep.inputs[0].reg;
+      }
+      const auto bytes = static_cast<double>(slot_bytes(plan.registers[in.reg])) / group;
       costs.seconds[i] += link.seconds(bytes);
       costs.remote_bytes[i] += bytes;
       costs.remote_link[i] = link.name;
