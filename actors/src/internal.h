@@ -15,7 +15,6 @@
 #include <set>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "baton/actors/activity.h"
@@ -28,6 +27,7 @@
 #include "baton/actors/plan.h"
 #include "baton/actors/runtime.h"
 #include "baton/actors/settings.h"
+#include "baton/actors/simulate.h"
 #include "baton/kernels/allocator.h"
 #include "baton/kernels/cuda.h"
 #include "baton/kernels/kernel.h"
@@ -619,6 +619,9 @@ struct Core : transport::LinkHandler {
   bool dry_after(ActorIndex actor) const { return !dry_after_end.empty() && dry_after_end[actor]; }
   void count_dry_act(ActorIndex actor, std::int64_t acts_so_far);
   void count_dry_reached();
+  /// instantiate()'s last step in a dry run: the targets, limits and act budget that decide
+  /// when the check has seen enough.
+  void size_dry_run();
   /// A simulation (simulate.h): a dry run on a virtual clock. Sources emit their real piece
   /// counts, each dispatch runs at most one act (dry_spent is set from the start, so an actor
   /// stops after each act and simulate() asks it again when the act has ended), and an act of
@@ -628,7 +631,7 @@ struct Core : transport::LinkHandler {
   double sim_now = 0;
   /// The actor whose act the last dispatch ran (no_actor: none), and every act, if recorded.
   ActorIndex sim_acted = no_actor;
-  std::vector<std::tuple<ActorIndex, std::int64_t, double, double>>* sim_acts = nullptr;
+  std::vector<SimulatedAct>* sim_acts = nullptr;
 
   Plan plan;
   const KernelRegistry* kernels;  // null in a dry run

@@ -628,83 +628,87 @@ void Core::instantiate() {
   if (simulated) {
     dry_spent = true;  // one act per dispatch (see simulated)
   } else if (dry_run) {
-    // Every act that a deadlocking part of a plan can make before it stops is paid for by a
-    // token: a free slot or a delayed (initial) piece.
-    std::int64_t tokens = 0;
-    std::int64_t max_group = 1;
-    for (const auto& r : plan.registers) tokens += std::int64_t{r.slots} * static_cast<std::int64_t>(r.consumers.size());
-    for (const auto& a : plan.actors) {
-      for (const auto& in : a.inputs) tokens += in.delay;
-      tokens += static_cast<std::int64_t>(a.order.lead.size());  // a lane's prefix: acts paid for once
-      if (!a.at_end) max_group = std::max<std::int64_t>(max_group, a.group);
-    }
-    // Everything downstream of an at_end accumulate acts only after the run: not waited for
-    // (its group, the whole run, would make the check as long as the run).
-    std::vector<bool> after = after_end(plan);
-    if (std::find(after.begin(), after.end(), true) != after.end()) {
-      dry_after_end = std::move(after);
-      for (ActorIndex i = 0; i < dry_after_end.size(); ++i) {
-        if (dry_after_end[i] && i < actors.size() && actors[i]) ++dry_reached;  // nothing to prove
-      }
-    }
-    // The handshakes make the plan a marked graph once each actor is unrolled into its acts of
-    // one iteration (acts_per_iteration): act k of a consumer reading with delay d needs act
-    // k - d of the producer (d tokens on that edge), act k of a producer needs the slot of
-    // piece k - slots freed by each consumer's act k - slots + d (slots - d tokens on the edge
-    // back, fewer than none where a delay outgrows the slots), a lane is a circuit through its
-    // acts with one token, and no act, once ready, is made unready by another's (a persistent
-    // system). The tokens on a circuit never change, and a plan whose every circuit has one
-    // keeps going (Commoner et al., 1971). Where no edge is below zero, an act on a circuit
-    // without tokens never happens: once every actor has made its acts of one iteration, the
-    // plan keeps going. Edges below zero let an actor on such a circuit act a few times first,
-    // at most the sum D of the delays' iterations (renumber each actor's acts by its shortest
-    // distance from the edges below zero and the edges are all at least zero): so the target is
-    // D + 2 iterations, one for margin. An actor that reached it stops at 2 D + 3 (reaching its
-    // target may take its neighbours' acts up to D iterations past theirs), so that the acts of
-    // the whole check are linear in the plan's size: early actors cannot run on while a piece
-    // travels down a long chain.
-    if (!dry_by_tokens) dry_targets = acts_per_iteration(plan);
-    double want = 0;
-    if (!dry_targets.empty()) {
-      std::int64_t delays = 0;
-      for (const auto& a : plan.actors) {
-        for (const auto& in : a.inputs) delays += in.delay;
-      }
-      // A lane's prefix shifts its actors' acts against each other as a delay would: by the
-      // longest lead of the lane, in its periods (rounded up), counted like the delays.
-      std::map<std::int32_t, std::int64_t> lead_periods;
-      for (const auto& a : plan.actors) {
-        const ActOrder& o = a.order;
-        if (o.lane < 0 || o.lead.empty() || o.units.empty()) continue;
-        const auto u = static_cast<std::int64_t>(o.units.size());
-        auto& most = lead_periods[o.lane];
-        most = std::max(most, (static_cast<std::int64_t>(o.lead.size()) + u - 1) / u);
-      }
-      for (const auto& [lane, n] : lead_periods) delays += n;
-      dry_limits.resize(dry_targets.size());
-      for (std::size_t i = 0; i < dry_targets.size(); ++i) {
-        dry_limits[i] = dry_targets[i] * (2 * delays + 3);
-        dry_targets[i] *= delays + 2;
-        want += static_cast<double>(dry_limits[i]);
-      }
-      want += 1;
-    } else {
-      // Rates that do not balance (or asked for): the long check. An actor that acts more often than there
-      // are tokens is not stuck; micro-batch groups scale the count, and actors behind repeat /
-      // accumulate act at other rates: the slowest gets room to reach the target too. Past the
-      // cap the check turns lenient (see progress_check).
-      dry_target = (tokens + 2) * max_group;
-      double spread = 1;
-      for (const auto& a : plan.actors) {
-        if ((a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) && !a.at_end) {
-          spread = std::min(spread * a.group, 1e9);
-        }
-      }
-      want = static_cast<double>(dry_target) * static_cast<double>(local_actors) * 4 * spread;
-    }
-    dry_budget_capped = want > static_cast<double>(max_dry_budget);
-    dry_budget = dry_budget_capped ? max_dry_budget : static_cast<std::int64_t>(want);
+    size_dry_run();
   }
+}
+
+void Core::size_dry_run() {
+  // Every act that a deadlocking part of a plan can make before it stops is paid for by a
+  // token: a free slot or a delayed (initial) piece.
+  std::int64_t tokens = 0;
+  std::int64_t max_group = 1;
+  for (const auto& r : plan.registers) tokens += std::int64_t{r.slots} * static_cast<std::int64_t>(r.consumers.size());
+  for (const auto& a : plan.actors) {
+    for (const auto& in : a.inputs) tokens += in.delay;
+    tokens += static_cast<std::int64_t>(a.order.lead.size());  // a lane's prefix: acts paid for once
+    if (!a.at_end) max_group = std::max<std::int64_t>(max_group, a.group);
+  }
+  // Everything downstream of an at_end accumulate acts only after the run: not waited for
+  // (its group, the whole run, would make the check as long as the run).
+  std::vector<bool> after = after_end(plan);
+  if (std::find(after.begin(), after.end(), true) != after.end()) {
+    dry_after_end = std::move(after);
+    for (ActorIndex i = 0; i < dry_after_end.size(); ++i) {
+      if (dry_after_end[i] && i < actors.size() && actors[i]) ++dry_reached;  // nothing to prove
+    }
+  }
+  // The handshakes make the plan a marked graph once each actor is unrolled into its acts of
+  // one iteration (acts_per_iteration): act k of a consumer reading with delay d needs act
+  // k - d of the producer (d tokens on that edge), act k of a producer needs the slot of
+  // piece k - slots freed by each consumer's act k - slots + d (slots - d tokens on the edge
+  // back, fewer than none where a delay outgrows the slots), a lane is a circuit through its
+  // acts with one token, and no act, once ready, is made unready by another's (a persistent
+  // system). The tokens on a circuit never change, and a plan whose every circuit has one
+  // keeps going (Commoner et al., 1971). Where no edge is below zero, an act on a circuit
+  // without tokens never happens: once every actor has made its acts of one iteration, the
+  // plan keeps going. Edges below zero let an actor on such a circuit act a few times first,
+  // at most the sum D of the delays' iterations (renumber each actor's acts by its shortest
+  // distance from the edges below zero and the edges are all at least zero): so the target is
+  // D + 2 iterations, one for margin. An actor that reached it stops at 2 D + 3 (reaching its
+  // target may take its neighbours' acts up to D iterations past theirs), so that the acts of
+  // the whole check are linear in the plan's size: early actors cannot run on while a piece
+  // travels down a long chain.
+  if (!dry_by_tokens) dry_targets = acts_per_iteration(plan);
+  double want = 0;
+  if (!dry_targets.empty()) {
+    std::int64_t delays = 0;
+    for (const auto& a : plan.actors) {
+      for (const auto& in : a.inputs) delays += in.delay;
+    }
+    // A lane's prefix shifts its actors' acts against each other as a delay would: by the
+    // longest lead of the lane, in its periods (rounded up), counted like the delays.
+    std::map<std::int32_t, std::int64_t> lead_periods;
+    for (const auto& a : plan.actors) {
+      const ActOrder& o = a.order;
+      if (o.lane < 0 || o.lead.empty() || o.units.empty()) continue;
+      const auto u = static_cast<std::int64_t>(o.units.size());
+      auto& most = lead_periods[o.lane];
+      most = std::max(most, (static_cast<std::int64_t>(o.lead.size()) + u - 1) / u);
+    }
+    for (const auto& [lane, n] : lead_periods) delays += n;
+    dry_limits.resize(dry_targets.size());
+    for (std::size_t i = 0; i < dry_targets.size(); ++i) {
+      dry_limits[i] = dry_targets[i] * (2 * delays + 3);
+      dry_targets[i] *= delays + 2;
+      want += static_cast<double>(dry_limits[i]);
+    }
+    want += 1;
+  } else {
+    // Rates that do not balance (or asked for): the long check. An actor that acts more often than there
+    // are tokens is not stuck; micro-batch groups scale the count, and actors behind repeat /
+    // accumulate act at other rates: the slowest gets room to reach the target too. Past the
+    // cap the check turns lenient (see progress_check).
+    dry_target = (tokens + 2) * max_group;
+    double spread = 1;
+    for (const auto& a : plan.actors) {
+      if ((a.kind == ActorKind::repeat || a.kind == ActorKind::accumulate) && !a.at_end) {
+        spread = std::min(spread * a.group, 1e9);
+      }
+    }
+    want = static_cast<double>(dry_target) * static_cast<double>(local_actors) * 4 * spread;
+  }
+  dry_budget_capped = want > static_cast<double>(max_dry_budget);
+  dry_budget = dry_budget_capped ? max_dry_budget : static_cast<std::int64_t>(want);
 }
 
 namespace {
@@ -1003,7 +1007,7 @@ void Core::count_dry_act(ActorIndex actor, std::int64_t acts_so_far) {
     const double start = sim_now;
     sim_now += (*sim_seconds)[actor];
     sim_acted = actor;
-    if (sim_acts != nullptr) sim_acts->emplace_back(actor, acts_so_far - 1, start, sim_now);
+    if (sim_acts != nullptr) sim_acts->push_back(SimulatedAct{actor, acts_so_far - 1, start, sim_now});
     return;
   }
   if (acts_so_far == dry_target_of(actor)) count_dry_reached();

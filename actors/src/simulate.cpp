@@ -92,9 +92,7 @@ Simulation simulate(const Plan& plan, const SimulationOptions& options) {
   detail::Core core(plan, nullptr, s, /*dry_run=*/true);
   core.simulated = true;
   core.sim_seconds = &options.act_seconds;
-  std::vector<std::tuple<ActorIndex, std::int64_t, double, double>> acts;
-  std::vector<std::int64_t> causes;  // by recorded act: the act it started after
-  if (options.record_acts) core.sim_acts = &acts;
+  if (options.record_acts) core.sim_acts = &sim.acts;
   core.instantiate();
   if (core.workers.empty()) return sim;
   detail::Worker& worker = *core.workers[0];
@@ -132,8 +130,8 @@ Simulation simulate(const Plan& plan, const SimulationOptions& options) {
       ++sim.act_count[core.sim_acted];
       if (options.record_acts) {
         // This dispatch's act is the one just recorded.
-        by = static_cast<std::int64_t>(acts.size()) - 1;
-        causes.push_back(e.sender);
+        by = static_cast<std::int64_t>(sim.acts.size()) - 1;
+        sim.acts.back().after = e.sender;
         last_act[r] = by;
       }
       // It stopped after the act (one per dispatch): ask it again once the act has ended.
@@ -151,11 +149,6 @@ Simulation simulate(const Plan& plan, const SimulationOptions& options) {
     if (!a || a->retired()) continue;
     sim.stalled = true;
     sim.stall += fmt::format("\n  '{}' after {} acts: {}", a->name(), a->acts(), a->describe_wait());
-  }
-  sim.acts.reserve(acts.size());
-  for (std::size_t i = 0; i < acts.size(); ++i) {
-    const auto& [actor, k, start, end] = acts[i];
-    sim.acts.push_back(SimulatedAct{actor, k, start, end, causes[i]});
   }
   return sim;
 }

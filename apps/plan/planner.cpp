@@ -189,6 +189,13 @@ double nccl_seconds(const Plan& plan, const ActorDesc& a, const Cluster& c, cons
   return (all_reduce ? 2.0 : 1.0) * (n - 1) * link->latency_s + moved / link->bytes_per_s + c.device.act_overhead_s;
 }
 
+// The kernel an actor's act runs, made outside a runtime: its own, or for an accumulation the
+// add that sums each piece into its sum.
+std::unique_ptr<Kernel> kernel_of_act(const TrainingJob& job, const ActorDesc& a) {
+  return job.kernels.create(a.kind == ActorKind::accumulate ? std::string_view("add") : std::string_view(a.op),
+                            KernelConfig{a.name, a.where.device, a.dtype, a.attrs, nullptr});
+}
+
 // Each distinct kernel of the plan timed on its real shapes (zeros as inputs: a matrix
 // product or a softmax costs the same on any values; an index of 0 is valid everywhere).
 class KernelTimer {
@@ -208,9 +215,7 @@ class KernelTimer {
  private:
   double time(const ActorDesc& a) {
     const Plan& plan = job_.plan;
-    // An accumulation adds each piece into its sum.
-    const std::string op = a.kind == ActorKind::accumulate ? std::string("add") : a.op;
-    std::unique_ptr<Kernel> k = job_.kernels.create(op, KernelConfig{a.name, a.where.device, a.dtype, a.attrs, nullptr});
+    std::unique_ptr<Kernel> k = kernel_of_act(job_, a);
     std::vector<Tensor> ins, outs;
     if (a.kind == ActorKind::accumulate) {
       const RegisterDesc& r = plan.registers[a.outputs[0]];
@@ -261,8 +266,7 @@ class Replay {
       if (a.kind == ActorKind::repeat || a.kind == ActorKind::transfer || a.copy != CopyDirection::none) continue;
       if (a.kind == ActorKind::accumulate && a.op == "last") continue;
       try {
-        kernels_[i] = job.kernels.create(a.kind == ActorKind::accumulate ? std::string_view("add") : std::string_view(a.op),
-                                         KernelConfig{a.name, a.where.device, a.dtype, a.attrs, nullptr});
+        kernels_[i] = kernel_of_act(job, a);
         for (std::size_t o = 0; o < a.outputs.size(); ++o) {
           const RegisterDesc& r = plan_.registers[a.outputs[o]];
           Tensor own = kernels_[i]->owned_output(o);
