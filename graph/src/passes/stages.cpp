@@ -27,39 +27,60 @@ double op_cost(const Graph& g, const Node& n) {
   return std::max(1.0, out);
 }
 
+/// A forward op that only reads one weight (its cast under autocast, a view of it): it goes with
+/// its first reader, as the weight does, not where the cut happens to fall, so that the weight
+/// and its cast stay on the stage that reads them (a cast on the stage before would send the
+/// whole weight across every micro-batch).
+bool follows_reader(const Graph& g, const Node& n) {
+  return n.inputs.size() == 1 && g.node(n.inputs[0]).op == "variable";
+}
+
+/// Where a stage may begin: not inside a tensor-parallel region, between one shard's ops and the
+/// next's (Node::tp_shard above 0: shard k's ops and the chain that sums the shards' parts),
+/// since a stage's tp group is that stage's devices and a sum whose parts were made on two
+/// stages would have members in two groups (tp_collectives could not make it one NCCL call).
+bool may_begin_stage(const Node& n) { return n.tp_shard <= 0; }
+
 /// The forward ops (in order) cut into `stages` runs of about equal cost (`measured`, each
 /// node's profiled cost, or the estimate).
 void cut_forward(const Graph& g, const std::vector<bool>& need, int loss_id, int stages,
                  const std::vector<double>* measured, std::vector<int>& stage) {
-  double total = 0;
-  int ops = 0;
-  for (int id = 0; id <= loss_id; ++id) {
+  auto counted = [&](int id) {
     const Node& n = g.node(id);
-    if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
-    total += measured ? (*measured)[static_cast<std::size_t>(id)] : op_cost(g, n);
-    ++ops;
+    return need[static_cast<std::size_t>(id)] && !is_leaf(n) && !follows_reader(g, n);
+  };
+  double total = 0;
+  int starts = 0;
+  for (int id = 0; id <= loss_id; ++id) {
+    if (!counted(id)) continue;
+    total += measured ? (*measured)[static_cast<std::size_t>(id)] : op_cost(g, g.node(id));
+    starts += may_begin_stage(g.node(id)) ? 1 : 0;
   }
-  if (ops < stages) {
+  if (starts < stages) {
     throw GraphError(fmt::format(
-        "a {}-stage pipeline needs at least {} ops in the forward pass; this one has {}", stages,
-        stages, ops));
+        "a {}-stage pipeline needs at least {} ops in the forward pass where a stage can begin (outside a "
+        "tensor-parallel region); this one has {}",
+        stages, stages, starts));
   }
   double done = 0;
   int last = 0, placed = 0;
   for (int id = 0; id <= loss_id; ++id) {
+    if (!counted(id)) continue;
     const Node& n = g.node(id);
-    if (!need[static_cast<std::size_t>(id)] || is_leaf(n)) continue;
     const double c = measured ? (*measured)[static_cast<std::size_t>(id)] : op_cost(g, n);
-    int s = static_cast<int>((done + c / 2) / total * stages);
-    // Stages in order, none skipped (at most one past the previous op's), and never so early
-    // that too few ops are left for the stages after this one.
-    const int lo = std::max(last, stages - (ops - placed));
-    const int hi = placed == 0 ? 0 : last + 1;
-    s = std::clamp(s, lo, std::max(lo, hi));
+    int s = last;
+    if (may_begin_stage(n)) {
+      s = static_cast<int>((done + c / 2) / total * stages);
+      // Stages in order, none skipped (at most one past the previous op's), and never so early
+      // that too few places to begin one are left for the stages after this one.
+      const int lo = std::max(last, stages - (starts - placed));
+      const int hi = placed == 0 ? 0 : last + 1;
+      s = std::clamp(s, lo, std::max(lo, hi));
+      ++placed;
+    }
     stage[static_cast<std::size_t>(id)] = s;
     last = s;
     done += c;
-    ++placed;
   }
 }
 
@@ -73,6 +94,15 @@ std::vector<int> assign_stages(const Graph& g, const std::vector<bool>& need, in
                                int stages, const std::vector<double>* measured) {
   std::vector<int> stage(static_cast<std::size_t>(g.size()), -1);
   cut_forward(g, need, loss_id, stages, measured, stage);
+  // A weight's cast or view: its first forward reader's stage (follows_reader).
+  for (int id = 0; id <= loss_id; ++id) {
+    if (!need[static_cast<std::size_t>(id)] || is_leaf(g.node(id))) continue;
+    for (int in : g.node(id).inputs) {
+      if (stage[static_cast<std::size_t>(in)] < 0 && follows_reader(g, g.node(in))) {
+        stage[static_cast<std::size_t>(in)] = stage[static_cast<std::size_t>(id)];
+      }
+    }
+  }
   for (int id = 0; id < g.size(); ++id) {
     if (!need[static_cast<std::size_t>(id)]) continue;
     const Node& n = g.node(id);
