@@ -98,6 +98,12 @@ std::shared_ptr<ParameterStore> ParameterStore::initialize(Graph& g) {
   return store;
 }
 
+std::shared_ptr<ParameterStore> ParameterStore::shapes(Graph& g) {
+  auto store = std::make_shared<ParameterStore>();
+  for (Value v : g.variables()) store->set(v.node().name, Tensor::unallocated(v.node().shape, v.node().dtype));
+  return store;
+}
+
 Tensor& ParameterStore::at(const std::string& name) {
   auto it = values_.find(name);
   if (it == values_.end()) throw std::out_of_range(fmt::format("no parameter '{}'", name));

@@ -103,6 +103,19 @@ std::string Tensor::describe() const {
   return fmt::format("{}{} on {}", name(dtype_), to_string(shape_), device().str());
 }
 
+Tensor Tensor::unallocated(Shape shape, DType dtype) {
+  Tensor t;
+  t.numel_ = baton::numel(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>();
+  return t;
+}
+
+void Tensor::throw_unallocated() const {
+  throw std::logic_error(fmt::format("tensor {} has no memory (a plan compiled only to be simulated)", describe()));
+}
+
 void Tensor::check_type(DType requested) const {
   if (requested != dtype_) {
     throw std::logic_error(fmt::format("tensor {} accessed as {}", describe(), name(requested)));

@@ -136,7 +136,7 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
   const bool on_cuda = b.at(stream, b.place(id)).device.type == DeviceType::cuda;
   // Replica 0 trains the store's tensor itself; the others their own copies.
   Tensor master = params.at(n.name);
-  if (r > 0) {
+  if (r > 0 && !cfg.plan_only) {
     Tensor copy = Tensor::empty(master.shape(), master.dtype());
     copy_tensor(master, copy);
     master = copy;
@@ -170,7 +170,9 @@ RegisterIndex lower_variable(PlanBuilder& b, std::int64_t r, int id, const Gradi
                       .stops_when_unread = false,
                       .role = ActorRole::update});
   } else {
-    if (out_dt != dt) {  // a constant's low-precision copy is made once, here
+    if (out_dt != dt && cfg.plan_only) {
+      master = Tensor::unallocated(master.shape(), out_dt);
+    } else if (out_dt != dt) {  // a constant's low-precision copy is made once, here
       Tensor low = Tensor::empty(master.shape(), out_dt);
       auto from = master.data<float>();
       auto to = low.data<bfloat16>();

@@ -92,6 +92,9 @@ class ParameterStore {
  public:
   /// Initial values from each variable's initializer, seeded by the graph's seed and the name.
   static std::shared_ptr<ParameterStore> initialize(Graph& g);
+  /// Each variable's shape and dtype without memory or values (Tensor::unallocated): for a plan
+  /// compiled only to be simulated (TrainConfig::plan_only).
+  static std::shared_ptr<ParameterStore> shapes(Graph& g);
   Tensor& at(const std::string& name);
   const Tensor& at(const std::string& name) const;
   bool contains(const std::string& name) const { return values_.count(name) != 0; }
@@ -311,6 +314,10 @@ struct TrainConfig {
   /// launched as one graph, instead of an actor and a launch per op. On CUDA and sim devices;
   /// the same kernels on the same memory, so the same bits. False: one actor per op (to compare).
   bool cuda_graphs = true;
+  /// The plan is compiled to be simulated or printed, never run (baton-plan): the weights are
+  /// shapes without memory (ParameterStore::shapes) and replicas share them, so that a model
+  /// larger than this machine compiles. Running such a plan fails at its first weight.
+  bool plan_only = false;
   /// Activation recomputation (the recompute pass, passes.h): "none"; "selective" (Megatron's):
   /// the attention cores' T x T scores (Graph::attention_core) are computed again in the
   /// backward pass instead of kept; "full": only what crosses each transformer block's boundary

@@ -45,6 +45,10 @@ class Tensor {
   /// Memory from `alloc` (and on its device).
   static Tensor empty(Shape shape, DType dtype, Allocator& alloc);
   static Tensor zeros(Shape shape, DType dtype);
+  /// A shape and dtype without memory: a weight of a plan compiled only to be simulated
+  /// (TrainConfig::plan_only), so that a model larger than this machine compiles. Defined, but
+  /// its data() throws std::logic_error naming it.
+  static Tensor unallocated(Shape shape, DType dtype);
   /// Another handle to the same memory, seen as `shape` (as many elements; else
   /// std::invalid_argument): a reshape without a copy (the plan's views, plan.h).
   Tensor view(Shape shape) const;
@@ -64,11 +68,13 @@ class Tensor {
   template <class T>
   std::span<T> data() {
     check_type(dtype_of<T>());
+    check_memory();
     return {static_cast<T*>(raw()), static_cast<std::size_t>(numel_)};
   }
   template <class T>
   std::span<const T> data() const {
     check_type(dtype_of<T>());
+    check_memory();
     return {static_cast<const T*>(raw()), static_cast<std::size_t>(numel_)};
   }
 
@@ -79,6 +85,10 @@ class Tensor {
 
  private:
   void check_type(DType requested) const;
+  void check_memory() const {
+    if (storage_ && storage_->data == nullptr && numel_ > 0) throw_unallocated();
+  }
+  [[noreturn]] void throw_unallocated() const;
 
   std::shared_ptr<Storage> storage_;
   Shape shape_;
